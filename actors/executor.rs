@@ -1,0 +1,496 @@
+//! The executor: the engine's public address. [`ExecutorBuilder`] configures and starts
+//! it; [`Executor`] is a cheap, `Send` handle with async methods; [`ExecutorActor`] takes
+//! the same requests as messages ([`Submit`], [`Abort`], [`GetState`], [`WaitFor`],
+//! [`List`], [`WakeEvent`]) for code that talks to actors.
+//!
+//! The executor itself does little: it names and encodes a submitted procedure, starts
+//! its root-stack actor on one of the arbiters, and answers once the root stack has made
+//! the insert durable. It keeps the waiters for results.
+
+use std::any::Any;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use crate::error::Error;
+use crate::procedure::{ProcId, ProcState, Procedure};
+use crate::record::Failure;
+use crate::registry::Registry;
+use crate::store::{MemoryStore, ProcedureStore};
+
+use super::persistence::Persistence;
+use super::procedure::AbortProc;
+use super::root_stack::RootStackActor;
+use super::scheduler::{Scheduler, WakeEvent};
+use super::shared::Shared;
+
+impl From<MailboxError> for Error {
+    fn from(_: MailboxError) -> Self {
+        Error::Stopped
+    }
+}
+
+/// Configuration of an executor, with defaults that suit a control plane.
+///
+/// ```
+/// use proctor::{Executor, MemoryStore, Registry};
+/// let builder = Executor::builder()
+///     .registry(Registry::new())
+///     .store(MemoryStore::new())
+///     .workers(32);
+/// # let _ = builder;
+/// ```
+pub struct ExecutorBuilder {
+    workers: usize,
+    arbiters: usize,
+    store: Option<Box<dyn ProcedureStore>>,
+    registry: Registry,
+    env: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl Default for ExecutorBuilder {
+    fn default() -> Self {
+        ExecutorBuilder {
+            workers: 16,
+            arbiters: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            store: None,
+            registry: Registry::new(),
+            env: None,
+        }
+    }
+}
+
+impl ExecutorBuilder {
+    /// How many steps may run at once (default 16). Waiting procedures hold none.
+    pub fn workers(mut self, workers: usize) -> Self {
+        self.workers = workers;
+        self
+    }
+
+    /// How many arbiters (threads) procedure actors are spread over (default: one per
+    /// core).
+    pub fn arbiters(mut self, arbiters: usize) -> Self {
+        self.arbiters = arbiters;
+        self
+    }
+
+    /// Where records go (default: a fresh [`MemoryStore`], which survives nothing).
+    pub fn store(mut self, store: impl ProcedureStore) -> Self {
+        self.store = Some(Box::new(store));
+        self
+    }
+
+    /// The procedure types this executor can persist and recover.
+    pub fn registry(mut self, registry: Registry) -> Self {
+        self.registry = registry;
+        self
+    }
+
+    /// A value every step can borrow through [`Context::env`](crate::Context::env): the
+    /// service's clients, say.
+    pub fn env<T: Any + Send + Sync>(mut self, env: T) -> Self {
+        self.env = Some(Arc::new(env));
+        self
+    }
+
+    /// Starts the executor's actors in the current actix system (call it from inside
+    /// one, e.g. under `#[actix::main]`).
+    pub async fn start(self) -> Result<Executor, Error> {
+        if self.workers == 0 || self.arbiters == 0 {
+            return Err(Error::Config(
+                "workers and arbiters must be at least 1".into(),
+            ));
+        }
+        let mut store = self.store.unwrap_or_else(|| Box::new(MemoryStore::new()));
+        let snapshot = store.load()?;
+        let unfinished: Vec<ProcId> = snapshot
+            .records
+            .iter()
+            .filter(|r| !r.state.is_finished())
+            .map(|r| r.id)
+            .collect();
+        if !unfinished.is_empty() {
+            return Err(Error::Config(format!(
+                "the store holds {} unfinished procedures (first: {}); recovery is not built yet",
+                unfinished.len(),
+                unfinished[0]
+            )));
+        }
+        let persistence = Persistence::new(store)
+            .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
+            .start();
+        let scheduler = Scheduler::new(self.workers).start();
+        let arbiters: Vec<Arbiter> = (0..self.arbiters).map(|_| Arbiter::new()).collect();
+        let handles = arbiters.iter().map(Arbiter::handle).collect();
+        let registry = Arc::new(self.registry);
+        let env = self.env;
+        let addr = ExecutorActor::create(move |ctx| {
+            let shared = Shared::new(
+                registry,
+                env,
+                scheduler,
+                persistence,
+                ctx.address(),
+                handles,
+                snapshot.max_id,
+            );
+            let shared = Arc::new(shared);
+            for record in snapshot.records {
+                // Finished roots keep their results across restarts.
+                shared.table.insert(
+                    record.id,
+                    super::shared::Entry {
+                        root: record.root,
+                        parent: record.parent,
+                        type_name: shared
+                            .registry
+                            .static_name(&record.type_name)
+                            .unwrap_or("?"),
+                        state: record.state,
+                        submitted_ms: record.submitted_ms,
+                        updated_ms: record.updated_ms,
+                        addr: None,
+                        result: Some(record.failure.map_or(Ok(()), Err)),
+                    },
+                );
+            }
+            ExecutorActor {
+                shared,
+                waiters: HashMap::new(),
+                broken: None,
+            }
+        });
+        Ok(Executor { addr })
+    }
+}
+
+/// A handle on a running executor. Cheap to clone and `Send`: use it from actors or
+/// from plain tokio tasks.
+///
+/// ```no_run
+/// # use proctor::{async_trait, Context, Flow, ProcError, Procedure, Registry, Executor};
+/// # use serde::{Deserialize, Serialize};
+/// # #[derive(Serialize, Deserialize)] struct Noop;
+/// # #[async_trait] impl Procedure for Noop {
+/// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+/// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) } }
+/// #[actix::main]
+/// async fn main() -> Result<(), proctor::Error> {
+///     let mut registry = Registry::new();
+///     registry.register::<Noop>("noop");
+///     let executor = Executor::builder().registry(registry).start().await?;
+///     let id = executor.submit(Noop).await?;
+///     assert!(executor.wait(id).await?.is_ok());
+///     Ok(())
+/// }
+/// ```
+#[derive(Clone)]
+pub struct Executor {
+    addr: Addr<ExecutorActor>,
+}
+
+impl Executor {
+    /// A builder with the defaults.
+    pub fn builder() -> ExecutorBuilder {
+        ExecutorBuilder::default()
+    }
+
+    /// The executor actor, for sending the messages directly.
+    pub fn addr(&self) -> &Addr<ExecutorActor> {
+        &self.addr
+    }
+
+    /// Submits a root procedure; answers with its id once its insert is durable.
+    pub async fn submit(&self, proc: impl Procedure) -> Result<ProcId, Error> {
+        self.addr.send(Submit::new(proc)).await?
+    }
+
+    /// Asks a procedure to abort. `Ok(true)` if it accepted (its tree then rolls back),
+    /// `Ok(false)` if it refused.
+    pub async fn abort(&self, id: ProcId) -> Result<bool, Error> {
+        self.addr.send(Abort(id)).await?
+    }
+
+    /// What the executor knows of a procedure now.
+    pub async fn state(&self, id: ProcId) -> Result<ProcInfo, Error> {
+        self.addr.send(GetState(id)).await?
+    }
+
+    /// Waits until the root procedure `id` has finished; its result is `Ok(())` for
+    /// SUCCESS or the tree's original [`Failure`] for ROLLEDBACK.
+    pub async fn wait(&self, id: ProcId) -> Result<Result<(), Failure>, Error> {
+        self.addr.send(WaitFor(id)).await?
+    }
+
+    /// Every procedure the executor knows: live ones and finished roots.
+    pub async fn list(&self) -> Result<Vec<ProcInfo>, Error> {
+        Ok(self.addr.send(List).await?)
+    }
+
+    /// Wakes the procedures suspended on `event` (see [`Flow::Suspend`](crate::Flow)).
+    pub async fn wake_event(&self, event: impl Into<String>) -> Result<(), Error> {
+        Ok(self.addr.send(WakeEvent(event.into())).await?)
+    }
+
+    /// Stops the executor's arbiters and its store writer. Procedures still running are
+    /// simply cut off, exactly as by a crash: what is durable is what recovery sees.
+    pub async fn shutdown(self) -> Result<(), Error> {
+        Ok(self.addr.send(Shutdown).await?)
+    }
+}
+
+/// A snapshot of one procedure.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProcInfo {
+    /// The procedure.
+    pub id: ProcId,
+    /// The root of its tree.
+    pub root: ProcId,
+    /// Its parent, `None` for a root.
+    pub parent: Option<ProcId>,
+    /// Its registered type name.
+    pub type_name: &'static str,
+    /// Its state.
+    pub state: ProcState,
+    /// When it was submitted, ms since the Unix epoch.
+    pub submitted_ms: u64,
+    /// When its state last changed, ms since the Unix epoch.
+    pub updated_ms: u64,
+    /// For a finished root: its result.
+    pub result: Option<Result<(), Failure>>,
+}
+
+/// Submit a root procedure; answers its id once the insert is durable.
+pub struct Submit(pub Box<dyn Procedure>);
+
+impl Submit {
+    /// Boxes the procedure.
+    pub fn new(proc: impl Procedure) -> Self {
+        Submit(Box::new(proc))
+    }
+}
+
+impl Message for Submit {
+    type Result = Result<ProcId, Error>;
+}
+
+/// Abort a procedure; answers whether it accepted.
+pub struct Abort(pub ProcId);
+
+impl Message for Abort {
+    type Result = Result<bool, Error>;
+}
+
+/// What the executor knows of a procedure.
+pub struct GetState(pub ProcId);
+
+impl Message for GetState {
+    type Result = Result<ProcInfo, Error>;
+}
+
+/// Wait for a root procedure to finish.
+pub struct WaitFor(pub ProcId);
+
+impl Message for WaitFor {
+    type Result = Result<Result<(), Failure>, Error>;
+}
+
+/// Every procedure the executor knows.
+pub struct List;
+
+impl Message for List {
+    type Result = Vec<ProcInfo>;
+}
+
+/// Stop the executor.
+struct Shutdown;
+
+impl Message for Shutdown {
+    type Result = ();
+}
+
+/// A tree finished (from its root stack), or stopped because the store failed.
+pub(crate) struct TreeFinished {
+    pub(crate) root: ProcId,
+    pub(crate) result: Result<Result<(), Failure>, String>,
+}
+
+impl Message for TreeFinished {
+    type Result = ();
+}
+
+type Waiter = oneshot::Sender<Result<Result<(), Failure>, Error>>;
+
+/// The executor's actor. Talk to it through [`Executor`] or with the messages.
+pub struct ExecutorActor {
+    shared: Arc<Shared>,
+    waiters: HashMap<ProcId, Vec<Waiter>>,
+    /// Set once the store has failed: nothing more is accepted.
+    broken: Option<String>,
+}
+
+impl ExecutorActor {
+    fn info(&self, id: ProcId) -> Option<ProcInfo> {
+        self.shared.table.get(&id).map(|e| ProcInfo {
+            id,
+            root: e.root,
+            parent: e.parent,
+            type_name: e.type_name,
+            state: e.state,
+            submitted_ms: e.submitted_ms,
+            updated_ms: e.updated_ms,
+            result: e.result.clone(),
+        })
+    }
+}
+
+impl Actor for ExecutorActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Completions come from every tree; bounded by the number of live trees.
+        ctx.set_mailbox_capacity(usize::MAX);
+    }
+}
+
+impl Handler<Submit> for ExecutorActor {
+    type Result = ResponseFuture<Result<ProcId, Error>>;
+
+    fn handle(&mut self, msg: Submit, _ctx: &mut Context<Self>) -> Self::Result {
+        if let Some(reason) = &self.broken {
+            let e = Error::Store(reason.clone());
+            return Box::pin(async move { Err(e) });
+        }
+        let (type_name, data) = match self.shared.registry.encode(&*msg.0) {
+            Ok(encoded) => encoded,
+            Err(e) => return Box::pin(async move { Err(e.into()) }),
+        };
+        let id = self.shared.next_id();
+        let shared = self.shared.clone();
+        let (ack, rx) = oneshot::channel();
+        let proc = msg.0;
+        RootStackActor::start_in_arbiter(&self.shared.next_arbiter().clone(), move |_| {
+            RootStackActor::submit(shared, id, type_name, proc, data, ack)
+        });
+        Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
+    }
+}
+
+impl Handler<Abort> for ExecutorActor {
+    type Result = ResponseFuture<Result<bool, Error>>;
+
+    fn handle(&mut self, msg: Abort, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.0;
+        let target = match self.shared.table.get(&id) {
+            None => Err(Error::UnknownProcedure(id)),
+            Some(e) if e.state.is_finished() || e.result.is_some() => {
+                Err(Error::Finished { id, state: e.state })
+            }
+            Some(e) => Ok(e.addr.clone()),
+        };
+        Box::pin(async move {
+            match target? {
+                // Not started yet (its insert is not durable): nothing to abort.
+                None => Ok(false),
+                Some(addr) => match addr.send(AbortProc).await {
+                    Ok(answer) => answer,
+                    // The actor stopped meanwhile: the procedure finished.
+                    Err(_) => Err(Error::Finished {
+                        id,
+                        state: ProcState::Success,
+                    }),
+                },
+            }
+        })
+    }
+}
+
+impl Handler<GetState> for ExecutorActor {
+    type Result = Result<ProcInfo, Error>;
+
+    fn handle(&mut self, msg: GetState, _ctx: &mut Context<Self>) -> Self::Result {
+        self.info(msg.0).ok_or(Error::UnknownProcedure(msg.0))
+    }
+}
+
+impl Handler<WaitFor> for ExecutorActor {
+    type Result = ResponseFuture<Result<Result<(), Failure>, Error>>;
+
+    fn handle(&mut self, msg: WaitFor, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.0;
+        let ready = match self.info(id) {
+            None => Some(Err(Error::UnknownProcedure(id))),
+            Some(info) if info.root != id => Some(Err(Error::NotRoot {
+                id,
+                root: info.root,
+            })),
+            Some(ProcInfo {
+                result: Some(result),
+                ..
+            }) => Some(Ok(result)),
+            Some(_) => self.broken.clone().map(|reason| Err(Error::Store(reason))),
+        };
+        if let Some(ready) = ready {
+            return Box::pin(async move { ready });
+        }
+        let (tx, rx) = oneshot::channel();
+        self.waiters.entry(id).or_default().push(tx);
+        Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
+    }
+}
+
+impl Handler<List> for ExecutorActor {
+    type Result = MessageResult<List>;
+
+    fn handle(&mut self, _msg: List, _ctx: &mut Context<Self>) -> Self::Result {
+        let mut ids: Vec<ProcId> = self.shared.table.iter().map(|e| *e.key()).collect();
+        ids.sort_unstable();
+        MessageResult(ids.into_iter().filter_map(|id| self.info(id)).collect())
+    }
+}
+
+impl Handler<WakeEvent> for ExecutorActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: WakeEvent, _ctx: &mut Context<Self>) {
+        self.shared.scheduler.do_send(msg);
+    }
+}
+
+impl Handler<TreeFinished> for ExecutorActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: TreeFinished, _ctx: &mut Context<Self>) {
+        let answer = match msg.result {
+            Ok(result) => Ok(result),
+            Err(reason) => {
+                self.broken = Some(reason.clone());
+                Err(Error::Store(reason))
+            }
+        };
+        for waiter in self.waiters.remove(&msg.root).unwrap_or_default() {
+            let _ = waiter.send(match &answer {
+                Ok(result) => Ok(result.clone()),
+                Err(e) => Err(Error::Store(e.to_string())),
+            });
+        }
+    }
+}
+
+impl Handler<Shutdown> for ExecutorActor {
+    type Result = ();
+
+    fn handle(&mut self, _msg: Shutdown, ctx: &mut Context<Self>) {
+        for arbiter in &self.shared.arbiters {
+            arbiter.stop();
+        }
+        for (_, waiters) in self.waiters.drain() {
+            for waiter in waiters {
+                let _ = waiter.send(Err(Error::Stopped));
+            }
+        }
+        ctx.stop();
+    }
+}

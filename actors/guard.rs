@@ -1,0 +1,51 @@
+//! Panic guards for user code. actix does not restart an actor whose handler panicked;
+//! it closes the mailbox, and every message after that is lost. So every call into a
+//! user's procedure goes through [`guard`] or [`CatchUnwind`], and a panic becomes a
+//! [`ProcError::Panicked`](crate::ProcError::Panicked) that names the message.
+
+use std::any::Any;
+use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use crate::procedure::ProcError;
+
+/// Runs a synchronous hook; a panic becomes an error naming `hook`.
+pub(crate) fn guard<R>(hook: &str, f: impl FnOnce() -> R) -> Result<R, ProcError> {
+    catch_unwind(AssertUnwindSafe(f)).map_err(|payload| panicked(hook, payload))
+}
+
+/// A future whose panics become errors naming `hook`.
+pub(crate) struct CatchUnwind<F> {
+    pub(crate) hook: &'static str,
+    pub(crate) future: F,
+}
+
+impl<F: Future + Unpin> Future for CatchUnwind<F> {
+    type Output = Result<F::Output, ProcError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let hook = self.hook;
+        match catch_unwind(AssertUnwindSafe(|| Pin::new(&mut self.future).poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(v)) => Poll::Ready(Ok(v)),
+            Err(payload) => Poll::Ready(Err(panicked(hook, payload))),
+        }
+    }
+}
+
+fn panicked(hook: &str, payload: Box<dyn Any + Send>) -> ProcError {
+    let message = if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "panic payload is not a string".to_string()
+    };
+    tracing::error!(hook, %message, "procedure panicked");
+    ProcError::Panicked {
+        hook: hook.to_string(),
+        message,
+    }
+}

@@ -1,0 +1,17 @@
+//! The actix layer: the only part of proctor that knows actix (and tokio, and threads).
+//!
+//! Each handler decodes a message, asks the pure core in `src/` what to do, and performs
+//! the effects. See `ARCHITECTURE.md` for who sends what to whom.
+
+mod executor;
+mod guard;
+mod persistence;
+mod procedure;
+mod root_stack;
+mod scheduler;
+mod shared;
+
+pub use executor::{
+    Abort, Executor, ExecutorActor, ExecutorBuilder, GetState, List, ProcInfo, Submit, WaitFor,
+};
+pub use scheduler::WakeEvent;

@@ -1,0 +1,148 @@
+//! The persistence actor: the one door to the [`ProcedureStore`], with group commit.
+//!
+//! Appends that arrive while a batch is being written wait in `pending` and go out
+//! together as the next batch: one `append` (one write and one sync, for the WAL) per
+//! batch, however many procedures stepped meanwhile. The store itself lives on a
+//! dedicated writer thread, so a slow disk never blocks an actor thread. Every waiter is
+//! answered only after its batch is durable, in the order the appends arrived.
+//!
+//! After a failed append the actor fails every later append: the state of the storage
+//! is unknown, and acknowledging anything more could lose an acknowledged step.
+
+use std::sync::mpsc;
+use std::thread;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use crate::error::Error;
+use crate::record::StoreOp;
+use crate::store::{ProcedureStore, StoreError};
+
+/// Makes `ops` durable, then answers on `ack`. If the actor is gone, `ack` is dropped
+/// and the caller's receiver reports that, so nothing waits for ever.
+pub(crate) struct Persist {
+    pub(crate) ops: Vec<StoreOp>,
+    pub(crate) ack: oneshot::Sender<Result<(), Error>>,
+}
+
+impl Message for Persist {
+    type Result = ();
+}
+
+struct Batch {
+    ops: Vec<StoreOp>,
+    done: oneshot::Sender<Result<(), StoreError>>,
+}
+
+pub(crate) struct Persistence {
+    writer: Option<mpsc::Sender<Batch>>,
+    thread: Option<thread::JoinHandle<()>>,
+    pending_ops: Vec<StoreOp>,
+    pending_acks: Vec<oneshot::Sender<Result<(), Error>>>,
+    in_flight: bool,
+    failed: Option<String>,
+}
+
+impl Persistence {
+    /// Moves the store onto its writer thread.
+    pub(crate) fn new(mut store: Box<dyn ProcedureStore>) -> std::io::Result<Self> {
+        let (tx, rx) = mpsc::channel::<Batch>();
+        let thread = thread::Builder::new()
+            .name("proctor-store-writer".into())
+            .spawn(move || {
+                while let Ok(batch) = rx.recv() {
+                    let result = store.append(&batch.ops);
+                    // The actor may be gone at shutdown; nothing is waiting then.
+                    let _ = batch.done.send(result);
+                }
+            })?;
+        Ok(Persistence {
+            writer: Some(tx),
+            thread: Some(thread),
+            pending_ops: Vec::new(),
+            pending_acks: Vec::new(),
+            in_flight: false,
+            failed: None,
+        })
+    }
+
+    fn enqueue(&mut self, msg: Persist, ctx: &mut Context<Self>) {
+        if let Some(reason) = &self.failed {
+            let _ = msg.ack.send(Err(Error::Store(reason.clone())));
+            return;
+        }
+        self.pending_ops.extend(msg.ops);
+        self.pending_acks.push(msg.ack);
+        if !self.in_flight {
+            self.flush(ctx);
+        }
+    }
+
+    fn flush(&mut self, ctx: &mut Context<Self>) {
+        if self.pending_acks.is_empty() {
+            return;
+        }
+        let ops = std::mem::take(&mut self.pending_ops);
+        let acks = std::mem::take(&mut self.pending_acks);
+        let (done, done_rx) = oneshot::channel();
+        let sent = self
+            .writer
+            .as_ref()
+            .is_some_and(|w| w.send(Batch { ops, done }).is_ok());
+        if !sent {
+            self.fail("the store writer thread has stopped".to_string(), acks);
+            return;
+        }
+        self.in_flight = true;
+        ctx.spawn(done_rx.into_actor(self).map(move |result, act, ctx| {
+            act.in_flight = false;
+            match result {
+                Ok(Ok(())) => {
+                    for ack in acks {
+                        let _ = ack.send(Ok(()));
+                    }
+                    act.flush(ctx);
+                }
+                Ok(Err(e)) => act.fail(e.to_string(), acks),
+                Err(_) => act.fail("the store writer thread panicked".to_string(), acks),
+            }
+        }));
+    }
+
+    fn fail(&mut self, reason: String, acks: Vec<oneshot::Sender<Result<(), Error>>>) {
+        tracing::error!(%reason, "store failed; refusing further appends");
+        self.failed = Some(reason.clone());
+        let later = std::mem::take(&mut self.pending_acks);
+        self.pending_ops.clear();
+        for ack in acks.into_iter().chain(later) {
+            let _ = ack.send(Err(Error::Store(reason.clone())));
+        }
+    }
+}
+
+impl Actor for Persistence {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Appends come from every procedure; the protocol bounds them to one in flight
+        // per live procedure, so the mailbox needs no lower bound than that.
+        ctx.set_mailbox_capacity(usize::MAX);
+    }
+
+    fn stopped(&mut self, _ctx: &mut Context<Self>) {
+        // Closing the channel ends the writer thread once it has written what it has.
+        self.writer = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Handler<Persist> for Persistence {
+    type Result = ();
+
+    fn handle(&mut self, msg: Persist, ctx: &mut Context<Self>) {
+        self.enqueue(msg, ctx);
+    }
+}

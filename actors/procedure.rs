@@ -1,0 +1,418 @@
+//! The procedure actor: one per live procedure. It owns the user's object and is the
+//! only place that calls into it: a step when the scheduler says [`RunStep`], a rollback
+//! when its root stack says [`Rollback`], the abort and timeout hooks between steps.
+//!
+//! It never decides what happens next; it reports what the user's code returned to its
+//! root stack ([`StepDone`], [`FailRequest`], [`RolledBack`]) and frees its worker with
+//! the scheduler. While a call is running the object is moved into the call's future;
+//! an abort that arrives meanwhile waits for the step to end, so user code never sees
+//! two calls at once.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use crate::error::Error;
+use crate::procedure::{Context as ProcContext, Flow, LockState, ProcError, ProcId, Procedure};
+use crate::root_stack::{NewChild, StepOutcome, StepReport};
+
+use super::guard::{guard, CatchUnwind};
+use super::root_stack::{FailRequest, RolledBack, RootStackActor, StepDone};
+use super::scheduler::StepFinished;
+use super::shared::{now_ms, Shared};
+
+/// Run one step (from the scheduler, which counts it against a worker).
+pub(crate) struct RunStep;
+
+impl Message for RunStep {
+    type Result = ();
+}
+
+/// Roll back the newest step (from the root stack).
+pub(crate) struct Rollback;
+
+impl Message for Rollback {
+    type Result = ();
+}
+
+/// An operator's abort; answers whether the procedure accepted it.
+pub(crate) struct AbortProc;
+
+impl Message for AbortProc {
+    type Result = Result<bool, Error>;
+}
+
+/// The procedure is finished: release its lock, run its completion cleanup, stop.
+pub(crate) struct StopProc;
+
+impl Message for StopProc {
+    type Result = ();
+}
+
+pub(crate) struct ProcedureActor {
+    id: ProcId,
+    parent: Option<ProcId>,
+    root: ProcId,
+    /// `None` while a call into user code runs.
+    proc: Option<Box<dyn Procedure>>,
+    /// The latest state that encoded, sent again if a later encoding fails.
+    data: Vec<u8>,
+    shared: Arc<Shared>,
+    root_stack: Addr<RootStackActor>,
+    tree_failed: Arc<AtomicBool>,
+    /// This procedure failed (a step, or an accepted abort or timeout): run no more steps.
+    failed: bool,
+    /// A step returned Done: nothing more to abort.
+    done: bool,
+    lock_held: bool,
+    /// Aborts that arrived while a step ran, answered when it ends.
+    pending_aborts: Vec<oneshot::Sender<Result<bool, Error>>>,
+    /// The timeout expired while a step ran.
+    pending_timeout: bool,
+}
+
+impl ProcedureActor {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn new(
+        id: ProcId,
+        parent: Option<ProcId>,
+        root: ProcId,
+        proc: Box<dyn Procedure>,
+        data: Vec<u8>,
+        shared: Arc<Shared>,
+        root_stack: Addr<RootStackActor>,
+        tree_failed: Arc<AtomicBool>,
+    ) -> Self {
+        ProcedureActor {
+            id,
+            parent,
+            root,
+            proc: Some(proc),
+            data,
+            shared,
+            root_stack,
+            tree_failed,
+            failed: false,
+            done: false,
+            lock_held: false,
+            pending_aborts: Vec::new(),
+            pending_timeout: false,
+        }
+    }
+
+    fn context(&self) -> ProcContext {
+        ProcContext::new(
+            self.id,
+            self.parent,
+            self.root,
+            now_ms(),
+            self.shared.env.clone(),
+        )
+    }
+
+    fn report(
+        &self,
+        outcome: StepOutcome,
+        data: Vec<u8>,
+        children: Vec<(ProcId, Box<dyn Procedure>)>,
+    ) {
+        self.shared.scheduler.do_send(StepFinished);
+        self.root_stack.do_send(StepDone {
+            report: StepReport {
+                id: self.id,
+                outcome,
+                data,
+            },
+            children,
+        });
+    }
+
+    /// Encodes the object's state; on failure keeps the last good bytes and says why.
+    fn encode(&mut self, proc: &dyn Procedure) -> Result<Vec<u8>, ProcError> {
+        match self.shared.registry.encode(proc) {
+            Ok((_, bytes)) => {
+                self.data.clone_from(&bytes);
+                Ok(bytes)
+            }
+            Err(e) => Err(ProcError::Persist(e.to_string())),
+        }
+    }
+
+    /// Turns what `execute` returned into a report: names and encodes children and the
+    /// procedure's own new state.
+    fn finish_step(
+        &mut self,
+        mut proc: Box<dyn Procedure>,
+        ctx: &ProcContext,
+        result: Result<Result<Flow, ProcError>, ProcError>,
+    ) {
+        let mut children = Vec::new();
+        let mut outcome = match result.and_then(|r| r) {
+            Ok(Flow::Done) => StepOutcome::Done,
+            Ok(Flow::MoreToDo) => StepOutcome::MoreToDo {
+                yield_after: proc.is_yield_after_execution(),
+            },
+            Ok(Flow::Children(procs)) => self.name_children(procs, &mut children),
+            Ok(Flow::Yield) => StepOutcome::Yield,
+            Ok(Flow::Suspend(event)) => StepOutcome::Suspend(event),
+            Ok(Flow::SleepUntil(at_ms)) => StepOutcome::SleepUntil(at_ms),
+            Err(e) => StepOutcome::Failed(e),
+        };
+        let finished = matches!(outcome, StepOutcome::Done | StepOutcome::Failed(_));
+        if self.lock_held && (finished || !proc.holds_lock()) {
+            self.release_lock(&mut *proc, ctx);
+        }
+        let data = if matches!(outcome, StepOutcome::Yield) {
+            Vec::new()
+        } else {
+            match self.encode(&*proc) {
+                Ok(bytes) => bytes,
+                Err(e) => {
+                    children.clear();
+                    outcome = StepOutcome::Failed(e);
+                    self.data.clone()
+                }
+            }
+        };
+        match outcome {
+            StepOutcome::Done => self.done = true,
+            StepOutcome::Failed(_) => self.failed = true,
+            _ => {}
+        }
+        self.proc = Some(proc);
+        self.report(outcome, data, children);
+    }
+
+    fn name_children(
+        &self,
+        procs: Vec<Box<dyn Procedure>>,
+        objects: &mut Vec<(ProcId, Box<dyn Procedure>)>,
+    ) -> StepOutcome {
+        let mut named = Vec::with_capacity(procs.len());
+        for child in procs {
+            let (type_name, data) = match self.shared.registry.encode(&*child) {
+                Ok(encoded) => encoded,
+                Err(e) => {
+                    objects.clear();
+                    return StepOutcome::Failed(ProcError::Persist(format!("child: {e}")));
+                }
+            };
+            let id = self.shared.next_id();
+            named.push(NewChild {
+                id,
+                type_name,
+                data,
+            });
+            objects.push((id, child));
+        }
+        StepOutcome::Children(named)
+    }
+
+    fn release_lock(&mut self, proc: &mut dyn Procedure, ctx: &ProcContext) {
+        self.lock_held = false;
+        if let Err(e) = guard("release_lock", || proc.release_lock(ctx)) {
+            tracing::error!(proc = %self.id, %e, "release_lock panicked; the lock may leak");
+        }
+    }
+
+    /// Asks the idle procedure to accept an abort (`timeout: false`) or a timeout; if it
+    /// does, fails it with its root stack. Returns whether it accepted.
+    fn request_failure(&mut self, timeout: Option<u64>) -> bool {
+        if self.done || self.failed {
+            return false;
+        }
+        let Some(mut proc) = self.proc.take() else {
+            unreachable!("request_failure while a call runs");
+        };
+        let (hook, error) = match timeout {
+            None => ("abort", ProcError::Aborted),
+            Some(timeout_ms) => ("on_timeout", ProcError::TimedOut { timeout_ms }),
+        };
+        let answer = guard(hook, || match timeout {
+            None => proc.abort(),
+            Some(_) => proc.on_timeout(),
+        });
+        let (accepted, error) = match answer {
+            Ok(accepted) => (accepted, error),
+            // A panicking hook fails the procedure like any other panic in user code.
+            Err(panic) => (true, panic),
+        };
+        if accepted {
+            self.failed = true;
+            let data = self.encode(&*proc).unwrap_or_else(|_| self.data.clone());
+            self.root_stack.do_send(FailRequest {
+                id: self.id,
+                error,
+                data,
+            });
+        }
+        self.proc = Some(proc);
+        accepted
+    }
+
+    /// Answers aborts and a timeout that arrived while a step ran.
+    fn settle_pending(&mut self) {
+        if std::mem::take(&mut self.pending_timeout) {
+            let timeout = self.proc.as_ref().and_then(|p| p.timeout_ms());
+            self.request_failure(timeout.or(Some(0)));
+        }
+        for ack in std::mem::take(&mut self.pending_aborts) {
+            let answer = if self.done {
+                Err(Error::Finished {
+                    id: self.id,
+                    state: crate::ProcState::Success,
+                })
+            } else {
+                Ok(self.request_failure(None) || self.failed)
+            };
+            let _ = ack.send(answer);
+        }
+    }
+}
+
+impl Actor for ProcedureActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        let timeout = self
+            .proc
+            .as_ref()
+            .and_then(|p| guard("timeout_ms", || p.timeout_ms()).ok().flatten());
+        if let Some(timeout_ms) = timeout {
+            ctx.run_later(Duration::from_millis(timeout_ms), move |act, _ctx| {
+                if act.proc.is_some() {
+                    act.request_failure(Some(timeout_ms));
+                } else {
+                    act.pending_timeout = true;
+                }
+            });
+        }
+    }
+}
+
+impl Handler<RunStep> for ProcedureActor {
+    type Result = ();
+
+    fn handle(&mut self, _msg: RunStep, ctx: &mut Context<Self>) {
+        let id = self.id;
+        if self.failed || self.done || self.tree_failed.load(Ordering::Acquire) {
+            self.report(StepOutcome::Skipped, Vec::new(), Vec::new());
+            return;
+        }
+        let Some(mut proc) = self.proc.take() else {
+            unreachable!("procedure {id} dispatched while a call runs");
+        };
+        let mut pctx = self.context();
+        if !self.lock_held {
+            match guard("acquire_lock", || proc.acquire_lock(&pctx)) {
+                Ok(LockState::Acquired) => self.lock_held = true,
+                Ok(LockState::Yield) => {
+                    self.proc = Some(proc);
+                    self.report(StepOutcome::Yield, Vec::new(), Vec::new());
+                    return;
+                }
+                Err(panic) => {
+                    self.finish_step(proc, &pctx, Err(panic));
+                    self.settle_pending();
+                    return;
+                }
+            }
+        }
+        let span = tracing::debug_span!("step", proc = %id, root = %self.root);
+        let step = async move {
+            let result = CatchUnwind {
+                hook: "execute",
+                future: proc.execute(&mut pctx),
+            }
+            .await;
+            (proc, pctx, result)
+        };
+        ctx.spawn(
+            tracing::Instrument::instrument(step, span)
+                .into_actor(self)
+                .map(|(proc, pctx, result), act, _ctx| {
+                    act.finish_step(proc, &pctx, result);
+                    act.settle_pending();
+                }),
+        );
+    }
+}
+
+impl Handler<Rollback> for ProcedureActor {
+    type Result = ();
+
+    fn handle(&mut self, _msg: Rollback, ctx: &mut Context<Self>) {
+        let id = self.id;
+        let Some(mut proc) = self.proc.take() else {
+            unreachable!("rollback of {id} while a call runs");
+        };
+        let mut pctx = self.context();
+        let span = tracing::debug_span!("rollback", proc = %id, root = %self.root);
+        let call = async move {
+            let result = CatchUnwind {
+                hook: "rollback",
+                future: proc.rollback(&mut pctx),
+            }
+            .await;
+            (proc, result)
+        };
+        ctx.spawn(
+            tracing::Instrument::instrument(call, span)
+                .into_actor(self)
+                .map(|(proc, result), act, _ctx| {
+                    let result = result.and_then(|r| r).and_then(|()| act.encode(&*proc));
+                    act.proc = Some(proc);
+                    act.root_stack.do_send(RolledBack { id: act.id, result });
+                }),
+        );
+    }
+}
+
+impl Handler<AbortProc> for ProcedureActor {
+    type Result = ResponseFuture<Result<bool, Error>>;
+
+    fn handle(&mut self, _msg: AbortProc, _ctx: &mut Context<Self>) -> Self::Result {
+        if self.done {
+            let id = self.id;
+            return Box::pin(async move {
+                Err(Error::Finished {
+                    id,
+                    state: crate::ProcState::Success,
+                })
+            });
+        }
+        if self.proc.is_none() {
+            let (tx, rx) = oneshot::channel();
+            self.pending_aborts.push(tx);
+            return Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) });
+        }
+        let accepted = self.failed || self.request_failure(None);
+        Box::pin(async move { Ok(accepted) })
+    }
+}
+
+impl Handler<StopProc> for ProcedureActor {
+    type Result = ();
+
+    fn handle(&mut self, _msg: StopProc, ctx: &mut Context<Self>) {
+        if let Some(mut proc) = self.proc.take() {
+            let pctx = self.context();
+            if self.lock_held {
+                self.release_lock(&mut *proc, &pctx);
+            }
+            if let Err(e) = guard("completion_cleanup", || proc.completion_cleanup()) {
+                tracing::error!(proc = %self.id, %e, "completion_cleanup panicked");
+            }
+        }
+        for ack in std::mem::take(&mut self.pending_aborts) {
+            let _ = ack.send(Err(Error::Finished {
+                id: self.id,
+                state: crate::ProcState::Success,
+            }));
+        }
+        ctx.stop();
+    }
+}

@@ -1,0 +1,40 @@
+//! proctor: a durable, actor-model procedure engine.
+//!
+//! A procedure is a multi-step operation (create a table, move a region, add a node)
+//! that must end fully done ([`ProcState::Success`]) or fully undone
+//! ([`ProcState::RolledBack`]), even across failed steps, operator aborts and crashes.
+//! Users implement [`Procedure`] (or [`StateMachineProcedure`]), register the type in a
+//! [`Registry`], and submit it to an [`Executor`]; the engine persists every step through
+//! a [`ProcedureStore`] before it moves on, runs children, and rolls a failed tree back
+//! in reverse execution order.
+//!
+//! The crate has two layers (see `ARCHITECTURE.md`): a pure core in `src/` (this
+//! module's private children) and the actix actors in `actors/`.
+#![doc = include_str!("../README.md")]
+
+mod error;
+mod procedure;
+mod ready_queue;
+mod record;
+mod registry;
+mod root_stack;
+mod state_machine;
+mod store;
+
+#[path = "../actors/mod.rs"]
+mod actors;
+
+pub use async_trait::async_trait;
+
+pub use crate::actors::{
+    Abort, Executor, ExecutorActor, ExecutorBuilder, GetState, List, ProcInfo, Submit, WaitFor,
+    WakeEvent,
+};
+pub use crate::error::Error;
+pub use crate::procedure::{
+    Context, EncodeState, Flow, LockState, ProcError, ProcId, ProcState, Procedure,
+};
+pub use crate::record::{Failure, ProcRecord, StoreOp};
+pub use crate::registry::{Registry, RegistryError};
+pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};
+pub use crate::store::{MemoryStore, ProcedureStore, StoreError, StoreSnapshot};

@@ -1,0 +1,389 @@
+//! The procedure model: the [`Procedure`] trait users implement, the [`Flow`] a step
+//! returns, the seven [`ProcState`]s, and the [`Context`] a step runs with.
+//!
+//! This module is pure: a procedure is a value with async methods; nothing here knows how
+//! or where it runs. The engine (`actors/`) calls `execute` once per step, persists the
+//! procedure's serialized state after every step, and calls `rollback` once per executed
+//! step in reverse order when the procedure's tree fails.
+
+use std::any::{Any, TypeId};
+use std::fmt;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+/// The identifier the engine gives a procedure when it is submitted (or, for a child,
+/// when its parent's step returns it). Ids are never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ProcId(pub u64);
+
+impl fmt::Display for ProcId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// Where a procedure is in its life. The names and meanings follow HBase Procedure v2.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ProcState {
+    /// Submitted, not yet persisted and queued.
+    Initializing,
+    /// Ready to run its next step (queued or executing).
+    Runnable,
+    /// Waiting for its children to finish, or suspended on an event.
+    Waiting,
+    /// Sleeping until a deadline.
+    WaitingTimeout,
+    /// Failed and fully rolled back. Terminal.
+    RolledBack,
+    /// Finished every step. Terminal.
+    Success,
+    /// Failed; its tree is rolling back (or about to).
+    Failed,
+}
+
+impl ProcState {
+    /// `true` for the two terminal states, [`ProcState::Success`] and
+    /// [`ProcState::RolledBack`].
+    pub fn is_finished(self) -> bool {
+        matches!(self, ProcState::Success | ProcState::RolledBack)
+    }
+}
+
+impl fmt::Display for ProcState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ProcState::Initializing => "INITIALIZING",
+            ProcState::Runnable => "RUNNABLE",
+            ProcState::Waiting => "WAITING",
+            ProcState::WaitingTimeout => "WAITING_TIMEOUT",
+            ProcState::RolledBack => "ROLLEDBACK",
+            ProcState::Success => "SUCCESS",
+            ProcState::Failed => "FAILED",
+        })
+    }
+}
+
+/// Why a procedure failed. Persisted with the procedure, and kept as its root's result
+/// through the whole rollback, so it must be plain data.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum ProcError {
+    /// The procedure's own code reported a failure.
+    #[error("{0}")]
+    Failed(String),
+    /// An operator aborted the procedure and the procedure accepted the abort.
+    #[error("aborted by operator")]
+    Aborted,
+    /// The procedure's timeout expired and [`Procedure::on_timeout`] chose to fail.
+    #[error("timed out after {timeout_ms} ms")]
+    TimedOut {
+        /// The timeout that expired.
+        timeout_ms: u64,
+    },
+    /// User code panicked; the engine caught the panic and kept running.
+    #[error("panicked in {hook}: {message}")]
+    Panicked {
+        /// The method that panicked (`execute`, `rollback`, `abort`, ...).
+        hook: String,
+        /// The panic payload, when it was a string.
+        message: String,
+    },
+    /// The procedure (or a child it returned) could not be encoded or has no registered
+    /// type, so its state could not be made durable.
+    #[error("cannot persist procedure state: {0}")]
+    Persist(String),
+}
+
+impl ProcError {
+    /// A failure reported by user code, from anything that displays.
+    ///
+    /// ```
+    /// let e = proctor::ProcError::failed("region server unreachable");
+    /// assert_eq!(e.to_string(), "region server unreachable");
+    /// ```
+    pub fn failed(message: impl fmt::Display) -> Self {
+        ProcError::Failed(message.to_string())
+    }
+}
+
+/// What a step asks the engine to do next.
+pub enum Flow {
+    /// The procedure is finished. It becomes SUCCESS once that is durable.
+    Done,
+    /// Persist the new state and run another step.
+    MoreToDo,
+    /// Persist, start these children, and WAIT until all of them finish; then run the
+    /// next step. An empty list behaves like [`Flow::Done`].
+    Children(Vec<Box<dyn Procedure>>),
+    /// Run again later, behind everything already queued. Nothing is persisted and the
+    /// step is not recorded for rollback, so a yielding step must not change state.
+    Yield,
+    /// Persist, then WAIT until the named event is woken
+    /// (see [`WakeEvent`](crate::WakeEvent)); then run the next step. If the event is
+    /// already woken the procedure continues at once.
+    Suspend(String),
+    /// Persist, then sleep (WAITING_TIMEOUT) until this absolute time in milliseconds
+    /// since the Unix epoch (compare [`Context::now_ms`]); then run the next step.
+    SleepUntil(u64),
+}
+
+impl fmt::Debug for Flow {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Flow::Done => f.write_str("Done"),
+            Flow::MoreToDo => f.write_str("MoreToDo"),
+            Flow::Children(c) => write!(f, "Children({})", c.len()),
+            Flow::Yield => f.write_str("Yield"),
+            Flow::Suspend(e) => write!(f, "Suspend({e:?})"),
+            Flow::SleepUntil(t) => write!(f, "SleepUntil({t})"),
+        }
+    }
+}
+
+/// The answer of [`Procedure::acquire_lock`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LockState {
+    /// The lock is held: run the step.
+    Acquired,
+    /// The lock is not available: requeue the procedure behind the others and ask again.
+    Yield,
+}
+
+/// What a step or rollback runs with: who the procedure is, the time, and the
+/// environment the service gave the executor.
+///
+/// Time comes in as a value so that a procedure never reads a clock of its own; tests
+/// and replays can set it.
+#[derive(Clone)]
+pub struct Context {
+    id: ProcId,
+    parent: Option<ProcId>,
+    root: ProcId,
+    now_ms: u64,
+    env: Option<Arc<dyn Any + Send + Sync>>,
+}
+
+impl Context {
+    /// A context for a procedure; the engine makes one per call.
+    pub fn new(
+        id: ProcId,
+        parent: Option<ProcId>,
+        root: ProcId,
+        now_ms: u64,
+        env: Option<Arc<dyn Any + Send + Sync>>,
+    ) -> Self {
+        Context {
+            id,
+            parent,
+            root,
+            now_ms,
+            env,
+        }
+    }
+
+    /// This procedure's id.
+    pub fn id(&self) -> ProcId {
+        self.id
+    }
+
+    /// The parent's id, `None` for a root procedure.
+    pub fn parent(&self) -> Option<ProcId> {
+        self.parent
+    }
+
+    /// The id of the root of this procedure's tree (its own id for a root).
+    pub fn root(&self) -> ProcId {
+        self.root
+    }
+
+    /// The engine's clock when the call started, in milliseconds since the Unix epoch.
+    pub fn now_ms(&self) -> u64 {
+        self.now_ms
+    }
+
+    /// The environment given to the executor's builder, if it is of type `T`.
+    ///
+    /// ```
+    /// use proctor::{Context, ProcId};
+    /// use std::sync::Arc;
+    /// struct Cluster { name: &'static str }
+    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, Some(Arc::new(Cluster { name: "c1" })));
+    /// assert_eq!(ctx.env::<Cluster>().unwrap().name, "c1");
+    /// assert!(ctx.env::<String>().is_err());
+    /// ```
+    pub fn env<T: Any + Send + Sync>(&self) -> Result<&T, ProcError> {
+        self.env
+            .as_deref()
+            .and_then(|env| env.downcast_ref::<T>())
+            .ok_or_else(|| {
+                ProcError::failed(format_args!(
+                    "the executor was given no environment of type {}",
+                    std::any::type_name::<T>()
+                ))
+            })
+    }
+}
+
+/// Encodes a procedure's state for the store. Implemented for every `Serialize` type, so
+/// a procedure only derives `Serialize`; it exists so that `dyn Procedure` can encode.
+pub trait EncodeState {
+    /// The state as MessagePack with field names (so that fields can be added later
+    /// with `#[serde(default)]` and old logs still decode).
+    fn encode_state(&self) -> Result<Vec<u8>, rmp_serde::encode::Error>;
+}
+
+impl<T: Serialize> EncodeState for T {
+    fn encode_state(&self) -> Result<Vec<u8>, rmp_serde::encode::Error> {
+        rmp_serde::to_vec_named(self)
+    }
+}
+
+/// A multi-step operation that must end fully done or fully undone.
+///
+/// The engine calls [`execute`](Procedure::execute) once per step and makes the
+/// procedure's new state durable before it runs the next step, starts children, or wakes
+/// a parent. After a crash the step that was running is executed again, so **steps must
+/// be idempotent**. When the procedure's tree fails, the engine calls
+/// [`rollback`](Procedure::rollback) once for every step this procedure executed
+/// (including the one that failed), newest first; rollbacks must be idempotent too.
+///
+/// Register every procedure type with a [`Registry`](crate::Registry) under a stable name,
+/// so that persisted state decodes back into the right type.
+///
+/// ```
+/// use proctor::{async_trait, Context, Flow, ProcError, Procedure};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize)]
+/// struct Greet { done: bool }
+///
+/// #[async_trait]
+/// impl Procedure for Greet {
+///     async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+///         println!("hello from procedure {}", ctx.id());
+///         self.done = true;
+///         Ok(Flow::Done)
+///     }
+///     async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
+///         self.done = false;
+///         Ok(())
+///     }
+/// }
+/// ```
+#[async_trait]
+pub trait Procedure: EncodeState + Any + Send + 'static {
+    /// Runs one step. An `Err` fails the procedure and rolls back its tree; a panic is
+    /// caught and treated the same way.
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError>;
+
+    /// Undoes one executed step. Called once per executed step, newest first. An `Err`
+    /// is retried with backoff until it succeeds: rollback is never abandoned.
+    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError>;
+
+    /// An operator asks to abort. Return `true` to accept: the procedure then fails with
+    /// [`ProcError::Aborted`] before its next step and its tree rolls back. Called only
+    /// between steps. The default accepts.
+    fn abort(&mut self) -> bool {
+        true
+    }
+
+    /// Called before each step (or once, if [`holds_lock`](Procedure::holds_lock)).
+    /// Returning [`LockState::Yield`] requeues the procedure without running the step.
+    fn acquire_lock(&mut self, _ctx: &Context) -> LockState {
+        LockState::Acquired
+    }
+
+    /// Releases what [`acquire_lock`](Procedure::acquire_lock) took. Called after each
+    /// step, or only when the procedure finishes if it holds its lock.
+    fn release_lock(&mut self, _ctx: &Context) {}
+
+    /// `true` to keep the lock from the first step until the procedure finishes.
+    fn holds_lock(&self) -> bool {
+        false
+    }
+
+    /// Called on a recovered procedure before the engine resumes it after a restart.
+    fn before_recover(&mut self) {}
+
+    /// Called on a recovered procedure once the whole store is loaded.
+    fn after_recover(&mut self) {}
+
+    /// Called once when the procedure has finished (SUCCESS or ROLLEDBACK) and its final
+    /// state is durable.
+    fn completion_cleanup(&mut self) {}
+
+    /// `true` to go behind the other queued procedures after each step instead of
+    /// running the next step at once.
+    fn is_yield_after_execution(&self) -> bool {
+        false
+    }
+
+    /// A time limit for the whole procedure, in milliseconds from submission.
+    fn timeout_ms(&self) -> Option<u64> {
+        None
+    }
+
+    /// Called between steps when [`timeout_ms`](Procedure::timeout_ms) has expired.
+    /// Returning `true` fails the procedure with [`ProcError::TimedOut`]; `false` lets it
+    /// run on. The default fails.
+    fn on_timeout(&mut self) -> bool {
+        true
+    }
+
+    /// The Rust type name, for error messages. Do not override.
+    #[doc(hidden)]
+    fn rust_type_name(&self) -> &'static str {
+        std::any::type_name::<Self>()
+    }
+}
+
+/// The `TypeId` of the concrete type behind a `dyn Procedure`.
+pub(crate) fn type_id_of(proc: &dyn Procedure) -> TypeId {
+    let any: &dyn Any = proc;
+    any.type_id()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn states_print_like_hbase() {
+        let cases = [
+            (ProcState::Initializing, "INITIALIZING", false),
+            (ProcState::Runnable, "RUNNABLE", false),
+            (ProcState::Waiting, "WAITING", false),
+            (ProcState::WaitingTimeout, "WAITING_TIMEOUT", false),
+            (ProcState::RolledBack, "ROLLEDBACK", true),
+            (ProcState::Success, "SUCCESS", true),
+            (ProcState::Failed, "FAILED", false),
+        ];
+        for (state, name, finished) in cases {
+            assert_eq!(state.to_string(), name);
+            assert_eq!(state.is_finished(), finished, "{name}");
+        }
+    }
+
+    #[test]
+    fn errors_name_what_happened() {
+        let cases = [
+            (ProcError::failed("disk full"), "disk full"),
+            (ProcError::Aborted, "aborted by operator"),
+            (
+                ProcError::TimedOut { timeout_ms: 50 },
+                "timed out after 50 ms",
+            ),
+            (
+                ProcError::Panicked {
+                    hook: "execute".into(),
+                    message: "boom".into(),
+                },
+                "panicked in execute: boom",
+            ),
+        ];
+        for (err, text) in cases {
+            assert_eq!(err.to_string(), text);
+        }
+    }
+}

@@ -1,0 +1,222 @@
+//! The registry of procedure types: a stable name for each Rust type, so that a
+//! persisted state decodes back into the type that wrote it.
+//!
+//! The registry is the single source of truth for names: the engine looks a live
+//! procedure's name up by its `TypeId` when it persists it, and a stored name back to a
+//! decoder when it recovers it. An unregistered type or unknown name is an error that
+//! names it, never a panic.
+
+use std::any::TypeId;
+use std::collections::HashMap;
+
+use serde::de::DeserializeOwned;
+
+use crate::procedure::{type_id_of, Procedure};
+
+type DecodeFn = fn(&[u8]) -> Result<Box<dyn Procedure>, rmp_serde::decode::Error>;
+
+/// Why a procedure could not be named, encoded or decoded.
+#[derive(Debug, thiserror::Error)]
+pub enum RegistryError {
+    /// The Rust type was never registered.
+    #[error("procedure type {rust_type} is not registered (call Registry::register)")]
+    Unregistered {
+        /// The Rust type name.
+        rust_type: &'static str,
+    },
+    /// A stored state names a type this registry does not know.
+    #[error("unknown procedure type {name:?}: no type is registered under that name")]
+    UnknownName {
+        /// The stored name.
+        name: String,
+    },
+    /// The state could not be encoded.
+    #[error("cannot encode procedure of type {name:?}: {source}")]
+    Encode {
+        /// The registered name.
+        name: &'static str,
+        /// The encoder's error.
+        source: rmp_serde::encode::Error,
+    },
+    /// The stored bytes do not decode as the registered type.
+    #[error("cannot decode procedure of type {name:?}: {source}")]
+    Decode {
+        /// The stored name.
+        name: String,
+        /// The decoder's error.
+        source: rmp_serde::decode::Error,
+    },
+}
+
+/// Procedure types by stable name.
+///
+/// ```
+/// # use proctor::{async_trait, Context, Flow, ProcError, Procedure, Registry};
+/// # use serde::{Deserialize, Serialize};
+/// #[derive(Serialize, Deserialize)]
+/// struct Noop;
+/// # #[async_trait]
+/// # impl Procedure for Noop {
+/// #     async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+/// #     async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+/// # }
+/// let mut registry = Registry::new();
+/// registry.register::<Noop>("noop");
+/// let (name, bytes) = registry.encode(&Noop).unwrap();
+/// assert_eq!(name, "noop");
+/// assert!(registry.decode("noop", &bytes).is_ok());
+/// assert!(registry.decode("create_table", &bytes).is_err());
+/// ```
+#[derive(Default, Clone)]
+pub struct Registry {
+    decoders: HashMap<&'static str, DecodeFn>,
+    names: HashMap<TypeId, &'static str>,
+}
+
+impl Registry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `P` under `name`. The name is written into the store: never change it
+    /// once procedures of this type may be persisted.
+    ///
+    /// # Panics
+    /// If `name` or `P` is already registered: that is a programming error.
+    pub fn register<P: Procedure + DeserializeOwned>(&mut self, name: &'static str) -> &mut Self {
+        fn decode<P: Procedure + DeserializeOwned>(
+            bytes: &[u8],
+        ) -> Result<Box<dyn Procedure>, rmp_serde::decode::Error> {
+            Ok(Box::new(rmp_serde::from_slice::<P>(bytes)?))
+        }
+        let old_name = self.names.insert(TypeId::of::<P>(), name);
+        assert!(
+            old_name.is_none(),
+            "{} registered twice",
+            std::any::type_name::<P>()
+        );
+        let old_decoder = self.decoders.insert(name, decode::<P>);
+        assert!(
+            old_decoder.is_none(),
+            "procedure name {name:?} registered twice"
+        );
+        self
+    }
+
+    /// The registered name of a live procedure.
+    pub fn name_of(&self, proc: &dyn Procedure) -> Result<&'static str, RegistryError> {
+        self.names
+            .get(&type_id_of(proc))
+            .copied()
+            .ok_or(RegistryError::Unregistered {
+                rust_type: proc.rust_type_name(),
+            })
+    }
+
+    /// The registry's own copy of a name, if it is registered.
+    pub fn static_name(&self, name: &str) -> Option<&'static str> {
+        self.decoders.get_key_value(name).map(|(k, _)| *k)
+    }
+
+    /// The procedure's registered name and its encoded state.
+    pub fn encode(&self, proc: &dyn Procedure) -> Result<(&'static str, Vec<u8>), RegistryError> {
+        let name = self.name_of(proc)?;
+        let bytes = proc
+            .encode_state()
+            .map_err(|source| RegistryError::Encode { name, source })?;
+        Ok((name, bytes))
+    }
+
+    /// Decodes a stored state written under `name`.
+    pub fn decode(&self, name: &str, bytes: &[u8]) -> Result<Box<dyn Procedure>, RegistryError> {
+        let decode = self
+            .decoders
+            .get(name)
+            .ok_or_else(|| RegistryError::UnknownName { name: name.into() })?;
+        decode(bytes).map_err(|source| RegistryError::Decode {
+            name: name.into(),
+            source,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::procedure::{Context, Flow, ProcError};
+    use async_trait::async_trait;
+    use serde::{Deserialize, Serialize};
+
+    #[derive(Serialize, Deserialize, Debug, PartialEq)]
+    struct A {
+        n: u32,
+    }
+    #[derive(Serialize, Deserialize)]
+    struct B;
+
+    #[async_trait]
+    impl Procedure for A {
+        async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> {
+            Ok(Flow::Done)
+        }
+        async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> {
+            Ok(())
+        }
+    }
+    #[async_trait]
+    impl Procedure for B {
+        async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> {
+            Ok(Flow::Done)
+        }
+        async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> {
+            Ok(())
+        }
+    }
+
+    fn registry() -> Registry {
+        let mut r = Registry::new();
+        r.register::<A>("a");
+        r
+    }
+
+    #[test]
+    fn encode_and_decode() {
+        let r = registry();
+        let (name, bytes) = r.encode(&A { n: 7 }).unwrap();
+        assert_eq!(name, "a");
+        let back = r.decode(name, &bytes).unwrap();
+        let any: &dyn std::any::Any = &*back;
+        assert_eq!(any.downcast_ref::<A>(), Some(&A { n: 7 }));
+    }
+
+    #[test]
+    fn errors_name_the_type() {
+        let r = registry();
+        let cases: [(Result<(), RegistryError>, &str); 3] = [
+            (
+                r.encode(&B).map(|_| ()),
+                "procedure type proctor::registry::tests::B is not registered",
+            ),
+            (
+                r.decode("b", &[]).map(|_| ()),
+                "unknown procedure type \"b\"",
+            ),
+            (
+                r.decode("a", &[0xc1]).map(|_| ()),
+                "cannot decode procedure of type \"a\"",
+            ),
+        ];
+        for (result, text) in cases {
+            let err = result.unwrap_err().to_string();
+            assert!(err.starts_with(text), "{err}");
+        }
+    }
+
+    #[test]
+    #[should_panic(expected = "registered twice")]
+    fn a_name_is_registered_once() {
+        let mut r = registry();
+        r.register::<B>("a");
+    }
+}

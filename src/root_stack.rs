@@ -1,0 +1,802 @@
+//! The bookkeeping of one procedure tree (HBase's `RootProcedureState`, IoTDB's
+//! `RootProcedureStack`), as a pure state machine: events in, a [`Transition`] out.
+//!
+//! The root-stack actor feeds this every event of its tree (a step finished, an abort
+//! was accepted, a rollback finished, a timer or event fired), persists
+//! [`Transition::persist`] and only once that is durable performs
+//! [`Transition::actions`]. That ordering is the write-ahead rule: nothing a step
+//! caused (the next step, a child's start, a parent's wake-up, the tree's result) is
+//! visible before the step's record is on disk.
+//!
+//! Invariants guarded here:
+//! - `stack` holds one entry per executed step of the tree, in execution order, and each
+//!   node's `stack_indexes` are exactly its positions in `stack`.
+//! - `running` counts procedures queued or executing; a failed tree starts rolling back
+//!   only when it is 0, so no step runs concurrently with a rollback.
+//! - The first failure of a tree is its result, whatever happens during rollback.
+//! - Rollback walks the stack newest first, skipping procedures that finished
+//!   successfully (their parent's rollback undoes what the parent caused).
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::procedure::{ProcError, ProcId, ProcState};
+use crate::record::{Failure, ProcRecord, StoreOp};
+
+/// Rollback retries back off from this delay...
+const ROLLBACK_RETRY_BASE_MS: u64 = 10;
+/// ...doubling up to this one, and then retry at this pace for ever.
+const ROLLBACK_RETRY_MAX_MS: u64 = 10_000;
+
+/// What a step of one procedure came to, as the procedure actor reports it.
+#[derive(Debug)]
+pub enum StepOutcome {
+    /// The procedure finished.
+    Done,
+    /// Run another step; `yield_after` puts it behind the other queued procedures.
+    MoreToDo {
+        /// From [`Procedure::is_yield_after_execution`](crate::Procedure::is_yield_after_execution).
+        yield_after: bool,
+    },
+    /// Start these children (ids already assigned) and wait for them.
+    Children(Vec<NewChild>),
+    /// Not a step: requeue behind the others; nothing is persisted.
+    Yield,
+    /// Wait for the named event.
+    Suspend(String),
+    /// Sleep until this time (ms since the Unix epoch).
+    SleepUntil(u64),
+    /// The step failed (error, panic, or state that cannot be persisted).
+    Failed(ProcError),
+    /// The step was not run because the tree had already failed.
+    Skipped,
+}
+
+/// A child returned by a step, already named and encoded.
+#[derive(Debug, Clone)]
+pub struct NewChild {
+    /// Its new id.
+    pub id: ProcId,
+    /// Its registered type name.
+    pub type_name: &'static str,
+    /// Its encoded initial state.
+    pub data: Vec<u8>,
+}
+
+/// A step's report: which procedure, what came of it, and its state after the step.
+#[derive(Debug)]
+pub struct StepReport {
+    /// The procedure that ran.
+    pub id: ProcId,
+    /// What the step returned.
+    pub outcome: StepOutcome,
+    /// The procedure's encoded state after the step.
+    pub data: Vec<u8>,
+}
+
+/// Something to do once the transition's records are durable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Start the actor of a new procedure.
+    Spawn(ProcId),
+    /// Queue a step; `front` runs it before the others (a procedure continuing).
+    Enqueue {
+        /// The procedure.
+        id: ProcId,
+        /// Whether it goes to the front of the ready queue.
+        front: bool,
+    },
+    /// The procedure is finished: stop its actor (releasing its lock and running its
+    /// completion cleanup).
+    Stop(ProcId),
+    /// Ask the procedure to roll back its newest step.
+    Rollback(ProcId),
+    /// Ask again after a failed rollback.
+    RetryRollback {
+        /// The procedure.
+        id: ProcId,
+        /// How long to wait first.
+        delay_ms: u64,
+    },
+    /// Wake the procedure at this time (ms since the Unix epoch).
+    WakeAt {
+        /// The procedure.
+        id: ProcId,
+        /// When.
+        at_ms: u64,
+    },
+    /// Wake the procedure when the event is woken.
+    SuspendOn {
+        /// The procedure.
+        id: ProcId,
+        /// The event's name.
+        event: String,
+    },
+    /// The tree is finished with this result.
+    Finished(Result<(), Failure>),
+}
+
+/// Records to persist, then actions to perform.
+#[derive(Debug, Default)]
+pub struct Transition {
+    /// Apply atomically before any action.
+    pub persist: Vec<StoreOp>,
+    /// Perform in order once `persist` is durable.
+    pub actions: Vec<Action>,
+}
+
+/// Where the tree is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phase {
+    /// Steps run.
+    Executing,
+    /// A procedure failed and every procedure has stopped; rollback steps run.
+    RollingBack,
+    /// The root is SUCCESS or ROLLEDBACK.
+    Finished,
+}
+
+#[derive(Debug)]
+struct Node {
+    parent: Option<ProcId>,
+    type_name: &'static str,
+    state: ProcState,
+    stack_indexes: Vec<u32>,
+    pending_children: usize,
+    submitted_ms: u64,
+    wake_at_ms: Option<u64>,
+    event: Option<String>,
+    failure: Option<Failure>,
+    rollback_attempts: u32,
+    stopped: bool,
+}
+
+/// The state of one procedure tree. See the module docs.
+#[derive(Debug)]
+pub struct RootStack {
+    root: ProcId,
+    nodes: BTreeMap<ProcId, Node>,
+    stack: Vec<ProcId>,
+    running: usize,
+    failure: Option<Failure>,
+    phase: Phase,
+    /// The root's latest encoded state, for its final record.
+    root_data: Vec<u8>,
+}
+
+impl RootStack {
+    /// A newly submitted root. The transition inserts it, then spawns and queues it.
+    pub fn submit(
+        root: ProcId,
+        type_name: &'static str,
+        data: Vec<u8>,
+        now_ms: u64,
+    ) -> (Self, Transition) {
+        let mut stack = RootStack {
+            root,
+            nodes: BTreeMap::new(),
+            stack: Vec::new(),
+            running: 0,
+            failure: None,
+            phase: Phase::Executing,
+            root_data: data.clone(),
+        };
+        let mut t = Transition::default();
+        stack.add_node(&mut t, root, None, type_name, data, now_ms);
+        (stack, t)
+    }
+
+    /// The root's id.
+    pub fn root(&self) -> ProcId {
+        self.root
+    }
+
+    /// `true` once any procedure of the tree has failed.
+    pub fn is_failed(&self) -> bool {
+        self.failure.is_some()
+    }
+
+    /// A step of `report.id` finished.
+    pub fn on_step(&mut self, report: StepReport, now_ms: u64) -> Transition {
+        let id = report.id;
+        assert!(
+            self.running > 0,
+            "step report for {id} with nothing running"
+        );
+        assert_eq!(self.phase, Phase::Executing, "step report for {id}");
+        self.running -= 1;
+        let mut t = Transition::default();
+        match report.outcome {
+            StepOutcome::Skipped => {}
+            StepOutcome::Yield => {
+                if !self.is_failed() {
+                    self.enqueue(&mut t, id, false);
+                }
+            }
+            StepOutcome::Failed(error) => {
+                self.push_step(id);
+                self.fail(id, error);
+                self.persist_update(&mut t, id, report.data, now_ms);
+            }
+            StepOutcome::Children(children) if children.is_empty() => {
+                self.step_done(&mut t, id, report.data, now_ms);
+            }
+            StepOutcome::Done => self.step_done(&mut t, id, report.data, now_ms),
+            StepOutcome::MoreToDo { yield_after } => {
+                self.push_step(id);
+                self.node_mut(id).state = ProcState::Runnable;
+                self.persist_update(&mut t, id, report.data, now_ms);
+                if !self.is_failed() {
+                    self.enqueue(&mut t, id, !yield_after);
+                }
+            }
+            StepOutcome::Children(children) => {
+                self.push_step(id);
+                let node = self.node_mut(id);
+                node.state = ProcState::Waiting;
+                self.persist_update(&mut t, id, report.data, now_ms);
+                // A failed tree starts nothing new: the parent is rolled back anyway.
+                if !self.is_failed() {
+                    self.node_mut(id).pending_children = children.len();
+                    for child in children {
+                        self.add_node(
+                            &mut t,
+                            child.id,
+                            Some(id),
+                            child.type_name,
+                            child.data,
+                            now_ms,
+                        );
+                    }
+                }
+            }
+            StepOutcome::Suspend(event) => {
+                self.push_step(id);
+                let node = self.node_mut(id);
+                node.state = ProcState::Waiting;
+                node.event = Some(event.clone());
+                self.persist_update(&mut t, id, report.data, now_ms);
+                t.actions.push(Action::SuspendOn { id, event });
+            }
+            StepOutcome::SleepUntil(at_ms) => {
+                self.push_step(id);
+                let node = self.node_mut(id);
+                node.state = ProcState::WaitingTimeout;
+                node.wake_at_ms = Some(at_ms);
+                self.persist_update(&mut t, id, report.data, now_ms);
+                t.actions.push(Action::WakeAt { id, at_ms });
+            }
+        }
+        self.maybe_start_rollback(&mut t, now_ms);
+        t
+    }
+
+    /// An abort (or timeout) was accepted by `id` between its steps: it fails with
+    /// `error`. Ignored if the procedure has finished or the tree is already rolling back.
+    pub fn on_fail(
+        &mut self,
+        id: ProcId,
+        error: ProcError,
+        data: Vec<u8>,
+        now_ms: u64,
+    ) -> Transition {
+        let mut t = Transition::default();
+        let live = self.nodes.get(&id).is_some_and(|n| !n.state.is_finished());
+        if self.phase == Phase::Executing && live {
+            self.fail(id, error);
+            self.persist_update(&mut t, id, data, now_ms);
+            self.maybe_start_rollback(&mut t, now_ms);
+        }
+        t
+    }
+
+    /// A timer or event woke `id`. Ignored unless it is still waiting for one and the
+    /// tree is healthy.
+    pub fn on_wake(&mut self, id: ProcId) -> Transition {
+        let mut t = Transition::default();
+        let waiting = self.nodes.get(&id).is_some_and(|n| {
+            n.state == ProcState::WaitingTimeout
+                || (n.state == ProcState::Waiting && n.event.is_some())
+        });
+        if self.phase == Phase::Executing && !self.is_failed() && waiting {
+            let node = self.node_mut(id);
+            node.wake_at_ms = None;
+            node.event = None;
+            self.enqueue(&mut t, id, false);
+        }
+        t
+    }
+
+    /// The procedure on top of the stack finished a rollback step: `Ok` with its state
+    /// after the rollback, or the rollback's error (retried with backoff).
+    pub fn on_rolled_back(
+        &mut self,
+        id: ProcId,
+        result: Result<Vec<u8>, ProcError>,
+        now_ms: u64,
+    ) -> Transition {
+        assert_eq!(self.phase, Phase::RollingBack, "rollback report for {id}");
+        assert_eq!(self.stack.last(), Some(&id), "rollback report out of order");
+        let mut t = Transition::default();
+        match result {
+            Ok(data) => {
+                self.pop_step(id);
+                let node = self.node_mut(id);
+                node.rollback_attempts = 0;
+                if node.stack_indexes.is_empty() {
+                    node.state = ProcState::RolledBack;
+                }
+                self.persist_update(&mut t, id, data, now_ms);
+                self.next_rollback(&mut t, now_ms);
+            }
+            Err(error) => {
+                let node = self.node_mut(id);
+                node.rollback_attempts = node.rollback_attempts.saturating_add(1);
+                let delay_ms = ROLLBACK_RETRY_BASE_MS
+                    .saturating_mul(1 << node.rollback_attempts.min(20))
+                    .min(ROLLBACK_RETRY_MAX_MS);
+                tracing::warn!(proc = %id, %error, delay_ms, "rollback failed; retrying");
+                t.actions.push(Action::RetryRollback { id, delay_ms });
+            }
+        }
+        t
+    }
+
+    fn node_mut(&mut self, id: ProcId) -> &mut Node {
+        self.nodes
+            .get_mut(&id)
+            .unwrap_or_else(|| panic!("procedure {id} is not in tree {}", self.root))
+    }
+
+    fn add_node(
+        &mut self,
+        t: &mut Transition,
+        id: ProcId,
+        parent: Option<ProcId>,
+        type_name: &'static str,
+        data: Vec<u8>,
+        now_ms: u64,
+    ) {
+        let node = Node {
+            parent,
+            type_name,
+            state: ProcState::Runnable,
+            stack_indexes: Vec::new(),
+            pending_children: 0,
+            submitted_ms: now_ms,
+            wake_at_ms: None,
+            event: None,
+            failure: None,
+            rollback_attempts: 0,
+            stopped: false,
+        };
+        let old = self.nodes.insert(id, node);
+        assert!(old.is_none(), "procedure {id} added twice");
+        t.persist
+            .push(StoreOp::Insert(self.record(id, data, now_ms)));
+        t.actions.push(Action::Spawn(id));
+        self.enqueue(t, id, false);
+    }
+
+    fn enqueue(&mut self, t: &mut Transition, id: ProcId, front: bool) {
+        self.node_mut(id).state = ProcState::Runnable;
+        self.running += 1;
+        t.actions.push(Action::Enqueue { id, front });
+    }
+
+    fn push_step(&mut self, id: ProcId) {
+        let index = u32::try_from(self.stack.len()).expect("root stack deeper than u32::MAX");
+        self.stack.push(id);
+        self.node_mut(id).stack_indexes.push(index);
+    }
+
+    fn pop_step(&mut self, id: ProcId) {
+        let popped = self.stack.pop();
+        assert_eq!(popped, Some(id));
+        let index = self.node_mut(id).stack_indexes.pop();
+        assert_eq!(index.map(|i| i as usize), Some(self.stack.len()));
+    }
+
+    fn fail(&mut self, id: ProcId, error: ProcError) {
+        let failure = Failure {
+            proc: id,
+            type_name: self.node_mut(id).type_name.to_string(),
+            error,
+        };
+        let node = self.node_mut(id);
+        node.state = ProcState::Failed;
+        node.failure = Some(failure.clone());
+        if self.failure.is_none() {
+            tracing::debug!(root = %self.root, %failure, "tree failed");
+            self.failure = Some(failure);
+        }
+    }
+
+    fn step_done(&mut self, t: &mut Transition, id: ProcId, data: Vec<u8>, now_ms: u64) {
+        self.push_step(id);
+        if self.is_failed() {
+            // Too late to succeed: the step ran, so its rollback will undo it; a root in
+            // a failed tree never becomes SUCCESS.
+            if id == self.root {
+                self.persist_update(t, id, data, now_ms);
+                return;
+            }
+        }
+        self.node_mut(id).state = ProcState::Success;
+        if id == self.root {
+            self.root_data = data;
+            self.finish(t, now_ms);
+            return;
+        }
+        self.persist_update(t, id, data, now_ms);
+        self.node_mut(id).stopped = true;
+        t.actions.push(Action::Stop(id));
+        let parent = self.nodes[&id].parent.expect("a child has a parent");
+        let failed = self.is_failed();
+        let parent_node = self.node_mut(parent);
+        assert!(parent_node.pending_children > 0 || failed);
+        parent_node.pending_children = parent_node.pending_children.saturating_sub(1);
+        if parent_node.pending_children == 0 && parent_node.state == ProcState::Waiting && !failed {
+            // The child's SUCCESS is in this transition, so it is durable before the
+            // parent's next step can run.
+            self.enqueue(t, parent, true);
+        }
+    }
+
+    fn maybe_start_rollback(&mut self, t: &mut Transition, now_ms: u64) {
+        if self.is_failed() && self.phase == Phase::Executing && self.running == 0 {
+            tracing::debug!(root = %self.root, steps = self.stack.len(), "rolling back tree");
+            self.phase = Phase::RollingBack;
+            self.next_rollback(t, now_ms);
+        }
+    }
+
+    fn next_rollback(&mut self, t: &mut Transition, now_ms: u64) {
+        while let Some(&top) = self.stack.last() {
+            if self.nodes[&top].state == ProcState::Success {
+                self.pop_step(top);
+                continue;
+            }
+            t.actions.push(Action::Rollback(top));
+            return;
+        }
+        self.finish(t, now_ms);
+    }
+
+    /// The root is SUCCESS, or the stack is empty after a rollback: write the root's
+    /// final record, delete the rest of the tree, stop every actor, report the result.
+    fn finish(&mut self, t: &mut Transition, now_ms: u64) {
+        let root = self.root;
+        let result = match self.failure.clone() {
+            None => Ok(()),
+            Some(failure) => {
+                let node = self.node_mut(root);
+                node.state = ProcState::RolledBack;
+                node.failure = Some(failure.clone());
+                Err(failure)
+            }
+        };
+        self.phase = Phase::Finished;
+        // The final record supersedes one the same transition may hold for the root.
+        t.persist
+            .retain(|op| !matches!(op, StoreOp::Update(r) if r.id == root));
+        let data = std::mem::take(&mut self.root_data);
+        t.persist
+            .push(StoreOp::Update(self.record(root, data, now_ms)));
+        for (&id, node) in &mut self.nodes {
+            if id != root {
+                t.persist.push(StoreOp::Delete(id));
+            }
+            if !node.stopped {
+                node.stopped = true;
+                if node.state != ProcState::Success {
+                    node.state = ProcState::RolledBack;
+                }
+                t.actions.push(Action::Stop(id));
+            }
+        }
+        t.actions.push(Action::Finished(result));
+    }
+
+    fn persist_update(&mut self, t: &mut Transition, id: ProcId, data: Vec<u8>, now_ms: u64) {
+        if id == self.root {
+            self.root_data.clone_from(&data);
+        }
+        t.persist
+            .push(StoreOp::Update(self.record(id, data, now_ms)));
+    }
+
+    fn record(&self, id: ProcId, data: Vec<u8>, now_ms: u64) -> ProcRecord {
+        let node = &self.nodes[&id];
+        ProcRecord {
+            id,
+            parent: node.parent,
+            root: self.root,
+            type_name: node.type_name.to_string(),
+            state: node.state,
+            stack_indexes: node.stack_indexes.clone(),
+            failure: node.failure.clone(),
+            submitted_ms: node.submitted_ms,
+            updated_ms: now_ms,
+            wake_at_ms: node.wake_at_ms,
+            event: node.event.clone(),
+            data,
+        }
+    }
+}
+
+impl fmt::Display for Transition {
+    /// A compact trace for tests: `persist U2:WAITING[1] I3 | spawn 3, run 3`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut ops = Vec::new();
+        for op in &self.persist {
+            ops.push(match op {
+                StoreOp::Insert(r) => format!("I{}", r.id),
+                StoreOp::Update(r) => format!("U{}:{}{:?}", r.id, r.state, r.stack_indexes),
+                StoreOp::Delete(id) => format!("D{id}"),
+            });
+        }
+        let mut acts = Vec::new();
+        for a in &self.actions {
+            acts.push(match a {
+                Action::Spawn(id) => format!("spawn {id}"),
+                Action::Enqueue { id, front: true } => format!("run {id} now"),
+                Action::Enqueue { id, front: false } => format!("run {id}"),
+                Action::Stop(id) => format!("stop {id}"),
+                Action::Rollback(id) => format!("rollback {id}"),
+                Action::RetryRollback { id, delay_ms } => format!("retry {id} in {delay_ms}"),
+                Action::WakeAt { id, at_ms } => format!("wake {id} at {at_ms}"),
+                Action::SuspendOn { id, event } => format!("suspend {id} on {event}"),
+                Action::Finished(Ok(())) => "finished ok".to_string(),
+                Action::Finished(Err(e)) => format!("finished err {}:{}", e.proc, e.error),
+            });
+        }
+        write!(f, "{} | {}", ops.join(" "), acts.join(", "))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One event fed to the root stack in a test script.
+    enum Ev {
+        Step(u64, StepOutcome),
+        Fail(u64, ProcError),
+        Wake(u64),
+        RolledBack(u64, Result<(), &'static str>),
+    }
+    use Ev::*;
+
+    fn kids(ids: &[u64]) -> StepOutcome {
+        StepOutcome::Children(
+            ids.iter()
+                .map(|&id| NewChild {
+                    id: ProcId(id),
+                    type_name: "t",
+                    data: vec![],
+                })
+                .collect(),
+        )
+    }
+    fn more() -> StepOutcome {
+        StepOutcome::MoreToDo { yield_after: false }
+    }
+    fn err(msg: &str) -> StepOutcome {
+        StepOutcome::Failed(ProcError::failed(msg))
+    }
+
+    /// Submits root 1, feeds the events, and compares each transition's trace.
+    fn check(events: Vec<Ev>, expected: &[&str]) {
+        let (mut rs, t) = RootStack::submit(ProcId(1), "t", vec![], 0);
+        let mut traces = vec![t.to_string()];
+        for ev in events {
+            let t = match ev {
+                Step(id, outcome) => rs.on_step(
+                    StepReport {
+                        id: ProcId(id),
+                        outcome,
+                        data: vec![1],
+                    },
+                    0,
+                ),
+                Fail(id, e) => rs.on_fail(ProcId(id), e, vec![1], 0),
+                Wake(id) => rs.on_wake(ProcId(id)),
+                RolledBack(id, r) => rs.on_rolled_back(
+                    ProcId(id),
+                    r.map(|()| vec![1]).map_err(ProcError::failed),
+                    0,
+                ),
+            };
+            traces.push(t.to_string());
+        }
+        assert_eq!(traces, expected);
+    }
+
+    #[test]
+    fn single_procedure_runs_to_success() {
+        check(
+            vec![Step(1, more()), Step(1, StepOutcome::Done)],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:RUNNABLE[0] | run 1 now",
+                "U1:SUCCESS[0, 1] | stop 1, finished ok",
+            ],
+        );
+    }
+
+    #[test]
+    fn chain_failure_rolls_back_newest_first() {
+        check(
+            vec![
+                Step(1, kids(&[2])),
+                Step(2, kids(&[3])),
+                Step(3, err("boom")),
+                RolledBack(3, Ok(())),
+                RolledBack(2, Ok(())),
+                RolledBack(1, Ok(())),
+            ],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:WAITING[0] I2 | spawn 2, run 2",
+                "U2:WAITING[1] I3 | spawn 3, run 3",
+                "U3:FAILED[2] | rollback 3",
+                "U3:ROLLEDBACK[] | rollback 2",
+                "U2:ROLLEDBACK[] | rollback 1",
+                "U1:ROLLEDBACK[] D2 D3 | stop 1, stop 2, stop 3, finished err 3:boom",
+            ],
+        );
+    }
+
+    #[test]
+    fn successful_child_is_not_rolled_back() {
+        check(
+            vec![
+                Step(1, kids(&[2])),
+                Step(2, StepOutcome::Done),
+                Step(1, err("parent failed")),
+                RolledBack(1, Ok(())),
+                RolledBack(1, Ok(())),
+            ],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:WAITING[0] I2 | spawn 2, run 2",
+                "U2:SUCCESS[1] | stop 2, run 1 now",
+                "U1:FAILED[0, 2] | rollback 1",
+                // Entry 1 (the child's) is skipped.
+                "U1:FAILED[0] | rollback 1",
+                "U1:ROLLEDBACK[] D2 | stop 1, finished err 1:parent failed",
+            ],
+        );
+    }
+
+    #[test]
+    fn rollback_waits_until_nothing_runs() {
+        // Child 3 fails while its sibling 2 is still running a step; rollback starts only
+        // after 2 reports, and 2's further steps are not queued.
+        check(
+            vec![
+                Step(1, kids(&[2, 3])),
+                Step(3, err("x")),
+                Step(2, more()),
+                RolledBack(2, Ok(())),
+                RolledBack(3, Ok(())),
+                RolledBack(1, Ok(())),
+            ],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:WAITING[0] I2 I3 | spawn 2, run 2, spawn 3, run 3",
+                "U3:FAILED[1] | ",
+                "U2:RUNNABLE[2] | rollback 2",
+                "U2:ROLLEDBACK[] | rollback 3",
+                "U3:ROLLEDBACK[] | rollback 1",
+                "U1:ROLLEDBACK[] D2 D3 | stop 1, stop 2, stop 3, finished err 3:x",
+            ],
+        );
+    }
+
+    #[test]
+    fn abort_of_waiting_parent_and_skipped_steps() {
+        check(
+            vec![
+                Step(1, kids(&[2])),
+                Fail(1, ProcError::Aborted),
+                Step(2, StepOutcome::Skipped),
+                RolledBack(1, Ok(())),
+            ],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:WAITING[0] I2 | spawn 2, run 2",
+                "U1:FAILED[0] | ",
+                " | rollback 1",
+                "U1:ROLLEDBACK[] D2 | stop 1, stop 2, finished err 1:aborted by operator",
+            ],
+        );
+    }
+
+    #[test]
+    fn yield_is_not_persisted_nor_a_step() {
+        check(
+            vec![Step(1, StepOutcome::Yield), Step(1, StepOutcome::Done)],
+            &[
+                "I1 | spawn 1, run 1",
+                " | run 1",
+                "U1:SUCCESS[0] | stop 1, finished ok",
+            ],
+        );
+    }
+
+    #[test]
+    fn empty_children_is_done() {
+        check(
+            vec![Step(1, kids(&[]))],
+            &["I1 | spawn 1, run 1", "U1:SUCCESS[0] | stop 1, finished ok"],
+        );
+    }
+
+    #[test]
+    fn sleep_and_suspend_wait_for_wake() {
+        check(
+            vec![
+                Step(1, StepOutcome::SleepUntil(500)),
+                Wake(1),
+                Wake(1),
+                Step(1, StepOutcome::Suspend("ev".into())),
+                Wake(1),
+                Step(1, StepOutcome::Done),
+            ],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:WAITING_TIMEOUT[0] | wake 1 at 500",
+                " | run 1",
+                // A second wake of a runnable procedure is ignored.
+                " | ",
+                "U1:WAITING[0, 1] | suspend 1 on ev",
+                " | run 1",
+                "U1:SUCCESS[0, 1, 2] | stop 1, finished ok",
+            ],
+        );
+    }
+
+    #[test]
+    fn failed_rollback_is_retried_with_backoff() {
+        check(
+            vec![
+                Step(1, err("x")),
+                RolledBack(1, Err("busy")),
+                RolledBack(1, Err("busy")),
+                RolledBack(1, Ok(())),
+            ],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:FAILED[0] | rollback 1",
+                " | retry 1 in 20",
+                " | retry 1 in 40",
+                "U1:ROLLEDBACK[] | stop 1, finished err 1:x",
+            ],
+        );
+    }
+
+    #[test]
+    fn first_failure_is_the_result() {
+        check(
+            vec![
+                Step(1, kids(&[2, 3])),
+                Step(2, err("first")),
+                Step(3, err("second")),
+                RolledBack(3, Ok(())),
+                RolledBack(2, Ok(())),
+                RolledBack(1, Ok(())),
+            ],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:WAITING[0] I2 I3 | spawn 2, run 2, spawn 3, run 3",
+                "U2:FAILED[1] | ",
+                "U3:FAILED[2] | rollback 3",
+                "U3:ROLLEDBACK[] | rollback 2",
+                "U2:ROLLEDBACK[] | rollback 1",
+                "U1:ROLLEDBACK[] D2 D3 | stop 1, stop 2, stop 3, finished err 2:first",
+            ],
+        );
+    }
+}

@@ -1,0 +1,457 @@
+//! The state-machine helper: users write [`StateMachineProcedure::execute_from_state`]
+//! and [`StateMachineProcedure::rollback_state`] over their own state enum, and
+//! [`StateMachine`] turns that into a [`Procedure`].
+//!
+//! Invariant: `history` holds exactly one entry per executed (persisted) step of this
+//! procedure, in order, which is also the number of entries this procedure has on its
+//! root stack. Each rollback pops one entry and rolls back that state, so states roll back
+//! in reverse, the failed state first.
+
+use std::fmt::Debug;
+use std::ops::{Deref, DerefMut};
+
+use async_trait::async_trait;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::procedure::{Context, Flow, LockState, ProcError, Procedure};
+
+/// A procedure written as a state machine over `Self::State` (HBase's
+/// `StateMachineProcedure`). Wrap it in [`StateMachine`] to submit it.
+///
+/// ```
+/// use proctor::{async_trait, Context, Flow, ProcError, StateContext, StateMachine,
+///               StateMachineProcedure};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// enum Step { Prepare, Write }
+///
+/// #[derive(Serialize, Deserialize)]
+/// struct CreateTable { name: String }
+///
+/// #[async_trait]
+/// impl StateMachineProcedure for CreateTable {
+///     type State = Step;
+///     fn initial_state(&self) -> Step { Step::Prepare }
+///     async fn execute_from_state(&mut self, ctx: &mut StateContext<'_, Step>, state: Step)
+///         -> Result<Flow, ProcError> {
+///         match state {
+///             Step::Prepare => { ctx.set_next_state(Step::Write); Ok(Flow::MoreToDo) }
+///             Step::Write => Ok(Flow::Done),
+///         }
+///     }
+///     async fn rollback_state(&mut self, _ctx: &mut Context, _state: Step)
+///         -> Result<(), ProcError> { Ok(()) }
+/// }
+///
+/// let proc = StateMachine::new(CreateTable { name: "t1".into() });
+/// assert_eq!(proc.cycles(), 0);
+/// ```
+#[async_trait]
+pub trait StateMachineProcedure: Serialize + DeserializeOwned + Send + 'static {
+    /// The user's state enum.
+    type State: Copy + Eq + Debug + Serialize + DeserializeOwned + Send + Sync + 'static;
+
+    /// The state the first step runs in.
+    fn initial_state(&self) -> Self::State;
+
+    /// Runs `state`. Move on with [`StateContext::set_next_state`]; without it the next
+    /// step runs the same state again (a cycle, counted by [`StateMachine::cycles`]).
+    async fn execute_from_state(
+        &mut self,
+        ctx: &mut StateContext<'_, Self::State>,
+        state: Self::State,
+    ) -> Result<Flow, ProcError>;
+
+    /// Undoes what running `state` did. Must be idempotent: it is also called for the
+    /// state that failed, and again after a crash.
+    async fn rollback_state(
+        &mut self,
+        ctx: &mut Context,
+        state: Self::State,
+    ) -> Result<(), ProcError>;
+
+    /// Whether an abort may be accepted while the machine is about to run `state`.
+    fn is_rollback_supported(&self, _state: Self::State) -> bool {
+        true
+    }
+
+    /// See [`Procedure::acquire_lock`].
+    fn acquire_lock(&mut self, _ctx: &Context) -> LockState {
+        LockState::Acquired
+    }
+
+    /// See [`Procedure::release_lock`].
+    fn release_lock(&mut self, _ctx: &Context) {}
+
+    /// See [`Procedure::holds_lock`].
+    fn holds_lock(&self) -> bool {
+        false
+    }
+
+    /// See [`Procedure::before_recover`].
+    fn before_recover(&mut self) {}
+
+    /// See [`Procedure::after_recover`].
+    fn after_recover(&mut self) {}
+
+    /// See [`Procedure::completion_cleanup`].
+    fn completion_cleanup(&mut self) {}
+
+    /// See [`Procedure::is_yield_after_execution`].
+    fn is_yield_after_execution(&self) -> bool {
+        false
+    }
+
+    /// See [`Procedure::timeout_ms`].
+    fn timeout_ms(&self) -> Option<u64> {
+        None
+    }
+
+    /// See [`Procedure::on_timeout`].
+    fn on_timeout(&mut self) -> bool {
+        true
+    }
+}
+
+/// The context of one state-machine step: a [`Context`] plus the next-state slot.
+pub struct StateContext<'c, S> {
+    ctx: &'c mut Context,
+    next: Option<S>,
+}
+
+impl<S> StateContext<'_, S> {
+    /// The state the next step runs in.
+    pub fn set_next_state(&mut self, state: S) {
+        self.next = Some(state);
+    }
+}
+
+impl<S> Deref for StateContext<'_, S> {
+    type Target = Context;
+    fn deref(&self) -> &Context {
+        self.ctx
+    }
+}
+
+impl<S> DerefMut for StateContext<'_, S> {
+    fn deref_mut(&mut self) -> &mut Context {
+        self.ctx
+    }
+}
+
+/// A [`StateMachineProcedure`] as a [`Procedure`]: keeps the state to run next, the
+/// states visited (for rollback in reverse), and the cycle count. Register it as
+/// `registry.register::<StateMachine<MyProc>>("my_proc")`.
+#[derive(Serialize, Deserialize)]
+#[serde(bound = "")]
+pub struct StateMachine<T: StateMachineProcedure> {
+    machine: T,
+    next: Option<T::State>,
+    history: Vec<T::State>,
+    cycles: u32,
+}
+
+impl<T: StateMachineProcedure> StateMachine<T> {
+    /// Wraps a machine that has not run yet.
+    pub fn new(machine: T) -> Self {
+        StateMachine {
+            machine,
+            next: None,
+            history: Vec::new(),
+            cycles: 0,
+        }
+    }
+
+    /// The user's machine.
+    pub fn machine(&self) -> &T {
+        &self.machine
+    }
+
+    /// The state the next step runs in.
+    pub fn current_state(&self) -> T::State {
+        self.next.unwrap_or_else(|| self.machine.initial_state())
+    }
+
+    /// How many steps in a row ran the same state: a number that keeps growing is a
+    /// stuck loop.
+    pub fn cycles(&self) -> u32 {
+        self.cycles
+    }
+
+    /// States executed and not yet rolled back, oldest first.
+    pub fn history(&self) -> &[T::State] {
+        &self.history
+    }
+}
+
+#[async_trait]
+impl<T: StateMachineProcedure> Procedure for StateMachine<T> {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+        let state = self.current_state();
+        self.cycles = match self.history.last() {
+            Some(last) if *last == state => self.cycles.saturating_add(1),
+            _ => 0,
+        };
+        if self.cycles > 0 && self.cycles.is_power_of_two() && self.cycles >= 64 {
+            tracing::warn!(proc = %ctx.id(), ?state, cycles = self.cycles, "state machine loops in one state");
+        }
+        // Recorded before running so that a state that fails half-way is rolled back too.
+        self.history.push(state);
+        let mut sctx = StateContext { ctx, next: None };
+        let result = self.machine.execute_from_state(&mut sctx, state).await;
+        let next = sctx.next;
+        if matches!(result, Ok(Flow::Yield)) {
+            // A yield is not a recorded step: it has no root-stack entry to roll back.
+            self.history.pop();
+        }
+        if let Some(next) = next {
+            self.next = Some(next);
+        } else if self.next.is_none() {
+            self.next = Some(state);
+        }
+        result
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+        let Some(state) = self.history.pop() else {
+            return Ok(());
+        };
+        match self.machine.rollback_state(ctx, state).await {
+            Ok(()) => {
+                self.next = Some(state);
+                Ok(())
+            }
+            Err(e) => {
+                // Not undone: keep it so that the retry rolls back the same state.
+                self.history.push(state);
+                Err(e)
+            }
+        }
+    }
+
+    fn abort(&mut self) -> bool {
+        self.machine.is_rollback_supported(self.current_state())
+    }
+
+    fn acquire_lock(&mut self, ctx: &Context) -> LockState {
+        self.machine.acquire_lock(ctx)
+    }
+
+    fn release_lock(&mut self, ctx: &Context) {
+        self.machine.release_lock(ctx)
+    }
+
+    fn holds_lock(&self) -> bool {
+        self.machine.holds_lock()
+    }
+
+    fn before_recover(&mut self) {
+        self.machine.before_recover()
+    }
+
+    fn after_recover(&mut self) {
+        self.machine.after_recover()
+    }
+
+    fn completion_cleanup(&mut self) {
+        self.machine.completion_cleanup()
+    }
+
+    fn is_yield_after_execution(&self) -> bool {
+        self.machine.is_yield_after_execution()
+    }
+
+    fn timeout_ms(&self) -> Option<u64> {
+        self.machine.timeout_ms()
+    }
+
+    fn on_timeout(&mut self) -> bool {
+        self.machine.on_timeout()
+    }
+
+    fn rust_type_name(&self) -> &'static str {
+        std::any::type_name::<T>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::procedure::ProcId;
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context as TaskContext, Poll, Waker};
+
+    /// Runs a future that never waits (the machines below do no IO).
+    fn now<F: Future>(fut: F) -> F::Output {
+        let mut fut = pin!(fut);
+        match fut
+            .as_mut()
+            .poll(&mut TaskContext::from_waker(Waker::noop()))
+        {
+            Poll::Ready(v) => v,
+            Poll::Pending => panic!("test future must not wait"),
+        }
+    }
+
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+    enum S {
+        A,
+        B,
+        C,
+    }
+
+    /// Plan: (state, next state, what the step returns); `fail` fails that state.
+    #[derive(Serialize, Deserialize, Default)]
+    struct Machine {
+        fail: Option<S>,
+        loops_in_b: u32,
+        executed: Vec<S>,
+        rolled_back: Vec<S>,
+    }
+
+    #[async_trait]
+    impl StateMachineProcedure for Machine {
+        type State = S;
+        fn initial_state(&self) -> S {
+            S::A
+        }
+        async fn execute_from_state(
+            &mut self,
+            ctx: &mut StateContext<'_, S>,
+            state: S,
+        ) -> Result<Flow, ProcError> {
+            self.executed.push(state);
+            if self.fail == Some(state) {
+                return Err(ProcError::failed(format!("{state:?} failed")));
+            }
+            match state {
+                S::A => ctx.set_next_state(S::B),
+                S::B if self.loops_in_b > 0 => self.loops_in_b -= 1,
+                S::B => ctx.set_next_state(S::C),
+                S::C => return Ok(Flow::Done),
+            }
+            Ok(Flow::MoreToDo)
+        }
+        async fn rollback_state(&mut self, _ctx: &mut Context, state: S) -> Result<(), ProcError> {
+            self.rolled_back.push(state);
+            Ok(())
+        }
+        fn is_rollback_supported(&self, state: S) -> bool {
+            state != S::C
+        }
+    }
+
+    fn ctx() -> Context {
+        Context::new(ProcId(1), None, ProcId(1), 0, None)
+    }
+
+    /// Runs the machine until it finishes or fails; returns the flows' names.
+    fn run(sm: &mut StateMachine<Machine>) -> Vec<String> {
+        let mut out = Vec::new();
+        loop {
+            match now(sm.execute(&mut ctx())) {
+                Ok(Flow::Done) => {
+                    out.push("done".to_string());
+                    return out;
+                }
+                Ok(flow) => out.push(format!("{flow:?}")),
+                Err(e) => {
+                    out.push(format!("err: {e}"));
+                    return out;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn transitions_history_and_rollback_order() {
+        struct Case {
+            fail: Option<S>,
+            loops_in_b: u32,
+            flows: &'static [&'static str],
+            history: &'static [S],
+            cycles: u32,
+        }
+        let cases = [
+            Case {
+                fail: None,
+                loops_in_b: 0,
+                flows: &["MoreToDo", "MoreToDo", "done"],
+                history: &[S::A, S::B, S::C],
+                cycles: 0,
+            },
+            Case {
+                fail: Some(S::B),
+                loops_in_b: 0,
+                flows: &["MoreToDo", "err: B failed"],
+                history: &[S::A, S::B],
+                cycles: 0,
+            },
+            Case {
+                fail: None,
+                loops_in_b: 2,
+                flows: &["MoreToDo", "MoreToDo", "MoreToDo", "MoreToDo", "done"],
+                history: &[S::A, S::B, S::B, S::B, S::C],
+                cycles: 0,
+            },
+        ];
+        for case in cases {
+            let mut sm = StateMachine::new(Machine {
+                fail: case.fail,
+                loops_in_b: case.loops_in_b,
+                ..Machine::default()
+            });
+            assert_eq!(run(&mut sm), case.flows, "fail={:?}", case.fail);
+            assert_eq!(sm.history(), case.history);
+            assert_eq!(sm.cycles(), case.cycles);
+            // Roll back every recorded step: states come back newest first.
+            for _ in 0..case.history.len() {
+                now(sm.rollback(&mut ctx())).unwrap();
+            }
+            let mut expect = case.history.to_vec();
+            expect.reverse();
+            assert_eq!(sm.machine().rolled_back, expect);
+            assert!(sm.history().is_empty());
+            // A further rollback (a retry after a crash) is a no-op.
+            now(sm.rollback(&mut ctx())).unwrap();
+            assert_eq!(sm.machine().rolled_back.len(), case.history.len());
+        }
+    }
+
+    #[test]
+    fn cycles_count_steps_in_the_same_state() {
+        let mut sm = StateMachine::new(Machine {
+            loops_in_b: 3,
+            ..Machine::default()
+        });
+        let mut seen = Vec::new();
+        for _ in 0..4 {
+            now(sm.execute(&mut ctx())).unwrap();
+            seen.push(sm.cycles());
+        }
+        assert_eq!(seen, [0, 0, 1, 2]);
+    }
+
+    #[test]
+    fn abort_follows_is_rollback_supported() {
+        let mut sm = StateMachine::new(Machine::default());
+        assert!(sm.abort(), "A supports rollback");
+        now(sm.execute(&mut ctx())).unwrap();
+        now(sm.execute(&mut ctx())).unwrap();
+        assert_eq!(sm.current_state(), S::C);
+        assert!(!sm.abort(), "C does not");
+    }
+
+    #[test]
+    fn state_round_trips_through_messagepack() {
+        let mut sm = StateMachine::new(Machine::default());
+        now(sm.execute(&mut ctx())).unwrap();
+        let bytes = crate::procedure::EncodeState::encode_state(&sm).unwrap();
+        let back: StateMachine<Machine> = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(back.history(), &[S::A]);
+        assert_eq!(back.current_state(), S::B);
+    }
+}

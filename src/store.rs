@@ -1,0 +1,164 @@
+//! The storage trait, [`ProcedureStore`], and its in-memory implementation,
+//! [`MemoryStore`].
+//!
+//! The engine talks to storage only through this trait, from one place (the persistence
+//! actor, on a thread of its own), so implementations need no internal concurrency.
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use crate::procedure::ProcId;
+use crate::record::{ProcRecord, StoreOp};
+
+/// Why the store failed. Once an append has failed, a store accepts no more appends:
+/// after a failed fsync the state of the file is unknown, so carrying on could lose
+/// acknowledged steps.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// An IO call failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What the store was doing, and on which file.
+        context: String,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// Stored bytes are damaged.
+    #[error("corrupt store: {file} at byte {offset}: {reason}")]
+    Corrupt {
+        /// The damaged file.
+        file: String,
+        /// The offset of the first bad byte or frame.
+        offset: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// An earlier append failed; the store refuses further appends.
+    #[error("store refuses appends after an earlier failure: {0}")]
+    Failed(String),
+}
+
+/// What a store holds: the latest record of every procedure not deleted, and the
+/// highest id it has ever seen (deleted ones included), so ids are never reused.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct StoreSnapshot {
+    /// Latest record per live procedure, by id.
+    pub records: Vec<ProcRecord>,
+    /// The highest procedure id ever written, 0 when none.
+    pub max_id: u64,
+}
+
+/// Durable storage for procedure records.
+///
+/// Contract for implementations:
+/// - [`append`](ProcedureStore::append) returns only when every op in the call is
+///   durable, and it is atomic: after a crash either all of its ops are visible or none.
+///   The engine relies on that to insert a parent's update with its new children.
+/// - A failed append leaves the store refusing appends ([`StoreError::Failed`]); the
+///   engine stops and reports the error rather than acknowledge anything more.
+/// - [`load`](ProcedureStore::load) returns the state as of the last successful append.
+pub trait ProcedureStore: Send + 'static {
+    /// Applies `ops` in order, durably and atomically.
+    fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError>;
+
+    /// Reads everything back, for recovery and inspection.
+    fn load(&mut self) -> Result<StoreSnapshot, StoreError>;
+}
+
+/// A store in memory: nothing survives the process, but clones share one map, so a test
+/// can stop an executor and start another on the same store to exercise recovery.
+///
+/// ```
+/// use proctor::{MemoryStore, ProcedureStore};
+/// let mut store = MemoryStore::new();
+/// assert!(store.load().unwrap().records.is_empty());
+/// ```
+#[derive(Clone, Default)]
+pub struct MemoryStore {
+    inner: Arc<Mutex<MemoryInner>>,
+}
+
+#[derive(Default)]
+struct MemoryInner {
+    records: BTreeMap<ProcId, ProcRecord>,
+    max_id: u64,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, MemoryInner> {
+        // A panic while holding this lock cannot leave the map half-updated in a way
+        // that matters more than losing the process would, so poisoning is ignored.
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl ProcedureStore for MemoryStore {
+    fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
+        let mut inner = self.lock();
+        for op in ops {
+            inner.max_id = inner.max_id.max(op.proc_id().0);
+            match op {
+                StoreOp::Insert(r) | StoreOp::Update(r) => {
+                    inner.records.insert(r.id, r.clone());
+                }
+                StoreOp::Delete(id) => {
+                    inner.records.remove(id);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
+        let inner = self.lock();
+        Ok(StoreSnapshot {
+            records: inner.records.values().cloned().collect(),
+            max_id: inner.max_id,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::procedure::ProcState;
+
+    fn record(id: u64, state: ProcState) -> ProcRecord {
+        ProcRecord {
+            id: ProcId(id),
+            parent: None,
+            root: ProcId(id),
+            type_name: "t".into(),
+            state,
+            stack_indexes: vec![],
+            failure: None,
+            submitted_ms: 0,
+            updated_ms: 0,
+            wake_at_ms: None,
+            event: None,
+            data: vec![],
+        }
+    }
+
+    #[test]
+    fn latest_record_wins_and_deletes_keep_max_id() {
+        let mut store = MemoryStore::new();
+        let shared = store.clone();
+        store
+            .append(&[
+                StoreOp::Insert(record(1, ProcState::Runnable)),
+                StoreOp::Insert(record(2, ProcState::Runnable)),
+                StoreOp::Update(record(1, ProcState::Success)),
+                StoreOp::Delete(ProcId(2)),
+            ])
+            .unwrap();
+        let snap = shared.clone().load().unwrap();
+        assert_eq!(snap.records, vec![record(1, ProcState::Success)]);
+        assert_eq!(snap.max_id, 2);
+    }
+}
