@@ -348,11 +348,6 @@ impl ExecutorActor {
 
 impl Actor for ExecutorActor {
     type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        // Completions come from every tree; bounded by the number of live trees.
-        ctx.set_mailbox_capacity(usize::MAX);
-    }
 }
 
 impl Handler<Submit> for ExecutorActor {

@@ -124,12 +124,6 @@ impl Persistence {
 impl Actor for Persistence {
     type Context = Context<Self>;
 
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        // Appends come from every procedure; the protocol bounds them to one in flight
-        // per live procedure, so the mailbox needs no lower bound than that.
-        ctx.set_mailbox_capacity(usize::MAX);
-    }
-
     fn stopped(&mut self, _ctx: &mut Context<Self>) {
         // Closing the channel ends the writer thread once it has written what it has.
         self.writer = None;

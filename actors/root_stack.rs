@@ -328,8 +328,6 @@ impl Actor for RootStackActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        // Reports come from every procedure of the tree, at most one in flight each.
-        ctx.set_mailbox_capacity(usize::MAX);
         if let Some(t) = self.initial.take() {
             self.apply(t, ctx);
         }

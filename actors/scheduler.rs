@@ -95,11 +95,6 @@ impl Scheduler {
 
 impl Actor for Scheduler {
     type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        // Bounded by construction: at most one Enqueue per live procedure is in flight.
-        ctx.set_mailbox_capacity(usize::MAX);
-    }
 }
 
 impl Handler<Enqueue> for Scheduler {

@@ -1,0 +1,79 @@
+//! Operator aborts: of a running procedure, of an unknown id, of a finished one.
+
+mod common;
+
+use common::{run, start, stores, Scripted, Step};
+use proctor::{Error, ProcError, ProcId, ProcState};
+
+#[actix::test]
+async fn abort_of_a_running_procedure_rolls_it_back() {
+    for (store_name, store) in stores() {
+        let (executor, rec) = start(store, 4).await;
+        let id = executor
+            .submit(Scripted::new("long", vec![Step::Forever(2)]))
+            .await
+            .unwrap();
+        // Wait until it has run a step: aborting a procedure that never ran is a
+        // different (easier) case.
+        rec.signal.notified().await;
+
+        assert!(executor.abort(id).await.unwrap(), "abort accepted");
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+
+        assert_eq!(failure.proc, id, "{store_name}");
+        assert_eq!(failure.error, ProcError::Aborted);
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::RolledBack
+        );
+        let execs = rec.count("long-exec");
+        assert!(execs >= 1);
+        assert_eq!(
+            rec.count("long-rollback"),
+            execs,
+            "one rollback per executed step"
+        );
+        assert_eq!(rec.calls().last().unwrap(), "long-rollback");
+    }
+}
+
+#[actix::test]
+async fn abort_of_a_parent_waiting_for_children_rolls_back_the_tree() {
+    for (store_name, store) in stores() {
+        let (executor, rec) = start(store, 4).await;
+        let child = Scripted::new("child", vec![Step::Forever(2)]);
+        let id = executor
+            .submit(Scripted::new("root", vec![Step::Children(vec![child])]))
+            .await
+            .unwrap();
+        rec.signal.notified().await;
+
+        assert!(executor.abort(id).await.unwrap());
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+
+        assert_eq!(failure.error, ProcError::Aborted, "{store_name}");
+        let calls = rec.calls();
+        let tail: Vec<&str> = calls.iter().rev().take(2).map(String::as_str).collect();
+        assert_eq!(tail, ["root-rollback", "child-rollback"], "{calls:?}");
+    }
+}
+
+#[actix::test]
+async fn abort_of_unknown_or_finished_procedures_is_a_clear_error() {
+    for (store_name, store) in stores() {
+        let (executor, _rec) = start(store, 4).await;
+
+        let unknown = executor.abort(ProcId(424242)).await.unwrap_err();
+        assert!(matches!(unknown, Error::UnknownProcedure(ProcId(424242))));
+        assert_eq!(unknown.to_string(), "unknown procedure 424242");
+
+        let (id, result) = run(&executor, Scripted::new("quick", vec![Step::More])).await;
+        assert_eq!(result, Ok(()), "{store_name}");
+        let finished = executor.abort(id).await.unwrap_err();
+        assert!(
+            matches!(finished, Error::Finished { id: i, state: ProcState::Success } if i == id),
+            "{finished}"
+        );
+        assert!(finished.to_string().contains("already finished (SUCCESS)"));
+    }
+}

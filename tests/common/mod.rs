@@ -1,0 +1,251 @@
+//! Test procedures and helpers shared by the integration tests.
+//!
+//! [`Scripted`] is a procedure whose steps follow a plan, and which records every
+//! `execute` and `rollback` into the [`Recorder`] given to the executor as its
+//! environment, so a test can assert the exact order of calls.
+#![allow(dead_code)]
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use proctor::{
+    async_trait, Context, Executor, Flow, MemoryStore, ProcError, ProcId, Procedure, Registry,
+    StateContext, StateMachine, StateMachineProcedure,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+/// What the tests observe: the calls in order, a counter, and gates.
+#[derive(Default)]
+pub struct Recorder {
+    calls: Mutex<Vec<String>>,
+    pub counter: AtomicI64,
+    /// Opened by the test; a `Step::Gate` waits for it.
+    pub gate: Notify,
+    /// Signalled by a `Step::Signal`; the test waits for it.
+    pub signal: Notify,
+}
+
+impl Recorder {
+    pub fn record(&self, call: String) {
+        self.calls.lock().unwrap().push(call);
+    }
+
+    pub fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    pub fn count(&self, call: &str) -> usize {
+        self.calls().iter().filter(|c| *c == call).count()
+    }
+}
+
+/// One planned step of a [`Scripted`] procedure.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub enum Step {
+    /// Run another step.
+    More,
+    /// Start these children and wait for them.
+    Children(Vec<Scripted>),
+    /// Fail with this message.
+    Fail(String),
+    /// Panic with this message.
+    Panic(String),
+    /// Yield.
+    Yield,
+    /// Wait (inside the step, holding a worker) until the test opens the gate.
+    Gate,
+    /// Tell the test this step ran, then run another step.
+    Signal,
+    /// Sleep this many ms, then run another step.
+    Sleep(u64),
+    /// Suspend on the event.
+    Suspend(String),
+    /// Sleep this many ms for ever (a long-running procedure), signalling once.
+    Forever(u64),
+}
+
+/// A procedure that follows its plan; when the plan runs out it is done.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Scripted {
+    pub name: String,
+    pub plan: Vec<Step>,
+    pub at: usize,
+    /// Go behind the queue after each step.
+    pub yield_after: bool,
+}
+
+impl Scripted {
+    pub fn new(name: &str, plan: Vec<Step>) -> Self {
+        Scripted {
+            name: name.to_string(),
+            plan,
+            at: 0,
+            yield_after: false,
+        }
+    }
+}
+
+#[async_trait]
+impl Procedure for Scripted {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+        let rec = ctx.env::<Arc<Recorder>>()?.clone();
+        rec.record(format!("{}-exec", self.name));
+        let Some(step) = self.plan.get(self.at).cloned() else {
+            return Ok(Flow::Done);
+        };
+        if !matches!(step, Step::Yield | Step::Forever(_)) {
+            self.at += 1;
+        }
+        let more = |at: usize, plan: &[Step]| {
+            if at < plan.len() {
+                Flow::MoreToDo
+            } else {
+                Flow::Done
+            }
+        };
+        Ok(match step {
+            Step::More => more(self.at, &self.plan),
+            Step::Children(children) => {
+                Flow::Children(children.into_iter().map(|c| Box::new(c) as _).collect())
+            }
+            Step::Fail(msg) => return Err(ProcError::failed(msg)),
+            Step::Panic(msg) => panic!("{msg}"),
+            Step::Yield => {
+                // Yield `n` times: the plan holds one Yield entry per yield.
+                self.plan.remove(self.at);
+                Flow::Yield
+            }
+            Step::Gate => {
+                rec.gate.notified().await;
+                more(self.at, &self.plan)
+            }
+            Step::Signal => {
+                rec.signal.notify_one();
+                more(self.at, &self.plan)
+            }
+            Step::Sleep(ms) => Flow::SleepUntil(ctx.now_ms() + ms),
+            Step::Suspend(event) => Flow::Suspend(event),
+            Step::Forever(ms) => {
+                if rec.count(&format!("{}-exec", self.name)) == 1 {
+                    rec.signal.notify_one();
+                }
+                Flow::SleepUntil(ctx.now_ms() + ms)
+            }
+        })
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+        ctx.env::<Arc<Recorder>>()?
+            .record(format!("{}-rollback", self.name));
+        Ok(())
+    }
+
+    fn is_yield_after_execution(&self) -> bool {
+        self.yield_after
+    }
+}
+
+/// The state machine of the issue: four states adding 3, 5, 7 and 11 to a counter,
+/// optionally failing in one state after adding.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum AddState {
+    One,
+    Two,
+    Three,
+    Four,
+}
+
+impl AddState {
+    pub fn amount(self) -> i64 {
+        match self {
+            AddState::One => 3,
+            AddState::Two => 5,
+            AddState::Three => 7,
+            AddState::Four => 11,
+        }
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+pub struct Adder {
+    pub fail_in: Option<AddState>,
+}
+
+#[async_trait]
+impl StateMachineProcedure for Adder {
+    type State = AddState;
+
+    fn initial_state(&self) -> AddState {
+        AddState::One
+    }
+
+    async fn execute_from_state(
+        &mut self,
+        ctx: &mut StateContext<'_, AddState>,
+        state: AddState,
+    ) -> Result<Flow, ProcError> {
+        let rec = ctx.env::<Arc<Recorder>>()?;
+        rec.counter.fetch_add(state.amount(), Ordering::SeqCst);
+        rec.record(format!("exec {state:?}"));
+        if self.fail_in == Some(state) {
+            return Err(ProcError::failed(format!("{state:?} failed")));
+        }
+        let next = match state {
+            AddState::One => AddState::Two,
+            AddState::Two => AddState::Three,
+            AddState::Three => AddState::Four,
+            AddState::Four => return Ok(Flow::Done),
+        };
+        ctx.set_next_state(next);
+        Ok(Flow::MoreToDo)
+    }
+
+    async fn rollback_state(
+        &mut self,
+        ctx: &mut Context,
+        state: AddState,
+    ) -> Result<(), ProcError> {
+        let rec = ctx.env::<Arc<Recorder>>()?;
+        rec.counter.fetch_sub(state.amount(), Ordering::SeqCst);
+        rec.record(format!("rollback {state:?}"));
+        Ok(())
+    }
+}
+
+pub fn registry() -> Registry {
+    let mut registry = Registry::new();
+    registry
+        .register::<Scripted>("scripted")
+        .register::<StateMachine<Adder>>("adder");
+    registry
+}
+
+/// The stores every scenario runs on.
+pub fn stores() -> Vec<(&'static str, MemoryStore)> {
+    vec![("memory", MemoryStore::new())]
+}
+
+/// An executor on `store` with a fresh recorder.
+pub async fn start(store: MemoryStore, workers: usize) -> (Executor, Arc<Recorder>) {
+    let rec = Arc::new(Recorder::default());
+    let executor = Executor::builder()
+        .registry(registry())
+        .store(store)
+        .workers(workers)
+        .env(rec.clone())
+        .start()
+        .await
+        .expect("executor starts");
+    (executor, rec)
+}
+
+/// Submits and waits for the result.
+pub async fn run(
+    executor: &Executor,
+    proc: impl Procedure,
+) -> (ProcId, Result<(), proctor::Failure>) {
+    let id = executor.submit(proc).await.expect("submit");
+    let result = executor.wait(id).await.expect("wait");
+    (id, result)
+}
