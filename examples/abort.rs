@@ -1,0 +1,88 @@
+//! Abort: start a long-running procedure, send it an abort message, and watch it roll
+//! back. Run it with
+//!
+//! ```sh
+//! cargo run --release --example abort
+//! ```
+//!
+//! The procedure drains a server one region per step, sleeping between steps (the
+//! engine holds no worker while it sleeps). The operator's `Abort` message is accepted
+//! between steps; the engine then calls `rollback` once per executed step, newest first,
+//! and the procedure ends ROLLEDBACK with the abort as its error.
+
+use std::sync::Arc;
+
+use proctor::{
+    async_trait, Abort, Context, Executor, Flow, ProcError, ProcState, Procedure, Registry,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+#[derive(Serialize, Deserialize)]
+struct DrainServer {
+    server: String,
+    moved: Vec<String>,
+}
+
+/// Lets `main` know the procedure is under way before it aborts it.
+struct Progress(Notify);
+
+#[async_trait]
+impl Procedure for DrainServer {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+        let region = format!("region-{}", self.moved.len());
+        println!("[procedure {}] move {region} off {}", ctx.id(), self.server);
+        self.moved.push(region);
+        if self.moved.len() == 3 {
+            ctx.env::<Arc<Progress>>()?.0.notify_one();
+        }
+        // Plenty of regions to go: sleep 20 ms, then the next step.
+        Ok(Flow::SleepUntil(ctx.now_ms() + 20))
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+        // One call per executed step: move the newest region back.
+        if let Some(region) = self.moved.pop() {
+            println!(
+                "[procedure {}] move {region} back to {}",
+                ctx.id(),
+                self.server
+            );
+        }
+        Ok(())
+    }
+}
+
+#[actix::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let mut registry = Registry::new();
+    registry.register::<DrainServer>("drain_server");
+    let progress = Arc::new(Progress(Notify::new()));
+    let executor = Executor::builder()
+        .registry(registry)
+        .env(progress.clone())
+        .start()
+        .await?;
+
+    let id = executor
+        .submit(DrainServer {
+            server: "rs-7".into(),
+            moved: Vec::new(),
+        })
+        .await?;
+    progress.0.notified().await;
+
+    // The abort is a message to the executor actor, like any other.
+    let accepted = executor.addr().send(Abort(id)).await??;
+    println!("abort of procedure {id} accepted: {accepted}");
+
+    let result = executor.wait(id).await?;
+    let state = executor.state(id).await?.state;
+    match result {
+        Err(failure) if state == ProcState::RolledBack => {
+            println!("procedure {id} rolled back ({state}): {}", failure.error);
+            Ok(())
+        }
+        other => Err(format!("procedure {id} ended {state}: {other:?}").into()),
+    }
+}

@@ -1,0 +1,176 @@
+//! Quickstart: a create-table procedure written as a state machine, with one child
+//! procedure per region. Run it with
+//!
+//! ```sh
+//! cargo run --release --example quickstart
+//! ```
+//!
+//! It prints each state the procedure passes through and ends with SUCCESS. The
+//! "cluster" is a map in memory that stands in for the service that embeds proctor.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+use proctor::{
+    async_trait, Context, Executor, Flow, MemoryStore, ProcError, Procedure, Registry,
+    StateContext, StateMachine, StateMachineProcedure,
+};
+use serde::{Deserialize, Serialize};
+
+/// What the procedures act on: table name → the regions assigned so far.
+#[derive(Default)]
+struct Cluster {
+    tables: Mutex<BTreeMap<String, Vec<String>>>,
+}
+
+/// The states of creating a table, in order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum CreateTableState {
+    Prepare,
+    WriteMeta,
+    AssignRegions,
+    Enable,
+}
+
+/// The procedure's own state: everything it needs to resume after a crash.
+#[derive(Serialize, Deserialize)]
+struct CreateTable {
+    table: String,
+    regions: u32,
+}
+
+#[async_trait]
+impl StateMachineProcedure for CreateTable {
+    type State = CreateTableState;
+
+    fn initial_state(&self) -> CreateTableState {
+        CreateTableState::Prepare
+    }
+
+    async fn execute_from_state(
+        &mut self,
+        ctx: &mut StateContext<'_, CreateTableState>,
+        state: CreateTableState,
+    ) -> Result<Flow, ProcError> {
+        println!("[procedure {}] {state:?}", ctx.id());
+        let cluster = ctx.env::<Cluster>()?;
+        match state {
+            CreateTableState::Prepare => {
+                if cluster.tables.lock().unwrap().contains_key(&self.table) {
+                    return Err(ProcError::failed(format!("table {} exists", self.table)));
+                }
+                ctx.set_next_state(CreateTableState::WriteMeta);
+                Ok(Flow::MoreToDo)
+            }
+            CreateTableState::WriteMeta => {
+                // Idempotent: re-running after a crash finds the entry and keeps it.
+                cluster
+                    .tables
+                    .lock()
+                    .unwrap()
+                    .entry(self.table.clone())
+                    .or_default();
+                ctx.set_next_state(CreateTableState::AssignRegions);
+                Ok(Flow::MoreToDo)
+            }
+            CreateTableState::AssignRegions => {
+                ctx.set_next_state(CreateTableState::Enable);
+                let children = (0..self.regions)
+                    .map(|r| {
+                        Box::new(AssignRegion {
+                            table: self.table.clone(),
+                            region: format!("{}-r{r}", self.table),
+                        }) as Box<dyn Procedure>
+                    })
+                    .collect();
+                // The parent now WAITs, holding no worker, until every child finishes.
+                Ok(Flow::Children(children))
+            }
+            CreateTableState::Enable => Ok(Flow::Done),
+        }
+    }
+
+    async fn rollback_state(
+        &mut self,
+        ctx: &mut Context,
+        state: CreateTableState,
+    ) -> Result<(), ProcError> {
+        println!("[procedure {}] rollback {state:?}", ctx.id());
+        if state == CreateTableState::WriteMeta {
+            ctx.env::<Cluster>()?
+                .tables
+                .lock()
+                .unwrap()
+                .remove(&self.table);
+        }
+        Ok(())
+    }
+}
+
+/// A child: assign one region of the table (a single step).
+#[derive(Serialize, Deserialize)]
+struct AssignRegion {
+    table: String,
+    region: String,
+}
+
+#[async_trait]
+impl Procedure for AssignRegion {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+        println!(
+            "[procedure {} child of {}] assign region {}",
+            ctx.id(),
+            ctx.parent().map_or("-".to_string(), |p| p.to_string()),
+            self.region
+        );
+        let cluster = ctx.env::<Cluster>()?;
+        let mut tables = cluster.tables.lock().unwrap();
+        let regions = tables.entry(self.table.clone()).or_default();
+        if !regions.contains(&self.region) {
+            regions.push(self.region.clone());
+        }
+        Ok(Flow::Done)
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+        let cluster = ctx.env::<Cluster>()?;
+        if let Some(regions) = cluster.tables.lock().unwrap().get_mut(&self.table) {
+            regions.retain(|r| r != &self.region);
+        }
+        Ok(())
+    }
+}
+
+#[actix::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // Every type that can be persisted is registered under a name that never changes.
+    let mut registry = Registry::new();
+    registry
+        .register::<StateMachine<CreateTable>>("create_table")
+        .register::<AssignRegion>("assign_region");
+
+    let executor = Executor::builder()
+        .registry(registry)
+        .store(MemoryStore::new())
+        .env(Cluster::default())
+        .start()
+        .await?;
+
+    let id = executor
+        .submit(StateMachine::new(CreateTable {
+            table: "users".into(),
+            regions: 2,
+        }))
+        .await?;
+    println!("submitted create_table as procedure {id}");
+
+    let result = executor.wait(id).await?;
+    let info = executor.state(id).await?;
+    match result {
+        Ok(()) => {
+            println!("procedure {id} finished: {}", info.state);
+            Ok(())
+        }
+        Err(failure) => Err(format!("procedure {id} ended {}: {failure}", info.state).into()),
+    }
+}
