@@ -350,6 +350,23 @@ impl Handler<Rollback> for ProcedureActor {
             unreachable!("rollback of {id} while a call runs");
         };
         let mut pctx = self.context();
+        // A rollback runs under the procedure's lock, like a step.
+        if !self.lock_held {
+            let busy = match guard("acquire_lock", || proc.acquire_lock(&pctx)) {
+                Ok(LockState::Acquired) => None,
+                Ok(LockState::Yield) => Some(ProcError::failed("lock not available for rollback")),
+                Err(panic) => Some(panic),
+            };
+            if let Some(error) = busy {
+                self.proc = Some(proc);
+                self.root_stack.do_send(RolledBack {
+                    id,
+                    result: Err(error),
+                });
+                return;
+            }
+            self.lock_held = true;
+        }
         let span = tracing::debug_span!("rollback", proc = %id, root = %self.root);
         let call = async move {
             let result = CatchUnwind {
@@ -357,12 +374,15 @@ impl Handler<Rollback> for ProcedureActor {
                 future: proc.rollback(&mut pctx),
             }
             .await;
-            (proc, result)
+            (proc, pctx, result)
         };
         ctx.spawn(
             tracing::Instrument::instrument(call, span)
                 .into_actor(self)
-                .map(|(proc, result), act, _ctx| {
+                .map(|(mut proc, pctx, result), act, _ctx| {
+                    if !proc.holds_lock() {
+                        act.release_lock(&mut *proc, &pctx);
+                    }
                     let result = result.and_then(|r| r).and_then(|()| act.encode(&*proc));
                     act.proc = Some(proc);
                     act.root_stack.do_send(RolledBack { id: act.id, result });

@@ -1,0 +1,220 @@
+//! The optional hooks as the engine calls them: lock acquire/release around steps, a
+//! procedure timeout, completion cleanup, and the environment.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use proctor::{
+    async_trait, Context, Error, Executor, Flow, LockState, ProcError, ProcState, Procedure,
+    Registry,
+};
+use serde::{Deserialize, Serialize};
+
+#[derive(Default)]
+struct Log(Mutex<Vec<String>>);
+
+impl Log {
+    fn push(&self, s: impl Into<String>) {
+        self.0.lock().unwrap().push(s.into());
+    }
+    fn take(&self) -> Vec<String> {
+        std::mem::take(&mut self.0.lock().unwrap())
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Hooked {
+    steps: u32,
+    busy_locks: u32,
+    hold: bool,
+    timeout_ms: Option<u64>,
+    sleep_forever: bool,
+    /// Tell the test when completion cleanup runs.
+    signal_cleanup: bool,
+}
+
+/// Signalled by the completion cleanup of a procedure with `signal_cleanup`.
+static CLEANED_UP: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+fn log(ctx: &Context, entry: &str) {
+    // Tolerates a missing environment, so a test can run without one.
+    if let Ok(log) = ctx.env::<Arc<Log>>() {
+        log.push(entry);
+    }
+}
+
+impl Hooked {
+    fn new(steps: u32) -> Self {
+        Hooked {
+            steps,
+            busy_locks: 0,
+            hold: false,
+            timeout_ms: None,
+            sleep_forever: false,
+            signal_cleanup: false,
+        }
+    }
+}
+
+#[async_trait]
+impl Procedure for Hooked {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+        ctx.env::<Arc<Log>>()?.push("execute");
+        if self.sleep_forever {
+            return Ok(Flow::SleepUntil(ctx.now_ms() + 3_600_000));
+        }
+        self.steps -= 1;
+        Ok(if self.steps > 0 {
+            Flow::MoreToDo
+        } else {
+            Flow::Done
+        })
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+        log(ctx, "rollback");
+        Ok(())
+    }
+
+    fn acquire_lock(&mut self, ctx: &Context) -> LockState {
+        if self.busy_locks > 0 {
+            self.busy_locks -= 1;
+            log(ctx, "lock busy");
+            return LockState::Yield;
+        }
+        log(ctx, "lock");
+        LockState::Acquired
+    }
+
+    fn release_lock(&mut self, ctx: &Context) {
+        log(ctx, "unlock");
+    }
+
+    fn holds_lock(&self) -> bool {
+        self.hold
+    }
+
+    fn timeout_ms(&self) -> Option<u64> {
+        self.timeout_ms
+    }
+
+    fn completion_cleanup(&mut self) {
+        if self.signal_cleanup {
+            CLEANED_UP.notify_one();
+        }
+    }
+}
+
+async fn start() -> (Executor, Arc<Log>) {
+    let mut registry = Registry::new();
+    registry.register::<Hooked>("hooked");
+    let log = Arc::new(Log::default());
+    let executor = Executor::builder()
+        .registry(registry)
+        .env(log.clone())
+        .start()
+        .await
+        .unwrap();
+    (executor, log)
+}
+
+#[actix::test]
+async fn locks_are_taken_around_each_step_and_a_busy_lock_requeues() {
+    let (executor, log) = start().await;
+    let mut proc = Hooked::new(2);
+    proc.busy_locks = 2;
+    let id = executor.submit(proc).await.unwrap();
+    assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+    assert_eq!(
+        log.take(),
+        [
+            "lock busy",
+            "lock busy",
+            "lock",
+            "execute",
+            "unlock",
+            "lock",
+            "execute",
+            "unlock"
+        ]
+    );
+}
+
+#[actix::test]
+async fn a_held_lock_is_taken_once_and_released_at_the_end() {
+    let (executor, log) = start().await;
+    let mut proc = Hooked::new(3);
+    proc.hold = true;
+    let id = executor.submit(proc).await.unwrap();
+    assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+    assert_eq!(
+        log.take(),
+        ["lock", "execute", "execute", "execute", "unlock"]
+    );
+}
+
+#[actix::test]
+async fn an_expired_timeout_fails_and_rolls_back() {
+    let (executor, log) = start().await;
+    let mut proc = Hooked::new(1);
+    proc.timeout_ms = Some(20);
+    proc.sleep_forever = true;
+    let id = executor.submit(proc).await.unwrap();
+    let failure = executor.wait(id).await.unwrap().unwrap_err();
+    assert_eq!(failure.error, ProcError::TimedOut { timeout_ms: 20 });
+    assert_eq!(
+        executor.state(id).await.unwrap().state,
+        ProcState::RolledBack
+    );
+    assert_eq!(
+        log.take(),
+        ["lock", "execute", "unlock", "lock", "rollback", "unlock"]
+    );
+}
+
+#[actix::test]
+async fn a_missing_environment_is_a_clear_failure() {
+    let mut registry = Registry::new();
+    registry.register::<Hooked>("hooked");
+    let executor = Executor::builder()
+        .registry(registry)
+        .start()
+        .await
+        .unwrap();
+    let id = executor.submit(Hooked::new(1)).await.unwrap();
+    let failure = executor.wait(id).await.unwrap().unwrap_err();
+    assert!(
+        failure.error.to_string().contains("no environment of type"),
+        "{failure}"
+    );
+}
+
+#[actix::test]
+async fn an_unregistered_type_is_refused_at_submit() {
+    let (executor, _log) = start().await;
+    let err = executor
+        .submit(common::Scripted::new("x", vec![]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Registry(_)));
+    assert!(
+        err.to_string()
+            .contains("common::Scripted is not registered"),
+        "{err}"
+    );
+}
+
+#[actix::test]
+async fn completion_cleanup_runs_once_finished() {
+    let (executor, _log) = start().await;
+    let mut proc = Hooked::new(1);
+    proc.signal_cleanup = true;
+    let id = executor.submit(proc).await.unwrap();
+    assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+    // The cleanup runs when the actor stops, which may be just after the result.
+    tokio::time::timeout(Duration::from_secs(10), CLEANED_UP.notified())
+        .await
+        .expect("completion_cleanup ran");
+}
