@@ -20,6 +20,7 @@ mod registry;
 mod root_stack;
 mod state_machine;
 mod store;
+pub mod wal;
 
 #[path = "../actors/mod.rs"]
 mod actors;

@@ -49,6 +49,7 @@ pub struct ProcRecord {
     /// For a procedure suspended on an event: the event's name.
     pub event: Option<String>,
     /// The procedure's encoded state.
+    #[serde(with = "serde_bytes")]
     pub data: Vec<u8>,
 }
 
