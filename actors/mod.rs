@@ -10,8 +10,10 @@ mod procedure;
 mod root_stack;
 mod scheduler;
 mod shared;
+mod wal_store;
 
 pub use executor::{
     Abort, Executor, ExecutorActor, ExecutorBuilder, GetState, List, ProcInfo, Submit, WaitFor,
 };
 pub use scheduler::WakeEvent;
+pub use wal_store::{scan_wal_dir, WalOptions, WalStats, WalStore};

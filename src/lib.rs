@@ -28,8 +28,8 @@ mod actors;
 pub use async_trait::async_trait;
 
 pub use crate::actors::{
-    Abort, Executor, ExecutorActor, ExecutorBuilder, GetState, List, ProcInfo, Submit, WaitFor,
-    WakeEvent,
+    scan_wal_dir, Abort, Executor, ExecutorActor, ExecutorBuilder, GetState, List, ProcInfo,
+    Submit, WaitFor, WakeEvent, WalOptions, WalStats, WalStore,
 };
 pub use crate::error::Error;
 pub use crate::procedure::{

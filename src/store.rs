@@ -33,6 +33,12 @@ pub enum StoreError {
         /// What is wrong.
         reason: String,
     },
+    /// Another engine holds the store.
+    #[error("the store in {dir} is locked by another engine")]
+    Locked {
+        /// The store's directory.
+        dir: String,
+    },
     /// An earlier append failed; the store refuses further appends.
     #[error("store refuses appends after an earlier failure: {0}")]
     Failed(String),
@@ -63,6 +69,16 @@ pub trait ProcedureStore: Send + 'static {
 
     /// Reads everything back, for recovery and inspection.
     fn load(&mut self) -> Result<StoreSnapshot, StoreError>;
+}
+
+impl ProcedureStore for Box<dyn ProcedureStore> {
+    fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
+        (**self).append(ops)
+    }
+
+    fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
+        (**self).load()
+    }
 }
 
 /// A store in memory: nothing survives the process, but clones share one map, so a test

@@ -10,7 +10,7 @@
 //! ```text
 //! segment  := header frame*
 //! header   := magic "PRCTRWAL" (8) | version u16 | reserved u16 (0) | seq u64
-//!             | crc32c u32 of the preceding 20 bytes                      = 24 bytes
+//!             | max_id u64 | crc32c u32 of the preceding 28 bytes         = 32 bytes
 //! frame    := len u32 | kind u8 | crc u32 | payload (len bytes)
 //!             crc = crc32c(len | kind | payload)
 //! kind     := 1 batch       (one group-committed append)
@@ -22,7 +22,9 @@
 //! One frame is one `append` of the store, so a frame is the unit of atomicity: a crash
 //! leaves either the whole frame (its CRC matches) or a torn one, which recovery drops.
 //! A record is a full snapshot of one procedure ([`ProcRecord`]); the latest record per
-//! procedure wins and a `Delete` removes it.
+//! procedure wins and a `Delete` removes it. `max_id` is the highest procedure id
+//! written before the segment was created, so ids are never reused even after the
+//! segments that held the highest ones are deleted.
 //!
 //! # Torn tail or corruption
 //!
@@ -41,7 +43,7 @@ pub const MAGIC: [u8; 8] = *b"PRCTRWAL";
 /// The format version this code writes and reads.
 pub const VERSION: u16 = 1;
 /// Bytes in a segment header.
-pub const SEGMENT_HEADER_LEN: usize = 24;
+pub const SEGMENT_HEADER_LEN: usize = 32;
 /// Bytes in a frame header.
 pub const FRAME_HEADER_LEN: usize = 9;
 /// The largest payload a frame may carry; a larger `len` is corruption.
@@ -99,19 +101,35 @@ pub enum FrameError {
     Header(String),
 }
 
+/// What a segment header says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentHeader {
+    /// The segment's sequence number.
+    pub seq: u64,
+    /// The highest procedure id written before the segment was created.
+    pub max_id: u64,
+}
+
 /// A segment header for segment `seq`.
-pub fn segment_header(seq: u64) -> [u8; SEGMENT_HEADER_LEN] {
+pub fn segment_header(seq: u64, max_id: u64) -> [u8; SEGMENT_HEADER_LEN] {
     let mut h = [0u8; SEGMENT_HEADER_LEN];
     h[0..8].copy_from_slice(&MAGIC);
     h[8..10].copy_from_slice(&VERSION.to_le_bytes());
     h[12..20].copy_from_slice(&seq.to_le_bytes());
-    let crc = crc32c::crc32c(&h[0..20]);
-    h[20..24].copy_from_slice(&crc.to_le_bytes());
+    h[20..28].copy_from_slice(&max_id.to_le_bytes());
+    let crc = crc32c::crc32c(&h[0..28]);
+    h[28..32].copy_from_slice(&crc.to_le_bytes());
     h
 }
 
-/// The sequence number in a segment header.
-pub fn parse_segment_header(bytes: &[u8]) -> Result<u64, FrameError> {
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut x = [0u8; 8];
+    x.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(x)
+}
+
+/// Parses a segment header.
+pub fn parse_segment_header(bytes: &[u8]) -> Result<SegmentHeader, FrameError> {
     if bytes.len() < SEGMENT_HEADER_LEN {
         return Err(FrameError::Truncated {
             need: SEGMENT_HEADER_LEN as u64,
@@ -124,8 +142,8 @@ pub fn parse_segment_header(bytes: &[u8]) -> Result<u64, FrameError> {
             "bad magic: not a proctor WAL segment".into(),
         ));
     }
-    let stored = u32::from_le_bytes([h[20], h[21], h[22], h[23]]);
-    let computed = crc32c::crc32c(&h[0..20]);
+    let stored = u32::from_le_bytes([h[28], h[29], h[30], h[31]]);
+    let computed = crc32c::crc32c(&h[0..28]);
     if stored != computed {
         return Err(FrameError::Checksum { stored, computed });
     }
@@ -135,9 +153,10 @@ pub fn parse_segment_header(bytes: &[u8]) -> Result<u64, FrameError> {
             "format version {version}, this build reads {VERSION}"
         )));
     }
-    let mut seq = [0u8; 8];
-    seq.copy_from_slice(&h[12..20]);
-    Ok(u64::from_le_bytes(seq))
+    Ok(SegmentHeader {
+        seq: u64_at(h, 12),
+        max_id: u64_at(h, 20),
+    })
 }
 
 /// Checks what every stored record must satisfy. Used before encoding (a failure is a
@@ -272,8 +291,8 @@ pub enum ScanEnd {
 /// The result of scanning one segment file.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SegmentScan {
-    /// The sequence number from the header (`None` if the header itself is torn).
-    pub seq: Option<u64>,
+    /// The header (`None` if the header itself is bad).
+    pub header: Option<SegmentHeader>,
     /// The good frames, in order.
     pub frames: Vec<Frame>,
     /// How the scan ended.
@@ -283,9 +302,8 @@ pub struct SegmentScan {
 /// Scans a segment's bytes. `newest` says whether it is the last segment of the log,
 /// the only one whose tail a crash can tear.
 pub fn scan_segment(bytes: &[u8], newest: bool) -> SegmentScan {
-    let header = parse_segment_header(bytes);
-    let seq = match header {
-        Ok(seq) => seq,
+    let header = match parse_segment_header(bytes) {
+        Ok(header) => header,
         Err(reason) => {
             // A crash while creating the segment leaves a short or zero header.
             let torn =
@@ -296,7 +314,7 @@ pub fn scan_segment(bytes: &[u8], newest: bool) -> SegmentScan {
                 ScanEnd::Corrupt { offset: 0, reason }
             };
             return SegmentScan {
-                seq: None,
+                header: None,
                 frames: Vec::new(),
                 end,
             };
@@ -330,7 +348,7 @@ pub fn scan_segment(bytes: &[u8], newest: bool) -> SegmentScan {
         }
     };
     SegmentScan {
-        seq: Some(seq),
+        header: Some(header),
         frames,
         end,
     }
@@ -382,7 +400,7 @@ mod tests {
     }
 
     fn segment(frames: &[Vec<StoreOp>]) -> Vec<u8> {
-        let mut bytes = segment_header(7).to_vec();
+        let mut bytes = segment_header(7, 99).to_vec();
         for ops in frames {
             encode_frame(FrameKind::Batch, ops, &mut bytes).unwrap();
         }
@@ -402,12 +420,15 @@ mod tests {
 
     #[test]
     fn header_round_trips_and_rejects_damage() {
-        let h = segment_header(42);
-        assert_eq!(parse_segment_header(&h), Ok(42));
+        let h = segment_header(42, 7);
+        assert_eq!(
+            parse_segment_header(&h),
+            Ok(SegmentHeader { seq: 42, max_id: 7 })
+        );
         let cases: [(usize, &str); 3] = [
             (0, "bad magic"),
             (12, "checksum mismatch"),
-            (21, "checksum mismatch"),
+            (29, "checksum mismatch"),
         ];
         for (byte, text) in cases {
             let mut bad = h;
@@ -421,7 +442,7 @@ mod tests {
     fn clean_segment_scans_every_frame() {
         let bytes = segment(&sample());
         let scan = scan_segment(&bytes, true);
-        assert_eq!(scan.seq, Some(7));
+        assert_eq!(scan.header, Some(SegmentHeader { seq: 7, max_id: 99 }));
         assert_eq!(scan.end, ScanEnd::Clean);
         let ops: Vec<Vec<StoreOp>> = scan.frames.iter().map(|f| f.ops.clone()).collect();
         assert_eq!(ops, sample());
@@ -558,7 +579,7 @@ mod tests {
                 }
                 if bytes == good {
                     prop_assert_eq!(scan.end, ScanEnd::Clean);
-                } else if scan.seq.is_some() {
+                } else if scan.header.is_some() {
                     prop_assert!(scan.end != ScanEnd::Clean || scan.frames.len() < frames.len());
                 }
             }
