@@ -16,15 +16,17 @@ use tokio::sync::oneshot;
 
 use crate::error::Error;
 use crate::procedure::{ProcId, ProcState, Procedure};
-use crate::record::Failure;
+use crate::record::{Failure, ProcRecord};
+use crate::recovery::{self, CorruptProc};
 use crate::registry::Registry;
 use crate::store::{MemoryStore, ProcedureStore};
 
-use super::persistence::Persistence;
+use super::guard::guard;
+use super::persistence::{Persistence, StopWriter};
 use super::procedure::AbortProc;
 use super::root_stack::RootStackActor;
 use super::scheduler::{Scheduler, WakeEvent};
-use super::shared::Shared;
+use super::shared::{now_ms, Entry, Shared};
 
 impl From<MailboxError> for Error {
     fn from(_: MailboxError) -> Self {
@@ -95,8 +97,10 @@ impl ExecutorBuilder {
         self
     }
 
-    /// Starts the executor's actors in the current actix system (call it from inside
-    /// one, e.g. under `#[actix::main]`).
+    /// Recovers the store and starts the executor's actors in the current actix system
+    /// (call it from inside one, e.g. under `#[actix::main]`). Every unfinished tree in
+    /// the store is carried on to SUCCESS or ROLLEDBACK; see
+    /// [`Executor::recovery`].
     pub async fn start(self) -> Result<Executor, Error> {
         if self.workers == 0 || self.arbiters == 0 {
             return Err(Error::Config(
@@ -105,29 +109,42 @@ impl ExecutorBuilder {
         }
         let mut store = self.store.unwrap_or_else(|| Box::new(MemoryStore::new()));
         let snapshot = store.load()?;
-        let unfinished: Vec<ProcId> = snapshot
-            .records
-            .iter()
-            .filter(|r| !r.state.is_finished())
-            .map(|r| r.id)
-            .collect();
-        if !unfinished.is_empty() {
-            return Err(Error::Config(format!(
-                "the store holds {} unfinished procedures (first: {}); recovery is not built yet",
-                unfinished.len(),
-                unfinished[0]
-            )));
+        let registry = Arc::new(self.registry);
+        let names = |name: &str| registry.static_name(name);
+        let plan = recovery::plan(snapshot.records, names, now_ms());
+        let mut corrupt = plan.corrupt;
+        // Decode every unfinished procedure before anything starts, so that hooks run
+        // in the plan's order (children before parents) and a tree that cannot be
+        // decoded is reported whole.
+        let mut trees = Vec::with_capacity(plan.trees.len());
+        for tree in plan.trees {
+            match decode_tree(&registry, &tree.records) {
+                Ok(objects) => trees.push((tree, objects)),
+                Err(reason) => corrupt.extend(tree.records.iter().map(|r| CorruptProc {
+                    id: r.id,
+                    root: r.root,
+                    reason: reason.clone(),
+                })),
+            }
         }
+        for c in &corrupt {
+            tracing::error!(proc = %c.id, root = %c.root, reason = %c.reason, "cannot recover procedure");
+        }
+        let report = Arc::new(Recovery {
+            recovered_roots: trees.iter().map(|(t, _)| t.stack.root()).collect(),
+            finished_roots: plan.finished.len(),
+            corrupt,
+        });
         let persistence = Persistence::new(store)
             .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
             .start();
         let scheduler = Scheduler::new(self.workers).start();
         let arbiters: Vec<Arbiter> = (0..self.arbiters).map(|_| Arbiter::new()).collect();
         let handles = arbiters.iter().map(Arbiter::handle).collect();
-        let registry = Arc::new(self.registry);
         let env = self.env;
+        let finished = plan.finished;
         let addr = ExecutorActor::create(move |ctx| {
-            let shared = Shared::new(
+            let shared = Arc::new(Shared::new(
                 registry,
                 env,
                 scheduler,
@@ -135,13 +152,12 @@ impl ExecutorBuilder {
                 ctx.address(),
                 handles,
                 snapshot.max_id,
-            );
-            let shared = Arc::new(shared);
-            for record in snapshot.records {
+            ));
+            for record in finished {
                 // Finished roots keep their results across restarts.
                 shared.table.insert(
                     record.id,
-                    super::shared::Entry {
+                    Entry {
                         root: record.root,
                         parent: record.parent,
                         type_name: shared
@@ -156,14 +172,64 @@ impl ExecutorBuilder {
                     },
                 );
             }
+            for (tree, objects) in trees {
+                let shared = shared.clone();
+                RootStackActor::start_in_arbiter(&shared.next_arbiter().clone(), move |_| {
+                    RootStackActor::recover(
+                        shared.clone(),
+                        tree.stack,
+                        tree.start,
+                        objects,
+                        &tree.records,
+                    )
+                });
+            }
             ExecutorActor {
                 shared,
                 waiters: HashMap::new(),
                 broken: None,
             }
         });
-        Ok(Executor { addr })
+        if !report.recovered_roots.is_empty() {
+            tracing::info!(
+                recovered = report.recovered_roots.len(),
+                finished = report.finished_roots,
+                corrupt = report.corrupt.len(),
+                "recovered procedures"
+            );
+        }
+        Ok(Executor { addr, report })
     }
+}
+
+/// Decodes the unfinished procedures of a recovered tree and runs their
+/// `before_recover` hooks, children first.
+fn decode_tree(
+    registry: &Registry,
+    records: &[ProcRecord],
+) -> Result<HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>, String> {
+    let mut objects = HashMap::new();
+    for r in records.iter().filter(|r| !r.state.is_finished()) {
+        let mut proc = registry
+            .decode(&r.type_name, &r.data)
+            .map_err(|e| format!("procedure {}: {e}", r.id))?;
+        if let Err(e) = guard("before_recover", || proc.before_recover()) {
+            tracing::error!(proc = %r.id, %e, "before_recover panicked");
+        }
+        objects.insert(r.id, (proc, r.data.clone()));
+    }
+    Ok(objects)
+}
+
+/// What the executor found in its store when it started.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Recovery {
+    /// Roots of the unfinished trees it carries on.
+    pub recovered_roots: Vec<ProcId>,
+    /// Finished roots whose results it keeps.
+    pub finished_roots: usize,
+    /// Procedures it could not rebuild (left in the store for an operator).
+    pub corrupt: Vec<CorruptProc>,
 }
 
 /// A handle on a running executor. Cheap to clone and `Send`: use it from actors or
@@ -189,12 +255,18 @@ impl ExecutorBuilder {
 #[derive(Clone)]
 pub struct Executor {
     addr: Addr<ExecutorActor>,
+    report: Arc<Recovery>,
 }
 
 impl Executor {
     /// A builder with the defaults.
     pub fn builder() -> ExecutorBuilder {
         ExecutorBuilder::default()
+    }
+
+    /// What recovery found when the executor started.
+    pub fn recovery(&self) -> &Recovery {
+        &self.report
     }
 
     /// The executor actor, for sending the messages directly.
@@ -234,8 +306,9 @@ impl Executor {
         Ok(self.addr.send(WakeEvent(event.into())).await?)
     }
 
-    /// Stops the executor's arbiters and its store writer. Procedures still running are
-    /// simply cut off, exactly as by a crash: what is durable is what recovery sees.
+    /// Stops the executor's arbiters and its store writer, and releases the store (and
+    /// its directory lock). Procedures still running are simply cut off, exactly as by a
+    /// crash: what is durable is what the next executor recovers.
     pub async fn shutdown(self) -> Result<(), Error> {
         Ok(self.addr.send(Shutdown).await?)
     }
@@ -475,9 +548,9 @@ impl Handler<TreeFinished> for ExecutorActor {
 }
 
 impl Handler<Shutdown> for ExecutorActor {
-    type Result = ();
+    type Result = ResponseFuture<()>;
 
-    fn handle(&mut self, _msg: Shutdown, ctx: &mut Context<Self>) {
+    fn handle(&mut self, _msg: Shutdown, ctx: &mut Context<Self>) -> Self::Result {
         for arbiter in &self.shared.arbiters {
             arbiter.stop();
         }
@@ -486,6 +559,12 @@ impl Handler<Shutdown> for ExecutorActor {
                 let _ = waiter.send(Err(Error::Stopped));
             }
         }
+        self.broken = Some("the executor has shut down".into());
         ctx.stop();
+        let persistence = self.shared.persistence.clone();
+        Box::pin(async move {
+            // Errors mean it has stopped already.
+            let _ = persistence.send(StopWriter).await;
+        })
     }
 }

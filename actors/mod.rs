@@ -13,7 +13,8 @@ mod shared;
 mod wal_store;
 
 pub use executor::{
-    Abort, Executor, ExecutorActor, ExecutorBuilder, GetState, List, ProcInfo, Submit, WaitFor,
+    Abort, Executor, ExecutorActor, ExecutorBuilder, GetState, List, ProcInfo, Recovery, Submit,
+    WaitFor,
 };
 pub use scheduler::WakeEvent;
 pub use wal_store::{scan_wal_dir, WalOptions, WalStats, WalStore};

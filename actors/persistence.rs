@@ -140,3 +140,24 @@ impl Handler<Persist> for Persistence {
         self.enqueue(msg, ctx);
     }
 }
+
+/// Stops the actor once everything handed to the writer thread is written; answers
+/// after the thread (and with it the store, and its lock) is gone.
+pub(crate) struct StopWriter;
+
+impl Message for StopWriter {
+    type Result = ();
+}
+
+impl Handler<StopWriter> for Persistence {
+    type Result = ();
+
+    fn handle(&mut self, _msg: StopWriter, ctx: &mut Context<Self>) {
+        self.writer = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+        self.fail("the executor has shut down".to_string(), Vec::new());
+        ctx.stop();
+    }
+}

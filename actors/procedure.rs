@@ -31,8 +31,11 @@ impl Message for RunStep {
     type Result = ();
 }
 
-/// Roll back the newest step (from the root stack).
-pub(crate) struct Rollback;
+/// Roll back the newest step (from the root stack); `unrecorded` as in
+/// [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step).
+pub(crate) struct Rollback {
+    pub(crate) unrecorded: bool,
+}
 
 impl Message for Rollback {
     type Result = ();
@@ -52,10 +55,23 @@ impl Message for StopProc {
     type Result = ();
 }
 
+/// Who a procedure actor is.
+pub(crate) struct ProcSpec {
+    pub(crate) id: ProcId,
+    pub(crate) parent: Option<ProcId>,
+    pub(crate) root: ProcId,
+    /// When the procedure was submitted: its timeout counts from here, across restarts.
+    pub(crate) submitted_ms: u64,
+    /// Rebuilt by recovery: call `after_recover` when the actor starts.
+    pub(crate) recovered: bool,
+}
+
 pub(crate) struct ProcedureActor {
     id: ProcId,
     parent: Option<ProcId>,
     root: ProcId,
+    submitted_ms: u64,
+    recovered: bool,
     /// `None` while a call into user code runs.
     proc: Option<Box<dyn Procedure>>,
     /// The latest state that encoded, sent again if a later encoding fails.
@@ -75,11 +91,8 @@ pub(crate) struct ProcedureActor {
 }
 
 impl ProcedureActor {
-    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
-        id: ProcId,
-        parent: Option<ProcId>,
-        root: ProcId,
+        spec: ProcSpec,
         proc: Box<dyn Procedure>,
         data: Vec<u8>,
         shared: Arc<Shared>,
@@ -87,9 +100,11 @@ impl ProcedureActor {
         tree_failed: Arc<AtomicBool>,
     ) -> Self {
         ProcedureActor {
-            id,
-            parent,
-            root,
+            id: spec.id,
+            parent: spec.parent,
+            root: spec.root,
+            submitted_ms: spec.submitted_ms,
+            recovered: spec.recovered,
             proc: Some(proc),
             data,
             shared,
@@ -277,12 +292,21 @@ impl Actor for ProcedureActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        if self.recovered {
+            if let Some(proc) = self.proc.as_mut() {
+                if let Err(e) = guard("after_recover", || proc.after_recover()) {
+                    tracing::error!(proc = %self.id, %e, "after_recover panicked");
+                }
+            }
+        }
         let timeout = self
             .proc
             .as_ref()
             .and_then(|p| guard("timeout_ms", || p.timeout_ms()).ok().flatten());
         if let Some(timeout_ms) = timeout {
-            ctx.run_later(Duration::from_millis(timeout_ms), move |act, _ctx| {
+            let deadline_ms = self.submitted_ms.saturating_add(timeout_ms);
+            let delay = Duration::from_millis(deadline_ms.saturating_sub(now_ms()));
+            ctx.run_later(delay, move |act, _ctx| {
                 if act.proc.is_some() {
                     act.request_failure(Some(timeout_ms));
                 } else {
@@ -344,12 +368,15 @@ impl Handler<RunStep> for ProcedureActor {
 impl Handler<Rollback> for ProcedureActor {
     type Result = ();
 
-    fn handle(&mut self, _msg: Rollback, ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: Rollback, ctx: &mut Context<Self>) {
         let id = self.id;
         let Some(mut proc) = self.proc.take() else {
             unreachable!("rollback of {id} while a call runs");
         };
         let mut pctx = self.context();
+        if msg.unrecorded {
+            pctx = pctx.for_unrecorded_step();
+        }
         // A rollback runs under the procedure's lock, like a step.
         if !self.lock_held {
             let busy = match guard("acquire_lock", || proc.acquire_lock(&pctx)) {

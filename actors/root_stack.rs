@@ -22,7 +22,7 @@ use crate::root_stack::{Action, RootStack, StepReport, Transition};
 
 use super::executor::TreeFinished;
 use super::persistence::Persist;
-use super::procedure::{ProcedureActor, Rollback, StopProc};
+use super::procedure::{ProcSpec, ProcedureActor, Rollback, StopProc};
 use super::scheduler::{Enqueue, SuspendOn};
 use super::shared::{now_ms, Entry, Shared};
 
@@ -86,6 +86,8 @@ pub(crate) struct RootStackActor {
     initial: Option<Transition>,
     /// How many transitions have had their actions performed.
     performed: usize,
+    /// Rebuilt by recovery: the first actors it spawns are recovered procedures.
+    recovered: bool,
     /// Set when the store failed: the tree is stuck and reports nothing more.
     broken: bool,
 }
@@ -113,8 +115,37 @@ impl RootStackActor {
             submit_ack: Some(ack),
             initial: Some(t),
             performed: 0,
+            recovered: false,
             broken: false,
         }
+    }
+
+    /// A tree rebuilt by recovery: `core` and `t` from [`RootStack::recover`], the
+    /// decoded objects of its unfinished procedures, and their records for the table.
+    pub(crate) fn recover(
+        shared: Arc<Shared>,
+        core: RootStack,
+        t: Transition,
+        objects: HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>,
+        records: &[crate::record::ProcRecord],
+    ) -> Self {
+        let tree_failed = Arc::new(AtomicBool::new(core.is_failed()));
+        let actor = RootStackActor {
+            core,
+            shared,
+            procs: HashMap::new(),
+            unspawned: objects,
+            tree_failed,
+            pending: VecDeque::new(),
+            submit_ack: None,
+            initial: Some(t),
+            performed: 0,
+            recovered: true,
+            broken: false,
+        };
+        let inserts: Vec<StoreOp> = records.iter().cloned().map(StoreOp::Insert).collect();
+        actor.publish(&inserts);
+        actor
     }
 
     /// Persists the transition's records, then (in order) performs its actions.
@@ -162,6 +193,7 @@ impl RootStackActor {
             for action in p.actions {
                 self.perform(action, ctx);
             }
+            self.recovered = false;
         }
         if let Some(ack) = self.submit_ack.take() {
             if self.performed > 0 {
@@ -193,10 +225,14 @@ impl RootStackActor {
                     e.addr = None;
                 }
             }
-            Action::Rollback(id) => self.send_rollback(id),
-            Action::RetryRollback { id, delay_ms } => {
+            Action::Rollback { id, unrecorded } => self.send_rollback(id, unrecorded),
+            Action::RetryRollback {
+                id,
+                unrecorded,
+                delay_ms,
+            } => {
                 ctx.run_later(Duration::from_millis(delay_ms), move |act, _| {
-                    act.send_rollback(id)
+                    act.send_rollback(id, unrecorded)
                 });
             }
             Action::WakeAt { id, at_ms } => {
@@ -222,22 +258,19 @@ impl RootStackActor {
         let shared = self.shared.clone();
         let root_stack = ctx.address();
         let tree_failed = self.tree_failed.clone();
-        let (parent, root) = match self.shared.table.get(&id) {
-            Some(e) => (e.parent, e.root),
-            None => (None, self.core.root()),
+        let spec = match self.shared.table.get(&id) {
+            Some(e) => ProcSpec {
+                id,
+                parent: e.parent,
+                root: e.root,
+                submitted_ms: e.submitted_ms,
+                recovered: self.recovered,
+            },
+            None => unreachable!("spawn of {id}, which is not in the table"),
         };
         let arbiter = self.shared.next_arbiter().clone();
         let addr = ProcedureActor::start_in_arbiter(&arbiter, move |_| {
-            ProcedureActor::new(
-                id,
-                parent,
-                root,
-                proc,
-                data,
-                shared,
-                root_stack,
-                tree_failed,
-            )
+            ProcedureActor::new(spec, proc, data, shared, root_stack, tree_failed)
         });
         if let Some(mut e) = self.shared.table.get_mut(&id) {
             e.addr = Some(addr.clone());
@@ -245,9 +278,9 @@ impl RootStackActor {
         self.procs.insert(id, addr);
     }
 
-    fn send_rollback(&self, id: ProcId) {
+    fn send_rollback(&self, id: ProcId, unrecorded: bool) {
         match self.procs.get(&id) {
-            Some(addr) => addr.do_send(Rollback),
+            Some(addr) => addr.do_send(Rollback { unrecorded }),
             None => unreachable!("rollback of {id}, which has no actor"),
         }
     }

@@ -16,6 +16,7 @@ mod error;
 mod procedure;
 mod ready_queue;
 mod record;
+mod recovery;
 mod registry;
 mod root_stack;
 mod state_machine;
@@ -29,13 +30,14 @@ pub use async_trait::async_trait;
 
 pub use crate::actors::{
     scan_wal_dir, Abort, Executor, ExecutorActor, ExecutorBuilder, GetState, List, ProcInfo,
-    Submit, WaitFor, WakeEvent, WalOptions, WalStats, WalStore,
+    Recovery, Submit, WaitFor, WakeEvent, WalOptions, WalStats, WalStore,
 };
 pub use crate::error::Error;
 pub use crate::procedure::{
     Context, EncodeState, Flow, LockState, ProcError, ProcId, ProcState, Procedure,
 };
 pub use crate::record::{Failure, ProcRecord, StoreOp};
+pub use crate::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};
 pub use crate::store::{MemoryStore, ProcedureStore, StoreError, StoreSnapshot};

@@ -162,6 +162,7 @@ pub struct Context {
     root: ProcId,
     now_ms: u64,
     env: Option<Arc<dyn Any + Send + Sync>>,
+    unrecorded: bool,
 }
 
 impl Context {
@@ -179,7 +180,24 @@ impl Context {
             root,
             now_ms,
             env,
+            unrecorded: false,
         }
+    }
+
+    /// Marks a rollback call as undoing the unrecorded step (see
+    /// [`Context::is_unrecorded_step`]).
+    pub fn for_unrecorded_step(mut self) -> Self {
+        self.unrecorded = true;
+        self
+    }
+
+    /// In [`Procedure::rollback`]: `true` when this call undoes a step that may have
+    /// started before a crash but was never recorded (recovery adds one such call for
+    /// each procedure that may have been mid-step when its tree had already failed).
+    /// The procedure's state is the one from before that step. A procedure whose
+    /// rollback undoes "everything the next step could have done" can ignore this.
+    pub fn is_unrecorded_step(&self) -> bool {
+        self.unrecorded
     }
 
     /// This procedure's id.
@@ -277,8 +295,10 @@ pub trait Procedure: EncodeState + Any + Send + 'static {
     /// caught and treated the same way.
     async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError>;
 
-    /// Undoes one executed step. Called once per executed step, newest first. An `Err`
-    /// is retried with backoff until it succeeds: rollback is never abandoned.
+    /// Undoes one executed step. Called once per executed step, newest first, and after
+    /// a crash possibly once more first, for a step that may have started but was never
+    /// recorded ([`Context::is_unrecorded_step`]). An `Err` is retried with backoff
+    /// until it succeeds: rollback is never abandoned.
     async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError>;
 
     /// An operator asks to abort. Return `true` to accept: the procedure then fails with

@@ -89,12 +89,20 @@ pub enum Action {
     /// The procedure is finished: stop its actor (releasing its lock and running its
     /// completion cleanup).
     Stop(ProcId),
-    /// Ask the procedure to roll back its newest step.
-    Rollback(ProcId),
+    /// Ask the procedure to roll back its newest step. `unrecorded` marks the step
+    /// that may have started before a crash but was never recorded.
+    Rollback {
+        /// The procedure.
+        id: ProcId,
+        /// Whether the step is one recovery added (see [`RootStack::recover`]).
+        unrecorded: bool,
+    },
     /// Ask again after a failed rollback.
     RetryRollback {
         /// The procedure.
         id: ProcId,
+        /// As in [`Action::Rollback`].
+        unrecorded: bool,
         /// How long to wait first.
         delay_ms: u64,
     },
@@ -136,6 +144,15 @@ pub enum Phase {
     Finished,
 }
 
+/// One entry of the execution stack.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct StackEntry {
+    id: ProcId,
+    /// `false` for the entries recovery adds for steps that may have started before a
+    /// crash; they are not in any record's `stack_indexes`.
+    recorded: bool,
+}
+
 #[derive(Debug)]
 struct Node {
     parent: Option<ProcId>,
@@ -156,7 +173,7 @@ struct Node {
 pub struct RootStack {
     root: ProcId,
     nodes: BTreeMap<ProcId, Node>,
-    stack: Vec<ProcId>,
+    stack: Vec<StackEntry>,
     running: usize,
     failure: Option<Failure>,
     phase: Phase,
@@ -184,6 +201,145 @@ impl RootStack {
         let mut t = Transition::default();
         stack.add_node(&mut t, root, None, type_name, data, now_ms);
         (stack, t)
+    }
+
+    /// Rebuilds a tree from its records after a restart (HBase's and IoTDB's load):
+    /// the stack from the persisted stack indexes, pending children per parent, and the
+    /// first failure. The transition persists nothing; its actions start the actors of
+    /// every unfinished procedure and carry the tree on:
+    ///
+    /// - a healthy tree queues its RUNNABLE procedures and every WAITING parent whose
+    ///   children have all finished, re-arms sleep deadlines and re-suspends on events;
+    /// - a failed tree rolls back at once (nothing is running after a restart). Before
+    ///   the recorded steps, every unfinished procedure that may have been in the middle
+    ///   of a step gets one *unrecorded* rollback, so a step that started but was never
+    ///   recorded is undone too.
+    ///
+    /// `records` are all records of one tree, root included; `names` maps stored type
+    /// names to the registry's. Fails, naming the reason, when the history is
+    /// incomplete: a missing root or parent, holes in the stack indexes.
+    pub fn recover(
+        records: &[ProcRecord],
+        names: impl Fn(&str) -> Option<&'static str>,
+        now_ms: u64,
+    ) -> Result<(Self, Transition), String> {
+        let root = match records.iter().find(|r| r.parent.is_none()) {
+            Some(r) => r.id,
+            None => return Err("the root's record is missing".into()),
+        };
+        let mut nodes = BTreeMap::new();
+        let mut root_data = Vec::new();
+        let mut indexed: Vec<(u32, ProcId)> = Vec::new();
+        for r in records {
+            if r.root != root {
+                return Err(format!(
+                    "procedure {} belongs to root {}, not {root}",
+                    r.id, r.root
+                ));
+            }
+            let type_name = names(&r.type_name)
+                .ok_or_else(|| format!("procedure {} has unknown type {:?}", r.id, r.type_name))?;
+            if r.id == root {
+                root_data.clone_from(&r.data);
+            }
+            indexed.extend(r.stack_indexes.iter().map(|&i| (i, r.id)));
+            nodes.insert(
+                r.id,
+                Node {
+                    parent: r.parent,
+                    type_name,
+                    state: r.state,
+                    stack_indexes: r.stack_indexes.clone(),
+                    pending_children: 0,
+                    submitted_ms: r.submitted_ms,
+                    wake_at_ms: r.wake_at_ms,
+                    event: r.event.clone(),
+                    failure: r.failure.clone(),
+                    rollback_attempts: 0,
+                    stopped: r.state.is_finished(),
+                },
+            );
+        }
+        for r in records {
+            if let Some(parent) = r.parent {
+                let Some(p) = nodes.get_mut(&parent) else {
+                    return Err(format!("procedure {}'s parent {parent} is missing", r.id));
+                };
+                if !r.state.is_finished() {
+                    p.pending_children += 1;
+                }
+            }
+        }
+        indexed.sort_unstable();
+        let mut stack = Vec::with_capacity(indexed.len());
+        for (expected, (index, id)) in indexed.into_iter().enumerate() {
+            if index as usize != expected {
+                return Err(format!(
+                    "holes in the stack indexes: expected index {expected}, found {index} (procedure {id})"
+                ));
+            }
+            stack.push(StackEntry { id, recorded: true });
+        }
+        // The first failure: the earliest record that carries one.
+        let failure = records
+            .iter()
+            .filter_map(|r| r.failure.as_ref().map(|f| (r.updated_ms, f)))
+            .min_by_key(|(at, _)| *at)
+            .map(|(_, f)| f.clone());
+        let mut tree = RootStack {
+            root,
+            nodes,
+            stack,
+            running: 0,
+            failure,
+            phase: Phase::Executing,
+            root_data,
+        };
+        let mut t = Transition::default();
+        for (&id, node) in &tree.nodes {
+            if !node.state.is_finished() {
+                t.actions.push(Action::Spawn(id));
+            }
+        }
+        if tree.is_failed() {
+            let maybe_mid_step: Vec<ProcId> = tree
+                .nodes
+                .iter()
+                .filter(|(_, n)| {
+                    !n.state.is_finished()
+                        && n.state != ProcState::Failed
+                        && n.pending_children == 0
+                })
+                .map(|(&id, _)| id)
+                .collect();
+            for id in maybe_mid_step {
+                tree.stack.push(StackEntry {
+                    id,
+                    recorded: false,
+                });
+            }
+            tree.phase = Phase::RollingBack;
+            tree.next_rollback(&mut t, now_ms);
+            return Ok((tree, t));
+        }
+        let ids: Vec<ProcId> = tree.nodes.keys().copied().collect();
+        for id in ids {
+            let node = &tree.nodes[&id];
+            match node.state {
+                ProcState::Runnable | ProcState::Initializing => tree.enqueue(&mut t, id, false),
+                ProcState::Waiting if node.event.is_some() => {
+                    let event = node.event.clone().unwrap_or_default();
+                    t.actions.push(Action::SuspendOn { id, event });
+                }
+                ProcState::Waiting if node.pending_children == 0 => tree.enqueue(&mut t, id, false),
+                ProcState::WaitingTimeout => {
+                    let at_ms = node.wake_at_ms.unwrap_or(now_ms);
+                    t.actions.push(Action::WakeAt { id, at_ms });
+                }
+                _ => {}
+            }
+        }
+        Ok((tree, t))
     }
 
     /// The root's id.
@@ -316,27 +472,36 @@ impl RootStack {
         now_ms: u64,
     ) -> Transition {
         assert_eq!(self.phase, Phase::RollingBack, "rollback report for {id}");
-        assert_eq!(self.stack.last(), Some(&id), "rollback report out of order");
+        assert_eq!(
+            self.stack.last().map(|e| e.id),
+            Some(id),
+            "rollback report out of order"
+        );
         let mut t = Transition::default();
         match result {
             Ok(data) => {
-                self.pop_step(id);
+                let recorded = self.pop_step(id);
                 let node = self.node_mut(id);
                 node.rollback_attempts = 0;
-                if node.stack_indexes.is_empty() {
+                if recorded && node.stack_indexes.is_empty() {
                     node.state = ProcState::RolledBack;
                 }
                 self.persist_update(&mut t, id, data, now_ms);
                 self.next_rollback(&mut t, now_ms);
             }
             Err(error) => {
+                let unrecorded = self.stack.last().is_some_and(|e| !e.recorded);
                 let node = self.node_mut(id);
                 node.rollback_attempts = node.rollback_attempts.saturating_add(1);
                 let delay_ms = ROLLBACK_RETRY_BASE_MS
                     .saturating_mul(1 << node.rollback_attempts.min(20))
                     .min(ROLLBACK_RETRY_MAX_MS);
                 tracing::warn!(proc = %id, %error, delay_ms, "rollback failed; retrying");
-                t.actions.push(Action::RetryRollback { id, delay_ms });
+                t.actions.push(Action::RetryRollback {
+                    id,
+                    unrecorded,
+                    delay_ms,
+                });
             }
         }
         t
@@ -386,15 +551,19 @@ impl RootStack {
 
     fn push_step(&mut self, id: ProcId) {
         let index = u32::try_from(self.stack.len()).expect("root stack deeper than u32::MAX");
-        self.stack.push(id);
+        self.stack.push(StackEntry { id, recorded: true });
         self.node_mut(id).stack_indexes.push(index);
     }
 
-    fn pop_step(&mut self, id: ProcId) {
-        let popped = self.stack.pop();
-        assert_eq!(popped, Some(id));
-        let index = self.node_mut(id).stack_indexes.pop();
-        assert_eq!(index.map(|i| i as usize), Some(self.stack.len()));
+    /// Pops the top entry, which must be `id`'s; returns whether it was recorded.
+    fn pop_step(&mut self, id: ProcId) -> bool {
+        let popped = self.stack.pop().expect("pop of an empty stack");
+        assert_eq!(popped.id, id);
+        if popped.recorded {
+            let index = self.node_mut(id).stack_indexes.pop();
+            assert_eq!(index.map(|i| i as usize), Some(self.stack.len()));
+        }
+        popped.recorded
     }
 
     fn fail(&mut self, id: ProcId, error: ProcError) {
@@ -453,11 +622,14 @@ impl RootStack {
 
     fn next_rollback(&mut self, t: &mut Transition, now_ms: u64) {
         while let Some(&top) = self.stack.last() {
-            if self.nodes[&top].state == ProcState::Success {
-                self.pop_step(top);
+            if self.nodes[&top.id].state == ProcState::Success {
+                self.pop_step(top.id);
                 continue;
             }
-            t.actions.push(Action::Rollback(top));
+            t.actions.push(Action::Rollback {
+                id: top.id,
+                unrecorded: !top.recorded,
+            });
             return;
         }
         self.finish(t, now_ms);
@@ -543,8 +715,15 @@ impl fmt::Display for Transition {
                 Action::Enqueue { id, front: true } => format!("run {id} now"),
                 Action::Enqueue { id, front: false } => format!("run {id}"),
                 Action::Stop(id) => format!("stop {id}"),
-                Action::Rollback(id) => format!("rollback {id}"),
-                Action::RetryRollback { id, delay_ms } => format!("retry {id} in {delay_ms}"),
+                Action::Rollback {
+                    id,
+                    unrecorded: false,
+                } => format!("rollback {id}"),
+                Action::Rollback {
+                    id,
+                    unrecorded: true,
+                } => format!("rollback {id} unrecorded"),
+                Action::RetryRollback { id, delay_ms, .. } => format!("retry {id} in {delay_ms}"),
                 Action::WakeAt { id, at_ms } => format!("wake {id} at {at_ms}"),
                 Action::SuspendOn { id, event } => format!("suspend {id} on {event}"),
                 Action::Finished(Ok(())) => "finished ok".to_string(),

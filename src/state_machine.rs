@@ -215,6 +215,12 @@ impl<T: StateMachineProcedure> Procedure for StateMachine<T> {
     }
 
     async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+        if ctx.is_unrecorded_step() {
+            // The state that was about to run when the process died: it may have
+            // started, so undo it; the history is untouched (it was never recorded).
+            let state = self.current_state();
+            return self.machine.rollback_state(ctx, state).await;
+        }
         let Some(state) = self.history.pop() else {
             return Ok(());
         };

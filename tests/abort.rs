@@ -7,7 +7,7 @@ use proctor::{Error, ProcError, ProcId, ProcState};
 
 #[actix::test]
 async fn abort_of_a_running_procedure_rolls_it_back() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 4).await;
         let id = executor
             .submit(Scripted::new("long", vec![Step::Forever(2)]))
@@ -39,7 +39,7 @@ async fn abort_of_a_running_procedure_rolls_it_back() {
 
 #[actix::test]
 async fn abort_of_a_parent_waiting_for_children_rolls_back_the_tree() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 4).await;
         let child = Scripted::new("child", vec![Step::Forever(2)]);
         let id = executor
@@ -60,7 +60,7 @@ async fn abort_of_a_parent_waiting_for_children_rolls_back_the_tree() {
 
 #[actix::test]
 async fn abort_of_unknown_or_finished_procedures_is_a_clear_error() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, _rec) = start(store, 4).await;
 
         let unknown = executor.abort(ProcId(424242)).await.unwrap_err();

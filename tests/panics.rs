@@ -8,7 +8,7 @@ use proctor::ProcError;
 
 #[actix::test]
 async fn a_panic_in_execute_rolls_back_that_procedure_and_others_finish() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 2).await;
         let mut ids = Vec::new();
         for i in 0..5 {

@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering;
 
 #[actix::test]
 async fn failure_deep_in_a_chain_rolls_back_newest_first() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 4).await;
         let child2 = Scripted::new("child2", vec![Step::Fail("child2 broke".into())]);
         let child1 = Scripted::new("child1", vec![Step::Children(vec![child2])]);
@@ -41,7 +41,7 @@ async fn failure_deep_in_a_chain_rolls_back_newest_first() {
 
 #[actix::test]
 async fn a_child_that_succeeded_is_not_rolled_back() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 4).await;
         let child = Scripted::new("child", vec![Step::More]);
         let root = Scripted::new(
@@ -74,7 +74,7 @@ async fn a_child_that_succeeded_is_not_rolled_back() {
 
 #[actix::test]
 async fn state_machine_adds_up_to_26() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 4).await;
         let (_, result) = run(&executor, StateMachine::new(Adder { fail_in: None })).await;
         assert_eq!(result, Ok(()), "{store_name}");
@@ -88,7 +88,7 @@ async fn state_machine_adds_up_to_26() {
 
 #[actix::test]
 async fn state_machine_failing_in_state_3_rolls_back_3_2_1() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 4).await;
         let proc = StateMachine::new(Adder {
             fail_in: Some(AddState::Three),

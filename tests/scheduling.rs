@@ -8,7 +8,7 @@ use proctor::ProcState;
 
 #[actix::test]
 async fn yielding_5_times_runs_6_times_and_lets_others_run_between() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         // One worker: whatever runs between the yielder's steps ran because it yielded.
         let (executor, rec) = start(store, 1).await;
         let mut plan = vec![Step::Gate];
@@ -40,7 +40,7 @@ async fn yielding_5_times_runs_6_times_and_lets_others_run_between() {
 
 #[actix::test]
 async fn yielding_procedure_without_gate_runs_once_per_yield_plus_one() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 4).await;
         let plan = (0..5).map(|_| Step::Yield).collect();
         let (_, result) = run(&executor, Scripted::new("y", plan)).await;
@@ -52,7 +52,7 @@ async fn yielding_procedure_without_gate_runs_once_per_yield_plus_one() {
 
 #[actix::test]
 async fn an_empty_child_list_behaves_like_done() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 4).await;
         let (id, result) = run(
             &executor,
@@ -70,7 +70,7 @@ async fn an_empty_child_list_behaves_like_done() {
 
 #[actix::test]
 async fn sleeping_and_suspended_procedures_wake_up() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 1).await;
         let sleeper = executor
             .submit(Scripted::new("s", vec![Step::Sleep(5), Step::More]))
@@ -102,7 +102,7 @@ async fn sleeping_and_suspended_procedures_wake_up() {
 
 #[actix::test]
 async fn ten_thousand_roots_with_two_children_each_all_complete() {
-    for (store_name, store) in stores() {
+    for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 16).await;
         let mut ids = Vec::with_capacity(10_000);
         let submits: Vec<_> = (0..10_000)

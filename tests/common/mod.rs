@@ -9,10 +9,11 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use proctor::{
-    async_trait, Context, Executor, Flow, MemoryStore, ProcError, ProcId, Procedure, Registry,
-    StateContext, StateMachine, StateMachineProcedure,
+    async_trait, Context, Executor, Flow, MemoryStore, ProcError, ProcId, Procedure,
+    ProcedureStore, Registry, StateContext, StateMachine, StateMachineProcedure, WalStore,
 };
 use serde::{Deserialize, Serialize};
+use tempfile::TempDir;
 use tokio::sync::Notify;
 
 /// What the tests observe: the calls in order, a counter, and gates.
@@ -221,13 +222,18 @@ pub fn registry() -> Registry {
     registry
 }
 
-/// The stores every scenario runs on.
-pub fn stores() -> Vec<(&'static str, MemoryStore)> {
-    vec![("memory", MemoryStore::new())]
+/// The stores every scenario runs on: (name, store, the directory to keep alive).
+pub fn stores() -> Vec<(&'static str, Box<dyn ProcedureStore>, Option<TempDir>)> {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let wal = WalStore::open(dir.path()).expect("open WAL");
+    vec![
+        ("memory", Box::new(MemoryStore::new()), None),
+        ("wal", Box::new(wal), Some(dir)),
+    ]
 }
 
 /// An executor on `store` with a fresh recorder.
-pub async fn start(store: MemoryStore, workers: usize) -> (Executor, Arc<Recorder>) {
+pub async fn start(store: Box<dyn ProcedureStore>, workers: usize) -> (Executor, Arc<Recorder>) {
     let rec = Arc::new(Recorder::default());
     let executor = Executor::builder()
         .registry(registry())

@@ -1,0 +1,278 @@
+//! Recovery planning: the latest records of a store in, a [`RecoveryPlan`] out. Pure,
+//! so every rule is a table-driven unit test.
+//!
+//! The plan groups records by tree and rebuilds each unfinished tree with
+//! [`RootStack::recover`]. A tree whose history is incomplete (its root's record
+//! missing, a parent missing, holes in the stack indexes, an unknown type) is reported
+//! as corrupt, procedure by procedure, and left in the store untouched for an operator;
+//! it never stops unrelated trees from recovering. Finished roots keep their results.
+
+use std::collections::{BTreeMap, HashMap};
+
+use crate::procedure::ProcId;
+use crate::record::ProcRecord;
+use crate::root_stack::{RootStack, Transition};
+
+/// A procedure that recovery could not rebuild, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CorruptProc {
+    /// The procedure.
+    pub id: ProcId,
+    /// The root its record names.
+    pub root: ProcId,
+    /// What is wrong with its tree.
+    pub reason: String,
+}
+
+/// One unfinished tree, rebuilt.
+#[derive(Debug)]
+pub struct TreeRecovery {
+    /// The tree's records, children before parents.
+    pub records: Vec<ProcRecord>,
+    /// The rebuilt bookkeeping.
+    pub stack: RootStack,
+    /// What to do to carry the tree on (no records; actions only).
+    pub start: Transition,
+}
+
+/// What recovery does with a store's records.
+#[derive(Debug, Default)]
+pub struct RecoveryPlan {
+    /// Unfinished trees, by root id.
+    pub trees: Vec<TreeRecovery>,
+    /// Finished roots: their results are kept.
+    pub finished: Vec<ProcRecord>,
+    /// Procedures that cannot be recovered.
+    pub corrupt: Vec<CorruptProc>,
+}
+
+/// Plans the recovery of `records` (the latest record of every live procedure).
+/// `names` maps a stored type name to the registry's, `None` when unknown.
+pub fn plan(
+    records: Vec<ProcRecord>,
+    names: impl Fn(&str) -> Option<&'static str>,
+    now_ms: u64,
+) -> RecoveryPlan {
+    let mut by_root: BTreeMap<ProcId, Vec<ProcRecord>> = BTreeMap::new();
+    for r in records {
+        by_root.entry(r.root).or_default().push(r);
+    }
+    let mut plan = RecoveryPlan::default();
+    for (root, mut group) in by_root {
+        let corrupt = |group: &[ProcRecord], reason: String| -> Vec<CorruptProc> {
+            group
+                .iter()
+                .map(|r| CorruptProc {
+                    id: r.id,
+                    root,
+                    reason: reason.clone(),
+                })
+                .collect()
+        };
+        let Some(root_record) = group.iter().find(|r| r.id == root) else {
+            plan.corrupt
+                .extend(corrupt(&group, format!("its root {root} has no record")));
+            continue;
+        };
+        if root_record.state.is_finished() {
+            // A finished tree's children are deleted with the root's final record, in
+            // one atomic append; any left over mean the log was tampered with.
+            let root_record = root_record.clone();
+            group.retain(|r| r.id != root);
+            plan.corrupt.extend(corrupt(
+                &group,
+                format!("its root {root} has finished ({})", root_record.state),
+            ));
+            plan.finished.push(root_record);
+            continue;
+        }
+        if let Err(reason) = order_children_first(&mut group) {
+            plan.corrupt.extend(corrupt(&group, reason));
+            continue;
+        }
+        match RootStack::recover(&group, &names, now_ms) {
+            Ok((stack, start)) => plan.trees.push(TreeRecovery {
+                records: group,
+                stack,
+                start,
+            }),
+            Err(reason) => plan.corrupt.extend(corrupt(&group, reason)),
+        }
+    }
+    plan
+}
+
+/// Sorts a tree's records deepest first (so hooks run on children before parents).
+fn order_children_first(group: &mut [ProcRecord]) -> Result<(), String> {
+    let parents: HashMap<ProcId, Option<ProcId>> = group.iter().map(|r| (r.id, r.parent)).collect();
+    let mut depth = HashMap::with_capacity(group.len());
+    for r in group.iter() {
+        let mut d = 0usize;
+        let mut at = r.parent;
+        while let Some(p) = at {
+            d += 1;
+            if d > group.len() {
+                return Err(format!("procedure {} is in a parent cycle", r.id));
+            }
+            at = match parents.get(&p) {
+                Some(&next) => next,
+                // Reported with its reason by RootStack::recover.
+                None => None,
+            };
+        }
+        depth.insert(r.id, d);
+    }
+    group.sort_by_key(|r| (std::cmp::Reverse(depth[&r.id]), r.id));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::procedure::{ProcError, ProcState};
+    use crate::record::Failure;
+
+    /// A record: id, parent, state, stack indexes.
+    fn rec(id: u64, parent: Option<u64>, state: ProcState, stack: &[u32]) -> ProcRecord {
+        ProcRecord {
+            id: ProcId(id),
+            parent: parent.map(ProcId),
+            root: ProcId(if parent.is_some() { 1 } else { id }),
+            type_name: "t".into(),
+            state,
+            stack_indexes: stack.to_vec(),
+            failure: (state == ProcState::Failed).then(|| Failure {
+                proc: ProcId(id),
+                type_name: "t".into(),
+                error: ProcError::failed("x"),
+            }),
+            submitted_ms: 0,
+            updated_ms: 0,
+            wake_at_ms: (state == ProcState::WaitingTimeout).then_some(500),
+            event: None,
+            data: vec![],
+        }
+    }
+
+    fn names(name: &str) -> Option<&'static str> {
+        (name == "t").then_some("t")
+    }
+
+    /// Plans and describes the result: one line per tree (its start actions), then
+    /// finished roots and corrupt procedures.
+    fn check(records: Vec<ProcRecord>, expected: &[&str]) {
+        let plan = plan(records, names, 100);
+        let mut lines = Vec::new();
+        for tree in &plan.trees {
+            let order: Vec<String> = tree.records.iter().map(|r| r.id.to_string()).collect();
+            lines.push(format!("tree [{}]: {}", order.join(" "), tree.start));
+        }
+        for r in &plan.finished {
+            lines.push(format!("finished {} {}", r.id, r.state));
+        }
+        for c in &plan.corrupt {
+            lines.push(format!("corrupt {}: {}", c.id, c.reason));
+        }
+        assert_eq!(lines, expected);
+    }
+
+    use ProcState::*;
+
+    #[test]
+    fn healthy_trees_carry_on() {
+        check(
+            vec![
+                // A root mid-way through its steps.
+                rec(1, None, Runnable, &[0, 1]),
+                // A parent whose children have all finished: it runs next.
+                rec(10, None, Waiting, &[0]),
+                ProcRecord {
+                    root: ProcId(10),
+                    ..rec(11, Some(10), Success, &[1])
+                },
+                // A parent with one child still running.
+                rec(20, None, Waiting, &[0]),
+                ProcRecord {
+                    root: ProcId(20),
+                    ..rec(21, Some(20), Success, &[1])
+                },
+                ProcRecord {
+                    root: ProcId(20),
+                    ..rec(22, Some(20), Runnable, &[])
+                },
+                // A sleeper gets its timer back.
+                rec(30, None, WaitingTimeout, &[0]),
+            ],
+            &[
+                "tree [1]:  | spawn 1, run 1",
+                "tree [11 10]:  | spawn 10, run 10",
+                "tree [21 22 20]:  | spawn 20, spawn 22, run 22",
+                "tree [30]:  | spawn 30, wake 30 at 500",
+            ],
+        );
+    }
+
+    #[test]
+    fn failed_trees_roll_back_covering_unrecorded_steps() {
+        check(
+            vec![
+                // Child 3 failed; sibling 2 may have been mid-step: it gets an
+                // unrecorded rollback before the recorded ones.
+                rec(1, None, Waiting, &[0]),
+                rec(2, Some(1), Runnable, &[1]),
+                rec(3, Some(1), Failed, &[2]),
+            ],
+            &["tree [2 3 1]:  | spawn 1, spawn 2, spawn 3, rollback 2 unrecorded"],
+        );
+        check(
+            vec![
+                // Part-way through the rollback: 3 is rolled back, 2 and 1 remain.
+                rec(1, None, Waiting, &[0]),
+                rec(2, Some(1), Runnable, &[1]),
+                ProcRecord {
+                    failure: rec(3, Some(1), Failed, &[]).failure,
+                    ..rec(3, Some(1), RolledBack, &[])
+                },
+            ],
+            &["tree [2 3 1]:  | spawn 1, spawn 2, rollback 2 unrecorded"],
+        );
+    }
+
+    #[test]
+    fn finished_roots_keep_their_results() {
+        check(
+            vec![rec(1, None, Success, &[0]), rec(5, None, RolledBack, &[])],
+            &["finished 1 SUCCESS", "finished 5 ROLLEDBACK"],
+        );
+    }
+
+    #[test]
+    fn incomplete_histories_are_corrupt_and_others_recover() {
+        check(
+            vec![
+                // Root 1's record is missing.
+                rec(2, Some(1), Runnable, &[0]),
+                // Holes in root 10's stack: index 1 is nowhere.
+                rec(10, None, Waiting, &[0]),
+                ProcRecord {
+                    root: ProcId(10),
+                    ..rec(11, Some(10), Runnable, &[2])
+                },
+                // An unknown type.
+                ProcRecord {
+                    type_name: "gone".into(),
+                    ..rec(20, None, Runnable, &[])
+                },
+                // A healthy tree beside them.
+                rec(30, None, Runnable, &[]),
+            ],
+            &[
+                "tree [30]:  | spawn 30, run 30",
+                "corrupt 2: its root 1 has no record",
+                "corrupt 11: holes in the stack indexes: expected index 1, found 2 (procedure 11)",
+                "corrupt 10: holes in the stack indexes: expected index 1, found 2 (procedure 11)",
+                "corrupt 20: procedure 20 has unknown type \"gone\"",
+            ],
+        );
+    }
+}
