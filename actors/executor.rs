@@ -16,7 +16,7 @@ use tokio::sync::oneshot;
 
 use crate::error::Error;
 use crate::procedure::{ProcId, ProcState, Procedure};
-use crate::record::{Failure, ProcRecord};
+use crate::record::{Failure, ProcRecord, StoreOp};
 use crate::recovery::{self, CorruptProc};
 use crate::registry::Registry;
 use crate::store::{MemoryStore, ProcedureStore};
@@ -24,7 +24,7 @@ use crate::store::{MemoryStore, ProcedureStore};
 use super::guard::guard;
 use super::persistence::{Persistence, StopWriter};
 use super::procedure::AbortProc;
-use super::root_stack::RootStackActor;
+use super::root_stack::{publish, RootStackActor};
 use super::scheduler::{Scheduler, WakeEvent};
 use super::shared::{now_ms, Entry, Shared};
 
@@ -173,15 +173,12 @@ impl ExecutorBuilder {
                 );
             }
             for (tree, objects) in trees {
+                // In the table before any request can ask about it.
+                let inserts: Vec<StoreOp> = tree.records.into_iter().map(StoreOp::Insert).collect();
+                publish(&shared, &inserts);
                 let shared = shared.clone();
                 RootStackActor::start_in_arbiter(&shared.next_arbiter().clone(), move |_| {
-                    RootStackActor::recover(
-                        shared.clone(),
-                        tree.stack,
-                        tree.start,
-                        objects,
-                        &tree.records,
-                    )
+                    RootStackActor::recover(shared.clone(), tree.stack, tree.start, objects)
                 });
             }
             ExecutorActor {

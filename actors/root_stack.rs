@@ -127,10 +127,9 @@ impl RootStackActor {
         core: RootStack,
         t: Transition,
         objects: HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>,
-        records: &[crate::record::ProcRecord],
     ) -> Self {
         let tree_failed = Arc::new(AtomicBool::new(core.is_failed()));
-        let actor = RootStackActor {
+        RootStackActor {
             core,
             shared,
             procs: HashMap::new(),
@@ -142,10 +141,7 @@ impl RootStackActor {
             performed: 0,
             recovered: true,
             broken: false,
-        };
-        let inserts: Vec<StoreOp> = records.iter().cloned().map(StoreOp::Insert).collect();
-        actor.publish(&inserts);
-        actor
+        }
     }
 
     /// Persists the transition's records, then (in order) performs its actions.
@@ -285,38 +281,8 @@ impl RootStackActor {
         }
     }
 
-    /// Mirrors the records into the procedure table, for `GetState` and `List`.
     fn publish(&self, ops: &[StoreOp]) {
-        for op in ops {
-            match op {
-                StoreOp::Insert(r) => {
-                    self.shared.table.insert(
-                        r.id,
-                        Entry {
-                            root: r.root,
-                            parent: r.parent,
-                            type_name: self
-                                .shared
-                                .registry
-                                .static_name(&r.type_name)
-                                .unwrap_or("?"),
-                            state: r.state,
-                            submitted_ms: r.submitted_ms,
-                            updated_ms: r.updated_ms,
-                            addr: None,
-                            result: None,
-                        },
-                    );
-                }
-                StoreOp::Update(r) => {
-                    if let Some(mut e) = self.shared.table.get_mut(&r.id) {
-                        e.state = r.state;
-                        e.updated_ms = r.updated_ms;
-                    }
-                }
-                StoreOp::Delete(_) => {}
-            }
-        }
+        publish(&self.shared, ops);
     }
 
     fn finished(&mut self, result: Result<(), Failure>, ctx: &mut Context<Self>) {
@@ -413,5 +379,35 @@ impl Handler<Wake> for RootStackActor {
     fn handle(&mut self, msg: Wake, ctx: &mut Context<Self>) {
         let t = self.core.on_wake(msg.0);
         self.apply(t, ctx);
+    }
+}
+
+/// Mirrors records into the procedure table, for `GetState` and `List`.
+pub(crate) fn publish(shared: &Shared, ops: &[StoreOp]) {
+    for op in ops {
+        match op {
+            StoreOp::Insert(r) => {
+                shared.table.insert(
+                    r.id,
+                    Entry {
+                        root: r.root,
+                        parent: r.parent,
+                        type_name: shared.registry.static_name(&r.type_name).unwrap_or("?"),
+                        state: r.state,
+                        submitted_ms: r.submitted_ms,
+                        updated_ms: r.updated_ms,
+                        addr: None,
+                        result: None,
+                    },
+                );
+            }
+            StoreOp::Update(r) => {
+                if let Some(mut e) = shared.table.get_mut(&r.id) {
+                    e.state = r.state;
+                    e.updated_ms = r.updated_ms;
+                }
+            }
+            StoreOp::Delete(_) => {}
+        }
     }
 }

@@ -1,0 +1,257 @@
+//! Restarts: an executor stops (cleanly, or "killed" before or after any record write)
+//! and another one recovers the same store and carries every procedure to its end.
+//!
+//! The in-process kill is a store wrapper that lets `n` appends through and then fails
+//! every append, optionally after writing the failed one: exactly what a crash just
+//! before or just after the `n+1`th write leaves on disk. The real-process SIGKILL test
+//! is `crash_sigkill.rs`.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use common::{Scripted, Step};
+use proctor::{
+    async_trait, Context, Executor, Flow, MemoryStore, ProcError, ProcId, ProcState,
+    ProcedureStore, Registry, StateContext, StateMachine, StateMachineProcedure, StoreError,
+    StoreOp, StoreSnapshot, WalStore,
+};
+use serde::{Deserialize, Serialize};
+
+/// Side effects kept outside the engine, idempotent by key, like a real system's.
+#[derive(Default)]
+struct Effects(Mutex<BTreeMap<String, i64>>);
+
+impl Effects {
+    fn total(&self) -> i64 {
+        self.0.lock().unwrap().values().sum()
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum S {
+    Add3,
+    Add5,
+    Add7,
+    Add11,
+}
+
+/// Adds 3, 5, 7, 11 (each idempotently, keyed by state); optionally fails in one state
+/// after its effect.
+#[derive(Serialize, Deserialize)]
+struct Adder {
+    fail_in: Option<S>,
+}
+
+fn amount(s: S) -> i64 {
+    match s {
+        S::Add3 => 3,
+        S::Add5 => 5,
+        S::Add7 => 7,
+        S::Add11 => 11,
+    }
+}
+
+#[async_trait]
+impl StateMachineProcedure for Adder {
+    type State = S;
+    fn initial_state(&self) -> S {
+        S::Add3
+    }
+    async fn execute_from_state(
+        &mut self,
+        ctx: &mut StateContext<'_, S>,
+        state: S,
+    ) -> Result<Flow, ProcError> {
+        let effects = ctx.env::<Arc<Effects>>()?;
+        effects
+            .0
+            .lock()
+            .unwrap()
+            .insert(format!("{state:?}"), amount(state));
+        if self.fail_in == Some(state) {
+            return Err(ProcError::failed("planned failure"));
+        }
+        let next = match state {
+            S::Add3 => S::Add5,
+            S::Add5 => S::Add7,
+            S::Add7 => S::Add11,
+            S::Add11 => return Ok(Flow::Done),
+        };
+        ctx.set_next_state(next);
+        Ok(Flow::MoreToDo)
+    }
+    async fn rollback_state(&mut self, ctx: &mut Context, state: S) -> Result<(), ProcError> {
+        let effects = ctx.env::<Arc<Effects>>()?;
+        effects.0.lock().unwrap().remove(&format!("{state:?}"));
+        Ok(())
+    }
+}
+
+/// Lets `budget` appends through, then "crashes": the next append is written only if
+/// `after_write`, and it and every later one fail.
+struct Crashing {
+    inner: WalStore,
+    budget: Arc<AtomicUsize>,
+    after_write: bool,
+    crashed: Arc<AtomicBool>,
+}
+
+impl ProcedureStore for Crashing {
+    fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
+        if self.crashed.load(Ordering::SeqCst) {
+            return Err(StoreError::Failed("simulated crash".into()));
+        }
+        if self.budget.load(Ordering::SeqCst) == 0 {
+            self.crashed.store(true, Ordering::SeqCst);
+            if self.after_write {
+                self.inner.append(ops)?;
+            }
+            return Err(StoreError::Failed("simulated crash".into()));
+        }
+        self.budget.fetch_sub(1, Ordering::SeqCst);
+        self.inner.append(ops)
+    }
+
+    fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
+        self.inner.load()
+    }
+}
+
+fn registry() -> Registry {
+    let mut r = common::registry();
+    r.register::<StateMachine<Adder>>("idempotent_adder");
+    r
+}
+
+async fn executor(store: impl ProcedureStore, env: Arc<Effects>) -> Executor {
+    Executor::builder()
+        .registry(registry())
+        .store(store)
+        .env(env)
+        .start()
+        .await
+        .expect("executor starts")
+}
+
+/// Runs the adder, crashing at append `n`, then recovers and runs it to the end.
+/// Returns the final state and the effects' total.
+async fn crash_at(dir: &Path, n: usize, after_write: bool, fail_in: Option<S>) -> (ProcState, i64) {
+    let effects = Arc::new(Effects::default());
+    let crashed = Arc::new(AtomicBool::new(false));
+    let store = Crashing {
+        inner: WalStore::open(dir).unwrap(),
+        budget: Arc::new(AtomicUsize::new(n)),
+        after_write,
+        crashed: crashed.clone(),
+    };
+    let first = executor(store, effects.clone()).await;
+    let submitted = first.submit(StateMachine::new(Adder { fail_in })).await;
+    if let Ok(id) = submitted {
+        // Either it finishes before the crash point, or the crash stops it.
+        let _ = first.wait(id).await;
+    }
+    first.shutdown().await.unwrap();
+
+    let second = executor(WalStore::open(dir).unwrap(), effects.clone()).await;
+    let id = match submitted {
+        Ok(id) => id,
+        // The insert never became durable: the submit was refused, nothing ran, and the
+        // caller submits again.
+        Err(_) => {
+            assert_eq!(
+                effects.total(),
+                0,
+                "nothing ran before the insert was durable"
+            );
+            second
+                .submit(StateMachine::new(Adder { fail_in }))
+                .await
+                .unwrap()
+        }
+    };
+    let result = second.wait(id).await.expect("recovered and finished");
+    let state = second.state(id).await.unwrap().state;
+    assert_eq!(result.is_ok(), state == ProcState::Success);
+    second.shutdown().await.unwrap();
+    (state, effects.total())
+}
+
+#[actix::test]
+async fn killed_before_and_after_each_record_write_still_ends_at_26() {
+    // Insert + 4 step records: every crash point, plus one past the end.
+    for n in 0..=5 {
+        for after_write in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let (state, total) = crash_at(dir.path(), n, after_write, None).await;
+            assert_eq!(
+                state,
+                ProcState::Success,
+                "crash at {n}, after_write={after_write}"
+            );
+            assert_eq!(total, 26, "crash at {n}, after_write={after_write}");
+        }
+    }
+}
+
+#[actix::test]
+async fn killed_anywhere_in_a_failing_run_still_rolls_back_to_0() {
+    // Insert, 2 steps, the failed step, 3 rollback records and the final one.
+    for n in 0..=8 {
+        for after_write in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            let (state, total) = crash_at(dir.path(), n, after_write, Some(S::Add7)).await;
+            assert_eq!(
+                state,
+                ProcState::RolledBack,
+                "crash at {n}, after_write={after_write}"
+            );
+            assert_eq!(total, 0, "crash at {n}, after_write={after_write}");
+        }
+    }
+}
+
+#[actix::test]
+async fn suspended_and_waiting_procedures_survive_a_restart() {
+    for name in ["memory", "wal"] {
+        let dir = tempfile::tempdir().unwrap();
+        let memory = MemoryStore::new();
+        let open = || -> Box<dyn ProcedureStore> {
+            match name {
+                "memory" => Box::new(memory.clone()),
+                _ => Box::new(WalStore::open(dir.path()).unwrap()),
+            }
+        };
+        let (first, rec) = common::start(open(), 4).await;
+        // A parent waiting for a child suspended on an event nobody wakes.
+        let child = Scripted::new("child", vec![Step::Suspend("go".into()), Step::More]);
+        let id = first
+            .submit(Scripted::new(
+                "root",
+                vec![Step::Children(vec![child]), Step::More],
+            ))
+            .await
+            .unwrap();
+        let done = first.submit(Scripted::new("done", vec![])).await.unwrap();
+        assert_eq!(first.wait(done).await.unwrap(), Ok(()));
+        while rec.count("child-exec") == 0 {
+            tokio::task::yield_now().await;
+        }
+        first.shutdown().await.unwrap();
+
+        let (second, rec) = common::start(open(), 4).await;
+        assert_eq!(second.recovery().recovered_roots, vec![id], "{name}");
+        assert_eq!(second.recovery().finished_roots, 1);
+        assert_eq!(second.state(done).await.unwrap().result, Some(Ok(())));
+        second.wake_event("go").await.unwrap();
+        assert_eq!(second.wait(id).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(rec.calls(), ["child-exec", "root-exec"], "{name}");
+        // New ids continue above every id the store has seen.
+        let next = second.submit(Scripted::new("next", vec![])).await.unwrap();
+        assert!(next > ProcId(3), "{next}");
+        second.shutdown().await.unwrap();
+    }
+}
