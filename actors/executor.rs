@@ -24,7 +24,7 @@ use crate::store::{MemoryStore, ProcedureStore};
 use super::guard::guard;
 use super::persistence::{Persistence, StopWriter};
 use super::procedure::AbortProc;
-use super::root_stack::{publish, RootStackActor};
+use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{Scheduler, WakeEvent};
 use super::shared::{now_ms, Entry, Shared};
 
@@ -204,7 +204,7 @@ impl ExecutorBuilder {
 fn decode_tree(
     registry: &Registry,
     records: &[ProcRecord],
-) -> Result<HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>, String> {
+) -> Result<Objects, String> {
     let mut objects = HashMap::new();
     for r in records.iter().filter(|r| !r.state.is_finished()) {
         let mut proc = registry

@@ -26,6 +26,9 @@ use super::procedure::{ProcSpec, ProcedureActor, Rollback, StopProc};
 use super::scheduler::{Enqueue, SuspendOn};
 use super::shared::{now_ms, Entry, Shared};
 
+/// Decoded procedures waiting for their actors, with their encoded state.
+pub(crate) type Objects = HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>;
+
 /// A step ended (from the procedure actor), with the objects of any new children.
 pub(crate) struct StepDone {
     pub(crate) report: StepReport,
@@ -76,7 +79,7 @@ pub(crate) struct RootStackActor {
     /// Live procedure actors of this tree.
     procs: HashMap<ProcId, Addr<ProcedureActor>>,
     /// New procedures, started once their insert is durable.
-    unspawned: HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>,
+    unspawned: Objects,
     tree_failed: Arc<AtomicBool>,
     /// Transitions in the order they were made; actions run strictly in that order.
     pending: VecDeque<Pending>,
@@ -126,7 +129,7 @@ impl RootStackActor {
         shared: Arc<Shared>,
         core: RootStack,
         t: Transition,
-        objects: HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>,
+        objects: Objects,
     ) -> Self {
         let tree_failed = Arc::new(AtomicBool::new(core.is_failed()));
         RootStackActor {
