@@ -201,10 +201,7 @@ impl ExecutorBuilder {
 
 /// Decodes the unfinished procedures of a recovered tree and runs their
 /// `before_recover` hooks, children first.
-fn decode_tree(
-    registry: &Registry,
-    records: &[ProcRecord],
-) -> Result<Objects, String> {
+fn decode_tree(registry: &Registry, records: &[ProcRecord]) -> Result<Objects, String> {
     let mut objects = HashMap::new();
     for r in records.iter().filter(|r| !r.state.is_finished()) {
         let mut proc = registry

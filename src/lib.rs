@@ -16,7 +16,7 @@ mod error;
 mod procedure;
 mod ready_queue;
 mod record;
-mod recovery;
+pub mod recovery;
 mod registry;
 mod root_stack;
 mod state_machine;

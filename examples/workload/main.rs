@@ -9,7 +9,9 @@
 //!     --children 2 --fail-rate 0.1 --ledger /tmp/ledger --verify
 //! ```
 
+mod file_store;
 mod ledger;
+mod work;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -17,19 +19,51 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use proctor::{
-    async_trait, Context, Executor, Flow, MemoryStore, ProcError, ProcId, ProcState, Registry,
-    StateContext, StateMachine, StateMachineProcedure,
+    Executor, MemoryStore, ProcId, ProcState, ProcedureStore, StateMachine, StoreError, StoreOp,
+    StoreSnapshot, WalStats, WalStore,
 };
-use serde::{Deserialize, Serialize};
 use tokio::sync::Semaphore;
 
+use file_store::FilePerProcStore;
 use ledger::Ledger;
+use work::{registry, Env, Work};
+
+/// The WAL store, with its counters copied out after every append for the report.
+struct ProbedWal {
+    wal: WalStore,
+    stats: Arc<Mutex<WalStats>>,
+}
+
+impl ProcedureStore for ProbedWal {
+    fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
+        let result = self.wal.append(ops);
+        *self.stats.lock().unwrap_or_else(|e| e.into_inner()) = self.wal.stats();
+        result
+    }
+
+    fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
+        self.wal.load()
+    }
+}
+
+/// The process's peak resident set, from `/proc/self/status` (0 where unavailable).
+fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("VmHWM:"))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .and_then(|kb| kb.parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum StoreKind {
@@ -83,101 +117,6 @@ struct Args {
     workers: usize,
 }
 
-/// What the procedures share: the ledger and a step counter.
-struct Env {
-    ledger: Option<Ledger>,
-    steps: AtomicU64,
-}
-
-impl Env {
-    fn effect(&self, effect: ledger::Effect, add: bool) -> Result<(), ProcError> {
-        let Some(ledger) = &self.ledger else {
-            return Ok(());
-        };
-        let written = if add {
-            ledger.add(effect)
-        } else {
-            ledger.remove(effect)
-        };
-        written.map_err(|e| ProcError::failed(format!("ledger: {e}")))
-    }
-}
-
-/// One procedure of the workload: `path` 0 is the root, `i` its child `i`.
-#[derive(Clone, Serialize, Deserialize)]
-struct Work {
-    path: u16,
-    steps: u16,
-    children: u16,
-    /// `(path, step)` that fails in this tree, if any.
-    fail: Option<(u16, u16)>,
-}
-
-#[async_trait]
-impl StateMachineProcedure for Work {
-    type State = u16;
-
-    fn initial_state(&self) -> u16 {
-        0
-    }
-
-    async fn execute_from_state(
-        &mut self,
-        ctx: &mut StateContext<'_, u16>,
-        step: u16,
-    ) -> Result<Flow, ProcError> {
-        let env = ctx.env::<Arc<Env>>()?;
-        env.steps.fetch_add(1, Ordering::Relaxed);
-        if step >= self.steps {
-            // Only reached by a one-step root with children: the step after them.
-            return Ok(Flow::Done);
-        }
-        env.effect((ctx.root().0, self.path, step), true)?;
-        if self.fail == Some((self.path, step)) {
-            return Err(ProcError::failed(format!(
-                "injected failure at path {} step {step}",
-                self.path
-            )));
-        }
-        ctx.set_next_state(step + 1);
-        if self.path == 0 && step == 0 && self.children > 0 {
-            let children = (1..=self.children)
-                .map(|path| {
-                    Box::new(StateMachine::new(Work {
-                        path,
-                        children: 0,
-                        ..self.clone()
-                    })) as Box<dyn proctor::Procedure>
-                })
-                .collect();
-            return Ok(Flow::Children(children));
-        }
-        if step + 1 < self.steps {
-            Ok(Flow::MoreToDo)
-        } else {
-            Ok(Flow::Done)
-        }
-    }
-
-    async fn rollback_state(&mut self, ctx: &mut Context, step: u16) -> Result<(), ProcError> {
-        let env = ctx.env::<Arc<Env>>()?;
-        if step >= self.steps {
-            return Ok(());
-        }
-        env.effect((ctx.root().0, self.path, step), false)?;
-        if self.path == 0 && step == 0 {
-            // The root's first step started the children: undo what they did. A child
-            // that succeeded is not rolled back itself (see DESIGN.md).
-            for path in 1..=self.children {
-                for child_step in 0..self.steps {
-                    env.effect((ctx.root().0, path, child_step), false)?;
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
 /// What each root came to.
 #[derive(Default)]
 struct Tally {
@@ -188,10 +127,26 @@ struct Tally {
     latency_us: Option<Histogram<u64>>,
 }
 
-fn registry() -> Registry {
-    let mut registry = Registry::new();
-    registry.register::<StateMachine<Work>>("workload");
-    registry
+impl Tally {
+    fn count(
+        &mut self,
+        t0: Instant,
+        outcome: Result<Result<(), proctor::Failure>, proctor::Error>,
+    ) {
+        let micros = u64::try_from(t0.elapsed().as_micros()).unwrap_or(u64::MAX);
+        if let Some(h) = self.latency_us.as_mut() {
+            h.saturating_record(micros);
+        }
+        match outcome {
+            Ok(Ok(())) => self.success += 1,
+            Ok(Err(_)) => self.rolled_back += 1,
+            Err(e) => {
+                self.failed += 1;
+                self.violations
+                    .push(format!("a root ended with an engine error: {e}"));
+            }
+        }
+    }
 }
 
 #[actix::main]
@@ -225,17 +180,38 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .registry(registry())
         .workers(args.workers)
         .env(env.clone());
+    // A temp dir lives until the end of the run when no --dir is given.
+    let temp = match &args.dir {
+        Some(_) => None,
+        None => Some(tempfile::tempdir()?),
+    };
+    let dir = args.dir.clone().unwrap_or_else(|| {
+        temp.as_ref()
+            .map(|t| t.path().to_path_buf())
+            .unwrap_or_default()
+    });
+    let wal_stats = Arc::new(Mutex::new(WalStats::default()));
     let executor = match args.store {
         StoreKind::Memory => builder.store(MemoryStore::new()).start().await?,
-        StoreKind::Wal | StoreKind::FilePerProc => {
-            return Err(format!(
-                "--store {:?} is not available yet; use --store memory",
-                args.store
-            )
-            .into())
+        StoreKind::Wal => {
+            let wal = WalStore::open(&dir)?;
+            let stats = wal_stats.clone();
+            builder.store(ProbedWal { wal, stats }).start().await?
+        }
+        StoreKind::FilePerProc => {
+            builder
+                .store(FilePerProcStore::open(dir.clone())?)
+                .start()
+                .await?
         }
     };
-
+    let recovery = executor.recovery().clone();
+    for corrupt in &recovery.corrupt {
+        eprintln!(
+            "corrupt: procedure {} (root {}): {}",
+            corrupt.id, corrupt.root, corrupt.reason
+        );
+    }
     let started = Instant::now();
     let tally = Rc::new(RefCell::new(Tally {
         latency_us: Some(Histogram::new_with_bounds(1, 3_600_000_000, 3)?),
@@ -245,7 +221,18 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let mut rng = fastrand::Rng::with_seed(args.seed);
     let window = Arc::new(Semaphore::new(args.concurrency.max(1)));
     let mut tasks = Vec::new();
-    for _ in 0..args.procs {
+    // Recovered roots are waited for like submitted ones (their latency counts from now).
+    for &id in &recovery.recovered_roots {
+        let executor = executor.clone();
+        let tally = tally.clone();
+        tasks.push(actix::spawn(async move {
+            let t0 = Instant::now();
+            let outcome = executor.wait(id).await;
+            tally.borrow_mut().count(t0, outcome);
+        }));
+    }
+    let to_submit = if args.resume { 0 } else { args.procs };
+    for _ in 0..to_submit {
         let fail = (rng.f64() < args.fail_rate)
             .then(|| (rng.u16(0..=args.children), rng.u16(0..args.steps)));
         let work = Work {
@@ -295,6 +282,12 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
 
     if args.verify {
         verify(&executor, &env, &expected, &args, &mut tally).await?;
+        for corrupt in &recovery.corrupt {
+            tally.violations.push(format!(
+                "procedure {} could not be recovered: {}",
+                corrupt.id, corrupt.reason
+            ));
+        }
     }
     for v in tally.violations.iter().take(20) {
         eprintln!("violation: {v}");
@@ -303,10 +296,16 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let finished = tally.success + tally.rolled_back;
     let latency = tally.latency_us.as_ref().expect("histogram");
     let ms = |q: f64| latency.value_at_quantile(q) as f64 / 1000.0;
+    let wal = *wal_stats.lock().unwrap_or_else(|e| e.into_inner());
     let report = serde_json::json!({
-        "store": format!("{:?}", args.store).to_lowercase(),
-        "submitted": args.procs,
-        "recovered": 0,
+        "store": match args.store {
+            StoreKind::Wal => "wal",
+            StoreKind::Memory => "memory",
+            StoreKind::FilePerProc => "file-per-proc",
+        },
+        "submitted": to_submit,
+        "recovered": recovery.recovered_roots.len(),
+        "corrupt": recovery.corrupt.len(),
         "success": tally.success,
         "rolled_back": tally.rolled_back,
         "failed": tally.failed,
@@ -316,6 +315,10 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "steps_per_s": round3(steps as f64 / wall_s),
         "p50_ms": round3(ms(0.50)),
         "p99_ms": round3(ms(0.99)),
+        "wal_bytes": wal.bytes_appended,
+        "wal_bytes_per_step": if steps > 0 { round3(wal.bytes_appended as f64 / steps as f64) } else { 0.0 },
+        "wal_syncs": wal.appends,
+        "peak_rss_mb": round3(peak_rss_mb()),
         "violations": tally.violations.len(),
     });
     println!("{report}");
