@@ -174,7 +174,13 @@ impl ExecutorBuilder {
             }
             for (tree, objects) in trees {
                 // In the table before any request can ask about it.
-                let inserts: Vec<StoreOp> = tree.records.into_iter().map(StoreOp::Insert).collect();
+                // Finished children stay out: nothing stops (and unlists) them later.
+                let inserts: Vec<StoreOp> = tree
+                    .records
+                    .into_iter()
+                    .filter(|r| r.parent.is_none() || !r.state.is_finished())
+                    .map(StoreOp::Insert)
+                    .collect();
                 publish(&shared, &inserts);
                 let shared = shared.clone();
                 RootStackActor::start_in_arbiter(&shared.next_arbiter().clone(), move |_| {

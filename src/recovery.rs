@@ -239,6 +239,45 @@ mod tests {
     }
 
     #[test]
+    fn skipped_successful_entries_above_a_rolled_back_one_are_dropped() {
+        // Rollback popped 5 (written), skipped the successful child's 4 and 3 (not
+        // written), rolled back 2 (written); then the process died.
+        check(
+            vec![
+                ProcRecord {
+                    failure: rec(3, Some(1), Failed, &[]).failure,
+                    ..rec(1, None, Waiting, &[0])
+                },
+                rec(2, Some(1), Success, &[1, 3, 4]),
+                ProcRecord {
+                    failure: rec(3, Some(1), Failed, &[]).failure,
+                    ..rec(3, Some(1), RolledBack, &[])
+                },
+            ],
+            &["tree [2 3 1]:  | spawn 1, rollback 1"],
+        );
+        // The same gap under a procedure that did not succeed is corruption.
+        check(
+            vec![
+                ProcRecord {
+                    failure: rec(3, Some(1), Failed, &[]).failure,
+                    ..rec(1, None, Waiting, &[0])
+                },
+                rec(2, Some(1), Runnable, &[1, 3, 4]),
+                ProcRecord {
+                    failure: rec(3, Some(1), Failed, &[]).failure,
+                    ..rec(3, Some(1), RolledBack, &[])
+                },
+            ],
+            &[
+                "corrupt 2: holes in the stack indexes: expected index 2, found 3 (procedure 2)",
+                "corrupt 3: holes in the stack indexes: expected index 2, found 3 (procedure 2)",
+                "corrupt 1: holes in the stack indexes: expected index 2, found 3 (procedure 2)",
+            ],
+        );
+    }
+
+    #[test]
     fn finished_roots_keep_their_results() {
         check(
             vec![rec(1, None, Success, &[0]), rec(5, None, RolledBack, &[])],

@@ -271,14 +271,30 @@ impl RootStack {
             }
         }
         indexed.sort_unstable();
+        let failed = records.iter().any(|r| r.failure.is_some());
         let mut stack = Vec::with_capacity(indexed.len());
-        for (expected, (index, id)) in indexed.into_iter().enumerate() {
-            if index as usize != expected {
+        for (expected, &(index, id)) in indexed.iter().enumerate() {
+            if index as usize == expected {
+                stack.push(StackEntry { id, recorded: true });
+                continue;
+            }
+            // Rollback pops from the top and does not write when it skips a successful
+            // procedure's entries, so once an entry below them has been rolled back (and
+            // written), those skipped entries are all that can remain above the gap.
+            let skipped = &indexed[expected..];
+            let only_skipped = failed
+                && skipped
+                    .iter()
+                    .all(|(_, id)| nodes.get(id).is_some_and(|n| n.state == ProcState::Success));
+            if !only_skipped {
                 return Err(format!(
                     "holes in the stack indexes: expected index {expected}, found {index} (procedure {id})"
                 ));
             }
-            stack.push(StackEntry { id, recorded: true });
+            for node in nodes.values_mut() {
+                node.stack_indexes.retain(|&i| (i as usize) < expected);
+            }
+            break;
         }
         // The first failure: the earliest record that carries one.
         let failure = records
@@ -302,13 +318,21 @@ impl RootStack {
             }
         }
         if tree.is_failed() {
+            // A parent is woken only once all its children succeeded; one with a failed
+            // child never ran again and has nothing unrecorded.
+            let failed_child_of: std::collections::BTreeSet<ProcId> = records
+                .iter()
+                .filter(|r| r.failure.is_some())
+                .filter_map(|r| r.parent)
+                .collect();
             let maybe_mid_step: Vec<ProcId> = tree
                 .nodes
                 .iter()
-                .filter(|(_, n)| {
+                .filter(|(id, n)| {
                     !n.state.is_finished()
                         && n.state != ProcState::Failed
                         && n.pending_children == 0
+                        && !failed_child_of.contains(id)
                 })
                 .map(|(&id, _)| id)
                 .collect();
