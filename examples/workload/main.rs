@@ -343,10 +343,6 @@ async fn verify(
     tally: &mut Tally,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let per_root = (u64::from(args.children) + 1) * u64::from(args.steps);
-    let effects = match &env.ledger {
-        Some(ledger) => Some(ledger.effects_per_root()?),
-        None => None,
-    };
     let mut known = HashMap::new();
     for info in executor.list().await? {
         if info.parent.is_some() || info.root != info.id {
@@ -359,27 +355,15 @@ async fn verify(
         known.insert(info.id, info.state);
     }
     for (id, state) in &known {
-        let should_succeed = expected.get(id).copied();
-        let effects_here = effects.as_ref().map(|e| e.get(&id.0).copied().unwrap_or(0));
-        let problem = match (state, should_succeed) {
+        let problem = match (state, expected.get(id).copied()) {
             (ProcState::Success, Some(false)) => Some("succeeded though it was planned to fail"),
             (ProcState::RolledBack, Some(true)) => Some("rolled back though nothing failed"),
-            (ProcState::Success | ProcState::RolledBack, _) => None,
-            _ => Some("is not finished"),
+            _ => None,
         };
         if let Some(problem) = problem {
             tally
                 .violations
                 .push(format!("root {id} ({state}) {problem}"));
-        }
-        match (state, effects_here) {
-            (ProcState::Success, Some(n)) if n as u64 != per_root => tally.violations.push(
-                format!("root {id} succeeded with {n} effects in the ledger, not {per_root}"),
-            ),
-            (ProcState::RolledBack, Some(n)) if n != 0 => tally.violations.push(format!(
-                "root {id} rolled back but left {n} effects in the ledger"
-            )),
-            _ => {}
         }
     }
     for id in expected.keys() {
@@ -389,14 +373,17 @@ async fn verify(
                 .push(format!("root {id} was submitted but is unknown"));
         }
     }
-    if let Some(effects) = effects {
-        for root in effects.keys() {
-            if !known.contains_key(&ProcId(*root)) {
-                tally.violations.push(format!(
-                    "the ledger holds effects of procedure {root}, unknown to the store"
-                ));
-            }
-        }
-    }
+    let effects = match &env.ledger {
+        Some(ledger) => ledger.effects_per_root()?,
+        None => known.keys().map(|id| (id.0, 0)).collect(),
+    };
+    let per_root = if env.ledger.is_some() {
+        per_root as usize
+    } else {
+        0
+    };
+    tally
+        .violations
+        .extend(work::ledger_violations(&known, &effects, per_root));
     Ok(())
 }

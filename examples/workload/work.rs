@@ -2,11 +2,12 @@
 //! side effect in the ledger, starts `children` children from its first step, and fails
 //! where its plan says. Shared with the SIGKILL crash test.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use proctor::{
-    async_trait, Context, Flow, ProcError, Registry, StateContext, StateMachine,
+    async_trait, Context, Flow, ProcError, ProcId, ProcState, Registry, StateContext, StateMachine,
     StateMachineProcedure,
 };
 use serde::{Deserialize, Serialize};
@@ -113,4 +114,36 @@ pub fn registry() -> Registry {
     let mut registry = Registry::new();
     registry.register::<StateMachine<Work>>("workload");
     registry
+}
+
+/// Checks finished roots against the ledger: a successful root has all
+/// `effects_per_root` effects, a rolled-back one none, and the ledger names no root the
+/// store does not know. `roots` are the roots the executor knows, with their states.
+pub fn ledger_violations(
+    roots: &HashMap<ProcId, ProcState>,
+    effects: &HashMap<u64, usize>,
+    effects_per_root: usize,
+) -> Vec<String> {
+    let mut violations = Vec::new();
+    for (id, state) in roots {
+        let n = effects.get(&id.0).copied().unwrap_or(0);
+        match state {
+            ProcState::Success if n != effects_per_root => violations.push(format!(
+                "root {id} succeeded with {n} effects in the ledger, not {effects_per_root}"
+            )),
+            ProcState::RolledBack if n != 0 => violations.push(format!(
+                "root {id} rolled back but left {n} effects in the ledger"
+            )),
+            ProcState::Success | ProcState::RolledBack => {}
+            other => violations.push(format!("root {id} is not finished ({other})")),
+        }
+    }
+    for root in effects.keys() {
+        if !roots.contains_key(&ProcId(*root)) {
+            violations.push(format!(
+                "the ledger holds effects of procedure {root}, unknown to the store"
+            ));
+        }
+    }
+    violations
 }
