@@ -131,6 +131,23 @@ pub(crate) fn segment_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StoreErro
     Ok(files)
 }
 
+/// Scans one segment file; `newest` as in [`wal::scan_segment`]. A header whose
+/// sequence number disagrees with the file name is corruption.
+fn scan_file(seq: u64, path: &Path, newest: bool) -> Result<SegmentScan, StoreError> {
+    let bytes = fs::read(path).map_err(io(format!("reading {}", path.display())))?;
+    let mut scan = wal::scan_segment(&bytes, newest);
+    if let Some(header) = scan.header.filter(|h| h.seq != seq) {
+        scan.end = ScanEnd::Corrupt {
+            offset: 0,
+            reason: wal::FrameError::Header(format!(
+                "header says segment {}, the file name says {seq}",
+                header.seq
+            )),
+        };
+    }
+    Ok(scan)
+}
+
 /// Scans every segment of a WAL directory without changing anything: what
 /// `proctor wal verify` and `proctor wal dump` read.
 pub fn scan_wal_dir(dir: &Path) -> Result<Vec<(PathBuf, SegmentScan)>, StoreError> {
@@ -138,17 +155,7 @@ pub fn scan_wal_dir(dir: &Path) -> Result<Vec<(PathBuf, SegmentScan)>, StoreErro
     let last = files.len().saturating_sub(1);
     let mut scans = Vec::with_capacity(files.len());
     for (i, (seq, path)) in files.into_iter().enumerate() {
-        let bytes = fs::read(&path).map_err(io(format!("reading {}", path.display())))?;
-        let mut scan = wal::scan_segment(&bytes, i == last);
-        if let Some(header) = scan.header.filter(|h| h.seq != seq) {
-            scan.end = ScanEnd::Corrupt {
-                offset: 0,
-                reason: wal::FrameError::Header(format!(
-                    "header says segment {}, the file name says {seq}",
-                    header.seq
-                )),
-            };
-        }
+        let scan = scan_file(seq, &path, i == last)?;
         scans.push((path, scan));
     }
     Ok(scans)
@@ -189,7 +196,11 @@ impl WalStore {
         let mut live = HashMap::new();
         let mut max_id = 0;
         let mut segments = BTreeMap::new();
-        for (path, scan) in scan_wal_dir(&dir)? {
+        let files = segment_files(&dir)?;
+        let last = files.len().saturating_sub(1);
+        // One segment in memory at a time: decoded frames are applied and dropped.
+        for (i, (file_seq, path)) in files.into_iter().enumerate() {
+            let scan = scan_file(file_seq, &path, i == last)?;
             match &scan.end {
                 ScanEnd::Clean => {}
                 ScanEnd::Corrupt { offset, reason } => {

@@ -7,7 +7,7 @@
 //! as corrupt, procedure by procedure, and left in the store untouched for an operator;
 //! it never stops unrelated trees from recovering. Finished roots keep their results.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use crate::procedure::ProcId;
 use crate::record::ProcRecord;
@@ -53,12 +53,18 @@ pub fn plan(
     names: impl Fn(&str) -> Option<&'static str>,
     now_ms: u64,
 ) -> RecoveryPlan {
-    let mut by_root: BTreeMap<ProcId, Vec<ProcRecord>> = BTreeMap::new();
+    // Group by tree: sort by (root, id) and cut the runs, one allocation per tree.
+    let mut records = records;
+    records.sort_unstable_by_key(|r| (r.root, r.id));
+    let mut groups: Vec<(ProcId, Vec<ProcRecord>)> = Vec::new();
     for r in records {
-        by_root.entry(r.root).or_default().push(r);
+        match groups.last_mut() {
+            Some((root, group)) if *root == r.root => group.push(r),
+            _ => groups.push((r.root, vec![r])),
+        }
     }
     let mut plan = RecoveryPlan::default();
-    for (root, mut group) in by_root {
+    for (root, mut group) in groups {
         let corrupt = |group: &[ProcRecord], reason: String| -> Vec<CorruptProc> {
             group
                 .iter()
@@ -104,6 +110,9 @@ pub fn plan(
 
 /// Sorts a tree's records deepest first (so hooks run on children before parents).
 fn order_children_first(group: &mut [ProcRecord]) -> Result<(), String> {
+    if group.len() == 1 {
+        return Ok(());
+    }
     let parents: HashMap<ProcId, Option<ProcId>> = group.iter().map(|r| (r.id, r.parent)).collect();
     let mut depth = HashMap::with_capacity(group.len());
     for r in group.iter() {

@@ -92,7 +92,10 @@ fn verify_finds_a_flipped_byte() {
     assert_eq!(verify.status.code(), Some(1));
     let out = text(&verify);
     let name = older.file_name().unwrap().to_str().unwrap();
-    let line = out.lines().find(|l| l.contains(name)).expect("names the file");
+    let line = out
+        .lines()
+        .find(|l| l.contains(name))
+        .expect("names the file");
     assert!(line.contains("corrupt at byte"), "{line}");
     assert!(line.contains("checksum"), "{line}");
     assert!(out.contains("NOT sound"));
