@@ -102,7 +102,8 @@ struct Args {
     /// Ledger file: every step records its effect, every rollback removes it.
     #[arg(long)]
     ledger: Option<PathBuf>,
-    /// Submit nothing: recover the store in --dir and run it to completion.
+    /// Submit nothing: recover the store in --dir and run it to completion (pass the
+    /// --steps and --children of the original run, for --verify).
     #[arg(long)]
     resume: bool,
     /// Check at the end that every procedure is SUCCESS or ROLLEDBACK and the ledger
