@@ -437,14 +437,7 @@ impl WalStore {
         }
         let mut latest: BTreeMap<ProcId, ProcRecord> = BTreeMap::new();
         for op in scan.frames.into_iter().flat_map(|f| f.ops) {
-            match op {
-                StoreOp::Insert(r) | StoreOp::Update(r) => {
-                    latest.insert(r.id, r);
-                }
-                StoreOp::Delete(id) => {
-                    latest.remove(&id);
-                }
-            }
+            op.apply_to(&mut latest);
         }
         let ops: Vec<StoreOp> = latest
             .into_values()
@@ -512,14 +505,7 @@ impl ProcedureStore for WalStore {
                 });
             }
             for op in scan.frames.into_iter().flat_map(|f| f.ops) {
-                match op {
-                    StoreOp::Insert(r) | StoreOp::Update(r) => {
-                        records.insert(r.id, r);
-                    }
-                    StoreOp::Delete(id) => {
-                        records.remove(&id);
-                    }
-                }
+                op.apply_to(&mut records);
             }
         }
         Ok(StoreSnapshot {

@@ -160,14 +160,7 @@ fn procs(dir: &Path) -> Outcome {
     let mut sound = true;
     for (path, scan) in scan_wal_dir(dir)? {
         for op in scan.frames.into_iter().flat_map(|f| f.ops) {
-            match op {
-                StoreOp::Insert(r) | StoreOp::Update(r) => {
-                    latest.insert(r.id, r);
-                }
-                StoreOp::Delete(id) => {
-                    latest.remove(&id);
-                }
-            }
+            op.apply_to(&mut latest);
         }
         if let Some(problem) = describe(&scan.end) {
             sound &= matches!(scan.end, ScanEnd::TornTail { .. });

@@ -6,6 +6,8 @@
 //! user's state as opaque MessagePack bytes decoded through the
 //! [`Registry`](crate::Registry).
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
 use crate::procedure::{ProcError, ProcId, ProcState};
@@ -66,6 +68,19 @@ pub enum StoreOp {
 }
 
 impl StoreOp {
+    /// Replays the op onto the latest record per procedure: inserts and updates replace,
+    /// a delete removes.
+    pub fn apply_to(self, latest: &mut BTreeMap<ProcId, ProcRecord>) {
+        match self {
+            StoreOp::Insert(r) | StoreOp::Update(r) => {
+                latest.insert(r.id, r);
+            }
+            StoreOp::Delete(id) => {
+                latest.remove(&id);
+            }
+        }
+    }
+
     /// The procedure the op is about.
     pub fn proc_id(&self) -> ProcId {
         match self {
