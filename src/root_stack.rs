@@ -225,8 +225,6 @@ pub struct RootStack {
     running: usize,
     failure: Option<Failure>,
     phase: Phase,
-    /// The root's latest encoded state, for its final record.
-    root_data: Vec<u8>,
 }
 
 impl RootStack {
@@ -244,7 +242,6 @@ impl RootStack {
             running: 0,
             failure: None,
             phase: Phase::Executing,
-            root_data: data.clone(),
         };
         let mut t = Transition::default();
         stack.add_node(&mut t, root, None, type_name, data, now_ms);
@@ -276,7 +273,6 @@ impl RootStack {
             None => return Err("the root's record is missing".into()),
         };
         let mut nodes = NodeMap(Vec::with_capacity(records.len()));
-        let mut root_data = Vec::new();
         let mut indexed: Vec<(u32, ProcId)> = Vec::new();
         for r in records {
             if r.root != root {
@@ -287,9 +283,6 @@ impl RootStack {
             }
             let type_name = names(&r.type_name)
                 .ok_or_else(|| format!("procedure {} has unknown type {:?}", r.id, r.type_name))?;
-            if r.id == root {
-                root_data.clone_from(&r.data);
-            }
             indexed.extend(r.stack_indexes.iter().map(|&i| (i, r.id)));
             nodes.insert(
                 r.id,
@@ -357,7 +350,6 @@ impl RootStack {
             running: 0,
             failure,
             phase: Phase::Executing,
-            root_data,
         };
         let mut t = Transition::default();
         for (&id, node) in tree.nodes.iter() {
@@ -665,7 +657,6 @@ impl RootStack {
         }
         self.node_mut(id).state = ProcState::Success;
         if id == self.root {
-            self.root_data = data;
             self.finish(t, now_ms);
             return;
         }
@@ -721,12 +712,14 @@ impl RootStack {
             }
         };
         self.phase = Phase::Finished;
-        // The final record supersedes one the same transition may hold for the root.
+        // The final record supersedes one the same transition may hold for the root. It
+        // keeps the result, not the state: a finished procedure is never decoded again,
+        // and its record stays in the log until its result is evicted.
         t.persist
             .retain(|op| !matches!(op, StoreOp::Update(r) if r.id == root));
-        let data = std::mem::take(&mut self.root_data);
+        self.node_mut(root).stack_indexes.clear();
         t.persist
-            .push(StoreOp::Update(self.record(root, data, now_ms)));
+            .push(StoreOp::Update(self.record(root, Vec::new(), now_ms)));
         for (&id, node) in self.nodes.iter_mut() {
             if id != root {
                 t.persist.push(StoreOp::Delete(id));
@@ -742,10 +735,7 @@ impl RootStack {
         t.actions.push(Action::Finished(result));
     }
 
-    fn persist_update(&mut self, t: &mut Transition, id: ProcId, data: Vec<u8>, now_ms: u64) {
-        if id == self.root {
-            self.root_data.clone_from(&data);
-        }
+    fn persist_update(&self, t: &mut Transition, id: ProcId, data: Vec<u8>, now_ms: u64) {
         t.persist
             .push(StoreOp::Update(self.record(id, data, now_ms)));
     }
@@ -871,7 +861,7 @@ mod tests {
             &[
                 "I1 | spawn 1, run 1",
                 "U1:RUNNABLE[0] | run 1 now",
-                "U1:SUCCESS[0, 1] | stop 1, finished ok",
+                "U1:SUCCESS[] | stop 1, finished ok",
             ],
         );
     }
@@ -972,7 +962,7 @@ mod tests {
             &[
                 "I1 | spawn 1, run 1",
                 " | run 1",
-                "U1:SUCCESS[0] | stop 1, finished ok",
+                "U1:SUCCESS[] | stop 1, finished ok",
             ],
         );
     }
@@ -981,7 +971,7 @@ mod tests {
     fn empty_children_is_done() {
         check(
             vec![Step(1, kids(&[]))],
-            &["I1 | spawn 1, run 1", "U1:SUCCESS[0] | stop 1, finished ok"],
+            &["I1 | spawn 1, run 1", "U1:SUCCESS[] | stop 1, finished ok"],
         );
     }
 
@@ -1004,7 +994,7 @@ mod tests {
                 " | ",
                 "U1:WAITING[0, 1] | suspend 1 on ev",
                 " | run 1",
-                "U1:SUCCESS[0, 1, 2] | stop 1, finished ok",
+                "U1:SUCCESS[] | stop 1, finished ok",
             ],
         );
     }
