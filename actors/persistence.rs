@@ -110,6 +110,15 @@ impl Persistence {
         }));
     }
 
+    /// Closes the channel, which ends the writer thread once it has written what it
+    /// has, and waits for it (dropping the store and releasing its lock).
+    fn close_writer(&mut self) {
+        self.writer = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+
     fn fail(&mut self, reason: String, acks: Vec<oneshot::Sender<Result<(), Error>>>) {
         tracing::error!(%reason, "store failed; refusing further appends");
         self.failed = Some(reason.clone());
@@ -125,11 +134,7 @@ impl Actor for Persistence {
     type Context = Context<Self>;
 
     fn stopped(&mut self, _ctx: &mut Context<Self>) {
-        // Closing the channel ends the writer thread once it has written what it has.
-        self.writer = None;
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
+        self.close_writer();
     }
 }
 
@@ -153,11 +158,13 @@ impl Handler<StopWriter> for Persistence {
     type Result = ();
 
     fn handle(&mut self, _msg: StopWriter, ctx: &mut Context<Self>) {
-        self.writer = None;
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
+        self.close_writer();
+        // A shutdown, not a store failure: refuse what is still queued, quietly.
+        self.failed = Some("the executor has shut down".to_string());
+        self.pending_ops.clear();
+        for ack in std::mem::take(&mut self.pending_acks) {
+            let _ = ack.send(Err(Error::Stopped));
         }
-        self.fail("the executor has shut down".to_string(), Vec::new());
         ctx.stop();
     }
 }

@@ -8,6 +8,9 @@
 //! cargo bench --bench recovery -- 100000       # fewer
 //! ```
 
+#[path = "../examples/workload/rss.rs"]
+mod rss;
+
 use std::path::Path;
 use std::time::Instant;
 
@@ -42,18 +45,6 @@ fn dir_bytes(dir: &Path) -> u64 {
                 .sum()
         })
         .unwrap_or(0)
-}
-
-fn peak_rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -118,7 +109,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             "open_and_load_s": (open_s * 1000.0).round() / 1000.0,
             "recover_s": (recover_s * 1000.0).round() / 1000.0,
             "live_procs": live,
-            "peak_rss_mb": peak_rss_mb().round(),
+            "peak_rss_mb": rss::peak_rss_mb().round(),
         })
     );
     Ok(())

@@ -11,6 +11,7 @@
 
 mod file_store;
 mod ledger;
+mod rss;
 mod work;
 
 use std::cell::RefCell;
@@ -50,19 +51,6 @@ impl ProcedureStore for ProbedWal {
     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
         self.wal.load()
     }
-}
-
-/// The process's peak resident set, from `/proc/self/status` (0 where unavailable).
-fn peak_rss_mb() -> f64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmHWM:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<f64>().ok())
-        })
-        .map_or(0.0, |kb| kb / 1024.0)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -319,7 +307,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "wal_bytes": wal.bytes_appended,
         "wal_bytes_per_step": if steps > 0 { round3(wal.bytes_appended as f64 / steps as f64) } else { 0.0 },
         "wal_syncs": wal.appends,
-        "peak_rss_mb": round3(peak_rss_mb()),
+        "peak_rss_mb": round3(rss::peak_rss_mb()),
         "violations": tally.violations.len(),
     });
     println!("{report}");
