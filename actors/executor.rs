@@ -22,9 +22,8 @@ use crate::registry::Registry;
 use crate::store::{MemoryStore, ProcedureStore};
 
 use super::guard::guard;
-use super::persistence::{Persistence, StopWriter};
-use super::procedure::AbortProc;
-use super::root_stack::{publish, Objects, RootStackActor};
+use super::persistence::{Persistence, Refuse, StopWriter};
+use super::root_stack::{publish, AbortRequest, Objects, RootStackActor};
 use super::scheduler::{Scheduler, WakeEvent};
 use super::shared::{now_ms, Entry, Shared};
 
@@ -167,13 +166,12 @@ impl ExecutorBuilder {
                         state: record.state,
                         submitted_ms: record.submitted_ms,
                         updated_ms: record.updated_ms,
-                        addr: None,
+                        tree: None,
                         result: Some(record.failure.map_or(Ok(()), Err)),
                     },
                 );
             }
             for (tree, objects) in trees {
-                // In the table before any request can ask about it.
                 // Finished children stay out: nothing stops (and unlists) them later.
                 let inserts: Vec<StoreOp> = tree
                     .records
@@ -181,11 +179,14 @@ impl ExecutorBuilder {
                     .filter(|r| r.parent.is_none() || !r.state.is_finished())
                     .map(StoreOp::Insert)
                     .collect();
-                publish(&shared, &inserts);
-                let shared = shared.clone();
-                RootStackActor::start_in_arbiter(&shared.next_arbiter().clone(), move |_| {
-                    RootStackActor::recover(shared.clone(), tree.stack, tree.start, objects)
-                });
+                let actor_shared = shared.clone();
+                let addr =
+                    RootStackActor::start_in_arbiter(&shared.next_arbiter().clone(), move |_| {
+                        RootStackActor::recover(actor_shared, tree.stack, tree.start, objects)
+                    });
+                // In the table before the executor handles any request (it is not
+                // running yet): recovered records are durable by definition.
+                publish(&shared, &inserts, &addr);
             }
             ExecutorActor {
                 shared,
@@ -384,10 +385,11 @@ impl Message for Shutdown {
     type Result = ();
 }
 
-/// A tree finished (from its root stack), or stopped because the store failed.
+/// A tree finished (from its root stack), or halted because nothing more can be made
+/// durable (the store failed) or the engine broke an invariant.
 pub(crate) struct TreeFinished {
     pub(crate) root: ProcId,
-    pub(crate) result: Result<Result<(), Failure>, String>,
+    pub(crate) result: Result<Result<(), Failure>, Error>,
 }
 
 impl Message for TreeFinished {
@@ -400,8 +402,9 @@ type Waiter = oneshot::Sender<Result<Result<(), Failure>, Error>>;
 pub struct ExecutorActor {
     shared: Arc<Shared>,
     waiters: HashMap<ProcId, Vec<Waiter>>,
-    /// Set once the store has failed: nothing more is accepted.
-    broken: Option<String>,
+    /// Set once the store has failed (or the engine broke): nothing more is accepted,
+    /// and every waiter gets this error.
+    broken: Option<Error>,
 }
 
 impl ExecutorActor {
@@ -427,8 +430,8 @@ impl Handler<Submit> for ExecutorActor {
     type Result = ResponseFuture<Result<ProcId, Error>>;
 
     fn handle(&mut self, msg: Submit, _ctx: &mut Context<Self>) -> Self::Result {
-        if let Some(reason) = &self.broken {
-            let e = Error::Store(reason.clone());
+        if let Some(broken) = &self.broken {
+            let e = broken.duplicate();
             return Box::pin(async move { Err(e) });
         }
         let (type_name, data) = match self.shared.registry.encode(&*msg.0) {
@@ -451,25 +454,28 @@ impl Handler<Abort> for ExecutorActor {
 
     fn handle(&mut self, msg: Abort, _ctx: &mut Context<Self>) -> Self::Result {
         let id = msg.0;
-        let target = match self.shared.table.get(&id) {
+        if let Some(broken) = &self.broken {
+            let e = broken.duplicate();
+            return Box::pin(async move { Err(e) });
+        }
+        let tree = match self.shared.table.get(&id) {
             None => Err(Error::UnknownProcedure(id)),
-            Some(e) if e.state.is_finished() || e.result.is_some() => {
-                Err(Error::Finished { id, state: e.state })
-            }
-            Some(e) => Ok(e.addr.clone()),
+            Some(e) => match &e.tree {
+                Some(tree) if !e.state.is_finished() && e.result.is_none() => Ok(tree.clone()),
+                _ => Err(Error::Finished { id, state: e.state }),
+            },
         };
+        let shared = self.shared.clone();
         Box::pin(async move {
-            match target? {
-                // Not started yet (its insert is not durable): nothing to abort.
-                None => Ok(false),
-                Some(addr) => match addr.send(AbortProc).await {
-                    Ok(answer) => answer,
-                    // The actor stopped meanwhile: the procedure finished.
-                    Err(_) => Err(Error::Finished {
-                        id,
-                        state: ProcState::Success,
-                    }),
-                },
+            let (ack, answer) = oneshot::channel();
+            tree?.send(AbortRequest { id, ack }).await?;
+            match answer.await {
+                Ok(answer) => answer,
+                // The tree finished (or halted) meanwhile.
+                Err(_) => Err(match shared.table.get(&id) {
+                    Some(e) => Error::Finished { id, state: e.state },
+                    None => Error::Stopped,
+                }),
             }
         })
     }
@@ -498,7 +504,7 @@ impl Handler<WaitFor> for ExecutorActor {
                 result: Some(result),
                 ..
             }) => Some(Ok(result)),
-            Some(_) => self.broken.clone().map(|reason| Err(Error::Store(reason))),
+            Some(_) => self.broken.as_ref().map(|e| Err(e.duplicate())),
         };
         if let Some(ready) = ready {
             return Box::pin(async move { ready });
@@ -531,18 +537,33 @@ impl Handler<TreeFinished> for ExecutorActor {
     type Result = ();
 
     fn handle(&mut self, msg: TreeFinished, _ctx: &mut Context<Self>) {
-        let answer = match msg.result {
-            Ok(result) => Ok(result),
-            Err(reason) => {
-                self.broken = Some(reason.clone());
-                Err(Error::Store(reason))
+        match msg.result {
+            Ok(result) => {
+                for waiter in self.waiters.remove(&msg.root).unwrap_or_default() {
+                    let _ = waiter.send(Ok(result.clone()));
+                }
             }
-        };
-        for waiter in self.waiters.remove(&msg.root).unwrap_or_default() {
-            let _ = waiter.send(match &answer {
-                Ok(result) => Ok(result.clone()),
-                Err(e) => Err(Error::Store(e.to_string())),
-            });
+            Err(e) => {
+                if self.broken.is_none() {
+                    tracing::error!(error = %e, "executor stopped accepting work");
+                    if matches!(e, Error::Internal(_)) {
+                        // Stop every other tree at its next write, as a store failure does.
+                        self.shared.persistence.do_send(Refuse(e.to_string()));
+                    }
+                    self.broken = Some(e);
+                }
+                // Trees that are idle (sleeping, suspended) write nothing and would never
+                // learn; their waiters get the error now, like everyone's.
+                let broken = self
+                    .broken
+                    .as_ref()
+                    .map_or(Error::Stopped, Error::duplicate);
+                for (_, waiters) in self.waiters.drain() {
+                    for waiter in waiters {
+                        let _ = waiter.send(Err(broken.duplicate()));
+                    }
+                }
+            }
         }
     }
 }
@@ -551,6 +572,8 @@ impl Handler<Shutdown> for ExecutorActor {
     type Result = ResponseFuture<()>;
 
     fn handle(&mut self, _msg: Shutdown, ctx: &mut Context<Self>) -> Self::Result {
+        // Set first: the trees cut off below report nothing as an engine failure.
+        self.broken = Some(Error::Stopped);
         for arbiter in &self.shared.arbiters {
             arbiter.stop();
         }
@@ -559,7 +582,6 @@ impl Handler<Shutdown> for ExecutorActor {
                 let _ = waiter.send(Err(Error::Stopped));
             }
         }
-        self.broken = Some("the executor has shut down".into());
         ctx.stop();
         let persistence = self.shared.persistence.clone();
         Box::pin(async move {

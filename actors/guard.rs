@@ -35,14 +35,19 @@ impl<F: Future + Unpin> Future for CatchUnwind<F> {
     }
 }
 
-fn panicked(hook: &str, payload: Box<dyn Any + Send>) -> ProcError {
-    let message = if let Some(s) = payload.downcast_ref::<&str>() {
+/// The text of a panic payload.
+pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
         (*s).to_string()
     } else if let Some(s) = payload.downcast_ref::<String>() {
         s.clone()
     } else {
         "panic payload is not a string".to_string()
-    };
+    }
+}
+
+fn panicked(hook: &str, payload: Box<dyn Any + Send>) -> ProcError {
+    let message = panic_message(&*payload);
     tracing::error!(hook, %message, "procedure panicked");
     ProcError::Panicked {
         hook: hook.to_string(),

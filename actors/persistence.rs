@@ -146,6 +146,23 @@ impl Handler<Persist> for Persistence {
     }
 }
 
+/// Refuse every append from now on (the engine broke an invariant and is stopping).
+pub(crate) struct Refuse(pub(crate) String);
+
+impl Message for Refuse {
+    type Result = ();
+}
+
+impl Handler<Refuse> for Persistence {
+    type Result = ();
+
+    fn handle(&mut self, msg: Refuse, _ctx: &mut Context<Self>) {
+        if self.failed.is_none() {
+            self.fail(msg.0, Vec::new());
+        }
+    }
+}
+
 /// Stops the actor once everything handed to the writer thread is written; answers
 /// after the thread (and with it the store, and its lock) is gone.
 pub(crate) struct StopWriter;

@@ -3,26 +3,24 @@
 //! when its root stack says [`Rollback`], the abort and timeout hooks between steps.
 //!
 //! It never decides what happens next; it reports what the user's code returned to its
-//! root stack ([`StepDone`], [`FailRequest`], [`RolledBack`]) and frees its worker with
-//! the scheduler. While a call is running the object is moved into the call's future;
-//! an abort that arrives meanwhile waits for the step to end, so user code never sees
-//! two calls at once.
+//! root stack ([`StepDone`], [`FailRequest`], [`RolledBack`]), which frees the step's
+//! worker once the report is recorded. While a call is running the object is moved into
+//! the call's future; an abort that arrives meanwhile waits for the step to end, so user
+//! code never sees two calls at once. Once its tree is halted (the store failed) it calls
+//! no user code at all, exactly as if the process had died.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use tokio::sync::oneshot;
 
 use crate::error::Error;
 use crate::procedure::{Context as ProcContext, Flow, LockState, ProcError, ProcId, Procedure};
 use crate::root_stack::{NewChild, StepOutcome, StepReport};
 
 use super::guard::{guard, CatchUnwind};
-use super::root_stack::{FailRequest, RolledBack, RootStackActor, StepDone};
-use super::scheduler::StepFinished;
-use super::shared::{now_ms, Shared};
+use super::root_stack::{AbortAck, FailRequest, ProcLost, RolledBack, RootStackActor, StepDone};
+use super::shared::{now_ms, Shared, TreeStatus};
 
 /// Run one step (from the scheduler, which counts it against a worker).
 pub(crate) struct RunStep;
@@ -41,14 +39,17 @@ impl Message for Rollback {
     type Result = ();
 }
 
-/// An operator's abort; answers whether the procedure accepted it.
-pub(crate) struct AbortProc;
+/// An operator's abort: answers on the ack whether the procedure accepted it, once the
+/// acceptance is durable.
+pub(crate) struct AbortProc(pub(crate) AbortAck);
 
 impl Message for AbortProc {
-    type Result = Result<bool, Error>;
+    type Result = ();
 }
 
-/// The procedure is finished: release its lock, run its completion cleanup, stop.
+/// The procedure is finished and its final record is durable: release its lock, run its
+/// completion cleanup, answer, stop. The sender keeps the actor's address until the
+/// answer, so the message cannot be lost with the actor's last address.
 pub(crate) struct StopProc;
 
 impl Message for StopProc {
@@ -78,16 +79,18 @@ pub(crate) struct ProcedureActor {
     data: Vec<u8>,
     shared: Arc<Shared>,
     root_stack: Addr<RootStackActor>,
-    tree_failed: Arc<AtomicBool>,
+    status: Arc<TreeStatus>,
     /// This procedure failed (a step, or an accepted abort or timeout): run no more steps.
     failed: bool,
     /// A step returned Done: nothing more to abort.
     done: bool,
     lock_held: bool,
     /// Aborts that arrived while a step ran, answered when it ends.
-    pending_aborts: Vec<oneshot::Sender<Result<bool, Error>>>,
+    pending_aborts: Vec<AbortAck>,
     /// The timeout expired while a step ran.
     pending_timeout: bool,
+    /// `StopProc` was handled: the actor ends because the procedure finished.
+    stopped: bool,
 }
 
 impl ProcedureActor {
@@ -97,7 +100,7 @@ impl ProcedureActor {
         data: Vec<u8>,
         shared: Arc<Shared>,
         root_stack: Addr<RootStackActor>,
-        tree_failed: Arc<AtomicBool>,
+        status: Arc<TreeStatus>,
     ) -> Self {
         ProcedureActor {
             id: spec.id,
@@ -109,12 +112,13 @@ impl ProcedureActor {
             data,
             shared,
             root_stack,
-            tree_failed,
+            status,
             failed: false,
             done: false,
             lock_held: false,
             pending_aborts: Vec::new(),
             pending_timeout: false,
+            stopped: false,
         }
     }
 
@@ -134,7 +138,8 @@ impl ProcedureActor {
         data: Vec<u8>,
         children: Vec<(ProcId, Box<dyn Procedure>)>,
     ) {
-        self.shared.scheduler.do_send(StepFinished);
+        // The root stack frees the worker once it has recorded this report; freeing it
+        // here would let a later step's report overtake this one.
         self.root_stack.do_send(StepDone {
             report: StepReport {
                 id: self.id,
@@ -176,8 +181,9 @@ impl ProcedureActor {
             Ok(Flow::SleepUntil(at_ms)) => StepOutcome::SleepUntil(at_ms),
             Err(e) => StepOutcome::Failed(e),
         };
-        let finished = matches!(outcome, StepOutcome::Done | StepOutcome::Failed(_));
-        if self.lock_held && (finished || !proc.holds_lock()) {
+        // A lock held for the procedure's life is released by `StopProc`, after the
+        // final record (and any rollback) — never between a failed step and its rollback.
+        if self.lock_held && !proc.holds_lock() {
             self.release_lock(&mut *proc, ctx);
         }
         let data = if matches!(outcome, StepOutcome::Yield) {
@@ -233,11 +239,24 @@ impl ProcedureActor {
         }
     }
 
-    /// Asks the idle procedure to accept an abort (`timeout: false`) or a timeout; if it
-    /// does, fails it with its root stack. Returns whether it accepted.
-    fn request_failure(&mut self, timeout: Option<u64>) -> bool {
-        if self.done || self.failed {
-            return false;
+    /// Asks the idle procedure to accept an abort (`timeout: None`) or a timeout; if it
+    /// does, fails it with its root stack, which answers `ack` once that is durable.
+    /// A refusal is answered at once.
+    fn request_failure(&mut self, timeout: Option<u64>, ack: Option<AbortAck>) {
+        if self.done {
+            if let Some(ack) = ack {
+                let _ = ack.send(Err(self.finished_error()));
+            }
+            return;
+        }
+        if self.failed {
+            // Already failing: answer once that failure is durable.
+            self.root_stack.do_send(FailRequest {
+                id: self.id,
+                failure: None,
+                ack,
+            });
+            return;
         }
         let Some(mut proc) = self.proc.take() else {
             unreachable!("request_failure while a call runs");
@@ -260,30 +279,30 @@ impl ProcedureActor {
             let data = self.encode(&*proc).unwrap_or_else(|_| self.data.clone());
             self.root_stack.do_send(FailRequest {
                 id: self.id,
-                error,
-                data,
+                failure: Some((error, data)),
+                ack,
             });
+        } else if let Some(ack) = ack {
+            let _ = ack.send(Ok(false));
         }
         self.proc = Some(proc);
-        accepted
+    }
+
+    fn finished_error(&self) -> Error {
+        Error::Finished {
+            id: self.id,
+            state: crate::ProcState::Success,
+        }
     }
 
     /// Answers aborts and a timeout that arrived while a step ran.
     fn settle_pending(&mut self) {
         if std::mem::take(&mut self.pending_timeout) {
             let timeout = self.proc.as_ref().and_then(|p| p.timeout_ms());
-            self.request_failure(timeout.or(Some(0)));
+            self.request_failure(timeout.or(Some(0)), None);
         }
         for ack in std::mem::take(&mut self.pending_aborts) {
-            let answer = if self.done {
-                Err(Error::Finished {
-                    id: self.id,
-                    state: crate::ProcState::Success,
-                })
-            } else {
-                Ok(self.request_failure(None) || self.failed)
-            };
-            let _ = ack.send(answer);
+            self.request_failure(None, Some(ack));
         }
     }
 }
@@ -307,12 +326,26 @@ impl Actor for ProcedureActor {
             let deadline_ms = self.submitted_ms.saturating_add(timeout_ms);
             let delay = Duration::from_millis(deadline_ms.saturating_sub(now_ms()));
             ctx.run_later(delay, move |act, _ctx| {
+                if act.status.halted() {
+                    return;
+                }
                 if act.proc.is_some() {
-                    act.request_failure(Some(timeout_ms));
+                    act.request_failure(Some(timeout_ms), None);
                 } else {
                     act.pending_timeout = true;
                 }
             });
+        }
+    }
+}
+
+impl Drop for ProcedureActor {
+    /// An actor that ends before its procedure finished, in a tree that is not halted,
+    /// died of a panic in engine code (user code is guarded): its root stack would wait
+    /// for its reports for ever, so it is told.
+    fn drop(&mut self) {
+        if !self.stopped && !self.status.halted() {
+            self.root_stack.do_send(ProcLost(self.id));
         }
     }
 }
@@ -322,7 +355,7 @@ impl Handler<RunStep> for ProcedureActor {
 
     fn handle(&mut self, _msg: RunStep, ctx: &mut Context<Self>) {
         let id = self.id;
-        if self.failed || self.done || self.tree_failed.load(Ordering::Acquire) {
+        if self.failed || self.done || self.status.failed() {
             self.report(StepOutcome::Skipped, Vec::new(), Vec::new());
             return;
         }
@@ -370,6 +403,10 @@ impl Handler<Rollback> for ProcedureActor {
 
     fn handle(&mut self, msg: Rollback, ctx: &mut Context<Self>) {
         let id = self.id;
+        if self.status.halted() {
+            // Cut off like in a crash: recovery rolls back from the durable state.
+            return;
+        }
         let Some(mut proc) = self.proc.take() else {
             unreachable!("rollback of {id} while a call runs");
         };
@@ -419,25 +456,16 @@ impl Handler<Rollback> for ProcedureActor {
 }
 
 impl Handler<AbortProc> for ProcedureActor {
-    type Result = ResponseFuture<Result<bool, Error>>;
+    type Result = ();
 
-    fn handle(&mut self, _msg: AbortProc, _ctx: &mut Context<Self>) -> Self::Result {
-        if self.done {
-            let id = self.id;
-            return Box::pin(async move {
-                Err(Error::Finished {
-                    id,
-                    state: crate::ProcState::Success,
-                })
-            });
+    fn handle(&mut self, msg: AbortProc, _ctx: &mut Context<Self>) {
+        if self.status.halted() {
+            let _ = msg.0.send(Err(Error::Stopped));
+        } else if self.proc.is_none() {
+            self.pending_aborts.push(msg.0);
+        } else {
+            self.request_failure(None, Some(msg.0));
         }
-        if self.proc.is_none() {
-            let (tx, rx) = oneshot::channel();
-            self.pending_aborts.push(tx);
-            return Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) });
-        }
-        let accepted = self.failed || self.request_failure(None);
-        Box::pin(async move { Ok(accepted) })
     }
 }
 
@@ -455,11 +483,9 @@ impl Handler<StopProc> for ProcedureActor {
             }
         }
         for ack in std::mem::take(&mut self.pending_aborts) {
-            let _ = ack.send(Err(Error::Finished {
-                id: self.id,
-                state: crate::ProcState::Success,
-            }));
+            let _ = ack.send(Err(self.finished_error()));
         }
+        self.stopped = true;
         ctx.stop();
     }
 }

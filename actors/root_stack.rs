@@ -3,12 +3,25 @@
 //! through it, its records are persisted, and only then are its actions performed, in
 //! the order the transitions were made.
 //!
+//! The protocol rules it enforces (see `ARCHITECTURE.md`, "Protocol"):
+//! - it frees a step's worker (`StepFinished` to the scheduler) only after it has fed
+//!   the step's report to the core, so a step dispatched later is recorded later;
+//! - it publishes a transition's records to the procedure table, and answers aborts,
+//!   only once those records are durable;
+//! - it keeps a finished procedure's address until that procedure has answered
+//!   `StopProc` (lock released, cleanup run), and publishes the tree's result only
+//!   after every stop was answered;
+//! - when nothing more can be made durable (the store failed) or the core broke an
+//!   invariant, it halts the tree like a crash: no more user calls, no cleanup, every
+//!   waiter answered, and it stays alive until each dispatched step has reported, so no
+//!   worker of the scheduler leaks.
+//!
 //! Honest limits: an actor's mailbox lives in memory. If the process dies, what was in
 //! flight here is gone; durability comes only from the store, and recovery rebuilds this
 //! actor from it.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,20 +29,25 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::error::Error;
-use crate::procedure::{ProcError, ProcId, Procedure};
+use crate::procedure::{ProcError, ProcId, ProcState, Procedure};
 use crate::record::{Failure, StoreOp};
 use crate::root_stack::{Action, RootStack, StepReport, Transition};
 
 use super::executor::TreeFinished;
+use super::guard::panic_message;
 use super::persistence::Persist;
-use super::procedure::{ProcSpec, ProcedureActor, Rollback, StopProc};
-use super::scheduler::{Enqueue, SuspendOn};
-use super::shared::{now_ms, Entry, Shared};
+use super::procedure::{AbortProc, ProcSpec, ProcedureActor, Rollback, StopProc};
+use super::scheduler::{Enqueue, StepFinished, SuspendOn};
+use super::shared::{now_ms, Entry, Shared, TreeStatus};
 
 /// Decoded procedures waiting for their actors, with their encoded state.
 pub(crate) type Objects = HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>;
 
-/// A step ended (from the procedure actor), with the objects of any new children.
+/// Answers an operator's abort: `Ok(true)` once the abort is durable.
+pub(crate) type AbortAck = oneshot::Sender<Result<bool, Error>>;
+
+/// A step ended (from the procedure actor), with the objects of any new children. Every
+/// `RunStep` the scheduler dispatched is answered by exactly one `StepDone`.
 pub(crate) struct StepDone {
     pub(crate) report: StepReport,
     pub(crate) children: Vec<(ProcId, Box<dyn Procedure>)>,
@@ -39,11 +57,13 @@ impl Message for StepDone {
     type Result = ();
 }
 
-/// The procedure accepted an abort or timeout between steps.
+/// The procedure accepted an abort or timeout between steps (`failure`), or was asked
+/// to abort after it had already failed (`None`). `ack`, if any, is answered once
+/// everything the root stack did before, and this failure, is durable.
 pub(crate) struct FailRequest {
     pub(crate) id: ProcId,
-    pub(crate) error: ProcError,
-    pub(crate) data: Vec<u8>,
+    pub(crate) failure: Option<(ProcError, Vec<u8>)>,
+    pub(crate) ack: Option<AbortAck>,
 }
 
 impl Message for FailRequest {
@@ -60,6 +80,23 @@ impl Message for RolledBack {
     type Result = ();
 }
 
+/// An operator's abort of a procedure of this tree, from the executor.
+pub(crate) struct AbortRequest {
+    pub(crate) id: ProcId,
+    pub(crate) ack: AbortAck,
+}
+
+impl Message for AbortRequest {
+    type Result = ();
+}
+
+/// A procedure actor ended before its procedure finished (a panic in engine code).
+pub(crate) struct ProcLost(pub(crate) ProcId);
+
+impl Message for ProcLost {
+    type Result = ();
+}
+
 /// A timer or event woke the procedure.
 pub(crate) struct Wake(pub(crate) ProcId);
 
@@ -67,9 +104,22 @@ impl Message for Wake {
     type Result = ();
 }
 
-/// A transition's actions, waiting for its records to be durable.
+/// What one persisted op changes in the procedure table; applied once the op is durable.
+enum Row {
+    Insert(ProcId, Entry),
+    Update {
+        id: ProcId,
+        state: ProcState,
+        updated_ms: u64,
+    },
+}
+
+/// A transition waiting for its records to be durable: then its rows are published, its
+/// actions performed and its acks answered, in that order.
 struct Pending {
+    rows: Vec<Row>,
     actions: Vec<Action>,
+    acks: Vec<AbortAck>,
     durable: bool,
 }
 
@@ -80,7 +130,7 @@ pub(crate) struct RootStackActor {
     procs: HashMap<ProcId, Addr<ProcedureActor>>,
     /// New procedures, started once their insert is durable.
     unspawned: Objects,
-    tree_failed: Arc<AtomicBool>,
+    status: Arc<TreeStatus>,
     /// Transitions in the order they were made; actions run strictly in that order.
     pending: VecDeque<Pending>,
     /// Answered once the root's insert is durable and it is queued.
@@ -91,8 +141,17 @@ pub(crate) struct RootStackActor {
     performed: usize,
     /// Rebuilt by recovery: the first actors it spawns are recovered procedures.
     recovered: bool,
-    /// Set when the store failed: the tree is stuck and reports nothing more.
-    broken: bool,
+    /// Steps handed to the scheduler whose `StepDone` has not come back. Each holds (or
+    /// waits for) a worker that only this actor frees.
+    dispatched: usize,
+    /// `StopProc`s sent and not answered yet.
+    stopping: usize,
+    /// The tree's result, published once every stop has been answered.
+    result: Option<Result<(), Failure>>,
+    /// Set when nothing more can be made durable: the tree is cut off like in a crash.
+    halted: Option<Error>,
+    /// The result went to the executor: the actor's work is done.
+    published: bool,
 }
 
 impl RootStackActor {
@@ -108,57 +167,88 @@ impl RootStackActor {
         let (core, t) = RootStack::submit(id, type_name, data.clone(), now_ms());
         let mut unspawned = HashMap::new();
         unspawned.insert(id, (proc, data));
-        RootStackActor {
-            core,
-            shared,
-            procs: HashMap::new(),
-            unspawned,
-            tree_failed: Arc::new(AtomicBool::new(false)),
-            pending: VecDeque::new(),
-            submit_ack: Some(ack),
-            initial: Some(t),
-            performed: 0,
-            recovered: false,
-            broken: false,
-        }
+        let mut actor = Self::new(shared, core, t, unspawned);
+        actor.submit_ack = Some(ack);
+        actor
     }
 
     /// A tree rebuilt by recovery: `core` and `t` from [`RootStack::recover`], the
-    /// decoded objects of its unfinished procedures, and their records for the table.
+    /// decoded objects of its unfinished procedures.
     pub(crate) fn recover(
         shared: Arc<Shared>,
         core: RootStack,
         t: Transition,
         objects: Objects,
     ) -> Self {
-        let tree_failed = Arc::new(AtomicBool::new(core.is_failed()));
+        let mut actor = Self::new(shared, core, t, objects);
+        actor.recovered = true;
+        actor
+    }
+
+    fn new(shared: Arc<Shared>, core: RootStack, t: Transition, unspawned: Objects) -> Self {
+        let status = Arc::new(TreeStatus::default());
+        if core.is_failed() {
+            status.set_failed();
+        }
         RootStackActor {
             core,
             shared,
             procs: HashMap::new(),
-            unspawned: objects,
-            tree_failed,
+            unspawned,
+            status,
             pending: VecDeque::new(),
             submit_ack: None,
             initial: Some(t),
             performed: 0,
-            recovered: true,
-            broken: false,
+            recovered: false,
+            dispatched: 0,
+            stopping: 0,
+            result: None,
+            halted: None,
+            published: false,
         }
     }
 
-    /// Persists the transition's records, then (in order) performs its actions.
-    fn apply(&mut self, t: Transition, ctx: &mut Context<Self>) {
-        if self.broken {
+    /// Feeds an event to the core. A panic there is a broken engine invariant: the tree
+    /// halts and the executor stops, rather than an arbiter thread dying with the
+    /// tree's waiters unanswered.
+    fn core<R>(
+        &mut self,
+        event: &str,
+        f: impl FnOnce(&mut RootStack) -> R,
+        ctx: &mut Context<Self>,
+    ) -> Option<R> {
+        match catch_unwind(AssertUnwindSafe(|| f(&mut self.core))) {
+            Ok(r) => Some(r),
+            Err(payload) => {
+                let message = panic_message(&*payload);
+                let root = self.core.root();
+                self.halt(
+                    Error::Internal(format!("tree {root}, on {event}: {message}")),
+                    ctx,
+                );
+                None
+            }
+        }
+    }
+
+    /// Persists the transition's records, then (in order) publishes them, performs its
+    /// actions and answers `ack`.
+    fn apply(&mut self, t: Transition, ack: Option<AbortAck>, ctx: &mut Context<Self>) {
+        if let Some(e) = &self.halted {
+            if let Some(ack) = ack {
+                let _ = ack.send(Err(e.duplicate()));
+            }
             return;
         }
         if self.core.is_failed() {
-            self.tree_failed.store(true, Ordering::Release);
+            self.status.set_failed();
         }
-        self.publish(&t.persist);
         let durable = t.persist.is_empty();
         self.pending.push_back(Pending {
+            rows: rows(&self.shared, &t.persist, &ctx.address()),
             actions: t.actions,
+            acks: ack.into_iter().collect(),
             durable,
         });
         if durable {
@@ -172,13 +262,16 @@ impl RootStackActor {
         });
         let seq = self.performed + self.pending.len() - 1;
         ctx.spawn(rx.into_actor(self).map(move |result, act, ctx| {
+            if act.halted.is_some() {
+                return;
+            }
             match result.unwrap_or(Err(Error::Stopped)) {
                 Ok(()) => {
                     let index = seq - act.performed;
                     act.pending[index].durable = true;
                     act.run_ready(ctx);
                 }
-                Err(e) => act.break_tree(e, ctx),
+                Err(e) => act.halt(e, ctx),
             }
         }));
     }
@@ -189,8 +282,12 @@ impl RootStackActor {
                 break;
             };
             self.performed += 1;
+            apply_rows(&self.shared, p.rows);
             for action in p.actions {
                 self.perform(action, ctx);
+            }
+            for ack in p.acks {
+                let _ = ack.send(Ok(true));
             }
             self.recovered = false;
         }
@@ -207,21 +304,35 @@ impl RootStackActor {
         match action {
             Action::Spawn(id) => self.spawn(id, ctx),
             Action::Enqueue { id, front } => match self.procs.get(&id) {
-                Some(addr) => self.shared.scheduler.do_send(Enqueue {
-                    id,
-                    addr: addr.clone(),
-                    front,
-                }),
+                Some(addr) => {
+                    self.dispatched += 1;
+                    self.shared.scheduler.do_send(Enqueue {
+                        id,
+                        addr: addr.clone(),
+                        front,
+                    });
+                }
                 None => unreachable!("enqueue of {id}, which has no actor"),
             },
             Action::Stop(id) => {
                 if let Some(addr) = self.procs.remove(&id) {
-                    addr.do_send(StopProc);
+                    // The address travels with the request until the answer: an actix
+                    // actor whose last address is dropped may stop before it handles
+                    // a message already queued, and this one must run.
+                    self.stopping += 1;
+                    let stop = async move {
+                        let _ = addr.send(StopProc).await;
+                        drop(addr);
+                    };
+                    ctx.spawn(stop.into_actor(self).map(|(), act, ctx| {
+                        act.stopping -= 1;
+                        act.publish_result(ctx);
+                    }));
                 }
                 if id != self.core.root() {
                     self.shared.table.remove(&id);
                 } else if let Some(mut e) = self.shared.table.get_mut(&id) {
-                    e.addr = None;
+                    e.tree = None;
                 }
             }
             Action::Rollback { id, unrecorded } => self.send_rollback(id, unrecorded),
@@ -231,14 +342,20 @@ impl RootStackActor {
                 delay_ms,
             } => {
                 ctx.run_later(Duration::from_millis(delay_ms), move |act, _| {
-                    act.send_rollback(id, unrecorded)
+                    if act.halted.is_none() {
+                        act.send_rollback(id, unrecorded);
+                    }
                 });
             }
             Action::WakeAt { id, at_ms } => {
                 let delay = Duration::from_millis(at_ms.saturating_sub(now_ms()));
                 ctx.run_later(delay, move |act, ctx| {
-                    let t = act.core.on_wake(id);
-                    act.apply(t, ctx);
+                    if act.halted.is_some() {
+                        return;
+                    }
+                    if let Some(t) = act.core("wake", |core| core.on_wake(id), ctx) {
+                        act.apply(t, None, ctx);
+                    }
                 });
             }
             Action::SuspendOn { id, event } => self.shared.scheduler.do_send(SuspendOn {
@@ -246,7 +363,16 @@ impl RootStackActor {
                 event,
                 root_stack: ctx.address(),
             }),
-            Action::Finished(result) => self.finished(result, ctx),
+            Action::Finished(result) => {
+                match &result {
+                    Ok(()) => tracing::debug!(root = %self.core.root(), "tree succeeded"),
+                    Err(failure) => {
+                        tracing::debug!(root = %self.core.root(), %failure, "tree rolled back")
+                    }
+                }
+                self.result = Some(result);
+                self.publish_result(ctx);
+            }
         }
     }
 
@@ -256,24 +382,21 @@ impl RootStackActor {
         };
         let shared = self.shared.clone();
         let root_stack = ctx.address();
-        let tree_failed = self.tree_failed.clone();
-        let spec = match self.shared.table.get(&id) {
-            Some(e) => ProcSpec {
-                id,
-                parent: e.parent,
-                root: e.root,
-                submitted_ms: e.submitted_ms,
-                recovered: self.recovered,
-            },
-            None => unreachable!("spawn of {id}, which is not in the table"),
+        let status = self.status.clone();
+        let Some((parent, submitted_ms)) = self.core.procedure(id) else {
+            unreachable!("spawn of {id}, which is not in the tree");
+        };
+        let spec = ProcSpec {
+            id,
+            parent,
+            root: self.core.root(),
+            submitted_ms,
+            recovered: self.recovered,
         };
         let arbiter = self.shared.next_arbiter().clone();
         let addr = ProcedureActor::start_in_arbiter(&arbiter, move |_| {
-            ProcedureActor::new(spec, proc, data, shared, root_stack, tree_failed)
+            ProcedureActor::new(spec, proc, data, shared, root_stack, status)
         });
-        if let Some(mut e) = self.shared.table.get_mut(&id) {
-            e.addr = Some(addr.clone());
-        }
         self.procs.insert(id, addr);
     }
 
@@ -284,16 +407,16 @@ impl RootStackActor {
         }
     }
 
-    fn publish(&self, ops: &[StoreOp]) {
-        publish(&self.shared, ops);
-    }
-
-    fn finished(&mut self, result: Result<(), Failure>, ctx: &mut Context<Self>) {
-        let root = self.core.root();
-        match &result {
-            Ok(()) => tracing::debug!(root = %root, "tree succeeded"),
-            Err(failure) => tracing::debug!(root = %root, %failure, "tree rolled back"),
+    /// Publishes the tree's result once it is known and every finished procedure has
+    /// released its lock and run its cleanup; then the actor's work is done.
+    fn publish_result(&mut self, ctx: &mut Context<Self>) {
+        if self.stopping > 0 || self.halted.is_some() {
+            return;
         }
+        let Some(result) = self.result.take() else {
+            return;
+        };
+        let root = self.core.root();
         if let Some(mut e) = self.shared.table.get_mut(&root) {
             e.result = Some(result.clone());
         }
@@ -301,28 +424,45 @@ impl RootStackActor {
             root,
             result: Ok(result),
         });
+        self.published = true;
         ctx.stop();
     }
 
-    /// The store failed: nothing this tree does can be made durable any more.
-    fn break_tree(&mut self, e: Error, ctx: &mut Context<Self>) {
-        if self.broken {
+    /// Nothing this tree does can be made durable any more (or the core broke): stop
+    /// calling user code, answer everyone, and tell the executor.
+    fn halt(&mut self, e: Error, ctx: &mut Context<Self>) {
+        if self.halted.is_some() {
             return;
         }
-        self.broken = true;
         let root = self.core.root();
-        tracing::error!(root = %root, error = %e, "tree stopped: its records cannot be persisted");
+        tracing::error!(root = %root, error = %e, "tree halted: its records cannot be made durable");
+        self.status.set_halted();
         if let Some(ack) = self.submit_ack.take() {
-            let _ = ack.send(Err(Error::Store(e.to_string())));
+            let _ = ack.send(Err(e.duplicate()));
         }
+        for p in self.pending.drain(..) {
+            for ack in p.acks {
+                let _ = ack.send(Err(e.duplicate()));
+            }
+        }
+        self.unspawned.clear();
+        self.result = None;
         self.shared.executor.do_send(TreeFinished {
             root,
-            result: Err(e.to_string()),
+            result: Err(e.duplicate()),
         });
-        for addr in self.procs.values() {
-            addr.do_send(StopProc);
+        self.halted = Some(e);
+        self.stop_when_quiet(ctx);
+    }
+
+    /// A halted tree stops once every dispatched step has reported (and freed its
+    /// worker) and every stop was answered. Its procedure actors stop with it: they
+    /// have no address left.
+    fn stop_when_quiet(&mut self, ctx: &mut Context<Self>) {
+        if self.halted.is_some() && self.dispatched == 0 && self.stopping == 0 {
+            self.procs.clear();
+            ctx.stop();
         }
-        ctx.stop();
     }
 }
 
@@ -331,7 +471,7 @@ impl Actor for RootStackActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         if let Some(t) = self.initial.take() {
-            self.apply(t, ctx);
+            self.apply(t, None, ctx);
         }
     }
 }
@@ -340,21 +480,33 @@ impl Handler<StepDone> for RootStackActor {
     type Result = ();
 
     fn handle(&mut self, msg: StepDone, ctx: &mut Context<Self>) {
-        self.unspawned.extend(
-            msg.children
-                .into_iter()
-                .map(|(id, proc)| (id, (proc, Vec::new()))),
-        );
-        let t = self.core.on_step(msg.report, now_ms());
-        // Children keep their encoded state for their actor's "last good" copy.
-        for op in &t.persist {
-            if let StoreOp::Insert(r) = op {
-                if let Some(entry) = self.unspawned.get_mut(&r.id) {
-                    entry.1.clone_from(&r.data);
+        self.dispatched -= 1;
+        if self.halted.is_none() {
+            self.unspawned.extend(
+                msg.children
+                    .into_iter()
+                    .map(|(id, proc)| (id, (proc, Vec::new()))),
+            );
+            if let Some(t) = self.core(
+                "step report",
+                |core| core.on_step(msg.report, now_ms()),
+                ctx,
+            ) {
+                // Children keep their encoded state for their actor's "last good" copy.
+                for op in &t.persist {
+                    if let StoreOp::Insert(r) = op {
+                        if let Some(entry) = self.unspawned.get_mut(&r.id) {
+                            entry.1.clone_from(&r.data);
+                        }
+                    }
                 }
+                self.apply(t, None, ctx);
             }
         }
-        self.apply(t, ctx);
+        // Only now, with the report recorded (and any enqueue it caused sent first), may
+        // the worker go to another step.
+        self.shared.scheduler.do_send(StepFinished);
+        self.stop_when_quiet(ctx);
     }
 }
 
@@ -362,8 +514,21 @@ impl Handler<FailRequest> for RootStackActor {
     type Result = ();
 
     fn handle(&mut self, msg: FailRequest, ctx: &mut Context<Self>) {
-        let t = self.core.on_fail(msg.id, msg.error, msg.data, now_ms());
-        self.apply(t, ctx);
+        let t = match msg.failure {
+            Some((error, data)) => {
+                let id = msg.id;
+                self.core("abort", |core| core.on_fail(id, error, data, now_ms()), ctx)
+            }
+            None => Some(Transition::default()),
+        };
+        match t {
+            Some(t) => self.apply(t, msg.ack, ctx),
+            None => {
+                if let (Some(ack), Some(e)) = (msg.ack, &self.halted) {
+                    let _ = ack.send(Err(e.duplicate()));
+                }
+            }
+        }
     }
 }
 
@@ -371,8 +536,17 @@ impl Handler<RolledBack> for RootStackActor {
     type Result = ();
 
     fn handle(&mut self, msg: RolledBack, ctx: &mut Context<Self>) {
-        let t = self.core.on_rolled_back(msg.id, msg.result, now_ms());
-        self.apply(t, ctx);
+        if self.halted.is_some() {
+            return;
+        }
+        let t = self.core(
+            "rollback report",
+            |core| core.on_rolled_back(msg.id, msg.result, now_ms()),
+            ctx,
+        );
+        if let Some(t) = t {
+            self.apply(t, None, ctx);
+        }
     }
 }
 
@@ -380,37 +554,115 @@ impl Handler<Wake> for RootStackActor {
     type Result = ();
 
     fn handle(&mut self, msg: Wake, ctx: &mut Context<Self>) {
-        let t = self.core.on_wake(msg.0);
-        self.apply(t, ctx);
+        if self.halted.is_some() {
+            return;
+        }
+        if let Some(t) = self.core("wake", |core| core.on_wake(msg.0), ctx) {
+            self.apply(t, None, ctx);
+        }
     }
 }
 
-/// Mirrors records into the procedure table, for `GetState` and `List`.
-pub(crate) fn publish(shared: &Shared, ops: &[StoreOp]) {
-    for op in ops {
-        match op {
-            StoreOp::Insert(r) => {
-                shared.table.insert(
-                    r.id,
-                    Entry {
-                        root: r.root,
-                        parent: r.parent,
-                        type_name: shared.registry.static_name(&r.type_name).unwrap_or("?"),
-                        state: r.state,
-                        submitted_ms: r.submitted_ms,
-                        updated_ms: r.updated_ms,
-                        addr: None,
-                        result: None,
-                    },
-                );
-            }
-            StoreOp::Update(r) => {
-                if let Some(mut e) = shared.table.get_mut(&r.id) {
-                    e.state = r.state;
-                    e.updated_ms = r.updated_ms;
-                }
-            }
-            StoreOp::Delete(_) => {}
+impl Handler<ProcLost> for RootStackActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: ProcLost, ctx: &mut Context<Self>) {
+        let e = Error::Internal(format!(
+            "the actor of procedure {} stopped before the procedure finished",
+            msg.0
+        ));
+        self.halt(e, ctx);
+    }
+}
+
+impl Drop for RootStackActor {
+    /// A root stack that ends without publishing its result or halting died of a panic
+    /// in engine code; the executor must not leave the tree's waiters hanging.
+    fn drop(&mut self) {
+        if self.halted.is_none() && !self.published {
+            self.shared.executor.do_send(TreeFinished {
+                root: self.core.root(),
+                result: Err(Error::Internal(format!(
+                    "the root stack of tree {} stopped before the tree finished",
+                    self.core.root()
+                ))),
+            });
         }
     }
+}
+
+impl Handler<AbortRequest> for RootStackActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: AbortRequest, _ctx: &mut Context<Self>) {
+        if let Some(e) = &self.halted {
+            let _ = msg.ack.send(Err(e.duplicate()));
+            return;
+        }
+        match self.procs.get(&msg.id) {
+            Some(addr) => addr.do_send(AbortProc(msg.ack)),
+            // Finished (its stop is on its way): nothing left to abort.
+            None => {
+                let state = self
+                    .shared
+                    .table
+                    .get(&msg.id)
+                    .map_or(ProcState::Success, |e| e.state);
+                let _ = msg.ack.send(Err(Error::Finished { id: msg.id, state }));
+            }
+        }
+    }
+}
+
+/// What `ops` will change in the procedure table once they are durable.
+fn rows(shared: &Shared, ops: &[StoreOp], tree: &Addr<RootStackActor>) -> Vec<Row> {
+    ops.iter()
+        .filter_map(|op| match op {
+            StoreOp::Insert(r) => Some(Row::Insert(
+                r.id,
+                Entry {
+                    root: r.root,
+                    parent: r.parent,
+                    type_name: shared.registry.static_name(&r.type_name).unwrap_or("?"),
+                    state: r.state,
+                    submitted_ms: r.submitted_ms,
+                    updated_ms: r.updated_ms,
+                    tree: Some(tree.clone()),
+                    result: None,
+                },
+            )),
+            StoreOp::Update(r) => Some(Row::Update {
+                id: r.id,
+                state: r.state,
+                updated_ms: r.updated_ms,
+            }),
+            StoreOp::Delete(_) => None,
+        })
+        .collect()
+}
+
+fn apply_rows(shared: &Shared, rows: Vec<Row>) {
+    for row in rows {
+        match row {
+            Row::Insert(id, entry) => {
+                shared.table.insert(id, entry);
+            }
+            Row::Update {
+                id,
+                state,
+                updated_ms,
+            } => {
+                if let Some(mut e) = shared.table.get_mut(&id) {
+                    e.state = state;
+                    e.updated_ms = updated_ms;
+                }
+            }
+        }
+    }
+}
+
+/// Mirrors durable records of the tree `tree` into the procedure table, for `GetState`,
+/// `List` and `Abort`.
+pub(crate) fn publish(shared: &Shared, ops: &[StoreOp], tree: &Addr<RootStackActor>) {
+    apply_rows(shared, rows(shared, ops, tree));
 }

@@ -2,7 +2,7 @@
 //! procedure table, the id counter, and the addresses of the singleton actors.
 
 use std::any::Any;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -15,7 +15,7 @@ use crate::registry::Registry;
 
 use super::executor::ExecutorActor;
 use super::persistence::Persistence;
-use super::procedure::ProcedureActor;
+use super::root_stack::RootStackActor;
 use super::scheduler::Scheduler;
 
 /// The engine's clock, in ms since the Unix epoch. The one place the actors read time;
@@ -26,6 +26,35 @@ pub(crate) fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// What the procedure actors of one tree read before each call into user code, written
+/// only by the tree's root stack. Monotonic: healthy, then failed, then halted.
+#[derive(Default)]
+pub(crate) struct TreeStatus(AtomicU8);
+
+const FAILED: u8 = 1;
+const HALTED: u8 = 2;
+
+impl TreeStatus {
+    /// The tree has failed: run no more steps (report them skipped).
+    pub(crate) fn failed(&self) -> bool {
+        self.0.load(Ordering::Acquire) >= FAILED
+    }
+
+    /// The tree can make nothing durable any more (the store failed, or the engine
+    /// broke an invariant): call no user code at all, as after a crash.
+    pub(crate) fn halted(&self) -> bool {
+        self.0.load(Ordering::Acquire) >= HALTED
+    }
+
+    pub(crate) fn set_failed(&self) {
+        self.0.fetch_max(FAILED, Ordering::AcqRel);
+    }
+
+    pub(crate) fn set_halted(&self) {
+        self.0.fetch_max(HALTED, Ordering::AcqRel);
+    }
+}
+
 /// One row of the procedure table.
 pub(crate) struct Entry {
     pub(crate) root: ProcId,
@@ -34,8 +63,8 @@ pub(crate) struct Entry {
     pub(crate) state: ProcState,
     pub(crate) submitted_ms: u64,
     pub(crate) updated_ms: u64,
-    /// The live actor; `None` once the procedure has finished.
-    pub(crate) addr: Option<Addr<ProcedureActor>>,
+    /// The root stack of its tree, which answers aborts; `None` once it has finished.
+    pub(crate) tree: Option<Addr<RootStackActor>>,
     /// A finished root's result.
     pub(crate) result: Option<Result<(), Failure>>,
 }

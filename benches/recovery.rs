@@ -28,6 +28,7 @@ fn record(id: u64, version: u8) -> ProcRecord {
         state: ProcState::Runnable,
         stack_indexes: (0..u32::from(version)).collect(),
         failure: None,
+        failure_seq: None,
         submitted_ms: 1_700_000_000_000,
         updated_ms: 1_700_000_000_000 + u64::from(version),
         wake_at_ms: None,

@@ -33,12 +33,39 @@ pub enum Error {
     /// The store failed; the engine acknowledges nothing more.
     #[error("store failed: {0}")]
     Store(String),
+    /// The engine broke one of its own invariants (a bug, or a log it could not
+    /// detect as damaged); it stopped accepting work rather than carry on wrong.
+    #[error("engine invariant broken, the executor stopped: {0}")]
+    Internal(String),
     /// The executor (or its actor system) has stopped.
     #[error("the executor has stopped")]
     Stopped,
     /// Bad configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
+}
+
+impl Error {
+    /// The same error for another waiter. The variants an executor hands to many
+    /// waiters copy exactly; the others (never shared) keep their text.
+    pub(crate) fn duplicate(&self) -> Error {
+        match self {
+            Error::UnknownProcedure(id) => Error::UnknownProcedure(*id),
+            Error::Finished { id, state } => Error::Finished {
+                id: *id,
+                state: *state,
+            },
+            Error::NotRoot { id, root } => Error::NotRoot {
+                id: *id,
+                root: *root,
+            },
+            Error::Store(s) => Error::Store(s.clone()),
+            Error::Internal(s) => Error::Internal(s.clone()),
+            Error::Stopped => Error::Stopped,
+            Error::Config(s) => Error::Config(s.clone()),
+            Error::Registry(e) => Error::Config(e.to_string()),
+        }
+    }
 }
 
 impl From<StoreError> for Error {

@@ -21,6 +21,7 @@ mod registry;
 mod root_stack;
 mod state_machine;
 mod store;
+pub mod testing;
 pub mod wal;
 
 #[path = "../actors/mod.rs"]

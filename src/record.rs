@@ -42,6 +42,10 @@ pub struct ProcRecord {
     pub stack_indexes: Vec<u32>,
     /// Why it failed; for a finished root, why its tree failed.
     pub failure: Option<Failure>,
+    /// For a procedure that failed: the order of its failure among the failures of its
+    /// tree (0 for the first), as its root stack recorded them. Recovery takes the
+    /// smallest as the tree's result: order comes from the log, never from a clock.
+    pub failure_seq: Option<u64>,
     /// When it was submitted, in ms since the Unix epoch.
     pub submitted_ms: u64,
     /// When this record was made, in ms since the Unix epoch.

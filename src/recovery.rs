@@ -155,6 +155,7 @@ mod tests {
                 type_name: "t".into(),
                 error: ProcError::failed("x"),
             }),
+            failure_seq: (state == ProcState::Failed).then_some(id),
             submitted_ms: 0,
             updated_ms: 0,
             wake_at_ms: (state == ProcState::WaitingTimeout).then_some(500),
@@ -240,10 +241,61 @@ mod tests {
                 rec(2, Some(1), Runnable, &[1]),
                 ProcRecord {
                     failure: rec(3, Some(1), Failed, &[]).failure,
+                    failure_seq: Some(3),
                     ..rec(3, Some(1), RolledBack, &[])
                 },
             ],
             &["tree [2 3 1]:  | spawn 1, spawn 2, rollback 2 unrecorded"],
+        );
+        check(
+            vec![
+                // 2's unrecorded step was rolled back and written (FAILED): a restart
+                // goes on with its recorded steps instead of repeating that rollback.
+                rec(1, None, Waiting, &[0]),
+                ProcRecord {
+                    failure: None,
+                    failure_seq: None,
+                    ..rec(2, Some(1), Failed, &[1])
+                },
+                ProcRecord {
+                    failure: rec(3, Some(1), Failed, &[]).failure,
+                    failure_seq: Some(3),
+                    ..rec(3, Some(1), RolledBack, &[])
+                },
+            ],
+            &["tree [2 3 1]:  | spawn 1, spawn 2, rollback 2"],
+        );
+    }
+
+    #[test]
+    fn the_first_failure_comes_from_its_sequence_number_not_the_clock() {
+        // 3 failed first (sequence 0) but its record is the newer one by the clock, as
+        // when both fail in one millisecond and 3's rollback rewrote it.
+        let failed = |id: u64, seq: u64, updated_ms: u64| ProcRecord {
+            failure_seq: Some(seq),
+            updated_ms,
+            ..rec(id, Some(1), Failed, &[id as u32 - 1])
+        };
+        let records = vec![
+            rec(1, None, Waiting, &[0]),
+            failed(2, 1, 5),
+            failed(3, 0, 9),
+        ];
+        let plan = plan(records, names, 100);
+        let result = plan.trees[0].stack.first_failure().cloned();
+        assert_eq!(result.map(|f| f.proc), Some(ProcId(3)));
+    }
+
+    #[test]
+    fn a_parent_not_waiting_for_its_unfinished_child_is_corrupt() {
+        // What two swapped frames leave: the child's insert is there, the parent's
+        // update that started it is older.
+        check(
+            vec![rec(1, None, Runnable, &[0]), rec(2, Some(1), Runnable, &[])],
+            &[
+                "corrupt 2: procedure 1 is RUNNABLE but its child 2 is unfinished (RUNNABLE)",
+                "corrupt 1: procedure 1 is RUNNABLE but its child 2 is unfinished (RUNNABLE)",
+            ],
         );
     }
 
@@ -255,11 +307,13 @@ mod tests {
             vec![
                 ProcRecord {
                     failure: rec(3, Some(1), Failed, &[]).failure,
+                    failure_seq: Some(3),
                     ..rec(1, None, Waiting, &[0])
                 },
                 rec(2, Some(1), Success, &[1, 3, 4]),
                 ProcRecord {
                     failure: rec(3, Some(1), Failed, &[]).failure,
+                    failure_seq: Some(3),
                     ..rec(3, Some(1), RolledBack, &[])
                 },
             ],
@@ -270,11 +324,13 @@ mod tests {
             vec![
                 ProcRecord {
                     failure: rec(3, Some(1), Failed, &[]).failure,
+                    failure_seq: Some(3),
                     ..rec(1, None, Waiting, &[0])
                 },
                 rec(2, Some(1), Runnable, &[1, 3, 4]),
                 ProcRecord {
                     failure: rec(3, Some(1), Failed, &[]).failure,
+                    failure_seq: Some(3),
                     ..rec(3, Some(1), RolledBack, &[])
                 },
             ],

@@ -163,6 +163,7 @@ struct Node {
     wake_at_ms: Option<u64>,
     event: Option<String>,
     failure: Option<Failure>,
+    failure_seq: Option<u64>,
     rollback_attempts: u32,
     stopped: bool,
 }
@@ -224,6 +225,8 @@ pub struct RootStack {
     stack: Vec<StackEntry>,
     running: usize,
     failure: Option<Failure>,
+    /// How many procedures of the tree have failed: the next failure's `failure_seq`.
+    failures: u64,
     phase: Phase,
 }
 
@@ -241,6 +244,7 @@ impl RootStack {
             stack: Vec::new(),
             running: 0,
             failure: None,
+            failures: 0,
             phase: Phase::Executing,
         };
         let mut t = Transition::default();
@@ -296,23 +300,40 @@ impl RootStack {
                     wake_at_ms: r.wake_at_ms,
                     event: r.event.clone(),
                     failure: r.failure.clone(),
+                    failure_seq: r.failure_seq,
                     rollback_attempts: 0,
                     stopped: r.state.is_finished(),
                 },
             );
         }
+        let failed = records.iter().any(|r| r.failure.is_some());
         for r in records {
+            if r.failure.is_some() != r.failure_seq.is_some() {
+                return Err(format!(
+                    "procedure {} has a failure without its sequence number (or the converse)",
+                    r.id
+                ));
+            }
             if let Some(parent) = r.parent {
                 let Some(p) = nodes.get_mut(&parent) else {
                     return Err(format!("procedure {}'s parent {parent} is missing", r.id));
                 };
                 if !r.state.is_finished() {
                     p.pending_children += 1;
+                    // A parent starts its children in the same record that makes it
+                    // WAITING, and is woken only once all of them finished; in a healthy
+                    // tree any other state beside an unfinished child is a log that was
+                    // reordered or mixed from different times.
+                    if !failed && (p.state != ProcState::Waiting || p.event.is_some()) {
+                        return Err(format!(
+                            "procedure {parent} is {} but its child {} is unfinished ({})",
+                            p.state, r.id, r.state
+                        ));
+                    }
                 }
             }
         }
         indexed.sort_unstable();
-        let failed = records.iter().any(|r| r.failure.is_some());
         let mut stack = Vec::with_capacity(indexed.len());
         for (expected, &(index, id)) in indexed.iter().enumerate() {
             if index as usize == expected {
@@ -337,18 +358,23 @@ impl RootStack {
             }
             break;
         }
-        // The first failure: the earliest record that carries one.
-        let failure = records
+        // The first failure: the smallest failure sequence number the tree recorded.
+        let first = records
             .iter()
-            .filter_map(|r| r.failure.as_ref().map(|f| (r.updated_ms, f)))
-            .min_by_key(|(at, _)| *at)
-            .map(|(_, f)| f.clone());
+            .filter_map(|r| Some((r.failure_seq?, r.failure.as_ref()?)))
+            .min_by_key(|(seq, _)| *seq);
+        let failures = records
+            .iter()
+            .filter_map(|r| r.failure_seq)
+            .max()
+            .map_or(0, |seq| seq + 1);
         let mut tree = RootStack {
             root,
             nodes,
             stack,
             running: 0,
-            failure,
+            failure: first.map(|(_, f)| f.clone()),
+            failures,
             phase: Phase::Executing,
         };
         let mut t = Transition::default();
@@ -409,6 +435,17 @@ impl RootStack {
     /// The root's id.
     pub fn root(&self) -> ProcId {
         self.root
+    }
+
+    /// A procedure of the tree: its parent and when it was submitted (ms since the Unix
+    /// epoch), or `None` if it is not in the tree.
+    pub fn procedure(&self, id: ProcId) -> Option<(Option<ProcId>, u64)> {
+        self.nodes.get(&id).map(|n| (n.parent, n.submitted_ms))
+    }
+
+    /// The tree's result if it fails: its first failure, once there is one.
+    pub fn first_failure(&self) -> Option<&Failure> {
+        self.failure.as_ref()
     }
 
     /// `true` once any procedure of the tree has failed.
@@ -544,12 +581,18 @@ impl RootStack {
         let mut t = Transition::default();
         match result {
             Ok(data) => {
-                let recorded = self.pop_step(id);
+                self.pop_step(id);
                 let node = self.node_mut(id);
                 node.rollback_attempts = 0;
-                if recorded && node.stack_indexes.is_empty() {
-                    node.state = ProcState::RolledBack;
-                }
+                // The record says how far the rollback got, so a restart neither repeats
+                // an unrecorded step's rollback nor adds one to a procedure whose
+                // rollback has begun: FAILED while recorded steps remain, ROLLEDBACK
+                // after the last.
+                node.state = if node.stack_indexes.is_empty() {
+                    ProcState::RolledBack
+                } else {
+                    ProcState::Failed
+                };
                 self.persist_update(&mut t, id, data, now_ms);
                 self.next_rollback(&mut t, now_ms);
             }
@@ -596,6 +639,7 @@ impl RootStack {
             wake_at_ms: None,
             event: None,
             failure: None,
+            failure_seq: None,
             rollback_attempts: 0,
             stopped: false,
         };
@@ -619,15 +663,14 @@ impl RootStack {
         self.node_mut(id).stack_indexes.push(index);
     }
 
-    /// Pops the top entry, which must be `id`'s; returns whether it was recorded.
-    fn pop_step(&mut self, id: ProcId) -> bool {
+    /// Pops the top entry, which must be `id`'s.
+    fn pop_step(&mut self, id: ProcId) {
         let popped = self.stack.pop().expect("pop of an empty stack");
         assert_eq!(popped.id, id);
         if popped.recorded {
             let index = self.node_mut(id).stack_indexes.pop();
             assert_eq!(index.map(|i| i as usize), Some(self.stack.len()));
         }
-        popped.recorded
     }
 
     fn fail(&mut self, id: ProcId, error: ProcError) {
@@ -636,9 +679,12 @@ impl RootStack {
             type_name: self.node_mut(id).type_name.to_string(),
             error,
         };
+        let seq = self.failures;
+        self.failures += 1;
         let node = self.node_mut(id);
         node.state = ProcState::Failed;
         node.failure = Some(failure.clone());
+        node.failure_seq = Some(seq);
         if self.failure.is_none() {
             tracing::debug!(root = %self.root, %failure, "tree failed");
             self.failure = Some(failure);
@@ -750,6 +796,7 @@ impl RootStack {
             state: node.state,
             stack_indexes: node.stack_indexes.clone(),
             failure: node.failure.clone(),
+            failure_seq: node.failure_seq,
             submitted_ms: node.submitted_ms,
             updated_ms: now_ms,
             wake_at_ms: node.wake_at_ms,

@@ -153,6 +153,7 @@ mod tests {
             state,
             stack_indexes: vec![],
             failure: None,
+            failure_seq: None,
             submitted_ms: 0,
             updated_ms: 0,
             wake_at_ms: None,

@@ -391,6 +391,7 @@ mod tests {
                 type_name: "t".into(),
                 error: ProcError::Aborted,
             }),
+            failure_seq: Some(0),
             submitted_ms: 1,
             updated_ms: 2,
             wake_at_ms: Some(3),

@@ -29,6 +29,7 @@ fn record(id: u64, state: ProcState) -> ProcRecord {
         state,
         stack_indexes: vec![0],
         failure: None,
+        failure_seq: None,
         submitted_ms: 0,
         updated_ms: 0,
         wake_at_ms: None,

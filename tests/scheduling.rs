@@ -6,35 +6,37 @@ mod common;
 use common::{run, start, stores, Scripted, Step};
 use proctor::ProcState;
 
+/// One worker, two procedures that yield: each yield puts the yielder behind the other,
+/// so they alternate strictly. Nothing here depends on the disk: yields write nothing,
+/// and a worker is handed on only once the yield's report is recorded and its requeue
+/// sent. (Before, the other procedure stepped with `MoreToDo`, whose requeue waited for
+/// an fsync, so under load the yielder could finish alone.)
 #[actix::test]
 async fn yielding_5_times_runs_6_times_and_lets_others_run_between() {
     for (store_name, store, _dir) in stores() {
-        // One worker: whatever runs between the yielder's steps ran because it yielded.
         let (executor, rec) = start(store, 1).await;
-        let mut plan = vec![Step::Gate];
-        plan.extend((0..5).map(|_| Step::Yield));
-        let yielder = executor.submit(Scripted::new("y", plan)).await.unwrap();
-        let mut other = Scripted::new("o", vec![Step::More, Step::More, Step::More]);
-        other.yield_after = true;
+        // A blocker holds the only worker while both yielders are queued behind it.
+        let blocker = executor
+            .submit(Scripted::new("b", vec![Step::Gate]))
+            .await
+            .unwrap();
+        while rec.count("b-exec") == 0 {
+            tokio::task::yield_now().await;
+        }
+        let yielder = Scripted::new("y", (0..5).map(|_| Step::Yield).collect());
+        let yielder = executor.submit(yielder).await.unwrap();
+        let other = Scripted::new("o", (0..3).map(|_| Step::Yield).collect());
         let other = executor.submit(other).await.unwrap();
-        // The other procedure is queued now; let the yielder (holding the worker) go on.
         rec.gate.notify_one();
 
+        assert_eq!(executor.wait(blocker).await.unwrap(), Ok(()));
         assert_eq!(executor.wait(yielder).await.unwrap(), Ok(()));
         assert_eq!(executor.wait(other).await.unwrap(), Ok(()));
-        assert_eq!(
-            rec.count("y-exec"),
-            7,
-            "{store_name}: gate step + 5 yields + final"
-        );
-        let calls = rec.calls();
-        let first_y = calls.iter().position(|c| c == "y-exec").unwrap();
-        let last_y = calls.iter().rposition(|c| c == "y-exec").unwrap();
-        let between = calls[first_y..last_y]
-            .iter()
-            .filter(|c| *c == "o-exec")
-            .count();
-        assert!(between >= 2, "others ran between the yields: {calls:?}");
+        assert_eq!(rec.count("y-exec"), 6, "{store_name}: 5 yields + final");
+        assert_eq!(rec.count("o-exec"), 4, "{store_name}: 3 yields + final");
+        let calls: Vec<String> = rec.calls().into_iter().filter(|c| c != "b-exec").collect();
+        let expected: Vec<String> = "yoyoyoyoyy".chars().map(|p| format!("{p}-exec")).collect();
+        assert_eq!(calls, expected, "{store_name}: strict alternation");
     }
 }
 

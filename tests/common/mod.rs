@@ -255,3 +255,82 @@ pub async fn run(
     let result = executor.wait(id).await.expect("wait");
     (id, result)
 }
+
+/// A store that, at one chosen append (1-based), tells the test it has been reached and
+/// holds the append until the test releases it: the window in which a record is on its
+/// way to disk but not durable yet.
+pub struct GatedStore<S> {
+    pub inner: S,
+    appends: usize,
+    gate_at: usize,
+    reached: tokio::sync::mpsc::UnboundedSender<()>,
+    release: std::sync::mpsc::Receiver<()>,
+}
+
+/// The test's side of a [`GatedStore`].
+pub struct Gate {
+    reached: tokio::sync::mpsc::UnboundedReceiver<()>,
+    release: std::sync::mpsc::Sender<()>,
+}
+
+impl<S: ProcedureStore> GatedStore<S> {
+    pub fn new(inner: S, gate_at: usize) -> (Self, Gate) {
+        let (reached_tx, reached_rx) = tokio::sync::mpsc::unbounded_channel();
+        let (release_tx, release_rx) = std::sync::mpsc::channel();
+        let store = GatedStore {
+            inner,
+            appends: 0,
+            gate_at,
+            reached: reached_tx,
+            release: release_rx,
+        };
+        let gate = Gate {
+            reached: reached_rx,
+            release: release_tx,
+        };
+        (store, gate)
+    }
+}
+
+impl Gate {
+    /// Waits until the gated append has started.
+    pub async fn reached(&mut self) {
+        self.reached.recv().await.expect("store alive");
+    }
+
+    /// Lets the gated append go on.
+    pub fn release(&self) {
+        let _ = self.release.send(());
+    }
+}
+
+impl<S: ProcedureStore> ProcedureStore for GatedStore<S> {
+    fn append(&mut self, ops: &[proctor::StoreOp]) -> Result<(), proctor::StoreError> {
+        self.appends += 1;
+        if self.appends == self.gate_at {
+            let _ = self.reached.send(());
+            let _ = self.release.recv();
+        }
+        self.inner.append(ops)
+    }
+
+    fn load(&mut self) -> Result<proctor::StoreSnapshot, proctor::StoreError> {
+        self.inner.load()
+    }
+}
+
+/// Waits until the executor reports `state` for `id` (it polls: the state is what the
+/// test observes from outside, as a user would).
+pub async fn wait_for_state(executor: &Executor, id: ProcId, state: proctor::ProcState) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        if executor.state(id).await.map(|i| i.state).ok() == Some(state) {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "procedure {id} never reached {state}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
