@@ -156,7 +156,23 @@ fn a_torn_tail_at_every_byte_of_the_last_frame_recovers() {
         fs::write(&file, &full[..cut as usize]).unwrap();
         let mut wal = WalStore::open(dir.path())
             .unwrap_or_else(|e| panic!("cut at {cut} of {}: {e}", full.len()));
-        assert_eq!(wal.load().unwrap(), expected, "cut at {cut}");
+        let snapshot = wal.load().unwrap();
+        assert_eq!(snapshot.records, expected.records, "cut at {cut}");
+        assert_eq!(snapshot.max_id, expected.max_id, "cut at {cut}");
+        // A cut inside the frame is repaired, and the repair is reported with its byte.
+        let repaired = cut > last_frame;
+        assert_eq!(
+            snapshot.repairs.len(),
+            usize::from(repaired),
+            "cut at {cut}"
+        );
+        if repaired {
+            assert!(
+                snapshot.repairs[0].contains(&format!("byte {last_frame}")),
+                "{:?}",
+                snapshot.repairs
+            );
+        }
         assert_eq!(
             fs::metadata(&file).unwrap().len(),
             last_frame,
