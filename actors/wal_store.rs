@@ -103,6 +103,8 @@ pub struct WalStats {
     pub segments_deleted: u64,
     /// Records rewritten forward by compaction since open.
     pub records_rewritten: u64,
+    /// The longest frame written since open, header included (`F` of the size bound).
+    pub largest_frame: u64,
     /// Now: the encoded bytes of every live procedure's latest record (`L`).
     pub live_bytes: u64,
     /// Now: the bytes of all segment files.
@@ -754,6 +756,7 @@ impl WalStore {
         self.next_lsn += 1;
         self.stats.bytes_appended += len;
         self.stats.appends += 1;
+        self.stats.largest_frame = self.stats.largest_frame.max(len);
     }
 
     /// Creates the next segment, then seals the current one: in that order, so that a
