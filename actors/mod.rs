@@ -18,6 +18,6 @@ pub use executor::{
 };
 pub use scheduler::WakeEvent;
 pub use wal_store::{
-    scan_wal_dir, scan_wal_dir_with, Repair, SegmentReport, WalDirScan, WalOptions, WalStats,
-    WalStore,
+    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Entry, Repair, SegmentReport, StdFs,
+    WalDirScan, WalFs, WalOptions, WalStats, WalStore,
 };

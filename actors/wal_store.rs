@@ -19,8 +19,8 @@
 //!   oldest segment's live records forward as checkpoint frames, whatever its live ratio,
 //!   and deletes it (HBase's answer to its WAL pile-up), so a procedure that waits for
 //!   hours pins nothing. The bound, after every successful append: with `S` =
-//!   `segment_bytes` and `F` the largest frame written (a segment passes `S` by at most
-//!   one frame plus its seal),
+//!   `segment_bytes` and `F` the longest frame written plus 61 bytes (a segment holds at
+//!   most `max(S, 40 + frame)` bytes before its 21-byte seal, so at most `S + F`),
 //!
 //!   ```text
 //!   total segment bytes  ≤  2·L + M·(S + F)
@@ -31,9 +31,9 @@
 //!   ran until the total fell to `2·L + M·S`. They always get there within one pass over
 //!   the segments that exist when the append starts: after rewriting all of them, the
 //!   log holds the current segment (at most `S + F`) and the live records once. That pass
-//!   is the worst-case work of one append (about `L + S` bytes written); in steady state a
-//!   rewrite frees more than it writes, because the oldest segment is the one most
-//!   overwritten since.
+//!   is the worst-case work of one append (about `L + S` bytes written). Usually the
+//!   oldest segment is the one most overwritten since, so a rewrite frees more than it
+//!   writes and the amortised cost is below one rewritten byte per appended byte.
 //! - **Directory changes are durable before they are relied on**: every segment creation
 //!   and deletion (garbage collection, a torn or interrupted-roll segment removed at open)
 //!   is followed by an fsync of the directory ([`sync_dir`]), and so is the creation of
@@ -56,6 +56,144 @@ use crate::procedure::ProcId;
 use crate::record::{ProcRecord, StoreOp};
 use crate::store::{ProcedureStore, StoreError, StoreSnapshot};
 use crate::wal::{self, Frame, FrameKind, ScanEnd, SegmentSummary};
+
+/// One directory entry, as [`WalFs::list`] sees it (links not followed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// Its path.
+    pub path: PathBuf,
+    /// Whether it is a regular file.
+    pub regular: bool,
+    /// What it is, for messages ("regular file", "symlink", ...).
+    pub kind: String,
+}
+
+/// Every file system call of the WAL store, so that a test can run the store on a
+/// simulated disk (one that loses unsynced data at a power cut). [`StdFs`] is the real
+/// one. The calls mean what their `std::fs` namesakes mean.
+pub trait WalFs: Send + 'static {
+    /// A file open for appending.
+    type Appender: Write + Send + 'static;
+    /// A file open for reading.
+    type Reader: Read + Seek;
+    /// `Some(true)` for a directory, `Some(false)` for anything else, `None` if missing.
+    fn is_dir(&self, path: &Path) -> io::Result<Option<bool>>;
+    /// Creates a directory and its missing parents.
+    fn create_dir_all(&self, path: &Path) -> io::Result<()>;
+    /// Makes the directory's entries durable (an fsync of the directory).
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Takes the exclusive lock on the lock file `path`, creating it; `Ok(None)` if
+    /// another holder has it. Dropping the guard releases the lock.
+    fn lock(&self, path: &Path) -> io::Result<Option<Box<dyn Send>>>;
+    /// The entries of a directory, in any order.
+    fn list(&self, dir: &Path) -> io::Result<Vec<Entry>>;
+    /// Opens a file for reading.
+    fn open_read(&self, path: &Path) -> io::Result<Self::Reader>;
+    /// A file's length.
+    fn len(&self, path: &Path) -> io::Result<u64>;
+    /// Creates a new file (an existing one is an error) for appending.
+    fn create_new(&self, path: &Path) -> io::Result<Self::Appender>;
+    /// Opens an existing file for appending.
+    fn open_append(&self, path: &Path) -> io::Result<Self::Appender>;
+    /// Makes what was appended to `file` durable (`fdatasync`).
+    fn sync(&self, file: &mut Self::Appender) -> io::Result<()>;
+    /// Cuts a file to `len` bytes, durably.
+    fn truncate(&self, path: &Path, len: u64) -> io::Result<()>;
+    /// Removes a file (durably only after [`sync_dir`](WalFs::sync_dir)).
+    fn remove_file(&self, path: &Path) -> io::Result<()>;
+}
+
+/// The real file system.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StdFs;
+
+impl WalFs for StdFs {
+    type Appender = File;
+    type Reader = BufReader<File>;
+
+    fn is_dir(&self, path: &Path) -> io::Result<Option<bool>> {
+        match fs::metadata(path) {
+            Ok(meta) => Ok(Some(meta.is_dir())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        fs::create_dir_all(path)
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        File::open(dir)?.sync_all()
+    }
+
+    fn lock(&self, path: &Path) -> io::Result<Option<Box<dyn Send>>> {
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)?;
+        match file.try_lock() {
+            Ok(()) => Ok(Some(Box::new(file))),
+            Err(fs::TryLockError::WouldBlock) => Ok(None),
+            Err(fs::TryLockError::Error(e)) => Err(e),
+        }
+    }
+
+    fn list(&self, dir: &Path) -> io::Result<Vec<Entry>> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(dir)? {
+            let entry = entry?;
+            // `DirEntry::file_type` does not follow symlinks: a link is not regular.
+            let kind = entry.file_type()?;
+            let name = if kind.is_file() {
+                "regular file"
+            } else if kind.is_dir() {
+                "directory"
+            } else if kind.is_symlink() {
+                "symlink"
+            } else {
+                "FIFO, socket or device"
+            };
+            out.push(Entry {
+                path: entry.path(),
+                regular: kind.is_file(),
+                kind: name.into(),
+            });
+        }
+        Ok(out)
+    }
+
+    fn open_read(&self, path: &Path) -> io::Result<Self::Reader> {
+        Ok(BufReader::with_capacity(256 << 10, File::open(path)?))
+    }
+
+    fn len(&self, path: &Path) -> io::Result<u64> {
+        Ok(fs::metadata(path)?.len())
+    }
+
+    fn create_new(&self, path: &Path) -> io::Result<File> {
+        OpenOptions::new().create_new(true).append(true).open(path)
+    }
+
+    fn open_append(&self, path: &Path) -> io::Result<File> {
+        OpenOptions::new().append(true).open(path)
+    }
+
+    fn sync(&self, file: &mut File) -> io::Result<()> {
+        file.sync_data()
+    }
+
+    fn truncate(&self, path: &Path, len: u64) -> io::Result<()> {
+        let file = OpenOptions::new().write(true).open(path)?;
+        file.set_len(len)?;
+        file.sync_all()
+    }
+
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        fs::remove_file(path)
+    }
+}
 
 /// Tuning of a [`WalStore`].
 #[derive(Clone, Debug)]
@@ -123,12 +261,13 @@ pub struct WalStats {
 /// // A second engine on the same directory is refused.
 /// assert!(WalStore::open(dir.path()).is_err());
 /// ```
-pub struct WalStore {
+pub struct WalStore<F: WalFs = StdFs> {
+    fs: F,
     dir: PathBuf,
     options: WalOptions,
-    _lock: File,
+    _lock: Box<dyn Send>,
     segments: BTreeMap<u64, Segment>,
-    current: File,
+    current: F::Appender,
     current_seq: u64,
     current_len: u64,
     /// The LSN the next frame gets.
@@ -170,24 +309,24 @@ fn file_name(path: &Path) -> String {
     )
 }
 
-/// Makes the directory's entries durable: what every creation, deletion or truncation
-/// of a segment name needs before anything relies on it. The one place that does it.
-pub(crate) fn sync_dir(dir: &Path) -> Result<(), StoreError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
+/// Makes the directory's entries durable: what every creation or deletion of a
+/// segment needs before anything relies on it. The one place that does it.
+fn sync_dir(fs: &impl WalFs, dir: &Path) -> Result<(), StoreError> {
+    fs.sync_dir(dir)
         .map_err(io(format!("syncing directory {}", dir.display())))
 }
 
 /// The segment files of a WAL directory, oldest first. Anything named `*.wal` must be a
 /// regular file with a canonical name (`{seq:020}.wal`): a stray copy or a device must
 /// never be replayed, and a FIFO must never be opened (it would block).
-fn segment_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StoreError> {
+fn segment_files(fs: &impl WalFs, dir: &Path) -> Result<Vec<(u64, PathBuf)>, StoreError> {
     let mut files = Vec::new();
-    let entries = fs::read_dir(dir).map_err(io(format!("reading {}", dir.display())))?;
+    let entries = fs
+        .list(dir)
+        .map_err(io(format!("reading {}", dir.display())))?;
     for entry in entries {
-        let entry = entry.map_err(io(format!("reading {}", dir.display())))?;
-        let path = entry.path();
-        let name = entry.file_name().to_string_lossy().into_owned();
+        let path = entry.path;
+        let name = file_name(&path);
         let Some(stem) = name.strip_suffix(".wal") else {
             continue;
         };
@@ -203,15 +342,15 @@ fn segment_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StoreError> {
                      digits, `{seq:020}.wal`; move it out of the WAL directory",
                 )
             })?;
-        // `DirEntry::file_type` does not follow symlinks: a link is refused too.
-        let kind = entry
-            .file_type()
-            .map_err(io(format!("reading the type of {}", path.display())))?;
-        if !kind.is_file() {
+        // Checked before anything opens it: opening a FIFO would block.
+        if !entry.regular {
             return Err(corrupt(
                 &path,
                 0,
-                format!("not a regular file ({kind:?}); a segment must be one"),
+                format!(
+                    "not a regular file (a {}); a segment must be one",
+                    entry.kind
+                ),
             ));
         }
         files.push((seq, path));
@@ -297,7 +436,7 @@ pub struct WalDirScan {
 /// Scans every segment of a WAL directory without changing anything: what
 /// `proctor wal verify` reads, and what [`WalStore::open`] checks before it repairs.
 pub fn scan_wal_dir(dir: &Path) -> Result<WalDirScan, StoreError> {
-    scan_wal_dir_with(dir, &mut |_, _| {})
+    scan_wal_dir_on(&StdFs, dir, &mut |_, _| {})
 }
 
 /// [`scan_wal_dir`], handing every good frame (with its segment's sequence number) to
@@ -308,8 +447,17 @@ pub fn scan_wal_dir_with(
     dir: &Path,
     on_frame: &mut dyn FnMut(u64, Frame),
 ) -> Result<WalDirScan, StoreError> {
+    scan_wal_dir_on(&StdFs, dir, on_frame)
+}
+
+/// [`scan_wal_dir_with`] on any [`WalFs`].
+pub fn scan_wal_dir_on<F: WalFs>(
+    fs: &F,
+    dir: &Path,
+    on_frame: &mut dyn FnMut(u64, Frame),
+) -> Result<WalDirScan, StoreError> {
     let mut out = WalDirScan::default();
-    match scan_into(dir, on_frame, &mut out) {
+    match scan_into(fs, dir, on_frame, &mut out) {
         Ok(()) => Ok(out),
         Err(damage @ StoreError::Corrupt { .. }) => {
             out.damage = Some(damage);
@@ -319,27 +467,28 @@ pub fn scan_wal_dir_with(
     }
 }
 
-fn open_segment(path: &Path) -> Result<BufReader<File>, StoreError> {
-    let file = File::open(path).map_err(io(format!("opening {}", path.display())))?;
-    Ok(BufReader::with_capacity(256 << 10, file))
+fn open_segment<F: WalFs>(fs: &F, path: &Path) -> Result<F::Reader, StoreError> {
+    fs.open_read(path)
+        .map_err(io(format!("opening {}", path.display())))
 }
 
 fn scan_path(
+    fs: &impl WalFs,
     path: &Path,
     newest: bool,
     expect_first_lsn: Option<u64>,
     on_frame: &mut dyn FnMut(Frame),
 ) -> Result<SegmentSummary, StoreError> {
-    let mut reader = open_segment(path)?;
+    let mut reader = open_segment(fs, path)?;
     wal::scan_stream(&mut reader, newest, expect_first_lsn, on_frame)
         .map_err(io(format!("reading {}", path.display())))
 }
 
 /// Whether the segment's last frame is a seal (reads only its last bytes).
-fn ends_with_seal(path: &Path) -> Result<bool, StoreError> {
+fn ends_with_seal(fs: &impl WalFs, path: &Path) -> Result<bool, StoreError> {
     let read = || -> io::Result<bool> {
-        let mut file = File::open(path)?;
-        let len = file.metadata()?.len();
+        let len = fs.len(path)?;
+        let mut file = fs.open_read(path)?;
         let tail = wal::FRAME_HEADER_LEN as u64;
         if len < (wal::SEGMENT_HEADER_LEN as u64) + tail {
             return Ok(false);
@@ -353,11 +502,12 @@ fn ends_with_seal(path: &Path) -> Result<bool, StoreError> {
 }
 
 fn scan_into(
+    fs: &impl WalFs,
     dir: &Path,
     on_frame: &mut dyn FnMut(u64, Frame),
     out: &mut WalDirScan,
 ) -> Result<(), StoreError> {
-    let mut files = segment_files(dir)?;
+    let mut files = segment_files(fs, dir)?;
     for pair in files.windows(2) {
         let (older, newer) = (&pair[0], &pair[1]);
         if newer.0 != older.0 + 1 {
@@ -376,10 +526,10 @@ fn scan_into(
     // A crash mid-roll leaves a newest segment with no frame beside an unsealed
     // predecessor: the roll never finished, so the predecessor is the newest segment.
     if let [.., (_, previous), (_, newest)] = &files[..] {
-        let has_frames = wal::first_frame_is_valid(&mut open_segment(newest)?)
+        let has_frames = wal::first_frame_is_valid(&mut open_segment(fs, newest)?)
             .map_err(io(format!("reading {}", newest.display())))?;
-        if !has_frames && !ends_with_seal(previous)? {
-            let summary = scan_path(newest, true, None, &mut |_| {})?;
+        if !has_frames && !ends_with_seal(fs, previous)? {
+            let summary = scan_path(fs, newest, true, None, &mut |_| {})?;
             if let ScanEnd::Corrupt { offset, reason } = summary.end {
                 return Err(corrupt(newest, offset, reason));
             }
@@ -398,7 +548,7 @@ fn scan_into(
     for (i, (seq, path)) in files.iter().enumerate() {
         let newest = i == last;
         let seq = *seq;
-        let summary = scan_path(path, newest, expect_first_lsn, &mut |frame| {
+        let summary = scan_path(fs, path, newest, expect_first_lsn, &mut |frame| {
             on_frame(seq, frame)
         })?;
         if let Some(header) = summary.header.filter(|h| h.seq != seq) {
@@ -474,36 +624,46 @@ fn scan_into(
 
 /// Prepares the WAL directory: refuses a path that is not a directory, and creates a
 /// missing one durably (each new directory's parent synced).
-fn prepare_dir(dir: &Path) -> Result<(), StoreError> {
-    match fs::metadata(dir) {
-        Ok(meta) if meta.is_dir() => Ok(()),
-        Ok(_) => Err(StoreError::Io {
+fn prepare_dir(fs: &impl WalFs, dir: &Path) -> Result<(), StoreError> {
+    let kind = fs
+        .is_dir(dir)
+        .map_err(io(format!("opening {}", dir.display())))?;
+    match kind {
+        Some(true) => Ok(()),
+        Some(false) => Err(StoreError::Io {
             context: format!(
                 "{} is a regular file (or not a directory), not a WAL directory",
                 dir.display()
             ),
             source: io::Error::from(io::ErrorKind::NotADirectory),
         }),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+        None => {
             // Remember which ancestors are new: each one's entry in its parent must be
             // made durable too.
             let mut created = Vec::new();
             let mut at = Some(dir);
-            while let Some(path) = at.filter(|p| !p.as_os_str().is_empty() && !p.exists()) {
+            while let Some(path) = at.filter(|p| !p.as_os_str().is_empty()) {
+                let missing = fs
+                    .is_dir(path)
+                    .map_err(io(format!("opening {}", path.display())))?
+                    .is_none();
+                if !missing {
+                    break;
+                }
                 created.push(path.to_path_buf());
                 at = path.parent();
             }
-            fs::create_dir_all(dir).map_err(io(format!("creating {}", dir.display())))?;
+            fs.create_dir_all(dir)
+                .map_err(io(format!("creating {}", dir.display())))?;
             for path in created.iter().rev() {
                 let parent = path
                     .parent()
                     .filter(|p| !p.as_os_str().is_empty())
                     .unwrap_or(Path::new("."));
-                sync_dir(parent)?;
+                sync_dir(fs, parent)?;
             }
             Ok(())
         }
-        Err(e) => Err(io(format!("opening {}", dir.display()))(e)),
     }
 }
 
@@ -533,7 +693,7 @@ impl Replay {
     }
 }
 
-impl WalStore {
+impl WalStore<StdFs> {
     /// Opens (or creates) the WAL in `dir` with default options.
     pub fn open(dir: impl AsRef<Path>) -> Result<WalStore, StoreError> {
         Self::open_with(dir, WalOptions::default())
@@ -545,34 +705,33 @@ impl WalStore {
     /// # Panics
     /// If `max_segments < 2` or `segment_bytes` cannot hold a header and a frame header.
     pub fn open_with(dir: impl AsRef<Path>, options: WalOptions) -> Result<WalStore, StoreError> {
+        WalStore::open_on(StdFs, dir, options)
+    }
+}
+
+impl<F: WalFs> WalStore<F> {
+    /// [`WalStore::open_with`] on the file system `fs`.
+    ///
+    /// # Panics
+    /// If `max_segments < 2` or `segment_bytes` cannot hold a header and a frame header.
+    pub fn open_on(fs: F, dir: impl AsRef<Path>, options: WalOptions) -> Result<Self, StoreError> {
         let dir = dir.as_ref().to_path_buf();
         assert!(options.max_segments >= 2, "max_segments must be at least 2");
         assert!(
             options.segment_bytes > (wal::SEGMENT_HEADER_LEN + wal::FRAME_HEADER_LEN) as u64,
             "segment_bytes is too small"
         );
-        prepare_dir(&dir)?;
+        prepare_dir(&fs, &dir)?;
         let lock_path = dir.join("LOCK");
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(io(format!("opening {}", lock_path.display())))?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(fs::TryLockError::WouldBlock) => {
-                return Err(StoreError::Locked {
-                    file: lock_path.display().to_string(),
-                })
-            }
-            Err(fs::TryLockError::Error(e)) => {
-                return Err(io(format!("locking {}", lock_path.display()))(e))
-            }
-        }
+        let lock = fs
+            .lock(&lock_path)
+            .map_err(io(format!("locking {}", lock_path.display())))?
+            .ok_or_else(|| StoreError::Locked {
+                file: lock_path.display().to_string(),
+            })?;
 
         let mut replay = Replay::default();
-        let scan = scan_wal_dir_with(&dir, &mut |seq, frame| replay.apply(seq, frame))?;
+        let scan = scan_wal_dir_on(&fs, &dir, &mut |seq, frame| replay.apply(seq, frame))?;
         if let Some(damage) = scan.damage {
             return Err(damage);
         }
@@ -580,17 +739,13 @@ impl WalStore {
         for repair in &scan.repairs {
             match repair {
                 Repair::Truncate { path, offset, .. } => {
-                    let file = OpenOptions::new()
-                        .write(true)
-                        .open(path)
-                        .map_err(io(format!("opening {}", path.display())))?;
-                    file.set_len(*offset)
-                        .and_then(|()| file.sync_all())
+                    fs.truncate(path, *offset)
                         .map_err(io(format!("truncating {}", path.display())))?;
                 }
                 Repair::Remove { path, .. } => {
-                    fs::remove_file(path).map_err(io(format!("removing {}", path.display())))?;
-                    sync_dir(&dir)?;
+                    fs.remove_file(path)
+                        .map_err(io(format!("removing {}", path.display())))?;
+                    sync_dir(&fs, &dir)?;
                 }
             }
             tracing::warn!(%repair, "repaired the WAL");
@@ -621,14 +776,13 @@ impl WalStore {
         }
         let (current_seq, current, current_len, next_lsn) = match scan.segments.last() {
             Some(report) => {
-                let file = OpenOptions::new()
-                    .append(true)
-                    .open(&report.path)
+                let file = fs
+                    .open_append(&report.path)
                     .map_err(io(format!("opening {}", report.path.display())))?;
                 (report.seq, file, report.good_len, report.next_lsn)
             }
             None => {
-                let (file, path) = create_segment(&dir, 1, max_id, 1)?;
+                let (file, path) = create_segment(&fs, &dir, 1, max_id, 1)?;
                 let bytes = wal::SEGMENT_HEADER_LEN as u64;
                 segments.insert(
                     1,
@@ -644,6 +798,7 @@ impl WalStore {
         };
         let total_bytes = segments.values().map(|s| s.bytes).sum();
         let mut store = WalStore {
+            fs,
             dir,
             options,
             _lock: lock,
@@ -741,7 +896,7 @@ impl WalStore {
     fn write_current(&mut self) -> io::Result<()> {
         self.current.write_all(&self.buf)?;
         if self.options.sync {
-            self.current.sync_data()?;
+            self.fs.sync(&mut self.current)?;
         }
         Ok(())
     }
@@ -764,8 +919,8 @@ impl WalStore {
     fn roll(&mut self) -> Result<(), StoreError> {
         let seal_lsn = self.next_lsn;
         let seq = self.current_seq + 1;
-        let (file, path) =
-            create_segment(&self.dir, seq, self.max_id, seal_lsn + 1).map_err(|e| self.fail(e))?;
+        let (file, path) = create_segment(&self.fs, &self.dir, seq, self.max_id, seal_lsn + 1)
+            .map_err(|e| self.fail(e))?;
         let mut seal = Vec::new();
         // A seal holds no ops, so encoding it cannot fail.
         let _ = wal::encode_frame(FrameKind::Seal, seal_lsn, &[], &mut seal);
@@ -822,8 +977,10 @@ impl WalStore {
                 // crash can never leave a gap.
                 let path = segment.path.clone();
                 let bytes = segment.bytes;
-                fs::remove_file(&path).map_err(io(format!("removing {}", path.display())))?;
-                sync_dir(&self.dir)?;
+                self.fs
+                    .remove_file(&path)
+                    .map_err(io(format!("removing {}", path.display())))?;
+                sync_dir(&self.fs, &self.dir)?;
                 self.segments.remove(&oldest);
                 self.total_bytes -= bytes;
                 self.stats.segments_deleted += 1;
@@ -842,7 +999,7 @@ impl WalStore {
     fn rewrite_forward(&mut self, seq: u64) -> Result<(), StoreError> {
         let path = self.segments[&seq].path.clone();
         let mut latest: BTreeMap<ProcId, ProcRecord> = BTreeMap::new();
-        let summary = scan_path(&path, false, None, &mut |frame| {
+        let summary = scan_path(&self.fs, &path, false, None, &mut |frame| {
             for op in frame.ops {
                 op.apply_to(&mut latest);
             }
@@ -887,28 +1044,27 @@ impl WalStore {
     }
 }
 
-fn create_segment(
+fn create_segment<F: WalFs>(
+    fs: &F,
     dir: &Path,
     seq: u64,
     max_id: u64,
     first_lsn: u64,
-) -> Result<(File, PathBuf), StoreError> {
+) -> Result<(F::Appender, PathBuf), StoreError> {
     let path = segment_path(dir, seq);
-    let mut file = OpenOptions::new()
-        .create_new(true)
-        .append(true)
-        .open(&path)
+    let mut file = fs
+        .create_new(&path)
         .map_err(io(format!("creating {}", path.display())))?;
     file.write_all(&wal::segment_header(seq, max_id, first_lsn))
-        .and_then(|()| file.sync_all())
+        .and_then(|()| fs.sync(&mut file))
         .map_err(io(format!("writing the header of {}", path.display())))?;
     // The new name must be durable before anything relies on it (a seal of the
     // previous segment, or a frame in this one).
-    sync_dir(dir)?;
+    sync_dir(fs, dir)?;
     Ok((file, path))
 }
 
-impl ProcedureStore for WalStore {
+impl<F: WalFs> ProcedureStore for WalStore<F> {
     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
         if let Some(reason) = &self.failed {
             return Err(StoreError::Failed(reason.clone()));
@@ -926,7 +1082,7 @@ impl ProcedureStore for WalStore {
             return Ok(snapshot);
         }
         let mut records = BTreeMap::new();
-        let scan = scan_wal_dir_with(&self.dir, &mut |_, frame| {
+        let scan = scan_wal_dir_on(&self.fs, &self.dir, &mut |_, frame| {
             for op in frame.ops {
                 op.apply_to(&mut records);
             }

@@ -29,9 +29,9 @@ mod actors;
 pub use async_trait::async_trait;
 
 pub use crate::actors::{
-    scan_wal_dir, scan_wal_dir_with, Abort, Executor, ExecutorActor, ExecutorBuilder, GetState,
-    List, ProcInfo, Recovery, Repair, SegmentReport, Submit, WaitFor, WakeEvent, WalDirScan,
-    WalOptions, WalStats, WalStore,
+    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, Entry, Executor, ExecutorActor,
+    ExecutorBuilder, GetState, List, ProcInfo, Recovery, Repair, SegmentReport, StdFs, Submit,
+    WaitFor, WakeEvent, WalDirScan, WalFs, WalOptions, WalStats, WalStore,
 };
 pub use crate::error::Error;
 pub use crate::procedure::{
