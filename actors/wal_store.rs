@@ -18,7 +18,9 @@
 //!   the segment files hold more than `2·L + M·segment_bytes` bytes, it rewrites the
 //!   oldest segment's live records forward as checkpoint frames, whatever its live ratio,
 //!   and deletes it (HBase's answer to its WAL pile-up), so a procedure that waits for
-//!   hours pins nothing. The bound, after every successful append: with `S` =
+//!   hours pins nothing. Beyond `M` segments it also rewrites an oldest segment that is at
+//!   most half live (by bytes) even under the bound: that rewrite frees more than it
+//!   writes, and keeps a mostly dead log small. The bound, after every successful append: with `S` =
 //!   `segment_bytes` and `F` the longest frame written plus 61 bytes (a segment holds at
 //!   most `max(S, 40 + frame)` bytes before its 21-byte seal, so at most `S + F`),
 //!
@@ -959,8 +961,10 @@ impl<F: WalFs> WalStore<F> {
     }
 
     /// Deletes the oldest segment while it holds no live record; rewrites the oldest
-    /// segment's live records forward while the log is over its bound, at most once per
-    /// segment that exists when the call starts (one pass always suffices).
+    /// segment's live records forward while the log is over its bound, or has more than
+    /// `max_segments` segments and the oldest is at most half live (that rewrite frees
+    /// more than it writes); at most once per segment that exists when the call starts
+    /// (one pass always suffices for the bound).
     fn collect_garbage(&mut self) -> Result<(), StoreError> {
         let mut rewrites_left = self.segments.len();
         loop {
@@ -986,7 +990,9 @@ impl<F: WalFs> WalStore<F> {
                 self.stats.segments_deleted += 1;
                 continue;
             }
-            if !self.over_bound() || rewrites_left == 0 {
+            let mostly_dead = self.segments.len() > self.options.max_segments
+                && segment.live_bytes * 2 <= segment.bytes;
+            if !(mostly_dead || self.over_bound()) || rewrites_left == 0 {
                 return Ok(());
             }
             rewrites_left -= 1;
