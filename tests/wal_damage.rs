@@ -231,6 +231,28 @@ fn every_kind_of_damage_gets_the_right_verdict() {
                 offset: Some(0),
             })
         }),
+        (
+            "a record id above the limit, in a frame with good checksums",
+            |log| {
+                let newest = log.newest();
+                let lsn = frames(newest, true).last().unwrap().lsn + 1;
+                // Built by hand (the encoder refuses such a record), in format 2's layout.
+                assert_eq!(FRAME_HEADER_LEN, 21);
+                let op = StoreOp::Insert(record(u64::MAX - 1, 0));
+                let payload = rmp_serde::to_vec(&vec![op]).unwrap();
+                let mut frame = (payload.len() as u32).to_le_bytes().to_vec();
+                frame.push(1);
+                frame.extend(lsn.to_le_bytes());
+                frame.extend(crc32c::crc32c(&frame).to_le_bytes());
+                frame.extend(crc32c::crc32c(&payload).to_le_bytes());
+                frame.extend(payload);
+                log.edit(newest, |b| b.extend(frame));
+                Some(Verdict::Refused {
+                    file: name(newest),
+                    offset: Some(log.end),
+                })
+            },
+        ),
         ("a FIFO named like the next segment", |log| {
             let newest = log.newest();
             let seq: u64 = name(newest).trim_end_matches(".wal").parse().unwrap();
