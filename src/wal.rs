@@ -71,8 +71,11 @@
 //! A torn tail is truncated at `o` and reported; any damage anywhere else (an older
 //! segment, a bad header of a segment that is not the interrupted newest one) is
 //! corruption: recovery stops with the file and byte offset rather than silently drop
-//! acknowledged steps. A segment header that is short or all zeros is a torn creation
-//! only in a newest segment that no frame can follow.
+//! acknowledged steps. A segment header is synced before anything relies on the
+//! segment, so a short or all-zero header (with no valid frame after it) is a torn
+//! creation only where a crash can leave one: the first segment of a new log, or the
+//! empty newest segment of an interrupted roll (removed as above); anywhere else it is
+//! corruption, and so is a header whose `seq` disagrees with the file name.
 //!
 //! # Limits
 //!

@@ -197,7 +197,9 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 ..defaults
             };
             if options.max_segments < 2 || options.segment_bytes < 4096 {
-                return Err("--max-segments must be at least 2, --segment-bytes 4096".into());
+                return Err(
+                    "--max-segments must be at least 2 and --segment-bytes at least 4096".into(),
+                );
             }
             let wal = WalStore::open_with(&dir, options)?;
             let stats = wal_stats.clone();
