@@ -993,7 +993,7 @@ mod tests {
         let frames = scan_segment(&good, true).frames;
         let offsets: Vec<usize> = frames.iter().map(|f| f.offset as usize).collect();
         type Damage = fn(&mut Vec<u8>, &[usize]);
-        let cases: [(&str, Damage, bool, &str); 15] = [
+        let cases: [(&str, Damage, bool, &str); 17] = [
             (
                 "cut in the last frame",
                 |b, f| b.truncate(f[3] + 25),
@@ -1069,6 +1069,21 @@ mod tests {
                 },
                 true,
                 "corrupt",
+            ),
+            (
+                "a valid frame after 100 KiB of garbage (the scan crosses its window)",
+                |b, _| {
+                    b.extend(vec![1u8; 100 << 10]);
+                    encode_frame(FrameKind::Batch, 20, &[StoreOp::Delete(ProcId(1))], b).unwrap();
+                },
+                true,
+                "corrupt",
+            ),
+            (
+                "100 KiB of garbage that only looks like frame kinds",
+                |b, _| b.extend((0..100 << 10).map(|i| (i % 3 + 1) as u8)),
+                true,
+                "torn",
             ),
             (
                 "data after a seal",
@@ -1197,6 +1212,11 @@ mod tests {
                     prop_assert_eq!(&scan.end, &ScanEnd::Clean);
                 } else if scan.header.is_some() {
                     prop_assert!(scan.end != ScanEnd::Clean || scan.frames.len() < frames.len());
+                }
+                // A cut anywhere in the newest segment is a torn tail, never corruption.
+                if truncate && newest {
+                    let corrupt = matches!(scan.end, ScanEnd::Corrupt { .. });
+                    prop_assert!(!corrupt, "{:?}", scan.end);
                 }
                 // A flipped bit before the last frame, with that frame intact, is never
                 // taken for a torn tail.
