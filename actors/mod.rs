@@ -17,4 +17,7 @@ pub use executor::{
     WaitFor,
 };
 pub use scheduler::WakeEvent;
-pub use wal_store::{scan_wal_dir, WalOptions, WalStats, WalStore};
+pub use wal_store::{
+    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Entry, Repair, SegmentReport, StdFs,
+    WalDirScan, WalFs, WalOptions, WalStats, WalStore,
+};

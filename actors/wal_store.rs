@@ -1,32 +1,201 @@
 //! [`WalStore`]: the embedded default store, a segmented write-ahead log on local disk.
-//! The byte format and the torn-tail rules are in [`crate::wal`]; this file is the file
-//! system shell around them.
+//! The byte format, the seal and LSN rules and the torn-tail rule are in [`crate::wal`];
+//! this file is the file system shell around them.
 //!
 //! - **Append**: one frame per call, one `write` and one `fdatasync`; the persistence
 //!   actor calls it from its writer thread with everything that arrived during the
 //!   previous sync (group commit). After a failed write or sync the store refuses every
 //!   later append: the file's state is unknown, and retrying an fsync can report success
 //!   for data the kernel already dropped.
-//! - **Bounded size**: segments roll at `segment_bytes`. The store knows which segment
-//!   holds each live procedure's latest record; the oldest segment is deleted once it
-//!   holds none, and when there are more than `max_segments` and at most half of the
-//!   oldest one's records are still live, those are rewritten forward as a checkpoint
-//!   frame (HBase's answer to its WAL pile-up), so a procedure that waits for hours pins
-//!   nothing. The half rule bounds the work: a rewrite always frees more than it writes,
-//!   and the log stays within about twice the live data plus `max_segments` segments.
+//! - **Roll and seal**: once a frame would take the current segment past
+//!   `segment_bytes`, the store creates the next segment (header synced, directory
+//!   synced), then appends a seal frame to the current one and syncs it, so that every
+//!   complete segment says so and a lost or cut segment is found at open.
+//! - **Bounded size**: the store knows which segment holds each live procedure's latest
+//!   record and how many bytes that record takes (its encoded size, the *live bytes*
+//!   `L`). After every append (and at open) it deletes the oldest segment while it holds
+//!   no live record, and while there are more than `max_segments` (`M`) segments **and**
+//!   the segment files hold more than `2·L + M·segment_bytes` bytes, it rewrites the
+//!   oldest segment's live records forward as checkpoint frames, whatever its live ratio,
+//!   and deletes it (HBase's answer to its WAL pile-up), so a procedure that waits for
+//!   hours pins nothing. Beyond `M` segments it also rewrites an oldest segment that is at
+//!   most half live (by bytes) even under the bound: that rewrite frees more than it
+//!   writes, and keeps a mostly dead log small. The bound, after every successful append: with `S` =
+//!   `segment_bytes` and `F` the longest frame written plus 61 bytes (a segment holds at
+//!   most `max(S, 40 + frame)` bytes before its 21-byte seal, so at most `S + F`),
+//!
+//!   ```text
+//!   total segment bytes  ≤  2·L + M·(S + F)
+//!   segments             ≤  max(M, 1 + (2·L + M·S) / (S − F))      (when F < S)
+//!   ```
+//!
+//!   Either there are at most `M` segments, each at most `S + F` bytes, or the rewrites
+//!   ran until the total fell to `2·L + M·S`. They always get there within one pass over
+//!   the segments that exist when the append starts: after rewriting all of them, the
+//!   log holds the current segment (at most `S + F`) and the live records once. That pass
+//!   is the worst-case work of one append (about `L + S` bytes written). Usually the
+//!   oldest segment is the one most overwritten since, so a rewrite frees more than it
+//!   writes and the amortised cost is below one rewritten byte per appended byte.
+//! - **Directory changes are durable before they are relied on**: every segment creation
+//!   and deletion (garbage collection, a torn or interrupted-roll segment removed at open)
+//!   is followed by an fsync of the directory ([`sync_dir`]), and so is the creation of
+//!   the WAL directory itself (its parent's fsync).
 //! - **One engine per directory**: the store holds an exclusive lock on `DIR/LOCK`.
-//! - **Open**: scans every segment, truncates a torn tail of the newest one, and stops
-//!   with [`StoreError::Corrupt`] (file and offset) on any other damage.
+//! - **Open**: checks the directory (canonical names, regular files, no gaps), scans
+//!   every segment as a stream (frame by frame, never a whole file in memory), checks the
+//!   LSN chain and the seals, removes the empty segment of an interrupted roll, truncates
+//!   a torn tail of the newest segment, reports each repair in
+//!   [`StoreSnapshot::repairs`], and stops with [`StoreError::Corrupt`] (file and offset)
+//!   on any other damage.
 
 use std::collections::{BTreeMap, HashMap};
+use std::fmt;
 use std::fs::{self, File, OpenOptions};
-use std::io::Write;
+use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
 use crate::procedure::ProcId;
 use crate::record::{ProcRecord, StoreOp};
 use crate::store::{ProcedureStore, StoreError, StoreSnapshot};
-use crate::wal::{self, FrameKind, ScanEnd, SegmentScan};
+use crate::wal::{self, Frame, FrameKind, ScanEnd, SegmentSummary};
+
+/// One directory entry, as [`WalFs::list`] sees it (links not followed).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Entry {
+    /// Its path.
+    pub path: PathBuf,
+    /// Whether it is a regular file.
+    pub regular: bool,
+    /// What it is, for messages ("regular file", "symlink", ...).
+    pub kind: String,
+}
+
+/// Every file system call of the WAL store, so that a test can run the store on a
+/// simulated disk (one that loses unsynced data at a power cut). [`StdFs`] is the real
+/// one. The calls mean what their `std::fs` namesakes mean.
+pub trait WalFs: Send + 'static {
+    /// A file open for appending.
+    type Appender: Write + Send + 'static;
+    /// A file open for reading.
+    type Reader: Read + Seek;
+    /// `Some(true)` for a directory, `Some(false)` for anything else, `None` if missing.
+    fn is_dir(&self, path: &Path) -> io::Result<Option<bool>>;
+    /// Creates a directory and its missing parents.
+    fn create_dir_all(&self, path: &Path) -> io::Result<()>;
+    /// Makes the directory's entries durable (an fsync of the directory).
+    fn sync_dir(&self, dir: &Path) -> io::Result<()>;
+    /// Takes the exclusive lock on the lock file `path`, creating it; `Ok(None)` if
+    /// another holder has it. Dropping the guard releases the lock.
+    fn lock(&self, path: &Path) -> io::Result<Option<Box<dyn Send>>>;
+    /// The entries of a directory, in any order.
+    fn list(&self, dir: &Path) -> io::Result<Vec<Entry>>;
+    /// Opens a file for reading.
+    fn open_read(&self, path: &Path) -> io::Result<Self::Reader>;
+    /// A file's length.
+    fn len(&self, path: &Path) -> io::Result<u64>;
+    /// Creates a new file (an existing one is an error) for appending.
+    fn create_new(&self, path: &Path) -> io::Result<Self::Appender>;
+    /// Opens an existing file for appending.
+    fn open_append(&self, path: &Path) -> io::Result<Self::Appender>;
+    /// Makes what was appended to `file` durable (`fdatasync`).
+    fn sync(&self, file: &mut Self::Appender) -> io::Result<()>;
+    /// Cuts a file to `len` bytes, durably.
+    fn truncate(&self, path: &Path, len: u64) -> io::Result<()>;
+    /// Removes a file (durably only after [`sync_dir`](WalFs::sync_dir)).
+    fn remove_file(&self, path: &Path) -> io::Result<()>;
+}
+
+/// The real file system.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct StdFs;
+
+impl WalFs for StdFs {
+    type Appender = File;
+    type Reader = BufReader<File>;
+
+    fn is_dir(&self, path: &Path) -> io::Result<Option<bool>> {
+        match fs::metadata(path) {
+            Ok(meta) => Ok(Some(meta.is_dir())),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+        fs::create_dir_all(path)
+    }
+
+    fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+        File::open(dir)?.sync_all()
+    }
+
+    fn lock(&self, path: &Path) -> io::Result<Option<Box<dyn Send>>> {
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(path)?;
+        match file.try_lock() {
+            Ok(()) => Ok(Some(Box::new(file))),
+            Err(fs::TryLockError::WouldBlock) => Ok(None),
+            Err(fs::TryLockError::Error(e)) => Err(e),
+        }
+    }
+
+    fn list(&self, dir: &Path) -> io::Result<Vec<Entry>> {
+        let mut out = Vec::new();
+        for entry in fs::read_dir(dir)? {
+            let entry = entry?;
+            // `DirEntry::file_type` does not follow symlinks: a link is not regular.
+            let kind = entry.file_type()?;
+            let name = if kind.is_file() {
+                "regular file"
+            } else if kind.is_dir() {
+                "directory"
+            } else if kind.is_symlink() {
+                "symlink"
+            } else {
+                "FIFO, socket or device"
+            };
+            out.push(Entry {
+                path: entry.path(),
+                regular: kind.is_file(),
+                kind: name.into(),
+            });
+        }
+        Ok(out)
+    }
+
+    fn open_read(&self, path: &Path) -> io::Result<Self::Reader> {
+        Ok(BufReader::with_capacity(256 << 10, File::open(path)?))
+    }
+
+    fn len(&self, path: &Path) -> io::Result<u64> {
+        Ok(fs::metadata(path)?.len())
+    }
+
+    fn create_new(&self, path: &Path) -> io::Result<File> {
+        OpenOptions::new().create_new(true).append(true).open(path)
+    }
+
+    fn open_append(&self, path: &Path) -> io::Result<File> {
+        OpenOptions::new().append(true).open(path)
+    }
+
+    fn sync(&self, file: &mut File) -> io::Result<()> {
+        file.sync_data()
+    }
+
+    fn truncate(&self, path: &Path, len: u64) -> io::Result<()> {
+        let file = OpenOptions::new().write(true).open(path)?;
+        file.set_len(len)?;
+        file.sync_all()
+    }
+
+    fn remove_file(&self, path: &Path) -> io::Result<()> {
+        fs::remove_file(path)
+    }
+}
 
 /// Tuning of a [`WalStore`].
 #[derive(Clone, Debug)]
@@ -34,7 +203,7 @@ pub struct WalOptions {
     /// Roll to a new segment once the current one reaches this size (default 32 MiB).
     pub segment_bytes: u64,
     /// Rewrite the oldest segment's live records forward when there are more segments
-    /// than this (default 4).
+    /// than this and the log is over its size bound (default 4; at least 2).
     pub max_segments: usize,
     /// `fdatasync` every append (default `true`). Turning it off trades durability
     /// across power loss for speed; a process crash still loses nothing written.
@@ -57,14 +226,16 @@ struct Segment {
     path: PathBuf,
     /// Live procedures whose latest record is in this segment.
     live: usize,
-    /// Records (inserts and updates) written to this segment.
-    records: usize,
+    /// The encoded bytes of those records.
+    live_bytes: u64,
+    /// The file's length.
+    bytes: u64,
 }
 
 /// Counters, for benchmarks and the `proctor` command.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct WalStats {
-    /// Frame bytes appended since open (checkpoints included).
+    /// Frame bytes appended since open (checkpoints and seals included).
     pub bytes_appended: u64,
     /// Appends (frames) since open.
     pub appends: u64,
@@ -72,6 +243,14 @@ pub struct WalStats {
     pub segments_deleted: u64,
     /// Records rewritten forward by compaction since open.
     pub records_rewritten: u64,
+    /// The longest frame written since open, header included (`F` of the size bound).
+    pub largest_frame: u64,
+    /// Now: the encoded bytes of every live procedure's latest record (`L`).
+    pub live_bytes: u64,
+    /// Now: the bytes of all segment files.
+    pub segment_bytes: u64,
+    /// Now: the number of segment files.
+    pub segments: usize,
 }
 
 /// A segmented write-ahead log in a directory. See the module docs.
@@ -84,16 +263,22 @@ pub struct WalStats {
 /// // A second engine on the same directory is refused.
 /// assert!(WalStore::open(dir.path()).is_err());
 /// ```
-pub struct WalStore {
+pub struct WalStore<F: WalFs = StdFs> {
+    fs: F,
     dir: PathBuf,
     options: WalOptions,
-    _lock: File,
+    _lock: Box<dyn Send>,
     segments: BTreeMap<u64, Segment>,
-    current: File,
+    current: F::Appender,
     current_seq: u64,
     current_len: u64,
-    /// Where each live procedure's latest record is.
-    live: HashMap<ProcId, u64>,
+    /// The LSN the next frame gets.
+    next_lsn: u64,
+    /// Where each live procedure's latest record is, and its encoded size.
+    live: HashMap<ProcId, (u64, u32)>,
+    live_bytes: u64,
+    /// The bytes of all segment files.
+    total_bytes: u64,
     max_id: u64,
     /// What open found, handed out by the first `load`.
     opened: Option<StoreSnapshot>,
@@ -102,193 +287,520 @@ pub struct WalStore {
     stats: WalStats,
 }
 
-fn io(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> StoreError {
+fn io(context: impl Into<String>) -> impl FnOnce(io::Error) -> StoreError {
     let context = context.into();
     move |source| StoreError::Io { context, source }
+}
+
+fn corrupt(file: &Path, offset: u64, reason: impl fmt::Display) -> StoreError {
+    StoreError::Corrupt {
+        file: file.display().to_string(),
+        offset,
+        reason: reason.to_string(),
+    }
 }
 
 fn segment_path(dir: &Path, seq: u64) -> PathBuf {
     dir.join(format!("{seq:020}.wal"))
 }
 
-/// The segment files of a WAL directory, oldest first.
-pub(crate) fn segment_files(dir: &Path) -> Result<Vec<(u64, PathBuf)>, StoreError> {
+fn file_name(path: &Path) -> String {
+    path.file_name().map_or_else(
+        || path.display().to_string(),
+        |n| n.to_string_lossy().into_owned(),
+    )
+}
+
+/// Makes the directory's entries durable: what every creation or deletion of a
+/// segment needs before anything relies on it. The one place that does it.
+fn sync_dir(fs: &impl WalFs, dir: &Path) -> Result<(), StoreError> {
+    fs.sync_dir(dir)
+        .map_err(io(format!("syncing directory {}", dir.display())))
+}
+
+/// The segment files of a WAL directory, oldest first. Anything named `*.wal` must be a
+/// regular file with a canonical name (`{seq:020}.wal`): a stray copy or a device must
+/// never be replayed, and a FIFO must never be opened (it would block).
+fn segment_files(fs: &impl WalFs, dir: &Path) -> Result<Vec<(u64, PathBuf)>, StoreError> {
     let mut files = Vec::new();
-    let entries = fs::read_dir(dir).map_err(io(format!("reading {}", dir.display())))?;
+    let entries = fs
+        .list(dir)
+        .map_err(io(format!("reading {}", dir.display())))?;
     for entry in entries {
-        let path = entry
-            .map_err(io(format!("reading {}", dir.display())))?
-            .path();
-        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-        if let Some(seq) = name
-            .strip_suffix(".wal")
-            .and_then(|s| s.parse::<u64>().ok())
-        {
-            files.push((seq, path));
+        let path = entry.path;
+        let name = file_name(&path);
+        let Some(stem) = name.strip_suffix(".wal") else {
+            continue;
+        };
+        let seq = (stem.len() == 20 && stem.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| stem.parse::<u64>().ok())
+            .flatten()
+            .filter(|&seq| seq > 0)
+            .ok_or_else(|| {
+                corrupt(
+                    &path,
+                    0,
+                    "unexpected file named like a segment: segment names are twenty \
+                     digits, `{seq:020}.wal`; move it out of the WAL directory",
+                )
+            })?;
+        // Checked before anything opens it: opening a FIFO would block.
+        if !entry.regular {
+            return Err(corrupt(
+                &path,
+                0,
+                format!(
+                    "not a regular file (a {}); a segment must be one",
+                    entry.kind
+                ),
+            ));
         }
+        files.push((seq, path));
     }
     files.sort();
     Ok(files)
 }
 
-/// Scans one segment file; `newest` as in [`wal::scan_segment`]. A header whose
-/// sequence number disagrees with the file name is corruption.
-fn scan_file(seq: u64, path: &Path, newest: bool) -> Result<SegmentScan, StoreError> {
-    let bytes = fs::read(path).map_err(io(format!("reading {}", path.display())))?;
-    let mut scan = wal::scan_segment(&bytes, newest);
-    if let Some(header) = scan.header.filter(|h| h.seq != seq) {
-        scan.end = ScanEnd::Corrupt {
-            offset: 0,
-            reason: wal::FrameError::Header(format!(
-                "header says segment {}, the file name says {seq}",
-                header.seq
-            )),
-        };
+/// A change that opening the store makes to repair what a crash left.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Repair {
+    /// The newest segment's torn tail is cut off at `offset`.
+    Truncate {
+        /// The segment.
+        path: PathBuf,
+        /// Where the good frames end.
+        offset: u64,
+        /// What was found there.
+        reason: String,
+    },
+    /// A segment with no frame is removed (a torn first segment header, or the empty
+    /// newest segment of an interrupted roll).
+    Remove {
+        /// The segment.
+        path: PathBuf,
+        /// Why it holds nothing.
+        reason: String,
+    },
+}
+
+impl fmt::Display for Repair {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Repair::Truncate {
+                path,
+                offset,
+                reason,
+            } => write!(
+                f,
+                "{}: torn tail truncated at byte {offset} ({reason})",
+                path.display()
+            ),
+            Repair::Remove { path, reason } => write!(
+                f,
+                "{}: removed at byte 0, it holds no frame ({reason})",
+                path.display()
+            ),
+        }
     }
-    Ok(scan)
+}
+
+/// One segment as a directory scan found it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SegmentReport {
+    /// Its sequence number.
+    pub seq: u64,
+    /// Its file.
+    pub path: PathBuf,
+    /// Good frames, the seal included.
+    pub frames: u64,
+    /// Where its good frames end (its length once a torn tail is cut).
+    pub good_len: u64,
+    /// The header's `max_id`.
+    pub max_id: u64,
+    /// Whether it ends with a seal.
+    pub sealed: bool,
+    /// The LSN the frame after its good ones gets.
+    pub next_lsn: u64,
+}
+
+/// What a read-only scan of a WAL directory found.
+#[derive(Debug, Default)]
+pub struct WalDirScan {
+    /// The segments the log is made of, oldest first (without any the repairs remove).
+    pub segments: Vec<SegmentReport>,
+    /// What opening the store would repair, in order.
+    pub repairs: Vec<Repair>,
+    /// The damage that stopped the scan, always [`StoreError::Corrupt`]: the store
+    /// refuses to open on it. The segments before it are in `segments`.
+    pub damage: Option<StoreError>,
 }
 
 /// Scans every segment of a WAL directory without changing anything: what
-/// `proctor wal verify` and `proctor wal dump` read.
-pub fn scan_wal_dir(dir: &Path) -> Result<Vec<(PathBuf, SegmentScan)>, StoreError> {
-    let files = segment_files(dir)?;
-    let last = files.len().saturating_sub(1);
-    let mut scans = Vec::with_capacity(files.len());
-    for (i, (seq, path)) in files.into_iter().enumerate() {
-        let scan = scan_file(seq, &path, i == last)?;
-        scans.push((path, scan));
-    }
-    Ok(scans)
+/// `proctor wal verify` reads, and what [`WalStore::open`] checks before it repairs.
+pub fn scan_wal_dir(dir: &Path) -> Result<WalDirScan, StoreError> {
+    scan_wal_dir_on(&StdFs, dir, &mut |_, _| {})
 }
 
-impl WalStore {
+/// [`scan_wal_dir`], handing every good frame (with its segment's sequence number) to
+/// `on_frame` as it goes: one frame in memory at a time. Frames of a segment found
+/// damaged later may already have been handed out; a caller must drop what it built
+/// when `damage` is set. IO failures (and a missing directory) are `Err`.
+pub fn scan_wal_dir_with(
+    dir: &Path,
+    on_frame: &mut dyn FnMut(u64, Frame),
+) -> Result<WalDirScan, StoreError> {
+    scan_wal_dir_on(&StdFs, dir, on_frame)
+}
+
+/// [`scan_wal_dir_with`] on any [`WalFs`].
+pub fn scan_wal_dir_on<F: WalFs>(
+    fs: &F,
+    dir: &Path,
+    on_frame: &mut dyn FnMut(u64, Frame),
+) -> Result<WalDirScan, StoreError> {
+    let mut out = WalDirScan::default();
+    match scan_into(fs, dir, on_frame, &mut out) {
+        Ok(()) => Ok(out),
+        Err(damage @ StoreError::Corrupt { .. }) => {
+            out.damage = Some(damage);
+            Ok(out)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn open_segment<F: WalFs>(fs: &F, path: &Path) -> Result<F::Reader, StoreError> {
+    fs.open_read(path)
+        .map_err(io(format!("opening {}", path.display())))
+}
+
+fn scan_path(
+    fs: &impl WalFs,
+    path: &Path,
+    newest: bool,
+    expect_first_lsn: Option<u64>,
+    on_frame: &mut dyn FnMut(Frame),
+) -> Result<SegmentSummary, StoreError> {
+    let mut reader = open_segment(fs, path)?;
+    wal::scan_stream(&mut reader, newest, expect_first_lsn, on_frame)
+        .map_err(io(format!("reading {}", path.display())))
+}
+
+/// Whether the segment's last frame is a seal (reads only its last bytes).
+fn ends_with_seal(fs: &impl WalFs, path: &Path) -> Result<bool, StoreError> {
+    let read = || -> io::Result<bool> {
+        let len = fs.len(path)?;
+        let mut file = fs.open_read(path)?;
+        let tail = wal::FRAME_HEADER_LEN as u64;
+        if len < (wal::SEGMENT_HEADER_LEN as u64) + tail {
+            return Ok(false);
+        }
+        file.seek(SeekFrom::Start(len - tail))?;
+        let mut buf = vec![0u8; wal::FRAME_HEADER_LEN];
+        file.read_exact(&mut buf)?;
+        Ok(wal::is_seal(&buf))
+    };
+    read().map_err(io(format!("reading {}", path.display())))
+}
+
+fn scan_into(
+    fs: &impl WalFs,
+    dir: &Path,
+    on_frame: &mut dyn FnMut(u64, Frame),
+    out: &mut WalDirScan,
+) -> Result<(), StoreError> {
+    let mut files = segment_files(fs, dir)?;
+    for pair in files.windows(2) {
+        let (older, newer) = (&pair[0], &pair[1]);
+        if newer.0 != older.0 + 1 {
+            return Err(corrupt(
+                &segment_path(dir, older.0 + 1),
+                0,
+                format!(
+                    "missing segment: {} and {} exist, and segments are only deleted \
+                     oldest first",
+                    file_name(&older.1),
+                    file_name(&newer.1)
+                ),
+            ));
+        }
+    }
+    // A crash mid-roll leaves a newest segment with no frame beside an unsealed
+    // predecessor: the roll never finished, so the predecessor is the newest segment.
+    if let [.., (_, previous), (_, newest)] = &files[..] {
+        let has_frames = wal::first_frame_is_valid(&mut open_segment(fs, newest)?)
+            .map_err(io(format!("reading {}", newest.display())))?;
+        if !has_frames && !ends_with_seal(fs, previous)? {
+            let summary = scan_path(fs, newest, true, None, &mut |_| {})?;
+            if let ScanEnd::Corrupt { offset, reason } = summary.end {
+                return Err(corrupt(newest, offset, reason));
+            }
+            out.repairs.push(Repair::Remove {
+                path: newest.clone(),
+                reason: format!(
+                    "the empty segment of an interrupted roll: {} is not sealed",
+                    file_name(previous)
+                ),
+            });
+            files.pop();
+        }
+    }
+    let last = files.len().saturating_sub(1);
+    let mut expect_first_lsn = None;
+    for (i, (seq, path)) in files.iter().enumerate() {
+        let newest = i == last;
+        let seq = *seq;
+        let summary = scan_path(fs, path, newest, expect_first_lsn, &mut |frame| {
+            on_frame(seq, frame)
+        })?;
+        if let Some(header) = summary.header.filter(|h| h.seq != seq) {
+            return Err(corrupt(
+                path,
+                0,
+                format!(
+                    "the header says segment {}, the file name says {seq}",
+                    header.seq
+                ),
+            ));
+        }
+        match summary.end.clone() {
+            ScanEnd::Clean => {}
+            ScanEnd::Corrupt { offset, reason } => return Err(corrupt(path, offset, reason)),
+            ScanEnd::TornTail { offset: 0, reason } => {
+                // A segment header is synced before anything else happens, so only the
+                // creation of the very first segment can leave it torn.
+                if files.len() > 1 || seq != 1 {
+                    return Err(corrupt(path, 0, reason));
+                }
+                out.repairs.push(Repair::Remove {
+                    path: path.clone(),
+                    reason: format!("torn header of the first segment: {reason}"),
+                });
+                continue;
+            }
+            ScanEnd::TornTail { offset, reason } => out.repairs.push(Repair::Truncate {
+                path: path.clone(),
+                offset,
+                reason: reason.to_string(),
+            }),
+        }
+        let Some(header) = summary.header else {
+            return Err(corrupt(path, 0, "no segment header"));
+        };
+        if !newest && !summary.sealed {
+            return Err(corrupt(
+                path,
+                summary.good_len,
+                format!(
+                    "segment {seq} ends without a seal frame but segment {} follows: its \
+                     end was cut off or lost",
+                    seq + 1
+                ),
+            ));
+        }
+        if newest && summary.sealed {
+            return Err(corrupt(
+                &segment_path(dir, seq + 1),
+                0,
+                format!(
+                    "missing newest segment: {} is sealed, so its successor was created, \
+                     and it is gone",
+                    file_name(path)
+                ),
+            ));
+        }
+        let next_lsn = summary.next_lsn().unwrap_or(header.first_lsn);
+        expect_first_lsn = Some(next_lsn);
+        out.segments.push(SegmentReport {
+            seq,
+            path: path.clone(),
+            frames: summary.frames,
+            good_len: summary.good_len,
+            max_id: header.max_id,
+            sealed: summary.sealed,
+            next_lsn,
+        });
+    }
+    Ok(())
+}
+
+/// Prepares the WAL directory: refuses a path that is not a directory, and creates a
+/// missing one durably (each new directory's parent synced).
+fn prepare_dir(fs: &impl WalFs, dir: &Path) -> Result<(), StoreError> {
+    let kind = fs
+        .is_dir(dir)
+        .map_err(io(format!("opening {}", dir.display())))?;
+    match kind {
+        Some(true) => Ok(()),
+        Some(false) => Err(StoreError::Io {
+            context: format!(
+                "{} is a regular file (or not a directory), not a WAL directory",
+                dir.display()
+            ),
+            source: io::Error::from(io::ErrorKind::NotADirectory),
+        }),
+        None => {
+            // Remember which ancestors are new: each one's entry in its parent must be
+            // made durable too.
+            let mut created = Vec::new();
+            let mut at = Some(dir);
+            while let Some(path) = at.filter(|p| !p.as_os_str().is_empty()) {
+                let missing = fs
+                    .is_dir(path)
+                    .map_err(io(format!("opening {}", path.display())))?
+                    .is_none();
+                if !missing {
+                    break;
+                }
+                created.push(path.to_path_buf());
+                at = path.parent();
+            }
+            fs.create_dir_all(dir)
+                .map_err(io(format!("creating {}", dir.display())))?;
+            for path in created.iter().rev() {
+                let parent = path
+                    .parent()
+                    .filter(|p| !p.as_os_str().is_empty())
+                    .unwrap_or(Path::new("."));
+                sync_dir(fs, parent)?;
+            }
+            Ok(())
+        }
+    }
+}
+
+/// What open rebuilds from the frames, segment by segment.
+#[derive(Default)]
+struct Replay {
+    records: BTreeMap<ProcId, ProcRecord>,
+    live: HashMap<ProcId, (u64, u32)>,
+    max_id: u64,
+}
+
+impl Replay {
+    fn apply(&mut self, seq: u64, frame: Frame) {
+        for (op, size) in frame.ops.into_iter().zip(frame.op_sizes) {
+            self.max_id = self.max_id.max(op.proc_id().0);
+            match op {
+                StoreOp::Insert(r) | StoreOp::Update(r) => {
+                    self.live.insert(r.id, (seq, size));
+                    self.records.insert(r.id, r);
+                }
+                StoreOp::Delete(id) => {
+                    self.live.remove(&id);
+                    self.records.remove(&id);
+                }
+            }
+        }
+    }
+}
+
+impl WalStore<StdFs> {
     /// Opens (or creates) the WAL in `dir` with default options.
     pub fn open(dir: impl AsRef<Path>) -> Result<WalStore, StoreError> {
         Self::open_with(dir, WalOptions::default())
     }
 
-    /// Opens (or creates) the WAL in `dir`: locks it, scans it, truncates a torn tail.
+    /// Opens (or creates) the WAL in `dir`: locks it, scans it, repairs what a crash
+    /// left (reported by the first [`load`](ProcedureStore::load)), and refuses damage.
+    ///
+    /// # Panics
+    /// If `max_segments < 2` or `segment_bytes` cannot hold a header and a frame header.
     pub fn open_with(dir: impl AsRef<Path>, options: WalOptions) -> Result<WalStore, StoreError> {
+        WalStore::open_on(StdFs, dir, options)
+    }
+}
+
+impl<F: WalFs> WalStore<F> {
+    /// [`WalStore::open_with`] on the file system `fs`.
+    ///
+    /// # Panics
+    /// If `max_segments < 2` or `segment_bytes` cannot hold a header and a frame header.
+    pub fn open_on(fs: F, dir: impl AsRef<Path>, options: WalOptions) -> Result<Self, StoreError> {
         let dir = dir.as_ref().to_path_buf();
         assert!(options.max_segments >= 2, "max_segments must be at least 2");
-        assert!(options.segment_bytes > wal::SEGMENT_HEADER_LEN as u64);
-        fs::create_dir_all(&dir).map_err(io(format!("creating {}", dir.display())))?;
+        assert!(
+            options.segment_bytes > (wal::SEGMENT_HEADER_LEN + wal::FRAME_HEADER_LEN) as u64,
+            "segment_bytes is too small"
+        );
+        prepare_dir(&fs, &dir)?;
         let lock_path = dir.join("LOCK");
-        let lock = OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&lock_path)
-            .map_err(io(format!("opening {}", lock_path.display())))?;
-        match lock.try_lock() {
-            Ok(()) => {}
-            Err(fs::TryLockError::WouldBlock) => {
-                return Err(StoreError::Locked {
-                    dir: dir.display().to_string(),
-                })
-            }
-            Err(fs::TryLockError::Error(e)) => {
-                return Err(io(format!("locking {}", lock_path.display()))(e))
-            }
-        }
+        let lock = fs
+            .lock(&lock_path)
+            .map_err(io(format!("locking {}", lock_path.display())))?
+            .ok_or_else(|| StoreError::Locked {
+                file: lock_path.display().to_string(),
+            })?;
 
-        let mut records: BTreeMap<ProcId, ProcRecord> = BTreeMap::new();
-        let mut live = HashMap::new();
-        let mut max_id = 0;
-        let mut segments = BTreeMap::new();
-        let files = segment_files(&dir)?;
-        let last = files.len().saturating_sub(1);
-        // One segment in memory at a time: decoded frames are applied and dropped.
-        for (i, (file_seq, path)) in files.into_iter().enumerate() {
-            let scan = scan_file(file_seq, &path, i == last)?;
-            match &scan.end {
-                ScanEnd::Clean => {}
-                ScanEnd::Corrupt { offset, reason } => {
-                    return Err(StoreError::Corrupt {
-                        file: path.display().to_string(),
-                        offset: *offset,
-                        reason: reason.to_string(),
-                    })
-                }
-                ScanEnd::TornTail { offset, reason } => {
-                    tracing::warn!(file = %path.display(), offset, %reason, "truncating torn WAL tail");
-                    if *offset == 0 {
-                        fs::remove_file(&path)
-                            .map_err(io(format!("removing torn {}", path.display())))?;
-                        continue;
-                    }
-                    let file = OpenOptions::new()
-                        .write(true)
-                        .open(&path)
-                        .map_err(io(format!("opening {}", path.display())))?;
-                    file.set_len(*offset)
-                        .and_then(|()| file.sync_all())
+        let mut replay = Replay::default();
+        let scan = scan_wal_dir_on(&fs, &dir, &mut |seq, frame| replay.apply(seq, frame))?;
+        if let Some(damage) = scan.damage {
+            return Err(damage);
+        }
+        let mut repairs = Vec::new();
+        for repair in &scan.repairs {
+            match repair {
+                Repair::Truncate { path, offset, .. } => {
+                    fs.truncate(path, *offset)
                         .map_err(io(format!("truncating {}", path.display())))?;
                 }
-            }
-            let header = scan
-                .header
-                .expect("a clean or truncated segment has a header");
-            let seq = header.seq;
-            max_id = max_id.max(header.max_id);
-            let mut written = 0;
-            for frame in scan.frames {
-                for op in frame.ops {
-                    max_id = max_id.max(op.proc_id().0);
-                    match op {
-                        StoreOp::Insert(r) | StoreOp::Update(r) => {
-                            written += 1;
-                            live.insert(r.id, seq);
-                            records.insert(r.id, r);
-                        }
-                        StoreOp::Delete(id) => {
-                            live.remove(&id);
-                            records.remove(&id);
-                        }
-                    }
+                Repair::Remove { path, .. } => {
+                    fs.remove_file(path)
+                        .map_err(io(format!("removing {}", path.display())))?;
+                    sync_dir(&fs, &dir)?;
                 }
             }
+            tracing::warn!(%repair, "repaired the WAL");
+            repairs.push(repair.to_string());
+        }
+
+        let mut max_id = replay.max_id;
+        let mut segments = BTreeMap::new();
+        for report in &scan.segments {
+            max_id = max_id.max(report.max_id);
             segments.insert(
-                seq,
+                report.seq,
                 Segment {
-                    path,
+                    path: report.path.clone(),
                     live: 0,
-                    records: written,
+                    live_bytes: 0,
+                    bytes: report.good_len,
                 },
             );
         }
-        for seq in live.values() {
-            if let Some(s) = segments.get_mut(seq) {
+        let mut live_bytes = 0;
+        for &(seq, size) in replay.live.values() {
+            if let Some(s) = segments.get_mut(&seq) {
                 s.live += 1;
+                s.live_bytes += u64::from(size);
+                live_bytes += u64::from(size);
             }
         }
-
-        let (current_seq, current, current_len) = match segments.iter().next_back() {
-            Some((&seq, segment)) => {
-                let file = OpenOptions::new()
-                    .append(true)
-                    .open(&segment.path)
-                    .map_err(io(format!("opening {}", segment.path.display())))?;
-                let len = file
-                    .metadata()
-                    .map_err(io(format!("reading {}", segment.path.display())))?
-                    .len();
-                (seq, file, len)
+        let (current_seq, current, current_len, next_lsn) = match scan.segments.last() {
+            Some(report) => {
+                let file = fs
+                    .open_append(&report.path)
+                    .map_err(io(format!("opening {}", report.path.display())))?;
+                (report.seq, file, report.good_len, report.next_lsn)
             }
             None => {
-                let (file, path) = create_segment(&dir, 1, max_id)?;
+                let (file, path) = create_segment(&fs, &dir, 1, max_id, 1)?;
+                let bytes = wal::SEGMENT_HEADER_LEN as u64;
                 segments.insert(
                     1,
                     Segment {
                         path,
                         live: 0,
-                        records: 0,
+                        live_bytes: 0,
+                        bytes,
                     },
                 );
-                (1, file, wal::SEGMENT_HEADER_LEN as u64)
+                (1, file, bytes, 1)
             }
         };
+        let total_bytes = segments.values().map(|s| s.bytes).sum();
         let mut store = WalStore {
+            fs,
             dir,
             options,
             _lock: lock,
@@ -296,11 +808,15 @@ impl WalStore {
             current,
             current_seq,
             current_len,
-            live,
+            next_lsn,
+            live: replay.live,
+            live_bytes,
+            total_bytes,
             max_id,
             opened: Some(StoreSnapshot {
-                records: records.into_values().collect(),
+                records: replay.records.into_values().collect(),
                 max_id,
+                repairs,
             }),
             failed: None,
             buf: Vec::new(),
@@ -310,9 +826,14 @@ impl WalStore {
         Ok(store)
     }
 
-    /// What the store has done since it was opened.
+    /// What the store has done since it was opened, and its size now.
     pub fn stats(&self) -> WalStats {
-        self.stats
+        WalStats {
+            live_bytes: self.live_bytes,
+            segment_bytes: self.total_bytes,
+            segments: self.segments.len(),
+            ..self.stats
+        }
     }
 
     /// The directory.
@@ -320,80 +841,132 @@ impl WalStore {
         &self.dir
     }
 
+    fn fail(&mut self, err: StoreError) -> StoreError {
+        self.failed = Some(err.to_string());
+        err
+    }
+
     /// Writes one frame to the current segment (rolling first if it is full) and syncs.
     fn write_frame(&mut self, kind: FrameKind, ops: &[StoreOp]) -> Result<(), StoreError> {
         self.buf.clear();
-        wal::encode_frame(kind, ops, &mut self.buf).map_err(|e| StoreError::Io {
-            context: "encoding a WAL frame".into(),
-            source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+        let sizes = wal::encode_frame(kind, self.next_lsn, ops, &mut self.buf).map_err(|e| {
+            StoreError::Io {
+                context: "encoding a WAL frame".into(),
+                source: io::Error::new(io::ErrorKind::InvalidData, e),
+            }
         })?;
         let len = self.buf.len() as u64;
         if self.current_len + len > self.options.segment_bytes
             && self.current_len > wal::SEGMENT_HEADER_LEN as u64
         {
             self.roll()?;
+            // The seal took the LSN the frame was encoded with.
+            wal::set_frame_lsn(&mut self.buf, self.next_lsn);
         }
-        let path = &self.segments[&self.current_seq].path;
-        let written = self.current.write_all(&self.buf).and_then(|()| {
-            if self.options.sync {
-                self.current.sync_data()
-            } else {
-                Ok(())
-            }
-        });
-        if let Err(e) = written {
-            let err = io(format!("appending to {}", path.display()))(e);
-            self.failed = Some(err.to_string());
-            return Err(err);
+        if let Err(e) = self.write_current() {
+            let path = self.segments[&self.current_seq].path.display().to_string();
+            return Err(self.fail(io(format!("appending to {path}"))(e)));
         }
-        self.current_len += len;
-        self.stats.bytes_appended += len;
+        self.account_written(len);
         for op in ops {
             self.max_id = self.max_id.max(op.proc_id().0);
         }
-        self.stats.appends += 1;
-        for op in ops {
+        for (op, size) in ops.iter().zip(sizes) {
             let old = match op {
                 StoreOp::Insert(r) | StoreOp::Update(r) => {
                     if let Some(s) = self.segments.get_mut(&self.current_seq) {
                         s.live += 1;
-                        s.records += 1;
+                        s.live_bytes += u64::from(size);
                     }
-                    self.live.insert(r.id, self.current_seq)
+                    self.live_bytes += u64::from(size);
+                    self.live.insert(r.id, (self.current_seq, size))
                 }
                 StoreOp::Delete(id) => self.live.remove(id),
             };
-            if let Some(s) = old.and_then(|seq| self.segments.get_mut(&seq)) {
-                s.live -= 1;
+            if let Some((seq, size)) = old {
+                if let Some(s) = self.segments.get_mut(&seq) {
+                    s.live -= 1;
+                    s.live_bytes -= u64::from(size);
+                }
+                self.live_bytes -= u64::from(size);
             }
         }
         Ok(())
     }
 
+    /// Writes `buf` to the current segment and syncs it (if configured).
+    fn write_current(&mut self) -> io::Result<()> {
+        self.current.write_all(&self.buf)?;
+        if self.options.sync {
+            self.fs.sync(&mut self.current)?;
+        }
+        Ok(())
+    }
+
+    /// Counts `len` bytes just written to the current segment, which took one LSN.
+    fn account_written(&mut self, len: u64) {
+        self.current_len += len;
+        self.total_bytes += len;
+        if let Some(s) = self.segments.get_mut(&self.current_seq) {
+            s.bytes += len;
+        }
+        self.next_lsn += 1;
+        self.stats.bytes_appended += len;
+        self.stats.appends += 1;
+        self.stats.largest_frame = self.stats.largest_frame.max(len);
+    }
+
+    /// Creates the next segment, then seals the current one: in that order, so that a
+    /// sealed segment always has a successor on disk (see [`crate::wal`]).
     fn roll(&mut self) -> Result<(), StoreError> {
+        let seal_lsn = self.next_lsn;
         let seq = self.current_seq + 1;
-        let (file, path) = create_segment(&self.dir, seq, self.max_id).inspect_err(|e| {
-            self.failed = Some(e.to_string());
-        })?;
+        let (file, path) = create_segment(&self.fs, &self.dir, seq, self.max_id, seal_lsn + 1)
+            .map_err(|e| self.fail(e))?;
+        let mut seal = Vec::new();
+        // A seal holds no ops, so encoding it cannot fail.
+        let _ = wal::encode_frame(FrameKind::Seal, seal_lsn, &[], &mut seal);
+        let frame = std::mem::replace(&mut self.buf, seal);
+        let written = self.write_current();
+        let seal_len = self.buf.len() as u64;
+        self.buf = frame;
+        if let Err(e) = written {
+            let path = self.segments[&self.current_seq].path.display().to_string();
+            return Err(self.fail(io(format!("sealing {path}"))(e)));
+        }
+        self.account_written(seal_len);
+        let header = wal::SEGMENT_HEADER_LEN as u64;
         self.segments.insert(
             seq,
             Segment {
                 path,
                 live: 0,
-                records: 0,
+                live_bytes: 0,
+                bytes: header,
             },
         );
+        self.total_bytes += header;
         self.current = file;
         self.current_seq = seq;
-        self.current_len = wal::SEGMENT_HEADER_LEN as u64;
+        self.current_len = header;
         Ok(())
     }
 
-    /// Deletes old segments that hold no live record, oldest first; then, while there
-    /// are too many segments and the oldest is at most half live, rewrites its live
-    /// records forward (at most `max_segments` rewrites per call).
+    /// Whether the log is over its size bound: more than `max_segments` segments and
+    /// more than `2·L + M·S` bytes (see the module docs).
+    fn over_bound(&self) -> bool {
+        let m = self.options.max_segments as u64;
+        self.segments.len() as u64 > m
+            && self.total_bytes > 2 * self.live_bytes + m.saturating_mul(self.options.segment_bytes)
+    }
+
+    /// Deletes the oldest segment while it holds no live record; rewrites the oldest
+    /// segment's live records forward while the log is over its bound, or has more than
+    /// `max_segments` segments and the oldest is at most half live (that rewrite frees
+    /// more than it writes); at most once per segment that exists when the call starts
+    /// (one pass always suffices for the bound).
     fn collect_garbage(&mut self) -> Result<(), StoreError> {
-        let mut rewrites = 0;
+        let mut rewrites_left = self.segments.len();
         loop {
             let Some((&oldest, segment)) = self.segments.iter().next() else {
                 return Ok(());
@@ -403,80 +976,101 @@ impl WalStore {
             }
             if segment.live == 0 {
                 // Oldest first, so a Delete in a later segment never outlives what it
-                // deletes: nothing older than this segment is left to resurrect.
+                // deletes: nothing older than this segment is left to resurrect. The
+                // directory is synced at once, so deletions reach the disk in order and a
+                // crash can never leave a gap.
                 let path = segment.path.clone();
-                fs::remove_file(&path).map_err(io(format!("removing {}", path.display())))?;
+                let bytes = segment.bytes;
+                self.fs
+                    .remove_file(&path)
+                    .map_err(io(format!("removing {}", path.display())))?;
+                sync_dir(&self.fs, &self.dir)?;
                 self.segments.remove(&oldest);
+                self.total_bytes -= bytes;
                 self.stats.segments_deleted += 1;
                 continue;
             }
-            let mostly_live = segment.live * 2 > segment.records;
-            if self.segments.len() <= self.options.max_segments
-                || mostly_live
-                || rewrites == self.options.max_segments
-            {
+            let mostly_dead = self.segments.len() > self.options.max_segments
+                && segment.live_bytes * 2 <= segment.bytes;
+            if !(mostly_dead || self.over_bound()) || rewrites_left == 0 {
                 return Ok(());
             }
-            rewrites += 1;
+            rewrites_left -= 1;
             self.rewrite_forward(oldest)?;
         }
     }
 
-    /// Appends the latest records still in segment `seq` as a checkpoint frame.
+    /// Appends the latest records still in segment `seq` as checkpoint frames of about a
+    /// quarter segment each.
     fn rewrite_forward(&mut self, seq: u64) -> Result<(), StoreError> {
         let path = self.segments[&seq].path.clone();
-        let bytes = fs::read(&path).map_err(io(format!("reading {}", path.display())))?;
-        let scan = wal::scan_segment(&bytes, false);
-        if let ScanEnd::Corrupt { offset, reason } | ScanEnd::TornTail { offset, reason } = scan.end
-        {
-            return Err(StoreError::Corrupt {
-                file: path.display().to_string(),
-                offset,
-                reason: reason.to_string(),
-            });
-        }
         let mut latest: BTreeMap<ProcId, ProcRecord> = BTreeMap::new();
-        for op in scan.frames.into_iter().flat_map(|f| f.ops) {
-            op.apply_to(&mut latest);
+        let summary = scan_path(&self.fs, &path, false, None, &mut |frame| {
+            for op in frame.ops {
+                op.apply_to(&mut latest);
+            }
+        })?;
+        if let ScanEnd::Corrupt { offset, reason } | ScanEnd::TornTail { offset, reason } =
+            summary.end
+        {
+            return Err(corrupt(&path, offset, reason));
         }
-        let ops: Vec<StoreOp> = latest
+        let ops: Vec<(StoreOp, u32)> = latest
             .into_values()
-            .filter(|r| self.live.get(&r.id) == Some(&seq))
-            .map(StoreOp::Update)
+            .filter_map(|r| match self.live.get(&r.id) {
+                Some(&(at, size)) if at == seq => Some((StoreOp::Update(r), size)),
+                _ => None,
+            })
             .collect();
-        assert_eq!(
-            ops.len(),
-            self.segments[&seq].live,
-            "segment {seq}'s live count disagrees with its records"
-        );
+        if ops.len() != self.segments[&seq].live {
+            return Err(StoreError::Failed(format!(
+                "segment {seq} holds {} live records, the store counted {}",
+                ops.len(),
+                self.segments[&seq].live
+            )));
+        }
         self.stats.records_rewritten += ops.len() as u64;
         // Bounded chunks, so one checkpoint never makes a giant frame.
-        for chunk in ops.chunks(4096) {
-            self.write_frame(FrameKind::Checkpoint, chunk)?;
+        let target = (self.options.segment_bytes / 4).max(1);
+        let mut chunk = Vec::new();
+        let mut chunk_bytes = 0;
+        for (op, size) in ops {
+            chunk.push(op);
+            chunk_bytes += u64::from(size);
+            if chunk_bytes >= target {
+                self.write_frame(FrameKind::Checkpoint, &chunk)?;
+                chunk.clear();
+                chunk_bytes = 0;
+            }
         }
-        assert_eq!(self.segments[&seq].live, 0);
+        if !chunk.is_empty() {
+            self.write_frame(FrameKind::Checkpoint, &chunk)?;
+        }
         Ok(())
     }
 }
 
-fn create_segment(dir: &Path, seq: u64, max_id: u64) -> Result<(File, PathBuf), StoreError> {
+fn create_segment<F: WalFs>(
+    fs: &F,
+    dir: &Path,
+    seq: u64,
+    max_id: u64,
+    first_lsn: u64,
+) -> Result<(F::Appender, PathBuf), StoreError> {
     let path = segment_path(dir, seq);
-    let mut file = OpenOptions::new()
-        .create_new(true)
-        .append(true)
-        .open(&path)
+    let mut file = fs
+        .create_new(&path)
         .map_err(io(format!("creating {}", path.display())))?;
-    file.write_all(&wal::segment_header(seq, max_id))
-        .and_then(|()| file.sync_all())
+    file.write_all(&wal::segment_header(seq, max_id, first_lsn))
+        .and_then(|()| fs.sync(&mut file))
         .map_err(io(format!("writing the header of {}", path.display())))?;
-    // The new name must be durable before anything in it is acknowledged.
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io(format!("syncing directory {}", dir.display())))?;
+    // The new name must be durable before anything relies on it (a seal of the
+    // previous segment, or a frame in this one).
+    sync_dir(fs, dir)?;
     Ok((file, path))
 }
 
-impl ProcedureStore for WalStore {
+impl<F: WalFs> ProcedureStore for WalStore<F> {
     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
         if let Some(reason) = &self.failed {
             return Err(StoreError::Failed(reason.clone()));
@@ -486,9 +1080,7 @@ impl ProcedureStore for WalStore {
         }
         self.opened = None;
         self.write_frame(FrameKind::Batch, ops)?;
-        self.collect_garbage().inspect_err(|e| {
-            self.failed = Some(e.to_string());
-        })
+        self.collect_garbage().map_err(|e| self.fail(e))
     }
 
     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
@@ -496,21 +1088,18 @@ impl ProcedureStore for WalStore {
             return Ok(snapshot);
         }
         let mut records = BTreeMap::new();
-        for (path, scan) in scan_wal_dir(&self.dir)? {
-            if let ScanEnd::Corrupt { offset, reason } = scan.end {
-                return Err(StoreError::Corrupt {
-                    file: path.display().to_string(),
-                    offset,
-                    reason: reason.to_string(),
-                });
-            }
-            for op in scan.frames.into_iter().flat_map(|f| f.ops) {
+        let scan = scan_wal_dir_on(&self.fs, &self.dir, &mut |_, frame| {
+            for op in frame.ops {
                 op.apply_to(&mut records);
             }
+        })?;
+        if let Some(damage) = scan.damage {
+            return Err(damage);
         }
         Ok(StoreSnapshot {
             records: records.into_values().collect(),
             max_id: self.max_id,
+            repairs: Vec::new(),
         })
     }
 }

@@ -3,7 +3,8 @@
 //! engine and on a damaged log.
 //!
 //! ```sh
-//! proctor wal verify DIR   # checks every frame; exit 0 only if all are sound
+//! proctor wal verify DIR   # checks the log as the engine would; exit 0 only if it
+//!                          # would start (listing the torn tails it would truncate)
 //! proctor wal dump DIR     # one line per record
 //! proctor procs DIR        # procedures: id, type, state, parent, root, last update
 //! ```
@@ -14,8 +15,7 @@ use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
-use proctor::wal::ScanEnd;
-use proctor::{recovery, scan_wal_dir, ProcId, ProcRecord, StoreOp};
+use proctor::{recovery, scan_wal_dir, scan_wal_dir_with, ProcId, ProcRecord, StoreError, StoreOp};
 
 #[derive(Parser)]
 #[command(name = "proctor", about = "Inspect and verify proctor WAL directories")]
@@ -40,7 +40,7 @@ enum Command {
 
 #[derive(Subcommand)]
 enum WalCommand {
-    /// Check every frame of every segment; exit 0 only when all are sound.
+    /// Check the log as the engine would open it; exit 0 only when it would start.
     Verify {
         /// The WAL directory.
         dir: PathBuf,
@@ -75,68 +75,76 @@ fn main() -> ExitCode {
 
 type Outcome = Result<bool, Box<dyn std::error::Error>>;
 
-fn describe(end: &ScanEnd) -> Option<String> {
-    match end {
-        ScanEnd::Clean => None,
-        ScanEnd::TornTail { offset, reason } => Some(format!(
-            "torn tail at byte {offset}: {reason} (recovery truncates it)"
-        )),
-        ScanEnd::Corrupt { offset, reason } => Some(format!("corrupt at byte {offset}: {reason}")),
+/// One line for the damage that refuses a log: the file, the byte, the reason.
+fn describe(damage: &StoreError) -> String {
+    match damage {
+        StoreError::Corrupt {
+            file,
+            offset,
+            reason,
+        } => format!("{file}: corrupt at byte {offset}: {reason}"),
+        other => other.to_string(),
     }
 }
 
+fn segment_name(seq: u64) -> String {
+    format!("{seq:020}.wal")
+}
+
+/// Sound means the engine would start on it: torn tails are listed as the repairs it
+/// would make, since they hold nothing that was acknowledged.
 fn verify(dir: &Path) -> Outcome {
-    let scans = scan_wal_dir(dir)?;
-    let mut sound = true;
+    let scan = scan_wal_dir(dir)?;
     let mut frames = 0;
-    for (path, scan) in &scans {
-        frames += scan.frames.len();
-        match describe(&scan.end) {
-            None => println!("ok {}: {} frames", path.display(), scan.frames.len()),
-            Some(problem) => {
-                sound = false;
-                println!("{}: {problem}", path.display());
-            }
-        }
+    for segment in &scan.segments {
+        frames += segment.frames;
+        println!(
+            "ok {}: {} frames, next LSN {}{}",
+            segment.path.display(),
+            segment.frames,
+            segment.next_lsn,
+            if segment.sealed { ", sealed" } else { "" }
+        );
     }
-    if sound {
-        println!("sound: {} segments, {frames} frames", scans.len());
-    } else {
+    for repair in &scan.repairs {
+        println!("repair on open: {repair}");
+    }
+    if let Some(damage) = &scan.damage {
+        println!("{}", describe(damage));
         println!("NOT sound");
+        return Ok(false);
     }
-    Ok(sound)
+    println!(
+        "sound: {} segments, {frames} frames, {} repairs on open",
+        scan.segments.len(),
+        scan.repairs.len()
+    );
+    Ok(true)
 }
 
 fn dump(dir: &Path) -> Outcome {
-    let mut sound = true;
-    for (path, scan) in scan_wal_dir(dir)? {
-        let file = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or("?")
-            .to_string();
-        for frame in &scan.frames {
-            for op in &frame.ops {
-                let kind = format!("{:?}", frame.kind).to_lowercase();
-                match op {
-                    StoreOp::Insert(r) => {
-                        println!("{file}@{} {kind} insert {}", frame.offset, line(r))
-                    }
-                    StoreOp::Update(r) => {
-                        println!("{file}@{} {kind} update {}", frame.offset, line(r))
-                    }
-                    StoreOp::Delete(id) => {
-                        println!("{file}@{} {kind} delete id={id}", frame.offset)
-                    }
-                }
+    let scan = scan_wal_dir_with(dir, &mut |seq, frame| {
+        let file = segment_name(seq);
+        let kind = format!("{:?}", frame.kind).to_lowercase();
+        let at = format!("{file}@{} lsn={}", frame.offset, frame.lsn);
+        for op in &frame.ops {
+            match op {
+                StoreOp::Insert(r) => println!("{at} {kind} insert {}", line(r)),
+                StoreOp::Update(r) => println!("{at} {kind} update {}", line(r)),
+                StoreOp::Delete(id) => println!("{at} {kind} delete id={id}"),
             }
         }
-        if let Some(problem) = describe(&scan.end) {
-            sound = false;
-            println!("{file}: {problem}");
-        }
+    })?;
+    for repair in &scan.repairs {
+        println!("repair on open: {repair}");
     }
-    Ok(sound)
+    match &scan.damage {
+        Some(damage) => {
+            println!("{}", describe(damage));
+            Ok(false)
+        }
+        None => Ok(true),
+    }
 }
 
 fn line(r: &ProcRecord) -> String {
@@ -157,15 +165,17 @@ fn line(r: &ProcRecord) -> String {
 
 fn procs(dir: &Path) -> Outcome {
     let mut latest: BTreeMap<ProcId, ProcRecord> = BTreeMap::new();
-    let mut sound = true;
-    for (path, scan) in scan_wal_dir(dir)? {
-        for op in scan.frames.into_iter().flat_map(|f| f.ops) {
+    let scan = scan_wal_dir_with(dir, &mut |_, frame| {
+        for op in frame.ops {
             op.apply_to(&mut latest);
         }
-        if let Some(problem) = describe(&scan.end) {
-            sound &= matches!(scan.end, ScanEnd::TornTail { .. });
-            eprintln!("{}: {problem}", path.display());
-        }
+    })?;
+    for repair in &scan.repairs {
+        eprintln!("repair on open: {repair}");
+    }
+    let sound = scan.damage.is_none();
+    if let Some(damage) = &scan.damage {
+        eprintln!("{}", describe(damage));
     }
     let records: Vec<ProcRecord> = latest.values().cloned().collect();
     // Any stored name will do here: the command checks histories, not types.

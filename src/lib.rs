@@ -30,8 +30,9 @@ mod actors;
 pub use async_trait::async_trait;
 
 pub use crate::actors::{
-    scan_wal_dir, Abort, Executor, ExecutorActor, ExecutorBuilder, GetState, List, ProcInfo,
-    Recovery, Submit, WaitFor, WakeEvent, WalOptions, WalStats, WalStore,
+    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, Entry, Executor, ExecutorActor,
+    ExecutorBuilder, GetState, List, ProcInfo, Recovery, Repair, SegmentReport, StdFs, Submit,
+    WaitFor, WakeEvent, WalDirScan, WalFs, WalOptions, WalStats, WalStore,
 };
 pub use crate::error::Error;
 pub use crate::procedure::{

@@ -34,10 +34,10 @@ pub enum StoreError {
         reason: String,
     },
     /// Another engine holds the store.
-    #[error("the store in {dir} is locked by another engine")]
+    #[error("the store's lock file {file} is held by another engine")]
     Locked {
-        /// The store's directory.
-        dir: String,
+        /// The lock file (`DIR/LOCK` for the WAL store).
+        file: String,
     },
     /// An earlier append failed; the store refuses further appends.
     #[error("store refuses appends after an earlier failure: {0}")]
@@ -45,13 +45,19 @@ pub enum StoreError {
 }
 
 /// What a store holds: the latest record of every procedure not deleted, and the
-/// highest id it has ever seen (deleted ones included), so ids are never reused.
+/// highest id it has ever seen (deleted ones included), so ids are never reused; plus
+/// what the store repaired when it opened.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct StoreSnapshot {
     /// Latest record per live procedure, by id.
     pub records: Vec<ProcRecord>,
     /// The highest procedure id ever written, 0 when none.
     pub max_id: u64,
+    /// What opening the store changed on disk, one line each naming the file, the byte
+    /// offset and what was done (a torn WAL tail truncated, the empty segment of an
+    /// interrupted roll removed). Empty when nothing was repaired, and always empty for
+    /// [`MemoryStore`]. Only the first `load` after opening reports them.
+    pub repairs: Vec<String>,
 }
 
 /// Durable storage for procedure records.
@@ -135,6 +141,7 @@ impl ProcedureStore for MemoryStore {
         Ok(StoreSnapshot {
             records: inner.records.values().cloned().collect(),
             max_id: inner.max_id,
+            repairs: Vec::new(),
         })
     }
 }

@@ -1,39 +1,92 @@
 //! The write-ahead log's byte format: segment headers, frames, and the scan that tells
-//! a torn tail from corruption. Pure: bytes in, values out. The file handling lives in
-//! `actors/wal_store.rs`; the `proctor` command reads logs through [`scan_segment`].
+//! a torn tail from corruption. Pure: bytes (or a reader) in, values out. The file
+//! handling lives in `actors/wal_store.rs`; the `proctor` command reads logs through it.
 //!
-//! # Format (version 1)
+//! # Format (version 2)
 //!
-//! A WAL is a directory of segment files named `{seq:020}.wal`, `seq` counting up from
-//! 1. Integers are little-endian.
+//! A WAL is a directory of segment files named `{seq:020}.wal` (exactly twenty decimal
+//! digits), `seq` counting up from 1 with no gaps: segments are only ever deleted oldest
+//! first, so a missing number is damage. Any other file whose name ends in `.wal`, or a
+//! segment name that is not a regular file, is refused. Integers are little-endian.
 //!
 //! ```text
-//! segment  := header frame*
-//! header   := magic "PRCTRWAL" (8) | version u16 | reserved u16 (0) | seq u64
-//!             | max_id u64 | crc32c u32 of the preceding 28 bytes         = 32 bytes
-//! frame    := len u32 | kind u8 | crc u32 | payload (len bytes)
-//!             crc = crc32c(len | kind | payload)
+//! segment  := header frame* seal?
+//! header   := magic "PRCTRWAL" (8) | version u16 (2) | reserved u16 (0) | seq u64
+//!             | max_id u64 | first_lsn u64 | crc32c u32 of the preceding 36 bytes
+//!                                                                      = 40 bytes
+//! frame    := len u32 | kind u8 | lsn u64 | header_crc u32 | payload_crc u32
+//!             | payload (len bytes)                               = 21 + len bytes
+//!             header_crc  = crc32c(len | kind | lsn)
+//!             payload_crc = crc32c(payload)
 //! kind     := 1 batch       (one group-committed append)
 //!           | 2 checkpoint  (latest records rewritten forward by compaction)
+//!           | 3 seal        (len 0: the segment is complete; it is always the last frame)
 //! payload  := MessagePack array of ops, each [tag, body]:
 //!             Insert(ProcRecord) | Update(ProcRecord) | Delete(ProcId)
 //! ```
 //!
 //! One frame is one `append` of the store, so a frame is the unit of atomicity: a crash
-//! leaves either the whole frame (its CRC matches) or a torn one, which recovery drops.
-//! A record is a full snapshot of one procedure ([`ProcRecord`]); the latest record per
-//! procedure wins and a `Delete` removes it. `max_id` is the highest procedure id
-//! written before the segment was created, so ids are never reused even after the
-//! segments that held the highest ones are deleted.
+//! leaves either the whole frame or a torn one, which recovery drops. A record is a full
+//! snapshot of one procedure ([`ProcRecord`]); the latest record per procedure wins and
+//! a `Delete` removes it. `max_id` is the highest procedure id written before the
+//! segment was created, so ids are never reused even after the segments that held the
+//! highest ones are deleted.
+//!
+//! # Order and completeness
+//!
+//! Every frame (seals and checkpoints included) carries a log sequence number, `lsn`,
+//! consecutive across the whole log: the first frame of a segment has the header's
+//! `first_lsn`, each later frame the previous one's plus one, and a segment's
+//! `first_lsn` is one more than the LSN of the previous segment's seal. A frame with a
+//! good checksum but the wrong LSN (frames swapped, or a stale frame) is corruption.
+//!
+//! A segment is **sealed** when the writer rolls: it creates segment N+1 first (header
+//! synced, directory synced), then appends a seal frame to N and syncs it. So:
+//!
+//! - every segment but the newest ends with its seal; an unsealed older segment was cut
+//!   (even at a frame boundary) and is corruption;
+//! - a sealed newest segment means its successor existed and is gone: corruption naming
+//!   the missing file;
+//! - a newest segment with no frames beside an unsealed predecessor is the trace of a
+//!   crash mid-roll: it is deleted and the predecessor is the newest segment again (its
+//!   tail may be torn by the unsynced seal).
 //!
 //! # Torn tail or corruption
 //!
-//! A crash can leave the end of the newest segment torn: a frame cut short, a frame whose
-//! bytes reach the end of the file but whose CRC fails (pages written out of order), or a
-//! zero-filled tail (space allocated, data never written). Those are truncated at the
-//! last good frame. Any other bad frame — in an older segment, or followed by more data —
-//! is corruption: recovery stops with the file and byte offset rather than silently drop
-//! acknowledged steps.
+//! Appends are serialised, so at most one frame — the last — can be unsynced at a crash.
+//! Only the end of the newest segment can be torn, and a torn tail never has a good frame
+//! after it. At the first bad frame of the newest segment, at offset `o`:
+//!
+//! - fewer than 21 bytes left, or a good header (its CRC matches) whose payload runs past
+//!   the end of the file: torn;
+//! - a bad header CRC, or a good header with a bad payload CRC: torn only if no **valid
+//!   frame** starts anywhere after `o` (a forward scan of the remaining bytes, done only
+//!   on this error path); a valid frame has a matching header CRC, a payload that fits
+//!   and matches its CRC, and an LSN above the last good one. If one does, the bad frame
+//!   is corruption at `o`: acknowledged frames follow it;
+//! - a good header and payload that break a rule no writer breaks (unknown kind, length
+//!   above [`MAX_PAYLOAD_LEN`], wrong LSN, undecodable payload, an id above [`MAX_ID`],
+//!   bytes after a seal): corruption.
+//!
+//! A torn tail is truncated at `o` and reported; any damage anywhere else (an older
+//! segment, a bad header of a segment that is not the interrupted newest one) is
+//! corruption: recovery stops with the file and byte offset rather than silently drop
+//! acknowledged steps. A segment header is synced before anything relies on the
+//! segment, so a short or all-zero header (with no valid frame after it) is a torn
+//! creation only where a crash can leave one: the first segment of a new log, or the
+//! empty newest segment of an interrupted roll (removed as above); anywhere else it is
+//! corruption, and so is a header whose `seq` disagrees with the file name.
+//!
+//! # Limits
+//!
+//! Ids and `max_id` above [`MAX_ID`] (`u64::MAX / 2`) are corruption, so the id counter
+//! can never wrap. A scan streams a segment frame by frame and allocates only what a
+//! frame with a matching header CRC claims, so a huge or sparse file costs no memory.
+
+use std::io::{self, Read, Seek, SeekFrom};
+
+use serde::ser::{SerializeSeq, Serializer as _};
+use serde::Deserialize;
 
 use crate::procedure::ProcId;
 use crate::record::{ProcRecord, StoreOp};
@@ -41,13 +94,17 @@ use crate::record::{ProcRecord, StoreOp};
 /// The first eight bytes of every segment.
 pub const MAGIC: [u8; 8] = *b"PRCTRWAL";
 /// The format version this code writes and reads.
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 /// Bytes in a segment header.
-pub const SEGMENT_HEADER_LEN: usize = 32;
+pub const SEGMENT_HEADER_LEN: usize = 40;
 /// Bytes in a frame header.
-pub const FRAME_HEADER_LEN: usize = 9;
+pub const FRAME_HEADER_LEN: usize = 21;
 /// The largest payload a frame may carry; a larger `len` is corruption.
 pub const MAX_PAYLOAD_LEN: u32 = 1 << 30;
+/// The highest procedure id (and segment `max_id`) a log may hold. Ids count up from 1,
+/// so the engine never gets near it; a larger value is damage, refused so that the id
+/// counter can never wrap.
+pub const MAX_ID: u64 = u64::MAX / 2;
 
 /// What a frame holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,6 +113,8 @@ pub enum FrameKind {
     Batch = 1,
     /// Latest records rewritten forward by compaction.
     Checkpoint = 2,
+    /// The end of a complete segment: its successor exists.
+    Seal = 3,
 }
 
 impl FrameKind {
@@ -63,6 +122,7 @@ impl FrameKind {
         match b {
             1 => Some(FrameKind::Batch),
             2 => Some(FrameKind::Checkpoint),
+            3 => Some(FrameKind::Seal),
             _ => None,
         }
     }
@@ -79,10 +139,12 @@ pub enum FrameError {
         /// Bytes left in the file.
         have: u64,
     },
-    /// The checksum does not match.
-    #[error("checksum mismatch: stored {stored:#010x}, computed {computed:#010x}")]
+    /// A checksum does not match.
+    #[error("{what} checksum mismatch: stored {stored:#010x}, computed {computed:#010x}")]
     Checksum {
-        /// The CRC in the frame.
+        /// Which checksum: the segment header's, a frame header's or a payload's.
+        what: &'static str,
+        /// The CRC in the file.
         stored: u32,
         /// The CRC of the bytes.
         computed: u32,
@@ -91,8 +153,19 @@ pub enum FrameError {
     #[error("corrupt frame: unknown kind {0}")]
     Kind(u8),
     /// A length no writer produces.
-    #[error("corrupt frame: length {0} exceeds the maximum")]
+    #[error("corrupt frame: length {0} exceeds the maximum or does not fit its kind")]
     Length(u32),
+    /// A frame out of order: the log is not a consecutive run of LSNs.
+    #[error("frame out of order: LSN {found}, expected {expected}")]
+    Lsn {
+        /// The frame's LSN.
+        found: u64,
+        /// The LSN that must come here.
+        expected: u64,
+    },
+    /// Bytes after a segment's seal.
+    #[error("data after the segment's seal frame")]
+    AfterSeal,
     /// The payload passed its CRC but does not decode (or breaks a record invariant).
     #[error("corrupt payload: {0}")]
     Payload(String),
@@ -108,17 +181,20 @@ pub struct SegmentHeader {
     pub seq: u64,
     /// The highest procedure id written before the segment was created.
     pub max_id: u64,
+    /// The LSN of the segment's first frame (the next LSN, while it has none).
+    pub first_lsn: u64,
 }
 
 /// A segment header for segment `seq`.
-pub fn segment_header(seq: u64, max_id: u64) -> [u8; SEGMENT_HEADER_LEN] {
+pub fn segment_header(seq: u64, max_id: u64, first_lsn: u64) -> [u8; SEGMENT_HEADER_LEN] {
     let mut h = [0u8; SEGMENT_HEADER_LEN];
     h[0..8].copy_from_slice(&MAGIC);
     h[8..10].copy_from_slice(&VERSION.to_le_bytes());
     h[12..20].copy_from_slice(&seq.to_le_bytes());
     h[20..28].copy_from_slice(&max_id.to_le_bytes());
-    let crc = crc32c::crc32c(&h[0..28]);
-    h[28..32].copy_from_slice(&crc.to_le_bytes());
+    h[28..36].copy_from_slice(&first_lsn.to_le_bytes());
+    let crc = crc32c::crc32c(&h[0..36]);
+    h[36..40].copy_from_slice(&crc.to_le_bytes());
     h
 }
 
@@ -126,6 +202,10 @@ fn u64_at(b: &[u8], at: usize) -> u64 {
     let mut x = [0u8; 8];
     x.copy_from_slice(&b[at..at + 8]);
     u64::from_le_bytes(x)
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
 }
 
 /// Parses a segment header.
@@ -142,21 +222,100 @@ pub fn parse_segment_header(bytes: &[u8]) -> Result<SegmentHeader, FrameError> {
             "bad magic: not a proctor WAL segment".into(),
         ));
     }
-    let stored = u32::from_le_bytes([h[28], h[29], h[30], h[31]]);
-    let computed = crc32c::crc32c(&h[0..28]);
-    if stored != computed {
-        return Err(FrameError::Checksum { stored, computed });
-    }
     let version = u16::from_le_bytes([h[8], h[9]]);
     if version != VERSION {
         return Err(FrameError::Header(format!(
             "format version {version}, this build reads {VERSION}"
         )));
     }
-    Ok(SegmentHeader {
+    let stored = u32_at(h, 36);
+    let computed = crc32c::crc32c(&h[0..36]);
+    if stored != computed {
+        return Err(FrameError::Checksum {
+            what: "segment header",
+            stored,
+            computed,
+        });
+    }
+    let header = SegmentHeader {
         seq: u64_at(h, 12),
         max_id: u64_at(h, 20),
+        first_lsn: u64_at(h, 28),
+    };
+    if header.max_id > MAX_ID {
+        return Err(FrameError::Header(format!(
+            "max_id {} is above the limit {MAX_ID}",
+            header.max_id
+        )));
+    }
+    if header.seq == 0 || header.first_lsn == 0 {
+        return Err(FrameError::Header(
+            "sequence number and first LSN start at 1".into(),
+        ));
+    }
+    Ok(header)
+}
+
+/// What a frame header says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    /// Payload bytes.
+    pub len: u32,
+    /// What the frame holds.
+    pub kind: FrameKind,
+    /// Its log sequence number.
+    pub lsn: u64,
+    /// The CRC its payload must have.
+    pub payload_crc: u32,
+}
+
+/// Parses a frame header: its own CRC first, so that nothing a damaged header claims
+/// (a length, a kind) is believed.
+pub fn parse_frame_header(h: &[u8]) -> Result<FrameHeader, FrameError> {
+    if h.len() < FRAME_HEADER_LEN {
+        return Err(FrameError::Truncated {
+            need: FRAME_HEADER_LEN as u64,
+            have: h.len() as u64,
+        });
+    }
+    let stored = u32_at(h, 13);
+    let computed = crc32c::crc32c(&h[0..13]);
+    if stored != computed {
+        return Err(FrameError::Checksum {
+            what: "frame header",
+            stored,
+            computed,
+        });
+    }
+    let len = u32_at(h, 0);
+    let kind = FrameKind::from_byte(h[4]).ok_or(FrameError::Kind(h[4]))?;
+    if len > MAX_PAYLOAD_LEN || (kind == FrameKind::Seal && len != 0) {
+        return Err(FrameError::Length(len));
+    }
+    Ok(FrameHeader {
+        len,
+        kind,
+        lsn: u64_at(h, 5),
+        payload_crc: u32_at(h, 17),
     })
+}
+
+fn write_frame_header(out: &mut [u8], len: u32, kind: FrameKind, lsn: u64, payload_crc: u32) {
+    out[0..4].copy_from_slice(&len.to_le_bytes());
+    out[4] = kind as u8;
+    out[5..13].copy_from_slice(&lsn.to_le_bytes());
+    let crc = crc32c::crc32c(&out[0..13]);
+    out[13..17].copy_from_slice(&crc.to_le_bytes());
+    out[17..21].copy_from_slice(&payload_crc.to_le_bytes());
+}
+
+/// Gives the encoded frame at the start of `frame` a new LSN (the writer learns whether
+/// a roll takes an LSN for a seal only after encoding).
+pub fn set_frame_lsn(frame: &mut [u8], lsn: u64) {
+    let len = u32_at(frame, 0);
+    let payload_crc = u32_at(frame, 17);
+    let kind = FrameKind::from_byte(frame[4]).unwrap_or(FrameKind::Batch);
+    write_frame_header(frame, len, kind, lsn, payload_crc);
 }
 
 /// Checks what every stored record must satisfy. Used before encoding (a failure is a
@@ -164,8 +323,15 @@ pub fn parse_segment_header(bytes: &[u8]) -> Result<SegmentHeader, FrameError> {
 pub fn check_op(op: &StoreOp) -> Result<(), String> {
     match op {
         StoreOp::Insert(r) | StoreOp::Update(r) => check_record(r),
-        StoreOp::Delete(_) => Ok(()),
+        StoreOp::Delete(id) => check_id(*id),
     }
+}
+
+fn check_id(id: ProcId) -> Result<(), String> {
+    if id.0 > MAX_ID {
+        return Err(format!("procedure id {id} is above the limit {MAX_ID}"));
+    }
+    Ok(())
 }
 
 fn check_record(r: &ProcRecord) -> Result<(), String> {
@@ -181,18 +347,43 @@ fn check_record(r: &ProcRecord) -> Result<(), String> {
     if r.id == ProcId(0) {
         return Err("procedure id 0 is never assigned".into());
     }
-    Ok(())
+    check_id(r.id)?;
+    check_id(r.root)?;
+    r.parent.map_or(Ok(()), check_id)
 }
 
-/// Appends one frame holding `ops` to `out`.
+/// A `Write` into a `Vec` that publishes its length, so the encoder can tell how many
+/// bytes each op took while the serializer owns the writer.
+struct Tracked<'a> {
+    out: &'a mut Vec<u8>,
+    len: &'a std::cell::Cell<usize>,
+}
+
+impl io::Write for Tracked<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.out.extend_from_slice(buf);
+        self.len.set(self.out.len());
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Appends one frame holding `ops` with LSN `lsn` to `out`, and returns the encoded
+/// size of each op (what the store counts as a record's live bytes). A seal takes no
+/// ops.
 ///
 /// # Panics
-/// If an op breaks a record invariant ([`check_op`]): the engine made a bad record.
+/// If an op breaks a record invariant ([`check_op`]) or a seal is given ops: the engine
+/// made a bad record.
 pub fn encode_frame(
     kind: FrameKind,
+    lsn: u64,
     ops: &[StoreOp],
     out: &mut Vec<u8>,
-) -> Result<(), rmp_serde::encode::Error> {
+) -> Result<Vec<u32>, rmp_serde::encode::Error> {
     for op in ops {
         if let Err(e) = check_op(op) {
             panic!("refusing to write a bad record: {e}");
@@ -200,7 +391,23 @@ pub fn encode_frame(
     }
     let start = out.len();
     out.extend_from_slice(&[0u8; FRAME_HEADER_LEN]);
-    rmp_serde::encode::write(out, ops)?;
+    let mut sizes = Vec::with_capacity(ops.len());
+    if kind == FrameKind::Seal {
+        assert!(ops.is_empty(), "a seal frame holds no ops");
+    } else {
+        let len = std::cell::Cell::new(out.len());
+        let mut ser = rmp_serde::Serializer::new(Tracked {
+            out: &mut *out,
+            len: &len,
+        });
+        let mut seq = (&mut ser).serialize_seq(Some(ops.len()))?;
+        for op in ops {
+            let before = len.get();
+            seq.serialize_element(op)?;
+            sizes.push(u32::try_from(len.get() - before).unwrap_or(u32::MAX));
+        }
+        seq.end()?;
+    }
     let payload_len = out.len() - start - FRAME_HEADER_LEN;
     let len = u32::try_from(payload_len)
         .ok()
@@ -208,33 +415,66 @@ pub fn encode_frame(
         .ok_or_else(|| {
             rmp_serde::encode::Error::Syntax(format!("frame of {payload_len} bytes is too large"))
         })?;
-    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
-    out[start + 4] = kind as u8;
-    let crc = frame_crc(&out[start..start + 5], &out[start + FRAME_HEADER_LEN..]);
-    out[start + 5..start + 9].copy_from_slice(&crc.to_le_bytes());
-    Ok(())
+    let payload_crc = crc32c::crc32c(&out[start + FRAME_HEADER_LEN..]);
+    write_frame_header(
+        &mut out[start..start + FRAME_HEADER_LEN],
+        len,
+        kind,
+        lsn,
+        payload_crc,
+    );
+    Ok(sizes)
 }
 
-fn frame_crc(len_and_kind: &[u8], payload: &[u8]) -> u32 {
-    crc32c::crc32c_append(crc32c::crc32c(len_and_kind), payload)
+/// Decodes a payload that passed its CRC: its ops and the encoded size of each.
+pub fn decode_payload(
+    kind: FrameKind,
+    payload: &[u8],
+) -> Result<(Vec<StoreOp>, Vec<u32>), FrameError> {
+    if kind == FrameKind::Seal {
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let bad = |what: String| FrameError::Payload(what);
+    // The array marker: fixarray, array16 or array32.
+    let (count, skip) = match payload.first() {
+        Some(&m) if (0x90..=0x9f).contains(&m) => (usize::from(m & 0x0f), 1),
+        Some(0xdc) if payload.len() >= 3 => {
+            (usize::from(u16::from_be_bytes([payload[1], payload[2]])), 3)
+        }
+        Some(0xdd) if payload.len() >= 5 => (
+            u32::from_be_bytes([payload[1], payload[2], payload[3], payload[4]]) as usize,
+            5,
+        ),
+        _ => return Err(bad("not an array of ops".into())),
+    };
+    // Each op takes at least two bytes, so a count larger than that is damage, not a
+    // reason to reserve memory.
+    if count > payload.len() / 2 {
+        return Err(bad(format!(
+            "{count} ops cannot fit in {} bytes",
+            payload.len()
+        )));
+    }
+    let mut de = rmp_serde::Deserializer::new(io::Cursor::new(&payload[skip..]));
+    let mut ops = Vec::with_capacity(count);
+    let mut sizes = Vec::with_capacity(count);
+    for _ in 0..count {
+        let before = de.position();
+        let op = StoreOp::deserialize(&mut de).map_err(|e| bad(e.to_string()))?;
+        check_op(&op).map_err(bad)?;
+        sizes.push(u32::try_from(de.position() - before).unwrap_or(u32::MAX));
+        ops.push(op);
+    }
+    if de.position() as usize + skip != payload.len() {
+        return Err(bad("bytes after the last op".into()));
+    }
+    Ok((ops, sizes))
 }
 
-/// Decodes the frame at the start of `bytes`: its kind, its ops, and its total length.
-pub fn decode_frame(bytes: &[u8]) -> Result<(FrameKind, Vec<StoreOp>, usize), FrameError> {
-    if bytes.len() < FRAME_HEADER_LEN {
-        return Err(FrameError::Truncated {
-            need: FRAME_HEADER_LEN as u64,
-            have: bytes.len() as u64,
-        });
-    }
-    let len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
-    let kind_byte = bytes[4];
-    let stored = u32::from_le_bytes([bytes[5], bytes[6], bytes[7], bytes[8]]);
-    let kind = FrameKind::from_byte(kind_byte).ok_or(FrameError::Kind(kind_byte))?;
-    if len > MAX_PAYLOAD_LEN {
-        return Err(FrameError::Length(len));
-    }
-    let total = FRAME_HEADER_LEN + len as usize;
+/// Decodes the frame at the start of `bytes`: its header, its ops, and its total length.
+pub fn decode_frame(bytes: &[u8]) -> Result<(FrameHeader, Vec<StoreOp>, usize), FrameError> {
+    let header = parse_frame_header(bytes)?;
+    let total = FRAME_HEADER_LEN + header.len as usize;
     if bytes.len() < total {
         return Err(FrameError::Truncated {
             need: total as u64,
@@ -242,16 +482,16 @@ pub fn decode_frame(bytes: &[u8]) -> Result<(FrameKind, Vec<StoreOp>, usize), Fr
         });
     }
     let payload = &bytes[FRAME_HEADER_LEN..total];
-    let computed = frame_crc(&bytes[0..5], payload);
-    if stored != computed {
-        return Err(FrameError::Checksum { stored, computed });
+    let computed = crc32c::crc32c(payload);
+    if header.payload_crc != computed {
+        return Err(FrameError::Checksum {
+            what: "payload",
+            stored: header.payload_crc,
+            computed,
+        });
     }
-    let ops: Vec<StoreOp> =
-        rmp_serde::from_slice(payload).map_err(|e| FrameError::Payload(e.to_string()))?;
-    for op in &ops {
-        check_op(op).map_err(FrameError::Payload)?;
-    }
-    Ok((kind, ops, total))
+    let (ops, _) = decode_payload(header.kind, payload)?;
+    Ok((header, ops, total))
 }
 
 /// A good frame found by a scan.
@@ -261,10 +501,14 @@ pub struct Frame {
     pub offset: u64,
     /// Its total length in bytes, header included.
     pub len: u64,
+    /// Its log sequence number.
+    pub lsn: u64,
     /// What it holds.
     pub kind: FrameKind,
     /// Its ops, in order.
     pub ops: Vec<StoreOp>,
+    /// The encoded size of each op, in order.
+    pub op_sizes: Vec<u32>,
 }
 
 /// How a segment scan ended.
@@ -288,87 +532,338 @@ pub enum ScanEnd {
     },
 }
 
-/// The result of scanning one segment file.
+/// What a streamed scan of one segment found (its frames went to the caller).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SegmentSummary {
+    /// The header (`None` if the header itself is bad).
+    pub header: Option<SegmentHeader>,
+    /// Good frames, seal included.
+    pub frames: u64,
+    /// The LSN of the last good frame.
+    pub last_lsn: Option<u64>,
+    /// Whether the last good frame is a seal.
+    pub sealed: bool,
+    /// Where the good frames end.
+    pub good_len: u64,
+    /// How the scan ended.
+    pub end: ScanEnd,
+}
+
+impl SegmentSummary {
+    /// The LSN the next frame after this segment's good frames must have.
+    pub fn next_lsn(&self) -> Option<u64> {
+        self.last_lsn
+            .map(|l| l + 1)
+            .or(self.header.map(|h| h.first_lsn))
+    }
+}
+
+/// The result of scanning one segment's bytes, frames collected.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SegmentScan {
     /// The header (`None` if the header itself is bad).
     pub header: Option<SegmentHeader>,
     /// The good frames, in order.
     pub frames: Vec<Frame>,
+    /// Whether the last good frame is a seal.
+    pub sealed: bool,
     /// How the scan ended.
     pub end: ScanEnd,
 }
 
-/// Scans a segment's bytes. `newest` says whether it is the last segment of the log,
-/// the only one whose tail a crash can tear.
+/// Scans a segment's bytes, collecting its frames. `newest` says whether it is the last
+/// segment of the log, the only one whose tail a crash can tear.
 pub fn scan_segment(bytes: &[u8], newest: bool) -> SegmentScan {
-    let header = match parse_segment_header(bytes) {
-        Ok(header) => header,
-        Err(reason) => {
-            // A crash while creating the segment leaves a short or zero header.
-            let torn =
-                newest && (bytes.len() < SEGMENT_HEADER_LEN || bytes.iter().all(|&b| b == 0));
-            let end = if torn {
-                ScanEnd::TornTail { offset: 0, reason }
-            } else {
-                ScanEnd::Corrupt { offset: 0, reason }
-            };
-            return SegmentScan {
-                header: None,
-                frames: Vec::new(),
-                end,
-            };
-        }
-    };
     let mut frames = Vec::new();
-    let mut offset = SEGMENT_HEADER_LEN;
-    let end = loop {
-        if offset == bytes.len() {
-            break ScanEnd::Clean;
-        }
-        let rest = &bytes[offset..];
-        match decode_frame(rest) {
-            Ok((kind, ops, len)) => {
-                frames.push(Frame {
-                    offset: offset as u64,
-                    len: len as u64,
-                    kind,
-                    ops,
-                });
-                offset += len;
-            }
-            Err(reason) => {
-                let offset = offset as u64;
-                break if newest && is_torn(rest, &reason) {
-                    ScanEnd::TornTail { offset, reason }
-                } else {
-                    ScanEnd::Corrupt { offset, reason }
-                };
-            }
-        }
+    let summary = match scan_stream(&mut io::Cursor::new(bytes), newest, None, &mut |f| {
+        frames.push(f)
+    }) {
+        Ok(summary) => summary,
+        // Reading from memory cannot fail.
+        Err(e) => unreachable!("reading a byte slice failed: {e}"),
     };
     SegmentScan {
-        header: Some(header),
+        header: summary.header,
         frames,
-        end,
+        sealed: summary.sealed,
+        end: summary.end,
     }
 }
 
-/// Whether a bad frame at the start of `rest` (which runs to the end of the file) is
-/// what a crash mid-append leaves.
-fn is_torn(rest: &[u8], reason: &FrameError) -> bool {
-    if rest.iter().all(|&b| b == 0) {
-        return true;
+/// Whether a segment (read from its start) has a valid first frame after a good header:
+/// what tells a newest segment that holds frames from the empty one an interrupted roll
+/// leaves. Reads one frame at most.
+pub fn first_frame_is_valid(r: &mut impl Read) -> io::Result<bool> {
+    let mut buf = Vec::new();
+    read_up_to(r, SEGMENT_HEADER_LEN, &mut buf)?;
+    if parse_segment_header(&buf).is_err() {
+        return Ok(false);
     }
-    match reason {
-        FrameError::Truncated { .. } => true,
-        // A complete frame that fails its CRC is torn only if nothing follows it.
-        FrameError::Checksum { .. } => {
-            let len = u32::from_le_bytes([rest[0], rest[1], rest[2], rest[3]]) as usize;
-            FRAME_HEADER_LEN + len == rest.len()
+    read_up_to(r, FRAME_HEADER_LEN, &mut buf)?;
+    let Ok(fh) = parse_frame_header(&buf) else {
+        return Ok(false);
+    };
+    read_up_to(r, fh.len as usize, &mut buf)?;
+    Ok(buf.len() == fh.len as usize && crc32c::crc32c(&buf) == fh.payload_crc)
+}
+
+/// Whether `tail`, the last [`FRAME_HEADER_LEN`] bytes of a segment, is a seal frame.
+pub fn is_seal(tail: &[u8]) -> bool {
+    tail.len() == FRAME_HEADER_LEN
+        && parse_frame_header(tail)
+            .is_ok_and(|fh| fh.kind == FrameKind::Seal && fh.payload_crc == crc32c::crc32c(&[]))
+}
+
+/// Reads up to `n` bytes (fewer only at the end of the input).
+fn read_up_to(r: &mut impl Read, n: usize, buf: &mut Vec<u8>) -> io::Result<()> {
+    buf.clear();
+    r.by_ref().take(n as u64).read_to_end(buf)?;
+    Ok(())
+}
+
+/// Where a scan stopped, before `newest` decides between torn and corrupt.
+struct Bad {
+    offset: u64,
+    reason: FrameError,
+    /// Whether a crash during the last append can explain it.
+    torn_shape: bool,
+}
+
+/// Scans one segment from `r` (positioned at its start), frame by frame, handing each
+/// good frame to `on_frame`. `expect_first_lsn`, when known, is the LSN the previous
+/// segment says this one starts at. Memory: one frame at a time.
+pub fn scan_stream<R: Read + Seek>(
+    r: &mut R,
+    newest: bool,
+    expect_first_lsn: Option<u64>,
+    on_frame: &mut dyn FnMut(Frame),
+) -> io::Result<SegmentSummary> {
+    let mut summary = SegmentSummary {
+        header: None,
+        frames: 0,
+        last_lsn: None,
+        sealed: false,
+        good_len: 0,
+        end: ScanEnd::Clean,
+    };
+    let mut buf = Vec::new();
+    read_up_to(r, SEGMENT_HEADER_LEN, &mut buf)?;
+    let header = match parse_segment_header(&buf) {
+        Ok(h) => h,
+        Err(reason) => {
+            // A crash while creating the segment leaves a short or zero header, and
+            // nothing after it.
+            let blank = buf.len() < SEGMENT_HEADER_LEN || buf.iter().all(|&b| b == 0);
+            let torn_shape = blank && !valid_frame_follows(r, buf.len() as u64, None)?;
+            summary.end = classify(
+                Bad {
+                    offset: 0,
+                    reason,
+                    torn_shape,
+                },
+                newest,
+            );
+            return Ok(summary);
         }
-        _ => false,
+    };
+    summary.header = Some(header);
+    summary.good_len = SEGMENT_HEADER_LEN as u64;
+    if let Some(expected) = expect_first_lsn.filter(|&e| e != header.first_lsn) {
+        summary.end = ScanEnd::Corrupt {
+            offset: 0,
+            reason: FrameError::Header(format!(
+                "first LSN {}, but the previous segment ends before LSN {expected}",
+                header.first_lsn
+            )),
+        };
+        return Ok(summary);
     }
+    let mut next = header.first_lsn;
+    let mut offset = SEGMENT_HEADER_LEN as u64;
+    let mut payload = Vec::new();
+    let bad = loop {
+        read_up_to(r, FRAME_HEADER_LEN, &mut buf)?;
+        if buf.is_empty() {
+            break None;
+        }
+        if summary.sealed {
+            break Some(Bad {
+                offset,
+                reason: FrameError::AfterSeal,
+                torn_shape: false,
+            });
+        }
+        if buf.len() < FRAME_HEADER_LEN {
+            break Some(Bad {
+                offset,
+                reason: FrameError::Truncated {
+                    need: FRAME_HEADER_LEN as u64,
+                    have: buf.len() as u64,
+                },
+                torn_shape: true,
+            });
+        }
+        let fh = match parse_frame_header(&buf) {
+            Ok(fh) => fh,
+            Err(reason) => {
+                let torn_shape = matches!(reason, FrameError::Checksum { .. })
+                    && !valid_frame_follows(r, offset + 1, summary.last_lsn)?;
+                break Some(Bad {
+                    offset,
+                    reason,
+                    torn_shape,
+                });
+            }
+        };
+        if fh.lsn != next {
+            break Some(Bad {
+                offset,
+                reason: FrameError::Lsn {
+                    found: fh.lsn,
+                    expected: next,
+                },
+                torn_shape: false,
+            });
+        }
+        read_up_to(r, fh.len as usize, &mut payload)?;
+        if payload.len() < fh.len as usize {
+            // A good header whose payload runs past the end: the last append, cut.
+            break Some(Bad {
+                offset,
+                reason: FrameError::Truncated {
+                    need: FRAME_HEADER_LEN as u64 + u64::from(fh.len),
+                    have: (FRAME_HEADER_LEN + payload.len()) as u64,
+                },
+                torn_shape: true,
+            });
+        }
+        let computed = crc32c::crc32c(&payload);
+        if computed != fh.payload_crc {
+            let torn_shape = !valid_frame_follows(r, offset + 1, summary.last_lsn)?;
+            break Some(Bad {
+                offset,
+                reason: FrameError::Checksum {
+                    what: "payload",
+                    stored: fh.payload_crc,
+                    computed,
+                },
+                torn_shape,
+            });
+        }
+        let (ops, op_sizes) = match decode_payload(fh.kind, &payload) {
+            Ok(decoded) => decoded,
+            Err(reason) => {
+                break Some(Bad {
+                    offset,
+                    reason,
+                    torn_shape: false,
+                })
+            }
+        };
+        let len = (FRAME_HEADER_LEN + payload.len()) as u64;
+        on_frame(Frame {
+            offset,
+            len,
+            lsn: fh.lsn,
+            kind: fh.kind,
+            ops,
+            op_sizes,
+        });
+        summary.frames += 1;
+        summary.last_lsn = Some(fh.lsn);
+        summary.sealed = fh.kind == FrameKind::Seal;
+        offset += len;
+        summary.good_len = offset;
+        next = fh.lsn + 1;
+    };
+    if let Some(bad) = bad {
+        summary.end = classify(bad, newest);
+    }
+    Ok(summary)
+}
+
+fn classify(bad: Bad, newest: bool) -> ScanEnd {
+    if newest && bad.torn_shape {
+        ScanEnd::TornTail {
+            offset: bad.offset,
+            reason: bad.reason,
+        }
+    } else {
+        ScanEnd::Corrupt {
+            offset: bad.offset,
+            reason: bad.reason,
+        }
+    }
+}
+
+/// Whether a valid frame (header CRC, payload CRC, and an LSN above `after`) starts
+/// anywhere at or after byte `from`. Streams the rest of the input in chunks and checks
+/// only positions whose kind byte is plausible, so a long zero tail is cheap.
+fn valid_frame_follows<R: Read + Seek>(
+    r: &mut R,
+    from: u64,
+    after: Option<u64>,
+) -> io::Result<bool> {
+    const CHUNK: usize = 64 << 10;
+    let mut window: Vec<u8> = Vec::with_capacity(CHUNK + FRAME_HEADER_LEN);
+    let mut window_start = from;
+    r.seek(SeekFrom::Start(from))?;
+    let mut eof = false;
+    loop {
+        if !eof {
+            let before = window.len();
+            r.by_ref().take(CHUNK as u64).read_to_end(&mut window)?;
+            eof = window.len() - before < CHUNK;
+        }
+        // Every position with a whole header in the window (or every one at EOF).
+        let last = if eof {
+            window.len()
+        } else {
+            window.len() + 1 - FRAME_HEADER_LEN
+        };
+        let mut p = 0;
+        while p + FRAME_HEADER_LEN <= window.len() && p < last {
+            let kind = window[p + 4];
+            if (1..=3).contains(&kind) {
+                if let Ok(fh) = parse_frame_header(&window[p..p + FRAME_HEADER_LEN]) {
+                    if after.is_none_or(|a| fh.lsn > a) {
+                        let at = window_start + p as u64;
+                        let resume = window_start + window.len() as u64;
+                        let good = payload_matches(r, at, &fh)?;
+                        r.seek(SeekFrom::Start(resume))?;
+                        if good {
+                            return Ok(true);
+                        }
+                    }
+                }
+            }
+            p += 1;
+        }
+        if eof {
+            return Ok(false);
+        }
+        window.drain(..p);
+        window_start += p as u64;
+    }
+}
+
+/// Whether the payload of the frame whose header is at `at` is all there and matches its
+/// CRC. Reads it in pieces, never allocating what the header claims.
+fn payload_matches<R: Read + Seek>(r: &mut R, at: u64, fh: &FrameHeader) -> io::Result<bool> {
+    r.seek(SeekFrom::Start(at + FRAME_HEADER_LEN as u64))?;
+    let mut left = u64::from(fh.len);
+    let mut crc = 0u32;
+    let mut piece = [0u8; 8192];
+    while left > 0 {
+        let want = piece.len().min(left as usize);
+        let got = r.read(&mut piece[..want])?;
+        if got == 0 {
+            return Ok(false);
+        }
+        crc = crc32c::crc32c_append(crc, &piece[..got]);
+        left -= got as u64;
+    }
+    Ok(crc == fh.payload_crc)
 }
 
 #[cfg(test)]
@@ -400,10 +895,11 @@ mod tests {
         }
     }
 
+    /// Segment 7, whose first frame has LSN 10.
     fn segment(frames: &[Vec<StoreOp>]) -> Vec<u8> {
-        let mut bytes = segment_header(7, 99).to_vec();
-        for ops in frames {
-            encode_frame(FrameKind::Batch, ops, &mut bytes).unwrap();
+        let mut bytes = segment_header(7, 99, 10).to_vec();
+        for (i, ops) in frames.iter().enumerate() {
+            encode_frame(FrameKind::Batch, 10 + i as u64, ops, &mut bytes).unwrap();
         }
         bytes
     }
@@ -416,20 +912,26 @@ mod tests {
                 StoreOp::Insert(record(2, Some(1), vec![])),
             ],
             vec![StoreOp::Delete(ProcId(2))],
+            vec![StoreOp::Update(record(1, None, vec![5; 30]))],
         ]
     }
 
     #[test]
     fn header_round_trips_and_rejects_damage() {
-        let h = segment_header(42, 7);
+        let h = segment_header(42, 7, 1000);
         assert_eq!(
             parse_segment_header(&h),
-            Ok(SegmentHeader { seq: 42, max_id: 7 })
+            Ok(SegmentHeader {
+                seq: 42,
+                max_id: 7,
+                first_lsn: 1000
+            })
         );
-        let cases: [(usize, &str); 3] = [
+        let cases: [(usize, &str); 4] = [
             (0, "bad magic"),
             (12, "checksum mismatch"),
-            (29, "checksum mismatch"),
+            (30, "checksum mismatch"),
+            (37, "checksum mismatch"),
         ];
         for (byte, text) in cases {
             let mut bad = h;
@@ -437,42 +939,83 @@ mod tests {
             let err = parse_segment_header(&bad).unwrap_err().to_string();
             assert!(err.contains(text), "byte {byte}: {err}");
         }
+        let huge = segment_header(1, u64::MAX, 1);
+        let err = parse_segment_header(&huge).unwrap_err().to_string();
+        assert!(err.contains("above the limit"), "{err}");
     }
 
     #[test]
     fn clean_segment_scans_every_frame() {
         let bytes = segment(&sample());
         let scan = scan_segment(&bytes, true);
-        assert_eq!(scan.header, Some(SegmentHeader { seq: 7, max_id: 99 }));
+        assert_eq!(
+            scan.header,
+            Some(SegmentHeader {
+                seq: 7,
+                max_id: 99,
+                first_lsn: 10
+            })
+        );
         assert_eq!(scan.end, ScanEnd::Clean);
         let ops: Vec<Vec<StoreOp>> = scan.frames.iter().map(|f| f.ops.clone()).collect();
         assert_eq!(ops, sample());
+        let lsns: Vec<u64> = scan.frames.iter().map(|f| f.lsn).collect();
+        assert_eq!(lsns, vec![10, 11, 12, 13]);
         assert_eq!(scan.frames[0].offset, SEGMENT_HEADER_LEN as u64);
+        assert!(!scan.sealed);
+    }
+
+    #[test]
+    fn op_sizes_are_each_ops_encoding() {
+        let ops = sample().concat();
+        let mut out = Vec::new();
+        let sizes = encode_frame(FrameKind::Batch, 1, &ops, &mut out).unwrap();
+        let expected: Vec<u32> = ops
+            .iter()
+            .map(|op| rmp_serde::to_vec(op).unwrap().len() as u32)
+            .collect();
+        assert_eq!(sizes, expected);
+        let (header, decoded, total) = decode_frame(&out).unwrap();
+        assert_eq!((header.lsn, decoded, total), (1, ops.clone(), out.len()));
+        let (_, decoded_sizes) =
+            decode_payload(FrameKind::Batch, &out[FRAME_HEADER_LEN..]).unwrap();
+        assert_eq!(decoded_sizes, expected);
+        // The payload is exactly what rmp-serde makes of the whole list.
+        assert_eq!(
+            &out[FRAME_HEADER_LEN..],
+            &rmp_serde::to_vec(&ops).unwrap()[..]
+        );
     }
 
     /// What a scan says about damage at each kind of place.
     #[test]
     fn torn_tails_versus_corruption() {
         let good = segment(&sample());
-        let last_frame = scan_segment(&good, true).frames[2].offset as usize;
-        let mid_frame = scan_segment(&good, true).frames[1].offset as usize;
-        type Damage = fn(&mut Vec<u8>, usize, usize);
-        let cases: [(&str, Damage, bool, &str); 7] = [
+        let frames = scan_segment(&good, true).frames;
+        let offsets: Vec<usize> = frames.iter().map(|f| f.offset as usize).collect();
+        type Damage = fn(&mut Vec<u8>, &[usize]);
+        let cases: [(&str, Damage, bool, &str); 17] = [
             (
                 "cut in the last frame",
-                |b, last, _| b.truncate(last + 5),
+                |b, f| b.truncate(f[3] + 25),
+                true,
+                "torn",
+            ),
+            (
+                "cut in the last header",
+                |b, f| b.truncate(f[3] + 7),
                 true,
                 "torn",
             ),
             (
                 "zero-filled tail",
-                |b, _, _| b.extend([0u8; 4096]),
+                |b, _| b.extend([0u8; 4096]),
                 true,
                 "torn",
             ),
             (
                 "last frame's payload flipped",
-                |b, _, _| {
+                |b, _| {
                     let n = b.len() - 1;
                     b[n] ^= 1
                 },
@@ -480,33 +1023,100 @@ mod tests {
                 "torn",
             ),
             (
-                "middle frame flipped",
-                |b, _, mid| b[mid + FRAME_HEADER_LEN + 2] ^= 1,
+                "last frame's length flipped, running past the end",
+                |b, f| b[f[3] + 1] ^= 1,
+                true,
+                "torn",
+            ),
+            (
+                "zeros then data: the last header never written",
+                |b, f| b[f[3]..f[3] + FRAME_HEADER_LEN + 3].fill(0),
+                true,
+                "torn",
+            ),
+            (
+                "garbage after good frames",
+                |b, _| b.extend([9u8; 60]),
+                true,
+                "torn",
+            ),
+            (
+                "middle frame's payload flipped",
+                |b, f| b[f[1] + FRAME_HEADER_LEN + 2] ^= 1,
+                true,
+                "corrupt",
+            ),
+            (
+                "middle frame's length flipped, frames after it",
+                |b, f| b[f[1] + 2] ^= 1,
+                true,
+                "corrupt",
+            ),
+            (
+                "two frames swapped",
+                |b, f| {
+                    let (first, second) = (b[f[1]..f[2]].to_vec(), b[f[2]..f[3]].to_vec());
+                    let swapped: Vec<u8> = second.into_iter().chain(first).collect();
+                    b[f[1]..f[3]].copy_from_slice(&swapped);
+                },
+                true,
+                "corrupt",
+            ),
+            (
+                "a valid frame after garbage",
+                |b, _| {
+                    b.extend([9u8; 30]);
+                    encode_frame(FrameKind::Batch, 20, &[StoreOp::Delete(ProcId(1))], b).unwrap();
+                },
+                true,
+                "corrupt",
+            ),
+            (
+                "a valid frame after 100 KiB of garbage (the scan crosses its window)",
+                |b, _| {
+                    b.extend(vec![1u8; 100 << 10]);
+                    encode_frame(FrameKind::Batch, 20, &[StoreOp::Delete(ProcId(1))], b).unwrap();
+                },
+                true,
+                "corrupt",
+            ),
+            (
+                "100 KiB of garbage that only looks like frame kinds",
+                |b, _| b.extend((0..100 << 10).map(|i| (i % 3 + 1) as u8)),
+                true,
+                "torn",
+            ),
+            (
+                "data after a seal",
+                |b, _| {
+                    encode_frame(FrameKind::Seal, 14, &[], b).unwrap();
+                    encode_frame(FrameKind::Batch, 15, &[StoreOp::Delete(ProcId(1))], b).unwrap();
+                },
                 true,
                 "corrupt",
             ),
             (
                 "last frame cut, older segment",
-                |b, last, _| b.truncate(last + 3),
+                |b, f| b.truncate(f[3] + 3),
                 false,
                 "corrupt",
             ),
             (
-                "garbage after good frames",
-                |b, _, _| b.extend([9u8; 20]),
+                "header zeroed, newest",
+                |b, _| b.iter_mut().for_each(|x| *x = 0),
                 true,
-                "corrupt",
+                "torn",
             ),
             (
-                "header zeroed, newest",
-                |b, _, _| b.iter_mut().for_each(|x| *x = 0),
+                "header cut, newest",
+                |b, _| b.truncate(SEGMENT_HEADER_LEN - 1),
                 true,
                 "torn",
             ),
         ];
         for (name, damage, newest, expect) in cases {
             let mut bytes = good.clone();
-            damage(&mut bytes, last_frame, mid_frame);
+            damage(&mut bytes, &offsets);
             let scan = scan_segment(&bytes, newest);
             let got = match &scan.end {
                 ScanEnd::Clean => "clean",
@@ -518,22 +1128,43 @@ mod tests {
     }
 
     #[test]
+    fn a_seal_ends_a_segment() {
+        let mut bytes = segment(&sample());
+        encode_frame(FrameKind::Seal, 14, &[], &mut bytes).unwrap();
+        let scan = scan_segment(&bytes, false);
+        assert_eq!(scan.end, ScanEnd::Clean);
+        assert!(scan.sealed);
+        assert_eq!(
+            scan.frames.last().map(|f| (f.lsn, f.kind)),
+            Some((14, FrameKind::Seal))
+        );
+    }
+
+    #[test]
     fn decoded_records_are_checked() {
-        let bad = StoreOp::Insert(ProcRecord {
+        let bad_root = StoreOp::Insert(ProcRecord {
             root: ProcId(9),
             ..record(1, None, vec![])
         });
-        assert!(check_op(&bad)
+        assert!(check_op(&bad_root)
             .unwrap_err()
             .contains("parent None but root 9"));
-        // Write it behind the encoder's back: the decoder reports corruption.
-        let payload = rmp_serde::to_vec(&vec![bad]).unwrap();
-        let mut frame = (payload.len() as u32).to_le_bytes().to_vec();
-        frame.push(1);
-        let crc = frame_crc(&frame, &payload);
-        frame.extend(crc.to_le_bytes());
-        frame.extend(payload);
-        assert!(matches!(decode_frame(&frame), Err(FrameError::Payload(_))));
+        let huge = StoreOp::Delete(ProcId(MAX_ID + 1));
+        assert!(check_op(&huge).unwrap_err().contains("above the limit"));
+        for bad in [bad_root, huge] {
+            // Write it behind the encoder's back: the decoder reports corruption.
+            let payload = rmp_serde::to_vec(&vec![bad]).unwrap();
+            let mut frame = vec![0u8; FRAME_HEADER_LEN];
+            write_frame_header(
+                &mut frame,
+                payload.len() as u32,
+                FrameKind::Batch,
+                1,
+                crc32c::crc32c(&payload),
+            );
+            frame.extend(payload);
+            assert!(matches!(decode_frame(&frame), Err(FrameError::Payload(_))));
+        }
     }
 
     fn arb_op() -> impl Strategy<Value = StoreOp> {
@@ -579,9 +1210,23 @@ mod tests {
                     prop_assert_eq!(&frame.ops, &frames[i]);
                 }
                 if bytes == good {
-                    prop_assert_eq!(scan.end, ScanEnd::Clean);
+                    prop_assert_eq!(&scan.end, &ScanEnd::Clean);
                 } else if scan.header.is_some() {
                     prop_assert!(scan.end != ScanEnd::Clean || scan.frames.len() < frames.len());
+                }
+                // A cut anywhere in the newest segment is a torn tail, never corruption.
+                if truncate && newest {
+                    let corrupt = matches!(scan.end, ScanEnd::Corrupt { .. });
+                    prop_assert!(!corrupt, "{:?}", scan.end);
+                }
+                // A flipped bit before the last frame, with that frame intact, is never
+                // taken for a torn tail.
+                if !truncate && newest {
+                    let last = scan_segment(&good, true).frames.last().map_or(0, |f| f.offset);
+                    if (flip.index(good.len()) as u64) < last {
+                        let torn = matches!(scan.end, ScanEnd::TornTail { .. });
+                        prop_assert!(!torn, "{:?}", scan.end);
+                    }
                 }
             }
         }

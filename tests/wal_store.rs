@@ -157,7 +157,23 @@ fn a_torn_tail_at_every_byte_of_the_last_frame_recovers() {
         fs::write(&file, &full[..cut as usize]).unwrap();
         let mut wal = WalStore::open(dir.path())
             .unwrap_or_else(|e| panic!("cut at {cut} of {}: {e}", full.len()));
-        assert_eq!(wal.load().unwrap(), expected, "cut at {cut}");
+        let snapshot = wal.load().unwrap();
+        assert_eq!(snapshot.records, expected.records, "cut at {cut}");
+        assert_eq!(snapshot.max_id, expected.max_id, "cut at {cut}");
+        // A cut inside the frame is repaired, and the repair is reported with its byte.
+        let repaired = cut > last_frame;
+        assert_eq!(
+            snapshot.repairs.len(),
+            usize::from(repaired),
+            "cut at {cut}"
+        );
+        if repaired {
+            assert!(
+                snapshot.repairs[0].contains(&format!("byte {last_frame}")),
+                "{:?}",
+                snapshot.repairs
+            );
+        }
         assert_eq!(
             fs::metadata(&file).unwrap().len(),
             last_frame,
@@ -232,4 +248,247 @@ fn one_engine_per_directory() {
     assert!(matches!(err, StoreError::Locked { .. }), "{err}");
     drop(first);
     WalStore::open(dir.path()).expect("the lock goes with the store");
+}
+
+/// The encoded size of a record as the store counts it (an `Update` is what a
+/// checkpoint writes; every op tag has the same length).
+fn encoded(r: &ProcRecord) -> u64 {
+    rmp_serde::to_vec(&StoreOp::Update(r.clone()))
+        .unwrap()
+        .len() as u64
+}
+
+/// The segment files as the file system sees them: their count and total bytes.
+fn on_disk(dir: &Path) -> (usize, u64) {
+    let files = segments(dir);
+    let bytes = files.iter().map(|f| fs::metadata(f).unwrap().len()).sum();
+    (files.len(), bytes)
+}
+
+/// The size bound of `actors/wal_store.rs`, checked after every append of a workload
+/// that used to stall compaction: long-lived procedures written once at the start pin
+/// the oldest segments (more than half live, so the old rule never rewrote them), while
+/// thousands of procedures behind them insert, update and finish, half of them keeping
+/// their final record (as finished roots do) and half evicted.
+#[test]
+fn the_log_stays_within_its_size_bound_at_every_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = small();
+    let (s, m) = (options.segment_bytes, options.max_segments as u64);
+    let mut model = MemoryStore::new();
+    let mut wal = WalStore::open_with(dir.path(), options.clone()).unwrap();
+    let mut steps = 0u64;
+    let mut check = |wal: &WalStore, model: &mut MemoryStore| {
+        steps += 1;
+        let stats = wal.stats();
+        // F: the longest frame, plus a segment header and a seal.
+        let f = stats.largest_frame + 61;
+        let l = stats.live_bytes;
+        assert!(
+            stats.segment_bytes <= 2 * l + m * (s + f),
+            "step {steps}: {} bytes > 2·{l} + {m}·({s} + {f})",
+            stats.segment_bytes
+        );
+        let count_bound = m.max(1 + (2 * l + m * s) / (s - f)) as usize;
+        assert!(
+            stats.segments <= count_bound,
+            "step {steps}: {} segments > {count_bound}",
+            stats.segments
+        );
+        // The store's own figures are the truth, checked now and then (it is slow).
+        if steps.is_multiple_of(97) {
+            assert_eq!(on_disk(dir.path()), (stats.segments, stats.segment_bytes));
+            let live: u64 = model.load().unwrap().records.iter().map(encoded).sum();
+            assert_eq!(l, live, "step {steps}: live bytes");
+        }
+    };
+    for id in 1..=120 {
+        append(
+            &mut wal,
+            &mut model,
+            vec![StoreOp::Insert(record(id, id, 0))],
+        );
+        check(&wal, &mut model);
+    }
+    for id in 1000..7000u64 {
+        for ops in [
+            vec![StoreOp::Insert(record(id, id, 0))],
+            vec![StoreOp::Update(record(id, id, 1))],
+            vec![StoreOp::Update(record(id, id, 2))],
+        ] {
+            append(&mut wal, &mut model, ops);
+            check(&wal, &mut model);
+        }
+        if id.is_multiple_of(2) {
+            append(&mut wal, &mut model, vec![StoreOp::Delete(ProcId(id))]);
+            check(&wal, &mut model);
+        }
+    }
+    let stats = wal.stats();
+    assert!(stats.largest_frame < s / 2, "{stats:?}");
+    assert!(
+        stats.records_rewritten > 0 && stats.segments_deleted > 50,
+        "{stats:?}"
+    );
+    drop(wal);
+    let mut reopened = WalStore::open_with(dir.path(), small()).unwrap();
+    let snapshot = reopened.load().unwrap();
+    assert_eq!(snapshot.records, model.load().unwrap().records);
+    assert!(snapshot.repairs.is_empty());
+}
+
+/// A crash during a roll: the next segment is created (header synced), then the
+/// current one is sealed. Each row cuts the roll at a different point; the store opens
+/// with every acknowledged record, reporting what it removed or truncated.
+#[test]
+fn an_interrupted_roll_recovers() {
+    type Cut = fn(&Path, &Path);
+    let rows: [(&str, Cut, &[&str]); 4] = [
+        ("no seal yet", |prev, _| truncate_by(prev, 21), &["removed"]),
+        (
+            "half a seal",
+            |prev, _| truncate_by(prev, 10),
+            &["removed", "truncated"],
+        ),
+        (
+            "no seal, torn header of the new segment",
+            |prev, newest| {
+                truncate_by(prev, 21);
+                fs::write(newest, [0u8; 17]).unwrap();
+            },
+            &["removed"],
+        ),
+        ("sealed: a complete roll", |_, _| {}, &[]),
+    ];
+    for (row, cut, repairs) in rows {
+        let dir = tempfile::tempdir().unwrap();
+        let mut model = MemoryStore::new();
+        let mut wal = WalStore::open_with(dir.path(), small()).unwrap();
+        let mut id = 1;
+        // Append until an append rolls; that append is the one a crash loses.
+        let before = loop {
+            let before = model.load().unwrap();
+            let count = segments(dir.path()).len();
+            append(
+                &mut wal,
+                &mut model,
+                vec![StoreOp::Insert(record(id, id, 0))],
+            );
+            id += 1;
+            if segments(dir.path()).len() > count {
+                break before;
+            }
+        };
+        drop(wal);
+        let files = segments(dir.path());
+        let (prev, newest) = (&files[files.len() - 2], &files[files.len() - 1]);
+        // The new segment's only frame was never written.
+        let header = fs::read(newest).unwrap()[..proctor::wal::SEGMENT_HEADER_LEN].to_vec();
+        fs::write(newest, header).unwrap();
+        cut(prev, newest);
+        let mut wal =
+            WalStore::open_with(dir.path(), small()).unwrap_or_else(|e| panic!("{row}: {e}"));
+        let snapshot = wal.load().unwrap();
+        assert_eq!(snapshot.records, before.records, "{row}");
+        assert_eq!(
+            snapshot.repairs.len(),
+            repairs.len(),
+            "{row}: {:?}",
+            snapshot.repairs
+        );
+        for (got, word) in snapshot.repairs.iter().zip(repairs) {
+            assert!(got.contains(word), "{row}: {got}");
+        }
+        if !repairs.is_empty() {
+            assert!(!newest.exists(), "{row}: the empty segment is gone");
+        }
+        // The log goes on, rolls again, and reopens clean.
+        for more in 0..200 {
+            wal.append(&[StoreOp::Insert(record(10_000 + more, 10_000 + more, 0))])
+                .unwrap();
+        }
+        drop(wal);
+        let mut again = WalStore::open_with(dir.path(), small()).unwrap();
+        let snapshot = again.load().unwrap();
+        assert!(snapshot.repairs.is_empty(), "{row}: {:?}", snapshot.repairs);
+        assert_eq!(snapshot.records.len(), before.records.len() + 200, "{row}");
+    }
+}
+
+fn truncate_by(path: &Path, bytes: u64) {
+    let len = fs::metadata(path).unwrap().len();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .unwrap()
+        .set_len(len - bytes)
+        .unwrap();
+}
+
+#[test]
+fn the_lock_error_names_the_lock_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let _first = WalStore::open(dir.path()).unwrap();
+    let err = WalStore::open(dir.path()).err().expect("locked");
+    let lock = dir.path().join("LOCK").display().to_string();
+    assert!(
+        matches!(&err, StoreError::Locked { file } if *file == lock),
+        "{err}"
+    );
+    assert!(err.to_string().contains(&lock), "{err}");
+}
+
+/// Paths that are not a usable WAL directory: each error says what is wrong with it.
+#[test]
+fn a_bad_wal_path_says_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("wal-is-a-file");
+    fs::write(&file, b"x").unwrap();
+    let err = WalStore::open(&file).err().expect("a file is no directory");
+    let text = err.to_string();
+    assert!(text.contains("is a regular file"), "{text}");
+    assert!(text.contains(&file.display().to_string()), "{text}");
+    assert!(!text.contains("File exists"), "{text}");
+
+    // A missing directory, several levels deep, is created.
+    let deep = dir.path().join("a/b/wal");
+    WalStore::open(&deep).expect("created");
+    assert!(deep.join("LOCK").exists());
+}
+
+/// Peak resident memory of this process, from /proc (Linux), in KiB.
+fn peak_rss_kib() -> Option<u64> {
+    let status = fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// A huge sparse newest segment (a good header, then 128 MiB of holes) is a torn tail:
+/// the scan streams it and never holds it in memory.
+#[test]
+fn a_huge_sparse_segment_costs_no_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let (file, _, _) = three_frames(dir.path());
+    let good_len = fs::metadata(&file).unwrap().len();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .set_len(128 << 20)
+        .unwrap();
+    let before = peak_rss_kib();
+    let mut wal = WalStore::open(dir.path()).unwrap();
+    let after = peak_rss_kib();
+    if let (Some(before), Some(after)) = (before, after) {
+        assert!(
+            after - before < 64 << 10,
+            "peak RSS grew by {} KiB",
+            after - before
+        );
+    }
+    let snapshot = wal.load().unwrap();
+    assert_eq!(snapshot.records.len(), 2);
+    assert_eq!(snapshot.repairs.len(), 1, "{:?}", snapshot.repairs);
+    assert!(snapshot.repairs[0].contains(&format!("byte {good_len}")));
+    assert_eq!(fs::metadata(&file).unwrap().len(), good_len);
 }

@@ -69,6 +69,10 @@ impl ProcedureStore for FilePerProcStore {
         }
         records.sort_by_key(|r| r.id);
         let max_id = records.last().map_or(0, |r| r.id.0);
-        Ok(StoreSnapshot { records, max_id })
+        Ok(StoreSnapshot {
+            records,
+            max_id,
+            repairs: Vec::new(),
+        })
     }
 }

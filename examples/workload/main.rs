@@ -27,7 +27,7 @@ use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use proctor::{
     Executor, MemoryStore, ProcId, ProcState, ProcedureStore, StateMachine, StoreError, StoreOp,
-    StoreSnapshot, WalStats, WalStore,
+    StoreSnapshot, WalOptions, WalStats, WalStore,
 };
 use tokio::sync::Semaphore;
 
@@ -104,6 +104,13 @@ struct Args {
     /// Concurrent steps (the executor's workers).
     #[arg(long, default_value_t = 64)]
     workers: usize,
+    /// WAL segment size in bytes (`--store wal`; default: `WalOptions`'s).
+    #[arg(long)]
+    segment_bytes: Option<u64>,
+    /// WAL segments kept before compaction rewrites the oldest (`--store wal`; default:
+    /// `WalOptions`'s).
+    #[arg(long)]
+    max_segments: Option<usize>,
 }
 
 /// What each root came to.
@@ -183,7 +190,18 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let executor = match args.store {
         StoreKind::Memory => builder.store(MemoryStore::new()).start().await?,
         StoreKind::Wal => {
-            let wal = WalStore::open(&dir)?;
+            let defaults = WalOptions::default();
+            let options = WalOptions {
+                segment_bytes: args.segment_bytes.unwrap_or(defaults.segment_bytes),
+                max_segments: args.max_segments.unwrap_or(defaults.max_segments),
+                ..defaults
+            };
+            if options.max_segments < 2 || options.segment_bytes < 4096 {
+                return Err(
+                    "--max-segments must be at least 2 and --segment-bytes at least 4096".into(),
+                );
+            }
+            let wal = WalStore::open_with(&dir, options)?;
             let stats = wal_stats.clone();
             builder.store(ProbedWal { wal, stats }).start().await?
         }
@@ -286,6 +304,11 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let latency = tally.latency_us.as_ref().expect("histogram");
     let ms = |q: f64| latency.value_at_quantile(q) as f64 / 1000.0;
     let wal = *wal_stats.lock().unwrap_or_else(|e| e.into_inner());
+    let (wal_dir_bytes, wal_segments) = if args.store == StoreKind::Wal {
+        wal_dir_size(&dir)?
+    } else {
+        (0, 0)
+    };
     let report = serde_json::json!({
         "store": match args.store {
             StoreKind::Wal => "wal",
@@ -307,6 +330,10 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "wal_bytes": wal.bytes_appended,
         "wal_bytes_per_step": if steps > 0 { round3(wal.bytes_appended as f64 / steps as f64) } else { 0.0 },
         "wal_syncs": wal.appends,
+        "wal_dir_bytes": wal_dir_bytes,
+        "wal_segments": wal_segments,
+        "wal_live_bytes": wal.live_bytes,
+        "wal_largest_frame": wal.largest_frame,
         "peak_rss_mb": round3(rss::peak_rss_mb()),
         "violations": tally.violations.len(),
     });
@@ -316,6 +343,20 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     } else {
         ExitCode::FAILURE
     })
+}
+
+/// The WAL directory at the end of the run: bytes of all its files, and how many are
+/// segments.
+fn wal_dir_size(dir: &std::path::Path) -> std::io::Result<(u64, u64)> {
+    let (mut bytes, mut segments) = (0, 0);
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        bytes += entry.metadata()?.len();
+        if entry.path().extension().is_some_and(|e| e == "wal") {
+            segments += 1;
+        }
+    }
+    Ok((bytes, segments))
 }
 
 fn round3(x: f64) -> f64 {
