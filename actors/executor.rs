@@ -133,6 +133,7 @@ impl ExecutorBuilder {
             recovered_roots: trees.iter().map(|(t, _)| t.stack.root()).collect(),
             finished_roots: plan.finished.len(),
             corrupt,
+            repairs: snapshot.repairs,
         });
         let persistence = Persistence::new(store)
             .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
@@ -231,6 +232,9 @@ pub struct Recovery {
     pub finished_roots: usize,
     /// Procedures it could not rebuild (left in the store for an operator).
     pub corrupt: Vec<CorruptProc>,
+    /// What opening the store changed on disk (e.g. a torn WAL tail truncated), one line
+    /// each naming the file, the byte offset and what was done.
+    pub repairs: Vec<String>,
 }
 
 /// A handle on a running executor. Cheap to clone and `Send`: use it from actors or

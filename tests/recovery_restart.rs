@@ -309,3 +309,34 @@ async fn stepped_restarts_make_progress_through_a_failed_tree() {
         assert_eq!(failure.error, ProcError::failed("planned"), "{name}");
     }
 }
+
+/// A torn tail truncated at start is said in the executor's recovery report, not only
+/// in a log line.
+#[actix::test]
+async fn a_torn_tail_repair_is_in_the_recovery_report() {
+    let dir = tempfile::tempdir().unwrap();
+    let (first, _rec) = common::start(Box::new(WalStore::open(dir.path()).unwrap()), 2).await;
+    let id = first.submit(Scripted::new("a", vec![])).await.unwrap();
+    assert_eq!(first.wait(id).await.unwrap(), Ok(()));
+    first.shutdown().await.unwrap();
+    // A crash mid-append: half a frame header of zeros and junk at the end.
+    let newest = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "wal"))
+        .max()
+        .unwrap();
+    let mut bytes = std::fs::read(&newest).unwrap();
+    bytes.extend([0, 0, 0, 7, 1]);
+    std::fs::write(&newest, bytes).unwrap();
+
+    let (second, _rec) = common::start(Box::new(WalStore::open(dir.path()).unwrap()), 2).await;
+    let repairs = &second.recovery().repairs;
+    assert_eq!(repairs.len(), 1, "{repairs:?}");
+    assert!(
+        repairs[0].contains(&newest.display().to_string()),
+        "{repairs:?}"
+    );
+    assert_eq!(second.state(id).await.unwrap().result, Some(Ok(())));
+    second.shutdown().await.unwrap();
+}

@@ -250,6 +250,7 @@ fn record(id: u64, version: u8) -> ProcRecord {
         state: ProcState::Runnable,
         stack_indexes: vec![u32::from(version)],
         failure: None,
+        failure_seq: None,
         submitted_ms: 1,
         updated_ms: u64::from(version),
         wake_at_ms: None,
