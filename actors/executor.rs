@@ -141,6 +141,7 @@ impl ExecutorBuilder {
         let scheduler = Scheduler::new(self.workers).start();
         let arbiters: Vec<Arbiter> = (0..self.arbiters).map(|_| Arbiter::new()).collect();
         let handles = arbiters.iter().map(Arbiter::handle).collect();
+        let threads = std::sync::Mutex::new(arbiters);
         let env = self.env;
         let finished = plan.finished;
         let addr = ExecutorActor::create(move |ctx| {
@@ -193,6 +194,7 @@ impl ExecutorBuilder {
                 shared,
                 waiters: HashMap::new(),
                 broken: None,
+                arbiters: threads.into_inner().unwrap_or_else(|e| e.into_inner()),
             }
         });
         if !report.recovered_roots.is_empty() {
@@ -409,6 +411,8 @@ pub struct ExecutorActor {
     /// Set once the store has failed (or the engine broke): nothing more is accepted,
     /// and every waiter gets this error.
     broken: Option<Error>,
+    /// The arbiter threads, joined at shutdown.
+    arbiters: Vec<Arbiter>,
 }
 
 impl ExecutorActor {
@@ -588,7 +592,23 @@ impl Handler<Shutdown> for ExecutorActor {
         }
         ctx.stop();
         let persistence = self.shared.persistence.clone();
+        // Joined off the actor threads: a call into user code that is in the middle of a
+        // poll finishes it, and then nothing of this executor runs any more when
+        // `shutdown` returns (a new executor on the same store must never overlap it).
+        let (joined, threads_gone) = oneshot::channel();
+        let arbiters = std::mem::take(&mut self.arbiters);
+        let joiner = std::thread::Builder::new()
+            .name("proctor-shutdown".into())
+            .spawn(move || {
+                for arbiter in arbiters {
+                    let _ = arbiter.join();
+                }
+                let _ = joined.send(());
+            });
         Box::pin(async move {
+            if joiner.is_ok() {
+                let _ = threads_gone.await;
+            }
             // Errors mean it has stopped already.
             let _ = persistence.send(StopWriter).await;
         })

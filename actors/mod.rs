@@ -6,6 +6,7 @@
 mod executor;
 mod guard;
 mod persistence;
+pub mod perturb;
 mod procedure;
 mod root_stack;
 mod scheduler;

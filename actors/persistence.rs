@@ -19,6 +19,8 @@ use crate::error::Error;
 use crate::record::StoreOp;
 use crate::store::{ProcedureStore, StoreError};
 
+use super::perturb;
+
 /// Makes `ops` durable, then answers on `ack`. If the actor is gone, `ack` is dropped
 /// and the caller's receiver reports that, so nothing waits for ever.
 pub(crate) struct Persist {
@@ -52,6 +54,7 @@ impl Persistence {
             .name("proctor-store-writer".into())
             .spawn(move || {
                 while let Ok(batch) = rx.recv() {
+                    perturb::point("persistence::writer::append");
                     let result = store.append(&batch.ops);
                     // The actor may be gone at shutdown; nothing is waiting then.
                     let _ = batch.done.send(result);

@@ -19,6 +19,7 @@ use crate::procedure::{Context as ProcContext, Flow, LockState, ProcError, ProcI
 use crate::root_stack::{NewChild, StepOutcome, StepReport};
 
 use super::guard::{guard, CatchUnwind};
+use super::perturb;
 use super::root_stack::{AbortAck, FailRequest, ProcLost, RolledBack, RootStackActor, StepDone};
 use super::shared::{now_ms, Shared, TreeStatus};
 
@@ -140,6 +141,7 @@ impl ProcedureActor {
     ) {
         // The root stack frees the worker once it has recorded this report; freeing it
         // here would let a later step's report overtake this one.
+        perturb::point("procedure::report::step_done");
         self.root_stack.do_send(StepDone {
             report: StepReport {
                 id: self.id,
@@ -277,6 +279,7 @@ impl ProcedureActor {
         if accepted {
             self.failed = true;
             let data = self.encode(&*proc).unwrap_or_else(|_| self.data.clone());
+            perturb::point("procedure::request_failure::fail_request");
             self.root_stack.do_send(FailRequest {
                 id: self.id,
                 failure: Some((error, data)),
@@ -449,6 +452,7 @@ impl Handler<Rollback> for ProcedureActor {
                     }
                     let result = result.and_then(|r| r).and_then(|()| act.encode(&*proc));
                     act.proc = Some(proc);
+                    perturb::point("procedure::rollback::rolled_back");
                     act.root_stack.do_send(RolledBack { id: act.id, result });
                 }),
         );
@@ -478,6 +482,7 @@ impl Handler<StopProc> for ProcedureActor {
             if self.lock_held {
                 self.release_lock(&mut *proc, &pctx);
             }
+            perturb::point("procedure::stop::cleanup");
             if let Err(e) = guard("completion_cleanup", || proc.completion_cleanup()) {
                 tracing::error!(proc = %self.id, %e, "completion_cleanup panicked");
             }

@@ -36,6 +36,7 @@ use crate::root_stack::{Action, RootStack, StepReport, Transition};
 use super::executor::TreeFinished;
 use super::guard::panic_message;
 use super::persistence::Persist;
+use super::perturb;
 use super::procedure::{AbortProc, ProcSpec, ProcedureActor, Rollback, StopProc};
 use super::scheduler::{Enqueue, StepFinished, SuspendOn};
 use super::shared::{now_ms, Entry, Shared, TreeStatus};
@@ -265,6 +266,7 @@ impl RootStackActor {
             if act.halted.is_some() {
                 return;
             }
+            perturb::point("root_stack::apply::durable");
             match result.unwrap_or(Err(Error::Stopped)) {
                 Ok(()) => {
                     let index = seq - act.performed;
@@ -320,6 +322,7 @@ impl RootStackActor {
                     // actor whose last address is dropped may stop before it handles
                     // a message already queued, and this one must run.
                     self.stopping += 1;
+                    perturb::point("root_stack::perform::stop");
                     let stop = async move {
                         let _ = addr.send(StopProc).await;
                         drop(addr);
@@ -505,6 +508,7 @@ impl Handler<StepDone> for RootStackActor {
         }
         // Only now, with the report recorded (and any enqueue it caused sent first), may
         // the worker go to another step.
+        perturb::point("root_stack::step_done::free_worker");
         self.shared.scheduler.do_send(StepFinished);
         self.stop_when_quiet(ctx);
     }

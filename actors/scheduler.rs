@@ -13,6 +13,7 @@ use actix::prelude::*;
 use crate::procedure::ProcId;
 use crate::ready_queue::ReadyQueue;
 
+use super::perturb;
 use super::procedure::{ProcedureActor, RunStep};
 use super::root_stack::{RootStackActor, Wake};
 
@@ -84,6 +85,7 @@ impl Scheduler {
             // tree queues nothing; a stopped one here would leak the worker, so free it.
             if addr.connected() {
                 tracing::trace!(proc = %id, "dispatch");
+                perturb::point("scheduler::dispatch::run_step");
                 addr.do_send(RunStep);
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");

@@ -27,6 +27,11 @@ pub mod wal;
 #[path = "../actors/mod.rs"]
 mod actors;
 
+/// Seeded perturbation of the actor protocol for randomized tests (the `perturb`
+/// feature): [`perturb::set_seed`] makes rare interleavings common.
+#[cfg(feature = "perturb")]
+pub use crate::actors::perturb;
+
 pub use async_trait::async_trait;
 
 pub use crate::actors::{
