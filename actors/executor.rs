@@ -286,8 +286,10 @@ impl Executor {
         self.addr.send(Submit::new(proc)).await?
     }
 
-    /// Asks a procedure to abort. `Ok(true)` if it accepted (its tree then rolls back),
-    /// `Ok(false)` if it refused.
+    /// Asks a procedure to abort. `Ok(true)` once it has accepted and its failure is
+    /// durable (its tree then rolls back, even across a crash), `Ok(false)` if it
+    /// refused. If the store fails first, the answer is that error and the abort did not
+    /// happen.
     pub async fn abort(&self, id: ProcId) -> Result<bool, Error> {
         self.addr.send(Abort(id)).await?
     }
@@ -476,15 +478,17 @@ impl Handler<Abort> for ExecutorActor {
         let shared = self.shared.clone();
         Box::pin(async move {
             let (ack, answer) = oneshot::channel();
-            tree?.send(AbortRequest { id, ack }).await?;
-            match answer.await {
-                Ok(answer) => answer,
-                // The tree finished (or halted) meanwhile.
-                Err(_) => Err(match shared.table.get(&id) {
+            let answer = match tree?.send(AbortRequest { id, ack }).await {
+                Ok(()) => answer.await.ok(),
+                Err(_) => None,
+            };
+            // No answer: the tree finished (or halted) meanwhile.
+            answer.unwrap_or_else(|| {
+                Err(match shared.table.get(&id) {
                     Some(e) => Error::Finished { id, state: e.state },
                     None => Error::Stopped,
-                }),
-            }
+                })
+            })
         })
     }
 }

@@ -246,8 +246,11 @@ impl RootStackActor {
             self.status.set_failed();
         }
         let durable = t.persist.is_empty();
+        // Only inserts need the tree's address (a fresh `Addr` costs two atomics).
+        let inserts = t.persist.iter().any(|op| matches!(op, StoreOp::Insert(_)));
+        let tree = inserts.then(|| ctx.address());
         self.pending.push_back(Pending {
-            rows: rows(&self.shared, &t.persist, &ctx.address()),
+            rows: rows(&self.shared, &t.persist, tree.as_ref()),
             actions: t.actions,
             acks: ack.into_iter().collect(),
             durable,
@@ -619,7 +622,7 @@ impl Handler<AbortRequest> for RootStackActor {
 }
 
 /// What `ops` will change in the procedure table once they are durable.
-fn rows(shared: &Shared, ops: &[StoreOp], tree: &Addr<RootStackActor>) -> Vec<Row> {
+fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -> Vec<Row> {
     ops.iter()
         .filter_map(|op| match op {
             StoreOp::Insert(r) => Some(Row::Insert(
@@ -631,7 +634,7 @@ fn rows(shared: &Shared, ops: &[StoreOp], tree: &Addr<RootStackActor>) -> Vec<Ro
                     state: r.state,
                     submitted_ms: r.submitted_ms,
                     updated_ms: r.updated_ms,
-                    tree: Some(tree.clone()),
+                    tree: tree.cloned(),
                     result: None,
                 },
             )),
@@ -668,5 +671,5 @@ fn apply_rows(shared: &Shared, rows: Vec<Row>) {
 /// Mirrors durable records of the tree `tree` into the procedure table, for `GetState`,
 /// `List` and `Abort`.
 pub(crate) fn publish(shared: &Shared, ops: &[StoreOp], tree: &Addr<RootStackActor>) {
-    apply_rows(shared, rows(shared, ops, tree));
+    apply_rows(shared, rows(shared, ops, Some(tree)));
 }

@@ -39,6 +39,9 @@ pub struct ProcRecord {
     /// Its state when the record was written.
     pub state: ProcState,
     /// Its positions on the root stack, one per executed step not yet rolled back.
+    /// Stored as runs of consecutive positions, so the record of a procedure that runs
+    /// many steps in a row stays small however long it runs.
+    #[serde(with = "stack_runs")]
     pub stack_indexes: Vec<u32>,
     /// Why it failed; for a finished root, why its tree failed.
     pub failure: Option<Failure>,
@@ -57,6 +60,45 @@ pub struct ProcRecord {
     /// The procedure's encoded state.
     #[serde(with = "serde_bytes")]
     pub data: Vec<u8>,
+}
+
+/// The stored form of [`ProcRecord::stack_indexes`]: `(first, count)` runs of
+/// consecutive positions. A procedure alone in its tree has one run however many steps
+/// it has taken; children interleave their runs with their parent's.
+mod stack_runs {
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(indexes: &[u32], s: S) -> Result<S::Ok, S::Error> {
+        let mut runs: Vec<(u32, u32)> = Vec::new();
+        for &i in indexes {
+            match runs.last_mut() {
+                Some((first, count)) if first.checked_add(*count) == Some(i) => *count += 1,
+                _ => runs.push((i, 1)),
+            }
+        }
+        runs.serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
+        let runs: Vec<(u32, u32)> = Vec::deserialize(d)?;
+        let total: u64 = runs.iter().map(|&(_, n)| u64::from(n)).sum();
+        // Positions index a stack in memory: a run that claims more than a u32 stack
+        // can hold is damage, not a reason to allocate.
+        if total > u64::from(u32::MAX) {
+            return Err(serde::de::Error::custom(
+                "stack runs longer than a stack can be",
+            ));
+        }
+        let mut indexes = Vec::with_capacity(total as usize);
+        for (first, count) in runs {
+            let end = u64::from(first) + u64::from(count);
+            if end > u64::from(u32::MAX) + 1 {
+                return Err(serde::de::Error::custom("a stack run past u32::MAX"));
+            }
+            indexes.extend((u64::from(first)..end).map(|i| i as u32));
+        }
+        Ok(indexes)
+    }
 }
 
 /// A change to the store. Ops are applied in order; see
@@ -90,6 +132,80 @@ impl StoreOp {
         match self {
             StoreOp::Insert(r) | StoreOp::Update(r) => r.id,
             StoreOp::Delete(id) => *id,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(stack: Vec<u32>) -> ProcRecord {
+        ProcRecord {
+            id: ProcId(2),
+            parent: Some(ProcId(1)),
+            root: ProcId(1),
+            type_name: "t".into(),
+            state: ProcState::Runnable,
+            stack_indexes: stack,
+            failure: None,
+            failure_seq: None,
+            submitted_ms: 0,
+            updated_ms: 0,
+            wake_at_ms: None,
+            event: None,
+            data: vec![],
+        }
+    }
+
+    #[test]
+    fn stack_indexes_round_trip_as_runs() {
+        let cases: [Vec<u32>; 5] = [
+            vec![],
+            vec![0],
+            vec![0, 1, 2, 5, 6, 9],
+            vec![3, 1, 2],
+            vec![u32::MAX - 1, u32::MAX],
+        ];
+        for stack in cases {
+            let r = record(stack.clone());
+            let bytes = rmp_serde::to_vec_named(&r).unwrap();
+            let back: ProcRecord = rmp_serde::from_slice(&bytes).unwrap();
+            assert_eq!(back.stack_indexes, stack);
+        }
+    }
+
+    #[test]
+    fn a_long_run_of_steps_keeps_the_record_small() {
+        let short = rmp_serde::to_vec_named(&record((0..1).collect())).unwrap();
+        let long = rmp_serde::to_vec_named(&record((0..10_000).collect())).unwrap();
+        // 10 000 steps in a row cost a few bytes more than one, not 40 KB.
+        assert!(
+            long.len() <= short.len() + 4,
+            "{} vs {}",
+            long.len(),
+            short.len()
+        );
+    }
+
+    #[test]
+    fn absurd_runs_are_refused_not_allocated() {
+        #[derive(Serialize)]
+        struct Raw {
+            stack_indexes: Vec<(u32, u32)>,
+        }
+        #[derive(Debug, Deserialize)]
+        struct Decoded {
+            #[serde(with = "stack_runs")]
+            #[allow(dead_code)]
+            stack_indexes: Vec<u32>,
+        }
+        for runs in [vec![(0, u32::MAX), (0, u32::MAX)], vec![(u32::MAX, 2)]] {
+            let bytes = rmp_serde::to_vec_named(&Raw {
+                stack_indexes: runs,
+            })
+            .unwrap();
+            assert!(rmp_serde::from_slice::<Decoded>(&bytes).is_err());
         }
     }
 }

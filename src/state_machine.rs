@@ -149,8 +149,52 @@ impl<S> DerefMut for StateContext<'_, S> {
 pub struct StateMachine<T: StateMachineProcedure> {
     machine: T,
     next: Option<T::State>,
+    /// Stored as `(state, times)` runs, so a machine that cycles in one state for
+    /// thousands of steps keeps a small record.
+    #[serde(with = "state_runs")]
     history: Vec<T::State>,
     cycles: u32,
+}
+
+/// The stored form of a state machine's history: runs of one state repeated.
+mod state_runs {
+    use serde::de::DeserializeOwned;
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+    pub(super) fn serialize<T, S>(history: &[T], s: S) -> Result<S::Ok, S::Error>
+    where
+        T: Copy + Eq + Serialize,
+        S: Serializer,
+    {
+        let mut runs: Vec<(T, u32)> = Vec::new();
+        for &state in history {
+            match runs.last_mut() {
+                Some((last, times)) if *last == state && *times < u32::MAX => *times += 1,
+                _ => runs.push((state, 1)),
+            }
+        }
+        runs.serialize(s)
+    }
+
+    pub(super) fn deserialize<'de, T, D>(d: D) -> Result<Vec<T>, D::Error>
+    where
+        T: Copy + DeserializeOwned,
+        D: Deserializer<'de>,
+    {
+        let runs: Vec<(T, u32)> = Vec::deserialize(d)?;
+        let total: u64 = runs.iter().map(|&(_, n)| u64::from(n)).sum();
+        // One entry per recorded step, and a tree's stack positions are u32s.
+        if total > u64::from(u32::MAX) {
+            return Err(serde::de::Error::custom(
+                "state history longer than a stack",
+            ));
+        }
+        let mut history = Vec::with_capacity(total as usize);
+        for (state, times) in runs {
+            history.extend(std::iter::repeat_n(state, times as usize));
+        }
+        Ok(history)
+    }
 }
 
 impl<T: StateMachineProcedure> StateMachine<T> {
@@ -459,5 +503,21 @@ mod tests {
         let back: StateMachine<Machine> = rmp_serde::from_slice(&bytes).unwrap();
         assert_eq!(back.history(), &[S::A]);
         assert_eq!(back.current_state(), S::B);
+    }
+
+    #[test]
+    fn a_long_cycle_keeps_the_state_small() {
+        let encoded = |history: Vec<S>| {
+            let mut sm = StateMachine::new(Machine::default());
+            sm.history = history;
+            let bytes = crate::procedure::EncodeState::encode_state(&sm).unwrap();
+            let back: StateMachine<Machine> = rmp_serde::from_slice(&bytes).unwrap();
+            assert_eq!(back.history(), sm.history());
+            bytes.len()
+        };
+        let one = encoded(vec![S::A, S::B]);
+        let many = encoded([S::A].into_iter().chain([S::B; 10_000]).collect());
+        assert!(many <= one + 4, "10 000 cycles: {many} bytes, 1: {one}");
+        encoded(vec![S::A, S::B, S::A, S::C, S::C]);
     }
 }

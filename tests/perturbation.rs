@@ -234,7 +234,9 @@ impl Procedure for Traced {
     fn release_lock(&mut self, ctx: &Context) {
         let Some(r) = self.lock else { return };
         let world = world_of(ctx);
-        let holder = world.locks.lock().unwrap().remove(&r);
+        // The release and its event are one step for other threads, as a grant is.
+        let mut locks = world.locks.lock().unwrap();
+        let holder = locks.remove(&r);
         if holder.as_deref() != Some(&self.name) {
             world.log(Ev::Violation(format!(
                 "{} releases lock {r} held by {holder:?}",
@@ -785,8 +787,9 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
         .and_then(|s| s.parse::<u64>().ok())
         .map(Duration::from_secs);
     let started = Instant::now();
-    let mut seeds = seeds().into_iter();
-    let mut next_seed = seeds.len() as u64 + 1;
+    let listed = seeds();
+    let mut next_seed = listed.iter().max().copied().unwrap_or(0);
+    let mut seeds = listed.into_iter();
     let mut runs = 0;
     loop {
         let seed = match (seeds.next(), budget) {

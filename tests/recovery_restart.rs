@@ -1,24 +1,22 @@
 //! Restarts: an executor stops (cleanly, or "killed" before or after any record write)
 //! and another one recovers the same store and carries every procedure to its end.
 //!
-//! The in-process kill is a store wrapper that lets `n` appends through and then fails
-//! every append, optionally after writing the failed one: exactly what a crash just
-//! before or just after the `n+1`th write leaves on disk. The real-process SIGKILL test
-//! is `crash_sigkill.rs`.
+//! The in-process kill is `proctor::testing::CrashingStore`, which lets `n` appends
+//! through and then fails every append, optionally after writing the failed one:
+//! exactly what a crash just before or just after the `n+1`th write leaves on disk. The
+//! real-process SIGKILL test is `crash_sigkill.rs`.
 
 mod common;
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use common::{Scripted, Step};
 use proctor::testing::{CrashPoint, CrashingStore};
 use proctor::{
     async_trait, Context, Error, Executor, Flow, MemoryStore, ProcError, ProcId, ProcState,
-    ProcedureStore, Registry, StateContext, StateMachine, StateMachineProcedure, StoreError,
-    StoreOp, StoreSnapshot, WalStore,
+    ProcedureStore, Registry, StateContext, StateMachine, StateMachineProcedure, WalStore,
 };
 use serde::{Deserialize, Serialize};
 
@@ -92,36 +90,6 @@ impl StateMachineProcedure for Adder {
     }
 }
 
-/// Lets `budget` appends through, then "crashes": the next append is written only if
-/// `after_write`, and it and every later one fail.
-struct Crashing {
-    inner: WalStore,
-    budget: Arc<AtomicUsize>,
-    after_write: bool,
-    crashed: Arc<AtomicBool>,
-}
-
-impl ProcedureStore for Crashing {
-    fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
-        if self.crashed.load(Ordering::SeqCst) {
-            return Err(StoreError::Failed("simulated crash".into()));
-        }
-        if self.budget.load(Ordering::SeqCst) == 0 {
-            self.crashed.store(true, Ordering::SeqCst);
-            if self.after_write {
-                self.inner.append(ops)?;
-            }
-            return Err(StoreError::Failed("simulated crash".into()));
-        }
-        self.budget.fetch_sub(1, Ordering::SeqCst);
-        self.inner.append(ops)
-    }
-
-    fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
-        self.inner.load()
-    }
-}
-
 fn registry() -> Registry {
     let mut r = common::registry();
     r.register::<StateMachine<Adder>>("idempotent_adder");
@@ -142,13 +110,12 @@ async fn executor(store: impl ProcedureStore, env: Arc<Effects>) -> Executor {
 /// Returns the final state and the effects' total.
 async fn crash_at(dir: &Path, n: usize, after_write: bool, fail_in: Option<S>) -> (ProcState, i64) {
     let effects = Arc::new(Effects::default());
-    let crashed = Arc::new(AtomicBool::new(false));
-    let store = Crashing {
-        inner: WalStore::open(dir).unwrap(),
-        budget: Arc::new(AtomicUsize::new(n)),
-        after_write,
-        crashed: crashed.clone(),
+    let point = if after_write {
+        CrashPoint::AfterWrite
+    } else {
+        CrashPoint::BeforeWrite
     };
+    let store = CrashingStore::new(WalStore::open(dir).unwrap(), n, point);
     let first = executor(store, effects.clone()).await;
     let submitted = first.submit(StateMachine::new(Adder { fail_in })).await;
     if let Ok(id) = submitted {
@@ -339,4 +306,62 @@ async fn a_torn_tail_repair_is_in_the_recovery_report() {
     );
     assert_eq!(second.state(id).await.unwrap().result, Some(Ok(())));
     second.shutdown().await.unwrap();
+}
+
+/// Two children fail (possibly in the same millisecond); the engine dies before the
+/// rollback. The restarted engine's result is the failure the log recorded first (its
+/// `failure_seq` 0), never the one a clock or the record order favours. (Seen: the later
+/// failure reported after a restart.)
+#[actix::test]
+async fn after_a_restart_the_result_is_the_first_recorded_failure() {
+    for name in ["memory", "wal"] {
+        for _round in 0..5 {
+            let dir = tempfile::tempdir().unwrap();
+            let memory = MemoryStore::new();
+            let open = || -> Box<dyn ProcedureStore> {
+                match name {
+                    "memory" => Box::new(memory.clone()),
+                    _ => Box::new(WalStore::open(dir.path()).unwrap()),
+                }
+            };
+            // Appends: insert, the root's step, the two failures; the first rollback
+            // record crashes.
+            let store = CrashingStore::new(open(), 4, CrashPoint::BeforeWrite);
+            let (first, rec) = common::start(Box::new(store), 2).await;
+            let root = first
+                .submit(Scripted::new(
+                    "root",
+                    vec![Step::Children(vec![
+                        Scripted::new("a", vec![Step::GateFail("a failed".into())]),
+                        Scripted::new("b", vec![Step::GateFail("b failed".into())]),
+                    ])],
+                ))
+                .await
+                .unwrap();
+            // Both children are inside their step before either fails.
+            while rec.count("a-exec") + rec.count("b-exec") < 2 {
+                tokio::task::yield_now().await;
+            }
+            rec.permits.add_permits(2);
+            assert!(matches!(first.wait(root).await, Err(Error::Store(_))));
+            first.shutdown().await.unwrap();
+
+            let mut store = open();
+            let records = store.load().unwrap().records;
+            let first_failed = records
+                .iter()
+                .find(|r| r.failure_seq == Some(0))
+                .and_then(|r| r.failure.clone())
+                .expect("a failure with sequence 0");
+            assert!(
+                records.iter().filter(|r| r.failure.is_some()).count() == 2,
+                "{name}: both failures are durable"
+            );
+            drop(store);
+            let (second, _rec) = common::start(open(), 2).await;
+            let result = second.wait(root).await.unwrap().unwrap_err();
+            assert_eq!(result, first_failed, "{name}");
+            second.shutdown().await.unwrap();
+        }
+    }
 }

@@ -17,7 +17,6 @@ use tempfile::TempDir;
 use tokio::sync::Notify;
 
 /// What the tests observe: the calls in order, a counter, and gates.
-#[derive(Default)]
 pub struct Recorder {
     calls: Mutex<Vec<String>>,
     pub counter: AtomicI64,
@@ -25,6 +24,21 @@ pub struct Recorder {
     pub gate: Notify,
     /// Signalled by a `Step::Signal`; the test waits for it.
     pub signal: Notify,
+    /// Permits for `Step::GateFail`: each step that passes takes one (they are kept
+    /// for a step that has not started waiting yet).
+    pub permits: tokio::sync::Semaphore,
+}
+
+impl Default for Recorder {
+    fn default() -> Self {
+        Recorder {
+            calls: Mutex::default(),
+            counter: AtomicI64::default(),
+            gate: Notify::new(),
+            signal: Notify::new(),
+            permits: tokio::sync::Semaphore::new(0),
+        }
+    }
 }
 
 impl Recorder {
@@ -56,6 +70,8 @@ pub enum Step {
     Yield,
     /// Wait (inside the step, holding a worker) until the test opens the gate.
     Gate,
+    /// Wait for a permit (`Recorder::permits`), then fail with this message.
+    GateFail(String),
     /// Tell the test this step ran, then run another step.
     Signal,
     /// Sleep this many ms, then run another step.
@@ -120,6 +136,10 @@ impl Procedure for Scripted {
             Step::Gate => {
                 rec.gate.notified().await;
                 more(self.at, &self.plan)
+            }
+            Step::GateFail(msg) => {
+                rec.permits.acquire().await.expect("open").forget();
+                return Err(ProcError::failed(msg));
             }
             Step::Signal => {
                 rec.signal.notify_one();
