@@ -15,12 +15,15 @@ use std::time::Duration;
 use actix::prelude::*;
 
 use crate::error::Error;
-use crate::procedure::{Context as ProcContext, Flow, LockState, ProcError, ProcId, Procedure};
+use crate::procedure::{
+    Context as ProcContext, Flow, LockState, ProcError, ProcId, ProcState, Procedure,
+};
 use crate::root_stack::{NewChild, StepOutcome, StepReport};
 
 use super::guard::{guard, CatchUnwind};
 use super::perturb;
 use super::root_stack::{AbortAck, FailRequest, ProcLost, RolledBack, RootStackActor, StepDone};
+use super::scheduler::StepFinished;
 use super::shared::{now_ms, Shared, TreeStatus};
 
 /// Run one step (from the scheduler, which counts it against a worker).
@@ -51,7 +54,10 @@ impl Message for AbortProc {
 /// The procedure is finished and its final record is durable: release its lock, run its
 /// completion cleanup, answer, stop. The sender keeps the actor's address until the
 /// answer, so the message cannot be lost with the actor's last address.
-pub(crate) struct StopProc;
+pub(crate) struct StopProc {
+    /// How it finished (what a late abort is told).
+    pub(crate) state: ProcState,
+}
 
 impl Message for StopProc {
     type Result = ();
@@ -142,6 +148,12 @@ impl ProcedureActor {
         // The root stack frees the worker once it has recorded this report; freeing it
         // here would let a later step's report overtake this one.
         perturb::point("procedure::report::step_done");
+        if !self.root_stack.connected() {
+            // The root stack died of a panic in engine code: no one else would free
+            // this step's worker.
+            self.shared.scheduler.do_send(StepFinished);
+            return;
+        }
         self.root_stack.do_send(StepDone {
             report: StepReport {
                 id: self.id,
@@ -185,7 +197,8 @@ impl ProcedureActor {
         };
         // A lock held for the procedure's life is released by `StopProc`, after the
         // final record (and any rollback) — never between a failed step and its rollback.
-        if self.lock_held && !proc.holds_lock() {
+        // A halted tree is a crashed process: nothing is released.
+        if self.lock_held && !proc.holds_lock() && !self.status.halted() {
             self.release_lock(&mut *proc, ctx);
         }
         let data = if matches!(outcome, StepOutcome::Yield) {
@@ -245,18 +258,24 @@ impl ProcedureActor {
     /// does, fails it with its root stack, which answers `ack` once that is durable.
     /// A refusal is answered at once.
     fn request_failure(&mut self, timeout: Option<u64>, ack: Option<AbortAck>) {
-        if self.done {
+        if self.status.halted() {
             if let Some(ack) = ack {
-                let _ = ack.send(Err(self.finished_error()));
+                let _ = ack.send(Err(Error::Stopped));
             }
             return;
         }
-        if self.failed {
-            // Already failing: answer once that failure is durable.
+        if self.done || self.failed || self.status.failed() {
+            // Finished, or already failing (itself or its tree): no hook to ask. The
+            // answer waits until what it reports is durable.
+            let answer = if self.done {
+                Err(self.finished_error(ProcState::Success))
+            } else {
+                Ok(true)
+            };
             self.root_stack.do_send(FailRequest {
                 id: self.id,
                 failure: None,
-                ack,
+                ack: ack.map(|ack| (ack, answer)),
             });
             return;
         }
@@ -283,7 +302,7 @@ impl ProcedureActor {
             self.root_stack.do_send(FailRequest {
                 id: self.id,
                 failure: Some((error, data)),
-                ack,
+                ack: ack.map(|ack| (ack, Ok(true))),
             });
         } else if let Some(ack) = ack {
             let _ = ack.send(Ok(false));
@@ -291,15 +310,19 @@ impl ProcedureActor {
         self.proc = Some(proc);
     }
 
-    fn finished_error(&self) -> Error {
-        Error::Finished {
-            id: self.id,
-            state: crate::ProcState::Success,
-        }
+    fn finished_error(&self, state: ProcState) -> Error {
+        Error::Finished { id: self.id, state }
     }
 
-    /// Answers aborts and a timeout that arrived while a step ran.
+    /// Answers aborts and a timeout that arrived while a step or rollback ran.
     fn settle_pending(&mut self) {
+        if self.status.halted() {
+            self.pending_timeout = false;
+            for ack in std::mem::take(&mut self.pending_aborts) {
+                let _ = ack.send(Err(Error::Stopped));
+            }
+            return;
+        }
         if std::mem::take(&mut self.pending_timeout) {
             let timeout = self.proc.as_ref().and_then(|p| p.timeout_ms());
             self.request_failure(timeout.or(Some(0)), None);
@@ -447,12 +470,13 @@ impl Handler<Rollback> for ProcedureActor {
             tracing::Instrument::instrument(call, span)
                 .into_actor(self)
                 .map(|(mut proc, pctx, result), act, _ctx| {
-                    if !proc.holds_lock() {
+                    if !proc.holds_lock() && !act.status.halted() {
                         act.release_lock(&mut *proc, &pctx);
                     }
                     let result = result.and_then(|r| r).and_then(|()| act.encode(&*proc));
                     act.proc = Some(proc);
                     perturb::point("procedure::rollback::rolled_back");
+                    act.settle_pending();
                     act.root_stack.do_send(RolledBack { id: act.id, result });
                 }),
         );
@@ -476,7 +500,7 @@ impl Handler<AbortProc> for ProcedureActor {
 impl Handler<StopProc> for ProcedureActor {
     type Result = ();
 
-    fn handle(&mut self, _msg: StopProc, ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: StopProc, ctx: &mut Context<Self>) {
         if let Some(mut proc) = self.proc.take() {
             let pctx = self.context();
             if self.lock_held {
@@ -488,7 +512,7 @@ impl Handler<StopProc> for ProcedureActor {
             }
         }
         for ack in std::mem::take(&mut self.pending_aborts) {
-            let _ = ack.send(Err(self.finished_error()));
+            let _ = ack.send(Err(self.finished_error(msg.state)));
         }
         self.stopped = true;
         ctx.stop();

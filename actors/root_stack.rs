@@ -47,6 +47,9 @@ pub(crate) type Objects = HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>;
 /// Answers an operator's abort: `Ok(true)` once the abort is durable.
 pub(crate) type AbortAck = oneshot::Sender<Result<bool, Error>>;
 
+/// An abort's answer channel with the answer to give once what it reports is durable.
+pub(crate) type AckWith = (AbortAck, Result<bool, Error>);
+
 /// A step ended (from the procedure actor), with the objects of any new children. Every
 /// `RunStep` the scheduler dispatched is answered by exactly one `StepDone`.
 pub(crate) struct StepDone {
@@ -59,12 +62,13 @@ impl Message for StepDone {
 }
 
 /// The procedure accepted an abort or timeout between steps (`failure`), or was asked
-/// to abort after it had already failed (`None`). `ack`, if any, is answered once
-/// everything the root stack did before, and this failure, is durable.
+/// to abort when there was nothing to accept (`None`: it had finished or was already
+/// failing). `ack`, if any, gets its answer once everything the root stack did before,
+/// and this failure, is durable.
 pub(crate) struct FailRequest {
     pub(crate) id: ProcId,
     pub(crate) failure: Option<(ProcError, Vec<u8>)>,
-    pub(crate) ack: Option<AbortAck>,
+    pub(crate) ack: Option<AckWith>,
 }
 
 impl Message for FailRequest {
@@ -120,7 +124,7 @@ enum Row {
 struct Pending {
     rows: Vec<Row>,
     actions: Vec<Action>,
-    acks: Vec<AbortAck>,
+    acks: Vec<AckWith>,
     durable: bool,
 }
 
@@ -235,9 +239,9 @@ impl RootStackActor {
 
     /// Persists the transition's records, then (in order) publishes them, performs its
     /// actions and answers `ack`.
-    fn apply(&mut self, t: Transition, ack: Option<AbortAck>, ctx: &mut Context<Self>) {
+    fn apply(&mut self, t: Transition, ack: Option<AckWith>, ctx: &mut Context<Self>) {
         if let Some(e) = &self.halted {
-            if let Some(ack) = ack {
+            if let Some((ack, _)) = ack {
                 let _ = ack.send(Err(e.duplicate()));
             }
             return;
@@ -291,8 +295,8 @@ impl RootStackActor {
             for action in p.actions {
                 self.perform(action, ctx);
             }
-            for ack in p.acks {
-                let _ = ack.send(Ok(true));
+            for (ack, answer) in p.acks {
+                let _ = ack.send(answer);
             }
             self.recovered = false;
         }
@@ -326,13 +330,15 @@ impl RootStackActor {
                     // a message already queued, and this one must run.
                     self.stopping += 1;
                     perturb::point("root_stack::perform::stop");
+                    let state = self.core.state_of(id).unwrap_or(ProcState::Success);
                     let stop = async move {
-                        let _ = addr.send(StopProc).await;
+                        let _ = addr.send(StopProc { state }).await;
                         drop(addr);
                     };
                     ctx.spawn(stop.into_actor(self).map(|(), act, ctx| {
                         act.stopping -= 1;
                         act.publish_result(ctx);
+                        act.stop_when_quiet(ctx);
                     }));
                 }
                 if id != self.core.root() {
@@ -447,7 +453,7 @@ impl RootStackActor {
             let _ = ack.send(Err(e.duplicate()));
         }
         for p in self.pending.drain(..) {
-            for ack in p.acks {
+            for (ack, _) in p.acks {
                 let _ = ack.send(Err(e.duplicate()));
             }
         }
@@ -531,7 +537,7 @@ impl Handler<FailRequest> for RootStackActor {
         match t {
             Some(t) => self.apply(t, msg.ack, ctx),
             None => {
-                if let (Some(ack), Some(e)) = (msg.ack, &self.halted) {
+                if let (Some((ack, _)), Some(e)) = (msg.ack, &self.halted) {
                     let _ = ack.send(Err(e.duplicate()));
                 }
             }
@@ -587,6 +593,9 @@ impl Drop for RootStackActor {
     /// in engine code; the executor must not leave the tree's waiters hanging.
     fn drop(&mut self) {
         if self.halted.is_none() && !self.published {
+            // Cut the tree off like a crash (its procedures report their queued and
+            // running steps straight to the scheduler once this mailbox is closed).
+            self.status.set_halted();
             self.shared.executor.do_send(TreeFinished {
                 root: self.core.root(),
                 result: Err(Error::Internal(format!(
@@ -610,11 +619,7 @@ impl Handler<AbortRequest> for RootStackActor {
             Some(addr) => addr.do_send(AbortProc(msg.ack)),
             // Finished (its stop is on its way): nothing left to abort.
             None => {
-                let state = self
-                    .shared
-                    .table
-                    .get(&msg.id)
-                    .map_or(ProcState::Success, |e| e.state);
+                let state = self.core.state_of(msg.id).unwrap_or(ProcState::Success);
                 let _ = msg.ack.send(Err(Error::Finished { id: msg.id, state }));
             }
         }

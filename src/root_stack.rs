@@ -437,6 +437,11 @@ impl RootStack {
         self.root
     }
 
+    /// The state of a procedure of the tree, as the tree's bookkeeping has it.
+    pub fn state_of(&self, id: ProcId) -> Option<ProcState> {
+        self.nodes.get(&id).map(|n| n.state)
+    }
+
     /// A procedure of the tree: its parent and when it was submitted (ms since the Unix
     /// epoch), or `None` if it is not in the tree.
     pub fn procedure(&self, id: ProcId) -> Option<(Option<ProcId>, u64)> {
