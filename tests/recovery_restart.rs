@@ -90,6 +90,31 @@ impl StateMachineProcedure for Adder {
     }
 }
 
+/// One store, opened again for each engine of a test: the same `MemoryStore`, or a new
+/// `WalStore` on the same directory.
+struct Reopen {
+    name: &'static str,
+    dir: tempfile::TempDir,
+    memory: MemoryStore,
+}
+
+impl Reopen {
+    fn new(name: &'static str) -> Self {
+        Reopen {
+            name,
+            dir: tempfile::tempdir().unwrap(),
+            memory: MemoryStore::new(),
+        }
+    }
+
+    fn open(&self) -> Box<dyn ProcedureStore> {
+        match self.name {
+            "memory" => Box::new(self.memory.clone()),
+            _ => Box::new(WalStore::open(self.dir.path()).unwrap()),
+        }
+    }
+}
+
 fn registry() -> Registry {
     let mut r = common::registry();
     r.register::<StateMachine<Adder>>("idempotent_adder");
@@ -185,14 +210,8 @@ async fn killed_anywhere_in_a_failing_run_still_rolls_back_to_0() {
 #[actix::test]
 async fn suspended_and_waiting_procedures_survive_a_restart() {
     for name in ["memory", "wal"] {
-        let dir = tempfile::tempdir().unwrap();
-        let memory = MemoryStore::new();
-        let open = || -> Box<dyn ProcedureStore> {
-            match name {
-                "memory" => Box::new(memory.clone()),
-                _ => Box::new(WalStore::open(dir.path()).unwrap()),
-            }
-        };
+        let stores = Reopen::new(name);
+        let open = || stores.open();
         let (first, rec) = common::start(open(), 4).await;
         // A parent waiting for a child suspended on an event nobody wakes.
         let child = Scripted::new("child", vec![Step::Suspend("go".into()), Step::More]);
@@ -232,14 +251,8 @@ async fn suspended_and_waiting_procedures_survive_a_restart() {
 #[actix::test]
 async fn stepped_restarts_make_progress_through_a_failed_tree() {
     for name in ["memory", "wal"] {
-        let dir = tempfile::tempdir().unwrap();
-        let memory = MemoryStore::new();
-        let open = || -> Box<dyn ProcedureStore> {
-            match name {
-                "memory" => Box::new(memory.clone()),
-                _ => Box::new(WalStore::open(dir.path()).unwrap()),
-            }
-        };
+        let stores = Reopen::new(name);
+        let open = || stores.open();
         let tree = || {
             Scripted::new(
                 "root",
@@ -316,14 +329,8 @@ async fn a_torn_tail_repair_is_in_the_recovery_report() {
 async fn after_a_restart_the_result_is_the_first_recorded_failure() {
     for name in ["memory", "wal"] {
         for _round in 0..5 {
-            let dir = tempfile::tempdir().unwrap();
-            let memory = MemoryStore::new();
-            let open = || -> Box<dyn ProcedureStore> {
-                match name {
-                    "memory" => Box::new(memory.clone()),
-                    _ => Box::new(WalStore::open(dir.path()).unwrap()),
-                }
-            };
+            let stores = Reopen::new(name);
+            let open = || stores.open();
             // Appends: insert, the root's step, the two failures; the first rollback
             // record crashes.
             let store = CrashingStore::new(open(), 4, CrashPoint::BeforeWrite);

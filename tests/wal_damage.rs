@@ -5,32 +5,17 @@
 //! other kind of damage refuses the start, naming the file and, where there is one, the
 //! byte offset.
 
+mod common;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 use proctor::wal::{scan_segment, Frame, FRAME_HEADER_LEN, SEGMENT_HEADER_LEN};
-use proctor::{
-    MemoryStore, ProcId, ProcRecord, ProcState, ProcedureStore, StoreError, StoreOp, WalOptions,
-    WalStore,
-};
+use proctor::{MemoryStore, ProcRecord, ProcedureStore, StoreError, StoreOp, WalOptions, WalStore};
 
 fn record(id: u64, version: u8) -> ProcRecord {
-    ProcRecord {
-        id: ProcId(id),
-        parent: None,
-        root: ProcId(id),
-        type_name: "t".into(),
-        state: ProcState::Runnable,
-        stack_indexes: vec![u32::from(version)],
-        failure: None,
-        failure_seq: None,
-        submitted_ms: 1,
-        updated_ms: u64::from(version),
-        wake_at_ms: None,
-        event: None,
-        data: vec![version; 60],
-    }
+    common::wal::record(id, id, version, 60)
 }
 
 fn options() -> WalOptions {
@@ -42,13 +27,7 @@ fn options() -> WalOptions {
 }
 
 fn segments(dir: &Path) -> Vec<PathBuf> {
-    let mut files: Vec<PathBuf> = fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "wal"))
-        .collect();
-    files.sort();
-    files
+    common::wal::segments(dir)
 }
 
 fn name(path: &Path) -> String {

@@ -5,14 +5,15 @@
 //! power at every file system call of a run that rolls, compacts and deletes segments,
 //! then checks that the store opens and that every acknowledged append survived.
 
+mod common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{self, Cursor, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use proctor::{
-    Entry, MemoryStore, ProcId, ProcRecord, ProcState, ProcedureStore, StoreOp, WalFs, WalOptions,
-    WalStore,
+    Entry, MemoryStore, ProcId, ProcRecord, ProcedureStore, StoreOp, WalFs, WalOptions, WalStore,
 };
 
 const SECTOR: usize = 512;
@@ -242,21 +243,7 @@ impl WalFs for SimFs {
 }
 
 fn record(id: u64, version: u8) -> ProcRecord {
-    ProcRecord {
-        id: ProcId(id),
-        parent: None,
-        root: ProcId(id),
-        type_name: "t".into(),
-        state: ProcState::Runnable,
-        stack_indexes: vec![u32::from(version)],
-        failure: None,
-        failure_seq: None,
-        submitted_ms: 1,
-        updated_ms: u64::from(version),
-        wake_at_ms: None,
-        event: None,
-        data: vec![version; 50],
-    }
+    common::wal::record(id, id, version, 50)
 }
 
 fn options() -> WalOptions {

@@ -2,30 +2,17 @@
 //! what it does with torn and corrupt files. Every check compares against a
 //! `MemoryStore` fed the same ops (the reference model).
 
+mod common;
+
 use std::fs;
 use std::path::{Path, PathBuf};
 
 use proctor::{
-    MemoryStore, ProcId, ProcRecord, ProcState, ProcedureStore, StoreError, StoreOp, WalOptions,
-    WalStore,
+    MemoryStore, ProcId, ProcRecord, ProcedureStore, StoreError, StoreOp, WalOptions, WalStore,
 };
 
 fn record(id: u64, root: u64, version: u8) -> ProcRecord {
-    ProcRecord {
-        id: ProcId(id),
-        parent: (id != root).then_some(ProcId(root)),
-        root: ProcId(root),
-        type_name: "t".into(),
-        state: ProcState::Runnable,
-        stack_indexes: vec![u32::from(version)],
-        failure: None,
-        failure_seq: None,
-        submitted_ms: 1,
-        updated_ms: u64::from(version),
-        wake_at_ms: None,
-        event: None,
-        data: vec![version; 40],
-    }
+    common::wal::record(id, root, version, 40)
 }
 
 fn small() -> WalOptions {
@@ -37,13 +24,7 @@ fn small() -> WalOptions {
 }
 
 fn segments(dir: &Path) -> Vec<PathBuf> {
-    let mut files: Vec<PathBuf> = fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "wal"))
-        .collect();
-    files.sort();
-    files
+    common::wal::segments(dir)
 }
 
 /// Appends to both the WAL and the model.

@@ -5,6 +5,8 @@
 //! environment, so a test can assert the exact order of calls.
 #![allow(dead_code)]
 
+pub mod wal;
+
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
