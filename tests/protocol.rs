@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{run, start, stores, wait_for_state, GatedStore, Scripted, Step};
+use common::{run, start, stores, wait_for_state, GatedStore, Reopen, Scripted, Step};
 use proctor::testing::{CrashPoint, CrashingStore};
 use proctor::{
     async_trait, Context, Error, Executor, Flow, LockState, MemoryStore, ProcError, ProcId,
@@ -278,35 +278,40 @@ async fn a_held_lock_covers_the_rollback() {
 /// after the restart.)
 #[actix::test]
 async fn a_store_failure_runs_no_cleanup_on_unfinished_procedures() {
-    let inner = MemoryStore::new();
-    // Append 1 is the submit's insert; the record of step 1 crashes.
-    let store = CrashingStore::new(inner.clone(), 1, CrashPoint::BeforeWrite);
-    let (executor, locks) = start_locks(Box::new(store), 2).await;
-    let id = executor.submit(locker("cut", 1, 3, true)).await.unwrap();
-    let err = executor.wait(id).await.unwrap_err();
-    assert!(matches!(err, Error::Store(_)), "{err}");
-    executor.shutdown().await.unwrap();
-    assert_eq!(locks.events_of("cut"), ["lock", "exec 1"]);
-    assert_eq!(cleanups_of("cut"), 0);
+    for store_name in ["memory", "wal"] {
+        let stores = Reopen::new(store_name);
+        let cut = format!("{store_name}-cut");
+        // Append 1 is the submit's insert; the record of step 1 crashes.
+        let store = CrashingStore::new(stores.open(), 1, CrashPoint::BeforeWrite);
+        let (executor, locks) = start_locks(Box::new(store), 2).await;
+        let id = executor.submit(locker(&cut, 1, 3, true)).await.unwrap();
+        let err = executor.wait(id).await.unwrap_err();
+        assert!(matches!(err, Error::Store(_)), "{err}");
+        executor.shutdown().await.unwrap();
+        assert_eq!(locks.events_of(&cut), ["lock", "exec 1"]);
+        assert_eq!(cleanups_of(&cut), 0);
 
-    // The restarted engine runs it again from its last durable state, and finishes it
-    // once: one release, one cleanup.
-    locks.holders.lock().unwrap().clear();
-    let mut registry = Registry::new();
-    registry.register::<Locker>("locker");
-    let executor = Executor::builder()
-        .registry(registry)
-        .store(inner)
-        .env(locks.clone())
-        .start()
-        .await
-        .unwrap();
-    assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
-    assert_eq!(
-        locks.events_of("cut"),
-        ["lock", "exec 1", "lock", "exec 1", "exec 2", "exec 3", "unlock"]
-    );
-    assert_eq!(cleanups_of("cut"), 1);
+        // The restarted engine runs it again from its last durable state, and finishes
+        // it once: one release, one cleanup.
+        locks.holders.lock().unwrap().clear();
+        let mut registry = Registry::new();
+        registry.register::<Locker>("locker");
+        let executor = Executor::builder()
+            .registry(registry)
+            .store(stores.open())
+            .env(locks.clone())
+            .start()
+            .await
+            .unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+        assert_eq!(
+            locks.events_of(&cut),
+            ["lock", "exec 1", "lock", "exec 1", "exec 2", "exec 3", "unlock"],
+            "{store_name}"
+        );
+        assert_eq!(cleanups_of(&cut), 1);
+        executor.shutdown().await.unwrap();
+    }
 }
 
 /// What the executor reports is never ahead of the store: while the record of a
@@ -315,17 +320,25 @@ async fn a_store_failure_runs_no_cleanup_on_unfinished_procedures() {
 /// again.)
 #[actix::test]
 async fn state_is_reported_only_once_durable() {
-    // Append 1 is the insert; append 2 is the record of the one step, held at the gate.
-    let (store, mut gate) = GatedStore::new(MemoryStore::new(), 2);
-    let (executor, _rec) = start(Box::new(store), 2).await;
-    let id = executor.submit(Scripted::new("v", vec![])).await.unwrap();
-    gate.reached().await;
-    let seen = executor.state(id).await.unwrap();
-    assert_eq!(seen.state, ProcState::Runnable, "reported before durable");
-    assert_eq!(seen.result, None);
-    gate.release();
-    assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
-    assert_eq!(executor.state(id).await.unwrap().state, ProcState::Success);
+    for store_name in ["memory", "wal"] {
+        let stores = Reopen::new(store_name);
+        // Append 1 is the insert; append 2, the record of the one step, waits at the gate.
+        let (store, mut gate) = GatedStore::new(stores.open(), 2);
+        let (executor, _rec) = start(Box::new(store), 2).await;
+        let id = executor.submit(Scripted::new("v", vec![])).await.unwrap();
+        gate.reached().await;
+        let seen = executor.state(id).await.unwrap();
+        assert_eq!(
+            seen.state,
+            ProcState::Runnable,
+            "{store_name}: reported before durable"
+        );
+        assert_eq!(seen.result, None);
+        gate.release();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+        assert_eq!(executor.state(id).await.unwrap().state, ProcState::Success);
+        executor.shutdown().await.unwrap();
+    }
 }
 
 /// `abort` answers `Ok(true)` only once the abort is durable: if the store fails on the
@@ -334,30 +347,36 @@ async fn state_is_reported_only_once_durable() {
 /// restart.)
 #[actix::test]
 async fn an_accepted_abort_is_durable_before_it_is_answered() {
-    let inner = MemoryStore::new();
-    // Appends: 1 the insert, 2 the sleep; the abort's FAILED record crashes.
-    let store = CrashingStore::new(inner.clone(), 2, CrashPoint::BeforeWrite);
-    let (executor, _rec) = start(Box::new(store), 2).await;
-    let id = executor
-        .submit(Scripted::new("sleeper", vec![Step::Sleep(3_600_000)]))
-        .await
-        .unwrap();
-    wait_for_state(&executor, id, ProcState::WaitingTimeout).await;
-    let answer = executor.abort(id).await;
-    assert!(matches!(answer, Err(Error::Store(_))), "{answer:?}");
-    executor.shutdown().await.unwrap();
+    for store_name in ["memory", "wal"] {
+        let stores = Reopen::new(store_name);
+        // Appends: 1 the insert, 2 the sleep; the abort's FAILED record crashes.
+        let store = CrashingStore::new(stores.open(), 2, CrashPoint::BeforeWrite);
+        let (executor, _rec) = start(Box::new(store), 2).await;
+        let id = executor
+            .submit(Scripted::new("sleeper", vec![Step::Sleep(3_600_000)]))
+            .await
+            .unwrap();
+        wait_for_state(&executor, id, ProcState::WaitingTimeout).await;
+        let answer = executor.abort(id).await;
+        assert!(
+            matches!(answer, Err(Error::Store(_))),
+            "{store_name}: {answer:?}"
+        );
+        executor.shutdown().await.unwrap();
 
-    let (executor, _rec) = start(Box::new(inner), 2).await;
-    assert_eq!(executor.recovery().recovered_roots, [id]);
-    assert_eq!(
-        executor.state(id).await.unwrap().state,
-        ProcState::WaitingTimeout,
-        "the abort was never durable, so it never happened"
-    );
-    // Now accepted and durable: the answer means it.
-    assert!(executor.abort(id).await.unwrap());
-    let failure = executor.wait(id).await.unwrap().unwrap_err();
-    assert_eq!(failure.error, ProcError::Aborted);
+        let (executor, _rec) = start(stores.open(), 2).await;
+        assert_eq!(executor.recovery().recovered_roots, [id]);
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::WaitingTimeout,
+            "{store_name}: the abort was never durable, so it never happened"
+        );
+        // Now accepted and durable: the answer means it.
+        assert!(executor.abort(id).await.unwrap());
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::Aborted);
+        executor.shutdown().await.unwrap();
+    }
 }
 
 /// After a store failure every waiter is answered with the error, including waiters on
@@ -367,6 +386,7 @@ async fn an_accepted_abort_is_durable_before_it_is_answered() {
 #[actix::test]
 async fn a_store_failure_answers_every_waiter() {
     // Appends: sleeper insert, sleeper step, runner insert; the runner's step crashes.
+    // (Store-agnostic: the wrapper fails, whatever is under it.)
     let store = CrashingStore::new(MemoryStore::new(), 3, CrashPoint::BeforeWrite);
     let (executor, _rec) = start(Box::new(store), 2).await;
     let sleeper = executor

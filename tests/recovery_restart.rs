@@ -15,8 +15,8 @@ use std::sync::{Arc, Mutex};
 use common::{Scripted, Step};
 use proctor::testing::{CrashPoint, CrashingStore};
 use proctor::{
-    async_trait, Context, Error, Executor, Flow, MemoryStore, ProcError, ProcId, ProcState,
-    ProcedureStore, Registry, StateContext, StateMachine, StateMachineProcedure, WalStore,
+    async_trait, Context, Error, Executor, Flow, ProcError, ProcId, ProcState, ProcedureStore,
+    Registry, StateContext, StateMachine, StateMachineProcedure, WalStore,
 };
 use serde::{Deserialize, Serialize};
 
@@ -87,31 +87,6 @@ impl StateMachineProcedure for Adder {
         let effects = ctx.env::<Arc<Effects>>()?;
         effects.0.lock().unwrap().remove(&format!("{state:?}"));
         Ok(())
-    }
-}
-
-/// One store, opened again for each engine of a test: the same `MemoryStore`, or a new
-/// `WalStore` on the same directory.
-struct Reopen {
-    name: &'static str,
-    dir: tempfile::TempDir,
-    memory: MemoryStore,
-}
-
-impl Reopen {
-    fn new(name: &'static str) -> Self {
-        Reopen {
-            name,
-            dir: tempfile::tempdir().unwrap(),
-            memory: MemoryStore::new(),
-        }
-    }
-
-    fn open(&self) -> Box<dyn ProcedureStore> {
-        match self.name {
-            "memory" => Box::new(self.memory.clone()),
-            _ => Box::new(WalStore::open(self.dir.path()).unwrap()),
-        }
     }
 }
 
@@ -210,7 +185,7 @@ async fn killed_anywhere_in_a_failing_run_still_rolls_back_to_0() {
 #[actix::test]
 async fn suspended_and_waiting_procedures_survive_a_restart() {
     for name in ["memory", "wal"] {
-        let stores = Reopen::new(name);
+        let stores = common::Reopen::new(name);
         let open = || stores.open();
         let (first, rec) = common::start(open(), 4).await;
         // A parent waiting for a child suspended on an event nobody wakes.
@@ -251,7 +226,7 @@ async fn suspended_and_waiting_procedures_survive_a_restart() {
 #[actix::test]
 async fn stepped_restarts_make_progress_through_a_failed_tree() {
     for name in ["memory", "wal"] {
-        let stores = Reopen::new(name);
+        let stores = common::Reopen::new(name);
         let open = || stores.open();
         let tree = || {
             Scripted::new(
@@ -329,7 +304,7 @@ async fn a_torn_tail_repair_is_in_the_recovery_report() {
 async fn after_a_restart_the_result_is_the_first_recorded_failure() {
     for name in ["memory", "wal"] {
         for _round in 0..5 {
-            let stores = Reopen::new(name);
+            let stores = common::Reopen::new(name);
             let open = || stores.open();
             // Appends: insert, the root's step, the two failures; the first rollback
             // record crashes.

@@ -356,3 +356,28 @@ pub async fn wait_for_state(executor: &Executor, id: ProcId, state: proctor::Pro
         tokio::time::sleep(std::time::Duration::from_millis(1)).await;
     }
 }
+
+/// One store, opened again for each engine of a test: the same `MemoryStore`, or a new
+/// `WalStore` on the same directory.
+pub struct Reopen {
+    name: &'static str,
+    dir: tempfile::TempDir,
+    memory: MemoryStore,
+}
+
+impl Reopen {
+    pub fn new(name: &'static str) -> Self {
+        Reopen {
+            name,
+            dir: tempfile::tempdir().unwrap(),
+            memory: MemoryStore::new(),
+        }
+    }
+
+    pub fn open(&self) -> Box<dyn ProcedureStore> {
+        match self.name {
+            "memory" => Box::new(self.memory.clone()),
+            _ => Box::new(WalStore::open(self.dir.path()).unwrap()),
+        }
+    }
+}
