@@ -462,3 +462,41 @@ async fn a_reordered_log_is_reported_not_run_into_a_panic() {
     let (_, result) = run(&executor, Scripted::new("other", vec![Step::More])).await;
     assert_eq!(result, Ok(()));
 }
+
+/// Many trees in flight on many workers when the store fails (the issue's "resume on a
+/// still-full disk" hung in 6 of 8 tries with 64 workers): every wait is answered, with
+/// a result or the store error, and the executor shuts down.
+#[actix::test]
+async fn a_store_failure_under_load_leaves_nothing_hanging() {
+    for store_name in ["memory", "wal"] {
+        for crash_at in [40, 150] {
+            let stores = Reopen::new(store_name);
+            let store = CrashingStore::new(stores.open(), crash_at, CrashPoint::AfterWrite);
+            let (executor, _rec) = start(Box::new(store), 64).await;
+            let mut roots = Vec::new();
+            for i in 0..200 {
+                let child = Scripted::new(&format!("c{i}"), vec![Step::More, Step::Yield]);
+                let plan = vec![Step::More, Step::Children(vec![child]), Step::More];
+                match executor.submit(Scripted::new(&format!("r{i}"), plan)).await {
+                    Ok(id) => roots.push(id),
+                    Err(Error::Store(_)) => break,
+                    Err(e) => panic!("{store_name}: {e}"),
+                }
+            }
+            let guard = Duration::from_secs(60);
+            for id in roots {
+                let answer = tokio::time::timeout(guard, executor.wait(id))
+                    .await
+                    .unwrap_or_else(|_| panic!("{store_name} crash at {crash_at}: {id} hangs"));
+                assert!(
+                    matches!(answer, Ok(_) | Err(Error::Store(_))),
+                    "{store_name}: {answer:?}"
+                );
+            }
+            tokio::time::timeout(guard, executor.shutdown())
+                .await
+                .expect("shutdown returns")
+                .unwrap();
+        }
+    }
+}
