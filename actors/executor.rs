@@ -22,8 +22,9 @@ use crate::registry::Registry;
 use crate::store::{MemoryStore, ProcedureStore};
 
 use super::guard::guard;
-use super::persistence::{Persistence, Refuse, StopWriter};
-use super::root_stack::{publish, AbortRequest, Objects, RootStackActor};
+use super::persistence::Persistence;
+use super::protocol::{AbortRequest, Refuse, StopWriter, TreeFinished};
+use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{Scheduler, WakeEvent};
 use super::shared::{now_ms, Entry, Shared};
 
@@ -390,17 +391,6 @@ impl Message for List {
 struct Shutdown;
 
 impl Message for Shutdown {
-    type Result = ();
-}
-
-/// A tree finished (from its root stack), or halted because nothing more can be made
-/// durable (the store failed) or the engine broke an invariant.
-pub(crate) struct TreeFinished {
-    pub(crate) root: ProcId,
-    pub(crate) result: Result<Result<(), Failure>, Error>,
-}
-
-impl Message for TreeFinished {
     type Result = ();
 }
 

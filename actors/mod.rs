@@ -8,6 +8,7 @@ mod guard;
 mod persistence;
 pub mod perturb;
 mod procedure;
+mod protocol;
 mod root_stack;
 mod scheduler;
 mod shared;

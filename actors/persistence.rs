@@ -20,17 +20,7 @@ use crate::record::StoreOp;
 use crate::store::{ProcedureStore, StoreError};
 
 use super::perturb;
-
-/// Makes `ops` durable, then answers on `ack`. If the actor is gone, `ack` is dropped
-/// and the caller's receiver reports that, so nothing waits for ever.
-pub(crate) struct Persist {
-    pub(crate) ops: Vec<StoreOp>,
-    pub(crate) ack: oneshot::Sender<Result<(), Error>>,
-}
-
-impl Message for Persist {
-    type Result = ();
-}
+use super::protocol::{Persist, Refuse, StopWriter};
 
 struct Batch {
     ops: Vec<StoreOp>,
@@ -149,13 +139,6 @@ impl Handler<Persist> for Persistence {
     }
 }
 
-/// Refuse every append from now on (the engine broke an invariant and is stopping).
-pub(crate) struct Refuse(pub(crate) String);
-
-impl Message for Refuse {
-    type Result = ();
-}
-
 impl Handler<Refuse> for Persistence {
     type Result = ();
 
@@ -164,14 +147,6 @@ impl Handler<Refuse> for Persistence {
             self.fail(msg.0, Vec::new());
         }
     }
-}
-
-/// Stops the actor once everything handed to the writer thread is written; answers
-/// after the thread (and with it the store, and its lock) is gone.
-pub(crate) struct StopWriter;
-
-impl Message for StopWriter {
-    type Result = ();
 }
 
 impl Handler<StopWriter> for Persistence {

@@ -22,46 +22,12 @@ use crate::root_stack::{NewChild, StepOutcome, StepReport};
 
 use super::guard::{guard, CatchUnwind};
 use super::perturb;
-use super::root_stack::{AbortAck, FailRequest, ProcLost, RolledBack, RootStackActor, StepDone};
-use super::scheduler::StepFinished;
+use super::protocol::{
+    AbortAck, AbortProc, FailRequest, ProcLost, Rollback, RolledBack, RunStep, StepDone,
+    StepFinished, StopProc,
+};
+use super::root_stack::RootStackActor;
 use super::shared::{now_ms, Shared, TreeStatus};
-
-/// Run one step (from the scheduler, which counts it against a worker).
-pub(crate) struct RunStep;
-
-impl Message for RunStep {
-    type Result = ();
-}
-
-/// Roll back the newest step (from the root stack); `unrecorded` as in
-/// [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step).
-pub(crate) struct Rollback {
-    pub(crate) unrecorded: bool,
-}
-
-impl Message for Rollback {
-    type Result = ();
-}
-
-/// An operator's abort: answers on the ack whether the procedure accepted it, once the
-/// acceptance is durable.
-pub(crate) struct AbortProc(pub(crate) AbortAck);
-
-impl Message for AbortProc {
-    type Result = ();
-}
-
-/// The procedure is finished and its final record is durable: release its lock, run its
-/// completion cleanup, answer, stop. The sender keeps the actor's address until the
-/// answer, so the message cannot be lost with the actor's last address.
-pub(crate) struct StopProc {
-    /// How it finished (what a late abort is told).
-    pub(crate) state: ProcState,
-}
-
-impl Message for StopProc {
-    type Result = ();
-}
 
 /// Who a procedure actor is.
 pub(crate) struct ProcSpec {

@@ -29,85 +29,21 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::error::Error;
-use crate::procedure::{ProcError, ProcId, ProcState, Procedure};
+use crate::procedure::{ProcId, ProcState, Procedure};
 use crate::record::{Failure, StoreOp};
-use crate::root_stack::{Action, RootStack, StepReport, Transition};
+use crate::root_stack::{Action, RootStack, Transition};
 
-use super::executor::TreeFinished;
 use super::guard::panic_message;
-use super::persistence::Persist;
 use super::perturb;
-use super::procedure::{AbortProc, ProcSpec, ProcedureActor, Rollback, StopProc};
-use super::scheduler::{Enqueue, StepFinished, SuspendOn};
+use super::procedure::{ProcSpec, ProcedureActor};
+use super::protocol::{
+    AbortProc, AbortRequest, AckWith, Enqueue, FailRequest, Persist, ProcLost, Rollback,
+    RolledBack, StepDone, StepFinished, StopProc, SuspendOn, TreeFinished, Wake,
+};
 use super::shared::{now_ms, Entry, Shared, TreeStatus};
 
 /// Decoded procedures waiting for their actors, with their encoded state.
 pub(crate) type Objects = HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>;
-
-/// Answers an operator's abort: `Ok(true)` once the abort is durable.
-pub(crate) type AbortAck = oneshot::Sender<Result<bool, Error>>;
-
-/// An abort's answer channel with the answer to give once what it reports is durable.
-pub(crate) type AckWith = (AbortAck, Result<bool, Error>);
-
-/// A step ended (from the procedure actor), with the objects of any new children. Every
-/// `RunStep` the scheduler dispatched is answered by exactly one `StepDone`.
-pub(crate) struct StepDone {
-    pub(crate) report: StepReport,
-    pub(crate) children: Vec<(ProcId, Box<dyn Procedure>)>,
-}
-
-impl Message for StepDone {
-    type Result = ();
-}
-
-/// The procedure accepted an abort or timeout between steps (`failure`), or was asked
-/// to abort when there was nothing to accept (`None`: it had finished or was already
-/// failing). `ack`, if any, gets its answer once everything the root stack did before,
-/// and this failure, is durable.
-pub(crate) struct FailRequest {
-    pub(crate) id: ProcId,
-    pub(crate) failure: Option<(ProcError, Vec<u8>)>,
-    pub(crate) ack: Option<AckWith>,
-}
-
-impl Message for FailRequest {
-    type Result = ();
-}
-
-/// A rollback step ended: the state after it, or its error.
-pub(crate) struct RolledBack {
-    pub(crate) id: ProcId,
-    pub(crate) result: Result<Vec<u8>, ProcError>,
-}
-
-impl Message for RolledBack {
-    type Result = ();
-}
-
-/// An operator's abort of a procedure of this tree, from the executor.
-pub(crate) struct AbortRequest {
-    pub(crate) id: ProcId,
-    pub(crate) ack: AbortAck,
-}
-
-impl Message for AbortRequest {
-    type Result = ();
-}
-
-/// A procedure actor ended before its procedure finished (a panic in engine code).
-pub(crate) struct ProcLost(pub(crate) ProcId);
-
-impl Message for ProcLost {
-    type Result = ();
-}
-
-/// A timer or event woke the procedure.
-pub(crate) struct Wake(pub(crate) ProcId);
-
-impl Message for Wake {
-    type Result = ();
-}
 
 /// What one persisted op changes in the procedure table; applied once the op is durable.
 enum Row {

@@ -14,37 +14,9 @@ use crate::procedure::ProcId;
 use crate::ready_queue::ReadyQueue;
 
 use super::perturb;
-use super::procedure::{ProcedureActor, RunStep};
-use super::root_stack::{RootStackActor, Wake};
-
-/// Queue a step of `id`.
-pub(crate) struct Enqueue {
-    pub(crate) id: ProcId,
-    pub(crate) addr: Addr<ProcedureActor>,
-    pub(crate) front: bool,
-}
-
-impl Message for Enqueue {
-    type Result = ();
-}
-
-/// A dispatched step finished (or was skipped); its worker is free.
-pub(crate) struct StepFinished;
-
-impl Message for StepFinished {
-    type Result = ();
-}
-
-/// Wake `id` through its root stack once `event` is woken (at once if it already is).
-pub(crate) struct SuspendOn {
-    pub(crate) id: ProcId,
-    pub(crate) event: String,
-    pub(crate) root_stack: Addr<RootStackActor>,
-}
-
-impl Message for SuspendOn {
-    type Result = ();
-}
+use super::procedure::ProcedureActor;
+use super::protocol::{Enqueue, RunStep, StepFinished, SuspendOn, Wake};
+use super::root_stack::RootStackActor;
 
 /// Wakes every procedure suspended on the named event, and every procedure that
 /// suspends on it later. Send it to the executor.

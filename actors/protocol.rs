@@ -1,0 +1,232 @@
+//! The messages that cross actors, in one place, with the ordering rules each one
+//! obeys. actix delivers the messages of one mailbox in the order they were sent and
+//! promises nothing across mailboxes; every rule here is one the senders keep (see also
+//! `ARCHITECTURE.md`, "Protocol"). `tests/protocol.rs` pins each rule with the race that
+//! broke it, and `tests/perturbation.rs` checks them all on random workloads.
+//!
+//! Handlers live with their actors; the public messages a caller sends (`Submit`,
+//! `Abort`, `GetState`, `WaitFor`, `List`, `WakeEvent`) live in `executor.rs` and
+//! `scheduler.rs` beside the API they mirror.
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use crate::error::Error;
+use crate::procedure::{ProcError, ProcId, ProcState, Procedure};
+use crate::record::{Failure, StoreOp};
+use crate::root_stack::StepReport;
+
+use super::procedure::ProcedureActor;
+use super::root_stack::RootStackActor;
+
+// ------------------------------------------------------------------------------------
+// Scheduler <-> procedure <-> root stack: one step.
+//
+// Enqueue (root stack -> scheduler) is sent only once the records of the transition
+// that caused it are durable. RunStep (scheduler -> procedure) counts against a worker.
+// Every RunStep is answered by exactly one StepDone (procedure -> root stack), and the
+// root stack sends StepFinished (-> scheduler) only after feeding that report to the
+// core and sending any Enqueue it caused without a write: a worker is handed on only
+// once its step is recorded.
+// ------------------------------------------------------------------------------------
+
+/// Queue a step of `id`.
+pub(crate) struct Enqueue {
+    pub(crate) id: ProcId,
+    pub(crate) addr: Addr<ProcedureActor>,
+    pub(crate) front: bool,
+}
+
+impl Message for Enqueue {
+    type Result = ();
+}
+
+/// A dispatched step finished (or was skipped); its worker is free.
+pub(crate) struct StepFinished;
+
+impl Message for StepFinished {
+    type Result = ();
+}
+
+/// Wake `id` through its root stack once `event` is woken (at once if it already is).
+pub(crate) struct SuspendOn {
+    pub(crate) id: ProcId,
+    pub(crate) event: String,
+    pub(crate) root_stack: Addr<RootStackActor>,
+}
+
+impl Message for SuspendOn {
+    type Result = ();
+}
+
+/// Run one step (from the scheduler, which counts it against a worker).
+pub(crate) struct RunStep;
+
+impl Message for RunStep {
+    type Result = ();
+}
+
+/// A step ended (from the procedure actor), with the objects of any new children. Every
+/// `RunStep` the scheduler dispatched is answered by exactly one `StepDone`.
+pub(crate) struct StepDone {
+    pub(crate) report: StepReport,
+    pub(crate) children: Vec<(ProcId, Box<dyn Procedure>)>,
+}
+
+impl Message for StepDone {
+    type Result = ();
+}
+
+// ------------------------------------------------------------------------------------
+// Root stack -> procedure: rollback, stop.
+//
+// Rollback is sent only when nothing of the tree runs, newest stack entry first, and is
+// answered by RolledBack. StopProc is sent with `send`, the sender holding the actor's
+// address until the answer (an actix actor whose last address is dropped may stop
+// with messages queued); the tree's result is published only after every StopProc of
+// the tree was answered, so lock release and cleanup come before the result.
+// ------------------------------------------------------------------------------------
+
+/// Roll back the newest step (from the root stack); `unrecorded` as in
+/// [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step).
+pub(crate) struct Rollback {
+    pub(crate) unrecorded: bool,
+}
+
+impl Message for Rollback {
+    type Result = ();
+}
+
+/// A rollback step ended: the state after it, or its error.
+pub(crate) struct RolledBack {
+    pub(crate) id: ProcId,
+    pub(crate) result: Result<Vec<u8>, ProcError>,
+}
+
+impl Message for RolledBack {
+    type Result = ();
+}
+
+/// The procedure is finished and its final record is durable: release its lock, run its
+/// completion cleanup, answer, stop. The sender keeps the actor's address until the
+/// answer, so the message cannot be lost with the actor's last address.
+pub(crate) struct StopProc {
+    /// How it finished (what a late abort is told).
+    pub(crate) state: ProcState,
+}
+
+impl Message for StopProc {
+    type Result = ();
+}
+
+// ------------------------------------------------------------------------------------
+// Aborts: executor -> root stack -> procedure -> root stack.
+//
+// AbortRequest goes to the tree's root stack, which forwards AbortProc to the live
+// procedure. The procedure asks its abort hook between calls (settling aborts that
+// arrive during a call when the call ends) and sends FailRequest with the answer
+// channel; the root stack answers only once the failure, and everything it did before,
+// is durable. The answer never runs ahead of the log.
+// ------------------------------------------------------------------------------------
+
+/// Answers an operator's abort: `Ok(true)` once the abort is durable.
+pub(crate) type AbortAck = oneshot::Sender<Result<bool, Error>>;
+
+/// An abort's answer channel with the answer to give once what it reports is durable.
+pub(crate) type AckWith = (AbortAck, Result<bool, Error>);
+
+/// An operator's abort of a procedure of this tree, from the executor.
+pub(crate) struct AbortRequest {
+    pub(crate) id: ProcId,
+    pub(crate) ack: AbortAck,
+}
+
+impl Message for AbortRequest {
+    type Result = ();
+}
+
+/// An operator's abort: answers on the ack whether the procedure accepted it, once the
+/// acceptance is durable.
+pub(crate) struct AbortProc(pub(crate) AbortAck);
+
+impl Message for AbortProc {
+    type Result = ();
+}
+
+/// The procedure accepted an abort or timeout between steps (`failure`), or was asked
+/// to abort when there was nothing to accept (`None`: it had finished or was already
+/// failing). `ack`, if any, gets its answer once everything the root stack did before,
+/// and this failure, is durable.
+pub(crate) struct FailRequest {
+    pub(crate) id: ProcId,
+    pub(crate) failure: Option<(ProcError, Vec<u8>)>,
+    pub(crate) ack: Option<AckWith>,
+}
+
+impl Message for FailRequest {
+    type Result = ();
+}
+
+// ------------------------------------------------------------------------------------
+// Wake-ups and failures of the actors themselves.
+// ------------------------------------------------------------------------------------
+
+/// A timer or event woke the procedure.
+pub(crate) struct Wake(pub(crate) ProcId);
+
+impl Message for Wake {
+    type Result = ();
+}
+
+/// A procedure actor ended before its procedure finished (a panic in engine code).
+pub(crate) struct ProcLost(pub(crate) ProcId);
+
+impl Message for ProcLost {
+    type Result = ();
+}
+
+// ------------------------------------------------------------------------------------
+// Root stack -> persistence, root stack -> executor.
+//
+// Persist is answered after its batch is durable, in the order the appends arrived;
+// after a failed append every later one fails too (Refuse forces that state). A root
+// stack sends TreeFinished once: its result (after every stop was answered), or the
+// error that halted it; on the first error the executor answers every waiter.
+// ------------------------------------------------------------------------------------
+
+/// Makes `ops` durable, then answers on `ack`. If the actor is gone, `ack` is dropped
+/// and the caller's receiver reports that, so nothing waits for ever.
+pub(crate) struct Persist {
+    pub(crate) ops: Vec<StoreOp>,
+    pub(crate) ack: oneshot::Sender<Result<(), Error>>,
+}
+
+impl Message for Persist {
+    type Result = ();
+}
+
+/// Refuse every append from now on (the engine broke an invariant and is stopping).
+pub(crate) struct Refuse(pub(crate) String);
+
+impl Message for Refuse {
+    type Result = ();
+}
+
+/// Stops the actor once everything handed to the writer thread is written; answers
+/// after the thread (and with it the store, and its lock) is gone.
+pub(crate) struct StopWriter;
+
+impl Message for StopWriter {
+    type Result = ();
+}
+
+/// A tree finished (from its root stack), or halted because nothing more can be made
+/// durable (the store failed) or the engine broke an invariant.
+pub(crate) struct TreeFinished {
+    pub(crate) root: ProcId,
+    pub(crate) result: Result<Result<(), Failure>, Error>,
+}
+
+impl Message for TreeFinished {
+    type Result = ();
+}
