@@ -142,7 +142,6 @@ impl ExecutorBuilder {
         let scheduler = Scheduler::new(self.workers).start();
         let arbiters: Vec<Arbiter> = (0..self.arbiters).map(|_| Arbiter::new()).collect();
         let handles = arbiters.iter().map(Arbiter::handle).collect();
-        let threads = std::sync::Mutex::new(arbiters);
         let env = self.env;
         let finished = plan.finished;
         let addr = ExecutorActor::create(move |ctx| {
@@ -195,7 +194,7 @@ impl ExecutorBuilder {
                 shared,
                 waiters: HashMap::new(),
                 broken: None,
-                arbiters: threads.into_inner().unwrap_or_else(|e| e.into_inner()),
+                arbiters,
             }
         });
         if !report.recovered_roots.is_empty() {
