@@ -268,6 +268,25 @@ mod tests {
     }
 
     #[test]
+    fn a_parent_whose_children_were_rolled_back_has_no_unrecorded_step() {
+        // Child 3 failed; the rollback undid it and then 2's child 4 (no failure of
+        // its own). 2 never ran after starting 4, so only its recorded step is undone.
+        check(
+            vec![
+                rec(1, None, Waiting, &[0]),
+                rec(2, Some(1), Waiting, &[1]),
+                ProcRecord {
+                    failure: rec(3, Some(1), Failed, &[]).failure,
+                    failure_seq: Some(0),
+                    ..rec(3, Some(1), RolledBack, &[])
+                },
+                rec(4, Some(2), RolledBack, &[]),
+            ],
+            &["tree [4 2 3 1]:  | spawn 1, spawn 2, rollback 2"],
+        );
+    }
+
+    #[test]
     fn the_first_failure_comes_from_its_sequence_number_not_the_clock() {
         // 3 failed first (sequence 0) but its record is the newer one by the clock, as
         // when both fail in one millisecond and 3's rollback rewrote it.

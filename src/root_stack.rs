@@ -384,11 +384,12 @@ impl RootStack {
             }
         }
         if tree.is_failed() {
-            // A parent is woken only once all its children succeeded; one with a failed
-            // child never ran again and has nothing unrecorded.
+            // A parent is woken only once all its children succeeded; one with a child
+            // that did not (failed, or rolled back for another's failure) never ran
+            // again and has nothing unrecorded.
             let failed_child_of: std::collections::BTreeSet<ProcId> = records
                 .iter()
-                .filter(|r| r.failure.is_some())
+                .filter(|r| r.state != ProcState::Success)
                 .filter_map(|r| r.parent)
                 .collect();
             let maybe_mid_step: Vec<ProcId> = tree
