@@ -373,8 +373,9 @@ async fn start(
         .await
 }
 
-/// Runs one seed to the end and returns its history and the trees by root id.
-async fn run_seed(seed: u64) -> (Vec<Ev>, BTreeMap<ProcId, Traced>, bool) {
+/// Runs one seed to the end (checking its effects ledger) and returns its history and
+/// whether the engine crashed on the way.
+async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     let plan = gen_plan(seed);
     eprintln!(
         "seed {seed}: {} trees, {} workers, {} arbiters, {}, crash {:?}, {} aborts",
@@ -515,7 +516,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, BTreeMap<ProcId, Traced>, bool) {
     }
     let ledger = world.ledger.lock().unwrap().clone();
     check_ledger(&trees, &history, &ledger);
-    (history, trees, crashed)
+    (history, crashed)
 }
 
 /// The effects ledger at the end: all effects of a successful tree, none of a rolled-back
@@ -549,6 +550,35 @@ fn check_ledger(trees: &BTreeMap<ProcId, Traced>, history: &[Ev], ledger: &BTree
             ),
         }
     }
+}
+
+/// What the durable records of tree `root` say: which procedure recorded each stack
+/// index (the first record to carry it: indexes are never reused in a tree), and each
+/// procedure's last durable state.
+fn recorded_steps(
+    history: &[Ev],
+    root: ProcId,
+) -> (BTreeMap<u32, ProcId>, HashMap<ProcId, ProcState>) {
+    let mut index_owner = BTreeMap::new();
+    let mut last_state = HashMap::new();
+    for ev in history {
+        if let Ev::Durable {
+            id,
+            root: r,
+            state,
+            stack,
+            ..
+        } = ev
+        {
+            if *r == root {
+                for &i in stack {
+                    index_owner.entry(i).or_insert(*id);
+                }
+                last_state.insert(*id, *state);
+            }
+        }
+    }
+    (index_owner, last_state)
 }
 
 /// The protocol's promises on one history; `workers` is the executor's step bound.
@@ -692,25 +722,7 @@ fn check(history: &[Ev], crashed: bool, workers: usize) {
         if result.is_ok() {
             continue;
         }
-        let mut index_owner: BTreeMap<u32, ProcId> = BTreeMap::new();
-        let mut last_state: HashMap<ProcId, ProcState> = HashMap::new();
-        for ev in history {
-            if let Ev::Durable {
-                id,
-                root: r,
-                state,
-                stack,
-                ..
-            } = ev
-            {
-                if r == root {
-                    for &i in stack {
-                        index_owner.entry(i).or_insert(*id);
-                    }
-                    last_state.insert(*id, *state);
-                }
-            }
-        }
+        let (index_owner, last_state) = recorded_steps(history, *root);
         let expected: Vec<ProcId> = index_owner
             .iter()
             .rev()
@@ -734,19 +746,7 @@ fn check(history: &[Ev], crashed: bool, workers: usize) {
     if workers == 1 {
         let roots: BTreeSet<ProcId> = root_of.values().copied().collect();
         for root in roots {
-            let mut index_owner: BTreeMap<u32, ProcId> = BTreeMap::new();
-            for ev in history {
-                if let Ev::Durable {
-                    id, root: r, stack, ..
-                } = ev
-                {
-                    if *r == root {
-                        for &i in stack {
-                            index_owner.entry(i).or_insert(*id);
-                        }
-                    }
-                }
-            }
+            let (index_owner, _) = recorded_steps(history, root);
             let recorded: Vec<ProcId> = index_owner.values().copied().collect();
             let happened: Vec<ProcId> = history
                 .iter()
@@ -801,7 +801,7 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
             _ => break,
         };
         let run = async {
-            let (history, _trees, crashed) = run_seed(seed).await;
+            let (history, crashed) = run_seed(seed).await;
             check(&history, crashed, gen_plan(seed).workers);
         };
         // A guard against a hang (which is itself the failure), not a sequencer.
