@@ -15,6 +15,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::error::Error;
+use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState, Procedure};
 use crate::record::{Failure, ProcRecord, StoreOp};
 use crate::recovery::{self, CorruptProc};
@@ -23,10 +24,11 @@ use crate::store::{MemoryStore, ProcedureStore};
 
 use super::guard::guard;
 use super::persistence::Persistence;
-use super::protocol::{AbortRequest, Refuse, StopWriter, TreeFinished};
+use super::procedure::declared_locks;
+use super::protocol::{AbortRequest, Refuse, Regrant, StopWriter, TreeFinished};
 use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{Scheduler, WakeEvent};
-use super::shared::{now_ms, Entry, Shared};
+use super::shared::{now_ms, Entry, LockViews, Shared};
 
 impl From<MailboxError> for Error {
     fn from(_: MailboxError) -> Self {
@@ -50,6 +52,8 @@ pub struct ExecutorBuilder {
     store: Option<Box<dyn ProcedureStore>>,
     registry: Registry,
     env: Option<Arc<dyn Any + Send + Sync>>,
+    permits: Vec<(String, u32)>,
+    max_unfinished: usize,
 }
 
 impl Default for ExecutorBuilder {
@@ -60,6 +64,8 @@ impl Default for ExecutorBuilder {
             store: None,
             registry: Registry::new(),
             env: None,
+            permits: Vec::new(),
+            max_unfinished: 1_000_000,
         }
     }
 }
@@ -97,6 +103,27 @@ impl ExecutorBuilder {
         self
     }
 
+    /// Makes `resource` a counted resource: at most `permits` procedures hold a shared
+    /// lock on it at once (say, DDL parallelism per schema). An exclusive lock on it
+    /// still excludes everyone.
+    ///
+    /// ```
+    /// let builder = proctor::Executor::builder().permits("ddl/db1", 4);
+    /// # let _ = builder;
+    /// ```
+    pub fn permits(mut self, resource: impl Into<String>, permits: u32) -> Self {
+        self.permits.push((resource.into(), permits));
+        self
+    }
+
+    /// The most root procedures that may be unfinished at once (default 1 000 000,
+    /// recovered ones included). A submit beyond it is refused at once with
+    /// [`Error::Overloaded`] instead of queueing without bound.
+    pub fn max_unfinished(mut self, max: usize) -> Self {
+        self.max_unfinished = max;
+        self
+    }
+
     /// Recovers the store and starts the executor's actors in the current actix system
     /// (call it from inside one, e.g. under `#[actix::main]`). Every unfinished tree in
     /// the store is carried on to SUCCESS or ROLLEDBACK; see
@@ -106,6 +133,16 @@ impl ExecutorBuilder {
             return Err(Error::Config(
                 "workers and arbiters must be at least 1".into(),
             ));
+        }
+        for (resource, permits) in &self.permits {
+            Lock::shared(resource.as_str())
+                .check()
+                .map_err(Error::Config)?;
+            if *permits == 0 {
+                return Err(Error::Config(format!(
+                    "counted resource {resource:?} needs at least 1 permit"
+                )));
+            }
         }
         let mut store = self.store.unwrap_or_else(|| Box::new(MemoryStore::new()));
         let snapshot = store.load()?;
@@ -139,7 +176,20 @@ impl ExecutorBuilder {
         let persistence = Persistence::new(store)
             .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
             .start();
-        let scheduler = Scheduler::new(self.workers).start();
+        let lock_views = Arc::new(LockViews::default());
+        let scheduler = Scheduler::new(self.workers, self.permits, lock_views.clone()).start();
+        // Locks held for life when the engine stopped go back to their holders, roots
+        // first, before any tree is started and can ask for anything.
+        let mut held: Vec<_> = trees
+            .iter()
+            .flat_map(|(t, _)| t.stack.held_locks())
+            .collect();
+        held.sort_by_key(|r| (r.root, r.owner));
+        if !held.is_empty() {
+            scheduler.do_send(Regrant(held));
+        }
+        let max_unfinished = self.max_unfinished;
+        let unfinished = trees.len();
         let arbiters: Vec<Arbiter> = (0..self.arbiters).map(|_| Arbiter::new()).collect();
         let handles = arbiters.iter().map(Arbiter::handle).collect();
         let env = self.env;
@@ -148,6 +198,7 @@ impl ExecutorBuilder {
             let shared = Arc::new(Shared::new(
                 registry,
                 env,
+                lock_views,
                 scheduler,
                 persistence,
                 ctx.address(),
@@ -195,6 +246,8 @@ impl ExecutorBuilder {
                 waiters: HashMap::new(),
                 broken: None,
                 arbiters,
+                unfinished,
+                max_unfinished,
             }
         });
         if !report.recovered_roots.is_empty() {
@@ -342,6 +395,10 @@ pub struct ProcInfo {
     pub updated_ms: u64,
     /// For a finished root: its result.
     pub result: Option<Result<(), Failure>>,
+    /// The engine locks it holds now (see [`Procedure::locks`](crate::Procedure::locks)).
+    pub locks_held: Vec<Lock>,
+    /// The engine locks it is waiting for (all granted together).
+    pub locks_waiting: Vec<Lock>,
 }
 
 /// Submit a root procedure; answers its id once the insert is durable.
@@ -404,10 +461,18 @@ pub struct ExecutorActor {
     broken: Option<Error>,
     /// The arbiter threads, joined at shutdown.
     arbiters: Vec<Arbiter>,
+    /// Root procedures submitted or recovered and not finished.
+    unfinished: usize,
+    max_unfinished: usize,
 }
 
 impl ExecutorActor {
     fn info(&self, id: ProcId) -> Option<ProcInfo> {
+        let (locks_held, locks_waiting) = match self.shared.locks.get(&id) {
+            Some(v) if v.held => (v.locks.clone(), Vec::new()),
+            Some(v) => (Vec::new(), v.locks.clone()),
+            None => (Vec::new(), Vec::new()),
+        };
         self.shared.table.get(&id).map(|e| ProcInfo {
             id,
             root: e.root,
@@ -417,6 +482,8 @@ impl ExecutorActor {
             submitted_ms: e.submitted_ms,
             updated_ms: e.updated_ms,
             result: e.result.clone(),
+            locks_held,
+            locks_waiting,
         })
     }
 }
@@ -433,16 +500,28 @@ impl Handler<Submit> for ExecutorActor {
             let e = broken.duplicate();
             return Box::pin(async move { Err(e) });
         }
+        if self.unfinished >= self.max_unfinished {
+            let limit = self.max_unfinished;
+            return Box::pin(async move { Err(Error::Overloaded { limit }) });
+        }
         let (type_name, data) = match self.shared.registry.encode(&*msg.0) {
             Ok(encoded) => encoded,
             Err(e) => return Box::pin(async move { Err(e.into()) }),
+        };
+        let locks = match declared_locks(&*msg.0) {
+            Ok(locks) => locks,
+            Err(e) => {
+                let e = Error::Invalid(format!("{type_name}: {e}"));
+                return Box::pin(async move { Err(e) });
+            }
         };
         let id = self.shared.next_id();
         let shared = self.shared.clone();
         let (ack, rx) = oneshot::channel();
         let proc = msg.0;
+        self.unfinished += 1;
         RootStackActor::start_in_arbiter(&self.shared.next_arbiter().clone(), move |_| {
-            RootStackActor::submit(shared, id, type_name, proc, data, ack)
+            RootStackActor::submit(shared, id, type_name, proc, data, locks, ack)
         });
         Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
     }
@@ -540,6 +619,7 @@ impl Handler<TreeFinished> for ExecutorActor {
     fn handle(&mut self, msg: TreeFinished, _ctx: &mut Context<Self>) {
         match msg.result {
             Ok(result) => {
+                self.unfinished = self.unfinished.saturating_sub(1);
                 for waiter in self.waiters.remove(&msg.root).unwrap_or_default() {
                     let _ = waiter.send(Ok(result.clone()));
                 }

@@ -15,6 +15,7 @@ use std::time::Duration;
 use actix::prelude::*;
 
 use crate::error::Error;
+use crate::locks::LockClaim;
 use crate::procedure::{
     Context as ProcContext, Flow, LockState, ProcError, ProcId, ProcState, Procedure,
 };
@@ -23,8 +24,8 @@ use crate::root_stack::{NewChild, StepOutcome, StepReport};
 use super::guard::{guard, CatchUnwind};
 use super::perturb;
 use super::protocol::{
-    AbortAck, AbortProc, FailRequest, ProcLost, Rollback, RolledBack, RunStep, StepDone,
-    StepFinished, StopProc,
+    AbortAck, AbortProc, FailRequest, LockFailed, LocksGranted, LocksHeld, ProcLost, ReleaseLocks,
+    Rollback, RolledBack, RunStep, StepDone, StepFinished, StopProc,
 };
 use super::root_stack::RootStackActor;
 use super::shared::{now_ms, Shared, TreeStatus};
@@ -38,6 +39,14 @@ pub(crate) struct ProcSpec {
     pub(crate) submitted_ms: u64,
     /// Rebuilt by recovery: call `after_recover` when the actor starts.
     pub(crate) recovered: bool,
+    /// It declared locks (the engine's, in the scheduler's lock table).
+    pub(crate) has_locks: bool,
+}
+
+/// The locks `proc` declares, asked through the panic guard and checked.
+pub(crate) fn declared_locks(proc: &dyn Procedure) -> Result<Option<LockClaim>, ProcError> {
+    let (locks, for_life) = guard("locks", || (proc.locks(), proc.holds_lock()))?;
+    LockClaim::declare(locks, for_life).map_err(ProcError::Failed)
 }
 
 pub(crate) struct ProcedureActor {
@@ -46,6 +55,7 @@ pub(crate) struct ProcedureActor {
     root: ProcId,
     submitted_ms: u64,
     recovered: bool,
+    has_locks: bool,
     /// `None` while a call into user code runs.
     proc: Option<Box<dyn Procedure>>,
     /// The latest state that encoded, sent again if a later encoding fails.
@@ -81,6 +91,7 @@ impl ProcedureActor {
             root: spec.root,
             submitted_ms: spec.submitted_ms,
             recovered: spec.recovered,
+            has_locks: spec.has_locks,
             proc: Some(proc),
             data,
             shared,
@@ -117,7 +128,7 @@ impl ProcedureActor {
         if !self.root_stack.connected() {
             // The root stack died of a panic in engine code: no one else would free
             // this step's worker.
-            self.shared.scheduler.do_send(StepFinished);
+            self.shared.scheduler.do_send(StepFinished(self.id));
             return;
         }
         self.root_stack.do_send(StepDone {
@@ -202,11 +213,21 @@ impl ProcedureActor {
                     return StepOutcome::Failed(ProcError::Persist(format!("child: {e}")));
                 }
             };
+            let locks = match declared_locks(&*child) {
+                Ok(locks) => locks,
+                Err(e) => {
+                    objects.clear();
+                    return StepOutcome::Failed(ProcError::failed(format_args!(
+                        "child of type {type_name}: {e}"
+                    )));
+                }
+            };
             let id = self.shared.next_id();
             named.push(NewChild {
                 id,
                 type_name,
                 data,
+                locks,
             });
             objects.push((id, child));
         }
@@ -441,6 +462,12 @@ impl Handler<Rollback> for ProcedureActor {
                     }
                     let result = result.and_then(|r| r).and_then(|()| act.encode(&*proc));
                     act.proc = Some(proc);
+                    if act.has_locks && !act.status.halted() {
+                        act.shared.scheduler.do_send(ReleaseLocks {
+                            id: act.id,
+                            step_only: true,
+                        });
+                    }
                     perturb::point("procedure::rollback::rolled_back");
                     act.settle_pending();
                     act.root_stack.do_send(RolledBack { id: act.id, result });
@@ -467,6 +494,13 @@ impl Handler<StopProc> for ProcedureActor {
     type Result = ();
 
     fn handle(&mut self, msg: StopProc, ctx: &mut Context<Self>) {
+        if self.has_locks && !self.status.halted() {
+            // Before the answer: the tree's result is published only after it.
+            self.shared.scheduler.do_send(ReleaseLocks {
+                id: self.id,
+                step_only: false,
+            });
+        }
         if let Some(mut proc) = self.proc.take() {
             let pctx = self.context();
             if self.lock_held {
@@ -482,5 +516,34 @@ impl Handler<StopProc> for ProcedureActor {
         }
         self.stopped = true;
         ctx.stop();
+    }
+}
+
+impl Handler<LocksGranted> for ProcedureActor {
+    type Result = ();
+
+    fn handle(&mut self, _msg: LocksGranted, _ctx: &mut Context<Self>) {
+        // Between steps: `data` is the state the last record holds.
+        self.root_stack.do_send(LocksHeld {
+            id: self.id,
+            data: self.data.clone(),
+        });
+    }
+}
+
+impl Handler<LockFailed> for ProcedureActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: LockFailed, _ctx: &mut Context<Self>) {
+        if self.failed || self.done || self.status.failed() {
+            return;
+        }
+        self.failed = true;
+        tracing::warn!(proc = %self.id, reason = %msg.0, "procedure failed on a deadlock");
+        self.root_stack.do_send(FailRequest {
+            id: self.id,
+            failure: Some((ProcError::Deadlock(msg.0), self.data.clone())),
+            ack: None,
+        });
     }
 }

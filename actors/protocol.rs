@@ -12,6 +12,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::error::Error;
+use crate::locks::Request;
 use crate::procedure::{ProcError, ProcId, ProcState, Procedure};
 use crate::record::{Failure, StoreOp};
 use crate::root_stack::StepReport;
@@ -30,19 +31,23 @@ use super::root_stack::RootStackActor;
 // once its step is recorded.
 // ------------------------------------------------------------------------------------
 
-/// Queue a step of `id`.
+/// Queue a step of `id`; with `lock`, once its locks are granted.
 pub(crate) struct Enqueue {
     pub(crate) id: ProcId,
     pub(crate) addr: Addr<ProcedureActor>,
     pub(crate) front: bool,
+    /// The locks the step needs (`None`: none, or its tree has failed and the step will
+    /// only be skipped).
+    pub(crate) lock: Option<Request>,
 }
 
 impl Message for Enqueue {
     type Result = ();
 }
 
-/// A dispatched step finished (or was skipped); its worker is free.
-pub(crate) struct StepFinished;
+/// A dispatched step of `.0` finished (or was skipped); its worker, and the locks it
+/// held for this step, are free.
+pub(crate) struct StepFinished(pub(crate) ProcId);
 
 impl Message for StepFinished {
     type Result = ();
@@ -74,6 +79,88 @@ pub(crate) struct StepDone {
 }
 
 impl Message for StepDone {
+    type Result = ();
+}
+
+// ------------------------------------------------------------------------------------
+// Locks: the scheduler owns the lock table.
+//
+// A step's lock request rides on its Enqueue; the step goes to the ready queue only
+// once granted, so a waiting procedure holds no worker. Locks for one step are released
+// by that step's StepFinished; an Enqueue that arrives while the previous step still
+// holds them (a yield's Enqueue is sent before its StepFinished) waits for it. Locks
+// for a procedure's life are first granted to a step as LocksGranted (-> procedure),
+// answered with LocksHeld (-> root stack), which persists the hold and only then
+// sends Resume's Enqueue: no step runs under a life-long lock before recovery would
+// grant it back. A rollback step's locks are asked with LockForRollback; the scheduler
+// sends the Rollback itself once granted, and the procedure releases them with
+// ReleaseLocks after the call (and everything at StopProc, before answering it).
+// TreeFailed withdraws the tree's waiting step requests (those steps are skipped
+// anyway); a deadlock victim gets LockFailed and then its step, which it skips.
+// ------------------------------------------------------------------------------------
+
+/// Roll back a step of `id` once its locks are granted (from the root stack).
+pub(crate) struct LockForRollback {
+    pub(crate) id: ProcId,
+    pub(crate) addr: Addr<ProcedureActor>,
+    pub(crate) lock: Request,
+    pub(crate) unrecorded: bool,
+}
+
+impl Message for LockForRollback {
+    type Result = ();
+}
+
+/// Release the locks of `id` (from its procedure actor): those of one rollback step
+/// (`step_only`), or everything it holds (it finished).
+pub(crate) struct ReleaseLocks {
+    pub(crate) id: ProcId,
+    pub(crate) step_only: bool,
+}
+
+impl Message for ReleaseLocks {
+    type Result = ();
+}
+
+/// The tree rooted at `.0` failed: its waiting step requests are withdrawn and the
+/// steps queued, to be skipped (from the root stack).
+pub(crate) struct TreeFailed(pub(crate) ProcId);
+
+impl Message for TreeFailed {
+    type Result = ();
+}
+
+/// The locks the procedure holds for its life were granted (from the scheduler):
+/// answer with `LocksHeld` and its current state.
+pub(crate) struct LocksGranted;
+
+impl Message for LocksGranted {
+    type Result = ();
+}
+
+/// Persist that `id` holds its life-long locks, then run its queued step.
+pub(crate) struct LocksHeld {
+    pub(crate) id: ProcId,
+    pub(crate) data: Vec<u8>,
+}
+
+impl Message for LocksHeld {
+    type Result = ();
+}
+
+/// The procedure's lock request was removed to break a wait-for cycle (from the
+/// scheduler): fail with this text. Its step follows, to be skipped.
+pub(crate) struct LockFailed(pub(crate) String);
+
+impl Message for LockFailed {
+    type Result = ();
+}
+
+/// Grant these recovered life-long holds before anything else is scheduled (from the
+/// executor, before any root stack starts).
+pub(crate) struct Regrant(pub(crate) Vec<Request>);
+
+impl Message for Regrant {
     type Result = ();
 }
 

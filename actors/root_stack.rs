@@ -29,6 +29,7 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::error::Error;
+use crate::locks::LockClaim;
 use crate::procedure::{ProcId, ProcState, Procedure};
 use crate::record::{Failure, StoreOp};
 use crate::root_stack::{Action, RootStack, Transition};
@@ -37,8 +38,9 @@ use super::guard::panic_message;
 use super::perturb;
 use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
-    AbortProc, AbortRequest, AckWith, Enqueue, FailRequest, Persist, ProcLost, Rollback,
-    RolledBack, StepDone, StepFinished, StopProc, SuspendOn, TreeFinished, Wake,
+    AbortProc, AbortRequest, AckWith, Enqueue, FailRequest, LockForRollback, LocksHeld, Persist,
+    ProcLost, Rollback, RolledBack, StepDone, StepFinished, StopProc, SuspendOn, TreeFailed,
+    TreeFinished, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus};
 
@@ -103,9 +105,10 @@ impl RootStackActor {
         type_name: &'static str,
         proc: Box<dyn Procedure>,
         data: Vec<u8>,
+        locks: Option<LockClaim>,
         ack: oneshot::Sender<Result<ProcId, Error>>,
     ) -> Self {
-        let (core, t) = RootStack::submit(id, type_name, data.clone(), now_ms());
+        let (core, t) = RootStack::submit(id, type_name, data.clone(), locks, now_ms());
         let mut unspawned = HashMap::new();
         unspawned.insert(id, (proc, data));
         let mut actor = Self::new(shared, core, t, unspawned);
@@ -182,8 +185,10 @@ impl RootStackActor {
             }
             return;
         }
-        if self.core.is_failed() {
+        if self.core.is_failed() && !self.status.failed() {
             self.status.set_failed();
+            // Its procedures waiting for locks would only be skipped once granted.
+            self.shared.scheduler.do_send(TreeFailed(self.core.root()));
         }
         let durable = t.persist.is_empty();
         // Only inserts need the tree's address (a fresh `Addr` costs two atomics).
@@ -248,17 +253,12 @@ impl RootStackActor {
     fn perform(&mut self, action: Action, ctx: &mut Context<Self>) {
         match action {
             Action::Spawn(id) => self.spawn(id, ctx),
-            Action::Enqueue { id, front } => match self.procs.get(&id) {
-                Some(addr) => {
-                    self.dispatched += 1;
-                    self.shared.scheduler.do_send(Enqueue {
-                        id,
-                        addr: addr.clone(),
-                        front,
-                    });
-                }
-                None => unreachable!("enqueue of {id}, which has no actor"),
-            },
+            Action::Enqueue { id, front } => {
+                self.dispatched += 1;
+                self.enqueue(id, front);
+            }
+            // The same queued step, now that its life-long locks are durably held.
+            Action::Resume(id) => self.enqueue(id, true),
             Action::Stop(id) => {
                 if let Some(addr) = self.procs.remove(&id) {
                     // The address travels with the request until the answer: an actix
@@ -340,6 +340,7 @@ impl RootStackActor {
             root: self.core.root(),
             submitted_ms,
             recovered: self.recovered,
+            has_locks: self.core.lock_request(id, false).is_some(),
         };
         let arbiter = self.shared.next_arbiter().clone();
         let addr = ProcedureActor::start_in_arbiter(&arbiter, move |_| {
@@ -348,10 +349,37 @@ impl RootStackActor {
         self.procs.insert(id, addr);
     }
 
+    fn enqueue(&self, id: ProcId, front: bool) {
+        let Some(addr) = self.procs.get(&id) else {
+            unreachable!("enqueue of {id}, which has no actor");
+        };
+        // A failed tree's steps are only skipped: they need no locks.
+        let lock = if self.core.is_failed() {
+            None
+        } else {
+            self.core.lock_request(id, false)
+        };
+        self.shared.scheduler.do_send(Enqueue {
+            id,
+            addr: addr.clone(),
+            front,
+            lock,
+        });
+    }
+
     fn send_rollback(&self, id: ProcId, unrecorded: bool) {
-        match self.procs.get(&id) {
-            Some(addr) => addr.do_send(Rollback { unrecorded }),
-            None => unreachable!("rollback of {id}, which has no actor"),
+        let Some(addr) = self.procs.get(&id) else {
+            unreachable!("rollback of {id}, which has no actor");
+        };
+        match self.core.lock_request(id, true) {
+            // A rollback step runs under the procedure's locks, like a step.
+            Some(lock) => self.shared.scheduler.do_send(LockForRollback {
+                id,
+                addr: addr.clone(),
+                lock,
+                unrecorded,
+            }),
+            None => addr.do_send(Rollback { unrecorded }),
         }
     }
 
@@ -385,6 +413,8 @@ impl RootStackActor {
         let root = self.core.root();
         tracing::error!(root = %root, error = %e, "tree halted: its records cannot be made durable");
         self.status.set_halted();
+        // Steps waiting for locks are queued to report themselves skipped.
+        self.shared.scheduler.do_send(TreeFailed(root));
         if let Some(ack) = self.submit_ack.take() {
             let _ = ack.send(Err(e.duplicate()));
         }
@@ -429,6 +459,7 @@ impl Handler<StepDone> for RootStackActor {
 
     fn handle(&mut self, msg: StepDone, ctx: &mut Context<Self>) {
         self.dispatched -= 1;
+        let id = msg.report.id;
         if self.halted.is_none() {
             self.unspawned.extend(
                 msg.children
@@ -454,7 +485,7 @@ impl Handler<StepDone> for RootStackActor {
         // Only now, with the report recorded (and any enqueue it caused sent first), may
         // the worker go to another step.
         perturb::point("root_stack::step_done::free_worker");
-        self.shared.scheduler.do_send(StepFinished);
+        self.shared.scheduler.do_send(StepFinished(id));
         self.stop_when_quiet(ctx);
     }
 }
@@ -491,6 +522,34 @@ impl Handler<RolledBack> for RootStackActor {
         let t = self.core(
             "rollback report",
             |core| core.on_rolled_back(msg.id, msg.result, now_ms()),
+            ctx,
+        );
+        if let Some(t) = t {
+            self.apply(t, None, ctx);
+        }
+    }
+}
+
+impl Handler<LocksHeld> for RootStackActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: LocksHeld, ctx: &mut Context<Self>) {
+        if self.halted.is_some() {
+            // Nothing is persisted any more; the step still owes its report (skipped),
+            // and this actor waits for it before it stops.
+            if let Some(addr) = self.procs.get(&msg.id) {
+                self.shared.scheduler.do_send(Enqueue {
+                    id: msg.id,
+                    addr: addr.clone(),
+                    front: true,
+                    lock: None,
+                });
+            }
+            return;
+        }
+        let t = self.core(
+            "locks granted",
+            |core| core.on_locks_held(msg.id, msg.data, now_ms()),
             ctx,
         );
         if let Some(t) = t {

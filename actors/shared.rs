@@ -9,6 +9,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use actix::prelude::*;
 use dashmap::DashMap;
 
+use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState};
 use crate::record::Failure;
 use crate::registry::Registry;
@@ -69,10 +70,20 @@ pub(crate) struct Entry {
     pub(crate) result: Option<Result<(), Failure>>,
 }
 
+/// The locks a procedure holds, or waits for, as the scheduler last saw them.
+pub(crate) struct LockView {
+    pub(crate) locks: Vec<Lock>,
+    pub(crate) held: bool,
+}
+
+/// Written by the scheduler, read by `GetState` and `List`.
+pub(crate) type LockViews = DashMap<ProcId, LockView>;
+
 pub(crate) struct Shared {
     pub(crate) registry: Arc<Registry>,
     pub(crate) env: Option<Arc<dyn Any + Send + Sync>>,
     pub(crate) table: DashMap<ProcId, Entry>,
+    pub(crate) locks: Arc<LockViews>,
     pub(crate) scheduler: Addr<Scheduler>,
     pub(crate) persistence: Addr<Persistence>,
     pub(crate) executor: Addr<ExecutorActor>,
@@ -86,6 +97,7 @@ impl Shared {
     pub(crate) fn new(
         registry: Arc<Registry>,
         env: Option<Arc<dyn Any + Send + Sync>>,
+        locks: Arc<LockViews>,
         scheduler: Addr<Scheduler>,
         persistence: Addr<Persistence>,
         executor: Addr<ExecutorActor>,
@@ -96,6 +108,7 @@ impl Shared {
             registry,
             env,
             table: DashMap::new(),
+            locks,
             scheduler,
             persistence,
             executor,

@@ -34,6 +34,7 @@ fn record(id: u64, version: u8) -> ProcRecord {
         wake_at_ms: None,
         event: None,
         data: vec![version; 16],
+        locks: None,
     }
 }
 

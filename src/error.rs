@@ -43,6 +43,18 @@ pub enum Error {
     /// Bad configuration.
     #[error("invalid configuration: {0}")]
     Config(String),
+    /// The submitted procedure cannot run as declared (e.g. a bad resource name in its
+    /// locks, or a panic in a declaration hook).
+    #[error("procedure refused: {0}")]
+    Invalid(String),
+    /// The executor already has as many unfinished root procedures as it was configured
+    /// to accept ([`ExecutorBuilder::max_unfinished`](crate::ExecutorBuilder::max_unfinished));
+    /// the submit was refused at once. Retry later.
+    #[error("executor overloaded: {limit} root procedures are unfinished, the configured bound")]
+    Overloaded {
+        /// The configured bound.
+        limit: usize,
+    },
 }
 
 impl Error {
@@ -63,6 +75,8 @@ impl Error {
             Error::Internal(s) => Error::Internal(s.clone()),
             Error::Stopped => Error::Stopped,
             Error::Config(s) => Error::Config(s.clone()),
+            Error::Invalid(s) => Error::Invalid(s.clone()),
+            Error::Overloaded { limit } => Error::Overloaded { limit: *limit },
             Error::Registry(e) => Error::Config(e.to_string()),
         }
     }

@@ -13,6 +13,7 @@
 #![doc = include_str!("../README.md")]
 
 mod error;
+mod locks;
 mod procedure;
 mod ready_queue;
 mod record;
@@ -40,6 +41,7 @@ pub use crate::actors::{
     WaitFor, WakeEvent, WalDirScan, WalFs, WalOptions, WalStats, WalStore,
 };
 pub use crate::error::Error;
+pub use crate::locks::{Lock, LockMode};
 pub use crate::procedure::{
     Context, EncodeState, Flow, LockState, ProcError, ProcId, ProcState, Procedure,
 };

@@ -13,6 +13,8 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+use crate::locks::Lock;
+
 /// The identifier the engine gives a procedure when it is submitted (or, for a child,
 /// when its parent's step returns it). Ids are never reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -93,6 +95,10 @@ pub enum ProcError {
     /// type, so its state could not be made durable.
     #[error("cannot persist procedure state: {0}")]
     Persist(String),
+    /// Waiting for its locks closed a wait-for cycle between trees, and this procedure's
+    /// tree was the youngest in it. The text names every wait of the cycle.
+    #[error("{0}")]
+    Deadlock(String),
 }
 
 impl ProcError {
@@ -308,6 +314,43 @@ pub trait Procedure: EncodeState + Any + Send + 'static {
         true
     }
 
+    /// The resources this procedure needs, and how (see [`Lock`]). Asked once, when the
+    /// procedure is submitted (or returned by its parent's step), and persisted with it.
+    /// The engine grants them all together, never some, before each step (and each
+    /// rollback step); with [`holds_lock`](Procedure::holds_lock) from the first step
+    /// until the procedure finishes, through its rollback. A procedure waiting for
+    /// locks holds no worker. Locks its ancestors hold do not block it, so a child
+    /// needs to declare only what its parent does not cover. The default is none.
+    ///
+    /// ```
+    /// use proctor::{async_trait, Context, Flow, Lock, ProcError, Procedure};
+    /// # use serde::{Deserialize, Serialize};
+    /// #[derive(Serialize, Deserialize)]
+    /// struct SplitRegion { table: String, region: String }
+    ///
+    /// #[async_trait]
+    /// impl Procedure for SplitRegion {
+    ///     fn locks(&self) -> Vec<Lock> {
+    ///         vec![
+    ///             Lock::shared(format!("ns/{}", self.table)),
+    ///             Lock::exclusive(format!("ns/{}/{}", self.table, self.region)),
+    ///         ]
+    ///     }
+    ///     fn holds_lock(&self) -> bool {
+    ///         true
+    ///     }
+    ///     async fn execute(&mut self, _ctx: &mut Context) -> Result<Flow, ProcError> {
+    ///         Ok(Flow::Done)
+    ///     }
+    ///     async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
+    ///         Ok(())
+    ///     }
+    /// }
+    /// ```
+    fn locks(&self) -> Vec<Lock> {
+        Vec::new()
+    }
+
     /// Called before each step (or once, if [`holds_lock`](Procedure::holds_lock)).
     /// Returning [`LockState::Yield`] requeues the procedure without running the step.
     fn acquire_lock(&mut self, _ctx: &Context) -> LockState {
@@ -318,7 +361,9 @@ pub trait Procedure: EncodeState + Any + Send + 'static {
     /// step, or only when the procedure finishes if it holds its lock.
     fn release_lock(&mut self, _ctx: &Context) {}
 
-    /// `true` to keep the lock from the first step until the procedure finishes.
+    /// `true` to keep the lock (the engine's [`locks`](Procedure::locks) and the
+    /// [`acquire_lock`](Procedure::acquire_lock) hook's) from the first step until the
+    /// procedure finishes.
     fn holds_lock(&self) -> bool {
         false
     }

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::locks::LockClaim;
 use crate::procedure::{ProcError, ProcId, ProcState};
 
 /// Which procedure failed, and why: the result of a failed tree, kept as the root's
@@ -60,6 +61,11 @@ pub struct ProcRecord {
     /// The procedure's encoded state.
     #[serde(with = "serde_bytes")]
     pub data: Vec<u8>,
+    /// The resources it declared ([`Procedure::locks`](crate::Procedure::locks)) and, for
+    /// locks held for its life, whether it holds them. `None` when it declared none.
+    /// Last, and defaulted, so records written before it existed still decode.
+    #[serde(default)]
+    pub locks: Option<LockClaim>,
 }
 
 /// The stored form of [`ProcRecord::stack_indexes`]: `(first, count)` runs of
@@ -155,6 +161,7 @@ mod tests {
             wake_at_ms: None,
             event: None,
             data: vec![],
+            locks: None,
         }
     }
 
@@ -206,6 +213,53 @@ mod tests {
             })
             .unwrap();
             assert!(rmp_serde::from_slice::<Decoded>(&bytes).is_err());
+        }
+    }
+
+    #[test]
+    fn records_written_before_the_locks_field_still_decode() {
+        // The record as it was encoded before `locks` existed: the same fields, in order,
+        // without the last one.
+        #[derive(Serialize)]
+        struct Old {
+            id: ProcId,
+            parent: Option<ProcId>,
+            root: ProcId,
+            type_name: String,
+            state: ProcState,
+            stack_indexes: Vec<(u32, u32)>,
+            failure: Option<Failure>,
+            failure_seq: Option<u64>,
+            submitted_ms: u64,
+            updated_ms: u64,
+            wake_at_ms: Option<u64>,
+            event: Option<String>,
+            #[serde(with = "serde_bytes")]
+            data: Vec<u8>,
+        }
+        let old = Old {
+            id: ProcId(2),
+            parent: Some(ProcId(1)),
+            root: ProcId(1),
+            type_name: "t".into(),
+            state: ProcState::Runnable,
+            stack_indexes: vec![(0, 2)],
+            failure: None,
+            failure_seq: None,
+            submitted_ms: 0,
+            updated_ms: 0,
+            wake_at_ms: None,
+            event: None,
+            data: vec![],
+        };
+        let mut expected = record(vec![0, 1]);
+        expected.locks = None;
+        for bytes in [
+            rmp_serde::to_vec(&old).unwrap(),
+            rmp_serde::to_vec_named(&old).unwrap(),
+        ] {
+            let back: ProcRecord = rmp_serde::from_slice(&bytes).unwrap();
+            assert_eq!(back, expected);
         }
     }
 }

@@ -161,6 +161,7 @@ mod tests {
             wake_at_ms: (state == ProcState::WaitingTimeout).then_some(500),
             event: None,
             data: vec![],
+            locks: None,
         }
     }
 

@@ -19,6 +19,7 @@
 
 use std::fmt;
 
+use crate::locks::{LockClaim, Request};
 use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, ProcRecord, StoreOp};
 
@@ -60,6 +61,8 @@ pub struct NewChild {
     pub type_name: &'static str,
     /// Its encoded initial state.
     pub data: Vec<u8>,
+    /// The locks it declared, if any.
+    pub locks: Option<LockClaim>,
 }
 
 /// A step's report: which procedure, what came of it, and its state after the step.
@@ -85,6 +88,9 @@ pub enum Action {
         /// Whether it goes to the front of the ready queue.
         front: bool,
     },
+    /// The locks granted to the queued step of `id` for its life are durably held: run
+    /// the step. Not a new step: the one queued before is still counted as running.
+    Resume(ProcId),
     /// The procedure is finished: stop its actor (releasing its lock and running its
     /// completion cleanup).
     Stop(ProcId),
@@ -166,6 +172,7 @@ struct Node {
     failure_seq: Option<u64>,
     rollback_attempts: u32,
     stopped: bool,
+    locks: Option<LockClaim>,
 }
 
 /// A tree's nodes by id: a sorted `Vec`, because trees are small, ids within a tree are
@@ -236,6 +243,7 @@ impl RootStack {
         root: ProcId,
         type_name: &'static str,
         data: Vec<u8>,
+        locks: Option<LockClaim>,
         now_ms: u64,
     ) -> (Self, Transition) {
         let mut stack = RootStack {
@@ -248,7 +256,13 @@ impl RootStack {
             phase: Phase::Executing,
         };
         let mut t = Transition::default();
-        stack.add_node(&mut t, root, None, type_name, data, now_ms);
+        let root_node = NewChild {
+            id: root,
+            type_name,
+            data,
+            locks,
+        };
+        stack.add_node(&mut t, None, root_node, now_ms);
         (stack, t)
     }
 
@@ -303,6 +317,7 @@ impl RootStack {
                     failure_seq: r.failure_seq,
                     rollback_attempts: 0,
                     stopped: r.state.is_finished(),
+                    locks: r.locks.clone(),
                 },
             );
         }
@@ -502,14 +517,7 @@ impl RootStack {
                 if !self.is_failed() {
                     self.node_mut(id).pending_children = children.len();
                     for child in children {
-                        self.add_node(
-                            &mut t,
-                            child.id,
-                            Some(id),
-                            child.type_name,
-                            child.data,
-                            now_ms,
-                        );
+                        self.add_node(&mut t, Some(id), child, now_ms);
                     }
                 }
             }
@@ -570,6 +578,56 @@ impl RootStack {
         t
     }
 
+    /// The locks `id` holds for its life were granted to its queued step: record that
+    /// (so recovery grants them back before anything else runs), then run the step.
+    /// `data` is the procedure's current state.
+    pub fn on_locks_held(&mut self, id: ProcId, data: Vec<u8>, now_ms: u64) -> Transition {
+        let mut t = Transition::default();
+        let Some(node) = self.nodes.get_mut(&id) else {
+            return t;
+        };
+        if let Some(claim) = node.locks.as_mut() {
+            claim.held = true;
+        }
+        self.persist_update(&mut t, id, data, now_ms);
+        t.actions.push(Action::Resume(id));
+        t
+    }
+
+    /// The lock request of `id`'s next step (or, with `rollback`, rollback step), if it
+    /// declared locks: its ancestors (whose locks do not block it) come from the tree.
+    pub fn lock_request(&self, id: ProcId, rollback: bool) -> Option<Request> {
+        let node = self.nodes.get(&id)?;
+        let claim = node.locks.as_ref()?;
+        let mut ancestors = Vec::new();
+        let mut up = node.parent;
+        while let Some(p) = up {
+            ancestors.push(p);
+            up = self.nodes.get(&p).and_then(|n| n.parent);
+        }
+        Some(Request {
+            owner: id,
+            root: self.root,
+            ancestors,
+            locks: claim.locks.clone(),
+            for_life: claim.for_life,
+            rollback,
+        })
+    }
+
+    /// The requests of the tree's unfinished procedures whose records say they hold
+    /// their locks for life, ancestors first: recovery grants them back before anything
+    /// else is scheduled.
+    pub fn held_locks(&self) -> Vec<Request> {
+        self.nodes
+            .iter()
+            .filter(|(_, n)| {
+                !n.state.is_finished() && n.locks.as_ref().is_some_and(|c| c.for_life && c.held)
+            })
+            .filter_map(|(&id, _)| self.lock_request(id, false))
+            .collect()
+    }
+
     /// The procedure on top of the stack finished a rollback step: `Ok` with its state
     /// after the rollback, or the rollback's error (retried with backoff).
     pub fn on_rolled_back(
@@ -626,15 +684,13 @@ impl RootStack {
             .unwrap_or_else(|| panic!("procedure {id} is not in tree {}", self.root))
     }
 
-    fn add_node(
-        &mut self,
-        t: &mut Transition,
-        id: ProcId,
-        parent: Option<ProcId>,
-        type_name: &'static str,
-        data: Vec<u8>,
-        now_ms: u64,
-    ) {
+    fn add_node(&mut self, t: &mut Transition, parent: Option<ProcId>, new: NewChild, now_ms: u64) {
+        let NewChild {
+            id,
+            type_name,
+            data,
+            locks,
+        } = new;
         let node = Node {
             parent,
             type_name,
@@ -648,6 +704,7 @@ impl RootStack {
             failure_seq: None,
             rollback_attempts: 0,
             stopped: false,
+            locks,
         };
         let old = self.nodes.insert(id, node);
         assert!(old.is_none(), "procedure {id} added twice");
@@ -764,14 +821,20 @@ impl RootStack {
             }
         };
         self.phase = Phase::Finished;
-        // The final record supersedes one the same transition may hold for the root. It
-        // keeps the result, not the state: a finished procedure is never decoded again,
-        // and its record stays in the log until its result is evicted.
-        t.persist
-            .retain(|op| !matches!(op, StoreOp::Update(r) if r.id == root));
+        // The final record supersedes the one this transition holds for the root (its last
+        // step, or its last rollback) and keeps that state with the result: an operator
+        // (or a verifier) can read what the procedure was, until its result is evicted.
+        let mut data = Vec::new();
+        t.persist.retain_mut(|op| match op {
+            StoreOp::Update(r) if r.id == root => {
+                data = std::mem::take(&mut r.data);
+                false
+            }
+            _ => true,
+        });
         self.node_mut(root).stack_indexes.clear();
         t.persist
-            .push(StoreOp::Update(self.record(root, Vec::new(), now_ms)));
+            .push(StoreOp::Update(self.record(root, data, now_ms)));
         for (&id, node) in self.nodes.iter_mut() {
             if id != root {
                 t.persist.push(StoreOp::Delete(id));
@@ -808,6 +871,7 @@ impl RootStack {
             wake_at_ms: node.wake_at_ms,
             event: node.event.clone(),
             data,
+            locks: node.locks.clone(),
         }
     }
 }
@@ -829,6 +893,7 @@ impl fmt::Display for Transition {
                 Action::Spawn(id) => format!("spawn {id}"),
                 Action::Enqueue { id, front: true } => format!("run {id} now"),
                 Action::Enqueue { id, front: false } => format!("run {id}"),
+                Action::Resume(id) => format!("resume {id}"),
                 Action::Stop(id) => format!("stop {id}"),
                 Action::Rollback {
                     id,
@@ -866,6 +931,7 @@ mod tests {
         StepOutcome::Children(
             ids.iter()
                 .map(|&id| NewChild {
+                    locks: None,
                     id: ProcId(id),
                     type_name: "t",
                     data: vec![],
@@ -882,7 +948,7 @@ mod tests {
 
     /// Submits root 1, feeds the events, and compares each transition's trace.
     fn check(events: Vec<Ev>, expected: &[&str]) {
-        let (mut rs, t) = RootStack::submit(ProcId(1), "t", vec![], 0);
+        let (mut rs, t) = RootStack::submit(ProcId(1), "t", vec![], None, 0);
         let mut traces = vec![t.to_string()];
         for ev in events {
             let t = match ev {
@@ -1092,5 +1158,60 @@ mod tests {
                 "U1:ROLLEDBACK[] D2 D3 | stop 1, stop 2, stop 3, finished err 2:first",
             ],
         );
+    }
+
+    #[test]
+    fn locks_held_for_life_are_recorded_and_recovered_root_first() {
+        use crate::locks::Lock;
+        let claim = |lock: Lock| {
+            Some(LockClaim {
+                locks: vec![lock],
+                for_life: true,
+                held: false,
+            })
+        };
+        let (mut rs, _) =
+            RootStack::submit(ProcId(1), "t", vec![], claim(Lock::exclusive("ns/t1")), 0);
+        let t = rs.on_locks_held(ProcId(1), vec![7], 5);
+        assert_eq!(t.to_string(), "U1:RUNNABLE[] | resume 1");
+        let StoreOp::Update(root) = &t.persist[0] else {
+            panic!("{t}")
+        };
+        assert_eq!(root.locks.as_ref().map(|c| c.held), Some(true));
+        let child = NewChild {
+            id: ProcId(2),
+            type_name: "t",
+            data: vec![],
+            locks: claim(Lock::exclusive("ns/t1/r1")),
+        };
+        let t = rs.on_step(
+            StepReport {
+                id: ProcId(1),
+                outcome: StepOutcome::Children(vec![child]),
+                data: vec![],
+            },
+            6,
+        );
+        rs.on_locks_held(ProcId(2), vec![], 7);
+        let req = rs.lock_request(ProcId(2), false).expect("a request");
+        assert_eq!(req.ancestors, vec![ProcId(1)]);
+        assert_eq!(req.root, ProcId(1));
+        assert!(rs.lock_request(ProcId(2), true).is_some_and(|r| r.rollback));
+        // Rebuilt from its records, the tree hands back both holds, root first.
+        let mut records: Vec<ProcRecord> = Vec::new();
+        for op in t.persist {
+            if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
+                records.retain(|x| x.id != r.id);
+                records.push(r);
+            }
+        }
+        for r in &mut records {
+            if let Some(c) = r.locks.as_mut() {
+                c.held = true;
+            }
+        }
+        let (back, _) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+        let held: Vec<ProcId> = back.held_locks().iter().map(|r| r.owner).collect();
+        assert_eq!(held, vec![ProcId(1), ProcId(2)]);
     }
 }

@@ -14,6 +14,7 @@ use async_trait::async_trait;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::locks::Lock;
 use crate::procedure::{Context, Flow, LockState, ProcError, Procedure};
 
 /// A procedure written as a state machine over `Self::State` (HBase's
@@ -75,6 +76,11 @@ pub trait StateMachineProcedure: Serialize + DeserializeOwned + Send + 'static {
     /// Whether an abort may be accepted while the machine is about to run `state`.
     fn is_rollback_supported(&self, _state: Self::State) -> bool {
         true
+    }
+
+    /// See [`Procedure::locks`].
+    fn locks(&self) -> Vec<Lock> {
+        Vec::new()
     }
 
     /// See [`Procedure::acquire_lock`].
@@ -283,6 +289,10 @@ impl<T: StateMachineProcedure> Procedure for StateMachine<T> {
 
     fn abort(&mut self) -> bool {
         self.machine.is_rollback_supported(self.current_state())
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        self.machine.locks()
     }
 
     fn acquire_lock(&mut self, ctx: &Context) -> LockState {

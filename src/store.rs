@@ -166,6 +166,7 @@ mod tests {
             wake_at_ms: None,
             event: None,
             data: vec![],
+            locks: None,
         }
     }
 

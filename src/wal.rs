@@ -892,6 +892,7 @@ mod tests {
             wake_at_ms: Some(3),
             event: Some("e".into()),
             data,
+            locks: None,
         }
     }
 

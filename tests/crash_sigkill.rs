@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,12 +28,13 @@ const DIR_VAR: &str = "PROCTOR_CRASH_CHILD_DIR";
 const SEED_VAR: &str = "PROCTOR_CRASH_CHILD_SEED";
 const STEPS: u16 = 3;
 const CHILDREN: u16 = 2;
+/// Each tree locks one of these resources for its life (`res/<k>`).
+const LOCKS: u32 = 8;
 
 async fn executor(dir: &Path) -> (Executor, Arc<Env>) {
-    let env = Arc::new(Env {
-        ledger: Some(Ledger::open(&dir.join("ledger")).expect("ledger")),
-        steps: AtomicU64::new(0),
-    });
+    let env = Arc::new(Env::new(Some(
+        Ledger::open(&dir.join("ledger")).expect("ledger"),
+    )));
     let executor = Executor::builder()
         .registry(work::registry())
         .store(WalStore::open(dir.join("wal")).expect("open WAL"))
@@ -64,6 +65,7 @@ fn crash_child() {
                 steps: STEPS,
                 children: CHILDREN,
                 fail,
+                lock: Some(rng.u32(0..LOCKS)),
             };
             let permit = window.clone().acquire_owned().await.unwrap();
             let executor = executor.clone();
@@ -129,7 +131,12 @@ fn sigkill_at_random_moments_loses_nothing() {
         assert!(roots.len() > rolled_back, "and most roots succeeded");
         let effects = env.ledger.as_ref().unwrap().effects_per_root().unwrap();
         let per_root = usize::from(STEPS) * (1 + usize::from(CHILDREN));
-        let violations = work::ledger_violations(&roots, &effects, per_root);
+        let violations = work::ledger_violations(&roots, &effects, |_| per_root);
+        assert_eq!(
+            env.lock_conflicts.load(Ordering::Relaxed),
+            0,
+            "lock conflicts"
+        );
         assert!(
             violations.is_empty(),
             "{} violations over {} roots, first: {:?}",

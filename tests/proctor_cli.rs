@@ -35,6 +35,7 @@ fn record(id: u64, state: ProcState) -> ProcRecord {
         wake_at_ms: None,
         event: None,
         data: vec![7; 32],
+        locks: None,
     }
 }
 

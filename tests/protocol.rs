@@ -444,6 +444,7 @@ async fn a_reordered_log_is_reported_not_run_into_a_panic() {
         wake_at_ms: None,
         event: None,
         data: data.clone(),
+        locks: None,
     };
     let mut store = MemoryStore::new();
     store

@@ -2,7 +2,7 @@
 //! with `--children` child state machines, some failing at a random step and rolling
 //! back. It is the project's throughput benchmark and, with `--ledger` and `--verify`,
 //! its end-to-end correctness check. The flags and the last line (one JSON object) are a
-//! contract that outside checks drive; see `DESIGN.md`.
+//! contract that outside checks drive; `examples/README.md` writes it down.
 //!
 //! ```sh
 //! cargo run --release --example workload -- --store memory --procs 20000 --steps 3 \
@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -90,8 +90,9 @@ struct Args {
     /// Ledger file: every step records its effect, every rollback removes it.
     #[arg(long)]
     ledger: Option<PathBuf>,
-    /// Submit nothing: recover the store in --dir and run it to completion (pass the
-    /// --steps and --children of the original run, for --verify).
+    /// Submit nothing: recover the store in --dir and run it to completion. With
+    /// --verify it needs no other flag of the original run: each root's shape (steps,
+    /// children, failure plan, lock) is read from its persisted state.
     #[arg(long)]
     resume: bool,
     /// Check at the end that every procedure is SUCCESS or ROLLEDBACK and the ledger
@@ -104,6 +105,11 @@ struct Args {
     /// Concurrent steps (the executor's workers).
     #[arg(long, default_value_t = 64)]
     workers: usize,
+    /// Each root (and its children) holds an exclusive lock on one of N resources
+    /// (`res/<k>`); every step checks that no other tree is inside it (JSON:
+    /// `lock_conflicts`, which must be 0).
+    #[arg(long)]
+    locks: Option<u32>,
     /// WAL segment size in bytes (`--store wal`; default: `WalOptions`'s).
     #[arg(long)]
     segment_bytes: Option<u64>,
@@ -167,11 +173,11 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if args.resume && args.store == StoreKind::Memory {
         return Err("--resume needs a persistent store; the memory store keeps nothing".into());
     }
+    if args.locks == Some(0) {
+        return Err("--locks must be at least 1".into());
+    }
     let ledger = args.ledger.as_deref().map(Ledger::open).transpose()?;
-    let env = Arc::new(Env {
-        ledger,
-        steps: AtomicU64::new(0),
-    });
+    let env = Arc::new(Env::new(ledger));
     let builder = Executor::builder()
         .registry(registry())
         .workers(args.workers)
@@ -187,6 +193,11 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
             .unwrap_or_default()
     });
     let wal_stats = Arc::new(Mutex::new(WalStats::default()));
+    // What to expect of the roots already in the store comes from their own records.
+    let shapes: Rc<RefCell<HashMap<ProcId, Shape>>> = Rc::default();
+    if args.verify && args.store != StoreKind::Memory {
+        *shapes.borrow_mut() = stored_shapes(args.store, &dir)?;
+    }
     let executor = match args.store {
         StoreKind::Memory => builder.store(MemoryStore::new()).start().await?,
         StoreKind::Wal => {
@@ -224,7 +235,6 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         latency_us: Some(Histogram::new_with_bounds(1, 3_600_000_000, 3)?),
         ..Tally::default()
     }));
-    let expected: Rc<RefCell<HashMap<ProcId, bool>>> = Rc::default();
     let mut rng = fastrand::Rng::with_seed(args.seed);
     let window = Arc::new(Semaphore::new(args.concurrency.max(1)));
     let mut tasks = Vec::new();
@@ -247,16 +257,18 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
             steps: args.steps,
             children: args.children,
             fail,
+            lock: args.locks.map(|n| rng.u32(0..n)),
         };
+        let shape = Shape::of(&work);
         let permit = window.clone().acquire_owned().await?;
         let executor = executor.clone();
         let tally = tally.clone();
-        let expected = expected.clone();
+        let shapes = shapes.clone();
         tasks.push(actix::spawn(async move {
             let t0 = Instant::now();
             let outcome = match executor.submit(StateMachine::new(work)).await {
                 Ok(id) => {
-                    expected.borrow_mut().insert(id, fail.is_none());
+                    shapes.borrow_mut().insert(id, shape);
                     executor.wait(id).await.map(|r| (id, r))
                 }
                 Err(e) => Err(e),
@@ -284,11 +296,17 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let wall_s = started.elapsed().as_secs_f64();
     // Every task has finished: the shared cells are ours alone now.
-    let expected = expected.take();
+    let shapes = shapes.take();
     let mut tally = tally.take();
+    let lock_conflicts = env.lock_conflicts.load(Ordering::Relaxed);
+    if lock_conflicts > 0 {
+        tally.violations.push(format!(
+            "{lock_conflicts} steps ran inside a resource another tree held"
+        ));
+    }
 
     if args.verify {
-        verify(&executor, &env, &expected, &args, &mut tally).await?;
+        verify(&executor, &env, &shapes, &mut tally).await?;
         for corrupt in &recovery.corrupt {
             tally.violations.push(format!(
                 "procedure {} could not be recovered: {}",
@@ -335,6 +353,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "wal_live_bytes": wal.live_bytes,
         "wal_largest_frame": wal.largest_frame,
         "peak_rss_mb": round3(rss::peak_rss_mb()),
+        "lock_conflicts": lock_conflicts,
         "violations": tally.violations.len(),
     });
     println!("{report}");
@@ -363,16 +382,51 @@ fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
+/// What verification expects of one root: the ledger effects of its tree if it
+/// succeeds, and whether its plan lets it succeed.
+#[derive(Clone, Copy, Debug)]
+struct Shape {
+    effects: usize,
+    succeeds: bool,
+}
+
+impl Shape {
+    fn of(work: &Work) -> Self {
+        Shape {
+            effects: work.effects(),
+            succeeds: work.fail.is_none(),
+        }
+    }
+}
+
+/// The shapes of the roots already in the store, from their persisted state, read
+/// before the engine opens the store.
+fn stored_shapes(
+    kind: StoreKind,
+    dir: &std::path::Path,
+) -> Result<HashMap<ProcId, Shape>, Box<dyn std::error::Error>> {
+    let snapshot = match kind {
+        StoreKind::Memory => return Ok(HashMap::new()),
+        StoreKind::Wal => WalStore::open(dir)?.load()?,
+        StoreKind::FilePerProc => FilePerProcStore::open(dir.to_path_buf())?.load()?,
+    };
+    let mut shapes = HashMap::new();
+    for record in snapshot.records.into_iter().filter(|r| r.parent.is_none()) {
+        let machine: StateMachine<Work> = rmp_serde::from_slice(&record.data)
+            .map_err(|e| format!("root {}: cannot decode its state: {e}", record.id))?;
+        shapes.insert(record.id, Shape::of(machine.machine()));
+    }
+    Ok(shapes)
+}
+
 /// Every root is finished, in the state its plan says, and the ledger holds exactly the
 /// effects of the successful roots.
 async fn verify(
     executor: &Executor,
     env: &Env,
-    expected: &HashMap<ProcId, bool>,
-    args: &Args,
+    shapes: &HashMap<ProcId, Shape>,
     tally: &mut Tally,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let per_root = (u64::from(args.children) + 1) * u64::from(args.steps);
     let mut known = HashMap::new();
     for info in executor.list().await? {
         if info.parent.is_some() || info.root != info.id {
@@ -385,9 +439,10 @@ async fn verify(
         known.insert(info.id, info.state);
     }
     for (id, state) in &known {
-        let problem = match (state, expected.get(id).copied()) {
+        let problem = match (state, shapes.get(id).map(|s| s.succeeds)) {
             (ProcState::Success, Some(false)) => Some("succeeded though it was planned to fail"),
             (ProcState::RolledBack, Some(true)) => Some("rolled back though nothing failed"),
+            (_, None) => Some("has no known shape"),
             _ => None,
         };
         if let Some(problem) = problem {
@@ -396,7 +451,7 @@ async fn verify(
                 .push(format!("root {id} ({state}) {problem}"));
         }
     }
-    for id in expected.keys() {
+    for id in shapes.keys() {
         if !known.contains_key(id) {
             tally
                 .violations
@@ -407,13 +462,13 @@ async fn verify(
         Some(ledger) => ledger.effects_per_root()?,
         None => known.keys().map(|id| (id.0, 0)).collect(),
     };
-    let per_root = if env.ledger.is_some() {
-        per_root as usize
-    } else {
-        0
+    let ledger = env.ledger.is_some();
+    let expect = |id: ProcId| match shapes.get(&id) {
+        Some(shape) if ledger => shape.effects,
+        _ => 0,
     };
     tally
         .violations
-        .extend(work::ledger_violations(&known, &effects, per_root));
+        .extend(work::ledger_violations(&known, &effects, expect));
     Ok(())
 }

@@ -1,26 +1,62 @@
 //! The workload's procedure: a state machine of `steps` steps that records each step's
 //! side effect in the ledger, starts `children` children from its first step, and fails
-//! where its plan says. Shared with the SIGKILL crash test.
+//! where its plan says. With a lock, the root holds `res/<k>` exclusively for its life
+//! (its children run under it) and every step checks that no other tree is inside that
+//! resource. Shared with the SIGKILL crash test.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use proctor::{
-    async_trait, Context, Flow, ProcError, ProcId, ProcState, Registry, StateContext, StateMachine,
-    StateMachineProcedure,
+    async_trait, Context, Flow, Lock, ProcError, ProcId, ProcState, Registry, StateContext,
+    StateMachine, StateMachineProcedure,
 };
 use serde::{Deserialize, Serialize};
 
 use crate::ledger::{self, Ledger};
 
-/// What the procedures share: the ledger and a step counter.
+/// What the procedures share: the ledger, a step counter, and who is inside each
+/// locked resource.
+#[derive(Default)]
 pub struct Env {
     pub ledger: Option<Ledger>,
     pub steps: AtomicU64,
+    /// Resource `k` -> the root whose tree is inside it (from its first step to its
+    /// last step or last rollback).
+    pub inside: Mutex<HashMap<u32, u64>>,
+    /// Steps that found another tree inside their resource.
+    pub lock_conflicts: AtomicU64,
 }
 
 impl Env {
+    pub fn new(ledger: Option<Ledger>) -> Self {
+        Env {
+            ledger,
+            ..Env::default()
+        }
+    }
+
+    /// A step (or rollback) of `root`'s tree enters resource `k`.
+    fn enter(&self, k: Option<u32>, root: u64) {
+        let Some(k) = k else { return };
+        let mut inside = self.inside.lock().unwrap_or_else(|e| e.into_inner());
+        let owner = inside.entry(k).or_insert(root);
+        if *owner != root {
+            self.lock_conflicts.fetch_add(1, Ordering::Relaxed);
+            eprintln!("lock conflict: tree {root} inside res/{k} while tree {owner} is");
+        }
+    }
+
+    /// `root`'s tree is done with resource `k` (its last step or last rollback).
+    fn leave(&self, k: Option<u32>, root: u64) {
+        let Some(k) = k else { return };
+        let mut inside = self.inside.lock().unwrap_or_else(|e| e.into_inner());
+        if inside.get(&k) == Some(&root) {
+            inside.remove(&k);
+        }
+    }
+
     fn effect(&self, effect: ledger::Effect, add: bool) -> Result<(), ProcError> {
         let Some(ledger) = &self.ledger else {
             return Ok(());
@@ -42,6 +78,16 @@ pub struct Work {
     pub children: u16,
     /// `(path, step)` that fails in this tree, if any.
     pub fail: Option<(u16, u16)>,
+    /// The resource `res/<k>` the tree locks exclusively, if any.
+    #[serde(default)]
+    pub lock: Option<u32>,
+}
+
+impl Work {
+    /// The ledger effects a successful tree of this root leaves.
+    pub fn effects(&self) -> usize {
+        usize::from(self.steps) * (1 + usize::from(self.children))
+    }
 }
 
 #[async_trait]
@@ -57,8 +103,58 @@ impl StateMachineProcedure for Work {
         ctx: &mut StateContext<'_, u16>,
         step: u16,
     ) -> Result<Flow, ProcError> {
-        let env = ctx.env::<Arc<Env>>()?;
+        let env = ctx.env::<Arc<Env>>()?.clone();
         env.steps.fetch_add(1, Ordering::Relaxed);
+        let root = ctx.root().0;
+        env.enter(self.lock, root);
+        let flow = self.step(ctx, &env, step)?;
+        if self.path == 0 && matches!(flow, Flow::Done) {
+            env.leave(self.lock, root);
+        }
+        Ok(flow)
+    }
+
+    async fn rollback_state(&mut self, ctx: &mut Context, step: u16) -> Result<(), ProcError> {
+        let env = ctx.env::<Arc<Env>>()?;
+        let root = ctx.root().0;
+        env.enter(self.lock, root);
+        if step >= self.steps {
+            return Ok(());
+        }
+        env.effect((root, self.path, step), false)?;
+        if self.path == 0 && step == 0 {
+            // The root's first step started the children: undo what they did. A child
+            // that succeeded is not rolled back itself (its parent's rollback undoes
+            // what the parent caused).
+            for path in 1..=self.children {
+                for child_step in 0..self.steps {
+                    env.effect((root, path, child_step), false)?;
+                }
+            }
+            // The root's last rollback: the tree leaves its resource.
+            env.leave(self.lock, root);
+        }
+        Ok(())
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        self.lock
+            .map(|k| vec![Lock::exclusive(format!("res/{k}"))])
+            .unwrap_or_default()
+    }
+
+    fn holds_lock(&self) -> bool {
+        self.path == 0
+    }
+}
+
+impl Work {
+    fn step(
+        &self,
+        ctx: &mut StateContext<'_, u16>,
+        env: &Env,
+        step: u16,
+    ) -> Result<Flow, ProcError> {
         if step >= self.steps {
             // Only reached by a one-step root with children: the step after them.
             return Ok(Flow::Done);
@@ -89,24 +185,6 @@ impl StateMachineProcedure for Work {
             Ok(Flow::Done)
         }
     }
-
-    async fn rollback_state(&mut self, ctx: &mut Context, step: u16) -> Result<(), ProcError> {
-        let env = ctx.env::<Arc<Env>>()?;
-        if step >= self.steps {
-            return Ok(());
-        }
-        env.effect((ctx.root().0, self.path, step), false)?;
-        if self.path == 0 && step == 0 {
-            // The root's first step started the children: undo what they did. A child
-            // that succeeded is not rolled back itself (see DESIGN.md).
-            for path in 1..=self.children {
-                for child_step in 0..self.steps {
-                    env.effect((ctx.root().0, path, child_step), false)?;
-                }
-            }
-        }
-        Ok(())
-    }
 }
 
 /// The registry the workload's executors use.
@@ -116,17 +194,18 @@ pub fn registry() -> Registry {
     registry
 }
 
-/// Checks finished roots against the ledger: a successful root has all
-/// `effects_per_root` effects, a rolled-back one none, and the ledger names no root the
+/// Checks finished roots against the ledger: a successful root has all the effects its
+/// tree makes (`effects_of`), a rolled-back one none, and the ledger names no root the
 /// store does not know. `roots` are the roots the executor knows, with their states.
 pub fn ledger_violations(
     roots: &HashMap<ProcId, ProcState>,
     effects: &HashMap<u64, usize>,
-    effects_per_root: usize,
+    effects_of: impl Fn(ProcId) -> usize,
 ) -> Vec<String> {
     let mut violations = Vec::new();
     for (id, state) in roots {
         let n = effects.get(&id.0).copied().unwrap_or(0);
+        let effects_per_root = effects_of(*id);
         match state {
             ProcState::Success if n != effects_per_root => violations.push(format!(
                 "root {id} succeeded with {n} effects in the ledger, not {effects_per_root}"

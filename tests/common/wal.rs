@@ -23,6 +23,7 @@ pub fn record(id: u64, root: u64, version: u8, data_len: usize) -> ProcRecord {
         wake_at_ms: None,
         event: None,
         data: vec![version; data_len],
+        locks: None,
     }
 }
 

@@ -1,0 +1,1225 @@
+//! The lock table: hierarchical shared/exclusive locks on named resources, counted
+//! resources, FIFO waiters, and wait-for cycle detection.
+//!
+//! Resources are names with `/`-separated segments (`ns`, `ns/t1`, `ns/t1/r7`,
+//! `server/dn-4`); a name's ancestors are its proper prefixes at segment boundaries. A
+//! procedure asks for all its [`Lock`]s at once and is granted all or none. Two locks
+//! conflict when:
+//!
+//! | held \ asked          | shared `r` | exclusive `r` |
+//! |-----------------------|------------|---------------|
+//! | shared `r`            | no (unless `r` is counted and full) | yes |
+//! | exclusive `r`         | yes        | yes           |
+//! | any lock below `r`    | no         | yes           |
+//! | exclusive above `r`   | yes        | yes           |
+//!
+//! so a shared `ns` with exclusive `ns/t1` and `ns/t2` run together, and an exclusive
+//! `ns/t1` excludes every region of `t1` and an exclusive `ns`. A counted resource
+//! (see [`LockTable::set_permits`]) lets at most N shared holders in.
+//!
+//! Locks a procedure's ancestors hold do not block it (HBase's lock access: a child runs
+//! under its parent's locks), and a request from a procedure whose ancestor holds locks
+//! for its life, or for a rollback, goes before the ordinary waiters (the tree it belongs
+//! to must finish for them to run). Ordinary waiters are served first come, first served:
+//! a request is granted only if no holder and no earlier waiter conflicts with it, so a
+//! waiter is never overtaken by a later conflicting request; each release re-checks, in
+//! order, just the waiters that the released locks could have blocked.
+//!
+//! A wait can close a cycle only through a tree: a holder that keeps its locks for its
+//! life cannot finish before its descendants do. When a new wait closes such a cycle the
+//! table picks the waiter of the youngest tree in it (the largest root id) as the
+//! victim, removes its request and reports the cycle ([`Deadlock`]); the engine fails
+//! that procedure.
+//!
+//! Pure: no clock, no IO. The scheduler actor owns one table.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::fmt;
+use std::ops::ControlFlow;
+
+use serde::{Deserialize, Serialize};
+
+use crate::procedure::ProcId;
+
+/// How a resource is locked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum LockMode {
+    /// Many holders at once (at most N on a counted resource).
+    Shared,
+    /// One holder, and nobody below or (exclusively) above.
+    Exclusive,
+}
+
+/// One resource a procedure needs, and how.
+///
+/// ```
+/// use proctor::{Lock, LockMode};
+/// let l = Lock::exclusive("ns/t1");
+/// assert_eq!(l.mode, LockMode::Exclusive);
+/// assert_eq!(l.to_string(), "X ns/t1");
+/// assert_eq!(Lock::shared("ns").to_string(), "S ns");
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Lock {
+    /// The resource's name, `/`-separated from the top of its hierarchy.
+    pub resource: String,
+    /// Shared or exclusive.
+    pub mode: LockMode,
+}
+
+impl Lock {
+    /// A shared lock on `resource`.
+    pub fn shared(resource: impl Into<String>) -> Self {
+        Lock {
+            resource: resource.into(),
+            mode: LockMode::Shared,
+        }
+    }
+
+    /// An exclusive lock on `resource`.
+    pub fn exclusive(resource: impl Into<String>) -> Self {
+        Lock {
+            resource: resource.into(),
+            mode: LockMode::Exclusive,
+        }
+    }
+
+    /// Checks the resource name: non-empty segments separated by single `/`.
+    ///
+    /// ```
+    /// use proctor::Lock;
+    /// assert!(Lock::shared("ns/t1").check().is_ok());
+    /// assert!(Lock::shared("ns//t1").check().is_err());
+    /// assert!(Lock::shared("").check().is_err());
+    /// ```
+    pub fn check(&self) -> Result<(), String> {
+        if self.resource.split('/').any(str::is_empty) {
+            return Err(format!(
+                "bad resource name {:?}: segments must be non-empty and separated by one '/'",
+                self.resource
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Lock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mode = match self.mode {
+            LockMode::Shared => "S",
+            LockMode::Exclusive => "X",
+        };
+        write!(f, "{mode} {}", self.resource)
+    }
+}
+
+/// What a procedure declared, as its record keeps it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LockClaim {
+    /// The resources, all granted together before a step (or the first step).
+    pub locks: Vec<Lock>,
+    /// Held from the first step until the procedure finishes, rather than per step.
+    pub for_life: bool,
+    /// For `for_life`: the locks are held now. Persisted before the first step runs, so
+    /// recovery grants them back to this procedure before anything else is scheduled.
+    pub held: bool,
+}
+
+impl LockClaim {
+    /// What a procedure declares ([`Procedure::locks`](crate::Procedure::locks) and
+    /// [`holds_lock`](crate::Procedure::holds_lock)), checked: `None` for no locks, an
+    /// error naming the first bad resource name.
+    pub fn declare(locks: Vec<Lock>, for_life: bool) -> Result<Option<LockClaim>, String> {
+        if locks.is_empty() {
+            return Ok(None);
+        }
+        for lock in &locks {
+            lock.check()?;
+        }
+        Ok(Some(LockClaim {
+            locks,
+            for_life,
+            held: false,
+        }))
+    }
+}
+
+/// A request for locks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Request {
+    /// Who asks.
+    pub owner: ProcId,
+    /// The root of its tree.
+    pub root: ProcId,
+    /// Its ancestors, parent first (empty for a root): their locks do not block it.
+    pub ancestors: Vec<ProcId>,
+    /// What it needs.
+    pub locks: Vec<Lock>,
+    /// Kept until released, whatever steps run (informational for the table: it decides
+    /// which holders can close a wait-for cycle).
+    pub for_life: bool,
+    /// For a rollback: goes before ordinary waiters and is never chosen as a deadlock
+    /// victim (a rollback cannot be failed).
+    pub rollback: bool,
+}
+
+/// One wait in a deadlock's cycle.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WaitEdge {
+    /// The procedure that waits.
+    pub waiter: ProcId,
+    /// Its tree.
+    pub waiter_root: ProcId,
+    /// What it asked for.
+    pub wants: Vec<Lock>,
+    /// Who it waits for: a holder, or an earlier waiter it queues behind.
+    pub blocker: ProcId,
+    /// The blocker's tree.
+    pub blocker_root: ProcId,
+    /// `true` when the blocker holds its locks; `false` when it is an earlier waiter.
+    pub held: bool,
+}
+
+/// A wait-for cycle the table broke by removing one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Deadlock {
+    /// The waiter whose request was removed; the engine fails it.
+    pub victim: ProcId,
+    /// Its tree (the youngest of the cycle).
+    pub victim_root: ProcId,
+    /// The waits of the cycle, starting with the victim's. Between them, each blocker is
+    /// an ancestor of the next waiter, holding its locks until that descendant finishes.
+    pub cycle: Vec<WaitEdge>,
+}
+
+impl fmt::Display for Deadlock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "deadlock: ")?;
+        for (i, e) in self.cycle.iter().enumerate() {
+            if i > 0 {
+                f.write_str("; ")?;
+            }
+            let wants: Vec<String> = e.wants.iter().map(Lock::to_string).collect();
+            let how = if e.held { "held by" } else { "queued behind" };
+            write!(
+                f,
+                "procedure {} (tree {}) waits for [{}] {how} procedure {} (tree {})",
+                e.waiter,
+                e.waiter_root,
+                wants.join(", "),
+                e.blocker,
+                e.blocker_root
+            )?;
+        }
+        write!(
+            f,
+            "; failing procedure {} of the younger tree {}",
+            self.victim, self.victim_root
+        )
+    }
+}
+
+/// What a call changed: requests granted (in grant order) and deadlock victims.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Procedures whose waiting requests (or the new request) were granted.
+    pub granted: Vec<ProcId>,
+    /// Requests removed to break a wait-for cycle.
+    pub deadlocks: Vec<Deadlock>,
+}
+
+/// Per resource name: who holds it, who holds below it, who waits for it.
+#[derive(Debug, Default)]
+struct ResNode {
+    exclusive: Vec<ProcId>,
+    shared: Vec<ProcId>,
+    /// Holders of locks strictly below this resource, with how many such locks.
+    below: HashMap<ProcId, u32>,
+    /// Waiting requests with a lock on exactly this resource, by sequence number.
+    waiting: BTreeMap<u64, LockMode>,
+    /// The exclusive ones among `waiting`.
+    waiting_x: BTreeSet<u64>,
+    /// Waiting requests with a lock strictly below this resource.
+    waiting_below: BTreeSet<u64>,
+}
+
+impl ResNode {
+    fn is_empty(&self) -> bool {
+        self.exclusive.is_empty()
+            && self.shared.is_empty()
+            && self.below.is_empty()
+            && self.waiting.is_empty()
+            && self.waiting_below.is_empty()
+    }
+}
+
+#[derive(Debug)]
+struct Waiter {
+    req: Request,
+    priority: bool,
+}
+
+/// Why one procedure waits for another, in the wait-for graph.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+enum Link {
+    /// A waiter for a holder (for life) of a conflicting lock.
+    Held,
+    /// A waiter for an earlier conflicting waiter it queues behind.
+    Queued,
+    /// A life-long holder for its waiting descendant (it cannot finish first).
+    Tree,
+}
+
+/// One procedure on the search path, how it was reached, and what is left to visit.
+type PathStep = (ProcId, Link, Vec<(ProcId, Link)>);
+
+/// Priority requests take sequence numbers below every ordinary one.
+const ORDINARY: u64 = 1 << 63;
+
+/// The lock table. See the module docs.
+#[derive(Debug)]
+pub struct LockTable {
+    nodes: HashMap<String, ResNode>,
+    permits: HashMap<String, u32>,
+    holders: HashMap<ProcId, Request>,
+    waiters: BTreeMap<u64, Waiter>,
+    waiting_seq: HashMap<ProcId, u64>,
+    /// For each procedure, the waiting requests of its descendants.
+    desc_waiters: HashMap<ProcId, BTreeSet<u64>>,
+    next_priority: u64,
+    next_ordinary: u64,
+}
+
+impl Default for LockTable {
+    fn default() -> Self {
+        LockTable {
+            nodes: HashMap::new(),
+            permits: HashMap::new(),
+            holders: HashMap::new(),
+            waiters: BTreeMap::new(),
+            waiting_seq: HashMap::new(),
+            desc_waiters: HashMap::new(),
+            next_priority: 0,
+            next_ordinary: ORDINARY,
+        }
+    }
+}
+
+/// The proper ancestors of a resource name, nearest last: `a/b/c` gives `a`, `a/b`.
+fn ancestors_of(resource: &str) -> impl Iterator<Item = &str> {
+    resource
+        .match_indices('/')
+        .map(move |(i, _)| &resource[..i])
+}
+
+fn exempt(req: &Request, holder: ProcId) -> bool {
+    holder == req.owner || req.ancestors.contains(&holder)
+}
+
+/// One lock per resource, the strongest asked for.
+fn normalize(locks: &mut Vec<Lock>) {
+    locks.sort_by(|a, b| a.resource.cmp(&b.resource).then(b.mode.cmp(&a.mode)));
+    locks.dedup_by(|later, first| later.resource == first.resource);
+}
+
+impl LockTable {
+    /// An empty table.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Makes `resource` counted: at most `permits` (at least 1) shared holders at once.
+    /// An exclusive lock on it still excludes everyone.
+    pub fn set_permits(&mut self, resource: impl Into<String>, permits: u32) {
+        self.permits.insert(resource.into(), permits.max(1));
+    }
+
+    /// The locks `owner` holds.
+    pub fn held_by(&self, owner: ProcId) -> Option<&[Lock]> {
+        self.holders.get(&owner).map(|r| &r.locks[..])
+    }
+
+    /// The locks `owner` waits for.
+    pub fn waited_by(&self, owner: ProcId) -> Option<&[Lock]> {
+        let seq = self.waiting_seq.get(&owner)?;
+        self.waiters.get(seq).map(|w| &w.req.locks[..])
+    }
+
+    /// How many procedures hold locks, and how many wait.
+    pub fn len(&self) -> (usize, usize) {
+        (self.holders.len(), self.waiters.len())
+    }
+
+    /// Asks for `req.locks`, all or nothing. Granted at once (the owner is in
+    /// [`Changes::granted`]) when no holder outside its ancestry conflicts and, unless it
+    /// has priority, no earlier waiter conflicts; otherwise it waits. If the wait closes
+    /// a cycle, a victim's request is removed (possibly this one) and reported.
+    /// A second request from a holder is granted at once; one from a waiter is ignored.
+    pub fn request(&mut self, mut req: Request) -> Changes {
+        let mut changes = Changes::default();
+        if self.holders.contains_key(&req.owner) {
+            changes.granted.push(req.owner);
+            return changes;
+        }
+        if self.waiting_seq.contains_key(&req.owner) {
+            return changes;
+        }
+        normalize(&mut req.locks);
+        let ancestor_holds = req
+            .ancestors
+            .iter()
+            .any(|a| self.holders.get(a).is_some_and(|h| h.for_life));
+        let priority = req.rollback || ancestor_holds;
+        let seq = if priority {
+            self.next_priority += 1;
+            self.next_priority
+        } else {
+            self.next_ordinary += 1;
+            self.next_ordinary
+        };
+        if self.grantable(&req, seq, priority) {
+            changes.granted.push(req.owner);
+            self.grant(req);
+            return changes;
+        }
+        let owner = req.owner;
+        self.enqueue(seq, req, priority);
+        // A new cycle must pass through the new waiter, and the only edges into it come
+        // from its ancestors that hold for life, or (for a priority request) from later
+        // ordinary waiters. Without either, there is nothing to search.
+        if !ancestor_holds && !priority {
+            return changes;
+        }
+        while self.waiting_seq.contains_key(&owner) {
+            let Some(cycle) = self.find_cycle(owner) else {
+                break;
+            };
+            let Some(victim) = cycle
+                .iter()
+                .filter(|e| {
+                    self.waiting_seq
+                        .get(&e.waiter)
+                        .is_some_and(|s| !self.waiters[s].req.rollback)
+                })
+                .max_by_key(|e| (e.waiter_root, std::cmp::Reverse(e.waiter)))
+                .map(|e| (e.waiter, e.waiter_root))
+            else {
+                // Every wait of the cycle is a rollback: nothing can be failed.
+                break;
+            };
+            let start = cycle.iter().position(|e| e.waiter == victim.0).unwrap_or(0);
+            let mut ordered = cycle[start..].to_vec();
+            ordered.extend_from_slice(&cycle[..start]);
+            self.remove_waiter(victim.0, &mut changes);
+            changes.deadlocks.push(Deadlock {
+                victim: victim.0,
+                victim_root: victim.1,
+                cycle: ordered,
+            });
+        }
+        changes
+    }
+
+    /// Grants `req` whatever holds or waits (recovery re-granting persisted locks, root
+    /// first, before anything else runs). Returns `false`, granting nothing, when the
+    /// owner already holds or waits.
+    pub fn force_grant(&mut self, mut req: Request) -> bool {
+        if self.holders.contains_key(&req.owner) || self.waiting_seq.contains_key(&req.owner) {
+            return false;
+        }
+        normalize(&mut req.locks);
+        self.grant(req);
+        true
+    }
+
+    /// Releases everything `owner` holds, or withdraws its waiting request, and grants
+    /// the waiters that can now run, in order.
+    pub fn release(&mut self, owner: ProcId) -> Changes {
+        let mut changes = Changes::default();
+        if let Some(req) = self.holders.remove(&owner) {
+            let mut touched = VecDeque::new();
+            self.ungrant(&req, &mut touched);
+            self.wake(touched, &mut changes);
+        } else {
+            self.remove_waiter(owner, &mut changes);
+        }
+        changes
+    }
+
+    /// `true` if `owner` holds locks, and whether for its life.
+    pub fn holds(&self, owner: ProcId) -> Option<bool> {
+        self.holders.get(&owner).map(|r| r.for_life)
+    }
+
+    fn remove_waiter(&mut self, owner: ProcId, changes: &mut Changes) {
+        let Some(&seq) = self.waiting_seq.get(&owner) else {
+            return;
+        };
+        let waiter = self.dequeue(seq);
+        let touched = waiter
+            .req
+            .locks
+            .iter()
+            .map(|l| (l.resource.clone(), l.mode))
+            .collect();
+        self.wake(touched, changes);
+    }
+
+    /// Visits every holder outside `req`'s ancestry whose locks conflict with it.
+    fn each_blocking_holder(
+        &self,
+        req: &Request,
+        f: &mut dyn FnMut(ProcId) -> ControlFlow<()>,
+    ) -> ControlFlow<()> {
+        for lock in &req.locks {
+            let r = lock.resource.as_str();
+            if let Some(n) = self.nodes.get(r) {
+                for &h in &n.exclusive {
+                    if !exempt(req, h) {
+                        f(h)?;
+                    }
+                }
+                match lock.mode {
+                    LockMode::Exclusive => {
+                        for &h in n.shared.iter().chain(n.below.keys()) {
+                            if !exempt(req, h) {
+                                f(h)?;
+                            }
+                        }
+                    }
+                    LockMode::Shared => {
+                        if let Some(&permits) = self.permits.get(r) {
+                            let others = n.shared.iter().filter(|&&h| !exempt(req, h));
+                            if others.clone().count() >= permits as usize {
+                                for &h in others {
+                                    f(h)?;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            for a in ancestors_of(r) {
+                if let Some(n) = self.nodes.get(a) {
+                    for &h in &n.exclusive {
+                        if !exempt(req, h) {
+                            f(h)?;
+                        }
+                    }
+                }
+            }
+        }
+        ControlFlow::Continue(())
+    }
+
+    /// Visits every waiter before `seq` whose request conflicts with `req`.
+    fn each_earlier_waiter(
+        &self,
+        req: &Request,
+        seq: u64,
+        f: &mut dyn FnMut(u64) -> ControlFlow<()>,
+    ) -> ControlFlow<()> {
+        for lock in &req.locks {
+            let r = lock.resource.as_str();
+            if let Some(n) = self.nodes.get(r) {
+                let counted = self.permits.contains_key(r);
+                if lock.mode == LockMode::Exclusive || counted {
+                    for (&s, _) in n.waiting.range(..seq) {
+                        f(s)?;
+                    }
+                } else {
+                    for &s in n.waiting_x.range(..seq) {
+                        f(s)?;
+                    }
+                }
+                if lock.mode == LockMode::Exclusive {
+                    for &s in n.waiting_below.range(..seq) {
+                        f(s)?;
+                    }
+                }
+            }
+            for a in ancestors_of(r) {
+                if let Some(n) = self.nodes.get(a) {
+                    for &s in n.waiting_x.range(..seq) {
+                        f(s)?;
+                    }
+                }
+            }
+        }
+        ControlFlow::Continue(())
+    }
+
+    fn grantable(&self, req: &Request, seq: u64, priority: bool) -> bool {
+        if self
+            .each_blocking_holder(req, &mut |_| ControlFlow::Break(()))
+            .is_break()
+        {
+            return false;
+        }
+        priority
+            || self
+                .each_earlier_waiter(req, seq, &mut |_| ControlFlow::Break(()))
+                .is_continue()
+    }
+
+    fn grant(&mut self, req: Request) {
+        for lock in &req.locks {
+            let node = self.nodes.entry(lock.resource.clone()).or_default();
+            match lock.mode {
+                LockMode::Exclusive => node.exclusive.push(req.owner),
+                LockMode::Shared => node.shared.push(req.owner),
+            }
+            for a in ancestors_of(&lock.resource) {
+                let node = self.nodes.entry(a.to_string()).or_default();
+                *node.below.entry(req.owner).or_default() += 1;
+            }
+        }
+        self.holders.insert(req.owner, req);
+    }
+
+    fn ungrant(&mut self, req: &Request, touched: &mut VecDeque<(String, LockMode)>) {
+        for lock in &req.locks {
+            if let Some(node) = self.nodes.get_mut(&lock.resource) {
+                let list = match lock.mode {
+                    LockMode::Exclusive => &mut node.exclusive,
+                    LockMode::Shared => &mut node.shared,
+                };
+                if let Some(i) = list.iter().position(|&h| h == req.owner) {
+                    list.swap_remove(i);
+                }
+                if node.is_empty() {
+                    self.nodes.remove(&lock.resource);
+                }
+            }
+            for a in ancestors_of(&lock.resource) {
+                if let Some(node) = self.nodes.get_mut(a) {
+                    if let Some(count) = node.below.get_mut(&req.owner) {
+                        *count -= 1;
+                        if *count == 0 {
+                            node.below.remove(&req.owner);
+                        }
+                    }
+                    if node.is_empty() {
+                        self.nodes.remove(a);
+                    }
+                }
+            }
+            touched.push_back((lock.resource.clone(), lock.mode));
+        }
+    }
+
+    fn enqueue(&mut self, seq: u64, req: Request, priority: bool) {
+        for lock in &req.locks {
+            let node = self.nodes.entry(lock.resource.clone()).or_default();
+            node.waiting.insert(seq, lock.mode);
+            if lock.mode == LockMode::Exclusive {
+                node.waiting_x.insert(seq);
+            }
+            for a in ancestors_of(&lock.resource) {
+                let node = self.nodes.entry(a.to_string()).or_default();
+                node.waiting_below.insert(seq);
+            }
+        }
+        for &a in &req.ancestors {
+            self.desc_waiters.entry(a).or_default().insert(seq);
+        }
+        self.waiting_seq.insert(req.owner, seq);
+        self.waiters.insert(seq, Waiter { req, priority });
+    }
+
+    fn dequeue(&mut self, seq: u64) -> Waiter {
+        let waiter = self.waiters.remove(&seq).expect("a queued waiter");
+        let req = &waiter.req;
+        for lock in &req.locks {
+            if let Some(node) = self.nodes.get_mut(&lock.resource) {
+                node.waiting.remove(&seq);
+                node.waiting_x.remove(&seq);
+                if node.is_empty() {
+                    self.nodes.remove(&lock.resource);
+                }
+            }
+            for a in ancestors_of(&lock.resource) {
+                if let Some(node) = self.nodes.get_mut(a) {
+                    node.waiting_below.remove(&seq);
+                    if node.is_empty() {
+                        self.nodes.remove(a);
+                    }
+                }
+            }
+        }
+        for a in &req.ancestors {
+            if let Some(set) = self.desc_waiters.get_mut(a) {
+                set.remove(&seq);
+                if set.is_empty() {
+                    self.desc_waiters.remove(a);
+                }
+            }
+        }
+        self.waiting_seq.remove(&req.owner);
+        waiter
+    }
+
+    /// Re-checks, in order, the waiters that locks leaving `touched` resources (released,
+    /// or withdrawn from the queue) could have blocked, and grants those that can run.
+    /// Every grant is itself a departure from the queue and is followed the same way.
+    fn wake(&mut self, mut touched: VecDeque<(String, LockMode)>, changes: &mut Changes) {
+        let mut pending: HashSet<(String, LockMode)> = touched.iter().cloned().collect();
+        while let Some((resource, mode)) = touched.pop_front() {
+            pending.remove(&(resource.clone(), mode));
+            let mut departed = Vec::new();
+            self.scan(&resource, &mut departed, changes);
+            for a in ancestors_of(&resource) {
+                self.scan(a, &mut departed, changes);
+            }
+            if mode == LockMode::Exclusive {
+                self.scan_below(&resource, &mut departed, changes);
+            }
+            for item in departed {
+                if pending.insert(item.clone()) {
+                    touched.push_back(item);
+                }
+            }
+        }
+    }
+
+    /// The waiters of one resource, oldest first, until one that blocks all later ones.
+    fn scan(
+        &mut self,
+        resource: &str,
+        departed: &mut Vec<(String, LockMode)>,
+        changes: &mut Changes,
+    ) {
+        let counted = self.permits.contains_key(resource);
+        let mut from = 0;
+        loop {
+            let next = self
+                .nodes
+                .get(resource)
+                .and_then(|n| n.waiting.range(from..).next())
+                .map(|(&s, &m)| (s, m));
+            let Some((seq, mode)) = next else {
+                return;
+            };
+            from = seq + 1;
+            if self.try_grant(seq, departed, changes) {
+                continue;
+            }
+            // An ordinary waiter that stays conflicts with every later ordinary waiter
+            // on this resource if it is exclusive (or the resource is counted): they
+            // queue behind it.
+            if seq >= ORDINARY && (mode == LockMode::Exclusive || counted) {
+                return;
+            }
+        }
+    }
+
+    fn scan_below(
+        &mut self,
+        resource: &str,
+        departed: &mut Vec<(String, LockMode)>,
+        changes: &mut Changes,
+    ) {
+        let mut from = 0;
+        loop {
+            let next = self
+                .nodes
+                .get(resource)
+                .and_then(|n| n.waiting_below.range(from..).next())
+                .copied();
+            let Some(seq) = next else {
+                return;
+            };
+            from = seq + 1;
+            self.try_grant(seq, departed, changes);
+        }
+    }
+
+    fn try_grant(
+        &mut self,
+        seq: u64,
+        departed: &mut Vec<(String, LockMode)>,
+        changes: &mut Changes,
+    ) -> bool {
+        let Some(w) = self.waiters.get(&seq) else {
+            return false;
+        };
+        if !self.grantable(&w.req, seq, w.priority) {
+            return false;
+        }
+        let waiter = self.dequeue(seq);
+        departed.extend(
+            waiter
+                .req
+                .locks
+                .iter()
+                .map(|l| (l.resource.clone(), l.mode)),
+        );
+        changes.granted.push(waiter.req.owner);
+        self.grant(waiter.req);
+        true
+    }
+
+    /// What `p` waits for: as a waiter, the holders that keep their locks for life and
+    /// block it, and the earlier waiters it queues behind; as a holder for life, its
+    /// descendants that wait (it cannot finish before they do). Step holders are left
+    /// out: their step ends whatever happens in the table.
+    fn successors(&self, p: ProcId) -> Vec<(ProcId, Link)> {
+        let mut out = Vec::new();
+        if let Some(&seq) = self.waiting_seq.get(&p) {
+            let w = &self.waiters[&seq];
+            let _ = self.each_blocking_holder(&w.req, &mut |h| {
+                if self.holders.get(&h).is_some_and(|r| r.for_life) {
+                    out.push((h, Link::Held));
+                }
+                ControlFlow::Continue(())
+            });
+            if !w.priority {
+                let _ = self.each_earlier_waiter(&w.req, seq, &mut |s| {
+                    out.push((self.waiters[&s].req.owner, Link::Queued));
+                    ControlFlow::Continue(())
+                });
+            }
+        } else if self.holders.get(&p).is_some_and(|r| r.for_life) {
+            if let Some(set) = self.desc_waiters.get(&p) {
+                out.extend(set.iter().map(|s| (self.waiters[s].req.owner, Link::Tree)));
+            }
+        }
+        out.sort_unstable();
+        out.dedup_by_key(|(id, _)| *id);
+        out
+    }
+
+    /// A wait-for cycle through `start`, as its waits (holder-to-descendant links are
+    /// implied between them), or `None`.
+    fn find_cycle(&self, start: ProcId) -> Option<Vec<WaitEdge>> {
+        // Iterative depth-first search keeping the path of (node, edge kind into it).
+        let mut visited: HashSet<ProcId> = HashSet::from([start]);
+        let mut path: Vec<PathStep> = vec![(start, Link::Tree, self.successors(start))];
+        while let Some((node, _, next)) = path.last_mut() {
+            let from = *node;
+            let Some((succ, kind)) = next.pop() else {
+                path.pop();
+                continue;
+            };
+            if succ == start {
+                // Close the cycle: every step along the path, plus this last edge.
+                let mut hops: Vec<(ProcId, ProcId, Link)> =
+                    path.windows(2).map(|w| (w[0].0, w[1].0, w[1].1)).collect();
+                hops.push((from, succ, kind));
+                return Some(
+                    hops.into_iter()
+                        .filter_map(|(waiter, blocker, link)| match link {
+                            Link::Held => Some(self.edge(waiter, blocker, true)),
+                            Link::Queued => Some(self.edge(waiter, blocker, false)),
+                            Link::Tree => None,
+                        })
+                        .collect(),
+                );
+            }
+            if visited.insert(succ) {
+                let succs = self.successors(succ);
+                path.push((succ, kind, succs));
+            }
+        }
+        None
+    }
+
+    fn edge(&self, waiter: ProcId, blocker: ProcId, held: bool) -> WaitEdge {
+        let w = &self.waiters[&self.waiting_seq[&waiter]].req;
+        let blocker_root = self
+            .holders
+            .get(&blocker)
+            .map(|r| r.root)
+            .or_else(|| {
+                let s = self.waiting_seq.get(&blocker)?;
+                Some(self.waiters[s].req.root)
+            })
+            .unwrap_or(blocker);
+        WaitEdge {
+            waiter,
+            waiter_root: w.root,
+            wants: w.locks.clone(),
+            blocker,
+            blocker_root,
+            held,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn req(owner: u64, ancestors: &[u64], locks: &[&str]) -> Request {
+        Request {
+            owner: ProcId(owner),
+            root: ProcId(ancestors.last().copied().unwrap_or(owner)),
+            ancestors: ancestors.iter().map(|&a| ProcId(a)).collect(),
+            locks: locks
+                .iter()
+                .map(|l| {
+                    let (mode, r) = l.split_at(2);
+                    match mode {
+                        "X " => Lock::exclusive(r),
+                        "S " => Lock::shared(r),
+                        _ => panic!("lock {l:?}"),
+                    }
+                })
+                .collect(),
+            for_life: true,
+            rollback: false,
+        }
+    }
+
+    fn ids(v: &[u64]) -> Vec<ProcId> {
+        v.iter().map(|&i| ProcId(i)).collect()
+    }
+
+    #[test]
+    fn conflicts_follow_the_hierarchy() {
+        // (held, asked, granted at once)
+        let cases: &[(&[&str], &[&str], bool)] = &[
+            (&["S ns"], &["S ns"], true),
+            (&["S ns"], &["X ns"], false),
+            (&["X ns"], &["S ns"], false),
+            (&["X ns"], &["X ns/t1"], false),
+            (&["X ns"], &["S ns/t1/r1"], false),
+            (&["S ns"], &["X ns/t1"], true),
+            (&["X ns/t1"], &["X ns/t2"], true),
+            (&["X ns/t1"], &["S ns"], true),
+            (&["X ns/t1"], &["X ns"], false),
+            (&["S ns/t1/r1"], &["X ns"], false),
+            (&["S ns/t1/r1"], &["X ns/t1"], false),
+            (&["S ns/t1/r1"], &["S ns/t1"], true),
+            (&["X ns/t1/r1"], &["X ns/t1/r2"], true),
+            (&["X ns/t1"], &["X ns/t10"], true),
+            (&["X server/dn-4"], &["X ns/t1"], true),
+            (&["S ns", "X ns/t1"], &["S ns", "X ns/t2"], true),
+            (&["S ns", "X ns/t1"], &["S ns", "X ns/t1/r3"], false),
+        ];
+        for (held, asked, expect) in cases {
+            let mut t = LockTable::new();
+            assert_eq!(t.request(req(1, &[], held)).granted, ids(&[1]));
+            let got = t.request(req(2, &[], asked)).granted == ids(&[2]);
+            assert_eq!(got, *expect, "held {held:?}, asked {asked:?}");
+        }
+    }
+
+    #[test]
+    fn all_or_nothing_and_release_wakes_in_order() {
+        let mut t = LockTable::new();
+        assert_eq!(t.request(req(1, &[], &["X a"])).granted, ids(&[1]));
+        // 2 needs a and b: it holds neither while it waits, so 3 gets b.
+        assert!(t.request(req(2, &[], &["X a", "X b"])).granted.is_empty());
+        assert_eq!(t.held_by(ProcId(2)), None);
+        assert_eq!(t.waited_by(ProcId(2)).map(<[_]>::len), Some(2));
+        // 3 does not conflict with 2 on c, but on b it queues behind it (no overtaking).
+        assert!(t.request(req(3, &[], &["X b"])).granted.is_empty());
+        assert_eq!(t.request(req(4, &[], &["X c"])).granted, ids(&[4]));
+        assert_eq!(t.release(ProcId(1)).granted, ids(&[2]));
+        assert_eq!(t.release(ProcId(2)).granted, ids(&[3]));
+        assert_eq!(t.release(ProcId(3)).granted, ids(&[]));
+        t.release(ProcId(4));
+        assert_eq!(t.len(), (0, 0));
+        assert!(t.nodes.is_empty(), "{:?}", t.nodes);
+    }
+
+    #[test]
+    fn waiters_are_never_overtaken_by_later_conflicting_requests() {
+        // (held by 1, queued in order 2.., expected grants after releasing 1)
+        type Case = (
+            &'static [&'static str],
+            &'static [&'static [&'static str]],
+            &'static [u64],
+        );
+        let cases: &[Case] = &[
+            // A shared request behind a waiting exclusive one waits too.
+            (&["S r"], &[&["X r"], &["S r"]], &[2]),
+            // Readers behind a reader all go together.
+            (&["X r"], &[&["S r"], &["S r"], &["X r"]], &[2, 3]),
+            // An exclusive parent waiting blocks a later child-resource request.
+            (&["S ns/t1/r1"], &[&["X ns/t1"], &["S ns/t1/r2"]], &[2]),
+            // Unrelated resources pass.
+            (&["X a"], &[&["X a"], &["X b"]], &[3, 2]),
+        ];
+        for (held, queued, expect) in cases {
+            let mut t = LockTable::new();
+            t.request(req(1, &[], held));
+            let mut early = Vec::new();
+            for (i, q) in queued.iter().enumerate() {
+                early.extend(t.request(req(i as u64 + 2, &[], q)).granted);
+            }
+            let mut granted = early;
+            granted.extend(t.release(ProcId(1)).granted);
+            assert_eq!(granted, ids(expect), "held {held:?}, queued {queued:?}");
+        }
+    }
+
+    #[test]
+    fn counted_resources_let_n_holders_in() {
+        let mut t = LockTable::new();
+        t.set_permits("ddl/db1", 2);
+        assert_eq!(t.request(req(1, &[], &["S ddl/db1"])).granted, ids(&[1]));
+        assert_eq!(t.request(req(2, &[], &["S ddl/db1"])).granted, ids(&[2]));
+        assert!(t.request(req(3, &[], &["S ddl/db1"])).granted.is_empty());
+        assert!(t.request(req(4, &[], &["S ddl/db1"])).granted.is_empty());
+        assert_eq!(t.release(ProcId(1)).granted, ids(&[3]));
+        assert_eq!(t.release(ProcId(2)).granted, ids(&[4]));
+        // Not counted: any number of readers.
+        for i in 10..20 {
+            assert_eq!(t.request(req(i, &[], &["S ddl/db2"])).granted, ids(&[i]));
+        }
+    }
+
+    #[test]
+    fn children_run_under_their_ancestors_locks() {
+        let mut t = LockTable::new();
+        assert_eq!(t.request(req(1, &[], &["X ns/t1"])).granted, ids(&[1]));
+        // Another tree waits for the table...
+        assert!(t.request(req(50, &[], &["S ns/t1"])).granted.is_empty());
+        // ...but 1's grandchild takes a region of it (and its own extra resource) at
+        // once, ahead of the waiter.
+        let child = req(3, &[2, 1], &["X ns/t1/r1", "X server/dn-1"]);
+        assert_eq!(t.request(child).granted, ids(&[3]));
+        // A sibling subtree conflicts with the grandchild's own lock.
+        assert!(t
+            .request(req(4, &[1], &["S server/dn-1"]))
+            .granted
+            .is_empty());
+        assert_eq!(t.release(ProcId(3)).granted, ids(&[4]));
+        t.release(ProcId(4));
+        assert_eq!(t.release(ProcId(1)).granted, ids(&[50]));
+    }
+
+    #[test]
+    fn a_cycle_between_two_trees_fails_the_younger_one() {
+        let mut t = LockTable::new();
+        t.request(req(1, &[], &["X res/1"]));
+        t.request(req(5, &[], &["X res/2"]));
+        // 1's child waits for res/2, held by tree 5: no cycle yet.
+        let c = t.request(req(2, &[1], &["X res/2"]));
+        assert_eq!(c, Changes::default());
+        // 5's child waits for res/1, held by tree 1: 2 → 5 → 6 → 1 → 2.
+        let c = t.request(req(6, &[5], &["X res/1"]));
+        assert!(c.granted.is_empty());
+        assert_eq!(c.deadlocks.len(), 1);
+        let d = &c.deadlocks[0];
+        assert_eq!((d.victim, d.victim_root), (ProcId(6), ProcId(5)));
+        let text = d.to_string();
+        for needle in [
+            "procedure 6 (tree 5) waits for [X res/1] held by procedure 1 (tree 1)",
+            "procedure 2 (tree 1) waits for [X res/2] held by procedure 5 (tree 5)",
+            "failing procedure 6 of the younger tree 5",
+        ] {
+            assert!(text.contains(needle), "{text}");
+        }
+        assert_eq!(t.waited_by(ProcId(6)), None);
+        // The older tree goes on once the younger one releases.
+        assert_eq!(t.release(ProcId(5)).granted, ids(&[2]));
+    }
+
+    #[test]
+    fn the_victim_is_the_youngest_tree_even_when_the_older_closes_the_cycle() {
+        let mut t = LockTable::new();
+        t.request(req(1, &[], &["X res/1"]));
+        t.request(req(5, &[], &["X res/2"]));
+        assert_eq!(t.request(req(6, &[5], &["X res/1"])), Changes::default());
+        let c = t.request(req(2, &[1], &["X res/2"]));
+        assert_eq!(c.deadlocks.len(), 1);
+        assert_eq!(c.deadlocks[0].victim, ProcId(6));
+        assert!(t.waited_by(ProcId(2)).is_some());
+    }
+
+    #[test]
+    fn holders_for_one_step_close_no_cycle() {
+        let mut t = LockTable::new();
+        let mut step = req(1, &[], &["X res/1"]);
+        step.for_life = false;
+        t.request(step);
+        t.request(req(5, &[], &["X res/2"]));
+        t.request(req(2, &[1], &["X res/2"]));
+        let c = t.request(req(6, &[5], &["X res/1"]));
+        assert!(c.deadlocks.is_empty(), "{c:?}");
+    }
+
+    #[test]
+    fn resource_names_are_checked() {
+        for (name, ok) in [
+            ("ns", true),
+            ("ns/t1/r1", true),
+            ("", false),
+            ("/ns", false),
+            ("ns/", false),
+            ("ns//t", false),
+        ] {
+            assert_eq!(Lock::shared(name).check().is_ok(), ok, "{name:?}");
+        }
+    }
+
+    fn conflicting(a: &Request, b: &Request, table: &LockTable) -> bool {
+        if exempt(a, b.owner) || exempt(b, a.owner) {
+            return false;
+        }
+        for la in &a.locks {
+            for lb in &b.locks {
+                let (ra, rb) = (la.resource.as_str(), lb.resource.as_str());
+                let a_above_b = rb.starts_with(ra) && rb[ra.len()..].starts_with('/');
+                let b_above_a = ra.starts_with(rb) && ra[rb.len()..].starts_with('/');
+                let clash = if ra == rb {
+                    let both_shared = la.mode == LockMode::Shared && lb.mode == LockMode::Shared;
+                    !both_shared
+                } else if a_above_b {
+                    la.mode == LockMode::Exclusive
+                } else if b_above_a {
+                    lb.mode == LockMode::Exclusive
+                } else {
+                    false
+                };
+                if clash {
+                    return true;
+                }
+            }
+        }
+        let _ = table;
+        false
+    }
+
+    fn check_holders(t: &LockTable) {
+        let holders: Vec<&Request> = t.holders.values().collect();
+        for (i, a) in holders.iter().enumerate() {
+            for b in &holders[i + 1..] {
+                assert!(!conflicting(a, b, t), "conflicting holders {a:?} and {b:?}");
+            }
+        }
+        for (resource, &permits) in &t.permits {
+            let n = t.nodes.get(resource).map_or(0, |n| n.shared.len());
+            assert!(n <= permits as usize, "{n} holders of {resource}");
+        }
+    }
+
+    const RESOURCES: [&str; 7] = [
+        "ns", "ns/t1", "ns/t2", "ns/t1/r1", "ns/t1/r2", "ns/t2/r1", "srv",
+    ];
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// Random requests and releases from one-node trees never leave two conflicting
+        /// holders, and releasing every holder in turn grants every waiter.
+        #[test]
+        fn no_conflicting_holders_and_every_waiter_is_granted(
+            ops in proptest::collection::vec(
+                (0u8..4, proptest::collection::vec((0usize..RESOURCES.len(), any::<bool>()), 1..3)),
+                1..60,
+            ),
+        ) {
+            let mut t = LockTable::new();
+            t.set_permits("srv", 2);
+            let mut next = 1u64;
+            let mut held: Vec<ProcId> = Vec::new();
+            for (op, locks) in ops {
+                if op == 0 && !held.is_empty() {
+                    let who = held.remove(0);
+                    let c = t.release(who);
+                    held.extend(c.granted);
+                } else {
+                    let locks = locks
+                        .into_iter()
+                        .map(|(r, x)| if x { Lock::exclusive(RESOURCES[r]) } else { Lock::shared(RESOURCES[r]) })
+                        .collect();
+                    let r = Request {
+                        owner: ProcId(next),
+                        root: ProcId(next),
+                        ancestors: vec![],
+                        locks,
+                        for_life: true,
+                        rollback: false,
+                    };
+                    next += 1;
+                    let c = t.request(r);
+                    prop_assert!(c.deadlocks.is_empty());
+                    held.extend(c.granted);
+                }
+                check_holders(&t);
+            }
+            while !held.is_empty() {
+                let who = held.remove(0);
+                held.extend(t.release(who).granted);
+                check_holders(&t);
+            }
+            prop_assert_eq!(t.len(), (0, 0));
+            prop_assert!(t.nodes.is_empty());
+        }
+
+        /// Two-level trees: children ask under their root's life-long locks. Deadlocks
+        /// may be found; either way no two conflicting holders, and once roots whose
+        /// children are done release, everything drains.
+        #[test]
+        fn trees_never_hold_conflicting_locks_and_drain(
+            ops in proptest::collection::vec(
+                (0usize..4, 0usize..RESOURCES.len(), any::<bool>(), any::<bool>()),
+                1..50,
+            ),
+        ) {
+            let mut t = LockTable::new();
+            let mut next = 100u64;
+            let roots: Vec<u64> = (1..=4).collect();
+            for (i, &root) in roots.iter().enumerate() {
+                let r = RESOURCES[(i * 2) % RESOURCES.len()];
+                t.request(Request {
+                    owner: ProcId(root), root: ProcId(root), ancestors: vec![],
+                    locks: vec![Lock::shared(r)], for_life: true, rollback: false,
+                });
+            }
+            let mut children: Vec<(u64, ProcId)> = Vec::new();
+            for (root, r, x, for_life) in ops {
+                let root = roots[root];
+                let lock = if x { Lock::exclusive(RESOURCES[r]) } else { Lock::shared(RESOURCES[r]) };
+                let c = t.request(Request {
+                    owner: ProcId(next), root: ProcId(root), ancestors: vec![ProcId(root)],
+                    locks: vec![lock], for_life, rollback: false,
+                });
+                children.push((root, ProcId(next)));
+                next += 1;
+                for d in &c.deadlocks {
+                    prop_assert!(d.to_string().starts_with("deadlock: "));
+                    prop_assert!(t.waited_by(d.victim).is_none());
+                    children.retain(|(_, c)| *c != d.victim);
+                }
+                check_holders(&t);
+            }
+            // Children finish (release as they are granted), then roots.
+            loop {
+                let granted: Vec<ProcId> = children.iter().map(|c| c.1).filter(|c| t.holds(*c).is_some()).collect();
+                if granted.is_empty() { break; }
+                for c in granted {
+                    t.release(c);
+                    children.retain(|(_, x)| *x != c);
+                    check_holders(&t);
+                }
+            }
+            // What is left waits on a root: roots whose children are all done release.
+            let mut roots_left = roots.clone();
+            while !roots_left.is_empty() {
+                let Some(i) = roots_left.iter().position(|r| children.iter().all(|c| c.0 != *r)) else {
+                    prop_assert!(false, "no root can finish: {:?}", children);
+                    unreachable!();
+                };
+                let root = roots_left.remove(i);
+                t.release(ProcId(root));
+                loop {
+                    let granted: Vec<ProcId> = children.iter().map(|c| c.1).filter(|c| t.holds(*c).is_some()).collect();
+                    if granted.is_empty() { break; }
+                    for c in granted {
+                        t.release(c);
+                        children.retain(|(_, x)| *x != c);
+                    }
+                }
+                check_holders(&t);
+            }
+            prop_assert!(children.is_empty(), "{:?}", children);
+            prop_assert_eq!(t.len(), (0, 0));
+        }
+    }
+}

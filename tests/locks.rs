@@ -1,0 +1,526 @@
+//! Engine locks, driven through the executor's messages on both stores: contention
+//! checked by the procedures themselves, FIFO per resource, children under their
+//! parent's locks, counted resources, a deadlock between two trees, locks held across a
+//! restart, an abort of a waiting procedure, bad names, and admission control.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use proctor::{
+    async_trait, Context, Error, Executor, Flow, Lock, LockMode, ProcError, ProcId, ProcState,
+    Procedure, ProcedureStore, Registry,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Notify, Semaphore};
+
+/// What the lock tests observe: which steps hold which resources right now (as the
+/// procedures themselves register them), conflicts seen, and the order of calls.
+struct World {
+    /// resource -> (procedure name, mode)
+    holding: Mutex<HashMap<String, Vec<(String, LockMode)>>>,
+    conflicts: Mutex<Vec<String>>,
+    calls: Mutex<Vec<String>>,
+    /// For counted resources: how many steps ran under one at once, at most.
+    in_counted: AtomicUsize,
+    max_counted: AtomicUsize,
+    signal: Notify,
+    permits: Semaphore,
+}
+
+impl Default for World {
+    fn default() -> Self {
+        World {
+            holding: Mutex::default(),
+            conflicts: Mutex::default(),
+            calls: Mutex::default(),
+            in_counted: AtomicUsize::new(0),
+            max_counted: AtomicUsize::new(0),
+            signal: Notify::new(),
+            permits: Semaphore::new(0),
+        }
+    }
+}
+
+impl World {
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    fn first(&self, call: &str) -> Option<usize> {
+        self.calls().iter().position(|c| c == call)
+    }
+}
+
+fn clash(a: &Lock, mode_b: LockMode, b: &str) -> bool {
+    let ra = a.resource.as_str();
+    let below = |upper: &str, lower: &str| {
+        lower.len() > upper.len()
+            && lower.starts_with(upper)
+            && lower[upper.len()..].starts_with('/')
+    };
+    if ra == b {
+        a.mode == LockMode::Exclusive || mode_b == LockMode::Exclusive
+    } else if below(ra, b) {
+        a.mode == LockMode::Exclusive
+    } else if below(b, ra) {
+        mode_b == LockMode::Exclusive
+    } else {
+        false
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+enum Step {
+    More,
+    /// Tell the test, then go on.
+    Signal,
+    /// Wait for a permit from the test, then go on.
+    Permit,
+    Children(Vec<Locker>),
+    Suspend(String),
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Locker {
+    name: String,
+    locks: Vec<Lock>,
+    life: bool,
+    plan: Vec<Step>,
+    at: usize,
+    /// Names of its ancestors (their locks cover it).
+    ancestors: Vec<String>,
+    counted: bool,
+}
+
+impl Locker {
+    fn new(name: &str, locks: Vec<Lock>, life: bool, plan: Vec<Step>) -> Self {
+        Locker {
+            name: name.into(),
+            locks,
+            life,
+            plan,
+            at: 0,
+            ancestors: Vec::new(),
+            counted: false,
+        }
+    }
+
+    /// Registers this procedure's locks in the world, noting any conflict with what
+    /// other procedures registered.
+    fn enter(&self, world: &World) {
+        let mut holding = world.holding.lock().unwrap();
+        for lock in &self.locks {
+            for (resource, holders) in holding.iter() {
+                for (who, mode) in holders {
+                    let related = self.ancestors.contains(who) || *who == self.name;
+                    if !related && clash(lock, *mode, resource) {
+                        world.conflicts.lock().unwrap().push(format!(
+                            "{} took {lock} while {who} held {mode:?} {resource}",
+                            self.name
+                        ));
+                    }
+                }
+            }
+        }
+        for lock in &self.locks {
+            let entry = holding.entry(lock.resource.clone()).or_default();
+            if !entry.iter().any(|(who, _)| *who == self.name) {
+                entry.push((self.name.clone(), lock.mode));
+            }
+        }
+    }
+
+    fn leave(&self, world: &World) {
+        let mut holding = world.holding.lock().unwrap();
+        for lock in &self.locks {
+            if let Some(v) = holding.get_mut(&lock.resource) {
+                v.retain(|(who, _)| *who != self.name);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Procedure for Locker {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+        let world = ctx.env::<Arc<World>>()?.clone();
+        world
+            .calls
+            .lock()
+            .unwrap()
+            .push(format!("{}-exec", self.name));
+        self.enter(&world);
+        if self.counted {
+            let now = world.in_counted.fetch_add(1, Ordering::SeqCst) + 1;
+            world.max_counted.fetch_max(now, Ordering::SeqCst);
+        }
+        // Give any conflicting step the chance to run now, if the engine let it.
+        for _ in 0..3 {
+            tokio::task::yield_now().await;
+        }
+        let step = self.plan.get(self.at).cloned();
+        self.at += 1;
+        let last = self.at >= self.plan.len();
+        let flow = match step {
+            None | Some(Step::More) if last => Flow::Done,
+            None | Some(Step::More) => Flow::MoreToDo,
+            Some(Step::Signal) => {
+                world.signal.notify_one();
+                if last {
+                    Flow::Done
+                } else {
+                    Flow::MoreToDo
+                }
+            }
+            Some(Step::Permit) => {
+                world.permits.acquire().await.expect("open").forget();
+                if last {
+                    Flow::Done
+                } else {
+                    Flow::MoreToDo
+                }
+            }
+            Some(Step::Children(children)) => Flow::Children(
+                children
+                    .into_iter()
+                    .map(|mut c| {
+                        c.ancestors = self.ancestors.clone();
+                        c.ancestors.push(self.name.clone());
+                        Box::new(c) as Box<dyn Procedure>
+                    })
+                    .collect(),
+            ),
+            Some(Step::Suspend(event)) => Flow::Suspend(event),
+        };
+        if self.counted {
+            world.in_counted.fetch_sub(1, Ordering::SeqCst);
+        }
+        // A lock held for one step is left at its end; one held for life when the
+        // procedure is done (the engine releases it after that).
+        if !self.life || matches!(flow, Flow::Done) {
+            self.leave(&world);
+        }
+        Ok(flow)
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+        let world = ctx.env::<Arc<World>>()?;
+        world
+            .calls
+            .lock()
+            .unwrap()
+            .push(format!("{}-rollback", self.name));
+        self.leave(world);
+        Ok(())
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        self.locks.clone()
+    }
+
+    fn holds_lock(&self) -> bool {
+        self.life
+    }
+}
+
+fn registry() -> Registry {
+    let mut r = Registry::new();
+    r.register::<Locker>("locker");
+    r
+}
+
+async fn start(
+    store: Box<dyn ProcedureStore>,
+    workers: usize,
+    configure: impl FnOnce(proctor::ExecutorBuilder) -> proctor::ExecutorBuilder,
+) -> (Executor, Arc<World>) {
+    let world = Arc::new(World::default());
+    let builder = Executor::builder()
+        .registry(registry())
+        .store(store)
+        .workers(workers)
+        .env(world.clone());
+    let executor = configure(builder).start().await.expect("executor starts");
+    (executor, world)
+}
+
+/// Waits until `id` is reported waiting for its locks (polling, as an operator would).
+async fn wait_for_lock_wait(executor: &Executor, id: ProcId) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while executor.state(id).await.unwrap().locks_waiting.is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{id} never waited for its locks"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+}
+
+/// 1 000 procedures over 10 tables and their regions, each with random shared and
+/// exclusive needs, some with children that take a region of their parent's table:
+/// the procedures never see two conflicting holders, all of them finish, and between
+/// any two that conflict, the one submitted first runs first.
+#[actix::test]
+async fn contention_never_lets_conflicting_holders_in_and_keeps_fifo() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, world) = start(store, 8, |b| b).await;
+        let mut rng = fastrand::Rng::with_seed(7);
+        let mut submitted: Vec<(ProcId, Locker)> = Vec::new();
+        for i in 0..1000 {
+            let table = rng.usize(0..10);
+            let mut locks = vec![Lock::shared("ns")];
+            match rng.u8(0..4) {
+                0 => locks.push(Lock::exclusive(format!("ns/t{table}"))),
+                1 => locks.push(Lock::shared(format!("ns/t{table}"))),
+                2 => locks.push(Lock::exclusive(format!("ns/t{table}/r{}", rng.u8(0..4)))),
+                _ => {
+                    locks.push(Lock::shared(format!("ns/t{table}/r{}", rng.u8(0..4))));
+                    locks.push(Lock::exclusive(format!("ns/t{}", (table + 1) % 10)));
+                }
+            }
+            let mut plan = vec![Step::More, Step::More];
+            if i % 10 == 0 {
+                // A child under its parent's locks, with a region of its own.
+                let child = Locker::new(
+                    &format!("p{i}c"),
+                    vec![Lock::exclusive(format!("ns/t{table}/r9"))],
+                    false,
+                    vec![Step::More],
+                );
+                plan.insert(1, Step::Children(vec![child]));
+            }
+            let proc = Locker::new(&format!("p{i}"), locks, true, plan);
+            let id = executor.submit(proc.clone()).await.expect("submit");
+            submitted.push((id, proc));
+        }
+        for (id, _) in &submitted {
+            assert_eq!(executor.wait(*id).await.expect("wait"), Ok(()), "{name}");
+        }
+        let conflicts = world.conflicts.lock().unwrap().clone();
+        assert!(conflicts.is_empty(), "{name}: {conflicts:?}");
+        let calls = world.calls();
+        let first: HashMap<&str, usize> = calls
+            .iter()
+            .enumerate()
+            .rev()
+            .map(|(i, c)| (c.trim_end_matches("-exec"), i))
+            .collect();
+        let mut checked = 0;
+        for (i, (_, a)) in submitted.iter().enumerate() {
+            for (_, b) in &submitted[i + 1..] {
+                let conflict = a
+                    .locks
+                    .iter()
+                    .any(|la| b.locks.iter().any(|lb| clash(la, lb.mode, &lb.resource)));
+                if conflict {
+                    checked += 1;
+                    assert!(
+                        first[a.name.as_str()] < first[b.name.as_str()],
+                        "{name}: {} was submitted before {} and conflicts with it, but ran after",
+                        a.name,
+                        b.name
+                    );
+                }
+            }
+        }
+        assert!(checked > 10_000, "{name}: only {checked} conflicting pairs");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// A counted resource with 2 permits runs at most 2 of its holders at once.
+#[actix::test]
+async fn a_counted_resource_lets_n_holders_run() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, world) = start(store, 8, |b| b.permits("ddl/db1", 2)).await;
+        let mut ids = Vec::new();
+        for i in 0..12 {
+            let mut p = Locker::new(
+                &format!("d{i}"),
+                vec![Lock::shared("ddl/db1")],
+                true,
+                vec![Step::More, Step::More, Step::More],
+            );
+            p.counted = true;
+            ids.push(executor.submit(p).await.unwrap());
+        }
+        for id in ids {
+            assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+        }
+        assert_eq!(world.max_counted.load(Ordering::SeqCst), 2, "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// Each tree holds one resource for its life, and its child asks for the other's: the
+/// younger tree fails with a deadlock error naming both procedures and resources, and
+/// rolls back; the older one finishes.
+#[actix::test]
+async fn a_deadlock_between_two_trees_fails_the_younger() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, world) = start(store, 4, |b| b).await;
+        let tree = |n: &str, mine: &str, theirs: &str| {
+            let child = Locker::new(
+                &format!("{n}-child"),
+                vec![Lock::exclusive(theirs)],
+                false,
+                vec![Step::More],
+            );
+            Locker::new(
+                n,
+                vec![Lock::exclusive(mine)],
+                true,
+                vec![
+                    Step::Signal,
+                    Step::Permit,
+                    Step::Children(vec![child]),
+                    Step::More,
+                ],
+            )
+        };
+        let a = executor.submit(tree("a", "res/1", "res/2")).await.unwrap();
+        world.signal.notified().await;
+        let b = executor.submit(tree("b", "res/2", "res/1")).await.unwrap();
+        world.signal.notified().await;
+        // Both roots hold their resource; let them start their children.
+        world.permits.add_permits(2);
+        let failure = executor.wait(b).await.unwrap().expect_err("b deadlocks");
+        assert_eq!(executor.wait(a).await.unwrap(), Ok(()), "{name}");
+        let ProcError::Deadlock(text) = &failure.error else {
+            panic!("{name}: {failure}");
+        };
+        for needle in [
+            format!("(tree {a}) waits for [X res/2] held by procedure {b} (tree {b})"),
+            format!("waits for [X res/1] held by procedure {a} (tree {a})"),
+            format!("of the younger tree {b}"),
+        ] {
+            assert!(text.contains(&needle), "{name}: {needle:?} not in {text}");
+        }
+        assert!(world.first("b-rollback").is_some(), "{name}: b rolled back");
+        assert!(world.first("b-child-exec").is_none(), "{name}");
+        assert!(world.conflicts.lock().unwrap().is_empty());
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// A procedure that holds its lock for life keeps it across a restart: after recovery
+/// the lock is granted back before anything else runs, so a procedure submitted to the
+/// new engine waits (and `List` says for what) until the holder finishes.
+#[actix::test]
+async fn life_long_locks_are_granted_back_after_a_restart() {
+    for name in ["memory", "wal"] {
+        let store = common::Reopen::new(name);
+        let (executor, _) = start(store.open(), 4, |b| b).await;
+        let holder = Locker::new(
+            "holder",
+            vec![Lock::exclusive("ns/t1")],
+            true,
+            vec![Step::Suspend("go".into()), Step::More],
+        );
+        let a = executor.submit(holder).await.unwrap();
+        common::wait_for_state(&executor, a, ProcState::Waiting).await;
+        let info = executor.state(a).await.unwrap();
+        assert_eq!(info.locks_held, vec![Lock::exclusive("ns/t1")], "{name}");
+        executor.shutdown().await.unwrap();
+
+        let (executor, world) = start(store.open(), 4, |b| b).await;
+        assert_eq!(executor.recovery().recovered_roots, vec![a]);
+        let b = executor
+            .submit(Locker::new(
+                "later",
+                vec![Lock::shared("ns/t1/r1")],
+                false,
+                vec![Step::More],
+            ))
+            .await
+            .unwrap();
+        // The newcomer waits for the recovered holder.
+        wait_for_lock_wait(&executor, b).await;
+        let list = executor.list().await.unwrap();
+        let waiting = list
+            .iter()
+            .find(|p| p.id == b)
+            .map(|p| p.locks_waiting.clone());
+        assert_eq!(waiting, Some(vec![Lock::shared("ns/t1/r1")]), "{name}");
+        let held = list
+            .iter()
+            .find(|p| p.id == a)
+            .map(|p| p.locks_held.clone());
+        assert_eq!(held, Some(vec![Lock::exclusive("ns/t1")]), "{name}");
+        assert!(
+            world.first("later-exec").is_none(),
+            "{name}: ran under a held lock"
+        );
+        executor.wake_event("go").await.unwrap();
+        assert_eq!(executor.wait(a).await.unwrap(), Ok(()));
+        assert_eq!(executor.wait(b).await.unwrap(), Ok(()));
+        let calls = world.calls();
+        assert_eq!(calls, ["holder-exec", "later-exec"], "{name}");
+        assert!(world.conflicts.lock().unwrap().is_empty());
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// Aborting a procedure that waits for its lock fails it at once: it never runs, and
+/// the holder is not disturbed.
+#[actix::test]
+async fn an_abort_of_a_waiting_procedure_does_not_wait_for_the_lock() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, world) = start(store, 4, |b| b).await;
+        let holder = Locker::new(
+            "holder",
+            vec![Lock::exclusive("t")],
+            true,
+            vec![Step::Suspend("go".into()), Step::More],
+        );
+        let a = executor.submit(holder).await.unwrap();
+        common::wait_for_state(&executor, a, ProcState::Waiting).await;
+        let waiter = Locker::new("waiter", vec![Lock::exclusive("t")], true, vec![Step::More]);
+        let b = executor.submit(waiter).await.unwrap();
+        wait_for_lock_wait(&executor, b).await;
+        assert!(executor.abort(b).await.unwrap(), "{name}");
+        let failure = executor.wait(b).await.unwrap().expect_err("aborted");
+        assert_eq!(failure.error, ProcError::Aborted);
+        assert!(world.first("waiter-exec").is_none(), "{name}");
+        assert_eq!(executor.state(a).await.unwrap().state, ProcState::Waiting);
+        executor.wake_event("go").await.unwrap();
+        assert_eq!(executor.wait(a).await.unwrap(), Ok(()));
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// A resource name with an empty segment is refused at submit, naming it.
+#[actix::test]
+async fn a_bad_resource_name_is_refused_at_submit() {
+    let (executor, _) = start(Box::new(proctor::MemoryStore::new()), 2, |b| b).await;
+    let bad = Locker::new("bad", vec![Lock::exclusive("ns//t1")], false, vec![]);
+    match executor.submit(bad).await {
+        Err(Error::Invalid(text)) => assert!(text.contains("\"ns//t1\""), "{text}"),
+        other => panic!("{other:?}"),
+    }
+    executor.shutdown().await.unwrap();
+}
+
+/// With a bound of 2 unfinished roots, a third submit is refused at once with a typed
+/// error; once one finishes, submits are accepted again.
+#[actix::test]
+async fn submits_beyond_the_bound_are_refused_at_once() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, _) = start(store, 4, |b| b.max_unfinished(2)).await;
+        let idle =
+            |n: &str| Locker::new(n, vec![], false, vec![Step::Suspend(n.into()), Step::More]);
+        let a = executor.submit(idle("a")).await.unwrap();
+        let _b = executor.submit(idle("b")).await.unwrap();
+        match executor.submit(idle("c")).await {
+            Err(Error::Overloaded { limit: 2 }) => {}
+            other => panic!("{name}: {other:?}"),
+        }
+        executor.wake_event("a").await.unwrap();
+        assert_eq!(executor.wait(a).await.unwrap(), Ok(()));
+        executor.submit(idle("d")).await.expect("room again");
+        executor.shutdown().await.unwrap();
+    }
+}
