@@ -765,11 +765,11 @@ impl RootStack {
             }
         }
         self.node_mut(id).state = ProcState::Success;
+        self.persist_update(t, id, data, now_ms);
         if id == self.root {
             self.finish(t, now_ms);
             return;
         }
-        self.persist_update(t, id, data, now_ms);
         self.node_mut(id).stopped = true;
         t.actions.push(Action::Stop(id));
         let parent = self.nodes[&id].parent.expect("a child has a parent");
@@ -1213,5 +1213,38 @@ mod tests {
         let (back, _) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
         let held: Vec<ProcId> = back.held_locks().iter().map(|r| r.owner).collect();
         assert_eq!(held, vec![ProcId(1), ProcId(2)]);
+    }
+
+    #[test]
+    fn a_finished_root_keeps_its_last_state_with_its_result() {
+        let last = |t: &Transition| match t.persist.last() {
+            Some(StoreOp::Update(r)) => (r.state, r.data.clone()),
+            other => panic!("{other:?}"),
+        };
+        let (mut rs, _) = RootStack::submit(ProcId(1), "t", vec![1], None, 0);
+        let t = rs.on_step(
+            StepReport {
+                id: ProcId(1),
+                outcome: StepOutcome::Done,
+                data: vec![9],
+            },
+            1,
+        );
+        assert_eq!(t.persist.len(), 1, "{t}");
+        assert_eq!(last(&t), (ProcState::Success, vec![9]));
+
+        let (mut rs, _) = RootStack::submit(ProcId(1), "t", vec![1], None, 0);
+        let t = rs.on_step(
+            StepReport {
+                id: ProcId(1),
+                outcome: StepOutcome::Failed(ProcError::failed("x")),
+                data: vec![2],
+            },
+            1,
+        );
+        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
+        let t = rs.on_rolled_back(ProcId(1), Ok(vec![8]), 2);
+        assert_eq!(t.persist.len(), 1, "{t}");
+        assert_eq!(last(&t), (ProcState::RolledBack, vec![8]));
     }
 }

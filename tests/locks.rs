@@ -23,10 +23,12 @@ struct World {
     holding: Mutex<HashMap<String, Vec<(String, LockMode)>>>,
     conflicts: Mutex<Vec<String>>,
     calls: Mutex<Vec<String>>,
-    /// For counted resources: how many steps ran under one at once, at most.
+    /// For counted resources: how many holders were inside one at once, at most.
     in_counted: AtomicUsize,
     max_counted: AtomicUsize,
     signal: Notify,
+    /// One permit per `Step::Signal` run (for waiting on several at once).
+    signals: Semaphore,
     permits: Semaphore,
 }
 
@@ -39,6 +41,7 @@ impl Default for World {
             in_counted: AtomicUsize::new(0),
             max_counted: AtomicUsize::new(0),
             signal: Notify::new(),
+            signals: Semaphore::new(0),
             permits: Semaphore::new(0),
         }
     }
@@ -153,7 +156,8 @@ impl Procedure for Locker {
             .unwrap()
             .push(format!("{}-exec", self.name));
         self.enter(&world);
-        if self.counted {
+        if self.counted && self.at == 0 {
+            // Inside the counted resource from the first step to the last.
             let now = world.in_counted.fetch_add(1, Ordering::SeqCst) + 1;
             world.max_counted.fetch_max(now, Ordering::SeqCst);
         }
@@ -169,6 +173,7 @@ impl Procedure for Locker {
             None | Some(Step::More) => Flow::MoreToDo,
             Some(Step::Signal) => {
                 world.signal.notify_one();
+                world.signals.add_permits(1);
                 if last {
                     Flow::Done
                 } else {
@@ -195,7 +200,7 @@ impl Procedure for Locker {
             ),
             Some(Step::Suspend(event)) => Flow::Suspend(event),
         };
-        if self.counted {
+        if self.counted && matches!(flow, Flow::Done) {
             world.in_counted.fetch_sub(1, Ordering::SeqCst);
         }
         // A lock held for one step is left at its end; one held for life when the
@@ -331,7 +336,7 @@ async fn contention_never_lets_conflicting_holders_in_and_keeps_fifo() {
     }
 }
 
-/// A counted resource with 2 permits runs at most 2 of its holders at once.
+/// A counted resource with 2 permits lets 2 of its holders in together, and never 3.
 #[actix::test]
 async fn a_counted_resource_lets_n_holders_run() {
     for (name, store, _dir) in common::stores() {
@@ -342,11 +347,15 @@ async fn a_counted_resource_lets_n_holders_run() {
                 &format!("d{i}"),
                 vec![Lock::shared("ddl/db1")],
                 true,
-                vec![Step::More, Step::More, Step::More],
+                vec![Step::Signal, Step::Permit, Step::More],
             );
             p.counted = true;
             ids.push(executor.submit(p).await.unwrap());
         }
+        // Two holders are inside at once, each waiting for a permit in its second step.
+        world.signals.acquire_many(2).await.unwrap().forget();
+        assert_eq!(world.in_counted.load(Ordering::SeqCst), 2, "{name}");
+        world.permits.add_permits(12);
         for id in ids {
             assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
         }
