@@ -27,7 +27,7 @@ use super::persistence::Persistence;
 use super::procedure::declared_locks;
 use super::protocol::{AbortRequest, Refuse, Regrant, StopWriter, TreeFinished};
 use super::root_stack::{publish, Objects, RootStackActor};
-use super::scheduler::{Scheduler, WakeEvent};
+use super::scheduler::{ResetEvent, Scheduler, WakeEvent};
 use super::shared::{now_ms, Entry, LockViews, Shared};
 
 impl From<MailboxError> for Error {
@@ -156,7 +156,7 @@ impl ExecutorBuilder {
         let mut trees = Vec::with_capacity(plan.trees.len());
         for tree in plan.trees {
             match decode_tree(&registry, &tree.records) {
-                Ok(objects) => trees.push((tree, objects)),
+                Ok(decoded) => trees.push((tree, decoded)),
                 Err(reason) => corrupt.extend(tree.records.iter().map(|r| CorruptProc {
                     id: r.id,
                     root: r.root,
@@ -224,7 +224,7 @@ impl ExecutorBuilder {
                     },
                 );
             }
-            for (tree, objects) in trees {
+            for (tree, (objects, rerun)) in trees {
                 // Finished children stay out: nothing stops (and unlists) them later.
                 let inserts: Vec<StoreOp> = tree
                     .records
@@ -235,7 +235,13 @@ impl ExecutorBuilder {
                 let actor_shared = shared.clone();
                 let addr =
                     RootStackActor::start_in_arbiter(&shared.next_arbiter().clone(), move |_| {
-                        RootStackActor::recover(actor_shared, tree.stack, tree.start, objects)
+                        RootStackActor::recover(
+                            actor_shared,
+                            tree.stack,
+                            tree.start,
+                            objects,
+                            rerun,
+                        )
                     });
                 // In the table before the executor handles any request (it is not
                 // running yet): recovered records are durable by definition.
@@ -263,9 +269,14 @@ impl ExecutorBuilder {
 }
 
 /// Decodes the unfinished procedures of a recovered tree and runs their
-/// `before_recover` hooks, children first.
-fn decode_tree(registry: &Registry, records: &[ProcRecord]) -> Result<Objects, String> {
+/// `before_recover` hooks, children first. Also returns the suspended procedures that
+/// run their next step at once rather than wait for their event again.
+fn decode_tree(
+    registry: &Registry,
+    records: &[ProcRecord],
+) -> Result<(Objects, Vec<ProcId>), String> {
     let mut objects = HashMap::new();
+    let mut rerun = Vec::new();
     for r in records.iter().filter(|r| !r.state.is_finished()) {
         let mut proc = registry
             .decode(&r.type_name, &r.data)
@@ -273,9 +284,19 @@ fn decode_tree(registry: &Registry, records: &[ProcRecord]) -> Result<Objects, S
         if let Err(e) = guard("before_recover", || proc.before_recover()) {
             tracing::error!(proc = %r.id, %e, "before_recover panicked");
         }
+        if let (ProcState::Waiting, Some(event)) = (r.state, &r.event) {
+            match guard("rerun_after_recover", || proc.rerun_after_recover(event)) {
+                Ok(true) => rerun.push(r.id),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(proc = %r.id, %e, "rerun_after_recover panicked; re-running");
+                    rerun.push(r.id);
+                }
+            }
+        }
         objects.insert(r.id, (proc, r.data.clone()));
     }
-    Ok(objects)
+    Ok((objects, rerun))
 }
 
 /// What the executor found in its store when it started.
@@ -363,9 +384,15 @@ impl Executor {
         Ok(self.addr.send(List).await?)
     }
 
-    /// Wakes the procedures suspended on `event` (see [`Flow::Suspend`](crate::Flow)).
+    /// Makes `event` ready and wakes the procedures suspended on it, oldest first (see
+    /// [`Flow::Suspend`](crate::Flow)); it stays ready until [`reset_event`](Self::reset_event).
     pub async fn wake_event(&self, event: impl Into<String>) -> Result<(), Error> {
         Ok(self.addr.send(WakeEvent(event.into())).await?)
+    }
+
+    /// Makes `event` not ready again: later suspensions on it wait for the next wake.
+    pub async fn reset_event(&self, event: impl Into<String>) -> Result<(), Error> {
+        Ok(self.addr.send(ResetEvent(event.into())).await?)
     }
 
     /// Stops the executor's arbiters and its store writer, and releases the store (and
@@ -609,6 +636,14 @@ impl Handler<WakeEvent> for ExecutorActor {
     type Result = ();
 
     fn handle(&mut self, msg: WakeEvent, _ctx: &mut Context<Self>) {
+        self.shared.scheduler.do_send(msg);
+    }
+}
+
+impl Handler<ResetEvent> for ExecutorActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: ResetEvent, _ctx: &mut Context<Self>) {
         self.shared.scheduler.do_send(msg);
     }
 }

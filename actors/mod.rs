@@ -18,7 +18,7 @@ pub use executor::{
     Abort, Executor, ExecutorActor, ExecutorBuilder, GetState, List, ProcInfo, Recovery, Submit,
     WaitFor,
 };
-pub use scheduler::WakeEvent;
+pub use scheduler::{ResetEvent, WakeEvent};
 pub use wal_store::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Entry, Repair, SegmentReport, StdFs,
     WalDirScan, WalFs, WalOptions, WalStats, WalStore,

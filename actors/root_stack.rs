@@ -95,6 +95,8 @@ pub(crate) struct RootStackActor {
     halted: Option<Error>,
     /// The result went to the executor: the actor's work is done.
     published: bool,
+    /// Recovered procedures suspended on an event that run their next step at once.
+    rerun: Vec<ProcId>,
 }
 
 impl RootStackActor {
@@ -117,15 +119,20 @@ impl RootStackActor {
     }
 
     /// A tree rebuilt by recovery: `core` and `t` from [`RootStack::recover`], the
-    /// decoded objects of its unfinished procedures.
+    /// decoded objects of its unfinished procedures, and the suspended ones that run
+    /// their next step at once instead of waiting for their event again.
     pub(crate) fn recover(
         shared: Arc<Shared>,
         core: RootStack,
-        t: Transition,
+        mut t: Transition,
         objects: Objects,
+        rerun: Vec<ProcId>,
     ) -> Self {
+        t.actions
+            .retain(|a| !matches!(a, Action::SuspendOn { id, .. } if rerun.contains(id)));
         let mut actor = Self::new(shared, core, t, objects);
         actor.recovered = true;
+        actor.rerun = rerun;
         actor
     }
 
@@ -150,6 +157,7 @@ impl RootStackActor {
             result: None,
             halted: None,
             published: false,
+            rerun: Vec::new(),
         }
     }
 
@@ -450,6 +458,11 @@ impl Actor for RootStackActor {
     fn started(&mut self, ctx: &mut Context<Self>) {
         if let Some(t) = self.initial.take() {
             self.apply(t, None, ctx);
+        }
+        for id in std::mem::take(&mut self.rerun) {
+            if let Some(t) = self.core("rerun after recovery", |core| core.on_wake(id), ctx) {
+                self.apply(t, None, ctx);
+            }
         }
     }
 }

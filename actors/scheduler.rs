@@ -13,6 +13,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 
+use crate::events::EventTable;
 use crate::locks::{Changes, LockTable, Request};
 use crate::procedure::ProcId;
 use crate::ready_queue::ReadyQueue;
@@ -26,8 +27,9 @@ use super::protocol::{
 use super::root_stack::RootStackActor;
 use super::shared::{LockView, LockViews};
 
-/// Wakes every procedure suspended on the named event, and every procedure that
-/// suspends on it later. Send it to the executor.
+/// Makes the named event ready and wakes the procedures suspended on it, oldest first;
+/// until it is reset ([`ResetEvent`]), procedures that suspend on it go on at once.
+/// Send it to the executor.
 ///
 /// ```no_run
 /// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
@@ -40,10 +42,19 @@ impl Message for WakeEvent {
     type Result = ();
 }
 
-#[derive(Default)]
-struct EventState {
-    woken: bool,
-    waiters: Vec<(ProcId, Addr<RootStackActor>)>,
+/// Makes the named event not ready again: procedures that suspend on it from now on
+/// wait for the next [`WakeEvent`]. An event that is not ready and has no waiters takes
+/// no memory. Send it to the executor.
+///
+/// ```no_run
+/// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+/// executor.reset_event("region-17-online").await?;
+/// # Ok(()) }
+/// ```
+pub struct ResetEvent(pub String);
+
+impl Message for ResetEvent {
+    type Result = ();
 }
 
 /// What to do for a procedure once its locks are granted.
@@ -65,7 +76,7 @@ struct Parked {
 
 pub(crate) struct Scheduler {
     ready: ReadyQueue<(ProcId, Addr<ProcedureActor>)>,
-    events: HashMap<String, EventState>,
+    events: EventTable<(ProcId, Addr<RootStackActor>)>,
     locks: LockTable,
     /// Procedures waiting in the lock table, and what to do once granted.
     parked: HashMap<ProcId, Parked>,
@@ -84,7 +95,7 @@ impl Scheduler {
         }
         Scheduler {
             ready: ReadyQueue::new(workers),
-            events: HashMap::new(),
+            events: EventTable::new(),
             locks,
             parked: HashMap::new(),
             parked_by_root: HashMap::new(),
@@ -324,11 +335,8 @@ impl Handler<SuspendOn> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: SuspendOn, _ctx: &mut Context<Self>) {
-        let event = self.events.entry(msg.event).or_default();
-        if event.woken {
-            msg.root_stack.do_send(Wake(msg.id));
-        } else {
-            event.waiters.push((msg.id, msg.root_stack));
+        if let Some((id, root_stack)) = self.events.suspend(&msg.event, (msg.id, msg.root_stack)) {
+            root_stack.do_send(Wake(id));
         }
     }
 }
@@ -337,10 +345,16 @@ impl Handler<WakeEvent> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: WakeEvent, _ctx: &mut Context<Self>) {
-        let event = self.events.entry(msg.0).or_default();
-        event.woken = true;
-        for (id, root_stack) in event.waiters.drain(..) {
+        for (id, root_stack) in self.events.wake(&msg.0) {
             root_stack.do_send(Wake(id));
         }
+    }
+}
+
+impl Handler<ResetEvent> for Scheduler {
+    type Result = ();
+
+    fn handle(&mut self, msg: ResetEvent, _ctx: &mut Context<Self>) {
+        self.events.reset(&msg.0);
     }
 }

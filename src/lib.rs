@@ -13,6 +13,7 @@
 #![doc = include_str!("../README.md")]
 
 mod error;
+pub mod events;
 mod locks;
 mod procedure;
 mod ready_queue;
@@ -37,8 +38,8 @@ pub use async_trait::async_trait;
 
 pub use crate::actors::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, Entry, Executor, ExecutorActor,
-    ExecutorBuilder, GetState, List, ProcInfo, Recovery, Repair, SegmentReport, StdFs, Submit,
-    WaitFor, WakeEvent, WalDirScan, WalFs, WalOptions, WalStats, WalStore,
+    ExecutorBuilder, GetState, List, ProcInfo, Recovery, Repair, ResetEvent, SegmentReport, StdFs,
+    Submit, WaitFor, WakeEvent, WalDirScan, WalFs, WalOptions, WalStats, WalStore,
 };
 pub use crate::error::Error;
 pub use crate::locks::{Lock, LockMode};

@@ -374,6 +374,15 @@ pub trait Procedure: EncodeState + Any + Send + 'static {
     /// Called on a recovered procedure once the whole store is loaded.
     fn after_recover(&mut self) {}
 
+    /// For a procedure that was suspended on `event` when the engine stopped. Whether
+    /// an event was woken is not persisted (events live in the service's memory), so by
+    /// default (`true`) the procedure runs its next step at once after a restart: that
+    /// step re-checks what it waited for and suspends again if it must. `false` suspends
+    /// it on the event again, until the service wakes it.
+    fn rerun_after_recover(&self, _event: &str) -> bool {
+        true
+    }
+
     /// Called once when the procedure has finished (SUCCESS or ROLLEDBACK) and its final
     /// state is durable.
     fn completion_cleanup(&mut self) {}

@@ -99,6 +99,11 @@ pub trait StateMachineProcedure: Serialize + DeserializeOwned + Send + 'static {
     /// See [`Procedure::before_recover`].
     fn before_recover(&mut self) {}
 
+    /// See [`Procedure::rerun_after_recover`].
+    fn rerun_after_recover(&self, _event: &str) -> bool {
+        true
+    }
+
     /// See [`Procedure::after_recover`].
     fn after_recover(&mut self) {}
 
@@ -305,6 +310,10 @@ impl<T: StateMachineProcedure> Procedure for StateMachine<T> {
 
     fn holds_lock(&self) -> bool {
         self.machine.holds_lock()
+    }
+
+    fn rerun_after_recover(&self, event: &str) -> bool {
+        self.machine.rerun_after_recover(event)
     }
 
     fn before_recover(&mut self) {

@@ -96,6 +96,9 @@ struct Locker {
     /// Names of its ancestors (their locks cover it).
     ancestors: Vec<String>,
     counted: bool,
+    /// After a restart, wait for the event again instead of re-running.
+    #[serde(default)]
+    stay_suspended: bool,
 }
 
 impl Locker {
@@ -108,6 +111,7 @@ impl Locker {
             at: 0,
             ancestors: Vec::new(),
             counted: false,
+            stay_suspended: false,
         }
     }
 
@@ -228,6 +232,10 @@ impl Procedure for Locker {
 
     fn holds_lock(&self) -> bool {
         self.life
+    }
+
+    fn rerun_after_recover(&self, _event: &str) -> bool {
+        !self.stay_suspended
     }
 }
 
@@ -423,12 +431,13 @@ async fn life_long_locks_are_granted_back_after_a_restart() {
     for name in ["memory", "wal"] {
         let store = common::Reopen::new(name);
         let (executor, _) = start(store.open(), 4, |b| b).await;
-        let holder = Locker::new(
+        let mut holder = Locker::new(
             "holder",
             vec![Lock::exclusive("ns/t1")],
             true,
             vec![Step::Suspend("go".into()), Step::More],
         );
+        holder.stay_suspended = true;
         let a = executor.submit(holder).await.unwrap();
         common::wait_for_state(&executor, a, ProcState::Waiting).await;
         let info = executor.state(a).await.unwrap();
