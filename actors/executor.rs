@@ -24,7 +24,7 @@ use crate::store::{MemoryStore, ProcedureStore};
 
 use super::guard::guard;
 use super::persistence::Persistence;
-use super::procedure::declared_locks;
+use super::procedure::{declare, Undeclarable};
 use super::protocol::{AbortRequest, Refuse, Regrant, StopWriter, TreeFinished};
 use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{ResetEvent, Scheduler, WakeEvent};
@@ -531,24 +531,22 @@ impl Handler<Submit> for ExecutorActor {
             let limit = self.max_unfinished;
             return Box::pin(async move { Err(Error::Overloaded { limit }) });
         }
-        let (type_name, data) = match self.shared.registry.encode(&*msg.0) {
-            Ok(encoded) => encoded,
-            Err(e) => return Box::pin(async move { Err(e.into()) }),
-        };
-        let locks = match declared_locks(&*msg.0) {
-            Ok(locks) => locks,
+        let root = match declare(&self.shared, &*msg.0, now_ms()) {
+            Ok(root) => root,
             Err(e) => {
-                let e = Error::Invalid(format!("{type_name}: {e}"));
+                let e = match e {
+                    Undeclarable::Registry(e) => Error::Registry(e),
+                    Undeclarable::Invalid(e) => Error::Invalid(e.to_string()),
+                };
                 return Box::pin(async move { Err(e) });
             }
         };
-        let id = self.shared.next_id();
         let shared = self.shared.clone();
         let (ack, rx) = oneshot::channel();
         let proc = msg.0;
         self.unfinished += 1;
         RootStackActor::start_in_arbiter(&self.shared.next_arbiter().clone(), move |_| {
-            RootStackActor::submit(shared, id, type_name, proc, data, locks, ack)
+            RootStackActor::submit(shared, root, proc, ack)
         });
         Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
     }

@@ -17,15 +17,16 @@ use actix::prelude::*;
 use crate::error::Error;
 use crate::locks::LockClaim;
 use crate::procedure::{
-    Context as ProcContext, Flow, LockState, ProcError, ProcId, ProcState, Procedure,
+    Context as ProcContext, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState, Procedure,
 };
+use crate::registry::RegistryError;
 use crate::root_stack::{NewChild, StepOutcome, StepReport};
 
 use super::guard::{guard, CatchUnwind};
 use super::perturb;
 use super::protocol::{
-    AbortAck, AbortProc, FailRequest, LockFailed, LocksGranted, LocksHeld, ProcLost, ReleaseLocks,
-    Rollback, RolledBack, RunStep, StepDone, StepFinished, StopProc,
+    AbortAck, AbortProc, Deadline, FailRequest, LockFailed, LocksGranted, LocksHeld, ProcLost,
+    ReleaseLocks, Rollback, RolledBack, RunStep, StepDone, StepFinished, StopProc,
 };
 use super::root_stack::RootStackActor;
 use super::shared::{now_ms, Shared, TreeStatus};
@@ -35,25 +36,53 @@ pub(crate) struct ProcSpec {
     pub(crate) id: ProcId,
     pub(crate) parent: Option<ProcId>,
     pub(crate) root: ProcId,
-    /// When the procedure was submitted: its timeout counts from here, across restarts.
-    pub(crate) submitted_ms: u64,
+    /// When its timeout expires (persisted, so it holds across restarts).
+    pub(crate) deadline_ms: Option<u64>,
     /// Rebuilt by recovery: call `after_recover` when the actor starts.
     pub(crate) recovered: bool,
     /// It declared locks (the engine's, in the scheduler's lock table).
     pub(crate) has_locks: bool,
 }
 
-/// The locks `proc` declares, asked through the panic guard and checked.
-pub(crate) fn declared_locks(proc: &dyn Procedure) -> Result<Option<LockClaim>, ProcError> {
-    let (locks, for_life) = guard("locks", || (proc.locks(), proc.holds_lock()))?;
-    LockClaim::declare(locks, for_life).map_err(ProcError::Failed)
+/// Why a new procedure cannot start.
+pub(crate) enum Undeclarable {
+    /// Its type cannot be persisted.
+    Registry(RegistryError),
+    /// What it declares is not usable (a bad resource name, a panicking hook).
+    Invalid(ProcError),
+}
+
+/// Names a new procedure: encodes it, and asks (through the panic guard) what it
+/// declares once, at its start: its locks and its timeout.
+pub(crate) fn declare(
+    shared: &Shared,
+    proc: &dyn Procedure,
+    now_ms: u64,
+) -> Result<NewChild, Undeclarable> {
+    let (type_name, data) = shared
+        .registry
+        .encode(proc)
+        .map_err(Undeclarable::Registry)?;
+    let (locks, for_life, timeout_ms) = guard("locks", || {
+        (proc.locks(), proc.holds_lock(), proc.timeout_ms())
+    })
+    .map_err(Undeclarable::Invalid)?;
+    let locks = LockClaim::declare(locks, for_life)
+        .map_err(|e| Undeclarable::Invalid(ProcError::failed(format_args!("{type_name}: {e}"))))?;
+    Ok(NewChild {
+        id: shared.next_id(),
+        type_name,
+        data,
+        locks,
+        deadline_ms: timeout_ms.map(|t| now_ms.saturating_add(t)),
+    })
 }
 
 pub(crate) struct ProcedureActor {
     id: ProcId,
     parent: Option<ProcId>,
     root: ProcId,
-    submitted_ms: u64,
+    deadline_ms: Option<u64>,
     recovered: bool,
     has_locks: bool,
     /// `None` while a call into user code runs.
@@ -89,7 +118,7 @@ impl ProcedureActor {
             id: spec.id,
             parent: spec.parent,
             root: spec.root,
-            submitted_ms: spec.submitted_ms,
+            deadline_ms: spec.deadline_ms,
             recovered: spec.recovered,
             has_locks: spec.has_locks,
             proc: Some(proc),
@@ -205,31 +234,21 @@ impl ProcedureActor {
         objects: &mut Vec<(ProcId, Box<dyn Procedure>)>,
     ) -> StepOutcome {
         let mut named = Vec::with_capacity(procs.len());
+        let now = now_ms();
         for child in procs {
-            let (type_name, data) = match self.shared.registry.encode(&*child) {
-                Ok(encoded) => encoded,
+            match declare(&self.shared, &*child, now) {
+                Ok(new) => {
+                    objects.push((new.id, child));
+                    named.push(new);
+                }
                 Err(e) => {
                     objects.clear();
-                    return StepOutcome::Failed(ProcError::Persist(format!("child: {e}")));
+                    return StepOutcome::Failed(match e {
+                        Undeclarable::Registry(e) => ProcError::Persist(format!("child: {e}")),
+                        Undeclarable::Invalid(e) => ProcError::failed(format_args!("child: {e}")),
+                    });
                 }
-            };
-            let locks = match declared_locks(&*child) {
-                Ok(locks) => locks,
-                Err(e) => {
-                    objects.clear();
-                    return StepOutcome::Failed(ProcError::failed(format_args!(
-                        "child of type {type_name}: {e}"
-                    )));
-                }
-            };
-            let id = self.shared.next_id();
-            named.push(NewChild {
-                id,
-                type_name,
-                data,
-                locks,
-            });
-            objects.push((id, child));
+            }
         }
         StepOutcome::Children(named)
     }
@@ -241,10 +260,9 @@ impl ProcedureActor {
         }
     }
 
-    /// Asks the idle procedure to accept an abort (`timeout: None`) or a timeout; if it
-    /// does, fails it with its root stack, which answers `ack` once that is durable.
-    /// A refusal is answered at once.
-    fn request_failure(&mut self, timeout: Option<u64>, ack: Option<AbortAck>) {
+    /// Asks the idle procedure to accept an abort; if it does, fails it with its root
+    /// stack, which answers `ack` once that is durable. A refusal is answered at once.
+    fn request_failure(&mut self, ack: Option<AbortAck>) {
         if self.status.halted() {
             if let Some(ack) = ack {
                 let _ = ack.send(Err(Error::Stopped));
@@ -269,16 +287,8 @@ impl ProcedureActor {
         let Some(mut proc) = self.proc.take() else {
             unreachable!("request_failure while a call runs");
         };
-        let (hook, error) = match timeout {
-            None => ("abort", ProcError::Aborted),
-            Some(timeout_ms) => ("on_timeout", ProcError::TimedOut { timeout_ms }),
-        };
-        let answer = guard(hook, || match timeout {
-            None => proc.abort(),
-            Some(_) => proc.on_timeout(),
-        });
-        let (accepted, error) = match answer {
-            Ok(accepted) => (accepted, error),
+        let (accepted, error) = match guard("abort", || proc.abort()) {
+            Ok(accepted) => (accepted, ProcError::Aborted),
             // A panicking hook fails the procedure like any other panic in user code.
             Err(panic) => (true, panic),
         };
@@ -297,12 +307,75 @@ impl ProcedureActor {
         self.proc = Some(proc);
     }
 
+    /// The deadline passed while the procedure was idle: asks its timeout hook, then
+    /// fails it, or persists the new deadline (or none) and re-arms.
+    fn expire(&mut self, ctx: &mut Context<Self>) {
+        if self.status.halted() || self.done || self.failed || self.status.failed() {
+            return;
+        }
+        let Some(mut proc) = self.proc.take() else {
+            unreachable!("a timeout handled while a call runs");
+        };
+        let timeout_ms = guard("timeout_ms", || proc.timeout_ms())
+            .ok()
+            .flatten()
+            .unwrap_or(0);
+        let choice = guard("on_timeout", || proc.on_timeout());
+        let data = self.encode(&*proc).unwrap_or_else(|_| self.data.clone());
+        self.proc = Some(proc);
+        let deadline_ms = match choice {
+            Ok(OnTimeout::Rearm(ms)) => Some(now_ms().saturating_add(ms)),
+            Ok(OnTimeout::Continue) => None,
+            // A panicking hook fails the procedure like any other panic in user code.
+            Ok(OnTimeout::Fail) | Err(_) => {
+                let error = match choice {
+                    Err(panic) => panic,
+                    _ => ProcError::TimedOut { timeout_ms },
+                };
+                tracing::debug!(proc = %self.id, %error, "timed out");
+                self.failed = true;
+                self.root_stack.do_send(FailRequest {
+                    id: self.id,
+                    failure: Some((error, data)),
+                    ack: None,
+                });
+                return;
+            }
+        };
+        self.deadline_ms = deadline_ms;
+        self.root_stack.do_send(Deadline {
+            id: self.id,
+            deadline_ms,
+            data,
+        });
+        self.arm(ctx);
+    }
+
+    /// Starts the timer for the current deadline, if any (at once if it has passed).
+    fn arm(&mut self, ctx: &mut Context<Self>) {
+        let Some(deadline_ms) = self.deadline_ms else {
+            return;
+        };
+        let delay = Duration::from_millis(deadline_ms.saturating_sub(now_ms()));
+        ctx.run_later(delay, move |act, ctx| {
+            // A later re-arm replaced this deadline: its own timer is running.
+            if act.deadline_ms != Some(deadline_ms) || act.status.halted() {
+                return;
+            }
+            if act.proc.is_some() {
+                act.expire(ctx);
+            } else {
+                act.pending_timeout = true;
+            }
+        });
+    }
+
     fn finished_error(&self, state: ProcState) -> Error {
         Error::Finished { id: self.id, state }
     }
 
     /// Answers aborts and a timeout that arrived while a step or rollback ran.
-    fn settle_pending(&mut self) {
+    fn settle_pending(&mut self, ctx: &mut Context<Self>) {
         if self.status.halted() {
             self.pending_timeout = false;
             for ack in std::mem::take(&mut self.pending_aborts) {
@@ -311,11 +384,10 @@ impl ProcedureActor {
             return;
         }
         if std::mem::take(&mut self.pending_timeout) {
-            let timeout = self.proc.as_ref().and_then(|p| p.timeout_ms());
-            self.request_failure(timeout.or(Some(0)), None);
+            self.expire(ctx);
         }
         for ack in std::mem::take(&mut self.pending_aborts) {
-            self.request_failure(None, Some(ack));
+            self.request_failure(Some(ack));
         }
     }
 }
@@ -331,24 +403,7 @@ impl Actor for ProcedureActor {
                 }
             }
         }
-        let timeout = self
-            .proc
-            .as_ref()
-            .and_then(|p| guard("timeout_ms", || p.timeout_ms()).ok().flatten());
-        if let Some(timeout_ms) = timeout {
-            let deadline_ms = self.submitted_ms.saturating_add(timeout_ms);
-            let delay = Duration::from_millis(deadline_ms.saturating_sub(now_ms()));
-            ctx.run_later(delay, move |act, _ctx| {
-                if act.status.halted() {
-                    return;
-                }
-                if act.proc.is_some() {
-                    act.request_failure(Some(timeout_ms), None);
-                } else {
-                    act.pending_timeout = true;
-                }
-            });
-        }
+        self.arm(ctx);
     }
 }
 
@@ -386,7 +441,7 @@ impl Handler<RunStep> for ProcedureActor {
                 }
                 Err(panic) => {
                     self.finish_step(proc, &pctx, Err(panic));
-                    self.settle_pending();
+                    self.settle_pending(ctx);
                     return;
                 }
             }
@@ -403,9 +458,9 @@ impl Handler<RunStep> for ProcedureActor {
         ctx.spawn(
             tracing::Instrument::instrument(step, span)
                 .into_actor(self)
-                .map(|(proc, pctx, result), act, _ctx| {
+                .map(|(proc, pctx, result), act, ctx| {
                     act.finish_step(proc, &pctx, result);
-                    act.settle_pending();
+                    act.settle_pending(ctx);
                 }),
         );
     }
@@ -456,7 +511,7 @@ impl Handler<Rollback> for ProcedureActor {
         ctx.spawn(
             tracing::Instrument::instrument(call, span)
                 .into_actor(self)
-                .map(|(mut proc, pctx, result), act, _ctx| {
+                .map(|(mut proc, pctx, result), act, ctx| {
                     if !proc.holds_lock() && !act.status.halted() {
                         act.release_lock(&mut *proc, &pctx);
                     }
@@ -469,7 +524,7 @@ impl Handler<Rollback> for ProcedureActor {
                         });
                     }
                     perturb::point("procedure::rollback::rolled_back");
-                    act.settle_pending();
+                    act.settle_pending(ctx);
                     act.root_stack.do_send(RolledBack { id: act.id, result });
                 }),
         );
@@ -485,7 +540,7 @@ impl Handler<AbortProc> for ProcedureActor {
         } else if self.proc.is_none() {
             self.pending_aborts.push(msg.0);
         } else {
-            self.request_failure(None, Some(msg.0));
+            self.request_failure(Some(msg.0));
         }
     }
 }

@@ -255,8 +255,26 @@ impl Message for FailRequest {
 }
 
 // ------------------------------------------------------------------------------------
-// Wake-ups and failures of the actors themselves.
+// Wake-ups, deadlines and failures of the actors themselves.
+//
+// A procedure actor owns its timer (one `run_later` per armed deadline) and asks its
+// timeout hook only between calls. A kept-going procedure sends Deadline with its new
+// deadline and state; the root stack persists it. A timer may fire before that record
+// is durable: a crash then brings back the old deadline and the old state, which
+// expire again at once, so the hook runs again from the state it last saw durable.
 // ------------------------------------------------------------------------------------
+
+/// The timeout hook of `id` kept it going with this deadline (or none): persist it
+/// with its state.
+pub(crate) struct Deadline {
+    pub(crate) id: ProcId,
+    pub(crate) deadline_ms: Option<u64>,
+    pub(crate) data: Vec<u8>,
+}
+
+impl Message for Deadline {
+    type Result = ();
+}
 
 /// A timer or event woke the procedure.
 pub(crate) struct Wake(pub(crate) ProcId);

@@ -29,18 +29,17 @@ use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::error::Error;
-use crate::locks::LockClaim;
 use crate::procedure::{ProcId, ProcState, Procedure};
 use crate::record::{Failure, StoreOp};
-use crate::root_stack::{Action, RootStack, Transition};
+use crate::root_stack::{Action, NewChild, RootStack, Transition};
 
 use super::guard::panic_message;
 use super::perturb;
 use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
-    AbortProc, AbortRequest, AckWith, Enqueue, FailRequest, LockForRollback, LocksHeld, Persist,
-    ProcLost, Rollback, RolledBack, StepDone, StepFinished, StopProc, SuspendOn, TreeFailed,
-    TreeFinished, Wake,
+    AbortProc, AbortRequest, AckWith, Deadline, Enqueue, FailRequest, LockForRollback, LocksHeld,
+    Persist, ProcLost, Rollback, RolledBack, StepDone, StepFinished, StopProc, SuspendOn,
+    TreeFailed, TreeFinished, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus};
 
@@ -103,14 +102,12 @@ impl RootStackActor {
     /// A newly submitted root: `started` persists its insert and queues it.
     pub(crate) fn submit(
         shared: Arc<Shared>,
-        id: ProcId,
-        type_name: &'static str,
+        root: NewChild,
         proc: Box<dyn Procedure>,
-        data: Vec<u8>,
-        locks: Option<LockClaim>,
         ack: oneshot::Sender<Result<ProcId, Error>>,
     ) -> Self {
-        let (core, t) = RootStack::submit(id, type_name, data.clone(), locks, now_ms());
+        let (id, data) = (root.id, root.data.clone());
+        let (core, t) = RootStack::submit(root, now_ms());
         let mut unspawned = HashMap::new();
         unspawned.insert(id, (proc, data));
         let mut actor = Self::new(shared, core, t, unspawned);
@@ -339,14 +336,14 @@ impl RootStackActor {
         let shared = self.shared.clone();
         let root_stack = ctx.address();
         let status = self.status.clone();
-        let Some((parent, submitted_ms)) = self.core.procedure(id) else {
+        let Some((parent, _)) = self.core.procedure(id) else {
             unreachable!("spawn of {id}, which is not in the tree");
         };
         let spec = ProcSpec {
             id,
             parent,
             root: self.core.root(),
-            submitted_ms,
+            deadline_ms: self.core.deadline_of(id),
             recovered: self.recovered,
             has_locks: self.core.lock_request(id, false).is_some(),
         };
@@ -563,6 +560,24 @@ impl Handler<LocksHeld> for RootStackActor {
         let t = self.core(
             "locks granted",
             |core| core.on_locks_held(msg.id, msg.data, now_ms()),
+            ctx,
+        );
+        if let Some(t) = t {
+            self.apply(t, None, ctx);
+        }
+    }
+}
+
+impl Handler<Deadline> for RootStackActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Deadline, ctx: &mut Context<Self>) {
+        if self.halted.is_some() {
+            return;
+        }
+        let t = self.core(
+            "deadline",
+            |core| core.on_deadline(msg.id, msg.deadline_ms, msg.data, now_ms()),
             ctx,
         );
         if let Some(t) = t {

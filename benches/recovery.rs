@@ -35,6 +35,7 @@ fn record(id: u64, version: u8) -> ProcRecord {
         event: None,
         data: vec![version; 16],
         locks: None,
+        deadline_ms: None,
     }
 }
 

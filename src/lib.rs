@@ -44,7 +44,7 @@ pub use crate::actors::{
 pub use crate::error::Error;
 pub use crate::locks::{Lock, LockMode};
 pub use crate::procedure::{
-    Context, EncodeState, Flow, LockState, ProcError, ProcId, ProcState, Procedure,
+    Context, EncodeState, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState, Procedure,
 };
 pub use crate::record::{Failure, ProcRecord, StoreOp};
 pub use crate::recovery::CorruptProc;

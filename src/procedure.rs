@@ -113,6 +113,17 @@ impl ProcError {
     }
 }
 
+/// What a procedure does when its deadline passes (see [`Procedure::on_timeout`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OnTimeout {
+    /// Fail with [`ProcError::TimedOut`]; the tree rolls back.
+    Fail,
+    /// Keep going, with a new deadline this many milliseconds from now.
+    Rearm(u64),
+    /// Keep going, with no deadline any more.
+    Continue,
+}
+
 /// What a step asks the engine to do next.
 pub enum Flow {
     /// The procedure is finished. It becomes SUCCESS once that is durable.
@@ -393,16 +404,39 @@ pub trait Procedure: EncodeState + Any + Send + 'static {
         false
     }
 
-    /// A time limit for the whole procedure, in milliseconds from submission.
+    /// A time limit for the procedure, in milliseconds from submission, whatever it is
+    /// doing: running steps, waiting for its children, suspended on an event, or
+    /// sleeping. Asked once, when the procedure is submitted (or returned by its
+    /// parent's step); the deadline is absolute and persisted, so a restart does not
+    /// reset it, and one that passed while the engine was down expires at once.
     fn timeout_ms(&self) -> Option<u64> {
         None
     }
 
-    /// Called between steps when [`timeout_ms`](Procedure::timeout_ms) has expired.
-    /// Returning `true` fails the procedure with [`ProcError::TimedOut`]; `false` lets it
-    /// run on. The default fails.
-    fn on_timeout(&mut self) -> bool {
-        true
+    /// Called (never during a step or a rollback: then when it ends) when the deadline
+    /// from [`timeout_ms`](Procedure::timeout_ms), or the last re-armed one, has passed.
+    /// [`OnTimeout::Fail`] (the default) fails the procedure with
+    /// [`ProcError::TimedOut`], and its tree rolls back; [`OnTimeout::Rearm`] keeps it
+    /// going (sleeping, suspended or waiting as it was) with a new deadline — the
+    /// retry-with-backoff pattern; [`OnTimeout::Continue`] keeps it going with none. The
+    /// procedure's state after the call is persisted with the new deadline.
+    ///
+    /// ```
+    /// use proctor::OnTimeout;
+    /// # struct Probe { attempts: u32 }
+    /// # impl Probe {
+    /// fn on_timeout(&mut self) -> OnTimeout {
+    ///     self.attempts += 1;
+    ///     if self.attempts <= 5 {
+    ///         OnTimeout::Rearm(100 << self.attempts) // back off, then look again
+    ///     } else {
+    ///         OnTimeout::Fail
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    fn on_timeout(&mut self) -> OnTimeout {
+        OnTimeout::Fail
     }
 
     /// The Rust type name, for error messages. Do not override.

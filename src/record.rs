@@ -66,6 +66,11 @@ pub struct ProcRecord {
     /// Last, and defaulted, so records written before it existed still decode.
     #[serde(default)]
     pub locks: Option<LockClaim>,
+    /// When its timeout expires, in ms since the Unix epoch (from
+    /// [`Procedure::timeout_ms`](crate::Procedure::timeout_ms), or re-armed by
+    /// [`Procedure::on_timeout`](crate::Procedure::on_timeout)). Defaulted, last.
+    #[serde(default)]
+    pub deadline_ms: Option<u64>,
 }
 
 /// The stored form of [`ProcRecord::stack_indexes`]: `(first, count)` runs of
@@ -162,6 +167,7 @@ mod tests {
             event: None,
             data: vec![],
             locks: None,
+            deadline_ms: None,
         }
     }
 
@@ -252,8 +258,7 @@ mod tests {
             event: None,
             data: vec![],
         };
-        let mut expected = record(vec![0, 1]);
-        expected.locks = None;
+        let expected = record(vec![0, 1]);
         for bytes in [
             rmp_serde::to_vec(&old).unwrap(),
             rmp_serde::to_vec_named(&old).unwrap(),

@@ -162,6 +162,7 @@ mod tests {
             event: None,
             data: vec![],
             locks: None,
+            deadline_ms: None,
         }
     }
 

@@ -63,6 +63,8 @@ pub struct NewChild {
     pub data: Vec<u8>,
     /// The locks it declared, if any.
     pub locks: Option<LockClaim>,
+    /// When its timeout expires (ms since the Unix epoch), if it has one.
+    pub deadline_ms: Option<u64>,
 }
 
 /// A step's report: which procedure, what came of it, and its state after the step.
@@ -173,6 +175,7 @@ struct Node {
     rollback_attempts: u32,
     stopped: bool,
     locks: Option<LockClaim>,
+    deadline_ms: Option<u64>,
 }
 
 /// A tree's nodes by id: a sorted `Vec`, because trees are small, ids within a tree are
@@ -239,15 +242,9 @@ pub struct RootStack {
 
 impl RootStack {
     /// A newly submitted root. The transition inserts it, then spawns and queues it.
-    pub fn submit(
-        root: ProcId,
-        type_name: &'static str,
-        data: Vec<u8>,
-        locks: Option<LockClaim>,
-        now_ms: u64,
-    ) -> (Self, Transition) {
+    pub fn submit(root: NewChild, now_ms: u64) -> (Self, Transition) {
         let mut stack = RootStack {
-            root,
+            root: root.id,
             nodes: NodeMap::default(),
             stack: Vec::new(),
             running: 0,
@@ -256,13 +253,7 @@ impl RootStack {
             phase: Phase::Executing,
         };
         let mut t = Transition::default();
-        let root_node = NewChild {
-            id: root,
-            type_name,
-            data,
-            locks,
-        };
-        stack.add_node(&mut t, None, root_node, now_ms);
+        stack.add_node(&mut t, None, root, now_ms);
         (stack, t)
     }
 
@@ -318,6 +309,7 @@ impl RootStack {
                     rollback_attempts: 0,
                     stopped: r.state.is_finished(),
                     locks: r.locks.clone(),
+                    deadline_ms: r.deadline_ms,
                 },
             );
         }
@@ -462,6 +454,32 @@ impl RootStack {
     /// epoch), or `None` if it is not in the tree.
     pub fn procedure(&self, id: ProcId) -> Option<(Option<ProcId>, u64)> {
         self.nodes.get(&id).map(|n| (n.parent, n.submitted_ms))
+    }
+
+    /// When `id`'s timeout expires (ms since the Unix epoch), if it has one.
+    pub fn deadline_of(&self, id: ProcId) -> Option<u64> {
+        self.nodes.get(&id).and_then(|n| n.deadline_ms)
+    }
+
+    /// `id`'s timeout hook kept it going with a new deadline (or none): persist that,
+    /// with its state after the hook. Ignored once it has finished or failed.
+    pub fn on_deadline(
+        &mut self,
+        id: ProcId,
+        deadline_ms: Option<u64>,
+        data: Vec<u8>,
+        now_ms: u64,
+    ) -> Transition {
+        let mut t = Transition::default();
+        let live = self
+            .nodes
+            .get(&id)
+            .is_some_and(|n| !n.state.is_finished() && n.state != ProcState::Failed);
+        if self.phase == Phase::Executing && live {
+            self.node_mut(id).deadline_ms = deadline_ms;
+            self.persist_update(&mut t, id, data, now_ms);
+        }
+        t
     }
 
     /// The tree's result if it fails: its first failure, once there is one.
@@ -690,6 +708,7 @@ impl RootStack {
             type_name,
             data,
             locks,
+            deadline_ms,
         } = new;
         let node = Node {
             parent,
@@ -705,6 +724,7 @@ impl RootStack {
             rollback_attempts: 0,
             stopped: false,
             locks,
+            deadline_ms,
         };
         let old = self.nodes.insert(id, node);
         assert!(old.is_none(), "procedure {id} added twice");
@@ -872,6 +892,7 @@ impl RootStack {
             event: node.event.clone(),
             data,
             locks: node.locks.clone(),
+            deadline_ms: node.deadline_ms,
         }
     }
 }
@@ -927,11 +948,22 @@ mod tests {
     }
     use Ev::*;
 
+    fn new(id: u64, data: Vec<u8>, locks: Option<LockClaim>) -> NewChild {
+        NewChild {
+            id: ProcId(id),
+            type_name: "t",
+            data,
+            locks,
+            deadline_ms: None,
+        }
+    }
+
     fn kids(ids: &[u64]) -> StepOutcome {
         StepOutcome::Children(
             ids.iter()
                 .map(|&id| NewChild {
                     locks: None,
+                    deadline_ms: None,
                     id: ProcId(id),
                     type_name: "t",
                     data: vec![],
@@ -948,7 +980,7 @@ mod tests {
 
     /// Submits root 1, feeds the events, and compares each transition's trace.
     fn check(events: Vec<Ev>, expected: &[&str]) {
-        let (mut rs, t) = RootStack::submit(ProcId(1), "t", vec![], None, 0);
+        let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
         let mut traces = vec![t.to_string()];
         for ev in events {
             let t = match ev {
@@ -1170,20 +1202,14 @@ mod tests {
                 held: false,
             })
         };
-        let (mut rs, _) =
-            RootStack::submit(ProcId(1), "t", vec![], claim(Lock::exclusive("ns/t1")), 0);
+        let (mut rs, _) = RootStack::submit(new(1, vec![], claim(Lock::exclusive("ns/t1"))), 0);
         let t = rs.on_locks_held(ProcId(1), vec![7], 5);
         assert_eq!(t.to_string(), "U1:RUNNABLE[] | resume 1");
         let StoreOp::Update(root) = &t.persist[0] else {
             panic!("{t}")
         };
         assert_eq!(root.locks.as_ref().map(|c| c.held), Some(true));
-        let child = NewChild {
-            id: ProcId(2),
-            type_name: "t",
-            data: vec![],
-            locks: claim(Lock::exclusive("ns/t1/r1")),
-        };
+        let child = new(2, vec![], claim(Lock::exclusive("ns/t1/r1")));
         let t = rs.on_step(
             StepReport {
                 id: ProcId(1),
@@ -1221,7 +1247,7 @@ mod tests {
             Some(StoreOp::Update(r)) => (r.state, r.data.clone()),
             other => panic!("{other:?}"),
         };
-        let (mut rs, _) = RootStack::submit(ProcId(1), "t", vec![1], None, 0);
+        let (mut rs, _) = RootStack::submit(new(1, vec![1], None), 0);
         let t = rs.on_step(
             StepReport {
                 id: ProcId(1),
@@ -1233,7 +1259,7 @@ mod tests {
         assert_eq!(t.persist.len(), 1, "{t}");
         assert_eq!(last(&t), (ProcState::Success, vec![9]));
 
-        let (mut rs, _) = RootStack::submit(ProcId(1), "t", vec![1], None, 0);
+        let (mut rs, _) = RootStack::submit(new(1, vec![1], None), 0);
         let t = rs.on_step(
             StepReport {
                 id: ProcId(1),

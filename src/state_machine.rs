@@ -15,7 +15,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::Lock;
-use crate::procedure::{Context, Flow, LockState, ProcError, Procedure};
+use crate::procedure::{Context, Flow, LockState, OnTimeout, ProcError, Procedure};
 
 /// A procedure written as a state machine over `Self::State` (HBase's
 /// `StateMachineProcedure`). Wrap it in [`StateMachine`] to submit it.
@@ -121,8 +121,8 @@ pub trait StateMachineProcedure: Serialize + DeserializeOwned + Send + 'static {
     }
 
     /// See [`Procedure::on_timeout`].
-    fn on_timeout(&mut self) -> bool {
-        true
+    fn on_timeout(&mut self) -> OnTimeout {
+        OnTimeout::Fail
     }
 }
 
@@ -336,7 +336,7 @@ impl<T: StateMachineProcedure> Procedure for StateMachine<T> {
         self.machine.timeout_ms()
     }
 
-    fn on_timeout(&mut self) -> bool {
+    fn on_timeout(&mut self) -> OnTimeout {
         self.machine.on_timeout()
     }
 

@@ -167,6 +167,7 @@ mod tests {
             event: None,
             data: vec![],
             locks: None,
+            deadline_ms: None,
         }
     }
 

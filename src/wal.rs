@@ -893,6 +893,7 @@ mod tests {
             event: Some("e".into()),
             data,
             locks: None,
+            deadline_ms: None,
         }
     }
 

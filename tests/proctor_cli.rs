@@ -36,6 +36,7 @@ fn record(id: u64, state: ProcState) -> ProcRecord {
         event: None,
         data: vec![7; 32],
         locks: None,
+        deadline_ms: None,
     }
 }
 

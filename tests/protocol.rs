@@ -445,6 +445,7 @@ async fn a_reordered_log_is_reported_not_run_into_a_panic() {
         event: None,
         data: data.clone(),
         locks: None,
+        deadline_ms: None,
     };
     let mut store = MemoryStore::new();
     store
