@@ -17,7 +17,7 @@ use tokio::sync::oneshot;
 use crate::error::Error;
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState, Procedure};
-use crate::record::{Failure, ProcRecord, StoreOp};
+use crate::record::{Failure, Nonce, ProcRecord, StoreOp};
 use crate::recovery::{self, CorruptProc};
 use crate::registry::Registry;
 use crate::store::{MemoryStore, ProcedureStore};
@@ -190,6 +190,14 @@ impl ExecutorBuilder {
         }
         let max_unfinished = self.max_unfinished;
         let unfinished = trees.len();
+        // Every root record keeps its nonce, finished or not.
+        let nonces: HashMap<Nonce, NonceState> = plan
+            .finished
+            .iter()
+            .chain(trees.iter().flat_map(|(t, _)| t.records.iter()))
+            .filter(|r| r.parent.is_none())
+            .filter_map(|r| Some((r.nonce?, NonceState::Known(r.id))))
+            .collect();
         let arbiters: Vec<Arbiter> = (0..self.arbiters).map(|_| Arbiter::new()).collect();
         let handles = arbiters.iter().map(Arbiter::handle).collect();
         let env = self.env;
@@ -254,6 +262,7 @@ impl ExecutorBuilder {
                 arbiters,
                 unfinished,
                 max_unfinished,
+                nonces,
             }
         });
         if !report.recovered_roots.is_empty() {
@@ -360,6 +369,16 @@ impl Executor {
         self.addr.send(Submit::new(proc)).await?
     }
 
+    /// Submits a root procedure at most once per `nonce`: a retry with the same nonce
+    /// (concurrent, or after a restart) answers the first submit's id and runs nothing.
+    pub async fn submit_with_nonce(
+        &self,
+        proc: impl Procedure,
+        nonce: Nonce,
+    ) -> Result<ProcId, Error> {
+        self.addr.send(Submit::new(proc).with_nonce(nonce)).await?
+    }
+
     /// Asks a procedure to abort. `Ok(true)` once it has accepted and its failure is
     /// durable (its tree then rolls back, even across a crash), `Ok(false)` if it
     /// refused. If the store fails first, the answer is that error and the abort did not
@@ -429,12 +448,38 @@ pub struct ProcInfo {
 }
 
 /// Submit a root procedure; answers its id once the insert is durable.
-pub struct Submit(pub Box<dyn Procedure>);
+///
+/// ```
+/// # use proctor::{async_trait, Context, Flow, ProcError, Procedure};
+/// # #[derive(serde::Serialize)] struct Noop;
+/// # #[async_trait] impl Procedure for Noop {
+/// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+/// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) } }
+/// let submit = proctor::Submit::new(Noop).with_nonce(proctor::Nonce { group: 7, nonce: 42 });
+/// # let _ = submit;
+/// ```
+pub struct Submit {
+    proc: Box<dyn Procedure>,
+    nonce: Option<Nonce>,
+}
 
 impl Submit {
     /// Boxes the procedure.
     pub fn new(proc: impl Procedure) -> Self {
-        Submit(Box::new(proc))
+        Submit::boxed(Box::new(proc))
+    }
+
+    /// An already boxed procedure.
+    pub fn boxed(proc: Box<dyn Procedure>) -> Self {
+        Submit { proc, nonce: None }
+    }
+
+    /// Makes the submit idempotent: another submit with the same nonce — concurrent, or
+    /// after a restart — answers this one's id and runs nothing, for as long as the
+    /// procedure's result is kept.
+    pub fn with_nonce(mut self, nonce: Nonce) -> Self {
+        self.nonce = Some(nonce);
+        self
     }
 }
 
@@ -491,6 +536,16 @@ pub struct ExecutorActor {
     /// Root procedures submitted or recovered and not finished.
     unfinished: usize,
     max_unfinished: usize,
+    /// Roots by the nonce they were submitted with, as long as their records live.
+    nonces: HashMap<Nonce, NonceState>,
+}
+
+/// Where a nonce's submit is.
+enum NonceState {
+    /// Its insert is on its way to the store: later submits wait for the answer.
+    Submitting(Vec<oneshot::Sender<Result<ProcId, Error>>>),
+    /// The procedure exists (durably).
+    Known(ProcId),
 }
 
 impl ExecutorActor {
@@ -520,35 +575,70 @@ impl Actor for ExecutorActor {
 }
 
 impl Handler<Submit> for ExecutorActor {
-    type Result = ResponseFuture<Result<ProcId, Error>>;
+    type Result = ResponseActFuture<Self, Result<ProcId, Error>>;
 
     fn handle(&mut self, msg: Submit, _ctx: &mut Context<Self>) -> Self::Result {
         if let Some(broken) = &self.broken {
             let e = broken.duplicate();
-            return Box::pin(async move { Err(e) });
+            return Box::pin(actix::fut::ready(Err(e)));
+        }
+        if let Some(nonce) = msg.nonce {
+            match self.nonces.get_mut(&nonce) {
+                Some(NonceState::Known(id)) => {
+                    let id = *id;
+                    return Box::pin(actix::fut::ready(Ok(id)));
+                }
+                Some(NonceState::Submitting(waiting)) => {
+                    let (tx, rx) = oneshot::channel();
+                    waiting.push(tx);
+                    let answer = async move { rx.await.unwrap_or(Err(Error::Stopped)) };
+                    return Box::pin(answer.into_actor(self));
+                }
+                None => {}
+            }
         }
         if self.unfinished >= self.max_unfinished {
             let limit = self.max_unfinished;
-            return Box::pin(async move { Err(Error::Overloaded { limit }) });
+            return Box::pin(actix::fut::ready(Err(Error::Overloaded { limit })));
         }
-        let root = match declare(&self.shared, &*msg.0, now_ms()) {
+        let mut root = match declare(&self.shared, &*msg.proc, now_ms()) {
             Ok(root) => root,
             Err(e) => {
                 let e = match e {
                     Undeclarable::Registry(e) => Error::Registry(e),
                     Undeclarable::Invalid(e) => Error::Invalid(e.to_string()),
                 };
-                return Box::pin(async move { Err(e) });
+                return Box::pin(actix::fut::ready(Err(e)));
             }
         };
+        root.nonce = msg.nonce;
+        if let Some(nonce) = msg.nonce {
+            self.nonces
+                .insert(nonce, NonceState::Submitting(Vec::new()));
+        }
         let shared = self.shared.clone();
         let (ack, rx) = oneshot::channel();
-        let proc = msg.0;
+        let proc = msg.proc;
         self.unfinished += 1;
         RootStackActor::start_in_arbiter(&self.shared.next_arbiter().clone(), move |_| {
             RootStackActor::submit(shared, root, proc, ack)
         });
-        Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
+        let answer = async move { rx.await.unwrap_or(Err(Error::Stopped)) };
+        Box::pin(answer.into_actor(self).map(move |result, act, _ctx| {
+            if let Some(nonce) = msg.nonce {
+                // Retries that came meanwhile get the same answer; a failed submit
+                // frees the nonce for the next retry.
+                if let Some(NonceState::Submitting(waiting)) = act.nonces.remove(&nonce) {
+                    for tx in waiting {
+                        let _ = tx.send(result.as_ref().map(|id| *id).map_err(Error::duplicate));
+                    }
+                }
+                if let Ok(id) = &result {
+                    act.nonces.insert(nonce, NonceState::Known(*id));
+                }
+            }
+            result
+        }))
     }
 }
 

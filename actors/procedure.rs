@@ -75,6 +75,7 @@ pub(crate) fn declare(
         data,
         locks,
         deadline_ms: timeout_ms.map(|t| now_ms.saturating_add(t)),
+        nonce: None,
     })
 }
 

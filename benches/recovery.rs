@@ -36,6 +36,7 @@ fn record(id: u64, version: u8) -> ProcRecord {
         data: vec![version; 16],
         locks: None,
         deadline_ms: None,
+        nonce: None,
     }
 }
 

@@ -46,7 +46,7 @@ pub use crate::locks::{Lock, LockMode};
 pub use crate::procedure::{
     Context, EncodeState, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState, Procedure,
 };
-pub use crate::record::{Failure, ProcRecord, StoreOp};
+pub use crate::record::{Failure, Nonce, ProcRecord, StoreOp};
 pub use crate::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};

@@ -26,6 +26,18 @@ pub struct Failure {
     pub error: ProcError,
 }
 
+/// A client's key for one submission (HBase's `NonceKey`): a second submit with the
+/// same nonce, at the same moment or after a restart, gets the first one's id and runs
+/// nothing. `group` separates clients (say, one per client process), `nonce` their
+/// requests.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Nonce {
+    /// The client's group.
+    pub group: u64,
+    /// The request within the group.
+    pub nonce: u64,
+}
+
 /// One procedure as the store keeps it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ProcRecord {
@@ -71,6 +83,11 @@ pub struct ProcRecord {
     /// [`Procedure::on_timeout`](crate::Procedure::on_timeout)). Defaulted, last.
     #[serde(default)]
     pub deadline_ms: Option<u64>,
+    /// For a root submitted with a nonce: the nonce, kept as long as its record (so a
+    /// retried submit finds it after a restart, and not after its result is evicted).
+    /// Defaulted, last.
+    #[serde(default)]
+    pub nonce: Option<Nonce>,
 }
 
 /// The stored form of [`ProcRecord::stack_indexes`]: `(first, count)` runs of
@@ -168,6 +185,7 @@ mod tests {
             data: vec![],
             locks: None,
             deadline_ms: None,
+            nonce: None,
         }
     }
 

@@ -163,6 +163,7 @@ mod tests {
             data: vec![],
             locks: None,
             deadline_ms: None,
+            nonce: None,
         }
     }
 

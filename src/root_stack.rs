@@ -21,7 +21,7 @@ use std::fmt;
 
 use crate::locks::{LockClaim, Request};
 use crate::procedure::{ProcError, ProcId, ProcState};
-use crate::record::{Failure, ProcRecord, StoreOp};
+use crate::record::{Failure, Nonce, ProcRecord, StoreOp};
 
 /// Rollback retries back off from this delay...
 const ROLLBACK_RETRY_BASE_MS: u64 = 10;
@@ -65,6 +65,8 @@ pub struct NewChild {
     pub locks: Option<LockClaim>,
     /// When its timeout expires (ms since the Unix epoch), if it has one.
     pub deadline_ms: Option<u64>,
+    /// For a root: the nonce it was submitted with.
+    pub nonce: Option<Nonce>,
 }
 
 /// A step's report: which procedure, what came of it, and its state after the step.
@@ -176,6 +178,7 @@ struct Node {
     stopped: bool,
     locks: Option<LockClaim>,
     deadline_ms: Option<u64>,
+    nonce: Option<Nonce>,
 }
 
 /// A tree's nodes by id: a sorted `Vec`, because trees are small, ids within a tree are
@@ -310,6 +313,7 @@ impl RootStack {
                     stopped: r.state.is_finished(),
                     locks: r.locks.clone(),
                     deadline_ms: r.deadline_ms,
+                    nonce: r.nonce,
                 },
             );
         }
@@ -709,6 +713,7 @@ impl RootStack {
             data,
             locks,
             deadline_ms,
+            nonce,
         } = new;
         let node = Node {
             parent,
@@ -725,6 +730,7 @@ impl RootStack {
             stopped: false,
             locks,
             deadline_ms,
+            nonce,
         };
         let old = self.nodes.insert(id, node);
         assert!(old.is_none(), "procedure {id} added twice");
@@ -893,6 +899,7 @@ impl RootStack {
             data,
             locks: node.locks.clone(),
             deadline_ms: node.deadline_ms,
+            nonce: node.nonce,
         }
     }
 }
@@ -955,6 +962,7 @@ mod tests {
             data,
             locks,
             deadline_ms: None,
+            nonce: None,
         }
     }
 
@@ -964,6 +972,7 @@ mod tests {
                 .map(|&id| NewChild {
                     locks: None,
                     deadline_ms: None,
+                    nonce: None,
                     id: ProcId(id),
                     type_name: "t",
                     data: vec![],

@@ -168,6 +168,7 @@ mod tests {
             data: vec![],
             locks: None,
             deadline_ms: None,
+            nonce: None,
         }
     }
 

@@ -894,6 +894,7 @@ mod tests {
             data,
             locks: None,
             deadline_ms: None,
+            nonce: None,
         }
     }
 

@@ -37,6 +37,7 @@ fn record(id: u64, state: ProcState) -> ProcRecord {
         data: vec![7; 32],
         locks: None,
         deadline_ms: None,
+        nonce: None,
     }
 }
 

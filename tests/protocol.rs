@@ -446,6 +446,7 @@ async fn a_reordered_log_is_reported_not_run_into_a_panic() {
         data: data.clone(),
         locks: None,
         deadline_ms: None,
+        nonce: None,
     };
     let mut store = MemoryStore::new();
     store

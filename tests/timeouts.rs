@@ -207,6 +207,7 @@ async fn an_overdue_deadline_fires_at_once_after_a_restart() {
         // Long past: the procedure was submitted at 1 ms with a 1-hour timeout that
         // had already been re-armed to expire at 2 ms.
         deadline_ms: Some(2),
+        nonce: None,
     };
     let mut store = MemoryStore::new();
     store.append(&[StoreOp::Insert(record)]).unwrap();

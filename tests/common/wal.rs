@@ -25,6 +25,7 @@ pub fn record(id: u64, root: u64, version: u8, data_len: usize) -> ProcRecord {
         data: vec![version; data_len],
         locks: None,
         deadline_ms: None,
+        nonce: None,
     }
 }
 
