@@ -8,8 +8,9 @@
 //! the insert durable. It keeps the waiters for results.
 
 use std::any::Any;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
@@ -25,7 +26,7 @@ use crate::store::{MemoryStore, ProcedureStore};
 use super::guard::guard;
 use super::persistence::Persistence;
 use super::procedure::{declare, Undeclarable};
-use super::protocol::{AbortRequest, Refuse, Regrant, StopWriter, TreeFinished};
+use super::protocol::{AbortRequest, Persist, Refuse, Regrant, StopWriter, TreeFinished};
 use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{ResetEvent, Scheduler, WakeEvent};
 use super::shared::{now_ms, Entry, LockViews, Shared};
@@ -54,6 +55,15 @@ pub struct ExecutorBuilder {
     env: Option<Arc<dyn Any + Send + Sync>>,
     permits: Vec<(String, u32)>,
     max_unfinished: usize,
+    retention: Retention,
+}
+
+/// How long finished roots' results are kept, and how often the cleaner looks.
+#[derive(Clone, Copy, Debug)]
+struct Retention {
+    kept: Duration,
+    after_ack: Duration,
+    every: Duration,
 }
 
 impl Default for ExecutorBuilder {
@@ -66,6 +76,11 @@ impl Default for ExecutorBuilder {
             env: None,
             permits: Vec::new(),
             max_unfinished: 1_000_000,
+            retention: Retention {
+                kept: Duration::from_secs(15 * 60),
+                after_ack: Duration::from_secs(5 * 60),
+                every: Duration::from_secs(30),
+            },
         }
     }
 }
@@ -121,6 +136,28 @@ impl ExecutorBuilder {
     /// [`Error::Overloaded`] instead of queueing without bound.
     pub fn max_unfinished(mut self, max: usize) -> Self {
         self.max_unfinished = max;
+        self
+    }
+
+    /// How long a finished root's result (its state, outcome, value and nonce) is kept
+    /// after it finished (default 15 minutes, as HBase): then a periodic cleaner evicts
+    /// it in batches, its records become garbage in the log, and asking for it answers
+    /// [`Error::Gone`].
+    pub fn retention(mut self, kept: Duration) -> Self {
+        self.retention.kept = kept;
+        self
+    }
+
+    /// How long a result is kept once the client acknowledged it with
+    /// [`Executor::ack_result`] (default 5 minutes), if that is sooner.
+    pub fn retention_after_ack(mut self, kept: Duration) -> Self {
+        self.retention.after_ack = kept;
+        self
+    }
+
+    /// How often the cleaner looks for results to evict (default 30 s).
+    pub fn cleaner_interval(mut self, every: Duration) -> Self {
+        self.retention.every = every;
         self
     }
 
@@ -189,7 +226,12 @@ impl ExecutorBuilder {
             scheduler.do_send(Regrant(held));
         }
         let max_unfinished = self.max_unfinished;
+        let retention = self.retention;
         let unfinished = trees.len();
+        // Results to evict, oldest first (recovered ones by when they finished).
+        let mut finished_at: Vec<(u64, ProcId)> =
+            plan.finished.iter().map(|r| (r.updated_ms, r.id)).collect();
+        finished_at.sort_unstable();
         // Every root record keeps its nonce, finished or not.
         let nonces: HashMap<Nonce, NonceState> = plan
             .finished
@@ -229,6 +271,8 @@ impl ExecutorBuilder {
                         updated_ms: record.updated_ms,
                         tree: None,
                         result: Some(record.failure.map_or(Ok(()), Err)),
+                        value: record.result,
+                        nonce: record.nonce,
                     },
                 );
             }
@@ -263,6 +307,10 @@ impl ExecutorBuilder {
                 unfinished,
                 max_unfinished,
                 nonces,
+                retention,
+                finished: finished_at.into(),
+                acked: HashMap::new(),
+                evicting: false,
             }
         });
         if !report.recovered_roots.is_empty() {
@@ -398,6 +446,41 @@ impl Executor {
         self.addr.send(WaitFor(id)).await?
     }
 
+    /// Waits like [`wait`](Self::wait), and for a root that succeeded also returns the
+    /// value its last step set with [`Context::set_result`](crate::Context::set_result)
+    /// (`None` if it set none).
+    ///
+    /// ```no_run
+    /// # async fn f(executor: proctor::Executor, id: proctor::ProcId) -> Result<(), proctor::Error> {
+    /// if let Ok(Some(region_count)) = executor.wait_value::<u32>(id).await? {
+    ///     println!("created {region_count} regions");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn wait_value<T: serde::de::DeserializeOwned>(
+        &self,
+        id: ProcId,
+    ) -> Result<Result<Option<T>, Failure>, Error> {
+        if let Err(failure) = self.wait(id).await? {
+            return Ok(Err(failure));
+        }
+        let Some(bytes) = self.addr.send(GetValue(id)).await?? else {
+            return Ok(Ok(None));
+        };
+        rmp_serde::from_slice(&bytes)
+            .map(|v| Ok(Some(v)))
+            .map_err(|e| Error::ValueType {
+                id,
+                reason: e.to_string(),
+            })
+    }
+
+    /// Tells the executor the client has its result: it is evicted after the shorter
+    /// retention ([`ExecutorBuilder::retention_after_ack`]).
+    pub async fn ack_result(&self, id: ProcId) -> Result<(), Error> {
+        self.addr.send(AckResult(id)).await?
+    }
+
     /// Every procedure the executor knows: live ones and finished roots.
     pub async fn list(&self) -> Result<Vec<ProcInfo>, Error> {
         Ok(self.addr.send(List).await?)
@@ -508,6 +591,20 @@ impl Message for WaitFor {
     type Result = Result<Result<(), Failure>, Error>;
 }
 
+/// A finished root's value (MessagePack), if its last step set one.
+pub struct GetValue(pub ProcId);
+
+impl Message for GetValue {
+    type Result = Result<Option<Vec<u8>>, Error>;
+}
+
+/// The client has a finished root's result: keep it only for the shorter retention.
+pub struct AckResult(pub ProcId);
+
+impl Message for AckResult {
+    type Result = Result<(), Error>;
+}
+
 /// Every procedure the executor knows.
 pub struct List;
 
@@ -538,6 +635,13 @@ pub struct ExecutorActor {
     max_unfinished: usize,
     /// Roots by the nonce they were submitted with, as long as their records live.
     nonces: HashMap<Nonce, NonceState>,
+    retention: Retention,
+    /// Finished roots whose results are kept, oldest first: when they finished.
+    finished: VecDeque<(u64, ProcId)>,
+    /// Results the client acknowledged, and when.
+    acked: HashMap<ProcId, u64>,
+    /// A batch of evictions is on its way to the store.
+    evicting: bool,
 }
 
 /// Where a nonce's submit is.
@@ -570,8 +674,124 @@ impl ExecutorActor {
     }
 }
 
+impl ExecutorActor {
+    /// The error for an id the table does not have.
+    fn missing(&self, id: ProcId) -> Error {
+        if self.shared.issued(id) {
+            Error::Gone(id)
+        } else {
+            Error::UnknownProcedure(id)
+        }
+    }
+
+    /// Evicts, in one append, up to a batch of results whose time is up; goes on at
+    /// once if there were more.
+    fn clean(&mut self, ctx: &mut Context<Self>) {
+        if self.evicting || self.broken.is_some() {
+            return;
+        }
+        let now = now_ms();
+        let kept = u64::try_from(self.retention.kept.as_millis()).unwrap_or(u64::MAX);
+        let after_ack = u64::try_from(self.retention.after_ack.as_millis()).unwrap_or(u64::MAX);
+        let mut batch: Vec<ProcId> = Vec::new();
+        while batch.len() < EVICT_BATCH {
+            match self.finished.front() {
+                Some(&(at, id)) if at.saturating_add(kept) <= now => {
+                    self.finished.pop_front();
+                    batch.push(id);
+                }
+                _ => break,
+            }
+        }
+        if batch.len() < EVICT_BATCH {
+            let due: Vec<ProcId> = self
+                .acked
+                .iter()
+                .filter(|(_, &at)| at.saturating_add(after_ack) <= now)
+                .map(|(&id, _)| id)
+                .take(EVICT_BATCH - batch.len())
+                .collect();
+            for id in due {
+                self.acked.remove(&id);
+                batch.push(id);
+            }
+        }
+        // An acknowledged result may also have reached its time in `finished`.
+        batch.sort_unstable();
+        batch.dedup();
+        batch.retain(|id| {
+            self.shared
+                .table
+                .get(id)
+                .is_some_and(|e| e.result.is_some())
+        });
+        if batch.is_empty() {
+            return;
+        }
+        let more = batch.len() == EVICT_BATCH;
+        self.evicting = true;
+        let (ack, durable) = oneshot::channel();
+        self.shared.persistence.do_send(Persist {
+            ops: batch.iter().map(|&id| StoreOp::Delete(id)).collect(),
+            ack,
+        });
+        let done = async move { durable.await.unwrap_or(Err(Error::Stopped)) };
+        ctx.spawn(done.into_actor(self).map(move |result, act, ctx| {
+            act.evicting = false;
+            match result {
+                Ok(()) => {
+                    for id in &batch {
+                        if let Some((_, e)) = act.shared.table.remove(id) {
+                            if let Some(nonce) = e.nonce {
+                                act.nonces.remove(&nonce);
+                            }
+                        }
+                        act.acked.remove(id);
+                    }
+                    tracing::debug!(evicted = batch.len(), "evicted finished results");
+                    if more {
+                        act.clean(ctx);
+                    }
+                }
+                Err(e) => act.broke(e),
+            }
+        }));
+    }
+
+    /// The store failed (or the engine broke): accept nothing more and answer every
+    /// waiter with the error.
+    fn broke(&mut self, e: Error) {
+        if self.broken.is_none() {
+            tracing::error!(error = %e, "executor stopped accepting work");
+            if matches!(e, Error::Internal(_)) {
+                // Stop every other tree at its next write, as a store failure does.
+                self.shared.persistence.do_send(Refuse(e.to_string()));
+            }
+            self.broken = Some(e);
+        }
+        // Trees that are idle (sleeping, suspended) write nothing and would never
+        // learn; their waiters get the error now, like everyone's.
+        let broken = self
+            .broken
+            .as_ref()
+            .map_or(Error::Stopped, Error::duplicate);
+        for (_, waiters) in self.waiters.drain() {
+            for waiter in waiters {
+                let _ = waiter.send(Err(broken.duplicate()));
+            }
+        }
+    }
+}
+
+/// Results evicted per append, at most.
+const EVICT_BATCH: usize = 10_000;
+
 impl Actor for ExecutorActor {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(self.retention.every, |act, ctx| act.clean(ctx));
+    }
 }
 
 impl Handler<Submit> for ExecutorActor {
@@ -652,7 +872,7 @@ impl Handler<Abort> for ExecutorActor {
             return Box::pin(async move { Err(e) });
         }
         let tree = match self.shared.table.get(&id) {
-            None => Err(Error::UnknownProcedure(id)),
+            None => Err(self.missing(id)),
             Some(e) => match &e.tree {
                 Some(tree) if !e.state.is_finished() && e.result.is_none() => Ok(tree.clone()),
                 _ => Err(Error::Finished { id, state: e.state }),
@@ -680,7 +900,7 @@ impl Handler<GetState> for ExecutorActor {
     type Result = Result<ProcInfo, Error>;
 
     fn handle(&mut self, msg: GetState, _ctx: &mut Context<Self>) -> Self::Result {
-        self.info(msg.0).ok_or(Error::UnknownProcedure(msg.0))
+        self.info(msg.0).ok_or_else(|| self.missing(msg.0))
     }
 }
 
@@ -690,7 +910,7 @@ impl Handler<WaitFor> for ExecutorActor {
     fn handle(&mut self, msg: WaitFor, _ctx: &mut Context<Self>) -> Self::Result {
         let id = msg.0;
         let ready = match self.info(id) {
-            None => Some(Err(Error::UnknownProcedure(id))),
+            None => Some(Err(self.missing(id))),
             Some(info) if info.root != id => Some(Err(Error::NotRoot {
                 id,
                 root: info.root,
@@ -707,6 +927,35 @@ impl Handler<WaitFor> for ExecutorActor {
         let (tx, rx) = oneshot::channel();
         self.waiters.entry(id).or_default().push(tx);
         Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
+    }
+}
+
+impl Handler<GetValue> for ExecutorActor {
+    type Result = Result<Option<Vec<u8>>, Error>;
+
+    fn handle(&mut self, msg: GetValue, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.0;
+        match self.shared.table.get(&id) {
+            None => Err(self.missing(id)),
+            Some(e) if e.result.is_none() => Err(Error::NotFinished(id)),
+            Some(e) => Ok(e.value.clone()),
+        }
+    }
+}
+
+impl Handler<AckResult> for ExecutorActor {
+    type Result = Result<(), Error>;
+
+    fn handle(&mut self, msg: AckResult, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.0;
+        match self.shared.table.get(&id) {
+            None => return Err(self.missing(id)),
+            Some(e) if e.root != id => return Err(Error::NotRoot { id, root: e.root }),
+            Some(e) if e.result.is_none() => return Err(Error::NotFinished(id)),
+            Some(_) => {}
+        }
+        self.acked.entry(id).or_insert_with(now_ms);
+        Ok(())
     }
 }
 
@@ -743,31 +992,12 @@ impl Handler<TreeFinished> for ExecutorActor {
         match msg.result {
             Ok(result) => {
                 self.unfinished = self.unfinished.saturating_sub(1);
+                self.finished.push_back((now_ms(), msg.root));
                 for waiter in self.waiters.remove(&msg.root).unwrap_or_default() {
                     let _ = waiter.send(Ok(result.clone()));
                 }
             }
-            Err(e) => {
-                if self.broken.is_none() {
-                    tracing::error!(error = %e, "executor stopped accepting work");
-                    if matches!(e, Error::Internal(_)) {
-                        // Stop every other tree at its next write, as a store failure does.
-                        self.shared.persistence.do_send(Refuse(e.to_string()));
-                    }
-                    self.broken = Some(e);
-                }
-                // Trees that are idle (sleeping, suspended) write nothing and would never
-                // learn; their waiters get the error now, like everyone's.
-                let broken = self
-                    .broken
-                    .as_ref()
-                    .map_or(Error::Stopped, Error::duplicate);
-                for (_, waiters) in self.waiters.drain() {
-                    for waiter in waiters {
-                        let _ = waiter.send(Err(broken.duplicate()));
-                    }
-                }
-            }
+            Err(e) => self.broke(e),
         }
     }
 }

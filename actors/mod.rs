@@ -15,8 +15,8 @@ mod shared;
 mod wal_store;
 
 pub use executor::{
-    Abort, Executor, ExecutorActor, ExecutorBuilder, GetState, List, ProcInfo, Recovery, Submit,
-    WaitFor,
+    Abort, AckResult, Executor, ExecutorActor, ExecutorBuilder, GetState, GetValue, List, ProcInfo,
+    Recovery, Submit, WaitFor,
 };
 pub use scheduler::{ResetEvent, WakeEvent};
 pub use wal_store::{

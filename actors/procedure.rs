@@ -151,6 +151,7 @@ impl ProcedureActor {
         outcome: StepOutcome,
         data: Vec<u8>,
         children: Vec<(ProcId, Box<dyn Procedure>)>,
+        result: Option<Vec<u8>>,
     ) {
         // The root stack frees the worker once it has recorded this report; freeing it
         // here would let a later step's report overtake this one.
@@ -166,6 +167,7 @@ impl ProcedureActor {
                 id: self.id,
                 outcome,
                 data,
+                result,
             },
             children,
         });
@@ -187,7 +189,7 @@ impl ProcedureActor {
     fn finish_step(
         &mut self,
         mut proc: Box<dyn Procedure>,
-        ctx: &ProcContext,
+        ctx: &mut ProcContext,
         result: Result<Result<Flow, ProcError>, ProcError>,
     ) {
         let mut children = Vec::new();
@@ -226,7 +228,11 @@ impl ProcedureActor {
             _ => {}
         }
         self.proc = Some(proc);
-        self.report(outcome, data, children);
+        // The value for the caller counts only from the step that finishes.
+        let result = ctx
+            .take_result()
+            .filter(|_| matches!(outcome, StepOutcome::Done));
+        self.report(outcome, data, children, result);
     }
 
     fn name_children(
@@ -425,7 +431,7 @@ impl Handler<RunStep> for ProcedureActor {
     fn handle(&mut self, _msg: RunStep, ctx: &mut Context<Self>) {
         let id = self.id;
         if self.failed || self.done || self.status.failed() {
-            self.report(StepOutcome::Skipped, Vec::new(), Vec::new());
+            self.report(StepOutcome::Skipped, Vec::new(), Vec::new(), None);
             return;
         }
         let Some(mut proc) = self.proc.take() else {
@@ -437,11 +443,11 @@ impl Handler<RunStep> for ProcedureActor {
                 Ok(LockState::Acquired) => self.lock_held = true,
                 Ok(LockState::Yield) => {
                     self.proc = Some(proc);
-                    self.report(StepOutcome::Yield, Vec::new(), Vec::new());
+                    self.report(StepOutcome::Yield, Vec::new(), Vec::new(), None);
                     return;
                 }
                 Err(panic) => {
-                    self.finish_step(proc, &pctx, Err(panic));
+                    self.finish_step(proc, &mut pctx, Err(panic));
                     self.settle_pending(ctx);
                     return;
                 }
@@ -459,8 +465,8 @@ impl Handler<RunStep> for ProcedureActor {
         ctx.spawn(
             tracing::Instrument::instrument(step, span)
                 .into_actor(self)
-                .map(|(proc, pctx, result), act, ctx| {
-                    act.finish_step(proc, &pctx, result);
+                .map(|(proc, mut pctx, result), act, ctx| {
+                    act.finish_step(proc, &mut pctx, result);
                     act.settle_pending(ctx);
                 }),
         );

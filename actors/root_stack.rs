@@ -53,6 +53,7 @@ enum Row {
         id: ProcId,
         state: ProcState,
         updated_ms: u64,
+        value: Option<Vec<u8>>,
     },
 }
 
@@ -664,12 +665,15 @@ fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -
                     updated_ms: r.updated_ms,
                     tree: tree.cloned(),
                     result: None,
+                    value: None,
+                    nonce: r.nonce,
                 },
             )),
             StoreOp::Update(r) => Some(Row::Update {
                 id: r.id,
                 state: r.state,
                 updated_ms: r.updated_ms,
+                value: r.result.clone(),
             }),
             StoreOp::Delete(_) => None,
         })
@@ -686,10 +690,14 @@ fn apply_rows(shared: &Shared, rows: Vec<Row>) {
                 id,
                 state,
                 updated_ms,
+                value,
             } => {
                 if let Some(mut e) = shared.table.get_mut(&id) {
                     e.state = state;
                     e.updated_ms = updated_ms;
+                    if value.is_some() {
+                        e.value = value;
+                    }
                 }
             }
         }

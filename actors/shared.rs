@@ -11,7 +11,7 @@ use dashmap::DashMap;
 
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState};
-use crate::record::Failure;
+use crate::record::{Failure, Nonce};
 use crate::registry::Registry;
 
 use super::executor::ExecutorActor;
@@ -68,6 +68,10 @@ pub(crate) struct Entry {
     pub(crate) tree: Option<Addr<RootStackActor>>,
     /// A finished root's result.
     pub(crate) result: Option<Result<(), Failure>>,
+    /// A finished root's value for the caller (MessagePack), if its last step set one.
+    pub(crate) value: Option<Vec<u8>>,
+    /// The nonce a root was submitted with.
+    pub(crate) nonce: Option<Nonce>,
 }
 
 /// The locks a procedure holds, or waits for, as the scheduler last saw them.
@@ -121,6 +125,12 @@ impl Shared {
     /// A new procedure id, above every id the store has seen.
     pub(crate) fn next_id(&self) -> ProcId {
         ProcId(self.next_id.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Whether `id` was ever handed out by this store (by this engine or before a
+    /// restart): an id that was, but is in no table, is gone, not unknown.
+    pub(crate) fn issued(&self, id: ProcId) -> bool {
+        id.0 < self.next_id.load(Ordering::Relaxed)
     }
 
     /// The arbiter for the next new actor: round robin, so trees and children spread

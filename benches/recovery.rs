@@ -37,6 +37,7 @@ fn record(id: u64, version: u8) -> ProcRecord {
         locks: None,
         deadline_ms: None,
         nonce: None,
+        result: None,
     }
 }
 

@@ -8,9 +8,26 @@ use crate::store::StoreError;
 /// [`Failure`](crate::Failure), the `Err` of a finished procedure's result).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
-    /// No procedure with this id exists (or it was a child of a tree that finished).
+    /// This store never handed out this id.
     #[error("unknown procedure {0}")]
     UnknownProcedure(ProcId),
+    /// The id was handed out, but the procedure is no longer known: its tree finished
+    /// and its result was evicted (see
+    /// [`ExecutorBuilder::retention`](crate::ExecutorBuilder::retention)), or it was a
+    /// child of a finished tree, or its submit never became durable.
+    #[error("procedure {0} is gone: its result was evicted, it was a child of a finished tree, or its submit never became durable")]
+    Gone(ProcId),
+    /// The procedure's value does not decode as the type asked for.
+    #[error("the value of procedure {id} does not decode as the type asked for: {reason}")]
+    ValueType {
+        /// The procedure.
+        id: ProcId,
+        /// The decoder's complaint.
+        reason: String,
+    },
+    /// The procedure has not finished yet: it has no result to read or acknowledge.
+    #[error("procedure {0} has not finished yet")]
+    NotFinished(ProcId),
     /// The procedure has finished; it can no longer be aborted.
     #[error("procedure {id} has already finished ({state})")]
     Finished {
@@ -63,6 +80,12 @@ impl Error {
     pub(crate) fn duplicate(&self) -> Error {
         match self {
             Error::UnknownProcedure(id) => Error::UnknownProcedure(*id),
+            Error::Gone(id) => Error::Gone(*id),
+            Error::NotFinished(id) => Error::NotFinished(*id),
+            Error::ValueType { id, reason } => Error::ValueType {
+                id: *id,
+                reason: reason.clone(),
+            },
             Error::Finished { id, state } => Error::Finished {
                 id: *id,
                 state: *state,

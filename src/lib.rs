@@ -37,9 +37,10 @@ pub use crate::actors::perturb;
 pub use async_trait::async_trait;
 
 pub use crate::actors::{
-    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, Entry, Executor, ExecutorActor,
-    ExecutorBuilder, GetState, List, ProcInfo, Recovery, Repair, ResetEvent, SegmentReport, StdFs,
-    Submit, WaitFor, WakeEvent, WalDirScan, WalFs, WalOptions, WalStats, WalStore,
+    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Entry, Executor,
+    ExecutorActor, ExecutorBuilder, GetState, GetValue, List, ProcInfo, Recovery, Repair,
+    ResetEvent, SegmentReport, StdFs, Submit, WaitFor, WakeEvent, WalDirScan, WalFs, WalOptions,
+    WalStats, WalStore,
 };
 pub use crate::error::Error;
 pub use crate::locks::{Lock, LockMode};

@@ -180,6 +180,7 @@ pub struct Context {
     now_ms: u64,
     env: Option<Arc<dyn Any + Send + Sync>>,
     unrecorded: bool,
+    result: Option<Vec<u8>>,
 }
 
 impl Context {
@@ -198,6 +199,7 @@ impl Context {
             now_ms,
             env,
             unrecorded: false,
+            result: None,
         }
     }
 
@@ -215,6 +217,29 @@ impl Context {
     /// rollback undoes "everything the next step could have done" can ignore this.
     pub fn is_unrecorded_step(&self) -> bool {
         self.unrecorded
+    }
+
+    /// Sets the value the caller receives with the result
+    /// ([`Executor::wait_value`](crate::Executor::wait_value)), when this is a root
+    /// procedure's last step (the one returning [`Flow::Done`]); persisted with the
+    /// finished root and kept as long as its result. Set in any other step, it is
+    /// ignored.
+    ///
+    /// ```
+    /// use proctor::{Context, ProcId};
+    /// let mut ctx = Context::new(ProcId(1), None, ProcId(1), 0, None);
+    /// ctx.set_result(&("table-7", 12u32)).unwrap();
+    /// ```
+    pub fn set_result<T: Serialize>(&mut self, value: &T) -> Result<(), ProcError> {
+        let bytes = rmp_serde::to_vec_named(value)
+            .map_err(|e| ProcError::Persist(format!("result: {e}")))?;
+        self.result = Some(bytes);
+        Ok(())
+    }
+
+    /// The value set by [`Context::set_result`], taken out.
+    pub(crate) fn take_result(&mut self) -> Option<Vec<u8>> {
+        self.result.take()
     }
 
     /// This procedure's id.

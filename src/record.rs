@@ -88,6 +88,10 @@ pub struct ProcRecord {
     /// Defaulted, last.
     #[serde(default)]
     pub nonce: Option<Nonce>,
+    /// For a root that succeeded: the value its last step set
+    /// ([`Context::set_result`](crate::Context::set_result)), MessagePack. Defaulted, last.
+    #[serde(default, with = "serde_bytes")]
+    pub result: Option<Vec<u8>>,
 }
 
 /// The stored form of [`ProcRecord::stack_indexes`]: `(first, count)` runs of
@@ -186,6 +190,7 @@ mod tests {
             locks: None,
             deadline_ms: None,
             nonce: None,
+            result: None,
         }
     }
 

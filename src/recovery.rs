@@ -164,6 +164,7 @@ mod tests {
             locks: None,
             deadline_ms: None,
             nonce: None,
+            result: None,
         }
     }
 

@@ -78,6 +78,8 @@ pub struct StepReport {
     pub outcome: StepOutcome,
     /// The procedure's encoded state after the step.
     pub data: Vec<u8>,
+    /// For a step that finished a root: the value it set for the caller.
+    pub result: Option<Vec<u8>>,
 }
 
 /// Something to do once the transition's records are durable.
@@ -179,6 +181,7 @@ struct Node {
     locks: Option<LockClaim>,
     deadline_ms: Option<u64>,
     nonce: Option<Nonce>,
+    result: Option<Vec<u8>>,
 }
 
 /// A tree's nodes by id: a sorted `Vec`, because trees are small, ids within a tree are
@@ -314,6 +317,7 @@ impl RootStack {
                     locks: r.locks.clone(),
                     deadline_ms: r.deadline_ms,
                     nonce: r.nonce,
+                    result: r.result.clone(),
                 },
             );
         }
@@ -521,7 +525,12 @@ impl RootStack {
             StepOutcome::Children(children) if children.is_empty() => {
                 self.step_done(&mut t, id, report.data, now_ms);
             }
-            StepOutcome::Done => self.step_done(&mut t, id, report.data, now_ms),
+            StepOutcome::Done => {
+                if id == self.root {
+                    self.node_mut(id).result = report.result;
+                }
+                self.step_done(&mut t, id, report.data, now_ms)
+            }
             StepOutcome::MoreToDo { yield_after } => {
                 self.push_step(id);
                 self.node_mut(id).state = ProcState::Runnable;
@@ -731,6 +740,7 @@ impl RootStack {
             locks,
             deadline_ms,
             nonce,
+            result: None,
         };
         let old = self.nodes.insert(id, node);
         assert!(old.is_none(), "procedure {id} added twice");
@@ -900,6 +910,7 @@ impl RootStack {
             locks: node.locks.clone(),
             deadline_ms: node.deadline_ms,
             nonce: node.nonce,
+            result: node.result.clone(),
         }
     }
 }
@@ -998,6 +1009,7 @@ mod tests {
                         id: ProcId(id),
                         outcome,
                         data: vec![1],
+                        result: None,
                     },
                     0,
                 ),
@@ -1224,6 +1236,7 @@ mod tests {
                 id: ProcId(1),
                 outcome: StepOutcome::Children(vec![child]),
                 data: vec![],
+                result: None,
             },
             6,
         );
@@ -1262,6 +1275,7 @@ mod tests {
                 id: ProcId(1),
                 outcome: StepOutcome::Done,
                 data: vec![9],
+                result: None,
             },
             1,
         );
@@ -1274,6 +1288,7 @@ mod tests {
                 id: ProcId(1),
                 outcome: StepOutcome::Failed(ProcError::failed("x")),
                 data: vec![2],
+                result: None,
             },
             1,
         );

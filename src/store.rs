@@ -169,6 +169,7 @@ mod tests {
             locks: None,
             deadline_ms: None,
             nonce: None,
+            result: None,
         }
     }
 

@@ -895,6 +895,7 @@ mod tests {
             locks: None,
             deadline_ms: None,
             nonce: None,
+            result: None,
         }
     }
 

@@ -38,6 +38,7 @@ fn record(id: u64, state: ProcState) -> ProcRecord {
         locks: None,
         deadline_ms: None,
         nonce: None,
+        result: None,
     }
 }
 

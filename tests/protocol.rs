@@ -447,6 +447,7 @@ async fn a_reordered_log_is_reported_not_run_into_a_panic() {
         locks: None,
         deadline_ms: None,
         nonce: None,
+        result: None,
     };
     let mut store = MemoryStore::new();
     store

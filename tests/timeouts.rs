@@ -208,6 +208,7 @@ async fn an_overdue_deadline_fires_at_once_after_a_restart() {
         // had already been re-armed to expire at 2 ms.
         deadline_ms: Some(2),
         nonce: None,
+        result: None,
     };
     let mut store = MemoryStore::new();
     store.append(&[StoreOp::Insert(record)]).unwrap();

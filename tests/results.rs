@@ -1,0 +1,200 @@
+//! Result values and their retention, through the executor on both stores: a value
+//! set by the last step reaches the caller and survives a restart; results are evicted
+//! after their retention (sooner once acknowledged), the log forgets them, an evicted
+//! id answers `Gone` (not `UnknownProcedure`, not "still running"), and its nonce is
+//! free again.
+
+mod common;
+
+use std::time::Duration;
+
+use proctor::{
+    async_trait, Context, Error, Executor, ExecutorBuilder, Flow, Nonce, ProcError, ProcId,
+    Procedure, ProcedureStore, Registry,
+};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, PartialEq, Serialize, Deserialize)]
+struct Created {
+    table: String,
+    regions: u32,
+}
+
+/// Two steps; the last sets a value for the caller. `hold` suspends it first.
+#[derive(Serialize, Deserialize)]
+struct CreateTable {
+    table: String,
+    step: u32,
+    hold: bool,
+}
+
+#[async_trait]
+impl Procedure for CreateTable {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+        self.step += 1;
+        // A value set before the last step is not the result.
+        ctx.set_result(&"not the result")?;
+        match self.step {
+            1 if self.hold => Ok(Flow::Suspend("go".into())),
+            1 => Ok(Flow::MoreToDo),
+            _ => {
+                ctx.set_result(&Created {
+                    table: self.table.clone(),
+                    regions: 3,
+                })?;
+                Ok(Flow::Done)
+            }
+        }
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
+        Ok(())
+    }
+
+    fn rerun_after_recover(&self, _event: &str) -> bool {
+        false
+    }
+}
+
+fn create(table: &str, hold: bool) -> CreateTable {
+    CreateTable {
+        table: table.into(),
+        step: 0,
+        hold,
+    }
+}
+
+async fn start(
+    store: Box<dyn ProcedureStore>,
+    configure: impl FnOnce(ExecutorBuilder) -> ExecutorBuilder,
+) -> Executor {
+    let mut registry = Registry::new();
+    registry.register::<CreateTable>("create_table");
+    configure(Executor::builder().registry(registry).store(store))
+        .start()
+        .await
+        .expect("executor starts")
+}
+
+/// Waits (polling, as a client would) until `id` is gone.
+async fn wait_until_gone(executor: &Executor, id: ProcId) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        match executor.state(id).await {
+            Err(Error::Gone(gone)) if gone == id => return,
+            Ok(_) => {}
+            other => panic!("{other:?}"),
+        }
+        assert!(std::time::Instant::now() < deadline, "{id} never evicted");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[actix::test]
+async fn the_last_steps_value_reaches_the_caller_and_survives_a_restart() {
+    for name in ["memory", "wal"] {
+        let store = common::Reopen::new(name);
+        let executor = start(store.open(), |b| b).await;
+        let id = executor.submit(create("t1", false)).await.unwrap();
+        let expected = Created {
+            table: "t1".into(),
+            regions: 3,
+        };
+        let value = executor.wait_value::<Created>(id).await.unwrap();
+        assert_eq!(value, Ok(Some(expected)), "{name}");
+        // The wrong type is a typed error, not a panic.
+        match executor.wait_value::<Vec<u64>>(id).await {
+            Err(Error::ValueType { id: got, .. }) => assert_eq!(got, id),
+            other => panic!("{name}: {other:?}"),
+        }
+        executor.shutdown().await.unwrap();
+
+        let executor = start(store.open(), |b| b).await;
+        let value = executor.wait_value::<Created>(id).await.unwrap();
+        assert_eq!(
+            value,
+            Ok(Some(Created {
+                table: "t1".into(),
+                regions: 3
+            })),
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn results_are_evicted_after_their_retention_and_the_log_forgets_them() {
+    for name in ["memory", "wal"] {
+        let store = common::Reopen::new(name);
+        let executor = start(store.open(), |b| {
+            b.retention(Duration::from_millis(30))
+                .cleaner_interval(Duration::from_millis(5))
+        })
+        .await;
+        let nonce = Nonce { group: 1, nonce: 1 };
+        let done = executor
+            .submit_with_nonce(create("t1", false), nonce)
+            .await
+            .unwrap();
+        let running = executor.submit(create("t2", true)).await.unwrap();
+        assert!(executor.wait(done).await.unwrap().is_ok());
+        wait_until_gone(&executor, done).await;
+        // Three different answers: gone, never issued, still running.
+        assert!(
+            matches!(executor.wait(done).await, Err(Error::Gone(_))),
+            "{name}"
+        );
+        assert!(matches!(
+            executor.state(ProcId(1 << 40)).await,
+            Err(Error::UnknownProcedure(_))
+        ));
+        assert!(matches!(
+            executor
+                .addr()
+                .send(proctor::GetValue(running))
+                .await
+                .unwrap(),
+            Err(Error::NotFinished(_))
+        ));
+        // The nonce went with the result: the same nonce is a new submission.
+        let again = executor
+            .submit_with_nonce(create("t1", false), nonce)
+            .await
+            .unwrap();
+        assert_ne!(again, done, "{name}");
+        executor.shutdown().await.unwrap();
+        // Nothing of it is left in the store.
+        let snapshot = store.open().load().unwrap();
+        assert!(
+            snapshot.records.iter().all(|r| r.id != done),
+            "{name}: the evicted root is still stored"
+        );
+        let executor = start(store.open(), |b| b).await;
+        assert!(
+            matches!(executor.wait(done).await, Err(Error::Gone(_))),
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn an_acknowledged_result_goes_sooner() {
+    for (name, store, _dir) in common::stores() {
+        let executor = start(store, |b| {
+            b.retention(Duration::from_secs(3600))
+                .retention_after_ack(Duration::from_millis(20))
+                .cleaner_interval(Duration::from_millis(5))
+        })
+        .await;
+        let kept = executor.submit(create("kept", false)).await.unwrap();
+        let acked = executor.submit(create("acked", false)).await.unwrap();
+        assert!(executor.wait(kept).await.unwrap().is_ok());
+        assert!(executor.wait(acked).await.unwrap().is_ok());
+        executor.ack_result(acked).await.unwrap();
+        wait_until_gone(&executor, acked).await;
+        assert!(executor.state(kept).await.is_ok(), "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
