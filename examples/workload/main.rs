@@ -21,7 +21,7 @@ use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
@@ -110,6 +110,12 @@ struct Args {
     /// `lock_conflicts`, which must be 0).
     #[arg(long)]
     locks: Option<u32>,
+    /// How long finished roots' results are kept before the cleaner evicts them (and
+    /// the log forgets them); default: the engine's (15 minutes). A short retention
+    /// keeps the WAL and the memory small on long runs; `--verify` then sees only the
+    /// roots still kept.
+    #[arg(long)]
+    retention_ms: Option<u64>,
     /// WAL segment size in bytes (`--store wal`; default: `WalOptions`'s).
     #[arg(long)]
     segment_bytes: Option<u64>,
@@ -117,6 +123,39 @@ struct Args {
     /// `WalOptions`'s).
     #[arg(long)]
     max_segments: Option<usize>,
+}
+
+/// Counts the detached tasks still running; `all_done` waits for the last.
+#[derive(Default)]
+struct Running {
+    count: std::cell::Cell<usize>,
+    zero: tokio::sync::Notify,
+}
+
+/// One running task's share of [`Running`].
+struct Done(Rc<Running>);
+
+impl Running {
+    fn start(self: &Rc<Self>) -> Done {
+        self.count.set(self.count.get() + 1);
+        Done(self.clone())
+    }
+
+    async fn all_done(&self) {
+        while self.count.get() > 0 {
+            self.zero.notified().await;
+        }
+    }
+}
+
+impl Done {
+    fn finish(self) {
+        let running = &self.0;
+        running.count.set(running.count.get() - 1);
+        if running.count.get() == 0 {
+            running.zero.notify_one();
+        }
+    }
 }
 
 /// What each root came to.
@@ -178,10 +217,15 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let ledger = args.ledger.as_deref().map(Ledger::open).transpose()?;
     let env = Arc::new(Env::new(ledger));
-    let builder = Executor::builder()
+    let mut builder = Executor::builder()
         .registry(registry())
         .workers(args.workers)
         .env(env.clone());
+    if let Some(ms) = args.retention_ms {
+        builder = builder
+            .retention(Duration::from_millis(ms))
+            .cleaner_interval(Duration::from_millis((ms / 2).clamp(10, 1000)));
+    }
     // A temp dir lives until the end of the run when no --dir is given.
     let temp = match &args.dir {
         Some(_) => None,
@@ -237,16 +281,20 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }));
     let mut rng = fastrand::Rng::with_seed(args.seed);
     let window = Arc::new(Semaphore::new(args.concurrency.max(1)));
-    let mut tasks = Vec::new();
+    // Tasks are detached and counted (a million join handles would keep a million
+    // finished tasks in memory).
+    let running = Rc::new(Running::default());
     // Recovered roots are waited for like submitted ones (their latency counts from now).
     for &id in &recovery.recovered_roots {
         let executor = executor.clone();
         let tally = tally.clone();
-        tasks.push(actix::spawn(async move {
+        let done = running.start();
+        actix::spawn(async move {
             let t0 = Instant::now();
             let outcome = executor.wait(id).await;
             tally.borrow_mut().count(t0, outcome);
-        }));
+            done.finish();
+        });
     }
     let to_submit = if args.resume { 0 } else { args.procs };
     for _ in 0..to_submit {
@@ -264,11 +312,15 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         let executor = executor.clone();
         let tally = tally.clone();
         let shapes = shapes.clone();
-        tasks.push(actix::spawn(async move {
+        let verify = args.verify;
+        let done = running.start();
+        actix::spawn(async move {
             let t0 = Instant::now();
             let outcome = match executor.submit(StateMachine::new(work)).await {
                 Ok(id) => {
-                    shapes.borrow_mut().insert(id, shape);
+                    if verify {
+                        shapes.borrow_mut().insert(id, shape);
+                    }
                     executor.wait(id).await.map(|r| (id, r))
                 }
                 Err(e) => Err(e),
@@ -289,11 +341,10 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 }
             }
             drop(permit);
-        }));
+            done.finish();
+        });
     }
-    for task in tasks {
-        task.await?;
-    }
+    running.all_done().await;
     let wall_s = started.elapsed().as_secs_f64();
     // Every task has finished: the shared cells are ours alone now.
     let shapes = shapes.take();
@@ -451,17 +502,25 @@ async fn verify(
                 .push(format!("root {id} ({state}) {problem}"));
         }
     }
+    // Roots whose results the cleaner evicted (`--retention-ms`) cannot be checked.
+    let mut gone = std::collections::HashSet::new();
     for id in shapes.keys() {
         if !known.contains_key(id) {
-            tally
-                .violations
-                .push(format!("root {id} was submitted but is unknown"));
+            match executor.state(*id).await {
+                Err(proctor::Error::Gone(_)) => {
+                    gone.insert(id.0);
+                }
+                _ => tally
+                    .violations
+                    .push(format!("root {id} was submitted but is unknown")),
+            }
         }
     }
-    let effects = match &env.ledger {
+    let mut effects = match &env.ledger {
         Some(ledger) => ledger.effects_per_root()?,
         None => known.keys().map(|id| (id.0, 0)).collect(),
     };
+    effects.retain(|root, _| !gone.contains(root));
     let ledger = env.ledger.is_some();
     let expect = |id: ProcId| match shapes.get(&id) {
         Some(shape) if ledger => shape.effects,
