@@ -28,7 +28,9 @@ use super::persistence::Persistence;
 use super::procedure::{declare, Undeclarable};
 use super::protocol::{AbortRequest, Persist, Refuse, Regrant, StopWriter, TreeFinished};
 use super::root_stack::{publish, Objects, RootStackActor};
-use super::scheduler::{ResetEvent, Scheduler, WakeEvent};
+use super::scheduler::{
+    GetSchedulerStats, Monitor, ResetEvent, Scheduler, SchedulerStats, WakeEvent,
+};
 use super::shared::{now_ms, Entry, LockViews, Shared};
 
 impl From<MailboxError> for Error {
@@ -56,6 +58,7 @@ pub struct ExecutorBuilder {
     permits: Vec<(String, u32)>,
     max_unfinished: usize,
     retention: Retention,
+    monitor: Monitor,
 }
 
 /// How long finished roots' results are kept, and how often the cleaner looks.
@@ -80,6 +83,11 @@ impl Default for ExecutorBuilder {
                 kept: Duration::from_secs(15 * 60),
                 after_ack: Duration::from_secs(5 * 60),
                 every: Duration::from_secs(30),
+            },
+            monitor: Monitor {
+                every: Duration::from_secs(5),
+                stuck_after: Duration::from_secs(10),
+                retire_after: Duration::from_secs(60),
             },
         }
     }
@@ -161,6 +169,24 @@ impl ExecutorBuilder {
         self
     }
 
+    /// The stuck-worker monitor: every `every` (default 5 s) it counts the workers that
+    /// have been in one step for `stuck_after` (default 10 s) or more, warns about each
+    /// (procedure, type, how long), and when at least half of the configured workers
+    /// are stuck while runnable procedures wait, allows one extra worker (up to 10×
+    /// the configured count).
+    pub fn stuck_worker_monitor(mut self, every: Duration, stuck_after: Duration) -> Self {
+        self.monitor.every = every;
+        self.monitor.stuck_after = stuck_after;
+        self
+    }
+
+    /// How long the pool must have had an idle worker before an extra worker retires
+    /// (default one minute).
+    pub fn extra_worker_idle(mut self, retire_after: Duration) -> Self {
+        self.monitor.retire_after = retire_after;
+        self
+    }
+
     /// Recovers the store and starts the executor's actors in the current actix system
     /// (call it from inside one, e.g. under `#[actix::main]`). Every unfinished tree in
     /// the store is carried on to SUCCESS or ROLLEDBACK; see
@@ -214,7 +240,8 @@ impl ExecutorBuilder {
             .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
             .start();
         let lock_views = Arc::new(LockViews::default());
-        let scheduler = Scheduler::new(self.workers, self.permits, lock_views.clone()).start();
+        let scheduler =
+            Scheduler::new(self.workers, self.monitor, self.permits, lock_views.clone()).start();
         // Locks held for life when the engine stopped go back to their holders, roots
         // first, before any tree is started and can ask for anything.
         let mut held: Vec<_> = trees
@@ -479,6 +506,12 @@ impl Executor {
     /// retention ([`ExecutorBuilder::retention_after_ack`]).
     pub async fn ack_result(&self, id: ProcId) -> Result<(), Error> {
         self.addr.send(AckResult(id)).await?
+    }
+
+    /// What the scheduler is doing: workers (with any extra), running and queued steps,
+    /// lock holders and waiters.
+    pub async fn scheduler_stats(&self) -> Result<SchedulerStats, Error> {
+        self.addr.send(GetSchedulerStats).await?
     }
 
     /// Every procedure the executor knows: live ones and finished roots.
@@ -974,6 +1007,15 @@ impl Handler<WakeEvent> for ExecutorActor {
 
     fn handle(&mut self, msg: WakeEvent, _ctx: &mut Context<Self>) {
         self.shared.scheduler.do_send(msg);
+    }
+}
+
+impl Handler<GetSchedulerStats> for ExecutorActor {
+    type Result = ResponseFuture<Result<SchedulerStats, Error>>;
+
+    fn handle(&mut self, msg: GetSchedulerStats, _ctx: &mut Context<Self>) -> Self::Result {
+        let scheduler = self.shared.scheduler.clone();
+        Box::pin(async move { scheduler.send(msg).await? })
     }
 }
 

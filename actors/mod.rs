@@ -18,7 +18,7 @@ pub use executor::{
     Abort, AckResult, Executor, ExecutorActor, ExecutorBuilder, GetState, GetValue, List, ProcInfo,
     Recovery, Submit, WaitFor,
 };
-pub use scheduler::{ResetEvent, WakeEvent};
+pub use scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
 pub use wal_store::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Entry, Repair, SegmentReport, StdFs,
     WalDirScan, WalFs, WalOptions, WalStats, WalStore,

@@ -36,6 +36,8 @@ pub(crate) struct Enqueue {
     pub(crate) id: ProcId,
     pub(crate) addr: Addr<ProcedureActor>,
     pub(crate) front: bool,
+    /// Its registered type name (for the stuck-worker monitor's warnings).
+    pub(crate) type_name: &'static str,
     /// The locks the step needs (`None`: none, or its tree has failed and the step will
     /// only be skipped).
     pub(crate) lock: Option<Request>,

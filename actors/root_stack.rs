@@ -369,6 +369,7 @@ impl RootStackActor {
             id,
             addr: addr.clone(),
             front,
+            type_name: self.core.type_name_of(id).unwrap_or("?"),
             lock,
         });
     }
@@ -553,6 +554,7 @@ impl Handler<LocksHeld> for RootStackActor {
                     id: msg.id,
                     addr: addr.clone(),
                     front: true,
+                    type_name: self.core.type_name_of(msg.id).unwrap_or("?"),
                     lock: None,
                 });
             }

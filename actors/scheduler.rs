@@ -10,6 +10,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use actix::prelude::*;
 
@@ -17,6 +18,7 @@ use crate::events::EventTable;
 use crate::locks::{Changes, LockTable, Request};
 use crate::procedure::ProcId;
 use crate::ready_queue::ReadyQueue;
+use crate::workers::{Change, WorkerPolicy, Workers};
 
 use super::perturb;
 use super::procedure::ProcedureActor;
@@ -25,7 +27,7 @@ use super::protocol::{
     StepFinished, SuspendOn, TreeFailed, Wake,
 };
 use super::root_stack::RootStackActor;
-use super::shared::{LockView, LockViews};
+use super::shared::{now_ms, LockView, LockViews};
 
 /// Makes the named event ready and wakes the procedures suspended on it, oldest first;
 /// until it is reset ([`ResetEvent`]), procedures that suspend on it go on at once.
@@ -62,6 +64,7 @@ enum Then {
     Step {
         addr: Addr<ProcedureActor>,
         front: bool,
+        type_name: &'static str,
     },
     Rollback {
         addr: Addr<ProcedureActor>,
@@ -74,8 +77,45 @@ struct Parked {
     then: Then,
 }
 
+/// A queued step: who, its actor, its type.
+type Ready = (ProcId, Addr<ProcedureActor>, &'static str);
+
+/// What the scheduler is doing, for operators and tests.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Workers now: the configured ones plus any extra the stuck-worker monitor added.
+    pub workers: usize,
+    /// Steps running.
+    pub running: usize,
+    /// Steps queued for a worker.
+    pub queued: usize,
+    /// Procedures holding engine locks.
+    pub lock_holders: usize,
+    /// Procedures waiting for engine locks.
+    pub lock_waiters: usize,
+}
+
+/// Asks the scheduler for its [`SchedulerStats`]. Send it to the executor.
+pub struct GetSchedulerStats;
+
+impl Message for GetSchedulerStats {
+    type Result = Result<SchedulerStats, crate::Error>;
+}
+
+/// The stuck-worker monitor's settings.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Monitor {
+    pub(crate) every: Duration,
+    pub(crate) stuck_after: Duration,
+    pub(crate) retire_after: Duration,
+}
+
 pub(crate) struct Scheduler {
-    ready: ReadyQueue<(ProcId, Addr<ProcedureActor>)>,
+    ready: ReadyQueue<Ready>,
+    /// Steps dispatched and not finished: when each started, and its type.
+    running: HashMap<ProcId, (u64, &'static str)>,
+    workers: Workers,
+    monitor_every: Duration,
     events: EventTable<(ProcId, Addr<RootStackActor>)>,
     locks: LockTable,
     /// Procedures waiting in the lock table, and what to do once granted.
@@ -88,13 +128,27 @@ pub(crate) struct Scheduler {
 }
 
 impl Scheduler {
-    pub(crate) fn new(workers: usize, permits: Vec<(String, u32)>, view: Arc<LockViews>) -> Self {
+    pub(crate) fn new(
+        workers: usize,
+        monitor: Monitor,
+        permits: Vec<(String, u32)>,
+        view: Arc<LockViews>,
+    ) -> Self {
         let mut locks = LockTable::new();
         for (resource, n) in permits {
             locks.set_permits(resource, n);
         }
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         Scheduler {
             ready: ReadyQueue::new(workers),
+            running: HashMap::new(),
+            workers: Workers::new(WorkerPolicy {
+                base: workers,
+                max: workers.saturating_mul(10),
+                stuck_after_ms: ms(monitor.stuck_after),
+                retire_after_ms: ms(monitor.retire_after),
+            }),
+            monitor_every: monitor.every,
             events: EventTable::new(),
             locks,
             parked: HashMap::new(),
@@ -105,12 +159,13 @@ impl Scheduler {
     }
 
     fn dispatch(&mut self) {
-        while let Some((id, addr)) = self.ready.pop() {
+        while let Some((id, addr, type_name)) = self.ready.pop() {
             // A procedure's actor stops only after its tree has finished, and a finished
             // tree queues nothing; a stopped one here would leak the worker, so free it.
             if addr.connected() {
                 tracing::trace!(proc = %id, "dispatch");
                 perturb::point("scheduler::dispatch::run_step");
+                self.running.insert(id, (now_ms(), type_name));
                 addr.do_send(RunStep);
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");
@@ -118,6 +173,40 @@ impl Scheduler {
                 self.release(id, true);
             }
         }
+    }
+
+    /// The stuck-worker check: warns about steps past the threshold, and adds or
+    /// retires a worker as [`Workers::check`] says.
+    fn monitor(&mut self) {
+        let now = now_ms();
+        let mut stuck = 0;
+        for (id, &(started, type_name)) in &self.running {
+            if self.workers.is_stuck(started, now) {
+                stuck += 1;
+                tracing::warn!(
+                    proc = %id,
+                    r#type = type_name,
+                    secs = now.saturating_sub(started) / 1000,
+                    "procedure stuck in one step"
+                );
+            }
+        }
+        let change = self
+            .workers
+            .check(now, stuck, self.ready.busy(), self.ready.queued());
+        match change {
+            Change::None => return,
+            Change::Added => tracing::warn!(
+                workers = self.workers.current(),
+                stuck,
+                "stuck workers: allowing an extra worker"
+            ),
+            Change::Retired => {
+                tracing::info!(workers = self.workers.current(), "an extra worker retired")
+            }
+        }
+        self.ready.set_workers(self.workers.current());
+        self.dispatch();
     }
 
     /// Asks the lock table for `req`, parked until granted.
@@ -181,12 +270,16 @@ impl Scheduler {
                 );
             }
             match parked.then {
-                Then::Step { addr, front } => {
+                Then::Step {
+                    addr,
+                    front,
+                    type_name,
+                } => {
                     if self.locks.holds(id) == Some(true) {
                         // Held for life: made durable before the step runs.
                         addr.do_send(LocksGranted);
                     } else {
-                        self.ready.push((id, addr), front);
+                        self.ready.push((id, addr, type_name), front);
                     }
                 }
                 Then::Rollback { addr, unrecorded } => addr.do_send(Rollback { unrecorded }),
@@ -197,10 +290,14 @@ impl Scheduler {
             tracing::warn!(proc = %id, %deadlock, "deadlock: failing the younger tree");
             self.view.remove(&id);
             match self.unpark(id).map(|p| p.then) {
-                Some(Then::Step { addr, front }) => {
+                Some(Then::Step {
+                    addr,
+                    front,
+                    type_name,
+                }) => {
                     addr.do_send(LockFailed(deadlock.to_string()));
                     // Its step is still owed a report: queued, it reports itself skipped.
-                    self.ready.push((id, addr), front);
+                    self.ready.push((id, addr, type_name), front);
                 }
                 Some(Then::Rollback { .. }) | None => {
                     tracing::error!(proc = %id, "deadlock victim is not a waiting step");
@@ -213,6 +310,25 @@ impl Scheduler {
 
 impl Actor for Scheduler {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(self.monitor_every, |act, _ctx| act.monitor());
+    }
+}
+
+impl Handler<GetSchedulerStats> for Scheduler {
+    type Result = Result<SchedulerStats, crate::Error>;
+
+    fn handle(&mut self, _msg: GetSchedulerStats, _ctx: &mut Context<Self>) -> Self::Result {
+        let (lock_holders, lock_waiters) = self.locks.len();
+        Ok(SchedulerStats {
+            workers: self.workers.current(),
+            running: self.ready.busy(),
+            queued: self.ready.queued(),
+            lock_holders,
+            lock_waiters,
+        })
+    }
 }
 
 impl Handler<Enqueue> for Scheduler {
@@ -220,13 +336,15 @@ impl Handler<Enqueue> for Scheduler {
 
     fn handle(&mut self, msg: Enqueue, _ctx: &mut Context<Self>) {
         let Some(req) = msg.lock.clone() else {
-            self.ready.push((msg.id, msg.addr), msg.front);
+            self.ready
+                .push((msg.id, msg.addr, msg.type_name), msg.front);
             self.dispatch();
             return;
         };
         match self.locks.holds(msg.id) {
             Some(true) => {
-                self.ready.push((msg.id, msg.addr), msg.front);
+                self.ready
+                    .push((msg.id, msg.addr, msg.type_name), msg.front);
                 self.dispatch();
             }
             // The previous step's report was recorded but its StepFinished (which frees
@@ -238,6 +356,7 @@ impl Handler<Enqueue> for Scheduler {
                 let then = Then::Step {
                     addr: msg.addr,
                     front: msg.front,
+                    type_name: msg.type_name,
                 };
                 self.request(req, then);
             }
@@ -250,6 +369,7 @@ impl Handler<StepFinished> for Scheduler {
 
     fn handle(&mut self, msg: StepFinished, _ctx: &mut Context<Self>) {
         self.ready.complete();
+        self.running.remove(&msg.0);
         self.release(msg.0, true);
         if let Some(next) = self.deferred.remove(&msg.0) {
             self.handle(next, _ctx);
@@ -301,7 +421,12 @@ impl Handler<TreeFailed> for Scheduler {
                 continue;
             }
             let Some(Parked {
-                then: Then::Step { addr, front },
+                then:
+                    Then::Step {
+                        addr,
+                        front,
+                        type_name,
+                    },
                 ..
             }) = self.unpark(id)
             else {
@@ -310,7 +435,7 @@ impl Handler<TreeFailed> for Scheduler {
             self.view.remove(&id);
             let changes = self.locks.release(id);
             // Queued without its locks: its tree has failed, so it only reports a skip.
-            self.ready.push((id, addr), front);
+            self.ready.push((id, addr, type_name), front);
             self.apply(changes);
         }
         self.dispatch();

@@ -25,6 +25,7 @@ mod state_machine;
 mod store;
 pub mod testing;
 pub mod wal;
+mod workers;
 
 #[path = "../actors/mod.rs"]
 mod actors;
@@ -38,9 +39,9 @@ pub use async_trait::async_trait;
 
 pub use crate::actors::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Entry, Executor,
-    ExecutorActor, ExecutorBuilder, GetState, GetValue, List, ProcInfo, Recovery, Repair,
-    ResetEvent, SegmentReport, StdFs, Submit, WaitFor, WakeEvent, WalDirScan, WalFs, WalOptions,
-    WalStats, WalStore,
+    ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List, ProcInfo,
+    Recovery, Repair, ResetEvent, SchedulerStats, SegmentReport, StdFs, Submit, WaitFor, WakeEvent,
+    WalDirScan, WalFs, WalOptions, WalStats, WalStore,
 };
 pub use crate::error::Error;
 pub use crate::locks::{Lock, LockMode};

@@ -41,12 +41,28 @@ impl<T> ReadyQueue<T> {
     /// The next item to run, if a worker is free; it counts as busy until
     /// [`complete`](ReadyQueue::complete).
     pub fn pop(&mut self) -> Option<T> {
-        if self.busy == self.workers {
+        if self.busy >= self.workers {
             return None;
         }
         let item = self.queue.pop_front()?;
         self.busy += 1;
         Some(item)
+    }
+
+    /// Changes how many items may run at once (at least 1); items already running
+    /// beyond a lowered bound finish normally.
+    pub fn set_workers(&mut self, workers: usize) {
+        self.workers = workers.max(1);
+    }
+
+    /// How many items are queued.
+    pub fn queued(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// How many items run.
+    pub fn busy(&self) -> usize {
+        self.busy
     }
 
     /// A dispatched item finished; its worker is free.

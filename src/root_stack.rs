@@ -464,6 +464,11 @@ impl RootStack {
         self.nodes.get(&id).map(|n| (n.parent, n.submitted_ms))
     }
 
+    /// The registered type name of `id`.
+    pub fn type_name_of(&self, id: ProcId) -> Option<&'static str> {
+        self.nodes.get(&id).map(|n| n.type_name)
+    }
+
     /// When `id`'s timeout expires (ms since the Unix epoch), if it has one.
     pub fn deadline_of(&self, id: ProcId) -> Option<u64> {
         self.nodes.get(&id).and_then(|n| n.deadline_ms)

@@ -134,3 +134,54 @@ async fn ten_thousand_roots_with_two_children_each_all_complete() {
         assert_eq!(live, 0);
     }
 }
+
+/// Two workers, both stuck in a step: once the monitor sees them stuck while another
+/// procedure waits, it allows an extra worker, which runs the waiting one; when the
+/// pool has been idle for a while, the extra worker retires.
+#[actix::test]
+async fn a_stuck_pool_gets_an_extra_worker_that_later_retires() {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    for (store_name, store, _dir) in stores() {
+        let rec = Arc::new(common::Recorder::default());
+        let executor = proctor::Executor::builder()
+            .registry(common::registry())
+            .store(store)
+            .workers(2)
+            .env(rec.clone())
+            .stuck_worker_monitor(Duration::from_millis(10), Duration::from_millis(30))
+            .extra_worker_idle(Duration::from_millis(50))
+            .start()
+            .await
+            .unwrap();
+        let a = executor
+            .submit(Scripted::new("a", vec![Step::Gate]))
+            .await
+            .unwrap();
+        let b = executor
+            .submit(Scripted::new("b", vec![Step::Gate]))
+            .await
+            .unwrap();
+        while rec.count("a-exec") + rec.count("b-exec") < 2 {
+            tokio::task::yield_now().await;
+        }
+        // Both workers are inside gated steps: this one runs only on an extra worker.
+        let c = executor.submit(Scripted::new("c", vec![])).await.unwrap();
+        assert_eq!(executor.wait(c).await.unwrap(), Ok(()), "{store_name}");
+        let stats = executor.scheduler_stats().await.unwrap();
+        assert!(stats.workers >= 3, "{store_name}: {stats:?}");
+        assert_eq!(stats.running, 2, "{store_name}: {stats:?}");
+        rec.gate.notify_waiters();
+        assert_eq!(executor.wait(a).await.unwrap(), Ok(()));
+        assert_eq!(executor.wait(b).await.unwrap(), Ok(()));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while executor.scheduler_stats().await.unwrap().workers > 2 {
+            assert!(
+                Instant::now() < deadline,
+                "{store_name}: extra worker never retired"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        executor.shutdown().await.unwrap();
+    }
+}
