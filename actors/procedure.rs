@@ -431,7 +431,9 @@ impl Handler<RunStep> for ProcedureActor {
     fn handle(&mut self, _msg: RunStep, ctx: &mut Context<Self>) {
         let id = self.id;
         if self.failed || self.done || self.status.failed() {
-            self.report(StepOutcome::Skipped, Vec::new(), Vec::new(), None);
+            // Its last good state: the report may be recorded (a procedure that never
+            // ran gives up its locks in the record).
+            self.report(StepOutcome::Skipped, self.data.clone(), Vec::new(), None);
             return;
         }
         let Some(mut proc) = self.proc.take() else {

@@ -113,8 +113,9 @@ impl Message for LockForRollback {
     type Result = ();
 }
 
-/// Release the locks of `id` (from its procedure actor): those of one rollback step
-/// (`step_only`), or everything it holds (it finished).
+/// Release the locks of `id` (from its procedure actor, or its root stack): those of
+/// one rollback step (`step_only`), or everything it holds (it finished, or will never
+/// run again).
 pub(crate) struct ReleaseLocks {
     pub(crate) id: ProcId,
     pub(crate) step_only: bool,

@@ -38,8 +38,8 @@ use super::perturb;
 use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
     AbortProc, AbortRequest, AckWith, Deadline, Enqueue, FailRequest, LockForRollback, LocksHeld,
-    Persist, ProcLost, Rollback, RolledBack, StepDone, StepFinished, StopProc, SuspendOn,
-    TreeFailed, TreeFinished, Wake,
+    Persist, ProcLost, ReleaseLocks, Rollback, RolledBack, StepDone, StepFinished, StopProc,
+    SuspendOn, TreeFailed, TreeFinished, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus};
 
@@ -265,6 +265,14 @@ impl RootStackActor {
             }
             // The same queued step, now that its life-long locks are durably held.
             Action::Resume(id) => self.enqueue(id, true),
+            Action::Release(id) => {
+                if self.core.lock_request(id, false).is_some() {
+                    self.shared.scheduler.do_send(ReleaseLocks {
+                        id,
+                        step_only: false,
+                    });
+                }
+            }
             Action::Stop(id) => {
                 if let Some(addr) = self.procs.remove(&id) {
                     // The address travels with the request until the answer: an actix

@@ -15,7 +15,7 @@ use std::time::Duration;
 use actix::prelude::*;
 
 use crate::events::EventTable;
-use crate::locks::{Changes, LockTable, Request};
+use crate::locks::{Changes, Hold, LockTable, Request};
 use crate::procedure::ProcId;
 use crate::ready_queue::ReadyQueue;
 use crate::workers::{Change, WorkerPolicy, Workers};
@@ -57,6 +57,14 @@ pub struct ResetEvent(pub String);
 
 impl Message for ResetEvent {
     type Result = ();
+}
+
+/// A request that came while the same procedure still held the locks of its previous
+/// step (its `StepFinished`, which releases them, is still on its way): asked again
+/// right after the release.
+enum Deferred {
+    Step(Enqueue),
+    Rollback(LockForRollback),
 }
 
 /// What to do for a procedure once its locks are granted.
@@ -123,7 +131,7 @@ pub(crate) struct Scheduler {
     /// The parked procedures of each tree, for `TreeFailed`.
     parked_by_root: HashMap<ProcId, HashSet<ProcId>>,
     /// Enqueues that arrived while the previous step still held its step locks.
-    deferred: HashMap<ProcId, Enqueue>,
+    deferred: HashMap<ProcId, Deferred>,
     view: Arc<LockViews>,
 }
 
@@ -170,7 +178,7 @@ impl Scheduler {
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");
                 self.ready.complete();
-                self.release(id, true);
+                self.release(id, Some(Hold::Step));
             }
         }
     }
@@ -209,6 +217,20 @@ impl Scheduler {
         self.dispatch();
     }
 
+    /// Asks again for what waited on `id`'s previous locks, now released.
+    fn undefer(&mut self, id: ProcId, ctx: &mut Context<Self>) {
+        if self.locks.held_for(id).is_some() {
+            return;
+        }
+        match self.deferred.remove(&id) {
+            Some(Deferred::Step(msg)) => <Self as Handler<Enqueue>>::handle(self, msg, ctx),
+            Some(Deferred::Rollback(msg)) => {
+                <Self as Handler<LockForRollback>>::handle(self, msg, ctx)
+            }
+            None => {}
+        }
+    }
+
     /// Asks the lock table for `req`, parked until granted.
     fn request(&mut self, req: Request, then: Then) {
         let id = req.owner;
@@ -230,16 +252,18 @@ impl Scheduler {
         self.apply(changes);
     }
 
-    /// Releases what `id` holds for one step (`step_only`) or everything.
-    fn release(&mut self, id: ProcId, step_only: bool) {
-        match self.locks.holds(id) {
-            Some(true) if step_only => {}
-            Some(_) => {
+    /// Releases what `id` holds if it holds it for `what` (`None`: whatever it holds).
+    /// A step's `StepFinished` must not release locks granted meanwhile to the same
+    /// procedure's rollback (a skipped step's report can start the rollback before its
+    /// `StepFinished` is sent), so each release names what it ends.
+    fn release(&mut self, id: ProcId, what: Option<Hold>) {
+        match self.locks.held_for(id) {
+            Some(held) if what.is_none_or(|w| w == held) => {
                 self.view.remove(&id);
                 let changes = self.locks.release(id);
                 self.apply(changes);
             }
-            None => {}
+            _ => {}
         }
     }
 
@@ -350,7 +374,7 @@ impl Handler<Enqueue> for Scheduler {
             // The previous step's report was recorded but its StepFinished (which frees
             // its locks) is still on its way: ask again after it.
             Some(false) => {
-                self.deferred.insert(msg.id, msg);
+                self.deferred.insert(msg.id, Deferred::Step(msg));
             }
             None => {
                 let then = Then::Step {
@@ -370,10 +394,8 @@ impl Handler<StepFinished> for Scheduler {
     fn handle(&mut self, msg: StepFinished, _ctx: &mut Context<Self>) {
         self.ready.complete();
         self.running.remove(&msg.0);
-        self.release(msg.0, true);
-        if let Some(next) = self.deferred.remove(&msg.0) {
-            self.handle(next, _ctx);
-        }
+        self.release(msg.0, Some(Hold::Step));
+        self.undefer(msg.0, _ctx);
         self.dispatch();
     }
 }
@@ -382,17 +404,25 @@ impl Handler<LockForRollback> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: LockForRollback, _ctx: &mut Context<Self>) {
-        let then = Then::Rollback {
-            addr: msg.addr,
-            unrecorded: msg.unrecorded,
-        };
-        if self.locks.holds(msg.id).is_some() {
-            if let Then::Rollback { addr, unrecorded } = then {
-                addr.do_send(Rollback { unrecorded });
+        match self.locks.held_for(msg.id) {
+            // Held for its life: through its rollback.
+            Some(Hold::Life) => msg.addr.do_send(Rollback {
+                unrecorded: msg.unrecorded,
+            }),
+            // A skipped step's report can start the rollback before the step's
+            // StepFinished frees the step's locks: ask once they are freed, or the
+            // rollback would run under locks about to go.
+            Some(Hold::Step | Hold::RollbackStep) => {
+                self.deferred.insert(msg.id, Deferred::Rollback(msg));
             }
-            return;
+            None => {
+                let then = Then::Rollback {
+                    addr: msg.addr,
+                    unrecorded: msg.unrecorded,
+                };
+                self.request(msg.lock, then);
+            }
         }
-        self.request(msg.lock, then);
     }
 }
 
@@ -400,7 +430,13 @@ impl Handler<ReleaseLocks> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: ReleaseLocks, _ctx: &mut Context<Self>) {
-        self.release(msg.id, msg.step_only);
+        let what = if msg.step_only {
+            Some(Hold::RollbackStep)
+        } else {
+            None
+        };
+        self.release(msg.id, what);
+        self.undefer(msg.id, _ctx);
     }
 }
 

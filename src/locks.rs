@@ -18,9 +18,10 @@
 //! (see [`LockTable::set_permits`]) lets at most N shared holders in.
 //!
 //! Locks a procedure's ancestors hold do not block it (HBase's lock access: a child runs
-//! under its parent's locks), and a request from a procedure whose ancestor holds locks
-//! for its life, or for a rollback, goes before the ordinary waiters (the tree it belongs
-//! to must finish for them to run). Ordinary waiters are served first come, first served:
+//! under its parent's locks), nor do, for a rollback, the locks of its own tree (a tree
+//! rolls back one step at a time with nothing of it running). A request from a
+//! procedure whose ancestor holds locks for its life, or for a rollback, goes before the
+//! ordinary waiters (the tree it belongs to must finish for them to run). Ordinary waiters are served first come, first served:
 //! a request is granted only if no holder and no earlier waiter conflicts with it, so a
 //! waiter is never overtaken by a later conflicting request; each release re-checks, in
 //! order, just the waiters that the released locks could have blocked.
@@ -163,6 +164,17 @@ pub struct Request {
     pub rollback: bool,
 }
 
+/// What a holder holds its locks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Hold {
+    /// One step.
+    Step,
+    /// One rollback step.
+    RollbackStep,
+    /// The procedure's life.
+    Life,
+}
+
 /// One wait in a deadlock's cycle.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct WaitEdge {
@@ -286,6 +298,8 @@ pub struct LockTable {
     waiting_seq: HashMap<ProcId, u64>,
     /// For each procedure, the waiting requests of its descendants.
     desc_waiters: HashMap<ProcId, BTreeSet<u64>>,
+    /// For each tree, its waiting rollback requests.
+    rollback_waiters: HashMap<ProcId, BTreeSet<u64>>,
     next_priority: u64,
     next_ordinary: u64,
 }
@@ -299,6 +313,7 @@ impl Default for LockTable {
             waiters: BTreeMap::new(),
             waiting_seq: HashMap::new(),
             desc_waiters: HashMap::new(),
+            rollback_waiters: HashMap::new(),
             next_priority: 0,
             next_ordinary: ORDINARY,
         }
@@ -312,7 +327,7 @@ fn ancestors_of(resource: &str) -> impl Iterator<Item = &str> {
         .map(move |(i, _)| &resource[..i])
 }
 
-fn exempt(req: &Request, holder: ProcId) -> bool {
+fn ancestry(req: &Request, holder: ProcId) -> bool {
     holder == req.owner || req.ancestors.contains(&holder)
 }
 
@@ -451,6 +466,17 @@ impl LockTable {
         self.holders.get(&owner).map(|r| r.for_life)
     }
 
+    /// What `owner` holds its locks for, if it holds any.
+    pub fn held_for(&self, owner: ProcId) -> Option<Hold> {
+        self.holders
+            .get(&owner)
+            .map(|r| match (r.for_life, r.rollback) {
+                (true, _) => Hold::Life,
+                (false, true) => Hold::RollbackStep,
+                (false, false) => Hold::Step,
+            })
+    }
+
     fn remove_waiter(&mut self, owner: ProcId, changes: &mut Changes) {
         let Some(&seq) = self.waiting_seq.get(&owner) else {
             return;
@@ -465,6 +491,20 @@ impl LockTable {
         self.wake(touched, changes);
     }
 
+    /// Whether `holder`'s locks do not count against `req`: its own, its ancestors'
+    /// (a child runs under its parent's locks), and, for a rollback, any of its own
+    /// tree's — a tree rolls back one step at a time with nothing of it running, so its
+    /// locks cannot be in use by another of its procedures, and a lock a sibling holds
+    /// for its life must not block a rollback that comes before the sibling's own.
+    fn exempt(&self, req: &Request, holder: ProcId) -> bool {
+        ancestry(req, holder)
+            || (req.rollback
+                && self
+                    .holders
+                    .get(&holder)
+                    .is_some_and(|h| h.root == req.root))
+    }
+
     /// Visits every holder outside `req`'s ancestry whose locks conflict with it.
     fn each_blocking_holder(
         &self,
@@ -475,21 +515,21 @@ impl LockTable {
             let r = lock.resource.as_str();
             if let Some(n) = self.nodes.get(r) {
                 for &h in &n.exclusive {
-                    if !exempt(req, h) {
+                    if !self.exempt(req, h) {
                         f(h)?;
                     }
                 }
                 match lock.mode {
                     LockMode::Exclusive => {
                         for &h in n.shared.iter().chain(n.below.keys()) {
-                            if !exempt(req, h) {
+                            if !self.exempt(req, h) {
                                 f(h)?;
                             }
                         }
                     }
                     LockMode::Shared => {
                         if let Some(&permits) = self.permits.get(r) {
-                            let others = n.shared.iter().filter(|&&h| !exempt(req, h));
+                            let others = n.shared.iter().filter(|&&h| !self.exempt(req, h));
                             if others.clone().count() >= permits as usize {
                                 for &h in others {
                                     f(h)?;
@@ -502,7 +542,7 @@ impl LockTable {
             for a in ancestors_of(r) {
                 if let Some(n) = self.nodes.get(a) {
                     for &h in &n.exclusive {
-                        if !exempt(req, h) {
+                        if !self.exempt(req, h) {
                             f(h)?;
                         }
                     }
@@ -623,6 +663,12 @@ impl LockTable {
         for &a in &req.ancestors {
             self.desc_waiters.entry(a).or_default().insert(seq);
         }
+        if req.rollback {
+            self.rollback_waiters
+                .entry(req.root)
+                .or_default()
+                .insert(seq);
+        }
         self.waiting_seq.insert(req.owner, seq);
         self.waiters.insert(seq, Waiter { req, priority });
     }
@@ -652,6 +698,14 @@ impl LockTable {
                 set.remove(&seq);
                 if set.is_empty() {
                     self.desc_waiters.remove(a);
+                }
+            }
+        }
+        if req.rollback {
+            if let Some(set) = self.rollback_waiters.get_mut(&req.root) {
+                set.remove(&seq);
+                if set.is_empty() {
+                    self.rollback_waiters.remove(&req.root);
                 }
             }
         }
@@ -761,7 +815,9 @@ impl LockTable {
 
     /// What `p` waits for: as a waiter, the holders that keep their locks for life and
     /// block it, and the earlier waiters it queues behind; as a holder for life, its
-    /// descendants that wait (it cannot finish before they do). Step holders are left
+    /// descendants that wait (it cannot finish before they do), and its tree's waiting
+    /// rollbacks (a tree rolls back one step at a time: a holder releases at the end of
+    /// its own rollback, which cannot come before a waiting one). Step holders are left
     /// out: their step ends whatever happens in the table.
     fn successors(&self, p: ProcId) -> Vec<(ProcId, Link)> {
         let mut out = Vec::new();
@@ -779,9 +835,13 @@ impl LockTable {
                     ControlFlow::Continue(())
                 });
             }
-        } else if self.holders.get(&p).is_some_and(|r| r.for_life) {
+        } else if let Some(held) = self.holders.get(&p).filter(|r| r.for_life) {
             if let Some(set) = self.desc_waiters.get(&p) {
                 out.extend(set.iter().map(|s| (self.waiters[s].req.owner, Link::Tree)));
+            }
+            if let Some(set) = self.rollback_waiters.get(&held.root) {
+                let rollbacks = set.iter().map(|s| self.waiters[s].req.owner);
+                out.extend(rollbacks.filter(|&w| w != p).map(|w| (w, Link::Tree)));
             }
         }
         out.sort_unstable();
@@ -1044,6 +1104,45 @@ mod tests {
     }
 
     #[test]
+    fn a_rollback_is_not_blocked_by_its_own_trees_locks() {
+        let mut t = LockTable::new();
+        // A sibling holds X t/r for its life; another procedure of the tree (not its
+        // ancestor) must roll back a step under X t.
+        t.request(req(2, &[1], &["X t/r"]));
+        let mut step = req(3, &[1], &["X t"]);
+        step.for_life = false;
+        assert!(t.request(step.clone()).granted.is_empty(), "a step waits");
+        t.release(ProcId(3));
+        let mut rollback = step;
+        rollback.rollback = true;
+        assert_eq!(t.request(rollback).granted, ids(&[3]), "a rollback goes");
+        t.release(ProcId(3));
+        // Another tree's rollback still waits.
+        let mut other = req(9, &[8], &["X t"]);
+        other.rollback = true;
+        other.for_life = false;
+        assert!(t.request(other).granted.is_empty());
+    }
+
+    #[test]
+    fn a_waiting_rollback_behind_another_trees_holder_closes_a_cycle() {
+        // Tree 6 is rolling back: its procedure 8 must roll back (under S t0/r0) before
+        // its procedure 7 can release X t1. Tree 2's root holds X t0; its child 10
+        // waits for X t1.
+        let mut t = LockTable::new();
+        t.request(req(2, &[], &["X t0"]));
+        t.request(req(7, &[6], &["X t1"]));
+        let mut rollback = req(8, &[6], &["S t0/r0"]);
+        rollback.rollback = true;
+        rollback.for_life = false;
+        assert_eq!(t.request(rollback), Changes::default());
+        let c = t.request(req(10, &[2], &["X t1"]));
+        assert_eq!(c.deadlocks.len(), 1, "{c:?}");
+        // The rollback cannot be failed: the victim is the step of the other tree.
+        assert_eq!(c.deadlocks[0].victim, ProcId(10));
+    }
+
+    #[test]
     fn resource_names_are_checked() {
         for (name, ok) in [
             ("ns", true),
@@ -1058,7 +1157,7 @@ mod tests {
     }
 
     fn conflicting(a: &Request, b: &Request, table: &LockTable) -> bool {
-        if exempt(a, b.owner) || exempt(b, a.owner) {
+        if ancestry(a, b.owner) || ancestry(b, a.owner) {
             return false;
         }
         for la in &a.locks {

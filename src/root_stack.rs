@@ -100,6 +100,10 @@ pub enum Action {
     /// The procedure is finished: stop its actor (releasing its lock and running its
     /// completion cleanup).
     Stop(ProcId),
+    /// The procedure will run nothing more (a step skipped in a failed tree, with no
+    /// step of its own to roll back): release the locks it holds for its life now, not
+    /// when the tree ends, so its tree's rollbacks can take them.
+    Release(ProcId),
     /// Ask the procedure to roll back its newest step. `unrecorded` marks the step
     /// that may have started before a crash but was never recorded.
     Rollback {
@@ -516,7 +520,18 @@ impl RootStack {
         self.running -= 1;
         let mut t = Transition::default();
         match report.outcome {
-            StepOutcome::Skipped => {}
+            StepOutcome::Skipped => {
+                // Never ran a step, in a failed tree: nothing of it to roll back, so
+                // locks it holds for its life go now — recorded first, so that
+                // recovery does not grant them back beside whoever takes them next.
+                let node = self.node_mut(id);
+                let held = node.locks.as_mut().filter(|c| c.for_life && c.held);
+                if let (true, Some(claim)) = (node.stack_indexes.is_empty(), held) {
+                    claim.held = false;
+                    self.persist_update(&mut t, id, report.data, now_ms);
+                    t.actions.push(Action::Release(id));
+                }
+            }
             StepOutcome::Yield => {
                 if !self.is_failed() {
                     self.enqueue(&mut t, id, false);
@@ -694,6 +709,14 @@ impl RootStack {
                     ProcState::Failed
                 };
                 self.persist_update(&mut t, id, data, now_ms);
+                // Fully rolled back: it is finished, and its locks (held for its life,
+                // through its rollback) must not outlast it — other procedures of the
+                // tree may need them for their own rollbacks. The root is stopped with
+                // the tree.
+                if id != self.root && self.node_mut(id).state == ProcState::RolledBack {
+                    self.node_mut(id).stopped = true;
+                    t.actions.push(Action::Stop(id));
+                }
                 self.next_rollback(&mut t, now_ms);
             }
             Err(error) => {
@@ -938,6 +961,7 @@ impl fmt::Display for Transition {
                 Action::Enqueue { id, front: true } => format!("run {id} now"),
                 Action::Enqueue { id, front: false } => format!("run {id}"),
                 Action::Resume(id) => format!("resume {id}"),
+                Action::Release(id) => format!("release {id}"),
                 Action::Stop(id) => format!("stop {id}"),
                 Action::Rollback {
                     id,
@@ -1059,9 +1083,9 @@ mod tests {
                 "U1:WAITING[0] I2 | spawn 2, run 2",
                 "U2:WAITING[1] I3 | spawn 3, run 3",
                 "U3:FAILED[2] | rollback 3",
-                "U3:ROLLEDBACK[] | rollback 2",
-                "U2:ROLLEDBACK[] | rollback 1",
-                "U1:ROLLEDBACK[] D2 D3 | stop 1, stop 2, stop 3, finished err 3:boom",
+                "U3:ROLLEDBACK[] | stop 3, rollback 2",
+                "U2:ROLLEDBACK[] | stop 2, rollback 1",
+                "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 3:boom",
             ],
         );
     }
@@ -1106,9 +1130,9 @@ mod tests {
                 "U1:WAITING[0] I2 I3 | spawn 2, run 2, spawn 3, run 3",
                 "U3:FAILED[1] | ",
                 "U2:RUNNABLE[2] | rollback 2",
-                "U2:ROLLEDBACK[] | rollback 3",
-                "U3:ROLLEDBACK[] | rollback 1",
-                "U1:ROLLEDBACK[] D2 D3 | stop 1, stop 2, stop 3, finished err 3:x",
+                "U2:ROLLEDBACK[] | stop 2, rollback 3",
+                "U3:ROLLEDBACK[] | stop 3, rollback 1",
+                "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 3:x",
             ],
         );
     }
@@ -1211,9 +1235,9 @@ mod tests {
                 "U1:WAITING[0] I2 I3 | spawn 2, run 2, spawn 3, run 3",
                 "U2:FAILED[1] | ",
                 "U3:FAILED[2] | rollback 3",
-                "U3:ROLLEDBACK[] | rollback 2",
-                "U2:ROLLEDBACK[] | rollback 1",
-                "U1:ROLLEDBACK[] D2 D3 | stop 1, stop 2, stop 3, finished err 2:first",
+                "U3:ROLLEDBACK[] | stop 3, rollback 2",
+                "U2:ROLLEDBACK[] | stop 2, rollback 1",
+                "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 2:first",
             ],
         );
     }
@@ -1301,5 +1325,35 @@ mod tests {
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![8]), 2);
         assert_eq!(t.persist.len(), 1, "{t}");
         assert_eq!(last(&t), (ProcState::RolledBack, vec![8]));
+    }
+
+    #[test]
+    fn a_skipped_holder_that_never_ran_gives_up_its_locks_in_the_record_first() {
+        use crate::locks::Lock;
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        let life = LockClaim {
+            locks: vec![Lock::exclusive("t/r")],
+            for_life: true,
+            held: false,
+        };
+        let report = |id: u64, outcome| StepReport {
+            id: ProcId(id),
+            outcome,
+            data: vec![id as u8],
+            result: None,
+        };
+        let children =
+            StepOutcome::Children(vec![new(2, vec![], Some(life)), new(3, vec![], None)]);
+        rs.on_step(report(1, children), 1);
+        rs.on_locks_held(ProcId(2), vec![2], 2);
+        rs.on_step(report(3, StepOutcome::Failed(ProcError::failed("x"))), 3);
+        let t = rs.on_step(report(2, StepOutcome::Skipped), 4);
+        assert!(t.to_string().starts_with("U2:RUNNABLE[]"), "{t}");
+        assert!(t.to_string().contains("release 2"), "{t}");
+        let StoreOp::Update(r) = &t.persist[0] else {
+            panic!("{t}")
+        };
+        assert_eq!(r.locks.as_ref().map(|c| c.held), Some(false));
+        assert_eq!(r.data, vec![2]);
     }
 }

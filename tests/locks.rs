@@ -542,3 +542,127 @@ async fn submits_beyond_the_bound_are_refused_at_once() {
         executor.shutdown().await.unwrap();
     }
 }
+
+/// A procedure with locks that may fail at a step and may start children (the engine
+/// hang the perturbation checker found: a rolled-back procedure kept its life-long
+/// locks until its whole tree ended, so a sibling's or parent's rollback that needed
+/// them waited for ever).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Failing {
+    locks: Vec<Lock>,
+    life: bool,
+    steps: u32,
+    fail_at: Option<u32>,
+    children: Vec<Failing>,
+    at: u32,
+}
+
+#[async_trait]
+impl Procedure for Failing {
+    async fn execute(&mut self, _ctx: &mut Context) -> Result<Flow, ProcError> {
+        self.at += 1;
+        if self.fail_at == Some(self.at) {
+            return Err(ProcError::failed("planned"));
+        }
+        if self.at == 1 && !self.children.is_empty() {
+            let children = self.children.iter().cloned();
+            return Ok(Flow::Children(
+                children
+                    .map(|c| Box::new(c) as Box<dyn Procedure>)
+                    .collect(),
+            ));
+        }
+        Ok(if self.at < self.steps {
+            Flow::MoreToDo
+        } else {
+            Flow::Done
+        })
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
+        self.at -= 1;
+        Ok(())
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        self.locks.clone()
+    }
+
+    fn holds_lock(&self) -> bool {
+        self.life
+    }
+}
+
+fn failing(locks: Vec<Lock>, life: bool, steps: u32, fail_at: Option<u32>) -> Failing {
+    Failing {
+        locks,
+        life,
+        steps,
+        fail_at,
+        children: Vec::new(),
+        at: 0,
+    }
+}
+
+#[actix::test]
+async fn a_rolled_back_procedure_frees_its_life_long_locks_for_the_rest_of_the_rollback() {
+    let with = |mut p: Failing, children: Vec<Failing>| {
+        p.children = children;
+        p
+    };
+    let cases: Vec<(&str, Failing)> = vec![
+        (
+            // The root's own rollback (X t per step) needs what its failed child held
+            // for life (S t/r).
+            "parent after child",
+            with(
+                failing(vec![Lock::exclusive("t")], false, 2, None),
+                vec![failing(vec![Lock::shared("t/r")], true, 1, Some(1))],
+            ),
+        ),
+        (
+            // A sibling's rollback (X t per step) needs what the failed sibling held.
+            "sibling after sibling",
+            with(
+                failing(vec![], false, 2, None),
+                vec![
+                    failing(vec![Lock::exclusive("t")], false, 2, None),
+                    failing(vec![Lock::exclusive("t/r")], true, 1, Some(1)),
+                ],
+            ),
+        ),
+        (
+            // A sibling that never ran a step (skipped: another failed first) held its
+            // life-long lock from the grant.
+            "a skipped sibling",
+            with(
+                failing(vec![], false, 2, None),
+                vec![
+                    failing(vec![Lock::exclusive("t")], false, 2, None),
+                    failing(vec![], false, 1, Some(1)),
+                    failing(vec![Lock::exclusive("t/r")], true, 1, None),
+                ],
+            ),
+        ),
+    ];
+    for (store_name, store, _dir) in common::stores() {
+        let mut registry = Registry::new();
+        registry.register::<Failing>("failing");
+        let executor = Executor::builder()
+            .registry(registry)
+            .store(store)
+            .workers(1)
+            .start()
+            .await
+            .unwrap();
+        for (case, root) in &cases {
+            let id = executor.submit(root.clone()).await.unwrap();
+            let result =
+                tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
+                    .await
+                    .unwrap_or_else(|_| panic!("{store_name} {case}: the rollback hangs"));
+            assert!(result.unwrap().is_err(), "{store_name} {case}");
+        }
+        executor.shutdown().await.unwrap();
+    }
+}

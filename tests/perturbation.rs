@@ -1,12 +1,16 @@
 //! Seeded randomized runs of the whole engine against a history checker.
 //!
 //! Each seed builds a random workload — trees of procedures with children, failing
-//! steps, yields, lock-holding roots, operator aborts at random moments, sometimes a
-//! crash through a failing store and a restart — and runs it with the actor layer's
-//! perturbation points on (`proctor::perturb`), so rare interleavings happen often.
-//! Everything observable goes into one history: step and rollback calls, lock grants
-//! and releases, cleanups, records as they become durable, states the executor reports,
-//! abort answers and results. [`check`] then asserts the engine's promises on it:
+//! steps, yields, roots holding a lock through the user hooks, procedures (roots and
+//! children) declaring engine locks on a small resource hierarchy, per step or for
+//! life, operator aborts at random moments, sometimes a crash through a failing store
+//! and a restart — and runs it with the actor layer's perturbation points on
+//! (`proctor::perturb`), so rare interleavings happen often. Everything observable goes
+//! into one history: step and rollback calls, hook lock grants and releases, which
+//! procedure is inside which engine locks (entered at the start of a call, left before
+//! the call that ends the hold returns), cleanups, records as they become durable,
+//! states the executor reports, abort answers and results. [`check`] then asserts the
+//! engine's promises on it:
 //!
 //! - a failed tree's result is the first failure its log made durable;
 //! - without a crash, rollbacks are exactly the recorded steps of the procedures that
@@ -15,6 +19,11 @@
 //!   rolled-back one (even across a crash);
 //! - a lock is held by one procedure at a time, around every call of its holder, and
 //!   released exactly once per grant (without a crash);
+//! - engine locks: two procedures that are not ancestor and descendant of each other are
+//!   never inside conflicting locks at once, before or after a restart (a life-long
+//!   holder stays inside across it: recovery grants its locks back before anything
+//!   runs); every tree ends SUCCESS or ROLLEDBACK, with its own failure, an abort or a
+//!   deadlock (`deadlock: ...`) as the reason;
 //! - completion cleanup runs at most once per procedure (exactly once without a crash)
 //!   and before its tree's result is visible;
 //! - the executor never reports a state before it is durable, and an abort answered
@@ -31,9 +40,9 @@ use std::time::{Duration, Instant};
 
 use proctor::testing::{CrashPoint, CrashingStore};
 use proctor::{
-    async_trait, perturb, Context, Error, Executor, Failure, Flow, LockState, MemoryStore,
-    ProcError, ProcId, ProcState, Procedure, ProcedureStore, Registry, StoreError, StoreOp,
-    StoreSnapshot, WalStore,
+    async_trait, perturb, Context, Error, Executor, Failure, Flow, Lock, LockMode, LockState,
+    MemoryStore, ProcError, ProcId, ProcState, Procedure, ProcedureStore, Registry, StoreError,
+    StoreOp, StoreSnapshot, WalStore,
 };
 use serde::{Deserialize, Serialize};
 
@@ -57,6 +66,24 @@ enum Ev {
         resource: u32,
     },
     Cleanup {
+        name: String,
+    },
+    /// A call of `name` runs inside its engine locks (the engine granted them): at the
+    /// start of every step and rollback. Again while already inside is harmless.
+    Enter {
+        id: ProcId,
+        name: String,
+        locks: Vec<Lock>,
+        /// Held for the procedure's life.
+        life: bool,
+        /// `execute`, or `rollback`.
+        call: &'static str,
+    },
+    /// `name` is no longer inside its engine locks: logged before the call returns that
+    /// ends its hold (every call for a per-step holder; for a life-long one its last
+    /// step, returning Done, or its last rollback), so before the engine can hand them on.
+    Leave {
+        id: ProcId,
         name: String,
     },
     /// A record that the store made durable: (procedure, root, state, stack indexes,
@@ -101,6 +128,34 @@ impl World {
 /// Completion cleanup gets no context, so it finds the world here.
 static WORLD: Mutex<Option<Arc<World>>> = Mutex::new(None);
 
+/// The engine the current seed runs on, for the report of a hang.
+static EXECUTOR: Mutex<Option<Executor>> = Mutex::new(None);
+
+/// What a hung run leaves: its unfinished procedures and every lock held or waited for
+/// (a lost release or wake-up shows here), then the last events.
+async fn hang_report() -> String {
+    let mut out = String::new();
+    let executor = EXECUTOR.lock().unwrap().clone();
+    if let Some(executor) = executor {
+        let list = tokio::time::timeout(Duration::from_secs(5), executor.list()).await;
+        if let Ok(Ok(list)) = list {
+            for i in list {
+                if !i.state.is_finished() || !i.locks_held.is_empty() {
+                    out += &format!(
+                        "  {} (parent {:?}, tree {}) {}: holds {:?}, waits for {:?}\n",
+                        i.id, i.parent, i.root, i.state, i.locks_held, i.locks_waiting
+                    );
+                }
+            }
+        }
+    }
+    out += "the last events (without the observer's):\n";
+    if let Some(world) = WORLD.lock().unwrap().as_ref() {
+        out += &last_events(&world.history.lock().unwrap(), 60);
+    }
+    out
+}
+
 fn world_of(ctx: &Context) -> Arc<World> {
     ctx.env::<Arc<World>>().expect("world").clone()
 }
@@ -116,7 +171,11 @@ struct Traced {
     fail_at: Option<u32>,
     children_at: Option<u32>,
     children: Vec<Traced>,
+    /// A lock through the user hooks (`acquire_lock`/`release_lock`).
     lock: Option<u32>,
+    /// The engine locks it declares (`locks()`).
+    engine_locks: Vec<Lock>,
+    /// `holds_lock()`: both kinds of lock are held for the procedure's life.
     hold: bool,
     yields: u32,
 }
@@ -130,6 +189,39 @@ impl Traced {
                     "{} runs {what} without lock {r} (held by {holder:?})",
                     self.name
                 )));
+            }
+        }
+    }
+
+    /// The start of a call: inside the engine locks from here.
+    fn enter(&self, world: &World, ctx: &Context, call: &'static str) {
+        if !self.engine_locks.is_empty() {
+            world.log(Ev::Enter {
+                id: ctx.id(),
+                name: self.name.clone(),
+                locks: self.engine_locks.clone(),
+                life: self.hold,
+                call,
+            });
+        }
+    }
+
+    /// Before the call that ends the hold returns.
+    fn leave(&self, world: &World, ctx: &Context) {
+        if !self.engine_locks.is_empty() {
+            world.log(Ev::Leave {
+                id: ctx.id(),
+                name: self.name.clone(),
+            });
+        }
+    }
+
+    /// Inside its engine locks, gives any conflicting call the chance to run now, if the
+    /// engine let it in.
+    async fn linger(&self) {
+        if !self.engine_locks.is_empty() {
+            for _ in 0..2 {
+                tokio::task::yield_now().await;
             }
         }
     }
@@ -158,8 +250,13 @@ impl Traced {
 impl Procedure for Traced {
     async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
         let world = world_of(ctx);
+        self.enter(&world, ctx, "execute");
+        self.linger().await;
         if self.yields > 0 {
             self.yields -= 1;
+            // Yields come before any recorded step, so a life-long holder that is
+            // aborted now gets no rollback to leave at: it is inside for this call only.
+            self.leave(&world, ctx);
             return Ok(Flow::Yield);
         }
         self.check_lock(&world, "a step");
@@ -173,26 +270,31 @@ impl Procedure for Traced {
             .lock()
             .unwrap()
             .insert(format!("{}#{}", self.name, self.at));
-        if self.fail_at == Some(self.at) {
-            return Err(ProcError::failed(format!("{} failed", self.name)));
-        }
-        if self.children_at == Some(self.at) {
-            return Ok(Flow::Children(
+        let flow = if self.fail_at == Some(self.at) {
+            Err(ProcError::failed(format!("{} failed", self.name)))
+        } else if self.children_at == Some(self.at) {
+            Ok(Flow::Children(
                 self.children
                     .iter()
                     .map(|c| Box::new(c.clone()) as Box<dyn Procedure>)
                     .collect(),
-            ));
-        }
-        Ok(if self.at < self.steps {
-            Flow::MoreToDo
+            ))
+        } else if self.at < self.steps {
+            Ok(Flow::MoreToDo)
         } else {
-            Flow::Done
-        })
+            Ok(Flow::Done)
+        };
+        // A life-long holder keeps its locks through a failed step into its rollback.
+        if !self.hold || matches!(flow, Ok(Flow::Done)) {
+            self.leave(&world, ctx);
+        }
+        flow
     }
 
     async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
         let world = world_of(ctx);
+        self.enter(&world, ctx, "rollback");
+        self.linger().await;
         self.check_lock(&world, "a rollback");
         let unrecorded = ctx.is_unrecorded_step();
         world.log(Ev::Rollback {
@@ -204,6 +306,10 @@ impl Procedure for Traced {
         } else {
             self.undo(&world, self.at);
             self.at -= 1;
+        }
+        // A life-long holder's last rollback undoes its first step.
+        if !self.hold || self.at == 0 {
+            self.leave(&world, ctx);
         }
         Ok(())
     }
@@ -247,6 +353,10 @@ impl Procedure for Traced {
             name: self.name.clone(),
             resource: r,
         });
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        self.engine_locks.clone()
     }
 
     fn holds_lock(&self) -> bool {
@@ -301,21 +411,59 @@ struct Plan {
     aborts: usize,
 }
 
-fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool) -> Traced {
+/// The resources engine locks are drawn from: two tables and some of their regions.
+const RESOURCES: [&str; 5] = ["t0", "t0/r0", "t0/r1", "t1", "t1/r0"];
+
+/// One or two engine locks on distinct resources, each shared or exclusive.
+fn gen_locks(rng: &mut fastrand::Rng) -> Vec<Lock> {
+    let mut resources: Vec<&str> = RESOURCES.to_vec();
+    rng.shuffle(&mut resources);
+    resources[..rng.usize(1..=2)]
+        .iter()
+        .map(|r| {
+            if rng.bool() {
+                Lock::exclusive(*r)
+            } else {
+                Lock::shared(*r)
+            }
+        })
+        .collect()
+}
+
+/// A procedure and its subtree. A tree either takes the hook lock (its root, sometimes)
+/// or engine locks (most of its procedures, a half of them for life), never both: the
+/// engine cannot see a wait for a hook lock, so a cycle through both kinds would hang.
+/// Trees with engine locks have children more often, and their roots often take a
+/// whole table exclusively: with children locking in the other table, two such trees
+/// deadlock (a wait-for cycle always goes through a parent holding for life).
+fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool, engine: bool) -> Traced {
     let mut steps = rng.u32(1..=4);
-    let children_at = (depth < 2 && rng.u8(0..3) == 0).then(|| rng.u32(1..=steps));
+    let parent = if root && engine {
+        rng.bool()
+    } else {
+        rng.u8(0..3) == 0
+    };
+    let children_at = (depth < 2 && parent).then(|| rng.u32(1..=steps));
     if let Some(at) = children_at {
         // A parent runs another step once its children are done.
         steps = steps.max(at + 1);
     }
     let children = match children_at {
         Some(_) => (0..rng.usize(1..=3))
-            .map(|i| gen_proc(rng, format!("{name}.{i}"), depth + 1, false))
+            .map(|i| gen_proc(rng, format!("{name}.{i}"), depth + 1, false, engine))
             .collect(),
         None => Vec::new(),
     };
     let fail_at = (rng.u8(0..6) == 0).then(|| rng.u32(1..=steps));
-    let lock = (root && rng.bool()).then(|| rng.u32(0..3));
+    let lock = (!engine && root && rng.bool()).then(|| rng.u32(0..3));
+    let engine_locks = if !engine || rng.u8(0..3) == 0 {
+        Vec::new()
+    } else if root && rng.bool() {
+        vec![Lock::exclusive(format!("t{}", rng.u8(0..2)))]
+    } else {
+        gen_locks(rng)
+    };
+    let hold = (lock.is_some() || !engine_locks.is_empty()) && rng.bool();
     Traced {
         name,
         steps,
@@ -324,7 +472,8 @@ fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool) -> Tr
         children_at,
         children,
         lock,
-        hold: lock.is_some() && rng.bool(),
+        engine_locks,
+        hold,
         yields: if rng.u8(0..4) == 0 { rng.u32(1..3) } else { 0 },
     }
 }
@@ -332,7 +481,10 @@ fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool) -> Tr
 fn gen_plan(seed: u64) -> Plan {
     let mut rng = fastrand::Rng::with_seed(seed);
     let trees = (0..rng.usize(3..=9))
-        .map(|i| gen_proc(&mut rng, format!("t{i}"), 0, true))
+        .map(|i| {
+            let engine = rng.u8(0..3) != 0;
+            gen_proc(&mut rng, format!("t{i}"), 0, true, engine)
+        })
         .collect();
     let crash = (rng.u8(0..3) == 0).then(|| {
         let point = if rng.bool() {
@@ -377,8 +529,18 @@ async fn start(
 /// whether the engine crashed on the way.
 async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     let plan = gen_plan(seed);
+    let (mut locking, mut for_life) = (0, 0);
+    let mut todo: Vec<&Traced> = plan.trees.iter().collect();
+    while let Some(p) = todo.pop() {
+        if !p.engine_locks.is_empty() {
+            locking += 1;
+            for_life += usize::from(p.hold);
+        }
+        todo.extend(&p.children);
+    }
     eprintln!(
-        "seed {seed}: {} trees, {} workers, {} arbiters, {}, crash {:?}, {} aborts",
+        "seed {seed}: {} trees, {} workers, {} arbiters, {}, crash {:?}, {} aborts, \
+         {locking} procedures with engine locks ({for_life} for life)",
         plan.trees.len(),
         plan.workers,
         plan.arbiters,
@@ -407,6 +569,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
         None => start(open(), &plan, &world).await,
     }
     .unwrap();
+    *EXECUTOR.lock().unwrap() = Some(executor.clone());
 
     // An observer that records what the executor reports, as a user polling it would.
     let stop = Arc::new(AtomicBool::new(false));
@@ -484,6 +647,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
         crashed = true;
         world.locks.lock().unwrap().clear();
         let executor = start(open(), &plan, &world).await.unwrap();
+        *EXECUTOR.lock().unwrap() = Some(executor.clone());
         // A submit that failed at the crash may still have been written: its root is
         // among the recovered ones.
         let recovered: Vec<ProcId> = executor.recovery().recovered_roots.clone();
@@ -492,7 +656,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
         for root in all {
             match executor.wait(root).await {
                 Ok(result) => world.log(Ev::Result { root, result }),
-                Err(Error::UnknownProcedure(_)) => {}
+                Err(Error::UnknownProcedure(_) | Error::Gone(_)) => {}
                 Err(e) => panic!("seed {seed}: wait for {root} after the restart: {e}"),
             }
         }
@@ -500,6 +664,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     }
     perturb::set_seed(0);
     *WORLD.lock().unwrap() = None;
+    *EXECUTOR.lock().unwrap() = None;
     let history = world.history.lock().unwrap().clone();
     // Trees whose submit failed but were written are identified by their root name.
     let by_name: HashMap<String, Traced> = plan
@@ -581,6 +746,150 @@ fn recorded_steps(
     (index_owner, last_state)
 }
 
+/// Whether engine lock `a` conflicts with `b` (held by someone outside its ancestry).
+fn clash(a: &Lock, b: &Lock) -> bool {
+    let below = |upper: &str, lower: &str| {
+        lower.len() > upper.len()
+            && lower.starts_with(upper)
+            && lower[upper.len()..].starts_with('/')
+    };
+    let (ra, rb) = (a.resource.as_str(), b.resource.as_str());
+    if ra == rb {
+        a.mode == LockMode::Exclusive || b.mode == LockMode::Exclusive
+    } else if below(ra, rb) {
+        a.mode == LockMode::Exclusive
+    } else if below(rb, ra) {
+        b.mode == LockMode::Exclusive
+    } else {
+        false
+    }
+}
+
+/// Procedure names are paths (`t3.0.1` is a child of `t3.0`): one is the other's
+/// ancestor, so runs under its locks.
+/// Whether two procedure names belong to the same tree (`t3`, `t3.0`, `t3.0.1`).
+fn same_tree(a: &str, b: &str) -> bool {
+    a.split('.').next() == b.split('.').next()
+}
+
+fn related(a: &str, b: &str) -> bool {
+    let under = |lower: &str, upper: &str| {
+        lower.len() > upper.len()
+            && lower.starts_with(upper)
+            && lower[upper.len()..].starts_with('.')
+    };
+    under(a, b) || under(b, a)
+}
+
+/// Engine locks: replays who is inside which locks and asserts that no two procedures
+/// outside each other's ancestry are ever inside conflicting ones. A restart ends every
+/// call of the old engine; only life-long holders stay inside (their locks are durably
+/// held and granted back first). At the end, every hold has been left.
+fn check_engine_locks(history: &[Ev]) {
+    // name -> (id, locks, for life, index of the enter that began the hold)
+    let mut inside: BTreeMap<&str, (ProcId, &[Lock], bool, usize)> = BTreeMap::new();
+    for (at, ev) in history.iter().enumerate() {
+        match ev {
+            Ev::Enter {
+                id,
+                name,
+                locks,
+                life,
+                call,
+            } => {
+                for (&other, &(other_id, other_locks, _, since)) in &inside {
+                    if other == name || related(name, other) {
+                        continue;
+                    }
+                    // A tree rolls back one step at a time with nothing of it running:
+                    // a rollback does not wait for locks its own tree holds.
+                    if *call == "rollback" && same_tree(name, other) {
+                        continue;
+                    }
+                    let pair = locks
+                        .iter()
+                        .find_map(|a| other_locks.iter().find(|b| clash(a, b)).map(|b| (a, b)));
+                    if let Some((a, b)) = pair {
+                        let excerpt = excerpt(&history[..=at], &[*id, other_id], 50);
+                        panic!(
+                            "event {at}: {name} ({id}) entered [{a}] for its {call} while {other} \
+                             ({other_id}) was inside [{b}] since event {since}; its last \
+                             events and {other}'s:\n{excerpt}"
+                        );
+                    }
+                }
+                inside
+                    .entry(name.as_str())
+                    .or_insert((*id, &locks[..], *life, at));
+            }
+            Ev::Leave { name, .. } => {
+                inside.remove(name.as_str());
+            }
+            Ev::Restart => inside.retain(|_, hold| hold.2),
+            _ => {}
+        }
+    }
+    assert!(
+        inside.is_empty(),
+        "inside engine locks at the end: {:?}",
+        inside.keys().collect::<Vec<_>>()
+    );
+}
+
+/// The last `n` events about the procedures `ids` (or trees they are the root of), and
+/// restarts, one a line, for a failure message.
+fn excerpt(history: &[Ev], ids: &[ProcId], n: usize) -> String {
+    let mut lines: Vec<String> = history
+        .iter()
+        .enumerate()
+        .rev()
+        .filter(|(_, ev)| match ev {
+            Ev::Exec { id, .. }
+            | Ev::Rollback { id, .. }
+            | Ev::Enter { id, .. }
+            | Ev::Leave { id, .. }
+            | Ev::Durable { id, .. }
+            | Ev::AbortAnswer { id, .. } => ids.contains(id),
+            Ev::Result { root, .. } => ids.contains(root),
+            Ev::Restart | Ev::Violation(_) => true,
+            _ => false,
+        })
+        .take(n)
+        .map(|(at, ev)| format!("  {at}: {ev:?}"))
+        .collect();
+    lines.reverse();
+    lines.join("\n")
+}
+
+/// The last `n` events but the observer's, one a line, for a failure message.
+fn last_events(history: &[Ev], n: usize) -> String {
+    let mut lines: Vec<String> = history
+        .iter()
+        .enumerate()
+        .rev()
+        .filter(|(_, e)| !matches!(e, Ev::Observed { .. }))
+        .take(n)
+        .map(|(at, e)| format!("  {at}: {e:?}"))
+        .collect();
+    lines.reverse();
+    lines.join("\n")
+}
+
+/// How many calls ran inside engine locks, and how many trees a deadlock failed.
+fn lock_stats(history: &[Ev]) -> (usize, usize) {
+    let enters = history
+        .iter()
+        .filter(|e| matches!(e, Ev::Enter { .. }))
+        .count();
+    let deadlocks = history
+        .iter()
+        .filter(|e| {
+            matches!(e, Ev::Result { result: Err(f), .. } if matches!(f.error, ProcError::Deadlock(_)))
+        })
+        .count();
+    (enters, deadlocks)
+}
+
 /// The protocol's promises on one history; `workers` is the executor's step bound.
 fn check(history: &[Ev], crashed: bool, workers: usize) {
     let violations: Vec<&String> = history
@@ -591,6 +900,7 @@ fn check(history: &[Ev], crashed: bool, workers: usize) {
         })
         .collect();
     assert!(violations.is_empty(), "violations: {violations:?}");
+    check_engine_locks(history);
 
     // Which tree each procedure belongs to, and its durable states so far.
     let mut root_of: HashMap<ProcId, ProcId> = HashMap::new();
@@ -626,6 +936,18 @@ fn check(history: &[Ev], crashed: bool, workers: usize) {
             }
             Ev::Result { root, result } => {
                 results.insert(*root, result.clone());
+                // Every tree ends SUCCESS or ROLLEDBACK, for a reason the workload gives.
+                if let Err(f) = result {
+                    match &f.error {
+                        ProcError::Failed(text) if text.ends_with(" failed") => {}
+                        ProcError::Aborted => {}
+                        ProcError::Deadlock(text) => assert!(
+                            text.starts_with("deadlock: "),
+                            "tree {root}: deadlock failure {text:?}"
+                        ),
+                        other => panic!("tree {root} rolled back for {other:?}"),
+                    }
+                }
                 // A failed tree's result is the first failure its log made durable.
                 match result {
                     Ok(()) => assert!(
@@ -791,6 +1113,7 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
     let mut next_seed = listed.iter().max().copied().unwrap_or(0);
     let mut seeds = listed.into_iter();
     let mut runs = 0;
+    let (mut enters, mut deadlocks) = (0, 0);
     loop {
         let seed = match (seeds.next(), budget) {
             (Some(seed), _) => seed,
@@ -803,15 +1126,25 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
         let run = async {
             let (history, crashed) = run_seed(seed).await;
             check(&history, crashed, gen_plan(seed).workers);
+            lock_stats(&history)
         };
         // A guard against a hang (which is itself the failure), not a sequencer.
         match tokio::time::timeout(Duration::from_secs(60), run).await {
-            Ok(()) => {}
+            Ok((e, d)) => {
+                enters += e;
+                deadlocks += d;
+            }
             Err(_) => panic!(
-                "seed {seed}: the run hung; replay with PROCTOR_SEED={seed} cargo test --test perturbation"
+                "seed {seed}: the run hung; replay with PROCTOR_SEED={seed} cargo test --test \
+                 perturbation\nthe live procedures and their locks:\n{}",
+                hang_report().await
             ),
         }
         runs += 1;
     }
-    eprintln!("{runs} seeds checked in {:?}", started.elapsed());
+    eprintln!(
+        "{runs} seeds checked in {:?}: {enters} calls inside engine locks, {deadlocks} trees \
+         failed on a deadlock",
+        started.elapsed()
+    );
 }
