@@ -192,11 +192,23 @@ fn procs(dir: &Path) -> Outcome {
     );
     for r in latest.values() {
         let age_s = now.saturating_sub(r.updated_ms) / 1000;
-        let note = match (corrupt.get(&r.id), &r.failure) {
+        let mut note = match (corrupt.get(&r.id), &r.failure) {
             (Some(reason), _) => format!("CORRUPT: {reason}"),
             (None, Some(f)) => format!("failure: {}", f.error),
             (None, None) => String::new(),
         };
+        if let (false, Some(claim)) = (r.state.is_finished(), &r.locks) {
+            // Offline only what the record says: a life-long hold is recorded; a
+            // per-step lock (or one not yet granted) is only declared.
+            let locks: Vec<String> = claim.locks.iter().map(ToString::to_string).collect();
+            let what = match (claim.for_life, claim.held) {
+                (true, true) => "holds",
+                (true, false) => "needs for life",
+                (false, _) => "needs per step",
+            };
+            let sep = if note.is_empty() { "" } else { "; " };
+            note = format!("{note}{sep}{what} [{}]", locks.join(", "));
+        }
         println!(
             "{:>10} {:<24} {:<16} {:>10} {:>10} {:>10}  {note}",
             r.id,

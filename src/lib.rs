@@ -44,7 +44,7 @@ pub use crate::actors::{
     WalDirScan, WalFs, WalOptions, WalStats, WalStore,
 };
 pub use crate::error::Error;
-pub use crate::locks::{Lock, LockMode};
+pub use crate::locks::{Lock, LockClaim, LockMode};
 pub use crate::procedure::{
     Context, EncodeState, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState, Procedure,
 };

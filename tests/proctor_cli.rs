@@ -6,7 +6,9 @@ use std::fs;
 use std::path::Path;
 use std::process::{Command, Output};
 
-use proctor::{ProcId, ProcRecord, ProcState, ProcedureStore, StoreOp, WalOptions, WalStore};
+use proctor::{
+    Lock, LockClaim, ProcId, ProcRecord, ProcState, ProcedureStore, StoreOp, WalOptions, WalStore,
+};
 
 fn proctor(args: &[&str], dir: &Path) -> Output {
     Command::new(env!("CARGO_BIN_EXE_proctor"))
@@ -116,4 +118,31 @@ fn a_missing_directory_is_a_clear_error() {
     assert_eq!(out.status.code(), Some(2));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("/nonexistent/proctor-wal"), "{err}");
+}
+
+/// `procs` shows what each unfinished procedure's record says of its engine locks.
+#[test]
+fn procs_shows_the_locks_a_record_holds_or_needs() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut wal = WalStore::open(dir.path()).unwrap();
+    let mut holder = record(1, ProcState::Waiting);
+    holder.locks = Some(LockClaim {
+        locks: vec![Lock::exclusive("ns/t1")],
+        for_life: true,
+        held: true,
+    });
+    let mut stepper = record(2, ProcState::Runnable);
+    stepper.stack_indexes = vec![];
+    stepper.locks = Some(LockClaim {
+        locks: vec![Lock::shared("ns"), Lock::exclusive("ns/t2")],
+        for_life: false,
+        held: false,
+    });
+    wal.append(&[StoreOp::Insert(holder), StoreOp::Insert(stepper)])
+        .unwrap();
+    drop(wal);
+    let procs = proctor(&["procs"], dir.path());
+    let out = text(&procs);
+    assert!(out.contains("holds [X ns/t1]"), "{out}");
+    assert!(out.contains("needs per step [S ns, X ns/t2]"), "{out}");
 }
