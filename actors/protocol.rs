@@ -66,6 +66,17 @@ impl Message for SuspendOn {
     type Result = ();
 }
 
+/// `id` stopped while suspended on `event`: drop it from the event's waiters (from its
+/// root stack, after the `SuspendOn` it sent before).
+pub(crate) struct Unsuspend {
+    pub(crate) id: ProcId,
+    pub(crate) event: String,
+}
+
+impl Message for Unsuspend {
+    type Result = ();
+}
+
 /// Run one step (from the scheduler, which counts it against a worker).
 pub(crate) struct RunStep;
 

@@ -39,7 +39,7 @@ use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
     AbortProc, AbortRequest, AckWith, Deadline, Enqueue, FailRequest, LockForRollback, LocksHeld,
     Persist, ProcLost, ReleaseLocks, Rollback, RolledBack, StepDone, StepFinished, StopProc,
-    SuspendOn, TreeFailed, TreeFinished, Wake,
+    SuspendOn, TreeFailed, TreeFinished, Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus};
 
@@ -274,6 +274,14 @@ impl RootStackActor {
                 }
             }
             Action::Stop(id) => {
+                // Stopped while suspended (its tree failed, or timed out): it no longer
+                // waits, so the event must not keep it.
+                if let Some(event) = self.core.event_of(id) {
+                    self.shared.scheduler.do_send(Unsuspend {
+                        id,
+                        event: event.to_string(),
+                    });
+                }
                 if let Some(addr) = self.procs.remove(&id) {
                     // The address travels with the request until the answer: an actix
                     // actor whose last address is dropped may stop before it handles

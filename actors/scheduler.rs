@@ -24,7 +24,7 @@ use super::perturb;
 use super::procedure::ProcedureActor;
 use super::protocol::{
     Enqueue, LockFailed, LockForRollback, LocksGranted, Regrant, ReleaseLocks, Rollback, RunStep,
-    StepFinished, SuspendOn, TreeFailed, Wake,
+    StepFinished, SuspendOn, TreeFailed, Unsuspend, Wake,
 };
 use super::root_stack::RootStackActor;
 use super::shared::{now_ms, LockView, LockViews};
@@ -101,6 +101,8 @@ pub struct SchedulerStats {
     pub lock_holders: usize,
     /// Procedures waiting for engine locks.
     pub lock_waiters: usize,
+    /// Events that take memory (ready ones, and ones with waiters).
+    pub events: usize,
 }
 
 /// Asks the scheduler for its [`SchedulerStats`]. Send it to the executor.
@@ -351,6 +353,7 @@ impl Handler<GetSchedulerStats> for Scheduler {
             queued: self.ready.queued(),
             lock_holders,
             lock_waiters,
+            events: self.events.len(),
         })
     }
 }
@@ -509,6 +512,14 @@ impl Handler<WakeEvent> for Scheduler {
         for (id, root_stack) in self.events.wake(&msg.0) {
             root_stack.do_send(Wake(id));
         }
+    }
+}
+
+impl Handler<Unsuspend> for Scheduler {
+    type Result = ();
+
+    fn handle(&mut self, msg: Unsuspend, _ctx: &mut Context<Self>) {
+        self.events.cancel(&msg.event, |(id, _)| *id == msg.id);
     }
 }
 

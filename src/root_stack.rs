@@ -457,6 +457,11 @@ impl RootStack {
         self.root
     }
 
+    /// The event `id` is suspended on, if it is.
+    pub fn event_of(&self, id: ProcId) -> Option<&str> {
+        self.nodes.get(&id).and_then(|n| n.event.as_deref())
+    }
+
     /// The state of a procedure of the tree, as the tree's bookkeeping has it.
     pub fn state_of(&self, id: ProcId) -> Option<ProcState> {
         self.nodes.get(&id).map(|n| n.state)

@@ -145,6 +145,13 @@ async fn a_timeout_fails_a_procedure_in_every_waiting_state() {
             ["t-child-rollback", "t-rollback"],
             "{name}"
         );
+        // The procedures that timed out while suspended no longer wait on the event:
+        // it takes no memory.
+        assert_eq!(
+            executor.scheduler_stats().await.unwrap().events,
+            0,
+            "{name}"
+        );
         executor.shutdown().await.unwrap();
     }
 }
