@@ -26,7 +26,9 @@ use crate::store::{MemoryStore, ProcedureStore};
 use super::guard::guard;
 use super::persistence::Persistence;
 use super::procedure::{declare, Undeclarable};
-use super::protocol::{AbortRequest, Persist, Refuse, Regrant, StopWriter, TreeFinished};
+use super::protocol::{
+    AbortRequest, BypassRequest, Persist, Refuse, Regrant, StopWriter, TreeFinished,
+};
 use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{
     GetSchedulerStats, Monitor, ResetEvent, Scheduler, SchedulerStats, WakeEvent,
@@ -462,6 +464,18 @@ impl Executor {
         self.addr.send(Abort(id)).await?
     }
 
+    /// Bypasses a stuck procedure (HBCK2's `bypass`): it is marked SUCCESS without
+    /// running further or rolling back, its locks are released, and its parent goes on
+    /// as if it had succeeded (bypassing a root ends its tree). With `recursive`, its
+    /// unfinished descendants are bypassed too; without, a procedure with unfinished
+    /// children is refused. Only a procedure that waits (for children, an event or a
+    /// deadline) can be bypassed, not one queued or in a step, and not in a tree that
+    /// is rolling back: each refusal is [`Error::BypassRefused`] with the reason.
+    /// Answers once the bypass is durable.
+    pub async fn bypass(&self, id: ProcId, recursive: bool) -> Result<(), Error> {
+        self.addr.send(Bypass { id, recursive }).await?
+    }
+
     /// What the executor knows of a procedure now.
     pub async fn state(&self, id: ProcId) -> Result<ProcInfo, Error> {
         self.addr.send(GetState(id)).await?
@@ -610,6 +624,18 @@ impl Message for Abort {
     type Result = Result<bool, Error>;
 }
 
+/// Bypass a stuck procedure (HBCK2's `bypass`); see [`Executor::bypass`].
+pub struct Bypass {
+    /// The procedure.
+    pub id: ProcId,
+    /// Also bypass its unfinished descendants (required if it has any).
+    pub recursive: bool,
+}
+
+impl Message for Bypass {
+    type Result = Result<(), Error>;
+}
+
 /// What the executor knows of a procedure.
 pub struct GetState(pub ProcId);
 
@@ -708,6 +734,20 @@ impl ExecutorActor {
 }
 
 impl ExecutorActor {
+    /// The root stack of `id`'s tree while `id` is unfinished, or why there is none.
+    fn live_tree(&self, id: ProcId) -> Result<Addr<RootStackActor>, Error> {
+        if let Some(broken) = &self.broken {
+            return Err(broken.duplicate());
+        }
+        match self.shared.table.get(&id) {
+            None => Err(self.missing(id)),
+            Some(e) => match &e.tree {
+                Some(tree) if !e.state.is_finished() && e.result.is_none() => Ok(tree.clone()),
+                _ => Err(Error::Finished { id, state: e.state }),
+            },
+        }
+    }
+
     /// The error for an id the table does not have.
     fn missing(&self, id: ProcId) -> Error {
         if self.shared.issued(id) {
@@ -900,17 +940,7 @@ impl Handler<Abort> for ExecutorActor {
 
     fn handle(&mut self, msg: Abort, _ctx: &mut Context<Self>) -> Self::Result {
         let id = msg.0;
-        if let Some(broken) = &self.broken {
-            let e = broken.duplicate();
-            return Box::pin(async move { Err(e) });
-        }
-        let tree = match self.shared.table.get(&id) {
-            None => Err(self.missing(id)),
-            Some(e) => match &e.tree {
-                Some(tree) if !e.state.is_finished() && e.result.is_none() => Ok(tree.clone()),
-                _ => Err(Error::Finished { id, state: e.state }),
-            },
-        };
+        let tree = self.live_tree(id);
         let shared = self.shared.clone();
         Box::pin(async move {
             let (ack, answer) = oneshot::channel();
@@ -925,6 +955,25 @@ impl Handler<Abort> for ExecutorActor {
                     None => Error::Stopped,
                 })
             })
+        })
+    }
+}
+
+impl Handler<Bypass> for ExecutorActor {
+    type Result = ResponseFuture<Result<(), Error>>;
+
+    fn handle(&mut self, msg: Bypass, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.id;
+        let tree = self.live_tree(id);
+        Box::pin(async move {
+            let (ack, answer) = oneshot::channel();
+            let request = BypassRequest {
+                id,
+                recursive: msg.recursive,
+                ack,
+            };
+            tree?.send(request).await?;
+            answer.await.unwrap_or(Err(Error::Stopped)).map(|_| ())
         })
     }
 }

@@ -15,8 +15,8 @@ mod shared;
 mod wal_store;
 
 pub use executor::{
-    Abort, AckResult, Executor, ExecutorActor, ExecutorBuilder, GetState, GetValue, List, ProcInfo,
-    Recovery, Submit, WaitFor,
+    Abort, AckResult, Bypass, Executor, ExecutorActor, ExecutorBuilder, GetState, GetValue, List,
+    ProcInfo, Recovery, Submit, WaitFor,
 };
 pub use scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
 pub use wal_store::{

@@ -36,8 +36,9 @@ pub(crate) struct Enqueue {
     pub(crate) id: ProcId,
     pub(crate) addr: Addr<ProcedureActor>,
     pub(crate) front: bool,
-    /// Its registered type name (for the stuck-worker monitor's warnings).
-    pub(crate) type_name: &'static str,
+    /// Its registered type name and which of its steps this is, counting from 1 (for
+    /// the stuck-worker monitor's warnings).
+    pub(crate) what: (&'static str, usize),
     /// The locks the step needs (`None`: none, or its tree has failed and the step will
     /// only be skipped).
     pub(crate) lock: Option<Request>,
@@ -243,6 +244,18 @@ pub(crate) struct AbortRequest {
 }
 
 impl Message for AbortRequest {
+    type Result = ();
+}
+
+/// An operator's bypass of a procedure of this tree, from the executor: answered
+/// `Ok(true)` once the bypass is durable, or with why it was refused.
+pub(crate) struct BypassRequest {
+    pub(crate) id: ProcId,
+    pub(crate) recursive: bool,
+    pub(crate) ack: AbortAck,
+}
+
+impl Message for BypassRequest {
     type Result = ();
 }
 

@@ -37,9 +37,9 @@ use super::guard::panic_message;
 use super::perturb;
 use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
-    AbortProc, AbortRequest, AckWith, Deadline, Enqueue, FailRequest, LockForRollback, LocksHeld,
-    Persist, ProcLost, ReleaseLocks, Rollback, RolledBack, StepDone, StepFinished, StopProc,
-    SuspendOn, TreeFailed, TreeFinished, Unsuspend, Wake,
+    AbortProc, AbortRequest, AckWith, BypassRequest, Deadline, Enqueue, FailRequest,
+    LockForRollback, LocksHeld, Persist, ProcLost, ReleaseLocks, Rollback, RolledBack, StepDone,
+    StepFinished, StopProc, SuspendOn, TreeFailed, TreeFinished, Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus};
 
@@ -385,7 +385,10 @@ impl RootStackActor {
             id,
             addr: addr.clone(),
             front,
-            type_name: self.core.type_name_of(id).unwrap_or("?"),
+            what: (
+                self.core.type_name_of(id).unwrap_or("?"),
+                self.core.steps_of(id) + 1,
+            ),
             lock,
         });
     }
@@ -570,7 +573,7 @@ impl Handler<LocksHeld> for RootStackActor {
                     id: msg.id,
                     addr: addr.clone(),
                     front: true,
-                    type_name: self.core.type_name_of(msg.id).unwrap_or("?"),
+                    what: (self.core.type_name_of(msg.id).unwrap_or("?"), 0),
                     lock: None,
                 });
             }
@@ -583,6 +586,35 @@ impl Handler<LocksHeld> for RootStackActor {
         );
         if let Some(t) = t {
             self.apply(t, None, ctx);
+        }
+    }
+}
+
+impl Handler<BypassRequest> for RootStackActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: BypassRequest, ctx: &mut Context<Self>) {
+        if let Some(e) = &self.halted {
+            let _ = msg.ack.send(Err(e.duplicate()));
+            return;
+        }
+        let (id, recursive) = (msg.id, msg.recursive);
+        match self.core(
+            "bypass",
+            |core| core.on_bypass(id, recursive, false, now_ms()),
+            ctx,
+        ) {
+            Some(Ok(t)) => self.apply(t, Some((msg.ack, Ok(true))), ctx),
+            Some(Err(reason)) => {
+                let _ = msg.ack.send(Err(Error::BypassRefused { id, reason }));
+            }
+            None => {
+                let e = self
+                    .halted
+                    .as_ref()
+                    .map_or(Error::Stopped, Error::duplicate);
+                let _ = msg.ack.send(Err(e));
+            }
         }
     }
 }

@@ -72,7 +72,7 @@ enum Then {
     Step {
         addr: Addr<ProcedureActor>,
         front: bool,
-        type_name: &'static str,
+        what: What,
     },
     Rollback {
         addr: Addr<ProcedureActor>,
@@ -85,8 +85,11 @@ struct Parked {
     then: Then,
 }
 
-/// A queued step: who, its actor, its type.
-type Ready = (ProcId, Addr<ProcedureActor>, &'static str);
+/// A procedure's type and which of its steps is queued (from 1).
+type What = (&'static str, usize);
+
+/// A queued step: who, its actor, its type and step.
+type Ready = (ProcId, Addr<ProcedureActor>, What);
 
 /// What the scheduler is doing, for operators and tests.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -122,8 +125,8 @@ pub(crate) struct Monitor {
 
 pub(crate) struct Scheduler {
     ready: ReadyQueue<Ready>,
-    /// Steps dispatched and not finished: when each started, and its type.
-    running: HashMap<ProcId, (u64, &'static str)>,
+    /// Steps dispatched and not finished: when each started, its type and step.
+    running: HashMap<ProcId, (u64, What)>,
     workers: Workers,
     monitor_every: Duration,
     events: EventTable<(ProcId, Addr<RootStackActor>)>,
@@ -169,13 +172,13 @@ impl Scheduler {
     }
 
     fn dispatch(&mut self) {
-        while let Some((id, addr, type_name)) = self.ready.pop() {
+        while let Some((id, addr, what)) = self.ready.pop() {
             // A procedure's actor stops only after its tree has finished, and a finished
             // tree queues nothing; a stopped one here would leak the worker, so free it.
             if addr.connected() {
                 tracing::trace!(proc = %id, "dispatch");
                 perturb::point("scheduler::dispatch::run_step");
-                self.running.insert(id, (now_ms(), type_name));
+                self.running.insert(id, (now_ms(), what));
                 addr.do_send(RunStep);
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");
@@ -190,12 +193,13 @@ impl Scheduler {
     fn monitor(&mut self) {
         let now = now_ms();
         let mut stuck = 0;
-        for (id, &(started, type_name)) in &self.running {
+        for (id, &(started, (type_name, step))) in &self.running {
             if self.workers.is_stuck(started, now) {
                 stuck += 1;
                 tracing::warn!(
                     proc = %id,
                     r#type = type_name,
+                    step,
                     secs = now.saturating_sub(started) / 1000,
                     "procedure stuck in one step"
                 );
@@ -296,16 +300,12 @@ impl Scheduler {
                 );
             }
             match parked.then {
-                Then::Step {
-                    addr,
-                    front,
-                    type_name,
-                } => {
+                Then::Step { addr, front, what } => {
                     if self.locks.holds(id) == Some(true) {
                         // Held for life: made durable before the step runs.
                         addr.do_send(LocksGranted);
                     } else {
-                        self.ready.push((id, addr, type_name), front);
+                        self.ready.push((id, addr, what), front);
                     }
                 }
                 Then::Rollback { addr, unrecorded } => addr.do_send(Rollback { unrecorded }),
@@ -316,14 +316,10 @@ impl Scheduler {
             tracing::warn!(proc = %id, %deadlock, "deadlock: failing the younger tree");
             self.view.remove(&id);
             match self.unpark(id).map(|p| p.then) {
-                Some(Then::Step {
-                    addr,
-                    front,
-                    type_name,
-                }) => {
+                Some(Then::Step { addr, front, what }) => {
                     addr.do_send(LockFailed(deadlock.to_string()));
                     // Its step is still owed a report: queued, it reports itself skipped.
-                    self.ready.push((id, addr, type_name), front);
+                    self.ready.push((id, addr, what), front);
                 }
                 Some(Then::Rollback { .. }) | None => {
                     tracing::error!(proc = %id, "deadlock victim is not a waiting step");
@@ -363,15 +359,13 @@ impl Handler<Enqueue> for Scheduler {
 
     fn handle(&mut self, msg: Enqueue, _ctx: &mut Context<Self>) {
         let Some(req) = msg.lock.clone() else {
-            self.ready
-                .push((msg.id, msg.addr, msg.type_name), msg.front);
+            self.ready.push((msg.id, msg.addr, msg.what), msg.front);
             self.dispatch();
             return;
         };
         match self.locks.holds(msg.id) {
             Some(true) => {
-                self.ready
-                    .push((msg.id, msg.addr, msg.type_name), msg.front);
+                self.ready.push((msg.id, msg.addr, msg.what), msg.front);
                 self.dispatch();
             }
             // The previous step's report was recorded but its StepFinished (which frees
@@ -383,7 +377,7 @@ impl Handler<Enqueue> for Scheduler {
                 let then = Then::Step {
                     addr: msg.addr,
                     front: msg.front,
-                    type_name: msg.type_name,
+                    what: msg.what,
                 };
                 self.request(req, then);
             }
@@ -460,12 +454,7 @@ impl Handler<TreeFailed> for Scheduler {
                 continue;
             }
             let Some(Parked {
-                then:
-                    Then::Step {
-                        addr,
-                        front,
-                        type_name,
-                    },
+                then: Then::Step { addr, front, what },
                 ..
             }) = self.unpark(id)
             else {
@@ -474,7 +463,7 @@ impl Handler<TreeFailed> for Scheduler {
             self.view.remove(&id);
             let changes = self.locks.release(id);
             // Queued without its locks: its tree has failed, so it only reports a skip.
-            self.ready.push((id, addr, type_name), front);
+            self.ready.push((id, addr, what), front);
             self.apply(changes);
         }
         self.dispatch();

@@ -38,6 +38,7 @@ fn record(id: u64, version: u8) -> ProcRecord {
         deadline_ms: None,
         nonce: None,
         result: None,
+        bypassed: false,
     }
 }
 

@@ -1,12 +1,14 @@
-//! `proctor`: inspect and verify a proctor WAL directory from outside the engine. It
-//! only reads: it takes no lock and truncates nothing, so it is safe beside a running
-//! engine and on a damaged log.
+//! `proctor`: inspect and verify a proctor WAL directory from outside the engine. Its
+//! reading commands take no lock and truncate nothing, so they are safe beside a
+//! running engine and on a damaged log; `bypass` writes, so it opens the log as the
+//! engine does (taking its lock: the engine must be stopped).
 //!
 //! ```sh
 //! proctor wal verify DIR   # checks the log as the engine would; exit 0 only if it
 //!                          # would start (listing the torn tails it would truncate)
 //! proctor wal dump DIR     # one line per record
 //! proctor procs DIR        # procedures: id, type, state, parent, root, last update
+//! proctor bypass DIR ID [--recursive]   # mark a stuck procedure finished (HBCK2)
 //! ```
 
 use std::collections::BTreeMap;
@@ -15,7 +17,10 @@ use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
-use proctor::{recovery, scan_wal_dir, scan_wal_dir_with, ProcId, ProcRecord, StoreError, StoreOp};
+use proctor::{
+    recovery, scan_wal_dir, scan_wal_dir_with, ProcId, ProcRecord, ProcedureStore, StoreError,
+    StoreOp, WalStore,
+};
 
 #[derive(Parser)]
 #[command(name = "proctor", about = "Inspect and verify proctor WAL directories")]
@@ -35,6 +40,18 @@ enum Command {
     Procs {
         /// The WAL directory.
         dir: PathBuf,
+    },
+    /// Mark a stuck procedure finished (SUCCESS) without running further or rolling
+    /// back, on a stopped engine's directory; its parent goes on as if it had succeeded
+    /// when the engine starts again.
+    Bypass {
+        /// The WAL directory (of a stopped engine: its lock is taken).
+        dir: PathBuf,
+        /// The procedure.
+        id: u64,
+        /// Also bypass its unfinished descendants (required if it has any).
+        #[arg(long)]
+        recursive: bool,
     },
 }
 
@@ -62,6 +79,7 @@ fn main() -> ExitCode {
             command: WalCommand::Dump { dir },
         } => dump(&dir),
         Command::Procs { dir } => procs(&dir),
+        Command::Bypass { dir, id, recursive } => bypass(&dir, ProcId(id), recursive),
     };
     match result {
         Ok(true) => ExitCode::SUCCESS,
@@ -221,4 +239,24 @@ fn procs(dir: &Path) -> Outcome {
     }
     println!("{} procedures, {} corrupt", latest.len(), corrupt.len());
     Ok(sound && corrupt.is_empty())
+}
+
+/// Writes a bypass through the store, as the engine would, once the log opens cleanly.
+fn bypass(dir: &Path, id: ProcId, recursive: bool) -> Outcome {
+    let mut wal = WalStore::open(dir)?;
+    let snapshot = wal.load()?;
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64);
+    match recovery::bypass(&snapshot.records, id, recursive, now) {
+        Ok(ops) => {
+            wal.append(&ops)?;
+            println!("bypassed procedure {id}: {} records written", ops.len());
+            Ok(true)
+        }
+        Err(reason) => {
+            println!("bypass of procedure {id} refused: {reason}");
+            Ok(false)
+        }
+    }
 }

@@ -25,6 +25,16 @@ pub enum Error {
         /// The decoder's complaint.
         reason: String,
     },
+    /// A bypass was refused; `reason` says why (it has already finished, it is in a
+    /// step, it has unfinished children and the bypass was not recursive, its tree is
+    /// rolling back).
+    #[error("bypass of procedure {id} refused: {reason}")]
+    BypassRefused {
+        /// The procedure.
+        id: ProcId,
+        /// Why.
+        reason: String,
+    },
     /// The procedure has not finished yet: it has no result to read or acknowledge.
     #[error("procedure {0} has not finished yet")]
     NotFinished(ProcId),
@@ -82,6 +92,10 @@ impl Error {
             Error::UnknownProcedure(id) => Error::UnknownProcedure(*id),
             Error::Gone(id) => Error::Gone(*id),
             Error::NotFinished(id) => Error::NotFinished(*id),
+            Error::BypassRefused { id, reason } => Error::BypassRefused {
+                id: *id,
+                reason: reason.clone(),
+            },
             Error::ValueType { id, reason } => Error::ValueType {
                 id: *id,
                 reason: reason.clone(),

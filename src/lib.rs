@@ -38,7 +38,7 @@ pub use crate::actors::perturb;
 pub use async_trait::async_trait;
 
 pub use crate::actors::{
-    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Entry, Executor,
+    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Bypass, Entry, Executor,
     ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List, ProcInfo,
     Recovery, Repair, ResetEvent, SchedulerStats, SegmentReport, StdFs, Submit, WaitFor, WakeEvent,
     WalDirScan, WalFs, WalOptions, WalStats, WalStore,

@@ -92,6 +92,10 @@ pub struct ProcRecord {
     /// ([`Context::set_result`](crate::Context::set_result)), MessagePack. Defaulted, last.
     #[serde(default, with = "serde_bytes")]
     pub result: Option<Vec<u8>>,
+    /// An operator bypassed it: marked finished without running further or rolling
+    /// back. Defaulted, last.
+    #[serde(default)]
+    pub bypassed: bool,
 }
 
 /// The stored form of [`ProcRecord::stack_indexes`]: `(first, count)` runs of
@@ -191,6 +195,7 @@ mod tests {
             deadline_ms: None,
             nonce: None,
             result: None,
+            bypassed: false,
         }
     }
 

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 
 use crate::procedure::ProcId;
-use crate::record::ProcRecord;
+use crate::record::{ProcRecord, StoreOp};
 use crate::root_stack::{RootStack, Transition};
 
 /// A procedure that recovery could not rebuild, and why.
@@ -44,6 +44,39 @@ pub struct RecoveryPlan {
     pub finished: Vec<ProcRecord>,
     /// Procedures that cannot be recovered.
     pub corrupt: Vec<CorruptProc>,
+}
+
+/// An operator's bypass on a stopped engine's store (`proctor bypass`): from the latest
+/// records, the ops that mark `id` (and, with `recursive`, its unfinished descendants)
+/// SUCCESS without running further or rolling back, exactly as
+/// [`Executor::bypass`](crate::Executor::bypass) would, except that a RUNNABLE
+/// procedure may be bypassed too (nothing runs). Append them through the store.
+/// Refusals name the reason.
+pub fn bypass(
+    records: &[ProcRecord],
+    id: ProcId,
+    recursive: bool,
+    now_ms: u64,
+) -> Result<Vec<StoreOp>, String> {
+    let target = records
+        .iter()
+        .find(|r| r.id == id)
+        .ok_or_else(|| format!("procedure {id} is not in the store"))?;
+    let tree: Vec<ProcRecord> = records
+        .iter()
+        .filter(|r| r.root == target.root)
+        .cloned()
+        .collect();
+    let (mut stack, _) = RootStack::recover(&tree, |name| Some(leak(name)), now_ms)
+        .map_err(|reason| format!("tree {} cannot be rebuilt: {reason}", target.root))?;
+    let t = stack.on_bypass(id, recursive, true, now_ms)?;
+    Ok(t.persist)
+}
+
+/// Type names are only compared here; the few an offline bypass needs may live for the
+/// rest of the command.
+fn leak(name: &str) -> &'static str {
+    Box::leak(name.to_string().into_boxed_str())
 }
 
 /// Plans the recovery of `records` (the latest record of every live procedure).
@@ -165,6 +198,7 @@ mod tests {
             deadline_ms: None,
             nonce: None,
             result: None,
+            bypassed: false,
         }
     }
 

@@ -186,6 +186,7 @@ struct Node {
     deadline_ms: Option<u64>,
     nonce: Option<Nonce>,
     result: Option<Vec<u8>>,
+    bypassed: bool,
 }
 
 /// A tree's nodes by id: a sorted `Vec`, because trees are small, ids within a tree are
@@ -322,6 +323,7 @@ impl RootStack {
                     deadline_ms: r.deadline_ms,
                     nonce: r.nonce,
                     result: r.result.clone(),
+                    bypassed: r.bypassed,
                 },
             );
         }
@@ -471,6 +473,11 @@ impl RootStack {
     /// epoch), or `None` if it is not in the tree.
     pub fn procedure(&self, id: ProcId) -> Option<(Option<ProcId>, u64)> {
         self.nodes.get(&id).map(|n| (n.parent, n.submitted_ms))
+    }
+
+    /// How many of `id`'s steps are recorded (its next step is the one after).
+    pub fn steps_of(&self, id: ProcId) -> usize {
+        self.nodes.get(&id).map_or(0, |n| n.stack_indexes.len())
     }
 
     /// The registered type name of `id`.
@@ -634,6 +641,96 @@ impl RootStack {
         t
     }
 
+    /// An operator bypasses `id` (HBCK2's `bypass`): it is marked SUCCESS without
+    /// running further or rolling back, and so, with `recursive`, is every unfinished
+    /// procedure below it. Only procedures that wait (for children, an event or a
+    /// deadline) can be bypassed: one queued or in a step cannot be stopped under it,
+    /// and a tree that is rolling back is refused. The parent of a bypassed procedure
+    /// goes on as if it had succeeded; bypassing the root ends the tree. Refusals say
+    /// why.
+    ///
+    /// `stopped` is for an engine that is not running (an operator's offline bypass):
+    /// nothing is queued or in a step then, so a RUNNABLE procedure can be bypassed too.
+    pub fn on_bypass(
+        &mut self,
+        id: ProcId,
+        recursive: bool,
+        stopped: bool,
+        now_ms: u64,
+    ) -> Result<Transition, String> {
+        let Some(node) = self.nodes.get(&id) else {
+            return Err(format!("procedure {id} is not in tree {}", self.root));
+        };
+        if node.state.is_finished() {
+            return Err(format!(
+                "procedure {id} has already finished ({})",
+                node.state
+            ));
+        }
+        if self.phase != Phase::Executing {
+            return Err(format!("tree {} is rolling back", self.root));
+        }
+        // The target and, with `recursive`, its unfinished descendants, deepest first.
+        let mut targets = vec![id];
+        let mut i = 0;
+        while i < targets.len() {
+            let parent = targets[i];
+            let children: Vec<ProcId> = self
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.parent == Some(parent) && !n.state.is_finished())
+                .map(|(&c, _)| c)
+                .collect();
+            if !children.is_empty() && !recursive {
+                return Err(format!(
+                    "procedure {parent} has unfinished children {children:?}: bypass it recursively"
+                ));
+            }
+            targets.extend(children);
+            i += 1;
+        }
+        for &target in &targets {
+            let state = self.nodes[&target].state;
+            let idle = matches!(state, ProcState::Waiting | ProcState::WaitingTimeout)
+                || (stopped && state == ProcState::Runnable);
+            if !idle {
+                return Err(format!(
+                    "procedure {target} is {state}: only a waiting procedure can be bypassed"
+                ));
+            }
+        }
+        let mut t = Transition::default();
+        let root = self.root;
+        for &target in targets.iter().rev() {
+            let node = self.node_mut(target);
+            node.state = ProcState::Success;
+            node.bypassed = true;
+            node.pending_children = 0;
+            node.wake_at_ms = None;
+            if target != root {
+                node.stopped = true;
+                self.persist_update(&mut t, target, Vec::new(), now_ms);
+                t.actions.push(Action::Stop(target));
+            }
+        }
+        tracing::warn!(root = %self.root, proc = %id, recursive, "procedure bypassed");
+        if id == self.root {
+            self.persist_update(&mut t, id, Vec::new(), now_ms);
+            self.finish(&mut t, now_ms);
+        } else if let Some(parent) = self.nodes[&id].parent {
+            let failed = self.is_failed();
+            let parent_node = self.node_mut(parent);
+            parent_node.pending_children = parent_node.pending_children.saturating_sub(1);
+            if parent_node.pending_children == 0
+                && parent_node.state == ProcState::Waiting
+                && !failed
+            {
+                self.enqueue(&mut t, parent, true);
+            }
+        }
+        Ok(t)
+    }
+
     /// The locks `id` holds for its life were granted to its queued step: record that
     /// (so recovery grants them back before anything else runs), then run the step.
     /// `data` is the procedure's current state.
@@ -774,6 +871,7 @@ impl RootStack {
             deadline_ms,
             nonce,
             result: None,
+            bypassed: false,
         };
         let old = self.nodes.insert(id, node);
         assert!(old.is_none(), "procedure {id} added twice");
@@ -944,6 +1042,7 @@ impl RootStack {
             deadline_ms: node.deadline_ms,
             nonce: node.nonce,
             result: node.result.clone(),
+            bypassed: node.bypassed,
         }
     }
 }

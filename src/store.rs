@@ -170,6 +170,7 @@ mod tests {
             deadline_ms: None,
             nonce: None,
             result: None,
+            bypassed: false,
         }
     }
 

@@ -896,6 +896,7 @@ mod tests {
             deadline_ms: None,
             nonce: None,
             result: None,
+            bypassed: false,
         }
     }
 

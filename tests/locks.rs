@@ -482,23 +482,29 @@ async fn life_long_locks_are_granted_back_after_a_restart() {
     }
 }
 
+/// A holder of `X t` for its life suspended on `go`, and a procedure waiting for `X t`.
+async fn holder_and_waiter(executor: &Executor) -> (ProcId, ProcId) {
+    let holder = Locker::new(
+        "holder",
+        vec![Lock::exclusive("t")],
+        true,
+        vec![Step::Suspend("go".into()), Step::More],
+    );
+    let a = executor.submit(holder).await.unwrap();
+    common::wait_for_state(executor, a, ProcState::Waiting).await;
+    let waiter = Locker::new("waiter", vec![Lock::exclusive("t")], true, vec![Step::More]);
+    let b = executor.submit(waiter).await.unwrap();
+    wait_for_lock_wait(executor, b).await;
+    (a, b)
+}
+
 /// Aborting a procedure that waits for its lock fails it at once: it never runs, and
 /// the holder is not disturbed.
 #[actix::test]
 async fn an_abort_of_a_waiting_procedure_does_not_wait_for_the_lock() {
     for (name, store, _dir) in common::stores() {
         let (executor, world) = start(store, 4, |b| b).await;
-        let holder = Locker::new(
-            "holder",
-            vec![Lock::exclusive("t")],
-            true,
-            vec![Step::Suspend("go".into()), Step::More],
-        );
-        let a = executor.submit(holder).await.unwrap();
-        common::wait_for_state(&executor, a, ProcState::Waiting).await;
-        let waiter = Locker::new("waiter", vec![Lock::exclusive("t")], true, vec![Step::More]);
-        let b = executor.submit(waiter).await.unwrap();
-        wait_for_lock_wait(&executor, b).await;
+        let (a, b) = holder_and_waiter(&executor).await;
         assert!(executor.abort(b).await.unwrap(), "{name}");
         let failure = executor.wait(b).await.unwrap().expect_err("aborted");
         assert_eq!(failure.error, ProcError::Aborted);
@@ -663,6 +669,20 @@ async fn a_rolled_back_procedure_frees_its_life_long_locks_for_the_rest_of_the_r
                     .unwrap_or_else(|_| panic!("{store_name} {case}: the rollback hangs"));
             assert!(result.unwrap().is_err(), "{store_name} {case}");
         }
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// A bypassed holder's locks are released: the procedure waiting for them runs.
+#[actix::test]
+async fn a_bypassed_holder_releases_its_locks() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, world) = start(store, 4, |b| b).await;
+        let (a, b) = holder_and_waiter(&executor).await;
+        executor.bypass(a, false).await.unwrap();
+        assert_eq!(executor.wait(a).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(executor.wait(b).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(world.calls(), ["holder-exec", "waiter-exec"], "{name}");
         executor.shutdown().await.unwrap();
     }
 }

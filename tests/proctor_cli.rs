@@ -41,6 +41,7 @@ fn record(id: u64, state: ProcState) -> ProcRecord {
         deadline_ms: None,
         nonce: None,
         result: None,
+        bypassed: false,
     }
 }
 
@@ -145,4 +146,50 @@ fn procs_shows_the_locks_a_record_holds_or_needs() {
     let out = text(&procs);
     assert!(out.contains("holds [X ns/t1]"), "{out}");
     assert!(out.contains("needs per step [S ns, X ns/t2]"), "{out}");
+}
+
+/// `proctor bypass` on a stopped engine's directory: a procedure that was running
+/// (RUNNABLE in the log) is marked finished; the engine that starts next finds its
+/// tree finished and runs nothing of it.
+#[test]
+fn bypass_marks_a_stuck_procedure_finished_offline() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut wal = WalStore::open(dir.path()).unwrap();
+    let mut root = record(1, ProcState::Waiting);
+    root.stack_indexes = vec![0];
+    let mut child = record(2, ProcState::Runnable);
+    child.parent = Some(ProcId(1));
+    child.root = ProcId(1);
+    child.stack_indexes = vec![1];
+    wal.append(&[StoreOp::Insert(root), StoreOp::Insert(child)])
+        .unwrap();
+    drop(wal);
+
+    let out = Command::new(env!("CARGO_BIN_EXE_proctor"))
+        .args(["bypass"])
+        .arg(dir.path())
+        .arg("1")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    assert!(
+        text(&out).contains("unfinished children [ProcId(2)]"),
+        "{}",
+        text(&out)
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_proctor"))
+        .args(["bypass"])
+        .arg(dir.path())
+        .args(["1", "--recursive"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let snapshot = WalStore::open(dir.path()).unwrap().load().unwrap();
+    assert_eq!(
+        snapshot.records.len(),
+        1,
+        "the finished tree keeps its root only"
+    );
+    assert_eq!(snapshot.records[0].state, ProcState::Success);
+    assert!(snapshot.records[0].bypassed);
 }

@@ -448,6 +448,7 @@ async fn a_reordered_log_is_reported_not_run_into_a_panic() {
         deadline_ms: None,
         nonce: None,
         result: None,
+        bypassed: false,
     };
     let mut store = MemoryStore::new();
     store

@@ -216,6 +216,7 @@ async fn an_overdue_deadline_fires_at_once_after_a_restart() {
         deadline_ms: Some(2),
         nonce: None,
         result: None,
+        bypassed: false,
     };
     let mut store = MemoryStore::new();
     store.append(&[StoreOp::Insert(record)]).unwrap();

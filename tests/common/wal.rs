@@ -27,6 +27,7 @@ pub fn record(id: u64, root: u64, version: u8, data_len: usize) -> ProcRecord {
         deadline_ms: None,
         nonce: None,
         result: None,
+        bypassed: false,
     }
 }
 

@@ -1,0 +1,141 @@
+//! Bypass (HBCK2's `bypass`) through the executor, on both stores: a suspended
+//! procedure is marked finished without running further or rolling back, its parent
+//! goes on, a subtree needs the recursive flag, refusals say why, and the bypass is
+//! persisted.
+
+mod common;
+
+use common::{Scripted, Step};
+use proctor::{Error, ProcId, ProcState, ProcedureStore};
+
+fn suspended(name: &str) -> Scripted {
+    Scripted::new(name, vec![Step::Suspend("never".into()), Step::More])
+}
+
+#[actix::test]
+async fn a_suspended_child_is_bypassed_and_its_parent_goes_on() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, rec) = common::start(store, 4).await;
+        let root = executor
+            .submit(Scripted::new(
+                "root",
+                vec![Step::Children(vec![suspended("child")]), Step::More],
+            ))
+            .await
+            .unwrap();
+        let child = loop {
+            let list = executor.list().await.unwrap();
+            if let Some(c) = list
+                .iter()
+                .find(|p| p.parent == Some(root) && p.state == ProcState::Waiting)
+            {
+                break c.id;
+            }
+            tokio::task::yield_now().await;
+        };
+        executor.bypass(child, false).await.unwrap();
+        assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(rec.count("child-exec"), 1, "{name}: ran no further");
+        assert_eq!(rec.count("root-exec"), 2, "{name}: the parent went on");
+        assert!(
+            rec.calls().iter().all(|c| !c.ends_with("rollback")),
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_subtree_needs_the_recursive_flag_and_refusals_say_why() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, rec) = common::start(store, 4).await;
+        let root = executor
+            .submit(Scripted::new(
+                "root",
+                vec![
+                    Step::Children(vec![suspended("a"), suspended("b")]),
+                    Step::More,
+                ],
+            ))
+            .await
+            .unwrap();
+        while rec.count("a-exec") + rec.count("b-exec") < 2 {
+            tokio::task::yield_now().await;
+        }
+        common::wait_for_state(&executor, root, ProcState::Waiting).await;
+        match executor.bypass(root, false).await {
+            Err(Error::BypassRefused { id, reason }) => {
+                assert_eq!(id, root);
+                assert!(reason.contains("unfinished children"), "{name}: {reason}");
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+        // Wait until both children are durably suspended, then bypass the tree.
+        loop {
+            let list = executor.list().await.unwrap();
+            let waiting = list
+                .iter()
+                .filter(|p| p.parent == Some(root) && p.state == ProcState::Waiting)
+                .count();
+            if waiting == 2 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        executor.bypass(root, true).await.unwrap();
+        assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(rec.count("root-exec"), 1, "{name}: the root ran no further");
+        // Finished, and unknown: refused with the reason.
+        assert!(matches!(
+            executor.bypass(root, true).await,
+            Err(Error::Finished { .. })
+        ));
+        assert!(matches!(
+            executor.bypass(ProcId(1 << 40), false).await,
+            Err(Error::UnknownProcedure(_))
+        ));
+        // One in a step cannot be bypassed under it.
+        let busy = executor
+            .submit(Scripted::new("busy", vec![Step::Gate]))
+            .await
+            .unwrap();
+        while rec.count("busy-exec") == 0 {
+            tokio::task::yield_now().await;
+        }
+        match executor.bypass(busy, false).await {
+            Err(Error::BypassRefused { reason, .. }) => {
+                assert!(
+                    reason.contains("only a waiting procedure"),
+                    "{name}: {reason}"
+                )
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+        rec.gate.notify_waiters();
+        assert_eq!(executor.wait(busy).await.unwrap(), Ok(()));
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_bypass_is_persisted() {
+    for name in ["memory", "wal"] {
+        let store = common::Reopen::new(name);
+        let (executor, _) = common::start(store.open(), 4).await;
+        let root = executor.submit(suspended("root")).await.unwrap();
+        common::wait_for_state(&executor, root, ProcState::Waiting).await;
+        executor.bypass(root, false).await.unwrap();
+        assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{name}");
+        executor.shutdown().await.unwrap();
+
+        let snapshot = store.open().load().unwrap();
+        let record = snapshot.records.iter().find(|r| r.id == root).unwrap();
+        assert!(record.bypassed, "{name}");
+        assert_eq!(record.state, ProcState::Success, "{name}");
+        let (executor, rec) = common::start(store.open(), 4).await;
+        assert!(executor.recovery().recovered_roots.is_empty(), "{name}");
+        assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(rec.count("root-exec"), 0, "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
