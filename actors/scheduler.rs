@@ -441,6 +441,15 @@ impl Handler<TreeFailed> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: TreeFailed, _ctx: &mut Context<Self>) {
+        // A step deferred behind its previous step's locks asked for its own before
+        // the tree failed: it only needs to report itself skipped now.
+        for deferred in self.deferred.values_mut() {
+            if let Deferred::Step(step) = deferred {
+                if step.lock.as_ref().is_some_and(|l| l.root == msg.0) {
+                    step.lock = None;
+                }
+            }
+        }
         let ids: Vec<ProcId> = self
             .parked_by_root
             .get(&msg.0)
