@@ -311,6 +311,9 @@ impl Scheduler {
                 Then::Rollback { addr, unrecorded } => addr.do_send(Rollback { unrecorded }),
             }
         }
+        for loan in &changes.loans {
+            tracing::warn!(proc = %loan.borrower, lender = %loan.lender, %loan, "deadlock between rollbacks: the older tree borrows the younger tree's locks");
+        }
         for deadlock in changes.deadlocks {
             let id = deadlock.victim;
             tracing::warn!(proc = %id, %deadlock, "deadlock: failing the younger tree");

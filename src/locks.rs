@@ -32,6 +32,14 @@
 //! victim, removes its request and reports the cycle ([`Deadlock`]); the engine fails
 //! that procedure.
 //!
+//! When every wait of the cycle is a rollback there is nothing to fail: two failed trees
+//! each need, for a rollback step, locks that the other's not yet rolled back procedures
+//! hold for their life. Then the older tree's rollback borrows the younger tree's locks
+//! ([`Loan`]): it is granted as if the lender did not hold them, until it releases. This
+//! is safe because the younger tree runs nothing meanwhile: it rolls back one step at a
+//! time, its own rollback waits in the same cycle, and that wait cannot end before the
+//! borrower's step does. Everyone else still sees the lender's locks.
+//!
 //! Pure: no clock, no IO. The scheduler actor owns one table.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -207,22 +215,7 @@ pub struct Deadlock {
 impl fmt::Display for Deadlock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "deadlock: ")?;
-        for (i, e) in self.cycle.iter().enumerate() {
-            if i > 0 {
-                f.write_str("; ")?;
-            }
-            let wants: Vec<String> = e.wants.iter().map(Lock::to_string).collect();
-            let how = if e.held { "held by" } else { "queued behind" };
-            write!(
-                f,
-                "procedure {} (tree {}) waits for [{}] {how} procedure {} (tree {})",
-                e.waiter,
-                e.waiter_root,
-                wants.join(", "),
-                e.blocker,
-                e.blocker_root
-            )?;
-        }
+        write_cycle(f, &self.cycle)?;
         write!(
             f,
             "; failing procedure {} of the younger tree {}",
@@ -231,13 +224,63 @@ impl fmt::Display for Deadlock {
     }
 }
 
-/// What a call changed: requests granted (in grant order) and deadlock victims.
+/// A wait-for cycle of rollbacks only, broken by letting one of them borrow the locks
+/// of a procedure of a younger tree whose own rollback waits in the cycle.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Loan {
+    /// The waiting rollback, granted over the lender's locks.
+    pub borrower: ProcId,
+    /// The holder whose locks no longer block the borrower until it releases.
+    pub lender: ProcId,
+    /// The lender's tree (the youngest a blocker of the cycle belongs to).
+    pub lender_root: ProcId,
+    /// The waits of the cycle, starting with the borrower's.
+    pub cycle: Vec<WaitEdge>,
+}
+
+impl fmt::Display for Loan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "deadlock between rollbacks: ")?;
+        write_cycle(f, &self.cycle)?;
+        write!(
+            f,
+            "; procedure {} rolls back under the locks of procedure {} of the younger tree {}, \
+             which waits",
+            self.borrower, self.lender, self.lender_root
+        )
+    }
+}
+
+fn write_cycle(f: &mut fmt::Formatter<'_>, cycle: &[WaitEdge]) -> fmt::Result {
+    for (i, e) in cycle.iter().enumerate() {
+        if i > 0 {
+            f.write_str("; ")?;
+        }
+        let wants: Vec<String> = e.wants.iter().map(Lock::to_string).collect();
+        let how = if e.held { "held by" } else { "queued behind" };
+        write!(
+            f,
+            "procedure {} (tree {}) waits for [{}] {how} procedure {} (tree {})",
+            e.waiter,
+            e.waiter_root,
+            wants.join(", "),
+            e.blocker,
+            e.blocker_root
+        )?;
+    }
+    Ok(())
+}
+
+/// What a call changed: requests granted (in grant order), deadlock victims, and loans.
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct Changes {
     /// Procedures whose waiting requests (or the new request) were granted.
     pub granted: Vec<ProcId>,
     /// Requests removed to break a wait-for cycle.
     pub deadlocks: Vec<Deadlock>,
+    /// Cycles of rollbacks broken by a loan (the borrower is among `granted` once
+    /// nothing else blocks it).
+    pub loans: Vec<Loan>,
 }
 
 /// Per resource name: who holds it, who holds below it, who waits for it.
@@ -300,6 +343,8 @@ pub struct LockTable {
     desc_waiters: HashMap<ProcId, BTreeSet<u64>>,
     /// For each tree, its waiting rollback requests.
     rollback_waiters: HashMap<ProcId, BTreeSet<u64>>,
+    /// Borrowers (waiting or holding) and the holders whose locks they may ignore.
+    loans: HashMap<ProcId, Vec<ProcId>>,
     next_priority: u64,
     next_ordinary: u64,
 }
@@ -314,6 +359,7 @@ impl Default for LockTable {
             waiting_seq: HashMap::new(),
             desc_waiters: HashMap::new(),
             rollback_waiters: HashMap::new(),
+            loans: HashMap::new(),
             next_priority: 0,
             next_ordinary: ORDINARY,
         }
@@ -405,11 +451,12 @@ impl LockTable {
         if !ancestor_holds && !priority {
             return changes;
         }
+        // Each round removes a waiter or a blocking edge, so this ends.
         while self.waiting_seq.contains_key(&owner) {
             let Some(cycle) = self.find_cycle(owner) else {
                 break;
             };
-            let Some(victim) = cycle
+            let victim = cycle
                 .iter()
                 .filter(|e| {
                     self.waiting_seq
@@ -417,20 +464,41 @@ impl LockTable {
                         .is_some_and(|s| !self.waiters[s].req.rollback)
                 })
                 .max_by_key(|e| (e.waiter_root, std::cmp::Reverse(e.waiter)))
-                .map(|e| (e.waiter, e.waiter_root))
+                .map(|e| (e.waiter, e.waiter_root));
+            if let Some((victim, victim_root)) = victim {
+                self.remove_waiter(victim, &mut changes);
+                changes.deadlocks.push(Deadlock {
+                    victim,
+                    victim_root,
+                    cycle: rotate(&cycle, victim),
+                });
+                continue;
+            }
+            // Every wait is a rollback: nothing can be failed. The wait on the youngest
+            // tree's holder borrows its locks (see the module docs).
+            let Some(edge) = cycle
+                .iter()
+                .filter(|e| e.held)
+                .max_by_key(|e| (e.blocker_root, std::cmp::Reverse(e.waiter_root)))
+                .cloned()
             else {
-                // Every wait of the cycle is a rollback: nothing can be failed.
                 break;
             };
-            let start = cycle.iter().position(|e| e.waiter == victim.0).unwrap_or(0);
-            let mut ordered = cycle[start..].to_vec();
-            ordered.extend_from_slice(&cycle[..start]);
-            self.remove_waiter(victim.0, &mut changes);
-            changes.deadlocks.push(Deadlock {
-                victim: victim.0,
-                victim_root: victim.1,
-                cycle: ordered,
+            self.loans
+                .entry(edge.waiter)
+                .or_default()
+                .push(edge.blocker);
+            changes.loans.push(Loan {
+                borrower: edge.waiter,
+                lender: edge.blocker,
+                lender_root: edge.blocker_root,
+                cycle: rotate(&cycle, edge.waiter),
             });
+            let mut departed = Vec::new();
+            if let Some(&seq) = self.waiting_seq.get(&edge.waiter) {
+                self.try_grant(seq, &mut departed, &mut changes);
+            }
+            self.wake(departed.into(), &mut changes);
         }
         changes
     }
@@ -451,6 +519,7 @@ impl LockTable {
     /// the waiters that can now run, in order.
     pub fn release(&mut self, owner: ProcId) -> Changes {
         let mut changes = Changes::default();
+        self.loans.remove(&owner);
         if let Some(req) = self.holders.remove(&owner) {
             let mut touched = VecDeque::new();
             self.ungrant(&req, &mut touched);
@@ -481,6 +550,7 @@ impl LockTable {
         let Some(&seq) = self.waiting_seq.get(&owner) else {
             return;
         };
+        self.loans.remove(&owner);
         let waiter = self.dequeue(seq);
         let touched = waiter
             .req
@@ -503,6 +573,10 @@ impl LockTable {
                     .holders
                     .get(&holder)
                     .is_some_and(|h| h.root == req.root))
+            || self
+                .loans
+                .get(&req.owner)
+                .is_some_and(|lenders| lenders.contains(&holder))
     }
 
     /// Visits every holder outside `req`'s ancestry whose locks conflict with it.
@@ -906,6 +980,14 @@ impl LockTable {
     }
 }
 
+/// The cycle's waits, starting with `first`'s.
+fn rotate(cycle: &[WaitEdge], first: ProcId) -> Vec<WaitEdge> {
+    let start = cycle.iter().position(|e| e.waiter == first).unwrap_or(0);
+    let mut ordered = cycle[start..].to_vec();
+    ordered.extend_from_slice(&cycle[..start]);
+    ordered
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1143,6 +1225,54 @@ mod tests {
     }
 
     #[test]
+    fn a_cycle_of_rollbacks_lends_the_younger_trees_locks_to_the_older() {
+        // Tree 5's procedure 7 holds S t0 and S t0/r1 for its life; tree 9's root holds
+        // X t1 for its life. Both trees failed. Tree 9 must first roll back its child 19
+        // (X t0: waits for 7), tree 5 its procedure 13 (X t1/r0: waits for 9).
+        let mut t = LockTable::new();
+        t.request(req(7, &[5], &["S t0", "S t0/r1"]));
+        t.request(req(9, &[], &["X t1"]));
+        let rollback = |owner, ancestors: &[u64], locks: &[&str]| {
+            let mut r = req(owner, ancestors, locks);
+            r.root = ProcId(*ancestors.last().unwrap_or(&owner));
+            r.for_life = false;
+            r.rollback = true;
+            r
+        };
+        assert_eq!(
+            t.request(rollback(19, &[9], &["S t0/r0", "X t0"])),
+            Changes::default()
+        );
+        let c = t.request(rollback(13, &[6, 5], &["X t1/r0", "S t0/r1"]));
+        assert!(c.deadlocks.is_empty(), "{c:?}");
+        assert_eq!(c.granted, ids(&[13]), "the older tree's rollback goes");
+        let loan = &c.loans[..];
+        assert_eq!(loan.len(), 1, "{c:?}");
+        assert_eq!(
+            (loan[0].borrower, loan[0].lender, loan[0].lender_root),
+            (ProcId(13), ProcId(9), ProcId(9))
+        );
+        assert_eq!(
+            loan[0].to_string(),
+            "deadlock between rollbacks: procedure 13 (tree 5) waits for [S t0/r1, X t1/r0] held \
+             by procedure 9 (tree 9); procedure 19 (tree 9) waits for [X t0, S t0/r0] held by \
+             procedure 7 (tree 5); procedure 13 rolls back under the locks of procedure 9 of \
+             the younger tree 9, which waits"
+        );
+        check_holders(&t);
+        // Only the borrower: a third tree still waits for the lender.
+        assert!(t.request(req(30, &[], &["S t1/r0"])).granted.is_empty());
+        // The loan ends with the borrower's step; the lender's tree waits on.
+        assert!(t.release(ProcId(13)).granted.is_empty());
+        assert_eq!(t.release(ProcId(7)).granted, ids(&[19]));
+        assert!(t.release(ProcId(19)).granted.is_empty());
+        assert_eq!(t.release(ProcId(9)).granted, ids(&[30]));
+        t.release(ProcId(30));
+        assert_eq!(t.len(), (0, 0));
+        assert!(t.loans.is_empty() && t.nodes.is_empty());
+    }
+
+    #[test]
     fn resource_names_are_checked() {
         for (name, ok) in [
             ("ns", true),
@@ -1158,6 +1288,15 @@ mod tests {
 
     fn conflicting(a: &Request, b: &Request, table: &LockTable) -> bool {
         if ancestry(a, b.owner) || ancestry(b, a.owner) {
+            return false;
+        }
+        let lent = |x: &Request, y: &Request| {
+            table
+                .loans
+                .get(&x.owner)
+                .is_some_and(|l| l.contains(&y.owner))
+        };
+        if lent(a, b) || lent(b, a) {
             return false;
         }
         for la in &a.locks {
@@ -1180,7 +1319,6 @@ mod tests {
                 }
             }
         }
-        let _ = table;
         false
     }
 

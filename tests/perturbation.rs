@@ -86,6 +86,11 @@ enum Ev {
         id: ProcId,
         name: String,
     },
+    /// A life-long holder's call ended; it stays inside its locks.
+    Pause {
+        id: ProcId,
+        name: String,
+    },
     /// A record that the store made durable: (procedure, root, state, stack indexes,
     /// failure), or a delete.
     Durable {
@@ -216,6 +221,16 @@ impl Traced {
         }
     }
 
+    /// Before a call of a life-long holder that keeps its locks returns.
+    fn pause(&self, world: &World, ctx: &Context) {
+        if !self.engine_locks.is_empty() {
+            world.log(Ev::Pause {
+                id: ctx.id(),
+                name: self.name.clone(),
+            });
+        }
+    }
+
     /// Inside its engine locks, gives any conflicting call the chance to run now, if the
     /// engine let it in.
     async fn linger(&self) {
@@ -287,6 +302,8 @@ impl Procedure for Traced {
         // A life-long holder keeps its locks through a failed step into its rollback.
         if !self.hold || matches!(flow, Ok(Flow::Done)) {
             self.leave(&world, ctx);
+        } else {
+            self.pause(&world, ctx);
         }
         flow
     }
@@ -310,6 +327,8 @@ impl Procedure for Traced {
         // A life-long holder's last rollback undoes its first step.
         if !self.hold || self.at == 0 {
             self.leave(&world, ctx);
+        } else {
+            self.pause(&world, ctx);
         }
         Ok(())
     }
@@ -785,11 +804,30 @@ fn related(a: &str, b: &str) -> bool {
 /// outside each other's ancestry are ever inside conflicting ones. A restart ends every
 /// call of the old engine; only life-long holders stay inside (their locks are durably
 /// held and granted back first). At the end, every hold has been left.
+///
+/// One exception, the engine's loan: a rollback may enter the locks of a life-long
+/// holder of another failed tree between that holder's calls (when the two trees'
+/// rollbacks wait for each other, the older borrows the younger's locks while the
+/// younger runs nothing). The lender's own next call is then checked as usual.
 fn check_engine_locks(history: &[Ev]) {
-    // name -> (id, locks, for life, index of the enter that began the hold)
-    let mut inside: BTreeMap<&str, (ProcId, &[Lock], bool, usize)> = BTreeMap::new();
+    // name -> (id, locks, for life, index of the enter that began the hold, in a call)
+    let mut inside: BTreeMap<&str, (ProcId, &[Lock], bool, usize, bool)> = BTreeMap::new();
+    let mut root_of: HashMap<ProcId, ProcId> = HashMap::new();
+    let mut failed_trees: BTreeSet<ProcId> = BTreeSet::new();
     for (at, ev) in history.iter().enumerate() {
         match ev {
+            Ev::Durable {
+                id,
+                root,
+                state,
+                failure,
+                ..
+            } => {
+                root_of.insert(*id, *root);
+                if failure.is_some() || *state == ProcState::Failed {
+                    failed_trees.insert(*root);
+                }
+            }
             Ev::Enter {
                 id,
                 name,
@@ -797,13 +835,21 @@ fn check_engine_locks(history: &[Ev]) {
                 life,
                 call,
             } => {
-                for (&other, &(other_id, other_locks, _, since)) in &inside {
+                for (&other, &(other_id, other_locks, life, since, in_call)) in &inside {
                     if other == name || related(name, other) {
                         continue;
                     }
                     // A tree rolls back one step at a time with nothing of it running:
                     // a rollback does not wait for locks its own tree holds.
                     if *call == "rollback" && same_tree(name, other) {
+                        continue;
+                    }
+                    let lender = life
+                        && !in_call
+                        && root_of
+                            .get(&other_id)
+                            .is_some_and(|r| failed_trees.contains(r));
+                    if *call == "rollback" && lender {
                         continue;
                     }
                     let pair = locks
@@ -820,12 +866,23 @@ fn check_engine_locks(history: &[Ev]) {
                 }
                 inside
                     .entry(name.as_str())
-                    .or_insert((*id, &locks[..], *life, at));
+                    .or_insert((*id, &locks[..], *life, at, true))
+                    .4 = true;
             }
             Ev::Leave { name, .. } => {
                 inside.remove(name.as_str());
             }
-            Ev::Restart => inside.retain(|_, hold| hold.2),
+            Ev::Pause { name, .. } => {
+                if let Some(hold) = inside.get_mut(name.as_str()) {
+                    hold.4 = false;
+                }
+            }
+            Ev::Restart => {
+                inside.retain(|_, hold| hold.2);
+                for hold in inside.values_mut() {
+                    hold.4 = false;
+                }
+            }
             _ => {}
         }
     }
@@ -848,6 +905,7 @@ fn excerpt(history: &[Ev], ids: &[ProcId], n: usize) -> String {
             | Ev::Rollback { id, .. }
             | Ev::Enter { id, .. }
             | Ev::Leave { id, .. }
+            | Ev::Pause { id, .. }
             | Ev::Durable { id, .. }
             | Ev::AbortAnswer { id, .. } => ids.contains(id),
             Ev::Result { root, .. } => ids.contains(root),
