@@ -189,11 +189,50 @@ impl ExecutorBuilder {
         self
     }
 
-    /// Recovers the store and starts the executor's actors in the current actix system
-    /// (call it from inside one, e.g. under `#[actix::main]`). Every unfinished tree in
-    /// the store is carried on to SUCCESS or ROLLEDBACK; see
-    /// [`Executor::recovery`].
+    /// Recovers the store and starts the executor. Every unfinished tree in the store is
+    /// carried on to SUCCESS or ROLLEDBACK; see [`Executor::recovery`].
+    ///
+    /// Works from any async context. Inside an actix system (under `#[actix::main]`, in
+    /// an actor, on an actix arbiter) the executor joins that system. Anywhere else (a
+    /// plain tokio runtime, multi-thread or current-thread) it starts an actix system
+    /// of its own on a thread it owns; [`Executor::shutdown`] stops that thread.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a bad setting or when a thread cannot be started;
+    /// [`Error::Store`] when the store cannot be loaded (a corrupt log, a directory
+    /// locked by another engine).
     pub async fn start(self) -> Result<Executor, Error> {
+        if actix::Arbiter::try_current().is_some() {
+            return self.start_here(false).await;
+        }
+        let (started, answer) = oneshot::channel();
+        let (gone, system_gone) = oneshot::channel();
+        let thread = std::thread::Builder::new()
+            .name("proctor-system".into())
+            .spawn(move || {
+                let system = actix::System::new();
+                let result = system.block_on(self.start_here(true));
+                let ok = result.is_ok();
+                // The starter may have given up waiting: then nothing should run.
+                if started.send(result).is_ok() && ok {
+                    let _ = system.run();
+                }
+                let _ = gone.send(());
+            })
+            .map_err(|e| Error::Config(format!("cannot start the engine's system thread: {e}")))?;
+        let mut executor = answer.await.map_err(|_| {
+            Error::Internal("the engine's system thread ended while starting".into())
+        })??;
+        executor.system = Some(Arc::new(OwnedSystem {
+            gone: std::sync::Mutex::new(Some((system_gone, thread))),
+        }));
+        Ok(executor)
+    }
+
+    /// Starts the actors in the current actix system; `owned`: the system is the
+    /// executor's own, stopped by its shutdown.
+    async fn start_here(self, owned: bool) -> Result<Executor, Error> {
         if self.workers == 0 || self.arbiters == 0 {
             return Err(Error::Config(
                 "workers and arbiters must be at least 1".into(),
@@ -340,6 +379,7 @@ impl ExecutorBuilder {
                 finished: finished_at.into(),
                 acked: HashMap::new(),
                 evicting: false,
+                owned_system: owned,
             }
         });
         if !report.recovered_roots.is_empty() {
@@ -350,8 +390,17 @@ impl ExecutorBuilder {
                 "recovered procedures"
             );
         }
-        Ok(Executor { addr, report })
+        Ok(Executor {
+            addr,
+            report,
+            system: None,
+        })
     }
+}
+
+/// The actix system an executor started for itself, and how to see its thread end.
+struct OwnedSystem {
+    gone: std::sync::Mutex<Option<(oneshot::Receiver<()>, std::thread::JoinHandle<()>)>>,
 }
 
 /// Decodes the unfinished procedures of a recovered tree and runs their
@@ -423,6 +472,17 @@ pub struct Recovery {
 pub struct Executor {
     addr: Addr<ExecutorActor>,
     report: Arc<Recovery>,
+    /// Set when the executor runs its own actix system (started outside one).
+    system: Option<Arc<OwnedSystem>>,
+}
+
+impl std::fmt::Debug for Executor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Executor")
+            .field("connected", &self.addr.connected())
+            .field("own_system", &self.system.is_some())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Executor {
@@ -528,9 +588,14 @@ impl Executor {
         self.addr.send(GetSchedulerStats).await?
     }
 
-    /// Every procedure the executor knows: live ones and finished roots.
-    pub async fn list(&self) -> Result<Vec<ProcInfo>, Error> {
-        Ok(self.addr.send(List).await?)
+    /// The procedures that pass `which` (see [`List`]), in id order: by default every
+    /// unfinished one.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] after shutdown, or the store's error once it has failed.
+    pub async fn list(&self, which: List) -> Result<Vec<ProcInfo>, Error> {
+        self.addr.send(which).await?
     }
 
     /// Makes `event` ready and wakes the procedures suspended on it, oldest first (see
@@ -548,7 +613,17 @@ impl Executor {
     /// its directory lock). Procedures still running are simply cut off, exactly as by a
     /// crash: what is durable is what the next executor recovers.
     pub async fn shutdown(self) -> Result<(), Error> {
-        Ok(self.addr.send(Shutdown).await?)
+        let stopped = self.addr.send(Shutdown).await;
+        // An executor started outside actix also ends the system thread it started.
+        let gone = self
+            .system
+            .as_ref()
+            .and_then(|s| s.gone.lock().ok()?.take());
+        if let Some((gone, thread)) = gone {
+            let _ = gone.await;
+            let _ = thread.join();
+        }
+        Ok(stopped?)
     }
 }
 
@@ -664,15 +739,88 @@ impl Message for AckResult {
     type Result = Result<(), Error>;
 }
 
-/// Every procedure the executor knows.
-pub struct List;
-
-impl Message for List {
-    type Result = Vec<ProcInfo>;
+/// Which procedures to list: by default every unfinished one. Filters combine (a
+/// procedure must pass all of them); finished roots, whose results the executor keeps
+/// for a while, only with [`with_finished`](Self::with_finished).
+///
+/// ```no_run
+/// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+/// use proctor::{List, ProcState};
+/// let waiting = executor
+///     .list(List::new().state(ProcState::Waiting).type_name("create-table"))
+///     .await?;
+/// # let _ = waiting; Ok(()) }
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct List {
+    states: Vec<ProcState>,
+    type_name: Option<String>,
+    root: Option<ProcId>,
+    finished: bool,
 }
 
-/// Stop the executor.
-struct Shutdown;
+impl List {
+    /// Every unfinished procedure.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Only procedures in `state` (call again to allow more states). Asking for a
+    /// finished state lists finished roots too.
+    #[must_use]
+    pub fn state(mut self, state: ProcState) -> Self {
+        self.finished |= state.is_finished();
+        self.states.push(state);
+        self
+    }
+
+    /// Only procedures of the registered type `name`.
+    #[must_use]
+    pub fn type_name(mut self, name: impl Into<String>) -> Self {
+        self.type_name = Some(name.into());
+        self
+    }
+
+    /// Only the tree of root `root`.
+    #[must_use]
+    pub fn root(mut self, root: ProcId) -> Self {
+        self.root = Some(root);
+        self
+    }
+
+    /// Finished roots too (SUCCESS or ROLLEDBACK, kept for their results).
+    #[must_use]
+    pub fn with_finished(mut self) -> Self {
+        self.finished = true;
+        self
+    }
+
+    fn matches(&self, info: &ProcInfo) -> bool {
+        (self.finished || !info.state.is_finished())
+            && (self.states.is_empty() || self.states.contains(&info.state))
+            && self
+                .type_name
+                .as_deref()
+                .is_none_or(|t| t == info.type_name)
+            && self.root.is_none_or(|r| r == info.root)
+    }
+}
+
+impl Message for List {
+    type Result = Result<Vec<ProcInfo>, Error>;
+}
+
+/// Stops the executor, as [`Executor::shutdown`] does: for code that holds only the
+/// executor's address. Answers once the engine's threads and its store writer have
+/// stopped; an executor that started its own actix system stops that system too.
+///
+/// ```no_run
+/// # async fn f(addr: actix::Addr<proctor::ExecutorActor>) -> Result<(), actix::MailboxError> {
+/// addr.send(proctor::Shutdown).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Shutdown;
 
 impl Message for Shutdown {
     type Result = ();
@@ -701,6 +849,8 @@ pub struct ExecutorActor {
     acked: HashMap<ProcId, u64>,
     /// A batch of evictions is on its way to the store.
     evicting: bool,
+    /// The actix system is the executor's own: shutdown stops it.
+    owned_system: bool,
 }
 
 /// Where a nonce's submit is.
@@ -1042,12 +1192,28 @@ impl Handler<AckResult> for ExecutorActor {
 }
 
 impl Handler<List> for ExecutorActor {
-    type Result = MessageResult<List>;
+    type Result = Result<Vec<ProcInfo>, Error>;
 
-    fn handle(&mut self, _msg: List, _ctx: &mut Context<Self>) -> Self::Result {
-        let mut ids: Vec<ProcId> = self.shared.table.iter().map(|e| *e.key()).collect();
+    fn handle(&mut self, msg: List, _ctx: &mut Context<Self>) -> Self::Result {
+        if let Some(broken) = &self.broken {
+            return Err(broken.duplicate());
+        }
+        let mut ids: Vec<ProcId> = match msg.root {
+            Some(root) => self
+                .shared
+                .table
+                .iter()
+                .filter(|e| e.root == root)
+                .map(|e| *e.key())
+                .collect(),
+            None => self.shared.table.iter().map(|e| *e.key()).collect(),
+        };
         ids.sort_unstable();
-        MessageResult(ids.into_iter().filter_map(|id| self.info(id)).collect())
+        Ok(ids
+            .into_iter()
+            .filter_map(|id| self.info(id))
+            .filter(|info| msg.matches(info))
+            .collect())
     }
 }
 
@@ -1109,6 +1275,7 @@ impl Handler<Shutdown> for ExecutorActor {
         }
         ctx.stop();
         let persistence = self.shared.persistence.clone();
+        let owned_system = self.owned_system;
         // Joined off the actor threads: a call into user code that is in the middle of a
         // poll finishes it, and then nothing of this executor runs any more when
         // `shutdown` returns (a new executor on the same store must never overlap it).
@@ -1128,6 +1295,9 @@ impl Handler<Shutdown> for ExecutorActor {
             }
             // Errors mean it has stopped already.
             let _ = persistence.send(StopWriter).await;
+            if owned_system {
+                System::current().stop();
+            }
         })
     }
 }

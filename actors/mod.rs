@@ -16,7 +16,7 @@ mod wal_store;
 
 pub use executor::{
     Abort, AckResult, Bypass, Executor, ExecutorActor, ExecutorBuilder, GetState, GetValue, List,
-    ProcInfo, Recovery, Submit, WaitFor,
+    ProcInfo, Recovery, Shutdown, Submit, WaitFor,
 };
 pub use scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
 pub use wal_store::{

@@ -40,8 +40,8 @@ pub use async_trait::async_trait;
 pub use crate::actors::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Bypass, Entry, Executor,
     ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List, ProcInfo,
-    Recovery, Repair, ResetEvent, SchedulerStats, SegmentReport, StdFs, Submit, WaitFor, WakeEvent,
-    WalDirScan, WalFs, WalOptions, WalStats, WalStore,
+    Recovery, Repair, ResetEvent, SchedulerStats, SegmentReport, Shutdown, StdFs, Submit, WaitFor,
+    WakeEvent, WalDirScan, WalFs, WalOptions, WalStats, WalStore,
 };
 pub use crate::error::Error;
 pub use crate::locks::{Lock, LockClaim, LockMode};

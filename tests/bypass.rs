@@ -24,7 +24,10 @@ async fn a_suspended_child_is_bypassed_and_its_parent_goes_on() {
             .await
             .unwrap();
         let child = loop {
-            let list = executor.list().await.unwrap();
+            let list = executor
+                .list(proctor::List::new().with_finished())
+                .await
+                .unwrap();
             if let Some(c) = list
                 .iter()
                 .find(|p| p.parent == Some(root) && p.state == ProcState::Waiting)
@@ -72,7 +75,10 @@ async fn a_subtree_needs_the_recursive_flag_and_refusals_say_why() {
         }
         // Wait until both children are durably suspended, then bypass the tree.
         loop {
-            let list = executor.list().await.unwrap();
+            let list = executor
+                .list(proctor::List::new().with_finished())
+                .await
+                .unwrap();
             let waiting = list
                 .iter()
                 .filter(|p| p.parent == Some(root) && p.state == ProcState::Waiting)

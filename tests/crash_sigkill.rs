@@ -116,7 +116,7 @@ fn sigkill_at_random_moments_loses_nothing() {
             let _ = executor.wait(*id).await.expect("recovered root finishes");
         }
         let roots: HashMap<_, ProcState> = executor
-            .list()
+            .list(proctor::List::new().with_finished())
             .await
             .unwrap()
             .into_iter()

@@ -457,7 +457,10 @@ async fn life_long_locks_are_granted_back_after_a_restart() {
             .unwrap();
         // The newcomer waits for the recovered holder.
         wait_for_lock_wait(&executor, b).await;
-        let list = executor.list().await.unwrap();
+        let list = executor
+            .list(proctor::List::new().with_finished())
+            .await
+            .unwrap();
         let waiting = list
             .iter()
             .find(|p| p.id == b)

@@ -142,7 +142,11 @@ async fn hang_report() -> String {
     let mut out = String::new();
     let executor = EXECUTOR.lock().unwrap().clone();
     if let Some(executor) = executor {
-        let list = tokio::time::timeout(Duration::from_secs(5), executor.list()).await;
+        let list = tokio::time::timeout(
+            Duration::from_secs(5),
+            executor.list(proctor::List::new().with_finished()),
+        )
+        .await;
         if let Ok(Ok(list)) = list {
             for i in list {
                 if !i.state.is_finished() || !i.locks_held.is_empty() {
@@ -596,7 +600,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
         let (executor, world, stop) = (executor.clone(), world.clone(), stop.clone());
         actix::spawn(async move {
             while !stop.load(Ordering::SeqCst) {
-                match executor.list().await {
+                match executor.list(proctor::List::new().with_finished()).await {
                     Ok(list) => {
                         for info in list {
                             world.log(Ev::Observed {
@@ -629,7 +633,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
             for _ in 0..delay {
                 tokio::task::yield_now().await;
             }
-            let Ok(list) = executor.list().await else {
+            let Ok(list) = executor.list(proctor::List::new().with_finished()).await else {
                 return;
             };
             let live: Vec<ProcId> = list

@@ -125,7 +125,7 @@ async fn ten_thousand_roots_with_two_children_each_all_complete() {
         assert_eq!(rec.count("r-exec"), 20_000);
         assert_eq!(rec.count("c-exec"), 20_000, "one step per child");
         let live = executor
-            .list()
+            .list(proctor::List::new().with_finished())
             .await
             .unwrap()
             .into_iter()

@@ -479,7 +479,7 @@ async fn verify(
     tally: &mut Tally,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let mut known = HashMap::new();
-    for info in executor.list().await? {
+    for info in executor.list(proctor::List::new().with_finished()).await? {
         if info.parent.is_some() || info.root != info.id {
             tally.violations.push(format!(
                 "procedure {} ({}) is still known after every root finished",

@@ -1,0 +1,162 @@
+//! Embedding the engine: started from a plain tokio runtime (multi-thread and
+//! current-thread) it runs its own actix system and stops it at shutdown; inside an
+//! actix system it joins it; an actor holding only the executor's address can list
+//! with filters and shut it down.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::{registry, Recorder, Reopen, Scripted, Step};
+use proctor::{Error, Executor, List, ProcState, Shutdown};
+
+async fn start_on(store: Box<dyn proctor::ProcedureStore>) -> (Executor, Arc<Recorder>) {
+    let rec = Arc::new(Recorder::default());
+    let executor = Executor::builder()
+        .registry(registry())
+        .store(store)
+        .workers(4)
+        .arbiters(2)
+        .env(rec.clone())
+        .start()
+        .await
+        .expect("executor starts");
+    (executor, rec)
+}
+
+/// Runs one procedure to its end, shuts down, and starts again on the same store: the
+/// second start finds the finished root (and, for the WAL, the directory lock free, so
+/// the first engine's threads are gone).
+async fn start_run_stop_restart(name: &'static str) {
+    let store = Reopen::new(name);
+    let (executor, rec) = start_on(store.open()).await;
+    let id = executor
+        .submit(Scripted::new("a", vec![Step::More, Step::More]))
+        .await
+        .expect("submit");
+    assert_eq!(executor.wait(id).await.expect("wait"), Ok(()), "{name}");
+    assert_eq!(rec.count("a-exec"), 2, "{name}: {:?}", rec.calls());
+    executor.shutdown().await.expect("shutdown");
+
+    let (executor, _) = start_on(store.open()).await;
+    let listed = executor
+        .list(List::new().with_finished())
+        .await
+        .expect("list");
+    assert_eq!(
+        listed.iter().map(|i| (i.id, i.state)).collect::<Vec<_>>(),
+        vec![(id, ProcState::Success)],
+        "{name}"
+    );
+    executor.shutdown().await.expect("shutdown");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starts_from_a_multi_thread_tokio_runtime() {
+    for name in ["memory", "wal"] {
+        start_run_stop_restart(name).await;
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn starts_from_a_current_thread_tokio_runtime() {
+    for name in ["memory", "wal"] {
+        start_run_stop_restart(name).await;
+    }
+}
+
+#[test]
+fn starts_from_a_plain_thread_with_its_own_runtime() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(start_run_stop_restart("wal"));
+}
+
+#[actix::test]
+async fn inside_actix_it_joins_the_system_and_stops_by_message() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, _) = start_on(store).await;
+        let id = executor
+            .submit(Scripted::new("a", vec![]))
+            .await
+            .expect("submit");
+        executor.wait(id).await.expect("wait").expect("succeeds");
+        // Only the address: the shutdown message.
+        executor.addr().send(Shutdown).await.expect("shutdown");
+        assert!(
+            matches!(executor.state(id).await, Err(Error::Stopped)),
+            "{name}"
+        );
+    }
+}
+
+#[actix::test]
+async fn list_filters_by_state_type_and_tree() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, _) = start_on(store).await;
+        let done = executor
+            .submit(Scripted::new("done", vec![]))
+            .await
+            .unwrap();
+        executor.wait(done).await.unwrap().unwrap();
+        let parked = executor
+            .submit(Scripted::new(
+                "parent",
+                vec![Step::Children(vec![Scripted::new(
+                    "child",
+                    vec![Step::Suspend("never".into())],
+                )])],
+            ))
+            .await
+            .unwrap();
+        common::wait_for_state(&executor, parked, ProcState::Waiting).await;
+        let ids = |list: Vec<proctor::ProcInfo>| list.iter().map(|i| i.id).collect::<Vec<_>>();
+        // Wait until the child is suspended too.
+        loop {
+            let waiting = executor
+                .list(List::new().state(ProcState::Waiting))
+                .await
+                .unwrap();
+            if waiting.len() == 2 {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        let live = executor.list(List::new()).await.unwrap();
+        assert!(
+            live.iter().all(|i| !i.state.is_finished()),
+            "{name}: finished roots are left out by default: {live:?}"
+        );
+        assert_eq!(live.len(), 2, "{name}: {live:?}");
+        let child = live.iter().find(|i| i.parent == Some(parked)).unwrap().id;
+        assert_eq!(
+            ids(executor.list(List::new().with_finished()).await.unwrap()),
+            vec![done, parked, child],
+            "{name}"
+        );
+        assert_eq!(
+            ids(executor
+                .list(List::new().state(ProcState::Success))
+                .await
+                .unwrap()),
+            vec![done],
+            "{name}: asking for a finished state lists finished roots"
+        );
+        assert_eq!(
+            ids(executor.list(List::new().root(parked)).await.unwrap()),
+            vec![parked, child],
+            "{name}"
+        );
+        assert_eq!(
+            ids(executor
+                .list(List::new().with_finished().type_name("adder"))
+                .await
+                .unwrap()),
+            Vec::<proctor::ProcId>::new(),
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
