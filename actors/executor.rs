@@ -27,7 +27,7 @@ use super::guard::guard;
 use super::persistence::Persistence;
 use super::procedure::{declare, Undeclarable};
 use super::protocol::{
-    AbortRequest, BypassRequest, Persist, Refuse, Regrant, StopWriter, TreeFinished,
+    AbortRequest, BypassRequest, Persist, Quiesce, Refuse, Regrant, StopWriter, TreeFinished,
 };
 use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{
@@ -61,6 +61,7 @@ pub struct ExecutorBuilder {
     max_unfinished: usize,
     retention: Retention,
     monitor: Monitor,
+    drain_timeout: Duration,
 }
 
 /// How long finished roots' results are kept, and how often the cleaner looks.
@@ -91,11 +92,21 @@ impl Default for ExecutorBuilder {
                 stuck_after: Duration::from_secs(10),
                 retire_after: Duration::from_secs(60),
             },
+            drain_timeout: Duration::from_secs(30),
         }
     }
 }
 
 impl ExecutorBuilder {
+    /// How long a graceful [`Executor::shutdown`] waits for running steps and
+    /// rollbacks to end and their records to become durable (default 30 s); past it,
+    /// the engine stops as by [`Executor::shutdown_now`].
+    #[must_use]
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
     /// How many steps may run at once (default 16). Waiting procedures hold none.
     pub fn workers(mut self, workers: usize) -> Self {
         self.workers = workers;
@@ -295,6 +306,7 @@ impl ExecutorBuilder {
         }
         let max_unfinished = self.max_unfinished;
         let retention = self.retention;
+        let drain_timeout = self.drain_timeout;
         let unfinished = trees.len();
         // Results to evict, oldest first (recovered ones by when they finished).
         let mut finished_at: Vec<(u64, ProcId)> =
@@ -380,6 +392,8 @@ impl ExecutorBuilder {
                 acked: HashMap::new(),
                 evicting: false,
                 owned_system: owned,
+                drain_timeout,
+                stopping: false,
             }
         });
         if !report.recovered_roots.is_empty() {
@@ -609,11 +623,31 @@ impl Executor {
         Ok(self.addr.send(ResetEvent(event.into())).await?)
     }
 
-    /// Stops the executor's arbiters and its store writer, and releases the store (and
-    /// its directory lock). Procedures still running are simply cut off, exactly as by a
-    /// crash: what is durable is what the next executor recovers.
+    /// Stops the executor gracefully: new submits are refused, no new step or rollback
+    /// starts, the running ones end and their records become durable (within
+    /// [`ExecutorBuilder::drain_timeout`]); then the arbiters and the store writer stop
+    /// and the store (and its directory lock) is released. Unfinished procedures go on
+    /// from their last record when an executor starts on the store again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] if the executor had already stopped.
     pub async fn shutdown(self) -> Result<(), Error> {
-        let stopped = self.addr.send(Shutdown).await;
+        self.stop(Shutdown::graceful()).await
+    }
+
+    /// Stops the executor at once: steps still running are cut off, exactly as by a
+    /// crash; what is durable is what the next executor recovers. For tests.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] if the executor had already stopped.
+    pub async fn shutdown_now(self) -> Result<(), Error> {
+        self.stop(Shutdown::now()).await
+    }
+
+    async fn stop(self, how: Shutdown) -> Result<(), Error> {
+        let stopped = self.addr.send(how).await;
         // An executor started outside actix also ends the system thread it started.
         let gone = self
             .system
@@ -810,17 +844,41 @@ impl Message for List {
     type Result = Result<Vec<ProcInfo>, Error>;
 }
 
-/// Stops the executor, as [`Executor::shutdown`] does: for code that holds only the
-/// executor's address. Answers once the engine's threads and its store writer have
-/// stopped; an executor that started its own actix system stops that system too.
+/// Stops the executor, as [`Executor::shutdown`] (graceful, the default) or
+/// [`Executor::shutdown_now`] do: for code that holds only the executor's address.
+/// Answers once the engine's threads and its store writer have stopped; an executor
+/// that started its own actix system stops that system too.
 ///
 /// ```no_run
 /// # async fn f(addr: actix::Addr<proctor::ExecutorActor>) -> Result<(), actix::MailboxError> {
-/// addr.send(proctor::Shutdown).await?;
+/// addr.send(proctor::Shutdown::graceful()).await?;
 /// # Ok(()) }
 /// ```
-#[derive(Clone, Copy, Debug, Default)]
-pub struct Shutdown;
+#[derive(Clone, Copy, Debug)]
+pub struct Shutdown {
+    graceful: bool,
+}
+
+impl Shutdown {
+    /// Drains first: no new step or rollback starts, running ones end and their records
+    /// become durable, within the executor's
+    /// [`drain_timeout`](ExecutorBuilder::drain_timeout).
+    pub fn graceful() -> Self {
+        Shutdown { graceful: true }
+    }
+
+    /// Stops at once, cutting off running steps as a crash would (for tests of
+    /// recovery).
+    pub fn now() -> Self {
+        Shutdown { graceful: false }
+    }
+}
+
+impl Default for Shutdown {
+    fn default() -> Self {
+        Shutdown::graceful()
+    }
+}
 
 impl Message for Shutdown {
     type Result = ();
@@ -851,6 +909,10 @@ pub struct ExecutorActor {
     evicting: bool,
     /// The actix system is the executor's own: shutdown stops it.
     owned_system: bool,
+    /// The longest a graceful shutdown waits.
+    drain_timeout: Duration,
+    /// A shutdown has begun: submits are refused.
+    stopping: bool,
 }
 
 /// Where a nonce's submit is.
@@ -1024,6 +1086,9 @@ impl Handler<Submit> for ExecutorActor {
         if let Some(broken) = &self.broken {
             let e = broken.duplicate();
             return Box::pin(actix::fut::ready(Err(e)));
+        }
+        if self.stopping {
+            return Box::pin(actix::fut::ready(Err(Error::Stopped)));
         }
         if let Some(nonce) = msg.nonce {
             match self.nonces.get_mut(&nonce) {
@@ -1260,9 +1325,64 @@ impl Handler<TreeFinished> for ExecutorActor {
 }
 
 impl Handler<Shutdown> for ExecutorActor {
-    type Result = ResponseFuture<()>;
+    type Result = ResponseActFuture<Self, ()>;
 
-    fn handle(&mut self, _msg: Shutdown, ctx: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: Shutdown, _ctx: &mut Context<Self>) -> Self::Result {
+        if !msg.graceful || self.stopping || self.broken.is_some() {
+            self.stopping = true;
+            return Box::pin(self.stop_now());
+        }
+        self.stopping = true;
+        tracing::info!(
+            timeout_ms = self.drain_timeout.as_millis() as u64,
+            "draining"
+        );
+        let shared = self.shared.clone();
+        let deadline = tokio::time::Instant::now() + self.drain_timeout;
+        let drain = async move {
+            if tokio::time::timeout_at(deadline, shared.drain.drain())
+                .await
+                .is_err()
+            {
+                tracing::warn!("drain deadline passed with steps still running: stopping now");
+                return;
+            }
+            // Every report is sent; wait until each tree has made its records durable.
+            let trees: Vec<_> = shared
+                .table
+                .iter()
+                .filter(|e| e.parent.is_none())
+                .filter_map(|e| e.tree.clone())
+                .collect();
+            let answers: Vec<_> = trees
+                .into_iter()
+                .map(|tree| {
+                    let (tx, rx) = oneshot::channel();
+                    tree.do_send(Quiesce(tx));
+                    rx
+                })
+                .collect();
+            let all_quiet = async {
+                for answer in answers {
+                    // A tree that ended meanwhile drops its sender: quiet too.
+                    let _ = answer.await;
+                }
+            };
+            if tokio::time::timeout_at(deadline, all_quiet).await.is_err() {
+                tracing::warn!("drain deadline passed with records not yet durable: stopping now");
+            }
+        };
+        Box::pin(
+            drain
+                .into_actor(self)
+                .then(|(), act: &mut Self, _ctx| act.stop_now()),
+        )
+    }
+}
+
+impl ExecutorActor {
+    /// Stops the arbiters (cutting off what runs) and the store writer.
+    fn stop_now(&mut self) -> impl ActorFuture<Self, Output = ()> {
         // Set first: the trees cut off below report nothing as an engine failure.
         self.broken = Some(Error::Stopped);
         for arbiter in &self.shared.arbiters {
@@ -1273,7 +1393,6 @@ impl Handler<Shutdown> for ExecutorActor {
                 let _ = waiter.send(Err(Error::Stopped));
             }
         }
-        ctx.stop();
         let persistence = self.shared.persistence.clone();
         let owned_system = self.owned_system;
         // Joined off the actor threads: a call into user code that is in the middle of a
@@ -1289,7 +1408,7 @@ impl Handler<Shutdown> for ExecutorActor {
                 }
                 let _ = joined.send(());
             });
-        Box::pin(async move {
+        async move {
             if joiner.is_ok() {
                 let _ = threads_gone.await;
             }
@@ -1298,6 +1417,10 @@ impl Handler<Shutdown> for ExecutorActor {
             if owned_system {
                 System::current().stop();
             }
-        })
+        }
+        .into_actor(self)
+        // Stopped last: an actor's pending futures end with it. Meanwhile `broken`
+        // answers every request.
+        .map(|(), _act, ctx| ctx.stop())
     }
 }

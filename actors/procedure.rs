@@ -14,6 +14,7 @@ use std::time::Duration;
 
 use actix::prelude::*;
 
+use crate::cancel::Cancel;
 use crate::error::Error;
 use crate::locks::LockClaim;
 use crate::procedure::{
@@ -102,6 +103,8 @@ pub(crate) struct ProcedureActor {
     pending_aborts: Vec<AbortAck>,
     /// The timeout expired while a step ran.
     pending_timeout: bool,
+    /// The running step's cancellation signal, raised by an abort that arrives meanwhile.
+    step_cancel: Option<Cancel>,
     /// `StopProc` was handled: the actor ends because the procedure finished.
     stopped: bool,
 }
@@ -132,6 +135,7 @@ impl ProcedureActor {
             lock_held: false,
             pending_aborts: Vec::new(),
             pending_timeout: false,
+            step_cancel: None,
             stopped: false,
         }
     }
@@ -430,6 +434,10 @@ impl Handler<RunStep> for ProcedureActor {
 
     fn handle(&mut self, _msg: RunStep, ctx: &mut Context<Self>) {
         let id = self.id;
+        if self.shared.drain.is_draining() {
+            // A graceful shutdown: the step runs after the restart.
+            return;
+        }
         if self.failed || self.done || self.status.failed() {
             // Its last good state: the report may be recorded (a procedure that never
             // ran gives up its locks in the record).
@@ -439,7 +447,8 @@ impl Handler<RunStep> for ProcedureActor {
         let Some(mut proc) = self.proc.take() else {
             unreachable!("procedure {id} dispatched while a call runs");
         };
-        let mut pctx = self.context();
+        let cancel = Cancel::new();
+        let mut pctx = self.context().with_cancel(cancel.clone());
         if !self.lock_held {
             match guard("acquire_lock", || proc.acquire_lock(&pctx)) {
                 Ok(LockState::Acquired) => self.lock_held = true,
@@ -455,6 +464,11 @@ impl Handler<RunStep> for ProcedureActor {
                 }
             }
         }
+        if !self.shared.drain.begin_call() {
+            self.proc = Some(proc);
+            return;
+        }
+        self.step_cancel = Some(cancel);
         let span = tracing::debug_span!("step", proc = %id, root = %self.root);
         let step = async move {
             let result = CatchUnwind {
@@ -468,8 +482,10 @@ impl Handler<RunStep> for ProcedureActor {
             tracing::Instrument::instrument(step, span)
                 .into_actor(self)
                 .map(|(proc, mut pctx, result), act, ctx| {
+                    act.step_cancel = None;
                     act.finish_step(proc, &mut pctx, result);
                     act.settle_pending(ctx);
+                    act.shared.drain.end_call();
                 }),
         );
     }
@@ -480,8 +496,9 @@ impl Handler<Rollback> for ProcedureActor {
 
     fn handle(&mut self, msg: Rollback, ctx: &mut Context<Self>) {
         let id = self.id;
-        if self.status.halted() {
-            // Cut off like in a crash: recovery rolls back from the durable state.
+        if self.status.halted() || self.shared.drain.is_draining() {
+            // Cut off like in a crash (or not begun, in a graceful shutdown): recovery
+            // rolls back from the durable state.
             return;
         }
         let Some(mut proc) = self.proc.take() else {
@@ -507,6 +524,10 @@ impl Handler<Rollback> for ProcedureActor {
                 return;
             }
             self.lock_held = true;
+        }
+        if !self.shared.drain.begin_call() {
+            self.proc = Some(proc);
+            return;
         }
         let span = tracing::debug_span!("rollback", proc = %id, root = %self.root);
         let call = async move {
@@ -535,6 +556,7 @@ impl Handler<Rollback> for ProcedureActor {
                     perturb::point("procedure::rollback::rolled_back");
                     act.settle_pending(ctx);
                     act.root_stack.do_send(RolledBack { id: act.id, result });
+                    act.shared.drain.end_call();
                 }),
         );
     }
@@ -547,6 +569,10 @@ impl Handler<AbortProc> for ProcedureActor {
         if self.status.halted() {
             let _ = msg.0.send(Err(Error::Stopped));
         } else if self.proc.is_none() {
+            // In a call: answered when it ends; a step is asked to end early.
+            if let Some(cancel) = &self.step_cancel {
+                cancel.cancel();
+            }
             self.pending_aborts.push(msg.0);
         } else {
             self.request_failure(Some(msg.0));

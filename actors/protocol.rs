@@ -362,3 +362,14 @@ pub(crate) struct TreeFinished {
 impl Message for TreeFinished {
     type Result = ();
 }
+
+// A graceful shutdown: executor -> root stack, once no call into user code runs.
+
+/// Answer once every transition the tree has made is durable and its actions are
+/// performed. Sent after the last call into user code ended (its report was sent
+/// before), so the answer covers every report of the tree.
+pub(crate) struct Quiesce(pub(crate) oneshot::Sender<()>);
+
+impl Message for Quiesce {
+    type Result = ();
+}

@@ -38,8 +38,8 @@ use super::perturb;
 use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
     AbortProc, AbortRequest, AckWith, BypassRequest, Deadline, Enqueue, FailRequest,
-    LockForRollback, LocksHeld, Persist, ProcLost, ReleaseLocks, Rollback, RolledBack, StepDone,
-    StepFinished, StopProc, SuspendOn, TreeFailed, TreeFinished, Unsuspend, Wake,
+    LockForRollback, LocksHeld, Persist, ProcLost, Quiesce, ReleaseLocks, Rollback, RolledBack,
+    StepDone, StepFinished, StopProc, SuspendOn, TreeFailed, TreeFinished, Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus};
 
@@ -97,6 +97,8 @@ pub(crate) struct RootStackActor {
     published: bool,
     /// Recovered procedures suspended on an event that run their next step at once.
     rerun: Vec<ProcId>,
+    /// A graceful shutdown waits for the pending transitions to become durable.
+    quiesce: Vec<oneshot::Sender<()>>,
 }
 
 impl RootStackActor {
@@ -156,6 +158,7 @@ impl RootStackActor {
             halted: None,
             published: false,
             rerun: Vec::new(),
+            quiesce: Vec::new(),
         }
     }
 
@@ -246,6 +249,11 @@ impl RootStackActor {
                 let _ = ack.send(answer);
             }
             self.recovered = false;
+        }
+        if self.pending.is_empty() {
+            for ack in self.quiesce.drain(..) {
+                let _ = ack.send(());
+            }
         }
         if let Some(ack) = self.submit_ack.take() {
             if self.performed > 0 {
@@ -677,6 +685,18 @@ impl Drop for RootStackActor {
                     self.core.root()
                 ))),
             });
+        }
+    }
+}
+
+impl Handler<Quiesce> for RootStackActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Quiesce, _ctx: &mut Context<Self>) {
+        if self.pending.is_empty() || self.halted.is_some() {
+            let _ = msg.0.send(());
+        } else {
+            self.quiesce.push(msg.0);
         }
     }
 }

@@ -2,7 +2,7 @@
 //! procedure table, the id counter, and the addresses of the singleton actors.
 
 use std::any::Any;
-use std::sync::atomic::{AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -94,6 +94,56 @@ pub(crate) struct Shared {
     pub(crate) arbiters: Vec<ArbiterHandle>,
     next_arbiter: AtomicUsize,
     next_id: AtomicU64,
+    /// A graceful shutdown in progress, and the calls into user code it waits for.
+    pub(crate) drain: Drain,
+}
+
+/// Calls into user code (steps and rollbacks) in progress, for a graceful shutdown:
+/// once it begins, no new call starts, and the executor waits for these to end.
+#[derive(Default)]
+pub(crate) struct Drain {
+    draining: AtomicBool,
+    calls: AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+impl Drain {
+    /// A graceful shutdown has begun: start no call.
+    pub(crate) fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// Counts a call about to start; `false` (counting nothing) once draining. The
+    /// count comes first, so either the drain sees this call or the call sees the drain.
+    pub(crate) fn begin_call(&self) -> bool {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        if self.is_draining() {
+            self.end_call();
+            return false;
+        }
+        true
+    }
+
+    /// A counted call ended (and sent its report).
+    pub(crate) fn end_call(&self) {
+        if self.calls.fetch_sub(1, Ordering::SeqCst) == 1 && self.is_draining() {
+            self.idle.notify_waiters();
+        }
+    }
+
+    /// Begins draining, and completes when no call is in progress.
+    pub(crate) async fn drain(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+        loop {
+            let idle = self.idle.notified();
+            tokio::pin!(idle);
+            idle.as_mut().enable();
+            if self.calls.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
 }
 
 impl Shared {
@@ -119,6 +169,7 @@ impl Shared {
             arbiters,
             next_arbiter: AtomicUsize::new(0),
             next_id: AtomicU64::new(max_id + 1),
+            drain: Drain::default(),
         }
     }
 

@@ -12,6 +12,7 @@
 //! module's private children) and the actix actors in `actors/`.
 #![doc = include_str!("../README.md")]
 
+mod cancel;
 mod error;
 pub mod events;
 mod locks;
@@ -43,6 +44,7 @@ pub use crate::actors::{
     Recovery, Repair, ResetEvent, SchedulerStats, SegmentReport, Shutdown, StdFs, Submit, WaitFor,
     WakeEvent, WalDirScan, WalFs, WalOptions, WalStats, WalStore,
 };
+pub use crate::cancel::{Cancel, Cancelled};
 pub use crate::error::Error;
 pub use crate::locks::{Lock, LockClaim, LockMode};
 pub use crate::procedure::{

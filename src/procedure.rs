@@ -13,6 +13,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
+use crate::cancel::{Cancel, Cancelled};
 use crate::locks::Lock;
 
 /// The identifier the engine gives a procedure when it is submitted (or, for a child,
@@ -181,6 +182,7 @@ pub struct Context {
     env: Option<Arc<dyn Any + Send + Sync>>,
     unrecorded: bool,
     result: Option<Vec<u8>>,
+    cancel: Option<Cancel>,
 }
 
 impl Context {
@@ -200,7 +202,42 @@ impl Context {
             env,
             unrecorded: false,
             result: None,
+            cancel: None,
         }
+    }
+
+    /// Gives the call a cancellation signal (the engine gives each step one; see
+    /// [`Context::cancelled`]).
+    #[must_use]
+    pub fn with_cancel(mut self, cancel: Cancel) -> Self {
+        self.cancel = Some(cancel);
+        self
+    }
+
+    /// In [`Procedure::execute`]: `true` once the engine asks the step to stop early,
+    /// because the procedure was aborted while the step ran. Stopping is up to the step:
+    /// return an error (typically [`ProcError::Aborted`]; the tree then rolls back,
+    /// this step included) or `Ok` as usual (then the abort's hook decides, as for a
+    /// procedure between steps). The abort is answered once the step has returned.
+    pub fn is_cancelled(&self) -> bool {
+        self.cancel.as_ref().is_some_and(Cancel::is_cancelled)
+    }
+
+    /// Completes when [`is_cancelled`](Self::is_cancelled) becomes `true`: race a long
+    /// step's work against it.
+    ///
+    /// ```no_run
+    /// # use proctor::{Context, Flow, ProcError};
+    /// # async fn copy_region(_: &str) -> Result<(), ProcError> { Ok(()) }
+    /// async fn step(ctx: &mut Context) -> Result<Flow, ProcError> {
+    ///     tokio::select! {
+    ///         copied = copy_region("r-17") => copied.map(|()| Flow::MoreToDo),
+    ///         () = ctx.cancelled() => Err(ProcError::Aborted),
+    ///     }
+    /// }
+    /// ```
+    pub fn cancelled(&self) -> Cancelled {
+        self.cancel.clone().unwrap_or_default().cancelled()
     }
 
     /// Marks a rollback call as undoing the unrecorded step (see

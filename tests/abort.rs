@@ -37,6 +37,38 @@ async fn abort_of_a_running_procedure_rolls_it_back() {
     }
 }
 
+/// A step that would never end on its own: the abort cancels it, so the abort's answer
+/// comes (it would otherwise wait for the step for ever), and the tree rolls back.
+#[actix::test]
+async fn abort_cancels_a_running_step_and_is_answered_without_waiting_for_it_to_end() {
+    for (store_name, store, _dir) in stores() {
+        let (executor, rec) = start(store, 4).await;
+        let id = executor
+            .submit(Scripted::new(
+                "long",
+                vec![Step::More, Step::UntilCancelled],
+            ))
+            .await
+            .unwrap();
+        rec.signal.notified().await;
+
+        assert!(executor.abort(id).await.unwrap(), "{store_name}: accepted");
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::Aborted, "{store_name}");
+        assert_eq!(
+            rec.calls(),
+            [
+                "long-exec",
+                "long-exec",
+                "long-cancelled",
+                "long-rollback",
+                "long-rollback"
+            ],
+            "{store_name}: the cancelled step is rolled back too (it may have begun work)"
+        );
+    }
+}
+
 #[actix::test]
 async fn abort_of_a_parent_waiting_for_children_rolls_back_the_tree() {
     for (store_name, store, _dir) in stores() {

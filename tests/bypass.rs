@@ -44,7 +44,7 @@ async fn a_suspended_child_is_bypassed_and_its_parent_goes_on() {
             rec.calls().iter().all(|c| !c.ends_with("rollback")),
             "{name}"
         );
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -119,7 +119,7 @@ async fn a_subtree_needs_the_recursive_flag_and_refusals_say_why() {
         }
         rec.gate.notify_waiters();
         assert_eq!(executor.wait(busy).await.unwrap(), Ok(()));
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -132,7 +132,7 @@ async fn a_bypass_is_persisted() {
         common::wait_for_state(&executor, root, ProcState::Waiting).await;
         executor.bypass(root, false).await.unwrap();
         assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{name}");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
 
         let snapshot = store.open().load().unwrap();
         let record = snapshot.records.iter().find(|r| r.id == root).unwrap();
@@ -142,6 +142,6 @@ async fn a_bypass_is_persisted() {
         assert!(executor.recovery().recovered_roots.is_empty(), "{name}");
         assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{name}");
         assert_eq!(rec.count("root-exec"), 0, "{name}");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }

@@ -144,6 +144,6 @@ fn sigkill_at_random_moments_loses_nothing() {
             roots.len(),
             &violations[..violations.len().min(5)]
         );
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     });
 }

@@ -84,7 +84,11 @@ async fn inside_actix_it_joins_the_system_and_stops_by_message() {
             .expect("submit");
         executor.wait(id).await.expect("wait").expect("succeeds");
         // Only the address: the shutdown message.
-        executor.addr().send(Shutdown).await.expect("shutdown");
+        executor
+            .addr()
+            .send(Shutdown::now())
+            .await
+            .expect("shutdown");
         assert!(
             matches!(executor.state(id).await, Err(Error::Stopped)),
             "{name}"

@@ -114,7 +114,7 @@ async fn a_woken_event_stays_ready_until_it_is_reset() {
         assert!(!calls.all().contains(&"w4-run".to_string()), "{name}");
         executor.wake_event("e").await.unwrap();
         assert_eq!(executor.wait(w4).await.unwrap(), Ok(()), "{name}");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -136,7 +136,7 @@ async fn a_suspended_procedure_reruns_or_waits_after_a_restart_as_its_hook_says(
             .unwrap();
         common::wait_for_state(&executor, rerun, ProcState::Waiting).await;
         common::wait_for_state(&executor, stay, ProcState::Waiting).await;
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
 
         let (executor, calls) = start(store.open()).await;
         assert_eq!(executor.wait(rerun).await.unwrap(), Ok(()), "{name}");
@@ -149,6 +149,6 @@ async fn a_suspended_procedure_reruns_or_waits_after_a_restart_as_its_hook_says(
         executor.wake_event("e").await.unwrap();
         assert_eq!(executor.wait(stay).await.unwrap(), Ok(()), "{name}");
         assert_eq!(calls.all(), ["rerun-run", "stay-run"], "{name}");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }

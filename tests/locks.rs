@@ -340,7 +340,7 @@ async fn contention_never_lets_conflicting_holders_in_and_keeps_fifo() {
             }
         }
         assert!(checked > 10_000, "{name}: only {checked} conflicting pairs");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -368,7 +368,7 @@ async fn a_counted_resource_lets_n_holders_run() {
             assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
         }
         assert_eq!(world.max_counted.load(Ordering::SeqCst), 2, "{name}");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -419,7 +419,7 @@ async fn a_deadlock_between_two_trees_fails_the_younger() {
         assert!(world.first("b-rollback").is_some(), "{name}: b rolled back");
         assert!(world.first("b-child-exec").is_none(), "{name}");
         assert!(world.conflicts.lock().unwrap().is_empty());
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -442,7 +442,7 @@ async fn life_long_locks_are_granted_back_after_a_restart() {
         common::wait_for_state(&executor, a, ProcState::Waiting).await;
         let info = executor.state(a).await.unwrap();
         assert_eq!(info.locks_held, vec![Lock::exclusive("ns/t1")], "{name}");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
 
         let (executor, world) = start(store.open(), 4, |b| b).await;
         assert_eq!(executor.recovery().recovered_roots, vec![a]);
@@ -481,7 +481,7 @@ async fn life_long_locks_are_granted_back_after_a_restart() {
         let calls = world.calls();
         assert_eq!(calls, ["holder-exec", "later-exec"], "{name}");
         assert!(world.conflicts.lock().unwrap().is_empty());
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -515,7 +515,7 @@ async fn an_abort_of_a_waiting_procedure_does_not_wait_for_the_lock() {
         assert_eq!(executor.state(a).await.unwrap().state, ProcState::Waiting);
         executor.wake_event("go").await.unwrap();
         assert_eq!(executor.wait(a).await.unwrap(), Ok(()));
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -528,7 +528,7 @@ async fn a_bad_resource_name_is_refused_at_submit() {
         Err(Error::Invalid(text)) => assert!(text.contains("\"ns//t1\""), "{text}"),
         other => panic!("{other:?}"),
     }
-    executor.shutdown().await.unwrap();
+    executor.shutdown_now().await.unwrap();
 }
 
 /// With a bound of 2 unfinished roots, a third submit is refused at once with a typed
@@ -548,7 +548,7 @@ async fn submits_beyond_the_bound_are_refused_at_once() {
         executor.wake_event("a").await.unwrap();
         assert_eq!(executor.wait(a).await.unwrap(), Ok(()));
         executor.submit(idle("d")).await.expect("room again");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -672,7 +672,7 @@ async fn a_rolled_back_procedure_frees_its_life_long_locks_for_the_rest_of_the_r
                     .unwrap_or_else(|_| panic!("{store_name} {case}: the rollback hangs"));
             assert!(result.unwrap().is_err(), "{store_name} {case}");
         }
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -686,6 +686,6 @@ async fn a_bypassed_holder_releases_its_locks() {
         assert_eq!(executor.wait(a).await.unwrap(), Ok(()), "{name}");
         assert_eq!(executor.wait(b).await.unwrap(), Ok(()), "{name}");
         assert_eq!(world.calls(), ["holder-exec", "waiter-exec"], "{name}");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }

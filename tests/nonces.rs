@@ -32,7 +32,7 @@ async fn the_same_nonce_at_the_same_moment_runs_once() {
             .await
             .unwrap();
         assert_ne!(other, a, "{name}");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -56,7 +56,7 @@ async fn a_retry_after_a_restart_finds_the_procedure() {
             .await
             .unwrap();
         common::wait_for_state(&executor, suspended, ProcState::Waiting).await;
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
 
         let (executor, rec) = common::start(store.open(), 4).await;
         let again = executor
@@ -73,6 +73,6 @@ async fn a_retry_after_a_restart_finds_the_procedure() {
         assert_eq!(executor.wait(again).await.unwrap(), Ok(()));
         // Nothing ran twice: only the recovered procedure's remaining steps.
         assert_eq!(rec.count("done-exec"), 0, "{name}: {:?}", rec.calls());
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }

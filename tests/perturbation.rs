@@ -662,7 +662,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     }
     stop.store(true, Ordering::SeqCst);
     let _ = observer.await;
-    executor.shutdown().await.unwrap();
+    executor.shutdown_now().await.unwrap();
 
     if crashed || plan.crash.is_some_and(|_| trees.len() < plan.trees.len()) {
         // The process "died": its in-memory locks die with it.
@@ -683,7 +683,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
                 Err(e) => panic!("seed {seed}: wait for {root} after the restart: {e}"),
             }
         }
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
     perturb::set_seed(0);
     *WORLD.lock().unwrap() = None;

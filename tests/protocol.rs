@@ -234,7 +234,7 @@ async fn a_finished_procedure_releases_and_cleans_up_before_its_result() {
             );
         }
         assert!(locks.holders.lock().unwrap().is_empty());
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -287,7 +287,7 @@ async fn a_store_failure_runs_no_cleanup_on_unfinished_procedures() {
         let id = executor.submit(locker(&cut, 1, 3, true)).await.unwrap();
         let err = executor.wait(id).await.unwrap_err();
         assert!(matches!(err, Error::Store(_)), "{err}");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
         assert_eq!(locks.events_of(&cut), ["lock", "exec 1"]);
         assert_eq!(cleanups_of(&cut), 0);
 
@@ -310,7 +310,7 @@ async fn a_store_failure_runs_no_cleanup_on_unfinished_procedures() {
             "{store_name}"
         );
         assert_eq!(cleanups_of(&cut), 1);
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -337,7 +337,7 @@ async fn state_is_reported_only_once_durable() {
         gate.release();
         assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
         assert_eq!(executor.state(id).await.unwrap().state, ProcState::Success);
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -362,7 +362,7 @@ async fn an_accepted_abort_is_durable_before_it_is_answered() {
             matches!(answer, Err(Error::Store(_))),
             "{store_name}: {answer:?}"
         );
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
 
         let (executor, _rec) = start(stores.open(), 2).await;
         assert_eq!(executor.recovery().recovered_roots, [id]);
@@ -375,7 +375,7 @@ async fn an_accepted_abort_is_durable_before_it_is_answered() {
         assert!(executor.abort(id).await.unwrap());
         let failure = executor.wait(id).await.unwrap().unwrap_err();
         assert_eq!(failure.error, ProcError::Aborted);
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -419,7 +419,7 @@ async fn a_store_failure_answers_every_waiter() {
         executor.submit(Scripted::new("late", vec![])).await,
         Err(Error::Store(_))
     ));
-    executor.shutdown().await.unwrap();
+    executor.shutdown_now().await.unwrap();
 }
 
 /// A log whose frames were swapped can hold a child's insert with its parent's older
@@ -498,7 +498,7 @@ async fn a_store_failure_under_load_leaves_nothing_hanging() {
                     "{store_name}: {answer:?}"
                 );
             }
-            tokio::time::timeout(guard, executor.shutdown())
+            tokio::time::timeout(guard, executor.shutdown_now())
                 .await
                 .expect("shutdown returns")
                 .unwrap();

@@ -122,7 +122,7 @@ async fn crash_at(dir: &Path, n: usize, after_write: bool, fail_in: Option<S>) -
         // Either it finishes before the crash point, or the crash stops it.
         let _ = first.wait(id).await;
     }
-    first.shutdown().await.unwrap();
+    first.shutdown_now().await.unwrap();
 
     let second = executor(WalStore::open(dir).unwrap(), effects.clone()).await;
     let id = match submitted {
@@ -144,7 +144,7 @@ async fn crash_at(dir: &Path, n: usize, after_write: bool, fail_in: Option<S>) -
     let result = second.wait(id).await.expect("recovered and finished");
     let state = second.state(id).await.unwrap().state;
     assert_eq!(result.is_ok(), state == ProcState::Success);
-    second.shutdown().await.unwrap();
+    second.shutdown_now().await.unwrap();
     (state, effects.total())
 }
 
@@ -202,7 +202,7 @@ async fn suspended_and_waiting_procedures_survive_a_restart() {
         while rec.count("child-exec") == 0 {
             tokio::task::yield_now().await;
         }
-        first.shutdown().await.unwrap();
+        first.shutdown_now().await.unwrap();
 
         let (second, rec) = common::start(open(), 4).await;
         assert_eq!(second.recovery().recovered_roots, vec![id], "{name}");
@@ -214,7 +214,7 @@ async fn suspended_and_waiting_procedures_survive_a_restart() {
         // New ids continue above every id the store has seen.
         let next = second.submit(Scripted::new("next", vec![])).await.unwrap();
         assert!(next > ProcId(3), "{next}");
-        second.shutdown().await.unwrap();
+        second.shutdown_now().await.unwrap();
     }
 }
 
@@ -248,7 +248,7 @@ async fn stepped_restarts_make_progress_through_a_failed_tree() {
             };
             id = Some(root);
             let outcome = executor.wait(root).await;
-            executor.shutdown().await.unwrap();
+            executor.shutdown_now().await.unwrap();
             match outcome {
                 Ok(r) => {
                     result = Some(r);
@@ -273,7 +273,7 @@ async fn a_torn_tail_repair_is_in_the_recovery_report() {
     let (first, _rec) = common::start(Box::new(WalStore::open(dir.path()).unwrap()), 2).await;
     let id = first.submit(Scripted::new("a", vec![])).await.unwrap();
     assert_eq!(first.wait(id).await.unwrap(), Ok(()));
-    first.shutdown().await.unwrap();
+    first.shutdown_now().await.unwrap();
     // A crash mid-append: half a frame header of zeros and junk at the end.
     let newest = std::fs::read_dir(dir.path())
         .unwrap()
@@ -293,7 +293,7 @@ async fn a_torn_tail_repair_is_in_the_recovery_report() {
         "{repairs:?}"
     );
     assert_eq!(second.state(id).await.unwrap().result, Some(Ok(())));
-    second.shutdown().await.unwrap();
+    second.shutdown_now().await.unwrap();
 }
 
 /// Two children fail (possibly in the same millisecond); the engine dies before the
@@ -326,7 +326,7 @@ async fn after_a_restart_the_result_is_the_first_recorded_failure() {
             }
             rec.permits.add_permits(2);
             assert!(matches!(first.wait(root).await, Err(Error::Store(_))));
-            first.shutdown().await.unwrap();
+            first.shutdown_now().await.unwrap();
 
             let mut store = open();
             let records = store.load().unwrap().records;
@@ -343,7 +343,7 @@ async fn after_a_restart_the_result_is_the_first_recorded_failure() {
             let (second, _rec) = common::start(open(), 2).await;
             let result = second.wait(root).await.unwrap().unwrap_err();
             assert_eq!(result, first_failed, "{name}");
-            second.shutdown().await.unwrap();
+            second.shutdown_now().await.unwrap();
         }
     }
 }

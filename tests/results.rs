@@ -107,7 +107,7 @@ async fn the_last_steps_value_reaches_the_caller_and_survives_a_restart() {
             Err(Error::ValueType { id: got, .. }) => assert_eq!(got, id),
             other => panic!("{name}: {other:?}"),
         }
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
 
         let executor = start(store.open(), |b| b).await;
         let value = executor.wait_value::<Created>(id).await.unwrap();
@@ -119,7 +119,7 @@ async fn the_last_steps_value_reaches_the_caller_and_survives_a_restart() {
             })),
             "{name}"
         );
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -163,7 +163,7 @@ async fn results_are_evicted_after_their_retention_and_the_log_forgets_them() {
             .await
             .unwrap();
         assert_ne!(again, done, "{name}");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
         // Nothing of it is left in the store.
         let snapshot = store.open().load().unwrap();
         assert!(
@@ -175,7 +175,7 @@ async fn results_are_evicted_after_their_retention_and_the_log_forgets_them() {
             matches!(executor.wait(done).await, Err(Error::Gone(_))),
             "{name}"
         );
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -195,6 +195,6 @@ async fn an_acknowledged_result_goes_sooner() {
         executor.ack_result(acked).await.unwrap();
         wait_until_gone(&executor, acked).await;
         assert!(executor.state(kept).await.is_ok(), "{name}");
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }

@@ -182,6 +182,6 @@ async fn a_stuck_pool_gets_an_extra_worker_that_later_retires() {
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }

@@ -152,7 +152,7 @@ async fn a_timeout_fails_a_procedure_in_every_waiting_state() {
             0,
             "{name}"
         );
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
     }
 }
 
@@ -182,7 +182,7 @@ async fn a_timeout_handled_five_times_fails_at_the_sixth() {
             ProcError::TimedOut { timeout_ms: 5 },
             "{name}"
         );
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
         assert_eq!(handled_in_store(&store, id), 6, "{name}");
     }
 }
@@ -233,7 +233,7 @@ async fn an_overdue_deadline_fires_at_once_after_a_restart() {
         }
     );
     assert_eq!(calls.all(), ["t-rollback"]);
-    executor.shutdown().await.unwrap();
+    executor.shutdown_now().await.unwrap();
 }
 
 /// Re-armed deadlines and the hook's state are persisted: after a restart the count
@@ -261,7 +261,7 @@ async fn a_re_armed_deadline_survives_a_restart() {
             );
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
         let (executor, _) = start(store.open()).await;
         let failure = executor.wait(id).await.unwrap().expect_err("times out");
         assert_eq!(
@@ -269,7 +269,7 @@ async fn a_re_armed_deadline_survives_a_restart() {
             ProcError::TimedOut { timeout_ms: 40 },
             "{name}"
         );
-        executor.shutdown().await.unwrap();
+        executor.shutdown_now().await.unwrap();
         assert_eq!(handled_in_store(&store, id), 6, "{name}");
     }
 }

@@ -82,6 +82,11 @@ pub enum Step {
     Suspend(String),
     /// Sleep this many ms for ever (a long-running procedure), signalling once.
     Forever(u64),
+    /// Signal, then stay in the step until the engine cancels it; then fail aborted.
+    UntilCancelled,
+    /// Signal, then wait (inside the step) until the test opens the gate; then run
+    /// another step.
+    Hold,
 }
 
 /// A procedure that follows its plan; when the plan runs out it is done.
@@ -154,6 +159,17 @@ impl Procedure for Scripted {
                     rec.signal.notify_one();
                 }
                 Flow::SleepUntil(ctx.now_ms() + ms)
+            }
+            Step::Hold => {
+                rec.signal.notify_one();
+                rec.gate.notified().await;
+                more(self.at, &self.plan)
+            }
+            Step::UntilCancelled => {
+                rec.signal.notify_one();
+                ctx.cancelled().await;
+                rec.record(format!("{}-cancelled", self.name));
+                return Err(ProcError::Aborted);
             }
         })
     }
