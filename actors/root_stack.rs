@@ -48,7 +48,8 @@ pub(crate) type Objects = HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>;
 
 /// What one persisted op changes in the procedure table; applied once the op is durable.
 enum Row {
-    Insert(ProcId, Entry),
+    /// Boxed: an entry is much larger than an update.
+    Insert(ProcId, Box<Entry>),
     Update {
         id: ProcId,
         state: ProcState,
@@ -726,7 +727,7 @@ fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -
         .filter_map(|op| match op {
             StoreOp::Insert(r) => Some(Row::Insert(
                 r.id,
-                Entry {
+                Box::new(Entry {
                     root: r.root,
                     parent: r.parent,
                     type_name: shared.registry.static_name(&r.type_name).unwrap_or("?"),
@@ -737,7 +738,7 @@ fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -
                     result: None,
                     value: None,
                     nonce: r.nonce,
-                },
+                }),
             )),
             StoreOp::Update(r) => Some(Row::Update {
                 id: r.id,
@@ -754,7 +755,7 @@ fn apply_rows(shared: &Shared, rows: Vec<Row>) {
     for row in rows {
         match row {
             Row::Insert(id, entry) => {
-                shared.table.insert(id, entry);
+                shared.table.insert(id, *entry);
             }
             Row::Update {
                 id,

@@ -70,22 +70,34 @@ impl fmt::Display for ProcState {
 
 /// Why a procedure failed. Persisted with the procedure, and kept as its root's result
 /// through the whole rollback, so it must be plain data.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+///
+/// Any `std::error::Error` converts into it, so `?` works inside a step; the error's
+/// message, its type and its chain of sources are kept ([`ProcError::Error`]). (For
+/// that, `ProcError` itself does not implement `std::error::Error`; it is `Display`,
+/// and [`Failure`](crate::Failure), which carries it to the caller, is an error.)
+///
+/// ```
+/// use proctor::ProcError;
+/// fn read_config() -> Result<String, ProcError> {
+///     Ok(std::fs::read_to_string("/nonexistent/proctor.toml")?)
+/// }
+/// match read_config() {
+///     Err(ProcError::Error { type_name, .. }) => assert!(type_name.contains("io")),
+///     other => panic!("{other:?}"),
+/// }
+/// ```
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum ProcError {
     /// The procedure's own code reported a failure.
-    #[error("{0}")]
     Failed(String),
     /// An operator aborted the procedure and the procedure accepted the abort.
-    #[error("aborted by operator")]
     Aborted,
     /// The procedure's timeout expired and [`Procedure::on_timeout`] chose to fail.
-    #[error("timed out after {timeout_ms} ms")]
     TimedOut {
         /// The timeout that expired.
         timeout_ms: u64,
     },
     /// User code panicked; the engine caught the panic and kept running.
-    #[error("panicked in {hook}: {message}")]
     Panicked {
         /// The method that panicked (`execute`, `rollback`, `abort`, ...).
         hook: String,
@@ -94,12 +106,56 @@ pub enum ProcError {
     },
     /// The procedure (or a child it returned) could not be encoded or has no registered
     /// type, so its state could not be made durable.
-    #[error("cannot persist procedure state: {0}")]
     Persist(String),
     /// Waiting for its locks closed a wait-for cycle between trees, and this procedure's
     /// tree was the youngest in it. The text names every wait of the cycle.
-    #[error("{0}")]
     Deadlock(String),
+    /// A Rust error a step returned with `?` (or converted with `ProcError::from`).
+    Error {
+        /// The error's message (its `Display`).
+        message: String,
+        /// Its type, as `std::any::type_name` gives it (`std::io::error::Error`).
+        type_name: String,
+        /// The messages of its sources, nearest first (`Error::source`, repeatedly).
+        sources: Vec<String>,
+    },
+}
+
+impl fmt::Display for ProcError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ProcError::Failed(message) | ProcError::Deadlock(message) => f.write_str(message),
+            ProcError::Aborted => f.write_str("aborted by operator"),
+            ProcError::TimedOut { timeout_ms } => write!(f, "timed out after {timeout_ms} ms"),
+            ProcError::Panicked { hook, message } => write!(f, "panicked in {hook}: {message}"),
+            ProcError::Persist(reason) => write!(f, "cannot persist procedure state: {reason}"),
+            ProcError::Error {
+                message, sources, ..
+            } => {
+                f.write_str(message)?;
+                for source in sources {
+                    write!(f, ": {source}")?;
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for ProcError {
+    fn from(error: E) -> Self {
+        let mut sources = Vec::new();
+        let mut next = error.source();
+        while let Some(source) = next {
+            sources.push(source.to_string());
+            next = source.source();
+        }
+        ProcError::Error {
+            message: error.to_string(),
+            type_name: std::any::type_name::<E>().to_string(),
+            sources,
+        }
+    }
 }
 
 impl ProcError {
