@@ -37,8 +37,9 @@ Exit codes:
   1  verify, dump, procs: the log is damaged (the engine would refuse to start on it),
      or procs found procedures recovery cannot rebuild;
      bypass, abort: refused (the reason is printed)
-  2  usage: bad arguments, a directory that is missing or holds no WAL, a procedure
-     that is not in the log, an IO error, or a lock held by a running engine
+  2  usage: bad arguments, a directory that is missing or holds no WAL, a --tree
+     procedure that is not in the log, an IO error, or (bypass, abort) the log's lock
+     held by a running engine
   3  verify: the log ends in a torn tail (or an interrupted segment roll), what a crash
      leaves; the engine truncates it at next start and loses nothing acknowledged";
 

@@ -623,3 +623,38 @@ async fn abort_on_a_stopped_engine_rolls_the_tree_back_at_the_next_start() {
     assert_eq!(rec.count("root-rollback"), 1, "{:?}", rec.calls());
     executor.shutdown().await.unwrap();
 }
+
+/// The writing commands refuse a log an engine holds, and an id the log does not have.
+#[test]
+fn abort_and_bypass_refuse_a_running_engine_and_an_unknown_id() {
+    let dir = tempfile::tempdir().unwrap();
+    write_log(dir.path());
+    let run = |args: &[&str]| {
+        Command::new(env!("CARGO_BIN_EXE_proctor"))
+            .arg(args[0])
+            .arg(dir.path())
+            .args(&args[1..])
+            .output()
+            .unwrap()
+    };
+    let engine = WalStore::open(dir.path()).unwrap();
+    for command in ["abort", "bypass"] {
+        let out = run(&[command, "1"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{command}: {err}");
+        assert!(err.contains("held by another engine"), "{command}: {err}");
+    }
+    drop(engine);
+    for command in ["abort", "bypass"] {
+        let out = run(&[command, "999"]);
+        assert_eq!(out.status.code(), Some(1), "{command}: {}", text(&out));
+        assert!(
+            text(&out).contains("procedure 999 is not in the store"),
+            "{command}: {}",
+            text(&out)
+        );
+    }
+    let out = run(&["abort", "300"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("procedure 300 has already finished (SUCCESS)"));
+}
