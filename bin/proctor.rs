@@ -434,32 +434,65 @@ impl Table {
     }
 }
 
-/// What a waiting procedure waits for, from its record and its children's.
-fn waits_for(r: &ProcRecord, unfinished_children: usize, now: u64) -> Option<String> {
-    let mut what = match r.state {
+/// What an unfinished procedure waits for, from its record, its children's and its
+/// tree's.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Wait {
+    /// Its tree has failed: the next start rolls it back.
+    Rollback,
+    /// This many unfinished children.
+    Children(usize),
+    /// The named event.
+    Event(String),
+    /// Its timer, at this time (ms since the Unix epoch).
+    TimerMs(u64),
+    /// The locks it holds for its life, not granted yet.
+    Locks(Vec<String>),
+}
+
+fn wait_of(r: &ProcRecord, unfinished_children: usize, tree_failed: bool) -> Option<Wait> {
+    if r.state.is_finished() {
+        return None;
+    }
+    if tree_failed {
+        return Some(Wait::Rollback);
+    }
+    match r.state {
         ProcState::Waiting => Some(match &r.event {
-            Some(event) => format!("event {event:?}"),
-            None if unfinished_children == 1 => "1 child".to_string(),
-            None => format!("{unfinished_children} children"),
+            Some(event) => Wait::Event(event.clone()),
+            None => Wait::Children(unfinished_children),
         }),
-        ProcState::WaitingTimeout => {
-            let at = r.wake_at_ms.unwrap_or(0);
-            Some(format!("timer, {}", relative(at, now)))
-        }
+        ProcState::WaitingTimeout => Some(Wait::TimerMs(r.wake_at_ms.unwrap_or(0))),
         ProcState::Runnable => match &r.locks {
-            Some(claim) if claim.for_life && !claim.held => Some("locks".to_string()),
+            Some(claim) if claim.for_life && !claim.held => Some(Wait::Locks(
+                claim.locks.iter().map(ToString::to_string).collect(),
+            )),
             _ => None,
         },
         _ => None,
-    };
-    if let (false, Some(deadline)) = (r.state.is_finished(), r.deadline_ms) {
-        let timeout = format!("deadline {}", relative(deadline, now));
-        what = Some(match what {
-            Some(w) => format!("{w}; {timeout}"),
-            None => timeout,
-        });
     }
-    what
+}
+
+/// The text table's cell: what it waits for, and its deadline if it has one.
+fn waits_for(r: &ProcRecord, wait: Option<Wait>, now: u64) -> String {
+    let what = wait.map(|w| match w {
+        Wait::Rollback => "rollback (its tree failed)".to_string(),
+        Wait::Children(1) => "1 child".to_string(),
+        Wait::Children(n) => format!("{n} children"),
+        Wait::Event(event) => format!("event {event:?}"),
+        Wait::TimerMs(at) => format!("timer, {}", relative(at, now)),
+        Wait::Locks(locks) => format!("locks [{}]", locks.join(", ")),
+    });
+    let deadline = r
+        .deadline_ms
+        .filter(|_| !r.state.is_finished())
+        .map(|at| format!("deadline {}", relative(at, now)));
+    match (what, deadline) {
+        (Some(w), Some(d)) => format!("{w}; {d}"),
+        (Some(w), None) | (None, Some(w)) => w,
+        (None, None) => "-".to_string(),
+    }
 }
 
 /// `in 5s` or `5s ago`.
@@ -672,6 +705,17 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
     let plan = recovery::plan(latest.values().cloned().collect(), names, now);
     let corrupt: BTreeMap<ProcId, String> =
         plan.corrupt.into_iter().map(|c| (c.id, c.reason)).collect();
+    // Unfinished trees in which a procedure has failed: they roll back at next start.
+    let failed_trees: BTreeSet<ProcId> = latest
+        .values()
+        .filter(|r| {
+            r.failure.is_some()
+                && latest
+                    .get(&r.root)
+                    .is_some_and(|root| !root.state.is_finished())
+        })
+        .map(|r| r.root)
+        .collect();
     let mut unfinished_children: BTreeMap<ProcId, usize> = BTreeMap::new();
     for r in latest.values() {
         if let (Some(parent), false) = (r.parent, r.state.is_finished()) {
@@ -712,7 +756,7 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
                     steps: r.stack_indexes.len(),
                     submitted_ms: r.submitted_ms,
                     updated_ms: r.updated_ms,
-                    waiting_for: waiting_json(r, children),
+                    waiting_for: wait_of(r, children, failed_trees.contains(&r.root)),
                     deadline_ms: r.deadline_ms,
                     locks: r.locks.as_ref().map(|c| LocksJson {
                         locks: c.locks.iter().map(ToString::to_string).collect(),
@@ -790,7 +834,7 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
             state,
             r.stack_indexes.len().to_string(),
             format!("{}s", now.saturating_sub(r.updated_ms) / 1000),
-            waits_for(r, children, now).unwrap_or_else(|| "-".into()),
+            waits_for(r, wait_of(r, children, failed_trees.contains(&r.root)), now),
             locks_of(r).unwrap_or_else(|| "-".into()),
             if failure.is_empty() {
                 "-".into()
@@ -841,9 +885,10 @@ struct ProcJson<'a> {
     steps: usize,
     submitted_ms: u64,
     updated_ms: u64,
-    /// `{"children": n}` (unfinished), `{"event": name}`, `{"timer_ms": at}`,
-    /// `{"locks": true}` (a runnable one whose life-long locks are not held), or null.
-    waiting_for: Value,
+    /// `"rollback"` (its tree has failed), `{"children": n}` (unfinished),
+    /// `{"event": name}`, `{"timer_ms": at}`, `{"locks": [...]}` (a runnable one whose
+    /// life-long locks are not held yet), or null.
+    waiting_for: Option<Wait>,
     deadline_ms: Option<u64>,
     locks: Option<LocksJson>,
     failure: Option<FailureJson<'a>>,
@@ -880,21 +925,6 @@ struct SummaryJson {
     log: String,
     repairs: Vec<String>,
     damage: Option<String>,
-}
-
-fn waiting_json(r: &ProcRecord, unfinished_children: usize) -> Value {
-    match r.state {
-        ProcState::Waiting => match &r.event {
-            Some(event) => json!({ "event": event }),
-            None => json!({ "children": unfinished_children }),
-        },
-        ProcState::WaitingTimeout => json!({ "timer_ms": r.wake_at_ms }),
-        ProcState::Runnable => match &r.locks {
-            Some(claim) if claim.for_life && !claim.held => json!({ "locks": true }),
-            _ => Value::Null,
-        },
-        _ => Value::Null,
-    }
 }
 
 /// Opens a stopped engine's log for writing, as the engine would: its lock taken, a

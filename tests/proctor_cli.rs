@@ -463,6 +463,13 @@ fn procs_lines_up_and_says_what_each_procedure_waits_for() {
         "{out}"
     );
     assert!(row(&out, 31).contains(" boom "), "{out}");
+    // A tree that failed waits for its rollback, whatever its procedures waited for.
+    for id in [30, 31] {
+        assert!(
+            row(&out, id).contains(" rollback (its tree failed) "),
+            "{out}"
+        );
+    }
     assert!(
         row(&out, 20).contains(" procedure 21 (assign_region) failed: disk full "),
         "{out}"
@@ -558,6 +565,7 @@ fn procs_speaks_json() {
         doc["procedures"][0]["failure"],
         serde_json::json!({"proc": 31, "type": "assign_region", "error": "boom"})
     );
+    assert_eq!(doc["procedures"][0]["waiting_for"], "rollback");
 }
 
 /// `proctor abort` on a stopped engine's log: the engine that starts next rolls the
@@ -611,6 +619,10 @@ async fn abort_on_a_stopped_engine_rolls_the_tree_back_at_the_next_start() {
     let procs = text(&proctor(&["procs"], dir.path()));
     assert!(
         row(&procs, child.0).contains(" aborted by operator "),
+        "{procs}"
+    );
+    assert!(
+        row(&procs, root.0).contains(" rollback (its tree failed) "),
         "{procs}"
     );
 
