@@ -12,20 +12,54 @@ use std::fs;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
+use std::sync::{Mutex, PoisonError};
 
 use common::{Scripted, Step};
 use proctor::{
-    Failure, Lock, LockClaim, ProcError, ProcId, ProcRecord, ProcState, ProcedureStore, StoreOp,
-    WalOptions, WalStore,
+    Failure, Lock, LockClaim, ProcError, ProcId, ProcRecord, ProcState, ProcedureStore, StoreError,
+    StoreOp, WalOptions, WalStore,
 };
 use serde::Serialize;
 
+/// The tests here spawn processes while others drop and take a WAL's lock. A child
+/// holds a copy of every open descriptor from fork until exec, the lock's included, so
+/// a lock dropped in that window stays held until the child execs. Spawns and opens are
+/// therefore serialized: `spawn` returns only once the child has exec'd, so an open
+/// never meets a copy of an earlier lock.
+static FORK: Mutex<()> = Mutex::new(());
+
+fn forking<T>(f: impl FnOnce() -> T) -> T {
+    let _serial = FORK.lock().unwrap_or_else(PoisonError::into_inner);
+    f()
+}
+
+/// `Command::output`, its spawn serialized with the opens.
+fn output(command: &mut Command) -> Output {
+    let child = forking(|| {
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+    })
+    .expect("run proctor");
+    child.wait_with_output().expect("run proctor")
+}
+
+fn open_wal(dir: &Path) -> Result<WalStore, StoreError> {
+    forking(|| WalStore::open(dir))
+}
+
+fn open_wal_with(dir: &Path, options: WalOptions) -> Result<WalStore, StoreError> {
+    forking(|| WalStore::open_with(dir, options))
+}
+
 fn proctor(args: &[&str], dir: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_proctor"))
-        .args(args)
-        .arg(dir)
-        .output()
-        .expect("run proctor")
+    output(
+        Command::new(env!("CARGO_BIN_EXE_proctor"))
+            .args(args)
+            .arg(dir),
+    )
 }
 
 fn text(out: &Output) -> String {
@@ -62,7 +96,7 @@ fn write_log(dir: &Path) {
         max_segments: 100,
         sync: false,
     };
-    let mut wal = WalStore::open_with(dir, options).unwrap();
+    let mut wal = open_wal_with(dir, options).unwrap();
     for id in 1..=300 {
         wal.append(&[StoreOp::Insert(record(id, ProcState::Runnable))])
             .unwrap();
@@ -119,7 +153,7 @@ fn verify_finds_a_flipped_byte() {
     assert!(out.contains("NOT sound"));
 
     // The engine refuses to start on it, naming the same file.
-    let err = WalStore::open(dir.path()).err().expect("open refuses");
+    let err = open_wal(dir.path()).err().expect("open refuses");
     assert!(err.to_string().contains(name), "{err}");
 }
 
@@ -135,7 +169,7 @@ fn a_missing_directory_is_a_clear_error() {
 #[test]
 fn procs_shows_the_locks_a_record_holds_or_needs() {
     let dir = tempfile::tempdir().unwrap();
-    let mut wal = WalStore::open(dir.path()).unwrap();
+    let mut wal = open_wal(dir.path()).unwrap();
     let mut holder = record(1, ProcState::Waiting);
     holder.locks = Some(LockClaim {
         locks: vec![Lock::exclusive("ns/t1")],
@@ -164,7 +198,7 @@ fn procs_shows_the_locks_a_record_holds_or_needs() {
 #[test]
 fn bypass_marks_a_stuck_procedure_finished_offline() {
     let dir = tempfile::tempdir().unwrap();
-    let mut wal = WalStore::open(dir.path()).unwrap();
+    let mut wal = open_wal(dir.path()).unwrap();
     let mut root = record(1, ProcState::Waiting);
     root.stack_indexes = vec![0];
     let mut child = record(2, ProcState::Runnable);
@@ -175,26 +209,26 @@ fn bypass_marks_a_stuck_procedure_finished_offline() {
         .unwrap();
     drop(wal);
 
-    let out = Command::new(env!("CARGO_BIN_EXE_proctor"))
-        .args(["bypass"])
-        .arg(dir.path())
-        .arg("1")
-        .output()
-        .unwrap();
+    let out = output(
+        Command::new(env!("CARGO_BIN_EXE_proctor"))
+            .args(["bypass"])
+            .arg(dir.path())
+            .arg("1"),
+    );
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(
         text(&out).contains("unfinished children [ProcId(2)]"),
         "{}",
         text(&out)
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_proctor"))
-        .args(["bypass"])
-        .arg(dir.path())
-        .args(["1", "--recursive"])
-        .output()
-        .unwrap();
+    let out = output(
+        Command::new(env!("CARGO_BIN_EXE_proctor"))
+            .args(["bypass"])
+            .arg(dir.path())
+            .args(["1", "--recursive"]),
+    );
     assert!(out.status.success(), "{}", text(&out));
-    let snapshot = WalStore::open(dir.path()).unwrap().load().unwrap();
+    let snapshot = open_wal(dir.path()).unwrap().load().unwrap();
     assert_eq!(
         snapshot.records.len(),
         1,
@@ -210,7 +244,7 @@ fn write_many(dir: &Path, n: u64) {
         sync: false,
         ..WalOptions::default()
     };
-    let mut wal = WalStore::open_with(dir, options).unwrap();
+    let mut wal = open_wal_with(dir, options).unwrap();
     for id in 1..=n {
         wal.append(&[StoreOp::Insert(record(id, ProcState::Runnable))])
             .unwrap();
@@ -226,13 +260,15 @@ fn a_closed_pipe_ends_the_command_quietly() {
     let dir = tempfile::tempdir().unwrap();
     write_many(dir.path(), 3000);
     for args in [&["procs"][..], &["wal", "dump"][..]] {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_proctor"))
-            .args(args)
-            .arg(dir.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child = forking(|| {
+            Command::new(env!("CARGO_BIN_EXE_proctor"))
+                .args(args)
+                .arg(dir.path())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+        })
+        .unwrap();
         let mut first = String::new();
         BufReader::new(child.stdout.take().unwrap())
             .read_line(&mut first)
@@ -268,7 +304,7 @@ fn a_directory_without_a_wal_is_an_error() {
             if matches!(args, ["bypass"] | ["abort"]) {
                 command.arg("1");
             }
-            let out = command.output().unwrap();
+            let out = output(&mut command);
             let err = String::from_utf8_lossy(&out.stderr);
             assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
             assert!(err.contains(&dir.display().to_string()), "{args:?}: {err}");
@@ -410,7 +446,7 @@ fn write_trees(dir: &Path) {
             ..node(31, Some(30), 30, ProcState::Failed, 1)
         },
     ];
-    let mut wal = WalStore::open(dir).unwrap();
+    let mut wal = open_wal(dir).unwrap();
     let ops: Vec<StoreOp> = records.into_iter().map(StoreOp::Insert).collect();
     wal.append(&ops).unwrap();
 }
@@ -574,7 +610,7 @@ fn procs_speaks_json() {
 #[actix::test]
 async fn abort_on_a_stopped_engine_rolls_the_tree_back_at_the_next_start() {
     let dir = tempfile::tempdir().unwrap();
-    let (executor, _) = common::start(Box::new(WalStore::open(dir.path()).unwrap()), 2).await;
+    let (executor, _) = common::start(Box::new(open_wal(dir.path()).unwrap()), 2).await;
     let child = Scripted::new(
         "child",
         vec![Step::More, Step::Suspend("never".into()), Step::More],
@@ -599,12 +635,12 @@ async fn abort_on_a_stopped_engine_rolls_the_tree_back_at_the_next_start() {
     executor.shutdown().await.unwrap();
 
     let abort = |id: ProcId| {
-        Command::new(env!("CARGO_BIN_EXE_proctor"))
-            .arg("abort")
-            .arg(dir.path())
-            .arg(id.0.to_string())
-            .output()
-            .unwrap()
+        output(
+            Command::new(env!("CARGO_BIN_EXE_proctor"))
+                .arg("abort")
+                .arg(dir.path())
+                .arg(id.0.to_string()),
+        )
     };
     let out = abort(child);
     assert!(out.status.success(), "{}", text(&out));
@@ -626,7 +662,7 @@ async fn abort_on_a_stopped_engine_rolls_the_tree_back_at_the_next_start() {
         "{procs}"
     );
 
-    let (executor, rec) = common::start(Box::new(WalStore::open(dir.path()).unwrap()), 2).await;
+    let (executor, rec) = common::start(Box::new(open_wal(dir.path()).unwrap()), 2).await;
     let failure = executor.wait(root).await.unwrap().unwrap_err();
     assert_eq!((failure.proc, failure.error), (child, ProcError::Aborted));
     assert_eq!(rec.count("child-exec") + rec.count("root-exec"), 0);
@@ -642,14 +678,14 @@ fn abort_and_bypass_refuse_a_running_engine_and_an_unknown_id() {
     let dir = tempfile::tempdir().unwrap();
     write_log(dir.path());
     let run = |args: &[&str]| {
-        Command::new(env!("CARGO_BIN_EXE_proctor"))
-            .arg(args[0])
-            .arg(dir.path())
-            .args(&args[1..])
-            .output()
-            .unwrap()
+        output(
+            Command::new(env!("CARGO_BIN_EXE_proctor"))
+                .arg(args[0])
+                .arg(dir.path())
+                .args(&args[1..]),
+        )
     };
-    let engine = WalStore::open(dir.path()).unwrap();
+    let engine = open_wal(dir.path()).unwrap();
     for command in ["abort", "bypass"] {
         let out = run(&[command, "1"]);
         let err = String::from_utf8_lossy(&out.stderr);
