@@ -245,7 +245,7 @@ fn no_wal(dir: &Path, scan: &WalDirScan) -> Option<Stop> {
     let empty = scan.segments.is_empty() && scan.repairs.is_empty() && scan.damage.is_none();
     empty.then(|| {
         Stop::Error(format!(
-            "{} holds no WAL (no segment files, NNNNNNNNNNNNNNNNNNNN.wal)",
+            "{} holds no WAL: no segment file (named like 00000000000000000001.wal)",
             dir.display()
         ))
     })
