@@ -1,29 +1,54 @@
-//! `proctor`: inspect and verify a proctor WAL directory from outside the engine. Its
-//! reading commands take no lock and truncate nothing, so they are safe beside a
-//! running engine and on a damaged log; `bypass` writes, so it opens the log as the
-//! engine does (taking its lock: the engine must be stopped).
+//! `proctor`: the operator command for a proctor WAL directory. Its reading commands
+//! (`wal verify`, `wal dump`, `procs`) take no lock and change nothing, so they are safe
+//! beside a running engine and on a damaged log; `bypass` and `abort` write through the
+//! store, so they open the log as the engine does (taking its lock: the engine must be
+//! stopped).
 //!
 //! ```sh
-//! proctor wal verify DIR   # checks the log as the engine would; exit 0 only if it
-//!                          # would start (listing the torn tails it would truncate)
+//! proctor wal verify DIR   # checks the log as the engine would open it
 //! proctor wal dump DIR     # one line per record
-//! proctor procs DIR        # procedures: id, type, state, parent, root, last update
+//! proctor procs DIR [--state S,..] [--type NAME] [--tree ID] [--json]
 //! proctor bypass DIR ID [--recursive]   # mark a stuck procedure finished (HBCK2)
+//! proctor abort DIR ID                  # fail it; its tree rolls back at next start
 //! ```
+//!
+//! Output goes through [`Out`]: a reader that closes the pipe early (`| head`) ends the
+//! command quietly with exit 0.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
 use proctor::{
-    recovery, scan_wal_dir, scan_wal_dir_with, ProcId, ProcRecord, ProcedureStore, StoreError,
-    StoreOp, WalStore,
+    recovery, scan_wal_dir, scan_wal_dir_with, ProcId, ProcRecord, ProcState, ProcedureStore,
+    Repair, StoreError, StoreOp, WalDirScan, WalStore,
 };
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::Serialize;
+use serde_json::{json, Map, Value};
+
+const EXIT_CODES: &str = "\
+Exit codes:
+  0  done: the log is sound (verify), or the command did what it was asked
+  1  verify, dump, procs: the log is damaged (the engine would refuse to start on it),
+     or procs found procedures recovery cannot rebuild;
+     bypass, abort: refused (the reason is printed)
+  2  usage: bad arguments, a directory that is missing or holds no WAL, a --tree
+     procedure that is not in the log, an IO error, or (bypass, abort) the log's lock
+     held by a running engine
+  3  verify: the log ends in a torn tail (or an interrupted segment roll), what a crash
+     leaves; the engine truncates it at next start and loses nothing acknowledged";
 
 #[derive(Parser)]
-#[command(name = "proctor", about = "Inspect and verify proctor WAL directories")]
+#[command(
+    name = "proctor",
+    about = "Inspect, verify and repair proctor WAL directories",
+    after_help = EXIT_CODES
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -36,14 +61,30 @@ enum Command {
         #[command(subcommand)]
         command: WalCommand,
     },
-    /// The procedures the log holds: latest state of each.
+    /// The procedures the log holds, latest record of each: finished roots (kept with
+    /// their results) included; narrow with --state, --type or --tree.
+    #[command(after_help = EXIT_CODES)]
     Procs {
         /// The WAL directory.
         dir: PathBuf,
+        /// Only procedures in these states (repeat, or separate with commas; any case):
+        /// INITIALIZING, RUNNABLE, WAITING, WAITING_TIMEOUT, FAILED, SUCCESS, ROLLEDBACK.
+        #[arg(long = "state", value_name = "STATE", value_delimiter = ',')]
+        states: Vec<String>,
+        /// Only procedures of this registered type.
+        #[arg(long = "type", value_name = "NAME")]
+        type_name: Option<String>,
+        /// Only the tree of this procedure (its root's whole tree), indented by parent.
+        #[arg(long, value_name = "ID")]
+        tree: Option<u64>,
+        /// One JSON document: {"procedures": [...], "summary": {...}}.
+        #[arg(long)]
+        json: bool,
     },
     /// Mark a stuck procedure finished (SUCCESS) without running further or rolling
     /// back, on a stopped engine's directory; its parent goes on as if it had succeeded
     /// when the engine starts again.
+    #[command(after_help = EXIT_CODES)]
     Bypass {
         /// The WAL directory (of a stopped engine: its lock is taken).
         dir: PathBuf,
@@ -53,45 +94,120 @@ enum Command {
         #[arg(long)]
         recursive: bool,
     },
+    /// Abort an unfinished procedure on a stopped engine's directory: it is recorded as
+    /// failed ("aborted by operator") without asking it, and when the engine starts
+    /// again its tree rolls back with that failure as its result. Refused for a finished
+    /// procedure and for a tree that has already failed.
+    #[command(after_help = EXIT_CODES)]
+    Abort {
+        /// The WAL directory (of a stopped engine: its lock is taken).
+        dir: PathBuf,
+        /// The procedure.
+        id: u64,
+    },
 }
 
 #[derive(Subcommand)]
 enum WalCommand {
-    /// Check the log as the engine would open it; exit 0 only when it would start.
+    /// Check the log as the engine would open it: exit 0 when sound, 3 when it ends in
+    /// a torn tail the engine will truncate, 1 when it is damaged.
+    #[command(after_help = EXIT_CODES)]
     Verify {
         /// The WAL directory.
         dir: PathBuf,
     },
     /// Print one line per record.
+    #[command(after_help = EXIT_CODES)]
     Dump {
         /// The WAL directory.
         dir: PathBuf,
     },
 }
 
+/// How a command ended, as its exit code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Exit {
+    /// 0: sound, or done.
+    Done = 0,
+    /// 1: the log is damaged, or the command was refused.
+    Failed = 1,
+    /// 3: `wal verify` found a torn tail the engine will truncate.
+    TornTail = 3,
+}
+
+/// Why a command stopped: exit 2, or a reader that went away (exit 0).
+enum Stop {
+    /// Usage or IO: printed on stderr.
+    Error(String),
+    /// Writing to stdout failed: a closed pipe ends the command normally.
+    Output(io::Error),
+}
+
+impl From<StoreError> for Stop {
+    fn from(e: StoreError) -> Self {
+        Stop::Error(e.to_string())
+    }
+}
+
+impl From<io::Error> for Stop {
+    fn from(e: io::Error) -> Self {
+        Stop::Output(e)
+    }
+}
+
+type Outcome = Result<Exit, Stop>;
+
+/// Buffered stdout. A write error (a closed pipe above all) is kept by the caller's `?`
+/// and ends the command; see [`main`].
+type Out = BufWriter<io::StdoutLock<'static>>;
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let mut out = BufWriter::new(io::stdout().lock());
     let result = match cli.command {
         Command::Wal {
             command: WalCommand::Verify { dir },
-        } => verify(&dir),
+        } => verify(&mut out, &dir),
         Command::Wal {
             command: WalCommand::Dump { dir },
-        } => dump(&dir),
-        Command::Procs { dir } => procs(&dir),
-        Command::Bypass { dir, id, recursive } => bypass(&dir, ProcId(id), recursive),
+        } => dump(&mut out, &dir),
+        Command::Procs {
+            dir,
+            states,
+            type_name,
+            tree,
+            json,
+        } => parse_states(&states).and_then(|states| {
+            let filter = Filter {
+                states,
+                type_name,
+                tree: tree.map(ProcId),
+            };
+            procs(&mut out, &dir, &filter, json)
+        }),
+        Command::Bypass { dir, id, recursive } => bypass(&mut out, &dir, ProcId(id), recursive),
+        Command::Abort { dir, id } => abort(&mut out, &dir, ProcId(id)),
     };
+    let result = result.and_then(|exit| out.flush().map(|()| exit).map_err(Stop::Output));
     match result {
-        Ok(true) => ExitCode::SUCCESS,
-        Ok(false) => ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("proctor: {e}");
+        Ok(exit) => ExitCode::from(exit as u8),
+        Err(Stop::Output(e)) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(Stop::Output(e)) => {
+            let _ = writeln!(io::stderr(), "proctor: writing to stdout: {e}");
+            ExitCode::from(2)
+        }
+        Err(Stop::Error(e)) => {
+            let _ = writeln!(io::stderr(), "proctor: {e}");
             ExitCode::from(2)
         }
     }
 }
 
-type Outcome = Result<bool, Box<dyn std::error::Error>>;
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
 
 /// One line for the damage that refuses a log: the file, the byte, the reason.
 fn describe(damage: &StoreError) -> String {
@@ -105,63 +221,117 @@ fn describe(damage: &StoreError) -> String {
     }
 }
 
+/// One line for a repair the engine makes at its next start.
+fn describe_repair(repair: &Repair) -> String {
+    match repair {
+        Repair::Truncate {
+            path,
+            offset,
+            reason,
+        } => format!(
+            "torn tail at {}:{offset}, will be truncated at next start (byte {offset}: {reason})",
+            path.display()
+        ),
+        Repair::Remove { path, reason } => format!(
+            "interrupted roll at {}:0, will be removed at next start ({reason})",
+            path.display()
+        ),
+    }
+}
+
+/// A directory without a single segment is not a log: the engine would start a new,
+/// empty one there, which is never what an operator pointing at it meant.
+fn no_wal(dir: &Path, scan: &WalDirScan) -> Option<Stop> {
+    let empty = scan.segments.is_empty() && scan.repairs.is_empty() && scan.damage.is_none();
+    empty.then(|| {
+        Stop::Error(format!(
+            "{} holds no WAL: no segment file (named like 00000000000000000001.wal)",
+            dir.display()
+        ))
+    })
+}
+
 fn segment_name(seq: u64) -> String {
     format!("{seq:020}.wal")
 }
 
-/// Sound means the engine would start on it: torn tails are listed as the repairs it
-/// would make, since they hold nothing that was acknowledged.
-fn verify(dir: &Path) -> Outcome {
+/// Sound means the engine would start on it and repair nothing; a torn tail is what a
+/// crash leaves and holds nothing that was acknowledged, so it has its own exit code.
+fn verify(out: &mut Out, dir: &Path) -> Outcome {
     let scan = scan_wal_dir(dir)?;
+    if let Some(stop) = no_wal(dir, &scan) {
+        return Err(stop);
+    }
     let mut frames = 0;
     for segment in &scan.segments {
         frames += segment.frames;
-        println!(
+        writeln!(
+            out,
             "ok {}: {} frames, next LSN {}{}",
             segment.path.display(),
             segment.frames,
             segment.next_lsn,
             if segment.sealed { ", sealed" } else { "" }
-        );
-    }
-    for repair in &scan.repairs {
-        println!("repair on open: {repair}");
+        )?;
     }
     if let Some(damage) = &scan.damage {
-        println!("{}", describe(damage));
-        println!("NOT sound");
-        return Ok(false);
+        writeln!(out, "{}", describe(damage))?;
+        writeln!(out, "NOT sound: the engine refuses to start on this log")?;
+        return Ok(Exit::Failed);
     }
-    println!(
-        "sound: {} segments, {frames} frames, {} repairs on open",
-        scan.segments.len(),
-        scan.repairs.len()
-    );
-    Ok(true)
+    for repair in &scan.repairs {
+        writeln!(out, "{}", describe_repair(repair))?;
+    }
+    let summary = format!("{} segments, {frames} frames", scan.segments.len());
+    if scan.repairs.is_empty() {
+        writeln!(out, "sound: {summary}")?;
+        Ok(Exit::Done)
+    } else {
+        writeln!(
+            out,
+            "sound after {} repairs on open: {summary}",
+            scan.repairs.len()
+        )?;
+        Ok(Exit::TornTail)
+    }
 }
 
-fn dump(dir: &Path) -> Outcome {
+fn dump(out: &mut Out, dir: &Path) -> Outcome {
+    let mut failed: Option<io::Error> = None;
     let scan = scan_wal_dir_with(dir, &mut |seq, frame| {
+        if failed.is_some() {
+            return;
+        }
         let file = segment_name(seq);
         let kind = format!("{:?}", frame.kind).to_lowercase();
         let at = format!("{file}@{} lsn={}", frame.offset, frame.lsn);
         for op in &frame.ops {
-            match op {
-                StoreOp::Insert(r) => println!("{at} {kind} insert {}", line(r)),
-                StoreOp::Update(r) => println!("{at} {kind} update {}", line(r)),
-                StoreOp::Delete(id) => println!("{at} {kind} delete id={id}"),
+            let written = match op {
+                StoreOp::Insert(r) => writeln!(out, "{at} {kind} insert {}", line(r)),
+                StoreOp::Update(r) => writeln!(out, "{at} {kind} update {}", line(r)),
+                StoreOp::Delete(id) => writeln!(out, "{at} {kind} delete id={id}"),
+            };
+            if let Err(e) = written {
+                failed = Some(e);
+                return;
             }
         }
     })?;
+    if let Some(e) = failed {
+        return Err(Stop::Output(e));
+    }
+    if let Some(stop) = no_wal(dir, &scan) {
+        return Err(stop);
+    }
     for repair in &scan.repairs {
-        println!("repair on open: {repair}");
+        writeln!(out, "{}", describe_repair(repair))?;
     }
     match &scan.damage {
         Some(damage) => {
-            println!("{}", describe(damage));
-            Ok(false)
+            writeln!(out, "{}", describe(damage))?;
+            Ok(Exit::Failed)
         }
-        None => Ok(true),
+        None => Ok(Exit::Done),
     }
 }
 
@@ -181,82 +351,679 @@ fn line(r: &ProcRecord) -> String {
     )
 }
 
-fn procs(dir: &Path) -> Outcome {
+/// What `procs` shows.
+struct Filter {
+    /// Empty: every state.
+    states: Vec<ProcState>,
+    type_name: Option<String>,
+    tree: Option<ProcId>,
+}
+
+const STATES: [ProcState; 7] = [
+    ProcState::Initializing,
+    ProcState::Runnable,
+    ProcState::Waiting,
+    ProcState::WaitingTimeout,
+    ProcState::Failed,
+    ProcState::Success,
+    ProcState::RolledBack,
+];
+
+/// State names as `ProcState` displays them, in any case, `-` for `_`.
+fn parse_states(names: &[String]) -> Result<Vec<ProcState>, Stop> {
+    names
+        .iter()
+        .filter(|n| !n.trim().is_empty())
+        .map(|name| {
+            let wanted = name.trim().to_uppercase().replace('-', "_");
+            STATES
+                .into_iter()
+                .find(|s| s.to_string() == wanted)
+                .ok_or_else(|| {
+                    let known: Vec<String> = STATES.iter().map(ToString::to_string).collect();
+                    Stop::Error(format!(
+                        "unknown state {name:?}: expected one of {}",
+                        known.join(", ")
+                    ))
+                })
+        })
+        .collect()
+}
+
+/// A text table: each column as wide as its widest cell, left-aligned, two spaces
+/// apart; the last column is not padded.
+struct Table {
+    header: Vec<&'static str>,
+    rows: Vec<Vec<String>>,
+}
+
+impl Table {
+    fn new(header: Vec<&'static str>) -> Self {
+        Table {
+            header,
+            rows: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, row: Vec<String>) {
+        debug_assert_eq!(row.len(), self.header.len());
+        self.rows.push(row);
+    }
+
+    fn write(&self, out: &mut impl Write) -> io::Result<()> {
+        let mut widths: Vec<usize> = self.header.iter().map(|h| h.chars().count()).collect();
+        for row in &self.rows {
+            for (w, cell) in widths.iter_mut().zip(row) {
+                *w = (*w).max(cell.chars().count());
+            }
+        }
+        let header: Vec<String> = self.header.iter().map(ToString::to_string).collect();
+        for row in std::iter::once(&header).chain(&self.rows) {
+            let last = row.len() - 1;
+            let mut line = String::new();
+            for (i, (cell, w)) in row.iter().zip(&widths).enumerate() {
+                if i == last {
+                    line.push_str(cell);
+                } else {
+                    line.push_str(&format!("{cell:<w$}  "));
+                }
+            }
+            writeln!(out, "{}", line.trim_end())?;
+        }
+        Ok(())
+    }
+}
+
+/// What an unfinished procedure waits for, from its record, its children's and its
+/// tree's.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "snake_case")]
+enum Wait {
+    /// Its tree has failed: the next start rolls it back.
+    Rollback,
+    /// This many unfinished children.
+    Children(usize),
+    /// The named event.
+    Event(String),
+    /// Its timer, at this time (ms since the Unix epoch).
+    TimerMs(u64),
+    /// The locks it holds for its life, not granted yet.
+    Locks(Vec<String>),
+}
+
+fn wait_of(r: &ProcRecord, unfinished_children: usize, tree_failed: bool) -> Option<Wait> {
+    if r.state.is_finished() {
+        return None;
+    }
+    if tree_failed {
+        return Some(Wait::Rollback);
+    }
+    match r.state {
+        ProcState::Waiting => Some(match &r.event {
+            Some(event) => Wait::Event(event.clone()),
+            None => Wait::Children(unfinished_children),
+        }),
+        ProcState::WaitingTimeout => Some(Wait::TimerMs(r.wake_at_ms.unwrap_or(0))),
+        ProcState::Runnable => match &r.locks {
+            Some(claim) if claim.for_life && !claim.held => Some(Wait::Locks(
+                claim.locks.iter().map(ToString::to_string).collect(),
+            )),
+            _ => None,
+        },
+        _ => None,
+    }
+}
+
+/// The text table's cell: what it waits for, and its deadline if it has one.
+fn waits_for(r: &ProcRecord, wait: Option<Wait>, now: u64) -> String {
+    let what = wait.map(|w| match w {
+        Wait::Rollback => "rollback (its tree failed)".to_string(),
+        Wait::Children(1) => "1 child".to_string(),
+        Wait::Children(n) => format!("{n} children"),
+        Wait::Event(event) => format!("event {event:?}"),
+        Wait::TimerMs(at) => format!("timer, {}", relative(at, now)),
+        Wait::Locks(locks) => format!("locks [{}]", locks.join(", ")),
+    });
+    let deadline = r
+        .deadline_ms
+        .filter(|_| !r.state.is_finished())
+        .map(|at| format!("deadline {}", relative(at, now)));
+    match (what, deadline) {
+        (Some(w), Some(d)) => format!("{w}; {d}"),
+        (Some(w), None) | (None, Some(w)) => w,
+        (None, None) => "-".to_string(),
+    }
+}
+
+/// `in 5s` or `5s ago`.
+fn relative(at_ms: u64, now: u64) -> String {
+    if at_ms >= now {
+        format!("in {}s", (at_ms - now).div_ceil(1000))
+    } else {
+        format!("{}s ago", (now - at_ms) / 1000)
+    }
+}
+
+/// What the record says of its engine locks: a life-long hold is recorded; a per-step
+/// lock (or one not yet granted) is only declared.
+fn locks_of(r: &ProcRecord) -> Option<String> {
+    let claim = r.locks.as_ref().filter(|_| !r.state.is_finished())?;
+    let locks: Vec<String> = claim.locks.iter().map(ToString::to_string).collect();
+    let what = match (claim.for_life, claim.held) {
+        (true, true) => "holds",
+        (true, false) => "needs for life",
+        (false, _) => "needs per step",
+    };
+    Some(format!("{what} [{}]", locks.join(", ")))
+}
+
+/// The failure a record carries: its own ("aborted by operator"), or, for a finished
+/// root, the failure of the procedure its tree failed with.
+fn failure_of(r: &ProcRecord) -> Option<String> {
+    let f = r.failure.as_ref()?;
+    Some(if f.proc == r.id {
+        f.error.to_string()
+    } else {
+        format!("procedure {} ({}) failed: {}", f.proc, f.type_name, f.error)
+    })
+}
+
+/// A procedure's state (MessagePack, as `rmp_serde` wrote it) as JSON, without the
+/// registry: maps by field name (`to_vec_named`) or arrays in field order (`to_vec`),
+/// binaries as arrays of bytes, extension types as `[type, bytes]`, map keys that are
+/// not strings as their JSON text. `None` for no bytes (a bypassed procedure's record).
+fn decode_state(data: &[u8]) -> Option<Result<Value, String>> {
+    if data.is_empty() {
+        return None;
+    }
+    let mut de = rmp_serde::Deserializer::from_read_ref(data);
+    Some(
+        Json::deserialize(&mut de)
+            .map(|j| j.0)
+            .map_err(|e| format!("undecodable ({} bytes): {e}", data.len())),
+    )
+}
+
+/// Any self-describing value, read into JSON.
+struct Json(Value);
+
+impl<'de> Deserialize<'de> for Json {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(JsonVisitor).map(Json)
+    }
+}
+
+struct JsonVisitor;
+
+impl<'de> Visitor<'de> for JsonVisitor {
+    type Value = Value;
+
+    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("any MessagePack value")
+    }
+
+    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value, E> {
+        Ok(Value::Bool(v))
+    }
+
+    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
+        Ok(Value::from(v))
+    }
+
+    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
+        // NaN and infinities have no JSON form.
+        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
+    }
+
+    fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
+        Ok(Value::String(v.to_string()))
+    }
+
+    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Value, E> {
+        Ok(Value::Array(v.iter().map(|&b| Value::from(b)).collect()))
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Value, E> {
+        Ok(Value::Null)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+
+    fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
+        d.deserialize_any(self)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
+        let mut items = Vec::new();
+        while let Some(Json(item)) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Value::Array(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
+        let mut object = Map::new();
+        while let Some((Json(key), Json(value))) = map.next_entry()? {
+            let key = match key {
+                Value::String(s) => s,
+                other => other.to_string(),
+            };
+            object.insert(key, value);
+        }
+        Ok(Value::Object(object))
+    }
+}
+
+/// The latest record of every procedure, and what the scan found.
+struct Loaded {
+    latest: BTreeMap<ProcId, ProcRecord>,
+    scan: WalDirScan,
+}
+
+fn load(dir: &Path) -> Result<Loaded, Stop> {
     let mut latest: BTreeMap<ProcId, ProcRecord> = BTreeMap::new();
     let scan = scan_wal_dir_with(dir, &mut |_, frame| {
         for op in frame.ops {
             op.apply_to(&mut latest);
         }
     })?;
-    for repair in &scan.repairs {
-        eprintln!("repair on open: {repair}");
+    if let Some(stop) = no_wal(dir, &scan) {
+        return Err(stop);
     }
-    let sound = scan.damage.is_none();
-    if let Some(damage) = &scan.damage {
-        eprintln!("{}", describe(damage));
+    Ok(Loaded { latest, scan })
+}
+
+/// The procedures to show, in order, with their depth below the tree's shown root
+/// (0 unless `--tree`).
+fn select(
+    latest: &BTreeMap<ProcId, ProcRecord>,
+    filter: &Filter,
+) -> Result<Vec<(ProcId, usize)>, Stop> {
+    let keep = |r: &ProcRecord| {
+        (filter.states.is_empty() || filter.states.contains(&r.state))
+            && filter.type_name.as_ref().is_none_or(|t| *t == r.type_name)
+    };
+    let Some(id) = filter.tree else {
+        return Ok(latest
+            .values()
+            .filter(|r| keep(r))
+            .map(|r| (r.id, 0))
+            .collect());
+    };
+    let root = latest
+        .get(&id)
+        .map(|r| r.root)
+        .ok_or_else(|| Stop::Error(format!("procedure {id} is not in the log")))?;
+    let tree: Vec<&ProcRecord> = latest.values().filter(|r| r.root == root).collect();
+    let ids: BTreeSet<ProcId> = tree.iter().map(|r| r.id).collect();
+    let mut children: BTreeMap<Option<ProcId>, Vec<ProcId>> = BTreeMap::new();
+    for r in &tree {
+        // A procedure whose parent has no record hangs from the top, beside the root.
+        let parent = r.parent.filter(|p| ids.contains(p));
+        children.entry(parent).or_default().push(r.id);
     }
-    let records: Vec<ProcRecord> = latest.values().cloned().collect();
+    let mut order = Vec::new();
+    let mut todo: Vec<(ProcId, usize)> = children.get(&None).map_or(Vec::new(), |top| {
+        top.iter().rev().map(|&c| (c, 0)).collect()
+    });
+    let mut seen = BTreeSet::new();
+    while let Some((id, depth)) = todo.pop() {
+        if !seen.insert(id) {
+            continue;
+        }
+        if keep(&latest[&id]) {
+            order.push((id, depth));
+        }
+        if let Some(kids) = children.get(&Some(id)) {
+            todo.extend(kids.iter().rev().map(|&c| (c, depth + 1)));
+        }
+    }
+    // A parent cycle has no top: show its members too, unindented.
+    for r in tree {
+        if !seen.contains(&r.id) && keep(r) {
+            order.push((r.id, 0));
+        }
+    }
+    Ok(order)
+}
+
+fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
+    let Loaded { latest, scan } = load(dir)?;
+    let now = now_ms();
     // Any stored name will do here: the command checks histories, not types.
     let names = |name: &str| Some(&*Box::leak(name.to_string().into_boxed_str()));
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    let plan = recovery::plan(records, names, now);
+    let plan = recovery::plan(latest.values().cloned().collect(), names, now);
     let corrupt: BTreeMap<ProcId, String> =
         plan.corrupt.into_iter().map(|c| (c.id, c.reason)).collect();
-    println!(
-        "{:>10} {:<24} {:<16} {:>10} {:>10} {:>10}  note",
-        "id", "type", "state", "parent", "root", "age_s"
-    );
+    // Unfinished trees in which a procedure has failed: they roll back at next start.
+    let failed_trees: BTreeSet<ProcId> = latest
+        .values()
+        .filter(|r| {
+            r.failure.is_some()
+                && latest
+                    .get(&r.root)
+                    .is_some_and(|root| !root.state.is_finished())
+        })
+        .map(|r| r.root)
+        .collect();
+    let mut unfinished_children: BTreeMap<ProcId, usize> = BTreeMap::new();
     for r in latest.values() {
-        let age_s = now.saturating_sub(r.updated_ms) / 1000;
-        let mut note = match (corrupt.get(&r.id), &r.failure) {
-            (Some(reason), _) => format!("CORRUPT: {reason}"),
-            (None, Some(f)) => format!("failure: {}", f.error),
-            (None, None) => String::new(),
-        };
-        if let (false, Some(claim)) = (r.state.is_finished(), &r.locks) {
-            // Offline only what the record says: a life-long hold is recorded; a
-            // per-step lock (or one not yet granted) is only declared.
-            let locks: Vec<String> = claim.locks.iter().map(ToString::to_string).collect();
-            let what = match (claim.for_life, claim.held) {
-                (true, true) => "holds",
-                (true, false) => "needs for life",
-                (false, _) => "needs per step",
-            };
-            let sep = if note.is_empty() { "" } else { "; " };
-            note = format!("{note}{sep}{what} [{}]", locks.join(", "));
+        if let (Some(parent), false) = (r.parent, r.state.is_finished()) {
+            *unfinished_children.entry(parent).or_default() += 1;
         }
-        println!(
-            "{:>10} {:<24} {:<16} {:>10} {:>10} {:>10}  {note}",
-            r.id,
-            r.type_name,
-            r.state.to_string(),
-            r.parent.map_or("-".to_string(), |p| p.to_string()),
-            r.root,
-            age_s,
-        );
     }
-    println!("{} procedures, {} corrupt", latest.len(), corrupt.len());
-    Ok(sound && corrupt.is_empty())
+    let shown = select(&latest, filter)?;
+    let mut by_state: BTreeMap<String, usize> = BTreeMap::new();
+    for r in latest.values() {
+        *by_state.entry(r.state.to_string()).or_default() += 1;
+    }
+    let log = match (&scan.damage, scan.repairs.first()) {
+        (Some(damage), _) => format!(
+            "CORRUPT ({}): the engine refuses to start; shown is what precedes the damage",
+            describe(damage)
+        ),
+        (None, Some(repair)) => describe_repair(repair),
+        (None, None) => "sound".to_string(),
+    };
+    let exit = if scan.damage.is_none() && corrupt.is_empty() {
+        Exit::Done
+    } else {
+        Exit::Failed
+    };
+
+    if as_json {
+        let procedures: Vec<ProcJson> = shown
+            .iter()
+            .map(|&(id, _)| {
+                let r = &latest[&id];
+                let children = unfinished_children.get(&id).copied().unwrap_or(0);
+                ProcJson {
+                    id: r.id.0,
+                    parent: r.parent.map(|p| p.0),
+                    root: r.root.0,
+                    type_name: &r.type_name,
+                    state: r.state.to_string(),
+                    steps: r.stack_indexes.len(),
+                    submitted_ms: r.submitted_ms,
+                    updated_ms: r.updated_ms,
+                    waiting_for: wait_of(r, children, failed_trees.contains(&r.root)),
+                    deadline_ms: r.deadline_ms,
+                    locks: r.locks.as_ref().map(|c| LocksJson {
+                        locks: c.locks.iter().map(ToString::to_string).collect(),
+                        for_life: c.for_life,
+                        held: c.held,
+                    }),
+                    failure: r.failure.as_ref().map(|f| FailureJson {
+                        proc: f.proc.0,
+                        type_name: &f.type_name,
+                        error: f.error.to_string(),
+                    }),
+                    bypassed: r.bypassed,
+                    corrupt: corrupt.get(&id).map(String::as_str),
+                    data: match decode_state(&r.data) {
+                        None => Value::Null,
+                        Some(Ok(value)) => value,
+                        Some(Err(reason)) => json!({ "undecodable": reason }),
+                    },
+                }
+            })
+            .collect();
+        let document = ProcsJson {
+            procedures,
+            summary: SummaryJson {
+                procedures: latest.len(),
+                shown: shown.len(),
+                by_state,
+                corrupt: corrupt.len(),
+                log,
+                repairs: scan.repairs.iter().map(describe_repair).collect(),
+                damage: scan.damage.as_ref().map(describe),
+            },
+        };
+        serde_json::to_writer_pretty(&mut *out, &document).map_err(io::Error::from)?;
+        writeln!(out)?;
+        return Ok(exit);
+    }
+
+    let mut table = Table::new(vec![
+        "ID",
+        "PARENT",
+        "ROOT",
+        "TYPE",
+        "STATE",
+        "STEPS",
+        "AGE",
+        "WAITING FOR",
+        "LOCKS",
+        "FAILURE",
+        "DATA",
+    ]);
+    for &(id, depth) in &shown {
+        let r = &latest[&id];
+        let children = unfinished_children.get(&id).copied().unwrap_or(0);
+        let mut failure = failure_of(r).unwrap_or_default();
+        if let Some(reason) = corrupt.get(&id) {
+            let sep = if failure.is_empty() { "" } else { "; " };
+            failure = format!("CORRUPT: {reason}{sep}{failure}");
+        }
+        let state = if r.bypassed {
+            format!("{} (bypassed)", r.state)
+        } else {
+            r.state.to_string()
+        };
+        let data = match decode_state(&r.data) {
+            None => "-".to_string(),
+            Some(Ok(value)) => value.to_string(),
+            Some(Err(reason)) => reason,
+        };
+        table.push(vec![
+            format!("{}{}", "  ".repeat(depth), r.id),
+            r.parent.map_or("-".to_string(), |p| p.to_string()),
+            r.root.to_string(),
+            r.type_name.clone(),
+            state,
+            r.stack_indexes.len().to_string(),
+            format!("{}s", now.saturating_sub(r.updated_ms) / 1000),
+            waits_for(r, wait_of(r, children, failed_trees.contains(&r.root)), now),
+            locks_of(r).unwrap_or_else(|| "-".into()),
+            if failure.is_empty() {
+                "-".into()
+            } else {
+                failure
+            },
+            data,
+        ]);
+    }
+    table.write(out)?;
+    let counts: Vec<String> = by_state.iter().map(|(s, n)| format!("{n} {s}")).collect();
+    let filtered = if shown.len() == latest.len() {
+        String::new()
+    } else {
+        format!(", {} shown", shown.len())
+    };
+    writeln!(
+        out,
+        "{} procedures, {} corrupt{filtered} ({}); log: {log}",
+        latest.len(),
+        corrupt.len(),
+        if counts.is_empty() {
+            "none".to_string()
+        } else {
+            counts.join(", ")
+        },
+    )?;
+    Ok(exit)
+}
+
+/// `procs --json`: the shown procedures, and a summary of the whole log.
+#[derive(Serialize)]
+struct ProcsJson<'a> {
+    procedures: Vec<ProcJson<'a>>,
+    summary: SummaryJson,
+}
+
+/// One procedure, from its latest record.
+#[derive(Serialize)]
+struct ProcJson<'a> {
+    id: u64,
+    parent: Option<u64>,
+    root: u64,
+    #[serde(rename = "type")]
+    type_name: &'a str,
+    state: String,
+    /// Recorded steps not rolled back.
+    steps: usize,
+    submitted_ms: u64,
+    updated_ms: u64,
+    /// `"rollback"` (its tree has failed), `{"children": n}` (unfinished),
+    /// `{"event": name}`, `{"timer_ms": at}`, `{"locks": [...]}` (a runnable one whose
+    /// life-long locks are not held yet), or null.
+    waiting_for: Option<Wait>,
+    deadline_ms: Option<u64>,
+    locks: Option<LocksJson>,
+    failure: Option<FailureJson<'a>>,
+    bypassed: bool,
+    /// Why recovery cannot rebuild its tree, if it cannot.
+    corrupt: Option<&'a str>,
+    /// Its own state decoded; `{"undecodable": reason}` when it is not MessagePack.
+    data: Value,
+}
+
+#[derive(Serialize)]
+struct LocksJson {
+    locks: Vec<String>,
+    for_life: bool,
+    held: bool,
+}
+
+#[derive(Serialize)]
+struct FailureJson<'a> {
+    proc: u64,
+    #[serde(rename = "type")]
+    type_name: &'a str,
+    error: String,
+}
+
+#[derive(Serialize)]
+struct SummaryJson {
+    /// In the log, shown or not.
+    procedures: usize,
+    shown: usize,
+    by_state: BTreeMap<String, usize>,
+    corrupt: usize,
+    /// "sound", the repair the engine makes at next start, or the damage.
+    log: String,
+    repairs: Vec<String>,
+    damage: Option<String>,
+}
+
+/// Opens a stopped engine's log for writing, as the engine would: its lock taken, a
+/// torn tail repaired, damage refused. A directory without a log is refused first (the
+/// store would create one).
+fn open_stopped(dir: &Path) -> Result<(WalStore, Vec<ProcRecord>), Stop> {
+    let scan = scan_wal_dir(dir)?;
+    if let Some(stop) = no_wal(dir, &scan) {
+        return Err(stop);
+    }
+    let mut wal = WalStore::open(dir)?;
+    let snapshot = wal.load()?;
+    Ok((wal, snapshot.records))
 }
 
 /// Writes a bypass through the store, as the engine would, once the log opens cleanly.
-fn bypass(dir: &Path, id: ProcId, recursive: bool) -> Outcome {
-    let mut wal = WalStore::open(dir)?;
-    let snapshot = wal.load()?;
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64);
-    match recovery::bypass(&snapshot.records, id, recursive, now) {
+fn bypass(out: &mut Out, dir: &Path, id: ProcId, recursive: bool) -> Outcome {
+    let (mut wal, records) = open_stopped(dir)?;
+    match recovery::bypass(&records, id, recursive, now_ms()) {
         Ok(ops) => {
             wal.append(&ops)?;
-            println!("bypassed procedure {id}: {} records written", ops.len());
-            Ok(true)
+            writeln!(
+                out,
+                "bypassed procedure {id}: {} records written",
+                ops.len()
+            )?;
+            Ok(Exit::Done)
         }
         Err(reason) => {
-            println!("bypass of procedure {id} refused: {reason}");
-            Ok(false)
+            writeln!(out, "bypass of procedure {id} refused: {reason}")?;
+            Ok(Exit::Failed)
         }
+    }
+}
+
+/// Writes an abort through the store; the engine rolls the tree back when it starts.
+fn abort(out: &mut Out, dir: &Path, id: ProcId) -> Outcome {
+    let (mut wal, records) = open_stopped(dir)?;
+    match recovery::abort(&records, id, now_ms()) {
+        Ok(ops) => {
+            wal.append(&ops)?;
+            writeln!(
+                out,
+                "aborted procedure {id}: its tree rolls back when the engine starts"
+            )?;
+            Ok(Exit::Done)
+        }
+        Err(reason) => {
+            writeln!(out, "abort of procedure {id} refused: {reason}")?;
+            Ok(Exit::Failed)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// MessagePack as `rmp_serde` and other writers produce it, read into JSON.
+    #[test]
+    fn states_decode_to_json_without_a_registry() {
+        #[derive(Serialize)]
+        struct State {
+            name: String,
+            ids: BTreeMap<u32, bool>,
+            #[serde(with = "serde_bytes")]
+            raw: Vec<u8>,
+            ratio: f64,
+            none: Option<u8>,
+            unit: (),
+            tuple: (i8, String),
+        }
+        let named = rmp_serde::to_vec_named(&State {
+            name: "t1".into(),
+            ids: BTreeMap::from([(7, true)]),
+            raw: vec![1, 255],
+            ratio: 0.5,
+            none: None,
+            unit: (),
+            tuple: (-3, "x".into()),
+        })
+        .unwrap();
+        let expected = json!({
+            "name": "t1", "ids": {"7": true}, "raw": [1, 255], "ratio": 0.5,
+            "none": null, "unit": null, "tuple": [-3, "x"],
+        });
+        assert_eq!(decode_state(&named), Some(Ok(expected)));
+        // Without field names (rmp_serde::to_vec): an array, in field order.
+        let positional = rmp_serde::to_vec(&("t1", 2u8)).unwrap();
+        assert_eq!(decode_state(&positional), Some(Ok(json!(["t1", 2]))));
+        // An extension type (fixext1, type 5): a [type, bytes] pair. A cut value is a
+        // reason, never a panic.
+        let ext = decode_state(&[0xd4, 0x05, 0x01]);
+        assert_eq!(ext, Some(Ok(json!([5, [1]]))));
+        let cut = decode_state(&named[..named.len() - 1]);
+        assert!(
+            matches!(cut, Some(Err(ref r)) if r.starts_with("undecodable")),
+            "{cut:?}"
+        );
+        assert_eq!(decode_state(&[]), None);
     }
 }

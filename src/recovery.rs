@@ -9,8 +9,8 @@
 
 use std::collections::HashMap;
 
-use crate::procedure::ProcId;
-use crate::record::{ProcRecord, StoreOp};
+use crate::procedure::{ProcError, ProcId};
+use crate::record::{Failure, ProcRecord, StoreOp};
 use crate::root_stack::{RootStack, Transition};
 
 /// A procedure that recovery could not rebuild, and why.
@@ -71,6 +71,60 @@ pub fn bypass(
         .map_err(|reason| format!("tree {} cannot be rebuilt: {reason}", target.root))?;
     let t = stack.on_bypass(id, recursive, true, now_ms)?;
     Ok(t.persist)
+}
+
+/// An operator's abort on a stopped engine's store (`proctor abort`, HBase's
+/// `abort_procedure`): from the latest records, the op that fails `id` with
+/// [`ProcError::Aborted`], so that the engine that starts next rolls its tree back and
+/// the tree's result is this abort. Append it through the store.
+///
+/// The procedure is not asked (offline there is no registry, so no
+/// [`Procedure::abort`](crate::Procedure::abort)): the operator overrides it, and its
+/// tree's rollback runs as after any failure. Its record keeps the state it was
+/// written with and gains the failure (sequence 0, the tree's first), so recovery
+/// treats it as it treats any procedure of a failed tree that may have been in the
+/// middle of a step when the engine stopped: it gets one unrecorded rollback first,
+/// then its recorded steps are rolled back.
+///
+/// Refusals name the reason: `id` is not in the store, has finished, its tree has
+/// finished, its tree cannot be rebuilt, or its tree has already failed (it is rolling
+/// back, or will at next start).
+pub fn abort(records: &[ProcRecord], id: ProcId, now_ms: u64) -> Result<Vec<StoreOp>, String> {
+    let target = records
+        .iter()
+        .find(|r| r.id == id)
+        .ok_or_else(|| format!("procedure {id} is not in the store"))?;
+    if target.state.is_finished() {
+        return Err(format!(
+            "procedure {id} has already finished ({})",
+            target.state
+        ));
+    }
+    let root = target.root;
+    match records.iter().find(|r| r.id == root) {
+        Some(r) if r.state.is_finished() => {
+            return Err(format!("its tree {root} has finished ({})", r.state));
+        }
+        Some(_) => {}
+        None => return Err(format!("its root {root} has no record")),
+    }
+    let tree: Vec<ProcRecord> = records.iter().filter(|r| r.root == root).cloned().collect();
+    let (stack, _) = RootStack::recover(&tree, |name| Some(leak(name)), now_ms)
+        .map_err(|reason| format!("tree {root} cannot be rebuilt: {reason}"))?;
+    if let Some(first) = stack.first_failure() {
+        return Err(format!("tree {root} is already rolling back: {first}"));
+    }
+    let record = ProcRecord {
+        failure: Some(Failure {
+            proc: id,
+            type_name: target.type_name.clone(),
+            error: ProcError::Aborted,
+        }),
+        failure_seq: Some(0),
+        updated_ms: now_ms,
+        ..target.clone()
+    };
+    Ok(vec![StoreOp::Update(record)])
 }
 
 /// Type names are only compared here; the few an offline bypass needs may live for the
@@ -171,8 +225,7 @@ fn order_children_first(group: &mut [ProcRecord]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::procedure::{ProcError, ProcState};
-    use crate::record::Failure;
+    use crate::procedure::ProcState;
 
     /// A record: id, parent, state, stack indexes.
     fn rec(id: u64, parent: Option<u64>, state: ProcState, stack: &[u32]) -> ProcRecord {
@@ -435,5 +488,78 @@ mod tests {
                 "corrupt 20: procedure 20 has unknown type \"gone\"",
             ],
         );
+    }
+
+    #[test]
+    fn an_offline_abort_fails_the_procedure_and_its_tree_rolls_back() {
+        // Root 1 waits for 2 (suspended on an event) and 3 (runnable).
+        let suspended = ProcRecord {
+            event: Some("e".into()),
+            ..rec(2, Some(1), Waiting, &[1])
+        };
+        let records = vec![
+            rec(1, None, Waiting, &[0]),
+            suspended,
+            rec(3, Some(1), Runnable, &[]),
+        ];
+        let ops = abort(&records, ProcId(2), 77).unwrap();
+        let [StoreOp::Update(aborted)] = &ops[..] else {
+            panic!("{ops:?}");
+        };
+        assert_eq!(aborted.state, Waiting, "the state it was written with");
+        assert_eq!(aborted.failure_seq, Some(0));
+        assert_eq!(aborted.updated_ms, 77);
+        let failure = aborted.failure.clone().unwrap();
+        assert_eq!(
+            (failure.proc, failure.error),
+            (ProcId(2), ProcError::Aborted)
+        );
+        // Recovery rolls the tree back with the abort as its result; 2 and 3 may have
+        // been mid-step, so each gets an unrecorded rollback first.
+        let mut latest: std::collections::BTreeMap<ProcId, ProcRecord> =
+            records.into_iter().map(|r| (r.id, r)).collect();
+        for op in ops {
+            op.apply_to(&mut latest);
+        }
+        let records: Vec<ProcRecord> = latest.into_values().collect();
+        check(
+            records.clone(),
+            &["tree [2 3 1]:  | spawn 1, spawn 2, spawn 3, rollback 3 unrecorded"],
+        );
+        let plan = plan(records.clone(), names, 100);
+        let first = plan.trees[0].stack.first_failure().cloned().unwrap();
+        assert_eq!((first.proc, first.error), (ProcId(2), ProcError::Aborted));
+        // Once aborted, the tree is rolling back: a second abort is refused.
+        let again = abort(&records, ProcId(3), 100).unwrap_err();
+        assert!(again.contains("tree 1 is already rolling back"), "{again}");
+    }
+
+    #[test]
+    fn offline_abort_refusals_say_why() {
+        let records = vec![
+            rec(1, None, Waiting, &[0]),
+            ProcRecord {
+                root: ProcId(1),
+                ..rec(2, Some(1), Success, &[1])
+            },
+            rec(5, None, Success, &[0]),
+            rec(7, None, Waiting, &[0]),
+            ProcRecord {
+                root: ProcId(7),
+                ..rec(8, Some(7), Failed, &[1])
+            },
+        ];
+        let cases = [
+            (9, "procedure 9 is not in the store"),
+            (2, "procedure 2 has already finished (SUCCESS)"),
+            (5, "procedure 5 has already finished (SUCCESS)"),
+            (7, "tree 7 is already rolling back"),
+        ];
+        for (id, expected) in cases {
+            let got = abort(&records, ProcId(id), 0).unwrap_err();
+            assert!(got.contains(expected), "{id}: {got}");
+        }
+        // The parent is not finished: the abort is accepted.
+        assert!(abort(&records, ProcId(1), 0).is_ok());
     }
 }

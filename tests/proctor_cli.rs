@@ -1,21 +1,65 @@
 //! The `proctor` command against real WAL directories: a sound log verifies, dumps one
 //! line per record and lists its procedures; a flipped byte in an older segment fails
-//! `wal verify` with the file, the offset and the word "checksum".
+//! `wal verify` with the file, the offset and the word "checksum"; a reader that closes
+//! the pipe early ends the command quietly; a directory without a WAL is an error;
+//! `procs` filters, draws a tree, says what a waiting procedure waits for, decodes the
+//! procedure's own state and speaks JSON; `abort` on a stopped engine's log makes the
+//! tree roll back at the next start.
+
+mod common;
 
 use std::fs;
+use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::{Command, Output, Stdio};
+use std::sync::{Mutex, PoisonError};
 
+use common::{Scripted, Step};
 use proctor::{
-    Lock, LockClaim, ProcId, ProcRecord, ProcState, ProcedureStore, StoreOp, WalOptions, WalStore,
+    Failure, Lock, LockClaim, ProcError, ProcId, ProcRecord, ProcState, ProcedureStore, StoreError,
+    StoreOp, WalOptions, WalStore,
 };
+use serde::Serialize;
+
+/// The tests here spawn processes while others drop and take a WAL's lock. A child
+/// holds a copy of every open descriptor from fork until exec, the lock's included, so
+/// a lock dropped in that window stays held until the child execs. Spawns and opens are
+/// therefore serialized: `spawn` returns only once the child has exec'd, so an open
+/// never meets a copy of an earlier lock.
+static FORK: Mutex<()> = Mutex::new(());
+
+fn forking<T>(f: impl FnOnce() -> T) -> T {
+    let _serial = FORK.lock().unwrap_or_else(PoisonError::into_inner);
+    f()
+}
+
+/// `Command::output`, its spawn serialized with the opens.
+fn output(command: &mut Command) -> Output {
+    let child = forking(|| {
+        command
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+    })
+    .expect("run proctor");
+    child.wait_with_output().expect("run proctor")
+}
+
+fn open_wal(dir: &Path) -> Result<WalStore, StoreError> {
+    forking(|| WalStore::open(dir))
+}
+
+fn open_wal_with(dir: &Path, options: WalOptions) -> Result<WalStore, StoreError> {
+    forking(|| WalStore::open_with(dir, options))
+}
 
 fn proctor(args: &[&str], dir: &Path) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_proctor"))
-        .args(args)
-        .arg(dir)
-        .output()
-        .expect("run proctor")
+    output(
+        Command::new(env!("CARGO_BIN_EXE_proctor"))
+            .args(args)
+            .arg(dir),
+    )
 }
 
 fn text(out: &Output) -> String {
@@ -52,7 +96,7 @@ fn write_log(dir: &Path) {
         max_segments: 100,
         sync: false,
     };
-    let mut wal = WalStore::open_with(dir, options).unwrap();
+    let mut wal = open_wal_with(dir, options).unwrap();
     for id in 1..=300 {
         wal.append(&[StoreOp::Insert(record(id, ProcState::Runnable))])
             .unwrap();
@@ -109,7 +153,7 @@ fn verify_finds_a_flipped_byte() {
     assert!(out.contains("NOT sound"));
 
     // The engine refuses to start on it, naming the same file.
-    let err = WalStore::open(dir.path()).err().expect("open refuses");
+    let err = open_wal(dir.path()).err().expect("open refuses");
     assert!(err.to_string().contains(name), "{err}");
 }
 
@@ -125,7 +169,7 @@ fn a_missing_directory_is_a_clear_error() {
 #[test]
 fn procs_shows_the_locks_a_record_holds_or_needs() {
     let dir = tempfile::tempdir().unwrap();
-    let mut wal = WalStore::open(dir.path()).unwrap();
+    let mut wal = open_wal(dir.path()).unwrap();
     let mut holder = record(1, ProcState::Waiting);
     holder.locks = Some(LockClaim {
         locks: vec![Lock::exclusive("ns/t1")],
@@ -154,7 +198,7 @@ fn procs_shows_the_locks_a_record_holds_or_needs() {
 #[test]
 fn bypass_marks_a_stuck_procedure_finished_offline() {
     let dir = tempfile::tempdir().unwrap();
-    let mut wal = WalStore::open(dir.path()).unwrap();
+    let mut wal = open_wal(dir.path()).unwrap();
     let mut root = record(1, ProcState::Waiting);
     root.stack_indexes = vec![0];
     let mut child = record(2, ProcState::Runnable);
@@ -165,26 +209,26 @@ fn bypass_marks_a_stuck_procedure_finished_offline() {
         .unwrap();
     drop(wal);
 
-    let out = Command::new(env!("CARGO_BIN_EXE_proctor"))
-        .args(["bypass"])
-        .arg(dir.path())
-        .arg("1")
-        .output()
-        .unwrap();
+    let out = output(
+        Command::new(env!("CARGO_BIN_EXE_proctor"))
+            .args(["bypass"])
+            .arg(dir.path())
+            .arg("1"),
+    );
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(
         text(&out).contains("unfinished children [ProcId(2)]"),
         "{}",
         text(&out)
     );
-    let out = Command::new(env!("CARGO_BIN_EXE_proctor"))
-        .args(["bypass"])
-        .arg(dir.path())
-        .args(["1", "--recursive"])
-        .output()
-        .unwrap();
+    let out = output(
+        Command::new(env!("CARGO_BIN_EXE_proctor"))
+            .args(["bypass"])
+            .arg(dir.path())
+            .args(["1", "--recursive"]),
+    );
     assert!(out.status.success(), "{}", text(&out));
-    let snapshot = WalStore::open(dir.path()).unwrap().load().unwrap();
+    let snapshot = open_wal(dir.path()).unwrap().load().unwrap();
     assert_eq!(
         snapshot.records.len(),
         1,
@@ -192,4 +236,473 @@ fn bypass_marks_a_stuck_procedure_finished_offline() {
     );
     assert_eq!(snapshot.records[0].state, ProcState::Success);
     assert!(snapshot.records[0].bypassed);
+}
+
+/// `n` finished procedures (an insert and an update each) in one WAL, written fast.
+fn write_many(dir: &Path, n: u64) {
+    let options = WalOptions {
+        sync: false,
+        ..WalOptions::default()
+    };
+    let mut wal = open_wal_with(dir, options).unwrap();
+    for id in 1..=n {
+        wal.append(&[StoreOp::Insert(record(id, ProcState::Runnable))])
+            .unwrap();
+        wal.append(&[StoreOp::Update(record(id, ProcState::Success))])
+            .unwrap();
+    }
+}
+
+/// `head -1`: the reader takes one line and closes the pipe while the command still has
+/// far more than a pipe buffer to write. The command ends with exit 0, not a panic.
+#[test]
+fn a_closed_pipe_ends_the_command_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    write_many(dir.path(), 3000);
+    for args in [&["procs"][..], &["wal", "dump"][..]] {
+        let mut child = forking(|| {
+            Command::new(env!("CARGO_BIN_EXE_proctor"))
+                .args(args)
+                .arg(dir.path())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+        })
+        .unwrap();
+        let mut first = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut first)
+            .unwrap();
+        assert!(!first.is_empty(), "{args:?}: no output");
+        // The reader (and with it the pipe's read end) is dropped here.
+        let out = child.wait_with_output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+/// Every command refuses a directory that holds no WAL, naming it, with exit 2; the
+/// writing ones create nothing there.
+#[test]
+fn a_directory_without_a_wal_is_an_error() {
+    let empty = tempfile::tempdir().unwrap();
+    let other = tempfile::tempdir().unwrap();
+    fs::write(other.path().join("notes.txt"), "not a log").unwrap();
+    for dir in [empty.path(), other.path()] {
+        let before = fs::read_dir(dir).unwrap().count();
+        let commands: [&[&str]; 5] = [
+            &["wal", "verify"],
+            &["wal", "dump"],
+            &["procs"],
+            &["bypass"],
+            &["abort"],
+        ];
+        for args in commands {
+            let mut command = Command::new(env!("CARGO_BIN_EXE_proctor"));
+            command.args(args).arg(dir);
+            if matches!(args, ["bypass"] | ["abort"]) {
+                command.arg("1");
+            }
+            let out = output(&mut command);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+            assert!(err.contains(&dir.display().to_string()), "{args:?}: {err}");
+            assert!(err.contains("holds no WAL"), "{args:?}: {err}");
+            assert!(text(&out).is_empty(), "{args:?}: {}", text(&out));
+        }
+        assert_eq!(
+            fs::read_dir(dir).unwrap().count(),
+            before,
+            "nothing created"
+        );
+    }
+}
+
+/// `procs` says in its summary line what state the log is in: sound, a torn tail the
+/// engine will truncate (exit 0: nothing acknowledged is lost), or corrupt (exit 1).
+#[test]
+fn procs_says_in_its_summary_what_state_the_log_is_in() {
+    let dir = tempfile::tempdir().unwrap();
+    write_log(dir.path());
+    let summary = |out: &Output| text(out).lines().last().unwrap_or_default().to_string();
+    let procs = proctor(&["procs"], dir.path());
+    assert!(procs.status.success());
+    assert!(
+        summary(&procs).ends_with("log: sound"),
+        "{}",
+        summary(&procs)
+    );
+
+    let segments = common::wal::segments(dir.path());
+    let newest = segments.last().unwrap();
+    let len = fs::metadata(newest).unwrap().len();
+    fs::OpenOptions::new()
+        .write(true)
+        .open(newest)
+        .unwrap()
+        .set_len(len - 3)
+        .unwrap();
+    let procs = proctor(&["procs"], dir.path());
+    assert!(procs.status.success(), "{}", text(&procs));
+    assert!(
+        summary(&procs).contains("log: torn tail at"),
+        "{}",
+        summary(&procs)
+    );
+    assert!(summary(&procs).contains("will be truncated at next start"));
+    let verify = proctor(&["wal", "verify"], dir.path());
+    assert_eq!(verify.status.code(), Some(3), "{}", text(&verify));
+
+    let older = &segments[1];
+    let mut bytes = fs::read(older).unwrap();
+    bytes[500] ^= 0x01;
+    fs::write(older, bytes).unwrap();
+    let procs = proctor(&["procs"], dir.path());
+    assert_eq!(procs.status.code(), Some(1), "{}", text(&procs));
+    let line = summary(&procs);
+    assert!(line.contains("log: CORRUPT ("), "{line}");
+    assert!(
+        line.contains(older.file_name().unwrap().to_str().unwrap()),
+        "{line}"
+    );
+    assert!(line.contains("the engine refuses to start"), "{line}");
+}
+
+/// A procedure's own state, as the registry would encode it (MessagePack, named
+/// fields).
+#[derive(Serialize)]
+struct TableState {
+    table: String,
+    regions: Vec<u32>,
+    #[serde(with = "serde_bytes")]
+    token: Vec<u8>,
+}
+
+fn state(table: &str) -> Vec<u8> {
+    rmp_serde::to_vec_named(&TableState {
+        table: table.into(),
+        regions: vec![1, 2],
+        token: vec![0xde, 0xad],
+    })
+    .unwrap()
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+/// A log with every kind of row: a tree (1) whose procedures wait for children, an
+/// event and a timer; a runnable root of another type (10); a tree (30) that failed in
+/// its child 31; a rolled-back root (20) that keeps the failure of its child 21.
+fn write_trees(dir: &Path) {
+    let now = now_ms();
+    let node =
+        |id: u64, parent: Option<u64>, root: u64, state_: ProcState, index: u32| ProcRecord {
+            parent: parent.map(ProcId),
+            root: ProcId(root),
+            stack_indexes: vec![index],
+            data: state(&format!("t{id}")),
+            ..record(id, state_)
+        };
+    let failure = |proc: u64, error: &str| Failure {
+        proc: ProcId(proc),
+        type_name: "assign_region".into(),
+        error: ProcError::failed(error),
+    };
+    let records = vec![
+        node(1, None, 1, ProcState::Waiting, 0),
+        node(2, Some(1), 1, ProcState::Waiting, 1),
+        ProcRecord {
+            type_name: "assign_region".into(),
+            wake_at_ms: Some(now + 30_000),
+            ..node(3, Some(1), 1, ProcState::WaitingTimeout, 2)
+        },
+        ProcRecord {
+            type_name: "assign_region".into(),
+            event: Some("region-open".into()),
+            deadline_ms: Some(now + 60_000),
+            ..node(5, Some(2), 1, ProcState::Waiting, 3)
+        },
+        ProcRecord {
+            type_name: "drop_table".into(),
+            stack_indexes: vec![],
+            ..node(10, None, 10, ProcState::Runnable, 0)
+        },
+        ProcRecord {
+            stack_indexes: vec![],
+            failure: Some(failure(21, "disk full")),
+            failure_seq: Some(0),
+            ..node(20, None, 20, ProcState::RolledBack, 0)
+        },
+        node(30, None, 30, ProcState::Waiting, 0),
+        ProcRecord {
+            type_name: "assign_region".into(),
+            failure: Some(failure(31, "boom")),
+            failure_seq: Some(0),
+            ..node(31, Some(30), 30, ProcState::Failed, 1)
+        },
+    ];
+    let mut wal = open_wal(dir).unwrap();
+    let ops: Vec<StoreOp> = records.into_iter().map(StoreOp::Insert).collect();
+    wal.append(&ops).unwrap();
+}
+
+/// The text table's row for `id`: the line whose first cell (indent trimmed) is it.
+fn row(out: &str, id: u64) -> String {
+    out.lines()
+        .find(|l| l.split_whitespace().next() == Some(&id.to_string()))
+        .unwrap_or_else(|| panic!("no row {id}:\n{out}"))
+        .to_string()
+}
+
+fn ids(out: &str) -> Vec<String> {
+    let lines: Vec<&str> = out.lines().collect();
+    // Between the header and the summary line.
+    lines[1..lines.len() - 1]
+        .iter()
+        .map(|l| l.split_whitespace().next().unwrap().to_string())
+        .collect()
+}
+
+#[test]
+fn procs_lines_up_and_says_what_each_procedure_waits_for() {
+    let dir = tempfile::tempdir().unwrap();
+    write_trees(dir.path());
+    let procs = proctor(&["procs"], dir.path());
+    let out = text(&procs);
+    assert!(procs.status.success(), "{out}");
+    // Every column starts where its header does.
+    let header = out.lines().next().unwrap();
+    for column in ["TYPE", "STATE", "STEPS", "WAITING FOR"] {
+        let at = header.find(column).unwrap();
+        for line in &out.lines().collect::<Vec<_>>()[1..9] {
+            assert!(
+                line.as_bytes()[at - 1] == b' ' && line.as_bytes()[at] != b' ',
+                "{column} is not aligned:\n{out}"
+            );
+        }
+    }
+    assert!(row(&out, 1).contains(" 2 children "), "{out}");
+    assert!(row(&out, 2).contains(" 1 child "), "{out}");
+    assert!(row(&out, 3).contains(" timer, in 30s "), "{out}");
+    assert!(
+        row(&out, 5).contains(" event \"region-open\"; deadline in 60s "),
+        "{out}"
+    );
+    // The procedure's own state, decoded by field name; its failure beside it.
+    assert!(
+        row(&out, 10).ends_with(r#"{"regions":[1,2],"table":"t10","token":[222,173]}"#),
+        "{out}"
+    );
+    assert!(row(&out, 31).contains(" boom "), "{out}");
+    // A tree that failed waits for its rollback, whatever its procedures waited for.
+    for id in [30, 31] {
+        assert!(
+            row(&out, id).contains(" rollback (its tree failed) "),
+            "{out}"
+        );
+    }
+    assert!(
+        row(&out, 20).contains(" procedure 21 (assign_region) failed: disk full "),
+        "{out}"
+    );
+    let summary = out.lines().last().unwrap();
+    assert_eq!(
+        summary,
+        "8 procedures, 0 corrupt (1 FAILED, 1 ROLLEDBACK, 1 RUNNABLE, 4 WAITING, \
+         1 WAITING_TIMEOUT); log: sound"
+    );
+}
+
+#[test]
+fn procs_filters_by_state_and_type_and_draws_one_tree() {
+    let dir = tempfile::tempdir().unwrap();
+    write_trees(dir.path());
+    let shown = |args: &[&str]| {
+        let mut all = vec!["procs"];
+        all.extend(args);
+        let out = proctor(&all, dir.path());
+        assert!(out.status.success(), "{args:?}: {}", text(&out));
+        ids(&text(&out))
+    };
+    assert_eq!(shown(&["--state", "failed,Rolledback"]), ["20", "31"]);
+    assert_eq!(
+        shown(&["--state", "waiting_timeout", "--state", "RUNNABLE"]),
+        ["3", "10"]
+    );
+    assert_eq!(shown(&["--type", "drop_table"]), ["10"]);
+    assert_eq!(
+        shown(&["--type", "assign_region", "--state", "waiting"]),
+        ["5"]
+    );
+    // The whole tree of any of its procedures, depth first, indented by parent.
+    let tree = proctor(&["procs", "--tree", "5"], dir.path());
+    let out = text(&tree);
+    let firsts: Vec<&str> = out.lines().skip(1).take(4).map(|l| &l[..6]).collect();
+    assert_eq!(firsts, ["1     ", "  2   ", "    5 ", "  3   "], "{out}");
+    assert!(out
+        .lines()
+        .last()
+        .unwrap()
+        .contains("8 procedures, 0 corrupt, 4 shown"));
+
+    let bad = proctor(&["procs", "--state", "sleeping"], dir.path());
+    assert_eq!(bad.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("unknown state \"sleeping\""), "{err}");
+    assert!(err.contains("WAITING_TIMEOUT"), "{err}");
+    let missing = proctor(&["procs", "--tree", "99"], dir.path());
+    assert_eq!(missing.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&missing.stderr).contains("procedure 99 is not in the log"));
+}
+
+#[test]
+fn procs_speaks_json() {
+    let dir = tempfile::tempdir().unwrap();
+    write_trees(dir.path());
+    let out = proctor(&["procs", "--json", "--tree", "1"], dir.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let procs = doc["procedures"].as_array().unwrap();
+    let by_id = |id: u64| procs.iter().find(|p| p["id"] == id).unwrap();
+    assert_eq!(procs.len(), 4);
+    let leaf = by_id(5);
+    assert_eq!(leaf["parent"], 2);
+    assert_eq!(leaf["root"], 1);
+    assert_eq!(leaf["type"], "assign_region");
+    assert_eq!(leaf["state"], "WAITING");
+    assert_eq!(leaf["steps"], 1);
+    assert_eq!(
+        leaf["waiting_for"],
+        serde_json::json!({"event": "region-open"})
+    );
+    assert!(leaf["deadline_ms"].is_u64());
+    assert_eq!(leaf["failure"], serde_json::Value::Null);
+    assert_eq!(
+        leaf["data"],
+        serde_json::json!({"table": "t5", "regions": [1, 2], "token": [222, 173]})
+    );
+    assert_eq!(by_id(1)["waiting_for"], serde_json::json!({"children": 2}));
+    assert!(by_id(3)["waiting_for"]["timer_ms"].is_u64());
+    let summary = &doc["summary"];
+    assert_eq!(summary["procedures"], 8);
+    assert_eq!(summary["shown"], 4);
+    assert_eq!(summary["by_state"]["WAITING"], 4);
+    assert_eq!(summary["corrupt"], 0);
+    assert_eq!(summary["log"], "sound");
+
+    let out = proctor(&["procs", "--json", "--state", "failed"], dir.path());
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(
+        doc["procedures"][0]["failure"],
+        serde_json::json!({"proc": 31, "type": "assign_region", "error": "boom"})
+    );
+    assert_eq!(doc["procedures"][0]["waiting_for"], "rollback");
+}
+
+/// `proctor abort` on a stopped engine's log: the engine that starts next rolls the
+/// tree back (the aborted procedure first gets the rollback of a step it may have been
+/// in, then of its recorded steps), and the tree's result is the abort.
+#[actix::test]
+async fn abort_on_a_stopped_engine_rolls_the_tree_back_at_the_next_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let (executor, _) = common::start(Box::new(open_wal(dir.path()).unwrap()), 2).await;
+    let child = Scripted::new(
+        "child",
+        vec![Step::More, Step::Suspend("never".into()), Step::More],
+    );
+    let root = executor
+        .submit(Scripted::new(
+            "root",
+            vec![Step::Children(vec![child]), Step::More],
+        ))
+        .await
+        .unwrap();
+    let child = loop {
+        let list = executor.list().await.unwrap();
+        if let Some(c) = list
+            .iter()
+            .find(|p| p.parent == Some(root) && p.state == ProcState::Waiting)
+        {
+            break c.id;
+        }
+        tokio::task::yield_now().await;
+    };
+    executor.shutdown().await.unwrap();
+
+    let abort = |id: ProcId| {
+        output(
+            Command::new(env!("CARGO_BIN_EXE_proctor"))
+                .arg("abort")
+                .arg(dir.path())
+                .arg(id.0.to_string()),
+        )
+    };
+    let out = abort(child);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains(&format!("aborted procedure {child}")));
+    let again = abort(root);
+    assert_eq!(again.status.code(), Some(1), "{}", text(&again));
+    assert!(
+        text(&again).contains(&format!("tree {root} is already rolling back")),
+        "{}",
+        text(&again)
+    );
+    let procs = text(&proctor(&["procs"], dir.path()));
+    assert!(
+        row(&procs, child.0).contains(" aborted by operator "),
+        "{procs}"
+    );
+    assert!(
+        row(&procs, root.0).contains(" rollback (its tree failed) "),
+        "{procs}"
+    );
+
+    let (executor, rec) = common::start(Box::new(open_wal(dir.path()).unwrap()), 2).await;
+    let failure = executor.wait(root).await.unwrap().unwrap_err();
+    assert_eq!((failure.proc, failure.error), (child, ProcError::Aborted));
+    assert_eq!(rec.count("child-exec") + rec.count("root-exec"), 0);
+    // The step it may have been in, then its two recorded steps; the root's one.
+    assert_eq!(rec.count("child-rollback"), 3, "{:?}", rec.calls());
+    assert_eq!(rec.count("root-rollback"), 1, "{:?}", rec.calls());
+    executor.shutdown().await.unwrap();
+}
+
+/// The writing commands refuse a log an engine holds, and an id the log does not have.
+#[test]
+fn abort_and_bypass_refuse_a_running_engine_and_an_unknown_id() {
+    let dir = tempfile::tempdir().unwrap();
+    write_log(dir.path());
+    let run = |args: &[&str]| {
+        output(
+            Command::new(env!("CARGO_BIN_EXE_proctor"))
+                .arg(args[0])
+                .arg(dir.path())
+                .args(&args[1..]),
+        )
+    };
+    let engine = open_wal(dir.path()).unwrap();
+    for command in ["abort", "bypass"] {
+        let out = run(&[command, "1"]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{command}: {err}");
+        assert!(err.contains("held by another engine"), "{command}: {err}");
+    }
+    drop(engine);
+    for command in ["abort", "bypass"] {
+        let out = run(&[command, "999"]);
+        assert_eq!(out.status.code(), Some(1), "{command}: {}", text(&out));
+        assert!(
+            text(&out).contains("procedure 999 is not in the store"),
+            "{command}: {}",
+            text(&out)
+        );
+    }
+    let out = run(&["abort", "300"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(text(&out).contains("procedure 300 has already finished (SUCCESS)"));
 }
