@@ -27,7 +27,8 @@ use super::guard::guard;
 use super::persistence::Persistence;
 use super::procedure::{declare, Undeclarable};
 use super::protocol::{
-    AbortRequest, BypassRequest, Persist, Quiesce, Refuse, Regrant, StopWriter, TreeFinished,
+    AbortRequest, BypassRequest, Persist, Quiesce, Refuse, Regrant, RootSubmitted, StopWriter,
+    TreeFinished,
 };
 use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{
@@ -394,6 +395,7 @@ impl ExecutorBuilder {
                 owned_system: owned,
                 drain_timeout,
                 stopping: false,
+                subscribers: Vec::new(),
             }
         });
         if !report.recovered_roots.is_empty() {
@@ -610,6 +612,28 @@ impl Executor {
     /// [`Error::Stopped`] after shutdown, or the store's error once it has failed.
     pub async fn list(&self, which: List) -> Result<Vec<ProcInfo>, Error> {
         self.addr.send(which).await?
+    }
+
+    /// Subscribes to [`ProcEvent`]s: every root submitted or finishing from now on.
+    ///
+    /// ```no_run
+    /// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+    /// let mut events = executor.subscribe().await?;
+    /// while let Some(event) = events.next().await {
+    ///     if let proctor::ProcEvent::Finished { id, result, .. } = event {
+    ///         println!("{id}: {result:?}");
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] after shutdown.
+    pub async fn subscribe(&self) -> Result<Subscription, Error> {
+        let (tx, events) = tokio::sync::mpsc::unbounded_channel();
+        self.addr.send(SubscribeChannel(tx)).await??;
+        Ok(Subscription { events })
     }
 
     /// Makes `event` ready and wakes the procedures suspended on it, oldest first (see
@@ -880,6 +904,97 @@ impl Default for Shutdown {
     }
 }
 
+/// What happened to a root procedure, for subscribers ([`Executor::subscribe`],
+/// [`Subscribe`]). Each root gives `Submitted` (once its insert is durable) before
+/// `Finished`; roots recovered at start give only `Finished`.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum ProcEvent {
+    /// A root was submitted: it is durable and will run to SUCCESS or ROLLEDBACK.
+    Submitted {
+        /// The root.
+        id: ProcId,
+        /// Its registered type name.
+        type_name: &'static str,
+    },
+    /// A root's tree finished: `Ok` for SUCCESS, the original failure for ROLLEDBACK.
+    Finished {
+        /// The root.
+        id: ProcId,
+        /// Its registered type name.
+        type_name: &'static str,
+        /// Its result, as [`Executor::wait`] gives it.
+        result: Result<(), Failure>,
+    },
+}
+
+impl Message for ProcEvent {
+    type Result = ();
+}
+
+/// Subscribes an actor to [`ProcEvent`]s: it receives every root's events from now on,
+/// until it stops. For code that holds only the executor's address.
+///
+/// ```no_run
+/// # use actix::prelude::*;
+/// # struct Manager;
+/// # impl Actor for Manager { type Context = Context<Self>; }
+/// # impl Handler<proctor::ProcEvent> for Manager {
+/// #     type Result = ();
+/// #     fn handle(&mut self, _: proctor::ProcEvent, _: &mut Context<Self>) {}
+/// # }
+/// # async fn f(executor: Addr<proctor::ExecutorActor>, me: Addr<Manager>) -> Result<(), proctor::Error> {
+/// executor.send(proctor::Subscribe(me.recipient())).await??;
+/// # Ok(()) }
+/// ```
+pub struct Subscribe(pub Recipient<ProcEvent>);
+
+impl Message for Subscribe {
+    type Result = Result<(), Error>;
+}
+
+/// A stream of [`ProcEvent`]s from [`Executor::subscribe`]. Unbounded: read it, or
+/// drop it.
+#[derive(Debug)]
+pub struct Subscription {
+    events: tokio::sync::mpsc::UnboundedReceiver<ProcEvent>,
+}
+
+impl Subscription {
+    /// The next event; `None` once the executor has stopped.
+    pub async fn next(&mut self) -> Option<ProcEvent> {
+        self.events.recv().await
+    }
+}
+
+/// Where a subscriber's events go.
+enum Subscriber {
+    Actor(Recipient<ProcEvent>),
+    Channel(tokio::sync::mpsc::UnboundedSender<ProcEvent>),
+}
+
+impl Subscriber {
+    /// Delivers `event`; `false` once the subscriber is gone.
+    fn deliver(&self, event: ProcEvent) -> bool {
+        match self {
+            Subscriber::Actor(r) => {
+                r.connected() && {
+                    r.do_send(event);
+                    true
+                }
+            }
+            Subscriber::Channel(tx) => tx.send(event).is_ok(),
+        }
+    }
+}
+
+/// Subscribes a channel (what [`Executor::subscribe`] sends).
+struct SubscribeChannel(tokio::sync::mpsc::UnboundedSender<ProcEvent>);
+
+impl Message for SubscribeChannel {
+    type Result = Result<(), Error>;
+}
+
 impl Message for Shutdown {
     type Result = ();
 }
@@ -913,6 +1028,8 @@ pub struct ExecutorActor {
     drain_timeout: Duration,
     /// A shutdown has begun: submits are refused.
     stopping: bool,
+    /// Who receives procedure events.
+    subscribers: Vec<Subscriber>,
 }
 
 /// Where a nonce's submit is.
@@ -1315,11 +1432,76 @@ impl Handler<TreeFinished> for ExecutorActor {
             Ok(result) => {
                 self.unfinished = self.unfinished.saturating_sub(1);
                 self.finished.push_back((now_ms(), msg.root));
+                if !self.subscribers.is_empty() {
+                    let event = ProcEvent::Finished {
+                        id: msg.root,
+                        type_name: self.type_name_of(msg.root),
+                        result: result.clone(),
+                    };
+                    self.publish(event);
+                }
                 for waiter in self.waiters.remove(&msg.root).unwrap_or_default() {
                     let _ = waiter.send(Ok(result.clone()));
                 }
             }
             Err(e) => self.broke(e),
+        }
+    }
+}
+
+impl ExecutorActor {
+    fn type_name_of(&self, id: ProcId) -> &'static str {
+        self.shared.table.get(&id).map_or("?", |e| e.type_name)
+    }
+
+    /// Sends `event` to every subscriber, forgetting those that are gone.
+    fn publish(&mut self, event: ProcEvent) {
+        self.subscribers.retain(|s| s.deliver(event.clone()));
+        if self.subscribers.is_empty() {
+            self.shared
+                .subscribed
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn subscribe(&mut self, subscriber: Subscriber) -> Result<(), Error> {
+        if let Some(broken) = &self.broken {
+            return Err(broken.duplicate());
+        }
+        self.subscribers.push(subscriber);
+        self.shared
+            .subscribed
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl Handler<Subscribe> for ExecutorActor {
+    type Result = Result<(), Error>;
+
+    fn handle(&mut self, msg: Subscribe, _ctx: &mut Context<Self>) -> Self::Result {
+        self.subscribe(Subscriber::Actor(msg.0))
+    }
+}
+
+impl Handler<SubscribeChannel> for ExecutorActor {
+    type Result = Result<(), Error>;
+
+    fn handle(&mut self, msg: SubscribeChannel, _ctx: &mut Context<Self>) -> Self::Result {
+        self.subscribe(Subscriber::Channel(msg.0))
+    }
+}
+
+impl Handler<RootSubmitted> for ExecutorActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: RootSubmitted, _ctx: &mut Context<Self>) {
+        if !self.subscribers.is_empty() {
+            let event = ProcEvent::Submitted {
+                id: msg.0,
+                type_name: self.type_name_of(msg.0),
+            };
+            self.publish(event);
         }
     }
 }
@@ -1393,6 +1575,8 @@ impl ExecutorActor {
                 let _ = waiter.send(Err(Error::Stopped));
             }
         }
+        // Their streams end.
+        self.subscribers.clear();
         let persistence = self.shared.persistence.clone();
         let owned_system = self.owned_system;
         // Joined off the actor threads: a call into user code that is in the middle of a

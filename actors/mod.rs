@@ -16,7 +16,7 @@ mod wal_store;
 
 pub use executor::{
     Abort, AckResult, Bypass, Executor, ExecutorActor, ExecutorBuilder, GetState, GetValue, List,
-    ProcInfo, Recovery, Shutdown, Submit, WaitFor,
+    ProcEvent, ProcInfo, Recovery, Shutdown, Submit, Subscribe, Subscription, WaitFor,
 };
 pub use scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
 pub use wal_store::{

@@ -373,3 +373,14 @@ pub(crate) struct Quiesce(pub(crate) oneshot::Sender<()>);
 impl Message for Quiesce {
     type Result = ();
 }
+
+// Subscriptions: root stack -> executor, in order with the tree's `TreeFinished`.
+
+/// A root's insert is durable and its submitter answered: tell the subscribers (sent
+/// only while there are any). From the root stack, so it reaches the executor before
+/// the same tree's `TreeFinished`.
+pub(crate) struct RootSubmitted(pub(crate) ProcId);
+
+impl Message for RootSubmitted {
+    type Result = ();
+}

@@ -39,7 +39,8 @@ use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
     AbortProc, AbortRequest, AckWith, BypassRequest, Deadline, Enqueue, FailRequest,
     LockForRollback, LocksHeld, Persist, ProcLost, Quiesce, ReleaseLocks, Rollback, RolledBack,
-    StepDone, StepFinished, StopProc, SuspendOn, TreeFailed, TreeFinished, Unsuspend, Wake,
+    RootSubmitted, StepDone, StepFinished, StopProc, SuspendOn, TreeFailed, TreeFinished,
+    Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus};
 
@@ -259,6 +260,11 @@ impl RootStackActor {
         if let Some(ack) = self.submit_ack.take() {
             if self.performed > 0 {
                 let _ = ack.send(Ok(self.core.root()));
+                if self.shared.has_subscribers() {
+                    self.shared
+                        .executor
+                        .do_send(RootSubmitted(self.core.root()));
+                }
             } else {
                 self.submit_ack = Some(ack);
             }

@@ -96,6 +96,8 @@ pub(crate) struct Shared {
     next_id: AtomicU64,
     /// A graceful shutdown in progress, and the calls into user code it waits for.
     pub(crate) drain: Drain,
+    /// Someone subscribed to procedure events (root stacks then report submits).
+    pub(crate) subscribed: AtomicBool,
 }
 
 /// Calls into user code (steps and rollbacks) in progress, for a graceful shutdown:
@@ -170,7 +172,13 @@ impl Shared {
             next_arbiter: AtomicUsize::new(0),
             next_id: AtomicU64::new(max_id + 1),
             drain: Drain::default(),
+            subscribed: AtomicBool::new(false),
         }
+    }
+
+    /// Whether anyone subscribed to procedure events.
+    pub(crate) fn has_subscribers(&self) -> bool {
+        self.subscribed.load(Ordering::Relaxed)
     }
 
     /// A new procedure id, above every id the store has seen.

@@ -40,9 +40,9 @@ pub use async_trait::async_trait;
 
 pub use crate::actors::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Bypass, Entry, Executor,
-    ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List, ProcInfo,
-    Recovery, Repair, ResetEvent, SchedulerStats, SegmentReport, Shutdown, StdFs, Submit, WaitFor,
-    WakeEvent, WalDirScan, WalFs, WalOptions, WalStats, WalStore,
+    ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List, ProcEvent,
+    ProcInfo, Recovery, Repair, ResetEvent, SchedulerStats, SegmentReport, Shutdown, StdFs, Submit,
+    Subscribe, Subscription, WaitFor, WakeEvent, WalDirScan, WalFs, WalOptions, WalStats, WalStore,
 };
 pub use crate::cancel::{Cancel, Cancelled};
 pub use crate::error::Error;

@@ -1,14 +1,14 @@
 //! Embedding the engine: started from a plain tokio runtime (multi-thread and
 //! current-thread) it runs its own actix system and stops it at shutdown; inside an
 //! actix system it joins it; an actor holding only the executor's address can list
-//! with filters and shut it down.
+//! with filters, subscribe to completions and shut it down.
 
 mod common;
 
 use std::sync::Arc;
 
 use common::{registry, Recorder, Reopen, Scripted, Step};
-use proctor::{Error, Executor, List, ProcState, Shutdown};
+use proctor::{Error, Executor, List, ProcEvent, ProcId, ProcState, Shutdown, Subscribe};
 
 async fn start_on(store: Box<dyn proctor::ProcedureStore>) -> (Executor, Arc<Recorder>) {
     let rec = Arc::new(Recorder::default());
@@ -163,4 +163,106 @@ async fn list_filters_by_state_type_and_tree() {
         );
         executor.shutdown().await.unwrap();
     }
+}
+
+#[actix::test]
+async fn subscribers_hear_each_root_submitted_then_finished() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, _) = start_on(store).await;
+        let mut events = executor.subscribe().await.expect("subscribe");
+        let ok = executor
+            .submit(Scripted::new("ok", vec![Step::More]))
+            .await
+            .unwrap();
+        let bad = executor
+            .submit(Scripted::new("bad", vec![Step::Fail("no".into())]))
+            .await
+            .unwrap();
+        let mut seen = Vec::new();
+        while seen.len() < 4 {
+            seen.push(events.next().await.expect("an event"));
+        }
+        for id in [ok, bad] {
+            let of_id: Vec<&ProcEvent> = seen
+                .iter()
+                .filter(|e| match e {
+                    ProcEvent::Submitted { id: i, .. } | ProcEvent::Finished { id: i, .. } => {
+                        *i == id
+                    }
+                    _ => false,
+                })
+                .collect();
+            assert!(
+                matches!(
+                    of_id[..],
+                    [
+                        ProcEvent::Submitted {
+                            type_name: "scripted",
+                            ..
+                        },
+                        ProcEvent::Finished {
+                            type_name: "scripted",
+                            ..
+                        }
+                    ]
+                ),
+                "{name}: {seen:?}"
+            );
+        }
+        let bad_result = seen.iter().find_map(|e| match e {
+            ProcEvent::Finished { id, result, .. } if *id == bad => Some(result.clone()),
+            _ => None,
+        });
+        assert!(
+            matches!(bad_result, Some(Err(ref f)) if f.error == proctor::ProcError::failed("no")),
+            "{name}: {bad_result:?}"
+        );
+        executor.shutdown().await.unwrap();
+        assert_eq!(
+            events.next().await,
+            None,
+            "{name}: the stream ends at shutdown"
+        );
+    }
+}
+
+/// An actor that holds only the executor's address hears completions by message.
+struct Listener {
+    finished: tokio::sync::mpsc::UnboundedSender<ProcId>,
+}
+
+impl actix::Actor for Listener {
+    type Context = actix::Context<Self>;
+}
+
+impl actix::Handler<ProcEvent> for Listener {
+    type Result = ();
+
+    fn handle(&mut self, event: ProcEvent, _ctx: &mut actix::Context<Self>) {
+        if let ProcEvent::Finished { id, .. } = event {
+            let _ = self.finished.send(id);
+        }
+    }
+}
+
+#[actix::test]
+async fn an_actor_subscribes_with_its_recipient() {
+    use actix::Actor;
+    let (executor, _) = start_on(Box::new(proctor::MemoryStore::new())).await;
+    let (tx, mut finished) = tokio::sync::mpsc::unbounded_channel();
+    let listener = Listener { finished: tx }.start();
+    executor
+        .addr()
+        .send(Subscribe(listener.recipient()))
+        .await
+        .unwrap()
+        .unwrap();
+    let id = executor
+        .addr()
+        .send(proctor::Submit::new(Scripted::new("a", vec![])))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(finished.recv().await, Some(id));
+    executor.shutdown().await.unwrap();
 }
