@@ -34,7 +34,7 @@ use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{
     GetSchedulerStats, Monitor, ResetEvent, Scheduler, SchedulerStats, WakeEvent,
 };
-use super::shared::{now_ms, Entry, LockViews, Shared};
+use super::shared::{now_ms, Entry, LockViews, Shared, Waiting};
 
 impl From<MailboxError> for Error {
     fn from(_: MailboxError) -> Self {
@@ -354,6 +354,8 @@ impl ExecutorBuilder {
                         result: Some(record.failure.map_or(Ok(()), Err)),
                         value: record.result,
                         nonce: record.nonce,
+                        waiting: Waiting::Nothing,
+                        state_name: None,
                     },
                 );
             }
@@ -685,8 +687,26 @@ impl Executor {
     }
 }
 
+/// What a waiting procedure waits for (see [`ProcInfo::waiting_on`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WaitingOn {
+    /// Its children to finish.
+    Children,
+    /// The named event to be woken ([`Executor::wake_event`]).
+    Event(String),
+    /// Its timer: it runs again at this time (ms since the Unix epoch).
+    Timer {
+        /// When.
+        at_ms: u64,
+    },
+    /// The engine locks in [`ProcInfo::locks_waiting`].
+    Locks,
+}
+
 /// A snapshot of one procedure.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct ProcInfo {
     /// The procedure.
     pub id: ProcId,
@@ -708,6 +728,12 @@ pub struct ProcInfo {
     pub locks_held: Vec<Lock>,
     /// The engine locks it is waiting for (all granted together).
     pub locks_waiting: Vec<Lock>,
+    /// The name of the state it is in ([`Procedure::state_name`]; for a
+    /// [`StateMachine`](crate::StateMachine), its current state), as of its latest step.
+    pub state_name: Option<String>,
+    /// What it waits for, when it is not queued or running: children, an event, its
+    /// timer, or engine locks.
+    pub waiting_on: Option<WaitingOn>,
 }
 
 /// Submit a root procedure; answers its id once the insert is durable.
@@ -1047,17 +1073,32 @@ impl ExecutorActor {
             Some(v) => (Vec::new(), v.locks.clone()),
             None => (Vec::new(), Vec::new()),
         };
-        self.shared.table.get(&id).map(|e| ProcInfo {
-            id,
-            root: e.root,
-            parent: e.parent,
-            type_name: e.type_name,
-            state: e.state,
-            submitted_ms: e.submitted_ms,
-            updated_ms: e.updated_ms,
-            result: e.result.clone(),
-            locks_held,
-            locks_waiting,
+        self.shared.table.get(&id).map(|e| {
+            let waiting_on = match (&e.waiting, e.state) {
+                _ if !locks_waiting.is_empty() => Some(WaitingOn::Locks),
+                (Waiting::Event(event), ProcState::Waiting) => {
+                    Some(WaitingOn::Event(event.to_string()))
+                }
+                (Waiting::Timer(at_ms), ProcState::WaitingTimeout) => {
+                    Some(WaitingOn::Timer { at_ms: *at_ms })
+                }
+                (_, ProcState::Waiting) => Some(WaitingOn::Children),
+                _ => None,
+            };
+            ProcInfo {
+                id,
+                root: e.root,
+                parent: e.parent,
+                type_name: e.type_name,
+                state: e.state,
+                submitted_ms: e.submitted_ms,
+                updated_ms: e.updated_ms,
+                result: e.result.clone(),
+                locks_held,
+                locks_waiting,
+                state_name: e.state_name.as_deref().map(str::to_string),
+                waiting_on,
+            }
         })
     }
 }

@@ -16,7 +16,7 @@ mod wal_store;
 
 pub use executor::{
     Abort, AckResult, Bypass, Executor, ExecutorActor, ExecutorBuilder, GetState, GetValue, List,
-    ProcEvent, ProcInfo, Recovery, Shutdown, Submit, Subscribe, Subscription, WaitFor,
+    ProcEvent, ProcInfo, Recovery, Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitingOn,
 };
 pub use scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
 pub use wal_store::{

@@ -468,6 +468,14 @@ impl Handler<RunStep> for ProcedureActor {
             self.proc = Some(proc);
             return;
         }
+        // For operators: the state this step runs in.
+        if let Ok(Some(name)) = guard("state_name", || proc.state_name()) {
+            if let Some(mut e) = self.shared.table.get_mut(&id) {
+                if e.state_name.as_deref() != Some(name.as_str()) {
+                    e.state_name = Some(name.into());
+                }
+            }
+        }
         self.step_cancel = Some(cancel);
         let span = tracing::debug_span!("step", proc = %id, root = %self.root);
         let step = async move {

@@ -42,7 +42,7 @@ use super::protocol::{
     RootSubmitted, StepDone, StepFinished, StopProc, SuspendOn, TreeFailed, TreeFinished,
     Unsuspend, Wake,
 };
-use super::shared::{now_ms, Entry, Shared, TreeStatus};
+use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
 
 /// Decoded procedures waiting for their actors, with their encoded state.
 pub(crate) type Objects = HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>;
@@ -56,6 +56,7 @@ enum Row {
         state: ProcState,
         updated_ms: u64,
         value: Option<Vec<u8>>,
+        waiting: Waiting,
     },
 }
 
@@ -744,6 +745,8 @@ fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -
                     result: None,
                     value: None,
                     nonce: r.nonce,
+                    waiting: Waiting::of(r),
+                    state_name: None,
                 }),
             )),
             StoreOp::Update(r) => Some(Row::Update {
@@ -751,6 +754,7 @@ fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -
                 state: r.state,
                 updated_ms: r.updated_ms,
                 value: r.result.clone(),
+                waiting: Waiting::of(r),
             }),
             StoreOp::Delete(_) => None,
         })
@@ -768,10 +772,12 @@ fn apply_rows(shared: &Shared, rows: Vec<Row>) {
                 state,
                 updated_ms,
                 value,
+                waiting,
             } => {
                 if let Some(mut e) = shared.table.get_mut(&id) {
                     e.state = state;
                     e.updated_ms = updated_ms;
+                    e.waiting = waiting;
                     if value.is_some() {
                         e.value = value;
                     }

@@ -72,6 +72,30 @@ pub(crate) struct Entry {
     pub(crate) value: Option<Vec<u8>>,
     /// The nonce a root was submitted with.
     pub(crate) nonce: Option<Nonce>,
+    /// What a WAITING or WAITING_TIMEOUT procedure waits for, as its record says.
+    pub(crate) waiting: Waiting,
+    /// Its [`Procedure::state_name`](crate::Procedure::state_name) before its latest
+    /// step.
+    pub(crate) state_name: Option<Box<str>>,
+}
+
+/// What a procedure's record says it waits for (children, when it says neither).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub(crate) enum Waiting {
+    #[default]
+    Nothing,
+    Event(Box<str>),
+    Timer(u64),
+}
+
+impl Waiting {
+    pub(crate) fn of(record: &crate::record::ProcRecord) -> Self {
+        match (&record.event, record.wake_at_ms) {
+            (Some(event), _) => Waiting::Event(event.as_str().into()),
+            (None, Some(at)) => Waiting::Timer(at),
+            (None, None) => Waiting::Nothing,
+        }
+    }
 }
 
 /// The locks a procedure holds, or waits for, as the scheduler last saw them.

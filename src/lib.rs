@@ -42,7 +42,8 @@ pub use crate::actors::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Bypass, Entry, Executor,
     ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List, ProcEvent,
     ProcInfo, Recovery, Repair, ResetEvent, SchedulerStats, SegmentReport, Shutdown, StdFs, Submit,
-    Subscribe, Subscription, WaitFor, WakeEvent, WalDirScan, WalFs, WalOptions, WalStats, WalStore,
+    Subscribe, Subscription, WaitFor, WaitingOn, WakeEvent, WalDirScan, WalFs, WalOptions,
+    WalStats, WalStore,
 };
 pub use crate::cancel::{Cancel, Cancelled};
 pub use crate::error::Error;

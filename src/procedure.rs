@@ -516,6 +516,15 @@ pub trait Procedure: EncodeState + Any + Send + 'static {
     /// state is durable.
     fn completion_cleanup(&mut self) {}
 
+    /// The name of the state the procedure is in, for operators (HBase's
+    /// `toStringState`): shown by [`Executor::state`](crate::Executor::state) and
+    /// `list` as [`ProcInfo::state_name`](crate::ProcInfo::state_name). Asked before
+    /// each step; keep it cheap. [`StateMachine`](crate::StateMachine) gives the
+    /// current state's `Debug` name.
+    fn state_name(&self) -> Option<String> {
+        None
+    }
+
     /// `true` to go behind the other queued procedures after each step instead of
     /// running the next step at once.
     fn is_yield_after_execution(&self) -> bool {

@@ -332,6 +332,10 @@ impl<T: StateMachineProcedure> Procedure for StateMachine<T> {
         self.machine.is_yield_after_execution()
     }
 
+    fn state_name(&self) -> Option<String> {
+        Some(format!("{:?}", self.current_state()))
+    }
+
     fn timeout_ms(&self) -> Option<u64> {
         self.machine.timeout_ms()
     }

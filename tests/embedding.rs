@@ -8,7 +8,10 @@ mod common;
 use std::sync::Arc;
 
 use common::{registry, Recorder, Reopen, Scripted, Step};
-use proctor::{Error, Executor, List, ProcEvent, ProcId, ProcState, Shutdown, Subscribe};
+use proctor::{
+    Error, Executor, List, ProcEvent, ProcId, ProcState, Shutdown, StateMachine, Subscribe,
+    WaitingOn,
+};
 
 async fn start_on(store: Box<dyn proctor::ProcedureStore>) -> (Executor, Arc<Recorder>) {
     let rec = Arc::new(Recorder::default());
@@ -129,6 +132,15 @@ async fn list_filters_by_state_type_and_tree() {
             tokio::task::yield_now().await;
         }
         let live = executor.list(List::new()).await.unwrap();
+        let waits: Vec<_> = live.iter().map(|i| i.waiting_on.clone()).collect();
+        assert_eq!(
+            waits,
+            [
+                Some(WaitingOn::Children),
+                Some(WaitingOn::Event("never".into()))
+            ],
+            "{name}: what each waits for"
+        );
         assert!(
             live.iter().all(|i| !i.state.is_finished()),
             "{name}: finished roots are left out by default: {live:?}"
@@ -265,4 +277,24 @@ async fn an_actor_subscribes_with_its_recipient() {
         .unwrap();
     assert_eq!(finished.recv().await, Some(id));
     executor.shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn a_state_machine_shows_the_name_of_its_state() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, _) = start_on(store).await;
+        let id = executor
+            .submit(StateMachine::new(common::Adder { fail_in: None }))
+            .await
+            .unwrap();
+        executor.wait(id).await.unwrap().unwrap();
+        let info = executor.state(id).await.unwrap();
+        assert_eq!(
+            info.state_name.as_deref(),
+            Some("Four"),
+            "{name}: its last state"
+        );
+        assert_eq!(info.waiting_on, None, "{name}");
+        executor.shutdown().await.unwrap();
+    }
 }
