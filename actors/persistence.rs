@@ -11,6 +11,7 @@
 
 use std::sync::mpsc;
 use std::thread;
+use std::time::Instant;
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
@@ -19,6 +20,7 @@ use crate::error::Error;
 use crate::record::StoreOp;
 use crate::store::{ProcedureStore, StoreError};
 
+use super::metrics;
 use super::perturb;
 use super::protocol::{Persist, Refuse, StopWriter};
 
@@ -45,7 +47,9 @@ impl Persistence {
             .spawn(move || {
                 while let Ok(batch) = rx.recv() {
                     perturb::point("persistence::writer::append");
+                    let started = Instant::now();
                     let result = store.append(&batch.ops);
+                    metrics::wal_append(started.elapsed(), batch.ops.len());
                     // The actor may be gone at shutdown; nothing is waiting then.
                     let _ = batch.done.send(result);
                 }

@@ -10,7 +10,7 @@
 //! no user code at all, exactly as if the process had died.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
@@ -23,6 +23,7 @@ use crate::registry::RegistryError;
 use crate::root_stack::{NewChild, StepOutcome, StepReport};
 
 use super::guard::{guard, CatchUnwind};
+use super::metrics;
 use super::perturb;
 use super::protocol::{
     AbortAck, AbortProc, Deadline, FailRequest, LockFailed, LocksGranted, LocksHeld, ProcLost,
@@ -36,6 +37,8 @@ pub(crate) struct ProcSpec {
     pub(crate) id: ProcId,
     pub(crate) parent: Option<ProcId>,
     pub(crate) root: ProcId,
+    /// Its registered type name.
+    pub(crate) type_name: &'static str,
     /// When its timeout expires (persisted, so it holds across restarts).
     pub(crate) deadline_ms: Option<u64>,
     /// Rebuilt by recovery: call `after_recover` when the actor starts.
@@ -104,6 +107,11 @@ pub(crate) struct ProcedureActor {
     pending_timeout: bool,
     /// `StopProc` was handled: the actor ends because the procedure finished.
     stopped: bool,
+    /// The procedure's span (id, root, parent, type): the parent of its step and
+    /// rollback spans, so whatever user code logs carries them.
+    span: tracing::Span,
+    /// `proctor_step_duration_seconds` for its type, registered once.
+    step_seconds: ::metrics::Histogram,
 }
 
 impl ProcedureActor {
@@ -115,7 +123,16 @@ impl ProcedureActor {
         root_stack: Addr<RootStackActor>,
         status: Arc<TreeStatus>,
     ) -> Self {
+        let span = tracing::info_span!(
+            "procedure",
+            id = spec.id.0,
+            root = spec.root.0,
+            parent = spec.parent.map(|p| p.0),
+            r#type = %spec.type_name,
+        );
         ProcedureActor {
+            span,
+            step_seconds: metrics::step_histogram(spec.type_name),
             id: spec.id,
             parent: spec.parent,
             root: spec.root,
@@ -222,9 +239,12 @@ impl ProcedureActor {
                 }
             }
         };
-        match outcome {
+        match &outcome {
             StepOutcome::Done => self.done = true,
-            StepOutcome::Failed(_) => self.failed = true,
+            StepOutcome::Failed(error) => {
+                tracing::info!(parent: &self.span, %error, "step failed");
+                self.failed = true;
+            }
             _ => {}
         }
         self.proc = Some(proc);
@@ -300,6 +320,9 @@ impl ProcedureActor {
             Err(panic) => (true, panic),
         };
         if accepted {
+            if ack.is_some() {
+                tracing::info!(parent: &self.span, %error, "abort accepted");
+            }
             self.failed = true;
             let data = self.encode(&*proc).unwrap_or_else(|_| self.data.clone());
             perturb::point("procedure::request_failure::fail_request");
@@ -339,7 +362,7 @@ impl ProcedureActor {
                     Err(panic) => panic,
                     _ => ProcError::TimedOut { timeout_ms },
                 };
-                tracing::debug!(proc = %self.id, %error, "timed out");
+                tracing::info!(parent: &self.span, %error, "timed out");
                 self.failed = true;
                 self.root_stack.do_send(FailRequest {
                     id: self.id,
@@ -428,7 +451,7 @@ impl Drop for ProcedureActor {
 impl Handler<RunStep> for ProcedureActor {
     type Result = ();
 
-    fn handle(&mut self, _msg: RunStep, ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: RunStep, ctx: &mut Context<Self>) {
         let id = self.id;
         if self.failed || self.done || self.status.failed() {
             // Its last good state: the report may be recorded (a procedure that never
@@ -455,13 +478,16 @@ impl Handler<RunStep> for ProcedureActor {
                 }
             }
         }
-        let span = tracing::debug_span!("step", proc = %id, root = %self.root);
+        let span = tracing::info_span!(parent: &self.span, "step", step = msg.step);
+        let step_seconds = self.step_seconds.clone();
         let step = async move {
+            let started = Instant::now();
             let result = CatchUnwind {
                 hook: "execute",
                 future: proc.execute(&mut pctx),
             }
             .await;
+            step_seconds.record(started.elapsed());
             (proc, pctx, result)
         };
         ctx.spawn(
@@ -508,7 +534,7 @@ impl Handler<Rollback> for ProcedureActor {
             }
             self.lock_held = true;
         }
-        let span = tracing::debug_span!("rollback", proc = %id, root = %self.root);
+        let span = tracing::info_span!(parent: &self.span, "rollback", unrecorded = msg.unrecorded);
         let call = async move {
             let result = CatchUnwind {
                 hook: "rollback",

@@ -20,6 +20,7 @@ use crate::procedure::ProcId;
 use crate::ready_queue::ReadyQueue;
 use crate::workers::{Change, WorkerPolicy, Workers};
 
+use super::metrics;
 use super::perturb;
 use super::procedure::ProcedureActor;
 use super::protocol::{
@@ -179,13 +180,15 @@ impl Scheduler {
                 tracing::trace!(proc = %id, "dispatch");
                 perturb::point("scheduler::dispatch::run_step");
                 self.running.insert(id, (now_ms(), what));
-                addr.do_send(RunStep);
+                addr.do_send(RunStep { step: what.1 });
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");
                 self.ready.complete();
                 self.release(id, Some(Hold::Step));
             }
         }
+        let (holders, waiters) = self.locks.len();
+        metrics::scheduler(self.ready.queued(), self.ready.busy(), holders, waiters);
     }
 
     /// The stuck-worker check: warns about steps past the threshold, and adds or
@@ -493,6 +496,8 @@ impl Handler<Regrant> for Scheduler {
                 self.view.insert(id, LockView { locks, held: true });
             }
         }
+        let (holders, waiters) = self.locks.len();
+        metrics::scheduler(self.ready.queued(), self.ready.busy(), holders, waiters);
     }
 }
 
