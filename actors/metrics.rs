@@ -20,13 +20,15 @@
 //!
 //! `type` is the name the procedure's type was registered under. The gauges are the
 //! scheduler's view, set whenever it changes; with more than one executor in a process
-//! they overwrite each other.
+//! they overwrite each other. Install the recorder before starting the executor: the
+//! gauges, the WAL histograms and each procedure's step histogram are registered once,
+//! when their actor starts, and stay with the recorder they found.
 
 use std::time::Duration;
 
 use metrics::{
-    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Histogram,
-    Unit,
+    counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram, Gauge,
+    Histogram, Unit,
 };
 
 use crate::procedure::ProcState;
@@ -134,20 +136,56 @@ pub(crate) fn step_histogram(type_name: &'static str) -> Histogram {
     histogram!(STEP_DURATION, TYPE_LABEL => type_name)
 }
 
-/// One group-commit append of `records` records took `took`.
-pub(crate) fn wal_append(took: Duration, records: usize) {
-    histogram!(WAL_SYNC).record(took);
-    #[allow(clippy::cast_precision_loss)]
-    histogram!(WAL_BATCH_RECORDS).record(records as f64);
+/// The store writer's histograms, registered once when the writer starts.
+pub(crate) struct WalMetrics {
+    sync: Histogram,
+    batch: Histogram,
 }
 
-/// The scheduler's counts, after a change.
-pub(crate) fn scheduler(queued: usize, running: usize, holders: usize, waiters: usize) {
-    #[allow(clippy::cast_precision_loss)]
-    {
-        gauge!(READY_QUEUE_LENGTH).set(queued as f64);
-        gauge!(STEPS_RUNNING).set(running as f64);
-        gauge!(LOCKS_HELD).set(holders as f64);
-        gauge!(LOCKS_WAITING).set(waiters as f64);
+impl WalMetrics {
+    pub(crate) fn new() -> Self {
+        WalMetrics {
+            sync: histogram!(WAL_SYNC),
+            batch: histogram!(WAL_BATCH_RECORDS),
+        }
+    }
+
+    /// One group-commit append of `records` records took `took`.
+    pub(crate) fn append(&self, took: Duration, records: usize) {
+        self.sync.record(took);
+        #[allow(clippy::cast_precision_loss)]
+        self.batch.record(records as f64);
+    }
+}
+
+/// The scheduler's gauges, registered once when it starts; each is set only when its
+/// value changed.
+pub(crate) struct SchedulerGauges {
+    gauges: [Gauge; 4],
+    last: [usize; 4],
+}
+
+impl SchedulerGauges {
+    pub(crate) fn new() -> Self {
+        SchedulerGauges {
+            gauges: [
+                gauge!(READY_QUEUE_LENGTH),
+                gauge!(STEPS_RUNNING),
+                gauge!(LOCKS_HELD),
+                gauge!(LOCKS_WAITING),
+            ],
+            last: [0; 4],
+        }
+    }
+
+    /// The steps queued and running, and the procedures holding and waiting for locks.
+    pub(crate) fn set(&mut self, now: [usize; 4]) {
+        for ((gauge, last), value) in self.gauges.iter().zip(&mut self.last).zip(now) {
+            if *last != value {
+                *last = value;
+                #[allow(clippy::cast_precision_loss)]
+                gauge.set(value as f64);
+            }
+        }
     }
 }

@@ -45,11 +45,12 @@ impl Persistence {
         let thread = thread::Builder::new()
             .name("proctor-store-writer".into())
             .spawn(move || {
+                let metrics = metrics::WalMetrics::new();
                 while let Ok(batch) = rx.recv() {
                     perturb::point("persistence::writer::append");
                     let started = Instant::now();
                     let result = store.append(&batch.ops);
-                    metrics::wal_append(started.elapsed(), batch.ops.len());
+                    metrics.append(started.elapsed(), batch.ops.len());
                     // The actor may be gone at shutdown; nothing is waiting then.
                     let _ = batch.done.send(result);
                 }

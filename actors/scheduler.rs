@@ -139,6 +139,7 @@ pub(crate) struct Scheduler {
     /// Enqueues that arrived while the previous step still held its step locks.
     deferred: HashMap<ProcId, Deferred>,
     view: Arc<LockViews>,
+    gauges: metrics::SchedulerGauges,
 }
 
 impl Scheduler {
@@ -169,6 +170,7 @@ impl Scheduler {
             parked_by_root: HashMap::new(),
             deferred: HashMap::new(),
             view,
+            gauges: metrics::SchedulerGauges::new(),
         }
     }
 
@@ -188,7 +190,8 @@ impl Scheduler {
             }
         }
         let (holders, waiters) = self.locks.len();
-        metrics::scheduler(self.ready.queued(), self.ready.busy(), holders, waiters);
+        let counts = [self.ready.queued(), self.ready.busy(), holders, waiters];
+        self.gauges.set(counts);
     }
 
     /// The stuck-worker check: warns about steps past the threshold, and adds or
@@ -497,7 +500,8 @@ impl Handler<Regrant> for Scheduler {
             }
         }
         let (holders, waiters) = self.locks.len();
-        metrics::scheduler(self.ready.queued(), self.ready.busy(), holders, waiters);
+        let counts = [self.ready.queued(), self.ready.busy(), holders, waiters];
+        self.gauges.set(counts);
     }
 }
 
