@@ -1,8 +1,8 @@
-//! The engine's metrics, recorded through the [`metrics`] facade: proctor installs no
-//! recorder, so they cost a few nanoseconds each until the application installs one
-//! (`metrics-exporter-prometheus`, or any other exporter; `examples/metrics.rs` serves
-//! them to Prometheus). Every name is a constant here; [`describe`] gives each its help
-//! text and unit, once, when an executor starts.
+//! The engine's metrics, recorded through the facade of the `metrics` crate: proctor
+//! installs no recorder, so recording costs next to nothing until the application
+//! installs one (`metrics-exporter-prometheus`, or any other exporter;
+//! `examples/metrics.rs` serves them to Prometheus). Every name is a constant here; each
+//! metric gets its help text and unit when an executor starts.
 //!
 //! | name | kind | labels | meaning |
 //! | --- | --- | --- | --- |
