@@ -1,10 +1,12 @@
-//! The engine's metrics as Prometheus scrapes them: the setup of `examples/metrics.rs`
-//! (the `metrics-exporter-prometheus` HTTP listener), procedures of two types, some
-//! failing, and a plain HTTP/1.0 GET of the endpoint. One test: a process has one
-//! global recorder.
+//! The engine's metrics as Prometheus scrapes them, and its INFO log: the setup of
+//! `examples/metrics.rs` (the `metrics-exporter-prometheus` HTTP listener, a `tracing`
+//! fmt subscriber at INFO, here writing to a buffer), procedures of two types, some
+//! failing, and a plain HTTP/1.0 GET of the endpoint. One test: a process has one global
+//! recorder and one global subscriber.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::PrometheusBuilder;
@@ -21,6 +23,7 @@ struct Transfer {
 impl Procedure for Transfer {
     async fn execute(&mut self, _ctx: &mut Context) -> Result<Flow, ProcError> {
         self.done += 1;
+        tracing::info!("transfer step");
         if Some(self.done) == self.fail_at {
             return Err(ProcError::failed("insufficient funds"));
         }
@@ -65,6 +68,21 @@ impl Procedure for Batch {
     }
 }
 
+/// What the fmt subscriber wrote.
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 /// A port nobody listens on now.
 fn free_addr() -> SocketAddr {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -105,7 +123,14 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 }
 
 #[test]
-fn prometheus_scrape_shows_counters_and_histograms_per_type() {
+fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
+    let log = Capture::default();
+    let writer = log.clone();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .init();
     let addr = free_addr();
     // Outside any runtime: the exporter serves from a thread of its own.
     PrometheusBuilder::new()
@@ -151,6 +176,17 @@ fn prometheus_scrape_shows_counters_and_histograms_per_type() {
             }
         }
         assert_eq!(rolled_back, 2);
+        // The last steps' workers are freed by messages of their own: wait until the
+        // scheduler has seen them (it sets its gauges in the same handler).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let stats = executor.scheduler_stats().await.unwrap();
+            if stats.running == 0 && stats.queued == 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{stats:?}");
+            actix::clock::sleep(Duration::from_millis(10)).await;
+        }
     });
 
     let text = scrape(addr);
@@ -208,4 +244,22 @@ fn prometheus_scrape_shows_counters_and_histograms_per_type() {
     // Described once at start: help text and type lines.
     assert!(text.contains("# TYPE proctor_procedures_submitted_total counter"));
     assert!(text.contains("# HELP proctor_wal_sync_seconds"));
+
+    let log = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+    let lines = |what: &str| log.lines().filter(|l| l.contains(what)).count();
+    // One line per finished procedure, with its id and type.
+    assert_eq!(lines("procedure finished"), 10, "{log}");
+    assert_eq!(lines("outcome=ROLLEDBACK"), 2, "{log}");
+    assert!(
+        log.contains("procedure finished id=1 root=1 type=transfer outcome=SUCCESS"),
+        "{log}"
+    );
+    assert_eq!(lines("procedure submitted"), 7, "{log}");
+    // The user's line inside a step carries the procedure's and the step's spans.
+    assert!(
+        log.contains("procedure{id=1 root=1 type=transfer}:step{step=2}: metrics: transfer step"),
+        "{log}"
+    );
+    assert_eq!(lines("transfer step"), 25, "{log}");
+    assert_eq!(lines("parent=7 type=transfer}:step{step=3}"), 3, "{log}");
 }
