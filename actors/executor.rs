@@ -289,6 +289,7 @@ impl ExecutorBuilder {
             corrupt,
             repairs: snapshot.repairs,
         });
+        super::metrics::describe();
         let persistence = Persistence::new(store)
             .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
             .start();

@@ -5,6 +5,7 @@
 
 mod executor;
 mod guard;
+pub mod metrics;
 mod persistence;
 pub mod perturb;
 mod procedure;

@@ -11,6 +11,7 @@
 
 use std::sync::mpsc;
 use std::thread;
+use std::time::Instant;
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
@@ -19,6 +20,7 @@ use crate::error::Error;
 use crate::record::StoreOp;
 use crate::store::{ProcedureStore, StoreError};
 
+use super::metrics;
 use super::perturb;
 use super::protocol::{Persist, Refuse, StopWriter};
 
@@ -43,9 +45,12 @@ impl Persistence {
         let thread = thread::Builder::new()
             .name("proctor-store-writer".into())
             .spawn(move || {
+                let metrics = metrics::WalMetrics::new();
                 while let Ok(batch) = rx.recv() {
                     perturb::point("persistence::writer::append");
+                    let started = Instant::now();
                     let result = store.append(&batch.ops);
+                    metrics.append(started.elapsed(), batch.ops.len());
                     // The actor may be gone at shutdown; nothing is waiting then.
                     let _ = batch.done.send(result);
                 }

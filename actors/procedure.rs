@@ -10,7 +10,7 @@
 //! no user code at all, exactly as if the process had died.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
@@ -24,6 +24,7 @@ use crate::registry::RegistryError;
 use crate::root_stack::{NewChild, StepOutcome, StepReport};
 
 use super::guard::{guard, CatchUnwind};
+use super::metrics;
 use super::perturb;
 use super::protocol::{
     AbortAck, AbortProc, Deadline, FailRequest, LockFailed, LocksGranted, LocksHeld, ProcLost,
@@ -37,6 +38,8 @@ pub(crate) struct ProcSpec {
     pub(crate) id: ProcId,
     pub(crate) parent: Option<ProcId>,
     pub(crate) root: ProcId,
+    /// Its registered type name.
+    pub(crate) type_name: &'static str,
     /// When its timeout expires (persisted, so it holds across restarts).
     pub(crate) deadline_ms: Option<u64>,
     /// Rebuilt by recovery: call `after_recover` when the actor starts.
@@ -107,6 +110,11 @@ pub(crate) struct ProcedureActor {
     step_cancel: Option<Cancel>,
     /// `StopProc` was handled: the actor ends because the procedure finished.
     stopped: bool,
+    /// The procedure's span (id, root, parent, type): the parent of its step and
+    /// rollback spans, so whatever user code logs carries them.
+    span: tracing::Span,
+    /// `proctor_step_duration_seconds` for its type, registered once.
+    step_seconds: ::metrics::Histogram,
 }
 
 impl ProcedureActor {
@@ -118,7 +126,16 @@ impl ProcedureActor {
         root_stack: Addr<RootStackActor>,
         status: Arc<TreeStatus>,
     ) -> Self {
+        let span = tracing::info_span!(
+            "procedure",
+            id = spec.id.0,
+            root = spec.root.0,
+            parent = spec.parent.map(|p| p.0),
+            r#type = %spec.type_name,
+        );
         ProcedureActor {
+            span,
+            step_seconds: metrics::step_histogram(spec.type_name),
             id: spec.id,
             parent: spec.parent,
             root: spec.root,
@@ -226,9 +243,12 @@ impl ProcedureActor {
                 }
             }
         };
-        match outcome {
+        match &outcome {
             StepOutcome::Done => self.done = true,
-            StepOutcome::Failed(_) => self.failed = true,
+            StepOutcome::Failed(error) => {
+                tracing::info!(parent: &self.span, %error, "step failed");
+                self.failed = true;
+            }
             _ => {}
         }
         self.proc = Some(proc);
@@ -304,6 +324,9 @@ impl ProcedureActor {
             Err(panic) => (true, panic),
         };
         if accepted {
+            if ack.is_some() {
+                tracing::info!(parent: &self.span, %error, "abort accepted");
+            }
             self.failed = true;
             let data = self.encode(&*proc).unwrap_or_else(|_| self.data.clone());
             perturb::point("procedure::request_failure::fail_request");
@@ -343,7 +366,7 @@ impl ProcedureActor {
                     Err(panic) => panic,
                     _ => ProcError::TimedOut { timeout_ms },
                 };
-                tracing::debug!(proc = %self.id, %error, "timed out");
+                tracing::info!(parent: &self.span, %error, "timed out");
                 self.failed = true;
                 self.root_stack.do_send(FailRequest {
                     id: self.id,
@@ -432,7 +455,7 @@ impl Drop for ProcedureActor {
 impl Handler<RunStep> for ProcedureActor {
     type Result = ();
 
-    fn handle(&mut self, _msg: RunStep, ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: RunStep, ctx: &mut Context<Self>) {
         let id = self.id;
         if self.shared.drain.is_draining() {
             // A graceful shutdown: the step runs after the restart.
@@ -469,21 +492,30 @@ impl Handler<RunStep> for ProcedureActor {
             return;
         }
         // For operators: the state this step runs in.
-        if let Ok(Some(name)) = guard("state_name", || proc.state_name()) {
+        let state_name = guard("state_name", || proc.state_name()).ok().flatten();
+        if let Some(name) = &state_name {
             if let Some(mut e) = self.shared.table.get_mut(&id) {
                 if e.state_name.as_deref() != Some(name.as_str()) {
-                    e.state_name = Some(name.into());
+                    e.state_name = Some(name.as_str().into());
                 }
             }
         }
         self.step_cancel = Some(cancel);
-        let span = tracing::debug_span!("step", proc = %id, root = %self.root);
+        let span = tracing::info_span!(
+            parent: &self.span,
+            "step",
+            step = msg.step,
+            state = state_name.as_deref()
+        );
+        let step_seconds = self.step_seconds.clone();
         let step = async move {
+            let started = Instant::now();
             let result = CatchUnwind {
                 hook: "execute",
                 future: proc.execute(&mut pctx),
             }
             .await;
+            step_seconds.record(started.elapsed());
             (proc, pctx, result)
         };
         ctx.spawn(
@@ -537,7 +569,7 @@ impl Handler<Rollback> for ProcedureActor {
             self.proc = Some(proc);
             return;
         }
-        let span = tracing::debug_span!("rollback", proc = %id, root = %self.root);
+        let span = tracing::info_span!(parent: &self.span, "rollback", unrecorded = msg.unrecorded);
         let call = async move {
             let result = CatchUnwind {
                 hook: "rollback",

@@ -79,7 +79,10 @@ impl Message for Unsuspend {
 }
 
 /// Run one step (from the scheduler, which counts it against a worker).
-pub(crate) struct RunStep;
+pub(crate) struct RunStep {
+    /// Which of the procedure's steps this is, counting from 1 (for its span).
+    pub(crate) step: usize,
+}
 
 impl Message for RunStep {
     type Result = ();

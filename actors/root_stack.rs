@@ -34,6 +34,7 @@ use crate::record::{Failure, StoreOp};
 use crate::root_stack::{Action, NewChild, RootStack, Transition};
 
 use super::guard::panic_message;
+use super::metrics;
 use super::perturb;
 use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
@@ -315,6 +316,7 @@ impl RootStackActor {
                         act.stop_when_quiet(ctx);
                     }));
                 }
+                self.log_finished(id);
                 if id != self.core.root() {
                     self.shared.table.remove(&id);
                 } else if let Some(mut e) = self.shared.table.get_mut(&id) {
@@ -351,9 +353,9 @@ impl RootStackActor {
             }),
             Action::Finished(result) => {
                 match &result {
-                    Ok(()) => tracing::debug!(root = %self.core.root(), "tree succeeded"),
+                    Ok(()) => tracing::debug!(root = self.core.root().0, "tree succeeded"),
                     Err(failure) => {
-                        tracing::debug!(root = %self.core.root(), %failure, "tree rolled back")
+                        tracing::warn!(root = self.core.root().0, %failure, "tree rolled back")
                     }
                 }
                 self.result = Some(result);
@@ -372,10 +374,27 @@ impl RootStackActor {
         let Some((parent, _)) = self.core.procedure(id) else {
             unreachable!("spawn of {id}, which is not in the tree");
         };
+        let type_name = self.core.type_name_of(id).unwrap_or("?");
+        if !self.recovered {
+            // Its insert is durable: accepted (a recovered one was counted before).
+            metrics::submitted(type_name);
+            if id == self.core.root() {
+                tracing::info!(id = id.0, r#type = %type_name, "procedure submitted");
+            } else {
+                tracing::debug!(
+                    id = id.0,
+                    parent = parent.map(|p| p.0),
+                    root = self.core.root().0,
+                    r#type = type_name,
+                    "child procedure submitted"
+                );
+            }
+        }
         let spec = ProcSpec {
             id,
             parent,
             root: self.core.root(),
+            type_name,
             deadline_ms: self.core.deadline_of(id),
             recovered: self.recovered,
             has_locks: self.core.lock_request(id, false).is_some(),
@@ -385,6 +404,26 @@ impl RootStackActor {
             ProcedureActor::new(spec, proc, data, shared, root_stack, status)
         });
         self.procs.insert(id, addr);
+    }
+
+    /// A procedure's final record is durable: one INFO line and its metrics. The
+    /// duration runs from its persisted submit time (so it spans restarts).
+    fn log_finished(&self, id: ProcId) {
+        let Some(e) = self.shared.table.get(&id) else {
+            return;
+        };
+        let (type_name, state) = (e.type_name, e.state);
+        let duration_ms = now_ms().saturating_sub(e.submitted_ms);
+        metrics::finished(type_name, state, duration_ms);
+        tracing::info!(
+            id = id.0,
+            parent = e.parent.map(|p| p.0),
+            root = e.root.0,
+            r#type = %type_name,
+            outcome = %state,
+            duration_ms,
+            "procedure finished"
+        );
     }
 
     fn enqueue(&self, id: ProcId, front: bool) {

@@ -20,6 +20,7 @@ use crate::procedure::ProcId;
 use crate::ready_queue::ReadyQueue;
 use crate::workers::{Change, WorkerPolicy, Workers};
 
+use super::metrics;
 use super::perturb;
 use super::procedure::ProcedureActor;
 use super::protocol::{
@@ -138,6 +139,7 @@ pub(crate) struct Scheduler {
     /// Enqueues that arrived while the previous step still held its step locks.
     deferred: HashMap<ProcId, Deferred>,
     view: Arc<LockViews>,
+    gauges: metrics::SchedulerGauges,
 }
 
 impl Scheduler {
@@ -168,6 +170,7 @@ impl Scheduler {
             parked_by_root: HashMap::new(),
             deferred: HashMap::new(),
             view,
+            gauges: metrics::SchedulerGauges::new(),
         }
     }
 
@@ -179,13 +182,16 @@ impl Scheduler {
                 tracing::trace!(proc = %id, "dispatch");
                 perturb::point("scheduler::dispatch::run_step");
                 self.running.insert(id, (now_ms(), what));
-                addr.do_send(RunStep);
+                addr.do_send(RunStep { step: what.1 });
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");
                 self.ready.complete();
                 self.release(id, Some(Hold::Step));
             }
         }
+        let (holders, waiters) = self.locks.len();
+        let counts = [self.ready.queued(), self.ready.busy(), holders, waiters];
+        self.gauges.set(counts);
     }
 
     /// The stuck-worker check: warns about steps past the threshold, and adds or
@@ -493,6 +499,9 @@ impl Handler<Regrant> for Scheduler {
                 self.view.insert(id, LockView { locks, held: true });
             }
         }
+        let (holders, waiters) = self.locks.len();
+        let counts = [self.ready.queued(), self.ready.busy(), holders, waiters];
+        self.gauges.set(counts);
     }
 }
 

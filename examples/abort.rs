@@ -10,6 +10,7 @@
 //! between steps; the engine then calls `rollback` once per executed step, newest first,
 //! and the procedure ends ROLLEDBACK with the abort as its error.
 
+use std::io::IsTerminal;
 use std::sync::Arc;
 
 use proctor::{
@@ -55,6 +56,13 @@ impl Procedure for DrainServer {
 
 #[actix::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // The engine's log on stderr as `RUST_LOG` says: with `RUST_LOG=info`, the abort
+    // accepted, the tree rolled back, and the procedure finished ROLLEDBACK.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
     let mut registry = Registry::new();
     registry.register::<DrainServer>("drain_server");
     let progress = Arc::new(Progress(Notify::new()));

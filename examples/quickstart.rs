@@ -7,8 +7,12 @@
 //!
 //! It prints each state the procedure passes through and ends with SUCCESS. The
 //! "cluster" is a map in memory that stands in for the service that embeds proctor.
+//! With `RUST_LOG=info` the engine's log goes to stderr: a line per submitted root and
+//! per finished procedure (id, type, outcome, duration), and the `[procedure N]` lines'
+//! spans (`RUST_LOG=info,proctor=debug` shows more).
 
 use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::sync::Mutex;
 
 use proctor::{
@@ -143,6 +147,13 @@ impl Procedure for AssignRegion {
 
 #[actix::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // The engine logs through `tracing`; this shows it on stderr as `RUST_LOG` says
+    // (nothing but errors when it is unset), leaving stdout to the program.
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .init();
     // Every type that can be persisted is registered under a name that never changes.
     let mut registry = Registry::new();
     registry

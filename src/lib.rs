@@ -38,6 +38,10 @@ pub use crate::actors::perturb;
 
 pub use async_trait::async_trait;
 
+/// The names of the engine's metrics (recorded through the `metrics` facade) and what
+/// each one measures.
+pub use crate::actors::metrics;
+
 pub use crate::actors::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Bypass, Entry, Executor,
     ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List, ProcEvent,

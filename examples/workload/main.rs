@@ -123,6 +123,10 @@ struct Args {
     /// `WalOptions`'s).
     #[arg(long)]
     max_segments: Option<usize>,
+    /// Record the engine's metrics in a Prometheus recorder (nothing is served), to
+    /// measure what recording costs; without it no recorder is installed.
+    #[arg(long)]
+    metrics_recorder: bool,
 }
 
 /// Counts the detached tasks still running; `all_done` waits for the last.
@@ -214,6 +218,9 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     if args.locks == Some(0) {
         return Err("--locks must be at least 1".into());
+    }
+    if args.metrics_recorder {
+        metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
     }
     let ledger = args.ledger.as_deref().map(Ledger::open).transpose()?;
     let env = Arc::new(Env::new(ledger));

@@ -1,0 +1,265 @@
+//! The engine's metrics as Prometheus scrapes them, and its INFO log: the setup of
+//! `examples/metrics.rs` (the `metrics-exporter-prometheus` HTTP listener, a `tracing`
+//! fmt subscriber at INFO, here writing to a buffer), procedures of two types, some
+//! failing, and a plain HTTP/1.0 GET of the endpoint. One test: a process has one global
+//! recorder and one global subscriber.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use metrics_exporter_prometheus::PrometheusBuilder;
+use proctor::{async_trait, Context, Executor, Flow, ProcError, Procedure, Registry};
+use serde::{Deserialize, Serialize};
+
+#[derive(Serialize, Deserialize)]
+struct Transfer {
+    done: u32,
+    fail_at: Option<u32>,
+}
+
+#[async_trait]
+impl Procedure for Transfer {
+    async fn execute(&mut self, _ctx: &mut Context) -> Result<Flow, ProcError> {
+        self.done += 1;
+        tracing::info!("transfer step");
+        if Some(self.done) == self.fail_at {
+            return Err(ProcError::failed("insufficient funds"));
+        }
+        Ok(if self.done == 3 {
+            Flow::Done
+        } else {
+            Flow::MoreToDo
+        })
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
+        Ok(())
+    }
+}
+
+#[derive(Serialize, Deserialize)]
+struct Batch {
+    n: u32,
+    started: bool,
+}
+
+#[async_trait]
+impl Procedure for Batch {
+    async fn execute(&mut self, _ctx: &mut Context) -> Result<Flow, ProcError> {
+        if self.started {
+            return Ok(Flow::Done);
+        }
+        self.started = true;
+        let children = (0..self.n)
+            .map(|_| {
+                Box::new(Transfer {
+                    done: 0,
+                    fail_at: None,
+                }) as Box<dyn Procedure>
+            })
+            .collect();
+        Ok(Flow::Children(children))
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
+        Ok(())
+    }
+}
+
+/// What the fmt subscriber wrote.
+#[derive(Clone, Default)]
+struct Capture(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Capture {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A port nobody listens on now.
+fn free_addr() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    listener.local_addr().unwrap()
+}
+
+/// The body of `GET /metrics`, retried while the listener is starting.
+fn scrape(addr: SocketAddr) -> String {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let attempt = (|| -> std::io::Result<String> {
+            let mut stream = TcpStream::connect(addr)?;
+            stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+            stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+            let mut response = String::new();
+            stream.read_to_string(&mut response)?;
+            Ok(response)
+        })();
+        match attempt {
+            Ok(response) if response.starts_with("HTTP/1.") && response.contains(" 200 ") => {
+                let (_, body) = response.split_once("\r\n\r\n").expect("a body");
+                return body.to_string();
+            }
+            other => {
+                assert!(Instant::now() < deadline, "no scrape: {other:?}");
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+/// The value of the sample `series` (name and labels exactly as exported).
+fn sample(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' '))
+        .map(|v| v.trim().parse().unwrap())
+}
+
+#[test]
+fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
+    let log = Capture::default();
+    let writer = log.clone();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .init();
+    let addr = free_addr();
+    // Outside any runtime: the exporter serves from a thread of its own.
+    PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .unwrap();
+
+    actix::System::new().block_on(async {
+        let mut registry = Registry::new();
+        registry
+            .register::<Transfer>("transfer")
+            .register::<Batch>("batch");
+        let executor = Executor::builder()
+            .registry(registry)
+            .start()
+            .await
+            .unwrap();
+        let mut ids = Vec::new();
+        // Four succeed (3 steps each), two fail at their second step.
+        for i in 0..6 {
+            let fail_at = (i >= 4).then_some(2);
+            ids.push(
+                executor
+                    .submit(Transfer { done: 0, fail_at })
+                    .await
+                    .unwrap(),
+            );
+        }
+        // A root with three children (3 steps each); the root runs 2 steps.
+        ids.push(
+            executor
+                .submit(Batch {
+                    n: 3,
+                    started: false,
+                })
+                .await
+                .unwrap(),
+        );
+        let mut rolled_back = 0;
+        for id in ids {
+            if executor.wait(id).await.unwrap().is_err() {
+                rolled_back += 1;
+            }
+        }
+        assert_eq!(rolled_back, 2);
+        // The last steps' workers are freed by messages of their own: wait until the
+        // scheduler has seen them (it sets its gauges in the same handler).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let stats = executor.scheduler_stats().await.unwrap();
+            if stats.running == 0 && stats.queued == 0 {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{stats:?}");
+            actix::clock::sleep(Duration::from_millis(10)).await;
+        }
+    });
+
+    let text = scrape(addr);
+    let value =
+        |series: &str| sample(&text, series).unwrap_or_else(|| panic!("no {series} in:\n{text}"));
+    let t = r#"{type="transfer"}"#;
+    let b = r#"{type="batch"}"#;
+    assert_eq!(
+        value(&format!("proctor_procedures_submitted_total{t}")),
+        9.0
+    );
+    assert_eq!(
+        value(&format!("proctor_procedures_submitted_total{b}")),
+        1.0
+    );
+    assert_eq!(
+        value(&format!("proctor_procedures_succeeded_total{t}")),
+        7.0
+    );
+    assert_eq!(
+        value(&format!("proctor_procedures_succeeded_total{b}")),
+        1.0
+    );
+    assert_eq!(value(&format!("proctor_procedures_failed_total{t}")), 2.0);
+    assert_eq!(
+        sample(&text, &format!("proctor_procedures_failed_total{b}")),
+        None
+    );
+    assert_eq!(
+        value(&format!("proctor_procedure_duration_seconds_count{t}")),
+        9.0
+    );
+    // Every call of execute: 7 × 3, and 2 for each failed transfer.
+    assert_eq!(
+        value(&format!("proctor_step_duration_seconds_count{t}")),
+        25.0
+    );
+    assert_eq!(
+        value(&format!("proctor_step_duration_seconds_count{b}")),
+        2.0
+    );
+    // Group commit: at least one append, at most one per record.
+    let appends = value("proctor_wal_sync_seconds_count");
+    let records = value("proctor_wal_batch_records_sum");
+    assert!(appends >= 1.0 && appends <= records, "{appends} {records}");
+    // All done: nothing queued, running, holding or waiting.
+    for gauge in [
+        "proctor_ready_queue_length",
+        "proctor_steps_running",
+        "proctor_locks_held",
+        "proctor_locks_waiting",
+    ] {
+        assert_eq!(value(gauge), 0.0, "{gauge}");
+    }
+    // Described once at start: help text and type lines.
+    assert!(text.contains("# TYPE proctor_procedures_submitted_total counter"));
+    assert!(text.contains("# HELP proctor_wal_sync_seconds"));
+
+    let log = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
+    let lines = |what: &str| log.lines().filter(|l| l.contains(what)).count();
+    // One line per finished procedure, with its id and type.
+    assert_eq!(lines("procedure finished"), 10, "{log}");
+    assert_eq!(lines("outcome=ROLLEDBACK"), 2, "{log}");
+    assert!(
+        log.contains("procedure finished id=1 root=1 type=transfer outcome=SUCCESS"),
+        "{log}"
+    );
+    assert_eq!(lines("procedure submitted"), 7, "{log}");
+    // The user's line inside a step carries the procedure's and the step's spans.
+    assert!(
+        log.contains("procedure{id=1 root=1 type=transfer}:step{step=2}: metrics: transfer step"),
+        "{log}"
+    );
+    assert_eq!(lines("transfer step"), 25, "{log}");
+    assert_eq!(lines("parent=7 type=transfer}:step{step=3}"), 3, "{log}");
+}
