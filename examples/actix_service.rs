@@ -408,6 +408,8 @@ pub async fn run(dir: &Path) -> Result<Report, ServiceError> {
     println!("jobs:");
     print_jobs(&jobs_before_abort);
 
+    // The step would run for an hour; it races `ctx.cancelled()`, so the abort (answered
+    // once the step has returned) comes back at once, and the tree rolls back.
     let abort_accepted = manager.send(AbortJob(compaction)).await??;
     println!("abort of compaction {compaction} accepted: {abort_accepted}");
     let compaction_result = manager.send(AwaitJob(compaction)).await??;

@@ -295,7 +295,8 @@ pub async fn run(dir: &Path) -> Result<Report, Box<dyn Error>> {
         println!("  (the step's error was a {type_name})");
     }
 
-    // 4. Abort a long step that cooperates.
+    // 4. Abort a long step that cooperates: its work would take an hour, but it races
+    //    `ctx.cancelled()`, so the abort is answered as soon as the step sees the signal.
     let compaction = executor
         .submit(Compaction {
             table: "users".into(),
