@@ -65,6 +65,23 @@ pub struct ExecutorBuilder {
     drain_timeout: Duration,
 }
 
+impl std::fmt::Debug for ExecutorBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecutorBuilder")
+            .field("workers", &self.workers)
+            .field("arbiters", &self.arbiters)
+            .field("store", &self.store.as_ref().map(|_| "custom"))
+            .field("registry", &self.registry)
+            .field("env", &self.env.is_some())
+            .field("permits", &self.permits)
+            .field("max_unfinished", &self.max_unfinished)
+            .field("retention", &self.retention)
+            .field("monitor", &self.monitor)
+            .field("drain_timeout", &self.drain_timeout)
+            .finish()
+    }
+}
+
 /// How long finished roots' results are kept, and how often the cleaner looks.
 #[derive(Clone, Copy, Debug)]
 struct Retention {
@@ -109,6 +126,7 @@ impl ExecutorBuilder {
     }
 
     /// How many steps may run at once (default 16). Waiting procedures hold none.
+    #[must_use]
     pub fn workers(mut self, workers: usize) -> Self {
         self.workers = workers;
         self
@@ -116,18 +134,21 @@ impl ExecutorBuilder {
 
     /// How many arbiters (threads) procedure actors are spread over (default: one per
     /// core).
+    #[must_use]
     pub fn arbiters(mut self, arbiters: usize) -> Self {
         self.arbiters = arbiters;
         self
     }
 
     /// Where records go (default: a fresh [`MemoryStore`], which survives nothing).
+    #[must_use]
     pub fn store(mut self, store: impl ProcedureStore) -> Self {
         self.store = Some(Box::new(store));
         self
     }
 
     /// The procedure types this executor can persist and recover.
+    #[must_use]
     pub fn registry(mut self, registry: Registry) -> Self {
         self.registry = registry;
         self
@@ -135,6 +156,7 @@ impl ExecutorBuilder {
 
     /// A value every step can borrow through [`Context::env`](crate::Context::env): the
     /// service's clients, say.
+    #[must_use]
     pub fn env<T: Any + Send + Sync>(mut self, env: T) -> Self {
         self.env = Some(Arc::new(env));
         self
@@ -148,6 +170,7 @@ impl ExecutorBuilder {
     /// let builder = proctor::Executor::builder().permits("ddl/db1", 4);
     /// # let _ = builder;
     /// ```
+    #[must_use]
     pub fn permits(mut self, resource: impl Into<String>, permits: u32) -> Self {
         self.permits.push((resource.into(), permits));
         self
@@ -156,6 +179,7 @@ impl ExecutorBuilder {
     /// The most root procedures that may be unfinished at once (default 1 000 000,
     /// recovered ones included). A submit beyond it is refused at once with
     /// [`Error::Overloaded`] instead of queueing without bound.
+    #[must_use]
     pub fn max_unfinished(mut self, max: usize) -> Self {
         self.max_unfinished = max;
         self
@@ -165,6 +189,7 @@ impl ExecutorBuilder {
     /// after it finished (default 15 minutes, as HBase): then a periodic cleaner evicts
     /// it in batches, its records become garbage in the log, and asking for it answers
     /// [`Error::Gone`].
+    #[must_use]
     pub fn retention(mut self, kept: Duration) -> Self {
         self.retention.kept = kept;
         self
@@ -172,12 +197,14 @@ impl ExecutorBuilder {
 
     /// How long a result is kept once the client acknowledged it with
     /// [`Executor::ack_result`] (default 5 minutes), if that is sooner.
+    #[must_use]
     pub fn retention_after_ack(mut self, kept: Duration) -> Self {
         self.retention.after_ack = kept;
         self
     }
 
     /// How often the cleaner looks for results to evict (default 30 s).
+    #[must_use]
     pub fn cleaner_interval(mut self, every: Duration) -> Self {
         self.retention.every = every;
         self
@@ -188,6 +215,7 @@ impl ExecutorBuilder {
     /// (procedure, type, how long), and when at least half of the configured workers
     /// are stuck while runnable procedures wait, allows one extra worker (up to 10×
     /// the configured count).
+    #[must_use]
     pub fn stuck_worker_monitor(mut self, every: Duration, stuck_after: Duration) -> Self {
         self.monitor.every = every;
         self.monitor.stuck_after = stuck_after;
@@ -196,6 +224,7 @@ impl ExecutorBuilder {
 
     /// How long the pool must have had an idle worker before an extra worker retires
     /// (default one minute).
+    #[must_use]
     pub fn extra_worker_idle(mut self, retire_after: Duration) -> Self {
         self.monitor.retire_after = retire_after;
         self
@@ -753,6 +782,14 @@ pub struct Submit {
     nonce: Option<Nonce>,
 }
 
+impl std::fmt::Debug for Submit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Submit")
+            .field("nonce", &self.nonce)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Submit {
     /// Boxes the procedure.
     pub fn new(proc: impl Procedure) -> Self {
@@ -767,6 +804,7 @@ impl Submit {
     /// Makes the submit idempotent: another submit with the same nonce — concurrent, or
     /// after a restart — answers this one's id and runs nothing, for as long as the
     /// procedure's result is kept.
+    #[must_use]
     pub fn with_nonce(mut self, nonce: Nonce) -> Self {
         self.nonce = Some(nonce);
         self
@@ -778,6 +816,7 @@ impl Message for Submit {
 }
 
 /// Abort a procedure; answers whether it accepted.
+#[derive(Clone, Copy, Debug)]
 pub struct Abort(pub ProcId);
 
 impl Message for Abort {
@@ -785,6 +824,7 @@ impl Message for Abort {
 }
 
 /// Bypass a stuck procedure (HBCK2's `bypass`); see [`Executor::bypass`].
+#[derive(Clone, Copy, Debug)]
 pub struct Bypass {
     /// The procedure.
     pub id: ProcId,
@@ -797,6 +837,7 @@ impl Message for Bypass {
 }
 
 /// What the executor knows of a procedure.
+#[derive(Clone, Copy, Debug)]
 pub struct GetState(pub ProcId);
 
 impl Message for GetState {
@@ -804,6 +845,7 @@ impl Message for GetState {
 }
 
 /// Wait for a root procedure to finish.
+#[derive(Clone, Copy, Debug)]
 pub struct WaitFor(pub ProcId);
 
 impl Message for WaitFor {
@@ -811,6 +853,7 @@ impl Message for WaitFor {
 }
 
 /// A finished root's value (MessagePack), if its last step set one.
+#[derive(Clone, Copy, Debug)]
 pub struct GetValue(pub ProcId);
 
 impl Message for GetValue {
@@ -818,6 +861,7 @@ impl Message for GetValue {
 }
 
 /// The client has a finished root's result: keep it only for the shorter retention.
+#[derive(Clone, Copy, Debug)]
 pub struct AckResult(pub ProcId);
 
 impl Message for AckResult {
@@ -976,6 +1020,14 @@ impl Message for ProcEvent {
 /// ```
 pub struct Subscribe(pub Recipient<ProcEvent>);
 
+impl std::fmt::Debug for Subscribe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Subscribe")
+            .field(&"Recipient<ProcEvent>")
+            .finish()
+    }
+}
+
 impl Message for Subscribe {
     type Result = Result<(), Error>;
 }
@@ -1057,6 +1109,19 @@ pub struct ExecutorActor {
     stopping: bool,
     /// Who receives procedure events.
     subscribers: Vec<Subscriber>,
+}
+
+impl std::fmt::Debug for ExecutorActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecutorActor")
+            .field("unfinished", &self.unfinished)
+            .field("max_unfinished", &self.max_unfinished)
+            .field("finished_kept", &self.finished.len())
+            .field("broken", &self.broken)
+            .field("stopping", &self.stopping)
+            .field("subscribers", &self.subscribers.len())
+            .finish_non_exhaustive()
+    }
 }
 
 /// Where a nonce's submit is.

@@ -39,6 +39,7 @@ use super::shared::{now_ms, LockView, LockViews};
 /// executor.wake_event("region-17-online").await?;
 /// # Ok(()) }
 /// ```
+#[derive(Clone, Debug)]
 pub struct WakeEvent(pub String);
 
 impl Message for WakeEvent {
@@ -54,6 +55,7 @@ impl Message for WakeEvent {
 /// executor.reset_event("region-17-online").await?;
 /// # Ok(()) }
 /// ```
+#[derive(Clone, Debug)]
 pub struct ResetEvent(pub String);
 
 impl Message for ResetEvent {
@@ -110,6 +112,7 @@ pub struct SchedulerStats {
 }
 
 /// Asks the scheduler for its [`SchedulerStats`]. Send it to the executor.
+#[derive(Clone, Copy, Debug)]
 pub struct GetSchedulerStats;
 
 impl Message for GetSchedulerStats {

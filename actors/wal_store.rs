@@ -287,6 +287,19 @@ pub struct WalStore<F: WalFs = StdFs> {
     stats: WalStats,
 }
 
+impl<F: WalFs> std::fmt::Debug for WalStore<F> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WalStore")
+            .field("dir", &self.dir)
+            .field("segments", &self.segments.len())
+            .field("current_seq", &self.current_seq)
+            .field("live", &self.live.len())
+            .field("total_bytes", &self.total_bytes)
+            .field("failed", &self.failed)
+            .finish_non_exhaustive()
+    }
+}
+
 fn io(context: impl Into<String>) -> impl FnOnce(io::Error) -> StoreError {
     let context = context.into();
     move |source| StoreError::Io { context, source }

@@ -7,6 +7,7 @@ use crate::store::StoreError;
 /// An error from the executor's API (not a procedure's failure: that is a
 /// [`Failure`](crate::Failure), the `Err` of a finished procedure's result).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     /// This store never handed out this id.
     #[error("unknown procedure {0}")]

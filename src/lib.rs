@@ -10,6 +10,7 @@
 //!
 //! The crate has two layers (see `ARCHITECTURE.md`): a pure core in `src/` (this
 //! module's private children) and the actix actors in `actors/`.
+#![warn(missing_debug_implementations, missing_docs)]
 #![doc = include_str!("../README.md")]
 
 mod cancel;

@@ -29,6 +29,7 @@ impl fmt::Display for ProcId {
 
 /// Where a procedure is in its life. The names and meanings follow HBase Procedure v2.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum ProcState {
     /// Submitted, not yet persisted and queued.
     Initializing,
@@ -87,6 +88,7 @@ impl fmt::Display for ProcState {
 /// }
 /// ```
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum ProcError {
     /// The procedure's own code reported a failure.
     Failed(String),
@@ -172,6 +174,7 @@ impl ProcError {
 
 /// What a procedure does when its deadline passes (see [`Procedure::on_timeout`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum OnTimeout {
     /// Fail with [`ProcError::TimedOut`]; the tree rolls back.
     Fail,
@@ -182,6 +185,7 @@ pub enum OnTimeout {
 }
 
 /// What a step asks the engine to do next.
+#[non_exhaustive]
 pub enum Flow {
     /// The procedure is finished. It becomes SUCCESS once that is durable.
     Done,
@@ -241,6 +245,20 @@ pub struct Context {
     cancel: Option<Cancel>,
 }
 
+impl fmt::Debug for Context {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Context")
+            .field("id", &self.id)
+            .field("parent", &self.parent)
+            .field("root", &self.root)
+            .field("now_ms", &self.now_ms)
+            .field("has_env", &self.env.is_some())
+            .field("unrecorded", &self.unrecorded)
+            .field("cancelled", &self.is_cancelled())
+            .finish_non_exhaustive()
+    }
+}
+
 impl Context {
     /// A context for a procedure; the engine makes one per call.
     pub fn new(
@@ -298,6 +316,7 @@ impl Context {
 
     /// Marks a rollback call as undoing the unrecorded step (see
     /// [`Context::is_unrecorded_step`]).
+    #[must_use]
     pub fn for_unrecorded_step(mut self) -> Self {
         self.unrecorded = true;
         self

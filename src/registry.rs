@@ -17,6 +17,7 @@ type DecodeFn = fn(&[u8]) -> Result<Box<dyn Procedure>, rmp_serde::decode::Error
 
 /// Why a procedure could not be named, encoded or decoded.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RegistryError {
     /// The Rust type was never registered.
     #[error("procedure type {rust_type} is not registered (call Registry::register)")]
@@ -71,6 +72,14 @@ pub enum RegistryError {
 pub struct Registry {
     decoders: HashMap<&'static str, DecodeFn>,
     names: HashMap<TypeId, &'static str>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut names: Vec<&str> = self.decoders.keys().copied().collect();
+        names.sort_unstable();
+        f.debug_struct("Registry").field("types", &names).finish()
+    }
 }
 
 impl Registry {

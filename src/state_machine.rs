@@ -132,6 +132,15 @@ pub struct StateContext<'c, S> {
     next: Option<S>,
 }
 
+impl<S: Debug> Debug for StateContext<'_, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StateContext")
+            .field("ctx", &self.ctx)
+            .field("next", &self.next)
+            .finish()
+    }
+}
+
 impl<S> StateContext<'_, S> {
     /// The state the next step runs in.
     pub fn set_next_state(&mut self, state: S) {
@@ -165,6 +174,17 @@ pub struct StateMachine<T: StateMachineProcedure> {
     #[serde(with = "state_runs")]
     history: Vec<T::State>,
     cycles: u32,
+}
+
+impl<T: StateMachineProcedure + Debug> Debug for StateMachine<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StateMachine")
+            .field("machine", &self.machine)
+            .field("next", &self.next)
+            .field("history", &self.history)
+            .field("cycles", &self.cycles)
+            .finish()
+    }
 }
 
 /// The stored form of a state machine's history: runs of one state repeated.

@@ -14,6 +14,7 @@ use crate::record::{ProcRecord, StoreOp};
 /// after a failed fsync the state of the file is unknown, so carrying on could lose
 /// acknowledged steps.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum StoreError {
     /// An IO call failed.
     #[error("{context}: {source}")]
@@ -98,6 +99,16 @@ impl ProcedureStore for Box<dyn ProcedureStore> {
 #[derive(Clone, Default)]
 pub struct MemoryStore {
     inner: Arc<Mutex<MemoryInner>>,
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        f.debug_struct("MemoryStore")
+            .field("records", &inner.records.len())
+            .field("max_id", &inner.max_id)
+            .finish()
+    }
 }
 
 #[derive(Default)]

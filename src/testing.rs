@@ -45,6 +45,16 @@ pub struct CrashingStore<S> {
     state: Arc<CrashState>,
 }
 
+impl<S> std::fmt::Debug for CrashingStore<S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CrashingStore")
+            .field("point", &self.state.point)
+            .field("appends_left", &self.state.budget.load(Ordering::Relaxed))
+            .field("crashed", &self.state.crashed.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
 struct CrashState {
     budget: AtomicUsize,
     point: CrashPoint,

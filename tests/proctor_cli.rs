@@ -153,7 +153,7 @@ fn verify_finds_a_flipped_byte() {
     assert!(out.contains("NOT sound"));
 
     // The engine refuses to start on it, naming the same file.
-    let err = open_wal(dir.path()).err().expect("open refuses");
+    let err = open_wal(dir.path()).expect_err("open refuses");
     assert!(err.to_string().contains(name), "{err}");
 }
 

@@ -202,9 +202,7 @@ fn a_flipped_byte_in_an_older_segment_is_a_clear_error() {
     bytes[100] ^= 0x10;
     fs::write(older, &bytes).unwrap();
 
-    let err = WalStore::open_with(dir.path(), small())
-        .err()
-        .expect("open refuses");
+    let err = WalStore::open_with(dir.path(), small()).expect_err("open refuses");
     let name = older.file_name().unwrap().to_str().unwrap();
     match &err {
         StoreError::Corrupt {
@@ -225,7 +223,7 @@ fn a_flipped_byte_in_an_older_segment_is_a_clear_error() {
 fn one_engine_per_directory() {
     let dir = tempfile::tempdir().unwrap();
     let first = WalStore::open(dir.path()).unwrap();
-    let err = WalStore::open(dir.path()).err().expect("locked");
+    let err = WalStore::open(dir.path()).expect_err("locked");
     assert!(matches!(err, StoreError::Locked { .. }), "{err}");
     drop(first);
     WalStore::open(dir.path()).expect("the lock goes with the store");
@@ -410,7 +408,7 @@ fn truncate_by(path: &Path, bytes: u64) {
 fn the_lock_error_names_the_lock_file() {
     let dir = tempfile::tempdir().unwrap();
     let _first = WalStore::open(dir.path()).unwrap();
-    let err = WalStore::open(dir.path()).err().expect("locked");
+    let err = WalStore::open(dir.path()).expect_err("locked");
     let lock = dir.path().join("LOCK").display().to_string();
     assert!(
         matches!(&err, StoreError::Locked { file } if *file == lock),
@@ -425,7 +423,7 @@ fn a_bad_wal_path_says_what_is_wrong() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("wal-is-a-file");
     fs::write(&file, b"x").unwrap();
-    let err = WalStore::open(&file).err().expect("a file is no directory");
+    let err = WalStore::open(&file).expect_err("a file is no directory");
     let text = err.to_string();
     assert!(text.contains("is a regular file"), "{text}");
     assert!(text.contains(&file.display().to_string()), "{text}");
