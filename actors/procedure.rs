@@ -108,6 +108,8 @@ pub(crate) struct ProcedureActor {
     pending_timeout: bool,
     /// The running step's cancellation signal, raised by an abort that arrives meanwhile.
     step_cancel: Option<Cancel>,
+    /// The signal steps get, reused from step to step until one is raised.
+    cancel: Option<Cancel>,
     /// `StopProc` was handled: the actor ends because the procedure finished.
     stopped: bool,
     /// The procedure's span (id, root, parent, type): the parent of its step and
@@ -153,6 +155,7 @@ impl ProcedureActor {
             pending_aborts: Vec::new(),
             pending_timeout: false,
             step_cancel: None,
+            cancel: None,
             stopped: false,
         }
     }
@@ -470,7 +473,7 @@ impl Handler<RunStep> for ProcedureActor {
         let Some(mut proc) = self.proc.take() else {
             unreachable!("procedure {id} dispatched while a call runs");
         };
-        let cancel = Cancel::new();
+        let cancel = self.cancel.get_or_insert_with(Cancel::new).clone();
         let mut pctx = self.context().with_cancel(cancel.clone());
         if !self.lock_held {
             match guard("acquire_lock", || proc.acquire_lock(&pctx)) {
@@ -522,7 +525,10 @@ impl Handler<RunStep> for ProcedureActor {
             tracing::Instrument::instrument(step, span)
                 .into_actor(self)
                 .map(|(proc, mut pctx, result), act, ctx| {
-                    act.step_cancel = None;
+                    if act.step_cancel.take().is_some_and(|c| c.is_cancelled()) {
+                        // Raised for this step: the next one gets a fresh signal.
+                        act.cancel = None;
+                    }
                     act.finish_step(proc, &mut pctx, result);
                     act.settle_pending(ctx);
                     act.shared.drain.end_call();

@@ -1,17 +1,8 @@
-//! proctor: a durable, actor-model procedure engine.
-//!
-//! A procedure is a multi-step operation (create a table, move a region, add a node)
-//! that must end fully done ([`ProcState::Success`]) or fully undone
-//! ([`ProcState::RolledBack`]), even across failed steps, operator aborts and crashes.
-//! Users implement [`Procedure`] (or [`StateMachineProcedure`]), register the type in a
-//! [`Registry`], and submit it to an [`Executor`]; the engine persists every step through
-//! a [`ProcedureStore`] before it moves on, runs children, and rolls a failed tree back
-//! in reverse execution order.
-//!
-//! The crate has two layers (see `ARCHITECTURE.md`): a pure core in `src/` (this
-//! module's private children) and the actix actors in `actors/`.
+//! proctor: a durable, actor-model procedure engine. The guide below is the crate's
+//! front page; the repository's `ARCHITECTURE.md` describes the two layers (the pure
+//! core in `src/`, the actix actors in `actors/`) and their invariants.
 #![warn(missing_debug_implementations, missing_docs)]
-#![doc = include_str!("../README.md")]
+#![doc = include_str!("guide.md")]
 
 mod cancel;
 mod error;
@@ -61,3 +52,8 @@ pub use crate::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};
 pub use crate::store::{MemoryStore, ProcedureStore, StoreError, StoreSnapshot};
+
+/// The README's examples compile and run as doc tests too.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -2,7 +2,7 @@
 //! so every rule is a table-driven unit test.
 //!
 //! The plan groups records by tree and rebuilds each unfinished tree with
-//! [`RootStack::recover`]. A tree whose history is incomplete (its root's record
+//! the core's `RootStack::recover`. A tree whose history is incomplete (its root's record
 //! missing, a parent missing, holes in the stack indexes, an unknown type) is reported
 //! as corrupt, procedure by procedure, and left in the store untouched for an operator;
 //! it never stops unrelated trees from recovering. Finished roots keep their results.
