@@ -3,6 +3,7 @@
 //! Each handler decodes a message, asks the pure core in `src/` what to do, and performs
 //! the effects. See `ARCHITECTURE.md` for who sends what to whom.
 
+mod crash_test;
 mod executor;
 mod guard;
 pub mod metrics;
@@ -15,6 +16,7 @@ mod scheduler;
 mod shared;
 mod wal_store;
 
+pub use crash_test::{restart_at_every_write, CrashRun};
 pub use executor::{
     Abort, AckResult, Bypass, Executor, ExecutorActor, ExecutorBuilder, GetState, GetValue, List,
     ProcEvent, ProcInfo, Recovery, Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitingOn,

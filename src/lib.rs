@@ -5,6 +5,7 @@
 #![doc = include_str!("guide.md")]
 
 mod cancel;
+mod crash_store;
 mod error;
 pub mod events;
 mod locks;
@@ -16,7 +17,6 @@ mod registry;
 mod root_stack;
 mod state_machine;
 mod store;
-pub mod testing;
 pub mod wal;
 mod workers;
 
@@ -29,6 +29,16 @@ mod actors;
 pub use crate::actors::perturb;
 
 pub use async_trait::async_trait;
+
+/// Tools for testing your procedures against crashes, as HBase's
+/// `ProcedureTestingUtility` does for its users: [`testing::CrashingStore`] wraps any
+/// store and "crashes" at a chosen write, leaving exactly what a process killed just
+/// before or just after that write would leave, and [`testing::restart_at_every_write`]
+/// runs a procedure through a crash at each of its writes and a restart after it.
+pub mod testing {
+    pub use crate::actors::{restart_at_every_write, CrashRun};
+    pub use crate::crash_store::{CrashPoint, CrashingStore};
+}
 
 /// The names of the engine's metrics (recorded through the `metrics` facade) and what
 /// each one measures.

@@ -1,8 +1,4 @@
-//! Tools for testing procedures against crashes, as HBase's `ProcedureTestingUtility`
-//! does for its users: [`CrashingStore`] wraps any [`ProcedureStore`] and "crashes" at a
-//! chosen append, leaving exactly what a process killed just before or just after that
-//! write would leave. Start an executor on it, let it crash, then start a new executor
-//! on the inner store and check that your procedures carry on from there.
+//! `CrashingStore`: a store that "crashes" at a chosen append (see `proctor::testing`).
 //!
 //! Pure like the rest of `src/`: it counts appends and decides; the inner store does any
 //! IO.
