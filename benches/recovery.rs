@@ -14,7 +14,8 @@ mod rss;
 use std::path::Path;
 use std::time::Instant;
 
-use proctor::{recovery, ProcId, ProcRecord, ProcState, ProcedureStore, StoreOp, WalStore};
+use proctor::internals::recovery;
+use proctor::{ProcId, ProcRecord, ProcState, ProcedureStore, StoreOp, WalStore};
 
 const BATCH: u64 = 1000;
 const UPDATES: u8 = 4;

@@ -23,9 +23,10 @@ use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
+use proctor::internals::recovery;
 use proctor::{
-    recovery, scan_wal_dir, scan_wal_dir_with, ProcId, ProcRecord, ProcState, ProcedureStore,
-    Repair, StoreError, StoreOp, WalDirScan, WalStore,
+    scan_wal_dir, scan_wal_dir_with, ProcId, ProcRecord, ProcState, ProcedureStore, Repair,
+    StoreError, StoreOp, WalDirScan, WalStore,
 };
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Serialize;

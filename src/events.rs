@@ -92,6 +92,7 @@ impl<W> EventTable<W> {
     }
 
     /// Whether `name` is ready.
+    #[cfg(test)]
     pub fn is_ready(&self, name: &str) -> bool {
         self.events.get(name).is_some_and(|e| e.ready)
     }
@@ -102,6 +103,7 @@ impl<W> EventTable<W> {
     }
 
     /// `true` when no event takes memory.
+    #[cfg(test)]
     pub fn is_empty(&self) -> bool {
         self.events.is_empty()
     }

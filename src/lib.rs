@@ -7,17 +7,15 @@
 mod cancel;
 mod crash_store;
 mod error;
-pub mod events;
+mod events;
 mod locks;
 mod procedure;
 mod ready_queue;
 mod record;
-pub mod recovery;
 mod registry;
 mod root_stack;
 mod state_machine;
 mod store;
-pub mod wal;
 mod workers;
 
 #[path = "../actors/mod.rs"]
@@ -29,6 +27,9 @@ mod actors;
 pub use crate::actors::perturb;
 
 pub use async_trait::async_trait;
+
+pub mod internals;
+pub(crate) use internals::{recovery, wal};
 
 /// Tools for testing your procedures against crashes, as HBase's
 /// `ProcedureTestingUtility` does for its users: [`testing::CrashingStore`] wraps any

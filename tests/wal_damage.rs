@@ -12,7 +12,7 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use proctor::wal::{scan_segment, Frame, FRAME_HEADER_LEN, SEGMENT_HEADER_LEN};
+use proctor::internals::wal::{scan_segment, Frame, FRAME_HEADER_LEN, SEGMENT_HEADER_LEN};
 use proctor::{MemoryStore, ProcRecord, ProcedureStore, StoreError, StoreOp, WalOptions, WalStore};
 
 fn record(id: u64, version: u8) -> ProcRecord {

@@ -362,7 +362,8 @@ fn an_interrupted_roll_recovers() {
         let files = segments(dir.path());
         let (prev, newest) = (&files[files.len() - 2], &files[files.len() - 1]);
         // The new segment's only frame was never written.
-        let header = fs::read(newest).unwrap()[..proctor::wal::SEGMENT_HEADER_LEN].to_vec();
+        let header =
+            fs::read(newest).unwrap()[..proctor::internals::wal::SEGMENT_HEADER_LEN].to_vec();
         fs::write(newest, header).unwrap();
         cut(prev, newest);
         let mut wal =
