@@ -110,6 +110,8 @@ pub(crate) struct ProcedureActor {
     step_cancel: Option<Cancel>,
     /// The signal steps get, reused from step to step until one is raised.
     cancel: Option<Cancel>,
+    /// The state name after the last step, for its report.
+    state_name: Option<Box<str>>,
     /// `StopProc` was handled: the actor ends because the procedure finished.
     stopped: bool,
     /// The procedure's span (id, root, parent, type): the parent of its step and
@@ -156,6 +158,7 @@ impl ProcedureActor {
             pending_timeout: false,
             step_cancel: None,
             cancel: None,
+            state_name: None,
             stopped: false,
         }
     }
@@ -171,7 +174,7 @@ impl ProcedureActor {
     }
 
     fn report(
-        &self,
+        &mut self,
         outcome: StepOutcome,
         data: Vec<u8>,
         children: Vec<(ProcId, Box<dyn Procedure>)>,
@@ -194,6 +197,7 @@ impl ProcedureActor {
                 result,
             },
             children,
+            state_name: self.state_name.take(),
         });
     }
 
@@ -254,6 +258,11 @@ impl ProcedureActor {
             }
             _ => {}
         }
+        // For operators: the state it is in now (published with the step's record).
+        self.state_name = guard("state_name", || proc.state_name())
+            .ok()
+            .flatten()
+            .map(String::into_boxed_str);
         self.proc = Some(proc);
         // The value for the caller counts only from the step that finishes.
         let result = ctx
@@ -494,22 +503,18 @@ impl Handler<RunStep> for ProcedureActor {
             self.proc = Some(proc);
             return;
         }
-        // For operators: the state this step runs in.
-        let state_name = guard("state_name", || proc.state_name()).ok().flatten();
-        if let Some(name) = &state_name {
-            if let Some(mut e) = self.shared.table.get_mut(&id) {
-                if e.state_name.as_deref() != Some(name.as_str()) {
-                    e.state_name = Some(name.as_str().into());
-                }
-            }
-        }
         self.step_cancel = Some(cancel);
         let span = tracing::info_span!(
             parent: &self.span,
             "step",
             step = msg.step,
-            state = state_name.as_deref()
+            state = tracing::field::Empty
         );
+        if !span.is_disabled() {
+            if let Ok(Some(name)) = guard("state_name", || proc.state_name()) {
+                span.record("state", name.as_str());
+            }
+        }
         let step_seconds = self.step_seconds.clone();
         let step = async move {
             let started = Instant::now();

@@ -93,6 +93,9 @@ impl Message for RunStep {
 pub(crate) struct StepDone {
     pub(crate) report: StepReport,
     pub(crate) children: Vec<(ProcId, Box<dyn Procedure>)>,
+    /// The procedure's state name after the step (`Procedure::state_name`), published
+    /// with the step's record.
+    pub(crate) state_name: Option<Box<str>>,
 }
 
 impl Message for StepDone {

@@ -58,6 +58,7 @@ enum Row {
         updated_ms: u64,
         value: Option<Vec<u8>>,
         waiting: Waiting,
+        state_name: Option<Box<str>>,
     },
 }
 
@@ -103,6 +104,8 @@ pub(crate) struct RootStackActor {
     rerun: Vec<ProcId>,
     /// A graceful shutdown waits for the pending transitions to become durable.
     quiesce: Vec<oneshot::Sender<()>>,
+    /// A step report's state name, published with the record the report makes.
+    state_name: Option<(ProcId, Box<str>)>,
 }
 
 impl RootStackActor {
@@ -163,6 +166,7 @@ impl RootStackActor {
             published: false,
             rerun: Vec::new(),
             quiesce: Vec::new(),
+            state_name: None,
         }
     }
 
@@ -191,6 +195,22 @@ impl RootStackActor {
 
     /// Persists the transition's records, then (in order) publishes them, performs its
     /// actions and answers `ack`.
+    /// The table rows of `ops`, with a step report's state name on its procedure's.
+    fn rows(&mut self, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -> Vec<Row> {
+        let mut rows = rows(&self.shared, ops, tree);
+        if let Some((named, name)) = self.state_name.take() {
+            for row in &mut rows {
+                if let Row::Update { id, state_name, .. } = row {
+                    if *id == named {
+                        *state_name = Some(name);
+                        break;
+                    }
+                }
+            }
+        }
+        rows
+    }
+
     fn apply(&mut self, t: Transition, ack: Option<AckWith>, ctx: &mut Context<Self>) {
         if let Some(e) = &self.halted {
             if let Some((ack, _)) = ack {
@@ -207,8 +227,9 @@ impl RootStackActor {
         // Only inserts need the tree's address (a fresh `Addr` costs two atomics).
         let inserts = t.persist.iter().any(|op| matches!(op, StoreOp::Insert(_)));
         let tree = inserts.then(|| ctx.address());
+        let rows = self.rows(&t.persist, tree.as_ref());
         self.pending.push_back(Pending {
-            rows: rows(&self.shared, &t.persist, tree.as_ref()),
+            rows,
             actions: t.actions,
             acks: ack.into_iter().collect(),
             durable,
@@ -557,6 +578,7 @@ impl Handler<StepDone> for RootStackActor {
                 |core| core.on_step(msg.report, now_ms()),
                 ctx,
             ) {
+                self.state_name = msg.state_name.map(|name| (id, name));
                 // Children keep their encoded state for their actor's "last good" copy.
                 for op in &t.persist {
                     if let StoreOp::Insert(r) = op {
@@ -794,6 +816,7 @@ fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -
                 updated_ms: r.updated_ms,
                 value: r.result.clone(),
                 waiting: Waiting::of(r),
+                state_name: None,
             }),
             StoreOp::Delete(_) => None,
         })
@@ -812,11 +835,15 @@ fn apply_rows(shared: &Shared, rows: Vec<Row>) {
                 updated_ms,
                 value,
                 waiting,
+                state_name,
             } => {
                 if let Some(mut e) = shared.table.get_mut(&id) {
                     e.state = state;
                     e.updated_ms = updated_ms;
                     e.waiting = waiting;
+                    if state_name.is_some() {
+                        e.state_name = state_name;
+                    }
                     if value.is_some() {
                         e.value = value;
                     }
