@@ -1162,7 +1162,7 @@ impl ExecutorActor {
                 result: e.result.clone(),
                 locks_held,
                 locks_waiting,
-                state_name: e.state_name.as_deref().map(str::to_string),
+                state_name: e.state_name.clone(),
                 waiting_on,
             }
         })

@@ -111,7 +111,7 @@ pub(crate) struct ProcedureActor {
     /// The signal steps get, reused from step to step until one is raised.
     cancel: Option<Cancel>,
     /// The state name after the last step, for its report.
-    state_name: Option<Box<str>>,
+    state_name: Option<String>,
     /// `StopProc` was handled: the actor ends because the procedure finished.
     stopped: bool,
     /// The procedure's span (id, root, parent, type): the parent of its step and
@@ -259,10 +259,7 @@ impl ProcedureActor {
             _ => {}
         }
         // For operators: the state it is in now (published with the step's record).
-        self.state_name = guard("state_name", || proc.state_name())
-            .ok()
-            .flatten()
-            .map(String::into_boxed_str);
+        self.state_name = guard("state_name", || proc.state_name()).ok().flatten();
         self.proc = Some(proc);
         // The value for the caller counts only from the step that finishes.
         let result = ctx

@@ -95,7 +95,7 @@ pub(crate) struct StepDone {
     pub(crate) children: Vec<(ProcId, Box<dyn Procedure>)>,
     /// The procedure's state name after the step (`Procedure::state_name`), published
     /// with the step's record.
-    pub(crate) state_name: Option<Box<str>>,
+    pub(crate) state_name: Option<String>,
 }
 
 impl Message for StepDone {

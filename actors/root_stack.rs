@@ -58,7 +58,7 @@ enum Row {
         updated_ms: u64,
         value: Option<Vec<u8>>,
         waiting: Waiting,
-        state_name: Option<Box<str>>,
+        state_name: Option<String>,
     },
 }
 
@@ -105,7 +105,7 @@ pub(crate) struct RootStackActor {
     /// A graceful shutdown waits for the pending transitions to become durable.
     quiesce: Vec<oneshot::Sender<()>>,
     /// A step report's state name, published with the record the report makes.
-    state_name: Option<(ProcId, Box<str>)>,
+    state_name: Option<(ProcId, String)>,
 }
 
 impl RootStackActor {

@@ -76,7 +76,7 @@ pub(crate) struct Entry {
     pub(crate) waiting: Waiting,
     /// Its [`Procedure::state_name`](crate::Procedure::state_name) before its latest
     /// step.
-    pub(crate) state_name: Option<Box<str>>,
+    pub(crate) state_name: Option<String>,
 }
 
 /// What a procedure's record says it waits for (children, when it says neither).
