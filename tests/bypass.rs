@@ -23,19 +23,7 @@ async fn a_suspended_child_is_bypassed_and_its_parent_goes_on() {
             ))
             .await
             .unwrap();
-        let child = loop {
-            let list = executor
-                .list(proctor::List::new().with_finished())
-                .await
-                .unwrap();
-            if let Some(c) = list
-                .iter()
-                .find(|p| p.parent == Some(root) && p.state == ProcState::Waiting)
-            {
-                break c.id;
-            }
-            tokio::task::yield_now().await;
-        };
+        let child = common::waiting_children(&executor, root, 1).await[0];
         executor.bypass(child, false).await.unwrap();
         assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{name}");
         assert_eq!(rec.count("child-exec"), 1, "{name}: ran no further");
@@ -74,20 +62,7 @@ async fn a_subtree_needs_the_recursive_flag_and_refusals_say_why() {
             other => panic!("{name}: {other:?}"),
         }
         // Wait until both children are durably suspended, then bypass the tree.
-        loop {
-            let list = executor
-                .list(proctor::List::new().with_finished())
-                .await
-                .unwrap();
-            let waiting = list
-                .iter()
-                .filter(|p| p.parent == Some(root) && p.state == ProcState::Waiting)
-                .count();
-            if waiting == 2 {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
+        common::waiting_children(&executor, root, 2).await;
         executor.bypass(root, true).await.unwrap();
         assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{name}");
         assert_eq!(rec.count("root-exec"), 1, "{name}: the root ran no further");

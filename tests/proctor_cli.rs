@@ -622,19 +622,7 @@ async fn abort_on_a_stopped_engine_rolls_the_tree_back_at_the_next_start() {
         ))
         .await
         .unwrap();
-    let child = loop {
-        let list = executor
-            .list(proctor::List::new().with_finished())
-            .await
-            .unwrap();
-        if let Some(c) = list
-            .iter()
-            .find(|p| p.parent == Some(root) && p.state == ProcState::Waiting)
-        {
-            break c.id;
-        }
-        tokio::task::yield_now().await;
-    };
+    let child = common::waiting_children(&executor, root, 1).await[0];
     executor.shutdown().await.unwrap();
 
     let abort = |id: ProcId| {

@@ -373,6 +373,26 @@ pub async fn wait_for_state(executor: &Executor, id: ProcId, state: proctor::Pro
     }
 }
 
+/// Waits until `n` children of `root` are WAITING (suspended, sleeping, or waiting for
+/// their own children) and returns their ids (it polls, as `wait_for_state` does).
+pub async fn waiting_children(executor: &Executor, root: ProcId, n: usize) -> Vec<ProcId> {
+    let which = proctor::List::new()
+        .root(root)
+        .state(proctor::ProcState::Waiting);
+    loop {
+        let list = executor.list(which.clone()).await.expect("list");
+        let children: Vec<ProcId> = list
+            .iter()
+            .filter(|p| p.parent == Some(root))
+            .map(|p| p.id)
+            .collect();
+        if children.len() == n {
+            return children;
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
 /// One store, opened again for each engine of a test: the same `MemoryStore`, or a new
 /// `WalStore` on the same directory.
 pub struct Reopen {
