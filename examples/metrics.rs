@@ -33,10 +33,11 @@ struct Args {
 }
 
 /// Three steps; fails at `fail_at` (the rollback then undoes the steps before it).
+/// (Public, as are `Batch` and `registry`, for `tests/metrics.rs`, which runs them.)
 #[derive(Serialize, Deserialize)]
-struct Transfer {
-    done: u32,
-    fail_at: Option<u32>,
+pub struct Transfer {
+    pub done: u32,
+    pub fail_at: Option<u32>,
 }
 
 #[async_trait]
@@ -63,9 +64,9 @@ impl Procedure for Transfer {
 
 /// Starts `n` transfers as children, then ends.
 #[derive(Serialize, Deserialize)]
-struct Batch {
-    n: u32,
-    started: bool,
+pub struct Batch {
+    pub n: u32,
+    pub started: bool,
 }
 
 #[async_trait]
@@ -91,12 +92,17 @@ impl Procedure for Batch {
     }
 }
 
-async fn run(serve: Option<Duration>) -> Result<(), Box<dyn std::error::Error>> {
+/// The two procedure types, registered.
+pub fn registry() -> Registry {
     let mut registry = Registry::new();
     registry
         .register::<Transfer>("transfer")
         .register::<Batch>("batch");
-    let executor = Executor::builder().registry(registry).start().await?;
+    registry
+}
+
+async fn run(serve: Option<Duration>) -> Result<(), Box<dyn std::error::Error>> {
+    let executor = Executor::builder().registry(registry()).start().await?;
 
     let mut ids = Vec::new();
     for i in 0..6 {

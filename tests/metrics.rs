@@ -1,4 +1,4 @@
-//! The engine's metrics as Prometheus scrapes them, and its INFO log: the setup of
+//! The engine's metrics as Prometheus scrapes them, and its INFO log: the procedures and setup of
 //! `examples/metrics.rs` (the `metrics-exporter-prometheus` HTTP listener, a `tracing`
 //! fmt subscriber at INFO, here writing to a buffer), procedures of two types, some
 //! failing, and a plain HTTP/1.0 GET of the endpoint. One test: a process has one global
@@ -10,63 +10,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::PrometheusBuilder;
-use proctor::{async_trait, Context, Executor, Flow, ProcError, Procedure, Registry};
-use serde::{Deserialize, Serialize};
+use proctor::Executor;
 
-#[derive(Serialize, Deserialize)]
-struct Transfer {
-    done: u32,
-    fail_at: Option<u32>,
-}
-
-#[async_trait]
-impl Procedure for Transfer {
-    async fn execute(&mut self, _ctx: &mut Context) -> Result<Flow, ProcError> {
-        self.done += 1;
-        tracing::info!("transfer step");
-        if Some(self.done) == self.fail_at {
-            return Err(ProcError::failed("insufficient funds"));
-        }
-        Ok(if self.done == 3 {
-            Flow::Done
-        } else {
-            Flow::MoreToDo
-        })
-    }
-
-    async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
-        Ok(())
-    }
-}
-
-#[derive(Serialize, Deserialize)]
-struct Batch {
-    n: u32,
-    started: bool,
-}
-
-#[async_trait]
-impl Procedure for Batch {
-    async fn execute(&mut self, _ctx: &mut Context) -> Result<Flow, ProcError> {
-        if self.started {
-            return Ok(Flow::Done);
-        }
-        self.started = true;
-        let children = (0..self.n)
-            .map(|_| {
-                Box::new(Transfer {
-                    done: 0,
-                    fail_at: None,
-                }) as Box<dyn Procedure>
-            })
-            .collect();
-        Ok(Flow::Children(children))
-    }
-
-    async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
-        Ok(())
-    }
-}
+// The example's procedures (its `main` goes unused here).
+#[allow(dead_code)]
+#[path = "../examples/metrics.rs"]
+mod example;
+use example::{registry, Batch, Transfer};
 
 /// What the fmt subscriber wrote.
 #[derive(Clone, Default)]
@@ -139,12 +89,8 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
         .unwrap();
 
     actix::System::new().block_on(async {
-        let mut registry = Registry::new();
-        registry
-            .register::<Transfer>("transfer")
-            .register::<Batch>("batch");
         let executor = Executor::builder()
-            .registry(registry)
+            .registry(registry())
             .start()
             .await
             .unwrap();
@@ -257,7 +203,7 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
     assert_eq!(lines("procedure submitted"), 7, "{log}");
     // The user's line inside a step carries the procedure's and the step's spans.
     assert!(
-        log.contains("procedure{id=1 root=1 type=transfer}:step{step=2}: metrics: transfer step"),
+        log.contains("procedure{id=1 root=1 type=transfer}:step{step=2}: metrics::example: transfer step step=2"),
         "{log}"
     );
     assert_eq!(lines("transfer step"), 25, "{log}");
