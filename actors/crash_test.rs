@@ -64,8 +64,8 @@ pub struct CrashRun {
 ///
 /// An executor's start fails, or an engine after a crash fails (a store error there is
 /// a bug the run found).
-pub async fn restart_at_every_write<P: Procedure>(
-    mut builder: impl FnMut() -> ExecutorBuilder,
+pub async fn restart_at_every_write<E: Send + Sync + 'static, P: Procedure<E>>(
+    mut builder: impl FnMut() -> ExecutorBuilder<E>,
     mut make: impl FnMut() -> P,
     mut check: impl FnMut(&CrashRun),
 ) -> Result<Vec<CrashRun>, Error> {

@@ -7,20 +7,21 @@
 //! its root-stack actor on one of the arbiters, and answers once the root stack has made
 //! the insert durable. It keeps the waiters for results.
 
-use std::any::Any;
 use std::collections::{HashMap, VecDeque};
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
+use crate::erased::{erase, erase_boxed, AnyEnv, DynProc};
 use crate::error::Error;
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState, Procedure};
 use crate::record::{Failure, Nonce, ProcRecord, StoreOp};
 use crate::recovery::{self, CorruptProc};
-use crate::registry::Registry;
+use crate::registry::{Registry, Types};
 use crate::store::{MemoryStore, ProcedureStore};
 
 use super::guard::guard;
@@ -52,12 +53,12 @@ impl From<MailboxError> for Error {
 ///     .workers(32);
 /// # let _ = builder;
 /// ```
-pub struct ExecutorBuilder {
+pub struct ExecutorBuilder<E = ()> {
     workers: usize,
     arbiters: usize,
     store: Option<Box<dyn ProcedureStore>>,
-    registry: Registry,
-    env: Option<Arc<dyn Any + Send + Sync>>,
+    registry: Registry<E>,
+    env: Option<Arc<E>>,
     permits: Vec<(String, u32)>,
     max_unfinished: usize,
     retention: Retention,
@@ -65,7 +66,7 @@ pub struct ExecutorBuilder {
     drain_timeout: Duration,
 }
 
-impl std::fmt::Debug for ExecutorBuilder {
+impl<E> std::fmt::Debug for ExecutorBuilder<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExecutorBuilder")
             .field("workers", &self.workers)
@@ -90,13 +91,13 @@ struct Retention {
     every: Duration,
 }
 
-impl Default for ExecutorBuilder {
+impl<E> Default for ExecutorBuilder<E> {
     fn default() -> Self {
         ExecutorBuilder {
             workers: 16,
             arbiters: std::thread::available_parallelism().map_or(2, |n| n.get()),
             store: None,
-            registry: Registry::new(),
+            registry: Registry::default(),
             env: None,
             permits: Vec::new(),
             max_unfinished: 1_000_000,
@@ -115,7 +116,7 @@ impl Default for ExecutorBuilder {
     }
 }
 
-impl ExecutorBuilder {
+impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// How long a graceful [`Executor::shutdown`] waits for running steps and
     /// rollbacks to end and their records to become durable (default 30 s); past it,
     /// the engine stops as by [`Executor::shutdown_now`].
@@ -147,18 +148,47 @@ impl ExecutorBuilder {
         self
     }
 
-    /// The procedure types this executor can persist and recover.
+    /// The procedure types this executor can persist and recover. Their environment
+    /// type `F` becomes the executor's: give the registry first, then
+    /// [`env`](Self::env). An environment given before, of another type, is dropped.
     #[must_use]
-    pub fn registry(mut self, registry: Registry) -> Self {
-        self.registry = registry;
-        self
+    pub fn registry<F: Send + Sync + 'static>(self, registry: Registry<F>) -> ExecutorBuilder<F> {
+        let env = self
+            .env
+            .and_then(|env| (env as Arc<AnyEnv>).downcast::<F>().ok());
+        ExecutorBuilder {
+            workers: self.workers,
+            arbiters: self.arbiters,
+            store: self.store,
+            registry,
+            env,
+            permits: self.permits,
+            max_unfinished: self.max_unfinished,
+            retention: self.retention,
+            monitor: self.monitor,
+            drain_timeout: self.drain_timeout,
+        }
     }
 
-    /// A value every step can borrow through [`Context::env`](crate::Context::env): the
-    /// service's clients, say.
+    /// The value every call borrows through [`Context::env`](crate::Context::env): the
+    /// service's clients, say. Its type `E` is the registry's (see
+    /// [`Procedure`](crate::Procedure)); give it by value or as an `Arc<E>` the
+    /// service keeps a copy of. Needed unless `E` is `()`: [`start`](Self::start)
+    /// refuses to start without it.
+    ///
+    /// ```
+    /// use proctor::{Executor, Registry};
+    /// use std::sync::Arc;
+    /// struct Cluster { name: String }
+    /// let cluster = Arc::new(Cluster { name: "c1".into() });
+    /// let builder = Executor::builder()
+    ///     .registry(Registry::<Cluster>::default())
+    ///     .env(cluster.clone());
+    /// # let _ = builder;
+    /// ```
     #[must_use]
-    pub fn env<T: Any + Send + Sync>(mut self, env: T) -> Self {
-        self.env = Some(Arc::new(env));
+    pub fn env(mut self, env: impl Into<Arc<E>>) -> Self {
+        self.env = Some(env.into());
         self
     }
 
@@ -240,10 +270,11 @@ impl ExecutorBuilder {
     ///
     /// # Errors
     ///
-    /// [`Error::Config`] for a bad setting or when a thread cannot be started;
+    /// [`Error::Config`] for a bad setting, a missing environment (one of type `E` is
+    /// needed unless `E` is `()`), or when a thread cannot be started;
     /// [`Error::Store`] when the store cannot be loaded (a corrupt log, a directory
     /// locked by another engine).
-    pub async fn start(self) -> Result<Executor, Error> {
+    pub async fn start(self) -> Result<Executor<E>, Error> {
         if actix::Arbiter::try_current().is_some() {
             return self.start_here(false).await;
         }
@@ -273,7 +304,18 @@ impl ExecutorBuilder {
 
     /// Starts the actors in the current actix system; `owned`: the system is the
     /// executor's own, stopped by its shutdown.
-    async fn start_here(self, owned: bool) -> Result<Executor, Error> {
+    async fn start_here(self, owned: bool) -> Result<Executor<E>, Error> {
+        let env: Arc<AnyEnv> = match self.env {
+            Some(env) => env,
+            // The one environment there is nothing to give of.
+            None => (Arc::new(()) as Arc<AnyEnv>).downcast::<E>().map_err(|_| {
+                Error::Config(format!(
+                    "the registry's procedures need an environment of type {}: give it \
+                         with ExecutorBuilder::env",
+                    std::any::type_name::<E>()
+                ))
+            })?,
+        };
         if self.workers == 0 || self.arbiters == 0 {
             return Err(Error::Config(
                 "workers and arbiters must be at least 1".into(),
@@ -291,7 +333,7 @@ impl ExecutorBuilder {
         }
         let mut store = self.store.unwrap_or_else(|| Box::new(MemoryStore::new()));
         let snapshot = store.load()?;
-        let registry = Arc::new(self.registry);
+        let registry = self.registry.into_types();
         let names = |name: &str| registry.static_name(name);
         let plan = recovery::plan(snapshot.records, names, now_ms());
         let mut corrupt = plan.corrupt;
@@ -353,16 +395,16 @@ impl ExecutorBuilder {
             .collect();
         let arbiters: Vec<Arbiter> = (0..self.arbiters).map(|_| Arbiter::new()).collect();
         let handles = arbiters.iter().map(Arbiter::handle).collect();
-        let env = self.env;
         let finished = plan.finished;
-        let addr = ExecutorActor::create(move |ctx| {
+        let addr = ExecutorActor::<E>::create(move |ctx| {
             let shared = Arc::new(Shared::new(
                 registry,
                 env,
                 lock_views,
                 scheduler,
                 persistence,
-                ctx.address(),
+                ctx.address().recipient(),
+                ctx.address().recipient(),
                 handles,
                 snapshot.max_id,
             ));
@@ -428,6 +470,7 @@ impl ExecutorBuilder {
                 drain_timeout,
                 stopping: false,
                 subscribers: Vec::new(),
+                env: PhantomData,
             }
         });
         if !report.recovered_roots.is_empty() {
@@ -454,10 +497,7 @@ struct OwnedSystem {
 /// Decodes the unfinished procedures of a recovered tree and runs their
 /// `before_recover` hooks, children first. Also returns the suspended procedures that
 /// run their next step at once rather than wait for their event again.
-fn decode_tree(
-    registry: &Registry,
-    records: &[ProcRecord],
-) -> Result<(Objects, Vec<ProcId>), String> {
+fn decode_tree(registry: &Types, records: &[ProcRecord]) -> Result<(Objects, Vec<ProcId>), String> {
     let mut objects = HashMap::new();
     let mut rerun = Vec::new();
     for r in records.iter().filter(|r| !r.state.is_finished()) {
@@ -516,15 +556,29 @@ pub struct Recovery {
 ///     Ok(())
 /// }
 /// ```
-#[derive(Clone)]
-pub struct Executor {
-    addr: Addr<ExecutorActor>,
+///
+/// `E` is the environment its procedures get (see [`Procedure`](crate::Procedure)).
+pub struct Executor<E = ()>
+where
+    E: Send + Sync + 'static,
+{
+    addr: Addr<ExecutorActor<E>>,
     report: Arc<Recovery>,
     /// Set when the executor runs its own actix system (started outside one).
     system: Option<Arc<OwnedSystem>>,
 }
 
-impl std::fmt::Debug for Executor {
+impl<E: Send + Sync + 'static> Clone for Executor<E> {
+    fn clone(&self) -> Self {
+        Executor {
+            addr: self.addr.clone(),
+            report: self.report.clone(),
+            system: self.system.clone(),
+        }
+    }
+}
+
+impl<E: Send + Sync + 'static> std::fmt::Debug for Executor<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Executor")
             .field("connected", &self.addr.connected())
@@ -538,19 +592,21 @@ impl Executor {
     pub fn builder() -> ExecutorBuilder {
         ExecutorBuilder::default()
     }
+}
 
+impl<E: Send + Sync + 'static> Executor<E> {
     /// What recovery found when the executor started.
     pub fn recovery(&self) -> &Recovery {
         &self.report
     }
 
     /// The executor actor, for sending the messages directly.
-    pub fn addr(&self) -> &Addr<ExecutorActor> {
+    pub fn addr(&self) -> &Addr<ExecutorActor<E>> {
         &self.addr
     }
 
     /// Submits a root procedure; answers with its id once its insert is durable.
-    pub async fn submit(&self, proc: impl Procedure) -> Result<ProcId, Error> {
+    pub async fn submit(&self, proc: impl Procedure<E>) -> Result<ProcId, Error> {
         self.addr.send(Submit::new(proc)).await?
     }
 
@@ -558,7 +614,7 @@ impl Executor {
     /// (concurrent, or after a restart) answers the first submit's id and runs nothing.
     pub async fn submit_with_nonce(
         &self,
-        proc: impl Procedure,
+        proc: impl Procedure<E>,
         nonce: Nonce,
     ) -> Result<ProcId, Error> {
         self.addr.send(Submit::new(proc).with_nonce(nonce)).await?
@@ -777,12 +833,13 @@ pub struct ProcInfo {
 /// let submit = proctor::Submit::new(Noop).with_nonce(proctor::Nonce { group: 7, nonce: 42 });
 /// # let _ = submit;
 /// ```
-pub struct Submit {
-    proc: Box<dyn Procedure>,
+pub struct Submit<E = ()> {
+    proc: DynProc,
     nonce: Option<Nonce>,
+    env: PhantomData<fn() -> E>,
 }
 
-impl std::fmt::Debug for Submit {
+impl<E> std::fmt::Debug for Submit<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Submit")
             .field("nonce", &self.nonce)
@@ -790,15 +847,23 @@ impl std::fmt::Debug for Submit {
     }
 }
 
-impl Submit {
+impl<E: Send + Sync + 'static> Submit<E> {
     /// Boxes the procedure.
-    pub fn new(proc: impl Procedure) -> Self {
-        Submit::boxed(Box::new(proc))
+    pub fn new(proc: impl Procedure<E>) -> Self {
+        Submit {
+            proc: erase(proc),
+            nonce: None,
+            env: PhantomData,
+        }
     }
 
     /// An already boxed procedure.
-    pub fn boxed(proc: Box<dyn Procedure>) -> Self {
-        Submit { proc, nonce: None }
+    pub fn boxed(proc: Box<dyn Procedure<E>>) -> Self {
+        Submit {
+            proc: erase_boxed(proc),
+            nonce: None,
+            env: PhantomData,
+        }
     }
 
     /// Makes the submit idempotent: another submit with the same nonce — concurrent, or
@@ -811,7 +876,7 @@ impl Submit {
     }
 }
 
-impl Message for Submit {
+impl<E> Message for Submit<E> {
     type Result = Result<ProcId, Error>;
 }
 
@@ -1081,7 +1146,7 @@ impl Message for Shutdown {
 type Waiter = oneshot::Sender<Result<Result<(), Failure>, Error>>;
 
 /// The executor's actor. Talk to it through [`Executor`] or with the messages.
-pub struct ExecutorActor {
+pub struct ExecutorActor<E = ()> {
     shared: Arc<Shared>,
     waiters: HashMap<ProcId, Vec<Waiter>>,
     /// Set once the store has failed (or the engine broke): nothing more is accepted,
@@ -1109,9 +1174,11 @@ pub struct ExecutorActor {
     stopping: bool,
     /// Who receives procedure events.
     subscribers: Vec<Subscriber>,
+    /// The environment type of the procedures it takes.
+    env: PhantomData<fn() -> E>,
 }
 
-impl std::fmt::Debug for ExecutorActor {
+impl<E> std::fmt::Debug for ExecutorActor<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExecutorActor")
             .field("unfinished", &self.unfinished)
@@ -1132,7 +1199,7 @@ enum NonceState {
     Known(ProcId),
 }
 
-impl ExecutorActor {
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
     fn info(&self, id: ProcId) -> Option<ProcInfo> {
         let (locks_held, locks_waiting) = match self.shared.locks.get(&id) {
             Some(v) if v.held => (v.locks.clone(), Vec::new()),
@@ -1169,7 +1236,7 @@ impl ExecutorActor {
     }
 }
 
-impl ExecutorActor {
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
     /// The root stack of `id`'s tree while `id` is unfinished, or why there is none.
     fn live_tree(&self, id: ProcId) -> Result<Addr<RootStackActor>, Error> {
         if let Some(broken) = &self.broken {
@@ -1295,7 +1362,7 @@ impl ExecutorActor {
 /// Results evicted per append, at most.
 const EVICT_BATCH: usize = 10_000;
 
-impl Actor for ExecutorActor {
+impl<E: Send + Sync + 'static> Actor for ExecutorActor<E> {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
@@ -1303,10 +1370,10 @@ impl Actor for ExecutorActor {
     }
 }
 
-impl Handler<Submit> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
     type Result = ResponseActFuture<Self, Result<ProcId, Error>>;
 
-    fn handle(&mut self, msg: Submit, _ctx: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: Submit<E>, _ctx: &mut Context<Self>) -> Self::Result {
         if let Some(broken) = &self.broken {
             let e = broken.duplicate();
             return Box::pin(actix::fut::ready(Err(e)));
@@ -1374,7 +1441,7 @@ impl Handler<Submit> for ExecutorActor {
     }
 }
 
-impl Handler<Abort> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<Abort> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<bool, Error>>;
 
     fn handle(&mut self, msg: Abort, _ctx: &mut Context<Self>) -> Self::Result {
@@ -1398,7 +1465,7 @@ impl Handler<Abort> for ExecutorActor {
     }
 }
 
-impl Handler<Bypass> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<Bypass> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<(), Error>>;
 
     fn handle(&mut self, msg: Bypass, _ctx: &mut Context<Self>) -> Self::Result {
@@ -1417,7 +1484,7 @@ impl Handler<Bypass> for ExecutorActor {
     }
 }
 
-impl Handler<GetState> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<GetState> for ExecutorActor<E> {
     type Result = Result<ProcInfo, Error>;
 
     fn handle(&mut self, msg: GetState, _ctx: &mut Context<Self>) -> Self::Result {
@@ -1425,7 +1492,7 @@ impl Handler<GetState> for ExecutorActor {
     }
 }
 
-impl Handler<WaitFor> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<WaitFor> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<Result<(), Failure>, Error>>;
 
     fn handle(&mut self, msg: WaitFor, _ctx: &mut Context<Self>) -> Self::Result {
@@ -1451,7 +1518,7 @@ impl Handler<WaitFor> for ExecutorActor {
     }
 }
 
-impl Handler<GetValue> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<GetValue> for ExecutorActor<E> {
     type Result = Result<Option<Vec<u8>>, Error>;
 
     fn handle(&mut self, msg: GetValue, _ctx: &mut Context<Self>) -> Self::Result {
@@ -1464,7 +1531,7 @@ impl Handler<GetValue> for ExecutorActor {
     }
 }
 
-impl Handler<AckResult> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<AckResult> for ExecutorActor<E> {
     type Result = Result<(), Error>;
 
     fn handle(&mut self, msg: AckResult, _ctx: &mut Context<Self>) -> Self::Result {
@@ -1480,7 +1547,7 @@ impl Handler<AckResult> for ExecutorActor {
     }
 }
 
-impl Handler<List> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<List> for ExecutorActor<E> {
     type Result = Result<Vec<ProcInfo>, Error>;
 
     fn handle(&mut self, msg: List, _ctx: &mut Context<Self>) -> Self::Result {
@@ -1506,7 +1573,7 @@ impl Handler<List> for ExecutorActor {
     }
 }
 
-impl Handler<WakeEvent> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<WakeEvent> for ExecutorActor<E> {
     type Result = ();
 
     fn handle(&mut self, msg: WakeEvent, _ctx: &mut Context<Self>) {
@@ -1514,7 +1581,7 @@ impl Handler<WakeEvent> for ExecutorActor {
     }
 }
 
-impl Handler<GetSchedulerStats> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<GetSchedulerStats> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<SchedulerStats, Error>>;
 
     fn handle(&mut self, msg: GetSchedulerStats, _ctx: &mut Context<Self>) -> Self::Result {
@@ -1523,7 +1590,7 @@ impl Handler<GetSchedulerStats> for ExecutorActor {
     }
 }
 
-impl Handler<ResetEvent> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<ResetEvent> for ExecutorActor<E> {
     type Result = ();
 
     fn handle(&mut self, msg: ResetEvent, _ctx: &mut Context<Self>) {
@@ -1531,7 +1598,7 @@ impl Handler<ResetEvent> for ExecutorActor {
     }
 }
 
-impl Handler<TreeFinished> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<TreeFinished> for ExecutorActor<E> {
     type Result = ();
 
     fn handle(&mut self, msg: TreeFinished, _ctx: &mut Context<Self>) {
@@ -1556,7 +1623,7 @@ impl Handler<TreeFinished> for ExecutorActor {
     }
 }
 
-impl ExecutorActor {
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
     fn type_name_of(&self, id: ProcId) -> &'static str {
         self.shared.table.get(&id).map_or("?", |e| e.type_name)
     }
@@ -1583,7 +1650,7 @@ impl ExecutorActor {
     }
 }
 
-impl Handler<Subscribe> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<Subscribe> for ExecutorActor<E> {
     type Result = Result<(), Error>;
 
     fn handle(&mut self, msg: Subscribe, _ctx: &mut Context<Self>) -> Self::Result {
@@ -1591,7 +1658,7 @@ impl Handler<Subscribe> for ExecutorActor {
     }
 }
 
-impl Handler<SubscribeChannel> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<SubscribeChannel> for ExecutorActor<E> {
     type Result = Result<(), Error>;
 
     fn handle(&mut self, msg: SubscribeChannel, _ctx: &mut Context<Self>) -> Self::Result {
@@ -1599,7 +1666,7 @@ impl Handler<SubscribeChannel> for ExecutorActor {
     }
 }
 
-impl Handler<RootSubmitted> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<RootSubmitted> for ExecutorActor<E> {
     type Result = ();
 
     fn handle(&mut self, msg: RootSubmitted, _ctx: &mut Context<Self>) {
@@ -1613,7 +1680,7 @@ impl Handler<RootSubmitted> for ExecutorActor {
     }
 }
 
-impl Handler<Shutdown> for ExecutorActor {
+impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
     type Result = ResponseActFuture<Self, ()>;
 
     fn handle(&mut self, msg: Shutdown, _ctx: &mut Context<Self>) -> Self::Result {
@@ -1669,7 +1736,7 @@ impl Handler<Shutdown> for ExecutorActor {
     }
 }
 
-impl ExecutorActor {
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
     /// Stops the arbiters (cutting off what runs) and the store writer.
     fn stop_now(&mut self) -> impl ActorFuture<Self, Output = ()> {
         // Set first: the trees cut off below report nothing as an engine failure.

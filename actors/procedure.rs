@@ -15,11 +15,10 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 
 use crate::cancel::Cancel;
+use crate::erased::{Call, DynProc, ErasedProc, Next, StepResult};
 use crate::error::Error;
 use crate::locks::LockClaim;
-use crate::procedure::{
-    Context as ProcContext, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState, Procedure,
-};
+use crate::procedure::{LockState, OnTimeout, ProcError, ProcId, ProcState};
 use crate::registry::RegistryError;
 use crate::root_stack::{NewChild, StepOutcome, StepReport};
 
@@ -60,7 +59,7 @@ pub(crate) enum Undeclarable {
 /// declares once, at its start: its locks and its timeout.
 pub(crate) fn declare(
     shared: &Shared,
-    proc: &dyn Procedure,
+    proc: &dyn ErasedProc,
     now_ms: u64,
 ) -> Result<NewChild, Undeclarable> {
     let (type_name, data) = shared
@@ -91,7 +90,7 @@ pub(crate) struct ProcedureActor {
     recovered: bool,
     has_locks: bool,
     /// `None` while a call into user code runs.
-    proc: Option<Box<dyn Procedure>>,
+    proc: Option<DynProc>,
     /// The latest state that encoded, sent again if a later encoding fails.
     data: Vec<u8>,
     shared: Arc<Shared>,
@@ -124,7 +123,7 @@ pub(crate) struct ProcedureActor {
 impl ProcedureActor {
     pub(crate) fn new(
         spec: ProcSpec,
-        proc: Box<dyn Procedure>,
+        proc: DynProc,
         data: Vec<u8>,
         shared: Arc<Shared>,
         root_stack: Addr<RootStackActor>,
@@ -163,8 +162,8 @@ impl ProcedureActor {
         }
     }
 
-    fn context(&self) -> ProcContext {
-        ProcContext::new(
+    fn context(&self) -> Call {
+        Call::new(
             self.id,
             self.parent,
             self.root,
@@ -177,7 +176,7 @@ impl ProcedureActor {
         &mut self,
         outcome: StepOutcome,
         data: Vec<u8>,
-        children: Vec<(ProcId, Box<dyn Procedure>)>,
+        children: Vec<(ProcId, DynProc)>,
         result: Option<Vec<u8>>,
     ) {
         // The root stack frees the worker once it has recorded this report; freeing it
@@ -202,7 +201,7 @@ impl ProcedureActor {
     }
 
     /// Encodes the object's state; on failure keeps the last good bytes and says why.
-    fn encode(&mut self, proc: &dyn Procedure) -> Result<Vec<u8>, ProcError> {
+    fn encode(&mut self, proc: &dyn ErasedProc) -> Result<Vec<u8>, ProcError> {
         match self.shared.registry.encode(proc) {
             Ok((_, bytes)) => {
                 self.data.clone_from(&bytes);
@@ -216,20 +215,24 @@ impl ProcedureActor {
     /// procedure's own new state.
     fn finish_step(
         &mut self,
-        mut proc: Box<dyn Procedure>,
-        ctx: &mut ProcContext,
-        result: Result<Result<Flow, ProcError>, ProcError>,
+        mut proc: DynProc,
+        ctx: &Call,
+        result: Result<StepResult, ProcError>,
     ) {
         let mut children = Vec::new();
-        let mut outcome = match result.and_then(|r| r) {
-            Ok(Flow::Done) => StepOutcome::Done,
-            Ok(Flow::MoreToDo) => StepOutcome::MoreToDo {
+        let (next, value) = match result {
+            Ok((next, value)) => (next, value),
+            Err(panic) => (Err(panic), None),
+        };
+        let mut outcome = match next {
+            Ok(Next::Done) => StepOutcome::Done,
+            Ok(Next::MoreToDo) => StepOutcome::MoreToDo {
                 yield_after: proc.is_yield_after_execution(),
             },
-            Ok(Flow::Children(procs)) => self.name_children(procs, &mut children),
-            Ok(Flow::Yield) => StepOutcome::Yield,
-            Ok(Flow::Suspend(event)) => StepOutcome::Suspend(event),
-            Ok(Flow::SleepUntil(at_ms)) => StepOutcome::SleepUntil(at_ms),
+            Ok(Next::Children(procs)) => self.name_children(procs, &mut children),
+            Ok(Next::Yield) => StepOutcome::Yield,
+            Ok(Next::Suspend(event)) => StepOutcome::Suspend(event),
+            Ok(Next::SleepUntil(at_ms)) => StepOutcome::SleepUntil(at_ms),
             Err(e) => StepOutcome::Failed(e),
         };
         // A lock held for the procedure's life is released by `StopProc`, after the
@@ -262,16 +265,14 @@ impl ProcedureActor {
         self.state_name = guard("state_name", || proc.state_name()).ok().flatten();
         self.proc = Some(proc);
         // The value for the caller counts only from the step that finishes.
-        let result = ctx
-            .take_result()
-            .filter(|_| matches!(outcome, StepOutcome::Done));
+        let result = value.filter(|_| matches!(outcome, StepOutcome::Done));
         self.report(outcome, data, children, result);
     }
 
     fn name_children(
         &self,
-        procs: Vec<Box<dyn Procedure>>,
-        objects: &mut Vec<(ProcId, Box<dyn Procedure>)>,
+        procs: Vec<DynProc>,
+        objects: &mut Vec<(ProcId, DynProc)>,
     ) -> StepOutcome {
         let mut named = Vec::with_capacity(procs.len());
         let now = now_ms();
@@ -293,7 +294,7 @@ impl ProcedureActor {
         StepOutcome::Children(named)
     }
 
-    fn release_lock(&mut self, proc: &mut dyn Procedure, ctx: &ProcContext) {
+    fn release_lock(&mut self, proc: &mut dyn ErasedProc, ctx: &Call) {
         self.lock_held = false;
         if let Err(e) = guard("release_lock", || proc.release_lock(ctx)) {
             tracing::error!(proc = %self.id, %e, "release_lock panicked; the lock may leak");
@@ -480,7 +481,7 @@ impl Handler<RunStep> for ProcedureActor {
             unreachable!("procedure {id} dispatched while a call runs");
         };
         let cancel = self.cancel.get_or_insert_with(Cancel::new).clone();
-        let mut pctx = self.context().with_cancel(cancel.clone());
+        let pctx = self.context().with_cancel(cancel.clone());
         if !self.lock_held {
             match guard("acquire_lock", || proc.acquire_lock(&pctx)) {
                 Ok(LockState::Acquired) => self.lock_held = true,
@@ -490,7 +491,7 @@ impl Handler<RunStep> for ProcedureActor {
                     return;
                 }
                 Err(panic) => {
-                    self.finish_step(proc, &mut pctx, Err(panic));
+                    self.finish_step(proc, &pctx, Err(panic));
                     self.settle_pending(ctx);
                     return;
                 }
@@ -517,7 +518,7 @@ impl Handler<RunStep> for ProcedureActor {
             let started = Instant::now();
             let result = CatchUnwind {
                 hook: "execute",
-                future: proc.execute(&mut pctx),
+                future: proc.execute(&pctx),
             }
             .await;
             step_seconds.record(started.elapsed());
@@ -526,12 +527,12 @@ impl Handler<RunStep> for ProcedureActor {
         ctx.spawn(
             tracing::Instrument::instrument(step, span)
                 .into_actor(self)
-                .map(|(proc, mut pctx, result), act, ctx| {
+                .map(|(proc, pctx, result), act, ctx| {
                     if act.step_cancel.take().is_some_and(|c| c.is_cancelled()) {
                         // Raised for this step: the next one gets a fresh signal.
                         act.cancel = None;
                     }
-                    act.finish_step(proc, &mut pctx, result);
+                    act.finish_step(proc, &pctx, result);
                     act.settle_pending(ctx);
                     act.shared.drain.end_call();
                 }),
@@ -581,7 +582,7 @@ impl Handler<Rollback> for ProcedureActor {
         let call = async move {
             let result = CatchUnwind {
                 hook: "rollback",
-                future: proc.rollback(&mut pctx),
+                future: proc.rollback(&pctx),
             }
             .await;
             (proc, pctx, result)

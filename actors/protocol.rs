@@ -11,9 +11,10 @@
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
+use crate::erased::DynProc;
 use crate::error::Error;
 use crate::locks::Request;
-use crate::procedure::{ProcError, ProcId, ProcState, Procedure};
+use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, StoreOp};
 use crate::root_stack::StepReport;
 
@@ -92,7 +93,7 @@ impl Message for RunStep {
 /// `RunStep` the scheduler dispatched is answered by exactly one `StepDone`.
 pub(crate) struct StepDone {
     pub(crate) report: StepReport,
-    pub(crate) children: Vec<(ProcId, Box<dyn Procedure>)>,
+    pub(crate) children: Vec<(ProcId, DynProc)>,
     /// The procedure's state name after the step (`Procedure::state_name`), published
     /// with the step's record.
     pub(crate) state_name: Option<String>,

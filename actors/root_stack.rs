@@ -28,8 +28,9 @@ use std::time::Duration;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
+use crate::erased::DynProc;
 use crate::error::Error;
-use crate::procedure::{ProcId, ProcState, Procedure};
+use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, StoreOp};
 use crate::root_stack::{Action, NewChild, RootStack, Transition};
 
@@ -46,7 +47,7 @@ use super::protocol::{
 use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
 
 /// Decoded procedures waiting for their actors, with their encoded state.
-pub(crate) type Objects = HashMap<ProcId, (Box<dyn Procedure>, Vec<u8>)>;
+pub(crate) type Objects = HashMap<ProcId, (DynProc, Vec<u8>)>;
 
 /// What one persisted op changes in the procedure table; applied once the op is durable.
 enum Row {
@@ -113,7 +114,7 @@ impl RootStackActor {
     pub(crate) fn submit(
         shared: Arc<Shared>,
         root: NewChild,
-        proc: Box<dyn Procedure>,
+        proc: DynProc,
         ack: oneshot::Sender<Result<ProcId, Error>>,
     ) -> Self {
         let (id, data) = (root.id, root.data.clone());
@@ -285,7 +286,7 @@ impl RootStackActor {
                 let _ = ack.send(Ok(self.core.root()));
                 if self.shared.has_subscribers() {
                     self.shared
-                        .executor
+                        .submitted
                         .do_send(RootSubmitted(self.core.root()));
                 }
             } else {
@@ -498,7 +499,7 @@ impl RootStackActor {
         if let Some(mut e) = self.shared.table.get_mut(&root) {
             e.result = Some(result.clone());
         }
-        self.shared.executor.do_send(TreeFinished {
+        self.shared.finished.do_send(TreeFinished {
             root,
             result: Ok(result),
         });
@@ -527,7 +528,7 @@ impl RootStackActor {
         }
         self.unspawned.clear();
         self.result = None;
-        self.shared.executor.do_send(TreeFinished {
+        self.shared.finished.do_send(TreeFinished {
             root,
             result: Err(e.duplicate()),
         });
@@ -747,7 +748,7 @@ impl Drop for RootStackActor {
             // Cut the tree off like a crash (its procedures report their queued and
             // running steps straight to the scheduler once this mailbox is closed).
             self.status.set_halted();
-            self.shared.executor.do_send(TreeFinished {
+            self.shared.finished.do_send(TreeFinished {
                 root: self.core.root(),
                 result: Err(Error::Internal(format!(
                     "the root stack of tree {} stopped before the tree finished",

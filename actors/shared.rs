@@ -1,7 +1,6 @@
 //! What every actor of one executor shares: the registry, the user's environment, the
 //! procedure table, the id counter, and the addresses of the singleton actors.
 
-use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -9,13 +8,14 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use actix::prelude::*;
 use dashmap::DashMap;
 
+use crate::erased::AnyEnv;
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Nonce};
-use crate::registry::Registry;
+use crate::registry::Types;
 
-use super::executor::ExecutorActor;
 use super::persistence::Persistence;
+use super::protocol::{RootSubmitted, TreeFinished};
 use super::root_stack::RootStackActor;
 use super::scheduler::Scheduler;
 
@@ -108,13 +108,17 @@ pub(crate) struct LockView {
 pub(crate) type LockViews = DashMap<ProcId, LockView>;
 
 pub(crate) struct Shared {
-    pub(crate) registry: Arc<Registry>,
-    pub(crate) env: Option<Arc<dyn Any + Send + Sync>>,
+    pub(crate) registry: Types,
+    /// The executor's environment (an `E` for an `Executor<E>`).
+    pub(crate) env: Arc<AnyEnv>,
     pub(crate) table: DashMap<ProcId, Entry>,
     pub(crate) locks: Arc<LockViews>,
     pub(crate) scheduler: Addr<Scheduler>,
     pub(crate) persistence: Addr<Persistence>,
-    pub(crate) executor: Addr<ExecutorActor>,
+    /// The executor, for finished trees.
+    pub(crate) finished: Recipient<TreeFinished>,
+    /// The executor, for submits to publish.
+    pub(crate) submitted: Recipient<RootSubmitted>,
     pub(crate) arbiters: Vec<ArbiterHandle>,
     next_arbiter: AtomicUsize,
     next_id: AtomicU64,
@@ -175,12 +179,13 @@ impl Drain {
 impl Shared {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
-        registry: Arc<Registry>,
-        env: Option<Arc<dyn Any + Send + Sync>>,
+        registry: Types,
+        env: Arc<AnyEnv>,
         locks: Arc<LockViews>,
         scheduler: Addr<Scheduler>,
         persistence: Addr<Persistence>,
-        executor: Addr<ExecutorActor>,
+        finished: Recipient<TreeFinished>,
+        submitted: Recipient<RootSubmitted>,
         arbiters: Vec<ArbiterHandle>,
         max_id: u64,
     ) -> Self {
@@ -191,7 +196,8 @@ impl Shared {
             locks,
             scheduler,
             persistence,
-            executor,
+            finished,
+            submitted,
             arbiters,
             next_arbiter: AtomicUsize::new(0),
             next_id: AtomicU64::new(max_id + 1),

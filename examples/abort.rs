@@ -29,19 +29,19 @@ struct DrainServer {
 struct Progress(Notify);
 
 #[async_trait]
-impl Procedure for DrainServer {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+impl Procedure<Progress> for DrainServer {
+    async fn execute(&mut self, ctx: &mut Context<Progress>) -> Result<Flow<Progress>, ProcError> {
         let region = format!("region-{}", self.moved.len());
         println!("[procedure {}] move {region} off {}", ctx.id(), self.server);
         self.moved.push(region);
         if self.moved.len() == 3 {
-            ctx.env::<Arc<Progress>>()?.0.notify_one();
+            ctx.env().0.notify_one();
         }
         // Plenty of regions to go: sleep 20 ms, then the next step.
         Ok(Flow::SleepUntil(ctx.now_ms() + 20))
     }
 
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+    async fn rollback(&mut self, ctx: &mut Context<Progress>) -> Result<(), ProcError> {
         // One call per executed step: move the newest region back.
         if let Some(region) = self.moved.pop() {
             println!(
@@ -63,7 +63,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let mut registry = Registry::new();
+    let mut registry = Registry::<Progress>::default();
     registry.register::<DrainServer>("drain_server");
     let progress = Arc::new(Progress(Notify::new()));
     let executor = Executor::builder()

@@ -1,5 +1,5 @@
 //! An actix-actor service: a `ClusterManager` actor that holds only the engine's address
-//! (`Addr<ExecutorActor>`) and talks to it by messages. Run it with
+//! (`Addr<ExecutorActor<E>>`) and talks to it by messages. Run it with
 //!
 //! ```sh
 //! cargo run --release --example actix_service              # WAL in a fresh temp dir
@@ -52,8 +52,11 @@ struct CreateTable {
 }
 
 #[async_trait]
-impl Procedure for CreateTable {
-    async fn execute(&mut self, ctx: &mut StepContext) -> Result<Flow, ProcError> {
+impl Procedure<CompactionStarted> for CreateTable {
+    async fn execute(
+        &mut self,
+        ctx: &mut StepContext<CompactionStarted>,
+    ) -> Result<Flow<CompactionStarted>, ProcError> {
         if self.assigned.len() < self.regions {
             let region = format!("{}-r{}", self.table, self.assigned.len());
             println!("  [create_table {}] assign {region}", ctx.id());
@@ -67,14 +70,17 @@ impl Procedure for CreateTable {
         Ok(Flow::Done)
     }
 
-    async fn rollback(&mut self, _ctx: &mut StepContext) -> Result<(), ProcError> {
+    async fn rollback(
+        &mut self,
+        _ctx: &mut StepContext<CompactionStarted>,
+    ) -> Result<(), ProcError> {
         self.assigned.pop();
         Ok(())
     }
 }
 
 /// Tells whoever waits that a compaction step has begun (the engine's `env`).
-struct CompactionStarted(Notify);
+pub struct CompactionStarted(Notify);
 
 /// Compacts a table: one long step that races its work against cancellation.
 #[derive(Serialize, Deserialize)]
@@ -83,10 +89,13 @@ struct Compaction {
 }
 
 #[async_trait]
-impl Procedure for Compaction {
-    async fn execute(&mut self, ctx: &mut StepContext) -> Result<Flow, ProcError> {
+impl Procedure<CompactionStarted> for Compaction {
+    async fn execute(
+        &mut self,
+        ctx: &mut StepContext<CompactionStarted>,
+    ) -> Result<Flow<CompactionStarted>, ProcError> {
         println!("  [compaction {}] compacting {}", ctx.id(), self.table);
-        ctx.env::<Arc<CompactionStarted>>()?.0.notify_one();
+        ctx.env().0.notify_one();
         tokio::select! {
             () = tokio::time::sleep(Duration::from_secs(3600)) => Ok(Flow::Done),
             () = ctx.cancelled() => {
@@ -96,7 +105,10 @@ impl Procedure for Compaction {
         }
     }
 
-    async fn rollback(&mut self, ctx: &mut StepContext) -> Result<(), ProcError> {
+    async fn rollback(
+        &mut self,
+        ctx: &mut StepContext<CompactionStarted>,
+    ) -> Result<(), ProcError> {
         println!(
             "  [compaction {}] rollback: discard partial output of {}",
             ctx.id(),
@@ -107,8 +119,8 @@ impl Procedure for Compaction {
 }
 
 /// Every type that can be persisted, under a name that never changes.
-fn registry() -> Registry {
-    let mut registry = Registry::new();
+fn registry() -> Registry<CompactionStarted> {
+    let mut registry = Registry::<CompactionStarted>::default();
     registry
         .register::<CreateTable>("create_table")
         .register::<Compaction>("compaction");
@@ -137,7 +149,7 @@ pub enum ServiceError {
 
 /// The service. It holds the engine's address and what it heard from the engine.
 pub struct ClusterManager {
-    engine: Addr<ExecutorActor>,
+    engine: Addr<ExecutorActor<CompactionStarted>>,
     /// Requests waiting for a root to finish.
     waiting: HashMap<ProcId, Vec<oneshot::Sender<Result<(), Failure>>>>,
     /// Results that came before anyone asked for them (a quick root can finish before
@@ -148,7 +160,7 @@ pub struct ClusterManager {
 }
 
 impl ClusterManager {
-    pub fn new(engine: Addr<ExecutorActor>) -> Self {
+    pub fn new(engine: Addr<ExecutorActor<CompactionStarted>>) -> Self {
         ClusterManager {
             engine,
             waiting: HashMap::new(),
@@ -503,6 +515,7 @@ mod tests {
         // The graceful shutdown released the directory with everything durable.
         let again = Executor::builder()
             .registry(registry())
+            .env(CompactionStarted(Notify::new()))
             .store(WalStore::open(dir.path()).unwrap())
             .start()
             .await

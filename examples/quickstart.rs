@@ -44,7 +44,7 @@ struct CreateTable {
 }
 
 #[async_trait]
-impl StateMachineProcedure for CreateTable {
+impl StateMachineProcedure<Cluster> for CreateTable {
     type State = CreateTableState;
 
     fn initial_state(&self) -> CreateTableState {
@@ -53,11 +53,11 @@ impl StateMachineProcedure for CreateTable {
 
     async fn execute_from_state(
         &mut self,
-        ctx: &mut StateContext<'_, CreateTableState>,
+        ctx: &mut StateContext<'_, CreateTableState, Cluster>,
         state: CreateTableState,
-    ) -> Result<Flow, ProcError> {
+    ) -> Result<Flow<Cluster>, ProcError> {
         println!("[procedure {}] {state:?}", ctx.id());
-        let cluster = ctx.env::<Cluster>()?;
+        let cluster = ctx.env();
         match state {
             CreateTableState::Prepare => {
                 if cluster.tables.lock().unwrap().contains_key(&self.table) {
@@ -84,7 +84,7 @@ impl StateMachineProcedure for CreateTable {
                         Box::new(AssignRegion {
                             table: self.table.clone(),
                             region: format!("{}-r{r}", self.table),
-                        }) as Box<dyn Procedure>
+                        }) as Box<dyn Procedure<Cluster>>
                     })
                     .collect();
                 // The parent now WAITs, holding no worker, until every child finishes.
@@ -96,16 +96,12 @@ impl StateMachineProcedure for CreateTable {
 
     async fn rollback_state(
         &mut self,
-        ctx: &mut Context,
+        ctx: &mut Context<Cluster>,
         state: CreateTableState,
     ) -> Result<(), ProcError> {
         println!("[procedure {}] rollback {state:?}", ctx.id());
         if state == CreateTableState::WriteMeta {
-            ctx.env::<Cluster>()?
-                .tables
-                .lock()
-                .unwrap()
-                .remove(&self.table);
+            ctx.env().tables.lock().unwrap().remove(&self.table);
         }
         Ok(())
     }
@@ -119,15 +115,15 @@ struct AssignRegion {
 }
 
 #[async_trait]
-impl Procedure for AssignRegion {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+impl Procedure<Cluster> for AssignRegion {
+    async fn execute(&mut self, ctx: &mut Context<Cluster>) -> Result<Flow<Cluster>, ProcError> {
         println!(
             "[procedure {} child of {}] assign region {}",
             ctx.id(),
             ctx.parent().map_or("-".to_string(), |p| p.to_string()),
             self.region
         );
-        let cluster = ctx.env::<Cluster>()?;
+        let cluster = ctx.env();
         let mut tables = cluster.tables.lock().unwrap();
         let regions = tables.entry(self.table.clone()).or_default();
         if !regions.contains(&self.region) {
@@ -136,8 +132,8 @@ impl Procedure for AssignRegion {
         Ok(Flow::Done)
     }
 
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
-        let cluster = ctx.env::<Cluster>()?;
+    async fn rollback(&mut self, ctx: &mut Context<Cluster>) -> Result<(), ProcError> {
+        let cluster = ctx.env();
         if let Some(regions) = cluster.tables.lock().unwrap().get_mut(&self.table) {
             regions.retain(|r| r != &self.region);
         }
@@ -155,9 +151,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_ansi(std::io::stderr().is_terminal())
         .init();
     // Every type that can be persisted is registered under a name that never changes.
-    let mut registry = Registry::new();
+    let mut registry = Registry::<Cluster>::default();
     registry
-        .register::<StateMachine<CreateTable>>("create_table")
+        .register::<StateMachine<CreateTable, Cluster>>("create_table")
         .register::<AssignRegion>("assign_region");
 
     let executor = Executor::builder()

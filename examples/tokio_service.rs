@@ -32,7 +32,8 @@ use proctor::{
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
-/// What the service manages; every step borrows it through `ctx.env::<Arc<Cluster>>()`.
+/// What the service manages: the executor's environment, which every step borrows
+/// through `ctx.env()` (the procedures implement `Procedure<Cluster>`).
 #[derive(Default)]
 struct Cluster {
     /// Table name → its regions.
@@ -64,7 +65,7 @@ struct CreateTable {
 }
 
 #[async_trait]
-impl StateMachineProcedure for CreateTable {
+impl StateMachineProcedure<Cluster> for CreateTable {
     type State = CreateTableState;
 
     fn initial_state(&self) -> CreateTableState {
@@ -73,11 +74,11 @@ impl StateMachineProcedure for CreateTable {
 
     async fn execute_from_state(
         &mut self,
-        ctx: &mut StateContext<'_, CreateTableState>,
+        ctx: &mut StateContext<'_, CreateTableState, Cluster>,
         state: CreateTableState,
-    ) -> Result<Flow, ProcError> {
+    ) -> Result<Flow<Cluster>, ProcError> {
         println!("  [create_table {}] {state:?}", ctx.id());
-        let cluster = ctx.env::<Arc<Cluster>>()?;
+        let cluster = ctx.env();
         match state {
             CreateTableState::Prepare => {
                 // `?` on a std error (here `ParseIntError`): the step fails with
@@ -103,7 +104,7 @@ impl StateMachineProcedure for CreateTable {
                         Box::new(AssignRegion {
                             table: self.table.clone(),
                             region: format!("{}-r{r}", self.table),
-                        }) as Box<dyn Procedure>
+                        }) as Box<dyn Procedure<Cluster>>
                     })
                     .collect();
                 Ok(Flow::Children(children))
@@ -123,16 +124,12 @@ impl StateMachineProcedure for CreateTable {
 
     async fn rollback_state(
         &mut self,
-        ctx: &mut Context,
+        ctx: &mut Context<Cluster>,
         state: CreateTableState,
     ) -> Result<(), ProcError> {
         println!("  [create_table {}] rollback {state:?}", ctx.id());
         if state == CreateTableState::Prepare {
-            ctx.env::<Arc<Cluster>>()?
-                .tables
-                .lock()
-                .unwrap()
-                .remove(&self.table);
+            ctx.env().tables.lock().unwrap().remove(&self.table);
         }
         Ok(())
     }
@@ -146,10 +143,10 @@ struct AssignRegion {
 }
 
 #[async_trait]
-impl Procedure for AssignRegion {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+impl Procedure<Cluster> for AssignRegion {
+    async fn execute(&mut self, ctx: &mut Context<Cluster>) -> Result<Flow<Cluster>, ProcError> {
         println!("  [assign_region {}] {}", ctx.id(), self.region);
-        let cluster = ctx.env::<Arc<Cluster>>()?;
+        let cluster = ctx.env();
         let mut tables = cluster.tables.lock().unwrap();
         let regions = tables.entry(self.table.clone()).or_default();
         if !regions.contains(&self.region) {
@@ -158,8 +155,8 @@ impl Procedure for AssignRegion {
         Ok(Flow::Done)
     }
 
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
-        let cluster = ctx.env::<Arc<Cluster>>()?;
+    async fn rollback(&mut self, ctx: &mut Context<Cluster>) -> Result<(), ProcError> {
+        let cluster = ctx.env();
         if let Some(regions) = cluster.tables.lock().unwrap().get_mut(&self.table) {
             regions.retain(|r| r != &self.region);
         }
@@ -174,10 +171,10 @@ struct Compaction {
 }
 
 #[async_trait]
-impl Procedure for Compaction {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+impl Procedure<Cluster> for Compaction {
+    async fn execute(&mut self, ctx: &mut Context<Cluster>) -> Result<Flow<Cluster>, ProcError> {
         println!("  [compaction {}] compacting {}", ctx.id(), self.table);
-        ctx.env::<Arc<Cluster>>()?.compaction_running.notify_one();
+        ctx.env().compaction_running.notify_one();
         // The work (an hour of it) races the cancellation signal an abort raises.
         tokio::select! {
             () = tokio::time::sleep(Duration::from_secs(3600)) => Ok(Flow::Done),
@@ -188,7 +185,7 @@ impl Procedure for Compaction {
         }
     }
 
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+    async fn rollback(&mut self, ctx: &mut Context<Cluster>) -> Result<(), ProcError> {
         // The cancelled step is rolled back too: it may have written partial output.
         println!(
             "  [compaction {}] rollback: discard partial output of {}",
@@ -215,10 +212,10 @@ pub struct Report {
 }
 
 /// Every type that can be persisted, under a name that never changes (the WAL keeps it).
-fn registry() -> Registry {
-    let mut registry = Registry::new();
+fn registry() -> Registry<Cluster> {
+    let mut registry = Registry::<Cluster>::default();
     registry
-        .register::<StateMachine<CreateTable>>("create_table")
+        .register::<StateMachine<CreateTable, Cluster>>("create_table")
         .register::<AssignRegion>("assign_region")
         .register::<Compaction>("compaction");
     registry
@@ -427,6 +424,7 @@ mod tests {
         // a new engine opens it and finds the three roots finished, nothing to carry on.
         let again = Executor::builder()
             .registry(registry())
+            .env(Cluster::default())
             .store(WalStore::open(dir.path()).unwrap())
             .start()
             .await

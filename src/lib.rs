@@ -6,6 +6,7 @@
 
 mod cancel;
 mod crash_store;
+mod erased;
 mod error;
 mod events;
 mod locks;

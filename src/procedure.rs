@@ -184,16 +184,17 @@ pub enum OnTimeout {
     Continue,
 }
 
-/// What a step asks the engine to do next.
+/// What a step asks the engine to do next. `E` is the executor's environment type (see
+/// [`Procedure`]): children run in the same executor as their parent.
 #[non_exhaustive]
-pub enum Flow {
+pub enum Flow<E = ()> {
     /// The procedure is finished. It becomes SUCCESS once that is durable.
     Done,
     /// Persist the new state and run another step.
     MoreToDo,
     /// Persist, start these children, and WAIT until all of them finish; then run the
     /// next step. An empty list behaves like [`Flow::Done`].
-    Children(Vec<Box<dyn Procedure>>),
+    Children(Vec<Box<dyn Procedure<E>>>),
     /// Run again later, behind everything already queued. Nothing is persisted and the
     /// step is not recorded for rollback, so a yielding step must not change state.
     Yield,
@@ -206,7 +207,7 @@ pub enum Flow {
     SleepUntil(u64),
 }
 
-impl fmt::Debug for Flow {
+impl<E> fmt::Debug for Flow<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Flow::Done => f.write_str("Done"),
@@ -229,45 +230,60 @@ pub enum LockState {
 }
 
 /// What a step or rollback runs with: who the procedure is, the time, and the
-/// environment the service gave the executor.
+/// environment `E` the service gave the executor (see [`Context::env`]).
 ///
 /// Time comes in as a value so that a procedure never reads a clock of its own; tests
 /// and replays can set it.
-#[derive(Clone)]
-pub struct Context {
+pub struct Context<E: ?Sized = ()> {
     id: ProcId,
     parent: Option<ProcId>,
     root: ProcId,
     now_ms: u64,
-    env: Option<Arc<dyn Any + Send + Sync>>,
+    env: Arc<E>,
     unrecorded: bool,
     result: Option<Vec<u8>>,
     cancel: Option<Cancel>,
 }
 
-impl fmt::Debug for Context {
+impl<E: ?Sized> Clone for Context<E> {
+    fn clone(&self) -> Self {
+        Context {
+            id: self.id,
+            parent: self.parent,
+            root: self.root,
+            now_ms: self.now_ms,
+            env: Arc::clone(&self.env),
+            unrecorded: self.unrecorded,
+            result: self.result.clone(),
+            cancel: self.cancel.clone(),
+        }
+    }
+}
+
+impl<E: ?Sized> fmt::Debug for Context<E> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Context")
             .field("id", &self.id)
             .field("parent", &self.parent)
             .field("root", &self.root)
             .field("now_ms", &self.now_ms)
-            .field("has_env", &self.env.is_some())
             .field("unrecorded", &self.unrecorded)
             .field("cancelled", &self.is_cancelled())
             .finish_non_exhaustive()
     }
 }
 
-impl Context {
-    /// A context for a procedure; the engine makes one per call.
-    pub fn new(
-        id: ProcId,
-        parent: Option<ProcId>,
-        root: ProcId,
-        now_ms: u64,
-        env: Option<Arc<dyn Any + Send + Sync>>,
-    ) -> Self {
+impl<E: ?Sized> Context<E> {
+    /// A context for a procedure; the engine makes one per call. Tests of a procedure's
+    /// steps make their own:
+    ///
+    /// ```
+    /// use proctor::{Context, ProcId};
+    /// use std::sync::Arc;
+    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, Arc::new(()));
+    /// assert_eq!(ctx.root(), ProcId(1));
+    /// ```
+    pub fn new(id: ProcId, parent: Option<ProcId>, root: ProcId, now_ms: u64, env: Arc<E>) -> Self {
         Context {
             id,
             parent,
@@ -339,7 +355,7 @@ impl Context {
     ///
     /// ```
     /// use proctor::{Context, ProcId};
-    /// let mut ctx = Context::new(ProcId(1), None, ProcId(1), 0, None);
+    /// let mut ctx = Context::new(ProcId(1), None, ProcId(1), 0, std::sync::Arc::new(()));
     /// ctx.set_result(&("table-7", 12u32)).unwrap();
     /// ```
     pub fn set_result<T: Serialize>(&mut self, value: &T) -> Result<(), ProcError> {
@@ -374,26 +390,55 @@ impl Context {
         self.now_ms
     }
 
-    /// The environment given to the executor's builder, if it is of type `T`.
+    /// The environment given to the executor's builder
+    /// ([`ExecutorBuilder::env`](crate::ExecutorBuilder::env)): the service's clients,
+    /// say. Its type is the executor's, checked by the compiler: a procedure that
+    /// implements `Procedure<Cluster>` runs only in an `Executor<Cluster>`.
     ///
     /// ```
     /// use proctor::{Context, ProcId};
     /// use std::sync::Arc;
     /// struct Cluster { name: &'static str }
-    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, Some(Arc::new(Cluster { name: "c1" })));
-    /// assert_eq!(ctx.env::<Cluster>().unwrap().name, "c1");
-    /// assert!(ctx.env::<String>().is_err());
+    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, Arc::new(Cluster { name: "c1" }));
+    /// assert_eq!(ctx.env().name, "c1");
     /// ```
-    pub fn env<T: Any + Send + Sync>(&self) -> Result<&T, ProcError> {
-        self.env
-            .as_deref()
-            .and_then(|env| env.downcast_ref::<T>())
-            .ok_or_else(|| {
-                ProcError::failed(format_args!(
-                    "the executor was given no environment of type {}",
-                    std::any::type_name::<T>()
-                ))
-            })
+    pub fn env(&self) -> &E {
+        &self.env
+    }
+
+    /// The environment as the shared pointer the executor holds, for a step that hands
+    /// it to a task of its own.
+    pub fn env_arc(&self) -> &Arc<E> {
+        &self.env
+    }
+}
+
+impl Context<dyn Any + Send + Sync> {
+    /// The engine's type-erased context as the typed one a procedure of environment `E`
+    /// receives.
+    ///
+    /// # Panics
+    /// If the environment is not an `E`. The engine cannot get there: an
+    /// `Executor<E>` holds an `E` and accepts only `Procedure<E>`s (its builder, its
+    /// registry, its `Submit` messages and a procedure's children are all typed by
+    /// `E`), so a mismatch is a bug in the engine, not in its user.
+    pub(crate) fn typed<E: Any + Send + Sync>(&self) -> Context<E> {
+        let env = Arc::clone(&self.env).downcast::<E>().unwrap_or_else(|_| {
+            panic!(
+                "proctor bug: a procedure for environment {} got another one",
+                std::any::type_name::<E>()
+            )
+        });
+        Context {
+            id: self.id,
+            parent: self.parent,
+            root: self.root,
+            now_ms: self.now_ms,
+            env,
+            unrecorded: self.unrecorded,
+            result: None,
+            cancel: self.cancel.clone(),
+        }
     }
 }
 
@@ -423,6 +468,11 @@ impl<T: Serialize> EncodeState for T {
 /// Register every procedure type with a [`Registry`](crate::Registry) under a stable name,
 /// so that persisted state decodes back into the right type.
 ///
+/// `E` is the environment the executor gives every call ([`Context::env`]): the
+/// service's clients, say. It defaults to `()`, for procedures that need none; a
+/// procedure that needs one implements `Procedure<Cluster>` and then runs only in an
+/// `Executor<Cluster>` (HBase's `Procedure<TEnvironment>`), which the compiler checks.
+///
 /// ```
 /// use proctor::{async_trait, Context, Flow, ProcError, Procedure};
 /// use serde::{Deserialize, Serialize};
@@ -443,17 +493,65 @@ impl<T: Serialize> EncodeState for T {
 ///     }
 /// }
 /// ```
+///
+/// With an environment:
+///
+/// ```
+/// use proctor::{async_trait, Context, Flow, ProcError, Procedure};
+/// use serde::{Deserialize, Serialize};
+///
+/// struct Cluster { region_servers: Vec<String> }
+///
+/// #[derive(Serialize, Deserialize)]
+/// struct CountServers { seen: usize }
+///
+/// #[async_trait]
+/// impl Procedure<Cluster> for CountServers {
+///     async fn execute(&mut self, ctx: &mut Context<Cluster>) -> Result<Flow<Cluster>, ProcError> {
+///         self.seen = ctx.env().region_servers.len();
+///         Ok(Flow::Done)
+///     }
+///     async fn rollback(&mut self, _ctx: &mut Context<Cluster>) -> Result<(), ProcError> {
+///         Ok(())
+///     }
+/// }
+/// ```
+///
+/// A procedure for one environment does not go into an executor of another: this does
+/// not compile.
+///
+/// ```compile_fail,E0277
+/// # use proctor::{async_trait, Context, Executor, Flow, ProcError, Procedure};
+/// # #[derive(serde::Serialize)] struct Cluster;
+/// #[derive(serde::Serialize)]
+/// struct NeedsCluster;
+/// #[async_trait]
+/// impl Procedure<Cluster> for NeedsCluster {
+///     async fn execute(&mut self, _: &mut Context<Cluster>) -> Result<Flow<Cluster>, ProcError> {
+///         Ok(Flow::Done)
+///     }
+///     async fn rollback(&mut self, _: &mut Context<Cluster>) -> Result<(), ProcError> {
+///         Ok(())
+///     }
+/// }
+/// async fn submit(executor: Executor) {
+///     let _ = executor.submit(NeedsCluster).await; // an Executor<()>
+/// }
+/// ```
 #[async_trait]
-pub trait Procedure: EncodeState + Any + Send + 'static {
+pub trait Procedure<E = ()>: EncodeState + Any + Send + 'static
+where
+    E: Send + Sync + 'static,
+{
     /// Runs one step. An `Err` fails the procedure and rolls back its tree; a panic is
     /// caught and treated the same way.
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError>;
+    async fn execute(&mut self, ctx: &mut Context<E>) -> Result<Flow<E>, ProcError>;
 
     /// Undoes one executed step. Called once per executed step, newest first, and after
     /// a crash possibly once more first, for a step that may have started but was never
     /// recorded ([`Context::is_unrecorded_step`]). An `Err` is retried with backoff
     /// until it succeeds: rollback is never abandoned.
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError>;
+    async fn rollback(&mut self, ctx: &mut Context<E>) -> Result<(), ProcError>;
 
     /// An operator asks to abort. Return `true` to accept: the procedure then fails with
     /// [`ProcError::Aborted`] before its next step and its tree rolls back. Called only
@@ -501,13 +599,13 @@ pub trait Procedure: EncodeState + Any + Send + 'static {
 
     /// Called before each step (or once, if [`holds_lock`](Procedure::holds_lock)).
     /// Returning [`LockState::Yield`] requeues the procedure without running the step.
-    fn acquire_lock(&mut self, _ctx: &Context) -> LockState {
+    fn acquire_lock(&mut self, _ctx: &Context<E>) -> LockState {
         LockState::Acquired
     }
 
     /// Releases what [`acquire_lock`](Procedure::acquire_lock) took. Called after each
     /// step, or only when the procedure finishes if it holds its lock.
-    fn release_lock(&mut self, _ctx: &Context) {}
+    fn release_lock(&mut self, _ctx: &Context<E>) {}
 
     /// `true` to keep the lock (the engine's [`locks`](Procedure::locks) and the
     /// [`acquire_lock`](Procedure::acquire_lock) hook's) from the first step until the
@@ -593,7 +691,7 @@ pub trait Procedure: EncodeState + Any + Send + 'static {
 }
 
 /// The `TypeId` of the concrete type behind a `dyn Procedure`.
-pub(crate) fn type_id_of(proc: &dyn Procedure) -> TypeId {
+pub(crate) fn type_id_of<E: Send + Sync + 'static>(proc: &dyn Procedure<E>) -> TypeId {
     let any: &dyn Any = proc;
     any.type_id()
 }

@@ -11,9 +11,12 @@ use std::collections::HashMap;
 
 use serde::de::DeserializeOwned;
 
+use crate::erased::{erase, DynProc, ErasedProc};
 use crate::procedure::{type_id_of, Procedure};
 
-type DecodeFn = fn(&[u8]) -> Result<Box<dyn Procedure>, rmp_serde::decode::Error>;
+type Decoder<T> = fn(&[u8]) -> Result<T, rmp_serde::decode::Error>;
+type DecodeFn<E> = Decoder<Box<dyn Procedure<E>>>;
+type ErasedDecodeFn = Decoder<DynProc>;
 
 /// Why a procedure could not be named, encoded or decoded.
 #[derive(Debug, thiserror::Error)]
@@ -49,7 +52,8 @@ pub enum RegistryError {
     },
 }
 
-/// Procedure types by stable name.
+/// Procedure types by stable name, for an executor whose environment is `E` (see
+/// [`Procedure`]; `()` by default).
 ///
 /// ```
 /// # use proctor::{async_trait, Context, Flow, ProcError, Procedure, Registry};
@@ -68,13 +72,38 @@ pub enum RegistryError {
 /// assert!(registry.decode("noop", &bytes).is_ok());
 /// assert!(registry.decode("create_table", &bytes).is_err());
 /// ```
-#[derive(Default, Clone)]
-pub struct Registry {
-    decoders: HashMap<&'static str, DecodeFn>,
-    names: HashMap<TypeId, &'static str>,
+pub struct Registry<E = ()> {
+    decoders: HashMap<&'static str, DecodeFn<E>>,
+    types: Types,
 }
 
-impl std::fmt::Debug for Registry {
+/// What the engine needs of a registry, whatever its environment type: names by type,
+/// and decoders to procedures it can run.
+#[derive(Clone, Default)]
+pub(crate) struct Types {
+    names: HashMap<TypeId, &'static str>,
+    decoders: HashMap<&'static str, ErasedDecodeFn>,
+}
+
+impl<E> Clone for Registry<E> {
+    fn clone(&self) -> Self {
+        Registry {
+            decoders: self.decoders.clone(),
+            types: self.types.clone(),
+        }
+    }
+}
+
+impl<E> Default for Registry<E> {
+    fn default() -> Self {
+        Registry {
+            decoders: HashMap::new(),
+            types: Types::default(),
+        }
+    }
+}
+
+impl<E> std::fmt::Debug for Registry<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mut names: Vec<&str> = self.decoders.keys().copied().collect();
         names.sort_unstable();
@@ -83,41 +112,55 @@ impl std::fmt::Debug for Registry {
 }
 
 impl Registry {
-    /// An empty registry.
+    /// An empty registry, for procedures without an environment. For an environment
+    /// of type `E`, use `Registry::<E>::default()`.
     pub fn new() -> Self {
         Self::default()
     }
+}
 
+impl<E: Send + Sync + 'static> Registry<E> {
     /// Registers `P` under `name`. The name is written into the store: never change it
     /// once procedures of this type may be persisted.
     ///
     /// # Panics
     /// If `name` or `P` is already registered: that is a programming error.
-    pub fn register<P: Procedure + DeserializeOwned>(&mut self, name: &'static str) -> &mut Self {
-        fn decode<P: Procedure + DeserializeOwned>(
+    pub fn register<P: Procedure<E> + DeserializeOwned>(
+        &mut self,
+        name: &'static str,
+    ) -> &mut Self {
+        fn decode<E: Send + Sync + 'static, P: Procedure<E> + DeserializeOwned>(
             bytes: &[u8],
-        ) -> Result<Box<dyn Procedure>, rmp_serde::decode::Error> {
+        ) -> Result<Box<dyn Procedure<E>>, rmp_serde::decode::Error> {
             Ok(Box::new(rmp_serde::from_slice::<P>(bytes)?))
         }
-        let old_name = self.names.insert(TypeId::of::<P>(), name);
+        fn decode_erased<E: Send + Sync + 'static, P: Procedure<E> + DeserializeOwned>(
+            bytes: &[u8],
+        ) -> Result<DynProc, rmp_serde::decode::Error> {
+            Ok(erase::<E, P>(rmp_serde::from_slice::<P>(bytes)?))
+        }
+        let old_name = self.types.names.insert(TypeId::of::<P>(), name);
         assert!(
             old_name.is_none(),
             "{} registered twice",
             std::any::type_name::<P>()
         );
-        let old_decoder = self.decoders.insert(name, decode::<P>);
+        let old_decoder = self.decoders.insert(name, decode::<E, P>);
         assert!(
             old_decoder.is_none(),
             "procedure name {name:?} registered twice"
         );
+        self.types.decoders.insert(name, decode_erased::<E, P>);
         self
     }
 
     /// The registered name of a live procedure.
-    pub fn name_of(&self, proc: &dyn Procedure) -> Result<&'static str, RegistryError> {
-        self.names
-            .get(&type_id_of(proc))
-            .copied()
+    ///
+    /// # Errors
+    /// [`RegistryError::Unregistered`] if its type was never registered.
+    pub fn name_of(&self, proc: &dyn Procedure<E>) -> Result<&'static str, RegistryError> {
+        self.types
+            .name(type_id_of(proc))
             .ok_or(RegistryError::Unregistered {
                 rust_type: proc.rust_type_name(),
             })
@@ -125,11 +168,18 @@ impl Registry {
 
     /// The registry's own copy of a name, if it is registered.
     pub fn static_name(&self, name: &str) -> Option<&'static str> {
-        self.decoders.get_key_value(name).map(|(k, _)| *k)
+        self.types.static_name(name)
     }
 
     /// The procedure's registered name and its encoded state.
-    pub fn encode(&self, proc: &dyn Procedure) -> Result<(&'static str, Vec<u8>), RegistryError> {
+    ///
+    /// # Errors
+    /// [`RegistryError::Unregistered`] for a type never registered,
+    /// [`RegistryError::Encode`] if its state does not serialize.
+    pub fn encode(
+        &self,
+        proc: &dyn Procedure<E>,
+    ) -> Result<(&'static str, Vec<u8>), RegistryError> {
         let name = self.name_of(proc)?;
         let bytes = proc
             .encode_state()
@@ -138,16 +188,65 @@ impl Registry {
     }
 
     /// Decodes a stored state written under `name`.
-    pub fn decode(&self, name: &str, bytes: &[u8]) -> Result<Box<dyn Procedure>, RegistryError> {
-        let decode = self
-            .decoders
-            .get(name)
-            .ok_or_else(|| RegistryError::UnknownName { name: name.into() })?;
-        decode(bytes).map_err(|source| RegistryError::Decode {
-            name: name.into(),
-            source,
-        })
+    ///
+    /// # Errors
+    /// [`RegistryError::UnknownName`] for a name never registered,
+    /// [`RegistryError::Decode`] for bytes that are not a state of that type.
+    pub fn decode(&self, name: &str, bytes: &[u8]) -> Result<Box<dyn Procedure<E>>, RegistryError> {
+        decode_with(&self.decoders, name, bytes)
     }
+
+    /// The engine's environment-free view.
+    pub(crate) fn into_types(self) -> Types {
+        self.types
+    }
+}
+
+impl Types {
+    fn name(&self, type_id: TypeId) -> Option<&'static str> {
+        self.names.get(&type_id).copied()
+    }
+
+    /// The registry's own copy of a name, if it is registered.
+    pub(crate) fn static_name(&self, name: &str) -> Option<&'static str> {
+        self.decoders.get_key_value(name).map(|(k, _)| *k)
+    }
+
+    /// The registered name of a live procedure and its encoded state.
+    pub(crate) fn encode(
+        &self,
+        proc: &dyn ErasedProc,
+    ) -> Result<(&'static str, Vec<u8>), RegistryError> {
+        let name = self
+            .name(proc.proc_type_id())
+            .ok_or(RegistryError::Unregistered {
+                rust_type: proc.rust_type_name(),
+            })?;
+        let bytes = proc
+            .encode_state()
+            .map_err(|source| RegistryError::Encode { name, source })?;
+        Ok((name, bytes))
+    }
+
+    /// Decodes a stored state written under `name`.
+    pub(crate) fn decode(&self, name: &str, bytes: &[u8]) -> Result<DynProc, RegistryError> {
+        decode_with(&self.decoders, name, bytes)
+    }
+}
+
+/// Decodes `bytes` with the decoder registered under `name`.
+fn decode_with<T>(
+    decoders: &HashMap<&'static str, Decoder<T>>,
+    name: &str,
+    bytes: &[u8],
+) -> Result<T, RegistryError> {
+    let decode = decoders
+        .get(name)
+        .ok_or_else(|| RegistryError::UnknownName { name: name.into() })?;
+    decode(bytes).map_err(|source| RegistryError::Decode {
+        name: name.into(),
+        source,
+    })
 }
 
 #[cfg(test)]

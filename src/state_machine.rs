@@ -8,6 +8,7 @@
 //! in reverse, the failed state first.
 
 use std::fmt::Debug;
+use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 
 use async_trait::async_trait;
@@ -49,8 +50,14 @@ use crate::procedure::{Context, Flow, LockState, OnTimeout, ProcError, Procedure
 /// let proc = StateMachine::new(CreateTable { name: "t1".into() });
 /// assert_eq!(proc.cycles(), 0);
 /// ```
+///
+/// `E` is the executor's environment, as for [`Procedure`]; the wrapper is then
+/// `StateMachine<T, E>`.
 #[async_trait]
-pub trait StateMachineProcedure: Serialize + DeserializeOwned + Send + 'static {
+pub trait StateMachineProcedure<E = ()>: Serialize + DeserializeOwned + Send + 'static
+where
+    E: Send + Sync + 'static,
+{
     /// The user's state enum.
     type State: Copy + Eq + Debug + Serialize + DeserializeOwned + Send + Sync + 'static;
 
@@ -61,15 +68,15 @@ pub trait StateMachineProcedure: Serialize + DeserializeOwned + Send + 'static {
     /// step runs the same state again (a cycle, counted by [`StateMachine::cycles`]).
     async fn execute_from_state(
         &mut self,
-        ctx: &mut StateContext<'_, Self::State>,
+        ctx: &mut StateContext<'_, Self::State, E>,
         state: Self::State,
-    ) -> Result<Flow, ProcError>;
+    ) -> Result<Flow<E>, ProcError>;
 
     /// Undoes what running `state` did. Must be idempotent: it is also called for the
     /// state that failed, and again after a crash.
     async fn rollback_state(
         &mut self,
-        ctx: &mut Context,
+        ctx: &mut Context<E>,
         state: Self::State,
     ) -> Result<(), ProcError>;
 
@@ -84,12 +91,12 @@ pub trait StateMachineProcedure: Serialize + DeserializeOwned + Send + 'static {
     }
 
     /// See [`Procedure::acquire_lock`].
-    fn acquire_lock(&mut self, _ctx: &Context) -> LockState {
+    fn acquire_lock(&mut self, _ctx: &Context<E>) -> LockState {
         LockState::Acquired
     }
 
     /// See [`Procedure::release_lock`].
-    fn release_lock(&mut self, _ctx: &Context) {}
+    fn release_lock(&mut self, _ctx: &Context<E>) {}
 
     /// See [`Procedure::holds_lock`].
     fn holds_lock(&self) -> bool {
@@ -127,12 +134,12 @@ pub trait StateMachineProcedure: Serialize + DeserializeOwned + Send + 'static {
 }
 
 /// The context of one state-machine step: a [`Context`] plus the next-state slot.
-pub struct StateContext<'c, S> {
-    ctx: &'c mut Context,
+pub struct StateContext<'c, S, E = ()> {
+    ctx: &'c mut Context<E>,
     next: Option<S>,
 }
 
-impl<S: Debug> Debug for StateContext<'_, S> {
+impl<S: Debug, E> Debug for StateContext<'_, S, E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StateContext")
             .field("ctx", &self.ctx)
@@ -141,32 +148,37 @@ impl<S: Debug> Debug for StateContext<'_, S> {
     }
 }
 
-impl<S> StateContext<'_, S> {
+impl<S, E> StateContext<'_, S, E> {
     /// The state the next step runs in.
     pub fn set_next_state(&mut self, state: S) {
         self.next = Some(state);
     }
 }
 
-impl<S> Deref for StateContext<'_, S> {
-    type Target = Context;
-    fn deref(&self) -> &Context {
+impl<S, E> Deref for StateContext<'_, S, E> {
+    type Target = Context<E>;
+    fn deref(&self) -> &Context<E> {
         self.ctx
     }
 }
 
-impl<S> DerefMut for StateContext<'_, S> {
-    fn deref_mut(&mut self) -> &mut Context {
+impl<S, E> DerefMut for StateContext<'_, S, E> {
+    fn deref_mut(&mut self) -> &mut Context<E> {
         self.ctx
     }
 }
 
 /// A [`StateMachineProcedure`] as a [`Procedure`]: keeps the state to run next, the
 /// states visited (for rollback in reverse), and the cycle count. Register it as
-/// `registry.register::<StateMachine<MyProc>>("my_proc")`.
+/// `registry.register::<StateMachine<MyProc>>("my_proc")` (for an environment `E`,
+/// `StateMachine<MyProc, E>`).
 #[derive(Serialize, Deserialize)]
 #[serde(bound = "")]
-pub struct StateMachine<T: StateMachineProcedure> {
+pub struct StateMachine<T, E = ()>
+where
+    T: StateMachineProcedure<E>,
+    E: Send + Sync + 'static,
+{
     machine: T,
     next: Option<T::State>,
     /// Stored as `(state, times)` runs, so a machine that cycles in one state for
@@ -174,9 +186,15 @@ pub struct StateMachine<T: StateMachineProcedure> {
     #[serde(with = "state_runs")]
     history: Vec<T::State>,
     cycles: u32,
+    #[serde(skip)]
+    env: PhantomData<fn() -> E>,
 }
 
-impl<T: StateMachineProcedure + Debug> Debug for StateMachine<T> {
+impl<T, E> Debug for StateMachine<T, E>
+where
+    T: StateMachineProcedure<E> + Debug,
+    E: Send + Sync + 'static,
+{
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StateMachine")
             .field("machine", &self.machine)
@@ -228,7 +246,11 @@ mod state_runs {
     }
 }
 
-impl<T: StateMachineProcedure> StateMachine<T> {
+impl<T, E> StateMachine<T, E>
+where
+    T: StateMachineProcedure<E>,
+    E: Send + Sync + 'static,
+{
     /// Wraps a machine that has not run yet.
     pub fn new(machine: T) -> Self {
         StateMachine {
@@ -236,6 +258,7 @@ impl<T: StateMachineProcedure> StateMachine<T> {
             next: None,
             history: Vec::new(),
             cycles: 0,
+            env: PhantomData,
         }
     }
 
@@ -262,8 +285,12 @@ impl<T: StateMachineProcedure> StateMachine<T> {
 }
 
 #[async_trait]
-impl<T: StateMachineProcedure> Procedure for StateMachine<T> {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+impl<T, E> Procedure<E> for StateMachine<T, E>
+where
+    T: StateMachineProcedure<E>,
+    E: Send + Sync + 'static,
+{
+    async fn execute(&mut self, ctx: &mut Context<E>) -> Result<Flow<E>, ProcError> {
         let state = self.current_state();
         self.cycles = match self.history.last() {
             Some(last) if *last == state => self.cycles.saturating_add(1),
@@ -289,7 +316,7 @@ impl<T: StateMachineProcedure> Procedure for StateMachine<T> {
         result
     }
 
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+    async fn rollback(&mut self, ctx: &mut Context<E>) -> Result<(), ProcError> {
         if ctx.is_unrecorded_step() {
             // The state that was about to run when the process died: it may have
             // started, so undo it; the history is untouched (it was never recorded).
@@ -320,11 +347,11 @@ impl<T: StateMachineProcedure> Procedure for StateMachine<T> {
         self.machine.locks()
     }
 
-    fn acquire_lock(&mut self, ctx: &Context) -> LockState {
+    fn acquire_lock(&mut self, ctx: &Context<E>) -> LockState {
         self.machine.acquire_lock(ctx)
     }
 
-    fn release_lock(&mut self, ctx: &Context) {
+    fn release_lock(&mut self, ctx: &Context<E>) {
         self.machine.release_lock(ctx)
     }
 
@@ -438,7 +465,7 @@ mod tests {
     }
 
     fn ctx() -> Context {
-        Context::new(ProcId(1), None, ProcId(1), 0, None)
+        Context::new(ProcId(1), None, ProcId(1), 0, std::sync::Arc::new(()))
     }
 
     /// Runs the machine until it finishes or fails; returns the flows' names.

@@ -9,7 +9,7 @@ use common::{registry, Recorder, Scripted, Step};
 use proctor::testing::{restart_at_every_write, CrashPoint};
 use proctor::{Executor, ProcError};
 
-fn builder() -> proctor::ExecutorBuilder {
+fn builder() -> proctor::ExecutorBuilder<Recorder> {
     Executor::builder()
         .registry(registry())
         .env(Arc::new(Recorder::default()))

@@ -31,7 +31,7 @@ const CHILDREN: u16 = 2;
 /// Each tree locks one of these resources for its life (`res/<k>`).
 const LOCKS: u32 = 8;
 
-async fn executor(dir: &Path) -> (Executor, Arc<Env>) {
+async fn executor(dir: &Path) -> (Executor<Env>, Arc<Env>) {
     let env = Arc::new(Env::new(Some(
         Ledger::open(&dir.join("ledger")).expect("ledger"),
     )));

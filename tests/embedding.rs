@@ -13,7 +13,7 @@ use proctor::{
     WaitingOn,
 };
 
-async fn start_on(store: Box<dyn proctor::ProcedureStore>) -> (Executor, Arc<Recorder>) {
+async fn start_on(store: Box<dyn proctor::ProcedureStore>) -> (Executor<Recorder>, Arc<Recorder>) {
     let rec = Arc::new(Recorder::default());
     let executor = Executor::builder()
         .registry(registry())

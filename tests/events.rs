@@ -45,9 +45,9 @@ impl Waiter {
 }
 
 #[async_trait]
-impl Procedure for Waiter {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
-        let calls = ctx.env::<Arc<Calls>>()?;
+impl Procedure<Calls> for Waiter {
+    async fn execute(&mut self, ctx: &mut Context<Calls>) -> Result<Flow<Calls>, ProcError> {
+        let calls = ctx.env();
         if self.suspended {
             calls.push(format!("{}-run", self.name));
             return Ok(Flow::Done);
@@ -57,7 +57,7 @@ impl Procedure for Waiter {
         Ok(Flow::Suspend(self.event.clone()))
     }
 
-    async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
+    async fn rollback(&mut self, _ctx: &mut Context<Calls>) -> Result<(), ProcError> {
         Ok(())
     }
 
@@ -66,8 +66,8 @@ impl Procedure for Waiter {
     }
 }
 
-async fn start(store: Box<dyn ProcedureStore>) -> (Executor, Arc<Calls>) {
-    let mut registry = Registry::new();
+async fn start(store: Box<dyn ProcedureStore>) -> (Executor<Calls>, Arc<Calls>) {
+    let mut registry = Registry::<Calls>::default();
     registry.register::<Waiter>("waiter");
     let calls = Arc::new(Calls::default());
     let executor = Executor::builder()

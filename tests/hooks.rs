@@ -38,11 +38,8 @@ struct Hooked {
 /// Signalled by the completion cleanup of a procedure with `signal_cleanup`.
 static CLEANED_UP: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
-fn log(ctx: &Context, entry: &str) {
-    // Tolerates a missing environment, so a test can run without one.
-    if let Ok(log) = ctx.env::<Arc<Log>>() {
-        log.push(entry);
-    }
+fn log(ctx: &Context<Log>, entry: &str) {
+    ctx.env().push(entry);
 }
 
 impl Hooked {
@@ -59,9 +56,9 @@ impl Hooked {
 }
 
 #[async_trait]
-impl Procedure for Hooked {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
-        ctx.env::<Arc<Log>>()?.push("execute");
+impl Procedure<Log> for Hooked {
+    async fn execute(&mut self, ctx: &mut Context<Log>) -> Result<Flow<Log>, ProcError> {
+        ctx.env().push("execute");
         if self.sleep_forever {
             return Ok(Flow::SleepUntil(ctx.now_ms() + 3_600_000));
         }
@@ -73,12 +70,12 @@ impl Procedure for Hooked {
         })
     }
 
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+    async fn rollback(&mut self, ctx: &mut Context<Log>) -> Result<(), ProcError> {
         log(ctx, "rollback");
         Ok(())
     }
 
-    fn acquire_lock(&mut self, ctx: &Context) -> LockState {
+    fn acquire_lock(&mut self, ctx: &Context<Log>) -> LockState {
         if self.busy_locks > 0 {
             self.busy_locks -= 1;
             log(ctx, "lock busy");
@@ -88,7 +85,7 @@ impl Procedure for Hooked {
         LockState::Acquired
     }
 
-    fn release_lock(&mut self, ctx: &Context) {
+    fn release_lock(&mut self, ctx: &Context<Log>) {
         log(ctx, "unlock");
     }
 
@@ -107,8 +104,8 @@ impl Procedure for Hooked {
     }
 }
 
-async fn start() -> (Executor, Arc<Log>) {
-    let mut registry = Registry::new();
+async fn start() -> (Executor<Log>, Arc<Log>) {
+    let mut registry = Registry::<Log>::default();
     registry.register::<Hooked>("hooked");
     let log = Arc::new(Log::default());
     let executor = Executor::builder()
@@ -175,33 +172,53 @@ async fn an_expired_timeout_fails_and_rolls_back() {
 }
 
 #[actix::test]
-async fn a_missing_environment_is_a_clear_failure() {
-    let mut registry = Registry::new();
+async fn a_missing_environment_is_refused_at_start() {
+    let mut registry = Registry::<Log>::default();
     registry.register::<Hooked>("hooked");
-    let executor = Executor::builder()
+    let err = Executor::builder()
         .registry(registry)
         .start()
         .await
-        .unwrap();
-    let id = executor.submit(Hooked::new(1)).await.unwrap();
-    let failure = executor.wait(id).await.unwrap().unwrap_err();
+        .unwrap_err();
+    assert!(matches!(err, Error::Config(_)), "{err}");
     assert!(
-        failure.error.to_string().contains("no environment of type"),
-        "{failure}"
+        err.to_string()
+            .contains("need an environment of type hooks::Log"),
+        "{err}"
     );
+}
+
+#[actix::test]
+async fn an_environment_given_by_value_or_shared_is_the_same_type() {
+    // `env` takes an `E` or an `Arc<E>`: the slip of giving one and asking for the
+    // other cannot happen any more.
+    for shared in [false, true] {
+        let mut registry = Registry::<Log>::default();
+        registry.register::<Hooked>("hooked");
+        let log = Arc::new(Log::default());
+        let builder = Executor::builder().registry(registry);
+        let builder = if shared {
+            builder.env(log.clone())
+        } else {
+            builder.env(Log::default())
+        };
+        let executor = builder.start().await.unwrap();
+        let id = executor.submit(Hooked::new(1)).await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+        if shared {
+            assert_eq!(log.take(), ["lock", "execute", "unlock"]);
+        }
+        executor.shutdown_now().await.unwrap();
+    }
 }
 
 #[actix::test]
 async fn an_unregistered_type_is_refused_at_submit() {
     let (executor, _log) = start().await;
-    let err = executor
-        .submit(common::Scripted::new("x", vec![]))
-        .await
-        .unwrap_err();
+    let err = executor.submit(common::Noop).await.unwrap_err();
     assert!(matches!(err, Error::Registry(_)));
     assert!(
-        err.to_string()
-            .contains("common::Scripted is not registered"),
+        err.to_string().contains("common::Noop is not registered"),
         "{err}"
     );
 }

@@ -151,9 +151,9 @@ impl Locker {
 }
 
 #[async_trait]
-impl Procedure for Locker {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
-        let world = ctx.env::<Arc<World>>()?.clone();
+impl Procedure<World> for Locker {
+    async fn execute(&mut self, ctx: &mut Context<World>) -> Result<Flow<World>, ProcError> {
+        let world = ctx.env_arc().clone();
         world
             .calls
             .lock()
@@ -198,7 +198,7 @@ impl Procedure for Locker {
                     .map(|mut c| {
                         c.ancestors = self.ancestors.clone();
                         c.ancestors.push(self.name.clone());
-                        Box::new(c) as Box<dyn Procedure>
+                        Box::new(c) as Box<dyn Procedure<World>>
                     })
                     .collect(),
             ),
@@ -215,8 +215,8 @@ impl Procedure for Locker {
         Ok(flow)
     }
 
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
-        let world = ctx.env::<Arc<World>>()?;
+    async fn rollback(&mut self, ctx: &mut Context<World>) -> Result<(), ProcError> {
+        let world = ctx.env();
         world
             .calls
             .lock()
@@ -239,8 +239,8 @@ impl Procedure for Locker {
     }
 }
 
-fn registry() -> Registry {
-    let mut r = Registry::new();
+fn registry() -> Registry<World> {
+    let mut r = Registry::<World>::default();
     r.register::<Locker>("locker");
     r
 }
@@ -248,8 +248,8 @@ fn registry() -> Registry {
 async fn start(
     store: Box<dyn ProcedureStore>,
     workers: usize,
-    configure: impl FnOnce(proctor::ExecutorBuilder) -> proctor::ExecutorBuilder,
-) -> (Executor, Arc<World>) {
+    configure: impl FnOnce(proctor::ExecutorBuilder<World>) -> proctor::ExecutorBuilder<World>,
+) -> (Executor<World>, Arc<World>) {
     let world = Arc::new(World::default());
     let builder = Executor::builder()
         .registry(registry())
@@ -261,7 +261,7 @@ async fn start(
 }
 
 /// Waits until `id` is reported waiting for its locks (polling, as an operator would).
-async fn wait_for_lock_wait(executor: &Executor, id: ProcId) {
+async fn wait_for_lock_wait(executor: &Executor<World>, id: ProcId) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while executor.state(id).await.unwrap().locks_waiting.is_empty() {
         assert!(
@@ -486,7 +486,7 @@ async fn life_long_locks_are_granted_back_after_a_restart() {
 }
 
 /// A holder of `X t` for its life suspended on `go`, and a procedure waiting for `X t`.
-async fn holder_and_waiter(executor: &Executor) -> (ProcId, ProcId) {
+async fn holder_and_waiter(executor: &Executor<World>) -> (ProcId, ProcId) {
     let holder = Locker::new(
         "holder",
         vec![Lock::exclusive("t")],

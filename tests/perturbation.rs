@@ -134,7 +134,7 @@ impl World {
 static WORLD: Mutex<Option<Arc<World>>> = Mutex::new(None);
 
 /// The engine the current seed runs on, for the report of a hang.
-static EXECUTOR: Mutex<Option<Executor>> = Mutex::new(None);
+static EXECUTOR: Mutex<Option<Executor<World>>> = Mutex::new(None);
 
 /// What a hung run leaves: its unfinished procedures and every lock held or waited for
 /// (a lost release or wake-up shows here), then the last events.
@@ -165,8 +165,8 @@ async fn hang_report() -> String {
     out
 }
 
-fn world_of(ctx: &Context) -> Arc<World> {
-    ctx.env::<Arc<World>>().expect("world").clone()
+fn world_of(ctx: &Context<World>) -> Arc<World> {
+    ctx.env_arc().clone()
 }
 
 /// A procedure generated from the seed. Its effects go into the ledger under
@@ -203,7 +203,7 @@ impl Traced {
     }
 
     /// The start of a call: inside the engine locks from here.
-    fn enter(&self, world: &World, ctx: &Context, call: &'static str) {
+    fn enter(&self, world: &World, ctx: &Context<World>, call: &'static str) {
         if !self.engine_locks.is_empty() {
             world.log(Ev::Enter {
                 id: ctx.id(),
@@ -216,7 +216,7 @@ impl Traced {
     }
 
     /// Before the call that ends the hold returns.
-    fn leave(&self, world: &World, ctx: &Context) {
+    fn leave(&self, world: &World, ctx: &Context<World>) {
         if !self.engine_locks.is_empty() {
             world.log(Ev::Leave {
                 id: ctx.id(),
@@ -226,7 +226,7 @@ impl Traced {
     }
 
     /// Before a call of a life-long holder that keeps its locks returns.
-    fn pause(&self, world: &World, ctx: &Context) {
+    fn pause(&self, world: &World, ctx: &Context<World>) {
         if !self.engine_locks.is_empty() {
             world.log(Ev::Pause {
                 id: ctx.id(),
@@ -266,8 +266,8 @@ impl Traced {
 }
 
 #[async_trait]
-impl Procedure for Traced {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+impl Procedure<World> for Traced {
+    async fn execute(&mut self, ctx: &mut Context<World>) -> Result<Flow<World>, ProcError> {
         let world = world_of(ctx);
         self.enter(&world, ctx, "execute");
         self.linger().await;
@@ -295,7 +295,7 @@ impl Procedure for Traced {
             Ok(Flow::Children(
                 self.children
                     .iter()
-                    .map(|c| Box::new(c.clone()) as Box<dyn Procedure>)
+                    .map(|c| Box::new(c.clone()) as Box<dyn Procedure<World>>)
                     .collect(),
             ))
         } else if self.at < self.steps {
@@ -312,7 +312,7 @@ impl Procedure for Traced {
         flow
     }
 
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+    async fn rollback(&mut self, ctx: &mut Context<World>) -> Result<(), ProcError> {
         let world = world_of(ctx);
         self.enter(&world, ctx, "rollback");
         self.linger().await;
@@ -337,7 +337,7 @@ impl Procedure for Traced {
         Ok(())
     }
 
-    fn acquire_lock(&mut self, ctx: &Context) -> LockState {
+    fn acquire_lock(&mut self, ctx: &Context<World>) -> LockState {
         let Some(r) = self.lock else {
             return LockState::Acquired;
         };
@@ -360,7 +360,7 @@ impl Procedure for Traced {
         }
     }
 
-    fn release_lock(&mut self, ctx: &Context) {
+    fn release_lock(&mut self, ctx: &Context<World>) {
         let Some(r) = self.lock else { return };
         let world = world_of(ctx);
         // The release and its event are one step for other threads, as a grant is.
@@ -527,8 +527,8 @@ fn gen_plan(seed: u64) -> Plan {
     }
 }
 
-fn registry() -> Registry {
-    let mut r = Registry::new();
+fn registry() -> Registry<World> {
+    let mut r = Registry::<World>::default();
     r.register::<Traced>("traced");
     r
 }
@@ -537,7 +537,7 @@ async fn start(
     store: impl ProcedureStore,
     plan: &Plan,
     world: &Arc<World>,
-) -> Result<Executor, Error> {
+) -> Result<Executor<World>, Error> {
     Executor::builder()
         .registry(registry())
         .store(store)

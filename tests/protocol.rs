@@ -95,9 +95,9 @@ impl Locks {
 }
 
 #[async_trait]
-impl Procedure for Locker {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
-        let locks = ctx.env::<Arc<Locks>>()?;
+impl Procedure<Locks> for Locker {
+    async fn execute(&mut self, ctx: &mut Context<Locks>) -> Result<Flow<Locks>, ProcError> {
+        let locks = ctx.env();
         assert_eq!(
             locks.holders.lock().unwrap().get(&self.resource),
             Some(&self.name),
@@ -116,8 +116,8 @@ impl Procedure for Locker {
         })
     }
 
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
-        let locks = ctx.env::<Arc<Locks>>()?;
+    async fn rollback(&mut self, ctx: &mut Context<Locks>) -> Result<(), ProcError> {
+        let locks = ctx.env();
         assert_eq!(
             locks.holders.lock().unwrap().get(&self.resource),
             Some(&self.name),
@@ -129,10 +129,8 @@ impl Procedure for Locker {
         Ok(())
     }
 
-    fn acquire_lock(&mut self, ctx: &Context) -> LockState {
-        let Ok(locks) = ctx.env::<Arc<Locks>>() else {
-            return LockState::Yield;
-        };
+    fn acquire_lock(&mut self, ctx: &Context<Locks>) -> LockState {
+        let locks = ctx.env();
         let mut holders = locks.holders.lock().unwrap();
         match holders.get(&self.resource) {
             Some(holder) => {
@@ -147,8 +145,8 @@ impl Procedure for Locker {
         }
     }
 
-    fn release_lock(&mut self, ctx: &Context) {
-        let locks = ctx.env::<Arc<Locks>>().expect("environment");
+    fn release_lock(&mut self, ctx: &Context<Locks>) {
+        let locks = ctx.env();
         let holder = locks.holders.lock().unwrap().remove(&self.resource);
         assert_eq!(
             holder.as_ref(),
@@ -191,8 +189,11 @@ fn locker(name: &str, resource: u32, steps: u32, hold: bool) -> Locker {
     }
 }
 
-async fn start_locks(store: Box<dyn ProcedureStore>, workers: usize) -> (Executor, Arc<Locks>) {
-    let mut registry = Registry::new();
+async fn start_locks(
+    store: Box<dyn ProcedureStore>,
+    workers: usize,
+) -> (Executor<Locks>, Arc<Locks>) {
+    let mut registry = Registry::<Locks>::default();
     registry.register::<Locker>("locker");
     let locks = Arc::new(Locks::default());
     let executor = Executor::builder()
@@ -294,7 +295,7 @@ async fn a_store_failure_runs_no_cleanup_on_unfinished_procedures() {
         // The restarted engine runs it again from its last durable state, and finishes
         // it once: one release, one cleanup.
         locks.holders.lock().unwrap().clear();
-        let mut registry = Registry::new();
+        let mut registry = Registry::<Locks>::default();
         registry.register::<Locker>("locker");
         let executor = Executor::builder()
             .registry(registry)

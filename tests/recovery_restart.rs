@@ -55,17 +55,17 @@ fn amount(s: S) -> i64 {
 }
 
 #[async_trait]
-impl StateMachineProcedure for Adder {
+impl StateMachineProcedure<Effects> for Adder {
     type State = S;
     fn initial_state(&self) -> S {
         S::Add3
     }
     async fn execute_from_state(
         &mut self,
-        ctx: &mut StateContext<'_, S>,
+        ctx: &mut StateContext<'_, S, Effects>,
         state: S,
-    ) -> Result<Flow, ProcError> {
-        let effects = ctx.env::<Arc<Effects>>()?;
+    ) -> Result<Flow<Effects>, ProcError> {
+        let effects = ctx.env();
         effects
             .0
             .lock()
@@ -83,20 +83,24 @@ impl StateMachineProcedure for Adder {
         ctx.set_next_state(next);
         Ok(Flow::MoreToDo)
     }
-    async fn rollback_state(&mut self, ctx: &mut Context, state: S) -> Result<(), ProcError> {
-        let effects = ctx.env::<Arc<Effects>>()?;
+    async fn rollback_state(
+        &mut self,
+        ctx: &mut Context<Effects>,
+        state: S,
+    ) -> Result<(), ProcError> {
+        let effects = ctx.env();
         effects.0.lock().unwrap().remove(&format!("{state:?}"));
         Ok(())
     }
 }
 
-fn registry() -> Registry {
-    let mut r = common::registry();
-    r.register::<StateMachine<Adder>>("idempotent_adder");
+fn registry() -> Registry<Effects> {
+    let mut r = Registry::<Effects>::default();
+    r.register::<StateMachine<Adder, Effects>>("idempotent_adder");
     r
 }
 
-async fn executor(store: impl ProcedureStore, env: Arc<Effects>) -> Executor {
+async fn executor(store: impl ProcedureStore, env: Arc<Effects>) -> Executor<Effects> {
     Executor::builder()
         .registry(registry())
         .store(store)

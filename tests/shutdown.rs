@@ -13,7 +13,7 @@ use proctor::{Error, Executor, Shutdown};
 async fn start_on(
     store: Box<dyn proctor::ProcedureStore>,
     drain: Duration,
-) -> (Executor, Arc<Recorder>) {
+) -> (Executor<Recorder>, Arc<Recorder>) {
     let rec = Arc::new(Recorder::default());
     let executor = Executor::builder()
         .registry(registry())

@@ -60,8 +60,8 @@ impl Timer {
 }
 
 #[async_trait]
-impl Procedure for Timer {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+impl Procedure<Calls> for Timer {
+    async fn execute(&mut self, ctx: &mut Context<Calls>) -> Result<Flow<Calls>, ProcError> {
         if self.started {
             return Ok(Flow::Done);
         }
@@ -78,9 +78,8 @@ impl Procedure for Timer {
         })
     }
 
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
-        ctx.env::<Arc<Calls>>()?
-            .push(format!("{}-rollback", self.name));
+    async fn rollback(&mut self, ctx: &mut Context<Calls>) -> Result<(), ProcError> {
+        ctx.env().push(format!("{}-rollback", self.name));
         Ok(())
     }
 
@@ -102,13 +101,13 @@ impl Procedure for Timer {
     }
 }
 
-fn registry() -> Registry {
-    let mut registry = Registry::new();
+fn registry() -> Registry<Calls> {
+    let mut registry = Registry::<Calls>::default();
     registry.register::<Timer>("timer");
     registry
 }
 
-async fn start(store: Box<dyn ProcedureStore>) -> (Executor, Arc<Calls>) {
+async fn start(store: Box<dyn ProcedureStore>) -> (Executor<Calls>, Arc<Calls>) {
     let calls = Arc::new(Calls::default());
     let executor = Executor::builder()
         .registry(registry())

@@ -475,7 +475,7 @@ fn stored_shapes(
     };
     let mut shapes = HashMap::new();
     for record in snapshot.records.into_iter().filter(|r| r.parent.is_none()) {
-        let machine: StateMachine<Work> = rmp_serde::from_slice(&record.data)
+        let machine: StateMachine<Work, Env> = rmp_serde::from_slice(&record.data)
             .map_err(|e| format!("root {}: cannot decode its state: {e}", record.id))?;
         shapes.insert(record.id, Shape::of(machine.machine()));
     }
@@ -485,7 +485,7 @@ fn stored_shapes(
 /// Every root is finished, in the state its plan says, and the ledger holds exactly the
 /// effects of the successful roots.
 async fn verify(
-    executor: &Executor,
+    executor: &Executor<Env>,
     env: &Env,
     shapes: &HashMap<ProcId, Shape>,
     tally: &mut Tally,

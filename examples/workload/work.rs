@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use proctor::{
     async_trait, Context, Flow, Lock, ProcError, ProcId, ProcState, Registry, StateContext,
@@ -91,7 +91,7 @@ impl Work {
 }
 
 #[async_trait]
-impl StateMachineProcedure for Work {
+impl StateMachineProcedure<Env> for Work {
     type State = u16;
 
     fn initial_state(&self) -> u16 {
@@ -100,10 +100,10 @@ impl StateMachineProcedure for Work {
 
     async fn execute_from_state(
         &mut self,
-        ctx: &mut StateContext<'_, u16>,
+        ctx: &mut StateContext<'_, u16, Env>,
         step: u16,
-    ) -> Result<Flow, ProcError> {
-        let env = ctx.env::<Arc<Env>>()?.clone();
+    ) -> Result<Flow<Env>, ProcError> {
+        let env = ctx.env_arc().clone();
         env.steps.fetch_add(1, Ordering::Relaxed);
         let root = ctx.root().0;
         env.enter(self.lock, root);
@@ -114,8 +114,8 @@ impl StateMachineProcedure for Work {
         Ok(flow)
     }
 
-    async fn rollback_state(&mut self, ctx: &mut Context, step: u16) -> Result<(), ProcError> {
-        let env = ctx.env::<Arc<Env>>()?;
+    async fn rollback_state(&mut self, ctx: &mut Context<Env>, step: u16) -> Result<(), ProcError> {
+        let env = ctx.env();
         let root = ctx.root().0;
         env.enter(self.lock, root);
         if step >= self.steps {
@@ -151,10 +151,10 @@ impl StateMachineProcedure for Work {
 impl Work {
     fn step(
         &self,
-        ctx: &mut StateContext<'_, u16>,
+        ctx: &mut StateContext<'_, u16, Env>,
         env: &Env,
         step: u16,
-    ) -> Result<Flow, ProcError> {
+    ) -> Result<Flow<Env>, ProcError> {
         if step >= self.steps {
             // Only reached by a one-step root with children: the step after them.
             return Ok(Flow::Done);
@@ -174,7 +174,7 @@ impl Work {
                         path,
                         children: 0,
                         ..self.clone()
-                    })) as Box<dyn proctor::Procedure>
+                    })) as Box<dyn proctor::Procedure<Env>>
                 })
                 .collect();
             return Ok(Flow::Children(children));
@@ -188,9 +188,9 @@ impl Work {
 }
 
 /// The registry the workload's executors use.
-pub fn registry() -> Registry {
-    let mut registry = Registry::new();
-    registry.register::<StateMachine<Work>>("workload");
+pub fn registry() -> Registry<Env> {
+    let mut registry = Registry::<Env>::default();
+    registry.register::<StateMachine<Work, Env>>("workload");
     registry
 }
 

@@ -111,9 +111,9 @@ impl Scripted {
 }
 
 #[async_trait]
-impl Procedure for Scripted {
-    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
-        let rec = ctx.env::<Arc<Recorder>>()?.clone();
+impl Procedure<Recorder> for Scripted {
+    async fn execute(&mut self, ctx: &mut Context<Recorder>) -> Result<Flow<Recorder>, ProcError> {
+        let rec = ctx.env_arc().clone();
         rec.record(format!("{}-exec", self.name));
         let Some(step) = self.plan.get(self.at).cloned() else {
             return Ok(Flow::Done);
@@ -174,14 +174,28 @@ impl Procedure for Scripted {
         })
     }
 
-    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
-        ctx.env::<Arc<Recorder>>()?
-            .record(format!("{}-rollback", self.name));
+    async fn rollback(&mut self, ctx: &mut Context<Recorder>) -> Result<(), ProcError> {
+        ctx.env().record(format!("{}-rollback", self.name));
         Ok(())
     }
 
     fn is_yield_after_execution(&self) -> bool {
         self.yield_after
+    }
+}
+
+/// A one-step procedure that needs no environment, so it runs in an executor of any
+/// environment type.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Noop;
+
+#[async_trait]
+impl<E: Send + Sync + 'static> Procedure<E> for Noop {
+    async fn execute(&mut self, _: &mut Context<E>) -> Result<Flow<E>, ProcError> {
+        Ok(Flow::Done)
+    }
+    async fn rollback(&mut self, _: &mut Context<E>) -> Result<(), ProcError> {
+        Ok(())
     }
 }
 
@@ -212,7 +226,7 @@ pub struct Adder {
 }
 
 #[async_trait]
-impl StateMachineProcedure for Adder {
+impl StateMachineProcedure<Recorder> for Adder {
     type State = AddState;
 
     fn initial_state(&self) -> AddState {
@@ -221,10 +235,10 @@ impl StateMachineProcedure for Adder {
 
     async fn execute_from_state(
         &mut self,
-        ctx: &mut StateContext<'_, AddState>,
+        ctx: &mut StateContext<'_, AddState, Recorder>,
         state: AddState,
-    ) -> Result<Flow, ProcError> {
-        let rec = ctx.env::<Arc<Recorder>>()?;
+    ) -> Result<Flow<Recorder>, ProcError> {
+        let rec = ctx.env();
         rec.counter.fetch_add(state.amount(), Ordering::SeqCst);
         rec.record(format!("exec {state:?}"));
         if self.fail_in == Some(state) {
@@ -242,21 +256,21 @@ impl StateMachineProcedure for Adder {
 
     async fn rollback_state(
         &mut self,
-        ctx: &mut Context,
+        ctx: &mut Context<Recorder>,
         state: AddState,
     ) -> Result<(), ProcError> {
-        let rec = ctx.env::<Arc<Recorder>>()?;
+        let rec = ctx.env();
         rec.counter.fetch_sub(state.amount(), Ordering::SeqCst);
         rec.record(format!("rollback {state:?}"));
         Ok(())
     }
 }
 
-pub fn registry() -> Registry {
-    let mut registry = Registry::new();
+pub fn registry() -> Registry<Recorder> {
+    let mut registry = Registry::default();
     registry
         .register::<Scripted>("scripted")
-        .register::<StateMachine<Adder>>("adder");
+        .register::<StateMachine<Adder, Recorder>>("adder");
     registry
 }
 
@@ -271,7 +285,10 @@ pub fn stores() -> Vec<(&'static str, Box<dyn ProcedureStore>, Option<TempDir>)>
 }
 
 /// An executor on `store` with a fresh recorder.
-pub async fn start(store: Box<dyn ProcedureStore>, workers: usize) -> (Executor, Arc<Recorder>) {
+pub async fn start(
+    store: Box<dyn ProcedureStore>,
+    workers: usize,
+) -> (Executor<Recorder>, Arc<Recorder>) {
     let rec = Arc::new(Recorder::default());
     let executor = Executor::builder()
         .registry(registry())
@@ -286,8 +303,8 @@ pub async fn start(store: Box<dyn ProcedureStore>, workers: usize) -> (Executor,
 
 /// Submits and waits for the result.
 pub async fn run(
-    executor: &Executor,
-    proc: impl Procedure,
+    executor: &Executor<Recorder>,
+    proc: impl Procedure<Recorder>,
 ) -> (ProcId, Result<(), proctor::Failure>) {
     let id = executor.submit(proc).await.expect("submit");
     let result = executor.wait(id).await.expect("wait");
@@ -359,7 +376,11 @@ impl<S: ProcedureStore> ProcedureStore for GatedStore<S> {
 
 /// Waits until the executor reports `state` for `id` (it polls: the state is what the
 /// test observes from outside, as a user would).
-pub async fn wait_for_state(executor: &Executor, id: ProcId, state: proctor::ProcState) {
+pub async fn wait_for_state<E: Send + Sync + 'static>(
+    executor: &Executor<E>,
+    id: ProcId,
+    state: proctor::ProcState,
+) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
         if executor.state(id).await.map(|i| i.state).ok() == Some(state) {
@@ -375,7 +396,11 @@ pub async fn wait_for_state(executor: &Executor, id: ProcId, state: proctor::Pro
 
 /// Waits until `n` children of `root` are WAITING (suspended, sleeping, or waiting for
 /// their own children) and returns their ids (it polls, as `wait_for_state` does).
-pub async fn waiting_children(executor: &Executor, root: ProcId, n: usize) -> Vec<ProcId> {
+pub async fn waiting_children<E: Send + Sync + 'static>(
+    executor: &Executor<E>,
+    root: ProcId,
+    n: usize,
+) -> Vec<ProcId> {
     let which = proctor::List::new()
         .root(root)
         .state(proctor::ProcState::Waiting);
