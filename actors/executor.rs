@@ -118,8 +118,10 @@ impl<E> Default for ExecutorBuilder<E> {
 
 impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// How long a graceful [`Executor::shutdown`] waits for running steps and
-    /// rollbacks to end and their records to become durable (default 30 s); past it,
-    /// the engine stops as by [`Executor::shutdown_now`].
+    /// rollbacks to end and their records to become durable (default 30 s). Past it,
+    /// the calls still running are cancelled
+    /// ([`CancelReason::Shutdown`](crate::CancelReason::Shutdown)) and get one more
+    /// second to return; then the engine stops as by [`Executor::shutdown_now`].
     #[must_use]
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         self.drain_timeout = timeout;
@@ -1143,6 +1145,10 @@ impl Message for Shutdown {
     type Result = ();
 }
 
+/// How long a graceful shutdown waits, past its drain deadline, for the calls it
+/// cancelled to return.
+const CANCEL_GRACE: Duration = Duration::from_secs(1);
+
 type Waiter = oneshot::Sender<Result<Result<(), Failure>, Error>>;
 
 /// The executor's actor. Talk to it through [`Executor`] or with the messages.
@@ -1694,14 +1700,24 @@ impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
             "draining"
         );
         let shared = self.shared.clone();
-        let deadline = tokio::time::Instant::now() + self.drain_timeout;
+        let mut deadline = tokio::time::Instant::now() + self.drain_timeout;
         let drain = async move {
             if tokio::time::timeout_at(deadline, shared.drain.drain())
                 .await
                 .is_err()
             {
-                tracing::warn!("drain deadline passed with steps still running: stopping now");
-                return;
+                // Ask the running calls to stop (`CancelReason::Shutdown`), and give
+                // those that watch the signal a moment to return.
+                tracing::warn!("drain deadline passed with steps still running: cancelling them");
+                shared.shutdown.cancel();
+                deadline = tokio::time::Instant::now() + CANCEL_GRACE;
+                if tokio::time::timeout_at(deadline, shared.drain.drain())
+                    .await
+                    .is_err()
+                {
+                    tracing::warn!("steps still running after their cancellation: stopping now");
+                    return;
+                }
             }
             // Every report is sent; wait until each tree has made its records durable.
             let trees: Vec<_> = shared

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
-use crate::cancel::Cancel;
+use crate::cancel::{Cancel, CancelReason};
 use crate::erased::{Call, DynProc, ErasedProc, Next, StepResult};
 use crate::error::Error;
 use crate::locks::LockClaim;
@@ -170,6 +170,7 @@ impl ProcedureActor {
             now_ms(),
             self.shared.env.clone(),
         )
+        .with_shutdown(self.shared.shutdown.clone())
     }
 
     fn report(
@@ -220,10 +221,16 @@ impl ProcedureActor {
         result: Result<StepResult, ProcError>,
     ) {
         let mut children = Vec::new();
-        let (next, value) = match result {
+        let (mut next, value) = match result {
             Ok((next, value)) => (next, value),
             Err(panic) => (Err(panic), None),
         };
+        if next.is_err() && ctx.cancel_reason() == Some(CancelReason::Shutdown) {
+            // Stopped by the shutdown, not failed: as a yield, nothing is recorded, and
+            // like a step cut off by a crash it runs again after the restart.
+            tracing::info!(parent: &self.span, "step stopped by the shutdown; it runs again after the restart");
+            next = Ok(Next::Yield);
+        }
         let mut outcome = match next {
             Ok(Next::Done) => StepOutcome::Done,
             Ok(Next::MoreToDo) => StepOutcome::MoreToDo {

@@ -8,6 +8,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use actix::prelude::*;
 use dashmap::DashMap;
 
+use crate::cancel::Cancel;
 use crate::erased::AnyEnv;
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState};
@@ -124,6 +125,9 @@ pub(crate) struct Shared {
     next_id: AtomicU64,
     /// A graceful shutdown in progress, and the calls into user code it waits for.
     pub(crate) drain: Drain,
+    /// Raised when a graceful shutdown's drain deadline passes: every call's context
+    /// watches it (`CancelReason::Shutdown`).
+    pub(crate) shutdown: Cancel,
     /// Someone subscribed to procedure events (root stacks then report submits).
     pub(crate) subscribed: AtomicBool,
 }
@@ -202,6 +206,7 @@ impl Shared {
             next_arbiter: AtomicUsize::new(0),
             next_id: AtomicU64::new(max_id + 1),
             drain: Drain::default(),
+            shutdown: Cancel::new(),
             subscribed: AtomicBool::new(false),
         }
     }

@@ -1,6 +1,7 @@
 //! The cancellation signal a step sees through its [`Context`](crate::Context): the
 //! engine raises it when the procedure is aborted while the step runs, so a long step
-//! can stop early (and the abort be answered without waiting for the step's end).
+//! can stop early (and the abort be answered without waiting for the step's end), and
+//! when a graceful shutdown's drain deadline passes ([`CancelReason`] tells which).
 //!
 //! A plain flag with wakers (no runtime): [`Cancel::cancelled`] is a future that works
 //! under any executor, for use in `select!` against the step's own work.
@@ -56,6 +57,7 @@ impl Cancel {
     pub fn cancelled(&self) -> Cancelled {
         Cancelled {
             cancel: self.clone(),
+            also: None,
         }
     }
 
@@ -65,23 +67,51 @@ impl Cancel {
     }
 }
 
-/// The future of [`Cancel::cancelled`].
+/// Why the engine asks a step to stop early (see
+/// [`Context::cancel_reason`](crate::Context::cancel_reason)).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum CancelReason {
+    /// An operator aborted the procedure while the step ran.
+    Abort,
+    /// The engine is shutting down and its drain deadline has passed.
+    Shutdown,
+}
+
+/// The future of [`Cancel::cancelled`] (and of
+/// [`Context::cancelled`](crate::Context::cancelled), which watches two signals).
 #[derive(Debug)]
 #[must_use = "a future does nothing unless awaited"]
 pub struct Cancelled {
     cancel: Cancel,
+    also: Option<Cancel>,
+}
+
+impl Cancelled {
+    /// Completes when either signal is raised.
+    pub(crate) fn either(cancel: Cancel, also: Option<Cancel>) -> Self {
+        Cancelled { cancel, also }
+    }
+}
+
+/// Ready if `cancel` is raised, else registers the task's waker with it.
+fn poll_one(cancel: &Cancel, cx: &mut TaskContext<'_>) -> bool {
+    let mut state = cancel.lock();
+    if state.cancelled {
+        return true;
+    }
+    if !state.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+        state.wakers.push(cx.waker().clone());
+    }
+    false
 }
 
 impl Future for Cancelled {
     type Output = ();
 
     fn poll(self: Pin<&mut Self>, cx: &mut TaskContext<'_>) -> Poll<()> {
-        let mut state = self.cancel.lock();
-        if state.cancelled {
+        if poll_one(&self.cancel, cx) || self.also.as_ref().is_some_and(|c| poll_one(c, cx)) {
             return Poll::Ready(());
-        }
-        if !state.wakers.iter().any(|w| w.will_wake(cx.waker())) {
-            state.wakers.push(cx.waker().clone());
         }
         Poll::Pending
     }
@@ -120,5 +150,24 @@ mod tests {
             Pin::new(&mut cancel.cancelled()).poll(&mut cx),
             Poll::Ready(())
         );
+    }
+
+    #[test]
+    fn either_signal_completes_the_pair() {
+        for raise_second in [false, true] {
+            let count = Arc::new(Count(AtomicUsize::new(0)));
+            let waker = Waker::from(count.clone());
+            let mut cx = TaskContext::from_waker(&waker);
+            let (first, second) = (Cancel::new(), Cancel::new());
+            let mut fut = Cancelled::either(first.clone(), Some(second.clone()));
+            assert_eq!(Pin::new(&mut fut).poll(&mut cx), Poll::Pending);
+            if raise_second {
+                second.cancel();
+            } else {
+                first.cancel();
+            }
+            assert_eq!(count.0.load(Ordering::SeqCst), 1, "{raise_second}");
+            assert_eq!(Pin::new(&mut fut).poll(&mut cx), Poll::Ready(()));
+        }
     }
 }

@@ -53,7 +53,7 @@ pub use crate::actors::{
     Subscribe, Subscription, WaitFor, WaitingOn, WakeEvent, WalDirScan, WalFs, WalOptions,
     WalStats, WalStore,
 };
-pub use crate::cancel::{Cancel, Cancelled};
+pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::error::Error;
 pub use crate::locks::{Lock, LockClaim, LockMode};
 pub use crate::procedure::{

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use serde::{Deserialize, Serialize};
 
-use crate::cancel::{Cancel, Cancelled};
+use crate::cancel::{Cancel, CancelReason, Cancelled};
 use crate::locks::Lock;
 
 /// The identifier the engine gives a procedure when it is submitted (or, for a child,
@@ -243,6 +243,7 @@ pub struct Context<E: ?Sized = ()> {
     unrecorded: bool,
     result: Option<Vec<u8>>,
     cancel: Option<Cancel>,
+    shutdown: Option<Cancel>,
 }
 
 impl<E: ?Sized> Clone for Context<E> {
@@ -256,6 +257,7 @@ impl<E: ?Sized> Clone for Context<E> {
             unrecorded: self.unrecorded,
             result: self.result.clone(),
             cancel: self.cancel.clone(),
+            shutdown: self.shutdown.clone(),
         }
     }
 }
@@ -293,6 +295,7 @@ impl<E: ?Sized> Context<E> {
             unrecorded: false,
             result: None,
             cancel: None,
+            shutdown: None,
         }
     }
 
@@ -304,13 +307,53 @@ impl<E: ?Sized> Context<E> {
         self
     }
 
-    /// In [`Procedure::execute`]: `true` once the engine asks the step to stop early,
-    /// because the procedure was aborted while the step ran. Stopping is up to the step:
-    /// return an error (typically [`ProcError::Aborted`]; the tree then rolls back,
-    /// this step included) or `Ok` as usual (then the abort's hook decides, as for a
-    /// procedure between steps). The abort is answered once the step has returned.
+    /// Gives the call the engine's shutdown signal (the engine gives every call one;
+    /// see [`Context::cancel_reason`]). For tests of a step's own handling.
+    #[must_use]
+    pub fn with_shutdown(mut self, shutdown: Cancel) -> Self {
+        self.shutdown = Some(shutdown);
+        self
+    }
+
+    /// `true` once the engine asks the call to stop early; [`cancel_reason`]
+    /// (Self::cancel_reason) says why. Stopping is up to the step: return an error
+    /// (typically [`ProcError::Aborted`]) or `Ok` as usual.
+    ///
+    /// - [`CancelReason::Abort`]: the procedure was aborted while the step ran. An
+    ///   error fails the procedure and its tree rolls back, this step included; `Ok`
+    ///   leaves the decision to the abort hook, as between steps. The abort is answered
+    ///   once the step has returned.
+    /// - [`CancelReason::Shutdown`]: a graceful shutdown's drain deadline
+    ///   ([`ExecutorBuilder::drain_timeout`](crate::ExecutorBuilder::drain_timeout))
+    ///   passed with the step still running. An error is *not* recorded: the step runs
+    ///   again after the restart, as after a crash (HBase treats an interrupted step
+    ///   the same way); `Ok` is recorded as usual, if the engine is still there to
+    ///   record it (it waits one more second).
     pub fn is_cancelled(&self) -> bool {
-        self.cancel.as_ref().is_some_and(Cancel::is_cancelled)
+        self.cancel_reason().is_some()
+    }
+
+    /// Why the engine asks the call to stop early, if it does (see
+    /// [`is_cancelled`](Self::is_cancelled)). An abort comes first when both apply.
+    ///
+    /// ```
+    /// use proctor::{Cancel, CancelReason, Context, ProcId};
+    /// let shutdown = Cancel::new();
+    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, std::sync::Arc::new(()))
+    ///     .with_cancel(Cancel::new())
+    ///     .with_shutdown(shutdown.clone());
+    /// assert_eq!(ctx.cancel_reason(), None);
+    /// shutdown.cancel();
+    /// assert_eq!(ctx.cancel_reason(), Some(CancelReason::Shutdown));
+    /// ```
+    pub fn cancel_reason(&self) -> Option<CancelReason> {
+        if self.cancel.as_ref().is_some_and(Cancel::is_cancelled) {
+            Some(CancelReason::Abort)
+        } else if self.shutdown.as_ref().is_some_and(Cancel::is_cancelled) {
+            Some(CancelReason::Shutdown)
+        } else {
+            None
+        }
     }
 
     /// Completes when [`is_cancelled`](Self::is_cancelled) becomes `true`: race a long
@@ -327,7 +370,10 @@ impl<E: ?Sized> Context<E> {
     /// }
     /// ```
     pub fn cancelled(&self) -> Cancelled {
-        self.cancel.clone().unwrap_or_default().cancelled()
+        Cancelled::either(
+            self.cancel.clone().unwrap_or_default(),
+            self.shutdown.clone(),
+        )
     }
 
     /// Marks a rollback call as undoing the unrecorded step (see
@@ -438,6 +484,7 @@ impl Context<dyn Any + Send + Sync> {
             unrecorded: self.unrecorded,
             result: None,
             cancel: self.cancel.clone(),
+            shutdown: self.shutdown.clone(),
         }
     }
 }

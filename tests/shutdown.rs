@@ -1,6 +1,7 @@
 //! Graceful shutdown: submits are refused at once, no new step starts, the running step
 //! ends and its record is durable before the engine stops, so the next engine goes on
-//! from it; past the drain timeout the engine stops like a crash.
+//! from it; at the drain deadline running steps are cancelled, and what has not ended
+//! then is cut off like in a crash.
 
 mod common;
 
@@ -83,6 +84,40 @@ async fn past_the_drain_timeout_the_engine_stops_like_a_crash() {
         rec.gate.notify_one();
         assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
         assert_eq!(rec.calls(), ["a-exec"], "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn at_the_drain_deadline_a_running_step_is_cancelled_and_runs_again_after_the_restart() {
+    for name in ["memory", "wal"] {
+        let store = Reopen::new(name);
+        let (executor, rec) = start_on(store.open(), Duration::from_millis(50)).await;
+        let id = executor
+            .submit(Scripted::new("a", vec![Step::UntilCancelled, Step::More]))
+            .await
+            .unwrap();
+        rec.signal.notified().await;
+        // The step waits for its cancellation: the drain deadline raises it, the step
+        // sees why and fails, and that failure is not recorded.
+        executor.shutdown().await.expect("shutdown answers");
+        assert_eq!(rec.calls(), ["a-exec", "a-shutdown"], "{name}");
+
+        let (executor, rec) = start_on(store.open(), Duration::from_secs(60)).await;
+        assert_eq!(executor.recovery().recovered_roots, [id], "{name}");
+        // The same step runs again: it was not failed (a recorded failure would roll
+        // back without running it).
+        tokio::time::timeout(Duration::from_secs(30), rec.signal.notified())
+            .await
+            .unwrap_or_else(|_| panic!("{name}: the step did not run again: {:?}", rec.calls()));
+        assert!(executor.abort(id).await.unwrap(), "{name}");
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, proctor::ProcError::Aborted, "{name}");
+        assert_eq!(
+            rec.calls(),
+            ["a-exec", "a-cancelled", "a-rollback"],
+            "{name}: an abort, unlike the shutdown, fails the step"
+        );
         executor.shutdown().await.unwrap();
     }
 }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use proctor::{
-    async_trait, Context, Executor, Flow, MemoryStore, ProcError, ProcId, Procedure,
+    async_trait, CancelReason, Context, Executor, Flow, MemoryStore, ProcError, ProcId, Procedure,
     ProcedureStore, Registry, StateContext, StateMachine, StateMachineProcedure, WalStore,
 };
 use serde::{Deserialize, Serialize};
@@ -82,7 +82,8 @@ pub enum Step {
     Suspend(String),
     /// Sleep this many ms for ever (a long-running procedure), signalling once.
     Forever(u64),
-    /// Signal, then stay in the step until the engine cancels it; then fail aborted.
+    /// Signal, then stay in the step until the engine cancels it; then record why
+    /// (`-cancelled` for an abort, `-shutdown`) and fail aborted.
     UntilCancelled,
     /// Signal, then wait (inside the step) until the test opens the gate; then run
     /// another step.
@@ -168,7 +169,11 @@ impl Procedure<Recorder> for Scripted {
             Step::UntilCancelled => {
                 rec.signal.notify_one();
                 ctx.cancelled().await;
-                rec.record(format!("{}-cancelled", self.name));
+                let how = match ctx.cancel_reason() {
+                    Some(CancelReason::Shutdown) => "shutdown",
+                    _ => "cancelled",
+                };
+                rec.record(format!("{}-{how}", self.name));
                 return Err(ProcError::Aborted);
             }
         })
