@@ -18,15 +18,15 @@ use crate::cancel::{Cancel, CancelReason};
 use crate::erased::{Call, DynProc, ErasedProc, Next, StepResult};
 use crate::error::Error;
 use crate::locks::LockClaim;
-use crate::procedure::{LockState, OnTimeout, ProcError, ProcId, ProcState};
+use crate::procedure::{FailurePolicy, LockState, OnTimeout, ProcError, ProcId, ProcState};
 use crate::registry::RegistryError;
-use crate::root_stack::{NewChild, StepOutcome, StepReport};
+use crate::root_stack::{NewChild, OnError, RollbackFailure, StepOutcome, StepReport};
 
 use super::guard::{guard, CatchUnwind};
 use super::metrics;
 use super::perturb;
 use super::protocol::{
-    AbortAck, AbortProc, Deadline, FailRequest, LockFailed, LocksGranted, LocksHeld, ProcLost,
+    AbortAck, AbortProc, Deadline, FailRequest, ResetProc, LockFailed, LocksGranted, LocksHeld, ProcLost,
     ReleaseLocks, Rollback, RolledBack, RunStep, StepDone, StepFinished, StopProc,
 };
 use super::root_stack::RootStackActor;
@@ -84,6 +84,8 @@ pub(crate) fn declare(
 
 pub(crate) struct ProcedureActor {
     id: ProcId,
+    /// Its registered type name.
+    type_name: &'static str,
     parent: Option<ProcId>,
     root: ProcId,
     deadline_ms: Option<u64>,
@@ -140,6 +142,7 @@ impl ProcedureActor {
             span,
             step_seconds: metrics::step_histogram(spec.type_name),
             id: spec.id,
+            type_name: spec.type_name,
             parent: spec.parent,
             root: spec.root,
             deadline_ms: spec.deadline_ms,
@@ -173,13 +176,20 @@ impl ProcedureActor {
         .with_shutdown(self.shared.shutdown.clone())
     }
 
-    fn report(
-        &mut self,
-        outcome: StepOutcome,
-        data: Vec<u8>,
-        children: Vec<(ProcId, DynProc)>,
-        result: Option<Vec<u8>>,
-    ) {
+    /// Reports a step that did not run (skipped, yielded).
+    fn report(&mut self, outcome: StepOutcome, data: Vec<u8>) {
+        let report = StepReport {
+            id: self.id,
+            outcome,
+            data,
+            result: None,
+            irreversible: false,
+            on_error: None,
+        };
+        self.send_report(report, Vec::new());
+    }
+
+    fn send_report(&mut self, report: StepReport, children: Vec<(ProcId, DynProc)>) {
         // The root stack frees the worker once it has recorded this report; freeing it
         // here would let a later step's report overtake this one.
         perturb::point("procedure::report::step_done");
@@ -190,12 +200,7 @@ impl ProcedureActor {
             return;
         }
         self.root_stack.do_send(StepDone {
-            report: StepReport {
-                id: self.id,
-                outcome,
-                data,
-                result,
-            },
+            report,
             children,
             state_name: self.state_name.take(),
         });
@@ -221,9 +226,13 @@ impl ProcedureActor {
         result: Result<StepResult, ProcError>,
     ) {
         let mut children = Vec::new();
-        let (mut next, value) = match result {
-            Ok((next, value)) => (next, value),
-            Err(panic) => (Err(panic), None),
+        let (mut next, value, irreversible) = match result {
+            Ok(StepResult {
+                next,
+                value,
+                irreversible,
+            }) => (next, value, irreversible),
+            Err(panic) => (Err(panic), None, false),
         };
         if next.is_err() && ctx.cancel_reason() == Some(CancelReason::Shutdown) {
             // Stopped by the shutdown, not failed: as a yield, nothing is recorded, and
@@ -248,17 +257,36 @@ impl ProcedureActor {
         if self.lock_held && !proc.holds_lock() && !self.status.halted() {
             self.release_lock(&mut *proc, ctx);
         }
-        let data = if matches!(outcome, StepOutcome::Yield) {
-            Vec::new()
-        } else {
-            match self.encode(&*proc) {
+        let mut on_error = None;
+        let data = match &outcome {
+            StepOutcome::Yield => Vec::new(),
+            // The failed attempt's state goes with the report (a rollback starts from
+            // it); `self.data` keeps the state recorded before the step, which a retry
+            // or a pause records again.
+            StepOutcome::Failed(error) => {
+                let policy = guard("failure_policy", || proc.failure_policy(error))
+                    .unwrap_or_default();
+                on_error = Some(OnError {
+                    policy,
+                    before: self.data.clone(),
+                });
+                match self.shared.registry.encode(&*proc) {
+                    Ok((_, bytes)) => bytes,
+                    Err(_) => self.data.clone(),
+                }
+            }
+            _ => match self.encode(&*proc) {
                 Ok(bytes) => bytes,
                 Err(e) => {
                     children.clear();
                     outcome = StepOutcome::Failed(e);
+                    on_error = Some(OnError {
+                        policy: FailurePolicy::Rollback,
+                        before: self.data.clone(),
+                    });
                     self.data.clone()
                 }
-            }
+            },
         };
         match &outcome {
             StepOutcome::Done => self.done = true,
@@ -273,7 +301,17 @@ impl ProcedureActor {
         self.proc = Some(proc);
         // The value for the caller counts only from the step that finishes.
         let result = value.filter(|_| matches!(outcome, StepOutcome::Done));
-        self.report(outcome, data, children, result);
+        self.send_report(
+            StepReport {
+                id: self.id,
+                outcome,
+                data,
+                result,
+                irreversible,
+                on_error,
+            },
+            children,
+        );
     }
 
     fn name_children(
@@ -481,7 +519,7 @@ impl Handler<RunStep> for ProcedureActor {
         if self.failed || self.done || self.status.failed() {
             // Its last good state: the report may be recorded (a procedure that never
             // ran gives up its locks in the record).
-            self.report(StepOutcome::Skipped, self.data.clone(), Vec::new(), None);
+            self.report(StepOutcome::Skipped, self.data.clone());
             return;
         }
         let Some(mut proc) = self.proc.take() else {
@@ -494,7 +532,7 @@ impl Handler<RunStep> for ProcedureActor {
                 Ok(LockState::Acquired) => self.lock_held = true,
                 Ok(LockState::Yield) => {
                     self.proc = Some(proc);
-                    self.report(StepOutcome::Yield, Vec::new(), Vec::new(), None);
+                    self.report(StepOutcome::Yield, Vec::new());
                     return;
                 }
                 Err(panic) => {
@@ -573,9 +611,14 @@ impl Handler<Rollback> for ProcedureActor {
             };
             if let Some(error) = busy {
                 self.proc = Some(proc);
+                // The engine's own trouble: retried for ever, whatever the policy.
                 self.root_stack.do_send(RolledBack {
                     id,
-                    result: Err(error),
+                    result: Err(RollbackFailure {
+                        error,
+                        policy: FailurePolicy::Rollback,
+                        data: self.data.clone(),
+                    }),
                 });
                 return;
             }
@@ -601,7 +644,15 @@ impl Handler<Rollback> for ProcedureActor {
                     if !proc.holds_lock() && !act.status.halted() {
                         act.release_lock(&mut *proc, &pctx);
                     }
-                    let result = result.and_then(|r| r).and_then(|()| act.encode(&*proc));
+                    let result = result
+                        .and_then(|r| r)
+                        .and_then(|()| act.encode(&*proc))
+                        .map_err(|error| RollbackFailure {
+                            policy: guard("failure_policy", || proc.failure_policy(&error))
+                                .unwrap_or_default(),
+                            error,
+                            data: act.data.clone(),
+                        });
                     act.proc = Some(proc);
                     if act.has_locks && !act.status.halted() {
                         act.shared.scheduler.do_send(ReleaseLocks {
@@ -662,6 +713,23 @@ impl Handler<StopProc> for ProcedureActor {
         }
         self.stopped = true;
         ctx.stop();
+    }
+}
+
+impl Handler<ResetProc> for ProcedureActor {
+    type Result = ();
+
+    fn handle(&mut self, _msg: ResetProc, _ctx: &mut Context<Self>) {
+        match self.shared.registry.decode(self.type_name, &self.data) {
+            Ok(proc) => {
+                self.proc = Some(proc);
+                // It goes on (later), so it is not failed.
+                self.failed = false;
+            }
+            // Its recorded state decoded at least once (or it was just encoded), so
+            // this is not expected; keep the object as the failed attempt left it.
+            Err(e) => tracing::error!(proc = %self.id, %e, "cannot reload the recorded state"),
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use crate::error::Error;
 use crate::locks::Request;
 use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, StoreOp};
-use crate::root_stack::StepReport;
+use crate::root_stack::{RollbackFailure, StepReport};
 
 use super::procedure::ProcedureActor;
 use super::root_stack::RootStackActor;
@@ -207,9 +207,18 @@ impl Message for Rollback {
 }
 
 /// A rollback step ended: the state after it, or its error.
+/// The procedure's failed attempt is discarded (a failure policy retries or pauses it):
+/// reload its object from its state as last recorded. From its root stack, before
+/// anything can call it again.
+pub(crate) struct ResetProc;
+
+impl Message for ResetProc {
+    type Result = ();
+}
+
 pub(crate) struct RolledBack {
     pub(crate) id: ProcId,
-    pub(crate) result: Result<Vec<u8>, ProcError>,
+    pub(crate) result: Result<Vec<u8>, RollbackFailure>,
 }
 
 impl Message for RolledBack {

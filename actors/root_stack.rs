@@ -41,7 +41,7 @@ use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
     AbortProc, AbortRequest, AckWith, BypassRequest, Deadline, Enqueue, FailRequest,
     LockForRollback, LocksHeld, Persist, ProcLost, Quiesce, ReleaseLocks, Rollback, RolledBack,
-    RootSubmitted, StepDone, StepFinished, StopProc, SuspendOn, TreeFailed, TreeFinished,
+    ResetProc, RootSubmitted, StepDone, StepFinished, StopProc, SuspendOn, TreeFailed, TreeFinished,
     Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
@@ -343,6 +343,13 @@ impl RootStackActor {
                     self.shared.table.remove(&id);
                 } else if let Some(mut e) = self.shared.table.get_mut(&id) {
                     e.tree = None;
+                }
+            }
+            Action::Reset(id) => {
+                // Before any later call of `id`: that call comes from a step queued (or
+                // a rollback sent) after this, through this actor.
+                if let Some(addr) = self.procs.get(&id) {
+                    addr.do_send(ResetProc);
                 }
             }
             Action::Rollback { id, unrecorded } => self.send_rollback(id, unrecorded),

@@ -40,6 +40,7 @@ fn record(id: u64, version: u8) -> ProcRecord {
         nonce: None,
         result: None,
         bypassed: false,
+        steering: Default::default(),
     }
 }
 

@@ -770,6 +770,7 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
                         error: f.error.to_string(),
                     }),
                     bypassed: r.bypassed,
+                    steering: &r.steering,
                     corrupt: corrupt.get(&id).map(String::as_str),
                     data: match decode_state(&r.data) {
                         None => Value::Null,
@@ -894,6 +895,8 @@ struct ProcJson<'a> {
     locks: Option<LocksJson>,
     failure: Option<FailureJson<'a>>,
     bypassed: bool,
+    /// Retries spent, why it is paused, its point of no return (see `Steering`).
+    steering: &'a proctor::Steering,
     /// Why recovery cannot rebuild its tree, if it cannot.
     corrupt: Option<&'a str>,
     /// Its own state decoded; `{"undecodable": reason}` when it is not MessagePack.

@@ -17,7 +17,9 @@ use std::marker::PhantomData;
 use std::pin::Pin;
 
 use crate::locks::Lock;
-use crate::procedure::{type_id_of, Context, Flow, LockState, OnTimeout, ProcError, Procedure};
+use crate::procedure::{
+    type_id_of, Context, FailurePolicy, Flow, LockState, OnTimeout, ProcError, Procedure,
+};
 
 /// The environment as the engine holds it.
 pub(crate) type AnyEnv = dyn Any + Send + Sync;
@@ -55,9 +57,14 @@ impl<E: Send + Sync + 'static> From<Flow<E>> for Next {
     }
 }
 
-/// What a step returned, and the value it set for its root's result
-/// ([`Context::set_result`]).
-pub(crate) type StepResult = (Result<Next, ProcError>, Option<Vec<u8>>);
+/// What a step returned, with what it set through its context.
+pub(crate) struct StepResult {
+    pub(crate) next: Result<Next, ProcError>,
+    /// The value for its root's result ([`Context::set_result`]).
+    pub(crate) value: Option<Vec<u8>>,
+    /// It marked itself the point of no return ([`Context::set_irreversible`]).
+    pub(crate) irreversible: bool,
+}
 
 /// [`Procedure`], object-safe over every environment type. Each method is the
 /// procedure's own (see there); the contexts are [`Call`]s.
@@ -77,6 +84,7 @@ pub(crate) trait ErasedProc: Send + 'static {
     fn is_yield_after_execution(&self) -> bool;
     fn timeout_ms(&self) -> Option<u64>;
     fn on_timeout(&mut self) -> OnTimeout;
+    fn failure_policy(&self, error: &ProcError) -> FailurePolicy;
     fn encode_state(&self) -> Result<Vec<u8>, rmp_serde::encode::Error>;
     /// The user's type, for the registry.
     fn proc_type_id(&self) -> TypeId;
@@ -140,7 +148,11 @@ impl<E: Send + Sync + 'static, H: Holder<E>> ErasedProc for Typed<E, H> {
         let proc = self.proc.get_mut();
         Box::pin(async move {
             let flow = proc.execute(&mut ctx).await;
-            (flow.map(Next::from), ctx.take_result())
+            StepResult {
+                next: flow.map(Next::from),
+                value: ctx.take_result(),
+                irreversible: ctx.take_irreversible(),
+            }
         })
     }
 
@@ -200,6 +212,10 @@ impl<E: Send + Sync + 'static, H: Holder<E>> ErasedProc for Typed<E, H> {
 
     fn on_timeout(&mut self) -> OnTimeout {
         self.proc.get_mut().on_timeout()
+    }
+
+    fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
+        self.proc.get().failure_policy(error)
     }
 
     fn encode_state(&self) -> Result<Vec<u8>, rmp_serde::encode::Error> {
@@ -265,7 +281,11 @@ mod tests {
         let env: Arc<AnyEnv> = Arc::new(Cluster { servers: 3 });
         let call = Call::new(ProcId(1), None, ProcId(1), 0, env);
         let mut proc = erase(Count { seen: 0 });
-        let (next, result) = run(proc.execute(&call));
+        let StepResult {
+            next,
+            value: result,
+            ..
+        } = run(proc.execute(&call));
         let Ok(Next::Children(children)) = next else {
             panic!("expected children");
         };

@@ -57,9 +57,10 @@ pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::error::Error;
 pub use crate::locks::{Lock, LockClaim, LockMode};
 pub use crate::procedure::{
-    Context, EncodeState, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState, Procedure,
+    Context, EncodeState, FailurePolicy, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState,
+    Procedure,
 };
-pub use crate::record::{Failure, Nonce, ProcRecord, StoreOp};
+pub use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp};
 pub use crate::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};

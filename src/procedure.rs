@@ -45,6 +45,13 @@ pub enum ProcState {
     Success,
     /// Failed; its tree is rolling back (or about to).
     Failed,
+    /// Stopped by its [`FailurePolicy`] after a failed step, or by an operator's pause:
+    /// persisted, holding its locks, running nothing until an operator continues it
+    /// (the step runs again) or rolls it back.
+    Paused,
+    /// Its rollback failed and its [`FailurePolicy`] gave up retrying: the tree's
+    /// rollback waits for an operator to continue it.
+    RollbackPaused,
 }
 
 impl ProcState {
@@ -65,6 +72,8 @@ impl fmt::Display for ProcState {
             ProcState::RolledBack => "ROLLEDBACK",
             ProcState::Success => "SUCCESS",
             ProcState::Failed => "FAILED",
+            ProcState::Paused => "PAUSED",
+            ProcState::RollbackPaused => "ROLLBACK_PAUSED",
         })
     }
 }
@@ -172,6 +181,46 @@ impl ProcError {
     }
 }
 
+/// What a failed step (or rollback) of a procedure leads to; see
+/// [`Procedure::failure_policy`].
+///
+/// Retries wait `backoff_ms`, doubling per retry (up to ten minutes), and are counted in
+/// the procedure's record, so a restart does not reset them. A retried step runs again
+/// from the state recorded before it, as after a crash: what the failed attempt changed
+/// in the procedure's fields is discarded.
+///
+/// ```
+/// use proctor::FailurePolicy;
+/// let policy = FailurePolicy::RetryThenPause { times: 3, backoff_ms: 100 };
+/// assert_ne!(policy, FailurePolicy::default());
+/// assert_eq!(FailurePolicy::default(), FailurePolicy::Rollback);
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum FailurePolicy {
+    /// Fail the procedure; its tree rolls back. For a failed rollback: retry it with
+    /// backoff for ever (rollback is never abandoned).
+    #[default]
+    Rollback,
+    /// Stop in [`ProcState::Paused`] (a failed rollback: [`ProcState::RollbackPaused`])
+    /// and wait for an operator.
+    Pause,
+    /// Retry up to `times` times, then as [`FailurePolicy::Rollback`].
+    RetryThenRollback {
+        /// How many retries.
+        times: u32,
+        /// The first retry's delay, in milliseconds.
+        backoff_ms: u64,
+    },
+    /// Retry up to `times` times, then as [`FailurePolicy::Pause`].
+    RetryThenPause {
+        /// How many retries.
+        times: u32,
+        /// The first retry's delay, in milliseconds.
+        backoff_ms: u64,
+    },
+}
+
 /// What a procedure does when its deadline passes (see [`Procedure::on_timeout`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -244,6 +293,7 @@ pub struct Context<E: ?Sized = ()> {
     result: Option<Vec<u8>>,
     cancel: Option<Cancel>,
     shutdown: Option<Cancel>,
+    irreversible: bool,
 }
 
 impl<E: ?Sized> Clone for Context<E> {
@@ -258,6 +308,7 @@ impl<E: ?Sized> Clone for Context<E> {
             result: self.result.clone(),
             cancel: self.cancel.clone(),
             shutdown: self.shutdown.clone(),
+            irreversible: self.irreversible,
         }
     }
 }
@@ -296,6 +347,7 @@ impl<E: ?Sized> Context<E> {
             result: None,
             cancel: None,
             shutdown: None,
+            irreversible: false,
         }
     }
 
@@ -411,6 +463,20 @@ impl<E: ?Sized> Context<E> {
         Ok(())
     }
 
+    /// In [`Procedure::execute`]: marks this step as the procedure's point of no return
+    /// (PolarDB-X's CDC mark), recorded with the step. From then on a failure anywhere
+    /// in its tree pauses the failing procedure ([`ProcState::Paused`]) instead of
+    /// rolling the tree back, an abort is refused, and an operator's rollback is
+    /// refused ("continue instead"): what is done can only be finished.
+    pub fn set_irreversible(&mut self) {
+        self.irreversible = true;
+    }
+
+    /// Whether the step marked itself irreversible, taken out.
+    pub(crate) fn take_irreversible(&mut self) -> bool {
+        std::mem::take(&mut self.irreversible)
+    }
+
     /// The value set by [`Context::set_result`], taken out.
     pub(crate) fn take_result(&mut self) -> Option<Vec<u8>> {
         self.result.take()
@@ -485,6 +551,7 @@ impl Context<dyn Any + Send + Sync> {
             result: None,
             cancel: self.cancel.clone(),
             shutdown: self.shutdown.clone(),
+            irreversible: false,
         }
     }
 }
@@ -676,6 +743,31 @@ where
         true
     }
 
+    /// What a failed step (an `Err` or a panic from [`execute`](Procedure::execute)) or
+    /// a failed [`rollback`](Procedure::rollback) leads to: roll back (the default),
+    /// pause for an operator, or retry first (see [`FailurePolicy`]). Asked on the
+    /// procedure as the failed call left it.
+    ///
+    /// ```
+    /// # use proctor::{FailurePolicy, ProcError};
+    /// # struct MoveRegion;
+    /// # impl MoveRegion {
+    /// fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
+    ///     match error {
+    ///         // A region server that does not answer may come back: try again, and
+    ///         // let an operator look if it does not.
+    ///         ProcError::Error { type_name, .. } if type_name.contains("io") => {
+    ///             FailurePolicy::RetryThenPause { times: 5, backoff_ms: 200 }
+    ///         }
+    ///         _ => FailurePolicy::Rollback,
+    ///     }
+    /// }
+    /// # }
+    /// ```
+    fn failure_policy(&self, _error: &ProcError) -> FailurePolicy {
+        FailurePolicy::Rollback
+    }
+
     /// Called once when the procedure has finished (SUCCESS or ROLLEDBACK) and its final
     /// state is durable.
     fn completion_cleanup(&mut self) {}
@@ -757,6 +849,8 @@ mod tests {
             (ProcState::RolledBack, "ROLLEDBACK", true),
             (ProcState::Success, "SUCCESS", true),
             (ProcState::Failed, "FAILED", false),
+            (ProcState::Paused, "PAUSED", false),
+            (ProcState::RollbackPaused, "ROLLBACK_PAUSED", false),
         ];
         for (state, name, finished) in cases {
             assert_eq!(state.to_string(), name);

@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::LockClaim;
-use crate::procedure::{ProcError, ProcId, ProcState};
+use crate::procedure::{FailurePolicy, ProcError, ProcId, ProcState};
 
 /// Which procedure failed, and why: the result of a failed tree, kept as the root's
 /// result through the whole rollback.
@@ -96,6 +96,44 @@ pub struct ProcRecord {
     /// back. Defaulted, last.
     #[serde(default)]
     pub bypassed: bool,
+    /// Failure policies and operators at work on it: retries spent, why it is paused,
+    /// its point of no return. Defaulted, last.
+    #[serde(default)]
+    pub steering: Steering,
+}
+
+/// What failure policies and operators did to a procedure (see
+/// [`FailurePolicy`](crate::FailurePolicy)); all empty for one that never failed.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Steering {
+    /// Retries of the current step (or rollback step) so far; back to 0 when it
+    /// succeeds.
+    #[serde(default)]
+    pub retries: u32,
+    /// Why it is PAUSED or ROLLBACK_PAUSED.
+    #[serde(default)]
+    pub paused: Option<Paused>,
+    /// A recorded step marked itself as the point of no return
+    /// ([`Context::set_irreversible`](crate::Context::set_irreversible)).
+    #[serde(default)]
+    pub irreversible: bool,
+    /// Its last step failed and was not recorded, but may have left effects: a rollback
+    /// of the procedure undoes it first (as an unrecorded step).
+    #[serde(default)]
+    pub dirty: bool,
+}
+
+/// Why a procedure is paused.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Paused {
+    /// The error of the step (or rollback) that failed; `None` for an operator's pause.
+    pub error: Option<ProcError>,
+    /// The policy that paused it (`None` for an operator's pause).
+    pub policy: Option<FailurePolicy>,
+    /// The retries it had spent.
+    pub retries: u32,
 }
 
 /// The stored form of [`ProcRecord::stack_indexes`]: `(first, count)` runs of
@@ -196,6 +234,7 @@ mod tests {
             nonce: None,
             result: None,
             bypassed: false,
+            steering: Default::default(),
         }
     }
 

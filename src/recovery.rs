@@ -252,6 +252,7 @@ mod tests {
             nonce: None,
             result: None,
             bypassed: false,
+            steering: Default::default(),
         }
     }
 

@@ -21,7 +21,8 @@ use std::fmt;
 
 use crate::locks::{LockClaim, Request};
 use crate::procedure::{ProcError, ProcId, ProcState};
-use crate::record::{Failure, Nonce, ProcRecord, StoreOp};
+use crate::procedure::FailurePolicy;
+use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp};
 
 /// Rollback retries back off from this delay...
 const ROLLBACK_RETRY_BASE_MS: u64 = 10;
@@ -80,6 +81,78 @@ pub struct StepReport {
     pub data: Vec<u8>,
     /// For a step that finished a root: the value it set for the caller.
     pub result: Option<Vec<u8>>,
+    /// The step marked itself as the procedure's point of no return.
+    pub irreversible: bool,
+    /// For a failed step: its policy and the state recorded before it.
+    pub on_error: Option<OnError>,
+}
+
+/// What a failed step's report adds: the procedure's [`FailurePolicy`] for the error, and
+/// its state as recorded before the step (which a retry or a pause records again, since
+/// the failed attempt is discarded).
+#[derive(Debug)]
+pub struct OnError {
+    /// What the procedure's `failure_policy` answered.
+    pub policy: FailurePolicy,
+    /// The encoded state from before the step.
+    pub before: Vec<u8>,
+}
+
+/// A failed rollback step: its error, the procedure's policy for it, and its state as
+/// last recorded.
+#[derive(Debug)]
+pub struct RollbackFailure {
+    /// The rollback's error.
+    pub error: ProcError,
+    /// What the procedure's `failure_policy` answered.
+    pub policy: FailurePolicy,
+    /// The encoded state as last recorded.
+    pub data: Vec<u8>,
+}
+
+/// What a failure comes to under a [`FailurePolicy`] (see [`decide`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Decision {
+    /// Run the step (or rollback step) again after this delay.
+    Retry {
+        /// Milliseconds to wait.
+        delay_ms: u64,
+    },
+    /// Stop in PAUSED (a rollback: ROLLBACK_PAUSED) for an operator.
+    Pause,
+    /// Fail the procedure and roll its tree back.
+    Rollback,
+}
+
+/// The longest a policy's retry waits.
+const POLICY_RETRY_MAX_MS: u64 = 600_000;
+
+/// What a failure comes to: `retries` already spent on this step, whether the tree has
+/// passed a point of no return, and whether it is a rollback step that failed.
+///
+/// A step: a retry policy retries while retries remain; then, or for a plain policy, a
+/// tree past its point of no return pauses, and otherwise the policy decides. A
+/// rollback step is never abandoned: the default policy retries it for ever, a retry
+/// policy retries `times` and then, like [`FailurePolicy::Pause`], pauses it
+/// (ROLLBACK_PAUSED).
+pub fn decide(policy: FailurePolicy, retries: u32, irreversible: bool, rollback: bool) -> Decision {
+    let backoff = |base_ms: u64, max_ms: u64| Decision::Retry {
+        delay_ms: base_ms.saturating_mul(1 << retries.min(30)).min(max_ms),
+    };
+    match policy {
+        FailurePolicy::RetryThenRollback { times, backoff_ms }
+        | FailurePolicy::RetryThenPause { times, backoff_ms }
+            if retries < times =>
+        {
+            backoff(backoff_ms, POLICY_RETRY_MAX_MS)
+        }
+        FailurePolicy::Rollback if rollback => {
+            backoff(ROLLBACK_RETRY_BASE_MS, ROLLBACK_RETRY_MAX_MS)
+        }
+        _ if rollback || irreversible => Decision::Pause,
+        FailurePolicy::Pause | FailurePolicy::RetryThenPause { .. } => Decision::Pause,
+        _ => Decision::Rollback,
+    }
 }
 
 /// Something to do once the transition's records are durable.
@@ -128,6 +201,9 @@ pub enum Action {
         /// When.
         at_ms: u64,
     },
+    /// Its failed attempt is discarded: reload the procedure from its state as last
+    /// recorded (before its next call, which a retry or an operator starts later).
+    Reset(ProcId),
     /// Wake the procedure when the event is woken.
     SuspendOn {
         /// The procedure.
@@ -187,6 +263,10 @@ struct Node {
     nonce: Option<Nonce>,
     result: Option<Vec<u8>>,
     bypassed: bool,
+    steering: Steering,
+    /// For a PAUSED or ROLLBACK_PAUSED procedure: its state as last recorded, written
+    /// again when an operator continues or rolls it back.
+    paused_data: Option<Vec<u8>>,
 }
 
 /// A tree's nodes by id: a sorted `Vec`, because trees are small, ids within a tree are
@@ -324,6 +404,9 @@ impl RootStack {
                     nonce: r.nonce,
                     result: r.result.clone(),
                     bypassed: r.bypassed,
+                    steering: r.steering.clone(),
+                    paused_data: matches!(r.state, ProcState::Paused | ProcState::RollbackPaused)
+                        .then(|| r.data.clone()),
                 },
             );
         }
@@ -417,10 +500,12 @@ impl RootStack {
                 .nodes
                 .iter()
                 .filter(|(id, n)| {
-                    !n.state.is_finished()
+                    (!n.state.is_finished()
                         && n.state != ProcState::Failed
+                        && n.state != ProcState::RollbackPaused
                         && n.pending_children == 0
-                        && !failed_child_of.contains(id)
+                        && !failed_child_of.contains(id))
+                        || (n.steering.dirty && !n.state.is_finished())
                 })
                 .map(|(&id, _)| id)
                 .collect();
@@ -531,6 +616,17 @@ impl RootStack {
         assert_eq!(self.phase, Phase::Executing, "step report for {id}");
         self.running -= 1;
         let mut t = Transition::default();
+        if !matches!(
+            report.outcome,
+            StepOutcome::Failed(_) | StepOutcome::Yield | StepOutcome::Skipped
+        ) {
+            // A step that succeeded: its retries are over, it left nothing unrecorded,
+            // and a point of no return is recorded with it.
+            let node = self.node_mut(id);
+            node.steering.retries = 0;
+            node.steering.dirty = false;
+            node.steering.irreversible |= report.irreversible;
+        }
         match report.outcome {
             StepOutcome::Skipped => {
                 // Never ran a step, in a failed tree: nothing of it to roll back, so
@@ -550,9 +646,55 @@ impl RootStack {
                 }
             }
             StepOutcome::Failed(error) => {
-                self.push_step(id);
-                self.fail(id, error);
-                self.persist_update(&mut t, id, report.data, now_ms);
+                let (policy, before) = match report.on_error {
+                    Some(OnError { policy, before }) => (policy, Some(before)),
+                    None => (FailurePolicy::Rollback, None),
+                };
+                let decision = if self.is_failed() {
+                    Decision::Rollback
+                } else {
+                    let retries = self.nodes[&id].steering.retries;
+                    decide(policy, retries, self.is_irreversible(), false)
+                };
+                match decision {
+                    Decision::Rollback => {
+                        // This attempt is recorded and rolled back; the attempts
+                        // retried before it were the same step.
+                        self.node_mut(id).steering.dirty = false;
+                        self.push_step(id);
+                        self.fail(id, error);
+                        self.persist_update(&mut t, id, report.data, now_ms);
+                    }
+                    Decision::Retry { delay_ms } => {
+                        let at_ms = now_ms.saturating_add(delay_ms);
+                        tracing::info!(proc = %id, %error, delay_ms, "step failed; retrying");
+                        let node = self.node_mut(id);
+                        node.steering.retries += 1;
+                        node.steering.dirty = true;
+                        node.state = ProcState::WaitingTimeout;
+                        node.wake_at_ms = Some(at_ms);
+                        let data = before.unwrap_or(report.data);
+                        self.persist_update(&mut t, id, data, now_ms);
+                        t.actions.push(Action::Reset(id));
+                        t.actions.push(Action::WakeAt { id, at_ms });
+                    }
+                    Decision::Pause => {
+                        tracing::warn!(proc = %id, %error, "step failed; procedure paused");
+                        let data = before.unwrap_or(report.data);
+                        let node = self.node_mut(id);
+                        let retries = std::mem::take(&mut node.steering.retries);
+                        node.steering.paused = Some(Paused {
+                            error: Some(error),
+                            policy: Some(policy),
+                            retries,
+                        });
+                        node.steering.dirty = true;
+                        node.state = ProcState::Paused;
+                        node.paused_data = Some(data.clone());
+                        self.persist_update(&mut t, id, data, now_ms);
+                        t.actions.push(Action::Reset(id));
+                    }
+                }
             }
             StepOutcome::Children(children) if children.is_empty() => {
                 self.step_done(&mut t, id, report.data, now_ms);
@@ -616,12 +758,122 @@ impl RootStack {
     ) -> Transition {
         let mut t = Transition::default();
         let live = self.nodes.get(&id).is_some_and(|n| !n.state.is_finished());
-        if self.phase == Phase::Executing && live {
+        if self.phase == Phase::Executing && live && self.is_irreversible() {
+            // Past the point of no return a timeout cannot roll the tree back either.
+            tracing::warn!(proc = %id, %error, "failure past the point of no return; procedure paused");
+            let node = self.node_mut(id);
+            node.steering.paused = Some(Paused {
+                error: Some(error),
+                policy: None,
+                retries: 0,
+            });
+            node.state = ProcState::Paused;
+            node.wake_at_ms = None;
+            node.event = None;
+            node.paused_data = Some(data.clone());
+            self.persist_update(&mut t, id, data, now_ms);
+        } else if self.phase == Phase::Executing && live {
             self.fail(id, error);
             self.persist_update(&mut t, id, data, now_ms);
             self.maybe_start_rollback(&mut t, now_ms);
         }
         t
+    }
+
+    /// `true` once a recorded step of the tree marked itself as the point of no return.
+    pub fn is_irreversible(&self) -> bool {
+        self.nodes.iter().any(|(_, n)| n.steering.irreversible)
+    }
+
+    /// An operator continues `id`: a PAUSED procedure runs its step again (from its
+    /// recorded state, its retries reset); a ROLLBACK_PAUSED one retries its rollback.
+    /// Refusals say why.
+    pub fn on_continue(&mut self, id: ProcId, now_ms: u64) -> Result<Transition, String> {
+        let Some(node) = self.nodes.get(&id) else {
+            return Err(format!("procedure {id} is not in tree {}", self.root));
+        };
+        let mut t = Transition::default();
+        match node.state {
+            ProcState::Paused if self.phase == Phase::Executing && !self.is_failed() => {
+                let node = self.node_mut(id);
+                node.steering.paused = None;
+                node.steering.retries = 0;
+                let data = node.paused_data.take().unwrap_or_default();
+                self.enqueue(&mut t, id, false);
+                self.persist_update(&mut t, id, data, now_ms);
+            }
+            ProcState::Paused => {
+                return Err(format!(
+                    "procedure {id}'s tree {} has failed: it is rolled back, not continued",
+                    self.root
+                ))
+            }
+            ProcState::RollbackPaused => {
+                let unrecorded = self.stack.last().is_some_and(|e| !e.recorded);
+                let node = self.node_mut(id);
+                node.steering.paused = None;
+                node.steering.retries = 0;
+                node.rollback_attempts = 0;
+                node.state = ProcState::Failed;
+                let data = node.paused_data.take().unwrap_or_default();
+                self.persist_update(&mut t, id, data, now_ms);
+                t.actions.push(Action::Rollback { id, unrecorded });
+            }
+            state => {
+                return Err(format!(
+                    "procedure {id} is {state}: only a PAUSED or ROLLBACK_PAUSED procedure can be continued"
+                ))
+            }
+        }
+        Ok(t)
+    }
+
+    /// Why an operator may not roll `id` back, if not: a tree past its point of no
+    /// return, a procedure finished, rolling back or with its rollback paused.
+    pub fn rollback_refusal(&self, id: ProcId) -> Option<String> {
+        let Some(node) = self.nodes.get(&id) else {
+            return Some(format!("procedure {id} is not in tree {}", self.root));
+        };
+        if node.state.is_finished() {
+            return Some(format!("procedure {id} has already finished ({})", node.state));
+        }
+        if node.state == ProcState::RollbackPaused {
+            return Some(format!(
+                "procedure {id}'s rollback is paused: continue it instead"
+            ));
+        }
+        if self.is_failed() || self.phase != Phase::Executing {
+            return Some(format!("tree {} is already rolling back", self.root));
+        }
+        if self.is_irreversible() {
+            return Some(format!(
+                "tree {} has passed its point of no return: continue instead",
+                self.root
+            ));
+        }
+        None
+    }
+
+    /// An operator rolls back the PAUSED procedure `id`: it fails
+    /// ([`ProcError::Aborted`]) and its tree rolls back, the step that failed first when
+    /// it may have left effects. Refusals say why (see [`rollback_refusal`]
+    /// (Self::rollback_refusal)); a procedure that is not paused is rolled back by an
+    /// abort instead.
+    pub fn on_operator_rollback(&mut self, id: ProcId, now_ms: u64) -> Result<Transition, String> {
+        if let Some(reason) = self.rollback_refusal(id) {
+            return Err(reason);
+        }
+        if self.nodes[&id].state != ProcState::Paused {
+            return Err(format!("procedure {id} is not paused"));
+        }
+        let mut t = Transition::default();
+        let node = self.node_mut(id);
+        node.steering.paused = None;
+        let data = node.paused_data.take().unwrap_or_default();
+        self.fail(id, ProcError::Aborted);
+        self.persist_update(&mut t, id, data, now_ms);
+        self.maybe_start_rollback(&mut t, now_ms);
+        Ok(t)
     }
 
     /// A timer or event woke `id`. Ignored unless it is still waiting for one and the
@@ -786,7 +1038,7 @@ impl RootStack {
     pub fn on_rolled_back(
         &mut self,
         id: ProcId,
-        result: Result<Vec<u8>, ProcError>,
+        result: Result<Vec<u8>, RollbackFailure>,
         now_ms: u64,
     ) -> Transition {
         assert_eq!(self.phase, Phase::RollingBack, "rollback report for {id}");
@@ -798,9 +1050,15 @@ impl RootStack {
         let mut t = Transition::default();
         match result {
             Ok(data) => {
+                let unrecorded = self.stack.last().is_some_and(|e| !e.recorded);
                 self.pop_step(id);
                 let node = self.node_mut(id);
                 node.rollback_attempts = 0;
+                node.steering.retries = 0;
+                if unrecorded {
+                    // The step that failed (or may have run) before is undone.
+                    node.steering.dirty = false;
+                }
                 // The record says how far the rollback got, so a restart neither repeats
                 // an unrecorded step's rollback nor adds one to a procedure whose
                 // rollback has begun: FAILED while recorded steps remain, ROLLEDBACK
@@ -821,19 +1079,50 @@ impl RootStack {
                 }
                 self.next_rollback(&mut t, now_ms);
             }
-            Err(error) => {
+            Err(RollbackFailure {
+                error,
+                policy,
+                data,
+            }) => {
                 let unrecorded = self.stack.last().is_some_and(|e| !e.recorded);
                 let node = self.node_mut(id);
-                node.rollback_attempts = node.rollback_attempts.saturating_add(1);
-                let delay_ms = ROLLBACK_RETRY_BASE_MS
-                    .saturating_mul(1 << node.rollback_attempts.min(20))
-                    .min(ROLLBACK_RETRY_MAX_MS);
-                tracing::warn!(proc = %id, %error, delay_ms, "rollback failed; retrying");
-                t.actions.push(Action::RetryRollback {
-                    id,
-                    unrecorded,
-                    delay_ms,
-                });
+                // The default policy retries for ever and counts in memory; a declared
+                // policy's retries are recorded, so a restart does not reset them.
+                let counted = policy != FailurePolicy::Rollback;
+                let retries = if counted {
+                    node.steering.retries
+                } else {
+                    // The first retry waits twice the base, as it always has.
+                    node.rollback_attempts.saturating_add(1)
+                };
+                match decide(policy, retries, false, true) {
+                    Decision::Retry { delay_ms } => {
+                        tracing::warn!(proc = %id, %error, delay_ms, "rollback failed; retrying");
+                        if counted {
+                            node.steering.retries += 1;
+                            self.persist_update(&mut t, id, data, now_ms);
+                        } else {
+                            node.rollback_attempts = node.rollback_attempts.saturating_add(1);
+                        }
+                        t.actions.push(Action::RetryRollback {
+                            id,
+                            unrecorded,
+                            delay_ms,
+                        });
+                    }
+                    Decision::Pause | Decision::Rollback => {
+                        tracing::warn!(proc = %id, %error, "rollback failed; rollback paused");
+                        let retries = std::mem::take(&mut node.steering.retries);
+                        node.steering.paused = Some(Paused {
+                            error: Some(error),
+                            policy: Some(policy),
+                            retries,
+                        });
+                        node.state = ProcState::RollbackPaused;
+                        node.paused_data = Some(data.clone());
+                        self.persist_update(&mut t, id, data, now_ms);
+                    }
+                }
             }
         }
         t
@@ -872,6 +1161,8 @@ impl RootStack {
             nonce,
             result: None,
             bypassed: false,
+            steering: Steering::default(),
+            paused_data: None,
         };
         let old = self.nodes.insert(id, node);
         assert!(old.is_none(), "procedure {id} added twice");
@@ -954,6 +1245,20 @@ impl RootStack {
     fn maybe_start_rollback(&mut self, t: &mut Transition, now_ms: u64) {
         if self.is_failed() && self.phase == Phase::Executing && self.running == 0 {
             tracing::debug!(root = %self.root, steps = self.stack.len(), "rolling back tree");
+            // A step that failed and was not recorded (retried or paused) may have left
+            // effects: undo it first, as recovery does for a step cut off by a crash.
+            let dirty: Vec<ProcId> = self
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.steering.dirty && !n.state.is_finished())
+                .map(|(&id, _)| id)
+                .collect();
+            for id in dirty {
+                self.stack.push(StackEntry {
+                    id,
+                    recorded: false,
+                });
+            }
             self.phase = Phase::RollingBack;
             self.next_rollback(t, now_ms);
         }
@@ -964,6 +1269,10 @@ impl RootStack {
             if self.nodes[&top.id].state == ProcState::Success {
                 self.pop_step(top.id);
                 continue;
+            }
+            if self.nodes[&top.id].state == ProcState::RollbackPaused {
+                // Recovered so: the rollback waits for an operator's continue.
+                return;
             }
             t.actions.push(Action::Rollback {
                 id: top.id,
@@ -1043,6 +1352,7 @@ impl RootStack {
             nonce: node.nonce,
             result: node.result.clone(),
             bypassed: node.bypassed,
+            steering: node.steering.clone(),
         }
     }
 }
@@ -1066,6 +1376,7 @@ impl fmt::Display for Transition {
                 Action::Enqueue { id, front: false } => format!("run {id}"),
                 Action::Resume(id) => format!("resume {id}"),
                 Action::Release(id) => format!("release {id}"),
+                Action::Reset(id) => format!("reset {id}"),
                 Action::Stop(id) => format!("stop {id}"),
                 Action::Rollback {
                     id,
@@ -1143,6 +1454,8 @@ mod tests {
                         outcome,
                         data: vec![1],
                         result: None,
+                        irreversible: false,
+                        on_error: None,
                     },
                     0,
                 ),
@@ -1150,7 +1463,11 @@ mod tests {
                 Wake(id) => rs.on_wake(ProcId(id)),
                 RolledBack(id, r) => rs.on_rolled_back(
                     ProcId(id),
-                    r.map(|()| vec![1]).map_err(ProcError::failed),
+                    r.map(|()| vec![1]).map_err(|e| RollbackFailure {
+                        error: ProcError::failed(e),
+                        policy: FailurePolicy::Rollback,
+                        data: vec![1],
+                    }),
                     0,
                 ),
             };
@@ -1305,6 +1622,184 @@ mod tests {
     }
 
     #[test]
+    fn failure_policies_decide() {
+        use FailurePolicy::*;
+        let retry_rb = RetryThenRollback {
+            times: 2,
+            backoff_ms: 100,
+        };
+        let retry_pause = RetryThenPause {
+            times: 2,
+            backoff_ms: 100,
+        };
+        let retry = |delay_ms| Decision::Retry { delay_ms };
+        // (policy, retries spent, irreversible, rollback step, decision)
+        let cases = [
+            (Rollback, 0, false, false, Decision::Rollback),
+            (Pause, 0, false, false, Decision::Pause),
+            (retry_rb, 0, false, false, retry(100)),
+            (retry_rb, 1, false, false, retry(200)),
+            (retry_rb, 2, false, false, Decision::Rollback),
+            (retry_pause, 1, false, false, retry(200)),
+            (retry_pause, 2, false, false, Decision::Pause),
+            // Past the point of no return nothing rolls back; retries still come first.
+            (Rollback, 0, true, false, Decision::Pause),
+            (retry_rb, 0, true, false, retry(100)),
+            (retry_rb, 2, true, false, Decision::Pause),
+            // A rollback is never abandoned: retried for ever, or paused.
+            (Rollback, 1, false, true, retry(20)),
+            (Rollback, 30, false, true, retry(ROLLBACK_RETRY_MAX_MS)),
+            (Pause, 0, false, true, Decision::Pause),
+            (retry_rb, 1, false, true, retry(200)),
+            (retry_rb, 2, false, true, Decision::Pause),
+            (retry_pause, 2, false, true, Decision::Pause),
+            // Backoff is capped.
+            (
+                RetryThenPause {
+                    times: 100,
+                    backoff_ms: 1000,
+                },
+                40,
+                false,
+                false,
+                retry(POLICY_RETRY_MAX_MS),
+            ),
+        ];
+        for (policy, retries, irreversible, rollback, expected) in cases {
+            assert_eq!(
+                decide(policy, retries, irreversible, rollback),
+                expected,
+                "{policy:?} retries={retries} irreversible={irreversible} rollback={rollback}"
+            );
+        }
+    }
+
+    /// A step report of `id` that failed with `policy`, its state before being `[9]`.
+    fn failed_with(id: u64, policy: FailurePolicy) -> StepReport {
+        StepReport {
+            id: ProcId(id),
+            outcome: err("boom"),
+            data: vec![1],
+            result: None,
+            irreversible: false,
+            on_error: Some(OnError {
+                policy,
+                before: vec![9],
+            }),
+        }
+    }
+
+    fn done(id: u64, outcome: StepOutcome, irreversible: bool) -> StepReport {
+        StepReport {
+            id: ProcId(id),
+            outcome,
+            data: vec![1],
+            result: None,
+            irreversible,
+            on_error: None,
+        }
+    }
+
+    fn rollback_failed(policy: FailurePolicy) -> Result<Vec<u8>, RollbackFailure> {
+        Err(RollbackFailure {
+            error: ProcError::failed("stuck"),
+            policy,
+            data: vec![7],
+        })
+    }
+
+    #[test]
+    fn a_retried_step_runs_again_from_its_recorded_state_then_rolls_back() {
+        let policy = FailurePolicy::RetryThenRollback {
+            times: 1,
+            backoff_ms: 100,
+        };
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        let t = rs.on_step(failed_with(1, policy), 1000);
+        assert_eq!(t.to_string(), "U1:WAITING_TIMEOUT[] | reset 1, wake 1 at 1100");
+        let StoreOp::Update(r) = &t.persist[0] else {
+            panic!("{t}")
+        };
+        assert_eq!((r.steering.retries, r.steering.dirty, &r.data[..]), (1, true, &[9][..]));
+        assert_eq!(rs.on_wake(ProcId(1)).to_string(), " | run 1");
+        // Retries spent: this failure is recorded and rolled back, once.
+        let t = rs.on_step(failed_with(1, policy), 2000);
+        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
+        let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 2001);
+        assert_eq!(t.to_string(), "U1:ROLLEDBACK[] | stop 1, finished err 1:boom");
+    }
+
+    #[test]
+    fn a_paused_procedure_is_continued_or_rolled_back_by_an_operator() {
+        // Continued: the step runs again and the procedure goes on.
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        let t = rs.on_step(failed_with(1, FailurePolicy::Pause), 10);
+        assert_eq!(t.to_string(), "U1:PAUSED[] | reset 1");
+        assert_eq!(rs.state_of(ProcId(1)), Some(ProcState::Paused));
+        assert!(rs.on_wake(ProcId(1)).actions.is_empty(), "nothing wakes it");
+        let t = rs.on_continue(ProcId(1), 20).unwrap();
+        assert_eq!(t.to_string(), "U1:RUNNABLE[] | run 1");
+        let StoreOp::Update(r) = &t.persist[0] else {
+            panic!("{t}")
+        };
+        assert_eq!((&r.data[..], r.steering.paused.is_none()), (&[9][..], true));
+        let t = rs.on_step(done(1, StepOutcome::Done, false), 30);
+        assert_eq!(t.to_string(), "U1:SUCCESS[] | stop 1, finished ok");
+
+        // Rolled back: the failed step, which may have left effects, is undone first
+        // (unrecorded), then the recorded ones.
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        rs.on_step(done(1, StepOutcome::MoreToDo { yield_after: false }, false), 1);
+        rs.on_step(failed_with(1, FailurePolicy::Pause), 2);
+        assert!(rs.on_continue(ProcId(2), 3).is_err());
+        let t = rs.on_operator_rollback(ProcId(1), 3).unwrap();
+        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 unrecorded");
+        let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 4);
+        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
+        let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 5);
+        assert_eq!(t.to_string(), "U1:ROLLEDBACK[] | stop 1, finished err 1:aborted by operator");
+    }
+
+    #[test]
+    fn a_rollback_that_gives_up_pauses_until_continued() {
+        let policy = FailurePolicy::RetryThenPause {
+            times: 1,
+            backoff_ms: 50,
+        };
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        rs.on_step(failed_with(1, FailurePolicy::Rollback), 1);
+        let t = rs.on_rolled_back(ProcId(1), rollback_failed(policy), 2);
+        assert_eq!(t.to_string(), "U1:FAILED[0] | retry 1 in 50");
+        let t = rs.on_rolled_back(ProcId(1), rollback_failed(policy), 3);
+        assert_eq!(t.to_string(), "U1:ROLLBACK_PAUSED[0] | ");
+        let refusal = rs.rollback_refusal(ProcId(1)).unwrap();
+        assert!(refusal.contains("continue it instead"), "{refusal}");
+        let t = rs.on_continue(ProcId(1), 4).unwrap();
+        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
+        let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 5);
+        assert_eq!(t.to_string(), "U1:ROLLEDBACK[] | stop 1, finished err 1:boom");
+    }
+
+    #[test]
+    fn past_the_point_of_no_return_failures_pause_and_rollback_is_refused() {
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        rs.on_step(done(1, kids(&[2]), true), 1);
+        assert!(rs.is_irreversible());
+        // The child fails under the default policy: it pauses instead.
+        let t = rs.on_step(failed_with(2, FailurePolicy::Rollback), 2);
+        assert_eq!(t.to_string(), "U2:PAUSED[] | reset 2");
+        let refusal = rs.rollback_refusal(ProcId(2)).unwrap();
+        assert!(refusal.contains("continue instead"), "{refusal}");
+        assert!(rs.on_operator_rollback(ProcId(2), 3).is_err());
+        // A timeout, too.
+        let t = rs.on_fail(ProcId(1), ProcError::TimedOut { timeout_ms: 5 }, vec![1], 3);
+        assert_eq!(t.to_string(), "U1:PAUSED[0] | ");
+        assert!(!rs.is_failed());
+        let t = rs.on_continue(ProcId(2), 4).unwrap();
+        assert_eq!(t.to_string(), "U2:RUNNABLE[] | run 2");
+    }
+
+    #[test]
     fn failed_rollback_is_retried_with_backoff() {
         check(
             vec![
@@ -1370,6 +1865,8 @@ mod tests {
                 outcome: StepOutcome::Children(vec![child]),
                 data: vec![],
                 result: None,
+                irreversible: false,
+                on_error: None,
             },
             6,
         );
@@ -1409,6 +1906,8 @@ mod tests {
                 outcome: StepOutcome::Done,
                 data: vec![9],
                 result: None,
+                irreversible: false,
+                on_error: None,
             },
             1,
         );
@@ -1422,6 +1921,8 @@ mod tests {
                 outcome: StepOutcome::Failed(ProcError::failed("x")),
                 data: vec![2],
                 result: None,
+                irreversible: false,
+                on_error: None,
             },
             1,
         );
@@ -1445,6 +1946,8 @@ mod tests {
             outcome,
             data: vec![id as u8],
             result: None,
+            irreversible: false,
+            on_error: None,
         };
         let children =
             StepOutcome::Children(vec![new(2, vec![], Some(life)), new(3, vec![], None)]);

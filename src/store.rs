@@ -182,6 +182,7 @@ mod tests {
             nonce: None,
             result: None,
             bypassed: false,
+            steering: Default::default(),
         }
     }
 

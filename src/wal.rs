@@ -897,6 +897,7 @@ mod tests {
             nonce: None,
             result: None,
             bypassed: false,
+            steering: Default::default(),
         }
     }
 

@@ -86,6 +86,7 @@ fn record(id: u64, state: ProcState) -> ProcRecord {
         nonce: None,
         result: None,
         bypassed: false,
+        steering: Default::default(),
     }
 }
 

@@ -450,6 +450,7 @@ async fn a_reordered_log_is_reported_not_run_into_a_panic() {
         nonce: None,
         result: None,
         bypassed: false,
+        steering: Default::default(),
     };
     let mut store = MemoryStore::new();
     store

@@ -216,6 +216,7 @@ async fn an_overdue_deadline_fires_at_once_after_a_restart() {
         nonce: None,
         result: None,
         bypassed: false,
+        steering: Default::default(),
     };
     let mut store = MemoryStore::new();
     store.append(&[StoreOp::Insert(record)]).unwrap();

@@ -28,6 +28,7 @@ pub fn record(id: u64, root: u64, version: u8, data_len: usize) -> ProcRecord {
         nonce: None,
         result: None,
         bypassed: false,
+        steering: Default::default(),
     }
 }
 
