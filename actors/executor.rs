@@ -19,7 +19,7 @@ use crate::erased::{erase, erase_boxed, AnyEnv, DynProc};
 use crate::error::Error;
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState, Procedure};
-use crate::record::{Failure, Nonce, ProcRecord, StoreOp};
+use crate::record::{Failure, Nonce, ProcRecord, Steering, StoreOp};
 use crate::recovery::{self, CorruptProc};
 use crate::registry::{Registry, Types};
 use crate::store::{MemoryStore, ProcedureStore};
@@ -28,8 +28,8 @@ use super::guard::guard;
 use super::persistence::Persistence;
 use super::procedure::{declare, Undeclarable};
 use super::protocol::{
-    AbortRequest, BypassRequest, Persist, Quiesce, Refuse, Regrant, RootSubmitted, StopWriter,
-    TreeFinished,
+    AbortRequest, BypassRequest, Command, CommandRequest, Persist, Quiesce, Refuse, Regrant,
+    RootSubmitted, StopWriter, TreeFinished,
 };
 use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{
@@ -430,6 +430,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                         nonce: record.nonce,
                         waiting: Waiting::Nothing,
                         state_name: None,
+                        steering: None,
                     },
                 );
             }
@@ -642,6 +643,39 @@ impl<E: Send + Sync + 'static> Executor<E> {
         self.addr.send(Bypass { id, recursive }).await?
     }
 
+    /// Continues a paused procedure (PolarDB-X's `CONTINUE DDL`): a PAUSED one runs
+    /// the step that failed again, from its recorded state, with its retries reset; a
+    /// ROLLBACK_PAUSED one retries its rollback. Answers once that is durable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Refused`] for a procedure in any other state, or PAUSED in a tree that
+    /// has failed meanwhile (it is rolled back, not continued); [`Error::Finished`],
+    /// [`Error::UnknownProcedure`] or [`Error::Gone`] for one not live; [`Error::Stopped`]
+    /// after shutdown; the store's error once it has failed.
+    #[doc(alias = "continue")]
+    pub async fn resume(&self, id: ProcId) -> Result<(), Error> {
+        self.addr.send(Continue(id)).await?
+    }
+
+    /// Rolls a procedure's tree back on an operator's word (`ROLLBACK DDL`). A PAUSED
+    /// procedure fails ([`ProcError::Aborted`](crate::ProcError::Aborted)) and its tree
+    /// rolls back, starting with the step that failed, which may have left effects.
+    /// Any other live procedure is aborted as by [`abort`](Self::abort): a running
+    /// step is cancelled, and the abort hook may refuse. Answers once the failure is
+    /// durable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Refused`] past the tree's point of no return
+    /// ([`Context::set_irreversible`](crate::Context::set_irreversible): continue
+    /// instead), for a procedure whose rollback is paused (continue it), in a tree
+    /// already rolling back, or when the abort hook refuses; as [`resume`](Self::resume)
+    /// for a procedure not live, after shutdown or a store failure.
+    pub async fn rollback(&self, id: ProcId) -> Result<(), Error> {
+        self.addr.send(Rollback(id)).await?
+    }
+
     /// What the executor knows of a procedure now.
     pub async fn state(&self, id: ProcId) -> Result<ProcInfo, Error> {
         self.addr.send(GetState(id)).await?
@@ -822,6 +856,10 @@ pub struct ProcInfo {
     /// What it waits for, when it is not queued or running: children, an event, its
     /// timer, or engine locks.
     pub waiting_on: Option<WaitingOn>,
+    /// What failure policies and operators did to it: retries spent on its current
+    /// step, why it is PAUSED or ROLLBACK_PAUSED, whether it passed its point of no
+    /// return.
+    pub steering: Steering,
 }
 
 /// Submit a root procedure; answers its id once the insert is durable.
@@ -900,6 +938,22 @@ pub struct Bypass {
 }
 
 impl Message for Bypass {
+    type Result = Result<(), Error>;
+}
+
+/// Continue a PAUSED or ROLLBACK_PAUSED procedure; see [`Executor::resume`].
+#[derive(Clone, Copy, Debug)]
+pub struct Continue(pub ProcId);
+
+impl Message for Continue {
+    type Result = Result<(), Error>;
+}
+
+/// Roll a procedure's tree back on an operator's word; see [`Executor::rollback`].
+#[derive(Clone, Copy, Debug)]
+pub struct Rollback(pub ProcId);
+
+impl Message for Rollback {
     type Result = Result<(), Error>;
 }
 
@@ -1237,6 +1291,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 locks_waiting,
                 state_name: e.state_name.clone(),
                 waiting_on,
+                steering: e.steering.as_deref().cloned().unwrap_or_default(),
             }
         })
     }
@@ -1487,6 +1542,44 @@ impl<E: Send + Sync + 'static> Handler<Bypass> for ExecutorActor<E> {
             tree?.send(request).await?;
             answer.await.unwrap_or(Err(Error::Stopped)).map(|_| ())
         })
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    /// Sends an operator's command to the procedure's tree; the answer comes once its
+    /// effect is durable.
+    fn command(&self, id: ProcId, command: Command) -> ResponseFuture<Result<(), Error>> {
+        let tree = self.live_tree(id);
+        Box::pin(async move {
+            let (ack, answer) = oneshot::channel();
+            tree?.send(CommandRequest { id, command, ack }).await?;
+            match answer.await.unwrap_or(Err(Error::Stopped))? {
+                true => Ok(()),
+                // A rollback of a procedure that is not paused is an abort, which its
+                // hook refused.
+                false => Err(Error::Refused {
+                    command: command.name(),
+                    id,
+                    reason: "the procedure's abort hook refused".into(),
+                }),
+            }
+        })
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Continue> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<(), Error>>;
+
+    fn handle(&mut self, msg: Continue, _ctx: &mut Context<Self>) -> Self::Result {
+        self.command(msg.0, Command::Continue)
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Rollback> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<(), Error>>;
+
+    fn handle(&mut self, msg: Rollback, _ctx: &mut Context<Self>) -> Self::Result {
+        self.command(msg.0, Command::Rollback)
     }
 }
 

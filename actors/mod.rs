@@ -18,8 +18,9 @@ mod wal_store;
 
 pub use crash_test::{restart_at_every_write, CrashRun};
 pub use executor::{
-    Abort, AckResult, Bypass, Executor, ExecutorActor, ExecutorBuilder, GetState, GetValue, List,
-    ProcEvent, ProcInfo, Recovery, Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitingOn,
+    Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder, GetState,
+    GetValue, List, ProcEvent, ProcInfo, Recovery, Rollback, Shutdown, Submit, Subscribe,
+    Subscription, WaitFor, WaitingOn,
 };
 pub use scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
 pub use wal_store::{

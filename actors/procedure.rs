@@ -26,8 +26,8 @@ use super::guard::{guard, CatchUnwind};
 use super::metrics;
 use super::perturb;
 use super::protocol::{
-    AbortAck, AbortProc, Deadline, FailRequest, ResetProc, LockFailed, LocksGranted, LocksHeld, ProcLost,
-    ReleaseLocks, Rollback, RolledBack, RunStep, StepDone, StepFinished, StopProc,
+    AbortAck, AbortProc, Deadline, FailRequest, LockFailed, LocksGranted, LocksHeld, ProcLost,
+    ReleaseLocks, ResetProc, Rollback, RolledBack, RunStep, StepDone, StepFinished, StopProc,
 };
 use super::root_stack::RootStackActor;
 use super::shared::{now_ms, Shared, TreeStatus};
@@ -264,8 +264,8 @@ impl ProcedureActor {
             // it); `self.data` keeps the state recorded before the step, which a retry
             // or a pause records again.
             StepOutcome::Failed(error) => {
-                let policy = guard("failure_policy", || proc.failure_policy(error))
-                    .unwrap_or_default();
+                let policy =
+                    guard("failure_policy", || proc.failure_policy(error)).unwrap_or_default();
                 on_error = Some(OnError {
                     policy,
                     before: self.data.clone(),

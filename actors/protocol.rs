@@ -275,6 +275,36 @@ impl Message for BypassRequest {
     type Result = ();
 }
 
+/// An operator's command on a procedure of this tree, from the executor: answered
+/// `Ok(true)` once its effect is durable, or with why it was refused.
+pub(crate) struct CommandRequest {
+    pub(crate) id: ProcId,
+    pub(crate) command: Command,
+    pub(crate) ack: AbortAck,
+}
+
+impl Message for CommandRequest {
+    type Result = ();
+}
+
+/// What an operator asks of a procedure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Command {
+    /// PAUSED: run the step again; ROLLBACK_PAUSED: retry the rollback.
+    Continue,
+    /// PAUSED: fail and roll back the tree; otherwise as an abort.
+    Rollback,
+}
+
+impl Command {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Command::Continue => "continue",
+            Command::Rollback => "rollback",
+        }
+    }
+}
+
 /// An operator's abort: answers on the ack whether the procedure accepted it, once the
 /// acceptance is durable.
 pub(crate) struct AbortProc(pub(crate) AbortAck);

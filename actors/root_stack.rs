@@ -31,7 +31,7 @@ use tokio::sync::oneshot;
 use crate::erased::DynProc;
 use crate::error::Error;
 use crate::procedure::{ProcId, ProcState};
-use crate::record::{Failure, StoreOp};
+use crate::record::{Failure, ProcRecord, Steering, StoreOp};
 use crate::root_stack::{Action, NewChild, RootStack, Transition};
 
 use super::guard::panic_message;
@@ -39,10 +39,10 @@ use super::metrics;
 use super::perturb;
 use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
-    AbortProc, AbortRequest, AckWith, BypassRequest, Deadline, Enqueue, FailRequest,
-    LockForRollback, LocksHeld, Persist, ProcLost, Quiesce, ReleaseLocks, Rollback, RolledBack,
-    ResetProc, RootSubmitted, StepDone, StepFinished, StopProc, SuspendOn, TreeFailed, TreeFinished,
-    Unsuspend, Wake,
+    AbortProc, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Enqueue,
+    FailRequest, LockForRollback, LocksHeld, Persist, ProcLost, Quiesce, ReleaseLocks, ResetProc,
+    Rollback, RolledBack, RootSubmitted, StepDone, StepFinished, StopProc, SuspendOn, TreeFailed,
+    TreeFinished, Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
 
@@ -60,6 +60,7 @@ enum Row {
         value: Option<Vec<u8>>,
         waiting: Waiting,
         state_name: Option<String>,
+        steering: Option<Box<Steering>>,
     },
 }
 
@@ -778,12 +779,80 @@ impl Handler<Quiesce> for RootStackActor {
     }
 }
 
+impl Handler<CommandRequest> for RootStackActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: CommandRequest, ctx: &mut Context<Self>) {
+        if let Some(e) = &self.halted {
+            let _ = msg.ack.send(Err(e.duplicate()));
+            return;
+        }
+        let (id, command) = (msg.id, msg.command);
+        let paused = self.core.state_of(id) == Some(ProcState::Paused);
+        if command == Command::Rollback && !paused {
+            // Not paused: a rollback is an abort (its hook decides, a running step is
+            // cancelled), refused where an operator's rollback is.
+            if let Some(reason) = self.core.rollback_refusal(id) {
+                let _ = msg.ack.send(Err(Error::Refused {
+                    command: command.name(),
+                    id,
+                    reason,
+                }));
+                return;
+            }
+            self.handle(AbortRequest { id, ack: msg.ack }, ctx);
+            return;
+        }
+        let now = now_ms();
+        let changed = self.core(
+            command.name(),
+            |core| match command {
+                Command::Continue => core.on_continue(id, now),
+                Command::Rollback => core.on_operator_rollback(id, now),
+            },
+            ctx,
+        );
+        match changed {
+            Some(Ok(t)) => {
+                tracing::info!(proc = %id, command = command.name(), "operator command");
+                self.apply(t, Some((msg.ack, Ok(true))), ctx);
+            }
+            Some(Err(reason)) => {
+                let _ = msg.ack.send(Err(Error::Refused {
+                    command: command.name(),
+                    id,
+                    reason,
+                }));
+            }
+            None => {
+                let e = self
+                    .halted
+                    .as_ref()
+                    .map_or(Error::Stopped, Error::duplicate);
+                let _ = msg.ack.send(Err(e));
+            }
+        }
+    }
+}
+
 impl Handler<AbortRequest> for RootStackActor {
     type Result = ();
 
     fn handle(&mut self, msg: AbortRequest, _ctx: &mut Context<Self>) {
         if let Some(e) = &self.halted {
             let _ = msg.ack.send(Err(e.duplicate()));
+            return;
+        }
+        if self.core.is_irreversible() && !self.core.is_failed() {
+            let reason = format!(
+                "tree {} has passed its point of no return: continue instead",
+                self.core.root()
+            );
+            let _ = msg.ack.send(Err(Error::Refused {
+                command: "abort",
+                id: msg.id,
+                reason,
+            }));
             return;
         }
         match self.procs.get(&msg.id) {
@@ -816,6 +885,7 @@ fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -
                     nonce: r.nonce,
                     waiting: Waiting::of(r),
                     state_name: None,
+                    steering: steering_of(r),
                 }),
             )),
             StoreOp::Update(r) => Some(Row::Update {
@@ -825,10 +895,16 @@ fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -
                 value: r.result.clone(),
                 waiting: Waiting::of(r),
                 state_name: None,
+                steering: steering_of(r),
             }),
             StoreOp::Delete(_) => None,
         })
         .collect()
+}
+
+/// A record's steering, boxed and only when there is any (most procedures never fail).
+fn steering_of(r: &ProcRecord) -> Option<Box<Steering>> {
+    (r.steering != Steering::default()).then(|| Box::new(r.steering.clone()))
 }
 
 fn apply_rows(shared: &Shared, rows: Vec<Row>) {
@@ -844,8 +920,10 @@ fn apply_rows(shared: &Shared, rows: Vec<Row>) {
                 value,
                 waiting,
                 state_name,
+                steering,
             } => {
                 if let Some(mut e) = shared.table.get_mut(&id) {
+                    e.steering = steering;
                     e.state = state;
                     e.updated_ms = updated_ms;
                     e.waiting = waiting;

@@ -12,7 +12,7 @@ use crate::cancel::Cancel;
 use crate::erased::AnyEnv;
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState};
-use crate::record::{Failure, Nonce};
+use crate::record::{Failure, Nonce, Steering};
 use crate::registry::Types;
 
 use super::persistence::Persistence;
@@ -78,6 +78,8 @@ pub(crate) struct Entry {
     /// Its [`Procedure::state_name`](crate::Procedure::state_name) before its latest
     /// step.
     pub(crate) state_name: Option<String>,
+    /// Its record's steering, when there is any.
+    pub(crate) steering: Option<Box<Steering>>,
 }
 
 /// What a procedure's record says it waits for (children, when it says neither).

@@ -36,6 +36,17 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// An operator's command (continue, rollback, abort) was refused in the
+    /// procedure's state; the reason says why.
+    #[error("{command} of procedure {id} refused: {reason}")]
+    Refused {
+        /// The command.
+        command: &'static str,
+        /// The procedure.
+        id: ProcId,
+        /// Why.
+        reason: String,
+    },
     /// The procedure has not finished yet: it has no result to read or acknowledge.
     #[error("procedure {0} has not finished yet")]
     NotFinished(ProcId),
@@ -94,6 +105,15 @@ impl Error {
             Error::Gone(id) => Error::Gone(*id),
             Error::NotFinished(id) => Error::NotFinished(*id),
             Error::BypassRefused { id, reason } => Error::BypassRefused {
+                id: *id,
+                reason: reason.clone(),
+            },
+            Error::Refused {
+                command,
+                id,
+                reason,
+            } => Error::Refused {
+                command,
                 id: *id,
                 reason: reason.clone(),
             },

@@ -47,11 +47,11 @@ pub mod testing {
 pub use crate::actors::metrics;
 
 pub use crate::actors::{
-    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Bypass, Entry, Executor,
-    ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List, ProcEvent,
-    ProcInfo, Recovery, Repair, ResetEvent, SchedulerStats, SegmentReport, Shutdown, StdFs, Submit,
-    Subscribe, Subscription, WaitFor, WaitingOn, WakeEvent, WalDirScan, WalFs, WalOptions,
-    WalStats, WalStore,
+    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Bypass, Continue, Entry,
+    Executor, ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List,
+    ProcEvent, ProcInfo, Recovery, Repair, ResetEvent, Rollback, SchedulerStats, SegmentReport,
+    Shutdown, StdFs, Submit, Subscribe, Subscription, WaitFor, WaitingOn, WakeEvent, WalDirScan,
+    WalFs, WalOptions, WalStats, WalStore,
 };
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::error::Error;

@@ -20,8 +20,8 @@
 use std::fmt;
 
 use crate::locks::{LockClaim, Request};
-use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::procedure::FailurePolicy;
+use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp};
 
 /// Rollback retries back off from this delay...
@@ -835,7 +835,10 @@ impl RootStack {
             return Some(format!("procedure {id} is not in tree {}", self.root));
         };
         if node.state.is_finished() {
-            return Some(format!("procedure {id} has already finished ({})", node.state));
+            return Some(format!(
+                "procedure {id} has already finished ({})",
+                node.state
+            ));
         }
         if node.state == ProcState::RollbackPaused {
             return Some(format!(
@@ -1716,17 +1719,26 @@ mod tests {
         };
         let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
         let t = rs.on_step(failed_with(1, policy), 1000);
-        assert_eq!(t.to_string(), "U1:WAITING_TIMEOUT[] | reset 1, wake 1 at 1100");
+        assert_eq!(
+            t.to_string(),
+            "U1:WAITING_TIMEOUT[] | reset 1, wake 1 at 1100"
+        );
         let StoreOp::Update(r) = &t.persist[0] else {
             panic!("{t}")
         };
-        assert_eq!((r.steering.retries, r.steering.dirty, &r.data[..]), (1, true, &[9][..]));
+        assert_eq!(
+            (r.steering.retries, r.steering.dirty, &r.data[..]),
+            (1, true, &[9][..])
+        );
         assert_eq!(rs.on_wake(ProcId(1)).to_string(), " | run 1");
         // Retries spent: this failure is recorded and rolled back, once.
         let t = rs.on_step(failed_with(1, policy), 2000);
         assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 2001);
-        assert_eq!(t.to_string(), "U1:ROLLEDBACK[] | stop 1, finished err 1:boom");
+        assert_eq!(
+            t.to_string(),
+            "U1:ROLLEDBACK[] | stop 1, finished err 1:boom"
+        );
     }
 
     #[test]
@@ -1749,7 +1761,10 @@ mod tests {
         // Rolled back: the failed step, which may have left effects, is undone first
         // (unrecorded), then the recorded ones.
         let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
-        rs.on_step(done(1, StepOutcome::MoreToDo { yield_after: false }, false), 1);
+        rs.on_step(
+            done(1, StepOutcome::MoreToDo { yield_after: false }, false),
+            1,
+        );
         rs.on_step(failed_with(1, FailurePolicy::Pause), 2);
         assert!(rs.on_continue(ProcId(2), 3).is_err());
         let t = rs.on_operator_rollback(ProcId(1), 3).unwrap();
@@ -1757,7 +1772,10 @@ mod tests {
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 4);
         assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 5);
-        assert_eq!(t.to_string(), "U1:ROLLEDBACK[] | stop 1, finished err 1:aborted by operator");
+        assert_eq!(
+            t.to_string(),
+            "U1:ROLLEDBACK[] | stop 1, finished err 1:aborted by operator"
+        );
     }
 
     #[test]
@@ -1777,7 +1795,10 @@ mod tests {
         let t = rs.on_continue(ProcId(1), 4).unwrap();
         assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 5);
-        assert_eq!(t.to_string(), "U1:ROLLEDBACK[] | stop 1, finished err 1:boom");
+        assert_eq!(
+            t.to_string(),
+            "U1:ROLLEDBACK[] | stop 1, finished err 1:boom"
+        );
     }
 
     #[test]

@@ -16,7 +16,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::Lock;
-use crate::procedure::{Context, Flow, LockState, OnTimeout, ProcError, Procedure};
+use crate::procedure::{
+    Context, FailurePolicy, Flow, LockState, OnTimeout, ProcError, Procedure,
+};
 
 /// A procedure written as a state machine over `Self::State` (HBase's
 /// `StateMachineProcedure`). Wrap it in [`StateMachine`] to submit it.
@@ -125,6 +127,12 @@ where
     /// See [`Procedure::timeout_ms`].
     fn timeout_ms(&self) -> Option<u64> {
         None
+    }
+
+    /// See [`Procedure::failure_policy`]: what a failure in `state` (its step or its
+    /// rollback) leads to.
+    fn failure_policy(&self, _state: Self::State, _error: &ProcError) -> FailurePolicy {
+        FailurePolicy::Rollback
     }
 
     /// See [`Procedure::on_timeout`].
@@ -389,6 +397,17 @@ where
 
     fn on_timeout(&mut self) -> OnTimeout {
         self.machine.on_timeout()
+    }
+
+    fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
+        // The state that failed is the newest in the history (a step records it before
+        // running; a rollback that fails keeps it).
+        let state = self
+            .history
+            .last()
+            .copied()
+            .unwrap_or_else(|| self.current_state());
+        self.machine.failure_policy(state, error)
     }
 
     fn rust_type_name(&self) -> &'static str {
