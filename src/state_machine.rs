@@ -16,9 +16,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::Lock;
-use crate::procedure::{
-    Context, FailurePolicy, Flow, LockState, OnTimeout, ProcError, Procedure,
-};
+use crate::procedure::{Context, FailurePolicy, Flow, LockState, OnTimeout, ProcError, Procedure};
 
 /// A procedure written as a state machine over `Self::State` (HBase's
 /// `StateMachineProcedure`). Wrap it in [`StateMachine`] to submit it.

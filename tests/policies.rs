@@ -1,0 +1,334 @@
+//! Failure policies and operator commands: retries (counted across a restart), pause
+//! and continue, an operator's rollback of a paused procedure, a rollback that pauses,
+//! and the point of no return. Each scenario runs on both stores.
+
+mod common;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+
+use common::{wait_for_state, Reopen};
+use proctor::{
+    async_trait, Context, Error, Executor, FailurePolicy, Flow, ProcError, ProcId, ProcState,
+    Procedure, ProcedureStore, Registry,
+};
+use serde::{Deserialize, Serialize};
+
+/// What the procedures do, as the test sees it.
+#[derive(Default)]
+struct World {
+    calls: Mutex<Vec<String>>,
+    /// How many more times the failing step fails.
+    step_failures: AtomicU32,
+    /// How many more times a rollback fails.
+    rollback_failures: AtomicU32,
+}
+
+impl World {
+    fn record(&self, call: String) {
+        self.calls.lock().unwrap().push(call);
+    }
+
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+/// Three steps; step `fail_at` fails while the world says so.
+#[derive(Clone, Serialize, Deserialize)]
+struct Flaky {
+    at: u32,
+    fail_at: u32,
+    policy: FailurePolicy,
+    rollback_policy: FailurePolicy,
+    /// Step 1 is the point of no return.
+    irreversible: bool,
+}
+
+impl Flaky {
+    fn new(policy: FailurePolicy) -> Self {
+        Flaky {
+            at: 0,
+            fail_at: 2,
+            policy,
+            rollback_policy: FailurePolicy::Rollback,
+            irreversible: false,
+        }
+    }
+}
+
+#[async_trait]
+impl Procedure<World> for Flaky {
+    async fn execute(&mut self, ctx: &mut Context<World>) -> Result<Flow<World>, ProcError> {
+        let world = ctx.env_arc().clone();
+        self.at += 1;
+        world.record(format!("exec {}", self.at));
+        if self.at == 1 && self.irreversible {
+            ctx.set_irreversible();
+        }
+        if self.at == self.fail_at {
+            let left = world.step_failures.load(Ordering::SeqCst);
+            if left > 0 {
+                world.step_failures.store(left - 1, Ordering::SeqCst);
+                return Err(ProcError::failed(format!("step {} failed", self.at)));
+            }
+        }
+        Ok(if self.at < 3 {
+            Flow::MoreToDo
+        } else {
+            Flow::Done
+        })
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context<World>) -> Result<(), ProcError> {
+        let world = ctx.env();
+        let left = world.rollback_failures.load(Ordering::SeqCst);
+        if left > 0 {
+            world.rollback_failures.store(left - 1, Ordering::SeqCst);
+            world.record(format!("rollback {} failed", self.at));
+            return Err(ProcError::failed("rollback failed"));
+        }
+        if ctx.is_unrecorded_step() {
+            // The step that failed, from the state before it.
+            world.record(format!("undo {}", self.at + 1));
+        } else {
+            world.record(format!("rollback {}", self.at));
+            self.at -= 1;
+        }
+        Ok(())
+    }
+
+    fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
+        if error.to_string().starts_with("rollback") {
+            self.rollback_policy
+        } else {
+            self.policy
+        }
+    }
+}
+
+async fn start(store: Box<dyn ProcedureStore>, world: Arc<World>) -> Executor<World> {
+    let mut registry = Registry::<World>::default();
+    registry.register::<Flaky>("flaky");
+    Executor::builder()
+        .registry(registry)
+        .store(store)
+        .env(world)
+        .start()
+        .await
+        .expect("executor starts")
+}
+
+fn world(step_failures: u32, rollback_failures: u32) -> Arc<World> {
+    let world = World::default();
+    world.step_failures.store(step_failures, Ordering::SeqCst);
+    world
+        .rollback_failures
+        .store(rollback_failures, Ordering::SeqCst);
+    Arc::new(world)
+}
+
+fn retry_then_rollback(times: u32) -> FailurePolicy {
+    FailurePolicy::RetryThenRollback {
+        times,
+        backoff_ms: 1,
+    }
+}
+
+#[actix::test]
+async fn a_retried_step_runs_again_until_it_succeeds_or_its_retries_run_out() {
+    for name in ["memory", "wal"] {
+        // Two failures, three retries: it succeeds, and its retries are spent.
+        let w = world(2, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let id = executor
+            .submit(Flaky::new(retry_then_rollback(3)))
+            .await
+            .unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
+        let expected = ["exec 1", "exec 2", "exec 2", "exec 2", "exec 3"];
+        assert_eq!(w.calls(), expected, "{name}");
+        executor.shutdown().await.unwrap();
+
+        // Failing for ever: three attempts, then the last one is rolled back with the
+        // steps before it, once each.
+        let w = world(100, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let id = executor
+            .submit(Flaky::new(retry_then_rollback(2)))
+            .await
+            .unwrap();
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::failed("step 2 failed"), "{name}");
+        let expected = [
+            "exec 1",
+            "exec 2",
+            "exec 2",
+            "exec 2",
+            "rollback 2",
+            "rollback 1",
+        ];
+        assert_eq!(w.calls(), expected, "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn retries_are_counted_across_a_restart() {
+    for name in ["memory", "wal"] {
+        let store = Reopen::new(name);
+        let policy = FailurePolicy::RetryThenPause {
+            times: 3,
+            backoff_ms: 300,
+        };
+        let w = world(100, 0);
+        let executor = start(store.open(), w.clone()).await;
+        let id = executor.submit(Flaky::new(policy)).await.unwrap();
+        // The first failure is recorded with its retry; the engine stops meanwhile.
+        wait_for_state(&executor, id, ProcState::WaitingTimeout).await;
+        executor.shutdown_now().await.unwrap();
+
+        let executor = start(store.open(), w.clone()).await;
+        wait_for_state(&executor, id, ProcState::Paused).await;
+        let info = executor.state(id).await.unwrap();
+        let paused = info.steering.paused.expect("paused with a reason");
+        assert_eq!(paused.retries, 3, "{name}");
+        assert_eq!(paused.error, Some(ProcError::failed("step 2 failed")));
+        assert_eq!(paused.policy, Some(policy));
+        // One attempt and three retries in all, however they fell around the restart.
+        let attempts = w.calls().iter().filter(|c| *c == "exec 2").count();
+        assert_eq!(attempts, 4, "{name}: {:?}", w.calls());
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_paused_procedure_stays_paused_across_a_restart_and_continues() {
+    for name in ["memory", "wal"] {
+        let store = Reopen::new(name);
+        let w = world(1, 0);
+        let executor = start(store.open(), w.clone()).await;
+        let id = executor
+            .submit(Flaky::new(FailurePolicy::Pause))
+            .await
+            .unwrap();
+        wait_for_state(&executor, id, ProcState::Paused).await;
+        let refused = executor.rollback(ProcId(id.0 + 100)).await;
+        assert!(
+            matches!(refused, Err(Error::UnknownProcedure(_))),
+            "{refused:?}"
+        );
+        executor.shutdown().await.unwrap();
+
+        let executor = start(store.open(), w.clone()).await;
+        let info = executor.state(id).await.unwrap();
+        assert_eq!(info.state, ProcState::Paused, "{name}");
+        assert!(
+            info.steering.dirty,
+            "{name}: the failed step may have left effects"
+        );
+        executor.resume(id).await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
+        // The failed step ran again after the continue, from its recorded state.
+        assert_eq!(
+            w.calls(),
+            ["exec 1", "exec 2", "exec 2", "exec 3"],
+            "{name}"
+        );
+        let refused = executor.resume(id).await;
+        assert!(
+            matches!(refused, Err(Error::Finished { .. })),
+            "{refused:?}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn an_operators_rollback_of_a_paused_procedure_undoes_the_failed_step_first() {
+    for name in ["memory", "wal"] {
+        let w = world(100, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let id = executor
+            .submit(Flaky::new(FailurePolicy::Pause))
+            .await
+            .unwrap();
+        wait_for_state(&executor, id, ProcState::Paused).await;
+        executor.rollback(id).await.unwrap();
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::Aborted, "{name}");
+        assert_eq!(
+            w.calls(),
+            ["exec 1", "exec 2", "undo 2", "rollback 1"],
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_rollback_that_gives_up_is_rollback_paused_until_continued() {
+    for name in ["memory", "wal"] {
+        let w = world(100, 100);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let mut proc = Flaky::new(FailurePolicy::Rollback);
+        proc.rollback_policy = FailurePolicy::RetryThenPause {
+            times: 1,
+            backoff_ms: 1,
+        };
+        let id = executor.submit(proc).await.unwrap();
+        wait_for_state(&executor, id, ProcState::RollbackPaused).await;
+        let refused = executor.rollback(id).await.unwrap_err();
+        assert!(
+            refused.to_string().contains("continue it instead"),
+            "{refused}"
+        );
+        w.rollback_failures.store(0, Ordering::SeqCst);
+        executor.resume(id).await.unwrap();
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::failed("step 2 failed"), "{name}");
+        assert_eq!(
+            w.calls(),
+            [
+                "exec 1",
+                "exec 2",
+                "rollback 2 failed",
+                "rollback 2 failed",
+                "rollback 2",
+                "rollback 1"
+            ],
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn past_the_point_of_no_return_a_failure_pauses_and_only_continue_is_allowed() {
+    for name in ["memory", "wal"] {
+        let w = world(1, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let mut proc = Flaky::new(FailurePolicy::Rollback);
+        proc.irreversible = true;
+        let id = executor.submit(proc).await.unwrap();
+        wait_for_state(&executor, id, ProcState::Paused).await;
+        assert!(executor.state(id).await.unwrap().steering.irreversible);
+        for refused in [
+            executor.rollback(id).await.unwrap_err(),
+            executor.abort(id).await.unwrap_err(),
+        ] {
+            assert!(
+                matches!(&refused, Error::Refused { reason, .. } if reason.contains("continue instead")),
+                "{name}: {refused}"
+            );
+        }
+        executor.resume(id).await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(
+            w.calls(),
+            ["exec 1", "exec 2", "exec 2", "exec 3"],
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
