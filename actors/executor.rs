@@ -609,12 +609,27 @@ impl<E: Send + Sync + 'static> Executor<E> {
     }
 
     /// Submits a root procedure; answers with its id once its insert is durable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] once a shutdown has begun; [`Error::Store`] or
+    /// [`Error::Internal`] once the store has failed or the engine broke (this insert's
+    /// failure included); [`Error::Overloaded`] at
+    /// [`ExecutorBuilder::max_unfinished`] unfinished roots; [`Error::Registry`] if its
+    /// type is not registered or its state does not serialize; [`Error::Invalid`] for a
+    /// bad resource name in its locks or a panic in `locks`, `holds_lock` or
+    /// `timeout_ms`.
     pub async fn submit(&self, proc: impl Procedure<E>) -> Result<ProcId, Error> {
         self.addr.send(Submit::new(proc)).await?
     }
 
     /// Submits a root procedure at most once per `nonce`: a retry with the same nonce
     /// (concurrent, or after a restart) answers the first submit's id and runs nothing.
+    ///
+    /// # Errors
+    ///
+    /// As [`submit`](Self::submit). A retry that comes while the first submit is on its
+    /// way gets that submit's answer, error included; a failed submit frees the nonce.
     pub async fn submit_with_nonce(
         &self,
         proc: impl Procedure<E>,
@@ -627,6 +642,13 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// durable (its tree then rolls back, even across a crash), `Ok(false)` if it
     /// refused. If the store fails first, the answer is that error and the abort did not
     /// happen.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
+    /// longer known; [`Error::Finished`] if it has finished; [`Error::Store`] or
+    /// [`Error::Internal`] once the store has failed or the engine broke;
+    /// [`Error::Stopped`] after shutdown.
     pub async fn abort(&self, id: ProcId) -> Result<bool, Error> {
         self.addr.send(Abort(id)).await?
     }
@@ -639,6 +661,13 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// deadline) can be bypassed, not one queued or in a step, and not in a tree that
     /// is rolling back: each refusal is [`Error::BypassRefused`] with the reason.
     /// Answers once the bypass is durable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
+    /// longer known; [`Error::Finished`] if it has finished; [`Error::BypassRefused`] as
+    /// above; [`Error::Store`] or [`Error::Internal`] once the store has failed or the
+    /// engine broke; [`Error::Stopped`] after shutdown.
     pub async fn bypass(&self, id: ProcId, recursive: bool) -> Result<(), Error> {
         self.addr.send(Bypass { id, recursive }).await?
     }
@@ -677,12 +706,24 @@ impl<E: Send + Sync + 'static> Executor<E> {
     }
 
     /// What the executor knows of a procedure now.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
+    /// longer known; [`Error::Stopped`] after shutdown.
     pub async fn state(&self, id: ProcId) -> Result<ProcInfo, Error> {
         self.addr.send(GetState(id)).await?
     }
 
     /// Waits until the root procedure `id` has finished; its result is `Ok(())` for
     /// SUCCESS or the tree's original [`Failure`] for ROLLEDBACK.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
+    /// longer known; [`Error::NotRoot`] for a child; [`Error::Store`] or
+    /// [`Error::Internal`] if the store fails or the engine breaks before the tree
+    /// finishes; [`Error::Stopped`] if the executor stops first.
     pub async fn wait(&self, id: ProcId) -> Result<Result<(), Failure>, Error> {
         self.addr.send(WaitFor(id)).await?
     }
@@ -698,6 +739,11 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// }
     /// # Ok(()) }
     /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`wait`](Self::wait); [`Error::Gone`] also if the result is evicted before its
+    /// value is read; [`Error::ValueType`] if the value does not decode as `T`.
     pub async fn wait_value<T: serde::de::DeserializeOwned>(
         &self,
         id: ProcId,
@@ -718,12 +764,23 @@ impl<E: Send + Sync + 'static> Executor<E> {
 
     /// Tells the executor the client has its result: it is evicted after the shorter
     /// retention ([`ExecutorBuilder::retention_after_ack`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
+    /// longer known (evicted already); [`Error::NotRoot`] for a child;
+    /// [`Error::NotFinished`] before the tree finishes; [`Error::Stopped`] after
+    /// shutdown.
     pub async fn ack_result(&self, id: ProcId) -> Result<(), Error> {
         self.addr.send(AckResult(id)).await?
     }
 
     /// What the scheduler is doing: workers (with any extra), running and queued steps,
     /// lock holders and waiters.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] after shutdown.
     pub async fn scheduler_stats(&self) -> Result<SchedulerStats, Error> {
         self.addr.send(GetSchedulerStats).await?
     }
@@ -733,7 +790,8 @@ impl<E: Send + Sync + 'static> Executor<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::Stopped`] after shutdown, or the store's error once it has failed.
+    /// [`Error::Store`] or [`Error::Internal`] once the store has failed or the engine
+    /// broke; [`Error::Stopped`] after shutdown.
     pub async fn list(&self, which: List) -> Result<Vec<ProcInfo>, Error> {
         self.addr.send(which).await?
     }
@@ -753,7 +811,8 @@ impl<E: Send + Sync + 'static> Executor<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::Stopped`] after shutdown.
+    /// [`Error::Store`] or [`Error::Internal`] once the store has failed or the engine
+    /// broke; [`Error::Stopped`] after shutdown.
     pub async fn subscribe(&self) -> Result<Subscription, Error> {
         let (tx, events) = tokio::sync::mpsc::unbounded_channel();
         self.addr.send(SubscribeChannel(tx)).await??;
@@ -762,11 +821,19 @@ impl<E: Send + Sync + 'static> Executor<E> {
 
     /// Makes `event` ready and wakes the procedures suspended on it, oldest first (see
     /// [`Flow::Suspend`](crate::Flow)); it stays ready until [`reset_event`](Self::reset_event).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] after shutdown.
     pub async fn wake_event(&self, event: impl Into<String>) -> Result<(), Error> {
         Ok(self.addr.send(WakeEvent(event.into())).await?)
     }
 
     /// Makes `event` not ready again: later suspensions on it wait for the next wake.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] after shutdown.
     pub async fn reset_event(&self, event: impl Into<String>) -> Result<(), Error> {
         Ok(self.addr.send(ResetEvent(event.into())).await?)
     }

@@ -79,29 +79,68 @@ pub trait WalFs: Send + 'static {
     /// A file open for reading.
     type Reader: Read + Seek;
     /// `Some(true)` for a directory, `Some(false)` for anything else, `None` if missing.
+    ///
+    /// # Errors
+    /// The OS error of any failure but a missing path.
     fn is_dir(&self, path: &Path) -> io::Result<Option<bool>>;
     /// Creates a directory and its missing parents.
+    ///
+    /// # Errors
+    /// The OS error (a path component that is not a directory included).
     fn create_dir_all(&self, path: &Path) -> io::Result<()>;
     /// Makes the directory's entries durable (an fsync of the directory).
+    ///
+    /// # Errors
+    /// The OS error of opening or syncing the directory.
     fn sync_dir(&self, dir: &Path) -> io::Result<()>;
     /// Takes the exclusive lock on the lock file `path`, creating it; `Ok(None)` if
     /// another holder has it. Dropping the guard releases the lock.
+    ///
+    /// # Errors
+    /// The OS error of creating, opening or locking the file; a lock held elsewhere is
+    /// `Ok(None)`, not an error.
     fn lock(&self, path: &Path) -> io::Result<Option<Box<dyn Send>>>;
     /// The entries of a directory, in any order.
+    ///
+    /// # Errors
+    /// The OS error of reading the directory or an entry's type (a missing directory
+    /// included).
     fn list(&self, dir: &Path) -> io::Result<Vec<Entry>>;
     /// Opens a file for reading.
+    ///
+    /// # Errors
+    /// The OS error (a missing file included).
     fn open_read(&self, path: &Path) -> io::Result<Self::Reader>;
     /// A file's length.
+    ///
+    /// # Errors
+    /// The OS error (a missing file included).
     fn len(&self, path: &Path) -> io::Result<u64>;
     /// Creates a new file (an existing one is an error) for appending.
+    ///
+    /// # Errors
+    /// The OS error; [`io::ErrorKind::AlreadyExists`] if the file exists.
     fn create_new(&self, path: &Path) -> io::Result<Self::Appender>;
     /// Opens an existing file for appending.
+    ///
+    /// # Errors
+    /// The OS error (a missing file included).
     fn open_append(&self, path: &Path) -> io::Result<Self::Appender>;
     /// Makes what was appended to `file` durable (`fdatasync`).
+    ///
+    /// # Errors
+    /// The OS error. What was appended since the last good sync may then be lost
+    /// whatever a retry reports: the store refuses later appends.
     fn sync(&self, file: &mut Self::Appender) -> io::Result<()>;
     /// Cuts a file to `len` bytes, durably.
+    ///
+    /// # Errors
+    /// The OS error of opening, cutting or syncing the file.
     fn truncate(&self, path: &Path, len: u64) -> io::Result<()>;
     /// Removes a file (durably only after [`sync_dir`](WalFs::sync_dir)).
+    ///
+    /// # Errors
+    /// The OS error (a missing file included).
     fn remove_file(&self, path: &Path) -> io::Result<()>;
 }
 
@@ -450,6 +489,10 @@ pub struct WalDirScan {
 
 /// Scans every segment of a WAL directory without changing anything: what
 /// `proctor wal verify` reads, and what [`WalStore::open`] checks before it repairs.
+///
+/// # Errors
+/// [`StoreError::Io`] if the directory (a missing one included) or a segment cannot be
+/// listed, opened or read. Damage is not an error: it is [`WalDirScan::damage`].
 pub fn scan_wal_dir(dir: &Path) -> Result<WalDirScan, StoreError> {
     scan_wal_dir_on(&StdFs, dir, &mut |_, _| {})
 }
@@ -457,7 +500,10 @@ pub fn scan_wal_dir(dir: &Path) -> Result<WalDirScan, StoreError> {
 /// [`scan_wal_dir`], handing every good frame (with its segment's sequence number) to
 /// `on_frame` as it goes: one frame in memory at a time. Frames of a segment found
 /// damaged later may already have been handed out; a caller must drop what it built
-/// when `damage` is set. IO failures (and a missing directory) are `Err`.
+/// when `damage` is set.
+///
+/// # Errors
+/// As [`scan_wal_dir`].
 pub fn scan_wal_dir_with(
     dir: &Path,
     on_frame: &mut dyn FnMut(u64, Frame),
@@ -466,6 +512,9 @@ pub fn scan_wal_dir_with(
 }
 
 /// [`scan_wal_dir_with`] on any [`WalFs`].
+///
+/// # Errors
+/// As [`scan_wal_dir`], for any error `fs` returns.
 pub fn scan_wal_dir_on<F: WalFs>(
     fs: &F,
     dir: &Path,
@@ -710,12 +759,22 @@ impl Replay {
 
 impl WalStore<StdFs> {
     /// Opens (or creates) the WAL in `dir` with default options.
+    ///
+    /// # Errors
+    /// As [`WalStore::open_with`].
     pub fn open(dir: impl AsRef<Path>) -> Result<WalStore, StoreError> {
         Self::open_with(dir, WalOptions::default())
     }
 
     /// Opens (or creates) the WAL in `dir`: locks it, scans it, repairs what a crash
     /// left (reported by the first [`load`](ProcedureStore::load)), and refuses damage.
+    ///
+    /// # Errors
+    /// [`StoreError::Locked`] if another engine holds `DIR/LOCK`; [`StoreError::Corrupt`]
+    /// (file and offset) for damage a crash cannot explain (see the module docs);
+    /// [`StoreError::Io`] if `dir` is not a directory or cannot be created, or a file
+    /// cannot be locked, read, repaired, created or compacted; [`StoreError::Failed`] if
+    /// compaction at open finds a segment's live records miscounted (a bug).
     ///
     /// # Panics
     /// If `max_segments < 2` or `segment_bytes` cannot hold a header and a frame header.
@@ -726,6 +785,9 @@ impl WalStore<StdFs> {
 
 impl<F: WalFs> WalStore<F> {
     /// [`WalStore::open_with`] on the file system `fs`.
+    ///
+    /// # Errors
+    /// As [`WalStore::open_with`], for any error `fs` returns.
     ///
     /// # Panics
     /// If `max_segments < 2` or `segment_bytes` cannot hold a header and a frame header.

@@ -1,7 +1,12 @@
 //! proctor: a durable, actor-model procedure engine. The guide below is the crate's
 //! front page; the repository's `ARCHITECTURE.md` describes the two layers (the pure
 //! core in `src/`, the actix actors in `actors/`) and their invariants.
-#![warn(missing_debug_implementations, missing_docs)]
+#![warn(
+    missing_debug_implementations,
+    missing_docs,
+    clippy::missing_errors_doc,
+    clippy::missing_panics_doc
+)]
 #![doc = include_str!("guide.md")]
 
 mod cancel;

@@ -101,6 +101,10 @@ impl Lock {
     /// assert!(Lock::shared("ns//t1").check().is_err());
     /// assert!(Lock::shared("").check().is_err());
     /// ```
+    ///
+    /// # Errors
+    /// A message naming the resource if it is empty or has an empty segment (a leading,
+    /// trailing or doubled `/`).
     pub fn check(&self) -> Result<(), String> {
         if self.resource.split('/').any(str::is_empty) {
             return Err(format!(
@@ -136,8 +140,10 @@ pub struct LockClaim {
 
 impl LockClaim {
     /// What a procedure declares ([`Procedure::locks`](crate::Procedure::locks) and
-    /// [`holds_lock`](crate::Procedure::holds_lock)), checked: `None` for no locks, an
-    /// error naming the first bad resource name.
+    /// [`holds_lock`](crate::Procedure::holds_lock)), checked: `None` for no locks.
+    ///
+    /// # Errors
+    /// [`Lock::check`]'s message for the first lock whose resource name is bad.
     pub fn declare(locks: Vec<Lock>, for_life: bool) -> Result<Option<LockClaim>, String> {
         if locks.is_empty() {
             return Ok(None);

@@ -456,6 +456,10 @@ impl<E: ?Sized> Context<E> {
     /// let mut ctx = Context::new(ProcId(1), None, ProcId(1), 0, std::sync::Arc::new(()));
     /// ctx.set_result(&("table-7", 12u32)).unwrap();
     /// ```
+    ///
+    /// # Errors
+    /// [`ProcError::Persist`] if `value` does not serialize (its `Serialize` fails); the
+    /// value set before, if any, is kept.
     pub fn set_result<T: Serialize>(&mut self, value: &T) -> Result<(), ProcError> {
         let bytes = rmp_serde::to_vec_named(value)
             .map_err(|e| ProcError::Persist(format!("result: {e}")))?;
@@ -561,6 +565,9 @@ impl Context<dyn Any + Send + Sync> {
 pub trait EncodeState {
     /// The state as MessagePack with field names (so that fields can be added later
     /// with `#[serde(default)]` and old logs still decode).
+    ///
+    /// # Errors
+    /// The encoder's error if the state does not serialize (its `Serialize` fails).
     fn encode_state(&self) -> Result<Vec<u8>, rmp_serde::encode::Error>;
 }
 

@@ -51,7 +51,11 @@ pub struct RecoveryPlan {
 /// SUCCESS without running further or rolling back, exactly as
 /// [`Executor::bypass`](crate::Executor::bypass) would, except that a RUNNABLE
 /// procedure may be bypassed too (nothing runs). Append them through the store.
-/// Refusals name the reason.
+///
+/// # Errors
+/// A refusal naming the reason: `id` is not in the store, its tree cannot be rebuilt,
+/// it has finished, its tree is rolling back, it has unfinished children and
+/// `recursive` is not set, or it (or a descendant) is neither waiting nor RUNNABLE.
 pub fn bypass(
     records: &[ProcRecord],
     id: ProcId,
@@ -86,9 +90,10 @@ pub fn bypass(
 /// middle of a step when the engine stopped: it gets one unrecorded rollback first,
 /// then its recorded steps are rolled back.
 ///
-/// Refusals name the reason: `id` is not in the store, has finished, its tree has
-/// finished, its tree cannot be rebuilt, or its tree has already failed (it is rolling
-/// back, or will at next start).
+/// # Errors
+/// A refusal naming the reason: `id` is not in the store, has finished, its root has no
+/// record, its tree has finished, its tree cannot be rebuilt, or its tree has already
+/// failed (it is rolling back, or will at next start).
 pub fn abort(records: &[ProcRecord], id: ProcId, now_ms: u64) -> Result<Vec<StoreOp>, String> {
     let target = records
         .iter()

@@ -72,9 +72,19 @@ pub struct StoreSnapshot {
 /// - [`load`](ProcedureStore::load) returns the state as of the last successful append.
 pub trait ProcedureStore: Send + 'static {
     /// Applies `ops` in order, durably and atomically.
+    ///
+    /// # Errors
+    /// [`StoreError::Io`] (or the variant that names the cause) when the ops may not be
+    /// durable: after a restart either all of them are visible or none. From then on,
+    /// [`StoreError::Failed`] for every append.
     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError>;
 
     /// Reads everything back, for recovery and inspection.
+    ///
+    /// # Errors
+    /// [`StoreError::Io`] if the storage cannot be read, [`StoreError::Corrupt`] (file
+    /// and offset) for damage the store cannot repair. An executor does not start on
+    /// either ([`Error::Store`](crate::Error::Store)).
     fn load(&mut self) -> Result<StoreSnapshot, StoreError>;
 }
 

@@ -209,6 +209,11 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 }
 
 /// Parses a segment header.
+///
+/// # Errors
+/// [`FrameError::Truncated`] for fewer than [`SEGMENT_HEADER_LEN`] bytes;
+/// [`FrameError::Checksum`] for a bad CRC; [`FrameError::Header`] for a bad magic,
+/// another version, a `max_id` above [`MAX_ID`], or a zero `seq` or `first_lsn`.
 pub fn parse_segment_header(bytes: &[u8]) -> Result<SegmentHeader, FrameError> {
     if bytes.len() < SEGMENT_HEADER_LEN {
         return Err(FrameError::Truncated {
@@ -271,6 +276,12 @@ pub struct FrameHeader {
 
 /// Parses a frame header: its own CRC first, so that nothing a damaged header claims
 /// (a length, a kind) is believed.
+///
+/// # Errors
+/// [`FrameError::Truncated`] for fewer than [`FRAME_HEADER_LEN`] bytes;
+/// [`FrameError::Checksum`] for a bad header CRC; [`FrameError::Kind`] for an unknown
+/// kind; [`FrameError::Length`] for a length above [`MAX_PAYLOAD_LEN`] or a seal with a
+/// payload.
 pub fn parse_frame_header(h: &[u8]) -> Result<FrameHeader, FrameError> {
     if h.len() < FRAME_HEADER_LEN {
         return Err(FrameError::Truncated {
@@ -311,6 +322,9 @@ fn write_frame_header(out: &mut [u8], len: u32, kind: FrameKind, lsn: u64, paylo
 
 /// Gives the encoded frame at the start of `frame` a new LSN (the writer learns whether
 /// a roll takes an LSN for a seal only after encoding).
+///
+/// # Panics
+/// If `frame` is shorter than [`FRAME_HEADER_LEN`].
 pub fn set_frame_lsn(frame: &mut [u8], lsn: u64) {
     let len = u32_at(frame, 0);
     let payload_crc = u32_at(frame, 17);
@@ -320,6 +334,11 @@ pub fn set_frame_lsn(frame: &mut [u8], lsn: u64) {
 
 /// Checks what every stored record must satisfy. Used before encoding (a failure is a
 /// bug in the engine) and after decoding (a failure is corruption).
+///
+/// # Errors
+/// A message naming the procedure: its `parent` and `root` disagree (a record has no
+/// parent exactly when it is its own root), its type name is empty, its id is 0, or an
+/// id in it is above [`MAX_ID`].
 pub fn check_op(op: &StoreOp) -> Result<(), String> {
     match op {
         StoreOp::Insert(r) | StoreOp::Update(r) => check_record(r),
@@ -375,6 +394,11 @@ impl io::Write for Tracked<'_> {
 /// size of each op (what the store counts as a record's live bytes). A seal takes no
 /// ops.
 ///
+/// # Errors
+/// The encoder's error if an op does not serialize, or
+/// [`Syntax`](rmp_serde::encode::Error::Syntax) if the payload is above
+/// [`MAX_PAYLOAD_LEN`]; `out` then ends with a partial frame.
+///
 /// # Panics
 /// If an op breaks a record invariant ([`check_op`]) or a seal is given ops: the engine
 /// made a bad record.
@@ -427,6 +451,11 @@ pub fn encode_frame(
 }
 
 /// Decodes a payload that passed its CRC: its ops and the encoded size of each.
+///
+/// # Errors
+/// [`FrameError::Payload`] if it is not a MessagePack array of ops, claims more ops than
+/// its bytes can hold, has an op that does not decode or fails [`check_op`], or has
+/// bytes after the last op.
 pub fn decode_payload(
     kind: FrameKind,
     payload: &[u8],
@@ -472,6 +501,10 @@ pub fn decode_payload(
 }
 
 /// Decodes the frame at the start of `bytes`: its header, its ops, and its total length.
+///
+/// # Errors
+/// [`parse_frame_header`]'s; [`FrameError::Truncated`] if `bytes` end before the
+/// payload does; [`FrameError::Checksum`] for a bad payload CRC; [`decode_payload`]'s.
 pub fn decode_frame(bytes: &[u8]) -> Result<(FrameHeader, Vec<StoreOp>, usize), FrameError> {
     let header = parse_frame_header(bytes)?;
     let total = FRAME_HEADER_LEN + header.len as usize;
@@ -593,6 +626,9 @@ pub fn scan_segment(bytes: &[u8], newest: bool) -> SegmentScan {
 /// Whether a segment (read from its start) has a valid first frame after a good header:
 /// what tells a newest segment that holds frames from the empty one an interrupted roll
 /// leaves. Reads one frame at most.
+///
+/// # Errors
+/// The reader's error. A bad header or frame is `Ok(false)`.
 pub fn first_frame_is_valid(r: &mut impl Read) -> io::Result<bool> {
     let mut buf = Vec::new();
     read_up_to(r, SEGMENT_HEADER_LEN, &mut buf)?;
@@ -632,6 +668,10 @@ struct Bad {
 /// Scans one segment from `r` (positioned at its start), frame by frame, handing each
 /// good frame to `on_frame`. `expect_first_lsn`, when known, is the LSN the previous
 /// segment says this one starts at. Memory: one frame at a time.
+///
+/// # Errors
+/// The reader's error (a read or a seek). Damage is not an error: it is the summary's
+/// [`end`](SegmentSummary::end).
 pub fn scan_stream<R: Read + Seek>(
     r: &mut R,
     newest: bool,
