@@ -6,6 +6,7 @@
 
 mod cancel;
 mod crash_store;
+mod dag;
 mod erased;
 mod error;
 mod events;
@@ -54,6 +55,7 @@ pub use crate::actors::{
     WalStats, WalStore,
 };
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
+pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};
 pub use crate::error::Error;
 pub use crate::locks::{Lock, LockClaim, LockMode};
 pub use crate::procedure::{
