@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use common::{stores, Reopen};
 use proctor::{
-    async_trait, Context, Dag, DagBuilder, DagError, DagTask, Executor, ProcError, ProcState,
+    async_trait, Context, Dag, DagBuilder, DagError, DagTask, Executor, Lock, ProcError, ProcState,
     ProcedureStore, Registry, Task, TaskId,
 };
 use serde::{Deserialize, Serialize};
@@ -276,7 +276,7 @@ async fn a_dag_stopped_mid_wave_resumes_after_a_restart() {
         for (x, y) in edges {
             b.edge(ids[x], ids[y]);
         }
-        b.parallelism(2);
+        b.parallelism(2).lock(Lock::exclusive("dags/d1"));
 
         let first_env = Env::new(true);
         let first = start(store.open(), first_env.clone(), 4).await;
@@ -289,6 +289,11 @@ async fn a_dag_stopped_mid_wave_resumes_after_a_restart() {
             info.state_name.as_deref(),
             Some("1/6 done, 2 running"),
             "{store_name}: the DAG's progress is its state name"
+        );
+        assert_eq!(
+            info.locks_held,
+            [Lock::exclusive("dags/d1")],
+            "{store_name}: the DAG holds its lock for life, its tasks run under it"
         );
         let tasks = first.list(proctor::List::new().root(id)).await.unwrap();
         let running = tasks
