@@ -34,10 +34,11 @@
 //! predecessors were done, in earlier waves, so for every edge `a → b` that ran, `b` is
 //! rolled back before `a`. Every started task is rolled back exactly once (a crash
 //! during the DAG's rollback may repeat the current wave's calls — rollbacks are
-//! idempotent), including one of the failing wave that the engine skipped before it
-//! ran. Hence [`Task`] rather than [`Procedure`]: a task is one idempotent action with
-//! one idempotent undo, and its value never changes, so the DAG's copy is what both
-//! its execution and its rollback see.
+//! idempotent), including a task of the failing wave that the engine had queued but
+//! not yet run when the tree failed (it skips such a step). Hence [`Task`] rather than
+//! [`Procedure`]: a task is one idempotent action with one idempotent undo, and its
+//! value never changes, so the DAG's copy is what both its execution and its rollback
+//! see.
 //!
 //! A finished task's rollback runs inside the DAG's rollback step: with the DAG's
 //! context and under the DAG's locks ([`DagBuilder::lock`]), not the task's own
