@@ -11,6 +11,7 @@
 
 mod cancel;
 mod crash_store;
+mod dag;
 mod erased;
 mod error;
 mod events;
@@ -59,6 +60,7 @@ pub use crate::actors::{
     WalFs, WalOptions, WalStats, WalStore,
 };
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
+pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};
 pub use crate::error::Error;
 pub use crate::locks::{Lock, LockClaim, LockMode};
 pub use crate::procedure::{

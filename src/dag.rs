@@ -1,0 +1,913 @@
+//! DAG procedures: a [`Dag`] is a procedure made of [`Task`]s with "before → after"
+//! edges. Ready tasks (every predecessor done) run in parallel, up to a limit, each as
+//! a child procedure ([`DagTask`]); the task statuses are the DAG's persisted state, so
+//! a restart resumes the DAG where it was; a failure rolls back every task the DAG
+//! started, in reverse topological order. [`DagBuilder::build`] refuses a cycle,
+//! naming its tasks.
+//!
+//! # How it runs
+//!
+//! Each step of the DAG marks the tasks of its previous wave done (the engine wakes a
+//! parent only once all its children succeeded), picks the ready tasks — longest
+//! remaining chain first, then in the order they were added — takes at most
+//! [`DagBuilder::parallelism`] of them, marks them started and returns them as
+//! [`Flow::Children`]. The engine makes that state durable before it starts the
+//! children, runs them on its worker pool, and wakes the DAG when all have finished.
+//! The last step returns [`Flow::Done`].
+//!
+//! **Limitation:** a wave waits for its slowest task: a task whose predecessors are
+//! done starts only with the next wave, after every task of the current one has
+//! finished. `Flow::Children` waits for all the children it starts; doing better needs
+//! an engine that wakes a parent per finished child. Ordering the ready tasks by the
+//! length of the chain they head keeps the critical path moving when the limit bites.
+//!
+//! # Why the DAG rolls its tasks back itself
+//!
+//! The engine does not roll back a child that finished successfully: rollback walks
+//! the tree's stack newest first and skips SUCCESS procedures, leaving the parent's
+//! rollback to undo what the parent caused (see `a_child_that_succeeded_is_not_rolled_back`
+//! in `tests/rollback_order.rs`). Tasks of earlier waves are exactly such children. So
+//! the child procedure ([`DagTask`]) does nothing in its rollback, and the DAG rolls
+//! its tasks back in its own rollback: one rollback call of the DAG per recorded DAG
+//! step, newest first, each undoing the newest wave not yet undone, its tasks in the
+//! reverse of the order they started. A wave's tasks started only once all their
+//! predecessors were done, in earlier waves, so for every edge `a → b` that ran, `b` is
+//! rolled back before `a`. Every started task is rolled back exactly once (a crash
+//! during the DAG's rollback may repeat the current wave's calls — rollbacks are
+//! idempotent), including a task of the failing wave that the engine had queued but
+//! not yet run when the tree failed (it skips such a step). Hence [`Task`] rather than
+//! [`Procedure`]: a task is one idempotent action with one idempotent undo, and its
+//! value never changes, so the DAG's copy is what both its execution and its rollback
+//! see.
+//!
+//! A finished task's rollback runs inside the DAG's rollback step: with the DAG's
+//! context and under the DAG's locks ([`DagBuilder::lock`]), not the task's own
+//! ([`Task::locks`], taken for its execution).
+
+use std::collections::BTreeSet;
+use std::fmt;
+
+use async_trait::async_trait;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::locks::Lock;
+use crate::procedure::{Context, Flow, ProcError, Procedure};
+
+/// A task of a [`Dag`]: one idempotent action and its idempotent undo. Usually an enum
+/// of the kinds of work a DAG does. Its value is fixed when it is added to the
+/// [`DagBuilder`]: both `execute` and `rollback` take `&self`.
+///
+/// `execute` may run more than once (after a crash), and `rollback` may run for a task
+/// whose `execute` never ran or was cut off, so both must tolerate what is already
+/// done or undone.
+///
+/// ```
+/// use proctor::{async_trait, Context, ProcError, Task};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Clone, Debug, Serialize, Deserialize)]
+/// enum Deploy { Image(String), Restart(String) }
+///
+/// #[async_trait]
+/// impl Task for Deploy {
+///     async fn execute(&self, _ctx: &mut Context) -> Result<(), ProcError> {
+///         Ok(()) // pull the image, restart the service...
+///     }
+///     async fn rollback(&self, _ctx: &mut Context) -> Result<(), ProcError> {
+///         Ok(()) // ...and undo it, if it was done
+///     }
+/// }
+/// ```
+#[async_trait]
+pub trait Task<E = ()>:
+    Clone + fmt::Debug + Serialize + DeserializeOwned + Send + Sync + 'static
+where
+    E: Send + Sync + 'static,
+{
+    /// Does the task. Runs as the one step of a child procedure of the DAG, with that
+    /// child's context; an `Err` fails the DAG's tree.
+    async fn execute(&self, ctx: &mut Context<E>) -> Result<(), ProcError>;
+
+    /// Undoes the task. Runs in a rollback step of the DAG, with the DAG's context. An
+    /// `Err` is retried with backoff, as any rollback.
+    async fn rollback(&self, ctx: &mut Context<E>) -> Result<(), ProcError>;
+
+    /// The engine locks the task's execution needs (see [`Procedure::locks`]). Tasks
+    /// run under the DAG's own locks ([`DagBuilder::lock`]) without waiting for them.
+    fn locks(&self) -> Vec<Lock> {
+        Vec::new()
+    }
+}
+
+/// A task's place in its [`Dag`]: the order in which it was added, from 0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct TaskId(u32);
+
+impl TaskId {
+    /// The position of the task in the order it was added.
+    pub fn index(self) -> usize {
+        self.0 as usize
+    }
+}
+
+impl fmt::Display for TaskId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "#{}", self.0)
+    }
+}
+
+/// Where a task of a [`Dag`] is, as [`Dag::statuses`] reports it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum TaskStatus {
+    /// Some predecessor is not done.
+    Waiting,
+    /// Every predecessor is done; it starts with the DAG's next wave.
+    Ready,
+    /// Given to the engine as a child procedure (running, queued, or finished in a wave
+    /// that has not ended yet).
+    Started,
+    /// Done, and its wave has ended.
+    Done,
+    /// Started, then rolled back because the DAG's tree failed.
+    RolledBack,
+}
+
+/// What a [`Dag`] persists per task.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum Mark {
+    Pending,
+    Started,
+    Done,
+    RolledBack,
+}
+
+/// Why [`DagBuilder::build`] refused a DAG.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum DagError {
+    /// The edges form a cycle (a task that must run after itself).
+    #[error("the tasks form a cycle: {}", cycle_text(.tasks, .names))]
+    Cycle {
+        /// The tasks of one cycle, each before the next and the last before the first,
+        /// starting with the lowest id.
+        tasks: Vec<TaskId>,
+        /// Their `Debug` text, in the same order.
+        names: Vec<String>,
+    },
+    /// An edge names a task this builder did not add.
+    #[error("edge names task {task}, but the builder has only {tasks} tasks")]
+    UnknownTask {
+        /// The unknown id.
+        task: TaskId,
+        /// How many tasks the builder has.
+        tasks: usize,
+    },
+    /// A parallelism of 0 would run nothing.
+    #[error("parallelism must be at least 1")]
+    ZeroParallelism,
+}
+
+fn cycle_text(tasks: &[TaskId], names: &[String]) -> String {
+    let mut text: Vec<String> = tasks
+        .iter()
+        .zip(names)
+        .map(|(id, name)| format!("{id} {name}"))
+        .collect();
+    if let Some(first) = text.first().cloned() {
+        text.push(first);
+    }
+    text.join(" → ")
+}
+
+/// Builds a [`Dag`]: add tasks, then edges between them.
+///
+/// ```
+/// use proctor::{DagBuilder, DagError};
+/// # use proctor::{async_trait, Context, ProcError, Task};
+/// # #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+/// # struct Step(String);
+/// # #[async_trait]
+/// # impl Task for Step {
+/// #     async fn execute(&self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+/// #     async fn rollback(&self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+/// # }
+/// let mut dag = DagBuilder::new();
+/// let fetch = dag.add(Step("fetch".into()));
+/// let build = dag.add(Step("build".into()));
+/// dag.edge(fetch, build).edge(build, fetch);
+/// match dag.build() {
+///     Err(DagError::Cycle { tasks, .. }) => assert_eq!(tasks, [fetch, build]),
+///     other => panic!("{other:?}"),
+/// }
+/// ```
+#[derive(Clone, Debug)]
+pub struct DagBuilder<T> {
+    tasks: Vec<T>,
+    edges: Vec<(TaskId, TaskId)>,
+    parallelism: usize,
+    locks: Vec<Lock>,
+}
+
+impl<T> Default for DagBuilder<T> {
+    fn default() -> Self {
+        DagBuilder {
+            tasks: Vec::new(),
+            edges: Vec::new(),
+            parallelism: usize::MAX,
+            locks: Vec::new(),
+        }
+    }
+}
+
+impl<T: fmt::Debug> DagBuilder<T> {
+    /// An empty DAG with no parallelism limit (the engine's workers still bound it).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Adds a task; its id is its position in the order of adding.
+    ///
+    /// # Panics
+    /// Past `u32::MAX` tasks.
+    pub fn add(&mut self, task: T) -> TaskId {
+        let id = TaskId(u32::try_from(self.tasks.len()).expect("at most u32::MAX tasks"));
+        self.tasks.push(task);
+        id
+    }
+
+    /// `before` must be done before `after` starts. Adding an edge twice is harmless.
+    pub fn edge(&mut self, before: TaskId, after: TaskId) -> &mut Self {
+        self.edges.push((before, after));
+        self
+    }
+
+    /// At most `n` tasks started at once (one wave). Unlimited by default.
+    pub fn parallelism(&mut self, n: usize) -> &mut Self {
+        self.parallelism = n;
+        self
+    }
+
+    /// An engine lock the DAG holds from its first step until it finishes (see
+    /// [`Procedure::holds_lock`]), through its rollback: its tasks run under it, and
+    /// the rollbacks of its tasks, which run in the DAG's rollback steps, hold it.
+    pub fn lock(&mut self, lock: Lock) -> &mut Self {
+        self.locks.push(lock);
+        self
+    }
+
+    /// The DAG, or why not: an edge to a task that was not added, a zero parallelism,
+    /// or a cycle (the error names one).
+    pub fn build(self) -> Result<Dag<T>, DagError> {
+        if self.parallelism == 0 {
+            return Err(DagError::ZeroParallelism);
+        }
+        let n = self.tasks.len();
+        let mut preds: Vec<BTreeSet<u32>> = vec![BTreeSet::new(); n];
+        for &(before, after) in &self.edges {
+            for task in [before, after] {
+                if task.index() >= n {
+                    return Err(DagError::UnknownTask { task, tasks: n });
+                }
+            }
+            preds[after.index()].insert(before.0);
+        }
+        let preds: Vec<Vec<u32>> = preds.into_iter().map(|p| p.into_iter().collect()).collect();
+        if let Some(cycle) = find_cycle(&preds) {
+            let names = cycle
+                .iter()
+                .map(|&t| format!("{:?}", self.tasks[t as usize]))
+                .collect();
+            return Err(DagError::Cycle {
+                tasks: cycle.into_iter().map(TaskId).collect(),
+                names,
+            });
+        }
+        Ok(Dag {
+            marks: vec![Mark::Pending; n],
+            tasks: self.tasks,
+            preds,
+            waves: Vec::new(),
+            parallelism: u32::try_from(self.parallelism).unwrap_or(u32::MAX),
+            locks: self.locks,
+        })
+    }
+}
+
+/// A procedure made of [`Task`]s and edges between them, built with [`DagBuilder`].
+/// Submit it like any procedure; register both it and its child type:
+///
+/// ```
+/// # use proctor::{async_trait, Context, ProcError, Task};
+/// # #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+/// # struct Deploy;
+/// # #[async_trait]
+/// # impl Task for Deploy {
+/// #     async fn execute(&self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+/// #     async fn rollback(&self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+/// # }
+/// use proctor::{Dag, DagTask, Registry};
+/// let mut registry = Registry::new();
+/// registry.register::<Dag<Deploy>>("deploy").register::<DagTask<Deploy>>("deploy_task");
+/// ```
+///
+/// Each step starts a wave: the ready tasks (every predecessor done), longest
+/// remaining chain first, at most [`DagBuilder::parallelism`], each as a child
+/// procedure ([`DagTask`]); the next step, once they have all finished, marks them done
+/// and starts the next wave. A wave waits for its slowest task before the dependents of
+/// its fast ones start ([`Flow::Children`] waits for all its children).
+///
+/// When the DAG's tree fails, running tasks end their step, then the DAG rolls back
+/// every task it started — done, failed, cut off, or queued but never run — exactly
+/// once, in reverse topological order: for every edge `a → b`, `b` before `a`. It does
+/// so itself, one wave per recorded DAG step, newest wave first, because the engine does
+/// not roll back children that finished successfully. A finished task's rollback runs
+/// in the DAG's rollback step, with the DAG's context and locks.
+///
+/// Its persisted state is the tasks, the edges, each task's status and the waves
+/// started so far, so a restart resumes it where it was. [`Dag::statuses`] reads the
+/// statuses; the engine shows [`Dag::summary`] as the DAG's state name
+/// ([`ProcInfo::state_name`](crate::ProcInfo::state_name)), and each started task as a
+/// child of the DAG (`List::new().root(id)`).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Dag<T> {
+    tasks: Vec<T>,
+    /// Each task's predecessors, ascending.
+    preds: Vec<Vec<u32>>,
+    marks: Vec<Mark>,
+    /// The tasks each DAG step started, in order.
+    waves: Vec<Vec<u32>>,
+    parallelism: u32,
+    locks: Vec<Lock>,
+}
+
+impl<T> Dag<T> {
+    /// Each task's id and status, in id order.
+    ///
+    /// ```
+    /// # use proctor::{async_trait, Context, ProcError, Task};
+    /// # #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+    /// # struct Step;
+    /// # #[async_trait]
+    /// # impl Task for Step {
+    /// #     async fn execute(&self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+    /// #     async fn rollback(&self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+    /// # }
+    /// use proctor::{DagBuilder, TaskStatus};
+    /// let mut dag = DagBuilder::new();
+    /// let (a, b) = (dag.add(Step), dag.add(Step));
+    /// dag.edge(a, b);
+    /// let dag = dag.build().unwrap();
+    /// assert_eq!(dag.statuses(), [(a, TaskStatus::Ready), (b, TaskStatus::Waiting)]);
+    /// assert_eq!(dag.summary(), "0/2 done, 0 running");
+    /// ```
+    pub fn statuses(&self) -> Vec<(TaskId, TaskStatus)> {
+        (0..self.tasks.len())
+            .map(|t| {
+                let status = match self.marks[t] {
+                    Mark::Pending if self.is_ready(t) => TaskStatus::Ready,
+                    Mark::Pending => TaskStatus::Waiting,
+                    Mark::Started => TaskStatus::Started,
+                    Mark::Done => TaskStatus::Done,
+                    Mark::RolledBack => TaskStatus::RolledBack,
+                };
+                (TaskId(t as u32), status)
+            })
+            .collect()
+    }
+
+    /// The task with this id.
+    pub fn task(&self, id: TaskId) -> Option<&T> {
+        self.tasks.get(id.index())
+    }
+
+    /// How far the DAG is, as its state name shows it: `3/20 done, 4 running`, and the
+    /// tasks rolled back once there are some.
+    pub fn summary(&self) -> String {
+        let count = |mark| self.marks.iter().filter(|&&m| m == mark).count();
+        let mut text = format!(
+            "{}/{} done, {} running",
+            count(Mark::Done),
+            self.tasks.len(),
+            count(Mark::Started)
+        );
+        let rolled_back = count(Mark::RolledBack);
+        if rolled_back > 0 {
+            text.push_str(&format!(", {rolled_back} rolled back"));
+        }
+        text
+    }
+
+    fn is_ready(&self, t: usize) -> bool {
+        self.preds[t]
+            .iter()
+            .all(|&p| self.marks[p as usize] == Mark::Done)
+    }
+
+    /// Ends the current wave (its tasks are done) and starts the next one: the ready
+    /// tasks, by priority, at most `parallelism`. Empty when nothing is ready.
+    fn next_wave(&mut self) -> Vec<u32> {
+        for mark in &mut self.marks {
+            if *mark == Mark::Started {
+                *mark = Mark::Done;
+            }
+        }
+        let mut wave = ready(&self.preds, &self.marks);
+        wave.truncate(self.parallelism as usize);
+        for &t in &wave {
+            self.marks[t as usize] = Mark::Started;
+        }
+        if !wave.is_empty() {
+            self.waves.push(wave.clone());
+        }
+        wave
+    }
+
+    /// The tasks the next rollback call undoes, in order: those not yet rolled back of
+    /// the newest wave that has some, newest started first.
+    fn to_roll_back(&self) -> Vec<u32> {
+        self.waves
+            .iter()
+            .rev()
+            .map(|wave| {
+                wave.iter()
+                    .rev()
+                    .copied()
+                    .filter(|&t| self.marks[t as usize] != Mark::RolledBack)
+                    .collect::<Vec<_>>()
+            })
+            .find(|tasks| !tasks.is_empty())
+            .unwrap_or_default()
+    }
+}
+
+/// The tasks not started whose predecessors are all done, longest remaining chain
+/// first, then by id.
+fn ready(preds: &[Vec<u32>], marks: &[Mark]) -> Vec<u32> {
+    let height = heights(preds);
+    let mut ready: Vec<u32> = (0..preds.len())
+        .filter(|&t| {
+            marks[t] == Mark::Pending && preds[t].iter().all(|&p| marks[p as usize] == Mark::Done)
+        })
+        .map(|t| t as u32)
+        .collect();
+    ready.sort_by_key(|&t| (std::cmp::Reverse(height[t as usize]), t));
+    ready
+}
+
+/// A topological order (Kahn's, lowest id first among the ready), or the tasks left
+/// over when there is a cycle.
+fn topological(preds: &[Vec<u32>]) -> Result<Vec<u32>, Vec<bool>> {
+    let n = preds.len();
+    let mut succs: Vec<Vec<u32>> = vec![Vec::new(); n];
+    let mut indegree: Vec<usize> = vec![0; n];
+    for (t, ps) in preds.iter().enumerate() {
+        indegree[t] = ps.len();
+        for &p in ps {
+            succs[p as usize].push(t as u32);
+        }
+    }
+    let mut ready: BTreeSet<u32> = (0..n as u32)
+        .filter(|&t| indegree[t as usize] == 0)
+        .collect();
+    let mut order = Vec::with_capacity(n);
+    while let Some(t) = ready.pop_first() {
+        order.push(t);
+        for &s in &succs[t as usize] {
+            indegree[s as usize] -= 1;
+            if indegree[s as usize] == 0 {
+                ready.insert(s);
+            }
+        }
+    }
+    if order.len() == n {
+        Ok(order)
+    } else {
+        Err(indegree.iter().map(|&d| d > 0).collect())
+    }
+}
+
+/// For each task, the number of tasks on the longest chain it heads (itself included).
+/// The graph must be acyclic.
+fn heights(preds: &[Vec<u32>]) -> Vec<u32> {
+    let order = topological(preds).expect("acyclic");
+    let mut height = vec![1u32; preds.len()];
+    for &t in order.iter().rev() {
+        for &p in &preds[t as usize] {
+            let h = height[t as usize] + 1;
+            let hp = &mut height[p as usize];
+            *hp = (*hp).max(h);
+        }
+    }
+    height
+}
+
+/// One cycle, each task before the next, starting with its lowest id; `None` if the
+/// graph is acyclic.
+fn find_cycle(preds: &[Vec<u32>]) -> Option<Vec<u32>> {
+    let left = topological(preds).err()?;
+    // Every task left over has a predecessor left over: walk back until one repeats.
+    let start = left.iter().position(|&l| l)?;
+    let mut path: Vec<u32> = vec![start as u32];
+    loop {
+        let last = *path.last().expect("non-empty");
+        let prev = *preds[last as usize]
+            .iter()
+            .find(|&&p| left[p as usize])
+            .expect("a task left over has a predecessor left over");
+        if let Some(at) = path.iter().position(|&t| t == prev) {
+            let mut cycle: Vec<u32> = path.split_off(at);
+            cycle.reverse(); // walked backwards
+            let lowest = cycle.iter().enumerate().min_by_key(|&(_, t)| t)?.0;
+            cycle.rotate_left(lowest);
+            return Some(cycle);
+        }
+        path.push(prev);
+    }
+}
+
+#[async_trait]
+impl<T, E> Procedure<E> for Dag<T>
+where
+    T: Task<E>,
+    E: Send + Sync + 'static,
+{
+    async fn execute(&mut self, _ctx: &mut Context<E>) -> Result<Flow<E>, ProcError> {
+        let wave = self.next_wave();
+        if wave.is_empty() {
+            if self.marks.iter().all(|&m| m == Mark::Done) {
+                return Ok(Flow::Done);
+            }
+            // build() refuses cycles, so only a corrupt state gets here.
+            return Err(ProcError::failed(format!(
+                "DAG cannot go on: nothing is ready ({})",
+                self.summary()
+            )));
+        }
+        Ok(Flow::Children(
+            wave.into_iter()
+                .map(|t| {
+                    Box::new(DagTask {
+                        id: TaskId(t),
+                        task: self.tasks[t as usize].clone(),
+                    }) as Box<dyn Procedure<E>>
+                })
+                .collect(),
+        ))
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context<E>) -> Result<(), ProcError> {
+        if ctx.is_unrecorded_step() {
+            // A DAG step acts only through its recorded result (the children start
+            // after it is durable): an unrecorded one did nothing.
+            return Ok(());
+        }
+        for t in self.to_roll_back() {
+            self.tasks[t as usize].rollback(ctx).await?;
+            self.marks[t as usize] = Mark::RolledBack;
+        }
+        Ok(())
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        self.locks.clone()
+    }
+
+    fn holds_lock(&self) -> bool {
+        !self.locks.is_empty()
+    }
+
+    fn state_name(&self) -> Option<String> {
+        Some(self.summary())
+    }
+}
+
+/// The child procedure that runs one task of a [`Dag`]: its one step is the task's
+/// `execute`; its rollback does nothing, because the DAG rolls its tasks back itself
+/// (see the crate's "DAG procedures"). Register it beside the DAG:
+/// `registry.register::<DagTask<MyTask>>("my_task")`.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DagTask<T> {
+    id: TaskId,
+    task: T,
+}
+
+impl<T> DagTask<T> {
+    /// The task's id in its DAG.
+    pub fn id(&self) -> TaskId {
+        self.id
+    }
+
+    /// The task.
+    pub fn task(&self) -> &T {
+        &self.task
+    }
+}
+
+#[async_trait]
+impl<T, E> Procedure<E> for DagTask<T>
+where
+    T: Task<E>,
+    E: Send + Sync + 'static,
+{
+    async fn execute(&mut self, ctx: &mut Context<E>) -> Result<Flow<E>, ProcError> {
+        self.task.execute(ctx).await?;
+        Ok(Flow::Done)
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context<E>) -> Result<(), ProcError> {
+        Ok(()) // the DAG's rollback undoes the task, in reverse topological order
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        self.task.locks()
+    }
+
+    fn state_name(&self) -> Option<String> {
+        Some(format!("task {} {:?}", self.id, self.task))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::procedure::ProcId;
+    use std::future::Future;
+    use std::pin::pin;
+    use std::sync::{Arc, Mutex};
+    use std::task::{Context as TaskContext, Poll, Waker};
+
+    /// Runs a future that never waits (the tasks below do no IO).
+    fn now<F: Future>(fut: F) -> F::Output {
+        match pin!(fut)
+            .as_mut()
+            .poll(&mut TaskContext::from_waker(Waker::noop()))
+        {
+            Poll::Ready(v) => v,
+            Poll::Pending => panic!("test future must not wait"),
+        }
+    }
+
+    type Log = Mutex<Vec<String>>;
+    type Edges = &'static [(u32, u32)];
+    /// `Ok` for a DAG, or the cycle `build` names.
+    type Verdict = Result<(), &'static [u32]>;
+
+    #[derive(Clone, Debug, Serialize, Deserialize)]
+    struct Job(String);
+
+    fn job(name: &str) -> Job {
+        Job(name.to_string())
+    }
+
+    #[async_trait]
+    impl Task<Log> for Job {
+        async fn execute(&self, ctx: &mut Context<Log>) -> Result<(), ProcError> {
+            ctx.env().lock().unwrap().push(format!("exec {}", self.0));
+            Ok(())
+        }
+        async fn rollback(&self, ctx: &mut Context<Log>) -> Result<(), ProcError> {
+            ctx.env()
+                .lock()
+                .unwrap()
+                .push(format!("rollback {}", self.0));
+            Ok(())
+        }
+    }
+
+    fn ctx(log: &Arc<Log>) -> Context<Log> {
+        Context::new(ProcId(1), None, ProcId(1), 0, log.clone())
+    }
+
+    fn preds(n: usize, edges: &[(u32, u32)]) -> Vec<Vec<u32>> {
+        let mut preds = vec![Vec::new(); n];
+        for &(a, b) in edges {
+            preds[b as usize].push(a);
+        }
+        preds
+    }
+
+    /// `P`ending, `S`tarted, `D`one, `R`olled back, one letter per task.
+    fn marks(text: &str) -> Vec<Mark> {
+        text.chars()
+            .map(|c| match c {
+                'P' => Mark::Pending,
+                'S' => Mark::Started,
+                'D' => Mark::Done,
+                'R' => Mark::RolledBack,
+                _ => panic!("mark {c}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn ready_tasks_have_every_predecessor_done_and_the_longest_chain_goes_first() {
+        let diamond: &[(u32, u32)] = &[(0, 1), (0, 2), (1, 3), (2, 3)];
+        let cases: &[(&str, Edges, &str, &[u32])] = &[
+            ("empty", &[], "", &[]),
+            ("no edges: all, by id", &[], "PPP", &[0, 1, 2]),
+            ("chain: the head", &[(0, 1), (1, 2)], "PPP", &[0]),
+            ("chain: after the head", &[(0, 1), (1, 2)], "DPP", &[1]),
+            ("started is not done", &[(0, 1), (1, 2)], "SPP", &[]),
+            ("rolled back is not done", &[(0, 1)], "RP", &[]),
+            ("diamond: both branches", diamond, "DPPP", &[1, 2]),
+            ("diamond: join waits for both", diamond, "DDSP", &[]),
+            ("diamond: join", diamond, "DDDP", &[3]),
+            ("all done", diamond, "DDDD", &[]),
+            (
+                "longest chain first: 1→2→3, 4→5, 0 alone",
+                &[(1, 2), (2, 3), (4, 5)],
+                "PPPPPP",
+                &[1, 4, 0],
+            ),
+            (
+                "ties by id",
+                &[(0, 3), (1, 4), (2, 5)],
+                "PPPPPP",
+                &[0, 1, 2],
+            ),
+        ];
+        for &(name, edges, state, want) in cases {
+            let m = marks(state);
+            assert_eq!(ready(&preds(m.len(), edges), &m), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn build_refuses_cycles_naming_them_and_bad_edges() {
+        let cases: &[(&str, usize, Edges, Verdict)] = &[
+            ("no tasks", 0, &[], Ok(())),
+            ("diamond", 4, &[(0, 1), (0, 2), (1, 3), (2, 3)], Ok(())),
+            ("duplicate edge", 2, &[(0, 1), (0, 1)], Ok(())),
+            ("self edge", 3, &[(0, 1), (2, 2)], Err(&[2])),
+            ("two", 2, &[(0, 1), (1, 0)], Err(&[0, 1])),
+            (
+                "three, from the lowest",
+                4,
+                &[(3, 1), (1, 2), (2, 3)],
+                Err(&[1, 2, 3]),
+            ),
+            (
+                "cycle behind a task",
+                5,
+                &[(0, 2), (2, 4), (4, 3), (3, 2)],
+                Err(&[2, 4, 3]),
+            ),
+            (
+                "backward edge",
+                3,
+                &[(0, 1), (1, 2), (2, 0)],
+                Err(&[0, 1, 2]),
+            ),
+        ];
+        for &(name, n, edges, want) in cases {
+            let mut b = DagBuilder::new();
+            let ids: Vec<TaskId> = (0..n).map(|_| b.add(job("t"))).collect();
+            for &(x, y) in edges {
+                b.edge(ids[x as usize], ids[y as usize]);
+            }
+            match (b.build(), want) {
+                (Ok(_), Ok(())) => {}
+                (Err(DagError::Cycle { tasks, names }), Err(cycle)) => {
+                    let got: Vec<u32> = tasks.iter().map(|t| t.0).collect();
+                    assert_eq!(got, cycle, "{name}");
+                    assert_eq!(names.len(), cycle.len(), "{name}");
+                }
+                (got, _) => panic!("{name}: {got:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn errors_name_what_is_wrong() {
+        let mut b = DagBuilder::new();
+        let a = b.add(job("fetch"));
+        let c = b.add(job("build"));
+        b.edge(a, c).edge(c, a);
+        assert_eq!(
+            b.build().unwrap_err().to_string(),
+            r#"the tasks form a cycle: #0 Job("fetch") → #1 Job("build") → #0 Job("fetch")"#
+        );
+
+        let mut other = DagBuilder::new();
+        let far = (0..3).map(|_| other.add(job("x"))).last().unwrap();
+        let mut b = DagBuilder::new();
+        let a = b.add(job("a"));
+        b.edge(a, far);
+        assert_eq!(
+            b.build().unwrap_err(),
+            DagError::UnknownTask {
+                task: far,
+                tasks: 1
+            }
+        );
+
+        let mut b = DagBuilder::<Job>::new();
+        b.parallelism(0);
+        assert_eq!(b.build().unwrap_err(), DagError::ZeroParallelism);
+    }
+
+    /// The task ids a step started, or `None` for `Done`.
+    fn step(dag: &mut Dag<Job>, log: &Arc<Log>) -> Option<Vec<usize>> {
+        match now(Procedure::<Log>::execute(dag, &mut ctx(log))).unwrap() {
+            Flow::Done => None,
+            Flow::Children(children) => Some(
+                children
+                    .iter()
+                    .map(|c| {
+                        let any: &dyn std::any::Any = c.as_ref();
+                        any.downcast_ref::<DagTask<Job>>().unwrap().id().index()
+                    })
+                    .collect(),
+            ),
+            _ => panic!("a DAG step starts children or is done"),
+        }
+    }
+
+    /// 0 → {1, 2, 3} → 4, parallelism 2.
+    fn fan() -> Dag<Job> {
+        let mut b = DagBuilder::new();
+        let ids: Vec<TaskId> = ["a", "b", "c", "d", "e"]
+            .into_iter()
+            .map(|n| b.add(job(n)))
+            .collect();
+        for mid in 1..=3 {
+            b.edge(ids[0], ids[mid]).edge(ids[mid], ids[4]);
+        }
+        b.parallelism(2);
+        b.build().unwrap()
+    }
+
+    #[test]
+    fn steps_start_waves_of_at_most_parallelism_ready_tasks() {
+        let log = Arc::new(Log::default());
+        let mut dag = fan();
+        let mut waves = Vec::new();
+        let mut names = vec![dag.summary()];
+        while let Some(wave) = step(&mut dag, &log) {
+            waves.push(wave);
+            names.push(dag.summary());
+        }
+        names.push(dag.summary());
+        assert_eq!(waves, [vec![0], vec![1, 2], vec![3], vec![4]]);
+        assert_eq!(
+            names,
+            [
+                "0/5 done, 0 running",
+                "0/5 done, 1 running",
+                "1/5 done, 2 running",
+                "3/5 done, 1 running",
+                "4/5 done, 1 running",
+                "5/5 done, 0 running",
+            ]
+        );
+        assert!(
+            log.lock().unwrap().is_empty(),
+            "the DAG runs no task itself"
+        );
+    }
+
+    #[test]
+    fn rollback_undoes_one_wave_per_call_newest_first() {
+        let log = Arc::new(Log::default());
+        let mut dag = fan();
+        step(&mut dag, &log); // wave [a]
+        step(&mut dag, &log); // wave [b, c], then the tree fails
+        let statuses: Vec<TaskStatus> = dag.statuses().into_iter().map(|(_, s)| s).collect();
+        use TaskStatus::*;
+        assert_eq!(statuses, [Done, Started, Started, Ready, Waiting]);
+
+        // Recovery's extra call for a step that may have been cut off does nothing.
+        let unrecorded = ctx(&log).for_unrecorded_step();
+        now(Procedure::<Log>::rollback(&mut dag, &mut { unrecorded })).unwrap();
+        assert!(log.lock().unwrap().is_empty());
+
+        for _ in 0..3 {
+            // Two recorded DAG steps, and one more call does no harm.
+            now(Procedure::<Log>::rollback(&mut dag, &mut ctx(&log))).unwrap();
+        }
+        assert_eq!(
+            *log.lock().unwrap(),
+            ["rollback c", "rollback b", "rollback a"]
+        );
+        let statuses: Vec<TaskStatus> = dag.statuses().into_iter().map(|(_, s)| s).collect();
+        assert_eq!(
+            statuses,
+            [RolledBack, RolledBack, RolledBack, Waiting, Waiting]
+        );
+        assert_eq!(dag.summary(), "0/5 done, 0 running, 3 rolled back");
+    }
+
+    #[test]
+    fn the_state_survives_encoding() {
+        let log = Arc::new(Log::default());
+        let mut dag = fan();
+        step(&mut dag, &log);
+        step(&mut dag, &log);
+        let bytes = rmp_serde::to_vec_named(&dag).unwrap();
+        let mut back: Dag<Job> = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(back.statuses(), dag.statuses());
+        assert_eq!(step(&mut back, &log), Some(vec![3]));
+    }
+}

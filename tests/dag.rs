@@ -1,0 +1,387 @@
+//! DAG procedures end to end, on both stores: a failure in the middle of a 20-task DAG
+//! rolls back exactly the started tasks against the edges, a DAG cut off by a crash-like
+//! stop resumes on the same store, a cycle is refused, and a wave never runs more tasks
+//! than the DAG's parallelism.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use common::{stores, Reopen};
+use proctor::{
+    async_trait, Context, Dag, DagBuilder, DagError, DagTask, Executor, Lock, ProcError, ProcState,
+    ProcedureStore, Registry, Task, TaskId,
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{watch, Semaphore};
+
+/// What the tests observe of the tasks.
+#[derive(Debug, Default, Clone)]
+struct Seen {
+    /// `exec x` and `rollback x`, in call order.
+    calls: Vec<String>,
+    /// Tasks inside `execute` now, and the most there ever were.
+    running: usize,
+    max_running: usize,
+    /// Tasks that entered `execute`, in order.
+    entered: Vec<String>,
+}
+
+struct Env {
+    seen: watch::Sender<Seen>,
+    /// `Kind::Permit` tasks take one each.
+    permits: Semaphore,
+    /// `Kind::Hold` tasks never end while this is set (the engine is stopped under them).
+    hold: bool,
+}
+
+impl Env {
+    fn new(hold: bool) -> Arc<Env> {
+        Arc::new(Env {
+            seen: watch::Sender::new(Seen::default()),
+            permits: Semaphore::new(0),
+            hold,
+        })
+    }
+
+    fn calls(&self) -> Vec<String> {
+        self.seen.borrow().calls.clone()
+    }
+
+    /// Waits until `until` holds for what has been seen.
+    async fn wait(&self, until: impl FnMut(&Seen) -> bool) {
+        let mut rx = self.seen.subscribe();
+        rx.wait_for(until).await.expect("env alive");
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+enum Kind {
+    Plain,
+    /// Fail once every task named here has entered `execute`.
+    FailAfter(Vec<String>),
+    /// Never end while the environment holds.
+    Hold,
+    /// Wait for a permit.
+    Permit,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Job {
+    name: String,
+    kind: Kind,
+}
+
+fn job(name: impl Into<String>, kind: Kind) -> Job {
+    Job {
+        name: name.into(),
+        kind,
+    }
+}
+
+#[async_trait]
+impl Task<Env> for Job {
+    async fn execute(&self, ctx: &mut Context<Env>) -> Result<(), ProcError> {
+        let env = ctx.env();
+        env.seen.send_modify(|s| {
+            s.calls.push(format!("exec {}", self.name));
+            s.entered.push(self.name.clone());
+            s.running += 1;
+            s.max_running = s.max_running.max(s.running);
+        });
+        let result = match &self.kind {
+            Kind::Plain => Ok(()),
+            Kind::FailAfter(others) => {
+                env.wait(|s| others.iter().all(|o| s.entered.contains(o)))
+                    .await;
+                Err(ProcError::failed(format!("{} broke", self.name)))
+            }
+            Kind::Hold if env.hold => std::future::pending().await,
+            Kind::Hold => Ok(()),
+            Kind::Permit => {
+                env.permits.acquire().await.expect("open").forget();
+                Ok(())
+            }
+        };
+        env.seen.send_modify(|s| s.running -= 1);
+        result
+    }
+
+    async fn rollback(&self, ctx: &mut Context<Env>) -> Result<(), ProcError> {
+        ctx.env()
+            .seen
+            .send_modify(|s| s.calls.push(format!("rollback {}", self.name)));
+        Ok(())
+    }
+}
+
+async fn start(store: Box<dyn ProcedureStore>, env: Arc<Env>, workers: usize) -> Executor<Env> {
+    let mut registry = Registry::<Env>::default();
+    registry
+        .register::<Dag<Job>>("dag")
+        .register::<DagTask<Job>>("dag_task");
+    Executor::builder()
+        .registry(registry)
+        .store(store)
+        .workers(workers)
+        .env(env)
+        .start()
+        .await
+        .expect("executor starts")
+}
+
+/// Position of the first (or, with `last`, the last) occurrence of `call`.
+fn position(calls: &[String], call: &str, last: bool) -> Option<usize> {
+    if last {
+        calls.iter().rposition(|c| c == call)
+    } else {
+        calls.iter().position(|c| c == call)
+    }
+}
+
+/// Five layers of four tasks; each task of a layer depends on one or two tasks of the
+/// layer before (seeded), sometimes also on one two layers up. So a task's layer is
+/// its depth, and with room for a whole layer each wave is one layer.
+fn layered(seed: u64) -> (Vec<String>, Vec<(usize, usize)>) {
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let names: Vec<String> = (0..20).map(|t| format!("t{t}")).collect();
+    let mut edges = Vec::new();
+    for t in 4..20 {
+        let layer = t / 4;
+        let before = |l: usize, rng: &mut fastrand::Rng| (l * 4) + rng.usize(0..4);
+        let first = before(layer - 1, &mut rng);
+        edges.push((first, t));
+        if rng.bool() {
+            let second = before(layer - 1, &mut rng);
+            if second != first {
+                edges.push((second, t));
+            }
+        }
+        if layer >= 2 && rng.u8(0..3) == 0 {
+            edges.push((before(layer - 2, &mut rng), t));
+        }
+    }
+    (names, edges)
+}
+
+#[actix::test]
+async fn a_failure_mid_dag_rolls_back_exactly_the_started_tasks_against_the_edges() {
+    for seed in [7, 42] {
+        for (store_name, store, _dir) in stores() {
+            let env = Env::new(false);
+            let executor = start(store, env.clone(), 8).await;
+            let (names, edges) = layered(seed);
+            // t9 (layer 2) fails once the rest of its layer has started.
+            let failing = 9;
+            let layer_mates: Vec<String> = (8..12)
+                .filter(|&t| t != failing)
+                .map(|t| names[t].clone())
+                .collect();
+            let mut b = DagBuilder::new();
+            let ids: Vec<TaskId> = names
+                .iter()
+                .enumerate()
+                .map(|(t, name)| {
+                    let kind = if t == failing {
+                        Kind::FailAfter(layer_mates.clone())
+                    } else {
+                        Kind::Plain
+                    };
+                    b.add(job(name, kind))
+                })
+                .collect();
+            for &(x, y) in &edges {
+                b.edge(ids[x], ids[y]);
+            }
+            b.parallelism(4);
+            let id = executor.submit(b.build().unwrap()).await.unwrap();
+            let failure = executor.wait(id).await.unwrap().unwrap_err();
+            let at = format!("{store_name}, seed {seed}");
+            assert_eq!(failure.error, ProcError::failed("t9 broke"), "{at}");
+            assert_eq!(failure.type_name, "dag_task", "{at}");
+
+            let calls = env.calls();
+            let started = &names[..12]; // layers 0, 1 and 2
+            for (t, name) in names.iter().enumerate() {
+                let (execs, rollbacks) = (
+                    calls
+                        .iter()
+                        .filter(|c| **c == format!("exec {name}"))
+                        .count(),
+                    calls
+                        .iter()
+                        .filter(|c| **c == format!("rollback {name}"))
+                        .count(),
+                );
+                let want = usize::from(t < 12);
+                assert_eq!((execs, rollbacks), (want, want), "{at}: {name}: {calls:?}");
+            }
+            let first_rollback = calls.iter().position(|c| c.starts_with("rollback"));
+            assert_eq!(
+                first_rollback,
+                Some(12),
+                "{at}: every rollback after every execute: {calls:?}"
+            );
+            for &(x, y) in &edges {
+                if y < 12 {
+                    let undo =
+                        |t: usize| position(&calls, &format!("rollback {}", names[t]), false);
+                    assert!(
+                        undo(y) < undo(x),
+                        "{at}: {} → {}: the later task is undone first: {calls:?}",
+                        names[x],
+                        names[y]
+                    );
+                }
+            }
+            assert!(started.iter().all(|n| calls.contains(&format!("exec {n}"))));
+            assert_eq!(
+                executor.state(id).await.unwrap().state,
+                ProcState::RolledBack,
+                "{at}"
+            );
+            executor.shutdown().await.unwrap();
+        }
+    }
+}
+
+#[actix::test]
+async fn a_dag_stopped_mid_wave_resumes_after_a_restart() {
+    for store_name in ["memory", "wal"] {
+        let store = Reopen::new(store_name);
+        // a → {b, c, d} → e → f, two at a time: b and c are cut off by the stop.
+        let names = ["a", "b", "c", "d", "e", "f"];
+        let mut b = DagBuilder::new();
+        let ids: HashMap<&str, TaskId> = names
+            .iter()
+            .map(|&n| {
+                let kind = if n == "b" || n == "c" {
+                    Kind::Hold
+                } else {
+                    Kind::Plain
+                };
+                (n, b.add(job(n, kind)))
+            })
+            .collect();
+        let edges = [
+            ("a", "b"),
+            ("a", "c"),
+            ("a", "d"),
+            ("b", "e"),
+            ("c", "e"),
+            ("d", "e"),
+            ("e", "f"),
+        ];
+        for (x, y) in edges {
+            b.edge(ids[x], ids[y]);
+        }
+        b.parallelism(2).lock(Lock::exclusive("dags/d1"));
+
+        let first_env = Env::new(true);
+        let first = start(store.open(), first_env.clone(), 4).await;
+        let id = first.submit(b.build().unwrap()).await.unwrap();
+        first_env
+            .wait(|s| ["b", "c"].iter().all(|n| s.entered.iter().any(|e| e == n)))
+            .await;
+        let info = first.state(id).await.unwrap();
+        assert_eq!(
+            info.state_name.as_deref(),
+            Some("1/6 done, 2 running"),
+            "{store_name}: the DAG's progress is its state name"
+        );
+        assert_eq!(
+            info.locks_held,
+            [Lock::exclusive("dags/d1")],
+            "{store_name}: the DAG holds its lock for life, its tasks run under it"
+        );
+        let tasks = first.list(proctor::List::new().root(id)).await.unwrap();
+        let running = tasks
+            .iter()
+            .filter(|p| p.type_name == "dag_task" && p.state == ProcState::Runnable)
+            .count();
+        assert_eq!(
+            running, 2,
+            "{store_name}: each started task is a child: {tasks:?}"
+        );
+        first.shutdown_now().await.unwrap();
+        let before = first_env.calls();
+        assert_eq!(before[0], "exec a", "{store_name}");
+        assert_eq!(before.len(), 3, "{store_name}: {before:?}");
+
+        let second_env = Env::new(false);
+        let second = start(store.open(), second_env.clone(), 4).await;
+        assert_eq!(second.wait(id).await.unwrap(), Ok(()), "{store_name}");
+        let after = second_env.calls();
+        let mut rerun: Vec<&str> = after[..2].iter().map(String::as_str).collect();
+        rerun.sort();
+        assert_eq!(
+            rerun,
+            ["exec b", "exec c"],
+            "{store_name}: the cut-off tasks run again first: {after:?}"
+        );
+        assert_eq!(after[2..], ["exec d", "exec e", "exec f"], "{store_name}");
+
+        let all: Vec<String> = before.into_iter().chain(after).collect();
+        for (x, y) in edges {
+            let done = position(&all, &format!("exec {x}"), true);
+            let next = position(&all, &format!("exec {y}"), false);
+            assert!(done < next, "{store_name}: {x} → {y}: {all:?}");
+        }
+        second.shutdown().await.unwrap();
+    }
+}
+
+#[test]
+fn a_cycle_is_refused_with_its_tasks() {
+    let mut b = DagBuilder::new();
+    let names = ["create", "assign", "open", "report"];
+    let ids: Vec<TaskId> = names.iter().map(|n| b.add(job(*n, Kind::Plain))).collect();
+    b.edge(ids[0], ids[1])
+        .edge(ids[1], ids[2])
+        .edge(ids[2], ids[1])
+        .edge(ids[2], ids[3]);
+    let err = b.build().unwrap_err();
+    let text = err.to_string();
+    match err {
+        DagError::Cycle { tasks, names } => {
+            assert_eq!(tasks, [ids[1], ids[2]]);
+            assert!(names[0].contains("assign") && names[1].contains("open"));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        text.contains("#1") && text.contains("assign") && text.contains("#2"),
+        "{text}"
+    );
+}
+
+#[actix::test]
+async fn never_more_tasks_run_at_once_than_the_parallelism() {
+    const TASKS: usize = 20;
+    const LIMIT: usize = 3;
+    for (store_name, store, _dir) in stores() {
+        let env = Env::new(false);
+        let executor = start(store, env.clone(), 8).await;
+        let mut b = DagBuilder::new();
+        for t in 0..TASKS {
+            b.add(job(format!("p{t}"), Kind::Permit));
+        }
+        b.parallelism(LIMIT);
+        let id = executor.submit(b.build().unwrap()).await.unwrap();
+        let mut entered = 0;
+        while entered < TASKS {
+            // A whole wave is inside `execute`, waiting for permits: let it go.
+            let wave = LIMIT.min(TASKS - entered);
+            env.wait(|s| s.entered.len() == entered + wave && s.running == wave)
+                .await;
+            entered += wave;
+            env.permits.add_permits(wave);
+        }
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
+        let seen = env.seen.borrow().clone();
+        assert_eq!(seen.max_running, LIMIT, "{store_name}");
+        assert_eq!(seen.entered.len(), TASKS, "{store_name}");
+        executor.shutdown().await.unwrap();
+    }
+}
