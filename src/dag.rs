@@ -257,8 +257,12 @@ impl<T: fmt::Debug> DagBuilder<T> {
         self
     }
 
-    /// The DAG, or why not: an edge to a task that was not added, a zero parallelism,
-    /// or a cycle (the error names one).
+    /// The DAG, ready to submit.
+    ///
+    /// # Errors
+    ///
+    /// [`DagError::UnknownTask`] for an edge to a task that was not added,
+    /// [`DagError::ZeroParallelism`], or [`DagError::Cycle`] naming one cycle.
     pub fn build(self) -> Result<Dag<T>, DagError> {
         if self.parallelism == 0 {
             return Err(DagError::ZeroParallelism);

@@ -367,8 +367,8 @@ impl<E: ?Sized> Context<E> {
         self
     }
 
-    /// `true` once the engine asks the call to stop early; [`cancel_reason`]
-    /// (Self::cancel_reason) says why. Stopping is up to the step: return an error
+    /// `true` once the engine asks the call to stop early;
+    /// [`cancel_reason`](Self::cancel_reason) says why. Stopping is up to the step: return an error
     /// (typically [`ProcError::Aborted`]) or `Ok` as usual.
     ///
     /// - [`CancelReason::Abort`]: the procedure was aborted while the step ran. An
