@@ -672,6 +672,22 @@ impl<E: Send + Sync + 'static> Executor<E> {
         self.addr.send(Bypass { id, recursive }).await?
     }
 
+    /// Pauses a procedure (PolarDB-X's `PAUSE DDL`) at its next step boundary: the
+    /// step it is running (or is queued for) ends as usual, and the next one does not
+    /// start; a waiting procedure pauses when it would run again. It is then PAUSED,
+    /// persisted and holding its locks, until [`resume`](Self::resume) or
+    /// [`rollback`](Self::rollback). Answers once PAUSED is durable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Refused`] for a procedure that is not runnable or waiting (already
+    /// paused, failed), in a tree rolling back, or that finished or whose tree failed
+    /// before the pause took effect; as [`resume`](Self::resume) for a procedure not
+    /// live, after shutdown or a store failure.
+    pub async fn pause(&self, id: ProcId) -> Result<(), Error> {
+        self.addr.send(Pause(id)).await?
+    }
+
     /// Continues a paused procedure (PolarDB-X's `CONTINUE DDL`): a PAUSED one runs
     /// the step that failed again, from its recorded state, with its retries reset; a
     /// ROLLBACK_PAUSED one retries its rollback. Answers once that is durable.
@@ -1005,6 +1021,14 @@ pub struct Bypass {
 }
 
 impl Message for Bypass {
+    type Result = Result<(), Error>;
+}
+
+/// Pause a procedure at its next step; see [`Executor::pause`].
+#[derive(Clone, Copy, Debug)]
+pub struct Pause(pub ProcId);
+
+impl Message for Pause {
     type Result = Result<(), Error>;
 }
 
@@ -1631,6 +1655,14 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 }),
             }
         })
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Pause> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<(), Error>>;
+
+    fn handle(&mut self, msg: Pause, _ctx: &mut Context<Self>) -> Self::Result {
+        self.command(msg.0, Command::Pause)
     }
 }
 

@@ -19,7 +19,7 @@ mod wal_store;
 pub use crash_test::{restart_at_every_write, CrashRun};
 pub use executor::{
     Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder, GetState,
-    GetValue, List, ProcEvent, ProcInfo, Recovery, Rollback, Shutdown, Submit, Subscribe,
+    GetValue, List, Pause, ProcEvent, ProcInfo, Recovery, Rollback, Shutdown, Submit, Subscribe,
     Subscription, WaitFor, WaitingOn,
 };
 pub use scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};

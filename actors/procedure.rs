@@ -26,8 +26,9 @@ use super::guard::{guard, CatchUnwind};
 use super::metrics;
 use super::perturb;
 use super::protocol::{
-    AbortAck, AbortProc, Deadline, FailRequest, LockFailed, LocksGranted, LocksHeld, ProcLost,
-    ReleaseLocks, ResetProc, Rollback, RolledBack, RunStep, StepDone, StepFinished, StopProc,
+    AbortAck, AbortProc, Deadline, FailRequest, LockFailed, LocksGranted, LocksHeld, PauseProc,
+    ProcLost, ReleaseLocks, ResetProc, Rollback, RolledBack, RunStep, StepDone, StepFinished,
+    StopProc,
 };
 use super::root_stack::RootStackActor;
 use super::shared::{now_ms, Shared, TreeStatus};
@@ -115,6 +116,8 @@ pub(crate) struct ProcedureActor {
     state_name: Option<String>,
     /// `StopProc` was handled: the actor ends because the procedure finished.
     stopped: bool,
+    /// An operator asked it to pause: report its next step as paused, not run.
+    pause_next: bool,
     /// The procedure's span (id, root, parent, type): the parent of its step and
     /// rollback spans, so whatever user code logs carries them.
     span: tracing::Span,
@@ -162,6 +165,7 @@ impl ProcedureActor {
             cancel: None,
             state_name: None,
             stopped: false,
+            pause_next: false,
         }
     }
 
@@ -522,6 +526,12 @@ impl Handler<RunStep> for ProcedureActor {
             self.report(StepOutcome::Skipped, self.data.clone());
             return;
         }
+        if std::mem::take(&mut self.pause_next) {
+            // A step boundary: the pause takes effect, and the step runs when an
+            // operator continues it.
+            self.report(StepOutcome::Paused, self.data.clone());
+            return;
+        }
         let Some(mut proc) = self.proc.take() else {
             unreachable!("procedure {id} dispatched while a call runs");
         };
@@ -713,6 +723,14 @@ impl Handler<StopProc> for ProcedureActor {
         }
         self.stopped = true;
         ctx.stop();
+    }
+}
+
+impl Handler<PauseProc> for ProcedureActor {
+    type Result = ();
+
+    fn handle(&mut self, _msg: PauseProc, _ctx: &mut Context<Self>) {
+        self.pause_next = true;
     }
 }
 

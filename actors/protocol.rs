@@ -216,6 +216,14 @@ impl Message for ResetProc {
     type Result = ();
 }
 
+/// An operator asked the procedure to pause: its next step is not run but reported
+/// as `StepOutcome::Paused`. From its root stack.
+pub(crate) struct PauseProc;
+
+impl Message for PauseProc {
+    type Result = ();
+}
+
 pub(crate) struct RolledBack {
     pub(crate) id: ProcId,
     pub(crate) result: Result<Vec<u8>, RollbackFailure>,
@@ -294,6 +302,8 @@ pub(crate) enum Command {
     Continue,
     /// PAUSED: fail and roll back the tree; otherwise as an abort.
     Rollback,
+    /// Pause at the next step (answered once PAUSED is durable).
+    Pause,
 }
 
 impl Command {
@@ -301,6 +311,7 @@ impl Command {
         match self {
             Command::Continue => "continue",
             Command::Rollback => "rollback",
+            Command::Pause => "pause",
         }
     }
 }

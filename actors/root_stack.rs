@@ -39,10 +39,10 @@ use super::metrics;
 use super::perturb;
 use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
-    AbortProc, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Enqueue,
-    FailRequest, LockForRollback, LocksHeld, Persist, ProcLost, Quiesce, ReleaseLocks, ResetProc,
-    Rollback, RolledBack, RootSubmitted, StepDone, StepFinished, StopProc, SuspendOn, TreeFailed,
-    TreeFinished, Unsuspend, Wake,
+    AbortAck, AbortProc, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline,
+    Enqueue, FailRequest, LockForRollback, LocksHeld, PauseProc, Persist, ProcLost, Quiesce,
+    ReleaseLocks, ResetProc, Rollback, RolledBack, RootSubmitted, StepDone, StepFinished, StopProc,
+    SuspendOn, TreeFailed, TreeFinished, Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
 
@@ -78,6 +78,9 @@ pub(crate) struct RootStackActor {
     shared: Arc<Shared>,
     /// Live procedure actors of this tree.
     procs: HashMap<ProcId, Addr<ProcedureActor>>,
+    /// Operators' pauses not in effect yet, answered when they are (or when the
+    /// procedure ends or its tree fails first).
+    pause_waiters: HashMap<ProcId, Vec<AbortAck>>,
     /// New procedures, started once their insert is durable.
     unspawned: Objects,
     status: Arc<TreeStatus>,
@@ -154,6 +157,7 @@ impl RootStackActor {
             core,
             shared,
             procs: HashMap::new(),
+            pause_waiters: HashMap::new(),
             unspawned,
             status,
             pending: VecDeque::new(),
@@ -222,6 +226,8 @@ impl RootStackActor {
         }
         if self.core.is_failed() && !self.status.failed() {
             self.status.set_failed();
+            // Pauses not in effect never will be: the tree rolls back.
+            self.refuse_pauses("its tree failed before it paused");
             // Its procedures waiting for locks would only be skipped once granted.
             self.shared.scheduler.do_send(TreeFailed(self.core.root()));
         }
@@ -296,6 +302,19 @@ impl RootStackActor {
         }
     }
 
+    /// Answers every pause not in effect with a refusal.
+    fn refuse_pauses(&mut self, reason: &str) {
+        for (id, acks) in self.pause_waiters.drain() {
+            for ack in acks {
+                let _ = ack.send(Err(Error::Refused {
+                    command: "pause",
+                    id,
+                    reason: reason.into(),
+                }));
+            }
+        }
+    }
+
     fn perform(&mut self, action: Action, ctx: &mut Context<Self>) {
         match action {
             Action::Spawn(id) => self.spawn(id, ctx),
@@ -314,6 +333,15 @@ impl RootStackActor {
                 }
             }
             Action::Stop(id) => {
+                if let Some(acks) = self.pause_waiters.remove(&id) {
+                    for ack in acks {
+                        let _ = ack.send(Err(Error::Refused {
+                            command: "pause",
+                            id,
+                            reason: "it finished before it paused".into(),
+                        }));
+                    }
+                }
                 // Stopped while suspended (its tree failed, or timed out): it no longer
                 // waits, so the event must not keep it.
                 if let Some(event) = self.core.event_of(id) {
@@ -344,6 +372,11 @@ impl RootStackActor {
                     self.shared.table.remove(&id);
                 } else if let Some(mut e) = self.shared.table.get_mut(&id) {
                     e.tree = None;
+                }
+            }
+            Action::PausedByOperator(id) => {
+                for ack in self.pause_waiters.remove(&id).unwrap_or_default() {
+                    let _ = ack.send(Ok(true));
                 }
             }
             Action::Reset(id) => {
@@ -788,6 +821,24 @@ impl Handler<CommandRequest> for RootStackActor {
             return;
         }
         let (id, command) = (msg.id, msg.command);
+        if command == Command::Pause {
+            let refusal = self.core.pause_refusal(id);
+            match (refusal, self.procs.get(&id)) {
+                (None, Some(addr)) => {
+                    addr.do_send(PauseProc);
+                    self.pause_waiters.entry(id).or_default().push(msg.ack);
+                }
+                (refusal, _) => {
+                    let reason = refusal.unwrap_or_else(|| format!("procedure {id} has finished"));
+                    let _ = msg.ack.send(Err(Error::Refused {
+                        command: command.name(),
+                        id,
+                        reason,
+                    }));
+                }
+            }
+            return;
+        }
         let paused = self.core.state_of(id) == Some(ProcState::Paused);
         if command == Command::Rollback && !paused {
             // Not paused: a rollback is an abort (its hook decides, a running step is
@@ -808,7 +859,7 @@ impl Handler<CommandRequest> for RootStackActor {
             command.name(),
             |core| match command {
                 Command::Continue => core.on_continue(id, now),
-                Command::Rollback => core.on_operator_rollback(id, now),
+                Command::Rollback | Command::Pause => core.on_operator_rollback(id, now),
             },
             ctx,
         );

@@ -54,7 +54,7 @@ pub use crate::actors::metrics;
 
 pub use crate::actors::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Bypass, Continue, Entry,
-    Executor, ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List,
+    Executor, ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List, Pause,
     ProcEvent, ProcInfo, Recovery, Repair, ResetEvent, Rollback, SchedulerStats, SegmentReport,
     Shutdown, StdFs, Submit, Subscribe, Subscription, WaitFor, WaitingOn, WakeEvent, WalDirScan,
     WalFs, WalOptions, WalStats, WalStore,

@@ -51,6 +51,9 @@ pub enum StepOutcome {
     Failed(ProcError),
     /// The step was not run because the tree had already failed.
     Skipped,
+    /// The step was not run because an operator asked the procedure to pause; `data`
+    /// is its state as last recorded.
+    Paused,
 }
 
 /// A child returned by a step, already named and encoded.
@@ -204,6 +207,8 @@ pub enum Action {
     /// Its failed attempt is discarded: reload the procedure from its state as last
     /// recorded (before its next call, which a retry or an operator starts later).
     Reset(ProcId),
+    /// An operator's pause of the procedure took effect (and is durable): answer it.
+    PausedByOperator(ProcId),
     /// Wake the procedure when the event is woken.
     SuspendOn {
         /// The procedure.
@@ -618,7 +623,10 @@ impl RootStack {
         let mut t = Transition::default();
         if !matches!(
             report.outcome,
-            StepOutcome::Failed(_) | StepOutcome::Yield | StepOutcome::Skipped
+            StepOutcome::Failed(_)
+                | StepOutcome::Yield
+                | StepOutcome::Skipped
+                | StepOutcome::Paused
         ) {
             // A step that succeeded: its retries are over, it left nothing unrecorded,
             // and a point of no return is recorded with it.
@@ -640,6 +648,20 @@ impl RootStack {
                     t.actions.push(Action::Release(id));
                 }
             }
+            StepOutcome::Paused if !self.is_failed() => {
+                let node = self.node_mut(id);
+                node.state = ProcState::Paused;
+                node.steering.paused = Some(Paused {
+                    error: None,
+                    policy: None,
+                    retries: 0,
+                });
+                node.paused_data = Some(report.data.clone());
+                self.persist_update(&mut t, id, report.data, now_ms);
+                t.actions.push(Action::PausedByOperator(id));
+            }
+            // Its tree failed meanwhile: it is rolled back with the others.
+            StepOutcome::Paused => {}
             StepOutcome::Yield => {
                 if !self.is_failed() {
                     self.enqueue(&mut t, id, false);
@@ -826,6 +848,24 @@ impl RootStack {
             }
         }
         Ok(t)
+    }
+
+    /// Why an operator may not pause `id`, if not: only a procedure queued, running or
+    /// waiting in a healthy tree can be (it pauses at its next step, which it does not
+    /// run).
+    pub fn pause_refusal(&self, id: ProcId) -> Option<String> {
+        let Some(node) = self.nodes.get(&id) else {
+            return Some(format!("procedure {id} is not in tree {}", self.root));
+        };
+        if self.is_failed() || self.phase != Phase::Executing {
+            return Some(format!("tree {} is rolling back", self.root));
+        }
+        match node.state {
+            ProcState::Runnable | ProcState::Waiting | ProcState::WaitingTimeout => None,
+            state => Some(format!(
+                "procedure {id} is {state}: only a runnable or waiting procedure can be paused"
+            )),
+        }
     }
 
     /// Why an operator may not roll `id` back, if not: a tree past its point of no
@@ -1380,6 +1420,7 @@ impl fmt::Display for Transition {
                 Action::Resume(id) => format!("resume {id}"),
                 Action::Release(id) => format!("release {id}"),
                 Action::Reset(id) => format!("reset {id}"),
+                Action::PausedByOperator(id) => format!("paused {id}"),
                 Action::Stop(id) => format!("stop {id}"),
                 Action::Rollback {
                     id,

@@ -332,3 +332,43 @@ async fn past_the_point_of_no_return_a_failure_pauses_and_only_continue_is_allow
         executor.shutdown().await.unwrap();
     }
 }
+
+#[actix::test]
+async fn an_operator_pauses_a_running_procedure_at_its_next_step_and_continues_it() {
+    use common::{Scripted, Step};
+    for name in ["memory", "wal"] {
+        let store = Reopen::new(name);
+        let (executor, rec) = common::start(store.open(), 2).await;
+        let plan = vec![Step::Hold, Step::More, Step::More];
+        let id = executor.submit(Scripted::new("p", plan)).await.unwrap();
+        rec.signal.notified().await; // step 1 runs
+        let pausing = {
+            let executor = executor.clone();
+            actix::spawn(async move { executor.pause(id).await })
+        };
+        // Answered only once in effect: let the running step end.
+        rec.gate.notify_one();
+        pausing.await.unwrap().expect("paused");
+        let info = executor.state(id).await.unwrap();
+        assert_eq!(info.state, ProcState::Paused, "{name}");
+        let why = info.steering.paused.expect("a reason");
+        assert_eq!((why.error, why.policy), (None, None), "{name}: an operator's");
+        let again = executor.pause(id).await.unwrap_err();
+        assert!(matches!(again, Error::Refused { .. }), "{name}: {again}");
+        let ran = rec.count("p-exec");
+        assert!((1..3).contains(&ran), "{name}: it stopped at a step boundary");
+        executor.shutdown().await.unwrap();
+
+        // Paused across a restart, then continued: every step runs exactly once.
+        let (executor, rec2) = common::start(store.open(), 2).await;
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::Paused,
+            "{name}"
+        );
+        executor.resume(id).await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(ran + rec2.count("p-exec"), 3, "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
