@@ -352,11 +352,18 @@ async fn an_operator_pauses_a_running_procedure_at_its_next_step_and_continues_i
         let info = executor.state(id).await.unwrap();
         assert_eq!(info.state, ProcState::Paused, "{name}");
         let why = info.steering.paused.expect("a reason");
-        assert_eq!((why.error, why.policy), (None, None), "{name}: an operator's");
+        assert_eq!(
+            (why.error, why.policy),
+            (None, None),
+            "{name}: an operator's"
+        );
         let again = executor.pause(id).await.unwrap_err();
         assert!(matches!(again, Error::Refused { .. }), "{name}: {again}");
         let ran = rec.count("p-exec");
-        assert!((1..3).contains(&ran), "{name}: it stopped at a step boundary");
+        assert!(
+            (1..3).contains(&ran),
+            "{name}: it stopped at a step boundary"
+        );
         executor.shutdown().await.unwrap();
 
         // Paused across a restart, then continued: every step runs exactly once.
