@@ -69,7 +69,8 @@ enum Command {
         /// The WAL directory.
         dir: PathBuf,
         /// Only procedures in these states (repeat, or separate with commas; any case):
-        /// INITIALIZING, RUNNABLE, WAITING, WAITING_TIMEOUT, FAILED, SUCCESS, ROLLEDBACK.
+        /// INITIALIZING, RUNNABLE, WAITING, WAITING_TIMEOUT, PAUSED, ROLLBACK_PAUSED,
+        /// FAILED, SUCCESS, ROLLEDBACK.
         #[arg(long = "state", value_name = "STATE", value_delimiter = ',')]
         states: Vec<String>,
         /// Only procedures of this registered type.
@@ -360,11 +361,13 @@ struct Filter {
     tree: Option<ProcId>,
 }
 
-const STATES: [ProcState; 7] = [
+const STATES: [ProcState; 9] = [
     ProcState::Initializing,
     ProcState::Runnable,
     ProcState::Waiting,
     ProcState::WaitingTimeout,
+    ProcState::Paused,
+    ProcState::RollbackPaused,
     ProcState::Failed,
     ProcState::Success,
     ProcState::RolledBack,
@@ -450,11 +453,16 @@ enum Wait {
     TimerMs(u64),
     /// The locks it holds for its life, not granted yet.
     Locks(Vec<String>),
+    /// PAUSED or ROLLBACK_PAUSED: an operator's continue (or rollback); why it paused.
+    Operator(String),
 }
 
 fn wait_of(r: &ProcRecord, unfinished_children: usize, tree_failed: bool) -> Option<Wait> {
     if r.state.is_finished() {
         return None;
+    }
+    if let Some(paused) = &r.steering.paused {
+        return Some(Wait::Operator(pause_reason(paused)));
     }
     if tree_failed {
         return Some(Wait::Rollback);
@@ -475,6 +483,18 @@ fn wait_of(r: &ProcRecord, unfinished_children: usize, tree_failed: bool) -> Opt
     }
 }
 
+/// Why a procedure is paused: the operator, or the failure, its policy and the retries
+/// spent.
+fn pause_reason(paused: &proctor::Paused) -> String {
+    match (&paused.error, &paused.policy) {
+        (None, _) => "paused by an operator".to_string(),
+        (Some(error), Some(policy)) => {
+            format!("{error} (policy {policy:?}, {} retries)", paused.retries)
+        }
+        (Some(error), None) => format!("{error} (past its point of no return)"),
+    }
+}
+
 /// The text table's cell: what it waits for, and its deadline if it has one.
 fn waits_for(r: &ProcRecord, wait: Option<Wait>, now: u64) -> String {
     let what = wait.map(|w| match w {
@@ -484,6 +504,7 @@ fn waits_for(r: &ProcRecord, wait: Option<Wait>, now: u64) -> String {
         Wait::Event(event) => format!("event {event:?}"),
         Wait::TimerMs(at) => format!("timer, {}", relative(at, now)),
         Wait::Locks(locks) => format!("locks [{}]", locks.join(", ")),
+        Wait::Operator(why) => format!("an operator: {why}"),
     });
     let deadline = r
         .deadline_ms
@@ -887,7 +908,8 @@ struct ProcJson<'a> {
     steps: usize,
     submitted_ms: u64,
     updated_ms: u64,
-    /// `"rollback"` (its tree has failed), `{"children": n}` (unfinished),
+    /// `{"operator": why}` (PAUSED or ROLLBACK_PAUSED), `"rollback"` (its tree has
+    /// failed), `{"children": n}` (unfinished),
     /// `{"event": name}`, `{"timer_ms": at}`, `{"locks": [...]}` (a runnable one whose
     /// life-long locks are not held yet), or null.
     waiting_for: Option<Wait>,

@@ -71,6 +71,7 @@ fn upgrade(nodes: &[&str]) -> Result<Dag<Upgrade>, proctor::DagError> {
 
 /// What the run saw: the state read back after the pause, and the final one.
 #[derive(Debug)]
+#[cfg_attr(not(test), allow(dead_code))] // read by the test
 struct Seen {
     paused: ProcState,
     finished: ProcState,
