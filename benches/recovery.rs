@@ -44,6 +44,11 @@ fn record(id: u64, version: u8) -> ProcRecord {
     }
 }
 
+/// Decoding a million records allocates a lot; like the workload, the benchmark uses
+/// mimalloc (the library leaves the allocator to the program).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
         .map(|entries| {

@@ -159,6 +159,11 @@ impl From<io::Error> for Stop {
 
 type Outcome = Result<Exit, Stop>;
 
+/// Reading a whole log allocates a record per frame; the command uses mimalloc (the
+/// library itself leaves the allocator to the program that uses it).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Buffered stdout. A write error (a closed pipe above all) is kept by the caller's `?`
 /// and ends the command; see [`main`].
 type Out = BufWriter<io::StdoutLock<'static>>;
