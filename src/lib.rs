@@ -10,6 +10,7 @@ mod erased;
 mod error;
 mod events;
 mod locks;
+mod mlfq;
 mod procedure;
 mod ready_queue;
 mod record;
@@ -59,6 +60,7 @@ pub use crate::locks::{Lock, LockClaim, LockMode};
 pub use crate::procedure::{
     Context, EncodeState, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState, Procedure,
 };
+pub use crate::ready_queue::Scheduling;
 pub use crate::record::{Failure, Nonce, ProcRecord, StoreOp};
 pub use crate::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
