@@ -19,6 +19,7 @@ use crate::erased::{erase, erase_boxed, AnyEnv, DynProc};
 use crate::error::Error;
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState, Procedure};
+use crate::ready_queue::Scheduling;
 use crate::record::{Failure, Nonce, ProcRecord, Steering, StoreOp};
 use crate::recovery::{self, CorruptProc};
 use crate::registry::{Registry, Types};
@@ -55,6 +56,7 @@ impl From<MailboxError> for Error {
 /// ```
 pub struct ExecutorBuilder<E = ()> {
     workers: usize,
+    scheduling: Scheduling,
     arbiters: usize,
     store: Option<Box<dyn ProcedureStore>>,
     registry: Registry<E>,
@@ -70,6 +72,7 @@ impl<E> std::fmt::Debug for ExecutorBuilder<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ExecutorBuilder")
             .field("workers", &self.workers)
+            .field("scheduling", &self.scheduling)
             .field("arbiters", &self.arbiters)
             .field("store", &self.store.as_ref().map(|_| "custom"))
             .field("registry", &self.registry)
@@ -95,6 +98,7 @@ impl<E> Default for ExecutorBuilder<E> {
     fn default() -> Self {
         ExecutorBuilder {
             workers: 16,
+            scheduling: Scheduling::Fair,
             arbiters: std::thread::available_parallelism().map_or(2, |n| n.get()),
             store: None,
             registry: Registry::default(),
@@ -135,6 +139,23 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         self
     }
 
+    /// The order in which queued steps get a worker (default [`Scheduling::Fair`]: a
+    /// multilevel feedback queue by each tree's accumulated step time, so trees of a
+    /// few short steps are not held up behind trees that run many long ones;
+    /// [`Scheduling::Fifo`] runs them in arrival order and lets a procedure that
+    /// continues keep its worker).
+    ///
+    /// ```
+    /// use proctor::{Executor, Scheduling};
+    /// let builder = Executor::builder().scheduling(Scheduling::Fifo);
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn scheduling(mut self, scheduling: Scheduling) -> Self {
+        self.scheduling = scheduling;
+        self
+    }
+
     /// How many arbiters (threads) procedure actors are spread over (default: one per
     /// core).
     #[must_use]
@@ -160,6 +181,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             .and_then(|env| (env as Arc<AnyEnv>).downcast::<F>().ok());
         ExecutorBuilder {
             workers: self.workers,
+            scheduling: self.scheduling,
             arbiters: self.arbiters,
             store: self.store,
             registry,
@@ -367,8 +389,14 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
             .start();
         let lock_views = Arc::new(LockViews::default());
-        let scheduler =
-            Scheduler::new(self.workers, self.monitor, self.permits, lock_views.clone()).start();
+        let scheduler = Scheduler::new(
+            self.workers,
+            self.scheduling,
+            self.monitor,
+            self.permits,
+            lock_views.clone(),
+        )
+        .start();
         // Locks held for life when the engine stopped go back to their holders, roots
         // first, before any tree is started and can ask for anything.
         let mut held: Vec<_> = trees

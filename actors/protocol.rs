@@ -29,12 +29,17 @@ use super::root_stack::RootStackActor;
 // Every RunStep is answered by exactly one StepDone (procedure -> root stack), and the
 // root stack sends StepFinished (-> scheduler) only after feeding that report to the
 // core and sending any Enqueue it caused without a write: a worker is handed on only
-// once its step is recorded.
+// once its step is recorded. The scheduler times each step from its RunStep to its
+// StepFinished and charges it to the step's tree (the Enqueue names the root); the root
+// stack sends TreeEnded when it stops (from its Drop), after every StepFinished it sent,
+// and the scheduler then drops the tree's accumulated time.
 // ------------------------------------------------------------------------------------
 
 /// Queue a step of `id`; with `lock`, once its locks are granted.
 pub(crate) struct Enqueue {
     pub(crate) id: ProcId,
+    /// The root of its tree: the fair queue ranks the step by the tree's step time.
+    pub(crate) root: ProcId,
     pub(crate) addr: Addr<ProcedureActor>,
     pub(crate) front: bool,
     /// Its registered type name and which of its steps this is, counting from 1 (for
@@ -54,6 +59,15 @@ impl Message for Enqueue {
 pub(crate) struct StepFinished(pub(crate) ProcId);
 
 impl Message for StepFinished {
+    type Result = ();
+}
+
+/// The tree rooted at `.0` ended (its root stack stopped): the scheduler forgets its
+/// accumulated step time. A late `StepFinished` of the tree (from a procedure whose
+/// root stack died) charges nothing.
+pub(crate) struct TreeEnded(pub(crate) ProcId);
+
+impl Message for TreeEnded {
     type Result = ();
 }
 

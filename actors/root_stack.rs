@@ -42,7 +42,7 @@ use super::protocol::{
     AbortAck, AbortProc, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline,
     Enqueue, FailRequest, LockForRollback, LocksHeld, PauseProc, Persist, ProcLost, Quiesce,
     ReleaseLocks, ResetProc, Rollback, RolledBack, RootSubmitted, StepDone, StepFinished, StopProc,
-    SuspendOn, TreeFailed, TreeFinished, Unsuspend, Wake,
+    SuspendOn, TreeEnded, TreeFailed, TreeFinished, Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
 
@@ -501,6 +501,7 @@ impl RootStackActor {
         };
         self.shared.scheduler.do_send(Enqueue {
             id,
+            root: self.core.root(),
             addr: addr.clone(),
             front,
             what: (
@@ -690,6 +691,7 @@ impl Handler<LocksHeld> for RootStackActor {
             if let Some(addr) = self.procs.get(&msg.id) {
                 self.shared.scheduler.do_send(Enqueue {
                     id: msg.id,
+                    root: self.core.root(),
                     addr: addr.clone(),
                     front: true,
                     what: (self.core.type_name_of(msg.id).unwrap_or("?"), 0),
@@ -785,6 +787,8 @@ impl Drop for RootStackActor {
     /// A root stack that ends without publishing its result or halting died of a panic
     /// in engine code; the executor must not leave the tree's waiters hanging.
     fn drop(&mut self) {
+        // Every StepFinished this actor sent is ahead of this in the scheduler's mailbox.
+        self.shared.scheduler.do_send(TreeEnded(self.core.root()));
         if self.halted.is_none() && !self.published {
             // Cut the tree off like a crash (its procedures report their queued and
             // running steps straight to the scheduler once this mailbox is closed).

@@ -1,8 +1,11 @@
 //! The scheduler actor: its mailbox decides what runs next.
 //!
-//! It owns the [`ReadyQueue`] (FIFO, a front for procedures that continue, at most
-//! `workers` steps at once), the [`LockTable`] and the table of events procedures are
-//! suspended on. A procedure waiting for children, an event, a deadline or its locks is
+//! It owns the [`ReadyQueue`] (at most `workers` steps at once, in the order of the
+//! executor's [`Scheduling`]: the multilevel fair queue by default, or FIFO with a
+//! front for procedures that continue), the [`LockTable`] and the table of events
+//! procedures are suspended on. It times every step it dispatches (from `RunStep` to
+//! its `StepFinished`) and charges the time to the step's tree, whose accumulated time
+//! puts it on a level of the fair queue; a tree's time is dropped at its `TreeEnded`. A procedure waiting for children, an event, a deadline or its locks is
 //! not in the ready queue and holds no worker. Every enqueue comes from a root stack,
 //! after the step that caused it is durable; the scheduler itself never changes a
 //! procedure's state. What it knows of locks it mirrors into the shared lock view that
@@ -10,14 +13,14 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
 use crate::events::EventTable;
 use crate::locks::{Changes, Hold, LockTable, Request};
 use crate::procedure::ProcId;
-use crate::ready_queue::ReadyQueue;
+use crate::ready_queue::{ReadyQueue, Scheduling};
 use crate::workers::{Change, WorkerPolicy, Workers};
 
 use super::metrics;
@@ -25,7 +28,7 @@ use super::perturb;
 use super::procedure::ProcedureActor;
 use super::protocol::{
     Enqueue, LockFailed, LockForRollback, LocksGranted, Regrant, ReleaseLocks, Rollback, RunStep,
-    StepFinished, SuspendOn, TreeFailed, Unsuspend, Wake,
+    StepFinished, SuspendOn, TreeEnded, TreeFailed, Unsuspend, Wake,
 };
 use super::root_stack::RootStackActor;
 use super::shared::{now_ms, LockView, LockViews};
@@ -91,11 +94,20 @@ struct Parked {
 /// A procedure's type and which of its steps is queued (from 1).
 type What = (&'static str, usize);
 
-/// A queued step: who, its actor, its type and step.
-type Ready = (ProcId, Addr<ProcedureActor>, What);
+/// A queued step: who, its tree (root), its actor, its type and step.
+type Ready = (ProcId, ProcId, Addr<ProcedureActor>, What);
+
+/// A dispatched step: when it started (wall clock, for the stuck-worker monitor, and
+/// monotonic, for its run time), its type and step, and its tree.
+struct Running {
+    started_ms: u64,
+    started: Instant,
+    what: What,
+    root: ProcId,
+}
 
 /// What the scheduler is doing, for operators and tests.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SchedulerStats {
     /// Workers now: the configured ones plus any extra the stuck-worker monitor added.
     pub workers: usize,
@@ -103,6 +115,10 @@ pub struct SchedulerStats {
     pub running: usize,
     /// Steps queued for a worker.
     pub queued: usize,
+    /// Steps queued for a worker on each level of the fair queue, level 0 first (five
+    /// levels, for trees that have run from 0, 1, 10, 60 and 300 s of steps); one entry
+    /// (all of `queued`) under [`Scheduling::Fifo`].
+    pub queued_by_level: Vec<usize>,
     /// Procedures holding engine locks.
     pub lock_holders: usize,
     /// Procedures waiting for engine locks.
@@ -128,9 +144,10 @@ pub(crate) struct Monitor {
 }
 
 pub(crate) struct Scheduler {
-    ready: ReadyQueue<Ready>,
-    /// Steps dispatched and not finished: when each started, its type and step.
-    running: HashMap<ProcId, (u64, What)>,
+    /// Queued steps by their tree (root).
+    ready: ReadyQueue<Ready, ProcId>,
+    /// Steps dispatched and not finished.
+    running: HashMap<ProcId, Running>,
     workers: Workers,
     monitor_every: Duration,
     events: EventTable<(ProcId, Addr<RootStackActor>)>,
@@ -148,6 +165,7 @@ pub(crate) struct Scheduler {
 impl Scheduler {
     pub(crate) fn new(
         workers: usize,
+        scheduling: Scheduling,
         monitor: Monitor,
         permits: Vec<(String, u32)>,
         view: Arc<LockViews>,
@@ -158,7 +176,7 @@ impl Scheduler {
         }
         let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         Scheduler {
-            ready: ReadyQueue::new(workers),
+            ready: ReadyQueue::new(workers, scheduling),
             running: HashMap::new(),
             workers: Workers::new(WorkerPolicy {
                 base: workers,
@@ -178,13 +196,19 @@ impl Scheduler {
     }
 
     fn dispatch(&mut self) {
-        while let Some((id, addr, what)) = self.ready.pop() {
+        while let Some((id, root, addr, what)) = self.ready.pop() {
             // A procedure's actor stops only after its tree has finished, and a finished
             // tree queues nothing; a stopped one here would leak the worker, so free it.
             if addr.connected() {
                 tracing::trace!(proc = %id, "dispatch");
                 perturb::point("scheduler::dispatch::run_step");
-                self.running.insert(id, (now_ms(), what));
+                let running = Running {
+                    started_ms: now_ms(),
+                    started: Instant::now(),
+                    what,
+                    root,
+                };
+                self.running.insert(id, running);
                 addr.do_send(RunStep { step: what.1 });
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");
@@ -202,7 +226,8 @@ impl Scheduler {
     fn monitor(&mut self) {
         let now = now_ms();
         let mut stuck = 0;
-        for (id, &(started, (type_name, step))) in &self.running {
+        for (id, run) in &self.running {
+            let (started, (type_name, step)) = (run.started_ms, run.what);
             if self.workers.is_stuck(started, now) {
                 stuck += 1;
                 tracing::warn!(
@@ -314,7 +339,8 @@ impl Scheduler {
                         // Held for life: made durable before the step runs.
                         addr.do_send(LocksGranted);
                     } else {
-                        self.ready.push((id, addr, what), front);
+                        self.ready
+                            .push((id, parked.root, addr, what), parked.root, front);
                     }
                 }
                 Then::Rollback { addr, unrecorded } => addr.do_send(Rollback { unrecorded }),
@@ -327,13 +353,13 @@ impl Scheduler {
             let id = deadlock.victim;
             tracing::warn!(proc = %id, %deadlock, "deadlock: failing the younger tree");
             self.view.remove(&id);
-            match self.unpark(id).map(|p| p.then) {
-                Some(Then::Step { addr, front, what }) => {
+            match self.unpark(id).map(|p| (p.root, p.then)) {
+                Some((root, Then::Step { addr, front, what })) => {
                     addr.do_send(LockFailed(deadlock.to_string()));
                     // Its step is still owed a report: queued, it reports itself skipped.
-                    self.ready.push((id, addr, what), front);
+                    self.ready.push((id, root, addr, what), root, front);
                 }
-                Some(Then::Rollback { .. }) | None => {
+                Some((_, Then::Rollback { .. })) | None => {
                     tracing::error!(proc = %id, "deadlock victim is not a waiting step");
                 }
             }
@@ -359,6 +385,7 @@ impl Handler<GetSchedulerStats> for Scheduler {
             workers: self.workers.current(),
             running: self.ready.busy(),
             queued: self.ready.queued(),
+            queued_by_level: self.ready.queued_by_level(),
             lock_holders,
             lock_waiters,
             events: self.events.len(),
@@ -371,13 +398,17 @@ impl Handler<Enqueue> for Scheduler {
 
     fn handle(&mut self, msg: Enqueue, _ctx: &mut Context<Self>) {
         let Some(req) = msg.lock.clone() else {
-            self.ready.push((msg.id, msg.addr, msg.what), msg.front);
+            let (front, root) = (msg.front, msg.root);
+            self.ready
+                .push((msg.id, root, msg.addr, msg.what), root, front);
             self.dispatch();
             return;
         };
         match self.locks.holds(msg.id) {
             Some(true) => {
-                self.ready.push((msg.id, msg.addr, msg.what), msg.front);
+                let (front, root) = (msg.front, msg.root);
+                self.ready
+                    .push((msg.id, root, msg.addr, msg.what), root, front);
                 self.dispatch();
             }
             // The previous step's report was recorded but its StepFinished (which frees
@@ -401,8 +432,12 @@ impl Handler<StepFinished> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: StepFinished, _ctx: &mut Context<Self>) {
+        // The step's time counts before its worker is handed on.
+        if let Some(run) = self.running.remove(&msg.0) {
+            let elapsed = u64::try_from(run.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+            self.ready.charge(&run.root, elapsed);
+        }
         self.ready.complete();
-        self.running.remove(&msg.0);
         self.release(msg.0, Some(Hold::Step));
         self.undefer(msg.0, _ctx);
         self.dispatch();
@@ -476,7 +511,7 @@ impl Handler<TreeFailed> for Scheduler {
             }
             let Some(Parked {
                 then: Then::Step { addr, front, what },
-                ..
+                root,
             }) = self.unpark(id)
             else {
                 continue;
@@ -484,7 +519,7 @@ impl Handler<TreeFailed> for Scheduler {
             self.view.remove(&id);
             let changes = self.locks.release(id);
             // Queued without its locks: its tree has failed, so it only reports a skip.
-            self.ready.push((id, addr, what), front);
+            self.ready.push((id, root, addr, what), root, front);
             self.apply(changes);
         }
         self.dispatch();
@@ -541,5 +576,13 @@ impl Handler<ResetEvent> for Scheduler {
 
     fn handle(&mut self, msg: ResetEvent, _ctx: &mut Context<Self>) {
         self.events.reset(&msg.0);
+    }
+}
+
+impl Handler<TreeEnded> for Scheduler {
+    type Result = ();
+
+    fn handle(&mut self, msg: TreeEnded, _ctx: &mut Context<Self>) {
+        self.ready.forget(&msg.0);
     }
 }

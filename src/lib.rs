@@ -16,6 +16,7 @@ mod erased;
 mod error;
 mod events;
 mod locks;
+mod mlfq;
 mod procedure;
 mod ready_queue;
 mod record;
@@ -67,6 +68,7 @@ pub use crate::procedure::{
     Context, EncodeState, FailurePolicy, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState,
     Procedure,
 };
+pub use crate::ready_queue::Scheduling;
 pub use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp};
 pub use crate::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};

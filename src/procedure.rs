@@ -244,8 +244,10 @@ pub enum Flow<E = ()> {
     /// Persist, start these children, and WAIT until all of them finish; then run the
     /// next step. An empty list behaves like [`Flow::Done`].
     Children(Vec<Box<dyn Procedure<E>>>),
-    /// Run again later, behind everything already queued. Nothing is persisted and the
-    /// step is not recorded for rollback, so a yielding step must not change state.
+    /// Run again later, behind everything already queued (under the default
+    /// [`Scheduling::Fair`](crate::Scheduling::Fair): behind every new or yielding
+    /// procedure queued on its tree's level). Nothing is persisted and the step is not
+    /// recorded for rollback, so a yielding step must not change state.
     Yield,
     /// Persist, then WAIT until the named event is woken
     /// (see [`WakeEvent`](crate::WakeEvent)); then run the next step. If the event is

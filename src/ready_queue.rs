@@ -1,40 +1,73 @@
-//! The scheduler's ready queue: FIFO with a front for procedures that continue, and a
-//! bound on how many steps run at once (the workers).
+//! The scheduler's ready queue: the order in which queued steps run ([`Scheduling`]:
+//! the multilevel fair queue of [`Mlfq`], or FIFO with a front for procedures that
+//! continue), and a bound on how many steps run at once (the workers).
 //!
-//! Pure and generic so the rule is unit-tested; the scheduler actor owns one. A later
-//! multilevel fair queue replaces the `VecDeque` behind the same three calls.
+//! Pure and generic so the rules are unit-tested; the scheduler actor owns one, and
+//! tells it each finished step's run time ([`charge`](ReadyQueue::charge)) and when a
+//! tree ended ([`forget`](ReadyQueue::forget)).
 
 use std::collections::VecDeque;
+use std::hash::Hash;
 
-/// Queued items and the count of items dispatched but not completed.
+use crate::mlfq::Mlfq;
+
+/// How the scheduler picks the next step among the queued ones
+/// ([`ExecutorBuilder::scheduling`](crate::ExecutorBuilder::scheduling)).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Scheduling {
+    /// A multilevel feedback queue, in the manner of Trino's: trees are put on levels by
+    /// the step time they have run (from 0, 1, 10, 60 and 300 s), each level gets half
+    /// the run time of the one below it, and within a level the tree with less time
+    /// goes first. A tree of a few short steps is not held up behind trees that run
+    /// hundreds of long steps. Steps are not preempted: a step waits for a free worker.
+    #[default]
+    Fair,
+    /// First in, first out, with a front: a procedure continuing its steps goes before
+    /// everything queued, so long procedures keep their workers until they end.
+    Fifo,
+}
+
 #[derive(Debug)]
-pub struct ReadyQueue<T> {
-    queue: VecDeque<T>,
+enum Order<T, R> {
+    Fair(Mlfq<T, R>),
+    Fifo(VecDeque<T>),
+}
+
+/// Queued items and the count of items dispatched but not completed; `R` names the
+/// tree an item belongs to.
+#[derive(Debug)]
+pub struct ReadyQueue<T, R> {
+    order: Order<T, R>,
     workers: usize,
     busy: usize,
 }
 
-impl<T> ReadyQueue<T> {
-    /// A queue that lets at most `workers` items run at once.
+impl<T, R: Hash + Eq> ReadyQueue<T, R> {
+    /// A queue in the given order that lets at most `workers` items run at once.
     ///
     /// # Panics
     /// If `workers` is 0.
-    pub fn new(workers: usize) -> Self {
+    pub fn new(workers: usize, scheduling: Scheduling) -> Self {
         assert!(workers > 0, "a ready queue needs at least one worker");
+        let order = match scheduling {
+            Scheduling::Fair => Order::Fair(Mlfq::new()),
+            Scheduling::Fifo => Order::Fifo(VecDeque::new()),
+        };
         ReadyQueue {
-            queue: VecDeque::new(),
+            order,
             workers,
             busy: 0,
         }
     }
 
-    /// Queues an item; `front` puts it before everything queued (a procedure continuing
-    /// its steps), otherwise it goes to the back (a new or yielding procedure).
-    pub fn push(&mut self, item: T, front: bool) {
-        if front {
-            self.queue.push_front(item);
-        } else {
-            self.queue.push_back(item);
+    /// Queues an item of `tree`; `front` for a procedure continuing its steps (FIFO: before
+    /// everything queued), otherwise a new, woken or yielding one (FIFO: at the back).
+    /// The fair order is in [`Mlfq`]'s docs.
+    pub fn push(&mut self, item: T, tree: R, front: bool) {
+        match &mut self.order {
+            Order::Fair(q) => q.push(item, tree, front),
+            Order::Fifo(q) if front => q.push_front(item),
+            Order::Fifo(q) => q.push_back(item),
         }
     }
 
@@ -44,9 +77,28 @@ impl<T> ReadyQueue<T> {
         if self.busy >= self.workers {
             return None;
         }
-        let item = self.queue.pop_front()?;
+        let item = match &mut self.order {
+            Order::Fair(q) => q.pop(),
+            Order::Fifo(q) => q.pop_front(),
+        }?;
         self.busy += 1;
         Some(item)
+    }
+
+    /// A step of `tree` ran for `elapsed_ns` (the fair order's feedback; FIFO ignores
+    /// it). Call it before [`complete`](ReadyQueue::complete) frees the worker, so the
+    /// next pick already counts the step.
+    pub fn charge(&mut self, tree: &R, elapsed_ns: u64) {
+        if let Order::Fair(q) = &mut self.order {
+            q.charge(tree, elapsed_ns);
+        }
+    }
+
+    /// `tree` ended: its accumulated time is dropped.
+    pub fn forget(&mut self, tree: &R) {
+        if let Order::Fair(q) = &mut self.order {
+            q.forget(tree);
+        }
     }
 
     /// Changes how many items may run at once (at least 1); items already running
@@ -57,7 +109,19 @@ impl<T> ReadyQueue<T> {
 
     /// How many items are queued.
     pub fn queued(&self) -> usize {
-        self.queue.len()
+        match &self.order {
+            Order::Fair(q) => q.len(),
+            Order::Fifo(q) => q.len(),
+        }
+    }
+
+    /// How many items are queued on each level, level 0 first: [`LEVELS`](crate::mlfq::LEVELS) entries under
+    /// the fair order, one under FIFO.
+    pub fn queued_by_level(&self) -> Vec<usize> {
+        match &self.order {
+            Order::Fair(q) => q.queued_by_level(),
+            Order::Fifo(q) => vec![q.len()],
+        }
     }
 
     /// How many items run.
@@ -78,21 +142,25 @@ impl<T> ReadyQueue<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::mlfq::LEVELS;
 
-    /// Ops: `+N` push back, `^N` push front, `p` pop (records what came out), `c` complete.
+    /// Ops: `+N` push back, `^N` push front (item N of tree N), `p` pop (records what
+    /// came out), `c` complete. No step time is charged, so both orders agree.
     fn check(workers: usize, script: &str, expected: &str) {
-        let mut q = ReadyQueue::new(workers);
-        let mut out = Vec::new();
-        for op in script.split_whitespace() {
-            match op.split_at(1) {
-                ("+", n) => q.push(n.parse::<u32>().unwrap(), false),
-                ("^", n) => q.push(n.parse::<u32>().unwrap(), true),
-                ("p", _) => out.push(q.pop().map_or("-".to_string(), |n| n.to_string())),
-                ("c", _) => q.complete(),
-                _ => panic!("bad op {op}"),
+        for scheduling in [Scheduling::Fair, Scheduling::Fifo] {
+            let mut q = ReadyQueue::new(workers, scheduling);
+            let mut out = Vec::new();
+            for op in script.split_whitespace() {
+                match op.split_at(1) {
+                    ("+", n) => q.push(n.parse::<u32>().unwrap(), 0, false),
+                    ("^", n) => q.push(n.parse::<u32>().unwrap(), 0, true),
+                    ("p", _) => out.push(q.pop().map_or("-".to_string(), |n| n.to_string())),
+                    ("c", _) => q.complete(),
+                    _ => panic!("bad op {op}"),
+                }
             }
+            assert_eq!(out.join(" "), expected, "{scheduling:?}: {script}");
         }
-        assert_eq!(out.join(" "), expected, "{script}");
     }
 
     #[test]
@@ -109,9 +177,35 @@ mod tests {
         }
     }
 
+    /// The same pushes and charges, in both orders: FIFO runs the long tree's
+    /// continuing step first; the fair order runs the new tree's step before it.
+    #[test]
+    fn fair_runs_a_new_tree_before_a_long_one_fifo_does_not() {
+        let cases = [
+            (Scheduling::Fifo, "long short", 1),
+            (Scheduling::Fair, "short long", LEVELS),
+        ];
+        for (scheduling, expected, levels) in cases {
+            let mut q = ReadyQueue::new(1, scheduling);
+            q.push("long", 1, false);
+            assert_eq!(q.pop(), Some("long"));
+            q.charge(&1, 2_000_000_000);
+            q.push("short", 2, false);
+            q.push("long", 1, true);
+            assert_eq!(q.queued_by_level().len(), levels, "{scheduling:?}");
+            q.complete();
+            let mut out = Vec::new();
+            while let Some(item) = q.pop() {
+                out.push(item);
+                q.complete();
+            }
+            assert_eq!(out.join(" "), expected, "{scheduling:?}");
+        }
+    }
+
     #[test]
     #[should_panic(expected = "without a dispatched item")]
     fn complete_needs_a_dispatch() {
-        ReadyQueue::<u32>::new(1).complete();
+        ReadyQueue::<u32, u32>::new(1, Scheduling::Fair).complete();
     }
 }

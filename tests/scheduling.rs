@@ -185,3 +185,36 @@ async fn a_stuck_pool_gets_an_extra_worker_that_later_retires() {
         executor.shutdown_now().await.unwrap();
     }
 }
+
+/// The scheduler's stats show the queued steps per level of the fair queue: five
+/// levels, all of them new trees on level 0 here.
+#[actix::test]
+async fn stats_show_queued_steps_per_level() {
+    for (store_name, store, _dir) in stores() {
+        let (executor, rec) = start(store, 1).await;
+        let blocker = executor
+            .submit(Scripted::new("b", vec![Step::Gate]))
+            .await
+            .unwrap();
+        while rec.count("b-exec") == 0 {
+            tokio::task::yield_now().await;
+        }
+        let mut queued = Vec::new();
+        for name in ["q1", "q2"] {
+            queued.push(executor.submit(Scripted::new(name, vec![])).await.unwrap());
+        }
+        let stats = loop {
+            let stats = executor.scheduler_stats().await.unwrap();
+            if stats.queued == 2 {
+                break stats;
+            }
+            tokio::task::yield_now().await;
+        };
+        assert_eq!(stats.queued_by_level, [2, 0, 0, 0, 0], "{store_name}");
+        rec.gate.notify_one();
+        assert_eq!(executor.wait(blocker).await.unwrap(), Ok(()));
+        for id in queued {
+            assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
+        }
+    }
+}
