@@ -265,19 +265,15 @@ impl ProcedureActor {
         let data = match &outcome {
             StepOutcome::Yield => Vec::new(),
             // The failed attempt's state goes with the report (a rollback starts from
-            // it); `self.data` keeps the state recorded before the step, which a retry
-            // or a pause records again.
+            // it), and so does the state recorded before the step, which a retry or a
+            // pause records again (and then reloads: `ResetProc`).
             StepOutcome::Failed(error) => {
                 let policy =
                     guard("failure_policy", || proc.failure_policy(error)).unwrap_or_default();
-                on_error = Some(OnError {
-                    policy,
-                    before: self.data.clone(),
-                });
-                match self.shared.registry.encode(&*proc) {
-                    Ok((_, bytes)) => bytes,
-                    Err(_) => self.data.clone(),
-                }
+                let before = self.data.clone();
+                let after = self.encode(&*proc).unwrap_or_else(|_| before.clone());
+                on_error = Some(OnError { policy, before });
+                after
             }
             _ => match self.encode(&*proc) {
                 Ok(bytes) => bytes,
@@ -737,10 +733,11 @@ impl Handler<PauseProc> for ProcedureActor {
 impl Handler<ResetProc> for ProcedureActor {
     type Result = ();
 
-    fn handle(&mut self, _msg: ResetProc, _ctx: &mut Context<Self>) {
-        match self.shared.registry.decode(self.type_name, &self.data) {
+    fn handle(&mut self, msg: ResetProc, _ctx: &mut Context<Self>) {
+        match self.shared.registry.decode(self.type_name, &msg.0) {
             Ok(proc) => {
                 self.proc = Some(proc);
+                self.data = msg.0;
                 // It goes on (later), so it is not failed.
                 self.failed = false;
             }

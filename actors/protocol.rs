@@ -222,9 +222,9 @@ impl Message for Rollback {
 
 /// A rollback step ended: the state after it, or its error.
 /// The procedure's failed attempt is discarded (a failure policy retries or pauses it):
-/// reload its object from its state as last recorded. From its root stack, before
-/// anything can call it again.
-pub(crate) struct ResetProc;
+/// reload its object from this state, the one now recorded. From its root stack,
+/// before anything can call it again.
+pub(crate) struct ResetProc(pub(crate) Vec<u8>);
 
 impl Message for ResetProc {
     type Result = ();

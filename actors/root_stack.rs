@@ -379,11 +379,11 @@ impl RootStackActor {
                     let _ = ack.send(Ok(true));
                 }
             }
-            Action::Reset(id) => {
+            Action::Reset { id, data } => {
                 // Before any later call of `id`: that call comes from a step queued (or
                 // a rollback sent) after this, through this actor.
                 if let Some(addr) = self.procs.get(&id) {
-                    addr.do_send(ResetProc);
+                    addr.do_send(ResetProc(data));
                 }
             }
             Action::Rollback { id, unrecorded } => self.send_rollback(id, unrecorded),

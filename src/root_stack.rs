@@ -204,9 +204,14 @@ pub enum Action {
         /// When.
         at_ms: u64,
     },
-    /// Its failed attempt is discarded: reload the procedure from its state as last
-    /// recorded (before its next call, which a retry or an operator starts later).
-    Reset(ProcId),
+    /// Its failed attempt is discarded: reload the procedure from `data`, its state as
+    /// recorded now (before its next call, which a retry or an operator starts later).
+    Reset {
+        /// The procedure.
+        id: ProcId,
+        /// Its recorded state.
+        data: Vec<u8>,
+    },
     /// An operator's pause of the procedure took effect (and is durable): answer it.
     PausedByOperator(ProcId),
     /// Wake the procedure when the event is woken.
@@ -696,8 +701,8 @@ impl RootStack {
                         node.state = ProcState::WaitingTimeout;
                         node.wake_at_ms = Some(at_ms);
                         let data = before.unwrap_or(report.data);
-                        self.persist_update(&mut t, id, data, now_ms);
-                        t.actions.push(Action::Reset(id));
+                        self.persist_update(&mut t, id, data.clone(), now_ms);
+                        t.actions.push(Action::Reset { id, data });
                         t.actions.push(Action::WakeAt { id, at_ms });
                     }
                     Decision::Pause => {
@@ -713,8 +718,8 @@ impl RootStack {
                         node.steering.dirty = true;
                         node.state = ProcState::Paused;
                         node.paused_data = Some(data.clone());
-                        self.persist_update(&mut t, id, data, now_ms);
-                        t.actions.push(Action::Reset(id));
+                        self.persist_update(&mut t, id, data.clone(), now_ms);
+                        t.actions.push(Action::Reset { id, data });
                     }
                 }
             }
@@ -1419,7 +1424,7 @@ impl fmt::Display for Transition {
                 Action::Enqueue { id, front: false } => format!("run {id}"),
                 Action::Resume(id) => format!("resume {id}"),
                 Action::Release(id) => format!("release {id}"),
-                Action::Reset(id) => format!("reset {id}"),
+                Action::Reset { id, .. } => format!("reset {id}"),
                 Action::PausedByOperator(id) => format!("paused {id}"),
                 Action::Stop(id) => format!("stop {id}"),
                 Action::Rollback {

@@ -269,8 +269,9 @@ async fn an_operators_rollback_of_a_paused_procedure_undoes_the_failed_step_firs
 #[actix::test]
 async fn a_rollback_that_gives_up_is_rollback_paused_until_continued() {
     for name in ["memory", "wal"] {
+        let store = Reopen::new(name);
         let w = world(100, 100);
-        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let executor = start(store.open(), w.clone()).await;
         let mut proc = Flaky::new(FailurePolicy::Rollback);
         proc.rollback_policy = FailurePolicy::RetryThenPause {
             times: 1,
@@ -278,6 +279,18 @@ async fn a_rollback_that_gives_up_is_rollback_paused_until_continued() {
         };
         let id = executor.submit(proc).await.unwrap();
         wait_for_state(&executor, id, ProcState::RollbackPaused).await;
+        // Still waiting for an operator after a restart: recovery does not retry it.
+        executor.shutdown().await.unwrap();
+        let executor = start(store.open(), w.clone()).await;
+        let info = executor.state(id).await.unwrap();
+        assert_eq!(info.state, ProcState::RollbackPaused, "{name}");
+        let why = info.steering.paused.expect("a reason");
+        assert_eq!(
+            why.error,
+            Some(ProcError::failed("rollback failed")),
+            "{name}"
+        );
+        assert_eq!(why.retries, 1, "{name}");
         let refused = executor.rollback(id).await.unwrap_err();
         assert!(
             refused.to_string().contains("continue it instead"),
