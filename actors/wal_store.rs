@@ -387,13 +387,14 @@ fn segment_files(fs: &impl WalFs, dir: &Path) -> Result<Vec<(u64, PathBuf)>, Sto
         let seq = (stem.len() == 20 && stem.bytes().all(|b| b.is_ascii_digit()))
             .then(|| stem.parse::<u64>().ok())
             .flatten()
-            .filter(|&seq| seq > 0)
+            .filter(|&seq| seq > 0 && seq <= wal::MAX_SEQ_OR_LSN)
             .ok_or_else(|| {
                 corrupt(
                     &path,
                     0,
                     "unexpected file named like a segment: segment names are twenty \
-                     digits, `{seq:020}.wal`; move it out of the WAL directory",
+                     digits, `{seq:020}.wal`, from 1 to 2^63 - 1; move it out of the WAL \
+                     directory",
                 )
             })?;
         // Checked before anything opens it: opening a FIFO would block.

@@ -106,6 +106,11 @@ pub const MAX_PAYLOAD_LEN: u32 = 1 << 30;
 /// counter can never wrap.
 pub const MAX_ID: u64 = u64::MAX / 2;
 
+/// The largest segment sequence number and first LSN a segment header may carry: far
+/// beyond what any writer reaches (2^63 appends), and low enough that counting on from
+/// them never overflows, whatever a damaged or crafted file says.
+pub const MAX_SEQ_OR_LSN: u64 = u64::MAX / 2;
+
 /// What a frame holds.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FrameKind {
@@ -213,7 +218,8 @@ fn u32_at(b: &[u8], at: usize) -> u32 {
 /// # Errors
 /// [`FrameError::Truncated`] for fewer than [`SEGMENT_HEADER_LEN`] bytes;
 /// [`FrameError::Checksum`] for a bad CRC; [`FrameError::Header`] for a bad magic,
-/// another version, a `max_id` above [`MAX_ID`], or a zero `seq` or `first_lsn`.
+/// another version, a `max_id` above [`MAX_ID`], or a `seq` or `first_lsn` that is zero
+/// or above [`MAX_SEQ_OR_LSN`].
 pub fn parse_segment_header(bytes: &[u8]) -> Result<SegmentHeader, FrameError> {
     if bytes.len() < SEGMENT_HEADER_LEN {
         return Err(FrameError::Truncated {
@@ -257,6 +263,12 @@ pub fn parse_segment_header(bytes: &[u8]) -> Result<SegmentHeader, FrameError> {
         return Err(FrameError::Header(
             "sequence number and first LSN start at 1".into(),
         ));
+    }
+    if header.seq > MAX_SEQ_OR_LSN || header.first_lsn > MAX_SEQ_OR_LSN {
+        return Err(FrameError::Header(format!(
+            "sequence number {} or first LSN {} is above the limit {MAX_SEQ_OR_LSN}",
+            header.seq, header.first_lsn
+        )));
     }
     Ok(header)
 }
@@ -960,6 +972,22 @@ mod tests {
             vec![StoreOp::Delete(ProcId(2))],
             vec![StoreOp::Update(record(1, None, vec![5; 30]))],
         ]
+    }
+
+    #[test]
+    fn a_header_near_the_end_of_the_number_space_is_refused() {
+        // Counting on from such a header (the next LSN, the next segment) would
+        // overflow: refused as damage instead.
+        for (seq, first_lsn) in [(u64::MAX, 1), (1, u64::MAX), (MAX_SEQ_OR_LSN + 1, 1)] {
+            let mut h = segment_header(seq, 0, first_lsn);
+            let crc = crc32c::crc32c(&h[..SEGMENT_HEADER_LEN - 4]);
+            h[SEGMENT_HEADER_LEN - 4..].copy_from_slice(&crc.to_le_bytes());
+            match parse_segment_header(&h) {
+                Err(FrameError::Header(why)) => assert!(why.contains("above the limit"), "{why}"),
+                other => panic!("{seq} {first_lsn}: {other:?}"),
+            }
+        }
+        assert!(parse_segment_header(&segment_header(MAX_SEQ_OR_LSN, 0, MAX_SEQ_OR_LSN)).is_ok());
     }
 
     #[test]
