@@ -23,7 +23,7 @@ use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
-use proctor::internals::recovery;
+use proctor::internals::recovery::{self, Steer};
 use proctor::{
     scan_wal_dir, scan_wal_dir_with, ProcId, ProcRecord, ProcState, ProcedureStore, Repair,
     StoreError, StoreOp, WalDirScan, WalStore,
@@ -102,6 +102,26 @@ enum Command {
     /// procedure and for a tree that has already failed.
     #[command(after_help = EXIT_CODES)]
     Abort {
+        /// The WAL directory (of a stopped engine: its lock is taken).
+        dir: PathBuf,
+        /// The procedure.
+        id: u64,
+    },
+    /// Continue a paused procedure on a stopped engine's directory: a PAUSED one runs
+    /// the step that paused it again when the engine starts, a ROLLBACK_PAUSED one
+    /// retries its rollback. Refused in any other state.
+    #[command(after_help = EXIT_CODES)]
+    Continue {
+        /// The WAL directory (of a stopped engine: its lock is taken).
+        dir: PathBuf,
+        /// The procedure.
+        id: u64,
+    },
+    /// Roll back a PAUSED procedure on a stopped engine's directory: it is recorded as
+    /// aborted and its tree rolls back when the engine starts, the step that failed
+    /// first. Refused past the tree's point of no return (continue instead).
+    #[command(after_help = EXIT_CODES)]
+    Rollback {
         /// The WAL directory (of a stopped engine: its lock is taken).
         dir: PathBuf,
         /// The procedure.
@@ -194,6 +214,8 @@ fn main() -> ExitCode {
         }),
         Command::Bypass { dir, id, recursive } => bypass(&mut out, &dir, ProcId(id), recursive),
         Command::Abort { dir, id } => abort(&mut out, &dir, ProcId(id)),
+        Command::Continue { dir, id } => steer(&mut out, &dir, ProcId(id), Steer::Continue),
+        Command::Rollback { dir, id } => steer(&mut out, &dir, ProcId(id), Steer::Rollback),
     };
     let result = result.and_then(|exit| out.flush().map(|()| exit).map_err(Stop::Output));
     match result {
@@ -1005,6 +1027,26 @@ fn abort(out: &mut Out, dir: &Path, id: ProcId) -> Outcome {
         }
         Err(reason) => {
             writeln!(out, "abort of procedure {id} refused: {reason}")?;
+            Ok(Exit::Failed)
+        }
+    }
+}
+
+/// Writes an operator's continue or rollback of a paused procedure through the store.
+fn steer(out: &mut Out, dir: &Path, id: ProcId, command: Steer) -> Outcome {
+    let (mut wal, records) = open_stopped(dir)?;
+    let (name, effect) = match command {
+        Steer::Continue => ("continue", "it goes on when the engine starts"),
+        Steer::Rollback => ("rollback", "its tree rolls back when the engine starts"),
+    };
+    match recovery::steer(&records, id, command, now_ms()) {
+        Ok(ops) => {
+            wal.append(&ops)?;
+            writeln!(out, "{name} of procedure {id} recorded: {effect}")?;
+            Ok(Exit::Done)
+        }
+        Err(reason) => {
+            writeln!(out, "{name} of procedure {id} refused: {reason}")?;
             Ok(Exit::Failed)
         }
     }

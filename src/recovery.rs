@@ -9,7 +9,7 @@
 
 use std::collections::HashMap;
 
-use crate::procedure::{ProcError, ProcId};
+use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, ProcRecord, StoreOp};
 use crate::root_stack::{RootStack, Transition};
 
@@ -132,6 +132,57 @@ pub fn abort(records: &[ProcRecord], id: ProcId, now_ms: u64) -> Result<Vec<Stor
     Ok(vec![StoreOp::Update(record)])
 }
 
+/// An operator's command on a paused procedure of a stopped engine's store
+/// (`proctor continue` / `proctor rollback`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Steer {
+    /// A PAUSED procedure runs its step again at next start (retries reset); a
+    /// ROLLBACK_PAUSED one retries its rollback.
+    Continue,
+    /// A PAUSED procedure fails ([`ProcError::Aborted`]) and its tree rolls back at
+    /// next start, the failed step first. (For one not paused, see [`abort`].)
+    Rollback,
+}
+
+/// The ops that carry out `command` on `id`, from the latest records, exactly as the
+/// running engine's [`Executor::resume`](crate::Executor::resume) and
+/// [`Executor::rollback`](crate::Executor::rollback) would write them. Append them
+/// through the store.
+///
+/// # Errors
+/// A refusal naming the reason: `id` is not in the store, its tree cannot be rebuilt,
+/// or the command does not apply in its state (as the engine refuses it; a rollback of
+/// a procedure that is not paused: use [`abort`]).
+pub fn steer(
+    records: &[ProcRecord],
+    id: ProcId,
+    command: Steer,
+    now_ms: u64,
+) -> Result<Vec<StoreOp>, String> {
+    let target = records
+        .iter()
+        .find(|r| r.id == id)
+        .ok_or_else(|| format!("procedure {id} is not in the store"))?;
+    let tree: Vec<ProcRecord> = records
+        .iter()
+        .filter(|r| r.root == target.root)
+        .cloned()
+        .collect();
+    let (mut stack, _) = RootStack::recover(&tree, |name| Some(leak(name)), now_ms)
+        .map_err(|reason| format!("tree {} cannot be rebuilt: {reason}", target.root))?;
+    let t = match command {
+        Steer::Continue => stack.on_continue(id, now_ms)?,
+        Steer::Rollback => stack.on_operator_rollback(id, now_ms).map_err(|reason| {
+            if target.state == ProcState::Paused {
+                reason
+            } else {
+                format!("{reason} (`proctor abort` rolls back a procedure that is not paused)")
+            }
+        })?,
+    };
+    Ok(t.persist)
+}
+
 /// Type names are only compared here; the few an offline bypass needs may live for the
 /// rest of the command.
 fn leak(name: &str) -> &'static str {
@@ -230,7 +281,6 @@ fn order_children_first(group: &mut [ProcRecord]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::procedure::ProcState;
 
     /// A record: id, parent, state, stack indexes.
     fn rec(id: u64, parent: Option<u64>, state: ProcState, stack: &[u32]) -> ProcRecord {

@@ -862,6 +862,12 @@ impl RootStack {
         let Some(node) = self.nodes.get(&id) else {
             return Some(format!("procedure {id} is not in tree {}", self.root));
         };
+        if node.state.is_finished() {
+            return Some(format!(
+                "procedure {id} has already finished ({})",
+                node.state
+            ));
+        }
         if self.is_failed() || self.phase != Phase::Executing {
             return Some(format!("tree {} is rolling back", self.root));
         }

@@ -698,3 +698,76 @@ fn abort_and_bypass_refuse_a_running_engine_and_an_unknown_id() {
     assert_eq!(out.status.code(), Some(1));
     assert!(text(&out).contains("procedure 300 has already finished (SUCCESS)"));
 }
+
+/// `proctor continue` and `proctor rollback` on a stopped engine's log: one paused
+/// procedure goes on at the next start, the other's tree rolls back.
+#[actix::test]
+async fn continue_and_rollback_of_paused_procedures_on_a_stopped_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    let (executor, rec1) = common::start(Box::new(open_wal(dir.path()).unwrap()), 2).await;
+    // Steps to spare after the wake: wherever the pause lands, it lands before the end.
+    let plan = || {
+        let mut plan = vec![Step::More, Step::Suspend("go".into())];
+        plan.extend(std::iter::repeat_n(Step::More, 4));
+        plan
+    };
+    let goes_on = executor.submit(Scripted::new("a", plan())).await.unwrap();
+    let undone = executor.submit(Scripted::new("b", plan())).await.unwrap();
+    for id in [goes_on, undone] {
+        common::wait_for_state(&executor, id, proctor::ProcState::Waiting).await;
+    }
+    // Each pauses when it would run again.
+    let pauses: Vec<_> = [goes_on, undone]
+        .into_iter()
+        .map(|id| {
+            let executor = executor.clone();
+            actix::spawn(async move { executor.pause(id).await })
+        })
+        .collect();
+    for id in [goes_on, undone] {
+        let _ = executor.state(id).await; // lets the requests go out first
+    }
+    executor.wake_event("go").await.unwrap();
+    for pause in pauses {
+        pause.await.unwrap().expect("paused");
+    }
+    executor.shutdown().await.unwrap();
+
+    let procs = text(&proctor(&["procs", "--state", "paused"], dir.path()));
+    assert!(
+        row(&procs, goes_on.0).contains("an operator: paused by an operator"),
+        "{procs}"
+    );
+    let run = |command: &str, id: ProcId| {
+        output(
+            Command::new(env!("CARGO_BIN_EXE_proctor"))
+                .arg(command)
+                .arg(dir.path())
+                .arg(id.0.to_string()),
+        )
+    };
+    let out = run("continue", goes_on);
+    assert!(out.status.success(), "{}", text(&out));
+    let out = run("rollback", undone);
+    assert!(out.status.success(), "{}", text(&out));
+    let again = run("continue", undone);
+    assert_eq!(again.status.code(), Some(1), "{}", text(&again));
+    assert!(text(&again).contains("is FAILED"), "{}", text(&again));
+
+    let (executor, rec) = common::start(Box::new(open_wal(dir.path()).unwrap()), 2).await;
+    assert_eq!(executor.wait(goes_on).await.unwrap(), Ok(()));
+    let failure = executor.wait(undone).await.unwrap().unwrap_err();
+    assert_eq!(failure.error, ProcError::Aborted);
+    // `a` ran each of its steps once, across both engines; `b` ran nothing more and
+    // rolled back every step it had run.
+    let runs = |call: &str| rec1.count(call) + rec.count(call);
+    assert_eq!(runs("a-exec"), 6, "{:?} {:?}", rec1.calls(), rec.calls());
+    assert_eq!(rec.count("b-exec"), 0, "{:?}", rec.calls());
+    assert_eq!(
+        rec.count("b-rollback"),
+        rec1.count("b-exec"),
+        "{:?}",
+        rec.calls()
+    );
+    executor.shutdown().await.unwrap();
+}
