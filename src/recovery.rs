@@ -62,6 +62,17 @@ pub fn bypass(
     recursive: bool,
     now_ms: u64,
 ) -> Result<Vec<StoreOp>, String> {
+    let (_, mut stack) = rebuild(records, id, now_ms)?;
+    let t = stack.on_bypass(id, recursive, true, now_ms)?;
+    Ok(t.persist)
+}
+
+/// `id`'s record and its tree, rebuilt from the latest records as recovery would.
+fn rebuild(
+    records: &[ProcRecord],
+    id: ProcId,
+    now_ms: u64,
+) -> Result<(&ProcRecord, RootStack), String> {
     let target = records
         .iter()
         .find(|r| r.id == id)
@@ -71,10 +82,9 @@ pub fn bypass(
         .filter(|r| r.root == target.root)
         .cloned()
         .collect();
-    let (mut stack, _) = RootStack::recover(&tree, |name| Some(leak(name)), now_ms)
+    let (stack, _) = RootStack::recover(&tree, |name| Some(leak(name)), now_ms)
         .map_err(|reason| format!("tree {} cannot be rebuilt: {reason}", target.root))?;
-    let t = stack.on_bypass(id, recursive, true, now_ms)?;
-    Ok(t.persist)
+    Ok((target, stack))
 }
 
 /// An operator's abort on a stopped engine's store (`proctor abort`, HBase's
@@ -159,17 +169,7 @@ pub fn steer(
     command: Steer,
     now_ms: u64,
 ) -> Result<Vec<StoreOp>, String> {
-    let target = records
-        .iter()
-        .find(|r| r.id == id)
-        .ok_or_else(|| format!("procedure {id} is not in the store"))?;
-    let tree: Vec<ProcRecord> = records
-        .iter()
-        .filter(|r| r.root == target.root)
-        .cloned()
-        .collect();
-    let (mut stack, _) = RootStack::recover(&tree, |name| Some(leak(name)), now_ms)
-        .map_err(|reason| format!("tree {} cannot be rebuilt: {reason}", target.root))?;
+    let (target, mut stack) = rebuild(records, id, now_ms)?;
     let t = match command {
         Steer::Continue => stack.on_continue(id, now_ms)?,
         Steer::Rollback => stack.on_operator_rollback(id, now_ms).map_err(|reason| {
