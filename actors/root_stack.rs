@@ -306,11 +306,7 @@ impl RootStackActor {
     fn refuse_pauses(&mut self, reason: &str) {
         for (id, acks) in self.pause_waiters.drain() {
             for ack in acks {
-                let _ = ack.send(Err(Error::Refused {
-                    command: "pause",
-                    id,
-                    reason: reason.into(),
-                }));
+                refuse(ack, "pause", id, reason);
             }
         }
     }
@@ -335,11 +331,7 @@ impl RootStackActor {
             Action::Stop(id) => {
                 if let Some(acks) = self.pause_waiters.remove(&id) {
                     for ack in acks {
-                        let _ = ack.send(Err(Error::Refused {
-                            command: "pause",
-                            id,
-                            reason: "it finished before it paused".into(),
-                        }));
+                        refuse(ack, "pause", id, "it finished before it paused");
                     }
                 }
                 // Stopped while suspended (its tree failed, or timed out): it no longer
@@ -834,11 +826,7 @@ impl Handler<CommandRequest> for RootStackActor {
                 }
                 (refusal, _) => {
                     let reason = refusal.unwrap_or_else(|| format!("procedure {id} has finished"));
-                    let _ = msg.ack.send(Err(Error::Refused {
-                        command: command.name(),
-                        id,
-                        reason,
-                    }));
+                    refuse(msg.ack, command.name(), id, reason);
                 }
             }
             return;
@@ -848,11 +836,7 @@ impl Handler<CommandRequest> for RootStackActor {
             // Not paused: a rollback is an abort (its hook decides, a running step is
             // cancelled), refused where an operator's rollback is.
             if let Some(reason) = self.core.rollback_refusal(id) {
-                let _ = msg.ack.send(Err(Error::Refused {
-                    command: command.name(),
-                    id,
-                    reason,
-                }));
+                refuse(msg.ack, command.name(), id, reason);
                 return;
             }
             self.handle(AbortRequest { id, ack: msg.ack }, ctx);
@@ -873,11 +857,7 @@ impl Handler<CommandRequest> for RootStackActor {
                 self.apply(t, Some((msg.ack, Ok(true))), ctx);
             }
             Some(Err(reason)) => {
-                let _ = msg.ack.send(Err(Error::Refused {
-                    command: command.name(),
-                    id,
-                    reason,
-                }));
+                refuse(msg.ack, command.name(), id, reason);
             }
             None => {
                 let e = self
@@ -903,11 +883,7 @@ impl Handler<AbortRequest> for RootStackActor {
                 "tree {} has passed its point of no return: continue instead",
                 self.core.root()
             );
-            let _ = msg.ack.send(Err(Error::Refused {
-                command: "abort",
-                id: msg.id,
-                reason,
-            }));
+            refuse(msg.ack, "abort", msg.id, reason);
             return;
         }
         match self.procs.get(&msg.id) {
@@ -919,6 +895,15 @@ impl Handler<AbortRequest> for RootStackActor {
             }
         }
     }
+}
+
+/// Answers an operator's command with its refusal.
+fn refuse(ack: AbortAck, command: &'static str, id: ProcId, reason: impl Into<String>) {
+    let _ = ack.send(Err(Error::Refused {
+        command,
+        id,
+        reason: reason.into(),
+    }));
 }
 
 /// What `ops` will change in the procedure table once they are durable.

@@ -654,15 +654,12 @@ impl RootStack {
                 }
             }
             StepOutcome::Paused if !self.is_failed() => {
-                let node = self.node_mut(id);
-                node.state = ProcState::Paused;
-                node.steering.paused = Some(Paused {
+                let why = Paused {
                     error: None,
                     policy: None,
                     retries: 0,
-                });
-                node.paused_data = Some(report.data.clone());
-                self.persist_update(&mut t, id, report.data, now_ms);
+                };
+                self.pause(&mut t, id, ProcState::Paused, why, report.data, now_ms);
                 t.actions.push(Action::PausedByOperator(id));
             }
             // Its tree failed meanwhile: it is rolled back with the others.
@@ -710,15 +707,13 @@ impl RootStack {
                         let data = before.unwrap_or(report.data);
                         let node = self.node_mut(id);
                         let retries = std::mem::take(&mut node.steering.retries);
-                        node.steering.paused = Some(Paused {
+                        node.steering.dirty = true;
+                        let why = Paused {
                             error: Some(error),
                             policy: Some(policy),
                             retries,
-                        });
-                        node.steering.dirty = true;
-                        node.state = ProcState::Paused;
-                        node.paused_data = Some(data.clone());
-                        self.persist_update(&mut t, id, data.clone(), now_ms);
+                        };
+                        self.pause(&mut t, id, ProcState::Paused, why, data.clone(), now_ms);
                         t.actions.push(Action::Reset { id, data });
                     }
                 }
@@ -789,16 +784,14 @@ impl RootStack {
             // Past the point of no return a timeout cannot roll the tree back either.
             tracing::warn!(proc = %id, %error, "failure past the point of no return; procedure paused");
             let node = self.node_mut(id);
-            node.steering.paused = Some(Paused {
+            node.wake_at_ms = None;
+            node.event = None;
+            let why = Paused {
                 error: Some(error),
                 policy: None,
                 retries: 0,
-            });
-            node.state = ProcState::Paused;
-            node.wake_at_ms = None;
-            node.event = None;
-            node.paused_data = Some(data.clone());
-            self.persist_update(&mut t, id, data, now_ms);
+            };
+            self.pause(&mut t, id, ProcState::Paused, why, data, now_ms);
         } else if self.phase == Phase::Executing && live {
             self.fail(id, error);
             self.persist_update(&mut t, id, data, now_ms);
@@ -822,10 +815,8 @@ impl RootStack {
         let mut t = Transition::default();
         match node.state {
             ProcState::Paused if self.phase == Phase::Executing && !self.is_failed() => {
-                let node = self.node_mut(id);
-                node.steering.paused = None;
-                node.steering.retries = 0;
-                let data = node.paused_data.take().unwrap_or_default();
+                let data = self.unpause(id);
+                self.node_mut(id).steering.retries = 0;
                 self.enqueue(&mut t, id, false);
                 self.persist_update(&mut t, id, data, now_ms);
             }
@@ -837,12 +828,11 @@ impl RootStack {
             }
             ProcState::RollbackPaused => {
                 let unrecorded = self.stack.last().is_some_and(|e| !e.recorded);
+                let data = self.unpause(id);
                 let node = self.node_mut(id);
-                node.steering.paused = None;
                 node.steering.retries = 0;
                 node.rollback_attempts = 0;
                 node.state = ProcState::Failed;
-                let data = node.paused_data.take().unwrap_or_default();
                 self.persist_update(&mut t, id, data, now_ms);
                 t.actions.push(Action::Rollback { id, unrecorded });
             }
@@ -921,9 +911,7 @@ impl RootStack {
             return Err(format!("procedure {id} is not paused"));
         }
         let mut t = Transition::default();
-        let node = self.node_mut(id);
-        node.steering.paused = None;
-        let data = node.paused_data.take().unwrap_or_default();
+        let data = self.unpause(id);
         self.fail(id, ProcError::Aborted);
         self.persist_update(&mut t, id, data, now_ms);
         self.maybe_start_rollback(&mut t, now_ms);
@@ -1167,19 +1155,43 @@ impl RootStack {
                     Decision::Pause | Decision::Rollback => {
                         tracing::warn!(proc = %id, %error, "rollback failed; rollback paused");
                         let retries = std::mem::take(&mut node.steering.retries);
-                        node.steering.paused = Some(Paused {
+                        let why = Paused {
                             error: Some(error),
                             policy: Some(policy),
                             retries,
-                        });
-                        node.state = ProcState::RollbackPaused;
-                        node.paused_data = Some(data.clone());
-                        self.persist_update(&mut t, id, data, now_ms);
+                        };
+                        self.pause(&mut t, id, ProcState::RollbackPaused, why, data, now_ms);
                     }
                 }
             }
         }
         t
+    }
+
+    /// Stops `id` in `state` (PAUSED or ROLLBACK_PAUSED) for `why`: records it with
+    /// `data`, and keeps `data` for the record the operator's command writes.
+    fn pause(
+        &mut self,
+        t: &mut Transition,
+        id: ProcId,
+        state: ProcState,
+        why: Paused,
+        data: Vec<u8>,
+        now_ms: u64,
+    ) {
+        let node = self.node_mut(id);
+        node.state = state;
+        node.steering.paused = Some(why);
+        node.paused_data = Some(data.clone());
+        self.persist_update(t, id, data, now_ms);
+    }
+
+    /// Ends `id`'s pause: its recorded state, for the record the operator's command
+    /// writes.
+    fn unpause(&mut self, id: ProcId) -> Vec<u8> {
+        let node = self.node_mut(id);
+        node.steering.paused = None;
+        node.paused_data.take().unwrap_or_default()
     }
 
     fn node_mut(&mut self, id: ProcId) -> &mut Node {
