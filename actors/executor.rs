@@ -20,7 +20,7 @@ use crate::error::Error;
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState, Procedure};
 use crate::ready_queue::Scheduling;
-use crate::record::{Failure, Nonce, ProcRecord, Steering, StoreOp};
+use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp};
 use crate::recovery::{self, CorruptProc};
 use crate::registry::{Registry, Types};
 use crate::store::{MemoryStore, ProcedureStore};
@@ -30,7 +30,7 @@ use super::persistence::Persistence;
 use super::procedure::{declare, Undeclarable};
 use super::protocol::{
     AbortRequest, BypassRequest, Command, CommandRequest, Persist, Quiesce, Refuse, Regrant,
-    RootSubmitted, StopWriter, TreeFinished,
+    StopWriter, TreeFinished, TreeNews,
 };
 use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{
@@ -57,6 +57,7 @@ impl From<MailboxError> for Error {
 pub struct ExecutorBuilder<E = ()> {
     workers: usize,
     scheduling: Scheduling,
+    reserved_workers: Option<usize>,
     arbiters: usize,
     store: Option<Box<dyn ProcedureStore>>,
     registry: Registry<E>,
@@ -73,6 +74,7 @@ impl<E> std::fmt::Debug for ExecutorBuilder<E> {
         f.debug_struct("ExecutorBuilder")
             .field("workers", &self.workers)
             .field("scheduling", &self.scheduling)
+            .field("reserved_workers", &self.reserved_workers)
             .field("arbiters", &self.arbiters)
             .field("store", &self.store.as_ref().map(|_| "custom"))
             .field("registry", &self.registry)
@@ -99,6 +101,7 @@ impl<E> Default for ExecutorBuilder<E> {
         ExecutorBuilder {
             workers: 16,
             scheduling: Scheduling::Fair,
+            reserved_workers: None,
             arbiters: std::thread::available_parallelism().map_or(2, |n| n.get()),
             store: None,
             registry: Registry::default(),
@@ -156,6 +159,24 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         self
     }
 
+    /// Workers kept for young trees (under a second of step time, level 0 of the
+    /// [`Scheduling::Fair`] queue): a step of an older tree starts only while more than
+    /// `n` workers are free. Steps are not preempted, so a new tree's first step would
+    /// otherwise wait for some running step to end when long-running trees fill every
+    /// worker; with a reserved worker it starts at once. The price: trees that have run
+    /// a second or more use at most `workers - n` workers. Default: 1 with 4 workers or
+    /// more, else 0; always fewer than the workers. [`Scheduling::Fifo`] ignores it.
+    ///
+    /// ```
+    /// let builder = proctor::Executor::builder().workers(8).reserved_workers(2);
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn reserved_workers(mut self, n: usize) -> Self {
+        self.reserved_workers = Some(n);
+        self
+    }
+
     /// How many arbiters (threads) procedure actors are spread over (default: one per
     /// core).
     #[must_use]
@@ -182,6 +203,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         ExecutorBuilder {
             workers: self.workers,
             scheduling: self.scheduling,
+            reserved_workers: self.reserved_workers,
             arbiters: self.arbiters,
             store: self.store,
             registry,
@@ -389,9 +411,12 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
             .start();
         let lock_views = Arc::new(LockViews::default());
+        let reserved = self
+            .reserved_workers
+            .unwrap_or(usize::from(self.workers >= 4));
         let scheduler = Scheduler::new(
             self.workers,
-            self.scheduling,
+            (self.scheduling, reserved),
             self.monitor,
             self.permits,
             lock_views.clone(),
@@ -840,7 +865,8 @@ impl<E: Send + Sync + 'static> Executor<E> {
         self.addr.send(which).await?
     }
 
-    /// Subscribes to [`ProcEvent`]s: every root submitted or finishing from now on.
+    /// Subscribes to [`ProcEvent`]s: every root submitted or finishing, and every
+    /// procedure pausing, from now on.
     ///
     /// ```no_run
     /// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
@@ -1215,9 +1241,11 @@ impl Default for Shutdown {
     }
 }
 
-/// What happened to a root procedure, for subscribers ([`Executor::subscribe`],
-/// [`Subscribe`]). Each root gives `Submitted` (once its insert is durable) before
-/// `Finished`; roots recovered at start give only `Finished`.
+/// What happened to a root procedure, or to any procedure that paused, for subscribers
+/// ([`Executor::subscribe`], [`Subscribe`]). Each root gives `Submitted` (once its
+/// insert is durable) before `Finished`, and any `Paused` of its tree between them;
+/// roots recovered at start give no `Submitted`, and procedures recovered paused give
+/// no `Paused` (list them: `List::new().state(ProcState::Paused)`).
 #[derive(Clone, Debug, PartialEq)]
 #[non_exhaustive]
 pub enum ProcEvent {
@@ -1227,6 +1255,20 @@ pub enum ProcEvent {
         id: ProcId,
         /// Its registered type name.
         type_name: &'static str,
+    },
+    /// A procedure (a root or a child) is durably paused and waits for an operator's
+    /// [`Executor::resume`] or [`Executor::rollback`]: stopped by [`Executor::pause`],
+    /// or by its [`FailurePolicy`](crate::FailurePolicy), or by a failure past the
+    /// point of no return.
+    Paused {
+        /// The paused procedure.
+        id: ProcId,
+        /// Its root.
+        root: ProcId,
+        /// [`ProcState::Paused`] or [`ProcState::RollbackPaused`].
+        state: ProcState,
+        /// Why: the error and policy, or neither for an operator's pause.
+        why: Paused,
     },
     /// A root's tree finished: `Ok` for SUCCESS, the original failure for ROLLEDBACK.
     Finished {
@@ -1892,17 +1934,31 @@ impl<E: Send + Sync + 'static> Handler<SubscribeChannel> for ExecutorActor<E> {
     }
 }
 
-impl<E: Send + Sync + 'static> Handler<RootSubmitted> for ExecutorActor<E> {
+impl<E: Send + Sync + 'static> Handler<TreeNews> for ExecutorActor<E> {
     type Result = ();
 
-    fn handle(&mut self, msg: RootSubmitted, _ctx: &mut Context<Self>) {
-        if !self.subscribers.is_empty() {
-            let event = ProcEvent::Submitted {
-                id: msg.0,
-                type_name: self.type_name_of(msg.0),
-            };
-            self.publish(event);
+    fn handle(&mut self, msg: TreeNews, _ctx: &mut Context<Self>) {
+        if self.subscribers.is_empty() {
+            return;
         }
+        let event = match msg {
+            TreeNews::Submitted(id) => ProcEvent::Submitted {
+                id,
+                type_name: self.type_name_of(id),
+            },
+            TreeNews::Paused {
+                id,
+                root,
+                state,
+                why,
+            } => ProcEvent::Paused {
+                id,
+                root,
+                state,
+                why,
+            },
+        };
+        self.publish(event);
     }
 }
 

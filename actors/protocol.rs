@@ -15,7 +15,7 @@ use crate::erased::DynProc;
 use crate::error::Error;
 use crate::locks::Request;
 use crate::procedure::{ProcError, ProcId, ProcState};
-use crate::record::{Failure, StoreOp};
+use crate::record::{Failure, Paused, StoreOp};
 use crate::root_stack::{RollbackFailure, StepReport};
 
 use super::procedure::ProcedureActor;
@@ -447,11 +447,20 @@ impl Message for Quiesce {
 
 // Subscriptions: root stack -> executor, in order with the tree's `TreeFinished`.
 
-/// A root's insert is durable and its submitter answered: tell the subscribers (sent
-/// only while there are any). From the root stack, so it reaches the executor before
-/// the same tree's `TreeFinished`.
-pub(crate) struct RootSubmitted(pub(crate) ProcId);
+/// News of a tree for the subscribers (sent only while there are any). From the root
+/// stack, so it reaches the executor before the same tree's `TreeFinished`.
+pub(crate) enum TreeNews {
+    /// The root's insert is durable and its submitter answered.
+    Submitted(ProcId),
+    /// A procedure of the tree is durably paused.
+    Paused {
+        id: ProcId,
+        root: ProcId,
+        state: ProcState,
+        why: Paused,
+    },
+}
 
-impl Message for RootSubmitted {
+impl Message for TreeNews {
     type Result = ();
 }

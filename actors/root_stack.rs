@@ -41,8 +41,8 @@ use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
     AbortAck, AbortProc, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline,
     Enqueue, FailRequest, LockForRollback, LocksHeld, PauseProc, Persist, ProcLost, Quiesce,
-    ReleaseLocks, ResetProc, Rollback, RolledBack, RootSubmitted, StepDone, StepFinished, StopProc,
-    SuspendOn, TreeEnded, TreeFailed, TreeFinished, Unsuspend, Wake,
+    ReleaseLocks, ResetProc, Rollback, RolledBack, StepDone, StepFinished, StopProc, SuspendOn,
+    TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
 
@@ -293,8 +293,8 @@ impl RootStackActor {
                 let _ = ack.send(Ok(self.core.root()));
                 if self.shared.has_subscribers() {
                     self.shared
-                        .submitted
-                        .do_send(RootSubmitted(self.core.root()));
+                        .news
+                        .do_send(TreeNews::Submitted(self.core.root()));
                 }
             } else {
                 self.submit_ack = Some(ack);
@@ -366,9 +366,19 @@ impl RootStackActor {
                     e.tree = None;
                 }
             }
-            Action::PausedByOperator(id) => {
+            Action::Paused { id, state, why } => {
                 for ack in self.pause_waiters.remove(&id).unwrap_or_default() {
                     let _ = ack.send(Ok(true));
+                }
+                if self.shared.has_subscribers() {
+                    let root = self.core.root();
+                    let news = TreeNews::Paused {
+                        id,
+                        root,
+                        state,
+                        why,
+                    };
+                    self.shared.news.do_send(news);
                 }
             }
             Action::Reset { id, data } => {

@@ -165,7 +165,7 @@ pub(crate) struct Scheduler {
 impl Scheduler {
     pub(crate) fn new(
         workers: usize,
-        scheduling: Scheduling,
+        (scheduling, reserved): (Scheduling, usize),
         monitor: Monitor,
         permits: Vec<(String, u32)>,
         view: Arc<LockViews>,
@@ -175,8 +175,10 @@ impl Scheduler {
             locks.set_permits(resource, n);
         }
         let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let mut ready = ReadyQueue::new(workers, scheduling);
+        ready.set_reserved(reserved);
         Scheduler {
-            ready: ReadyQueue::new(workers, scheduling),
+            ready,
             running: HashMap::new(),
             workers: Workers::new(WorkerPolicy {
                 base: workers,

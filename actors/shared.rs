@@ -16,7 +16,7 @@ use crate::record::{Failure, Nonce, Steering};
 use crate::registry::Types;
 
 use super::persistence::Persistence;
-use super::protocol::{RootSubmitted, TreeFinished};
+use super::protocol::{TreeFinished, TreeNews};
 use super::root_stack::RootStackActor;
 use super::scheduler::Scheduler;
 
@@ -120,8 +120,8 @@ pub(crate) struct Shared {
     pub(crate) persistence: Addr<Persistence>,
     /// The executor, for finished trees.
     pub(crate) finished: Recipient<TreeFinished>,
-    /// The executor, for submits to publish.
-    pub(crate) submitted: Recipient<RootSubmitted>,
+    /// The executor, for submits and pauses to publish.
+    pub(crate) news: Recipient<TreeNews>,
     pub(crate) arbiters: Vec<ArbiterHandle>,
     next_arbiter: AtomicUsize,
     next_id: AtomicU64,
@@ -191,7 +191,7 @@ impl Shared {
         scheduler: Addr<Scheduler>,
         persistence: Addr<Persistence>,
         finished: Recipient<TreeFinished>,
-        submitted: Recipient<RootSubmitted>,
+        news: Recipient<TreeNews>,
         arbiters: Vec<ArbiterHandle>,
         max_id: u64,
     ) -> Self {
@@ -203,7 +203,7 @@ impl Shared {
             scheduler,
             persistence,
             finished,
-            submitted,
+            news,
             arbiters,
             next_arbiter: AtomicUsize::new(0),
             next_id: AtomicU64::new(max_id + 1),

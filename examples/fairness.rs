@@ -5,19 +5,23 @@
 //! cargo run --release --example fairness
 //! ```
 //!
-//! Three phases, each on a fresh executor over the in-memory store with few workers
+//! Four phases, each on a fresh executor over the in-memory store with few workers
 //! (default 4): short procedures of 3 steps alone; then the same beside background
-//! procedures that run many long steps (default 6 of them, each up to 120 steps that
-//! hold a worker for 20 to 50 ms) under the default multilevel fair queue
-//! (`Scheduling::Fair`); then the same under `Scheduling::Fifo`. The short procedures are
+//! procedures that run many long steps (default 6 of them, each up to 150 steps that
+//! hold a worker for 20 to 50 ms, running alone for `--warmup-ms` first, as procedures
+//! that have been running a while) under the default multilevel fair queue
+//! (`Scheduling::Fair`, with its default reserved worker); then the same under
+//! `Scheduling::Fifo`; then under the fair queue with the background starting together
+//! with the short ones ("cold": for their first second of step time the background
+//! trees are young too, on level 0 beside the short ones). The short procedures are
 //! submitted at a steady pace (default one every 20 ms, 200 of them), each timed from
 //! submit to the end of its `wait`. Once the short ones are done the background ones
 //! stop at their next step.
 //!
 //! The last line is one JSON object (a contract, see `examples/README.md`) with the
 //! short procedures' p50 and p99 latency in each phase (`short_p99_alone_ms`,
-//! `short_p99_fair_ms`, `short_p99_fifo_ms`, ...), their counts and each phase's
-//! duration.
+//! `short_p99_fair_ms`, `short_p99_fifo_ms`, `short_p99_fair_cold_ms`, ...), their
+//! counts and each phase's duration.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -43,13 +47,22 @@ struct Args {
     /// Concurrent steps.
     #[arg(long, default_value_t = 4)]
     workers: usize,
+    /// Workers kept for young trees under the fair queue (default: the engine's, 1
+    /// with 4 workers or more).
+    #[arg(long)]
+    reserved_workers: Option<usize>,
     /// Background procedures that run many long steps.
     #[arg(long, default_value_t = 6)]
     background: u32,
     /// Steps of each background procedure (it stops earlier once the short ones are
     /// done).
-    #[arg(long, default_value_t = 120)]
+    #[arg(long, default_value_t = 150)]
     background_steps: u32,
+    /// How long the background procedures run alone before the short ones start, in
+    /// ms: long enough for them to pass a second of step time (the fair queue's level
+    /// 1), as procedures that have been running for a while have.
+    #[arg(long, default_value_t = 2000)]
+    warmup_ms: u64,
     /// Shortest and longest background step, in ms (a sleep inside the step, holding
     /// its worker).
     #[arg(long, default_value_t = 20)]
@@ -146,6 +159,7 @@ async fn phase(
     args: &Args,
     scheduling: Scheduling,
     background: bool,
+    warmup: bool,
 ) -> Result<Phase, Box<dyn std::error::Error>> {
     let mut registry = Registry::<Env>::default();
     registry.register::<Short>("short");
@@ -159,9 +173,12 @@ async fn phase(
         .env(env.clone())
         .store(MemoryStore::new())
         .workers(args.workers)
-        .scheduling(scheduling)
-        .start()
-        .await?;
+        .scheduling(scheduling);
+    let executor = match args.reserved_workers {
+        Some(n) => executor.reserved_workers(n),
+        None => executor,
+    };
+    let executor = executor.start().await?;
     let started = Instant::now();
     let mut longs = Vec::new();
     if background {
@@ -171,6 +188,9 @@ async fn phase(
                 seed: u64::from(seed) * 7919,
             };
             longs.push(executor.submit(long).await?);
+        }
+        if warmup {
+            tokio::time::sleep(Duration::from_millis(args.warmup_ms)).await;
         }
     }
     // Open loop: the submits keep their pace however long the earlier ones take.
@@ -206,12 +226,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.workers == 0 || args.shorts == 0 {
         return Err("need --workers >= 1 and --shorts >= 1".into());
     }
-    let alone = phase(&args, Scheduling::Fair, false).await?;
-    let fair = phase(&args, Scheduling::Fair, true).await?;
-    let fifo = phase(&args, Scheduling::Fifo, true).await?;
-    for (name, p) in [("alone", &alone), ("fair", &fair), ("fifo", &fifo)] {
+    let alone = phase(&args, Scheduling::Fair, false, false).await?;
+    let fair = phase(&args, Scheduling::Fair, true, true).await?;
+    let fifo = phase(&args, Scheduling::Fifo, true, true).await?;
+    let cold = phase(&args, Scheduling::Fair, true, false).await?;
+    for (name, p) in [
+        ("alone", &alone),
+        ("fair", &fair),
+        ("fifo", &fifo),
+        ("fair, no warm-up", &cold),
+    ] {
         eprintln!(
-            "{name:>5}: {} short procedures in {:.1} s, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+            "{name:>16}: {} short procedures in {:.1} s, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
             p.latencies.len(),
             p.wall.as_secs_f64(),
             p.ms(0.5),
@@ -233,11 +259,16 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "short_p99_alone_ms": round(alone.ms(0.99)),
         "short_p99_fair_ms": round(fair.ms(0.99)),
         "short_p99_fifo_ms": round(fifo.ms(0.99)),
+        "short_p50_fair_cold_ms": round(cold.ms(0.5)),
+        "short_p99_fair_cold_ms": round(cold.ms(0.99)),
         "fair_over_alone_p99": round(fair.ms(0.99) / alone.ms(0.99).max(0.001)),
         "fifo_over_alone_p99": round(fifo.ms(0.99) / alone.ms(0.99).max(0.001)),
         "wall_s_alone": round(alone.wall.as_secs_f64()),
         "wall_s_fair": round(fair.wall.as_secs_f64()),
         "wall_s_fifo": round(fifo.wall.as_secs_f64()),
+        "wall_s_fair_cold": round(cold.wall.as_secs_f64()),
+        "reserved_workers": args.reserved_workers,
+        "warmup_ms": args.warmup_ms,
     });
     println!("{report}");
     Ok(())

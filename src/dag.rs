@@ -43,6 +43,22 @@
 //! A finished task's rollback runs inside the DAG's rollback step: with the DAG's
 //! context and under the DAG's locks ([`DagBuilder::lock`]), not the task's own
 //! ([`Task::locks`], taken for its execution).
+//!
+//! # Failure policies and points of no return
+//!
+//! A task's [`Task::failure_policy`] decides what its failed `execute` leads to (its
+//! child procedure asks it) and what a failed `rollback` of it leads to (the DAG asks
+//! it for the task whose rollback failed): roll back, pause, or retry first.
+//!
+//! A task whose [`Task::irreversible`] is true is a point of no return: its child
+//! procedure marks its step ([`Context::set_irreversible`]), so once that step is
+//! recorded a failure anywhere in the tree pauses the failing procedure, and the DAG
+//! is never rolled back past the task. Such a task runs in a wave of its own, and only
+//! when no reversible task is ready: a sibling failing in the same wave could
+//! otherwise fail the tree while the task's step is still unrecorded, and the DAG
+//! would have to undo it. Alone in its wave, the task either fails itself (its effect
+//! is then not done, and the DAG rolls back) or is recorded before any other task
+//! starts.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -52,7 +68,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::Lock;
-use crate::procedure::{Context, Flow, ProcError, Procedure};
+use crate::procedure::{Context, FailurePolicy, Flow, ProcError, Procedure};
 
 /// A task of a [`Dag`]: one idempotent action and its idempotent undo. Usually an enum
 /// of the kinds of work a DAG does. Its value is fixed when it is added to the
@@ -97,6 +113,22 @@ where
     /// run under the DAG's own locks ([`DagBuilder::lock`]) without waiting for them.
     fn locks(&self) -> Vec<Lock> {
         Vec::new()
+    }
+
+    /// What a failed `execute` (or a failed `rollback`) of this task leads to, as
+    /// [`Procedure::failure_policy`]: roll the DAG back (the default), pause for an
+    /// operator, or retry first.
+    fn failure_policy(&self, _error: &ProcError) -> FailurePolicy {
+        FailurePolicy::Rollback
+    }
+
+    /// Whether the task is a point of no return ([`Context::set_irreversible`]): once
+    /// its `execute` is done and recorded, a failure anywhere in the DAG's tree pauses
+    /// instead of rolling back, so the DAG never undoes it. Such a task runs in a wave
+    /// of its own, after the ready reversible tasks: with no sibling in flight, no
+    /// failure can race it, and its own failure still rolls the DAG back.
+    fn irreversible(&self) -> bool {
+        false
     }
 }
 
@@ -295,6 +327,7 @@ impl<T: fmt::Debug> DagBuilder<T> {
             waves: Vec::new(),
             parallelism: u32::try_from(self.parallelism).unwrap_or(u32::MAX),
             locks: self.locks,
+            failed_rollback: None,
         })
     }
 }
@@ -344,6 +377,9 @@ pub struct Dag<T> {
     waves: Vec<Vec<u32>>,
     parallelism: u32,
     locks: Vec<Lock>,
+    /// The task whose rollback failed last, for [`Procedure::failure_policy`].
+    #[serde(skip)]
+    failed_rollback: Option<u32>,
 }
 
 impl<T> Dag<T> {
@@ -386,6 +422,34 @@ impl<T> Dag<T> {
         self.tasks.get(id.index())
     }
 
+    /// The edges, `(before, after)`, by `after` then `before`.
+    ///
+    /// ```
+    /// # use proctor::{async_trait, Context, ProcError, Task};
+    /// # #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+    /// # struct Step;
+    /// # #[async_trait]
+    /// # impl Task for Step {
+    /// #     async fn execute(&self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+    /// #     async fn rollback(&self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+    /// # }
+    /// let mut dag = proctor::DagBuilder::new();
+    /// let (a, b, c) = (dag.add(Step), dag.add(Step), dag.add(Step));
+    /// dag.edge(b, c).edge(a, c).edge(a, b);
+    /// assert_eq!(dag.build().unwrap().edges(), [(a, b), (a, c), (b, c)]);
+    /// ```
+    pub fn edges(&self) -> Vec<(TaskId, TaskId)> {
+        self.preds
+            .iter()
+            .enumerate()
+            .flat_map(|(after, preds)| {
+                preds
+                    .iter()
+                    .map(move |&before| (TaskId(before), TaskId(after as u32)))
+            })
+            .collect()
+    }
+
     /// How far the DAG is, as its state name shows it: `3/20 done, 4 running`, and the
     /// tasks rolled back once there are some.
     pub fn summary(&self) -> String {
@@ -410,14 +474,20 @@ impl<T> Dag<T> {
     }
 
     /// Ends the current wave (its tasks are done) and starts the next one: the ready
-    /// tasks, by priority, at most `parallelism`. Empty when nothing is ready.
-    fn next_wave(&mut self) -> Vec<u32> {
+    /// tasks, by priority, at most `parallelism`; those for which `alone` is true (the
+    /// irreversible) only when no other is ready, one per wave. Empty when nothing is
+    /// ready.
+    fn next_wave(&mut self, alone: impl Fn(u32) -> bool) -> Vec<u32> {
         for mark in &mut self.marks {
             if *mark == Mark::Started {
                 *mark = Mark::Done;
             }
         }
-        let mut wave = ready(&self.preds, &self.marks);
+        let ready = ready(&self.preds, &self.marks);
+        let mut wave: Vec<u32> = ready.iter().copied().filter(|&t| !alone(t)).collect();
+        if wave.is_empty() {
+            wave.extend(ready.first());
+        }
         wave.truncate(self.parallelism as usize);
         for &t in &wave {
             self.marks[t as usize] = Mark::Started;
@@ -538,7 +608,9 @@ where
     E: Send + Sync + 'static,
 {
     async fn execute(&mut self, _ctx: &mut Context<E>) -> Result<Flow<E>, ProcError> {
-        let wave = self.next_wave();
+        let tasks = &self.tasks;
+        let alone: Vec<bool> = tasks.iter().map(Task::irreversible).collect();
+        let wave = self.next_wave(|t| alone[t as usize]);
         if wave.is_empty() {
             if self.marks.iter().all(|&m| m == Mark::Done) {
                 return Ok(Flow::Done);
@@ -568,10 +640,20 @@ where
             return Ok(());
         }
         for t in self.to_roll_back() {
-            self.tasks[t as usize].rollback(ctx).await?;
+            if let Err(e) = self.tasks[t as usize].rollback(ctx).await {
+                self.failed_rollback = Some(t);
+                return Err(e);
+            }
             self.marks[t as usize] = Mark::RolledBack;
         }
         Ok(())
+    }
+
+    fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
+        // A DAG step only starts tasks; what fails in it is a task's rollback.
+        self.failed_rollback
+            .and_then(|t| self.tasks.get(t as usize))
+            .map_or(FailurePolicy::Rollback, |task| task.failure_policy(error))
     }
 
     fn locks(&self) -> Vec<Lock> {
@@ -617,6 +699,9 @@ where
 {
     async fn execute(&mut self, ctx: &mut Context<E>) -> Result<Flow<E>, ProcError> {
         self.task.execute(ctx).await?;
+        if self.task.irreversible() {
+            ctx.set_irreversible();
+        }
         Ok(Flow::Done)
     }
 
@@ -626,6 +711,10 @@ where
 
     fn locks(&self) -> Vec<Lock> {
         self.task.locks()
+    }
+
+    fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
+        self.task.failure_policy(error)
     }
 
     fn state_name(&self) -> Option<String> {
@@ -677,6 +766,10 @@ mod tests {
                 .unwrap()
                 .push(format!("rollback {}", self.0));
             Ok(())
+        }
+        /// A job named `!…` is a point of no return.
+        fn irreversible(&self) -> bool {
+            self.0.starts_with('!')
         }
     }
 
@@ -870,6 +963,59 @@ mod tests {
             log.lock().unwrap().is_empty(),
             "the DAG runs no task itself"
         );
+    }
+
+    #[test]
+    fn an_irreversible_task_runs_alone_after_the_ready_reversible_ones() {
+        // (tasks, edges, parallelism, waves)
+        type Case = (
+            &'static [&'static str],
+            Edges,
+            usize,
+            &'static [&'static [usize]],
+        );
+        let cases: &[Case] = &[
+            // a → c; !x and b free: the reversible first, !x once none is ready.
+            (&["a", "!x", "b", "c"], &[(0, 3)], 3, &[&[0, 2], &[3], &[1]]),
+            // Only irreversible tasks ready: one per wave.
+            (
+                &["!x", "!y", "z"],
+                &[(0, 2), (1, 2)],
+                4,
+                &[&[0], &[1], &[2]],
+            ),
+            // !x heads the longest chain, yet waits for the reversible b.
+            (&["!x", "a", "b"], &[(0, 1)], 2, &[&[2], &[0], &[1]]),
+        ];
+        for &(names, edges, parallelism, expected) in cases {
+            let mut b = DagBuilder::new();
+            let ids: Vec<TaskId> = names.iter().map(|n| b.add(job(n))).collect();
+            for &(x, y) in edges {
+                b.edge(ids[x as usize], ids[y as usize]);
+            }
+            b.parallelism(parallelism);
+            let mut dag = b.build().unwrap();
+            let log = Arc::new(Log::default());
+            let mut waves = Vec::new();
+            while let Some(wave) = step(&mut dag, &log) {
+                waves.push(wave);
+            }
+            assert_eq!(waves, expected, "{names:?} {edges:?}");
+        }
+    }
+
+    #[test]
+    fn an_irreversible_task_marks_its_step() {
+        let log = Arc::new(Log::default());
+        for (name, marked) in [("!x", true), ("a", false)] {
+            let mut task = DagTask {
+                id: TaskId(0),
+                task: job(name),
+            };
+            let mut ctx = ctx(&log);
+            now(Procedure::<Log>::execute(&mut task, &mut ctx)).unwrap();
+            assert_eq!(ctx.take_irreversible(), marked, "{name}");
+        }
     }
 
     #[test]

@@ -190,6 +190,14 @@ impl<T, R: Hash + Eq> Mlfq<T, R> {
         Some(entry.item)
     }
 
+    /// The next item of level `l` only (see [`ReadyQueue`](crate::ready_queue::ReadyQueue)'s
+    /// reserved workers).
+    pub fn pop_at(&mut self, l: usize) -> Option<T> {
+        let Reverse(entry) = self.levels.get_mut(l)?.queue.pop()?;
+        self.len -= 1;
+        Some(entry.item)
+    }
+
     /// The level [`pop`](Mlfq::pop) takes from: the non-empty one with the lowest
     /// scheduled time over share, the lower level on a tie.
     pub fn pick(&self) -> Option<usize> {

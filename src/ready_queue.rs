@@ -19,7 +19,9 @@ pub enum Scheduling {
     /// the step time they have run (from 0, 1, 10, 60 and 300 s), each level gets half
     /// the run time of the one below it, and within a level the tree with less time
     /// goes first. A tree of a few short steps is not held up behind trees that run
-    /// hundreds of long steps. Steps are not preempted: a step waits for a free worker.
+    /// hundreds of long steps. Steps are not preempted: a step waits for a free worker,
+    /// and [`ExecutorBuilder::reserved_workers`](crate::ExecutorBuilder::reserved_workers)
+    /// keeps workers free for trees on level 0.
     #[default]
     Fair,
     /// First in, first out, with a front: a procedure continuing its steps goes before
@@ -40,6 +42,8 @@ pub struct ReadyQueue<T, R> {
     order: Order<T, R>,
     workers: usize,
     busy: usize,
+    /// Workers only level 0 of the fair order may take (fewer than `workers`).
+    reserved: usize,
 }
 
 impl<T, R: Hash + Eq> ReadyQueue<T, R> {
@@ -57,7 +61,18 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
             order,
             workers,
             busy: 0,
+            reserved: 0,
         }
+    }
+
+    /// Keeps `n` workers for level 0 of the fair order (trees with under a second of
+    /// step time): an item of a higher level is taken only while more than `n` workers
+    /// are free. Steps are not preempted, so without a free worker a new tree's step
+    /// waits for some running step to end, however long that is; a reserved worker is
+    /// free for it unless young trees use it. Clamped below the workers; FIFO ignores
+    /// it.
+    pub fn set_reserved(&mut self, n: usize) {
+        self.reserved = n;
     }
 
     /// Queues an item of `tree`; `front` for a procedure continuing its steps (FIFO: before
@@ -77,7 +92,9 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
         if self.busy >= self.workers {
             return None;
         }
+        let free = self.workers - self.busy;
         let item = match &mut self.order {
+            Order::Fair(q) if free <= self.reserved.min(self.workers - 1) => q.pop_at(0),
             Order::Fair(q) => q.pop(),
             Order::Fifo(q) => q.pop_front(),
         }?;
@@ -200,6 +217,50 @@ mod tests {
                 q.complete();
             }
             assert_eq!(out.join(" "), expected, "{scheduling:?}");
+        }
+    }
+
+    /// Tree 1 has run 2 s (level 1); tree 2 is new. Ops: `oN` push item N of tree 1,
+    /// `y` push an item of tree 2, `p` pop, `c` complete.
+    #[test]
+    fn reserved_workers_go_only_to_young_trees() {
+        // (scheduling, workers, reserved, script, popped)
+        let cases = [
+            // Two of three workers for the old tree; the third waits for a young one.
+            (Scheduling::Fair, 3, 1, "o1 o2 o3 p p p y p p", "1 2 - y -"),
+            // With two free, the old tree takes one; then the last is kept again.
+            (
+                Scheduling::Fair,
+                3,
+                1,
+                "o1 o2 o3 o4 p p p c p p",
+                "1 2 - 3 -",
+            ),
+            // Young trees may take every worker.
+            (Scheduling::Fair, 2, 1, "y y p p", "y y"),
+            // Reserving every worker would starve old trees: one is always left.
+            (Scheduling::Fair, 1, 1, "o1 p", "1"),
+            (Scheduling::Fair, 2, 5, "o1 o2 p p", "1 -"),
+            (Scheduling::Fifo, 3, 1, "o1 o2 o3 p p p", "1 2 3"),
+        ];
+        for (scheduling, workers, reserved, script, expected) in cases {
+            let mut q = ReadyQueue::new(workers, scheduling);
+            q.set_reserved(reserved);
+            q.push("o0".to_string(), 1, false);
+            assert_eq!(q.pop().as_deref(), Some("o0"));
+            q.charge(&1, 2_000_000_000);
+            q.complete();
+            let mut out = Vec::new();
+            for op in script.split_whitespace() {
+                match op {
+                    "y" => q.push("y".to_string(), 2, false),
+                    "p" => out.push(q.pop().map_or("-".to_string(), |s| s.replace('o', ""))),
+                    "c" => q.complete(),
+                    _ => q.push(op.to_string(), 1, false),
+                }
+            }
+            let at = format!("{scheduling:?} workers={workers} reserved={reserved}: {script}");
+            assert_eq!(out.join(" "), expected, "{at}");
         }
     }
 

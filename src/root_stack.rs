@@ -212,8 +212,17 @@ pub enum Action {
         /// Its recorded state.
         data: Vec<u8>,
     },
-    /// An operator's pause of the procedure took effect (and is durable): answer it.
-    PausedByOperator(ProcId),
+    /// The procedure is paused (PAUSED or ROLLBACK_PAUSED, for an operator or by its
+    /// failure policy), durably: answer the operators' pauses waiting on it and tell
+    /// the subscribers.
+    Paused {
+        /// The procedure.
+        id: ProcId,
+        /// PAUSED or ROLLBACK_PAUSED.
+        state: ProcState,
+        /// Why.
+        why: Paused,
+    },
     /// Wake the procedure when the event is woken.
     SuspendOn {
         /// The procedure.
@@ -660,7 +669,6 @@ impl RootStack {
                     retries: 0,
                 };
                 self.pause(&mut t, id, ProcState::Paused, why, report.data, now_ms);
-                t.actions.push(Action::PausedByOperator(id));
             }
             // Its tree failed meanwhile: it is rolled back with the others.
             StepOutcome::Paused => {}
@@ -1181,9 +1189,10 @@ impl RootStack {
     ) {
         let node = self.node_mut(id);
         node.state = state;
-        node.steering.paused = Some(why);
+        node.steering.paused = Some(why.clone());
         node.paused_data = Some(data.clone());
         self.persist_update(t, id, data, now_ms);
+        t.actions.push(Action::Paused { id, state, why });
     }
 
     /// Ends `id`'s pause: its recorded state, for the record the operator's command
@@ -1443,7 +1452,7 @@ impl fmt::Display for Transition {
                 Action::Resume(id) => format!("resume {id}"),
                 Action::Release(id) => format!("release {id}"),
                 Action::Reset { id, .. } => format!("reset {id}"),
-                Action::PausedByOperator(id) => format!("paused {id}"),
+                Action::Paused { id, .. } => format!("paused {id}"),
                 Action::Stop(id) => format!("stop {id}"),
                 Action::Rollback {
                     id,
@@ -1810,7 +1819,7 @@ mod tests {
         // Continued: the step runs again and the procedure goes on.
         let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
         let t = rs.on_step(failed_with(1, FailurePolicy::Pause), 10);
-        assert_eq!(t.to_string(), "U1:PAUSED[] | reset 1");
+        assert_eq!(t.to_string(), "U1:PAUSED[] | paused 1, reset 1");
         assert_eq!(rs.state_of(ProcId(1)), Some(ProcState::Paused));
         assert!(rs.on_wake(ProcId(1)).actions.is_empty(), "nothing wakes it");
         let t = rs.on_continue(ProcId(1), 20).unwrap();
@@ -1853,7 +1862,7 @@ mod tests {
         let t = rs.on_rolled_back(ProcId(1), rollback_failed(policy), 2);
         assert_eq!(t.to_string(), "U1:FAILED[0] | retry 1 in 50");
         let t = rs.on_rolled_back(ProcId(1), rollback_failed(policy), 3);
-        assert_eq!(t.to_string(), "U1:ROLLBACK_PAUSED[0] | ");
+        assert_eq!(t.to_string(), "U1:ROLLBACK_PAUSED[0] | paused 1");
         let refusal = rs.rollback_refusal(ProcId(1)).unwrap();
         assert!(refusal.contains("continue it instead"), "{refusal}");
         let t = rs.on_continue(ProcId(1), 4).unwrap();
@@ -1872,13 +1881,13 @@ mod tests {
         assert!(rs.is_irreversible());
         // The child fails under the default policy: it pauses instead.
         let t = rs.on_step(failed_with(2, FailurePolicy::Rollback), 2);
-        assert_eq!(t.to_string(), "U2:PAUSED[] | reset 2");
+        assert_eq!(t.to_string(), "U2:PAUSED[] | paused 2, reset 2");
         let refusal = rs.rollback_refusal(ProcId(2)).unwrap();
         assert!(refusal.contains("continue instead"), "{refusal}");
         assert!(rs.on_operator_rollback(ProcId(2), 3).is_err());
         // A timeout, too.
         let t = rs.on_fail(ProcId(1), ProcError::TimedOut { timeout_ms: 5 }, vec![1], 3);
-        assert_eq!(t.to_string(), "U1:PAUSED[0] | ");
+        assert_eq!(t.to_string(), "U1:PAUSED[0] | paused 1");
         assert!(!rs.is_failed());
         let t = rs.on_continue(ProcId(2), 4).unwrap();
         assert_eq!(t.to_string(), "U2:RUNNABLE[] | run 2");

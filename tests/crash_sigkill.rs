@@ -4,7 +4,12 @@
 //! SIGKILL at a random moment, several times over the same directory, then recovers it
 //! one last time and checks the ledger: every root SUCCESS or ROLLEDBACK, all effects
 //! of the successful ones, none of the rolled-back ones, none of unknown procedures.
+//! The same with DAG roots (failures, points of no return, the child and the last
+//! recovery continuing what pauses): rolled-back DAGs undid their tasks against the
+//! edges and never past a point of no return.
 
+#[path = "../examples/workload/dag.rs"]
+mod dag;
 #[path = "../examples/workload/ledger.rs"]
 mod ledger;
 #[path = "../examples/workload/work.rs"]
@@ -19,13 +24,15 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use proctor::{Executor, ProcState, StateMachine, WalStore};
+use proctor::{Executor, ProcState, ProcedureStore, StateMachine, WalStore};
 
 use ledger::Ledger;
 use work::{Env, Work};
 
 const DIR_VAR: &str = "PROCTOR_CRASH_CHILD_DIR";
 const SEED_VAR: &str = "PROCTOR_CRASH_CHILD_SEED";
+/// Set: the child submits DAGs of this many tasks instead of trees.
+const DAG_VAR: &str = "PROCTOR_CRASH_CHILD_DAG";
 const STEPS: u16 = 3;
 const CHILDREN: u16 = 2;
 /// Each tree locks one of these resources for its life (`res/<k>`).
@@ -53,24 +60,35 @@ fn crash_child() {
         return;
     };
     let seed: u64 = std::env::var(SEED_VAR).unwrap().parse().unwrap();
+    let dag_width: Option<u16> = std::env::var(DAG_VAR).ok().map(|w| w.parse().unwrap());
     actix::System::new().block_on(async move {
         let (executor, _env) = executor(Path::new(&dir)).await;
+        if dag_width.is_some() {
+            dag::continue_every_pause(&executor).await.unwrap();
+        }
         println!("ready");
         let mut rng = fastrand::Rng::with_seed(seed);
         let window = Arc::new(tokio::sync::Semaphore::new(200));
         loop {
-            let fail = (rng.f64() < 0.2).then(|| (rng.u16(0..=CHILDREN), rng.u16(0..STEPS)));
-            let work = Work {
-                path: 0,
-                steps: STEPS,
-                children: CHILDREN,
-                fail,
-                lock: Some(rng.u32(0..LOCKS)),
+            let proc: Box<dyn proctor::Procedure<Env>> = match dag_width {
+                Some(width) => Box::new(dag::generate(&mut rng, width, 0.3, 0.15)),
+                None => {
+                    let fail =
+                        (rng.f64() < 0.2).then(|| (rng.u16(0..=CHILDREN), rng.u16(0..STEPS)));
+                    Box::new(StateMachine::new(Work {
+                        path: 0,
+                        steps: STEPS,
+                        children: CHILDREN,
+                        fail,
+                        lock: Some(rng.u32(0..LOCKS)),
+                    }))
+                }
             };
             let permit = window.clone().acquire_owned().await.unwrap();
             let executor = executor.clone();
             actix::spawn(async move {
-                if let Ok(id) = executor.submit(StateMachine::new(work)).await {
+                let submit = proctor::Submit::boxed(proc);
+                if let Ok(Ok(id)) = executor.addr().send(submit).await {
                     let _ = executor.wait(id).await;
                 }
                 drop(permit);
@@ -79,18 +97,21 @@ fn crash_child() {
     });
 }
 
-#[test]
-fn sigkill_at_random_moments_loses_nothing() {
-    let dir = tempfile::tempdir().unwrap();
+/// Runs the child over `dir` `rounds` times, each killed with SIGKILL at a random
+/// moment once it is ready.
+fn kill_repeatedly(dir: &Path, rounds: u32, dag_width: Option<u16>) {
     let mut rng = fastrand::Rng::with_seed(7);
-    for round in 0..10 {
-        let mut child = Command::new(std::env::current_exe().unwrap())
+    for round in 0..rounds {
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command
             .args(["crash_child", "--exact", "--nocapture", "--test-threads=1"])
-            .env(DIR_VAR, dir.path())
+            .env(DIR_VAR, dir)
             .env(SEED_VAR, round.to_string())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("spawn the child");
+            .stdout(Stdio::piped());
+        if let Some(width) = dag_width {
+            command.env(DAG_VAR, width.to_string());
+        }
+        let mut child = command.spawn().expect("spawn the child");
         // Wait for the child to have recovered and started submitting.
         let stdout = child.stdout.take().unwrap();
         let ready = BufReader::new(stdout)
@@ -103,6 +124,24 @@ fn sigkill_at_random_moments_loses_nothing() {
         child.kill().expect("SIGKILL");
         child.wait().unwrap();
     }
+}
+
+/// The roots the executor knows (all finished), with their states.
+async fn finished_roots(executor: &Executor<Env>) -> HashMap<proctor::ProcId, ProcState> {
+    executor
+        .list(proctor::List::new().with_finished())
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.parent.is_none())
+        .map(|p| (p.id, p.state))
+        .collect()
+}
+
+#[test]
+fn sigkill_at_random_moments_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    kill_repeatedly(dir.path(), 10, None);
 
     actix::System::new().block_on(async {
         let (executor, env) = executor(dir.path()).await;
@@ -115,14 +154,7 @@ fn sigkill_at_random_moments_loses_nothing() {
         for id in &recovery.recovered_roots {
             let _ = executor.wait(*id).await.expect("recovered root finishes");
         }
-        let roots: HashMap<_, ProcState> = executor
-            .list(proctor::List::new().with_finished())
-            .await
-            .unwrap()
-            .into_iter()
-            .filter(|p| p.parent.is_none())
-            .map(|p| (p.id, p.state))
-            .collect();
+        let roots = finished_roots(&executor).await;
         let rolled_back = roots
             .values()
             .filter(|s| **s == ProcState::RolledBack)
@@ -144,6 +176,82 @@ fn sigkill_at_random_moments_loses_nothing() {
             roots.len(),
             &violations[..violations.len().min(5)]
         );
+        executor.shutdown_now().await.unwrap();
+    });
+}
+
+#[test]
+fn sigkill_during_dags_loses_nothing_and_never_rolls_back_past_a_point_of_no_return() {
+    const WIDTH: u16 = 10;
+    let dir = tempfile::tempdir().unwrap();
+    kill_repeatedly(dir.path(), 6, Some(WIDTH));
+
+    // What each root must come to, from its persisted state, as `workload --resume
+    // --verify` reads it.
+    let snapshot = WalStore::open(dir.path().join("wal"))
+        .unwrap()
+        .load()
+        .unwrap();
+    let plans: HashMap<proctor::ProcId, dag::Plan> = snapshot
+        .records
+        .iter()
+        .filter(|r| r.parent.is_none())
+        .map(|r| {
+            assert_eq!(r.type_name, dag::DAG_TYPE);
+            let d: proctor::Dag<dag::Step> = rmp_serde::from_slice(&r.data).unwrap();
+            (r.id, dag::Plan::of(&d))
+        })
+        .collect();
+    actix::System::new().block_on(async {
+        let (executor, env) = executor(dir.path()).await;
+        let recovery = executor.recovery().clone();
+        assert!(recovery.corrupt.is_empty(), "{:?}", recovery.corrupt);
+        dag::continue_every_pause(&executor).await.unwrap();
+        let all_finish = async {
+            for id in &recovery.recovered_roots {
+                let _ = executor.wait(*id).await.expect("recovered root finishes");
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(120), all_finish)
+            .await
+            .is_err()
+        {
+            let stuck = executor.list(proctor::List::new()).await.unwrap();
+            panic!("recovered DAGs did not finish in 120 s; unfinished: {stuck:#?}");
+        }
+        let roots = finished_roots(&executor).await;
+        assert_eq!(roots.len(), plans.len(), "every root in the log is known");
+        let ledger = env.ledger.as_ref().unwrap();
+        let effects = ledger.effects_per_root().unwrap();
+        let mut violations = work::ledger_violations(&roots, &effects, |id| plans[&id].width);
+        let traces = dag::traces(&ledger.history().unwrap());
+        let none = dag::Trace::default();
+        let mut outcomes: HashMap<(bool, ProcState), usize> = HashMap::new();
+        for (id, state) in &roots {
+            let plan = &plans[id];
+            *outcomes.entry((plan.fail.is_some(), *state)).or_default() += 1;
+            let trace = traces.get(&id.0).unwrap_or(&none);
+            violations.extend(dag::violations(*id, *state, plan, trace));
+        }
+        assert!(
+            violations.is_empty(),
+            "{} violations over {} DAGs, first: {:?}",
+            violations.len(),
+            roots.len(),
+            &violations[..violations.len().min(5)]
+        );
+        // All three ends were reached: no failure, a failure rolled back, and a failure
+        // past a point of no return paused, continued and finished.
+        for end in [
+            (false, ProcState::Success),
+            (true, ProcState::RolledBack),
+            (true, ProcState::Success),
+        ] {
+            assert!(
+                outcomes.contains_key(&end),
+                "no DAG ended {end:?}: {outcomes:?}"
+            );
+        }
         executor.shutdown_now().await.unwrap();
     });
 }

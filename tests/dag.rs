@@ -1,7 +1,8 @@
 //! DAG procedures end to end, on both stores: a failure in the middle of a 20-task DAG
 //! rolls back exactly the started tasks against the edges, a DAG cut off by a crash-like
 //! stop resumes on the same store, a cycle is refused, and a wave never runs more tasks
-//! than the DAG's parallelism.
+//! than the DAG's parallelism; a task's failure follows its policy, and past an
+//! irreversible task a failure pauses the task until an operator continues it.
 
 mod common;
 
@@ -10,8 +11,8 @@ use std::sync::Arc;
 
 use common::{stores, Reopen};
 use proctor::{
-    async_trait, Context, Dag, DagBuilder, DagError, DagTask, Executor, Lock, ProcError, ProcState,
-    ProcedureStore, Registry, Task, TaskId,
+    async_trait, Context, Dag, DagBuilder, DagError, DagTask, Error, Executor, FailurePolicy, Lock,
+    ProcError, ProcState, ProcedureStore, Registry, Task, TaskId,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{watch, Semaphore};
@@ -65,18 +66,24 @@ enum Kind {
     Hold,
     /// Wait for a permit.
     Permit,
+    /// Fail the first N times.
+    FailTimes(u32),
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Job {
     name: String,
     kind: Kind,
+    policy: FailurePolicy,
+    irreversible: bool,
 }
 
 fn job(name: impl Into<String>, kind: Kind) -> Job {
     Job {
         name: name.into(),
         kind,
+        policy: FailurePolicy::Rollback,
+        irreversible: false,
     }
 }
 
@@ -103,6 +110,20 @@ impl Task<Env> for Job {
                 env.permits.acquire().await.expect("open").forget();
                 Ok(())
             }
+            Kind::FailTimes(n) => {
+                let failed = env
+                    .seen
+                    .borrow()
+                    .calls
+                    .iter()
+                    .filter(|c| **c == format!("exec {}", self.name))
+                    .count();
+                if failed <= *n as usize {
+                    Err(ProcError::failed(format!("{} broke", self.name)))
+                } else {
+                    Ok(())
+                }
+            }
         };
         env.seen.send_modify(|s| s.running -= 1);
         result
@@ -113,6 +134,14 @@ impl Task<Env> for Job {
             .seen
             .send_modify(|s| s.calls.push(format!("rollback {}", self.name)));
         Ok(())
+    }
+
+    fn failure_policy(&self, _error: &ProcError) -> FailurePolicy {
+        self.policy
+    }
+
+    fn irreversible(&self) -> bool {
+        self.irreversible
     }
 }
 
@@ -382,6 +411,89 @@ async fn never_more_tasks_run_at_once_than_the_parallelism() {
         let seen = env.seen.borrow().clone();
         assert_eq!(seen.max_running, LIMIT, "{store_name}");
         assert_eq!(seen.entered.len(), TASKS, "{store_name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_task_failure_follows_the_tasks_policy() {
+    for (store_name, store, _dir) in stores() {
+        let env = Env::new(false);
+        let executor = start(store, env.clone(), 4).await;
+        let mut b = DagBuilder::new();
+        let a = b.add(job("a", Kind::Plain));
+        let mut flaky = job("b", Kind::FailTimes(2));
+        flaky.policy = FailurePolicy::RetryThenRollback {
+            times: 3,
+            backoff_ms: 1,
+        };
+        let flaky = b.add(flaky);
+        b.edge(a, flaky);
+        let id = executor.submit(b.build().unwrap()).await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
+        assert_eq!(
+            env.calls(),
+            ["exec a", "exec b", "exec b", "exec b"],
+            "{store_name}: b was retried, nothing rolled back"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn past_an_irreversible_task_a_failure_pauses_until_continued() {
+    for store_name in ["memory", "wal"] {
+        let store = Reopen::new(store_name);
+        let env = Env::new(false);
+        let executor = start(store.open(), env.clone(), 4).await;
+        let mut events = executor.subscribe().await.unwrap();
+        // a → !x → c, and d beside them: c fails once, after the point of no return.
+        let mut b = DagBuilder::new();
+        let a = b.add(job("a", Kind::Plain));
+        let mut x = job("x", Kind::Plain);
+        x.irreversible = true;
+        let x = b.add(x);
+        let c = b.add(job("c", Kind::FailTimes(1)));
+        b.add(job("d", Kind::Plain));
+        b.edge(a, x).edge(x, c);
+        let id = executor.submit(b.build().unwrap()).await.unwrap();
+        let paused = loop {
+            if let proctor::ProcEvent::Paused { id: p, root, .. } = events.next().await.unwrap() {
+                assert_eq!(root, id, "{store_name}");
+                break p;
+            }
+        };
+        assert_eq!(
+            executor.state(paused).await.unwrap().type_name,
+            "dag_task",
+            "{store_name}: the failing task is paused, not the DAG"
+        );
+        let refused = executor.abort(id).await.unwrap_err();
+        assert!(
+            matches!(&refused, Error::Refused { reason, .. } if reason.contains("continue instead")),
+            "{store_name}: {refused}"
+        );
+        // Paused across a restart, then continued.
+        executor.shutdown().await.unwrap();
+        let executor = start(store.open(), env.clone(), 4).await;
+        assert_eq!(
+            executor.state(paused).await.unwrap().state,
+            ProcState::Paused,
+            "{store_name}"
+        );
+        executor.resume(paused).await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
+        let calls = env.calls();
+        assert!(
+            !calls.iter().any(|c| c.starts_with("rollback")),
+            "{store_name}: {calls:?}"
+        );
+        // x ran alone: d (ready beside it) ran before it, c after it.
+        let at = |call: &str| position(&calls, call, false).unwrap();
+        assert!(
+            at("exec d") < at("exec x") && at("exec x") < at("exec c"),
+            "{calls:?}"
+        );
         executor.shutdown().await.unwrap();
     }
 }

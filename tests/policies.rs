@@ -9,8 +9,8 @@ use std::sync::{Arc, Mutex};
 
 use common::{wait_for_state, Reopen};
 use proctor::{
-    async_trait, Context, Error, Executor, FailurePolicy, Flow, ProcError, ProcId, ProcState,
-    Procedure, ProcedureStore, Registry,
+    async_trait, Context, Error, Executor, FailurePolicy, Flow, ProcError, ProcEvent, ProcId,
+    ProcState, Procedure, ProcedureStore, Registry,
 };
 use serde::{Deserialize, Serialize};
 
@@ -321,10 +321,30 @@ async fn past_the_point_of_no_return_a_failure_pauses_and_only_continue_is_allow
     for name in ["memory", "wal"] {
         let w = world(1, 0);
         let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let mut events = executor.subscribe().await.unwrap();
         let mut proc = Flaky::new(FailurePolicy::Rollback);
         proc.irreversible = true;
         let id = executor.submit(proc).await.unwrap();
-        wait_for_state(&executor, id, ProcState::Paused).await;
+        // Subscribers hear of the pause, with its reason, once it is durable.
+        let paused = loop {
+            match events.next().await.expect("an event") {
+                ProcEvent::Paused {
+                    id: p,
+                    root,
+                    state,
+                    why,
+                } => break (p, root, state, why),
+                ProcEvent::Finished { .. } => panic!("{name}: finished, never paused"),
+                _ => {}
+            }
+        };
+        assert_eq!((paused.0, paused.1, paused.2), (id, id, ProcState::Paused));
+        let error = paused.3.error.expect("the failure that paused it");
+        assert!(
+            error.to_string().contains("step 2 failed"),
+            "{name}: {error}"
+        );
+        assert_eq!(executor.state(id).await.unwrap().state, ProcState::Paused);
         assert!(executor.state(id).await.unwrap().steering.irreversible);
         for refused in [
             executor.rollback(id).await.unwrap_err(),

@@ -49,6 +49,23 @@ impl Ledger {
     /// The effects in force, counted per root.
     pub fn effects_per_root(&self) -> std::io::Result<HashMap<u64, usize>> {
         let mut live: HashSet<Effect> = HashSet::new();
+        for (add, effect) in self.history()? {
+            if add {
+                live.insert(effect);
+            } else {
+                live.remove(&effect);
+            }
+        }
+        let mut per_root = HashMap::new();
+        for (root, _, _) in live {
+            *per_root.entry(root).or_default() += 1;
+        }
+        Ok(per_root)
+    }
+
+    /// Every line in order: `true` for an added effect, `false` for a removed one.
+    pub fn history(&self) -> std::io::Result<Vec<(bool, Effect)>> {
+        let mut history = Vec::new();
         let reader = BufReader::new(File::open(&self.path)?);
         for (n, line) in reader.lines().enumerate() {
             let line = line?;
@@ -71,16 +88,13 @@ impl Ledger {
                     .ok_or_else(bad)
             };
             let effect = (num()?, num()? as u16, num()? as u16);
-            match sign {
-                "+" => live.insert(effect),
-                "-" => live.remove(&effect),
+            let add = match sign {
+                "+" => true,
+                "-" => false,
                 _ => return Err(bad()),
             };
+            history.push((add, effect));
         }
-        let mut per_root = HashMap::new();
-        for (root, _, _) in live {
-            *per_root.entry(root).or_default() += 1;
-        }
-        Ok(per_root)
+        Ok(history)
     }
 }

@@ -8,7 +8,12 @@
 //! cargo run --release --example workload -- --store memory --procs 20000 --steps 3 \
 //!     --children 2 --fail-rate 0.1 --ledger /tmp/ledger --verify
 //! ```
+//!
+//! With `--dag W` each root is instead a DAG of W tasks (`dag.rs`): seeded random
+//! edges, failures at `--fail-rate`, points of no return at `--irreversible-rate`. The
+//! workload then also acts as the operator: it continues every procedure that pauses.
 
+mod dag;
 mod file_store;
 mod ledger;
 mod rss;
@@ -116,6 +121,14 @@ struct Args {
     /// roots still kept.
     #[arg(long)]
     retention_ms: Option<u64>,
+    /// Each root is a DAG of this many tasks (seeded random edges, each task one step;
+    /// `--steps` is then unused). A failing root has one failing task; the workload
+    /// continues every procedure that pauses (a failure past a point of no return).
+    #[arg(long)]
+    dag: Option<u16>,
+    /// With `--dag`: the share of tasks that are points of no return (0..1).
+    #[arg(long, default_value_t = 0.0)]
+    irreversible_rate: f64,
     /// WAL segment size in bytes (`--store wal`; default: `WalOptions`'s).
     #[arg(long)]
     segment_bytes: Option<u64>,
@@ -224,6 +237,19 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if args.locks == Some(0) {
         return Err("--locks must be at least 1".into());
     }
+    if !(0.0..=1.0).contains(&args.irreversible_rate) {
+        return Err(format!(
+            "--irreversible-rate must be within 0..1, not {}",
+            args.irreversible_rate
+        )
+        .into());
+    }
+    if args.dag == Some(0) {
+        return Err("--dag must be at least 1".into());
+    }
+    if args.dag.is_some() && (args.children > 0 || args.locks.is_some()) {
+        return Err("--dag does not combine with --children or --locks".into());
+    }
     if args.metrics_recorder {
         metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
     }
@@ -280,6 +306,13 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
     };
     let recovery = executor.recovery().clone();
+    // The operator: continues every procedure that pauses (DAG tasks that failed past
+    // a point of no return; their fault fires once per process).
+    let continued = if args.dag.is_some() || args.resume {
+        dag::continue_every_pause(&executor).await?
+    } else {
+        Rc::default()
+    };
     for corrupt in &recovery.corrupt {
         eprintln!(
             "corrupt: procedure {} (root {}): {}",
@@ -310,16 +343,26 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     let to_submit = if args.resume { 0 } else { args.procs };
     for _ in 0..to_submit {
-        let fail = (rng.f64() < args.fail_rate)
-            .then(|| (rng.u16(0..=args.children), rng.u16(0..args.steps)));
-        let work = Work {
-            path: 0,
-            steps: args.steps,
-            children: args.children,
-            fail,
-            lock: args.locks.map(|n| rng.u32(0..n)),
+        let (proc, shape): (Box<dyn proctor::Procedure<Env>>, Shape) = match args.dag {
+            Some(width) => {
+                let dag = dag::generate(&mut rng, width, args.fail_rate, args.irreversible_rate);
+                let shape = Shape::of_dag(&dag);
+                (Box::new(dag), shape)
+            }
+            None => {
+                let fail = (rng.f64() < args.fail_rate)
+                    .then(|| (rng.u16(0..=args.children), rng.u16(0..args.steps)));
+                let work = Work {
+                    path: 0,
+                    steps: args.steps,
+                    children: args.children,
+                    fail,
+                    lock: args.locks.map(|n| rng.u32(0..n)),
+                };
+                let shape = Shape::of(&work);
+                (Box::new(StateMachine::new(work)), shape)
+            }
         };
-        let shape = Shape::of(&work);
         let permit = window.clone().acquire_owned().await?;
         let executor = executor.clone();
         let tally = tally.clone();
@@ -328,7 +371,11 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         let done = running.start();
         actix::spawn(async move {
             let t0 = Instant::now();
-            let outcome = match executor.submit(StateMachine::new(work)).await {
+            let submitted = match executor.addr().send(proctor::Submit::boxed(proc)).await {
+                Ok(answer) => answer,
+                Err(e) => Err(e.into()),
+            };
+            let outcome = match submitted {
                 Ok(id) => {
                     if verify {
                         shapes.borrow_mut().insert(id, shape);
@@ -417,6 +464,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "wal_largest_frame": wal.largest_frame,
         "peak_rss_mb": round3(rss::peak_rss_mb()),
         "lock_conflicts": lock_conflicts,
+        "continued": continued.get(),
         "violations": tally.violations.len(),
     });
     println!("{report}");
@@ -446,18 +494,30 @@ fn round3(x: f64) -> f64 {
 }
 
 /// What verification expects of one root: the ledger effects of its tree if it
-/// succeeds, and whether its plan lets it succeed.
-#[derive(Clone, Copy, Debug)]
+/// succeeds, whether its plan makes it succeed (`None`: a DAG whose failure may come
+/// before or after a point of no return), and a DAG's plan.
+#[derive(Clone, Debug)]
 struct Shape {
     effects: usize,
-    succeeds: bool,
+    succeeds: Option<bool>,
+    dag: Option<dag::Plan>,
 }
 
 impl Shape {
     fn of(work: &Work) -> Self {
         Shape {
             effects: work.effects(),
-            succeeds: work.fail.is_none(),
+            succeeds: Some(work.fail.is_none()),
+            dag: None,
+        }
+    }
+
+    fn of_dag(d: &proctor::Dag<dag::Step>) -> Self {
+        let plan = dag::Plan::of(d);
+        Shape {
+            effects: plan.width,
+            succeeds: plan.fail.is_none().then_some(true),
+            dag: Some(plan),
         }
     }
 }
@@ -475,9 +535,17 @@ fn stored_shapes(
     };
     let mut shapes = HashMap::new();
     for record in snapshot.records.into_iter().filter(|r| r.parent.is_none()) {
-        let machine: StateMachine<Work, Env> = rmp_serde::from_slice(&record.data)
-            .map_err(|e| format!("root {}: cannot decode its state: {e}", record.id))?;
-        shapes.insert(record.id, Shape::of(machine.machine()));
+        let undecodable = |e| format!("root {}: cannot decode its state: {e}", record.id);
+        let shape = if record.type_name == dag::DAG_TYPE {
+            let d: proctor::Dag<dag::Step> =
+                rmp_serde::from_slice(&record.data).map_err(undecodable)?;
+            Shape::of_dag(&d)
+        } else {
+            let machine: StateMachine<Work, Env> =
+                rmp_serde::from_slice(&record.data).map_err(undecodable)?;
+            Shape::of(machine.machine())
+        };
+        shapes.insert(record.id, shape);
     }
     Ok(shapes)
 }
@@ -503,8 +571,10 @@ async fn verify(
     }
     for (id, state) in &known {
         let problem = match (state, shapes.get(id).map(|s| s.succeeds)) {
-            (ProcState::Success, Some(false)) => Some("succeeded though it was planned to fail"),
-            (ProcState::RolledBack, Some(true)) => Some("rolled back though nothing failed"),
+            (ProcState::Success, Some(Some(false))) => {
+                Some("succeeded though it was planned to fail")
+            }
+            (ProcState::RolledBack, Some(Some(true))) => Some("rolled back though nothing failed"),
             (_, None) => Some("has no known shape"),
             _ => None,
         };
@@ -532,6 +602,21 @@ async fn verify(
         Some(ledger) => ledger.effects_per_root()?,
         None => known.keys().map(|id| (id.0, 0)).collect(),
     };
+    // DAG roots: the order of undos and the points of no return, from the history.
+    if let Some(ledger) = &env.ledger {
+        if shapes.values().any(|s| s.dag.is_some()) {
+            let traces = dag::traces(&ledger.history()?);
+            let none = dag::Trace::default();
+            for (id, state) in &known {
+                if let Some(plan) = shapes.get(id).and_then(|s| s.dag.as_ref()) {
+                    let trace = traces.get(&id.0).unwrap_or(&none);
+                    tally
+                        .violations
+                        .extend(dag::violations(*id, *state, plan, trace));
+                }
+            }
+        }
+    }
     effects.retain(|root, _| !gone.contains(root));
     let ledger = env.ledger.is_some();
     let expect = |id: ProcId| match shapes.get(&id) {

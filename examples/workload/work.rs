@@ -4,7 +4,7 @@
 //! (its children run under it) and every step checks that no other tree is inside that
 //! resource. Shared with the SIGKILL crash test.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
@@ -27,6 +27,8 @@ pub struct Env {
     pub inside: Mutex<HashMap<u32, u64>>,
     /// Steps that found another tree inside their resource.
     pub lock_conflicts: AtomicU64,
+    /// DAG tasks (root, index) whose injected fault has fired in this process.
+    pub fired: Mutex<HashSet<(u64, u16)>>,
 }
 
 impl Env {
@@ -57,7 +59,13 @@ impl Env {
         }
     }
 
-    fn effect(&self, effect: ledger::Effect, add: bool) -> Result<(), ProcError> {
+    /// Whether task `index` of DAG `root` fails now: the first time only.
+    pub fn fire(&self, root: u64, index: u16) -> bool {
+        let mut fired = self.fired.lock().unwrap_or_else(|e| e.into_inner());
+        fired.insert((root, index))
+    }
+
+    pub fn effect(&self, effect: ledger::Effect, add: bool) -> Result<(), ProcError> {
         let Some(ledger) = &self.ledger else {
             return Ok(());
         };
@@ -191,6 +199,7 @@ impl Work {
 pub fn registry() -> Registry<Env> {
     let mut registry = Registry::<Env>::default();
     registry.register::<StateMachine<Work, Env>>("workload");
+    crate::dag::register(&mut registry);
     registry
 }
 
