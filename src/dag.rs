@@ -29,12 +29,14 @@
 //! in `tests/rollback_order.rs`). Tasks of earlier waves are exactly such children. So
 //! the child procedure ([`DagTask`]) does nothing in its rollback, and the DAG rolls
 //! its tasks back in its own rollback: one rollback call of the DAG per recorded DAG
-//! step, newest first, each undoing the newest wave not yet undone, its tasks in the
-//! reverse of the order they started. A wave's tasks started only once all their
-//! predecessors were done, in earlier waves, so for every edge `a → b` that ran, `b` is
-//! rolled back before `a`. Every started task is rolled back exactly once (a crash
-//! during the DAG's rollback may repeat the current wave's calls — rollbacks are
-//! idempotent), including a task of the failing wave that the engine had queued but
+//! step, newest first, each undoing the newest wave not yet undone, its tasks all at
+//! once (a wave has no edge inside it and is never larger than the parallelism; the
+//! calls run concurrently on the DAG's rollback call, each with a clone of its
+//! context). A wave's tasks started only once all their predecessors were done, in
+//! earlier waves, so for every edge `a → b` that ran, `b` is rolled back before `a`.
+//! Every started task is rolled back exactly once (a crash during the DAG's rollback,
+//! or a failed rollback of one task of a wave, may repeat that wave's calls —
+//! rollbacks are idempotent), including a task of the failing wave that the engine had queued but
 //! not yet run when the tree failed (it skips such a step). Hence [`Task`] rather than
 //! [`Procedure`]: a task is one idempotent action with one idempotent undo, and its
 //! value never changes, so the DAG's copy is what both its execution and its rollback
@@ -62,6 +64,9 @@
 
 use std::collections::BTreeSet;
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
 
 use async_trait::async_trait;
 use serde::de::DeserializeOwned;
@@ -499,7 +504,8 @@ impl<T> Dag<T> {
     }
 
     /// The tasks the next rollback call undoes, in order: those not yet rolled back of
-    /// the newest wave that has some, newest started first.
+    /// the newest wave that has some, newest started first (the order their
+    /// concurrent calls are first polled in).
     fn to_roll_back(&self) -> Vec<u32> {
         self.waves
             .iter()
@@ -639,14 +645,27 @@ where
             // after it is durable): an unrecorded one did nothing.
             return Ok(());
         }
-        for t in self.to_roll_back() {
-            if let Err(e) = self.tasks[t as usize].rollback(ctx).await {
-                self.failed_rollback = Some(t);
-                return Err(e);
+        // One wave: no edge between its tasks, so they roll back at once (a wave is
+        // never larger than the parallelism).
+        let wave = self.to_roll_back();
+        let tasks = &self.tasks;
+        let undos = wave.iter().map(|&t| {
+            let mut ctx = ctx.clone();
+            async move { tasks[t as usize].rollback(&mut ctx).await }
+        });
+        let results = join_all(undos.collect()).await;
+        let mut first_error = None;
+        for (&t, result) in wave.iter().zip(results) {
+            match result {
+                Ok(()) => self.marks[t as usize] = Mark::RolledBack,
+                Err(e) if first_error.is_none() => {
+                    self.failed_rollback = Some(t);
+                    first_error = Some(e);
+                }
+                Err(_) => {}
             }
-            self.marks[t as usize] = Mark::RolledBack;
         }
-        Ok(())
+        first_error.map_or(Ok(()), Err)
     }
 
     fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
@@ -667,6 +686,30 @@ where
     fn state_name(&self) -> Option<String> {
         Some(self.summary())
     }
+}
+
+/// Runs the futures concurrently on the calling task; their outputs in order.
+async fn join_all<F: Future>(futures: Vec<F>) -> Vec<F::Output> {
+    let mut futures: Vec<Pin<Box<F>>> = futures.into_iter().map(Box::pin).collect();
+    let mut outputs: Vec<Option<F::Output>> = futures.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (future, output) in futures.iter_mut().zip(outputs.iter_mut()) {
+            if output.is_none() {
+                match future.as_mut().poll(cx) {
+                    Poll::Ready(value) => *output = Some(value),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    outputs.into_iter().flatten().collect()
 }
 
 /// The child procedure that runs one task of a [`Dag`]: its one step is the task's

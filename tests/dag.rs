@@ -68,6 +68,8 @@ enum Kind {
     Permit,
     /// Fail the first N times.
     FailTimes(u32),
+    /// Execute at once; roll back only once the named task's rollback has begun.
+    UndoWith(String),
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -98,7 +100,7 @@ impl Task<Env> for Job {
             s.max_running = s.max_running.max(s.running);
         });
         let result = match &self.kind {
-            Kind::Plain => Ok(()),
+            Kind::Plain | Kind::UndoWith(_) => Ok(()),
             Kind::FailAfter(others) => {
                 env.wait(|s| others.iter().all(|o| s.entered.contains(o)))
                     .await;
@@ -130,9 +132,13 @@ impl Task<Env> for Job {
     }
 
     async fn rollback(&self, ctx: &mut Context<Env>) -> Result<(), ProcError> {
-        ctx.env()
-            .seen
+        let env = ctx.env();
+        env.seen
             .send_modify(|s| s.calls.push(format!("rollback {}", self.name)));
+        if let Kind::UndoWith(other) = &self.kind {
+            let begun = format!("rollback {other}");
+            env.wait(|s| s.calls.contains(&begun)).await;
+        }
         Ok(())
     }
 
@@ -493,6 +499,42 @@ async fn past_an_irreversible_task_a_failure_pauses_until_continued() {
         assert!(
             at("exec d") < at("exec x") && at("exec x") < at("exec c"),
             "{calls:?}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn the_tasks_of_a_wave_roll_back_at_once() {
+    for (store_name, store, _dir) in stores() {
+        let env = Env::new(false);
+        let executor = start(store, env.clone(), 4).await;
+        // One wave of three: c fails once a and b ran; a's undo waits for b's to begin
+        // and b's for a's, so only concurrent undos end.
+        let mut b = DagBuilder::new();
+        b.add(job("a", Kind::UndoWith("b".into())));
+        b.add(job("b", Kind::UndoWith("a".into())));
+        b.add(job("c", Kind::FailAfter(vec!["a".into(), "b".into()])));
+        let id = executor.submit(b.build().unwrap()).await.unwrap();
+        let outcome = tokio::time::timeout(std::time::Duration::from_secs(60), executor.wait(id))
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "{store_name}: the undos waited for each other: {:?}",
+                    env.calls()
+                )
+            });
+        assert!(outcome.unwrap().is_err(), "{store_name}");
+        let mut undone: Vec<String> = env
+            .calls()
+            .into_iter()
+            .filter(|c| c.starts_with("rollback"))
+            .collect();
+        undone.sort();
+        assert_eq!(
+            undone,
+            ["rollback a", "rollback b", "rollback c"],
+            "{store_name}"
         );
         executor.shutdown().await.unwrap();
     }
