@@ -416,7 +416,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             .unwrap_or(usize::from(self.workers >= 4));
         let scheduler = Scheduler::new(
             self.workers,
-            (self.scheduling, reserved),
+            (self.scheduling, reserved, registry.system()),
             self.monitor,
             self.permits,
             lock_views.clone(),

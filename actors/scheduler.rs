@@ -119,6 +119,10 @@ pub struct SchedulerStats {
     /// levels, for trees that have run from 0, 1, 10, 60 and 300 s of steps); one entry
     /// (all of `queued`) under [`Scheduling::Fifo`].
     pub queued_by_level: Vec<usize>,
+    /// Steps of system procedures queued
+    /// ([`Registry::register_system`](crate::Registry::register_system)): counted in
+    /// `queued`, not in `queued_by_level`.
+    pub queued_system: usize,
     /// Procedures holding engine locks.
     pub lock_holders: usize,
     /// Procedures waiting for engine locks.
@@ -146,6 +150,8 @@ pub(crate) struct Monitor {
 pub(crate) struct Scheduler {
     /// Queued steps by their tree (root).
     ready: ReadyQueue<Ready, ProcId>,
+    /// Types registered as system procedures: their steps go first.
+    system: HashSet<&'static str>,
     /// Steps dispatched and not finished.
     running: HashMap<ProcId, Running>,
     workers: Workers,
@@ -165,7 +171,7 @@ pub(crate) struct Scheduler {
 impl Scheduler {
     pub(crate) fn new(
         workers: usize,
-        (scheduling, reserved): (Scheduling, usize),
+        (scheduling, reserved, system): (Scheduling, usize, HashSet<&'static str>),
         monitor: Monitor,
         permits: Vec<(String, u32)>,
         view: Arc<LockViews>,
@@ -179,6 +185,7 @@ impl Scheduler {
         ready.set_reserved(reserved);
         Scheduler {
             ready,
+            system,
             running: HashMap::new(),
             workers: Workers::new(WorkerPolicy {
                 base: workers,
@@ -194,6 +201,15 @@ impl Scheduler {
             deferred: HashMap::new(),
             view,
             gauges: metrics::SchedulerGauges::new(),
+        }
+    }
+
+    /// Queues a step of `root`'s tree; a system procedure's goes before all others.
+    fn queue(&mut self, item: Ready, root: ProcId, front: bool) {
+        if !self.system.is_empty() && self.system.contains(item.3 .0) {
+            self.ready.push_urgent(item);
+        } else {
+            self.ready.push(item, root, front);
         }
     }
 
@@ -341,8 +357,7 @@ impl Scheduler {
                         // Held for life: made durable before the step runs.
                         addr.do_send(LocksGranted);
                     } else {
-                        self.ready
-                            .push((id, parked.root, addr, what), parked.root, front);
+                        self.queue((id, parked.root, addr, what), parked.root, front);
                     }
                 }
                 Then::Rollback { addr, unrecorded } => addr.do_send(Rollback { unrecorded }),
@@ -359,7 +374,7 @@ impl Scheduler {
                 Some((root, Then::Step { addr, front, what })) => {
                     addr.do_send(LockFailed(deadlock.to_string()));
                     // Its step is still owed a report: queued, it reports itself skipped.
-                    self.ready.push((id, root, addr, what), root, front);
+                    self.queue((id, root, addr, what), root, front);
                 }
                 Some((_, Then::Rollback { .. })) | None => {
                     tracing::error!(proc = %id, "deadlock victim is not a waiting step");
@@ -388,6 +403,7 @@ impl Handler<GetSchedulerStats> for Scheduler {
             running: self.ready.busy(),
             queued: self.ready.queued(),
             queued_by_level: self.ready.queued_by_level(),
+            queued_system: self.ready.queued_urgent(),
             lock_holders,
             lock_waiters,
             events: self.events.len(),
@@ -401,16 +417,14 @@ impl Handler<Enqueue> for Scheduler {
     fn handle(&mut self, msg: Enqueue, _ctx: &mut Context<Self>) {
         let Some(req) = msg.lock.clone() else {
             let (front, root) = (msg.front, msg.root);
-            self.ready
-                .push((msg.id, root, msg.addr, msg.what), root, front);
+            self.queue((msg.id, root, msg.addr, msg.what), root, front);
             self.dispatch();
             return;
         };
         match self.locks.holds(msg.id) {
             Some(true) => {
                 let (front, root) = (msg.front, msg.root);
-                self.ready
-                    .push((msg.id, root, msg.addr, msg.what), root, front);
+                self.queue((msg.id, root, msg.addr, msg.what), root, front);
                 self.dispatch();
             }
             // The previous step's report was recorded but its StepFinished (which frees
@@ -521,7 +535,7 @@ impl Handler<TreeFailed> for Scheduler {
             self.view.remove(&id);
             let changes = self.locks.release(id);
             // Queued without its locks: its tree has failed, so it only reports a skip.
-            self.ready.push((id, root, addr, what), root, front);
+            self.queue((id, root, addr, what), root, front);
             self.apply(changes);
         }
         self.dispatch();

@@ -39,6 +39,8 @@ enum Order<T, R> {
 /// tree an item belongs to.
 #[derive(Debug)]
 pub struct ReadyQueue<T, R> {
+    /// Steps of system procedures: before everything else, in arrival order.
+    urgent: VecDeque<T>,
     order: Order<T, R>,
     workers: usize,
     busy: usize,
@@ -58,6 +60,7 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
             Scheduling::Fifo => Order::Fifo(VecDeque::new()),
         };
         ReadyQueue {
+            urgent: VecDeque::new(),
             order,
             workers,
             busy: 0,
@@ -86,11 +89,23 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
         }
     }
 
+    /// Queues an item of a system procedure (a type registered with
+    /// [`Registry::register_system`](crate::Registry::register_system)): it runs before
+    /// every other queued item, system items in arrival order, and may take a reserved
+    /// worker.
+    pub fn push_urgent(&mut self, item: T) {
+        self.urgent.push_back(item);
+    }
+
     /// The next item to run, if a worker is free; it counts as busy until
     /// [`complete`](ReadyQueue::complete).
     pub fn pop(&mut self) -> Option<T> {
         if self.busy >= self.workers {
             return None;
+        }
+        if let Some(item) = self.urgent.pop_front() {
+            self.busy += 1;
+            return Some(item);
         }
         let free = self.workers - self.busy;
         let item = match &mut self.order {
@@ -124,16 +139,22 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
         self.workers = workers.max(1);
     }
 
-    /// How many items are queued.
+    /// How many items are queued, system items included.
     pub fn queued(&self) -> usize {
-        match &self.order {
-            Order::Fair(q) => q.len(),
-            Order::Fifo(q) => q.len(),
-        }
+        self.urgent.len()
+            + match &self.order {
+                Order::Fair(q) => q.len(),
+                Order::Fifo(q) => q.len(),
+            }
+    }
+
+    /// How many items of system procedures are queued.
+    pub fn queued_urgent(&self) -> usize {
+        self.urgent.len()
     }
 
     /// How many items are queued on each level, level 0 first: [`LEVELS`](crate::mlfq::LEVELS) entries under
-    /// the fair order, one under FIFO.
+    /// the fair order, one under FIFO (system items not included).
     pub fn queued_by_level(&self) -> Vec<usize> {
         match &self.order {
             Order::Fair(q) => q.queued_by_level(),
@@ -261,6 +282,37 @@ mod tests {
             }
             let at = format!("{scheduling:?} workers={workers} reserved={reserved}: {script}");
             assert_eq!(out.join(" "), expected, "{at}");
+        }
+    }
+
+    /// System items go before everything, in arrival order, under both orders, and
+    /// take a reserved worker.
+    #[test]
+    fn system_items_go_first_and_may_take_a_reserved_worker() {
+        for scheduling in [Scheduling::Fair, Scheduling::Fifo] {
+            let mut q = ReadyQueue::new(2, scheduling);
+            q.set_reserved(1);
+            q.push("o0", 1, false);
+            assert_eq!(q.pop(), Some("o0"));
+            q.charge(&1, 2_000_000_000); // tree 1 is old now
+            q.push("old", 1, true);
+            q.push("young", 2, false);
+            q.push_urgent("s1");
+            q.push_urgent("s2");
+            assert_eq!((q.queued(), q.queued_urgent()), (4, 2));
+            // o0 runs: the one free worker is the reserved one, and s1 takes it.
+            let mut out = vec![q.pop()];
+            q.complete();
+            q.complete();
+            out.extend([q.pop(), q.pop()]);
+            q.complete();
+            q.complete();
+            out.extend([q.pop(), q.pop()]);
+            let expected = match scheduling {
+                Scheduling::Fair => [Some("s1"), Some("s2"), Some("young"), Some("old"), None],
+                Scheduling::Fifo => [Some("s1"), Some("s2"), Some("old"), Some("young"), None],
+            };
+            assert_eq!(out, expected, "{scheduling:?}");
         }
     }
 

@@ -7,7 +7,7 @@
 //! names it, never a panic.
 
 use std::any::TypeId;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use serde::de::DeserializeOwned;
 
@@ -83,6 +83,8 @@ pub struct Registry<E = ()> {
 pub(crate) struct Types {
     names: HashMap<TypeId, &'static str>,
     decoders: HashMap<&'static str, ErasedDecodeFn>,
+    /// Names registered with [`Registry::register_system`].
+    system: HashSet<&'static str>,
 }
 
 impl<E> Clone for Registry<E> {
@@ -154,6 +156,42 @@ impl<E: Send + Sync + 'static> Registry<E> {
         self
     }
 
+    /// Registers `P` under `name` as a system procedure: its steps go before every
+    /// queued step of other types, in arrival order, and may take the workers kept for
+    /// young trees ([`ExecutorBuilder::reserved_workers`](crate::ExecutorBuilder::reserved_workers)),
+    /// as HBase runs the procedures of its meta table first. For the few procedures
+    /// that others wait on (assigning the catalog, fencing a dead node): a busy system
+    /// type delays everything else.
+    ///
+    /// ```
+    /// # use proctor::{async_trait, Context, Flow, ProcError, Procedure, Registry};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct AssignMeta;
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct CreateTable;
+    /// # #[async_trait] impl Procedure for AssignMeta {
+    /// #     async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+    /// #     async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+    /// # }
+    /// # #[async_trait] impl Procedure for CreateTable {
+    /// #     async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+    /// #     async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+    /// # }
+    /// let mut registry = Registry::new();
+    /// registry
+    ///     .register_system::<AssignMeta>("assign_meta")
+    ///     .register::<CreateTable>("create_table");
+    /// ```
+    ///
+    /// # Panics
+    /// As [`register`](Self::register).
+    pub fn register_system<P: Procedure<E> + DeserializeOwned>(
+        &mut self,
+        name: &'static str,
+    ) -> &mut Self {
+        self.register::<P>(name);
+        self.types.system.insert(name);
+        self
+    }
+
     /// The registered name of a live procedure.
     ///
     /// # Errors
@@ -203,6 +241,11 @@ impl<E: Send + Sync + 'static> Registry<E> {
 }
 
 impl Types {
+    /// The names registered as system procedures.
+    pub(crate) fn system(&self) -> HashSet<&'static str> {
+        self.system.clone()
+    }
+
     fn name(&self, type_id: TypeId) -> Option<&'static str> {
         self.names.get(&type_id).copied()
     }

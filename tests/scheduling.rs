@@ -3,8 +3,11 @@
 
 mod common;
 
-use common::{run, start, stores, Scripted, Step};
-use proctor::ProcState;
+use std::sync::Arc;
+
+use common::{run, start, stores, Recorder, Scripted, Step};
+use proctor::{async_trait, Context, Executor, Flow, ProcError, ProcState, Procedure};
+use serde::{Deserialize, Serialize};
 
 /// One worker, two procedures that yield: each yield puts the yielder behind the other,
 /// so they alternate strictly. Nothing here depends on the disk: yields write nothing,
@@ -216,5 +219,63 @@ async fn stats_show_queued_steps_per_level() {
         for id in queued {
             assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
         }
+    }
+}
+
+/// A one-step procedure registered as a system procedure.
+#[derive(Serialize, Deserialize)]
+struct Meta(String);
+
+#[async_trait]
+impl Procedure<Recorder> for Meta {
+    async fn execute(&mut self, ctx: &mut Context<Recorder>) -> Result<Flow<Recorder>, ProcError> {
+        ctx.env().record(format!("{}-exec", self.0));
+        Ok(Flow::Done)
+    }
+    async fn rollback(&mut self, _: &mut Context<Recorder>) -> Result<(), ProcError> {
+        Ok(())
+    }
+}
+
+/// One worker, held by a blocker while a user procedure and then a system one queue:
+/// the system one runs first.
+#[actix::test]
+async fn a_system_procedure_runs_before_queued_user_procedures() {
+    for (store_name, store, _dir) in stores() {
+        let rec = Arc::new(Recorder::default());
+        let mut registry = common::registry();
+        registry.register_system::<Meta>("meta");
+        let executor: Executor<Recorder> = Executor::builder()
+            .registry(registry)
+            .store(store)
+            .workers(1)
+            .env(rec.clone())
+            .start()
+            .await
+            .unwrap();
+        let blocker = executor
+            .submit(Scripted::new("b", vec![Step::Gate]))
+            .await
+            .unwrap();
+        while rec.count("b-exec") == 0 {
+            tokio::task::yield_now().await;
+        }
+        let user = executor.submit(Scripted::new("u", vec![])).await.unwrap();
+        let system = executor.submit(Meta("s".into())).await.unwrap();
+        let stats = loop {
+            let stats = executor.scheduler_stats().await.unwrap();
+            if stats.queued == 2 {
+                break stats;
+            }
+            tokio::task::yield_now().await;
+        };
+        assert_eq!(stats.queued_system, 1, "{store_name}");
+        assert_eq!(stats.queued_by_level, [1, 0, 0, 0, 0], "{store_name}");
+        rec.gate.notify_one();
+        for id in [blocker, user, system] {
+            assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
+        }
+        assert_eq!(rec.calls(), ["b-exec", "s-exec", "u-exec"], "{store_name}");
+        executor.shutdown().await.unwrap();
     }
 }
