@@ -26,9 +26,9 @@ use super::guard::{guard, CatchUnwind};
 use super::metrics;
 use super::perturb;
 use super::protocol::{
-    AbortAck, AbortProc, Deadline, FailRequest, LockFailed, LocksGranted, LocksHeld, PauseProc,
-    ProcLost, ReleaseLocks, ResetProc, Rollback, RolledBack, RunStep, StepDone, StepFinished,
-    StopProc,
+    AbortAck, AbortProc, Deadline, FailRequest, LockFailed, LocksGranted, LocksHeld, PauseNow,
+    PauseProc, ProcLost, ReleaseLocks, ResetProc, Rollback, RolledBack, RunStep, StepDone,
+    StepFinished, StopProc,
 };
 use super::root_stack::RootStackActor;
 use super::shared::{now_ms, Shared, TreeStatus};
@@ -725,7 +725,12 @@ impl Handler<StopProc> for ProcedureActor {
 impl Handler<PauseProc> for ProcedureActor {
     type Result = ();
 
-    fn handle(&mut self, _msg: PauseProc, _ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: PauseProc, _ctx: &mut Context<Self>) {
+        if msg.now && self.proc.is_some() && !self.status.halted() {
+            let data = self.data.clone();
+            self.root_stack.do_send(PauseNow { id: self.id, data });
+            return;
+        }
         self.pause_next = true;
     }
 }

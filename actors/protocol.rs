@@ -232,7 +232,21 @@ impl Message for ResetProc {
 
 /// An operator asked the procedure to pause: its next step is not run but reported
 /// as `StepOutcome::Paused`. From its root stack.
-pub(crate) struct PauseProc;
+pub(crate) struct PauseProc {
+    /// It waits for an event or a timer: if it is between calls, it asks the root stack
+    /// to pause it now (`PauseNow`) rather than at its next step.
+    pub(crate) now: bool,
+}
+
+/// A procedure between calls asks to be paused now, with its recorded state.
+pub(crate) struct PauseNow {
+    pub(crate) id: ProcId,
+    pub(crate) data: Vec<u8>,
+}
+
+impl Message for PauseNow {
+    type Result = ();
+}
 
 impl Message for PauseProc {
     type Result = ();

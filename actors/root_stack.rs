@@ -40,9 +40,9 @@ use super::perturb;
 use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
     AbortAck, AbortProc, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline,
-    Enqueue, FailRequest, LockForRollback, LocksHeld, PauseProc, Persist, ProcLost, Quiesce,
-    ReleaseLocks, ResetProc, Rollback, RolledBack, StepDone, StepFinished, StopProc, SuspendOn,
-    TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
+    Enqueue, FailRequest, LockForRollback, LocksHeld, PauseNow, PauseProc, Persist, ProcLost,
+    Quiesce, ReleaseLocks, ResetProc, Rollback, RolledBack, StepDone, StepFinished, StopProc,
+    SuspendOn, TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
 
@@ -370,6 +370,14 @@ impl RootStackActor {
                 for ack in self.pause_waiters.remove(&id).unwrap_or_default() {
                     let _ = ack.send(Ok(true));
                 }
+                // Paused while it waited for an event: the event must not wake it (a
+                // continue suspends it again).
+                if let Some(event) = self.core.event_of(id) {
+                    self.shared.scheduler.do_send(Unsuspend {
+                        id,
+                        event: event.to_string(),
+                    });
+                }
                 if self.shared.has_subscribers() {
                     let root = self.core.root();
                     let news = TreeNews::Paused {
@@ -643,6 +651,32 @@ impl Handler<StepDone> for RootStackActor {
     }
 }
 
+impl Handler<PauseNow> for RootStackActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: PauseNow, ctx: &mut Context<Self>) {
+        if self.halted.is_some() {
+            return;
+        }
+        let (id, data) = (msg.id, msg.data);
+        let t = self.core(
+            "pause",
+            |core| core.on_pause_waiting(id, data, now_ms()),
+            ctx,
+        );
+        match t {
+            Some(Some(t)) => self.apply(t, None, ctx),
+            // Woken meanwhile: it pauses at its next step (the waiting answers stay).
+            Some(None) => {
+                if let Some(addr) = self.procs.get(&id) {
+                    addr.do_send(PauseProc { now: false });
+                }
+            }
+            None => {}
+        }
+    }
+}
+
 impl Handler<FailRequest> for RootStackActor {
     type Result = ();
 
@@ -831,7 +865,8 @@ impl Handler<CommandRequest> for RootStackActor {
             let refusal = self.core.pause_refusal(id);
             match (refusal, self.procs.get(&id)) {
                 (None, Some(addr)) => {
-                    addr.do_send(PauseProc);
+                    let now = self.core.waits_for_wake(id);
+                    addr.do_send(PauseProc { now });
                     self.pause_waiters.entry(id).or_default().push(msg.ack);
                 }
                 (refusal, _) => {

@@ -824,8 +824,20 @@ impl RootStack {
         match node.state {
             ProcState::Paused if self.phase == Phase::Executing && !self.is_failed() => {
                 let data = self.unpause(id);
-                self.node_mut(id).steering.retries = 0;
-                self.enqueue(&mut t, id, false);
+                let node = self.node_mut(id);
+                node.steering.retries = 0;
+                // Paused while it waited (`on_pause_waiting`): it waits again.
+                match (node.event.clone(), node.wake_at_ms) {
+                    (Some(event), _) => {
+                        node.state = ProcState::Waiting;
+                        t.actions.push(Action::SuspendOn { id, event });
+                    }
+                    (None, Some(at_ms)) => {
+                        node.state = ProcState::WaitingTimeout;
+                        t.actions.push(Action::WakeAt { id, at_ms });
+                    }
+                    (None, None) => self.enqueue(&mut t, id, false),
+                }
                 self.persist_update(&mut t, id, data, now_ms);
             }
             ProcState::Paused => {
@@ -851,6 +863,40 @@ impl RootStack {
             }
         }
         Ok(t)
+    }
+
+    /// Whether `id` waits for an event or a timer (not for children): it has no step to
+    /// stop at soon, so an operator's pause takes effect at once (`on_pause_waiting`).
+    pub fn waits_for_wake(&self, id: ProcId) -> bool {
+        self.nodes.get(&id).is_some_and(|n| {
+            n.state == ProcState::WaitingTimeout
+                || (n.state == ProcState::Waiting && n.event.is_some())
+        })
+    }
+
+    /// An operator pauses `id` while it waits for an event or a timer: it is PAUSED
+    /// now, recorded with `data` (its state as recorded), and keeps what it waits for,
+    /// so [`on_continue`](Self::on_continue) puts it back to waiting (an event that
+    /// is still ready, or a time that has passed, wakes it at once). `None` if it no
+    /// longer waits (woken meanwhile, or its tree failed): it pauses at its next step
+    /// instead, if any.
+    pub fn on_pause_waiting(
+        &mut self,
+        id: ProcId,
+        data: Vec<u8>,
+        now_ms: u64,
+    ) -> Option<Transition> {
+        if !self.waits_for_wake(id) || self.pause_refusal(id).is_some() {
+            return None;
+        }
+        let mut t = Transition::default();
+        let why = Paused {
+            error: None,
+            policy: None,
+            retries: 0,
+        };
+        self.pause(&mut t, id, ProcState::Paused, why, data, now_ms);
+        Some(t)
     }
 
     /// Why an operator may not pause `id`, if not: only a procedure queued, running or
@@ -930,11 +976,7 @@ impl RootStack {
     /// tree is healthy.
     pub fn on_wake(&mut self, id: ProcId) -> Transition {
         let mut t = Transition::default();
-        let waiting = self.nodes.get(&id).is_some_and(|n| {
-            n.state == ProcState::WaitingTimeout
-                || (n.state == ProcState::Waiting && n.event.is_some())
-        });
-        if self.phase == Phase::Executing && !self.is_failed() && waiting {
+        if self.phase == Phase::Executing && !self.is_failed() && self.waits_for_wake(id) {
             let node = self.node_mut(id);
             node.wake_at_ms = None;
             node.event = None;

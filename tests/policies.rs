@@ -107,9 +107,35 @@ impl Procedure<World> for Flaky {
     }
 }
 
+/// Step 1 waits (for event `e`, or until `sleep_until_ms`); step 2 ends.
+#[derive(Clone, Serialize, Deserialize)]
+struct Waiter {
+    at: u32,
+    sleep_until_ms: Option<u64>,
+}
+
+#[async_trait]
+impl Procedure<World> for Waiter {
+    async fn execute(&mut self, ctx: &mut Context<World>) -> Result<Flow<World>, ProcError> {
+        self.at += 1;
+        ctx.env().record(format!("exec {}", self.at));
+        Ok(match (self.at, self.sleep_until_ms) {
+            (1, Some(at_ms)) => Flow::SleepUntil(at_ms),
+            (1, None) => Flow::Suspend("e".into()),
+            _ => Flow::Done,
+        })
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context<World>) -> Result<(), ProcError> {
+        Ok(())
+    }
+}
+
 async fn start(store: Box<dyn ProcedureStore>, world: Arc<World>) -> Executor<World> {
     let mut registry = Registry::<World>::default();
-    registry.register::<Flaky>("flaky");
+    registry
+        .register::<Flaky>("flaky")
+        .register::<Waiter>("waiter");
     Executor::builder()
         .registry(registry)
         .store(store)
@@ -409,6 +435,82 @@ async fn an_operator_pauses_a_running_procedure_at_its_next_step_and_continues_i
         executor.resume(id).await.unwrap();
         assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
         assert_eq!(ran + rec2.count("p-exec"), 3, "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// A procedure waiting for an event or a timer has no step to stop at soon: a pause
+/// takes effect at once, the event no longer wakes it, and a continue (here after a
+/// restart) puts it back to waiting, so it goes on when the event is ready or the time
+/// has come.
+#[actix::test]
+async fn a_waiting_procedure_pauses_at_once_and_waits_again_when_continued() {
+    let in_an_hour = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+        + 3_600_000;
+    for name in ["memory", "wal"] {
+        let store = Reopen::new(name);
+        let w = world(0, 0);
+        let executor = start(store.open(), w.clone()).await;
+        let on_event = executor
+            .submit(Waiter {
+                at: 0,
+                sleep_until_ms: None,
+            })
+            .await
+            .unwrap();
+        let sleeping = executor
+            .submit(Waiter {
+                at: 0,
+                sleep_until_ms: Some(in_an_hour),
+            })
+            .await
+            .unwrap();
+        wait_for_state(&executor, on_event, ProcState::Waiting).await;
+        wait_for_state(&executor, sleeping, ProcState::WaitingTimeout).await;
+        for id in [on_event, sleeping] {
+            // Answered without waiting for the event or the hour.
+            let paused =
+                tokio::time::timeout(std::time::Duration::from_secs(30), executor.pause(id)).await;
+            assert!(matches!(paused, Ok(Ok(()))), "{name}: {paused:?}");
+            assert_eq!(
+                executor.state(id).await.unwrap().state,
+                ProcState::Paused,
+                "{name}"
+            );
+        }
+        // The event comes while it is paused: nothing runs.
+        executor.wake_event("e").await.unwrap();
+        assert_eq!(
+            executor.state(on_event).await.unwrap().state,
+            ProcState::Paused,
+            "{name}"
+        );
+        assert_eq!(w.calls(), ["exec 1", "exec 1"], "{name}");
+        executor.shutdown().await.unwrap();
+
+        let executor = start(store.open(), w.clone()).await;
+        for id in [on_event, sleeping] {
+            assert_eq!(
+                executor.state(id).await.unwrap().state,
+                ProcState::Paused,
+                "{name}"
+            );
+            executor.resume(id).await.unwrap();
+        }
+        // Waiting again: the sleeper for its hour, the other for an event that is not
+        // ready in this executor yet.
+        assert_eq!(
+            executor.state(sleeping).await.unwrap().state,
+            ProcState::WaitingTimeout,
+            "{name}"
+        );
+        wait_for_state(&executor, on_event, ProcState::Waiting).await;
+        executor.wake_event("e").await.unwrap();
+        assert_eq!(executor.wait(on_event).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(w.calls(), ["exec 1", "exec 1", "exec 2"], "{name}");
         executor.shutdown().await.unwrap();
     }
 }
