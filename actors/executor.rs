@@ -36,7 +36,7 @@ use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{
     GetSchedulerStats, Monitor, ResetEvent, Scheduler, SchedulerStats, WakeEvent,
 };
-use super::shared::{now_ms, Entry, LockViews, Shared, Waiting};
+use super::shared::{now_ms, Entry, SchedulerViews, Shared, Waiting};
 
 impl From<MailboxError> for Error {
     fn from(_: MailboxError) -> Self {
@@ -410,7 +410,10 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         let persistence = Persistence::new(store)
             .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
             .start();
-        let lock_views = Arc::new(LockViews::default());
+        let views = Arc::new(SchedulerViews {
+            fair: self.scheduling == Scheduling::Fair,
+            ..SchedulerViews::default()
+        });
         let reserved = self
             .reserved_workers
             .unwrap_or(usize::from(self.workers >= 4));
@@ -419,7 +422,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             (self.scheduling, reserved, registry.system()),
             self.monitor,
             self.permits,
-            lock_views.clone(),
+            views.clone(),
         )
         .start();
         // Locks held for life when the engine stopped go back to their holders, roots
@@ -455,7 +458,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             let shared = Arc::new(Shared::new(
                 registry,
                 env,
-                lock_views,
+                views,
                 scheduler,
                 persistence,
                 ctx.address().recipient(),
@@ -997,6 +1000,10 @@ pub struct ProcInfo {
     /// step, why it is PAUSED or ROLLBACK_PAUSED, whether it passed its point of no
     /// return.
     pub steering: Steering,
+    /// For a RUNNABLE procedure under [`Scheduling::Fair`]: the level of the fair queue
+    /// its steps are queued on (0 to 4, by its tree's accumulated step time: from 0, 1,
+    /// 10, 60 and 300 s); `None` otherwise.
+    pub queue_level: Option<u8>,
 }
 
 /// Submit a root procedure; answers its id once the insert is durable.
@@ -1422,11 +1429,12 @@ enum NonceState {
 
 impl<E: Send + Sync + 'static> ExecutorActor<E> {
     fn info(&self, id: ProcId) -> Option<ProcInfo> {
-        let (locks_held, locks_waiting) = match self.shared.locks.get(&id) {
+        let (locks_held, locks_waiting) = match self.shared.views.locks.get(&id) {
             Some(v) if v.held => (v.locks.clone(), Vec::new()),
             Some(v) => (Vec::new(), v.locks.clone()),
             None => (Vec::new(), Vec::new()),
         };
+        let views = &self.shared.views;
         self.shared.table.get(&id).map(|e| {
             let waiting_on = match (&e.waiting, e.state) {
                 _ if !locks_waiting.is_empty() => Some(WaitingOn::Locks),
@@ -1453,6 +1461,8 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 state_name: e.state_name.clone(),
                 waiting_on,
                 steering: e.steering.as_deref().cloned().unwrap_or_default(),
+                queue_level: (views.fair && e.state == ProcState::Runnable)
+                    .then(|| views.levels.get(&e.root).map_or(0, |l| *l)),
             }
         })
     }

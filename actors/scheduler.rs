@@ -31,7 +31,7 @@ use super::protocol::{
     StepFinished, SuspendOn, TreeEnded, TreeFailed, Unsuspend, Wake,
 };
 use super::root_stack::RootStackActor;
-use super::shared::{now_ms, LockView, LockViews};
+use super::shared::{now_ms, LockView, SchedulerViews};
 
 /// Makes the named event ready and wakes the procedures suspended on it, oldest first;
 /// until it is reset ([`ResetEvent`]), procedures that suspend on it go on at once.
@@ -164,7 +164,7 @@ pub(crate) struct Scheduler {
     parked_by_root: HashMap<ProcId, HashSet<ProcId>>,
     /// Enqueues that arrived while the previous step still held its step locks.
     deferred: HashMap<ProcId, Deferred>,
-    view: Arc<LockViews>,
+    view: Arc<SchedulerViews>,
     gauges: metrics::SchedulerGauges,
 }
 
@@ -174,7 +174,7 @@ impl Scheduler {
         (scheduling, reserved, system): (Scheduling, usize, HashSet<&'static str>),
         monitor: Monitor,
         permits: Vec<(String, u32)>,
-        view: Arc<LockViews>,
+        view: Arc<SchedulerViews>,
     ) -> Self {
         let mut locks = LockTable::new();
         for (resource, n) in permits {
@@ -305,7 +305,7 @@ impl Scheduler {
         if self.parked.contains_key(&id) && self.locks.waited_by(id).is_some() {
             let (holders, waiters) = self.locks.len();
             tracing::debug!(proc = %id, holders, waiters, "waiting for locks");
-            self.view.insert(id, LockView { locks, held: false });
+            self.view.locks.insert(id, LockView { locks, held: false });
         }
         self.apply(changes);
     }
@@ -317,7 +317,7 @@ impl Scheduler {
     fn release(&mut self, id: ProcId, what: Option<Hold>) {
         match self.locks.held_for(id) {
             Some(held) if what.is_none_or(|w| w == held) => {
-                self.view.remove(&id);
+                self.view.locks.remove(&id);
                 let changes = self.locks.release(id);
                 self.apply(changes);
             }
@@ -343,7 +343,7 @@ impl Scheduler {
                 continue;
             };
             if let Some(locks) = self.locks.held_by(id) {
-                self.view.insert(
+                self.view.locks.insert(
                     id,
                     LockView {
                         locks: locks.to_vec(),
@@ -369,7 +369,7 @@ impl Scheduler {
         for deadlock in changes.deadlocks {
             let id = deadlock.victim;
             tracing::warn!(proc = %id, %deadlock, "deadlock: failing the younger tree");
-            self.view.remove(&id);
+            self.view.locks.remove(&id);
             match self.unpark(id).map(|p| (p.root, p.then)) {
                 Some((root, Then::Step { addr, front, what })) => {
                     addr.do_send(LockFailed(deadlock.to_string()));
@@ -451,7 +451,10 @@ impl Handler<StepFinished> for Scheduler {
         // The step's time counts before its worker is handed on.
         if let Some(run) = self.running.remove(&msg.0) {
             let elapsed = u64::try_from(run.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            self.ready.charge(&run.root, elapsed);
+            if let Some(level) = self.ready.charge(&run.root, elapsed) {
+                let level = u8::try_from(level).unwrap_or(u8::MAX);
+                self.view.levels.insert(run.root, level);
+            }
         }
         self.ready.complete();
         self.release(msg.0, Some(Hold::Step));
@@ -532,7 +535,7 @@ impl Handler<TreeFailed> for Scheduler {
             else {
                 continue;
             };
-            self.view.remove(&id);
+            self.view.locks.remove(&id);
             let changes = self.locks.release(id);
             // Queued without its locks: its tree has failed, so it only reports a skip.
             self.queue((id, root, addr, what), root, front);
@@ -550,7 +553,7 @@ impl Handler<Regrant> for Scheduler {
             let (id, locks) = (req.owner, req.locks.clone());
             if self.locks.force_grant(req) {
                 tracing::debug!(proc = %id, "locks granted back after recovery");
-                self.view.insert(id, LockView { locks, held: true });
+                self.view.locks.insert(id, LockView { locks, held: true });
             }
         }
         let (holders, waiters) = self.locks.len();
@@ -600,5 +603,6 @@ impl Handler<TreeEnded> for Scheduler {
 
     fn handle(&mut self, msg: TreeEnded, _ctx: &mut Context<Self>) {
         self.ready.forget(&msg.0);
+        self.view.levels.remove(&msg.0);
     }
 }

@@ -107,15 +107,24 @@ pub(crate) struct LockView {
     pub(crate) held: bool,
 }
 
-/// Written by the scheduler, read by `GetState` and `List`.
-pub(crate) type LockViews = DashMap<ProcId, LockView>;
+/// What the scheduler knows that `GetState` and `List` show: written by the
+/// scheduler, read by the executor.
+#[derive(Default)]
+pub(crate) struct SchedulerViews {
+    /// The locks each procedure holds or waits for.
+    pub(crate) locks: DashMap<ProcId, LockView>,
+    /// The fair queue's level of each tree (by root) past level 0.
+    pub(crate) levels: DashMap<ProcId, u8>,
+    /// Whether the fair queue orders steps (levels mean nothing under FIFO).
+    pub(crate) fair: bool,
+}
 
 pub(crate) struct Shared {
     pub(crate) registry: Types,
     /// The executor's environment (an `E` for an `Executor<E>`).
     pub(crate) env: Arc<AnyEnv>,
     pub(crate) table: DashMap<ProcId, Entry>,
-    pub(crate) locks: Arc<LockViews>,
+    pub(crate) views: Arc<SchedulerViews>,
     pub(crate) scheduler: Addr<Scheduler>,
     pub(crate) persistence: Addr<Persistence>,
     /// The executor, for finished trees.
@@ -187,7 +196,7 @@ impl Shared {
     pub(crate) fn new(
         registry: Types,
         env: Arc<AnyEnv>,
-        locks: Arc<LockViews>,
+        views: Arc<SchedulerViews>,
         scheduler: Addr<Scheduler>,
         persistence: Addr<Persistence>,
         finished: Recipient<TreeFinished>,
@@ -199,7 +208,7 @@ impl Shared {
             registry,
             env,
             table: DashMap::new(),
-            locks,
+            views,
             scheduler,
             persistence,
             finished,

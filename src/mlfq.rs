@@ -208,11 +208,9 @@ impl<T, R: Hash + Eq> Mlfq<T, R> {
 
     /// A step of `tree` ran for `elapsed_ns`: adds it to the tree's accumulated time
     /// and (capped) to the level counters. Nothing for a tree not queued since its last
-    /// [`forget`](Mlfq::forget).
-    pub fn charge(&mut self, tree: &R, elapsed_ns: u64) {
-        let Some(accumulated) = self.trees.get_mut(tree) else {
-            return;
-        };
+    /// [`forget`](Mlfq::forget). Returns the tree's new level if the step moved it.
+    pub fn charge(&mut self, tree: &R, elapsed_ns: u64) -> Option<usize> {
+        let accumulated = self.trees.get_mut(tree)?;
         let old = *accumulated;
         let new = old.saturating_add(elapsed_ns);
         *accumulated = new;
@@ -225,6 +223,7 @@ impl<T, R: Hash + Eq> Mlfq<T, R> {
             left -= part;
         }
         self.add_scheduled(to, left);
+        (to != from).then_some(to)
     }
 
     /// `tree` ended: drops its accumulated time.
@@ -483,5 +482,25 @@ mod tests {
             ran[0].abs_diff(2000) <= 5 && ran[1].abs_diff(1000) <= 5,
             "{ran:?}"
         );
+    }
+
+    /// `charge` says when a tree changes level, for the listing's `queue_level`.
+    #[test]
+    fn charge_reports_a_change_of_level() {
+        let mut q: Mlfq<u32, u32> = Mlfq::new();
+        q.push(1, 7, false);
+        let ms = 1_000_000;
+        // (charge in ms, the new level it reports)
+        let cases = [
+            (600, None),
+            (600, Some(1)),
+            (8_000, None),
+            (2_000, Some(2)),
+            (0, None),
+        ];
+        for (charge, expected) in cases {
+            assert_eq!(q.charge(&7, charge * ms), expected, "charge {charge} ms");
+        }
+        assert_eq!(q.charge(&8, ms), None, "a tree never queued");
     }
 }

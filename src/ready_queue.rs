@@ -120,9 +120,11 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
     /// A step of `tree` ran for `elapsed_ns` (the fair order's feedback; FIFO ignores
     /// it). Call it before [`complete`](ReadyQueue::complete) frees the worker, so the
     /// next pick already counts the step.
-    pub fn charge(&mut self, tree: &R, elapsed_ns: u64) {
-        if let Order::Fair(q) = &mut self.order {
-            q.charge(tree, elapsed_ns);
+    /// Returns the tree's new level when the step moved it to another one.
+    pub fn charge(&mut self, tree: &R, elapsed_ns: u64) -> Option<usize> {
+        match &mut self.order {
+            Order::Fair(q) => q.charge(tree, elapsed_ns),
+            Order::Fifo(_) => None,
         }
     }
 

@@ -214,6 +214,12 @@ async fn stats_show_queued_steps_per_level() {
             tokio::task::yield_now().await;
         };
         assert_eq!(stats.queued_by_level, [2, 0, 0, 0, 0], "{store_name}");
+        let info = executor.state(queued[0]).await.unwrap();
+        assert_eq!(
+            info.queue_level,
+            Some(0),
+            "{store_name}: a new tree's level"
+        );
         rec.gate.notify_one();
         assert_eq!(executor.wait(blocker).await.unwrap(), Ok(()));
         for id in queued {
