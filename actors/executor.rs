@@ -1575,6 +1575,8 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 // Stop every other tree at its next write, as a store failure does.
                 self.shared.persistence.do_send(Refuse(e.to_string()));
             }
+            let _ = self.shared.broken_error.set(e.duplicate());
+            self.shared.broken.cancel();
             self.broken = Some(e);
         }
         // Trees that are idle (sleeping, suspended) write nothing and would never
@@ -1721,10 +1723,21 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
     /// effect is durable.
     fn command(&self, id: ProcId, command: Command) -> ResponseFuture<Result<(), Error>> {
         let tree = self.live_tree(id);
+        let shared = self.shared.clone();
         Box::pin(async move {
             let (ack, answer) = oneshot::channel();
             tree?.send(CommandRequest { id, command, ack }).await?;
-            match answer.await.unwrap_or(Err(Error::Stopped))? {
+            // A pause waits for a step boundary that a broken engine may never reach
+            // (a tree that writes nothing is never told).
+            let answer = tokio::select! {
+                biased;
+                answer = answer => answer.unwrap_or(Err(Error::Stopped)),
+                () = shared.broken.cancelled() => Err(shared
+                    .broken_error
+                    .get()
+                    .map_or(Error::Stopped, Error::duplicate)),
+            };
+            match answer? {
                 true => Ok(()),
                 // A rollback of a procedure that is not paused is an abort, which its
                 // hook refused.

@@ -26,9 +26,9 @@ use super::guard::{guard, CatchUnwind};
 use super::metrics;
 use super::perturb;
 use super::protocol::{
-    AbortAck, AbortProc, Deadline, FailRequest, LockFailed, LocksGranted, LocksHeld, PauseNow,
-    PauseProc, ProcLost, ReleaseLocks, ResetProc, Rollback, RolledBack, RunStep, StepDone,
-    StepFinished, StopProc,
+    AbortAck, AbortProc, Deadline, FailRequest, ForgetPause, LockFailed, LocksGranted, LocksHeld,
+    PauseNow, PauseProc, ProcLost, ReleaseLocks, ResetProc, Rollback, RolledBack, RunStep,
+    StepDone, StepFinished, StopProc,
 };
 use super::root_stack::RootStackActor;
 use super::shared::{now_ms, Shared, TreeStatus};
@@ -719,6 +719,14 @@ impl Handler<StopProc> for ProcedureActor {
         }
         self.stopped = true;
         ctx.stop();
+    }
+}
+
+impl Handler<ForgetPause> for ProcedureActor {
+    type Result = ();
+
+    fn handle(&mut self, _msg: ForgetPause, _ctx: &mut Context<Self>) {
+        self.pause_next = false;
     }
 }
 

@@ -238,6 +238,15 @@ pub(crate) struct PauseProc {
     pub(crate) now: bool,
 }
 
+/// The procedure is paused (whichever way: its next step, now while it waited, or its
+/// failure policy): a pause asked again meanwhile is answered, so it must not pause
+/// the step after a continue. Sent before any continue can queue that step.
+pub(crate) struct ForgetPause;
+
+impl Message for ForgetPause {
+    type Result = ();
+}
+
 /// A procedure between calls asks to be paused now, with its recorded state.
 pub(crate) struct PauseNow {
     pub(crate) id: ProcId,

@@ -40,9 +40,9 @@ use super::perturb;
 use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
     AbortAck, AbortProc, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline,
-    Enqueue, FailRequest, LockForRollback, LocksHeld, PauseNow, PauseProc, Persist, ProcLost,
-    Quiesce, ReleaseLocks, ResetProc, Rollback, RolledBack, StepDone, StepFinished, StopProc,
-    SuspendOn, TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
+    Enqueue, FailRequest, ForgetPause, LockForRollback, LocksHeld, PauseNow, PauseProc, Persist,
+    ProcLost, Quiesce, ReleaseLocks, ResetProc, Rollback, RolledBack, StepDone, StepFinished,
+    StopProc, SuspendOn, TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
 
@@ -370,6 +370,9 @@ impl RootStackActor {
                 for ack in self.pause_waiters.remove(&id).unwrap_or_default() {
                     let _ = ack.send(Ok(true));
                 }
+                if let Some(addr) = self.procs.get(&id) {
+                    addr.do_send(ForgetPause);
+                }
                 // Paused while it waited for an event: the event must not wake it (a
                 // continue suspends it again).
                 if let Some(event) = self.core.event_of(id) {
@@ -577,6 +580,9 @@ impl RootStackActor {
             for (ack, _) in p.acks {
                 let _ = ack.send(Err(e.duplicate()));
             }
+        }
+        for ack in self.pause_waiters.drain().flat_map(|(_, acks)| acks) {
+            let _ = ack.send(Err(e.duplicate()));
         }
         self.unspawned.clear();
         self.result = None;

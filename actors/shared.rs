@@ -139,6 +139,11 @@ pub(crate) struct Shared {
     /// Raised when a graceful shutdown's drain deadline passes: every call's context
     /// watches it (`CancelReason::Shutdown`).
     pub(crate) shutdown: Cancel,
+    /// Raised when the executor broke (its store failed, or engine code panicked), with
+    /// the error: operator commands waiting on a tree that will never write again
+    /// are answered with it.
+    pub(crate) broken: Cancel,
+    pub(crate) broken_error: std::sync::OnceLock<crate::Error>,
     /// Someone subscribed to procedure events (root stacks then report submits).
     pub(crate) subscribed: AtomicBool,
 }
@@ -218,6 +223,8 @@ impl Shared {
             next_id: AtomicU64::new(max_id + 1),
             drain: Drain::default(),
             shutdown: Cancel::new(),
+            broken: Cancel::new(),
+            broken_error: std::sync::OnceLock::new(),
             subscribed: AtomicBool::new(false),
         }
     }

@@ -9,7 +9,7 @@
 //! into one history: step and rollback calls, hook lock grants and releases, which
 //! procedure is inside which engine locks (entered at the start of a call, left before
 //! the call that ends the hold returns), cleanups, records as they become durable,
-//! states the executor reports, abort answers and results. [`check`] then asserts the
+//! states the executor reports, abort and pause answers, continues and results. [`check`] then asserts the
 //! engine's promises on it:
 //!
 //! - a failed tree's result is the first failure its log made durable;
@@ -27,7 +27,10 @@
 //! - completion cleanup runs at most once per procedure (exactly once without a crash)
 //!   and before its tree's result is visible;
 //! - the executor never reports a state before it is durable, and an abort answered
-//!   `Ok(true)` ends in ROLLEDBACK.
+//!   `Ok(true)` ends in ROLLEDBACK;
+//! - operators pause random live procedures and continue them a little later: a pause
+//!   is answered only once PAUSED is durable, and a durably PAUSED procedure runs no
+//!   step until an operator continues it (across a crash too).
 //!
 //! CI runs `PROCTOR_SEEDS` seeds (default 24). A failure prints its seed; replay it with
 //! `PROCTOR_SEED=<seed> cargo test --test perturbation`. A longer search:
@@ -107,6 +110,14 @@ enum Ev {
     AbortAnswer {
         id: ProcId,
         answer: Result<bool, String>,
+    },
+    /// An operator's pause of `id` was answered `Ok`: it is durably PAUSED.
+    Paused {
+        id: ProcId,
+    },
+    /// An operator is about to continue `id` (logged before the call).
+    Continued {
+        id: ProcId,
     },
     Result {
         root: ProcId,
@@ -432,6 +443,8 @@ struct Plan {
     wal: bool,
     crash: Option<(usize, CrashPoint)>,
     aborts: usize,
+    /// Operators' pauses of random live procedures, each continued a little later.
+    pauses: usize,
 }
 
 /// The resources engine locks are drawn from: two tables and some of their regions.
@@ -524,6 +537,7 @@ fn gen_plan(seed: u64) -> Plan {
         wal: rng.bool(),
         crash,
         aborts: rng.usize(0..3),
+        pauses: rng.usize(0..3),
     }
 }
 
@@ -563,13 +577,14 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     }
     eprintln!(
         "seed {seed}: {} trees, {} workers, {} arbiters, {}, crash {:?}, {} aborts, \
-         {locking} procedures with engine locks ({for_life} for life)",
+         {} pauses, {locking} procedures with engine locks ({for_life} for life)",
         plan.trees.len(),
         plan.workers,
         plan.arbiters,
         if plan.wal { "wal" } else { "memory" },
         plan.crash,
-        plan.aborts
+        plan.aborts,
+        plan.pauses
     );
     let world = Arc::new(World::default());
     *WORLD.lock().unwrap() = Some(world.clone());
@@ -649,6 +664,33 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
             world.log(Ev::AbortAnswer { id, answer });
         }));
     }
+    // Operators' pauses of random live procedures, each continued after a while.
+    for _ in 0..plan.pauses {
+        let (executor, world) = (executor.clone(), world.clone());
+        let (delay, hold) = (rng.u32(0..50), rng.u32(0..50));
+        let pick = rng.usize(..);
+        aborters.push(actix::spawn(async move {
+            for _ in 0..delay {
+                tokio::task::yield_now().await;
+            }
+            let Ok(list) = executor.list(proctor::List::new()).await else {
+                return;
+            };
+            if list.is_empty() {
+                return;
+            }
+            let id = list[pick % list.len()].id;
+            if executor.pause(id).await.is_err() {
+                return; // refused (finished, failing), or the engine is gone
+            }
+            world.log(Ev::Paused { id });
+            for _ in 0..hold {
+                tokio::task::yield_now().await;
+            }
+            world.log(Ev::Continued { id });
+            let _ = executor.resume(id).await;
+        }));
+    }
     let mut crashed = false;
     for &root in trees.keys() {
         match executor.wait(root).await {
@@ -671,6 +713,12 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
         world.locks.lock().unwrap().clear();
         let executor = start(open(), &plan, &world).await.unwrap();
         *EXECUTOR.lock().unwrap() = Some(executor.clone());
+        // Paused before the crash, paused after it: the operator continues them.
+        let paused = proctor::List::new().state(ProcState::Paused);
+        for info in executor.list(paused).await.unwrap() {
+            world.log(Ev::Continued { id: info.id });
+            let _ = executor.resume(info.id).await;
+        }
         // A submit that failed at the crash may still have been written: its root is
         // among the recovered ones.
         let recovered: Vec<ProcId> = executor.recovery().recovered_roots.clone();
@@ -911,6 +959,8 @@ fn excerpt(history: &[Ev], ids: &[ProcId], n: usize) -> String {
             | Ev::Leave { id, .. }
             | Ev::Pause { id, .. }
             | Ev::Durable { id, .. }
+            | Ev::Paused { id }
+            | Ev::Continued { id }
             | Ev::AbortAnswer { id, .. } => ids.contains(id),
             Ev::Result { root, .. } => ids.contains(root),
             Ev::Restart | Ev::Violation(_) => true,
@@ -1039,6 +1089,37 @@ fn check(history: &[Ev], crashed: bool, workers: usize) {
                     "abort of {id} accepted, but tree {root} succeeded"
                 );
             }
+        }
+    }
+
+    // A procedure durably PAUSED runs no step until an operator continues it, and a
+    // pause is answered only once it is durable. (The answer's own log line may come
+    // late, after another operator's continue, so the record is the reference.)
+    let mut paused: BTreeSet<ProcId> = BTreeSet::new();
+    let mut durably_paused: BTreeSet<ProcId> = BTreeSet::new();
+    for ev in history {
+        match ev {
+            Ev::Durable {
+                id,
+                state: ProcState::Paused,
+                ..
+            } => {
+                paused.insert(*id);
+                durably_paused.insert(*id);
+            }
+            Ev::Paused { id } => assert!(
+                durably_paused.contains(id),
+                "the pause of {id} was answered before it was durable:\n{}",
+                excerpt(history, &[*id], 30)
+            ),
+            Ev::Continued { id } => {
+                paused.remove(id);
+            }
+            Ev::Exec { id, name } if paused.contains(id) => panic!(
+                "{name} ({id}) ran a step while paused:\n{}",
+                excerpt(history, &[*id], 30)
+            ),
+            _ => {}
         }
     }
 

@@ -22,6 +22,9 @@ struct World {
     step_failures: AtomicU32,
     /// How many more times a rollback fails.
     rollback_failures: AtomicU32,
+    /// A `Gated` step signals `entered`, then waits for `gate`.
+    entered: tokio::sync::Notify,
+    gate: tokio::sync::Notify,
 }
 
 impl World {
@@ -131,11 +134,48 @@ impl Procedure<World> for Waiter {
     }
 }
 
+/// Three steps; step 1 waits for the world's gate, then fails while the world says so,
+/// under the `Pause` policy.
+#[derive(Clone, Serialize, Deserialize)]
+struct Gated {
+    at: u32,
+}
+
+#[async_trait]
+impl Procedure<World> for Gated {
+    async fn execute(&mut self, ctx: &mut Context<World>) -> Result<Flow<World>, ProcError> {
+        let world = ctx.env_arc().clone();
+        self.at += 1;
+        world.record(format!("exec {}", self.at));
+        if self.at == 1 && world.step_failures.load(Ordering::SeqCst) > 0 {
+            world.entered.notify_one();
+            world.gate.notified().await;
+            world.step_failures.fetch_sub(1, Ordering::SeqCst);
+            self.at -= 1;
+            return Err(ProcError::failed("step 1 failed"));
+        }
+        Ok(if self.at < 3 {
+            Flow::MoreToDo
+        } else {
+            Flow::Done
+        })
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context<World>) -> Result<(), ProcError> {
+        Ok(())
+    }
+
+    fn failure_policy(&self, _error: &ProcError) -> FailurePolicy {
+        FailurePolicy::Pause
+    }
+}
+
 async fn start(store: Box<dyn ProcedureStore>, world: Arc<World>) -> Executor<World> {
     let mut registry = Registry::<World>::default();
     registry
         .register::<Flaky>("flaky")
-        .register::<Waiter>("waiter");
+        .register::<Waiter>("waiter")
+        .register::<Gated>("gated");
     Executor::builder()
         .registry(registry)
         .store(store)
@@ -511,6 +551,48 @@ async fn a_waiting_procedure_pauses_at_once_and_waits_again_when_continued() {
         executor.wake_event("e").await.unwrap();
         assert_eq!(executor.wait(on_event).await.unwrap(), Ok(()), "{name}");
         assert_eq!(w.calls(), ["exec 1", "exec 1", "exec 2"], "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// An operator's pause asked while a step runs is answered when the step's failure
+/// pauses the procedure instead; it must not pause the procedure again after the
+/// continue (the pause asked for is spent).
+#[actix::test]
+async fn a_pause_answered_by_a_failure_policy_is_spent() {
+    for name in ["memory", "wal"] {
+        let w = world(1, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let id = executor.submit(Gated { at: 0 }).await.unwrap();
+        w.entered.notified().await;
+        let pausing = {
+            let executor = executor.clone();
+            actix::spawn(async move { executor.pause(id).await })
+        };
+        // The pause reaches the root stack before the step ends: a command sent after
+        // it (a continue, refused while the procedure runs) is answered after it. The
+        // first continue is sent before the spawned pause runs, the second after.
+        for _ in 0..2 {
+            let refused = executor.resume(id).await.unwrap_err();
+            assert!(matches!(refused, Error::Refused { .. }), "{name}: {refused}");
+        }
+        w.gate.notify_one();
+        pausing.await.unwrap().expect("paused by the failure");
+        let info = executor.state(id).await.unwrap();
+        assert_eq!(info.state, ProcState::Paused, "{name}");
+        executor.resume(id).await.unwrap();
+        let done =
+            tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id)).await;
+        assert!(
+            matches!(done, Ok(Ok(Ok(())))),
+            "{name}: paused again after the continue: {:?}",
+            executor.state(id).await.map(|i| i.state)
+        );
+        assert_eq!(
+            w.calls(),
+            ["exec 1", "exec 1", "exec 2", "exec 3"],
+            "{name}"
+        );
         executor.shutdown().await.unwrap();
     }
 }
