@@ -574,7 +574,10 @@ async fn a_pause_answered_by_a_failure_policy_is_spent() {
         // first continue is sent before the spawned pause runs, the second after.
         for _ in 0..2 {
             let refused = executor.resume(id).await.unwrap_err();
-            assert!(matches!(refused, Error::Refused { .. }), "{name}: {refused}");
+            assert!(
+                matches!(refused, Error::Refused { .. }),
+                "{name}: {refused}"
+            );
         }
         w.gate.notify_one();
         pausing.await.unwrap().expect("paused by the failure");
