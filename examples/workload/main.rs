@@ -253,7 +253,12 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if args.metrics_recorder {
         metrics_exporter_prometheus::PrometheusBuilder::new().install_recorder()?;
     }
-    let ledger = args.ledger.as_deref().map(Ledger::open).transpose()?;
+    let ledger = match args.ledger.as_deref() {
+        Some(path) => {
+            Some(Ledger::open(path).map_err(|e| format!("ledger {}: {e}", path.display()))?)
+        }
+        None => None,
+    };
     let env = Arc::new(Env::new(ledger));
     let mut builder = Executor::builder()
         .registry(registry())
