@@ -11,7 +11,8 @@
 //! ```sh
 //! cargo bench --bench bare -- --procs 100000 --concurrency 1000          # durable
 //! cargo bench --bench bare -- --procs 100000 --concurrency 1000 --memory # no file
-//! cargo bench --bench bare -- --idle 100000   # bytes per idle procedure, both designs
+//! cargo bench --bench bare -- --idle 100000   # bytes per idle procedure, both designs,
+//!                                             # each in a process of its own
 //! ```
 //!
 //! Prints one JSON line. `benches/compare.sh` runs it beside `examples/workload` and
@@ -55,10 +56,14 @@ struct Args {
     #[arg(long)]
     memory: bool,
     /// Instead: the memory taken by this many idle procedures, in the bare design (an
-    /// actor holding its state) and in proctor (a procedure suspended on an event, in
-    /// the memory store).
+    /// actor holding a procedure's fields) and in proctor (a procedure suspended on an
+    /// event of its own, in the memory store).
     #[arg(long)]
     idle: Option<u64>,
+    /// With `--idle`: measure one design only, in this process (without it, `--idle`
+    /// runs each in a process of its own).
+    #[arg(long, value_enum, requires = "idle")]
+    idle_design: Option<Design>,
     /// `cargo bench` passes `--bench`.
     #[arg(long, hide = true)]
     bench: bool,
@@ -245,26 +250,33 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
     }))
 }
 
-/// An idle bare procedure: an actor holding its state, waiting for a message.
+/// An idle bare procedure: an actor with a running procedure's fields, waiting for its
+/// next message.
 struct Idle {
-    _state: [u8; 16],
     _id: u64,
+    _step: u16,
+    _steps: u16,
+    _state: [u8; 16],
+    _writer: ToWriter,
+    _done: tokio::sync::mpsc::UnboundedSender<()>,
 }
 
 impl Actor for Idle {
     type Context = Context<Self>;
 }
 
-/// An idle proctor procedure: suspended on an event that never comes.
+/// An idle proctor procedure: suspended on its own event (`reply/<n>`), which never
+/// comes.
 #[derive(Serialize, Deserialize)]
 struct Parked {
+    n: u64,
     state: [u8; 16],
 }
 
 #[async_trait]
 impl Procedure for Parked {
     async fn execute(&mut self, _: &mut ProcContext) -> Result<Flow, ProcError> {
-        Ok(Flow::Suspend("never".into()))
+        Ok(Flow::Suspend(format!("reply/{}", self.n)))
     }
     async fn rollback(&mut self, _: &mut ProcContext) -> Result<(), ProcError> {
         Ok(())
@@ -284,57 +296,100 @@ fn rss_bytes() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-async fn idle(n: u64) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
-    // The bare design.
-    let before = rss_bytes();
-    let actors: Vec<Addr<Idle>> = (0..n)
-        .map(|id| {
-            Idle {
-                _state: [1; 16],
-                _id: id,
-            }
-            .start()
-        })
-        .collect();
-    // Let every actor start.
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let bare = (rss_bytes().saturating_sub(before)) as f64 / n as f64;
-    drop(actors);
-    tokio::time::sleep(Duration::from_millis(200)).await;
+/// Which design `--idle` measures in this process.
+#[derive(clap::ValueEnum, Clone, Copy, Debug)]
+enum Design {
+    Bare,
+    Proctor,
+}
 
-    // proctor, in the memory store (records and the table of procedures included).
-    let mut registry = Registry::new();
-    registry.register::<Parked>("parked");
-    let executor = Executor::builder()
-        .registry(registry)
-        .store(MemoryStore::new())
-        .start()
-        .await?;
-    let before = rss_bytes();
-    for _ in 0..n {
-        executor.submit(Parked { state: [1; 16] }).await?;
-    }
-    // Every procedure has run its step and is suspended.
-    loop {
-        let stats = executor.scheduler_stats().await?;
-        if stats.queued == 0 && stats.running == 0 {
-            let waiting = executor
-                .list(proctor::List::new().state(proctor::ProcState::Waiting))
-                .await?
-                .len() as u64;
-            if waiting == n {
-                break;
-            }
+/// `--idle N`: each design in a process of its own (memory the first measurement freed
+/// must not be reused by the second), merged into one line.
+fn idle_both(n: u64) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let mut report = serde_json::json!({ "idle_procs": n });
+    for design in ["bare", "proctor"] {
+        let out = std::process::Command::new(std::env::current_exe()?)
+            .args(["--idle", &n.to_string(), "--idle-design", design])
+            .stderr(std::process::Stdio::inherit())
+            .output()?;
+        if !out.status.success() {
+            return Err(format!("--idle-design {design}: {}", out.status).into());
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        let line = String::from_utf8(out.stdout)?;
+        let one: serde_json::Value = serde_json::from_str(line.trim())?;
+        let key = format!("{design}_bytes_per_idle_proc");
+        report[&key] = one[&key].clone();
     }
-    let proctor = (rss_bytes().saturating_sub(before)) as f64 / n as f64;
-    executor.shutdown_now().await?;
-    Ok(serde_json::json!({
-        "idle_procs": n,
-        "bare_bytes_per_idle_proc": bare.round(),
-        "proctor_bytes_per_idle_proc": proctor.round(),
-    }))
+    Ok(report)
+}
+
+async fn idle(n: u64, design: Design) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
+    let per_proc = match design {
+        Design::Bare => {
+            let (writer, _jobs) = mpsc::channel();
+            let (done, _finished) = tokio::sync::mpsc::unbounded_channel();
+            let before = rss_bytes();
+            let actors: Vec<Addr<Idle>> = (0..n)
+                .map(|id| {
+                    Idle {
+                        _id: id,
+                        _step: 1,
+                        _steps: 3,
+                        _state: [1; 16],
+                        _writer: writer.clone(),
+                        _done: done.clone(),
+                    }
+                    .start()
+                })
+                .collect();
+            // Let every actor start.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            let per_proc = (rss_bytes().saturating_sub(before)) as f64 / n as f64;
+            drop(actors);
+            per_proc
+        }
+        Design::Proctor => {
+            // The memory store: its copy of each record counts.
+            let mut registry = Registry::new();
+            registry.register::<Parked>("parked");
+            let executor = Executor::builder()
+                .registry(registry)
+                .store(MemoryStore::new())
+                .start()
+                .await?;
+            let before = rss_bytes();
+            for i in 0..n {
+                executor
+                    .submit(Parked {
+                        n: i,
+                        state: [1; 16],
+                    })
+                    .await?;
+            }
+            // Every procedure has run its step and is suspended.
+            loop {
+                let stats = executor.scheduler_stats().await?;
+                if stats.queued == 0 && stats.running == 0 {
+                    let waiting = executor
+                        .list(proctor::List::new().state(proctor::ProcState::Waiting))
+                        .await?
+                        .len() as u64;
+                    if waiting == n {
+                        break;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            let per_proc = (rss_bytes().saturating_sub(before)) as f64 / n as f64;
+            executor.shutdown_now().await?;
+            per_proc
+        }
+    };
+    let key = match design {
+        Design::Bare => "bare_bytes_per_idle_proc",
+        Design::Proctor => "proctor_bytes_per_idle_proc",
+    };
+    Ok(serde_json::json!({ "idle_procs": n, key: per_proc.round() }))
 }
 
 fn round3(x: f64) -> f64 {
@@ -343,13 +398,15 @@ fn round3(x: f64) -> f64 {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let system = actix::System::new();
-    let report = system.block_on(async {
-        match args.idle {
-            Some(n) => idle(n.max(1)).await,
-            None => run(&args).await,
-        }
-    })?;
+    let report = match (args.idle, args.idle_design) {
+        (Some(n), None) => idle_both(n.max(1))?,
+        (idle_procs, design) => actix::System::new().block_on(async {
+            match (idle_procs, design) {
+                (Some(n), Some(design)) => idle(n.max(1), design).await,
+                _ => run(&args).await,
+            }
+        })?,
+    };
     println!("{report}");
     Ok(())
 }

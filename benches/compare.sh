@@ -1,22 +1,45 @@
 #!/usr/bin/env bash
-# proctor's steps/s against the bare design (benches/bare.rs), side by side in one
-# session: for each concurrency (procedures in flight), ROUNDS rounds that alternate
-# the four runs (bare durable, proctor WAL, bare memory, proctor memory), then the
-# medians and the ratios proctor / bare. Needs python3 for the table.
+# proctor against the bare design (benches/bare.rs), side by side in one session:
+#
+# 1. steps/s: for each concurrency (procedures in flight), ROUNDS rounds that alternate
+#    the four runs (bare durable, proctor WAL, bare memory, proctor memory); then the
+#    medians, the ranges and the ratios proctor / bare;
+# 2. instructions per step (valgrind's callgrind, memory stores, 3 steps each): the
+#    total of a run of INSTR_PROCS procedures ÷ its steps, and the marginal cost between
+#    INSTR_PROCS and 2·INSTR_PROCS procedures (which leaves out start-up);
+# 3. bytes per idle procedure (`bare --idle IDLE`: each design in a process of its own);
+# 4. recovery ÷ raw read (`benches/recovery.rs` with RECOVERY_PROCS procedures).
+#
+# Needs python3 for the tables; skips 2 without valgrind. Set INSTR_PROCS, IDLE or
+# RECOVERY_PROCS to 0 to skip that part. Honours CARGO_TARGET_DIR and CARGO_BUILD_JOBS.
 #
 #   benches/compare.sh                 # 100 000 procedures, 3 rounds, 1 000 and 20 000 in flight
-#   PROCS=50000 ROUNDS=5 benches/compare.sh
+#   PROCS=50000 ROUNDS=5 RECOVERY_PROCS=200000 benches/compare.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROCS=${PROCS:-100000}
 ROUNDS=${ROUNDS:-3}
 CONCURRENCY=${CONCURRENCY:-"1000 20000"}
+INSTR_PROCS=${INSTR_PROCS:-5000}
+IDLE=${IDLE:-100000}
+RECOVERY_PROCS=${RECOVERY_PROCS:-1000000}
 
-cargo build --release --example workload --bench bare >&2
-workload=target/release/examples/workload
-bare=$(ls -t target/release/deps/bare-* | grep -v '\.d$' | head -n 1)
+# The executables, as cargo reports them (wherever the target directory is).
+executables=$(cargo build --release --example workload --bench bare --bench recovery \
+  --message-format=json-render-diagnostics | python3 -c '
+import json, sys
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable"):
+        print(m["target"]["name"], m["executable"])
+')
+exe() { awk -v n="$1" '$1 == n { print $2 }' <<<"$executables"; }
+workload=$(exe workload)
+bare=$(exe bare)
+recovery=$(exe recovery)
 
 out=$(mktemp)
+trap 'rm -f "$out" callgrind.compare.*' EXIT
 for c in $CONCURRENCY; do
   for round in $(seq "$ROUNDS"); do
     echo "concurrency $c, round $round" >&2
@@ -27,17 +50,76 @@ for c in $CONCURRENCY; do
   done
 done
 
+# Total instructions of one run under callgrind.
+instructions() {
+  local file
+  file=$(mktemp callgrind.compare.XXXXXX)
+  valgrind --tool=callgrind --callgrind-out-file="$file" "$@" >/dev/null 2>&1
+  awk '/^summary:/ { print $2 }' "$file"
+  rm -f "$file"
+}
+if [ "$INSTR_PROCS" -gt 0 ] && command -v valgrind >/dev/null; then
+  for n in "$INSTR_PROCS" $((2 * INSTR_PROCS)); do
+    echo "callgrind, $n procedures" >&2
+    printf 'instr bare %s %s\n' "$n" "$(instructions "$bare" --procs "$n" --steps 3 --concurrency 1000 --memory)" >>"$out"
+    printf 'instr proctor %s %s\n' "$n" "$(instructions "$workload" --store memory --procs "$n" --steps 3)" >>"$out"
+  done
+fi
+
+if [ "$IDLE" -gt 0 ]; then
+  echo "idle, $IDLE procedures" >&2
+  printf 'idle - - %s\n' "$("$bare" --idle "$IDLE" | tail -n 1)" >>"$out"
+fi
+
+if [ "$RECOVERY_PROCS" -gt 0 ]; then
+  echo "recovery, $RECOVERY_PROCS procedures" >&2
+  printf 'recovery - - %s\n' "$("$recovery" "$RECOVERY_PROCS" | tail -n 1)" >>"$out"
+fi
+
 python3 - "$out" <<'EOF'
 import json, statistics, sys
-runs = {}
+runs, instr, idle, recovery = {}, {}, None, None
 for line in open(sys.argv[1]):
-    design, store, c, report = line.split(" ", 3)
-    runs.setdefault((int(c), store, design), []).append(json.loads(report)["steps_per_s"])
-print("| in flight | store | bare steps/s (median; runs) | proctor steps/s (median; runs) | proctor / bare |")
+    kind, store, c, report = line.rstrip("\n").split(" ", 3)
+    if kind == "instr":
+        instr[(store, int(c))] = int(report)
+    elif kind == "idle":
+        idle = json.loads(report)
+    elif kind == "recovery":
+        recovery = json.loads(report)
+    else:
+        runs.setdefault((int(c), store, kind), []).append(json.loads(report)["steps_per_s"])
+
+def cell(xs):
+    return f"{statistics.median(xs):,.0f} ({min(xs):,.0f} – {max(xs):,.0f}; " + " · ".join(f"{x:,.0f}" for x in xs) + ")"
+
+print("| in flight | store | bare steps/s: median (range; runs) | proctor steps/s: median (range; runs) | proctor / bare |")
 print("| ---: | --- | --- | --- | ---: |")
 for (c, store) in sorted({(c, s) for (c, s, _) in runs}):
     b, p = runs[(c, store, "bare")], runs[(c, store, "proctor")]
-    fmt = lambda xs: f"{statistics.median(xs):,.0f}; " + " · ".join(f"{x:,.0f}" for x in xs)
-    print(f"| {c:,} | {store} | {fmt(b)} | {fmt(p)} | {statistics.median(p) / statistics.median(b):.3f} |")
+    print(f"| {c:,} | {store} | {cell(b)} | {cell(p)} | {statistics.median(p) / statistics.median(b):.3f} |")
+
+if instr:
+    print()
+    print("| instructions per step (callgrind, memory) | bare | proctor | proctor / bare |")
+    print("| --- | ---: | ---: | ---: |")
+    sizes = sorted({n for (_, n) in instr})
+    per = {d: {n: instr[(d, n)] / (3 * n) for n in sizes} for d in ("bare", "proctor")}
+    for n in sizes:
+        print(f"| total ÷ steps, {n:,} procedures | {per['bare'][n]:,.0f} | {per['proctor'][n]:,.0f} | {per['proctor'][n] / per['bare'][n]:.1f} |")
+    if len(sizes) == 2:
+        lo, hi = sizes
+        m = {d: (instr[(d, hi)] - instr[(d, lo)]) / (3 * (hi - lo)) for d in ("bare", "proctor")}
+        print(f"| marginal, {lo:,} → {hi:,} procedures | {m['bare']:,.0f} | {m['proctor']:,.0f} | {m['proctor'] / m['bare']:.1f} |")
+
+if idle:
+    b, p = idle["bare_bytes_per_idle_proc"], idle["proctor_bytes_per_idle_proc"]
+    print()
+    print(f"bytes per idle procedure ({idle['idle_procs']:,}): bare {b:,.0f}, proctor {p:,.0f}, proctor / bare {p / b:.1f}")
+
+if recovery:
+    print()
+    print(f"recovery ({recovery['procs']:,} procedures, {recovery['wal_bytes_on_disk'] / 1e6:,.0f} MB on disk): "
+          f"open + load + plan {recovery['recover_s']} s, raw read {recovery['raw_read_s']} s, "
+          f"ratio {recovery['recover_over_raw_read']}")
 EOF
-rm -f "$out"
