@@ -57,7 +57,9 @@ use std::path::{Path, PathBuf};
 use crate::procedure::ProcId;
 use crate::record::{ProcRecord, StoreOp};
 use crate::store::{ProcedureStore, StoreError, StoreSnapshot};
-use crate::wal::{self, Frame, FrameKind, ScanEnd, SegmentSummary};
+use crate::wal::{
+    self, Frame, FrameError, FrameKind, OpKind, RawFrame, RawOp, ScanEnd, SegmentSummary,
+};
 
 /// One directory entry, as [`WalFs::list`] sees it (links not followed).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -521,6 +523,19 @@ pub fn scan_wal_dir_on<F: WalFs>(
     dir: &Path,
     on_frame: &mut dyn FnMut(u64, Frame),
 ) -> Result<WalDirScan, StoreError> {
+    scan_wal_dir_raw(fs, dir, &mut |seq, raw| {
+        on_frame(seq, raw.decode()?);
+        Ok(())
+    })
+}
+
+/// [`scan_wal_dir_on`] with the frames indexed, not decoded; an error from `on_frame`
+/// is damage at that frame.
+fn scan_wal_dir_raw<F: WalFs>(
+    fs: &F,
+    dir: &Path,
+    on_frame: &mut dyn FnMut(u64, RawFrame) -> Result<(), FrameError>,
+) -> Result<WalDirScan, StoreError> {
     let mut out = WalDirScan::default();
     match scan_into(fs, dir, on_frame, &mut out) {
         Ok(()) => Ok(out),
@@ -542,7 +557,7 @@ fn scan_path(
     path: &Path,
     newest: bool,
     expect_first_lsn: Option<u64>,
-    on_frame: &mut dyn FnMut(Frame),
+    on_frame: &mut dyn FnMut(RawFrame) -> Result<(), FrameError>,
 ) -> Result<SegmentSummary, StoreError> {
     let mut reader = open_segment(fs, path)?;
     wal::scan_stream(&mut reader, newest, expect_first_lsn, on_frame)
@@ -569,7 +584,7 @@ fn ends_with_seal(fs: &impl WalFs, path: &Path) -> Result<bool, StoreError> {
 fn scan_into(
     fs: &impl WalFs,
     dir: &Path,
-    on_frame: &mut dyn FnMut(u64, Frame),
+    on_frame: &mut dyn FnMut(u64, RawFrame) -> Result<(), FrameError>,
     out: &mut WalDirScan,
 ) -> Result<(), StoreError> {
     let mut files = segment_files(fs, dir)?;
@@ -594,7 +609,7 @@ fn scan_into(
         let has_frames = wal::first_frame_is_valid(&mut open_segment(fs, newest)?)
             .map_err(io(format!("reading {}", newest.display())))?;
         if !has_frames && !ends_with_seal(fs, previous)? {
-            let summary = scan_path(fs, newest, true, None, &mut |_| {})?;
+            let summary = scan_path(fs, newest, true, None, &mut |_| Ok(()))?;
             if let ScanEnd::Corrupt { offset, reason } = summary.end {
                 return Err(corrupt(newest, offset, reason));
             }
@@ -732,29 +747,93 @@ fn prepare_dir(fs: &impl WalFs, dir: &Path) -> Result<(), StoreError> {
     }
 }
 
-/// What open rebuilds from the frames, segment by segment.
+/// What open rebuilds from the frames, segment by segment: the latest op of each live
+/// procedure, indexed, not decoded. Only these are decoded ([`Replay::decode`]): a
+/// record a later one supersedes costs its index, not its decoding.
 #[derive(Default)]
 struct Replay {
-    records: BTreeMap<ProcId, ProcRecord>,
-    live: HashMap<ProcId, (u64, u32)>,
+    live: HashMap<ProcId, Latest>,
     max_id: u64,
 }
 
+/// A procedure's latest op and where it lies.
+struct Latest {
+    seq: u64,
+    frame_offset: u64,
+    op: RawOp,
+}
+
+/// Below this many live records, decoding stays on the opening thread.
+const PARALLEL_DECODE_MIN: usize = 8192;
+
 impl Replay {
-    fn apply(&mut self, seq: u64, frame: Frame) {
-        for (op, size) in frame.ops.into_iter().zip(frame.op_sizes) {
-            self.max_id = self.max_id.max(op.proc_id().0);
-            match op {
-                StoreOp::Insert(r) | StoreOp::Update(r) => {
-                    self.live.insert(r.id, (seq, size));
-                    self.records.insert(r.id, r);
+    fn apply(&mut self, seq: u64, frame: RawFrame) {
+        for op in frame.ops {
+            self.max_id = self.max_id.max(op.id.0);
+            match op.kind {
+                OpKind::Insert | OpKind::Update => {
+                    let latest = Latest {
+                        seq,
+                        frame_offset: frame.offset,
+                        op,
+                    };
+                    self.live.insert(latest.op.id, latest);
                 }
-                StoreOp::Delete(id) => {
-                    self.live.remove(&id);
-                    self.records.remove(&id);
+                OpKind::Delete => {
+                    self.live.remove(&op.id);
                 }
             }
         }
+    }
+
+    /// Each live procedure's segment and the encoded size of its latest record.
+    fn sizes(&self) -> HashMap<ProcId, (u64, u32)> {
+        self.live
+            .iter()
+            .map(|(&id, l)| (id, (l.seq, l.op.size())))
+            .collect()
+    }
+
+    /// Decodes the latest record of every live procedure, by id, split over the cores
+    /// when there are many.
+    ///
+    /// # Errors
+    /// [`StoreError::Corrupt`] naming the segment and frame of a record that does not
+    /// decode.
+    fn decode(&self, dir: &Path) -> Result<Vec<ProcRecord>, StoreError> {
+        let mut latest: Vec<&Latest> = self.live.values().collect();
+        latest.sort_unstable_by_key(|l| l.op.id);
+        let decode_all = |part: &[&Latest]| -> Result<Vec<ProcRecord>, StoreError> {
+            part.iter()
+                .map(|l| match l.op.decode() {
+                    Ok(StoreOp::Insert(r) | StoreOp::Update(r)) => Ok(r),
+                    Ok(StoreOp::Delete(_)) => unreachable!("a delete is never live"),
+                    Err(e) => Err(corrupt(&segment_path(dir, l.seq), l.frame_offset, e)),
+                })
+                .collect()
+        };
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+        if threads == 1 || latest.len() < PARALLEL_DECODE_MIN {
+            return decode_all(&latest);
+        }
+        let parts = latest.chunks(latest.len().div_ceil(threads));
+        let decoded: Vec<_> = std::thread::scope(|scope| {
+            let workers: Vec<_> = parts
+                .map(|part| scope.spawn(move || decode_all(part)))
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| {
+                    w.join()
+                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+                })
+                .collect()
+        });
+        let mut records = Vec::with_capacity(latest.len());
+        for part in decoded {
+            records.extend(part?);
+        }
+        Ok(records)
     }
 }
 
@@ -809,10 +888,14 @@ impl<F: WalFs> WalStore<F> {
             })?;
 
         let mut replay = Replay::default();
-        let scan = scan_wal_dir_on(&fs, &dir, &mut |seq, frame| replay.apply(seq, frame))?;
+        let scan = scan_wal_dir_raw(&fs, &dir, &mut |seq, frame| {
+            replay.apply(seq, frame);
+            Ok(())
+        })?;
         if let Some(damage) = scan.damage {
             return Err(damage);
         }
+        let records = replay.decode(&dir)?;
         let mut repairs = Vec::new();
         for repair in &scan.repairs {
             match repair {
@@ -845,7 +928,9 @@ impl<F: WalFs> WalStore<F> {
             );
         }
         let mut live_bytes = 0;
-        for &(seq, size) in replay.live.values() {
+        let live = replay.sizes();
+        drop(replay);
+        for &(seq, size) in live.values() {
             if let Some(s) = segments.get_mut(&seq) {
                 s.live += 1;
                 s.live_bytes += u64::from(size);
@@ -885,12 +970,12 @@ impl<F: WalFs> WalStore<F> {
             current_seq,
             current_len,
             next_lsn,
-            live: replay.live,
+            live,
             live_bytes,
             total_bytes,
             max_id,
             opened: Some(StoreSnapshot {
-                records: replay.records.into_values().collect(),
+                records,
                 max_id,
                 repairs,
             }),
@@ -931,6 +1016,38 @@ impl<F: WalFs> WalStore<F> {
                 source: io::Error::new(io::ErrorKind::InvalidData, e),
             }
         })?;
+        self.write_encoded(ops.iter().zip(sizes).map(|(op, size)| {
+            let kind = match op {
+                StoreOp::Insert(_) => OpKind::Insert,
+                StoreOp::Update(_) => OpKind::Update,
+                StoreOp::Delete(_) => OpKind::Delete,
+            };
+            (kind, op.proc_id(), size)
+        }))
+    }
+
+    /// Writes a checkpoint frame of ops copied as they are, not re-encoded.
+    fn write_checkpoint(&mut self, ops: &[RawOp]) -> Result<(), StoreError> {
+        self.buf.clear();
+        wal::encode_raw_frame(
+            FrameKind::Checkpoint,
+            self.next_lsn,
+            ops.iter().map(RawOp::bytes),
+            &mut self.buf,
+        )
+        .map_err(|e| StoreError::Io {
+            context: "encoding a WAL checkpoint".into(),
+            source: io::Error::new(io::ErrorKind::InvalidData, e),
+        })?;
+        self.write_encoded(ops.iter().map(|op| (op.kind, op.id, op.size())))
+    }
+
+    /// Writes the frame encoded in `buf`, holding `ops` (kind, procedure, encoded size),
+    /// and counts its records live.
+    fn write_encoded(
+        &mut self,
+        ops: impl Iterator<Item = (OpKind, ProcId, u32)>,
+    ) -> Result<(), StoreError> {
         let len = self.buf.len() as u64;
         if self.current_len + len > self.options.segment_bytes
             && self.current_len > wal::SEGMENT_HEADER_LEN as u64
@@ -944,20 +1061,18 @@ impl<F: WalFs> WalStore<F> {
             return Err(self.fail(io(format!("appending to {path}"))(e)));
         }
         self.account_written(len);
-        for op in ops {
-            self.max_id = self.max_id.max(op.proc_id().0);
-        }
-        for (op, size) in ops.iter().zip(sizes) {
-            let old = match op {
-                StoreOp::Insert(r) | StoreOp::Update(r) => {
+        for (kind, id, size) in ops {
+            self.max_id = self.max_id.max(id.0);
+            let old = match kind {
+                OpKind::Insert | OpKind::Update => {
                     if let Some(s) = self.segments.get_mut(&self.current_seq) {
                         s.live += 1;
                         s.live_bytes += u64::from(size);
                     }
                     self.live_bytes += u64::from(size);
-                    self.live.insert(r.id, (self.current_seq, size))
+                    self.live.insert(id, (self.current_seq, size))
                 }
-                StoreOp::Delete(id) => self.live.remove(id),
+                OpKind::Delete => self.live.remove(&id),
             };
             if let Some((seq, size)) = old {
                 if let Some(s) = self.segments.get_mut(&seq) {
@@ -1080,22 +1195,32 @@ impl<F: WalFs> WalStore<F> {
     /// quarter segment each.
     fn rewrite_forward(&mut self, seq: u64) -> Result<(), StoreError> {
         let path = self.segments[&seq].path.clone();
-        let mut latest: BTreeMap<ProcId, ProcRecord> = BTreeMap::new();
+        // The latest op of each procedure in the segment, copied forward as written:
+        // nothing is decoded.
+        let mut latest: BTreeMap<ProcId, RawOp> = BTreeMap::new();
         let summary = scan_path(&self.fs, &path, false, None, &mut |frame| {
             for op in frame.ops {
-                op.apply_to(&mut latest);
+                match op.kind {
+                    OpKind::Insert | OpKind::Update => {
+                        latest.insert(op.id, op);
+                    }
+                    OpKind::Delete => {
+                        latest.remove(&op.id);
+                    }
+                }
             }
+            Ok(())
         })?;
         if let ScanEnd::Corrupt { offset, reason } | ScanEnd::TornTail { offset, reason } =
             summary.end
         {
             return Err(corrupt(&path, offset, reason));
         }
-        let ops: Vec<(StoreOp, u32)> = latest
+        let ops: Vec<RawOp> = latest
             .into_values()
-            .filter_map(|r| match self.live.get(&r.id) {
-                Some(&(at, size)) if at == seq => Some((StoreOp::Update(r), size)),
-                _ => None,
+            .filter(|op| {
+                // The store's count says which is live here, and its size must agree.
+                matches!(self.live.get(&op.id), Some(&(at, size)) if at == seq && size == op.size())
             })
             .collect();
         if ops.len() != self.segments[&seq].live {
@@ -1110,17 +1235,17 @@ impl<F: WalFs> WalStore<F> {
         let target = (self.options.segment_bytes / 4).max(1);
         let mut chunk = Vec::new();
         let mut chunk_bytes = 0;
-        for (op, size) in ops {
+        for op in ops {
+            chunk_bytes += u64::from(op.size());
             chunk.push(op);
-            chunk_bytes += u64::from(size);
             if chunk_bytes >= target {
-                self.write_frame(FrameKind::Checkpoint, &chunk)?;
+                self.write_checkpoint(&chunk)?;
                 chunk.clear();
                 chunk_bytes = 0;
             }
         }
         if !chunk.is_empty() {
-            self.write_frame(FrameKind::Checkpoint, &chunk)?;
+            self.write_checkpoint(&chunk)?;
         }
         Ok(())
     }
@@ -1163,17 +1288,16 @@ impl<F: WalFs> ProcedureStore for WalStore<F> {
         if let Some(snapshot) = self.opened.take() {
             return Ok(snapshot);
         }
-        let mut records = BTreeMap::new();
-        let scan = scan_wal_dir_on(&self.fs, &self.dir, &mut |_, frame| {
-            for op in frame.ops {
-                op.apply_to(&mut records);
-            }
+        let mut replay = Replay::default();
+        let scan = scan_wal_dir_raw(&self.fs, &self.dir, &mut |seq, frame| {
+            replay.apply(seq, frame);
+            Ok(())
         })?;
         if let Some(damage) = scan.damage {
             return Err(damage);
         }
         Ok(StoreSnapshot {
-            records: records.into_values().collect(),
+            records: replay.decode(&self.dir)?,
             max_id: self.max_id,
             repairs: Vec::new(),
         })

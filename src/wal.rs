@@ -21,9 +21,14 @@
 //! kind     := 1 batch       (one group-committed append)
 //!           | 2 checkpoint  (latest records rewritten forward by compaction)
 //!           | 3 seal        (len 0: the segment is complete; it is always the last frame)
-//! payload  := MessagePack array of ops, each [tag, body]:
-//!             Insert(ProcRecord) | Update(ProcRecord) | Delete(ProcId)
+//! payload  := MessagePack array of ops, each a one-entry map {tag: body}:
+//!             "Insert" | "Update" → ProcRecord (an array of its fields, `id` first)
+//!           | "Delete" → ProcId
 //! ```
+//!
+//! A scan indexes each payload without decoding it ([`index_payload`]: each op's tag,
+//! the first field of its record, and its length), so that recovery decodes only the
+//! latest record of each procedure and compaction copies records forward as they are.
 //!
 //! One frame is one `append` of the store, so a frame is the unit of atomicity: a crash
 //! leaves either the whole frame or a torn one, which recovery drops. A record is a full
@@ -84,6 +89,7 @@
 //! frame with a matching header CRC claims, so a huge or sparse file costs no memory.
 
 use std::io::{self, Read, Seek, SeekFrom};
+use std::sync::Arc;
 
 use serde::ser::{SerializeSeq, Serializer as _};
 use serde::Deserialize;
@@ -444,6 +450,17 @@ pub fn encode_frame(
         }
         seq.end()?;
     }
+    finish_frame(kind, lsn, start, out)?;
+    Ok(sizes)
+}
+
+/// Fills in the header of the frame that starts at `out[start]` and runs to the end.
+fn finish_frame(
+    kind: FrameKind,
+    lsn: u64,
+    start: usize,
+    out: &mut [u8],
+) -> Result<(), rmp_serde::encode::Error> {
     let payload_len = out.len() - start - FRAME_HEADER_LEN;
     let len = u32::try_from(payload_len)
         .ok()
@@ -459,7 +476,42 @@ pub fn encode_frame(
         lsn,
         payload_crc,
     );
-    Ok(sizes)
+    Ok(())
+}
+
+/// Appends one frame to `out` whose ops are already encoded (each as [`encode_frame`]
+/// would encode it): what compaction writes when it copies records forward.
+///
+/// # Errors
+/// [`Syntax`](rmp_serde::encode::Error::Syntax) if the payload is above
+/// [`MAX_PAYLOAD_LEN`]; `out` then ends with a partial frame.
+pub fn encode_raw_frame<'a>(
+    kind: FrameKind,
+    lsn: u64,
+    ops: impl ExactSizeIterator<Item = &'a [u8]>,
+    out: &mut Vec<u8>,
+) -> Result<(), rmp_serde::encode::Error> {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; FRAME_HEADER_LEN]);
+    let count = ops.len();
+    match u16::try_from(count) {
+        Ok(n) if n < 16 => out.push(0x90 | n as u8),
+        Ok(n) => {
+            out.push(0xdc);
+            out.extend_from_slice(&n.to_be_bytes());
+        }
+        Err(_) => {
+            let n = u32::try_from(count).map_err(|_| {
+                rmp_serde::encode::Error::Syntax(format!("{count} ops in one frame"))
+            })?;
+            out.push(0xdd);
+            out.extend_from_slice(&n.to_be_bytes());
+        }
+    }
+    for op in ops {
+        out.extend_from_slice(op);
+    }
+    finish_frame(kind, lsn, start, out)
 }
 
 /// Decodes a payload that passed its CRC: its ops and the encoded size of each.
@@ -476,26 +528,7 @@ pub fn decode_payload(
         return Ok((Vec::new(), Vec::new()));
     }
     let bad = |what: String| FrameError::Payload(what);
-    // The array marker: fixarray, array16 or array32.
-    let (count, skip) = match payload.first() {
-        Some(&m) if (0x90..=0x9f).contains(&m) => (usize::from(m & 0x0f), 1),
-        Some(0xdc) if payload.len() >= 3 => {
-            (usize::from(u16::from_be_bytes([payload[1], payload[2]])), 3)
-        }
-        Some(0xdd) if payload.len() >= 5 => (
-            u32::from_be_bytes([payload[1], payload[2], payload[3], payload[4]]) as usize,
-            5,
-        ),
-        _ => return Err(bad("not an array of ops".into())),
-    };
-    // Each op takes at least two bytes, so a count larger than that is damage, not a
-    // reason to reserve memory.
-    if count > payload.len() / 2 {
-        return Err(bad(format!(
-            "{count} ops cannot fit in {} bytes",
-            payload.len()
-        )));
-    }
+    let (count, skip) = array_header(payload)?;
     let mut de = rmp_serde::Deserializer::new(io::Cursor::new(&payload[skip..]));
     let mut ops = Vec::with_capacity(count);
     let mut sizes = Vec::with_capacity(count);
@@ -537,6 +570,311 @@ pub fn decode_frame(bytes: &[u8]) -> Result<(FrameHeader, Vec<StoreOp>, usize), 
     }
     let (ops, _) = decode_payload(header.kind, payload)?;
     Ok((header, ops, total))
+}
+
+/// What an op does, read from its tag without decoding its record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpKind {
+    /// [`StoreOp::Insert`].
+    Insert,
+    /// [`StoreOp::Update`].
+    Update,
+    /// [`StoreOp::Delete`].
+    Delete,
+}
+
+/// One op of a frame as a scan indexes it: its kind, its procedure and its bytes, not
+/// decoded. Recovery keeps the latest op of each procedure this way and decodes only
+/// those: a record that a later one supersedes is never decoded.
+#[derive(Clone, Debug)]
+pub struct RawOp {
+    /// What it does.
+    pub kind: OpKind,
+    /// The procedure it is about.
+    pub id: ProcId,
+    payload: Arc<Vec<u8>>,
+    start: u32,
+    len: u32,
+}
+
+impl RawOp {
+    /// Its encoding.
+    pub fn bytes(&self) -> &[u8] {
+        &self.payload[self.start as usize..(self.start + self.len) as usize]
+    }
+
+    /// Its encoded size in bytes (what the store counts as a record's live bytes).
+    pub fn size(&self) -> u32 {
+        self.len
+    }
+
+    /// Decodes it.
+    ///
+    /// # Errors
+    /// [`FrameError::Payload`] if it does not decode, fails [`check_op`], or decodes to
+    /// another kind or procedure than its index said.
+    pub fn decode(&self) -> Result<StoreOp, FrameError> {
+        let bad = |what: String| FrameError::Payload(what);
+        let op: StoreOp = rmp_serde::from_slice(self.bytes()).map_err(|e| bad(e.to_string()))?;
+        check_op(&op).map_err(bad)?;
+        let kind = match op {
+            StoreOp::Insert(_) => OpKind::Insert,
+            StoreOp::Update(_) => OpKind::Update,
+            StoreOp::Delete(_) => OpKind::Delete,
+        };
+        if (kind, op.proc_id()) != (self.kind, self.id) {
+            return Err(bad(format!(
+                "an op indexed as {:?} of procedure {} decodes as {kind:?} of {}",
+                self.kind,
+                self.id,
+                op.proc_id()
+            )));
+        }
+        Ok(op)
+    }
+}
+
+/// A good frame as a scan reads it: checked (header, LSN, payload CRC, the payload an
+/// array of well-formed ops), its ops indexed but not decoded.
+#[derive(Clone, Debug)]
+pub struct RawFrame {
+    /// Its byte offset in the segment file.
+    pub offset: u64,
+    /// Its total length in bytes, header included.
+    pub len: u64,
+    /// Its log sequence number.
+    pub lsn: u64,
+    /// What it holds.
+    pub kind: FrameKind,
+    /// Its ops, in order.
+    pub ops: Vec<RawOp>,
+}
+
+impl RawFrame {
+    /// Decodes every op.
+    ///
+    /// # Errors
+    /// The first op's [`RawOp::decode`] error.
+    pub fn decode(&self) -> Result<Frame, FrameError> {
+        Ok(Frame {
+            offset: self.offset,
+            len: self.len,
+            lsn: self.lsn,
+            kind: self.kind,
+            ops: self
+                .ops
+                .iter()
+                .map(RawOp::decode)
+                .collect::<Result<_, _>>()?,
+            op_sizes: self.ops.iter().map(RawOp::size).collect(),
+        })
+    }
+}
+
+/// Indexes a payload that passed its CRC: each op's kind, procedure and byte range,
+/// without decoding the records. The ops are in the form [`encode_frame`] writes (a
+/// one-entry map from the tag to the body, a record a positional array whose first
+/// element is its id); an op in another form that still decodes is indexed by decoding
+/// it.
+///
+/// # Errors
+/// [`FrameError::Payload`] if it is not a MessagePack array of ops, claims more ops than
+/// its bytes can hold, has an op that is not well-formed MessagePack or not an op, has
+/// an id above [`MAX_ID`], or has bytes after the last op.
+pub fn index_payload(kind: FrameKind, payload: Arc<Vec<u8>>) -> Result<Vec<RawOp>, FrameError> {
+    if kind == FrameKind::Seal {
+        return Ok(Vec::new());
+    }
+    let bytes = &payload[..];
+    let (count, mut at) = array_header(bytes)?;
+    if u32::try_from(bytes.len()).is_err() {
+        return Err(FrameError::Payload("a payload above 4 GiB".into()));
+    }
+    let mut ops = Vec::with_capacity(count);
+    for i in 0..count {
+        let (kind, id, end) = index_op(bytes, at)
+            .map_err(|why| FrameError::Payload(format!("op {i} at payload byte {at}: {why}")))?;
+        check_id(id).map_err(FrameError::Payload)?;
+        ops.push(RawOp {
+            kind,
+            id,
+            payload: Arc::clone(&payload),
+            start: at as u32,
+            len: (end - at) as u32,
+        });
+        at = end;
+    }
+    if at != bytes.len() {
+        return Err(FrameError::Payload("bytes after the last op".into()));
+    }
+    Ok(ops)
+}
+
+/// The op count of a payload's array marker and where its first op starts.
+fn array_header(payload: &[u8]) -> Result<(usize, usize), FrameError> {
+    let bad = |what: String| FrameError::Payload(what);
+    // The array marker: fixarray, array16 or array32.
+    let (count, skip) = match payload.first() {
+        Some(&m) if (0x90..=0x9f).contains(&m) => (usize::from(m & 0x0f), 1),
+        Some(0xdc) if payload.len() >= 3 => {
+            (usize::from(u16::from_be_bytes([payload[1], payload[2]])), 3)
+        }
+        Some(0xdd) if payload.len() >= 5 => (
+            u32::from_be_bytes([payload[1], payload[2], payload[3], payload[4]]) as usize,
+            5,
+        ),
+        _ => return Err(bad("not an array of ops".into())),
+    };
+    // Each op takes at least two bytes, so a count larger than that is damage, not a
+    // reason to reserve memory.
+    if count > payload.len() / 2 {
+        return Err(bad(format!(
+            "{count} ops cannot fit in {} bytes",
+            payload.len()
+        )));
+    }
+    Ok((count, skip))
+}
+
+/// The kind, procedure and end of the op at `at`: read from the tag and the record's
+/// first field when the op has the form [`encode_frame`] writes, else decoded.
+fn index_op(bytes: &[u8], at: usize) -> Result<(OpKind, ProcId, usize), String> {
+    if let Some(found) = index_op_fast(bytes, at) {
+        return Ok(found);
+    }
+    let mut de = rmp_serde::Deserializer::new(io::Cursor::new(&bytes[at..]));
+    let op = StoreOp::deserialize(&mut de).map_err(|e| e.to_string())?;
+    let kind = match op {
+        StoreOp::Insert(_) => OpKind::Insert,
+        StoreOp::Update(_) => OpKind::Update,
+        StoreOp::Delete(_) => OpKind::Delete,
+    };
+    Ok((kind, op.proc_id(), at + de.position() as usize))
+}
+
+fn index_op_fast(bytes: &[u8], at: usize) -> Option<(OpKind, ProcId, usize)> {
+    let mut r = MsgReader { bytes, at };
+    if r.byte()? != 0x81 {
+        return None;
+    }
+    let kind = match r.fixstr()? {
+        b"Insert" => OpKind::Insert,
+        b"Update" => OpKind::Update,
+        b"Delete" => OpKind::Delete,
+        _ => return None,
+    };
+    let id = if kind == OpKind::Delete {
+        r.uint()?
+    } else {
+        let fields = r.array_len()?;
+        if fields == 0 {
+            return None;
+        }
+        let id = r.uint()?;
+        r.skip(fields - 1)?;
+        id
+    };
+    Some((kind, ProcId(id), r.at))
+}
+
+/// Just enough of a MessagePack reader to index ops: every read is bounds-checked and
+/// gives `None` on anything unexpected.
+struct MsgReader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl MsgReader<'_> {
+    fn byte(&mut self) -> Option<u8> {
+        let b = *self.bytes.get(self.at)?;
+        self.at += 1;
+        Some(b)
+    }
+
+    fn take(&mut self, n: usize) -> Option<&[u8]> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.bytes.len())?;
+        let taken = &self.bytes[self.at..end];
+        self.at = end;
+        Some(taken)
+    }
+
+    fn be(&mut self, n: usize) -> Option<u64> {
+        Some(self.take(n)?.iter().fold(0, |v, &b| v << 8 | u64::from(b)))
+    }
+
+    fn fixstr(&mut self) -> Option<&[u8]> {
+        match self.byte()? {
+            m @ 0xa0..=0xbf => self.take(usize::from(m & 0x1f)),
+            _ => None,
+        }
+    }
+
+    fn uint(&mut self) -> Option<u64> {
+        match self.byte()? {
+            m @ 0x00..=0x7f => Some(u64::from(m)),
+            0xcc => self.be(1),
+            0xcd => self.be(2),
+            0xce => self.be(4),
+            0xcf => self.be(8),
+            _ => None,
+        }
+    }
+
+    fn array_len(&mut self) -> Option<u64> {
+        match self.byte()? {
+            m @ 0x90..=0x9f => Some(u64::from(m & 0x0f)),
+            0xdc => self.be(2),
+            0xdd => self.be(4),
+            _ => None,
+        }
+    }
+
+    /// Skips `values` whole values (nested arrays and maps included).
+    fn skip(&mut self, mut values: u64) -> Option<()> {
+        while values > 0 {
+            // Every value takes a byte at least: more pending values than bytes left is
+            // damage (and keeps the count from overflowing).
+            if values > (self.bytes.len() - self.at) as u64 {
+                return None;
+            }
+            values -= 1;
+            let m = self.byte()?;
+            let (fixed, len_bytes, nested) = match m {
+                0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => (0, 0, 0),
+                0x80..=0x8f => (0, 0, 2 * u64::from(m & 0x0f)),
+                0x90..=0x9f => (0, 0, u64::from(m & 0x0f)),
+                0xa0..=0xbf => (usize::from(m & 0x1f), 0, 0),
+                0xc4 | 0xd9 => (0, 1, 0),
+                0xc5 | 0xda => (0, 2, 0),
+                0xc6 | 0xdb => (0, 4, 0),
+                0xc7 => (1, 1, 0),
+                0xc8 => (1, 2, 0),
+                0xc9 => (1, 4, 0),
+                0xca | 0xce | 0xd2 => (4, 0, 0),
+                0xcb | 0xcf | 0xd3 => (8, 0, 0),
+                0xcc | 0xd0 => (1, 0, 0),
+                0xcd | 0xd1 => (2, 0, 0),
+                0xd4 => (2, 0, 0),
+                0xd5 => (3, 0, 0),
+                0xd6 => (5, 0, 0),
+                0xd7 => (9, 0, 0),
+                0xd8 => (17, 0, 0),
+                0xdc => (0, 0, self.be(2)?),
+                0xdd => (0, 0, self.be(4)?),
+                0xde => (0, 0, 2 * self.be(2)?),
+                0xdf => (0, 0, 2 * self.be(4)?),
+                0xc1 => return None,
+            };
+            if len_bytes > 0 {
+                let n = usize::try_from(self.be(len_bytes)?).ok()?;
+                self.take(n.checked_add(fixed)?)?;
+            } else {
+                self.take(fixed)?;
+            }
+            values = values.checked_add(nested)?;
+        }
+        Some(())
+    }
 }
 
 /// A good frame found by a scan.
@@ -621,7 +959,8 @@ pub struct SegmentScan {
 pub fn scan_segment(bytes: &[u8], newest: bool) -> SegmentScan {
     let mut frames = Vec::new();
     let summary = match scan_stream(&mut io::Cursor::new(bytes), newest, None, &mut |f| {
-        frames.push(f)
+        frames.push(f.decode()?);
+        Ok(())
     }) {
         Ok(summary) => summary,
         // Reading from memory cannot fail.
@@ -678,7 +1017,9 @@ struct Bad {
 }
 
 /// Scans one segment from `r` (positioned at its start), frame by frame, handing each
-/// good frame to `on_frame`. `expect_first_lsn`, when known, is the LSN the previous
+/// good frame to `on_frame`, indexed (see [`index_payload`]), not decoded. An error
+/// from `on_frame` (say, a frame that does not decode) makes that frame corrupt: the
+/// scan ends there. `expect_first_lsn`, when known, is the LSN the previous
 /// segment says this one starts at. Memory: one frame at a time.
 ///
 /// # Errors
@@ -688,7 +1029,7 @@ pub fn scan_stream<R: Read + Seek>(
     r: &mut R,
     newest: bool,
     expect_first_lsn: Option<u64>,
-    on_frame: &mut dyn FnMut(Frame),
+    on_frame: &mut dyn FnMut(RawFrame) -> Result<(), FrameError>,
 ) -> io::Result<SegmentSummary> {
     let mut summary = SegmentSummary {
         header: None,
@@ -732,7 +1073,6 @@ pub fn scan_stream<R: Read + Seek>(
     }
     let mut next = header.first_lsn;
     let mut offset = SEGMENT_HEADER_LEN as u64;
-    let mut payload = Vec::new();
     let bad = loop {
         read_up_to(r, FRAME_HEADER_LEN, &mut buf)?;
         if buf.is_empty() {
@@ -777,6 +1117,8 @@ pub fn scan_stream<R: Read + Seek>(
                 torn_shape: false,
             });
         }
+        // Each payload in its own buffer: the ops recovery keeps point into it.
+        let mut payload = Vec::new();
         read_up_to(r, fh.len as usize, &mut payload)?;
         if payload.len() < fh.len as usize {
             // A good header whose payload runs past the end: the last append, cut.
@@ -802,25 +1144,23 @@ pub fn scan_stream<R: Read + Seek>(
                 torn_shape,
             });
         }
-        let (ops, op_sizes) = match decode_payload(fh.kind, &payload) {
-            Ok(decoded) => decoded,
-            Err(reason) => {
-                break Some(Bad {
-                    offset,
-                    reason,
-                    torn_shape: false,
-                })
-            }
-        };
         let len = (FRAME_HEADER_LEN + payload.len()) as u64;
-        on_frame(Frame {
-            offset,
-            len,
-            lsn: fh.lsn,
-            kind: fh.kind,
-            ops,
-            op_sizes,
+        let handed = index_payload(fh.kind, Arc::new(payload)).and_then(|ops| {
+            on_frame(RawFrame {
+                offset,
+                len,
+                lsn: fh.lsn,
+                kind: fh.kind,
+                ops,
+            })
         });
+        if let Err(reason) = handed {
+            break Some(Bad {
+                offset,
+                reason,
+                torn_shape: false,
+            });
+        }
         summary.frames += 1;
         summary.last_lsn = Some(fh.lsn);
         summary.sealed = fh.kind == FrameKind::Seal;
@@ -1256,6 +1596,231 @@ mod tests {
                     _ => StoreOp::Delete(ProcId(id)),
                 }
             })
+    }
+
+    /// A record with every field drawn, so its encoding takes many MessagePack forms
+    /// (ints of every width, nil, bools, strings and bins of every length class, nested
+    /// arrays and maps).
+    fn arb_rich_op() -> impl Strategy<Value = StoreOp> {
+        let ids = prop_oneof![2u64..128, 128u64..70_000, 70_000u64..=MAX_ID];
+        (
+            (
+                ids,
+                any::<bool>(),
+                0u8..3,
+                prop::collection::vec(0u32..100_000, 0..6),
+            ),
+            (
+                prop::option::of("[a-z]{0,40}"),
+                prop::collection::vec(any::<u8>(), 0..300),
+                prop::option::of(any::<u64>()),
+                prop::option::of(prop::collection::vec(any::<u8>(), 0..40)),
+            ),
+            (any::<bool>(), 0u32..70_000, any::<bool>()),
+        )
+            .prop_map(
+                |((id, child, tag, stack), (event, data, when, result), (fail, retries, lock))| {
+                    let mut r = record(id, child.then_some(1), data);
+                    r.stack_indexes = stack;
+                    r.event = event;
+                    r.wake_at_ms = when;
+                    r.deadline_ms = when.map(|w| w / 2);
+                    r.result = result;
+                    r.failure = fail.then(|| Failure {
+                        proc: ProcId(id),
+                        type_name: "t".repeat(retries as usize % 50 + 1),
+                        error: ProcError::Failed("é".repeat(retries as usize % 20)),
+                    });
+                    r.nonce = fail.then_some(crate::Nonce {
+                        group: id,
+                        nonce: u64::from(retries),
+                    });
+                    r.locks = lock.then(|| crate::locks::LockClaim {
+                        locks: vec![crate::Lock::exclusive("t/1"), crate::Lock::shared("t")],
+                        for_life: fail,
+                        held: false,
+                    });
+                    r.steering.retries = retries;
+                    match tag {
+                        0 => StoreOp::Insert(r),
+                        1 => StoreOp::Update(r),
+                        _ => StoreOp::Delete(ProcId(id)),
+                    }
+                },
+            )
+    }
+
+    proptest! {
+        /// Indexing an encoded frame finds each op's kind, procedure and exact bytes;
+        /// each op decodes from its bytes alone; and copying the bytes into a new frame
+        /// gives the same payload.
+        #[test]
+        fn indexing_agrees_with_decoding(ops in prop::collection::vec(arb_rich_op(), 0..40)) {
+            let mut out = Vec::new();
+            let sizes = encode_frame(FrameKind::Batch, 7, &ops, &mut out).unwrap();
+            let payload = Arc::new(out[FRAME_HEADER_LEN..].to_vec());
+            let raw = index_payload(FrameKind::Batch, Arc::clone(&payload)).unwrap();
+            prop_assert_eq!(raw.len(), ops.len());
+            for ((raw, op), size) in raw.iter().zip(&ops).zip(&sizes) {
+                prop_assert_eq!(raw.id, op.proc_id());
+                prop_assert_eq!(raw.size(), *size);
+                prop_assert_eq!(&raw.decode().unwrap(), op);
+                // The fast path read it: decoding agrees.
+                let at = raw.bytes().as_ptr() as usize - payload.as_ptr() as usize;
+                prop_assert!(index_op_fast(&payload, at).is_some());
+            }
+            let mut copied = Vec::new();
+            encode_raw_frame(FrameKind::Batch, 7, raw.iter().map(RawOp::bytes), &mut copied)
+                .unwrap();
+            prop_assert_eq!(copied, out);
+        }
+    }
+
+    #[test]
+    fn an_op_in_another_form_is_indexed_by_decoding() {
+        // Named fields (a map record) and a plain array are not the form the writer
+        // uses, but they decode: the index falls back to decoding them.
+        let op = StoreOp::Update(record(9, None, vec![1, 2]));
+        let named = rmp_serde::to_vec_named(&op).unwrap();
+        let plain = rmp_serde::to_vec(&op).unwrap();
+        let mut payload = vec![0x92];
+        payload.extend(&named);
+        payload.extend(&plain);
+        let raw = index_payload(FrameKind::Batch, Arc::new(payload)).unwrap();
+        assert_eq!(raw.len(), 2);
+        assert_eq!(raw[0].size() as usize, named.len());
+        assert!(index_op_fast(&named, 0).is_none());
+        for r in &raw {
+            assert_eq!((r.kind, r.id), (OpKind::Update, ProcId(9)));
+            assert_eq!(r.decode().unwrap(), op);
+        }
+    }
+
+    #[test]
+    fn malformed_ops_are_refused_by_the_index() {
+        let insert = |body: &[u8]| {
+            let mut p = vec![0x91, 0x81, 0xa6];
+            p.extend(b"Insert");
+            p.extend(body);
+            p
+        };
+        let cases: &[(&str, Vec<u8>)] = &[
+            ("no array", vec![0x81]),
+            ("more ops than bytes", vec![0x9f, 0x00]),
+            ("19 fields, one present", insert(&[0xdc, 0x00, 0x13, 0x07])),
+            (
+                "a string past the end",
+                insert(&[0x92, 0x07, 0xd9, 0xff, b'a']),
+            ),
+            ("the never-used marker", insert(&[0x92, 0x07, 0xc1])),
+            (
+                "an id above the limit",
+                insert(&[0x91, 0xcf, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]),
+            ),
+            ("bytes after the last op", {
+                let mut p = insert(&[0x91, 0x07]);
+                p.push(0xc0);
+                p
+            }),
+            ("an unknown tag", {
+                let mut p = vec![0x91, 0x81, 0xa6];
+                p.extend(b"Upsert");
+                p.extend([0x91, 0x07]);
+                p
+            }),
+        ];
+        for (what, payload) in cases {
+            let got = index_payload(FrameKind::Batch, Arc::new(payload.clone()));
+            assert!(
+                matches!(got, Err(FrameError::Payload(_))),
+                "{what}: {got:?}"
+            );
+        }
+        // An op the index accepts but whose record is not a record fails at decode,
+        // naming why.
+        let raw = index_payload(FrameKind::Batch, Arc::new(insert(&[0x91, 0x07]))).unwrap();
+        assert!(matches!(raw[0].decode(), Err(FrameError::Payload(_))));
+    }
+
+    /// Every MessagePack form the skipper knows, each one whole value: skipped exactly,
+    /// and refused when cut short.
+    #[test]
+    fn the_skipper_walks_every_messagepack_form() {
+        let forms: &[(&str, &[u8])] = &[
+            ("positive fixint", &[0x7f]),
+            ("negative fixint", &[0xe0]),
+            ("nil, false, true", &[0x93, 0xc0, 0xc2, 0xc3]),
+            ("fixmap", &[0x81, 0xa1, b'k', 0x01]),
+            ("fixstr", &[0xa3, b'a', b'b', b'c']),
+            (
+                "bin8, bin16, bin32",
+                &[0x93, 0xc4, 1, 9, 0xc5, 0, 1, 9, 0xc6, 0, 0, 0, 1, 9],
+            ),
+            (
+                "str8, str16, str32",
+                &[
+                    0x93, 0xd9, 1, b'a', 0xda, 0, 1, b'a', 0xdb, 0, 0, 0, 1, b'a',
+                ],
+            ),
+            (
+                "ext8, ext16, ext32",
+                &[
+                    0x93, 0xc7, 1, 5, 9, 0xc8, 0, 1, 5, 9, 0xc9, 0, 0, 0, 1, 5, 9,
+                ],
+            ),
+            (
+                "floats",
+                &[0x92, 0xca, 0, 0, 0, 0, 0xcb, 0, 0, 0, 0, 0, 0, 0, 0],
+            ),
+            (
+                "uints",
+                &[
+                    0x94, 0xcc, 1, 0xcd, 0, 1, 0xce, 0, 0, 0, 1, 0xcf, 0, 0, 0, 0, 0, 0, 0, 1,
+                ],
+            ),
+            (
+                "ints",
+                &[
+                    0x94, 0xd0, 1, 0xd1, 0, 1, 0xd2, 0, 0, 0, 1, 0xd3, 0, 0, 0, 0, 0, 0, 0, 1,
+                ],
+            ),
+            (
+                "fixext 1 2 4",
+                &[0x93, 0xd4, 5, 1, 0xd5, 5, 1, 2, 0xd6, 5, 1, 2, 3, 4],
+            ),
+            ("fixext 8", &[0xd7, 5, 1, 2, 3, 4, 5, 6, 7, 8]),
+            (
+                "fixext 16",
+                &[
+                    0xd8, 5, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16,
+                ],
+            ),
+            (
+                "array16, array32",
+                &[0x92, 0xdc, 0, 1, 0x01, 0xdd, 0, 0, 0, 1, 0x01],
+            ),
+            (
+                "map16, map32",
+                &[0x92, 0xde, 0, 1, 1, 2, 0xdf, 0, 0, 0, 1, 1, 2],
+            ),
+            ("nested", &[0x91, 0x91, 0x81, 0x91, 0x01, 0x80]),
+        ];
+        for (what, bytes) in forms {
+            let mut r = MsgReader { bytes, at: 0 };
+            assert_eq!(r.skip(1), Some(()), "{what}");
+            assert_eq!(r.at, bytes.len(), "{what}");
+            let mut cut = MsgReader {
+                bytes: &bytes[..bytes.len() - 1],
+                at: 0,
+            };
+            assert_eq!(cut.skip(1), None, "{what} cut short");
+        }
+        // A count no bytes can hold is refused before it is walked.
+        let mut huge = MsgReader {
+            bytes: &[0xdd, 0xff, 0xff, 0xff, 0xff],
+            at: 0,
+        };
+        assert_eq!(huge.skip(1), None);
     }
 
     proptest! {
