@@ -17,6 +17,7 @@ use tokio::sync::oneshot;
 
 use crate::erased::{erase, erase_boxed, AnyEnv, DynProc};
 use crate::error::Error;
+use crate::fast_map::IdMap;
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState, Procedure};
 use crate::ready_queue::Scheduling;
@@ -515,7 +516,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             }
             ExecutorActor {
                 shared,
-                waiters: HashMap::new(),
+                waiters: IdMap::default(),
                 broken: None,
                 arbiters,
                 unfinished,
@@ -523,7 +524,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 nonces,
                 retention,
                 finished: finished_at.into(),
-                acked: HashMap::new(),
+                acked: IdMap::default(),
                 evicting: false,
                 owned_system: owned,
                 drain_timeout,
@@ -557,7 +558,7 @@ struct OwnedSystem {
 /// `before_recover` hooks, children first. Also returns the suspended procedures that
 /// run their next step at once rather than wait for their event again.
 fn decode_tree(registry: &Types, records: &[ProcRecord]) -> Result<(Objects, Vec<ProcId>), String> {
-    let mut objects = HashMap::new();
+    let mut objects = Objects::default();
     let mut rerun = Vec::new();
     for r in records.iter().filter(|r| !r.state.is_finished()) {
         let mut proc = registry
@@ -1376,7 +1377,7 @@ type Waiter = oneshot::Sender<Result<Result<(), Failure>, Error>>;
 /// The executor's actor. Talk to it through [`Executor`] or with the messages.
 pub struct ExecutorActor<E = ()> {
     shared: Arc<Shared>,
-    waiters: HashMap<ProcId, Vec<Waiter>>,
+    waiters: IdMap<ProcId, Vec<Waiter>>,
     /// Set once the store has failed (or the engine broke): nothing more is accepted,
     /// and every waiter gets this error.
     broken: Option<Error>,
@@ -1391,7 +1392,7 @@ pub struct ExecutorActor<E = ()> {
     /// Finished roots whose results are kept, oldest first: when they finished.
     finished: VecDeque<(u64, ProcId)>,
     /// Results the client acknowledged, and when.
-    acked: HashMap<ProcId, u64>,
+    acked: IdMap<ProcId, u64>,
     /// A batch of evictions is on its way to the store.
     evicting: bool,
     /// The actix system is the executor's own: shutdown stops it.

@@ -26,14 +26,22 @@ use super::protocol::{Persist, Refuse, StopWriter};
 
 struct Batch {
     ops: Vec<StoreOp>,
-    done: oneshot::Sender<Result<(), StoreError>>,
+    /// The result, and the batch's `Vec` emptied, for the next batch to reuse.
+    done: oneshot::Sender<(Result<(), StoreError>, Vec<StoreOp>)>,
 }
+
+/// The largest batch buffers kept for reuse, in ops and acks.
+const KEEP_CAPACITY: usize = 1 << 14;
 
 pub(crate) struct Persistence {
     writer: Option<mpsc::Sender<Batch>>,
     thread: Option<thread::JoinHandle<()>>,
     pending_ops: Vec<StoreOp>,
     pending_acks: Vec<oneshot::Sender<Result<(), Error>>>,
+    /// Emptied buffers of the last batch written: a batch reuses them rather than
+    /// growing new ones op by op (an op is a whole record, about half a kilobyte).
+    spare_ops: Vec<StoreOp>,
+    spare_acks: Vec<oneshot::Sender<Result<(), Error>>>,
     in_flight: bool,
     failed: Option<String>,
 }
@@ -51,8 +59,10 @@ impl Persistence {
                     let started = Instant::now();
                     let result = store.append(&batch.ops);
                     metrics.append(started.elapsed(), batch.ops.len());
+                    let mut ops = batch.ops;
+                    ops.clear();
                     // The actor may be gone at shutdown; nothing is waiting then.
-                    let _ = batch.done.send(result);
+                    let _ = batch.done.send((result, ops));
                 }
             })?;
         Ok(Persistence {
@@ -60,6 +70,8 @@ impl Persistence {
             thread: Some(thread),
             pending_ops: Vec::new(),
             pending_acks: Vec::new(),
+            spare_ops: Vec::new(),
+            spare_acks: Vec::new(),
             in_flight: false,
             failed: None,
         })
@@ -81,8 +93,8 @@ impl Persistence {
         if self.pending_acks.is_empty() {
             return;
         }
-        let ops = std::mem::take(&mut self.pending_ops);
-        let acks = std::mem::take(&mut self.pending_acks);
+        let ops = std::mem::replace(&mut self.pending_ops, std::mem::take(&mut self.spare_ops));
+        let acks = std::mem::replace(&mut self.pending_acks, std::mem::take(&mut self.spare_acks));
         let (done, done_rx) = oneshot::channel();
         let sent = self
             .writer
@@ -96,13 +108,18 @@ impl Persistence {
         ctx.spawn(done_rx.into_actor(self).map(move |result, act, ctx| {
             act.in_flight = false;
             match result {
-                Ok(Ok(())) => {
-                    for ack in acks {
+                Ok((Ok(()), ops)) => {
+                    let mut acks = acks;
+                    for ack in acks.drain(..) {
                         let _ = ack.send(Ok(()));
+                    }
+                    if ops.capacity() <= KEEP_CAPACITY && acks.capacity() <= KEEP_CAPACITY {
+                        act.spare_ops = ops;
+                        act.spare_acks = acks;
                     }
                     act.flush(ctx);
                 }
-                Ok(Err(e)) => act.fail(e.to_string(), acks),
+                Ok((Err(e), _)) => act.fail(e.to_string(), acks),
                 Err(_) => act.fail("the store writer thread panicked".to_string(), acks),
             }
         }));

@@ -9,6 +9,7 @@
 //! code never sees two calls at once. Once its tree is halted (the store failed) it calls
 //! no user code at all, exactly as if the process had died.
 
+use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -32,6 +33,9 @@ use super::protocol::{
 };
 use super::root_stack::RootStackActor;
 use super::shared::{now_ms, Shared, TreeStatus};
+
+/// The largest encoding buffer a thread keeps between steps.
+const SCRATCH_KEEP: usize = 1 << 20;
 
 /// Who a procedure actor is.
 pub(crate) struct ProcSpec {
@@ -211,14 +215,29 @@ impl ProcedureActor {
     }
 
     /// Encodes the object's state; on failure keeps the last good bytes and says why.
+    /// The encoder writes into a buffer of the thread's, so a step's encoding costs one
+    /// allocation of the exact size rather than a growing `Vec`'s several.
     fn encode(&mut self, proc: &dyn ErasedProc) -> Result<Vec<u8>, ProcError> {
-        match self.shared.registry.encode(proc) {
-            Ok((_, bytes)) => {
-                self.data.clone_from(&bytes);
-                Ok(bytes)
-            }
-            Err(e) => Err(ProcError::Persist(e.to_string())),
+        thread_local! {
+            static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
         }
+        SCRATCH.with_borrow_mut(|buf| {
+            buf.clear();
+            let encoded = self.shared.registry.encode_into(proc, buf);
+            let result = match encoded {
+                Ok(_) => {
+                    self.data.clear();
+                    self.data.extend_from_slice(buf);
+                    Ok(buf.to_vec())
+                }
+                Err(e) => Err(ProcError::Persist(e.to_string())),
+            };
+            // One huge state must not pin its buffer for the thread's life.
+            if buf.capacity() > SCRATCH_KEEP {
+                *buf = Vec::new();
+            }
+            result
+        })
     }
 
     /// Turns what `execute` returned into a report: names and encodes children and the

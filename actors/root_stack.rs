@@ -20,7 +20,7 @@
 //! flight here is gone; durability comes only from the store, and recovery rebuilds this
 //! actor from it.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
@@ -30,6 +30,7 @@ use tokio::sync::oneshot;
 
 use crate::erased::DynProc;
 use crate::error::Error;
+use crate::fast_map::IdMap;
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, ProcRecord, Steering, StoreOp};
 use crate::root_stack::{Action, NewChild, RootStack, Transition};
@@ -47,7 +48,7 @@ use super::protocol::{
 use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
 
 /// Decoded procedures waiting for their actors, with their encoded state.
-pub(crate) type Objects = HashMap<ProcId, (DynProc, Vec<u8>)>;
+pub(crate) type Objects = IdMap<ProcId, (DynProc, Vec<u8>)>;
 
 /// What one persisted op changes in the procedure table; applied once the op is durable.
 enum Row {
@@ -77,10 +78,10 @@ pub(crate) struct RootStackActor {
     core: RootStack,
     shared: Arc<Shared>,
     /// Live procedure actors of this tree.
-    procs: HashMap<ProcId, Addr<ProcedureActor>>,
+    procs: IdMap<ProcId, Addr<ProcedureActor>>,
     /// Operators' pauses not in effect yet, answered when they are (or when the
     /// procedure ends or its tree fails first).
-    pause_waiters: HashMap<ProcId, Vec<AbortAck>>,
+    pause_waiters: IdMap<ProcId, Vec<AbortAck>>,
     /// New procedures, started once their insert is durable.
     unspawned: Objects,
     status: Arc<TreeStatus>,
@@ -123,7 +124,7 @@ impl RootStackActor {
     ) -> Self {
         let (id, data) = (root.id, root.data.clone());
         let (core, t) = RootStack::submit(root, now_ms());
-        let mut unspawned = HashMap::new();
+        let mut unspawned = Objects::default();
         unspawned.insert(id, (proc, data));
         let mut actor = Self::new(shared, core, t, unspawned);
         actor.submit_ack = Some(ack);
@@ -156,8 +157,8 @@ impl RootStackActor {
         RootStackActor {
             core,
             shared,
-            procs: HashMap::new(),
-            pause_waiters: HashMap::new(),
+            procs: IdMap::default(),
+            pause_waiters: IdMap::default(),
             unspawned,
             status,
             pending: VecDeque::new(),

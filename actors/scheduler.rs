@@ -11,13 +11,14 @@
 //! procedure's state. What it knows of locks it mirrors into the shared lock view that
 //! `GetState` and `List` read.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 
 use crate::events::EventTable;
+use crate::fast_map::{IdMap, IdSet};
 use crate::locks::{Changes, Hold, LockTable, Request};
 use crate::procedure::ProcId;
 use crate::ready_queue::{ReadyQueue, Scheduling};
@@ -153,17 +154,17 @@ pub(crate) struct Scheduler {
     /// Types registered as system procedures: their steps go first.
     system: HashSet<&'static str>,
     /// Steps dispatched and not finished.
-    running: HashMap<ProcId, Running>,
+    running: IdMap<ProcId, Running>,
     workers: Workers,
     monitor_every: Duration,
     events: EventTable<(ProcId, Addr<RootStackActor>)>,
     locks: LockTable,
     /// Procedures waiting in the lock table, and what to do once granted.
-    parked: HashMap<ProcId, Parked>,
+    parked: IdMap<ProcId, Parked>,
     /// The parked procedures of each tree, for `TreeFailed`.
-    parked_by_root: HashMap<ProcId, HashSet<ProcId>>,
+    parked_by_root: IdMap<ProcId, IdSet<ProcId>>,
     /// Enqueues that arrived while the previous step still held its step locks.
-    deferred: HashMap<ProcId, Deferred>,
+    deferred: IdMap<ProcId, Deferred>,
     view: Arc<SchedulerViews>,
     gauges: metrics::SchedulerGauges,
 }
@@ -186,7 +187,7 @@ impl Scheduler {
         Scheduler {
             ready,
             system,
-            running: HashMap::new(),
+            running: IdMap::default(),
             workers: Workers::new(WorkerPolicy {
                 base: workers,
                 max: workers.saturating_mul(10),
@@ -196,9 +197,9 @@ impl Scheduler {
             monitor_every: monitor.every,
             events: EventTable::new(),
             locks,
-            parked: HashMap::new(),
-            parked_by_root: HashMap::new(),
-            deferred: HashMap::new(),
+            parked: IdMap::default(),
+            parked_by_root: IdMap::default(),
+            deferred: IdMap::default(),
             view,
             gauges: metrics::SchedulerGauges::new(),
         }

@@ -10,6 +10,7 @@ use dashmap::DashMap;
 
 use crate::cancel::Cancel;
 use crate::erased::AnyEnv;
+use crate::fast_map::IdHasher;
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Nonce, Steering};
@@ -112,9 +113,9 @@ pub(crate) struct LockView {
 #[derive(Default)]
 pub(crate) struct SchedulerViews {
     /// The locks each procedure holds or waits for.
-    pub(crate) locks: DashMap<ProcId, LockView>,
+    pub(crate) locks: DashMap<ProcId, LockView, IdHasher>,
     /// The fair queue's level of each tree (by root) past level 0.
-    pub(crate) levels: DashMap<ProcId, u8>,
+    pub(crate) levels: DashMap<ProcId, u8, IdHasher>,
     /// Whether the fair queue orders steps (levels mean nothing under FIFO).
     pub(crate) fair: bool,
 }
@@ -123,7 +124,7 @@ pub(crate) struct Shared {
     pub(crate) registry: Types,
     /// The executor's environment (an `E` for an `Executor<E>`).
     pub(crate) env: Arc<AnyEnv>,
-    pub(crate) table: DashMap<ProcId, Entry>,
+    pub(crate) table: DashMap<ProcId, Entry, IdHasher>,
     pub(crate) views: Arc<SchedulerViews>,
     pub(crate) scheduler: Addr<Scheduler>,
     pub(crate) persistence: Addr<Persistence>,
@@ -212,7 +213,7 @@ impl Shared {
         Shared {
             registry,
             env,
-            table: DashMap::new(),
+            table: DashMap::default(),
             views,
             scheduler,
             persistence,

@@ -48,12 +48,13 @@
 //!   [`StoreSnapshot::repairs`], and stops with [`StoreError::Corrupt`] (file and offset)
 //!   on any other damage.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 
+use crate::fast_map::IdMap;
 use crate::procedure::ProcId;
 use crate::record::{ProcRecord, StoreOp};
 use crate::store::{ProcedureStore, StoreError, StoreSnapshot};
@@ -316,7 +317,7 @@ pub struct WalStore<F: WalFs = StdFs> {
     /// The LSN the next frame gets.
     next_lsn: u64,
     /// Where each live procedure's latest record is, and its encoded size.
-    live: HashMap<ProcId, (u64, u32)>,
+    live: IdMap<ProcId, (u64, u32)>,
     live_bytes: u64,
     /// The bytes of all segment files.
     total_bytes: u64,
@@ -752,7 +753,7 @@ fn prepare_dir(fs: &impl WalFs, dir: &Path) -> Result<(), StoreError> {
 /// record a later one supersedes costs its index, not its decoding.
 #[derive(Default)]
 struct Replay {
-    live: HashMap<ProcId, Latest>,
+    live: IdMap<ProcId, Latest>,
     max_id: u64,
 }
 
@@ -787,7 +788,7 @@ impl Replay {
     }
 
     /// Each live procedure's segment and the encoded size of its latest record.
-    fn sizes(&self) -> HashMap<ProcId, (u64, u32)> {
+    fn sizes(&self) -> IdMap<ProcId, (u64, u32)> {
         self.live
             .iter()
             .map(|(&id, l)| (id, (l.seq, l.op.size())))

@@ -85,7 +85,7 @@ pub(crate) trait ErasedProc: Send + 'static {
     fn timeout_ms(&self) -> Option<u64>;
     fn on_timeout(&mut self) -> OnTimeout;
     fn failure_policy(&self, error: &ProcError) -> FailurePolicy;
-    fn encode_state(&self) -> Result<Vec<u8>, rmp_serde::encode::Error>;
+    fn encode_state_into(&self, out: &mut Vec<u8>) -> Result<(), rmp_serde::encode::Error>;
     /// The user's type, for the registry.
     fn proc_type_id(&self) -> TypeId;
     /// The user's type's Rust name, for error messages.
@@ -218,8 +218,8 @@ impl<E: Send + Sync + 'static, H: Holder<E>> ErasedProc for Typed<E, H> {
         self.proc.get().failure_policy(error)
     }
 
-    fn encode_state(&self) -> Result<Vec<u8>, rmp_serde::encode::Error> {
-        self.proc.get().encode_state()
+    fn encode_state_into(&self, out: &mut Vec<u8>) -> Result<(), rmp_serde::encode::Error> {
+        self.proc.get().encode_state_into(out)
     }
 
     fn proc_type_id(&self) -> TypeId {
@@ -290,10 +290,9 @@ mod tests {
             panic!("expected children");
         };
         assert_eq!(result, Some(rmp_serde::to_vec_named(&3u32).unwrap()));
-        assert_eq!(
-            proc.encode_state().unwrap(),
-            rmp_serde::to_vec_named(&Count { seen: 3 }).unwrap()
-        );
+        let mut state = Vec::new();
+        proc.encode_state_into(&mut state).unwrap();
+        assert_eq!(state, rmp_serde::to_vec_named(&Count { seen: 3 }).unwrap());
         // Boxed children keep their own type for the registry.
         assert_eq!(children[0].proc_type_id(), TypeId::of::<Count>());
         assert_eq!(proc.proc_type_id(), TypeId::of::<Count>());

@@ -15,6 +15,7 @@ mod dag;
 mod erased;
 mod error;
 mod events;
+mod fast_map;
 mod locks;
 mod mlfq;
 mod procedure;

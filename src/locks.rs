@@ -48,6 +48,7 @@ use std::ops::ControlFlow;
 
 use serde::{Deserialize, Serialize};
 
+use crate::fast_map::{IdMap, IdSet};
 use crate::procedure::ProcId;
 
 /// How a resource is locked.
@@ -295,7 +296,7 @@ struct ResNode {
     exclusive: Vec<ProcId>,
     shared: Vec<ProcId>,
     /// Holders of locks strictly below this resource, with how many such locks.
-    below: HashMap<ProcId, u32>,
+    below: IdMap<ProcId, u32>,
     /// Waiting requests with a lock on exactly this resource, by sequence number.
     waiting: BTreeMap<u64, LockMode>,
     /// The exclusive ones among `waiting`.
@@ -342,15 +343,15 @@ const ORDINARY: u64 = 1 << 63;
 pub struct LockTable {
     nodes: HashMap<String, ResNode>,
     permits: HashMap<String, u32>,
-    holders: HashMap<ProcId, Request>,
+    holders: IdMap<ProcId, Request>,
     waiters: BTreeMap<u64, Waiter>,
-    waiting_seq: HashMap<ProcId, u64>,
+    waiting_seq: IdMap<ProcId, u64>,
     /// For each procedure, the waiting requests of its descendants.
-    desc_waiters: HashMap<ProcId, BTreeSet<u64>>,
+    desc_waiters: IdMap<ProcId, BTreeSet<u64>>,
     /// For each tree, its waiting rollback requests.
-    rollback_waiters: HashMap<ProcId, BTreeSet<u64>>,
+    rollback_waiters: IdMap<ProcId, BTreeSet<u64>>,
     /// Borrowers (waiting or holding) and the holders whose locks they may ignore.
-    loans: HashMap<ProcId, Vec<ProcId>>,
+    loans: IdMap<ProcId, Vec<ProcId>>,
     next_priority: u64,
     next_ordinary: u64,
 }
@@ -360,12 +361,12 @@ impl Default for LockTable {
         LockTable {
             nodes: HashMap::new(),
             permits: HashMap::new(),
-            holders: HashMap::new(),
+            holders: IdMap::default(),
             waiters: BTreeMap::new(),
-            waiting_seq: HashMap::new(),
-            desc_waiters: HashMap::new(),
-            rollback_waiters: HashMap::new(),
-            loans: HashMap::new(),
+            waiting_seq: IdMap::default(),
+            desc_waiters: IdMap::default(),
+            rollback_waiters: IdMap::default(),
+            loans: IdMap::default(),
             next_priority: 0,
             next_ordinary: ORDINARY,
         }
@@ -933,7 +934,7 @@ impl LockTable {
     /// implied between them), or `None`.
     fn find_cycle(&self, start: ProcId) -> Option<Vec<WaitEdge>> {
         // Iterative depth-first search keeping the path of (node, edge kind into it).
-        let mut visited: HashSet<ProcId> = HashSet::from([start]);
+        let mut visited: IdSet<ProcId> = IdSet::from_iter([start]);
         let mut path: Vec<PathStep> = vec![(start, Link::Tree, self.successors(start))];
         while let Some((node, _, next)) = path.last_mut() {
             let from = *node;

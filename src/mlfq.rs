@@ -38,8 +38,9 @@
 //! Pure: the step times come in as parameters. The worker bound lives in
 //! [`ReadyQueue`](crate::ready_queue::ReadyQueue), which holds one of these.
 
+use crate::fast_map::IdMap;
 use std::cmp::{Ordering, Reverse};
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
 use std::hash::Hash;
 
 /// Where each level starts, in seconds of a tree's accumulated step time.
@@ -122,7 +123,7 @@ impl<T> Level<T> {
 pub struct Mlfq<T, R> {
     levels: Vec<Level<T>>,
     /// Accumulated step time of each live tree, in nanoseconds.
-    trees: HashMap<R, u64>,
+    trees: IdMap<R, u64>,
     /// The next back push's sequence (counting up) and front push's (counting down).
     next_back: i64,
     next_front: i64,
@@ -152,7 +153,7 @@ impl<T, R: Hash + Eq> Mlfq<T, R> {
     pub fn new() -> Self {
         Mlfq {
             levels: (0..LEVELS).map(|_| Level::new()).collect(),
-            trees: HashMap::new(),
+            trees: IdMap::default(),
             next_back: 0,
             next_front: -1,
             len: 0,

@@ -571,11 +571,26 @@ pub trait EncodeState {
     /// # Errors
     /// The encoder's error if the state does not serialize (its `Serialize` fails).
     fn encode_state(&self) -> Result<Vec<u8>, rmp_serde::encode::Error>;
+
+    /// [`encode_state`](EncodeState::encode_state), appended to `out`: what the engine
+    /// calls at every step, with a buffer it reuses.
+    ///
+    /// # Errors
+    /// As [`encode_state`](EncodeState::encode_state); `out` may then hold part of the
+    /// encoding.
+    fn encode_state_into(&self, out: &mut Vec<u8>) -> Result<(), rmp_serde::encode::Error> {
+        out.extend(self.encode_state()?);
+        Ok(())
+    }
 }
 
 impl<T: Serialize> EncodeState for T {
     fn encode_state(&self) -> Result<Vec<u8>, rmp_serde::encode::Error> {
         rmp_serde::to_vec_named(self)
+    }
+
+    fn encode_state_into(&self, out: &mut Vec<u8>) -> Result<(), rmp_serde::encode::Error> {
+        rmp_serde::encode::write_named(out, self)
     }
 }
 

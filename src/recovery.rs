@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 
+use crate::fast_map::IdMap;
 use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, ProcRecord, StoreOp};
 use crate::root_stack::{RootStack, Transition};
@@ -256,7 +257,7 @@ fn order_children_first(group: &mut [ProcRecord]) -> Result<(), String> {
     if group.len() == 1 {
         return Ok(());
     }
-    let parents: HashMap<ProcId, Option<ProcId>> = group.iter().map(|r| (r.id, r.parent)).collect();
+    let parents: IdMap<ProcId, Option<ProcId>> = group.iter().map(|r| (r.id, r.parent)).collect();
     let mut depth = HashMap::with_capacity(group.len());
     for r in group.iter() {
         let mut d = 0usize;

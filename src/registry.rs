@@ -12,6 +12,7 @@ use std::collections::{HashMap, HashSet};
 use serde::de::DeserializeOwned;
 
 use crate::erased::{erase, DynProc, ErasedProc};
+use crate::fast_map::IdMap;
 use crate::procedure::{type_id_of, Procedure};
 
 type Decoder<T> = fn(&[u8]) -> Result<T, rmp_serde::decode::Error>;
@@ -81,7 +82,7 @@ pub struct Registry<E = ()> {
 /// and decoders to procedures it can run.
 #[derive(Clone, Default)]
 pub(crate) struct Types {
-    names: HashMap<TypeId, &'static str>,
+    names: IdMap<TypeId, &'static str>,
     decoders: HashMap<&'static str, ErasedDecodeFn>,
     /// Names registered with [`Registry::register_system`].
     system: HashSet<&'static str>,
@@ -260,15 +261,25 @@ impl Types {
         &self,
         proc: &dyn ErasedProc,
     ) -> Result<(&'static str, Vec<u8>), RegistryError> {
+        let mut bytes = Vec::new();
+        let name = self.encode_into(proc, &mut bytes)?;
+        Ok((name, bytes))
+    }
+
+    /// [`Types::encode`], the state appended to `out` (a buffer the caller reuses).
+    pub(crate) fn encode_into(
+        &self,
+        proc: &dyn ErasedProc,
+        out: &mut Vec<u8>,
+    ) -> Result<&'static str, RegistryError> {
         let name = self
             .name(proc.proc_type_id())
             .ok_or(RegistryError::Unregistered {
                 rust_type: proc.rust_type_name(),
             })?;
-        let bytes = proc
-            .encode_state()
+        proc.encode_state_into(out)
             .map_err(|source| RegistryError::Encode { name, source })?;
-        Ok((name, bytes))
+        Ok(name)
     }
 
     /// Decodes a stored state written under `name`.
