@@ -178,8 +178,8 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         self
     }
 
-    /// How many arbiters (threads) procedure actors are spread over (default: one per
-    /// core).
+    /// How many arbiters (threads) the trees are spread over, round robin (default:
+    /// one per core). The procedures of one tree run on their tree's arbiter.
     #[must_use]
     pub fn arbiters(mut self, arbiters: usize) -> Self {
         self.arbiters = arbiters;
@@ -482,7 +482,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                         submitted_ms: record.submitted_ms,
                         updated_ms: record.updated_ms,
                         tree: None,
-                        result: Some(record.failure.map_or(Ok(()), Err)),
+                        result: Some(record.failure.map_or(Ok(()), |f| Err(Box::new(f)))),
                         value: record.result,
                         nonce: record.nonce,
                         waiting: Waiting::Nothing,
@@ -1456,7 +1456,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 state: e.state,
                 submitted_ms: e.submitted_ms,
                 updated_ms: e.updated_ms,
-                result: e.result.clone(),
+                result: e.result.clone().map(|r| r.map_err(|f| *f)),
                 locks_held,
                 locks_waiting,
                 state_name: e.state_name.clone(),

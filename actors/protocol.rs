@@ -21,6 +21,11 @@ use crate::root_stack::{RollbackFailure, StepReport};
 use super::procedure::ProcedureActor;
 use super::root_stack::RootStackActor;
 
+/// A procedure actor's address as the root stack and the scheduler pass it around:
+/// shared, because cloning an actix `Addr` allocates (a new sender), and every queued
+/// step carries one.
+pub(crate) type ProcAddr = std::sync::Arc<Addr<ProcedureActor>>;
+
 // ------------------------------------------------------------------------------------
 // Scheduler <-> procedure <-> root stack: one step.
 //
@@ -40,7 +45,7 @@ pub(crate) struct Enqueue {
     pub(crate) id: ProcId,
     /// The root of its tree: the fair queue ranks the step by the tree's step time.
     pub(crate) root: ProcId,
-    pub(crate) addr: Addr<ProcedureActor>,
+    pub(crate) addr: ProcAddr,
     pub(crate) front: bool,
     /// Its registered type name and which of its steps this is, counting from 1 (for
     /// the stuck-worker monitor's warnings).
@@ -137,7 +142,7 @@ impl Message for StepDone {
 /// Roll back a step of `id` once its locks are granted (from the root stack).
 pub(crate) struct LockForRollback {
     pub(crate) id: ProcId,
-    pub(crate) addr: Addr<ProcedureActor>,
+    pub(crate) addr: ProcAddr,
     pub(crate) lock: Request,
     pub(crate) unrecorded: bool,
 }

@@ -42,8 +42,9 @@ use super::procedure::{ProcSpec, ProcedureActor};
 use super::protocol::{
     AbortAck, AbortProc, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline,
     Enqueue, FailRequest, ForgetPause, LockForRollback, LocksHeld, PauseNow, PauseProc, Persist,
-    ProcLost, Quiesce, ReleaseLocks, ResetProc, Rollback, RolledBack, StepDone, StepFinished,
-    StopProc, SuspendOn, TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
+    ProcAddr, ProcLost, Quiesce, ReleaseLocks, ResetProc, Rollback, RolledBack, StepDone,
+    StepFinished, StopProc, SuspendOn, TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend,
+    Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
 
@@ -78,7 +79,7 @@ pub(crate) struct RootStackActor {
     core: RootStack,
     shared: Arc<Shared>,
     /// Live procedure actors of this tree.
-    procs: IdMap<ProcId, Addr<ProcedureActor>>,
+    procs: IdMap<ProcId, ProcAddr>,
     /// Operators' pauses not in effect yet, answered when they are (or when the
     /// procedure ends or its tree fails first).
     pause_waiters: IdMap<ProcId, Vec<AbortAck>>,
@@ -90,7 +91,7 @@ pub(crate) struct RootStackActor {
     /// Answered once the root's insert is durable and it is queued.
     submit_ack: Option<oneshot::Sender<Result<ProcId, Error>>>,
     /// The submit's transition, applied when the actor starts.
-    initial: Option<Transition>,
+    initial: Option<Box<Transition>>,
     /// How many transitions have had their actions performed.
     performed: usize,
     /// Rebuilt by recovery: the first actors it spawns are recovered procedures.
@@ -101,9 +102,9 @@ pub(crate) struct RootStackActor {
     /// `StopProc`s sent and not answered yet.
     stopping: usize,
     /// The tree's result, published once every stop has been answered.
-    result: Option<Result<(), Failure>>,
+    result: Option<Box<Result<(), Failure>>>,
     /// Set when nothing more can be made durable: the tree is cut off like in a crash.
-    halted: Option<Error>,
+    halted: Option<Box<Error>>,
     /// The result went to the executor: the actor's work is done.
     published: bool,
     /// Recovered procedures suspended on an event that run their next step at once.
@@ -161,9 +162,11 @@ impl RootStackActor {
             pause_waiters: IdMap::default(),
             unspawned,
             status,
-            pending: VecDeque::new(),
+            // Most trees have one transition in flight at a time: room for one (a
+            // `VecDeque`'s first growth makes room for four).
+            pending: VecDeque::with_capacity(1),
             submit_ack: None,
-            initial: Some(t),
+            initial: Some(Box::new(t)),
             performed: 0,
             recovered: false,
             dispatched: 0,
@@ -435,7 +438,7 @@ impl RootStackActor {
                         tracing::warn!(root = self.core.root().0, %failure, "tree rolled back")
                     }
                 }
-                self.result = Some(result);
+                self.result = Some(Box::new(result));
                 self.publish_result(ctx);
             }
         }
@@ -445,6 +448,10 @@ impl RootStackActor {
         let Some((proc, data)) = self.unspawned.remove(&id) else {
             unreachable!("spawn of {id}, which has no object");
         };
+        if self.unspawned.is_empty() {
+            // An idle tree keeps no empty table.
+            self.unspawned = Objects::default();
+        }
         let shared = self.shared.clone();
         let root_stack = ctx.address();
         let status = self.status.clone();
@@ -476,11 +483,10 @@ impl RootStackActor {
             recovered: self.recovered,
             has_locks: self.core.lock_request(id, false).is_some(),
         };
-        let arbiter = self.shared.next_arbiter().clone();
-        let addr = ProcedureActor::start_in_arbiter(&arbiter, move |_| {
-            ProcedureActor::new(spec, proc, data, shared, root_stack, status)
-        });
-        self.procs.insert(id, addr);
+        // On this root stack's own arbiter: a step's report to the root stack, and the
+        // root stack's calls to the procedure, never cross threads.
+        let addr = ProcedureActor::new(spec, proc, data, shared, root_stack, status).start();
+        self.procs.insert(id, Arc::new(addr));
     }
 
     /// A procedure's final record is durable: one INFO line and its metrics. The
@@ -548,12 +554,12 @@ impl RootStackActor {
         if self.stopping > 0 || self.halted.is_some() {
             return;
         }
-        let Some(result) = self.result.take() else {
+        let Some(result) = self.result.take().map(|r| *r) else {
             return;
         };
         let root = self.core.root();
         if let Some(mut e) = self.shared.table.get_mut(&root) {
-            e.result = Some(result.clone());
+            e.result = Some(result.clone().map_err(Box::new));
         }
         self.shared.finished.do_send(TreeFinished {
             root,
@@ -591,7 +597,7 @@ impl RootStackActor {
             root,
             result: Err(e.duplicate()),
         });
-        self.halted = Some(e);
+        self.halted = Some(Box::new(e));
         self.stop_when_quiet(ctx);
     }
 
@@ -610,7 +616,7 @@ impl Actor for RootStackActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        if let Some(t) = self.initial.take() {
+        if let Some(t) = self.initial.take().map(|t| *t) {
             self.apply(t, None, ctx);
         }
         for id in std::mem::take(&mut self.rerun) {
@@ -776,7 +782,7 @@ impl Handler<BypassRequest> for RootStackActor {
                 let e = self
                     .halted
                     .as_ref()
-                    .map_or(Error::Stopped, Error::duplicate);
+                    .map_or(Error::Stopped, |e| e.duplicate());
                 let _ = msg.ack.send(Err(e));
             }
         }
@@ -915,7 +921,7 @@ impl Handler<CommandRequest> for RootStackActor {
                 let e = self
                     .halted
                     .as_ref()
-                    .map_or(Error::Stopped, Error::duplicate);
+                    .map_or(Error::Stopped, |e| e.duplicate());
                 let _ = msg.ack.send(Err(e));
             }
         }

@@ -26,10 +26,9 @@ use crate::workers::{Change, WorkerPolicy, Workers};
 
 use super::metrics;
 use super::perturb;
-use super::procedure::ProcedureActor;
 use super::protocol::{
-    Enqueue, LockFailed, LockForRollback, LocksGranted, Regrant, ReleaseLocks, Rollback, RunStep,
-    StepFinished, SuspendOn, TreeEnded, TreeFailed, Unsuspend, Wake,
+    Enqueue, LockFailed, LockForRollback, LocksGranted, ProcAddr, Regrant, ReleaseLocks, Rollback,
+    RunStep, StepFinished, SuspendOn, TreeEnded, TreeFailed, Unsuspend, Wake,
 };
 use super::root_stack::RootStackActor;
 use super::shared::{now_ms, LockView, SchedulerViews};
@@ -77,12 +76,12 @@ enum Deferred {
 /// What to do for a procedure once its locks are granted.
 enum Then {
     Step {
-        addr: Addr<ProcedureActor>,
+        addr: ProcAddr,
         front: bool,
         what: What,
     },
     Rollback {
-        addr: Addr<ProcedureActor>,
+        addr: ProcAddr,
         unrecorded: bool,
     },
 }
@@ -96,7 +95,7 @@ struct Parked {
 type What = (&'static str, usize);
 
 /// A queued step: who, its tree (root), its actor, its type and step.
-type Ready = (ProcId, ProcId, Addr<ProcedureActor>, What);
+type Ready = (ProcId, ProcId, ProcAddr, What);
 
 /// A dispatched step: when it started (wall clock, for the stuck-worker monitor, and
 /// monotonic, for its run time), its type and step, and its tree.

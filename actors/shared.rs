@@ -68,8 +68,8 @@ pub(crate) struct Entry {
     pub(crate) updated_ms: u64,
     /// The root stack of its tree, which answers aborts; `None` once it has finished.
     pub(crate) tree: Option<Addr<RootStackActor>>,
-    /// A finished root's result.
-    pub(crate) result: Option<Result<(), Failure>>,
+    /// A finished root's result (its failure boxed: every live procedure has a row).
+    pub(crate) result: Option<Result<(), Box<Failure>>>,
     /// A finished root's value for the caller (MessagePack), if its last step set one.
     pub(crate) value: Option<Vec<u8>>,
     /// The nonce a root was submitted with.

@@ -366,21 +366,23 @@ async fn idle(n: u64, design: Design) -> Result<serde_json::Value, Box<dyn std::
                     })
                     .await?;
             }
-            // Every procedure has run its step and is suspended.
-            loop {
+            // Every procedure has run its step and is suspended. The resident size is
+            // read before the listing that checks it: the listing's own memory (one
+            // row per procedure) must not count.
+            let per_proc = loop {
                 let stats = executor.scheduler_stats().await?;
                 if stats.queued == 0 && stats.running == 0 {
+                    let rss = rss_bytes();
                     let waiting = executor
                         .list(proctor::List::new().state(proctor::ProcState::Waiting))
                         .await?
                         .len() as u64;
                     if waiting == n {
-                        break;
+                        break (rss.saturating_sub(before)) as f64 / n as f64;
                     }
                 }
                 tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            let per_proc = (rss_bytes().saturating_sub(before)) as f64 / n as f64;
+            };
             executor.shutdown_now().await?;
             per_proc
         }

@@ -111,9 +111,10 @@ pub struct Steering {
     /// succeeds.
     #[serde(default)]
     pub retries: u32,
-    /// Why it is PAUSED or ROLLBACK_PAUSED.
+    /// Why it is PAUSED or ROLLBACK_PAUSED (boxed: most procedures never pause, and
+    /// every record and tree node carries a `Steering`).
     #[serde(default)]
-    pub paused: Option<Paused>,
+    pub paused: Option<Box<Paused>>,
     /// A recorded step marked itself as the point of no return
     /// ([`Context::set_irreversible`](crate::Context::set_irreversible)).
     #[serde(default)]

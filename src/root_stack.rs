@@ -273,7 +273,8 @@ struct Node {
     submitted_ms: u64,
     wake_at_ms: Option<u64>,
     event: Option<String>,
-    failure: Option<Failure>,
+    /// Boxed: most procedures never fail, and a `Failure` is 100 bytes.
+    failure: Option<Box<Failure>>,
     failure_seq: Option<u64>,
     rollback_attempts: u32,
     stopped: bool,
@@ -303,6 +304,11 @@ impl NodeMap {
         match self.position(id) {
             Ok(i) => Some(std::mem::replace(&mut self.0[i].1, node)),
             Err(i) => {
+                // Most trees are one procedure: room for exactly one node at first (a
+                // `Vec`'s first growth makes room for four, 1.4 KiB more per idle tree).
+                if self.0.capacity() == 0 {
+                    self.0.reserve_exact(1);
+                }
                 self.0.insert(i, (id, node));
                 None
             }
@@ -414,7 +420,7 @@ impl RootStack {
                     submitted_ms: r.submitted_ms,
                     wake_at_ms: r.wake_at_ms,
                     event: r.event.clone(),
-                    failure: r.failure.clone(),
+                    failure: r.failure.clone().map(Box::new),
                     failure_seq: r.failure_seq,
                     rollback_attempts: 0,
                     stopped: r.state.is_finished(),
@@ -1231,7 +1237,7 @@ impl RootStack {
     ) {
         let node = self.node_mut(id);
         node.state = state;
-        node.steering.paused = Some(why.clone());
+        node.steering.paused = Some(Box::new(why.clone()));
         node.paused_data = Some(data.clone());
         self.persist_update(t, id, data, now_ms);
         t.actions.push(Action::Paused { id, state, why });
@@ -1321,7 +1327,7 @@ impl RootStack {
         self.failures += 1;
         let node = self.node_mut(id);
         node.state = ProcState::Failed;
-        node.failure = Some(failure.clone());
+        node.failure = Some(Box::new(failure.clone()));
         node.failure_seq = Some(seq);
         if self.failure.is_none() {
             tracing::debug!(root = %self.root, %failure, "tree failed");
@@ -1409,7 +1415,7 @@ impl RootStack {
             Some(failure) => {
                 let node = self.node_mut(root);
                 node.state = ProcState::RolledBack;
-                node.failure = Some(failure.clone());
+                node.failure = Some(Box::new(failure.clone()));
                 Err(failure)
             }
         };
@@ -1457,7 +1463,7 @@ impl RootStack {
             type_name: node.type_name.to_string(),
             state: node.state,
             stack_indexes: node.stack_indexes.clone(),
-            failure: node.failure.clone(),
+            failure: node.failure.as_deref().cloned(),
             failure_seq: node.failure_seq,
             submitted_ms: node.submitted_ms,
             updated_ms: now_ms,

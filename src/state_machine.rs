@@ -214,6 +214,7 @@ where
 /// The stored form of a state machine's history: runs of one state repeated.
 mod state_runs {
     use serde::de::DeserializeOwned;
+    use serde::ser::SerializeSeq;
     use serde::{Deserialize, Deserializer, Serialize, Serializer};
 
     pub(super) fn serialize<T, S>(history: &[T], s: S) -> Result<S::Ok, S::Error>
@@ -221,14 +222,29 @@ mod state_runs {
         T: Copy + Eq + Serialize,
         S: Serializer,
     {
-        let mut runs: Vec<(T, u32)> = Vec::new();
-        for &state in history {
-            match runs.last_mut() {
-                Some((last, times)) if *last == state && *times < u32::MAX => *times += 1,
-                _ => runs.push((state, 1)),
-            }
+        // Encoded at every step: the runs are counted, then written as they are found,
+        // with no `Vec` built in between.
+        let mut seq = s.serialize_seq(Some(runs(history).count()))?;
+        for run in runs(history) {
+            seq.serialize_element(&run)?;
         }
-        runs.serialize(s)
+        seq.end()
+    }
+
+    /// `(state, times)` for each run of equal states (a run longer than `u32::MAX`
+    /// splits).
+    fn runs<T: Copy + Eq>(history: &[T]) -> impl Iterator<Item = (T, u32)> + '_ {
+        let mut rest = history;
+        std::iter::from_fn(move || {
+            let (&state, _) = rest.split_first()?;
+            let len = rest
+                .iter()
+                .take(u32::MAX as usize)
+                .take_while(|&&s| s == state)
+                .count();
+            rest = &rest[len..];
+            Some((state, len as u32))
+        })
     }
 
     pub(super) fn deserialize<'de, T, D>(d: D) -> Result<Vec<T>, D::Error>
@@ -606,5 +622,29 @@ mod tests {
         let many = encoded([S::A].into_iter().chain([S::B; 10_000]).collect());
         assert!(many <= one + 4, "10 000 cycles: {many} bytes, 1: {one}");
         encoded(vec![S::A, S::B, S::A, S::C, S::C]);
+        encoded(Vec::new());
+    }
+
+    /// The runs are written as the list of `(state, times)` pairs that logs already
+    /// hold.
+    #[test]
+    fn state_runs_are_a_list_of_pairs() {
+        #[derive(Serialize)]
+        struct Runs(#[serde(with = "state_runs")] Vec<S>);
+        type Case = (Vec<S>, Vec<(S, u32)>);
+        let cases: [Case; 3] = [
+            (vec![], vec![]),
+            (vec![S::A], vec![(S::A, 1)]),
+            (
+                vec![S::A, S::A, S::B, S::A, S::C, S::C, S::C],
+                vec![(S::A, 2), (S::B, 1), (S::A, 1), (S::C, 3)],
+            ),
+        ];
+        for (history, pairs) in cases {
+            assert_eq!(
+                rmp_serde::to_vec(&Runs(history)).unwrap(),
+                rmp_serde::to_vec(&pairs).unwrap()
+            );
+        }
     }
 }
