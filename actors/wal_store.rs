@@ -804,37 +804,40 @@ impl Replay {
     fn decode(&self, dir: &Path) -> Result<Vec<ProcRecord>, StoreError> {
         let mut latest: Vec<&Latest> = self.live.values().collect();
         latest.sort_unstable_by_key(|l| l.op.id);
-        let decode_all = |part: &[&Latest]| -> Result<Vec<ProcRecord>, StoreError> {
-            part.iter()
-                .map(|l| match l.op.decode() {
-                    Ok(StoreOp::Insert(r) | StoreOp::Update(r)) => Ok(r),
+        let decode_all = |part: &[&Latest], mut into: Vec<ProcRecord>| {
+            for l in part {
+                match l.op.decode() {
+                    Ok(StoreOp::Insert(r) | StoreOp::Update(r)) => into.push(r),
                     Ok(StoreOp::Delete(_)) => unreachable!("a delete is never live"),
-                    Err(e) => Err(corrupt(&segment_path(dir, l.seq), l.frame_offset, e)),
-                })
-                .collect()
+                    Err(e) => return Err(corrupt(&segment_path(dir, l.seq), l.frame_offset, e)),
+                }
+            }
+            Ok(into)
         };
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
         if threads == 1 || latest.len() < PARALLEL_DECODE_MIN {
-            return decode_all(&latest);
+            return decode_all(&latest, Vec::with_capacity(latest.len()));
         }
-        let parts = latest.chunks(latest.len().div_ceil(threads));
-        let decoded: Vec<_> = std::thread::scope(|scope| {
+        // The first part is decoded on this thread straight into the whole result, so
+        // only the other parts are copied.
+        let mut parts = latest.chunks(latest.len().div_ceil(threads));
+        let first = parts.next().unwrap_or_default();
+        std::thread::scope(|scope| {
             let workers: Vec<_> = parts
-                .map(|part| scope.spawn(move || decode_all(part)))
+                .map(|part| scope.spawn(move || decode_all(part, Vec::with_capacity(part.len()))))
                 .collect();
-            workers
-                .into_iter()
-                .map(|w| {
-                    w.join()
-                        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-                })
-                .collect()
-        });
-        let mut records = Vec::with_capacity(latest.len());
-        for part in decoded {
-            records.extend(part?);
-        }
-        Ok(records)
+            let mut records = decode_all(first, Vec::with_capacity(latest.len()));
+            for worker in workers {
+                let part = worker
+                    .join()
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                records = records.and_then(|mut records| {
+                    records.extend(part?);
+                    Ok(records)
+                });
+            }
+            records
+        })
     }
 }
 

@@ -7,16 +7,20 @@
 //! ```sh
 //! cargo bench --bench recovery                 # 1 000 000 procedures
 //! cargo bench --bench recovery -- 100000       # fewer
+//! cargo bench --bench recovery -- --dir D      # write into D, or reuse the log D holds
 //! ```
+//!
+//! With `--dir`, a directory that already holds a log is only recovered (for profiling
+//! recovery alone: `perf record` on the second run).
 
 #[path = "../examples/workload/rss.rs"]
 mod rss;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use proctor::internals::recovery;
-use proctor::{ProcId, ProcRecord, ProcState, ProcedureStore, StoreOp, WalStore};
+use proctor::{ProcId, ProcRecord, ProcState, ProcedureStore, StoreOp, WalStats, WalStore};
 
 const BATCH: u64 = 1000;
 const UPDATES: u8 = 4;
@@ -79,14 +83,75 @@ fn raw_read_s(dir: &Path) -> std::io::Result<f64> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     // `cargo bench` passes `--bench`; the first number is the procedure count.
-    let procs: u64 = std::env::args()
-        .skip(1)
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let procs: u64 = args
+        .iter()
         .find_map(|a| a.parse().ok())
         .unwrap_or(1_000_000);
-    let dir = tempfile::tempdir()?;
+    let temp = tempfile::tempdir()?;
+    let dir = match args.iter().position(|a| a == "--dir") {
+        Some(i) => PathBuf::from(args.get(i + 1).ok_or("--dir needs a directory")?),
+        None => temp.path().to_path_buf(),
+    };
+    let reuse = std::fs::read_dir(&dir).is_ok_and(|mut entries| {
+        entries.any(|e| e.is_ok_and(|e| e.path().extension().is_some_and(|x| x == "wal")))
+    });
+    let written = if reuse {
+        None
+    } else {
+        Some(write(&dir, procs)?)
+    };
+    let dir = dir.as_path();
+    let bytes_on_disk = dir_bytes(dir);
+    let raw_s = raw_read_s(dir)?;
 
     let started = Instant::now();
-    let mut wal = WalStore::open(dir.path())?;
+    let mut wal = WalStore::open(dir)?;
+    let snapshot = wal.load()?;
+    let open_s = started.elapsed().as_secs_f64();
+    let live = snapshot.records.len();
+    let plan = recovery::plan(snapshot.records, |n| (n == "bench").then_some("bench"), 0);
+    let recover_s = started.elapsed().as_secs_f64();
+    assert_eq!(plan.trees.len() as u64, procs - procs / 2);
+    assert!(plan.corrupt.is_empty());
+
+    let ms = |s: f64| (s * 1000.0).round() / 1000.0;
+    let mut report = serde_json::json!({
+        "procs": procs,
+        "wal_bytes_on_disk": bytes_on_disk,
+        "open_and_load_s": ms(open_s),
+        "recover_s": ms(recover_s),
+        "raw_read_s": (raw_s * 10000.0).round() / 10000.0,
+        "recover_over_raw_read": (recover_s / raw_s.max(1e-9) * 10.0).round() / 10.0,
+        "live_procs": live,
+        "peak_rss_mb": rss::peak_rss_mb().round(),
+    });
+    if let Some(w) = written {
+        report["records_written"] = w.records.into();
+        report["wal_bytes_appended"] = w.stats.bytes_appended.into();
+        report["bytes_per_record"] = (w.stats.bytes_appended as f64 / w.records as f64)
+            .round()
+            .into();
+        report["records_rewritten"] = w.stats.records_rewritten.into();
+        report["segments_deleted"] = w.stats.segments_deleted.into();
+        report["write_s"] = ms(w.seconds).into();
+    }
+    println!("{report}");
+    Ok(())
+}
+
+/// What writing the log did.
+struct Written {
+    records: u64,
+    stats: WalStats,
+    seconds: f64,
+}
+
+/// Writes the log into `dir`: `procs` procedures, each inserted and updated `UPDATES`
+/// times in batches of `BATCH`, then half of them deleted.
+fn write(dir: &Path, procs: u64) -> Result<Written, Box<dyn std::error::Error>> {
+    let started = Instant::now();
+    let mut wal = WalStore::open(dir)?;
     let mut written = 0u64;
     for first in (1..=procs).step_by(BATCH as usize) {
         let ids = first..(first + BATCH).min(procs + 1);
@@ -112,38 +177,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let stats = wal.stats();
     drop(wal);
-    let write_s = started.elapsed().as_secs_f64();
-    let bytes_on_disk = dir_bytes(dir.path());
-    let raw_s = raw_read_s(dir.path())?;
-
-    let started = Instant::now();
-    let mut wal = WalStore::open(dir.path())?;
-    let snapshot = wal.load()?;
-    let open_s = started.elapsed().as_secs_f64();
-    let live = snapshot.records.len();
-    let plan = recovery::plan(snapshot.records, |n| (n == "bench").then_some("bench"), 0);
-    let recover_s = started.elapsed().as_secs_f64();
-    assert_eq!(plan.trees.len() as u64, procs - procs / 2);
-    assert!(plan.corrupt.is_empty());
-
-    println!(
-        "{}",
-        serde_json::json!({
-            "procs": procs,
-            "records_written": written,
-            "wal_bytes_appended": stats.bytes_appended,
-            "bytes_per_record": (stats.bytes_appended as f64 / written as f64).round(),
-            "wal_bytes_on_disk": bytes_on_disk,
-            "records_rewritten": stats.records_rewritten,
-            "segments_deleted": stats.segments_deleted,
-            "write_s": (write_s * 1000.0).round() / 1000.0,
-            "open_and_load_s": (open_s * 1000.0).round() / 1000.0,
-            "recover_s": (recover_s * 1000.0).round() / 1000.0,
-            "raw_read_s": (raw_s * 10000.0).round() / 10000.0,
-            "recover_over_raw_read": (recover_s / raw_s.max(1e-9) * 10.0).round() / 10.0,
-            "live_procs": live,
-            "peak_rss_mb": rss::peak_rss_mb().round(),
-        })
-    );
-    Ok(())
+    Ok(Written {
+        records: written,
+        stats,
+        seconds: started.elapsed().as_secs_f64(),
+    })
 }

@@ -197,15 +197,24 @@ pub fn plan(
     names: impl Fn(&str) -> Option<&'static str>,
     now_ms: u64,
 ) -> RecoveryPlan {
-    // Group by tree: sort by (root, id) and cut the runs, one allocation per tree.
-    let mut records = records;
-    records.sort_unstable_by_key(|r| (r.root, r.id));
+    // Group by tree, moving each record once (a record is a few hundred bytes: sorting
+    // them all would move each many times); then the trees by root, and each tree's
+    // records by id.
+    let mut tree_of: IdMap<ProcId, usize> = IdMap::default();
     let mut groups: Vec<(ProcId, Vec<ProcRecord>)> = Vec::new();
     for r in records {
-        match groups.last_mut() {
-            Some((root, group)) if *root == r.root => group.push(r),
-            _ => groups.push((r.root, vec![r])),
+        match tree_of.get(&r.root) {
+            Some(&i) => groups[i].1.push(r),
+            None => {
+                tree_of.insert(r.root, groups.len());
+                groups.push((r.root, vec![r]));
+            }
         }
+    }
+    drop(tree_of);
+    groups.sort_unstable_by_key(|(root, _)| *root);
+    for (_, group) in &mut groups {
+        group.sort_unstable_by_key(|r| r.id);
     }
     let mut plan = RecoveryPlan::default();
     for (root, mut group) in groups {
