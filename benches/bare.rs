@@ -30,7 +30,7 @@ use actix::prelude::*;
 use clap::Parser;
 use proctor::{
     async_trait, Context as ProcContext, Executor, Flow, MemoryStore, ProcError, Procedure,
-    Registry,
+    Registry, WalStore,
 };
 use serde::{Deserialize, Serialize};
 
@@ -300,14 +300,18 @@ fn rss_bytes() -> u64 {
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
 enum Design {
     Bare,
+    /// proctor on the memory store, whose copy of each record counts.
     Proctor,
+    /// proctor on the WAL store (in a temporary directory), which keeps an index entry
+    /// per live record in memory.
+    ProctorWal,
 }
 
 /// `--idle N`: each design in a process of its own (memory the first measurement freed
 /// must not be reused by the second), merged into one line.
 fn idle_both(n: u64) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
     let mut report = serde_json::json!({ "idle_procs": n });
-    for design in ["bare", "proctor"] {
+    for design in ["bare", "proctor", "proctor-wal"] {
         let out = std::process::Command::new(std::env::current_exe()?)
             .args(["--idle", &n.to_string(), "--idle-design", design])
             .stderr(std::process::Stdio::inherit())
@@ -317,7 +321,7 @@ fn idle_both(n: u64) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
         }
         let line = String::from_utf8(out.stdout)?;
         let one: serde_json::Value = serde_json::from_str(line.trim())?;
-        let key = format!("{design}_bytes_per_idle_proc");
+        let key = format!("{}_bytes_per_idle_proc", design.replace('-', "_"));
         report[&key] = one[&key].clone();
     }
     Ok(report)
@@ -348,23 +352,38 @@ async fn idle(n: u64, design: Design) -> Result<serde_json::Value, Box<dyn std::
             drop(actors);
             per_proc
         }
-        Design::Proctor => {
-            // The memory store: its copy of each record counts.
+        Design::Proctor | Design::ProctorWal => {
             let mut registry = Registry::new();
             registry.register::<Parked>("parked");
-            let executor = Executor::builder()
-                .registry(registry)
-                .store(MemoryStore::new())
-                .start()
-                .await?;
+            let wal_dir = tempfile::tempdir()?;
+            let builder = Executor::builder().registry(registry);
+            let builder = match design {
+                Design::ProctorWal => builder.store(WalStore::open(wal_dir.path())?),
+                _ => builder.store(MemoryStore::new()),
+            };
+            let executor = builder.start().await?;
             let before = rss_bytes();
-            for i in 0..n {
-                executor
-                    .submit(Parked {
-                        n: i,
-                        state: [1; 16],
+            // In waves of a thousand: a submit answers once its insert is durable, and
+            // the WAL store makes a wave one group commit.
+            let mut next = 0;
+            while next < n {
+                let wave: Vec<_> = (next..(next + 1000).min(n))
+                    .map(|i| {
+                        let executor = executor.clone();
+                        actix::spawn(async move {
+                            executor
+                                .submit(Parked {
+                                    n: i,
+                                    state: [1; 16],
+                                })
+                                .await
+                        })
                     })
-                    .await?;
+                    .collect();
+                for submitted in wave {
+                    submitted.await??;
+                }
+                next = (next + 1000).min(n);
             }
             // Every procedure has run its step and is suspended. The resident size is
             // read before the listing that checks it: the listing's own memory (one
@@ -390,6 +409,7 @@ async fn idle(n: u64, design: Design) -> Result<serde_json::Value, Box<dyn std::
     let key = match design {
         Design::Bare => "bare_bytes_per_idle_proc",
         Design::Proctor => "proctor_bytes_per_idle_proc",
+        Design::ProctorWal => "proctor_wal_bytes_per_idle_proc",
     };
     Ok(serde_json::json!({ "idle_procs": n, key: per_proc.round() }))
 }

@@ -7,7 +7,8 @@
 # 2. instructions per step (valgrind's callgrind, memory stores, 3 steps each): the
 #    total of a run of INSTR_PROCS procedures ÷ its steps, and the marginal cost between
 #    INSTR_PROCS and 2·INSTR_PROCS procedures (which leaves out start-up);
-# 3. bytes per idle procedure (`bare --idle IDLE`: each design in a process of its own);
+# 3. bytes per idle procedure (`bare --idle IDLE`: each design, and proctor on each store,
+#    in a process of its own);
 # 4. recovery ÷ raw read (`benches/recovery.rs` with RECOVERY_PROCS procedures).
 #
 # Needs python3 for the tables; skips 2 without valgrind. Set INSTR_PROCS, IDLE or
@@ -114,8 +115,9 @@ if instr:
 
 if idle:
     b, p = idle["bare_bytes_per_idle_proc"], idle["proctor_bytes_per_idle_proc"]
+    w = idle["proctor_wal_bytes_per_idle_proc"]
     print()
-    print(f"bytes per idle procedure ({idle['idle_procs']:,}): bare {b:,.0f}, proctor {p:,.0f}, proctor / bare {p / b:.1f}")
+    print(f"bytes per idle procedure ({idle['idle_procs']:,}): bare {b:,.0f}; proctor, memory store {p:,.0f} ({p / b:.1f}x), WAL store {w:,.0f} ({w / b:.1f}x)")
 
 if recovery:
     print()
