@@ -57,10 +57,10 @@ impl Persistence {
                 while let Ok(batch) = rx.recv() {
                     perturb::point("persistence::writer::append");
                     let started = Instant::now();
-                    let result = store.append(&batch.ops);
-                    metrics.append(started.elapsed(), batch.ops.len());
                     let mut ops = batch.ops;
-                    ops.clear();
+                    let records = ops.len();
+                    let result = store.append_owned(&mut ops);
+                    metrics.append(started.elapsed(), records);
                     // The actor may be gone at shutdown; nothing is waiting then.
                     let _ = batch.done.send((result, ops));
                 }

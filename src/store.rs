@@ -79,6 +79,19 @@ pub trait ProcedureStore: Send + 'static {
     /// [`StoreError::Failed`] for every append.
     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError>;
 
+    /// [`append`](ProcedureStore::append) of a batch the caller gives up: a store may
+    /// take the records out of `ops` rather than copy them (the engine's writer calls
+    /// this). `ops` is left empty either way, its capacity kept for the caller's next
+    /// batch. The default appends and clears.
+    ///
+    /// # Errors
+    /// As [`append`](ProcedureStore::append).
+    fn append_owned(&mut self, ops: &mut Vec<StoreOp>) -> Result<(), StoreError> {
+        let result = self.append(ops);
+        ops.clear();
+        result
+    }
+
     /// Reads everything back, for recovery and inspection.
     ///
     /// # Errors
@@ -91,6 +104,10 @@ pub trait ProcedureStore: Send + 'static {
 impl ProcedureStore for Box<dyn ProcedureStore> {
     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
         (**self).append(ops)
+    }
+
+    fn append_owned(&mut self, ops: &mut Vec<StoreOp>) -> Result<(), StoreError> {
+        (**self).append_owned(ops)
     }
 
     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
@@ -127,6 +144,13 @@ struct MemoryInner {
     max_id: u64,
 }
 
+impl MemoryInner {
+    fn apply(&mut self, op: StoreOp) {
+        self.max_id = self.max_id.max(op.proc_id().0);
+        op.apply_to(&mut self.records);
+    }
+}
+
 impl MemoryStore {
     /// An empty store.
     pub fn new() -> Self {
@@ -144,15 +168,15 @@ impl ProcedureStore for MemoryStore {
     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
         let mut inner = self.lock();
         for op in ops {
-            inner.max_id = inner.max_id.max(op.proc_id().0);
-            match op {
-                StoreOp::Insert(r) | StoreOp::Update(r) => {
-                    inner.records.insert(r.id, r.clone());
-                }
-                StoreOp::Delete(id) => {
-                    inner.records.remove(id);
-                }
-            }
+            inner.apply(op.clone());
+        }
+        Ok(())
+    }
+
+    fn append_owned(&mut self, ops: &mut Vec<StoreOp>) -> Result<(), StoreError> {
+        let mut inner = self.lock();
+        for op in ops.drain(..) {
+            inner.apply(op);
         }
         Ok(())
     }
@@ -211,5 +235,43 @@ mod tests {
         let snap = shared.clone().load().unwrap();
         assert_eq!(snap.records, vec![record(1, ProcState::Success)]);
         assert_eq!(snap.max_id, 2);
+    }
+
+    /// An owned append applies the same ops as a borrowed one and leaves the batch
+    /// empty, its buffer kept.
+    #[test]
+    fn an_owned_append_takes_the_records() {
+        let ops = vec![
+            StoreOp::Insert(record(1, ProcState::Runnable)),
+            StoreOp::Insert(record(3, ProcState::Runnable)),
+            StoreOp::Update(record(1, ProcState::Failed)),
+            StoreOp::Delete(ProcId(3)),
+        ];
+        let mut borrowed = MemoryStore::new();
+        borrowed.append(&ops).unwrap();
+        let mut owned = MemoryStore::new();
+        let mut batch = ops.clone();
+        owned.append_owned(&mut batch).unwrap();
+        assert!(batch.is_empty() && batch.capacity() >= ops.len());
+        let (a, b) = (borrowed.load().unwrap(), owned.load().unwrap());
+        assert_eq!((a.records, a.max_id), (b.records, b.max_id));
+        // The default, for a store without its own, appends and clears.
+        struct Plain(MemoryStore);
+        impl ProcedureStore for Plain {
+            fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
+                self.0.append(ops)
+            }
+            fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
+                self.0.load()
+            }
+        }
+        let mut boxed: Box<dyn ProcedureStore> = Box::new(Plain(MemoryStore::new()));
+        let mut batch = ops.clone();
+        boxed.append_owned(&mut batch).unwrap();
+        assert!(batch.is_empty());
+        assert_eq!(
+            boxed.load().unwrap().records,
+            vec![record(1, ProcState::Failed)]
+        );
     }
 }
