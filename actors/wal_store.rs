@@ -1020,14 +1020,11 @@ impl<F: WalFs> WalStore<F> {
                 source: io::Error::new(io::ErrorKind::InvalidData, e),
             }
         })?;
-        self.write_encoded(ops.iter().zip(sizes).map(|(op, size)| {
-            let kind = match op {
-                StoreOp::Insert(_) => OpKind::Insert,
-                StoreOp::Update(_) => OpKind::Update,
-                StoreOp::Delete(_) => OpKind::Delete,
-            };
-            (kind, op.proc_id(), size)
-        }))
+        self.write_encoded(
+            ops.iter()
+                .zip(sizes)
+                .map(|(op, size)| (OpKind::of(op), op.proc_id(), size)),
+        )
     }
 
     /// Writes a checkpoint frame of ops copied as they are, not re-encoded.

@@ -583,6 +583,17 @@ pub enum OpKind {
     Delete,
 }
 
+impl OpKind {
+    /// The kind of `op`.
+    pub fn of(op: &StoreOp) -> OpKind {
+        match op {
+            StoreOp::Insert(_) => OpKind::Insert,
+            StoreOp::Update(_) => OpKind::Update,
+            StoreOp::Delete(_) => OpKind::Delete,
+        }
+    }
+}
+
 /// One op of a frame as a scan indexes it: its kind, its procedure and its bytes, not
 /// decoded. Recovery keeps the latest op of each procedure this way and decodes only
 /// those: a record that a later one supersedes is never decoded.
@@ -617,11 +628,7 @@ impl RawOp {
         let bad = |what: String| FrameError::Payload(what);
         let op: StoreOp = rmp_serde::from_slice(self.bytes()).map_err(|e| bad(e.to_string()))?;
         check_op(&op).map_err(bad)?;
-        let kind = match op {
-            StoreOp::Insert(_) => OpKind::Insert,
-            StoreOp::Update(_) => OpKind::Update,
-            StoreOp::Delete(_) => OpKind::Delete,
-        };
+        let kind = OpKind::of(&op);
         if (kind, op.proc_id()) != (self.kind, self.id) {
             return Err(bad(format!(
                 "an op indexed as {:?} of procedure {} decodes as {kind:?} of {}",
@@ -744,12 +751,7 @@ fn index_op(bytes: &[u8], at: usize) -> Result<(OpKind, ProcId, usize), String> 
     }
     let mut de = rmp_serde::Deserializer::new(io::Cursor::new(&bytes[at..]));
     let op = StoreOp::deserialize(&mut de).map_err(|e| e.to_string())?;
-    let kind = match op {
-        StoreOp::Insert(_) => OpKind::Insert,
-        StoreOp::Update(_) => OpKind::Update,
-        StoreOp::Delete(_) => OpKind::Delete,
-    };
-    Ok((kind, op.proc_id(), at + de.position() as usize))
+    Ok((OpKind::of(&op), op.proc_id(), at + de.position() as usize))
 }
 
 fn index_op_fast(bytes: &[u8], at: usize) -> Option<(OpKind, ProcId, usize)> {
