@@ -514,7 +514,8 @@ pub fn encode_raw_frame<'a>(
     finish_frame(kind, lsn, start, out)
 }
 
-/// Decodes a payload that passed its CRC: its ops and the encoded size of each.
+/// Decodes a payload that passed its CRC: its ops and the encoded size of each. The
+/// scan's path ([`index_payload`], then [`RawOp::decode`] of each op), on a copy.
 ///
 /// # Errors
 /// [`FrameError::Payload`] if it is not a MessagePack array of ops, claims more ops than
@@ -524,25 +525,9 @@ pub fn decode_payload(
     kind: FrameKind,
     payload: &[u8],
 ) -> Result<(Vec<StoreOp>, Vec<u32>), FrameError> {
-    if kind == FrameKind::Seal {
-        return Ok((Vec::new(), Vec::new()));
-    }
-    let bad = |what: String| FrameError::Payload(what);
-    let (count, skip) = array_header(payload)?;
-    let mut de = rmp_serde::Deserializer::new(io::Cursor::new(&payload[skip..]));
-    let mut ops = Vec::with_capacity(count);
-    let mut sizes = Vec::with_capacity(count);
-    for _ in 0..count {
-        let before = de.position();
-        let op = StoreOp::deserialize(&mut de).map_err(|e| bad(e.to_string()))?;
-        check_op(&op).map_err(bad)?;
-        sizes.push(u32::try_from(de.position() - before).unwrap_or(u32::MAX));
-        ops.push(op);
-    }
-    if de.position() as usize + skip != payload.len() {
-        return Err(bad("bytes after the last op".into()));
-    }
-    Ok((ops, sizes))
+    let raw = index_payload(kind, Arc::new(payload.to_vec()))?;
+    let ops = raw.iter().map(RawOp::decode).collect::<Result<_, _>>()?;
+    Ok((ops, raw.iter().map(RawOp::size).collect()))
 }
 
 /// Decodes the frame at the start of `bytes`: its header, its ops, and its total length.
