@@ -283,19 +283,6 @@ impl Procedure for Parked {
     }
 }
 
-/// Resident memory now, in bytes (`VmRSS`).
-fn rss_bytes() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("VmRSS:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// Which design `--idle` measures in this process.
 #[derive(clap::ValueEnum, Clone, Copy, Debug)]
 enum Design {
@@ -332,7 +319,7 @@ async fn idle(n: u64, design: Design) -> Result<serde_json::Value, Box<dyn std::
         Design::Bare => {
             let (writer, _jobs) = mpsc::channel();
             let (done, _finished) = tokio::sync::mpsc::unbounded_channel();
-            let before = rss_bytes();
+            let before = rss::rss_bytes();
             let actors: Vec<Addr<Idle>> = (0..n)
                 .map(|id| {
                     Idle {
@@ -348,7 +335,7 @@ async fn idle(n: u64, design: Design) -> Result<serde_json::Value, Box<dyn std::
                 .collect();
             // Let every actor start.
             tokio::time::sleep(Duration::from_millis(500)).await;
-            let per_proc = (rss_bytes().saturating_sub(before)) as f64 / n as f64;
+            let per_proc = (rss::rss_bytes().saturating_sub(before)) as f64 / n as f64;
             drop(actors);
             per_proc
         }
@@ -362,7 +349,7 @@ async fn idle(n: u64, design: Design) -> Result<serde_json::Value, Box<dyn std::
                 _ => builder.store(MemoryStore::new()),
             };
             let executor = builder.start().await?;
-            let before = rss_bytes();
+            let before = rss::rss_bytes();
             // In waves of a thousand: a submit answers once its insert is durable, and
             // the WAL store makes a wave one group commit.
             let mut next = 0;
@@ -391,7 +378,7 @@ async fn idle(n: u64, design: Design) -> Result<serde_json::Value, Box<dyn std::
             let per_proc = loop {
                 let stats = executor.scheduler_stats().await?;
                 if stats.queued == 0 && stats.running == 0 {
-                    let rss = rss_bytes();
+                    let rss = rss::rss_bytes();
                     let waiting = executor
                         .list(proctor::List::new().state(proctor::ProcState::Waiting))
                         .await?
