@@ -130,7 +130,7 @@ pub(crate) fn finished(type_name: &'static str, state: ProcState, duration_ms: u
     histogram!(PROCEDURE_DURATION, TYPE_LABEL => type_name).record(secs);
 }
 
-/// The step-duration histogram of type `type_name`: registered once per procedure actor,
+/// The step-duration histogram of type `type_name`: registered once per procedure cell,
 /// so a step records without building a key.
 pub(crate) fn step_histogram(type_name: &'static str) -> Histogram {
     histogram!(STEP_DURATION, TYPE_LABEL => type_name)

@@ -1,13 +1,20 @@
-//! The procedure actor: one per live procedure. It owns the user's object and is the
-//! only place that calls into it: a step when the scheduler says [`RunStep`], a rollback
-//! when its root stack says [`Rollback`], the abort and timeout hooks between steps.
+//! The procedure cell: one per live procedure, held by its tree's root-stack actor. It
+//! owns the user's object and is the only place that calls into it: a step when the
+//! scheduler says [`RunStep`], a rollback when its root stack (or, once the rollback's
+//! locks are granted, the scheduler) says so, the abort and timeout hooks between steps.
 //!
-//! It never decides what happens next; it reports what the user's code returned to its
-//! root stack ([`StepDone`], [`FailRequest`], [`RolledBack`]), which frees the step's
-//! worker once the report is recorded. While a call is running the object is moved into
-//! the call's future; an abort that arrives meanwhile waits for the step to end, so user
-//! code never sees two calls at once. Once its tree is halted (the store failed) it calls
-//! no user code at all, exactly as if the process had died.
+//! A cell is not an actor of its own: the scheduler's messages reach it through its root
+//! stack's mailbox ([`ToCell`]), its calls into user code run as futures of the root
+//! stack's context, and its timers are the root stack's. So a step's report crosses no
+//! mailbox, no task and no thread, and an idle procedure costs no task of its own.
+//!
+//! It never decides what happens next; it reports what the user's code returned
+//! ([`StepDone`], [`FailRequest`], [`RolledBack`]) into its root stack's outbox, which the
+//! root stack works through in order once the call into the cell has returned; the step's
+//! worker is freed once its report is recorded. While a call is running the object is
+//! moved into the call's future; an abort that arrives meanwhile waits for the step to
+//! end, so user code never sees two calls at once. Once its tree is halted (the store
+//! failed) it calls no user code at all, exactly as if the process had died.
 
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -27,9 +34,8 @@ use super::guard::{guard, CatchUnwind};
 use super::metrics;
 use super::perturb;
 use super::protocol::{
-    AbortAck, AbortProc, Deadline, FailRequest, ForgetPause, LockFailed, LocksGranted, LocksHeld,
-    PauseNow, PauseProc, ProcLost, ReleaseLocks, ResetProc, Rollback, RolledBack, RunStep,
-    StepDone, StepFinished, StopProc,
+    AbortAck, Deadline, FailRequest, LockFailed, LocksHeld, Outbox, PauseNow, ReleaseLocks, Report,
+    Rollback, RolledBack, RunStep, StepDone, ToCell,
 };
 use super::root_stack::RootStackActor;
 use super::shared::{now_ms, Shared, TreeStatus};
@@ -37,7 +43,7 @@ use super::shared::{now_ms, Shared, TreeStatus};
 /// The largest encoding buffer a thread keeps between steps.
 const SCRATCH_KEEP: usize = 1 << 20;
 
-/// Who a procedure actor is.
+/// Who a procedure is.
 pub(crate) struct ProcSpec {
     pub(crate) id: ProcId,
     pub(crate) parent: Option<ProcId>,
@@ -46,7 +52,7 @@ pub(crate) struct ProcSpec {
     pub(crate) type_name: &'static str,
     /// When its timeout expires (persisted, so it holds across restarts).
     pub(crate) deadline_ms: Option<u64>,
-    /// Rebuilt by recovery: call `after_recover` when the actor starts.
+    /// Rebuilt by recovery: call `after_recover` when the cell starts.
     pub(crate) recovered: bool,
     /// It declared locks (the engine's, in the scheduler's lock table).
     pub(crate) has_locks: bool,
@@ -87,7 +93,7 @@ pub(crate) fn declare(
     })
 }
 
-pub(crate) struct ProcedureActor {
+pub(crate) struct ProcedureCell {
     id: ProcId,
     /// Its registered type name.
     type_name: &'static str,
@@ -101,7 +107,6 @@ pub(crate) struct ProcedureActor {
     /// The latest state that encoded, sent again if a later encoding fails.
     data: Vec<u8>,
     shared: Arc<Shared>,
-    root_stack: Addr<RootStackActor>,
     status: Arc<TreeStatus>,
     /// This procedure failed (a step, or an accepted abort or timeout): run no more steps.
     failed: bool,
@@ -118,8 +123,6 @@ pub(crate) struct ProcedureActor {
     cancel: Option<Cancel>,
     /// The state name after the last step, for its report.
     state_name: Option<String>,
-    /// `StopProc` was handled: the actor ends because the procedure finished.
-    stopped: bool,
     /// An operator asked it to pause: report its next step as paused, not run.
     pause_next: bool,
     /// The procedure's span (id, root, parent, type): the parent of its step and
@@ -129,13 +132,40 @@ pub(crate) struct ProcedureActor {
     step_seconds: ::metrics::Histogram,
 }
 
-impl ProcedureActor {
+/// A call into user code in progress, counted by the graceful shutdown's drain until
+/// it is dropped: when the call's result has been handled, or with the call itself if
+/// its root stack dies first.
+pub(crate) struct InCall(Arc<Shared>);
+
+impl InCall {
+    fn begin(shared: &Arc<Shared>) -> Option<InCall> {
+        shared.drain.begin_call().then(|| InCall(shared.clone()))
+    }
+}
+
+impl Drop for InCall {
+    fn drop(&mut self) {
+        self.0.drain.end_call();
+    }
+}
+
+/// What a step's future hands back to the cell.
+pub(crate) type StepEnd = (DynProc, Call, Result<StepResult, ProcError>, InCall);
+
+/// What a rollback's future hands back to the cell.
+pub(crate) type RollbackEnd = (
+    DynProc,
+    Call,
+    Result<Result<(), ProcError>, ProcError>,
+    InCall,
+);
+
+impl ProcedureCell {
     pub(crate) fn new(
         spec: ProcSpec,
         proc: DynProc,
         data: Vec<u8>,
         shared: Arc<Shared>,
-        root_stack: Addr<RootStackActor>,
         status: Arc<TreeStatus>,
     ) -> Self {
         let span = tracing::info_span!(
@@ -145,7 +175,7 @@ impl ProcedureActor {
             parent = spec.parent.map(|p| p.0),
             r#type = %spec.type_name,
         );
-        ProcedureActor {
+        ProcedureCell {
             span,
             step_seconds: metrics::step_histogram(spec.type_name),
             id: spec.id,
@@ -158,7 +188,6 @@ impl ProcedureActor {
             proc: Some(proc),
             data,
             shared,
-            root_stack,
             status,
             failed: false,
             done: false,
@@ -168,9 +197,21 @@ impl ProcedureActor {
             step_cancel: None,
             cancel: None,
             state_name: None,
-            stopped: false,
             pause_next: false,
         }
+    }
+
+    /// The procedure joins its tree: a recovered one's `after_recover` hook runs, and its
+    /// timeout's timer starts.
+    pub(crate) fn start(&mut self, ctx: &mut Context<RootStackActor>) {
+        if self.recovered {
+            if let Some(proc) = self.proc.as_mut() {
+                if let Err(e) = guard("after_recover", || proc.after_recover()) {
+                    tracing::error!(proc = %self.id, %e, "after_recover panicked");
+                }
+            }
+        }
+        self.arm(ctx);
     }
 
     fn context(&self) -> Call {
@@ -185,7 +226,7 @@ impl ProcedureActor {
     }
 
     /// Reports a step that did not run (skipped, yielded).
-    fn report(&mut self, outcome: StepOutcome, data: Vec<u8>) {
+    fn report(&mut self, outcome: StepOutcome, data: Vec<u8>, out: &mut Outbox) {
         let report = StepReport {
             id: self.id,
             outcome,
@@ -194,24 +235,23 @@ impl ProcedureActor {
             irreversible: false,
             on_error: None,
         };
-        self.send_report(report, Vec::new());
+        self.send_report(report, Vec::new(), out);
     }
 
-    fn send_report(&mut self, report: StepReport, children: Vec<(ProcId, DynProc)>) {
+    fn send_report(
+        &mut self,
+        report: StepReport,
+        children: Vec<(ProcId, DynProc)>,
+        out: &mut Outbox,
+    ) {
         // The root stack frees the worker once it has recorded this report; freeing it
         // here would let a later step's report overtake this one.
         perturb::point("procedure::report::step_done");
-        if !self.root_stack.connected() {
-            // The root stack died of a panic in engine code: no one else would free
-            // this step's worker.
-            self.shared.scheduler.do_send(StepFinished(self.id));
-            return;
-        }
-        self.root_stack.do_send(StepDone {
+        out.push(Report::StepDone(StepDone {
             report,
             children,
             state_name: self.state_name.take(),
-        });
+        }));
     }
 
     /// Encodes the object's state; on failure keeps the last good bytes and says why.
@@ -247,6 +287,7 @@ impl ProcedureActor {
         mut proc: DynProc,
         ctx: &Call,
         result: Result<StepResult, ProcError>,
+        out: &mut Outbox,
     ) {
         let mut children = Vec::new();
         let (mut next, value, irreversible) = match result {
@@ -274,8 +315,8 @@ impl ProcedureActor {
             Ok(Next::SleepUntil(at_ms)) => StepOutcome::SleepUntil(at_ms),
             Err(e) => StepOutcome::Failed(e),
         };
-        // A lock held for the procedure's life is released by `StopProc`, after the
-        // final record (and any rollback) — never between a failed step and its rollback.
+        // A lock held for the procedure's life is released by `stop`, after the final
+        // record (and any rollback) — never between a failed step and its rollback.
         // A halted tree is a crashed process: nothing is released.
         if self.lock_held && !proc.holds_lock() && !self.status.halted() {
             self.release_lock(&mut *proc, ctx);
@@ -285,7 +326,7 @@ impl ProcedureActor {
             StepOutcome::Yield => Vec::new(),
             // The failed attempt's state goes with the report (a rollback starts from
             // it), and so does the state recorded before the step, which a retry or a
-            // pause records again (and then reloads: `ResetProc`).
+            // pause records again (and then reloads: `reset`).
             StepOutcome::Failed(error) => {
                 let policy =
                     guard("failure_policy", || proc.failure_policy(error)).unwrap_or_default();
@@ -330,6 +371,7 @@ impl ProcedureActor {
                 on_error,
             },
             children,
+            out,
         );
     }
 
@@ -367,7 +409,7 @@ impl ProcedureActor {
 
     /// Asks the idle procedure to accept an abort; if it does, fails it with its root
     /// stack, which answers `ack` once that is durable. A refusal is answered at once.
-    fn request_failure(&mut self, ack: Option<AbortAck>) {
+    fn request_failure(&mut self, ack: Option<AbortAck>, out: &mut Outbox) {
         if self.status.halted() {
             if let Some(ack) = ack {
                 let _ = ack.send(Err(Error::Stopped));
@@ -382,11 +424,11 @@ impl ProcedureActor {
             } else {
                 Ok(true)
             };
-            self.root_stack.do_send(FailRequest {
+            out.push(Report::Fail(FailRequest {
                 id: self.id,
                 failure: None,
                 ack: ack.map(|ack| (ack, answer)),
-            });
+            }));
             return;
         }
         let Some(mut proc) = self.proc.take() else {
@@ -404,11 +446,11 @@ impl ProcedureActor {
             self.failed = true;
             let data = self.encode(&*proc).unwrap_or_else(|_| self.data.clone());
             perturb::point("procedure::request_failure::fail_request");
-            self.root_stack.do_send(FailRequest {
+            out.push(Report::Fail(FailRequest {
                 id: self.id,
                 failure: Some((error, data)),
                 ack: ack.map(|ack| (ack, Ok(true))),
-            });
+            }));
         } else if let Some(ack) = ack {
             let _ = ack.send(Ok(false));
         }
@@ -417,7 +459,7 @@ impl ProcedureActor {
 
     /// The deadline passed while the procedure was idle: asks its timeout hook, then
     /// fails it, or persists the new deadline (or none) and re-arms.
-    fn expire(&mut self, ctx: &mut Context<Self>) {
+    fn expire(&mut self, out: &mut Outbox, ctx: &mut Context<RootStackActor>) {
         if self.status.halted() || self.done || self.failed || self.status.failed() {
             return;
         }
@@ -442,39 +484,42 @@ impl ProcedureActor {
                 };
                 tracing::info!(parent: &self.span, %error, "timed out");
                 self.failed = true;
-                self.root_stack.do_send(FailRequest {
+                out.push(Report::Fail(FailRequest {
                     id: self.id,
                     failure: Some((error, data)),
                     ack: None,
-                });
+                }));
                 return;
             }
         };
         self.deadline_ms = deadline_ms;
-        self.root_stack.do_send(Deadline {
+        out.push(Report::Deadline(Deadline {
             id: self.id,
             deadline_ms,
             data,
-        });
+        }));
         self.arm(ctx);
     }
 
     /// Starts the timer for the current deadline, if any (at once if it has passed).
-    fn arm(&mut self, ctx: &mut Context<Self>) {
+    fn arm(&mut self, ctx: &mut Context<RootStackActor>) {
         let Some(deadline_ms) = self.deadline_ms else {
             return;
         };
+        let id = self.id;
         let delay = Duration::from_millis(deadline_ms.saturating_sub(now_ms()));
         ctx.run_later(delay, move |act, ctx| {
-            // A later re-arm replaced this deadline: its own timer is running.
-            if act.deadline_ms != Some(deadline_ms) || act.status.halted() {
-                return;
-            }
-            if act.proc.is_some() {
-                act.expire(ctx);
-            } else {
-                act.pending_timeout = true;
-            }
+            act.with_cell(id, ctx, |cell, out, ctx| {
+                // A later re-arm replaced this deadline: its own timer is running.
+                if cell.deadline_ms != Some(deadline_ms) || cell.status.halted() {
+                    return;
+                }
+                if cell.proc.is_some() {
+                    cell.expire(out, ctx);
+                } else {
+                    cell.pending_timeout = true;
+                }
+            });
         });
     }
 
@@ -483,7 +528,7 @@ impl ProcedureActor {
     }
 
     /// Answers aborts and a timeout that arrived while a step or rollback ran.
-    fn settle_pending(&mut self, ctx: &mut Context<Self>) {
+    fn settle_pending(&mut self, out: &mut Outbox, ctx: &mut Context<RootStackActor>) {
         if self.status.halted() {
             self.pending_timeout = false;
             for ack in std::mem::take(&mut self.pending_aborts) {
@@ -492,44 +537,48 @@ impl ProcedureActor {
             return;
         }
         if std::mem::take(&mut self.pending_timeout) {
-            self.expire(ctx);
+            self.expire(out, ctx);
         }
         for ack in std::mem::take(&mut self.pending_aborts) {
-            self.request_failure(Some(ack));
+            self.request_failure(Some(ack), out);
         }
     }
-}
 
-impl Actor for ProcedureActor {
-    type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        if self.recovered {
-            if let Some(proc) = self.proc.as_mut() {
-                if let Err(e) = guard("after_recover", || proc.after_recover()) {
-                    tracing::error!(proc = %self.id, %e, "after_recover panicked");
+    /// Handles what the scheduler sent.
+    pub(crate) fn deliver(
+        &mut self,
+        msg: ToCell,
+        out: &mut Outbox,
+        ctx: &mut Context<RootStackActor>,
+    ) {
+        match msg {
+            ToCell::RunStep(RunStep { step }) => self.run_step(step, out, ctx),
+            ToCell::Rollback(Rollback { unrecorded }) => self.rollback(unrecorded, out, ctx),
+            ToCell::LocksGranted => {
+                // Between steps: `data` is the state the last record holds.
+                out.push(Report::LocksHeld(LocksHeld {
+                    id: self.id,
+                    data: self.data.clone(),
+                }));
+            }
+            ToCell::LockFailed(LockFailed(reason)) => {
+                if self.failed || self.done || self.status.failed() {
+                    return;
                 }
+                self.failed = true;
+                tracing::warn!(proc = %self.id, %reason, "procedure failed on a deadlock");
+                out.push(Report::Fail(FailRequest {
+                    id: self.id,
+                    failure: Some((ProcError::Deadlock(reason), self.data.clone())),
+                    ack: None,
+                }));
             }
         }
-        self.arm(ctx);
     }
-}
 
-impl Drop for ProcedureActor {
-    /// An actor that ends before its procedure finished, in a tree that is not halted,
-    /// died of a panic in engine code (user code is guarded): its root stack would wait
-    /// for its reports for ever, so it is told.
-    fn drop(&mut self) {
-        if !self.stopped && !self.status.halted() {
-            self.root_stack.do_send(ProcLost(self.id));
-        }
-    }
-}
-
-impl Handler<RunStep> for ProcedureActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: RunStep, ctx: &mut Context<Self>) {
+    /// Runs one step (the scheduler counts it against a worker): the user's `execute`
+    /// runs as a future of the root stack's; [`ProcedureCell::step_ended`] takes its end.
+    fn run_step(&mut self, step: usize, out: &mut Outbox, ctx: &mut Context<RootStackActor>) {
         let id = self.id;
         if self.shared.drain.is_draining() {
             // A graceful shutdown: the step runs after the restart.
@@ -538,13 +587,13 @@ impl Handler<RunStep> for ProcedureActor {
         if self.failed || self.done || self.status.failed() {
             // Its last good state: the report may be recorded (a procedure that never
             // ran gives up its locks in the record).
-            self.report(StepOutcome::Skipped, self.data.clone());
+            self.report(StepOutcome::Skipped, self.data.clone(), out);
             return;
         }
         if std::mem::take(&mut self.pause_next) {
             // A step boundary: the pause takes effect, and the step runs when an
             // operator continues it.
-            self.report(StepOutcome::Paused, self.data.clone());
+            self.report(StepOutcome::Paused, self.data.clone(), out);
             return;
         }
         let Some(mut proc) = self.proc.take() else {
@@ -557,25 +606,25 @@ impl Handler<RunStep> for ProcedureActor {
                 Ok(LockState::Acquired) => self.lock_held = true,
                 Ok(LockState::Yield) => {
                     self.proc = Some(proc);
-                    self.report(StepOutcome::Yield, Vec::new());
+                    self.report(StepOutcome::Yield, Vec::new(), out);
                     return;
                 }
                 Err(panic) => {
-                    self.finish_step(proc, &pctx, Err(panic));
-                    self.settle_pending(ctx);
+                    self.finish_step(proc, &pctx, Err(panic), out);
+                    self.settle_pending(out, ctx);
                     return;
                 }
             }
         }
-        if !self.shared.drain.begin_call() {
+        let Some(in_call) = InCall::begin(&self.shared) else {
             self.proc = Some(proc);
             return;
-        }
+        };
         self.step_cancel = Some(cancel);
         let span = tracing::info_span!(
             parent: &self.span,
             "step",
-            step = msg.step,
+            step,
             state = tracing::field::Empty
         );
         if !span.is_disabled() {
@@ -584,7 +633,7 @@ impl Handler<RunStep> for ProcedureActor {
             }
         }
         let step_seconds = self.step_seconds.clone();
-        let step = async move {
+        let call = async move {
             let started = Instant::now();
             let result = CatchUnwind {
                 hook: "execute",
@@ -592,28 +641,37 @@ impl Handler<RunStep> for ProcedureActor {
             }
             .await;
             step_seconds.record(started.elapsed());
-            (proc, pctx, result)
+            (proc, pctx, result, in_call)
         };
+        let call = tracing::Instrument::instrument(call, span);
         ctx.spawn(
-            tracing::Instrument::instrument(step, span)
-                .into_actor(self)
-                .map(|(proc, pctx, result), act, ctx| {
-                    if act.step_cancel.take().is_some_and(|c| c.is_cancelled()) {
-                        // Raised for this step: the next one gets a fresh signal.
-                        act.cancel = None;
-                    }
-                    act.finish_step(proc, &pctx, result);
-                    act.settle_pending(ctx);
-                    act.shared.drain.end_call();
-                }),
+            actix::fut::wrap_future(call).map(move |end, act: &mut RootStackActor, ctx| {
+                act.with_cell(id, ctx, |cell, out, ctx| cell.step_ended(end, out, ctx));
+            }),
         );
     }
-}
 
-impl Handler<Rollback> for ProcedureActor {
-    type Result = ();
+    /// A step's call ended: its report goes to the root stack.
+    fn step_ended(&mut self, end: StepEnd, out: &mut Outbox, ctx: &mut Context<RootStackActor>) {
+        let (proc, pctx, result, in_call) = end;
+        if self.step_cancel.take().is_some_and(|c| c.is_cancelled()) {
+            // Raised for this step: the next one gets a fresh signal.
+            self.cancel = None;
+        }
+        self.finish_step(proc, &pctx, result, out);
+        self.settle_pending(out, ctx);
+        drop(in_call);
+    }
 
-    fn handle(&mut self, msg: Rollback, ctx: &mut Context<Self>) {
+    /// Rolls back the newest step (from the root stack, or from the scheduler once the
+    /// rollback's locks are granted); `unrecorded` as in
+    /// [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step).
+    pub(crate) fn rollback(
+        &mut self,
+        unrecorded: bool,
+        out: &mut Outbox,
+        ctx: &mut Context<RootStackActor>,
+    ) {
         let id = self.id;
         if self.status.halted() || self.shared.drain.is_draining() {
             // Cut off like in a crash (or not begun, in a graceful shutdown): recovery
@@ -624,7 +682,7 @@ impl Handler<Rollback> for ProcedureActor {
             unreachable!("rollback of {id} while a call runs");
         };
         let mut pctx = self.context();
-        if msg.unrecorded {
+        if unrecorded {
             pctx = pctx.for_unrecorded_step();
         }
         // A rollback runs under the procedure's lock, like a step.
@@ -637,87 +695,95 @@ impl Handler<Rollback> for ProcedureActor {
             if let Some(error) = busy {
                 self.proc = Some(proc);
                 // The engine's own trouble: retried for ever, whatever the policy.
-                self.root_stack.do_send(RolledBack {
+                out.push(Report::RolledBack(RolledBack {
                     id,
                     result: Err(RollbackFailure {
                         error,
                         policy: FailurePolicy::Rollback,
                         data: self.data.clone(),
                     }),
-                });
+                }));
                 return;
             }
             self.lock_held = true;
         }
-        if !self.shared.drain.begin_call() {
+        let Some(in_call) = InCall::begin(&self.shared) else {
             self.proc = Some(proc);
             return;
-        }
-        let span = tracing::info_span!(parent: &self.span, "rollback", unrecorded = msg.unrecorded);
+        };
+        let span = tracing::info_span!(parent: &self.span, "rollback", unrecorded);
         let call = async move {
             let result = CatchUnwind {
                 hook: "rollback",
                 future: proc.rollback(&pctx),
             }
             .await;
-            (proc, pctx, result)
+            (proc, pctx, result, in_call)
         };
+        let call = tracing::Instrument::instrument(call, span);
         ctx.spawn(
-            tracing::Instrument::instrument(call, span)
-                .into_actor(self)
-                .map(|(mut proc, pctx, result), act, ctx| {
-                    if !proc.holds_lock() && !act.status.halted() {
-                        act.release_lock(&mut *proc, &pctx);
-                    }
-                    let result = result
-                        .and_then(|r| r)
-                        .and_then(|()| act.encode(&*proc))
-                        .map_err(|error| RollbackFailure {
-                            policy: guard("failure_policy", || proc.failure_policy(&error))
-                                .unwrap_or_default(),
-                            error,
-                            data: act.data.clone(),
-                        });
-                    act.proc = Some(proc);
-                    if act.has_locks && !act.status.halted() {
-                        act.shared.scheduler.do_send(ReleaseLocks {
-                            id: act.id,
-                            step_only: true,
-                        });
-                    }
-                    perturb::point("procedure::rollback::rolled_back");
-                    act.settle_pending(ctx);
-                    act.root_stack.do_send(RolledBack { id: act.id, result });
-                    act.shared.drain.end_call();
-                }),
+            actix::fut::wrap_future(call).map(move |end, act: &mut RootStackActor, ctx| {
+                act.with_cell(id, ctx, |cell, out, ctx| cell.rollback_ended(end, out, ctx));
+            }),
         );
     }
-}
 
-impl Handler<AbortProc> for ProcedureActor {
-    type Result = ();
+    /// A rollback's call ended: its result goes to the root stack.
+    fn rollback_ended(
+        &mut self,
+        end: RollbackEnd,
+        out: &mut Outbox,
+        ctx: &mut Context<RootStackActor>,
+    ) {
+        let (mut proc, pctx, result, in_call) = end;
+        if !proc.holds_lock() && !self.status.halted() {
+            self.release_lock(&mut *proc, &pctx);
+        }
+        let result = result
+            .and_then(|r| r)
+            .and_then(|()| self.encode(&*proc))
+            .map_err(|error| RollbackFailure {
+                policy: guard("failure_policy", || proc.failure_policy(&error)).unwrap_or_default(),
+                error,
+                data: self.data.clone(),
+            });
+        self.proc = Some(proc);
+        if self.has_locks && !self.status.halted() {
+            self.shared.scheduler.do_send(ReleaseLocks {
+                id: self.id,
+                step_only: true,
+            });
+        }
+        perturb::point("procedure::rollback::rolled_back");
+        self.settle_pending(out, ctx);
+        out.push(Report::RolledBack(RolledBack {
+            id: self.id,
+            result,
+        }));
+        drop(in_call);
+    }
 
-    fn handle(&mut self, msg: AbortProc, _ctx: &mut Context<Self>) {
+    /// An operator's abort: answers on `ack` whether the procedure accepted it, once
+    /// the acceptance is durable.
+    pub(crate) fn abort(&mut self, ack: AbortAck, out: &mut Outbox) {
         if self.status.halted() {
-            let _ = msg.0.send(Err(Error::Stopped));
+            let _ = ack.send(Err(Error::Stopped));
         } else if self.proc.is_none() {
             // In a call: answered when it ends; a step is asked to end early.
             if let Some(cancel) = &self.step_cancel {
                 cancel.cancel();
             }
-            self.pending_aborts.push(msg.0);
+            self.pending_aborts.push(ack);
         } else {
-            self.request_failure(Some(msg.0));
+            self.request_failure(Some(ack), out);
         }
     }
-}
 
-impl Handler<StopProc> for ProcedureActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: StopProc, ctx: &mut Context<Self>) {
+    /// The procedure is finished and its final record is durable: release its locks,
+    /// run its completion cleanup, and answer late aborts with how it finished.
+    pub(crate) fn stop(mut self, state: ProcState) {
         if self.has_locks && !self.status.halted() {
-            // Before the answer: the tree's result is published only after it.
+            // Before the tree's result, which is published only after this.
             self.shared.scheduler.do_send(ReleaseLocks {
                 id: self.id,
                 step_only: false,
@@ -734,42 +800,37 @@ impl Handler<StopProc> for ProcedureActor {
             }
         }
         for ack in std::mem::take(&mut self.pending_aborts) {
-            let _ = ack.send(Err(self.finished_error(msg.state)));
+            let _ = ack.send(Err(self.finished_error(state)));
         }
-        self.stopped = true;
-        ctx.stop();
     }
-}
 
-impl Handler<ForgetPause> for ProcedureActor {
-    type Result = ();
-
-    fn handle(&mut self, _msg: ForgetPause, _ctx: &mut Context<Self>) {
+    /// The procedure is paused (whichever way: its next step, now while it waited, or
+    /// its failure policy): a pause asked again meanwhile is answered, so it must not
+    /// pause the step after a continue.
+    pub(crate) fn forget_pause(&mut self) {
         self.pause_next = false;
     }
-}
 
-impl Handler<PauseProc> for ProcedureActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: PauseProc, _ctx: &mut Context<Self>) {
-        if msg.now && self.proc.is_some() && !self.status.halted() {
+    /// An operator asked the procedure to pause: its next step is not run but reported
+    /// as paused. With `now` (it waits for an event or a timer), a procedure between
+    /// calls asks to be paused at once instead.
+    pub(crate) fn pause(&mut self, now: bool, out: &mut Outbox) {
+        if now && self.proc.is_some() && !self.status.halted() {
             let data = self.data.clone();
-            self.root_stack.do_send(PauseNow { id: self.id, data });
+            out.push(Report::PauseNow(PauseNow { id: self.id, data }));
             return;
         }
         self.pause_next = true;
     }
-}
 
-impl Handler<ResetProc> for ProcedureActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: ResetProc, _ctx: &mut Context<Self>) {
-        match self.shared.registry.decode(self.type_name, &msg.0) {
+    /// The procedure's failed attempt is discarded (a failure policy retries or pauses
+    /// it): reload its object from `data`, the state now recorded. Before anything can
+    /// call it again.
+    pub(crate) fn reset(&mut self, data: Vec<u8>) {
+        match self.shared.registry.decode(self.type_name, &data) {
             Ok(proc) => {
                 self.proc = Some(proc);
-                self.data = msg.0;
+                self.data = data;
                 // It goes on (later), so it is not failed.
                 self.failed = false;
             }
@@ -777,34 +838,5 @@ impl Handler<ResetProc> for ProcedureActor {
             // this is not expected; keep the object as the failed attempt left it.
             Err(e) => tracing::error!(proc = %self.id, %e, "cannot reload the recorded state"),
         }
-    }
-}
-
-impl Handler<LocksGranted> for ProcedureActor {
-    type Result = ();
-
-    fn handle(&mut self, _msg: LocksGranted, _ctx: &mut Context<Self>) {
-        // Between steps: `data` is the state the last record holds.
-        self.root_stack.do_send(LocksHeld {
-            id: self.id,
-            data: self.data.clone(),
-        });
-    }
-}
-
-impl Handler<LockFailed> for ProcedureActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: LockFailed, _ctx: &mut Context<Self>) {
-        if self.failed || self.done || self.status.failed() {
-            return;
-        }
-        self.failed = true;
-        tracing::warn!(proc = %self.id, reason = %msg.0, "procedure failed on a deadlock");
-        self.root_stack.do_send(FailRequest {
-            id: self.id,
-            failure: Some((ProcError::Deadlock(msg.0), self.data.clone())),
-            ack: None,
-        });
     }
 }

@@ -18,26 +18,145 @@ use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, Paused, StoreOp};
 use crate::root_stack::{RollbackFailure, StepReport};
 
-use super::procedure::ProcedureActor;
 use super::root_stack::RootStackActor;
 
-/// A procedure actor's address as the root stack and the scheduler pass it around:
+/// Where a procedure is reached: its tree's root stack, which holds the procedure's
+/// cell and hands it what is addressed to it ([`ToProc`]). The root stack's address is
 /// shared, because cloning an actix `Addr` allocates (a new sender), and every queued
 /// step carries one.
-pub(crate) type ProcAddr = std::sync::Arc<Addr<ProcedureActor>>;
+#[derive(Clone)]
+pub(crate) struct ProcAddr {
+    tree: std::sync::Arc<Addr<RootStackActor>>,
+    id: ProcId,
+}
+
+impl ProcAddr {
+    pub(crate) fn new(tree: std::sync::Arc<Addr<RootStackActor>>, id: ProcId) -> Self {
+        ProcAddr { tree, id }
+    }
+
+    /// Whether its root stack still runs.
+    pub(crate) fn connected(&self) -> bool {
+        self.tree.connected()
+    }
+
+    /// Sends `msg` to the procedure, through its root stack's mailbox.
+    pub(crate) fn do_send(&self, msg: impl Into<ToCell>) {
+        self.tree.do_send(ToProc {
+            id: self.id,
+            msg: msg.into(),
+        });
+    }
+}
+
+/// What the scheduler sends a procedure, through its root stack.
+pub(crate) struct ToProc {
+    pub(crate) id: ProcId,
+    pub(crate) msg: ToCell,
+}
+
+impl Message for ToProc {
+    type Result = ();
+}
+
+/// The scheduler's messages to a procedure.
+pub(crate) enum ToCell {
+    RunStep(RunStep),
+    Rollback(Rollback),
+    LocksGranted,
+    LockFailed(LockFailed),
+}
+
+impl From<RunStep> for ToCell {
+    fn from(m: RunStep) -> Self {
+        ToCell::RunStep(m)
+    }
+}
+
+impl From<Rollback> for ToCell {
+    fn from(m: Rollback) -> Self {
+        ToCell::Rollback(m)
+    }
+}
+
+impl From<LocksGranted> for ToCell {
+    fn from(_: LocksGranted) -> Self {
+        ToCell::LocksGranted
+    }
+}
+
+impl From<LockFailed> for ToCell {
+    fn from(m: LockFailed) -> Self {
+        ToCell::LockFailed(m)
+    }
+}
+
+/// What a procedure's cell reports to its root stack. The cell lives inside the root
+/// stack, so it does not send these: it queues them in the root stack's outbox, which
+/// the root stack works through, in order, once the call that queued them has returned
+/// (never from inside one of its own actions, which would run a later transition's
+/// actions before an earlier one's were done).
+pub(crate) enum Report {
+    StepDone(StepDone),
+    Fail(FailRequest),
+    RolledBack(RolledBack),
+    Deadline(Deadline),
+    PauseNow(PauseNow),
+    LocksHeld(LocksHeld),
+}
+
+/// A root stack's queue of its procedures' reports.
+///
+/// Nearly always empty between calls, so it keeps no buffer of its own while empty:
+/// `release` hands the buffer to the thread (one spare per thread, which every root
+/// stack on that arbiter takes in turn; their flushes never interleave), and the next
+/// `push` on the thread takes it back. An idle tree holds no buffer, and a step costs
+/// no allocation here.
+#[derive(Default)]
+pub(crate) struct Outbox(std::collections::VecDeque<Report>);
+
+thread_local! {
+    static SPARE: std::cell::Cell<std::collections::VecDeque<Report>> =
+        const { std::cell::Cell::new(std::collections::VecDeque::new()) };
+}
+
+impl Outbox {
+    pub(crate) fn push(&mut self, report: Report) {
+        if self.0.capacity() == 0 {
+            self.0 = SPARE.take();
+        }
+        self.0.push_back(report);
+    }
+
+    pub(crate) fn pop(&mut self) -> Option<Report> {
+        self.0.pop_front()
+    }
+
+    /// Gives an emptied buffer back to the thread.
+    pub(crate) fn release(&mut self) {
+        if self.0.is_empty() && self.0.capacity() > 0 {
+            let buf = std::mem::take(&mut self.0);
+            // After the thread's locals are gone (its arbiter stopping), it is dropped.
+            let _ = SPARE.try_with(|spare| spare.set(buf));
+        }
+    }
+}
 
 // ------------------------------------------------------------------------------------
-// Scheduler <-> procedure <-> root stack: one step.
+// Scheduler <-> root stack (and its procedure cell): one step.
 //
 // Enqueue (root stack -> scheduler) is sent only once the records of the transition
-// that caused it are durable. RunStep (scheduler -> procedure) counts against a worker.
-// Every RunStep is answered by exactly one StepDone (procedure -> root stack), and the
+// that caused it are durable. RunStep (scheduler -> the procedure, through its root
+// stack's mailbox as a ToProc) counts against a worker. Every RunStep is answered by
+// exactly one StepDone (the cell's report, queued in its root stack's outbox), and the
 // root stack sends StepFinished (-> scheduler) only after feeding that report to the
 // core and sending any Enqueue it caused without a write: a worker is handed on only
 // once its step is recorded. The scheduler times each step from its RunStep to its
 // StepFinished and charges it to the step's tree (the Enqueue names the root); the root
 // stack sends TreeEnded when it stops (from its Drop), after every StepFinished it sent,
-// and the scheduler then drops the tree's accumulated time.
+// and the scheduler then drops the tree's accumulated time, and frees the worker of any
+// step of the tree still running (its root stack died of a panic in engine code, and
+// the step's call with it).
 // ------------------------------------------------------------------------------------
 
 /// Queue a step of `id`; with `lock`, once its locks are granted.
@@ -104,11 +223,7 @@ pub(crate) struct RunStep {
     pub(crate) step: usize,
 }
 
-impl Message for RunStep {
-    type Result = ();
-}
-
-/// A step ended (from the procedure actor), with the objects of any new children. Every
+/// A step ended (the procedure cell's report), with the objects of any new children. Every
 /// `RunStep` the scheduler dispatched is answered by exactly one `StepDone`.
 pub(crate) struct StepDone {
     pub(crate) report: StepReport,
@@ -116,10 +231,6 @@ pub(crate) struct StepDone {
     /// The procedure's state name after the step (`Procedure::state_name`), published
     /// with the step's record.
     pub(crate) state_name: Option<String>,
-}
-
-impl Message for StepDone {
-    type Result = ();
 }
 
 // ------------------------------------------------------------------------------------
@@ -130,11 +241,11 @@ impl Message for StepDone {
 // by that step's StepFinished; an Enqueue that arrives while the previous step still
 // holds them (a yield's Enqueue is sent before its StepFinished) waits for it. Locks
 // for a procedure's life are first granted to a step as LocksGranted (-> procedure),
-// answered with LocksHeld (-> root stack), which persists the hold and only then
+// answered with LocksHeld (its report), which persists the hold and only then
 // sends Resume's Enqueue: no step runs under a life-long lock before recovery would
 // grant it back. A rollback step's locks are asked with LockForRollback; the scheduler
 // sends the Rollback itself once granted, and the procedure releases them with
-// ReleaseLocks after the call (and everything at StopProc, before answering it).
+// ReleaseLocks after the call (and everything when it stops, before the tree's result).
 // TreeFailed withdraws the tree's waiting step requests (those steps are skipped
 // anyway); a deadlock victim gets LockFailed and then its step, which it skips.
 // ------------------------------------------------------------------------------------
@@ -151,7 +262,7 @@ impl Message for LockForRollback {
     type Result = ();
 }
 
-/// Release the locks of `id` (from its procedure actor, or its root stack): those of
+/// Release the locks of `id` (from its procedure cell, or its root stack): those of
 /// one rollback step (`step_only`), or everything it holds (it finished, or will never
 /// run again).
 pub(crate) struct ReleaseLocks {
@@ -175,27 +286,15 @@ impl Message for TreeFailed {
 /// answer with `LocksHeld` and its current state.
 pub(crate) struct LocksGranted;
 
-impl Message for LocksGranted {
-    type Result = ();
-}
-
 /// Persist that `id` holds its life-long locks, then run its queued step.
 pub(crate) struct LocksHeld {
     pub(crate) id: ProcId,
     pub(crate) data: Vec<u8>,
 }
 
-impl Message for LocksHeld {
-    type Result = ();
-}
-
 /// The procedure's lock request was removed to break a wait-for cycle (from the
 /// scheduler): fail with this text. Its step follows, to be skipped.
 pub(crate) struct LockFailed(pub(crate) String);
-
-impl Message for LockFailed {
-    type Result = ();
-}
 
 /// Grant these recovered life-long holds before anything else is scheduled (from the
 /// executor, before any root stack starts).
@@ -208,62 +307,24 @@ impl Message for Regrant {
 // ------------------------------------------------------------------------------------
 // Root stack -> procedure: rollback, stop.
 //
-// Rollback is sent only when nothing of the tree runs, newest stack entry first, and is
-// answered by RolledBack. StopProc is sent with `send`, the sender holding the actor's
-// address until the answer (an actix actor whose last address is dropped may stop
-// with messages queued); the tree's result is published only after every StopProc of
-// the tree was answered, so lock release and cleanup come before the result.
+// A rollback is started only when nothing of the tree runs, newest stack entry first,
+// and is answered by RolledBack. A finished procedure is stopped (its lock released, its
+// cleanup run) by a call, when its final record is durable: before anything the root
+// stack does later, the tree's result included.
 // ------------------------------------------------------------------------------------
 
-/// Roll back the newest step (from the root stack); `unrecorded` as in
+/// Roll back the newest step (from the scheduler, once the rollback's locks are
+/// granted); `unrecorded` as in
 /// [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step).
 pub(crate) struct Rollback {
     pub(crate) unrecorded: bool,
 }
 
-impl Message for Rollback {
-    type Result = ();
-}
-
 /// A rollback step ended: the state after it, or its error.
-/// The procedure's failed attempt is discarded (a failure policy retries or pauses it):
-/// reload its object from this state, the one now recorded. From its root stack,
-/// before anything can call it again.
-pub(crate) struct ResetProc(pub(crate) Vec<u8>);
-
-impl Message for ResetProc {
-    type Result = ();
-}
-
-/// An operator asked the procedure to pause: its next step is not run but reported
-/// as `StepOutcome::Paused`. From its root stack.
-pub(crate) struct PauseProc {
-    /// It waits for an event or a timer: if it is between calls, it asks the root stack
-    /// to pause it now (`PauseNow`) rather than at its next step.
-    pub(crate) now: bool,
-}
-
-/// The procedure is paused (whichever way: its next step, now while it waited, or its
-/// failure policy): a pause asked again meanwhile is answered, so it must not pause
-/// the step after a continue. Sent before any continue can queue that step.
-pub(crate) struct ForgetPause;
-
-impl Message for ForgetPause {
-    type Result = ();
-}
-
 /// A procedure between calls asks to be paused now, with its recorded state.
 pub(crate) struct PauseNow {
     pub(crate) id: ProcId,
     pub(crate) data: Vec<u8>,
-}
-
-impl Message for PauseNow {
-    type Result = ();
-}
-
-impl Message for PauseProc {
-    type Result = ();
 }
 
 pub(crate) struct RolledBack {
@@ -271,29 +332,12 @@ pub(crate) struct RolledBack {
     pub(crate) result: Result<Vec<u8>, RollbackFailure>,
 }
 
-impl Message for RolledBack {
-    type Result = ();
-}
-
-/// The procedure is finished and its final record is durable: release its lock, run its
-/// completion cleanup, answer, stop. The sender keeps the actor's address until the
-/// answer, so the message cannot be lost with the actor's last address.
-pub(crate) struct StopProc {
-    /// How it finished (what a late abort is told).
-    pub(crate) state: ProcState,
-}
-
-impl Message for StopProc {
-    type Result = ();
-}
-
 // ------------------------------------------------------------------------------------
 // Aborts: executor -> root stack -> procedure -> root stack.
 //
-// AbortRequest goes to the tree's root stack, which forwards AbortProc to the live
-// procedure. The procedure asks its abort hook between calls (settling aborts that
-// arrive during a call when the call ends) and sends FailRequest with the answer
-// channel; the root stack answers only once the failure, and everything it did before,
+// AbortRequest goes to the tree's root stack, which hands it to the live procedure's
+// cell. The cell asks its abort hook between calls (settling aborts that arrive during
+// a call when the call ends) and reports FailRequest with the answer channel; the root stack answers only once the failure, and everything it did before,
 // is durable. The answer never runs ahead of the log.
 // ------------------------------------------------------------------------------------
 
@@ -358,14 +402,6 @@ impl Command {
     }
 }
 
-/// An operator's abort: answers on the ack whether the procedure accepted it, once the
-/// acceptance is durable.
-pub(crate) struct AbortProc(pub(crate) AbortAck);
-
-impl Message for AbortProc {
-    type Result = ();
-}
-
 /// The procedure accepted an abort or timeout between steps (`failure`), or was asked
 /// to abort when there was nothing to accept (`None`: it had finished or was already
 /// failing). `ack`, if any, gets its answer once everything the root stack did before,
@@ -376,15 +412,11 @@ pub(crate) struct FailRequest {
     pub(crate) ack: Option<AckWith>,
 }
 
-impl Message for FailRequest {
-    type Result = ();
-}
-
 // ------------------------------------------------------------------------------------
-// Wake-ups, deadlines and failures of the actors themselves.
+// Wake-ups and deadlines.
 //
-// A procedure actor owns its timer (one `run_later` per armed deadline) and asks its
-// timeout hook only between calls. A kept-going procedure sends Deadline with its new
+// A procedure's cell owns its timer (one `run_later` of its root stack per armed
+// deadline) and asks its timeout hook only between calls. A kept-going procedure sends Deadline with its new
 // deadline and state; the root stack persists it. A timer may fire before that record
 // is durable: a crash then brings back the old deadline and the old state, which
 // expire again at once, so the hook runs again from the state it last saw durable.
@@ -398,21 +430,10 @@ pub(crate) struct Deadline {
     pub(crate) data: Vec<u8>,
 }
 
-impl Message for Deadline {
-    type Result = ();
-}
-
 /// A timer or event woke the procedure.
 pub(crate) struct Wake(pub(crate) ProcId);
 
 impl Message for Wake {
-    type Result = ();
-}
-
-/// A procedure actor ended before its procedure finished (a panic in engine code).
-pub(crate) struct ProcLost(pub(crate) ProcId);
-
-impl Message for ProcLost {
     type Result = ();
 }
 

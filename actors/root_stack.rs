@@ -1,16 +1,17 @@
-//! The root-stack actor: one per procedure tree. It supervises the tree's procedure
-//! actors and runs the pure [`RootStack`] bookkeeping: every event of the tree goes
-//! through it, its records are persisted, and only then are its actions performed, in
-//! the order the transitions were made.
+//! The root-stack actor: one per procedure tree. It holds the cells of the tree's live
+//! procedures ([`ProcedureCell`]) and runs the pure [`RootStack`] bookkeeping: every
+//! event of the tree goes through it, its records are persisted, and only then are its
+//! actions performed, in the order the transitions were made.
 //!
 //! The protocol rules it enforces (see `ARCHITECTURE.md`, "Protocol"):
 //! - it frees a step's worker (`StepFinished` to the scheduler) only after it has fed
 //!   the step's report to the core, so a step dispatched later is recorded later;
 //! - it publishes a transition's records to the procedure table, and answers aborts,
 //!   only once those records are durable;
-//! - it keeps a finished procedure's address until that procedure has answered
-//!   `StopProc` (lock released, cleanup run), and publishes the tree's result only
-//!   after every stop was answered;
+//! - it handles its procedures' reports in the order they were made, and never from
+//!   inside another report's handling (`flush`);
+//! - it stops a finished procedure (lock released, cleanup run) once its final record
+//!   is durable, before it publishes the tree's result;
 //! - when nothing more can be made durable (the store failed) or the core broke an
 //!   invariant, it halts the tree like a crash: no more user calls, no cleanup, every
 //!   waiter answered, and it stays alive until each dispatched step has reported, so no
@@ -38,17 +39,16 @@ use crate::root_stack::{Action, NewChild, RootStack, Transition};
 use super::guard::panic_message;
 use super::metrics;
 use super::perturb;
-use super::procedure::{ProcSpec, ProcedureActor};
+use super::procedure::{ProcSpec, ProcedureCell};
 use super::protocol::{
-    AbortAck, AbortProc, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline,
-    Enqueue, FailRequest, ForgetPause, LockForRollback, LocksHeld, PauseNow, PauseProc, Persist,
-    ProcAddr, ProcLost, Quiesce, ReleaseLocks, ResetProc, Rollback, RolledBack, StepDone,
-    StepFinished, StopProc, SuspendOn, TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend,
-    Wake,
+    AbortAck, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Enqueue,
+    FailRequest, LockForRollback, LocksHeld, Outbox, PauseNow, Persist, ProcAddr, Quiesce,
+    ReleaseLocks, Report, RolledBack, StepDone, StepFinished, SuspendOn, ToCell, ToProc, TreeEnded,
+    TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
 
-/// Decoded procedures waiting for their actors, with their encoded state.
+/// Decoded procedures waiting for their cells, with their encoded state.
 pub(crate) type Objects = IdMap<ProcId, (DynProc, Vec<u8>)>;
 
 /// What one persisted op changes in the procedure table; applied once the op is durable.
@@ -78,8 +78,15 @@ struct Pending {
 pub(crate) struct RootStackActor {
     core: RootStack,
     shared: Arc<Shared>,
-    /// Live procedure actors of this tree.
-    procs: IdMap<ProcId, ProcAddr>,
+    /// The live procedures of this tree. Boxed: a map makes room for several entries
+    /// at once, and most trees have one procedure.
+    procs: IdMap<ProcId, Box<ProcedureCell>>,
+    /// Reports of the procedures not handled yet, in the order they were made.
+    outbox: Outbox,
+    /// `flush` is working through the outbox.
+    flushing: bool,
+    /// This actor's own address, shared by the addresses of its procedures.
+    me: Option<Arc<Addr<RootStackActor>>>,
     /// Operators' pauses not in effect yet, answered when they are (or when the
     /// procedure ends or its tree fails first).
     pause_waiters: IdMap<ProcId, Vec<AbortAck>>,
@@ -94,13 +101,11 @@ pub(crate) struct RootStackActor {
     initial: Option<Box<Transition>>,
     /// How many transitions have had their actions performed.
     performed: usize,
-    /// Rebuilt by recovery: the first actors it spawns are recovered procedures.
+    /// Rebuilt by recovery: the first cells it makes are recovered procedures.
     recovered: bool,
     /// Steps handed to the scheduler whose `StepDone` has not come back. Each holds (or
     /// waits for) a worker that only this actor frees.
     dispatched: usize,
-    /// `StopProc`s sent and not answered yet.
-    stopping: usize,
     /// The tree's result, published once every stop has been answered.
     result: Option<Box<Result<(), Failure>>>,
     /// Set when nothing more can be made durable: the tree is cut off like in a crash.
@@ -159,6 +164,9 @@ impl RootStackActor {
             core,
             shared,
             procs: IdMap::default(),
+            outbox: Outbox::default(),
+            flushing: false,
+            me: None,
             pause_waiters: IdMap::default(),
             unspawned,
             status,
@@ -170,7 +178,6 @@ impl RootStackActor {
             performed: 0,
             recovered: false,
             dispatched: 0,
-            stopping: 0,
             result: None,
             halted: None,
             published: false,
@@ -287,6 +294,8 @@ impl RootStackActor {
             }
             self.recovered = false;
         }
+        // What the actions made the procedures report.
+        self.flush(ctx);
         if self.pending.is_empty() {
             for ack in self.quiesce.drain(..) {
                 let _ = ack.send(());
@@ -306,6 +315,43 @@ impl RootStackActor {
         }
     }
 
+    /// Works through the procedures' reports, in order, including those that handling
+    /// them adds. Called once a call into a procedure has returned, never from inside
+    /// another report's handling (that one's loop takes the new reports).
+    fn flush(&mut self, ctx: &mut Context<Self>) {
+        if self.flushing {
+            return;
+        }
+        self.flushing = true;
+        while let Some(report) = self.outbox.pop() {
+            match report {
+                Report::StepDone(m) => self.on_step_done(m, ctx),
+                Report::Fail(m) => self.on_fail_request(m, ctx),
+                Report::RolledBack(m) => self.on_rolled_back(m, ctx),
+                Report::Deadline(m) => self.on_deadline(m, ctx),
+                Report::PauseNow(m) => self.on_pause_now(m, ctx),
+                Report::LocksHeld(m) => self.on_locks_held(m, ctx),
+            }
+        }
+        self.outbox.release();
+        self.flushing = false;
+    }
+
+    /// Calls `f` with procedure `id`'s cell, if it is live, then handles what it
+    /// reported. For the futures and timers of a procedure, which end after it may
+    /// have stopped.
+    pub(crate) fn with_cell(
+        &mut self,
+        id: ProcId,
+        ctx: &mut Context<Self>,
+        f: impl FnOnce(&mut ProcedureCell, &mut Outbox, &mut Context<Self>),
+    ) {
+        if let Some(cell) = self.procs.get_mut(&id) {
+            f(cell, &mut self.outbox, ctx);
+        }
+        self.flush(ctx);
+    }
+
     /// Answers every pause not in effect with a refusal.
     fn refuse_pauses(&mut self, reason: &str) {
         for (id, acks) in self.pause_waiters.drain() {
@@ -320,10 +366,10 @@ impl RootStackActor {
             Action::Spawn(id) => self.spawn(id, ctx),
             Action::Enqueue { id, front } => {
                 self.dispatched += 1;
-                self.enqueue(id, front);
+                self.enqueue(id, front, ctx);
             }
             // The same queued step, now that its life-long locks are durably held.
-            Action::Resume(id) => self.enqueue(id, true),
+            Action::Resume(id) => self.enqueue(id, true, ctx),
             Action::Release(id) => {
                 if self.core.lock_request(id, false).is_some() {
                     self.shared.scheduler.do_send(ReleaseLocks {
@@ -346,22 +392,11 @@ impl RootStackActor {
                         event: event.to_string(),
                     });
                 }
-                if let Some(addr) = self.procs.remove(&id) {
-                    // The address travels with the request until the answer: an actix
-                    // actor whose last address is dropped may stop before it handles
-                    // a message already queued, and this one must run.
-                    self.stopping += 1;
+                if let Some(cell) = self.procs.remove(&id) {
+                    // Its lock is released and its cleanup run before anything later,
+                    // the tree's result included.
                     perturb::point("root_stack::perform::stop");
-                    let state = self.core.state_of(id).unwrap_or(ProcState::Success);
-                    let stop = async move {
-                        let _ = addr.send(StopProc { state }).await;
-                        drop(addr);
-                    };
-                    ctx.spawn(stop.into_actor(self).map(|(), act, ctx| {
-                        act.stopping -= 1;
-                        act.publish_result(ctx);
-                        act.stop_when_quiet(ctx);
-                    }));
+                    cell.stop(self.core.state_of(id).unwrap_or(ProcState::Success));
                 }
                 self.log_finished(id);
                 if id != self.core.root() {
@@ -374,8 +409,8 @@ impl RootStackActor {
                 for ack in self.pause_waiters.remove(&id).unwrap_or_default() {
                     let _ = ack.send(Ok(true));
                 }
-                if let Some(addr) = self.procs.get(&id) {
-                    addr.do_send(ForgetPause);
+                if let Some(cell) = self.procs.get_mut(&id) {
+                    cell.forget_pause();
                 }
                 // Paused while it waited for an event: the event must not wake it (a
                 // continue suspends it again).
@@ -399,19 +434,20 @@ impl RootStackActor {
             Action::Reset { id, data } => {
                 // Before any later call of `id`: that call comes from a step queued (or
                 // a rollback sent) after this, through this actor.
-                if let Some(addr) = self.procs.get(&id) {
-                    addr.do_send(ResetProc(data));
+                if let Some(cell) = self.procs.get_mut(&id) {
+                    cell.reset(data);
                 }
             }
-            Action::Rollback { id, unrecorded } => self.send_rollback(id, unrecorded),
+            Action::Rollback { id, unrecorded } => self.send_rollback(id, unrecorded, ctx),
             Action::RetryRollback {
                 id,
                 unrecorded,
                 delay_ms,
             } => {
-                ctx.run_later(Duration::from_millis(delay_ms), move |act, _| {
+                ctx.run_later(Duration::from_millis(delay_ms), move |act, ctx| {
                     if act.halted.is_none() {
-                        act.send_rollback(id, unrecorded);
+                        act.send_rollback(id, unrecorded, ctx);
+                        act.flush(ctx);
                     }
                 });
             }
@@ -453,7 +489,6 @@ impl RootStackActor {
             self.unspawned = Objects::default();
         }
         let shared = self.shared.clone();
-        let root_stack = ctx.address();
         let status = self.status.clone();
         let Some((parent, _)) = self.core.procedure(id) else {
             unreachable!("spawn of {id}, which is not in the tree");
@@ -483,10 +518,11 @@ impl RootStackActor {
             recovered: self.recovered,
             has_locks: self.core.lock_request(id, false).is_some(),
         };
-        // On this root stack's own arbiter: a step's report to the root stack, and the
-        // root stack's calls to the procedure, never cross threads.
-        let addr = ProcedureActor::new(spec, proc, data, shared, root_stack, status).start();
-        self.procs.insert(id, Arc::new(addr));
+        // In this root stack: a step's report, and the root stack's calls to the
+        // procedure, are calls, never messages across tasks or threads.
+        let mut cell = Box::new(ProcedureCell::new(spec, proc, data, shared, status));
+        cell.start(ctx);
+        self.procs.insert(id, cell);
     }
 
     /// A procedure's final record is durable: one INFO line and its metrics. The
@@ -509,10 +545,17 @@ impl RootStackActor {
         );
     }
 
-    fn enqueue(&self, id: ProcId, front: bool) {
-        let Some(addr) = self.procs.get(&id) else {
-            unreachable!("enqueue of {id}, which has no actor");
-        };
+    /// Where the scheduler reaches procedure `id`: through this actor.
+    fn proc_addr(&mut self, id: ProcId, ctx: &mut Context<Self>) -> ProcAddr {
+        let me = self.me.get_or_insert_with(|| Arc::new(ctx.address()));
+        ProcAddr::new(me.clone(), id)
+    }
+
+    fn enqueue(&mut self, id: ProcId, front: bool, ctx: &mut Context<Self>) {
+        if !self.procs.contains_key(&id) {
+            unreachable!("enqueue of {id}, which is not live");
+        }
+        let addr = self.proc_addr(id, ctx);
         // A failed tree's steps are only skipped: they need no locks.
         let lock = if self.core.is_failed() {
             None
@@ -522,7 +565,7 @@ impl RootStackActor {
         self.shared.scheduler.do_send(Enqueue {
             id,
             root: self.core.root(),
-            addr: addr.clone(),
+            addr,
             front,
             what: (
                 self.core.type_name_of(id).unwrap_or("?"),
@@ -532,26 +575,29 @@ impl RootStackActor {
         });
     }
 
-    fn send_rollback(&self, id: ProcId, unrecorded: bool) {
-        let Some(addr) = self.procs.get(&id) else {
-            unreachable!("rollback of {id}, which has no actor");
-        };
+    fn send_rollback(&mut self, id: ProcId, unrecorded: bool, ctx: &mut Context<Self>) {
         match self.core.lock_request(id, true) {
             // A rollback step runs under the procedure's locks, like a step.
-            Some(lock) => self.shared.scheduler.do_send(LockForRollback {
-                id,
-                addr: addr.clone(),
-                lock,
-                unrecorded,
-            }),
-            None => addr.do_send(Rollback { unrecorded }),
+            Some(lock) => {
+                let addr = self.proc_addr(id, ctx);
+                self.shared.scheduler.do_send(LockForRollback {
+                    id,
+                    addr,
+                    lock,
+                    unrecorded,
+                });
+            }
+            None => match self.procs.get_mut(&id) {
+                Some(cell) => cell.rollback(unrecorded, &mut self.outbox, ctx),
+                None => unreachable!("rollback of {id}, which is not live"),
+            },
         }
     }
 
     /// Publishes the tree's result once it is known and every finished procedure has
     /// released its lock and run its cleanup; then the actor's work is done.
     fn publish_result(&mut self, ctx: &mut Context<Self>) {
-        if self.stopping > 0 || self.halted.is_some() {
+        if self.halted.is_some() {
             return;
         }
         let Some(result) = self.result.take().map(|r| *r) else {
@@ -602,10 +648,9 @@ impl RootStackActor {
     }
 
     /// A halted tree stops once every dispatched step has reported (and freed its
-    /// worker) and every stop was answered. Its procedure actors stop with it: they
-    /// have no address left.
+    /// worker). Its procedures' cells go with it.
     fn stop_when_quiet(&mut self, ctx: &mut Context<Self>) {
-        if self.halted.is_some() && self.dispatched == 0 && self.stopping == 0 {
+        if self.halted.is_some() && self.dispatched == 0 {
             self.procs.clear();
             ctx.stop();
         }
@@ -627,10 +672,30 @@ impl Actor for RootStackActor {
     }
 }
 
-impl Handler<StepDone> for RootStackActor {
+impl Handler<ToProc> for RootStackActor {
     type Result = ();
 
-    fn handle(&mut self, msg: StepDone, ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: ToProc, ctx: &mut Context<Self>) {
+        let ToProc { id, msg } = msg;
+        match self.procs.get_mut(&id) {
+            Some(cell) => cell.deliver(msg, &mut self.outbox, ctx),
+            None => {
+                if let ToCell::RunStep(_) = msg {
+                    // No step of a stopped procedure is queued; were one, its worker
+                    // must not leak.
+                    tracing::warn!(proc = %id, "a step dispatched to a stopped procedure");
+                    self.dispatched = self.dispatched.saturating_sub(1);
+                    self.shared.scheduler.do_send(StepFinished(id));
+                }
+            }
+        }
+        self.flush(ctx);
+        self.stop_when_quiet(ctx);
+    }
+}
+
+impl RootStackActor {
+    fn on_step_done(&mut self, msg: StepDone, ctx: &mut Context<Self>) {
         self.dispatched -= 1;
         let id = msg.report.id;
         if self.halted.is_none() {
@@ -645,7 +710,7 @@ impl Handler<StepDone> for RootStackActor {
                 ctx,
             ) {
                 self.state_name = msg.state_name.map(|name| (id, name));
-                // Children keep their encoded state for their actor's "last good" copy.
+                // Children keep their encoded state for their cell's "last good" copy.
                 for op in &t.persist {
                     if let StoreOp::Insert(r) = op {
                         if let Some(entry) = self.unspawned.get_mut(&r.id) {
@@ -664,10 +729,8 @@ impl Handler<StepDone> for RootStackActor {
     }
 }
 
-impl Handler<PauseNow> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: PauseNow, ctx: &mut Context<Self>) {
+impl RootStackActor {
+    fn on_pause_now(&mut self, msg: PauseNow, ctx: &mut Context<Self>) {
         if self.halted.is_some() {
             return;
         }
@@ -681,8 +744,8 @@ impl Handler<PauseNow> for RootStackActor {
             Some(Some(t)) => self.apply(t, None, ctx),
             // Woken meanwhile: it pauses at its next step (the waiting answers stay).
             Some(None) => {
-                if let Some(addr) = self.procs.get(&id) {
-                    addr.do_send(PauseProc { now: false });
+                if let Some(cell) = self.procs.get_mut(&id) {
+                    cell.pause(false, &mut self.outbox);
                 }
             }
             None => {}
@@ -690,10 +753,8 @@ impl Handler<PauseNow> for RootStackActor {
     }
 }
 
-impl Handler<FailRequest> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: FailRequest, ctx: &mut Context<Self>) {
+impl RootStackActor {
+    fn on_fail_request(&mut self, msg: FailRequest, ctx: &mut Context<Self>) {
         let t = match msg.failure {
             Some((error, data)) => {
                 let id = msg.id;
@@ -712,10 +773,8 @@ impl Handler<FailRequest> for RootStackActor {
     }
 }
 
-impl Handler<RolledBack> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: RolledBack, ctx: &mut Context<Self>) {
+impl RootStackActor {
+    fn on_rolled_back(&mut self, msg: RolledBack, ctx: &mut Context<Self>) {
         if self.halted.is_some() {
             return;
         }
@@ -730,18 +789,17 @@ impl Handler<RolledBack> for RootStackActor {
     }
 }
 
-impl Handler<LocksHeld> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: LocksHeld, ctx: &mut Context<Self>) {
+impl RootStackActor {
+    fn on_locks_held(&mut self, msg: LocksHeld, ctx: &mut Context<Self>) {
         if self.halted.is_some() {
             // Nothing is persisted any more; the step still owes its report (skipped),
             // and this actor waits for it before it stops.
-            if let Some(addr) = self.procs.get(&msg.id) {
+            if self.procs.contains_key(&msg.id) {
+                let addr = self.proc_addr(msg.id, ctx);
                 self.shared.scheduler.do_send(Enqueue {
                     id: msg.id,
                     root: self.core.root(),
-                    addr: addr.clone(),
+                    addr,
                     front: true,
                     what: (self.core.type_name_of(msg.id).unwrap_or("?"), 0),
                     lock: None,
@@ -789,10 +847,8 @@ impl Handler<BypassRequest> for RootStackActor {
     }
 }
 
-impl Handler<Deadline> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: Deadline, ctx: &mut Context<Self>) {
+impl RootStackActor {
+    fn on_deadline(&mut self, msg: Deadline, ctx: &mut Context<Self>) {
         if self.halted.is_some() {
             return;
         }
@@ -820,18 +876,6 @@ impl Handler<Wake> for RootStackActor {
     }
 }
 
-impl Handler<ProcLost> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: ProcLost, ctx: &mut Context<Self>) {
-        let e = Error::Internal(format!(
-            "the actor of procedure {} stopped before the procedure finished",
-            msg.0
-        ));
-        self.halt(e, ctx);
-    }
-}
-
 impl Drop for RootStackActor {
     /// A root stack that ends without publishing its result or halting died of a panic
     /// in engine code; the executor must not leave the tree's waiters hanging.
@@ -839,8 +883,9 @@ impl Drop for RootStackActor {
         // Every StepFinished this actor sent is ahead of this in the scheduler's mailbox.
         self.shared.scheduler.do_send(TreeEnded(self.core.root()));
         if self.halted.is_none() && !self.published {
-            // Cut the tree off like a crash (its procedures report their queued and
-            // running steps straight to the scheduler once this mailbox is closed).
+            // Cut the tree off like a crash. Its running calls died with it; the
+            // scheduler frees their workers on `TreeEnded`, and those of its queued
+            // steps when it finds this mailbox closed.
             self.status.set_halted();
             self.shared.finished.do_send(TreeFinished {
                 root: self.core.root(),
@@ -876,11 +921,12 @@ impl Handler<CommandRequest> for RootStackActor {
         let (id, command) = (msg.id, msg.command);
         if command == Command::Pause {
             let refusal = self.core.pause_refusal(id);
-            match (refusal, self.procs.get(&id)) {
-                (None, Some(addr)) => {
+            match (refusal, self.procs.get_mut(&id)) {
+                (None, Some(cell)) => {
                     let now = self.core.waits_for_wake(id);
-                    addr.do_send(PauseProc { now });
+                    cell.pause(now, &mut self.outbox);
                     self.pause_waiters.entry(id).or_default().push(msg.ack);
+                    self.flush(ctx);
                 }
                 (refusal, _) => {
                     let reason = refusal.unwrap_or_else(|| format!("procedure {id} has finished"));
@@ -931,7 +977,7 @@ impl Handler<CommandRequest> for RootStackActor {
 impl Handler<AbortRequest> for RootStackActor {
     type Result = ();
 
-    fn handle(&mut self, msg: AbortRequest, _ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: AbortRequest, ctx: &mut Context<Self>) {
         if let Some(e) = &self.halted {
             let _ = msg.ack.send(Err(e.duplicate()));
             return;
@@ -944,8 +990,11 @@ impl Handler<AbortRequest> for RootStackActor {
             refuse(msg.ack, "abort", msg.id, reason);
             return;
         }
-        match self.procs.get(&msg.id) {
-            Some(addr) => addr.do_send(AbortProc(msg.ack)),
+        match self.procs.get_mut(&msg.id) {
+            Some(cell) => {
+                cell.abort(msg.ack, &mut self.outbox);
+                self.flush(ctx);
+            }
             // Finished (its stop is on its way): nothing left to abort.
             None => {
                 let state = self.core.state_of(msg.id).unwrap_or(ProcState::Success);

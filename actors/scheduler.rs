@@ -601,8 +601,25 @@ impl Handler<ResetEvent> for Scheduler {
 impl Handler<TreeEnded> for Scheduler {
     type Result = ();
 
-    fn handle(&mut self, msg: TreeEnded, _ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: TreeEnded, ctx: &mut Context<Self>) {
+        // Every `StepFinished` the tree's root stack sent came before this: a step of
+        // the tree still running died with it (a panic in engine code), and its worker
+        // is freed here, or it would leak.
+        let lost: Vec<ProcId> = self
+            .running
+            .iter()
+            .filter(|(_, run)| run.root == msg.0)
+            .map(|(id, _)| *id)
+            .collect();
+        for id in lost {
+            tracing::warn!(proc = %id, "a step's tree ended before the step reported");
+            self.running.remove(&id);
+            self.ready.complete();
+            self.release(id, Some(Hold::Step));
+            self.undefer(id, ctx);
+        }
         self.ready.forget(&msg.0);
         self.view.levels.remove(&msg.0);
+        self.dispatch();
     }
 }

@@ -29,7 +29,7 @@ pub(crate) fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
-/// What the procedure actors of one tree read before each call into user code, written
+/// What the procedures of one tree read before each call into user code, written
 /// only by the tree's root stack. Monotonic: healthy, then failed, then halted.
 #[derive(Default)]
 pub(crate) struct TreeStatus(AtomicU8);

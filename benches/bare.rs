@@ -11,8 +11,6 @@
 //! ```sh
 //! cargo bench --bench bare -- --procs 100000 --concurrency 1000          # durable
 //! cargo bench --bench bare -- --procs 100000 --concurrency 1000 --memory # no file
-//! cargo bench --bench bare -- --idle 100000   # bytes per idle procedure, both designs,
-//!                                             # each in a process of its own
 //! ```
 //!
 //! Prints one JSON line. `benches/compare.sh` runs it beside `examples/workload` and
@@ -24,15 +22,11 @@ mod rss;
 use std::fs::File;
 use std::io::Write;
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use actix::prelude::*;
 use clap::Parser;
-use proctor::{
-    async_trait, Context as ProcContext, Executor, Flow, MemoryStore, ProcError, Procedure,
-    Registry, WalStore,
-};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
 /// Like the workload, the benchmark uses mimalloc.
 #[global_allocator]
@@ -55,15 +49,6 @@ struct Args {
     /// No file: the writer acknowledges at once.
     #[arg(long)]
     memory: bool,
-    /// Instead: the memory taken by this many idle procedures, in the bare design (an
-    /// actor holding a procedure's fields) and in proctor (a procedure suspended on an
-    /// event of its own, in the memory store).
-    #[arg(long)]
-    idle: Option<u64>,
-    /// With `--idle`: measure one design only, in this process (without it, `--idle`
-    /// runs each in a process of its own).
-    #[arg(long, value_enum, requires = "idle")]
-    idle_design: Option<Design>,
     /// `cargo bench` passes `--bench`.
     #[arg(long, hide = true)]
     bench: bool,
@@ -250,172 +235,13 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
     }))
 }
 
-/// An idle bare procedure: an actor with a running procedure's fields, waiting for its
-/// next message.
-struct Idle {
-    _id: u64,
-    _step: u16,
-    _steps: u16,
-    _state: [u8; 16],
-    _writer: ToWriter,
-    _done: tokio::sync::mpsc::UnboundedSender<()>,
-}
-
-impl Actor for Idle {
-    type Context = Context<Self>;
-}
-
-/// An idle proctor procedure: suspended on its own event (`reply/<n>`), which never
-/// comes.
-#[derive(Serialize, Deserialize)]
-struct Parked {
-    n: u64,
-    state: [u8; 16],
-}
-
-#[async_trait]
-impl Procedure for Parked {
-    async fn execute(&mut self, _: &mut ProcContext) -> Result<Flow, ProcError> {
-        Ok(Flow::Suspend(format!("reply/{}", self.n)))
-    }
-    async fn rollback(&mut self, _: &mut ProcContext) -> Result<(), ProcError> {
-        Ok(())
-    }
-}
-
-/// Which design `--idle` measures in this process.
-#[derive(clap::ValueEnum, Clone, Copy, Debug)]
-enum Design {
-    Bare,
-    /// proctor on the memory store, whose copy of each record counts.
-    Proctor,
-    /// proctor on the WAL store (in a temporary directory), which keeps an index entry
-    /// per live record in memory.
-    ProctorWal,
-}
-
-/// `--idle N`: each design in a process of its own (memory the first measurement freed
-/// must not be reused by the second), merged into one line.
-fn idle_both(n: u64) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
-    let mut report = serde_json::json!({ "idle_procs": n });
-    for design in ["bare", "proctor", "proctor-wal"] {
-        let out = std::process::Command::new(std::env::current_exe()?)
-            .args(["--idle", &n.to_string(), "--idle-design", design])
-            .stderr(std::process::Stdio::inherit())
-            .output()?;
-        if !out.status.success() {
-            return Err(format!("--idle-design {design}: {}", out.status).into());
-        }
-        let line = String::from_utf8(out.stdout)?;
-        let one: serde_json::Value = serde_json::from_str(line.trim())?;
-        let key = format!("{}_bytes_per_idle_proc", design.replace('-', "_"));
-        report[&key] = one[&key].clone();
-    }
-    Ok(report)
-}
-
-async fn idle(n: u64, design: Design) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
-    let per_proc = match design {
-        Design::Bare => {
-            let (writer, _jobs) = mpsc::channel();
-            let (done, _finished) = tokio::sync::mpsc::unbounded_channel();
-            let before = rss::rss_bytes();
-            let actors: Vec<Addr<Idle>> = (0..n)
-                .map(|id| {
-                    Idle {
-                        _id: id,
-                        _step: 1,
-                        _steps: 3,
-                        _state: [1; 16],
-                        _writer: writer.clone(),
-                        _done: done.clone(),
-                    }
-                    .start()
-                })
-                .collect();
-            // Let every actor start.
-            tokio::time::sleep(Duration::from_millis(500)).await;
-            let per_proc = (rss::rss_bytes().saturating_sub(before)) as f64 / n as f64;
-            drop(actors);
-            per_proc
-        }
-        Design::Proctor | Design::ProctorWal => {
-            let mut registry = Registry::new();
-            registry.register::<Parked>("parked");
-            let wal_dir = tempfile::tempdir()?;
-            let builder = Executor::builder().registry(registry);
-            let builder = match design {
-                Design::ProctorWal => builder.store(WalStore::open(wal_dir.path())?),
-                _ => builder.store(MemoryStore::new()),
-            };
-            let executor = builder.start().await?;
-            let before = rss::rss_bytes();
-            // In waves of a thousand: a submit answers once its insert is durable, and
-            // the WAL store makes a wave one group commit.
-            let mut next = 0;
-            while next < n {
-                let wave: Vec<_> = (next..(next + 1000).min(n))
-                    .map(|i| {
-                        let executor = executor.clone();
-                        actix::spawn(async move {
-                            executor
-                                .submit(Parked {
-                                    n: i,
-                                    state: [1; 16],
-                                })
-                                .await
-                        })
-                    })
-                    .collect();
-                for submitted in wave {
-                    submitted.await??;
-                }
-                next = (next + 1000).min(n);
-            }
-            // Every procedure has run its step and is suspended. The resident size is
-            // read before the listing that checks it: the listing's own memory (one
-            // row per procedure) must not count.
-            let per_proc = loop {
-                let stats = executor.scheduler_stats().await?;
-                if stats.queued == 0 && stats.running == 0 {
-                    let rss = rss::rss_bytes();
-                    let waiting = executor
-                        .list(proctor::List::new().state(proctor::ProcState::Waiting))
-                        .await?
-                        .len() as u64;
-                    if waiting == n {
-                        break (rss.saturating_sub(before)) as f64 / n as f64;
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            };
-            executor.shutdown_now().await?;
-            per_proc
-        }
-    };
-    let key = match design {
-        Design::Bare => "bare_bytes_per_idle_proc",
-        Design::Proctor => "proctor_bytes_per_idle_proc",
-        Design::ProctorWal => "proctor_wal_bytes_per_idle_proc",
-    };
-    Ok(serde_json::json!({ "idle_procs": n, key: per_proc.round() }))
-}
-
 fn round3(x: f64) -> f64 {
     (x * 1000.0).round() / 1000.0
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args = Args::parse();
-    let report = match (args.idle, args.idle_design) {
-        (Some(n), None) => idle_both(n.max(1))?,
-        (idle_procs, design) => actix::System::new().block_on(async {
-            match (idle_procs, design) {
-                (Some(n), Some(design)) => idle(n.max(1), design).await,
-                _ => run(&args).await,
-            }
-        })?,
-    };
+    let report = actix::System::new().block_on(run(&args))?;
     println!("{report}");
     Ok(())
 }

@@ -7,8 +7,8 @@
 # 2. instructions per step (valgrind's callgrind, memory stores, 3 steps each): the
 #    total of a run of INSTR_PROCS procedures ÷ its steps, and the marginal cost between
 #    INSTR_PROCS and 2·INSTR_PROCS procedures (which leaves out start-up);
-# 3. bytes per idle procedure (`bare --idle IDLE`: each design, and proctor on each store,
-#    in a process of its own);
+# 3. bytes per idle procedure (`benches/idle.rs --procs IDLE`: each design, and proctor on
+#    each store, in a process of its own; live heap bytes and resident-set growth);
 # 4. recovery ÷ raw read (`benches/recovery.rs` with RECOVERY_PROCS procedures).
 #
 # Needs python3 for the tables; skips 2 without valgrind. Set INSTR_PROCS, IDLE or
@@ -26,7 +26,7 @@ IDLE=${IDLE:-100000}
 RECOVERY_PROCS=${RECOVERY_PROCS:-1000000}
 
 # The executables, as cargo reports them (wherever the target directory is).
-executables=$(cargo build --release --example workload --bench bare --bench recovery \
+executables=$(cargo build --release --example workload --bench bare --bench idle --bench recovery \
   --message-format=json-render-diagnostics | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -37,6 +37,7 @@ for line in sys.stdin:
 exe() { awk -v n="$1" '$1 == n { print $2 }' <<<"$executables"; }
 workload=$(exe workload)
 bare=$(exe bare)
+idle=$(exe idle)
 recovery=$(exe recovery)
 
 out=$(mktemp)
@@ -69,7 +70,7 @@ fi
 
 if [ "$IDLE" -gt 0 ]; then
   echo "idle, $IDLE procedures" >&2
-  printf 'idle - - %s\n' "$("$bare" --idle "$IDLE" | tail -n 1)" >>"$out"
+  printf 'idle - - %s\n' "$("$idle" --procs "$IDLE" | tail -n 1)" >>"$out"
 fi
 
 if [ "$RECOVERY_PROCS" -gt 0 ]; then
@@ -114,10 +115,12 @@ if instr:
         print(f"| marginal, {lo:,} → {hi:,} procedures | {m['bare']:,.0f} | {m['proctor']:,.0f} | {m['proctor'] / m['bare']:.1f} |")
 
 if idle:
-    b, p = idle["bare_bytes_per_idle_proc"], idle["proctor_bytes_per_idle_proc"]
-    w = idle["proctor_wal_bytes_per_idle_proc"]
     print()
-    print(f"bytes per idle procedure ({idle['idle_procs']:,}): bare {b:,.0f}; proctor, memory store {p:,.0f} ({p / b:.1f}x), WAL store {w:,.0f} ({w / b:.1f}x)")
+    print(f"| bytes per idle procedure ({idle['idle_procs']:,}) | bare | proctor, memory store | proctor, WAL store |")
+    print("| --- | ---: | ---: | ---: |")
+    for what, name in (("live", "live heap"), ("rss", "resident set")):
+        b, p, w = (idle[f"{d}_{what}_bytes_per_idle_proc"] for d in ("bare", "proctor", "proctor_wal"))
+        print(f"| {name} | {b:,.0f} | {p:,.0f} ({p / b:.1f}x) | {w:,.0f} ({w / b:.1f}x) |")
 
 if recovery:
     print()

@@ -29,7 +29,7 @@ const ROLLBACK_RETRY_BASE_MS: u64 = 10;
 /// ...doubling up to this one, and then retry at this pace for ever.
 const ROLLBACK_RETRY_MAX_MS: u64 = 10_000;
 
-/// What a step of one procedure came to, as the procedure actor reports it.
+/// What a step of one procedure came to, as the procedure's cell reports it.
 #[derive(Debug)]
 pub enum StepOutcome {
     /// The procedure finished.
