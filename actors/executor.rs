@@ -31,13 +31,13 @@ use super::persistence::Persistence;
 use super::procedure::{declare, Undeclarable};
 use super::protocol::{
     AbortRequest, BypassRequest, Command, CommandRequest, Persist, Quiesce, Refuse, Regrant,
-    StopWriter, TreeFinished, TreeNews,
+    StopWriter, TreeAddr, TreeFinished, TreeNews,
 };
 use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{
     GetSchedulerStats, Monitor, ResetEvent, Scheduler, SchedulerStats, WakeEvent,
 };
-use super::shared::{now_ms, Entry, SchedulerViews, Shared, Waiting};
+use super::shared::{now_ms, Entry, EntryExtra, SchedulerViews, Shared, Waiting};
 
 impl From<MailboxError> for Error {
     fn from(_: MailboxError) -> Self {
@@ -482,9 +482,12 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                         submitted_ms: record.submitted_ms,
                         updated_ms: record.updated_ms,
                         tree: None,
-                        result: Some(record.failure.map_or(Ok(()), |f| Err(Box::new(f)))),
-                        value: record.result,
-                        nonce: record.nonce,
+                        extra: EntryExtra {
+                            result: Some(record.failure.map_or(Ok(()), |f| Err(Box::new(f)))),
+                            value: record.result,
+                            nonce: record.nonce,
+                        }
+                        .boxed(),
                         waiting: Waiting::Nothing,
                         state_name: None,
                         steering: None,
@@ -512,7 +515,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                     });
                 // In the table before the executor handles any request (it is not
                 // running yet): recovered records are durable by definition.
-                publish(&shared, &inserts, &addr);
+                publish(&shared, &inserts, &Arc::new(addr));
             }
             ExecutorActor {
                 shared,
@@ -558,7 +561,7 @@ struct OwnedSystem {
 /// `before_recover` hooks, children first. Also returns the suspended procedures that
 /// run their next step at once rather than wait for their event again.
 fn decode_tree(registry: &Types, records: &[ProcRecord]) -> Result<(Objects, Vec<ProcId>), String> {
-    let mut objects = Objects::default();
+    let mut objects = Vec::new();
     let mut rerun = Vec::new();
     for r in records.iter().filter(|r| !r.state.is_finished()) {
         let mut proc = registry
@@ -577,9 +580,9 @@ fn decode_tree(registry: &Types, records: &[ProcRecord]) -> Result<(Objects, Vec
                 }
             }
         }
-        objects.insert(r.id, (proc, r.data.clone()));
+        objects.push((r.id, (proc, r.data.clone())));
     }
-    Ok((objects, rerun))
+    Ok((objects.into_iter().collect(), rerun))
 }
 
 /// What the executor found in its store when it started.
@@ -1456,7 +1459,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 state: e.state,
                 submitted_ms: e.submitted_ms,
                 updated_ms: e.updated_ms,
-                result: e.result.clone().map(|r| r.map_err(|f| *f)),
+                result: e.result().cloned().map(|r| r.map_err(|f| *f)),
                 locks_held,
                 locks_waiting,
                 state_name: e.state_name.clone(),
@@ -1471,14 +1474,14 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
 
 impl<E: Send + Sync + 'static> ExecutorActor<E> {
     /// The root stack of `id`'s tree while `id` is unfinished, or why there is none.
-    fn live_tree(&self, id: ProcId) -> Result<Addr<RootStackActor>, Error> {
+    fn live_tree(&self, id: ProcId) -> Result<TreeAddr, Error> {
         if let Some(broken) = &self.broken {
             return Err(broken.duplicate());
         }
         match self.shared.table.get(&id) {
             None => Err(self.missing(id)),
             Some(e) => match &e.tree {
-                Some(tree) if !e.state.is_finished() && e.result.is_none() => Ok(tree.clone()),
+                Some(tree) if !e.state.is_finished() && e.result().is_none() => Ok(tree.clone()),
                 _ => Err(Error::Finished { id, state: e.state }),
             },
         }
@@ -1532,7 +1535,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
             self.shared
                 .table
                 .get(id)
-                .is_some_and(|e| e.result.is_some())
+                .is_some_and(|e| e.result().is_some())
         });
         if batch.is_empty() {
             return;
@@ -1551,7 +1554,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 Ok(()) => {
                     for id in &batch {
                         if let Some((_, e)) = act.shared.table.remove(id) {
-                            if let Some(nonce) = e.nonce {
+                            if let Some(nonce) = e.nonce() {
                                 act.nonces.remove(&nonce);
                             }
                         }
@@ -1817,8 +1820,8 @@ impl<E: Send + Sync + 'static> Handler<GetValue> for ExecutorActor<E> {
         let id = msg.0;
         match self.shared.table.get(&id) {
             None => Err(self.missing(id)),
-            Some(e) if e.result.is_none() => Err(Error::NotFinished(id)),
-            Some(e) => Ok(e.value.clone()),
+            Some(e) if e.result().is_none() => Err(Error::NotFinished(id)),
+            Some(e) => Ok(e.caller_value().cloned()),
         }
     }
 }
@@ -1831,7 +1834,7 @@ impl<E: Send + Sync + 'static> Handler<AckResult> for ExecutorActor<E> {
         match self.shared.table.get(&id) {
             None => return Err(self.missing(id)),
             Some(e) if e.root != id => return Err(Error::NotRoot { id, root: e.root }),
-            Some(e) if e.result.is_none() => return Err(Error::NotFinished(id)),
+            Some(e) if e.result().is_none() => return Err(Error::NotFinished(id)),
             Some(_) => {}
         }
         self.acked.entry(id).or_insert_with(now_ms);

@@ -6,6 +6,7 @@
 mod crash_test;
 mod executor;
 mod guard;
+mod lent;
 pub mod metrics;
 mod persistence;
 pub mod perturb;

@@ -121,8 +121,6 @@ pub(crate) struct ProcedureCell {
     step_cancel: Option<Cancel>,
     /// The signal steps get, reused from step to step until one is raised.
     cancel: Option<Cancel>,
-    /// The state name after the last step, for its report.
-    state_name: Option<String>,
     /// An operator asked it to pause: report its next step as paused, not run.
     pause_next: bool,
     /// The procedure's span (id, root, parent, type): the parent of its step and
@@ -196,7 +194,6 @@ impl ProcedureCell {
             pending_timeout: false,
             step_cancel: None,
             cancel: None,
-            state_name: None,
             pause_next: false,
         }
     }
@@ -235,22 +232,24 @@ impl ProcedureCell {
             irreversible: false,
             on_error: None,
         };
-        self.send_report(report, Vec::new(), out);
+        self.send_report(report, Vec::new(), None, out);
     }
 
+    /// `state_name`: the procedure's state name after the step, for operators.
     fn send_report(
         &mut self,
         report: StepReport,
         children: Vec<(ProcId, DynProc)>,
+        state_name: Option<String>,
         out: &mut Outbox,
     ) {
         // The root stack frees the worker once it has recorded this report; freeing it
         // here would let a later step's report overtake this one.
         perturb::point("procedure::report::step_done");
-        out.push(Report::StepDone(StepDone {
+        out.push_back(Report::StepDone(StepDone {
             report,
             children,
-            state_name: self.state_name.take(),
+            state_name,
         }));
     }
 
@@ -354,10 +353,13 @@ impl ProcedureCell {
                 tracing::info!(parent: &self.span, %error, "step failed");
                 self.failed = true;
             }
+            // Idle for a while: the next step gets a new cancellation signal, and the
+            // waiting procedure keeps none.
+            StepOutcome::Suspend(_) | StepOutcome::SleepUntil(_) => self.cancel = None,
             _ => {}
         }
         // For operators: the state it is in now (published with the step's record).
-        self.state_name = guard("state_name", || proc.state_name()).ok().flatten();
+        let state_name = guard("state_name", || proc.state_name()).ok().flatten();
         self.proc = Some(proc);
         // The value for the caller counts only from the step that finishes.
         let result = value.filter(|_| matches!(outcome, StepOutcome::Done));
@@ -371,6 +373,7 @@ impl ProcedureCell {
                 on_error,
             },
             children,
+            state_name,
             out,
         );
     }
@@ -424,7 +427,7 @@ impl ProcedureCell {
             } else {
                 Ok(true)
             };
-            out.push(Report::Fail(FailRequest {
+            out.push_back(Report::Fail(FailRequest {
                 id: self.id,
                 failure: None,
                 ack: ack.map(|ack| (ack, answer)),
@@ -446,7 +449,7 @@ impl ProcedureCell {
             self.failed = true;
             let data = self.encode(&*proc).unwrap_or_else(|_| self.data.clone());
             perturb::point("procedure::request_failure::fail_request");
-            out.push(Report::Fail(FailRequest {
+            out.push_back(Report::Fail(FailRequest {
                 id: self.id,
                 failure: Some((error, data)),
                 ack: ack.map(|ack| (ack, Ok(true))),
@@ -484,7 +487,7 @@ impl ProcedureCell {
                 };
                 tracing::info!(parent: &self.span, %error, "timed out");
                 self.failed = true;
-                out.push(Report::Fail(FailRequest {
+                out.push_back(Report::Fail(FailRequest {
                     id: self.id,
                     failure: Some((error, data)),
                     ack: None,
@@ -493,7 +496,7 @@ impl ProcedureCell {
             }
         };
         self.deadline_ms = deadline_ms;
-        out.push(Report::Deadline(Deadline {
+        out.push_back(Report::Deadline(Deadline {
             id: self.id,
             deadline_ms,
             data,
@@ -556,7 +559,7 @@ impl ProcedureCell {
             ToCell::Rollback(Rollback { unrecorded }) => self.rollback(unrecorded, out, ctx),
             ToCell::LocksGranted => {
                 // Between steps: `data` is the state the last record holds.
-                out.push(Report::LocksHeld(LocksHeld {
+                out.push_back(Report::LocksHeld(LocksHeld {
                     id: self.id,
                     data: self.data.clone(),
                 }));
@@ -567,7 +570,7 @@ impl ProcedureCell {
                 }
                 self.failed = true;
                 tracing::warn!(proc = %self.id, %reason, "procedure failed on a deadlock");
-                out.push(Report::Fail(FailRequest {
+                out.push_back(Report::Fail(FailRequest {
                     id: self.id,
                     failure: Some((ProcError::Deadlock(reason), self.data.clone())),
                     ack: None,
@@ -695,7 +698,7 @@ impl ProcedureCell {
             if let Some(error) = busy {
                 self.proc = Some(proc);
                 // The engine's own trouble: retried for ever, whatever the policy.
-                out.push(Report::RolledBack(RolledBack {
+                out.push_back(Report::RolledBack(RolledBack {
                     id,
                     result: Err(RollbackFailure {
                         error,
@@ -756,7 +759,7 @@ impl ProcedureCell {
         }
         perturb::point("procedure::rollback::rolled_back");
         self.settle_pending(out, ctx);
-        out.push(Report::RolledBack(RolledBack {
+        out.push_back(Report::RolledBack(RolledBack {
             id: self.id,
             result,
         }));
@@ -817,7 +820,7 @@ impl ProcedureCell {
     pub(crate) fn pause(&mut self, now: bool, out: &mut Outbox) {
         if now && self.proc.is_some() && !self.status.halted() {
             let data = self.data.clone();
-            out.push(Report::PauseNow(PauseNow { id: self.id, data }));
+            out.push_back(Report::PauseNow(PauseNow { id: self.id, data }));
             return;
         }
         self.pause_next = true;

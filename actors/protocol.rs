@@ -18,7 +18,13 @@ use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, Paused, StoreOp};
 use crate::root_stack::{RollbackFailure, StepReport};
 
+use super::lent::{lendable, Lent};
 use super::root_stack::RootStackActor;
+
+/// A root stack's address as the engine keeps it (in the procedure table, the event
+/// table, every queued step): shared, because cloning an actix `Addr` allocates (a new
+/// sender).
+pub(crate) type TreeAddr = std::sync::Arc<Addr<RootStackActor>>;
 
 /// Where a procedure is reached: its tree's root stack, which holds the procedure's
 /// cell and hands it what is addressed to it ([`ToProc`]). The root stack's address is
@@ -26,12 +32,12 @@ use super::root_stack::RootStackActor;
 /// step carries one.
 #[derive(Clone)]
 pub(crate) struct ProcAddr {
-    tree: std::sync::Arc<Addr<RootStackActor>>,
+    tree: TreeAddr,
     id: ProcId,
 }
 
 impl ProcAddr {
-    pub(crate) fn new(tree: std::sync::Arc<Addr<RootStackActor>>, id: ProcId) -> Self {
+    pub(crate) fn new(tree: TreeAddr, id: ProcId) -> Self {
         ProcAddr { tree, id }
     }
 
@@ -105,42 +111,11 @@ pub(crate) enum Report {
     LocksHeld(LocksHeld),
 }
 
-/// A root stack's queue of its procedures' reports.
-///
-/// Nearly always empty between calls, so it keeps no buffer of its own while empty:
-/// `release` hands the buffer to the thread (one spare per thread, which every root
-/// stack on that arbiter takes in turn; their flushes never interleave), and the next
-/// `push` on the thread takes it back. An idle tree holds no buffer, and a step costs
-/// no allocation here.
-#[derive(Default)]
-pub(crate) struct Outbox(std::collections::VecDeque<Report>);
+/// A root stack's queue of its procedures' reports: empty between calls, so it lends
+/// its buffer to the thread while empty ([`Lent`]).
+pub(crate) type Outbox = Lent<Report>;
 
-thread_local! {
-    static SPARE: std::cell::Cell<std::collections::VecDeque<Report>> =
-        const { std::cell::Cell::new(std::collections::VecDeque::new()) };
-}
-
-impl Outbox {
-    pub(crate) fn push(&mut self, report: Report) {
-        if self.0.capacity() == 0 {
-            self.0 = SPARE.take();
-        }
-        self.0.push_back(report);
-    }
-
-    pub(crate) fn pop(&mut self) -> Option<Report> {
-        self.0.pop_front()
-    }
-
-    /// Gives an emptied buffer back to the thread.
-    pub(crate) fn release(&mut self) {
-        if self.0.is_empty() && self.0.capacity() > 0 {
-            let buf = std::mem::take(&mut self.0);
-            // After the thread's locals are gone (its arbiter stopping), it is dropped.
-            let _ = SPARE.try_with(|spare| spare.set(buf));
-        }
-    }
-}
+lendable!(Report);
 
 // ------------------------------------------------------------------------------------
 // Scheduler <-> root stack (and its procedure cell): one step.
@@ -199,7 +174,7 @@ impl Message for TreeEnded {
 pub(crate) struct SuspendOn {
     pub(crate) id: ProcId,
     pub(crate) event: String,
-    pub(crate) root_stack: Addr<RootStackActor>,
+    pub(crate) root_stack: TreeAddr,
 }
 
 impl Message for SuspendOn {

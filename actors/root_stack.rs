@@ -21,7 +21,6 @@
 //! flight here is gone; durability comes only from the store, and recovery rebuilds this
 //! actor from it.
 
-use std::collections::VecDeque;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
@@ -31,25 +30,26 @@ use tokio::sync::oneshot;
 
 use crate::erased::DynProc;
 use crate::error::Error;
-use crate::fast_map::IdMap;
+use crate::fast_map::{IdMap, SortedMap};
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, ProcRecord, Steering, StoreOp};
 use crate::root_stack::{Action, NewChild, RootStack, Transition};
 
 use super::guard::panic_message;
+use super::lent::{lendable, Lent};
 use super::metrics;
 use super::perturb;
 use super::procedure::{ProcSpec, ProcedureCell};
 use super::protocol::{
     AbortAck, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Enqueue,
     FailRequest, LockForRollback, LocksHeld, Outbox, PauseNow, Persist, ProcAddr, Quiesce,
-    ReleaseLocks, Report, RolledBack, StepDone, StepFinished, SuspendOn, ToCell, ToProc, TreeEnded,
-    TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
+    ReleaseLocks, Report, RolledBack, StepDone, StepFinished, SuspendOn, ToCell, ToProc, TreeAddr,
+    TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
 };
-use super::shared::{now_ms, Entry, Shared, TreeStatus, Waiting};
+use super::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
 
 /// Decoded procedures waiting for their cells, with their encoded state.
-pub(crate) type Objects = IdMap<ProcId, (DynProc, Vec<u8>)>;
+pub(crate) type Objects = SortedMap<ProcId, (DynProc, Vec<u8>)>;
 
 /// What one persisted op changes in the procedure table; applied once the op is durable.
 enum Row {
@@ -66,6 +66,8 @@ enum Row {
     },
 }
 
+lendable!(Pending);
+
 /// A transition waiting for its records to be durable: then its rows are published, its
 /// actions performed and its acks answered, in that order.
 struct Pending {
@@ -75,26 +77,36 @@ struct Pending {
     durable: bool,
 }
 
+/// The parts of a root stack that few trees ever use.
+#[derive(Default)]
+struct Rare {
+    /// Operators' pauses not in effect yet, answered when they are (or when the
+    /// procedure ends or its tree fails first).
+    pause_waiters: IdMap<ProcId, Vec<AbortAck>>,
+    /// Recovered procedures suspended on an event that run their next step at once.
+    rerun: Vec<ProcId>,
+    /// A graceful shutdown waits for the pending transitions to become durable.
+    quiesce: Vec<oneshot::Sender<()>>,
+}
+
 pub(crate) struct RootStackActor {
     core: RootStack,
     shared: Arc<Shared>,
-    /// The live procedures of this tree. Boxed: a map makes room for several entries
-    /// at once, and most trees have one procedure.
-    procs: IdMap<ProcId, Box<ProcedureCell>>,
+    /// The live procedures of this tree.
+    procs: SortedMap<ProcId, ProcedureCell>,
     /// Reports of the procedures not handled yet, in the order they were made.
     outbox: Outbox,
     /// `flush` is working through the outbox.
     flushing: bool,
     /// This actor's own address, shared by the addresses of its procedures.
-    me: Option<Arc<Addr<RootStackActor>>>,
-    /// Operators' pauses not in effect yet, answered when they are (or when the
-    /// procedure ends or its tree fails first).
-    pause_waiters: IdMap<ProcId, Vec<AbortAck>>,
+    me: Option<TreeAddr>,
+    /// What few trees ever need: boxed, as every tree's actor lives in a task.
+    rare: Option<Box<Rare>>,
     /// New procedures, started once their insert is durable.
     unspawned: Objects,
     status: Arc<TreeStatus>,
     /// Transitions in the order they were made; actions run strictly in that order.
-    pending: VecDeque<Pending>,
+    pending: Lent<Pending>,
     /// Answered once the root's insert is durable and it is queued.
     submit_ack: Option<oneshot::Sender<Result<ProcId, Error>>>,
     /// The submit's transition, applied when the actor starts.
@@ -112,12 +124,6 @@ pub(crate) struct RootStackActor {
     halted: Option<Box<Error>>,
     /// The result went to the executor: the actor's work is done.
     published: bool,
-    /// Recovered procedures suspended on an event that run their next step at once.
-    rerun: Vec<ProcId>,
-    /// A graceful shutdown waits for the pending transitions to become durable.
-    quiesce: Vec<oneshot::Sender<()>>,
-    /// A step report's state name, published with the record the report makes.
-    state_name: Option<(ProcId, String)>,
 }
 
 impl RootStackActor {
@@ -151,7 +157,9 @@ impl RootStackActor {
             .retain(|a| !matches!(a, Action::SuspendOn { id, .. } if rerun.contains(id)));
         let mut actor = Self::new(shared, core, t, objects);
         actor.recovered = true;
-        actor.rerun = rerun;
+        if !rerun.is_empty() {
+            actor.rare().rerun = rerun;
+        }
         actor
     }
 
@@ -163,16 +171,14 @@ impl RootStackActor {
         RootStackActor {
             core,
             shared,
-            procs: IdMap::default(),
+            procs: SortedMap::default(),
             outbox: Outbox::default(),
             flushing: false,
             me: None,
-            pause_waiters: IdMap::default(),
+            rare: None,
             unspawned,
             status,
-            // Most trees have one transition in flight at a time: room for one (a
-            // `VecDeque`'s first growth makes room for four).
-            pending: VecDeque::with_capacity(1),
+            pending: Lent::default(),
             submit_ack: None,
             initial: Some(Box::new(t)),
             performed: 0,
@@ -181,9 +187,6 @@ impl RootStackActor {
             result: None,
             halted: None,
             published: false,
-            rerun: Vec::new(),
-            quiesce: Vec::new(),
-            state_name: None,
         }
     }
 
@@ -212,23 +215,18 @@ impl RootStackActor {
 
     /// Persists the transition's records, then (in order) publishes them, performs its
     /// actions and answers `ack`.
-    /// The table rows of `ops`, with a step report's state name on its procedure's.
-    fn rows(&mut self, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -> Vec<Row> {
-        let mut rows = rows(&self.shared, ops, tree);
-        if let Some((named, name)) = self.state_name.take() {
-            for row in &mut rows {
-                if let Row::Update { id, state_name, .. } = row {
-                    if *id == named {
-                        *state_name = Some(name);
-                        break;
-                    }
-                }
-            }
-        }
-        rows
+    fn apply(&mut self, t: Transition, ack: Option<AckWith>, ctx: &mut Context<Self>) {
+        self.apply_named(t, ack, None, ctx);
     }
 
-    fn apply(&mut self, t: Transition, ack: Option<AckWith>, ctx: &mut Context<Self>) {
+    /// As `apply`, with a step report's state name, published on its procedure's row.
+    fn apply_named(
+        &mut self,
+        t: Transition,
+        ack: Option<AckWith>,
+        state_name: Option<(ProcId, String)>,
+        ctx: &mut Context<Self>,
+    ) {
         if let Some(e) = &self.halted {
             if let Some((ack, _)) = ack {
                 let _ = ack.send(Err(e.duplicate()));
@@ -243,10 +241,20 @@ impl RootStackActor {
             self.shared.scheduler.do_send(TreeFailed(self.core.root()));
         }
         let durable = t.persist.is_empty();
-        // Only inserts need the tree's address (a fresh `Addr` costs two atomics).
+        // Only inserts need the tree's address.
         let inserts = t.persist.iter().any(|op| matches!(op, StoreOp::Insert(_)));
-        let tree = inserts.then(|| ctx.address());
-        let rows = self.rows(&t.persist, tree.as_ref());
+        let tree = inserts.then(|| self.me(ctx));
+        let mut rows = rows(&self.shared, &t.persist, tree.as_ref());
+        if let Some((named, name)) = state_name {
+            for row in &mut rows {
+                if let Row::Update { id, state_name, .. } = row {
+                    if *id == named {
+                        *state_name = Some(name);
+                        break;
+                    }
+                }
+            }
+        }
         self.pending.push_back(Pending {
             rows,
             actions: t.actions,
@@ -297,7 +305,8 @@ impl RootStackActor {
         // What the actions made the procedures report.
         self.flush(ctx);
         if self.pending.is_empty() {
-            for ack in self.quiesce.drain(..) {
+            self.pending.release();
+            for ack in self.rare.iter_mut().flat_map(|r| r.quiesce.drain(..)) {
                 let _ = ack.send(());
             }
         }
@@ -323,7 +332,7 @@ impl RootStackActor {
             return;
         }
         self.flushing = true;
-        while let Some(report) = self.outbox.pop() {
+        while let Some(report) = self.outbox.pop_front() {
             match report {
                 Report::StepDone(m) => self.on_step_done(m, ctx),
                 Report::Fail(m) => self.on_fail_request(m, ctx),
@@ -354,7 +363,10 @@ impl RootStackActor {
 
     /// Answers every pause not in effect with a refusal.
     fn refuse_pauses(&mut self, reason: &str) {
-        for (id, acks) in self.pause_waiters.drain() {
+        let Some(rare) = &mut self.rare else {
+            return;
+        };
+        for (id, acks) in rare.pause_waiters.drain() {
             for ack in acks {
                 refuse(ack, "pause", id, reason);
             }
@@ -379,7 +391,7 @@ impl RootStackActor {
                 }
             }
             Action::Stop(id) => {
-                if let Some(acks) = self.pause_waiters.remove(&id) {
+                if let Some(acks) = self.pause_waiters(id) {
                     for ack in acks {
                         refuse(ack, "pause", id, "it finished before it paused");
                     }
@@ -406,7 +418,7 @@ impl RootStackActor {
                 }
             }
             Action::Paused { id, state, why } => {
-                for ack in self.pause_waiters.remove(&id).unwrap_or_default() {
+                for ack in self.pause_waiters(id).unwrap_or_default() {
                     let _ = ack.send(Ok(true));
                 }
                 if let Some(cell) = self.procs.get_mut(&id) {
@@ -462,11 +474,14 @@ impl RootStackActor {
                     }
                 });
             }
-            Action::SuspendOn { id, event } => self.shared.scheduler.do_send(SuspendOn {
-                id,
-                event,
-                root_stack: ctx.address(),
-            }),
+            Action::SuspendOn { id, event } => {
+                let root_stack = self.me(ctx);
+                self.shared.scheduler.do_send(SuspendOn {
+                    id,
+                    event,
+                    root_stack,
+                });
+            }
             Action::Finished(result) => {
                 match &result {
                     Ok(()) => tracing::debug!(root = self.core.root().0, "tree succeeded"),
@@ -484,10 +499,6 @@ impl RootStackActor {
         let Some((proc, data)) = self.unspawned.remove(&id) else {
             unreachable!("spawn of {id}, which has no object");
         };
-        if self.unspawned.is_empty() {
-            // An idle tree keeps no empty table.
-            self.unspawned = Objects::default();
-        }
         let shared = self.shared.clone();
         let status = self.status.clone();
         let Some((parent, _)) = self.core.procedure(id) else {
@@ -520,7 +531,7 @@ impl RootStackActor {
         };
         // In this root stack: a step's report, and the root stack's calls to the
         // procedure, are calls, never messages across tasks or threads.
-        let mut cell = Box::new(ProcedureCell::new(spec, proc, data, shared, status));
+        let mut cell = ProcedureCell::new(spec, proc, data, shared, status);
         cell.start(ctx);
         self.procs.insert(id, cell);
     }
@@ -545,10 +556,25 @@ impl RootStackActor {
         );
     }
 
+    fn rare(&mut self) -> &mut Rare {
+        self.rare.get_or_insert_with(Box::default)
+    }
+
+    /// Takes the operators' pauses of `id` not in effect yet.
+    fn pause_waiters(&mut self, id: ProcId) -> Option<Vec<AbortAck>> {
+        self.rare.as_mut()?.pause_waiters.remove(&id)
+    }
+
+    /// This actor's address, made once and shared.
+    fn me(&mut self, ctx: &mut Context<Self>) -> TreeAddr {
+        self.me
+            .get_or_insert_with(|| Arc::new(ctx.address()))
+            .clone()
+    }
+
     /// Where the scheduler reaches procedure `id`: through this actor.
     fn proc_addr(&mut self, id: ProcId, ctx: &mut Context<Self>) -> ProcAddr {
-        let me = self.me.get_or_insert_with(|| Arc::new(ctx.address()));
-        ProcAddr::new(me.clone(), id)
+        ProcAddr::new(self.me(ctx), id)
     }
 
     fn enqueue(&mut self, id: ProcId, front: bool, ctx: &mut Context<Self>) {
@@ -605,7 +631,7 @@ impl RootStackActor {
         };
         let root = self.core.root();
         if let Some(mut e) = self.shared.table.get_mut(&root) {
-            e.result = Some(result.clone().map_err(Box::new));
+            e.extra_mut().result = Some(result.clone().map_err(Box::new));
         }
         self.shared.finished.do_send(TreeFinished {
             root,
@@ -634,7 +660,8 @@ impl RootStackActor {
                 let _ = ack.send(Err(e.duplicate()));
             }
         }
-        for ack in self.pause_waiters.drain().flat_map(|(_, acks)| acks) {
+        let waiters = self.rare.iter_mut().flat_map(|r| r.pause_waiters.drain());
+        for ack in waiters.flat_map(|(_, acks)| acks) {
             let _ = ack.send(Err(e.duplicate()));
         }
         self.unspawned.clear();
@@ -664,7 +691,8 @@ impl Actor for RootStackActor {
         if let Some(t) = self.initial.take().map(|t| *t) {
             self.apply(t, None, ctx);
         }
-        for id in std::mem::take(&mut self.rerun) {
+        let rerun = self.rare.as_mut().map(|r| std::mem::take(&mut r.rerun));
+        for id in rerun.unwrap_or_default() {
             if let Some(t) = self.core("rerun after recovery", |core| core.on_wake(id), ctx) {
                 self.apply(t, None, ctx);
             }
@@ -709,7 +737,6 @@ impl RootStackActor {
                 |core| core.on_step(msg.report, now_ms()),
                 ctx,
             ) {
-                self.state_name = msg.state_name.map(|name| (id, name));
                 // Children keep their encoded state for their cell's "last good" copy.
                 for op in &t.persist {
                     if let StoreOp::Insert(r) = op {
@@ -718,7 +745,8 @@ impl RootStackActor {
                         }
                     }
                 }
-                self.apply(t, None, ctx);
+                let state_name = msg.state_name.map(|name| (id, name));
+                self.apply_named(t, None, state_name, ctx);
             }
         }
         // Only now, with the report recorded (and any enqueue it caused sent first), may
@@ -905,7 +933,7 @@ impl Handler<Quiesce> for RootStackActor {
         if self.pending.is_empty() || self.halted.is_some() {
             let _ = msg.0.send(());
         } else {
-            self.quiesce.push(msg.0);
+            self.rare().quiesce.push(msg.0);
         }
     }
 }
@@ -925,7 +953,11 @@ impl Handler<CommandRequest> for RootStackActor {
                 (None, Some(cell)) => {
                     let now = self.core.waits_for_wake(id);
                     cell.pause(now, &mut self.outbox);
-                    self.pause_waiters.entry(id).or_default().push(msg.ack);
+                    self.rare()
+                        .pause_waiters
+                        .entry(id)
+                        .or_default()
+                        .push(msg.ack);
                     self.flush(ctx);
                 }
                 (refusal, _) => {
@@ -1014,7 +1046,7 @@ fn refuse(ack: AbortAck, command: &'static str, id: ProcId, reason: impl Into<St
 }
 
 /// What `ops` will change in the procedure table once they are durable.
-fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -> Vec<Row> {
+fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&TreeAddr>) -> Vec<Row> {
     ops.iter()
         .filter_map(|op| match op {
             StoreOp::Insert(r) => Some(Row::Insert(
@@ -1027,9 +1059,11 @@ fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&Addr<RootStackActor>>) -
                     submitted_ms: r.submitted_ms,
                     updated_ms: r.updated_ms,
                     tree: tree.cloned(),
-                    result: None,
-                    value: None,
-                    nonce: r.nonce,
+                    extra: EntryExtra {
+                        nonce: r.nonce,
+                        ..EntryExtra::default()
+                    }
+                    .boxed(),
                     waiting: Waiting::of(r),
                     state_name: None,
                     steering: steering_of(r),
@@ -1078,7 +1112,7 @@ fn apply_rows(shared: &Shared, rows: Vec<Row>) {
                         e.state_name = state_name;
                     }
                     if value.is_some() {
-                        e.value = value;
+                        e.extra_mut().value = value;
                     }
                 }
             }
@@ -1088,6 +1122,6 @@ fn apply_rows(shared: &Shared, rows: Vec<Row>) {
 
 /// Mirrors durable records of the tree `tree` into the procedure table, for `GetState`,
 /// `List` and `Abort`.
-pub(crate) fn publish(shared: &Shared, ops: &[StoreOp], tree: &Addr<RootStackActor>) {
+pub(crate) fn publish(shared: &Shared, ops: &[StoreOp], tree: &TreeAddr) {
     apply_rows(shared, rows(shared, ops, Some(tree)));
 }

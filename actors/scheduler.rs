@@ -28,9 +28,8 @@ use super::metrics;
 use super::perturb;
 use super::protocol::{
     Enqueue, LockFailed, LockForRollback, LocksGranted, ProcAddr, Regrant, ReleaseLocks, Rollback,
-    RunStep, StepFinished, SuspendOn, TreeEnded, TreeFailed, Unsuspend, Wake,
+    RunStep, StepFinished, SuspendOn, TreeAddr, TreeEnded, TreeFailed, Unsuspend, Wake,
 };
-use super::root_stack::RootStackActor;
 use super::shared::{now_ms, LockView, SchedulerViews};
 
 /// Makes the named event ready and wakes the procedures suspended on it, oldest first;
@@ -156,7 +155,7 @@ pub(crate) struct Scheduler {
     running: IdMap<ProcId, Running>,
     workers: Workers,
     monitor_every: Duration,
-    events: EventTable<(ProcId, Addr<RootStackActor>)>,
+    events: EventTable<(ProcId, TreeAddr)>,
     locks: LockTable,
     /// Procedures waiting in the lock table, and what to do once granted.
     parked: IdMap<ProcId, Parked>,

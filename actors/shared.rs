@@ -17,8 +17,7 @@ use crate::record::{Failure, Nonce, Steering};
 use crate::registry::Types;
 
 use super::persistence::Persistence;
-use super::protocol::{TreeFinished, TreeNews};
-use super::root_stack::RootStackActor;
+use super::protocol::{TreeAddr, TreeFinished, TreeNews};
 use super::scheduler::Scheduler;
 
 /// The engine's clock, in ms since the Unix epoch. The one place the actors read time;
@@ -58,6 +57,46 @@ impl TreeStatus {
     }
 }
 
+/// What few rows of the procedure table carry.
+#[derive(Default)]
+pub(crate) struct EntryExtra {
+    /// A finished root's result.
+    pub(crate) result: Option<Result<(), Box<Failure>>>,
+    /// A finished root's value for the caller (MessagePack), if its last step set one.
+    pub(crate) value: Option<Vec<u8>>,
+    /// The nonce a root was submitted with.
+    pub(crate) nonce: Option<Nonce>,
+}
+
+impl EntryExtra {
+    /// `None` when there is nothing to keep.
+    pub(crate) fn boxed(self) -> Option<Box<EntryExtra>> {
+        let empty = self.result.is_none() && self.value.is_none() && self.nonce.is_none();
+        (!empty).then(|| Box::new(self))
+    }
+}
+
+impl Entry {
+    /// A finished root's result.
+    pub(crate) fn result(&self) -> Option<&Result<(), Box<Failure>>> {
+        self.extra.as_ref()?.result.as_ref()
+    }
+
+    /// A finished root's value for the caller.
+    pub(crate) fn caller_value(&self) -> Option<&Vec<u8>> {
+        self.extra.as_ref()?.value.as_ref()
+    }
+
+    /// The nonce a root was submitted with.
+    pub(crate) fn nonce(&self) -> Option<Nonce> {
+        self.extra.as_ref()?.nonce
+    }
+
+    pub(crate) fn extra_mut(&mut self) -> &mut EntryExtra {
+        self.extra.get_or_insert_with(Box::default)
+    }
+}
+
 /// One row of the procedure table.
 pub(crate) struct Entry {
     pub(crate) root: ProcId,
@@ -67,13 +106,10 @@ pub(crate) struct Entry {
     pub(crate) submitted_ms: u64,
     pub(crate) updated_ms: u64,
     /// The root stack of its tree, which answers aborts; `None` once it has finished.
-    pub(crate) tree: Option<Addr<RootStackActor>>,
-    /// A finished root's result (its failure boxed: every live procedure has a row).
-    pub(crate) result: Option<Result<(), Box<Failure>>>,
-    /// A finished root's value for the caller (MessagePack), if its last step set one.
-    pub(crate) value: Option<Vec<u8>>,
-    /// The nonce a root was submitted with.
-    pub(crate) nonce: Option<Nonce>,
+    pub(crate) tree: Option<TreeAddr>,
+    /// A finished root's result and value, a root's nonce. Boxed: every live procedure
+    /// has a row, and most have none of these.
+    pub(crate) extra: Option<Box<EntryExtra>>,
     /// What a WAITING or WAITING_TIMEOUT procedure waits for, as its record says.
     pub(crate) waiting: Waiting,
     /// Its [`Procedure::state_name`](crate::Procedure::state_name) before its latest

@@ -19,6 +19,7 @@
 
 use std::fmt;
 
+use crate::fast_map::SortedMap;
 use crate::locks::{LockClaim, Request};
 use crate::procedure::FailurePolicy;
 use crate::procedure::{ProcError, ProcId, ProcState};
@@ -275,66 +276,62 @@ struct Node {
     event: Option<String>,
     /// Boxed: most procedures never fail, and a `Failure` is 100 bytes.
     failure: Option<Box<Failure>>,
-    failure_seq: Option<u64>,
-    rollback_attempts: u32,
     stopped: bool,
     locks: Option<LockClaim>,
     deadline_ms: Option<u64>,
-    nonce: Option<Nonce>,
-    result: Option<Vec<u8>>,
     bypassed: bool,
     steering: Steering,
+    /// What few procedures have. Boxed: every idle procedure holds a node.
+    extra: Option<Box<NodeExtra>>,
+}
+
+/// The parts of a node that few procedures use: a failure's order, retries of a
+/// rollback, a nonce, a result, a pause.
+#[derive(Debug, Default)]
+struct NodeExtra {
+    failure_seq: Option<u64>,
+    rollback_attempts: u32,
+    nonce: Option<Nonce>,
+    result: Option<Vec<u8>>,
     /// For a PAUSED or ROLLBACK_PAUSED procedure: its state as last recorded, written
     /// again when an operator continues or rolls it back.
     paused_data: Option<Vec<u8>>,
 }
 
-/// A tree's nodes by id: a sorted `Vec`, because trees are small, ids within a tree are
-/// handed out in increasing order (so inserts append), and recovery builds hundreds of
-/// thousands of one-node trees, for which a `BTreeMap`'s 11-slot leaf costs 2 KiB each.
-#[derive(Debug, Default)]
-struct NodeMap(Vec<(ProcId, Node)>);
-
-impl NodeMap {
-    fn position(&self, id: ProcId) -> Result<usize, usize> {
-        self.0.binary_search_by_key(&id, |(k, _)| *k)
-    }
-
-    fn insert(&mut self, id: ProcId, node: Node) -> Option<Node> {
-        match self.position(id) {
-            Ok(i) => Some(std::mem::replace(&mut self.0[i].1, node)),
-            Err(i) => {
-                // Most trees are one procedure: room for exactly one node at first (a
-                // `Vec`'s first growth makes room for four, 1.4 KiB more per idle tree).
-                if self.0.capacity() == 0 {
-                    self.0.reserve_exact(1);
-                }
-                self.0.insert(i, (id, node));
-                None
-            }
-        }
-    }
-
-    fn get(&self, id: &ProcId) -> Option<&Node> {
-        self.position(*id).ok().map(|i| &self.0[i].1)
-    }
-
-    fn get_mut(&mut self, id: &ProcId) -> Option<&mut Node> {
-        self.position(*id).ok().map(|i| &mut self.0[i].1)
-    }
-
-    fn iter(&self) -> impl Iterator<Item = (&ProcId, &Node)> {
-        self.0.iter().map(|(k, v)| (k, v))
-    }
-
-    fn iter_mut(&mut self) -> impl Iterator<Item = (&ProcId, &mut Node)> {
-        self.0.iter_mut().map(|(k, v)| (&*k, v))
-    }
-
-    fn values_mut(&mut self) -> impl Iterator<Item = &mut Node> {
-        self.0.iter_mut().map(|(_, v)| v)
+impl NodeExtra {
+    /// `None` when there is nothing to keep.
+    fn boxed(self) -> Option<Box<NodeExtra>> {
+        let empty = self.failure_seq.is_none()
+            && self.rollback_attempts == 0
+            && self.nonce.is_none()
+            && self.result.is_none()
+            && self.paused_data.is_none();
+        (!empty).then(|| Box::new(self))
     }
 }
+
+impl Node {
+    fn extra(&mut self) -> &mut NodeExtra {
+        self.extra.get_or_insert_with(Box::default)
+    }
+
+    fn failure_seq(&self) -> Option<u64> {
+        self.extra.as_ref().and_then(|e| e.failure_seq)
+    }
+
+    fn rollback_attempts(&self) -> u32 {
+        self.extra.as_ref().map_or(0, |e| e.rollback_attempts)
+    }
+
+    fn reset_rollback_attempts(&mut self) {
+        if let Some(e) = &mut self.extra {
+            e.rollback_attempts = 0;
+        }
+    }
+}
+
+/// A tree's nodes by id.
+type NodeMap = SortedMap<ProcId, Node>;
 
 impl std::ops::Index<&ProcId> for NodeMap {
     type Output = Node;
@@ -350,7 +347,8 @@ pub struct RootStack {
     nodes: NodeMap,
     stack: Vec<StackEntry>,
     running: usize,
-    failure: Option<Failure>,
+    /// The first failure. Boxed: most trees never fail, and a `Failure` is 100 bytes.
+    failure: Option<Box<Failure>>,
     /// How many procedures of the tree have failed: the next failure's `failure_seq`.
     failures: u64,
     phase: Phase,
@@ -397,7 +395,7 @@ impl RootStack {
             Some(r) => r.id,
             None => return Err("the root's record is missing".into()),
         };
-        let mut nodes = NodeMap(Vec::with_capacity(records.len()));
+        let mut nodes = NodeMap::with_capacity(records.len());
         let mut indexed: Vec<(u32, ProcId)> = Vec::new();
         for r in records {
             if r.root != root {
@@ -421,17 +419,23 @@ impl RootStack {
                     wake_at_ms: r.wake_at_ms,
                     event: r.event.clone(),
                     failure: r.failure.clone().map(Box::new),
-                    failure_seq: r.failure_seq,
-                    rollback_attempts: 0,
                     stopped: r.state.is_finished(),
                     locks: r.locks.clone(),
                     deadline_ms: r.deadline_ms,
-                    nonce: r.nonce,
-                    result: r.result.clone(),
                     bypassed: r.bypassed,
                     steering: r.steering.clone(),
-                    paused_data: matches!(r.state, ProcState::Paused | ProcState::RollbackPaused)
+                    extra: NodeExtra {
+                        failure_seq: r.failure_seq,
+                        rollback_attempts: 0,
+                        nonce: r.nonce,
+                        result: r.result.clone(),
+                        paused_data: matches!(
+                            r.state,
+                            ProcState::Paused | ProcState::RollbackPaused
+                        )
                         .then(|| r.data.clone()),
+                    }
+                    .boxed(),
                 },
             );
         }
@@ -502,7 +506,7 @@ impl RootStack {
             nodes,
             stack,
             running: 0,
-            failure: first.map(|(_, f)| f.clone()),
+            failure: first.map(|(_, f)| Box::new(f.clone())),
             failures,
             phase: Phase::Executing,
         };
@@ -623,7 +627,7 @@ impl RootStack {
 
     /// The tree's result if it fails: its first failure, once there is one.
     pub fn first_failure(&self) -> Option<&Failure> {
-        self.failure.as_ref()
+        self.failure.as_deref()
     }
 
     /// `true` once any procedure of the tree has failed.
@@ -737,7 +741,9 @@ impl RootStack {
             }
             StepOutcome::Done => {
                 if id == self.root {
-                    self.node_mut(id).result = report.result;
+                    if let Some(value) = report.result {
+                        self.node_mut(id).extra().result = Some(value);
+                    }
                 }
                 self.step_done(&mut t, id, report.data, now_ms)
             }
@@ -857,7 +863,7 @@ impl RootStack {
                 let data = self.unpause(id);
                 let node = self.node_mut(id);
                 node.steering.retries = 0;
-                node.rollback_attempts = 0;
+                node.reset_rollback_attempts();
                 node.state = ProcState::Failed;
                 self.persist_update(&mut t, id, data, now_ms);
                 t.actions.push(Action::Rollback { id, unrecorded });
@@ -1151,7 +1157,7 @@ impl RootStack {
                 let unrecorded = self.stack.last().is_some_and(|e| !e.recorded);
                 self.pop_step(id);
                 let node = self.node_mut(id);
-                node.rollback_attempts = 0;
+                node.reset_rollback_attempts();
                 node.steering.retries = 0;
                 if unrecorded {
                     // The step that failed (or may have run) before is undone.
@@ -1191,7 +1197,7 @@ impl RootStack {
                     node.steering.retries
                 } else {
                     // The first retry waits twice the base, as it always has.
-                    node.rollback_attempts.saturating_add(1)
+                    node.rollback_attempts().saturating_add(1)
                 };
                 match decide(policy, retries, false, true) {
                     Decision::Retry { delay_ms } => {
@@ -1200,7 +1206,8 @@ impl RootStack {
                             node.steering.retries += 1;
                             self.persist_update(&mut t, id, data, now_ms);
                         } else {
-                            node.rollback_attempts = node.rollback_attempts.saturating_add(1);
+                            let attempts = node.rollback_attempts().saturating_add(1);
+                            node.extra().rollback_attempts = attempts;
                         }
                         t.actions.push(Action::RetryRollback {
                             id,
@@ -1238,7 +1245,7 @@ impl RootStack {
         let node = self.node_mut(id);
         node.state = state;
         node.steering.paused = Some(Box::new(why.clone()));
-        node.paused_data = Some(data.clone());
+        node.extra().paused_data = Some(data.clone());
         self.persist_update(t, id, data, now_ms);
         t.actions.push(Action::Paused { id, state, why });
     }
@@ -1248,7 +1255,8 @@ impl RootStack {
     fn unpause(&mut self, id: ProcId) -> Vec<u8> {
         let node = self.node_mut(id);
         node.steering.paused = None;
-        node.paused_data.take().unwrap_or_default()
+        let data = node.extra.as_mut().and_then(|e| e.paused_data.take());
+        data.unwrap_or_default()
     }
 
     fn node_mut(&mut self, id: ProcId) -> &mut Node {
@@ -1276,16 +1284,16 @@ impl RootStack {
             wake_at_ms: None,
             event: None,
             failure: None,
-            failure_seq: None,
-            rollback_attempts: 0,
             stopped: false,
             locks,
             deadline_ms,
-            nonce,
-            result: None,
             bypassed: false,
             steering: Steering::default(),
-            paused_data: None,
+            extra: NodeExtra {
+                nonce,
+                ..NodeExtra::default()
+            }
+            .boxed(),
         };
         let old = self.nodes.insert(id, node);
         assert!(old.is_none(), "procedure {id} added twice");
@@ -1303,6 +1311,10 @@ impl RootStack {
 
     fn push_step(&mut self, id: ProcId) {
         let index = u32::try_from(self.stack.len()).expect("root stack deeper than u32::MAX");
+        if self.stack.capacity() == 0 {
+            // Most trees are one procedure of a few steps: not four entries at first.
+            self.stack.reserve_exact(2);
+        }
         self.stack.push(StackEntry { id, recorded: true });
         self.node_mut(id).stack_indexes.push(index);
     }
@@ -1328,10 +1340,10 @@ impl RootStack {
         let node = self.node_mut(id);
         node.state = ProcState::Failed;
         node.failure = Some(Box::new(failure.clone()));
-        node.failure_seq = Some(seq);
+        node.extra().failure_seq = Some(seq);
         if self.failure.is_none() {
             tracing::debug!(root = %self.root, %failure, "tree failed");
-            self.failure = Some(failure);
+            self.failure = Some(Box::new(failure));
         }
     }
 
@@ -1410,7 +1422,7 @@ impl RootStack {
     /// final record, delete the rest of the tree, stop every actor, report the result.
     fn finish(&mut self, t: &mut Transition, now_ms: u64) {
         let root = self.root;
-        let result = match self.failure.clone() {
+        let result = match self.failure.as_deref().cloned() {
             None => Ok(()),
             Some(failure) => {
                 let node = self.node_mut(root);
@@ -1464,7 +1476,7 @@ impl RootStack {
             state: node.state,
             stack_indexes: node.stack_indexes.clone(),
             failure: node.failure.as_deref().cloned(),
-            failure_seq: node.failure_seq,
+            failure_seq: node.failure_seq(),
             submitted_ms: node.submitted_ms,
             updated_ms: now_ms,
             wake_at_ms: node.wake_at_ms,
@@ -1472,8 +1484,8 @@ impl RootStack {
             data,
             locks: node.locks.clone(),
             deadline_ms: node.deadline_ms,
-            nonce: node.nonce,
-            result: node.result.clone(),
+            nonce: node.extra.as_ref().and_then(|e| e.nonce),
+            result: node.extra.as_ref().and_then(|e| e.result.clone()),
             bypassed: node.bypassed,
             steering: node.steering.clone(),
         }
