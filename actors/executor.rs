@@ -30,8 +30,8 @@ use super::guard::guard;
 use super::persistence::Persistence;
 use super::procedure::{declare, Undeclarable};
 use super::protocol::{
-    AbortRequest, BypassRequest, Command, CommandRequest, Persist, Quiesce, Refuse, Regrant,
-    StopWriter, TreeAddr, TreeFinished, TreeNews,
+    AbortRequest, BypassRequest, Command, CommandRequest, DurableAck, Persist, Quiesce, Refuse,
+    Regrant, StopWriter, TreeAddr, TreeFinished, TreeNews,
 };
 use super::root_stack::{publish, Objects, RootStackActor};
 use super::scheduler::{
@@ -1545,7 +1545,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         let (ack, durable) = oneshot::channel();
         self.shared.persistence.do_send(Persist {
             ops: batch.iter().map(|&id| StoreOp::Delete(id)).collect(),
-            ack,
+            ack: DurableAck::Caller(ack),
         });
         let done = async move { durable.await.unwrap_or(Err(Error::Stopped)) };
         ctx.spawn(done.into_actor(self).map(move |result, act, ctx| {

@@ -22,7 +22,7 @@ use crate::store::{ProcedureStore, StoreError};
 
 use super::metrics;
 use super::perturb;
-use super::protocol::{Persist, Refuse, StopWriter};
+use super::protocol::{DurableAck, Persist, Refuse, StopWriter};
 
 struct Batch {
     ops: Vec<StoreOp>,
@@ -37,11 +37,11 @@ pub(crate) struct Persistence {
     writer: Option<mpsc::Sender<Batch>>,
     thread: Option<thread::JoinHandle<()>>,
     pending_ops: Vec<StoreOp>,
-    pending_acks: Vec<oneshot::Sender<Result<(), Error>>>,
+    pending_acks: Vec<DurableAck>,
     /// Emptied buffers of the last batch written: a batch reuses them rather than
     /// growing new ones op by op (an op is a whole record, about half a kilobyte).
     spare_ops: Vec<StoreOp>,
-    spare_acks: Vec<oneshot::Sender<Result<(), Error>>>,
+    spare_acks: Vec<DurableAck>,
     in_flight: bool,
     failed: Option<String>,
 }
@@ -79,7 +79,7 @@ impl Persistence {
 
     fn enqueue(&mut self, msg: Persist, ctx: &mut Context<Self>) {
         if let Some(reason) = &self.failed {
-            let _ = msg.ack.send(Err(Error::Store(reason.clone())));
+            msg.ack.send(Err(Error::Store(reason.clone())));
             return;
         }
         self.pending_ops.extend(msg.ops);
@@ -111,7 +111,7 @@ impl Persistence {
                 Ok((Ok(()), ops)) => {
                     let mut acks = acks;
                     for ack in acks.drain(..) {
-                        let _ = ack.send(Ok(()));
+                        ack.send(Ok(()));
                     }
                     if ops.capacity() <= KEEP_CAPACITY && acks.capacity() <= KEEP_CAPACITY {
                         act.spare_ops = ops;
@@ -134,13 +134,13 @@ impl Persistence {
         }
     }
 
-    fn fail(&mut self, reason: String, acks: Vec<oneshot::Sender<Result<(), Error>>>) {
+    fn fail(&mut self, reason: String, acks: Vec<DurableAck>) {
         tracing::error!(%reason, "store failed; refusing further appends");
         self.failed = Some(reason.clone());
         let later = std::mem::take(&mut self.pending_acks);
         self.pending_ops.clear();
         for ack in acks.into_iter().chain(later) {
-            let _ = ack.send(Err(Error::Store(reason.clone())));
+            ack.send(Err(Error::Store(reason.clone())));
         }
     }
 }
@@ -180,7 +180,7 @@ impl Handler<StopWriter> for Persistence {
         self.failed = Some("the executor has shut down".to_string());
         self.pending_ops.clear();
         for ack in std::mem::take(&mut self.pending_acks) {
-            let _ = ack.send(Err(Error::Stopped));
+            ack.send(Err(Error::Stopped));
         }
         ctx.stop();
     }

@@ -417,15 +417,75 @@ impl Message for Wake {
 //
 // Persist is answered after its batch is durable, in the order the appends arrived;
 // after a failed append every later one fails too (Refuse forces that state). A root
-// stack sends TreeFinished once: its result (after every stop was answered), or the
-// error that halted it; on the first error the executor answers every waiter.
+// stack's Persist is answered with a Durable message naming its transition (so the
+// answers reach it in the order it sent the appends), the cleaner's on a channel; an
+// answer dropped unsent is an Error::Stopped. A root stack sends TreeFinished once: its
+// result (after its finished procedures were stopped), or the error that halted it; on
+// the first error the executor answers every waiter.
 // ------------------------------------------------------------------------------------
 
 /// Makes `ops` durable, then answers on `ack`. If the actor is gone, `ack` is dropped
-/// and the caller's receiver reports that, so nothing waits for ever.
+/// and that is an answer too (`Error::Stopped`), so nothing waits for ever.
 pub(crate) struct Persist {
     pub(crate) ops: Vec<StoreOp>,
-    pub(crate) ack: oneshot::Sender<Result<(), Error>>,
+    pub(crate) ack: DurableAck,
+}
+
+/// Who is told that a `Persist` is durable (or failed).
+pub(crate) enum DurableAck {
+    /// A caller waiting on a channel (the executor's result cleaner).
+    Caller(oneshot::Sender<Result<(), Error>>),
+    /// A root stack, told with a `Durable` message naming its transition: no channel
+    /// and no future per transition.
+    Tree(TreeAck),
+}
+
+impl DurableAck {
+    pub(crate) fn send(self, result: Result<(), Error>) {
+        match self {
+            DurableAck::Caller(tx) => {
+                let _ = tx.send(result);
+            }
+            DurableAck::Tree(mut ack) => ack.send(result),
+        }
+    }
+}
+
+/// A root stack's transition number `seq`, to acknowledge once. Dropped unanswered
+/// (the persistence actor gone), it answers `Error::Stopped`, as a dropped channel did.
+pub(crate) struct TreeAck {
+    pub(crate) tree: TreeAddr,
+    pub(crate) seq: usize,
+    pub(crate) answered: bool,
+}
+
+impl TreeAck {
+    fn send(&mut self, result: Result<(), Error>) {
+        self.answered = true;
+        self.tree.do_send(Durable {
+            seq: self.seq,
+            result,
+        });
+    }
+}
+
+impl Drop for TreeAck {
+    fn drop(&mut self) {
+        if !self.answered {
+            self.send(Err(Error::Stopped));
+        }
+    }
+}
+
+/// The root stack's transition `seq` (and every earlier one) is durable, or the store
+/// failed. From the persistence actor, in the order the appends arrived.
+pub(crate) struct Durable {
+    pub(crate) seq: usize,
+    pub(crate) result: Result<(), Error>,
+}
+
+impl Message for Durable {
+    type Result = ();
 }
 
 impl Message for Persist {

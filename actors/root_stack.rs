@@ -41,10 +41,10 @@ use super::metrics;
 use super::perturb;
 use super::procedure::{ProcSpec, ProcedureCell};
 use super::protocol::{
-    AbortAck, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Enqueue,
-    FailRequest, LockForRollback, LocksHeld, Outbox, PauseNow, Persist, ProcAddr, Quiesce,
-    ReleaseLocks, Report, RolledBack, StepDone, StepFinished, SuspendOn, ToCell, ToProc, TreeAddr,
-    TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
+    AbortAck, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Durable,
+    DurableAck, Enqueue, FailRequest, LockForRollback, LocksHeld, Outbox, PauseNow, Persist,
+    ProcAddr, Quiesce, ReleaseLocks, Report, RolledBack, StepDone, StepFinished, SuspendOn, ToCell,
+    ToProc, TreeAck, TreeAddr, TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
 };
 use super::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
 
@@ -265,26 +265,15 @@ impl RootStackActor {
             self.run_ready(ctx);
             return;
         }
-        let (ack, rx) = oneshot::channel();
+        let ack = TreeAck {
+            tree: self.me(ctx),
+            seq: self.performed + self.pending.len() - 1,
+            answered: false,
+        };
         self.shared.persistence.do_send(Persist {
             ops: t.persist,
-            ack,
+            ack: DurableAck::Tree(ack),
         });
-        let seq = self.performed + self.pending.len() - 1;
-        ctx.spawn(rx.into_actor(self).map(move |result, act, ctx| {
-            if act.halted.is_some() {
-                return;
-            }
-            perturb::point("root_stack::apply::durable");
-            match result.unwrap_or(Err(Error::Stopped)) {
-                Ok(()) => {
-                    let index = seq - act.performed;
-                    act.pending[index].durable = true;
-                    act.run_ready(ctx);
-                }
-                Err(e) => act.halt(e, ctx),
-            }
-        }));
     }
 
     fn run_ready(&mut self, ctx: &mut Context<Self>) {
@@ -696,6 +685,30 @@ impl Actor for RootStackActor {
             if let Some(t) = self.core("rerun after recovery", |core| core.on_wake(id), ctx) {
                 self.apply(t, None, ctx);
             }
+        }
+    }
+}
+
+impl Handler<Durable> for RootStackActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Durable, ctx: &mut Context<Self>) {
+        if self.halted.is_some() {
+            return;
+        }
+        perturb::point("root_stack::apply::durable");
+        match msg.result {
+            Ok(()) => {
+                // One message per transition, in the order they were made.
+                let Some(index) = msg.seq.checked_sub(self.performed) else {
+                    return;
+                };
+                if let Some(p) = self.pending.get_mut(index) {
+                    p.durable = true;
+                }
+                self.run_ready(ctx);
+            }
+            Err(e) => self.halt(e, ctx),
         }
     }
 }
