@@ -133,7 +133,7 @@ pub(crate) struct ProcedureCell {
 /// A call into user code in progress, counted by the graceful shutdown's drain until
 /// it is dropped: when the call's result has been handled, or with the call itself if
 /// its root stack dies first.
-pub(crate) struct InCall(Arc<Shared>);
+struct InCall(Arc<Shared>);
 
 impl InCall {
     fn begin(shared: &Arc<Shared>) -> Option<InCall> {
@@ -148,10 +148,10 @@ impl Drop for InCall {
 }
 
 /// What a step's future hands back to the cell.
-pub(crate) type StepEnd = (DynProc, Call, Result<StepResult, ProcError>, InCall);
+type StepEnd = (DynProc, Call, Result<StepResult, ProcError>, InCall);
 
 /// What a rollback's future hands back to the cell.
-pub(crate) type RollbackEnd = (
+type RollbackEnd = (
     DynProc,
     Call,
     Result<Result<(), ProcError>, ProcError>,

@@ -454,12 +454,20 @@ impl DurableAck {
 /// A root stack's transition number `seq`, to acknowledge once. Dropped unanswered
 /// (the persistence actor gone), it answers `Error::Stopped`, as a dropped channel did.
 pub(crate) struct TreeAck {
-    pub(crate) tree: TreeAddr,
-    pub(crate) seq: usize,
-    pub(crate) answered: bool,
+    tree: TreeAddr,
+    seq: usize,
+    answered: bool,
 }
 
 impl TreeAck {
+    pub(crate) fn new(tree: TreeAddr, seq: usize) -> Self {
+        TreeAck {
+            tree,
+            seq,
+            answered: false,
+        }
+    }
+
     fn send(&mut self, result: Result<(), Error>) {
         self.answered = true;
         self.tree.do_send(Durable {

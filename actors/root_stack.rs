@@ -265,11 +265,8 @@ impl RootStackActor {
             self.run_ready(ctx);
             return;
         }
-        let ack = TreeAck {
-            tree: self.me(ctx),
-            seq: self.performed + self.pending.len() - 1,
-            answered: false,
-        };
+        let seq = self.performed + self.pending.len() - 1;
+        let ack = TreeAck::new(self.me(ctx), seq);
         self.shared.persistence.do_send(Persist {
             ops: t.persist,
             ack: DurableAck::Tree(ack),
