@@ -288,6 +288,14 @@ impl Scheduler {
         }
     }
 
+    /// A dispatched step of `id` is over: its worker and its step's locks are free, and
+    /// what waited on those locks is asked again.
+    fn free_worker(&mut self, id: ProcId, ctx: &mut Context<Self>) {
+        self.ready.complete();
+        self.release(id, Some(Hold::Step));
+        self.undefer(id, ctx);
+    }
+
     /// Asks the lock table for `req`, parked until granted.
     fn request(&mut self, req: Request, then: Then) {
         let id = req.owner;
@@ -446,7 +454,7 @@ impl Handler<Enqueue> for Scheduler {
 impl Handler<StepFinished> for Scheduler {
     type Result = ();
 
-    fn handle(&mut self, msg: StepFinished, _ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: StepFinished, ctx: &mut Context<Self>) {
         // The step's time counts before its worker is handed on.
         if let Some(run) = self.running.remove(&msg.0) {
             let elapsed = u64::try_from(run.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
@@ -455,9 +463,7 @@ impl Handler<StepFinished> for Scheduler {
                 self.view.levels.insert(run.root, level);
             }
         }
-        self.ready.complete();
-        self.release(msg.0, Some(Hold::Step));
-        self.undefer(msg.0, _ctx);
+        self.free_worker(msg.0, ctx);
         self.dispatch();
     }
 }
@@ -613,9 +619,7 @@ impl Handler<TreeEnded> for Scheduler {
         for id in lost {
             tracing::warn!(proc = %id, "a step's tree ended before the step reported");
             self.running.remove(&id);
-            self.ready.complete();
-            self.release(id, Some(Hold::Step));
-            self.undefer(id, ctx);
+            self.free_worker(id, ctx);
         }
         self.ready.forget(&msg.0);
         self.view.levels.remove(&msg.0);
