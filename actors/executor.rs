@@ -22,7 +22,7 @@ use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState, Procedure};
 use crate::ready_queue::Scheduling;
 use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp};
-use crate::recovery::{self, CorruptProc};
+use crate::recovery::CorruptProc;
 use crate::registry::{Registry, Types};
 use crate::store::{MemoryStore, ProcedureStore};
 
@@ -382,7 +382,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         let snapshot = store.load()?;
         let registry = self.registry.into_types();
         let names = |name: &str| registry.static_name(name);
-        let plan = recovery::plan(snapshot.records, names, now_ms());
+        let plan = super::recover::plan(snapshot.records, &names, now_ms());
         let mut corrupt = plan.corrupt;
         // Decode every unfinished procedure before anything starts, so that hooks run
         // in the plan's order (children before parents) and a tree that cannot be

@@ -12,6 +12,7 @@ mod persistence;
 pub mod perturb;
 mod procedure;
 mod protocol;
+pub(crate) mod recover;
 mod root_stack;
 mod scheduler;
 mod shared;

@@ -41,18 +41,25 @@
 //!   is followed by an fsync of the directory ([`sync_dir`]), and so is the creation of
 //!   the WAL directory itself (its parent's fsync).
 //! - **One engine per directory**: the store holds an exclusive lock on `DIR/LOCK`.
-//! - **Open**: checks the directory (canonical names, regular files, no gaps), scans
-//!   every segment as a stream (frame by frame, never a whole file in memory), checks the
-//!   LSN chain and the seals, removes the empty segment of an interrupted roll, truncates
-//!   a torn tail of the newest segment, reports each repair in
-//!   [`StoreSnapshot::repairs`], and stops with [`StoreError::Corrupt`] (file and offset)
-//!   on any other damage.
+//! - **Open**: checks the directory (canonical names, regular files, no gaps), reads
+//!   each segment whole, oldest first, and indexes it on a thread of its own while the
+//!   next is read, checks the LSN chain and the seals, removes the empty segment of an
+//!   interrupted roll, truncates a torn tail of the newest segment, reports each repair
+//!   in [`StoreSnapshot::repairs`], and stops with [`StoreError::Corrupt`] (file and
+//!   offset) on any other damage. Then it replays the ops: the latest op of each
+//!   procedure is kept as bytes and only the live ones are decoded, the procedures split
+//!   over the cores by a hash of their id when there are many. Until the replay ends,
+//!   open holds the payloads of every segment (the log's size, which the bound above
+//!   limits) and an index entry of 32 bytes per op. The read-only scan
+//!   ([`scan_wal_dir`], `proctor wal verify`) streams instead: one frame in memory at a
+//!   time.
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, BufReader, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::fast_map::IdMap;
 use crate::procedure::ProcId;
@@ -588,6 +595,33 @@ fn scan_into(
     on_frame: &mut dyn FnMut(u64, RawFrame) -> Result<(), FrameError>,
     out: &mut WalDirScan,
 ) -> Result<(), StoreError> {
+    let files = segments_to_scan(fs, dir, out)?;
+    check_segments(
+        dir,
+        &files,
+        out,
+        &mut |_, seq, path, newest, expect_first_lsn| {
+            scan_path(fs, path, newest, expect_first_lsn, &mut |frame| {
+                on_frame(seq, frame)
+            })
+        },
+    )
+}
+
+/// A segment's scan, asked for by [`check_segments`]: its index in the list, its
+/// sequence number and file, whether it is the newest, and the LSN it must start at
+/// (when the previous segment says).
+type ScanSegment<'a> =
+    dyn FnMut(usize, u64, &Path, bool, Option<u64>) -> Result<SegmentSummary, StoreError> + 'a;
+
+/// The segment files of a log, oldest first: names checked, a gap refused, and the empty
+/// newest segment of an interrupted roll left out (its removal queued in
+/// `out.repairs`).
+fn segments_to_scan(
+    fs: &impl WalFs,
+    dir: &Path,
+    out: &mut WalDirScan,
+) -> Result<Vec<(u64, PathBuf)>, StoreError> {
     let mut files = segment_files(fs, dir)?;
     for pair in files.windows(2) {
         let (older, newer) = (&pair[0], &pair[1]);
@@ -624,14 +658,24 @@ fn scan_into(
             files.pop();
         }
     }
+    Ok(files)
+}
+
+/// Scans `files` oldest first through `scan` and checks each segment against its
+/// neighbours (header sequence number, LSN chain, seals, where a torn tail may be),
+/// recording each in `out.segments` and each repair in `out.repairs`.
+fn check_segments(
+    dir: &Path,
+    files: &[(u64, PathBuf)],
+    out: &mut WalDirScan,
+    scan: &mut ScanSegment<'_>,
+) -> Result<(), StoreError> {
     let last = files.len().saturating_sub(1);
     let mut expect_first_lsn = None;
     for (i, (seq, path)) in files.iter().enumerate() {
         let newest = i == last;
         let seq = *seq;
-        let summary = scan_path(fs, path, newest, expect_first_lsn, &mut |frame| {
-            on_frame(seq, frame)
-        })?;
+        let summary = scan(i, seq, path, newest, expect_first_lsn)?;
         if let Some(header) = summary.header.filter(|h| h.seq != seq) {
             return Err(corrupt(
                 path,
@@ -748,97 +792,343 @@ fn prepare_dir(fs: &impl WalFs, dir: &Path) -> Result<(), StoreError> {
     }
 }
 
-/// What open rebuilds from the frames, segment by segment: the latest op of each live
-/// procedure, indexed, not decoded. Only these are decoded ([`Replay::decode`]): a
-/// record a later one supersedes costs its index, not its decoding.
-#[derive(Default)]
-struct Replay {
-    live: IdMap<ProcId, Latest>,
+/// A segment read whole and indexed: its summary and its good frames, in order.
+struct IndexedSegment {
+    summary: SegmentSummary,
+    frames: Vec<RawFrame>,
+}
+
+/// The frames of each segment a scan kept, oldest first, with the segment's sequence
+/// number.
+type SegmentFrames = Vec<(u64, Vec<RawFrame>)>;
+
+/// What [`WalStore::open_on`] and [`WalStore::load`] scan: the checks of
+/// [`scan_wal_dir_raw`], with each segment read whole on this thread, oldest first, and
+/// indexed on another thread while the next one is read ([`index_segments`]). Returns
+/// the frames of the segments that checked out.
+fn scan_for_replay<F: WalFs>(
+    fs: &F,
+    dir: &Path,
+) -> Result<(WalDirScan, SegmentFrames), StoreError> {
+    let mut out = WalDirScan::default();
+    let mut kept = Vec::new();
+    let checked = segments_to_scan(fs, dir, &mut out).and_then(|files| {
+        let mut indexed = index_segments(fs, &files).into_iter();
+        check_segments(
+            dir,
+            &files,
+            &mut out,
+            &mut |_, seq, path, _, expect_first_lsn| {
+                let IndexedSegment { summary, frames } = indexed.next().ok_or_else(|| {
+                    StoreError::Failed(format!("{} was listed but not read", path.display()))
+                })??;
+                let mismatch = summary
+                    .header
+                    .as_ref()
+                    .and_then(|h| wal::first_lsn_mismatch(h, expect_first_lsn));
+                if let Some(end) = mismatch {
+                    // What a streamed scan that knew the expected LSN reports: nothing after
+                    // the header.
+                    return Ok(SegmentSummary {
+                        frames: 0,
+                        last_lsn: None,
+                        sealed: false,
+                        good_len: wal::SEGMENT_HEADER_LEN as u64,
+                        end,
+                        ..summary
+                    });
+                }
+                if !frames.is_empty() {
+                    kept.push((seq, frames));
+                }
+                Ok(summary)
+            },
+        )
+    });
+    match checked {
+        Ok(()) => Ok((out, kept)),
+        Err(damage @ StoreError::Corrupt { .. }) => {
+            out.damage = Some(damage);
+            Ok((out, kept))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Larger segment files are scanned as a stream on the opening thread, one frame in
+/// memory at a time, not read whole: a segment is normally at most `segment_bytes` and
+/// a frame, and a huge file (a sparse newest segment, say) must not cost its size.
+const WHOLE_SEGMENT_MAX: u64 = 64 << 20;
+
+/// Reads each of `files` whole, oldest first, on this thread, and indexes each on a
+/// thread of its own (as many at once as there are cores) while the next is read. A
+/// segment's error stays in its place: it counts only if the checks get that far.
+fn index_segments<F: WalFs>(
+    fs: &F,
+    files: &[(u64, PathBuf)],
+) -> Vec<Result<IndexedSegment, StoreError>> {
+    let last = files.len().saturating_sub(1);
+    let streamed = |path: &Path, newest: bool| {
+        let mut frames = Vec::new();
+        let summary = scan_path(fs, path, newest, None, &mut |f| {
+            frames.push(f);
+            Ok(())
+        })?;
+        Ok(IndexedSegment { summary, frames })
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    if threads == 1 || files.len() < 2 {
+        return files
+            .iter()
+            .enumerate()
+            .map(|(i, (_, path))| streamed(path, i == last))
+            .collect();
+    }
+    let read = |path: &Path| -> Result<Option<Vec<u8>>, StoreError> {
+        let len = fs
+            .len(path)
+            .map_err(io(format!("reading {}", path.display())))?;
+        if len > WHOLE_SEGMENT_MAX {
+            return Ok(None);
+        }
+        let mut bytes = Vec::new();
+        open_segment(fs, path)?
+            .read_to_end(&mut bytes)
+            .map_err(io(format!("reading {}", path.display())))?;
+        Ok(Some(bytes))
+    };
+    let index = |path: &Path, bytes: Vec<u8>, newest: bool| {
+        let mut frames = Vec::new();
+        let summary = wal::scan_shared(Arc::new(bytes), newest, &mut |f| {
+            frames.push(f);
+            Ok(())
+        })
+        .map_err(io(format!("reading {}", path.display())))?;
+        Ok(IndexedSegment { summary, frames })
+    };
+    std::thread::scope(|scope| {
+        let mut indexed = Vec::with_capacity(files.len());
+        let mut running = std::collections::VecDeque::with_capacity(threads + 1);
+        for (i, (_, path)) in files.iter().enumerate() {
+            let newest = i == last;
+            running.push_back(match read(path) {
+                Ok(Some(bytes)) => {
+                    Indexing::Running(scope.spawn(move || index(path, bytes, newest)))
+                }
+                Ok(None) => Indexing::Done(streamed(path, newest)),
+                Err(e) => Indexing::Done(Err(e)),
+            });
+            if running.len() > threads {
+                indexed.extend(running.pop_front().map(Indexing::joined));
+            }
+        }
+        indexed.extend(running.into_iter().map(Indexing::joined));
+        indexed
+    })
+}
+
+/// A segment being indexed by [`index_segments`].
+enum Indexing<'scope> {
+    Running(std::thread::ScopedJoinHandle<'scope, Result<IndexedSegment, StoreError>>),
+    Done(Result<IndexedSegment, StoreError>),
+}
+
+impl Indexing<'_> {
+    /// The segment indexed; a worker's panic goes on in this thread.
+    fn joined(self) -> Result<IndexedSegment, StoreError> {
+        match self {
+            Indexing::Running(worker) => worker
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            Indexing::Done(indexed) => indexed,
+        }
+    }
+}
+
+/// A live procedure's latest op and where it lies.
+struct Latest<'a> {
+    seq: u64,
+    frame_offset: u64,
+    op: &'a RawOp,
+}
+
+/// What replaying the frames gives.
+struct Replayed {
+    /// The latest record of every live procedure, by id.
+    records: Vec<ProcRecord>,
+    /// Each live procedure's segment and the encoded size of its latest record.
+    live: IdMap<ProcId, (u64, u32)>,
+    /// The highest id an op names.
     max_id: u64,
 }
 
-/// A procedure's latest op and where it lies.
-struct Latest {
-    seq: u64,
-    frame_offset: u64,
-    op: RawOp,
+/// The procedures of one part of a replay (see [`replay`]).
+struct ReplayPart {
+    records: Vec<ProcRecord>,
+    live: Vec<(ProcId, (u64, u32))>,
+    max_id: u64,
 }
 
-/// Below this many live records, decoding stays on the opening thread.
-const PARALLEL_DECODE_MIN: usize = 8192;
+/// Below this many ops, a replay stays on the opening thread.
+const PARALLEL_REPLAY_MIN: usize = 16_384;
 
-impl Replay {
-    fn apply(&mut self, seq: u64, frame: RawFrame) {
-        for op in frame.ops {
-            self.max_id = self.max_id.max(op.id.0);
-            match op.kind {
-                OpKind::Insert | OpKind::Update => {
-                    let latest = Latest {
-                        seq,
-                        frame_offset: frame.offset,
-                        op,
-                    };
-                    self.live.insert(latest.op.id, latest);
-                }
-                OpKind::Delete => {
-                    self.live.remove(&op.id);
-                }
-            }
-        }
-    }
+/// Replays the frames of `segments` (oldest first): keeps the latest op of each
+/// procedure, indexed, and decodes only the live ones, so a record that a later one
+/// supersedes costs its index, not its decoding. With many ops the procedures are split
+/// over the cores by a hash of their id: each thread walks every frame, keeps the ops of
+/// its own procedures and decodes them, and the parts, each sorted by id, are merged.
+///
+/// # Errors
+/// [`StoreError::Corrupt`] naming the segment and frame of a record that does not
+/// decode (of the lowest id, as a replay in id order would meet it).
+fn replay(dir: &Path, segments: SegmentFrames) -> Result<Replayed, StoreError> {
+    let ops: usize = segments
+        .iter()
+        .flat_map(|(_, frames)| frames)
+        .map(|f| f.ops.len())
+        .sum();
+    let threads = if ops < PARALLEL_REPLAY_MIN {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+    };
+    replay_on(dir, segments, threads)
+}
 
-    /// Each live procedure's segment and the encoded size of its latest record.
-    fn sizes(&self) -> IdMap<ProcId, (u64, u32)> {
-        self.live
-            .iter()
-            .map(|(&id, l)| (id, (l.seq, l.op.size())))
-            .collect()
-    }
-
-    /// Decodes the latest record of every live procedure, by id, split over the cores
-    /// when there are many.
-    ///
-    /// # Errors
-    /// [`StoreError::Corrupt`] naming the segment and frame of a record that does not
-    /// decode.
-    fn decode(&self, dir: &Path) -> Result<Vec<ProcRecord>, StoreError> {
-        let mut latest: Vec<&Latest> = self.live.values().collect();
-        latest.sort_unstable_by_key(|l| l.op.id);
-        let decode_all = |part: &[&Latest], mut into: Vec<ProcRecord>| {
-            for l in part {
-                match l.op.decode() {
-                    Ok(StoreOp::Insert(r) | StoreOp::Update(r)) => into.push(r),
-                    Ok(StoreOp::Delete(_)) => unreachable!("a delete is never live"),
-                    Err(e) => return Err(corrupt(&segment_path(dir, l.seq), l.frame_offset, e)),
-                }
-            }
-            Ok(into)
-        };
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
-        if threads == 1 || latest.len() < PARALLEL_DECODE_MIN {
-            return decode_all(&latest, Vec::with_capacity(latest.len()));
-        }
-        // The first part is decoded on this thread straight into the whole result, so
-        // only the other parts are copied.
-        let mut parts = latest.chunks(latest.len().div_ceil(threads));
-        let first = parts.next().unwrap_or_default();
+/// [`replay`] in `threads` parts.
+fn replay_on(dir: &Path, segments: SegmentFrames, threads: usize) -> Result<Replayed, StoreError> {
+    let frames = &segments;
+    let parts: Vec<_> = if threads == 1 {
+        vec![replay_part(dir, frames, 0, 1)]
+    } else {
         std::thread::scope(|scope| {
-            let workers: Vec<_> = parts
-                .map(|part| scope.spawn(move || decode_all(part, Vec::with_capacity(part.len()))))
+            let others: Vec<_> = (1..threads)
+                .map(|part| scope.spawn(move || replay_part(dir, frames, part, threads)))
                 .collect();
-            let mut records = decode_all(first, Vec::with_capacity(latest.len()));
-            for worker in workers {
-                let part = worker
+            let mut parts = vec![replay_part(dir, frames, 0, threads)];
+            parts.extend(others.into_iter().map(|worker| {
+                worker
                     .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-                records = records.and_then(|mut records| {
-                    records.extend(part?);
-                    Ok(records)
-                });
-            }
-            records
+                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+            }));
+            parts
         })
+    };
+    let mut ok = Vec::with_capacity(parts.len());
+    let mut first_error: Option<(ProcId, StoreError)> = None;
+    for part in parts {
+        match part {
+            Ok(part) => ok.push(part),
+            Err((id, e)) => {
+                if first_error.as_ref().is_none_or(|(first, _)| id < *first) {
+                    first_error = Some((id, e));
+                }
+            }
+        }
     }
+    if let Some((_, e)) = first_error {
+        return Err(e);
+    }
+    let live_count = ok.iter().map(|p| p.live.len()).sum();
+    let mut live = IdMap::with_capacity_and_hasher(live_count, Default::default());
+    let mut max_id = 0;
+    let mut sorted = Vec::with_capacity(ok.len());
+    for part in ok {
+        live.extend(part.live);
+        max_id = max_id.max(part.max_id);
+        sorted.push(part.records);
+    }
+    // The payloads are no longer needed: free them before the merge takes its memory.
+    drop(segments);
+    Ok(Replayed {
+        records: merge_by_id(sorted),
+        live,
+        max_id,
+    })
+}
+
+/// Which of `parts` parts of a replay procedure `id` belongs to: a multiplicative hash,
+/// since ids often share a stride (a tree's children, every other root).
+fn part_of(id: ProcId, parts: usize) -> usize {
+    (id.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as usize % parts
+}
+
+/// Part `part` of [`replay`]: the live procedures of that part, their records decoded
+/// and sorted by id; or the lowest id whose record does not decode, with the error.
+fn replay_part<'a>(
+    dir: &Path,
+    segments: &'a SegmentFrames,
+    part: usize,
+    parts: usize,
+) -> Result<ReplayPart, (ProcId, StoreError)> {
+    let mut latest: IdMap<ProcId, Latest<'a>> = IdMap::default();
+    let mut max_id = 0;
+    for (seq, frames) in segments {
+        for frame in frames {
+            for op in frame.ops.iter().filter(|op| part_of(op.id, parts) == part) {
+                max_id = max_id.max(op.id.0);
+                match op.kind {
+                    OpKind::Insert | OpKind::Update => {
+                        let at = Latest {
+                            seq: *seq,
+                            frame_offset: frame.offset,
+                            op,
+                        };
+                        latest.insert(op.id, at);
+                    }
+                    OpKind::Delete => {
+                        latest.remove(&op.id);
+                    }
+                }
+            }
+        }
+    }
+
+    let mut latest: Vec<Latest<'a>> = latest.into_values().collect();
+    latest.sort_unstable_by_key(|l| l.op.id);
+    let mut records = Vec::with_capacity(latest.len());
+    for l in &latest {
+        match l.op.decode() {
+            Ok(StoreOp::Insert(r) | StoreOp::Update(r)) => records.push(r),
+            Ok(StoreOp::Delete(_)) => unreachable!("a delete is never live"),
+            Err(e) => {
+                let at = corrupt(&segment_path(dir, l.seq), l.frame_offset, e);
+                return Err((l.op.id, at));
+            }
+        }
+    }
+    Ok(ReplayPart {
+        records,
+        live: latest
+            .iter()
+            .map(|l| (l.op.id, (l.seq, l.op.size())))
+            .collect(),
+        max_id,
+    })
+}
+
+/// Merges parts each sorted by id into one sorted list, moving each record once.
+fn merge_by_id(mut parts: Vec<Vec<ProcRecord>>) -> Vec<ProcRecord> {
+    if parts.len() <= 1 {
+        return parts.pop().unwrap_or_default();
+    }
+    let mut merged = Vec::with_capacity(parts.iter().map(Vec::len).sum());
+    let mut parts: Vec<_> = parts
+        .into_iter()
+        .map(|p| p.into_iter().peekable())
+        .collect();
+    loop {
+        let next = parts
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, p)| Some((p.peek()?.id, i)))
+            .min();
+        let Some(record) = next.and_then(|(_, i)| parts[i].next()) else {
+            break;
+        };
+        merged.push(record);
+    }
+    merged
 }
 
 impl WalStore<StdFs> {
@@ -891,15 +1181,12 @@ impl<F: WalFs> WalStore<F> {
                 file: lock_path.display().to_string(),
             })?;
 
-        let mut replay = Replay::default();
-        let scan = scan_wal_dir_raw(&fs, &dir, &mut |seq, frame| {
-            replay.apply(seq, frame);
-            Ok(())
-        })?;
+        let (scan, segments) = scan_for_replay(&fs, &dir)?;
         if let Some(damage) = scan.damage {
             return Err(damage);
         }
-        let records = replay.decode(&dir)?;
+        let replayed = replay(&dir, segments)?;
+        let records = replayed.records;
         let mut repairs = Vec::new();
         for repair in &scan.repairs {
             match repair {
@@ -917,7 +1204,7 @@ impl<F: WalFs> WalStore<F> {
             repairs.push(repair.to_string());
         }
 
-        let mut max_id = replay.max_id;
+        let mut max_id = replayed.max_id;
         let mut segments = BTreeMap::new();
         for report in &scan.segments {
             max_id = max_id.max(report.max_id);
@@ -932,8 +1219,7 @@ impl<F: WalFs> WalStore<F> {
             );
         }
         let mut live_bytes = 0;
-        let live = replay.sizes();
-        drop(replay);
+        let live = replayed.live;
         for &(seq, size) in live.values() {
             if let Some(s) = segments.get_mut(&seq) {
                 s.live += 1;
@@ -1289,18 +1575,165 @@ impl<F: WalFs> ProcedureStore for WalStore<F> {
         if let Some(snapshot) = self.opened.take() {
             return Ok(snapshot);
         }
-        let mut replay = Replay::default();
-        let scan = scan_wal_dir_raw(&self.fs, &self.dir, &mut |seq, frame| {
-            replay.apply(seq, frame);
-            Ok(())
-        })?;
+        let (scan, segments) = scan_for_replay(&self.fs, &self.dir)?;
         if let Some(damage) = scan.damage {
             return Err(damage);
         }
         Ok(StoreSnapshot {
-            records: replay.decode(&self.dir)?,
+            records: replay(&self.dir, segments)?.records,
             max_id: self.max_id,
             repairs: Vec::new(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::procedure::ProcState;
+
+    fn record(id: u64, version: u64) -> ProcRecord {
+        ProcRecord {
+            id: ProcId(id),
+            parent: None,
+            root: ProcId(id),
+            type_name: "t".into(),
+            state: ProcState::Runnable,
+            stack_indexes: (0..(version % 5) as u32).collect(),
+            failure: None,
+            failure_seq: None,
+            submitted_ms: 0,
+            updated_ms: version,
+            wake_at_ms: None,
+            event: None,
+            data: version.to_be_bytes().to_vec(),
+            locks: None,
+            deadline_ms: None,
+            nonce: None,
+            result: None,
+            bypassed: false,
+            steering: Default::default(),
+        }
+    }
+
+    /// A frame at `offset` holding `ops`, indexed as a scan indexes it.
+    fn frame(offset: u64, ops: &[StoreOp]) -> RawFrame {
+        let payload = rmp_serde::to_vec(ops).unwrap();
+        RawFrame {
+            offset,
+            len: payload.len() as u64,
+            lsn: offset,
+            kind: FrameKind::Batch,
+            ops: wal::index_payload(FrameKind::Batch, Arc::new(payload)).unwrap(),
+        }
+    }
+
+    /// Three segments of seeded inserts, updates and deletes over 300 ids, and what
+    /// applying them in order leaves.
+    fn log() -> (SegmentFrames, BTreeMap<ProcId, ProcRecord>) {
+        let mut model = BTreeMap::new();
+        let mut segments = Vec::new();
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        for seq in 1..=3 {
+            let mut frames = Vec::new();
+            for f in 0..40 {
+                let ops: Vec<StoreOp> = (0..25)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        let id = 1 + x % 300;
+                        match x >> 60 {
+                            0..=2 => StoreOp::Delete(ProcId(id)),
+                            _ => StoreOp::Update(record(id, x >> 40)),
+                        }
+                    })
+                    .collect();
+                for op in &ops {
+                    op.clone().apply_to(&mut model);
+                }
+                frames.push(frame(f * 1000, &ops));
+            }
+            segments.push((seq, frames));
+        }
+        (segments, model)
+    }
+
+    #[test]
+    fn a_replay_in_parts_is_the_replay_in_order() {
+        let (segments, model) = log();
+        let expected: Vec<ProcRecord> = model.into_values().collect();
+        assert!(expected.len() > 100, "{} live", expected.len());
+        for threads in [1, 2, 3, 8] {
+            let replayed = replay_on(Path::new("wal"), segments.clone(), threads).unwrap();
+            assert_eq!(replayed.records, expected, "{threads} parts");
+            assert_eq!(replayed.live.len(), expected.len(), "{threads} parts");
+            for r in &expected {
+                let (seq, size) = replayed.live[&r.id];
+                let written_in = segments
+                    .iter()
+                    .rev()
+                    .find(|(_, frames)| frames.iter().flat_map(|f| &f.ops).any(|op| op.id == r.id))
+                    .map(|(seq, _)| *seq);
+                assert_eq!(Some(seq), written_in, "procedure {}", r.id);
+                assert!(size > 0);
+            }
+            let max_id = segments
+                .iter()
+                .flat_map(|(_, frames)| frames)
+                .flat_map(|f| &f.ops)
+                .map(|op| op.id.0)
+                .max();
+            assert_eq!(Some(replayed.max_id), max_id, "{threads} parts");
+        }
+    }
+
+    #[test]
+    fn a_replay_in_parts_reports_the_bad_record_of_the_lowest_id() {
+        let threads = 3;
+        // Two live records that do not decode (no type name), in different parts.
+        let low = ProcId(7);
+        let high = (8..)
+            .map(ProcId)
+            .find(|&id| part_of(id, threads) != part_of(low, threads))
+            .unwrap();
+        let bad = |id: ProcId, offset: u64| {
+            let r = ProcRecord {
+                type_name: String::new(),
+                ..record(id.0, 1)
+            };
+            frame(offset, &[StoreOp::Update(r)])
+        };
+        let segments = vec![
+            (
+                1,
+                vec![frame(0, &[StoreOp::Insert(record(3, 0))]), bad(high, 90)],
+            ),
+            (
+                2,
+                vec![bad(low, 40), frame(80, &[StoreOp::Update(record(9, 2))])],
+            ),
+        ];
+        let in_order = replay_on(Path::new("wal"), segments.clone(), 1)
+            .err()
+            .unwrap();
+        let in_parts = replay_on(Path::new("wal"), segments.clone(), threads)
+            .err()
+            .unwrap();
+        assert_eq!(in_parts.to_string(), in_order.to_string());
+        let message = in_parts.to_string();
+        assert!(message.contains("00000000000000000002.wal"), "{message}");
+        assert!(message.contains("40"), "{message}");
+    }
+
+    #[test]
+    fn merging_sorted_parts_keeps_the_order_by_id() {
+        let part = |ids: &[u64]| ids.iter().map(|&id| record(id, 0)).collect::<Vec<_>>();
+        let merged = merge_by_id(vec![part(&[2, 5, 9]), part(&[]), part(&[1, 6]), part(&[3])]);
+        let ids: Vec<u64> = merged.iter().map(|r| r.id.0).collect();
+        assert_eq!(ids, [1, 2, 3, 5, 6, 9]);
+        assert!(merge_by_id(Vec::new()).is_empty());
     }
 }

@@ -19,7 +19,7 @@ mod rss;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use proctor::internals::recovery;
+use proctor::internals::plan_recovery;
 use proctor::{ProcId, ProcRecord, ProcState, ProcedureStore, StoreOp, WalStats, WalStore};
 
 const BATCH: u64 = 1000;
@@ -110,7 +110,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let snapshot = wal.load()?;
     let open_s = started.elapsed().as_secs_f64();
     let live = snapshot.records.len();
-    let plan = recovery::plan(snapshot.records, |n| (n == "bench").then_some("bench"), 0);
+    let plan = plan_recovery(snapshot.records, &|n| (n == "bench").then_some("bench"), 0);
     let recover_s = started.elapsed().as_secs_f64();
     assert_eq!(plan.trees.len() as u64, procs - procs / 2);
     assert!(plan.corrupt.is_empty());

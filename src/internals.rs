@@ -7,3 +7,6 @@
 pub mod recovery;
 #[path = "wal.rs"]
 pub mod wal;
+
+/// [`recovery::plan`] on every core, as the executor plans its recovery.
+pub use crate::actors::recover::plan as plan_recovery;

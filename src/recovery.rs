@@ -47,6 +47,15 @@ pub struct RecoveryPlan {
     pub corrupt: Vec<CorruptProc>,
 }
 
+impl RecoveryPlan {
+    /// Adds the plan of the trees that follow this plan's (by root id) at its end.
+    pub fn append(&mut self, mut later: RecoveryPlan) {
+        self.trees.append(&mut later.trees);
+        self.finished.append(&mut later.finished);
+        self.corrupt.append(&mut later.corrupt);
+    }
+}
+
 /// An operator's bypass on a stopped engine's store (`proctor bypass`): from the latest
 /// records, the ops that mark `id` (and, with `recursive`, its unfinished descendants)
 /// SUCCESS without running further or rolling back, exactly as
@@ -192,16 +201,29 @@ fn leak(name: &str) -> &'static str {
 
 /// Plans the recovery of `records` (the latest record of every live procedure).
 /// `names` maps a stored type name to the registry's, `None` when unknown.
+///
+/// The same as [`plan_trees`] of [`group_trees`]; a caller with cores to spare may split
+/// the groups and plan the parts on several threads, then [`append`](RecoveryPlan::append)
+/// the parts in order: the result is the same.
 pub fn plan(
     records: Vec<ProcRecord>,
     names: impl Fn(&str) -> Option<&'static str>,
     now_ms: u64,
 ) -> RecoveryPlan {
+    plan_trees(group_trees(records), names, now_ms)
+}
+
+/// A tree's records, grouped by [`group_trees`]: its root's id and its records.
+pub type TreeRecords = (ProcId, Vec<ProcRecord>);
+
+/// The first half of [`plan`]: `records` grouped by tree, the trees by root id, each
+/// tree's records by id.
+pub fn group_trees(records: Vec<ProcRecord>) -> Vec<TreeRecords> {
     // Group by tree, moving each record once (a record is a few hundred bytes: sorting
     // them all would move each many times); then the trees by root, and each tree's
     // records by id.
     let mut tree_of: IdMap<ProcId, usize> = IdMap::default();
-    let mut groups: Vec<(ProcId, Vec<ProcRecord>)> = Vec::new();
+    let mut groups: Vec<TreeRecords> = Vec::new();
     for r in records {
         match tree_of.get(&r.root) {
             Some(&i) => groups[i].1.push(r),
@@ -216,6 +238,16 @@ pub fn plan(
     for (_, group) in &mut groups {
         group.sort_unstable_by_key(|r| r.id);
     }
+    groups
+}
+
+/// The second half of [`plan`]: rebuilds each tree of `groups` (from [`group_trees`],
+/// or any run of them, in order).
+pub fn plan_trees(
+    groups: Vec<TreeRecords>,
+    names: impl Fn(&str) -> Option<&'static str>,
+    now_ms: u64,
+) -> RecoveryPlan {
     let mut plan = RecoveryPlan::default();
     for (root, mut group) in groups {
         let corrupt = |group: &[ProcRecord], reason: String| -> Vec<CorruptProc> {

@@ -674,14 +674,25 @@ impl RawFrame {
 /// its bytes can hold, has an op that is not well-formed MessagePack or not an op, has
 /// an id above [`MAX_ID`], or has bytes after the last op.
 pub fn index_payload(kind: FrameKind, payload: Arc<Vec<u8>>) -> Result<Vec<RawOp>, FrameError> {
+    let whole = 0..payload.len();
+    index_payload_in(kind, payload, whole)
+}
+
+/// [`index_payload`] of the payload at `range` of `buf`; the ops point into `buf`.
+fn index_payload_in(
+    kind: FrameKind,
+    buf: Arc<Vec<u8>>,
+    range: std::ops::Range<usize>,
+) -> Result<Vec<RawOp>, FrameError> {
     if kind == FrameKind::Seal {
         return Ok(Vec::new());
     }
-    let bytes = &payload[..];
-    let (count, mut at) = array_header(bytes)?;
-    if u32::try_from(bytes.len()).is_err() {
+    if u32::try_from(range.end).is_err() {
         return Err(FrameError::Payload("a payload above 4 GiB".into()));
     }
+    let base = range.start;
+    let bytes = &buf[range];
+    let (count, mut at) = array_header(bytes)?;
     let mut ops = Vec::with_capacity(count);
     for i in 0..count {
         let (kind, id, end) = index_op(bytes, at)
@@ -690,8 +701,8 @@ pub fn index_payload(kind: FrameKind, payload: Arc<Vec<u8>>) -> Result<Vec<RawOp
         ops.push(RawOp {
             kind,
             id,
-            payload: Arc::clone(&payload),
-            start: at as u32,
+            payload: Arc::clone(&buf),
+            start: (base + at) as u32,
             len: (end - at) as u32,
         });
         at = end;
@@ -988,9 +999,27 @@ pub fn is_seal(tail: &[u8]) -> bool {
             .is_ok_and(|fh| fh.kind == FrameKind::Seal && fh.payload_crc == crc32c::crc32c(&[]))
 }
 
+/// How a segment whose header says it starts at another LSN than `expected` (the LSN
+/// after the previous segment's last frame, when known) ends: corrupt at byte 0.
+pub fn first_lsn_mismatch(header: &SegmentHeader, expected: Option<u64>) -> Option<ScanEnd> {
+    let expected = expected.filter(|&e| e != header.first_lsn)?;
+    Some(ScanEnd::Corrupt {
+        offset: 0,
+        reason: FrameError::Header(format!(
+            "first LSN {}, but the previous segment ends before LSN {expected}",
+            header.first_lsn
+        )),
+    })
+}
+
 /// Reads up to `n` bytes (fewer only at the end of the input).
 fn read_up_to(r: &mut impl Read, n: usize, buf: &mut Vec<u8>) -> io::Result<()> {
+    /// Room reserved ahead at most: `n` comes from a frame header, and a damaged one
+    /// must not make a scan allocate gigabytes before the read comes up short.
+    const RESERVE_AT_MOST: usize = 16 << 20;
     buf.clear();
+    // One allocation for a large payload, not a doubling series of copies.
+    buf.reserve(n.min(RESERVE_AT_MOST));
     r.by_ref().take(n as u64).read_to_end(buf)?;
     Ok(())
 }
@@ -1016,6 +1045,64 @@ pub fn scan_stream<R: Read + Seek>(
     r: &mut R,
     newest: bool,
     expect_first_lsn: Option<u64>,
+    on_frame: &mut dyn FnMut(RawFrame) -> Result<(), FrameError>,
+) -> io::Result<SegmentSummary> {
+    // Each payload in its own buffer: the ops recovery keeps point into it.
+    let copied = |r: &mut R, n: usize| {
+        let mut payload = Vec::new();
+        read_up_to(r, n, &mut payload)?;
+        let len = payload.len();
+        Ok((Arc::new(payload), 0..len))
+    };
+    scan_with(r, newest, expect_first_lsn, copied, on_frame)
+}
+
+/// [`scan_stream`] of a segment already in memory, whole: the ops handed out point into
+/// `bytes` itself, so no payload is copied (and `bytes` lives as long as one of them).
+///
+/// # Errors
+/// [`io::ErrorKind::InvalidInput`] for a segment above 4 GiB, which ops cannot point
+/// into. Damage is not an error: it is the summary's [`end`](SegmentSummary::end).
+pub fn scan_shared(
+    bytes: Arc<Vec<u8>>,
+    newest: bool,
+    on_frame: &mut dyn FnMut(RawFrame) -> Result<(), FrameError>,
+) -> io::Result<SegmentSummary> {
+    if u32::try_from(bytes.len()).is_err() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "a segment above 4 GiB cannot be scanned in place",
+        ));
+    }
+    let mut cursor = io::Cursor::new(Shared(bytes));
+    let in_place = |c: &mut io::Cursor<Shared>, n: usize| {
+        let buf = &c.get_ref().0;
+        let start = usize::try_from(c.position()).map_or(buf.len(), |p| p.min(buf.len()));
+        let end = start.saturating_add(n).min(buf.len());
+        let buf = Arc::clone(buf);
+        c.set_position(end as u64);
+        Ok((buf, start..end))
+    };
+    scan_with(&mut cursor, newest, None, in_place, on_frame)
+}
+
+/// A segment's bytes shared with the ops that point into them.
+struct Shared(Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for Shared {
+    fn as_ref(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// The scan of [`scan_stream`] and [`scan_shared`]: `payload(r, n)` reads up to `n`
+/// payload bytes (fewer only at the end of the input) and says which buffer holds them
+/// and where.
+fn scan_with<R: Read + Seek>(
+    r: &mut R,
+    newest: bool,
+    expect_first_lsn: Option<u64>,
+    mut payload: impl FnMut(&mut R, usize) -> io::Result<(Arc<Vec<u8>>, std::ops::Range<usize>)>,
     on_frame: &mut dyn FnMut(RawFrame) -> Result<(), FrameError>,
 ) -> io::Result<SegmentSummary> {
     let mut summary = SegmentSummary {
@@ -1048,14 +1135,8 @@ pub fn scan_stream<R: Read + Seek>(
     };
     summary.header = Some(header);
     summary.good_len = SEGMENT_HEADER_LEN as u64;
-    if let Some(expected) = expect_first_lsn.filter(|&e| e != header.first_lsn) {
-        summary.end = ScanEnd::Corrupt {
-            offset: 0,
-            reason: FrameError::Header(format!(
-                "first LSN {}, but the previous segment ends before LSN {expected}",
-                header.first_lsn
-            )),
-        };
+    if let Some(end) = first_lsn_mismatch(&header, expect_first_lsn) {
+        summary.end = end;
         return Ok(summary);
     }
     let mut next = header.first_lsn;
@@ -1104,21 +1185,19 @@ pub fn scan_stream<R: Read + Seek>(
                 torn_shape: false,
             });
         }
-        // Each payload in its own buffer: the ops recovery keeps point into it.
-        let mut payload = Vec::new();
-        read_up_to(r, fh.len as usize, &mut payload)?;
-        if payload.len() < fh.len as usize {
+        let (buf, range) = payload(r, fh.len as usize)?;
+        if range.len() < fh.len as usize {
             // A good header whose payload runs past the end: the last append, cut.
             break Some(Bad {
                 offset,
                 reason: FrameError::Truncated {
                     need: FRAME_HEADER_LEN as u64 + u64::from(fh.len),
-                    have: (FRAME_HEADER_LEN + payload.len()) as u64,
+                    have: (FRAME_HEADER_LEN + range.len()) as u64,
                 },
                 torn_shape: true,
             });
         }
-        let computed = crc32c::crc32c(&payload);
+        let computed = crc32c::crc32c(&buf[range.clone()]);
         if computed != fh.payload_crc {
             let torn_shape = !valid_frame_follows(r, offset + 1, summary.last_lsn)?;
             break Some(Bad {
@@ -1131,8 +1210,8 @@ pub fn scan_stream<R: Read + Seek>(
                 torn_shape,
             });
         }
-        let len = (FRAME_HEADER_LEN + payload.len()) as u64;
-        let handed = index_payload(fh.kind, Arc::new(payload)).and_then(|ops| {
+        let len = (FRAME_HEADER_LEN + range.len()) as u64;
+        let handed = index_payload_in(fh.kind, buf, range).and_then(|ops| {
             on_frame(RawFrame {
                 offset,
                 len,
@@ -1810,6 +1889,39 @@ mod tests {
         assert_eq!(huge.skip(1), None);
     }
 
+    /// A segment's summary and its frames' op bytes, scanned as a stream and in place.
+    #[allow(clippy::type_complexity)]
+    fn streamed_and_shared(
+        bytes: &[u8],
+        newest: bool,
+    ) -> Result<
+        (
+            (SegmentSummary, Vec<Vec<Vec<u8>>>),
+            (SegmentSummary, Vec<Vec<Vec<u8>>>),
+        ),
+        TestCaseError,
+    > {
+        let ops = |f: RawFrame| {
+            f.ops
+                .iter()
+                .map(|op| op.bytes().to_vec())
+                .collect::<Vec<_>>()
+        };
+        let mut streamed = Vec::new();
+        let summary = scan_stream(&mut io::Cursor::new(bytes), newest, None, &mut |f| {
+            streamed.push(ops(f));
+            Ok(())
+        })
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        let mut shared = Vec::new();
+        let in_place = scan_shared(Arc::new(bytes.to_vec()), newest, &mut |f| {
+            shared.push(ops(f));
+            Ok(())
+        })
+        .map_err(|e| TestCaseError::fail(e.to_string()))?;
+        Ok(((summary, streamed), (in_place, shared)))
+    }
+
     proptest! {
         /// Random frames, then a random cut or flipped byte: decoding never panics, and
         /// a damaged frame is never returned as good with different contents.
@@ -1854,6 +1966,9 @@ mod tests {
                         prop_assert!(!torn, "{:?}", scan.end);
                     }
                 }
+                // Scanning the bytes in place finds what streaming them finds.
+                let (streamed, in_place) = streamed_and_shared(&bytes, newest)?;
+                prop_assert_eq!(streamed, in_place);
             }
         }
     }

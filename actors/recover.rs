@@ -1,0 +1,138 @@
+//! Recovery's plan on every core: [`recovery::plan`] with the trees split over scoped
+//! threads. The core plans a run of trees exactly as it plans them all, so the parts,
+//! appended in order, are the plan one thread would have made.
+
+use crate::record::ProcRecord;
+use crate::recovery::{self, RecoveryPlan};
+
+/// Below this many records, planning stays on the calling thread.
+const PARALLEL_PLAN_MIN: usize = 4096;
+
+/// [`recovery::plan`] of `records`, the trees rebuilt on as many threads as there are
+/// cores (8 at most) when there are many: the same plan, sooner.
+pub fn plan(
+    records: Vec<ProcRecord>,
+    names: &(dyn Fn(&str) -> Option<&'static str> + Sync),
+    now_ms: u64,
+) -> RecoveryPlan {
+    let threads = if records.len() < PARALLEL_PLAN_MIN {
+        1
+    } else {
+        std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+    };
+    plan_on(records, names, now_ms, threads)
+}
+
+/// [`plan`] on `threads` threads.
+fn plan_on(
+    records: Vec<ProcRecord>,
+    names: &(dyn Fn(&str) -> Option<&'static str> + Sync),
+    now_ms: u64,
+    threads: usize,
+) -> RecoveryPlan {
+    let mut first = recovery::group_trees(records);
+    if threads <= 1 || first.len() < 2 {
+        return recovery::plan_trees(first, names, now_ms);
+    }
+    // Cut runs of trees off the end; this thread plans the first run.
+    let per_thread = first.len().div_ceil(threads);
+    let mut later = Vec::with_capacity(threads);
+    while first.len() > per_thread {
+        later.push(first.split_off(first.len() - per_thread));
+    }
+    later.reverse();
+    std::thread::scope(|scope| {
+        let workers: Vec<_> = later
+            .into_iter()
+            .map(|run| scope.spawn(move || recovery::plan_trees(run, names, now_ms)))
+            .collect();
+        let mut plan = recovery::plan_trees(first, names, now_ms);
+        for worker in workers {
+            let part = worker
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+            plan.append(part);
+        }
+        plan
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::procedure::{ProcId, ProcState};
+    use crate::record::Failure;
+    use crate::ProcError;
+
+    fn rec(id: u64, root: u64, parent: Option<u64>, state: ProcState, stack: &[u32]) -> ProcRecord {
+        let failed = state == ProcState::Failed;
+        ProcRecord {
+            id: ProcId(id),
+            parent: parent.map(ProcId),
+            root: ProcId(root),
+            type_name: if id.is_multiple_of(97) {
+                "unknown"
+            } else {
+                "t"
+            }
+            .into(),
+            state,
+            stack_indexes: stack.to_vec(),
+            failure: failed.then(|| Failure {
+                proc: ProcId(id),
+                type_name: "t".into(),
+                error: ProcError::failed("x"),
+            }),
+            failure_seq: failed.then_some(0),
+            submitted_ms: 0,
+            updated_ms: 0,
+            wake_at_ms: None,
+            event: None,
+            data: vec![],
+            locks: None,
+            deadline_ms: None,
+            nonce: None,
+            result: None,
+            bypassed: false,
+            steering: Default::default(),
+        }
+    }
+
+    /// Trees of every kind the plan sorts: running alone, waiting on a child, failed
+    /// (rolling back), finished, without a root, of an unknown type.
+    fn records() -> Vec<ProcRecord> {
+        let mut records = Vec::new();
+        for root in (1..600).step_by(3) {
+            let child = root + 1;
+            match root % 5 {
+                0 => records.push(rec(root, root, None, ProcState::Runnable, &[0])),
+                1 => {
+                    records.push(rec(root, root, None, ProcState::Waiting, &[0]));
+                    records.push(rec(child, root, Some(root), ProcState::Runnable, &[1]));
+                }
+                2 => {
+                    records.push(rec(root, root, None, ProcState::Failed, &[0, 1]));
+                }
+                3 => records.push(rec(root, root, None, ProcState::Success, &[0])),
+                _ => records.push(rec(child, root, Some(root), ProcState::Runnable, &[])),
+            }
+        }
+        records.sort_by_key(|r| r.id);
+        records
+    }
+
+    fn names(name: &str) -> Option<&'static str> {
+        (name == "t").then_some("t")
+    }
+
+    #[test]
+    fn a_plan_on_many_threads_is_the_plan_on_one() {
+        let alone = format!("{:?}", recovery::plan(records(), names, 5));
+        for threads in [1, 2, 3, 8] {
+            let split = plan_on(records(), &names, 5, threads);
+            assert!(split.trees.len() > 50 && !split.corrupt.is_empty());
+            assert!(!split.finished.is_empty());
+            assert_eq!(format!("{split:?}"), alone, "{threads} threads");
+        }
+    }
+}
