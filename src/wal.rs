@@ -94,8 +94,8 @@ use std::sync::Arc;
 use serde::ser::{SerializeSeq, Serializer as _};
 use serde::Deserialize;
 
-use crate::procedure::ProcId;
-use crate::record::{ProcRecord, StoreOp};
+use crate::procedure::{ProcId, ProcState};
+use crate::record::{ProcRecord, Steering, StoreOp};
 
 /// The first eight bytes of every segment.
 pub const MAGIC: [u8; 8] = *b"PRCTRWAL";
@@ -611,7 +611,10 @@ impl RawOp {
     /// another kind or procedure than its index said.
     pub fn decode(&self) -> Result<StoreOp, FrameError> {
         let bad = |what: String| FrameError::Payload(what);
-        let op: StoreOp = rmp_serde::from_slice(self.bytes()).map_err(|e| bad(e.to_string()))?;
+        let op: StoreOp = match decode_op_fast(self.bytes()) {
+            Some(op) => op,
+            None => rmp_serde::from_slice(self.bytes()).map_err(|e| bad(e.to_string()))?,
+        };
         check_op(&op).map_err(bad)?;
         let kind = OpKind::of(&op);
         if (kind, op.proc_id()) != (self.kind, self.id) {
@@ -773,6 +776,169 @@ fn index_op_fast(bytes: &[u8], at: usize) -> Option<(OpKind, ProcId, usize)> {
         id
     };
     Some((kind, ProcId(id), r.at))
+}
+
+/// How many fields a record has in the form the writer uses (the positional array of
+/// [`ProcRecord`]'s fields).
+const RECORD_FIELDS: u64 = 19;
+
+/// Decodes an op in the form the writer uses without serde's generic machinery: the
+/// fields every record has are read directly, the rare ones (a failure, locks, a nonce,
+/// a steering that is not the default) through serde from their own bytes. `None` for
+/// any other form or anything unexpected: the caller then decodes the op through serde,
+/// which gives the same op or the error. What this accepts, it decodes exactly as serde
+/// does (a property test holds it to that).
+fn decode_op_fast(bytes: &[u8]) -> Option<StoreOp> {
+    let mut r = MsgReader { bytes, at: 0 };
+    if r.byte()? != 0x81 {
+        return None;
+    }
+    let op = match r.fixstr()? {
+        b"Insert" => StoreOp::Insert(r.record()?),
+        b"Update" => StoreOp::Update(r.record()?),
+        b"Delete" => StoreOp::Delete(ProcId(r.uint()?)),
+        _ => return None,
+    };
+    (r.at == bytes.len()).then_some(op)
+}
+
+/// The encoding of each [`ProcState`], as serde writes it, to compare a record's state
+/// field against.
+fn state_encodings() -> &'static [(Vec<u8>, ProcState)] {
+    static STATES: std::sync::OnceLock<Vec<(Vec<u8>, ProcState)>> = std::sync::OnceLock::new();
+    STATES.get_or_init(|| {
+        [
+            ProcState::Initializing,
+            ProcState::Runnable,
+            ProcState::Waiting,
+            ProcState::WaitingTimeout,
+            ProcState::RolledBack,
+            ProcState::Success,
+            ProcState::Failed,
+            ProcState::Paused,
+            ProcState::RollbackPaused,
+        ]
+        .into_iter()
+        .filter_map(|s| Some((rmp_serde::to_vec(&s).ok()?, s)))
+        .collect()
+    })
+}
+
+impl MsgReader<'_> {
+    /// A record in the writer's form (see [`decode_op_fast`]).
+    fn record(&mut self) -> Option<ProcRecord> {
+        if self.array_len()? != RECORD_FIELDS {
+            return None;
+        }
+        Some(ProcRecord {
+            id: ProcId(self.uint()?),
+            parent: self.nil_or(Self::uint)?.map(ProcId),
+            root: ProcId(self.uint()?),
+            type_name: self.string()?,
+            state: self.state()?,
+            stack_indexes: self.stack_runs()?,
+            failure: self.nil_or(Self::serde)?,
+            failure_seq: self.nil_or(Self::uint)?,
+            submitted_ms: self.uint()?,
+            updated_ms: self.uint()?,
+            wake_at_ms: self.nil_or(Self::uint)?,
+            event: self.nil_or(Self::string)?,
+            data: self.bin()?,
+            locks: self.nil_or(Self::serde)?,
+            deadline_ms: self.nil_or(Self::uint)?,
+            nonce: self.nil_or(Self::serde)?,
+            result: self.nil_or(Self::bin)?,
+            bypassed: self.bool()?,
+            steering: self.steering()?,
+        })
+    }
+
+    /// `Some(None)` for nil, else the value `read` reads.
+    fn nil_or<T>(&mut self, read: impl FnOnce(&mut Self) -> Option<T>) -> Option<Option<T>> {
+        if self.bytes.get(self.at) == Some(&0xc0) {
+            self.at += 1;
+            return Some(None);
+        }
+        read(self).map(Some)
+    }
+
+    /// The next value, decoded through serde from its own bytes.
+    fn serde<T: serde::de::DeserializeOwned>(&mut self) -> Option<T> {
+        let start = self.at;
+        self.skip(1)?;
+        rmp_serde::from_slice(&self.bytes[start..self.at]).ok()
+    }
+
+    fn string(&mut self) -> Option<String> {
+        let len = match self.byte()? {
+            m @ 0xa0..=0xbf => u64::from(m & 0x1f),
+            0xd9 => self.be(1)?,
+            0xda => self.be(2)?,
+            0xdb => self.be(4)?,
+            _ => return None,
+        };
+        let bytes = self.take(usize::try_from(len).ok()?)?;
+        String::from_utf8(bytes.to_vec()).ok()
+    }
+
+    fn bin(&mut self) -> Option<Vec<u8>> {
+        let len = match self.byte()? {
+            0xc4 => self.be(1)?,
+            0xc5 => self.be(2)?,
+            0xc6 => self.be(4)?,
+            _ => return None,
+        };
+        Some(self.take(usize::try_from(len).ok()?)?.to_vec())
+    }
+
+    fn bool(&mut self) -> Option<bool> {
+        match self.byte()? {
+            0xc2 => Some(false),
+            0xc3 => Some(true),
+            _ => None,
+        }
+    }
+
+    fn state(&mut self) -> Option<ProcState> {
+        let rest = &self.bytes[self.at..];
+        let (encoding, state) = state_encodings()
+            .iter()
+            .find(|(encoding, _)| rest.starts_with(encoding))?;
+        self.at += encoding.len();
+        Some(*state)
+    }
+
+    /// The stack indexes, stored as `(first, count)` runs, with the checks of the
+    /// record's own decoder: `None` where it would refuse them.
+    fn stack_runs(&mut self) -> Option<Vec<u32>> {
+        let runs = self.array_len()?;
+        let mut indexes = Vec::new();
+        for _ in 0..runs {
+            if self.array_len()? != 2 {
+                return None;
+            }
+            let first = u32::try_from(self.uint()?).ok()?;
+            let count = u32::try_from(self.uint()?).ok()?;
+            let end = u64::from(first) + u64::from(count);
+            if end > u64::from(u32::MAX) + 1
+                || indexes.len() as u64 + u64::from(count) > u64::from(u32::MAX)
+            {
+                return None;
+            }
+            indexes.extend((u64::from(first)..end).map(|i| i as u32));
+        }
+        Some(indexes)
+    }
+
+    fn steering(&mut self) -> Option<Steering> {
+        // retries 0, not paused, not irreversible, not dirty.
+        const DEFAULT: [u8; 5] = [0x94, 0x00, 0xc0, 0xc2, 0xc2];
+        if self.bytes[self.at..].starts_with(&DEFAULT) {
+            self.at += DEFAULT.len();
+            return Some(Steering::default());
+        }
+        self.serde()
+    }
 }
 
 /// Just enough of a MessagePack reader to index ops: every read is bounds-checked and
@@ -1739,6 +1905,43 @@ mod tests {
             encode_raw_frame(FrameKind::Batch, 7, raw.iter().map(RawOp::bytes), &mut copied)
                 .unwrap();
             prop_assert_eq!(copied, out);
+        }
+    }
+
+    proptest! {
+        /// The direct decoder reads every op the writer writes, exactly as serde does;
+        /// on damaged bytes it either gives up or agrees with serde.
+        #[test]
+        fn the_direct_decoder_agrees_with_serde(
+            op in arb_rich_op(),
+            state in 0usize..9,
+            flags in (any::<bool>(), any::<bool>(), any::<bool>()),
+            flip in any::<prop::sample::Index>(),
+            bit in 0u8..8,
+        ) {
+            let mut op = op;
+            if let StoreOp::Insert(r) | StoreOp::Update(r) = &mut op {
+                let (irreversible, dirty, paused) = flags;
+                r.state = state_encodings()[state].1;
+                r.steering.irreversible = irreversible;
+                r.steering.dirty = dirty;
+                r.steering.paused = paused.then(|| {
+                    Box::new(crate::record::Paused {
+                        error: Some(ProcError::Aborted),
+                        policy: None,
+                        retries: r.steering.retries,
+                    })
+                });
+            }
+            let bytes = rmp_serde::to_vec(&op).unwrap();
+            prop_assert_eq!(decode_op_fast(&bytes), Some(op));
+            let mut damaged = bytes;
+            let i = flip.index(damaged.len());
+            damaged[i] ^= 1 << bit;
+            if let Some(fast) = decode_op_fast(&damaged) {
+                let slow = rmp_serde::from_slice::<StoreOp>(&damaged).ok();
+                prop_assert_eq!(slow, Some(fast));
+            }
         }
     }
 
