@@ -29,6 +29,9 @@
 //! A scan indexes each payload without decoding it ([`index_payload`]: each op's tag,
 //! the first field of its record, and its length), so that recovery decodes only the
 //! latest record of each procedure and compaction copies records forward as they are.
+//! That decoding reads a record in the writer's form directly (serde only for its rare
+//! fields: a failure, locks, a nonce, a paused or retried steering) and hands any other
+//! form to rmp-serde, which gives the same record.
 //!
 //! One frame is one `append` of the store, so a frame is the unit of atomicity: a crash
 //! leaves either the whole frame or a torn one, which recovery drops. A record is a full
