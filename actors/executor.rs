@@ -379,10 +379,10 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             }
         }
         let mut store = self.store.unwrap_or_else(|| Box::new(MemoryStore::new()));
-        let snapshot = store.load()?;
+        let snapshot = store.load_parts()?;
         let registry = self.registry.into_types();
         let names = |name: &str| registry.static_name(name);
-        let plan = super::recover::plan(snapshot.records, &names, now_ms());
+        let plan = super::recover::plan(snapshot.parts, &names, now_ms());
         let mut corrupt = plan.corrupt;
         // Decode every unfinished procedure before anything starts, so that hooks run
         // in the plan's order (children before parents) and a tree that cannot be

@@ -2,25 +2,68 @@
 //! threads. The core plans a run of trees exactly as it plans them all, so the parts,
 //! appended in order, are the plan one thread would have made.
 
+use crate::fast_map::merge_sorted;
 use crate::record::ProcRecord;
 use crate::recovery::{self, RecoveryPlan};
 
 /// Below this many records, planning stays on the calling thread.
 const PARALLEL_PLAN_MIN: usize = 4096;
 
-/// [`recovery::plan`] of `records`, the trees rebuilt on as many threads as there are
-/// cores (8 at most) when there are many: the same plan, sooner.
+/// [`recovery::plan`] of the records of `parts` (parts that no tree spans, as
+/// [`ProcedureStore::load_parts`](crate::ProcedureStore::load_parts) gives them), on as
+/// many threads as there are cores (8 at most) when there are many: the same plan,
+/// sooner. Several parts are planned each on a thread of its own and merged by root;
+/// one part is grouped into trees on this thread and runs of its trees are planned on
+/// several.
 pub fn plan(
-    records: Vec<ProcRecord>,
+    mut parts: Vec<Vec<ProcRecord>>,
     names: &(dyn Fn(&str) -> Option<&'static str> + Sync),
     now_ms: u64,
 ) -> RecoveryPlan {
+    if parts.len() > 1 {
+        return plan_parts(parts, names, now_ms);
+    }
+    let records = parts.pop().unwrap_or_default();
     let threads = if records.len() < PARALLEL_PLAN_MIN {
         1
     } else {
         std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
     };
     plan_on(records, names, now_ms, threads)
+}
+
+/// Each of `parts` planned on a thread of its own, the plans merged by root.
+fn plan_parts(
+    parts: Vec<Vec<ProcRecord>>,
+    names: &(dyn Fn(&str) -> Option<&'static str> + Sync),
+    now_ms: u64,
+) -> RecoveryPlan {
+    let mut parts = parts.into_iter();
+    let first = parts.next().unwrap_or_default();
+    let plans: Vec<RecoveryPlan> = std::thread::scope(|scope| {
+        let workers: Vec<_> = parts
+            .map(|part| scope.spawn(move || recovery::plan(part, names, now_ms)))
+            .collect();
+        let mut plans = vec![recovery::plan(first, names, now_ms)];
+        plans.extend(workers.into_iter().map(|worker| {
+            worker
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        }));
+        plans
+    });
+    let (mut trees, mut finished, mut corrupt) = (Vec::new(), Vec::new(), Vec::new());
+    for plan in plans {
+        trees.push(plan.trees);
+        finished.push(plan.finished);
+        corrupt.push(plan.corrupt);
+    }
+    // Each list is by root within a part, and a root is in one part only.
+    RecoveryPlan {
+        trees: merge_sorted(trees, |t| t.stack.root()),
+        finished: merge_sorted(finished, |r| r.id),
+        corrupt: merge_sorted(corrupt, |c| c.root),
+    }
 }
 
 /// [`plan`] on `threads` threads.
@@ -123,6 +166,20 @@ mod tests {
 
     fn names(name: &str) -> Option<&'static str> {
         (name == "t").then_some("t")
+    }
+
+    #[test]
+    fn a_plan_of_parts_is_the_plan_of_their_records() {
+        let alone = format!("{:?}", recovery::plan(records(), names, 5));
+        for parts in [2, 3, 8] {
+            // Split as a store splits them: by root, each part sorted by id.
+            let mut split = vec![Vec::new(); parts];
+            for r in records() {
+                split[(r.root.0 as usize * 7) % parts].push(r);
+            }
+            let planned = plan(split, &names, 5);
+            assert_eq!(format!("{planned:?}"), alone, "{parts} parts");
+        }
     }
 
     #[test]

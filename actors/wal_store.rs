@@ -47,8 +47,9 @@
 //!   interrupted roll, truncates a torn tail of the newest segment, reports each repair
 //!   in [`StoreSnapshot::repairs`], and stops with [`StoreError::Corrupt`] (file and
 //!   offset) on any other damage. Then it replays the ops: the latest op of each
-//!   procedure is kept as bytes and only the live ones are decoded, the procedures split
-//!   over the cores by a hash of their id when there are many. Until the replay ends,
+//!   procedure is kept as bytes and only the live ones are decoded, the trees split
+//!   over the cores by a hash of their root when there are many (the parts
+//!   [`ProcedureStore::load_parts`] hands over). Until the replay ends,
 //!   open holds the payloads of every segment (the log's size, which the bound above
 //!   limits) and an index entry of 32 bytes per op. The read-only scan
 //!   ([`scan_wal_dir`], `proctor wal verify`) streams instead: one frame in memory at a
@@ -64,7 +65,7 @@ use std::sync::Arc;
 use crate::fast_map::IdMap;
 use crate::procedure::ProcId;
 use crate::record::{ProcRecord, StoreOp};
-use crate::store::{ProcedureStore, StoreError, StoreSnapshot};
+use crate::store::{ProcedureStore, StoreError, StoreParts, StoreSnapshot};
 use crate::wal::{
     self, Frame, FrameError, FrameKind, OpKind, RawFrame, RawOp, ScanEnd, SegmentSummary,
 };
@@ -329,8 +330,8 @@ pub struct WalStore<F: WalFs = StdFs> {
     /// The bytes of all segment files.
     total_bytes: u64,
     max_id: u64,
-    /// What open found, handed out by the first `load`.
-    opened: Option<StoreSnapshot>,
+    /// What open found, handed out by the first `load` or `load_parts`.
+    opened: Option<StoreParts>,
     failed: Option<String>,
     buf: Vec<u8>,
     stats: WalStats,
@@ -954,8 +955,9 @@ struct Latest<'a> {
 
 /// What replaying the frames gives.
 struct Replayed {
-    /// The latest record of every live procedure, by id.
-    records: Vec<ProcRecord>,
+    /// The latest record of every live procedure, in parts that no tree spans, each
+    /// sorted by id.
+    parts: Vec<Vec<ProcRecord>>,
     /// Each live procedure's segment and the encoded size of its latest record.
     live: IdMap<ProcId, (u64, u32)>,
     /// The highest id an op names.
@@ -974,13 +976,15 @@ const PARALLEL_REPLAY_MIN: usize = 16_384;
 
 /// Replays the frames of `segments` (oldest first): keeps the latest op of each
 /// procedure, indexed, and decodes only the live ones, so a record that a later one
-/// supersedes costs its index, not its decoding. With many ops the procedures are split
-/// over the cores by a hash of their id: each thread walks every frame, keeps the ops of
-/// its own procedures and decodes them, and the parts, each sorted by id, are merged.
+/// supersedes costs its index, not its decoding. With many ops the trees are split over
+/// the cores by a hash of their root: each thread walks every frame, keeps the inserts
+/// and updates of its own trees and every delete, and decodes its live records, so the
+/// parts come out ready for a recovery that plans them on several threads
+/// ([`ProcedureStore::load_parts`]).
 ///
 /// # Errors
 /// [`StoreError::Corrupt`] naming the segment and frame of a record that does not
-/// decode (of the lowest id, as a replay in id order would meet it).
+/// decode (of the lowest id, as a replay in id order meets it first).
 fn replay(dir: &Path, segments: SegmentFrames) -> Result<Replayed, StoreError> {
     let ops: usize = segments
         .iter()
@@ -997,64 +1001,71 @@ fn replay(dir: &Path, segments: SegmentFrames) -> Result<Replayed, StoreError> {
 
 /// [`replay`] in `threads` parts.
 fn replay_on(dir: &Path, segments: SegmentFrames, threads: usize) -> Result<Replayed, StoreError> {
-    let frames = &segments;
-    let parts: Vec<_> = if threads == 1 {
-        vec![replay_part(dir, frames, 0, 1)]
-    } else {
-        std::thread::scope(|scope| {
-            let others: Vec<_> = (1..threads)
-                .map(|part| scope.spawn(move || replay_part(dir, frames, part, threads)))
-                .collect();
-            let mut parts = vec![replay_part(dir, frames, 0, threads)];
-            parts.extend(others.into_iter().map(|worker| {
-                worker
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            }));
-            parts
-        })
-    };
-    let mut ok = Vec::with_capacity(parts.len());
-    let mut first_error: Option<(ProcId, StoreError)> = None;
-    for part in parts {
-        match part {
-            Ok(part) => ok.push(part),
-            Err((id, e)) => {
-                if first_error.as_ref().is_none_or(|(first, _)| id < *first) {
-                    first_error = Some((id, e));
-                }
-            }
+    if threads > 1 {
+        if let Some(replayed) = split_replay(dir, &segments, threads) {
+            return Ok(replayed);
         }
+        // The parts do not add up: a procedure whose records name two roots is live in
+        // two parts, or a record does not decode (and which error a replay in order
+        // meets first is the one to report). The replay in order decides.
     }
-    if let Some((_, e)) = first_error {
-        return Err(e);
-    }
-    let live_count = ok.iter().map(|p| p.live.len()).sum();
-    let mut live = IdMap::with_capacity_and_hasher(live_count, Default::default());
-    let mut max_id = 0;
-    let mut sorted = Vec::with_capacity(ok.len());
-    for part in ok {
-        live.extend(part.live);
-        max_id = max_id.max(part.max_id);
-        sorted.push(part.records);
-    }
-    // The payloads are no longer needed: free them before the merge takes its memory.
-    drop(segments);
+    let part = replay_part(dir, &segments, 0, 1).map_err(|(_, e)| e)?;
     Ok(Replayed {
-        records: merge_by_id(sorted),
-        live,
-        max_id,
+        parts: vec![part.records],
+        live: part.live.into_iter().collect(),
+        max_id: part.max_id,
     })
 }
 
-/// Which of `parts` parts of a replay procedure `id` belongs to: a multiplicative hash,
-/// since ids often share a stride (a tree's children, every other root).
-fn part_of(id: ProcId, parts: usize) -> usize {
-    (id.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as usize % parts
+/// The replay in `parts` parts on scoped threads, or `None` if a part meets a record
+/// that does not decode or a procedure is live in two parts. Otherwise the parts give
+/// exactly what a replay in order gives: a procedure's inserts and updates after its
+/// last delete all name one root (or it would be live in two parts), so they are all
+/// in that root's part, in order.
+fn split_replay(dir: &Path, segments: &SegmentFrames, parts: usize) -> Option<Replayed> {
+    let results: Vec<_> = std::thread::scope(|scope| {
+        let others: Vec<_> = (1..parts)
+            .map(|part| scope.spawn(move || replay_part(dir, segments, part, parts)))
+            .collect();
+        let mut results = vec![replay_part(dir, segments, 0, parts)];
+        results.extend(others.into_iter().map(|worker| {
+            worker
+                .join()
+                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+        }));
+        results
+    });
+    let live_count = results
+        .iter()
+        .map(|part| part.as_ref().map_or(0, |p| p.live.len()))
+        .sum();
+    let mut replayed = Replayed {
+        parts: Vec::with_capacity(parts),
+        live: IdMap::with_capacity_and_hasher(live_count, Default::default()),
+        max_id: 0,
+    };
+    for part in results {
+        let part = part.ok()?;
+        for (id, at) in part.live {
+            if replayed.live.insert(id, at).is_some() {
+                return None;
+            }
+        }
+        replayed.max_id = replayed.max_id.max(part.max_id);
+        replayed.parts.push(part.records);
+    }
+    Some(replayed)
 }
 
-/// Part `part` of [`replay`]: the live procedures of that part, their records decoded
-/// and sorted by id; or the lowest id whose record does not decode, with the error.
+/// Which of `parts` parts of a replay the tree of root `root` belongs to: a
+/// multiplicative hash, since ids often share a stride (every other root, say).
+fn part_of(root: ProcId, parts: usize) -> usize {
+    (root.0.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as usize % parts
+}
+
+/// Part `part` of [`replay`]: the live procedures of the trees of that part, their
+/// records decoded and sorted by id; or the lowest id whose record does not decode,
+/// with the error.
 fn replay_part<'a>(
     dir: &Path,
     segments: &'a SegmentFrames,
@@ -1065,10 +1076,13 @@ fn replay_part<'a>(
     let mut max_id = 0;
     for (seq, frames) in segments {
         for frame in frames {
-            for op in frame.ops.iter().filter(|op| part_of(op.id, parts) == part) {
+            for op in &frame.ops {
                 max_id = max_id.max(op.id.0);
                 match op.kind {
                     OpKind::Insert | OpKind::Update => {
+                        if parts > 1 && part_of(op.root, parts) != part {
+                            continue;
+                        }
                         let at = Latest {
                             seq: *seq,
                             frame_offset: frame.offset,
@@ -1076,6 +1090,7 @@ fn replay_part<'a>(
                         };
                         latest.insert(op.id, at);
                     }
+                    // A delete names no root: every part applies it.
                     OpKind::Delete => {
                         latest.remove(&op.id);
                     }
@@ -1083,12 +1098,20 @@ fn replay_part<'a>(
             }
         }
     }
-
     let mut latest: Vec<Latest<'a>> = latest.into_values().collect();
     latest.sort_unstable_by_key(|l| l.op.id);
     let mut records = Vec::with_capacity(latest.len());
     for l in &latest {
         match l.op.decode() {
+            // The index may not have read the root (a record in another form): one
+            // that lands in another tree's part sends the replay back to order.
+            Ok(StoreOp::Insert(r) | StoreOp::Update(r)) if parts > 1 && r.root != l.op.root => {
+                let why = format!("indexed as root {}, its record says {}", l.op.root, r.root);
+                return Err((
+                    l.op.id,
+                    corrupt(&segment_path(dir, l.seq), l.frame_offset, why),
+                ));
+            }
             Ok(StoreOp::Insert(r) | StoreOp::Update(r)) => records.push(r),
             Ok(StoreOp::Delete(_)) => unreachable!("a delete is never live"),
             Err(e) => {
@@ -1105,30 +1128,6 @@ fn replay_part<'a>(
             .collect(),
         max_id,
     })
-}
-
-/// Merges parts each sorted by id into one sorted list, moving each record once.
-fn merge_by_id(mut parts: Vec<Vec<ProcRecord>>) -> Vec<ProcRecord> {
-    if parts.len() <= 1 {
-        return parts.pop().unwrap_or_default();
-    }
-    let mut merged = Vec::with_capacity(parts.iter().map(Vec::len).sum());
-    let mut parts: Vec<_> = parts
-        .into_iter()
-        .map(|p| p.into_iter().peekable())
-        .collect();
-    loop {
-        let next = parts
-            .iter_mut()
-            .enumerate()
-            .filter_map(|(i, p)| Some((p.peek()?.id, i)))
-            .min();
-        let Some(record) = next.and_then(|(_, i)| parts[i].next()) else {
-            break;
-        };
-        merged.push(record);
-    }
-    merged
 }
 
 impl WalStore<StdFs> {
@@ -1186,7 +1185,7 @@ impl<F: WalFs> WalStore<F> {
             return Err(damage);
         }
         let replayed = replay(&dir, segments)?;
-        let records = replayed.records;
+        let parts = replayed.parts;
         let mut repairs = Vec::new();
         for repair in &scan.repairs {
             match repair {
@@ -1264,8 +1263,8 @@ impl<F: WalFs> WalStore<F> {
             live_bytes,
             total_bytes,
             max_id,
-            opened: Some(StoreSnapshot {
-                records,
+            opened: Some(StoreParts {
+                parts,
                 max_id,
                 repairs,
             }),
@@ -1572,15 +1571,19 @@ impl<F: WalFs> ProcedureStore for WalStore<F> {
     }
 
     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
-        if let Some(snapshot) = self.opened.take() {
-            return Ok(snapshot);
+        self.load_parts().map(StoreParts::into_snapshot)
+    }
+
+    fn load_parts(&mut self) -> Result<StoreParts, StoreError> {
+        if let Some(parts) = self.opened.take() {
+            return Ok(parts);
         }
         let (scan, segments) = scan_for_replay(&self.fs, &self.dir)?;
         if let Some(damage) = scan.damage {
             return Err(damage);
         }
-        Ok(StoreSnapshot {
-            records: replay(&self.dir, segments)?.records,
+        Ok(StoreParts {
+            parts: replay(&self.dir, segments)?.parts,
             max_id: self.max_id,
             repairs: Vec::new(),
         })
@@ -1594,11 +1597,14 @@ mod tests {
     use super::*;
     use crate::procedure::ProcState;
 
+    /// Procedure `id`'s record: in the tree of root `id - id % 5` (itself for a
+    /// multiple of 5, and for ids below 5).
     fn record(id: u64, version: u64) -> ProcRecord {
+        let root = Some(id - id % 5).filter(|&r| r != 0 && r != id);
         ProcRecord {
             id: ProcId(id),
-            parent: None,
-            root: ProcId(id),
+            parent: root.map(ProcId),
+            root: ProcId(root.unwrap_or(id)),
             type_name: "t".into(),
             state: ProcState::Runnable,
             stack_indexes: (0..(version % 5) as u32).collect(),
@@ -1668,7 +1674,21 @@ mod tests {
         assert!(expected.len() > 100, "{} live", expected.len());
         for threads in [1, 2, 3, 8] {
             let replayed = replay_on(Path::new("wal"), segments.clone(), threads).unwrap();
-            assert_eq!(replayed.records, expected, "{threads} parts");
+            assert_eq!(replayed.parts.len(), threads);
+            // No tree spans two parts, and each part is sorted by id.
+            let mut part_of_root = BTreeMap::new();
+            for (i, part) in replayed.parts.iter().enumerate() {
+                assert!(part.windows(2).all(|w| w[0].id < w[1].id));
+                for r in part {
+                    assert_eq!(
+                        *part_of_root.entry(r.root).or_insert(i),
+                        i,
+                        "{threads} parts"
+                    );
+                }
+            }
+            let records = crate::fast_map::merge_sorted(replayed.parts, |r| r.id);
+            assert_eq!(records, expected, "{threads} parts");
             assert_eq!(replayed.live.len(), expected.len(), "{threads} parts");
             for r in &expected {
                 let (seq, size) = replayed.live[&r.id];
@@ -1729,11 +1749,67 @@ mod tests {
     }
 
     #[test]
-    fn merging_sorted_parts_keeps_the_order_by_id() {
-        let part = |ids: &[u64]| ids.iter().map(|&id| record(id, 0)).collect::<Vec<_>>();
-        let merged = merge_by_id(vec![part(&[2, 5, 9]), part(&[]), part(&[1, 6]), part(&[3])]);
-        let ids: Vec<u64> = merged.iter().map(|r| r.id.0).collect();
-        assert_eq!(ids, [1, 2, 3, 5, 6, 9]);
-        assert!(merge_by_id(Vec::new()).is_empty());
+    fn a_record_whose_root_the_index_cannot_read_is_replayed_in_order() {
+        let child = ProcRecord {
+            parent: Some(ProcId(3)),
+            root: ProcId(3),
+            ..record(50, 2)
+        };
+        // The tag, the array of 19 fields, id 50, then the parent 3: written as an int8
+        // instead of a fixint, a form serde reads and the index does not.
+        let mut op = rmp_serde::to_vec(&StoreOp::Update(child.clone())).unwrap();
+        let at = 1 + 7 + 3 + 1;
+        assert_eq!(op[at..at + 2], [0x03, 0x03]);
+        op.splice(at..=at, [0xd0, 0x03]);
+        let mut payload = vec![0x92];
+        payload.extend(rmp_serde::to_vec(&StoreOp::Insert(record(3, 0))).unwrap());
+        payload.extend(op);
+        let len = payload.len() as u64;
+        let ops = wal::index_payload(FrameKind::Batch, Arc::new(payload)).unwrap();
+        assert_eq!(ops[1].root, ProcId(50), "the index did not read the root");
+        let frame = RawFrame {
+            offset: 0,
+            len,
+            lsn: 1,
+            kind: FrameKind::Batch,
+            ops,
+        };
+        let threads = (2..)
+            .find(|&t| part_of(ProcId(50), t) != part_of(ProcId(3), t))
+            .unwrap();
+        let replayed = replay_on(Path::new("wal"), vec![(1, vec![frame])], threads).unwrap();
+        assert_eq!(replayed.parts.len(), 1, "replayed in order");
+        assert_eq!(replayed.parts[0], vec![record(3, 0), child]);
+    }
+
+    #[test]
+    fn a_procedure_whose_records_name_two_roots_is_replayed_in_order() {
+        // Procedure 50 inserted as a root, then updated as a child of 3 (a log no engine
+        // writes, but one that decodes): only its last record counts.
+        let threads = (2..)
+            .find(|&t| part_of(ProcId(50), t) != part_of(ProcId(3), t))
+            .unwrap();
+        let child = ProcRecord {
+            parent: Some(ProcId(3)),
+            root: ProcId(3),
+            ..record(50, 2)
+        };
+        let segments = vec![(
+            1,
+            vec![
+                frame(
+                    0,
+                    &[
+                        StoreOp::Insert(record(3, 0)),
+                        StoreOp::Insert(record(50, 1)),
+                    ],
+                ),
+                frame(90, &[StoreOp::Update(child.clone())]),
+            ],
+        )];
+        let replayed = replay_on(Path::new("wal"), segments, threads).unwrap();
+        let records = crate::fast_map::merge_sorted(replayed.parts, |r| r.id);
+        assert_eq!(records, vec![record(3, 0), child]);
+        assert_eq!(replayed.live.len(), 2);
     }
 }

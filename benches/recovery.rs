@@ -107,10 +107,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let started = Instant::now();
     let mut wal = WalStore::open(dir)?;
-    let snapshot = wal.load()?;
+    let loaded = wal.load_parts()?;
     let open_s = started.elapsed().as_secs_f64();
-    let live = snapshot.records.len();
-    let plan = plan_recovery(snapshot.records, &|n| (n == "bench").then_some("bench"), 0);
+    let live: usize = loaded.parts.iter().map(Vec::len).sum();
+    let plan = plan_recovery(loaded.parts, &|n| (n == "bench").then_some("bench"), 0);
     let recover_s = started.elapsed().as_secs_f64();
     assert_eq!(plan.trees.len() as u64, procs - procs / 2);
     assert!(plan.corrupt.is_empty());

@@ -61,6 +61,41 @@ pub struct StoreSnapshot {
     pub repairs: Vec<String>,
 }
 
+/// [`StoreSnapshot`]'s records split for a recovery on several threads
+/// ([`ProcedureStore::load_parts`]): parts that no tree spans (the records that name the
+/// same `root` are in one part), each sorted by id.
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct StoreParts {
+    /// The latest record per live procedure, in parts.
+    pub parts: Vec<Vec<ProcRecord>>,
+    /// As [`StoreSnapshot::max_id`].
+    pub max_id: u64,
+    /// As [`StoreSnapshot::repairs`].
+    pub repairs: Vec<String>,
+}
+
+impl StoreParts {
+    /// The snapshot these parts make: every record, by id.
+    pub fn into_snapshot(self) -> StoreSnapshot {
+        StoreSnapshot {
+            records: crate::fast_map::merge_sorted(self.parts, |r| r.id),
+            max_id: self.max_id,
+            repairs: self.repairs,
+        }
+    }
+}
+
+impl From<StoreSnapshot> for StoreParts {
+    /// One part: the snapshot's records.
+    fn from(snapshot: StoreSnapshot) -> StoreParts {
+        StoreParts {
+            parts: vec![snapshot.records],
+            max_id: snapshot.max_id,
+            repairs: snapshot.repairs,
+        }
+    }
+}
+
 /// Durable storage for procedure records.
 ///
 /// Contract for implementations:
@@ -99,6 +134,17 @@ pub trait ProcedureStore: Send + 'static {
     /// and offset) for damage the store cannot repair. An executor does not start on
     /// either ([`Error::Store`](crate::Error::Store)).
     fn load(&mut self) -> Result<StoreSnapshot, StoreError>;
+
+    /// [`load`](ProcedureStore::load) in parts that no tree spans, for a recovery that
+    /// plans the parts on several threads (the executor's start). A store that finds
+    /// its records on several threads (the [`WalStore`](crate::WalStore)) can hand them
+    /// over so, without merging them first. The default is one part, `load`'s records.
+    ///
+    /// # Errors
+    /// As [`load`](ProcedureStore::load).
+    fn load_parts(&mut self) -> Result<StoreParts, StoreError> {
+        self.load().map(StoreParts::from)
+    }
 }
 
 impl ProcedureStore for Box<dyn ProcedureStore> {
@@ -112,6 +158,10 @@ impl ProcedureStore for Box<dyn ProcedureStore> {
 
     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
         (**self).load()
+    }
+
+    fn load_parts(&mut self) -> Result<StoreParts, StoreError> {
+        (**self).load_parts()
     }
 }
 

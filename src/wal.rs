@@ -591,6 +591,10 @@ pub struct RawOp {
     pub kind: OpKind,
     /// The procedure it is about.
     pub id: ProcId,
+    /// The root its record names, as the index read it: for a delete (which names no
+    /// root), or a record too short or in another form for the index to read its root,
+    /// its own id. Only the decoded record is sure.
+    pub root: ProcId,
     payload: Arc<Vec<u8>>,
     start: u32,
     len: u32,
@@ -701,12 +705,13 @@ fn index_payload_in(
     let (count, mut at) = array_header(bytes)?;
     let mut ops = Vec::with_capacity(count);
     for i in 0..count {
-        let (kind, id, end) = index_op(bytes, at)
+        let (kind, id, root, end) = index_op(bytes, at)
             .map_err(|why| FrameError::Payload(format!("op {i} at payload byte {at}: {why}")))?;
         check_id(id).map_err(FrameError::Payload)?;
         ops.push(RawOp {
             kind,
             id,
+            root,
             payload: Arc::clone(&buf),
             start: (base + at) as u32,
             len: (end - at) as u32,
@@ -747,16 +752,25 @@ fn array_header(payload: &[u8]) -> Result<(usize, usize), FrameError> {
 
 /// The kind, procedure and end of the op at `at`: read from the tag and the record's
 /// first field when the op has the form [`encode_frame`] writes, else decoded.
-fn index_op(bytes: &[u8], at: usize) -> Result<(OpKind, ProcId, usize), String> {
+fn index_op(bytes: &[u8], at: usize) -> Result<(OpKind, ProcId, ProcId, usize), String> {
     if let Some(found) = index_op_fast(bytes, at) {
         return Ok(found);
     }
     let mut de = rmp_serde::Deserializer::new(io::Cursor::new(&bytes[at..]));
     let op = StoreOp::deserialize(&mut de).map_err(|e| e.to_string())?;
-    Ok((OpKind::of(&op), op.proc_id(), at + de.position() as usize))
+    let root = match &op {
+        StoreOp::Insert(r) | StoreOp::Update(r) => r.root,
+        StoreOp::Delete(id) => *id,
+    };
+    Ok((
+        OpKind::of(&op),
+        op.proc_id(),
+        root,
+        at + de.position() as usize,
+    ))
 }
 
-fn index_op_fast(bytes: &[u8], at: usize) -> Option<(OpKind, ProcId, usize)> {
+fn index_op_fast(bytes: &[u8], at: usize) -> Option<(OpKind, ProcId, ProcId, usize)> {
     let mut r = MsgReader { bytes, at };
     if r.byte()? != 0x81 {
         return None;
@@ -767,18 +781,37 @@ fn index_op_fast(bytes: &[u8], at: usize) -> Option<(OpKind, ProcId, usize)> {
         b"Delete" => OpKind::Delete,
         _ => return None,
     };
-    let id = if kind == OpKind::Delete {
-        r.uint()?
+    let (id, root) = if kind == OpKind::Delete {
+        let id = r.uint()?;
+        (id, id)
     } else {
+        // The record's first fields: its id, its parent (nil or an id), its root. A
+        // record too short or in another form to say its root is indexed as its own
+        // root: decoding it tells (see `RawOp::root`).
         let fields = r.array_len()?;
         if fields == 0 {
             return None;
         }
         let id = r.uint()?;
-        r.skip(fields - 1)?;
-        id
+        let after_id = r.at;
+        let root = if fields >= 3 {
+            r.nil_or(MsgReader::uint).and_then(|_| r.uint())
+        } else {
+            None
+        };
+        match root {
+            Some(root) => {
+                r.skip(fields - 3)?;
+                (id, root)
+            }
+            None => {
+                r.at = after_id;
+                r.skip(fields - 1)?;
+                (id, id)
+            }
+        }
     };
-    Some((kind, ProcId(id), r.at))
+    Some((kind, ProcId(id), ProcId(root), r.at))
 }
 
 /// How many fields a record has in the form the writer uses (the positional array of
@@ -1898,6 +1931,11 @@ mod tests {
             prop_assert_eq!(raw.len(), ops.len());
             for ((raw, op), size) in raw.iter().zip(&ops).zip(&sizes) {
                 prop_assert_eq!(raw.id, op.proc_id());
+                let root = match op {
+                    StoreOp::Insert(r) | StoreOp::Update(r) => r.root,
+                    StoreOp::Delete(id) => *id,
+                };
+                prop_assert_eq!(raw.root, root);
                 prop_assert_eq!(raw.size(), *size);
                 prop_assert_eq!(&raw.decode().unwrap(), op);
                 // The fast path read it: decoding agrees.

@@ -32,7 +32,7 @@ use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
 use proctor::{
     Executor, MemoryStore, ProcId, ProcState, ProcedureStore, StateMachine, StoreError, StoreOp,
-    StoreSnapshot, WalOptions, WalStats, WalStore,
+    StoreParts, StoreSnapshot, WalOptions, WalStats, WalStore,
 };
 use tokio::sync::Semaphore;
 
@@ -55,6 +55,10 @@ impl ProcedureStore for ProbedWal {
 
     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
         self.wal.load()
+    }
+
+    fn load_parts(&mut self) -> Result<StoreParts, StoreError> {
+        self.wal.load_parts()
     }
 }
 
