@@ -439,8 +439,9 @@ impl<E: ?Sized> Context<E> {
     }
 
     /// In [`Procedure::rollback`]: `true` when this call undoes a step that may have
-    /// started before a crash but was never recorded (recovery adds one such call for
-    /// each procedure that may have been mid-step when its tree had already failed).
+    /// started before a crash but was never recorded (one such call for each procedure
+    /// that may have been mid-step at the crash, when its tree fails before that step
+    /// runs again), or a step that failed unrecorded and was retried or paused.
     /// The procedure's state is the one from before that step. A procedure whose
     /// rollback undoes "everything the next step could have done" can ignore this.
     pub fn is_unrecorded_step(&self) -> bool {

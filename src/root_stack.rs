@@ -551,6 +551,19 @@ impl RootStack {
         let ids: Vec<ProcId> = tree.nodes.iter().map(|(&id, _)| id).collect();
         for id in ids {
             let node = &tree.nodes[&id];
+            let runs_again = match node.state {
+                ProcState::Runnable | ProcState::Initializing => true,
+                ProcState::Waiting => node.event.is_none() && node.pending_children == 0,
+                _ => false,
+            };
+            if runs_again {
+                // It may have been in the middle of a step the crash kept from being
+                // recorded. If the tree fails before that step runs again, its rollback
+                // undoes it first, as it would have had the tree failed before the crash
+                // (the step, run again and recorded or failed, clears this).
+                tree.node_mut(id).steering.dirty = true;
+            }
+            let node = &tree.nodes[&id];
             match node.state {
                 ProcState::Runnable | ProcState::Initializing => tree.enqueue(&mut t, id, false),
                 ProcState::Waiting if node.event.is_some() => {
@@ -665,8 +678,11 @@ impl RootStack {
                 // locks it holds for its life go now — recorded first, so that
                 // recovery does not grant them back beside whoever takes them next.
                 let node = self.node_mut(id);
+                // Unless a step of it may have run unrecorded (a retry, or a crash): then
+                // it is rolled back, holding them.
+                let undone = node.stack_indexes.is_empty() && !node.steering.dirty;
                 let held = node.locks.as_mut().filter(|c| c.for_life && c.held);
-                if let (true, Some(claim)) = (node.stack_indexes.is_empty(), held) {
+                if let (true, Some(claim)) = (undone, held) {
                     claim.held = false;
                     self.persist_update(&mut t, id, report.data, now_ms);
                     t.actions.push(Action::Release(id));
@@ -2116,5 +2132,61 @@ mod tests {
         };
         assert_eq!(r.locks.as_ref().map(|c| c.held), Some(false));
         assert_eq!(r.data, vec![2]);
+    }
+
+    #[test]
+    fn a_step_a_crash_may_have_cut_off_is_undone_if_the_tree_fails_before_it_runs_again() {
+        use crate::locks::Lock;
+        let life = LockClaim {
+            locks: vec![Lock::shared("t/r")],
+            for_life: true,
+            held: false,
+        };
+        let report = |id: u64, outcome| StepReport {
+            id: ProcId(id),
+            outcome,
+            data: vec![id as u8],
+            result: None,
+            irreversible: false,
+            on_error: None,
+        };
+        // Before the crash: 1 starts 2 (which holds a lock for its life, and then runs
+        // a step the crash keeps from being recorded) and 3.
+        let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
+        let mut persisted = t.persist;
+        let children =
+            StepOutcome::Children(vec![new(2, vec![], Some(life)), new(3, vec![], None)]);
+        persisted.extend(rs.on_step(report(1, children), 1).persist);
+        persisted.extend(rs.on_locks_held(ProcId(2), vec![2], 2).persist);
+        let mut records: Vec<ProcRecord> = Vec::new();
+        for op in persisted {
+            if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
+                records.retain(|x| x.id != r.id);
+                records.push(r);
+            }
+        }
+        // After it: both run again, and 3 fails before 2's step has run.
+        let (mut rs, start) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+        let mut seen = vec![start.to_string()];
+        seen.push(
+            rs.on_step(report(3, StepOutcome::Failed(ProcError::failed("x"))), 11)
+                .to_string(),
+        );
+        seen.push(rs.on_step(report(2, StepOutcome::Skipped), 12).to_string());
+        seen.push(rs.on_rolled_back(ProcId(2), Ok(vec![2]), 13).to_string());
+        seen.push(rs.on_rolled_back(ProcId(3), Ok(vec![3]), 14).to_string());
+        seen.push(rs.on_rolled_back(ProcId(1), Ok(vec![1]), 15).to_string());
+        assert_eq!(
+            seen,
+            [
+                " | spawn 1, spawn 2, spawn 3, run 2, run 3",
+                "U3:FAILED[1] | ",
+                // 2 keeps the lock it holds for its life: its rollback runs inside it.
+                " | rollback 2 unrecorded",
+                "U2:ROLLEDBACK[] | stop 2, rollback 3",
+                "U3:ROLLEDBACK[] | stop 3, rollback 1",
+                "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 3:x",
+            ]
+        );
     }
 }

@@ -938,11 +938,18 @@ fn check_engine_locks(history: &[Ev]) {
             _ => {}
         }
     }
-    assert!(
-        inside.is_empty(),
-        "inside engine locks at the end: {:?}",
-        inside.keys().collect::<Vec<_>>()
-    );
+    if let Some((name, (id, _, _, since, _))) = inside.iter().next() {
+        let ids: Vec<ProcId> = inside
+            .values()
+            .flat_map(|hold| [hold.0, root_of.get(&hold.0).copied().unwrap_or(hold.0)])
+            .collect();
+        panic!(
+            "inside engine locks at the end: {:?} ({name} ({id}) since event {since}); their \
+             last events:\n{}",
+            inside.keys().collect::<Vec<_>>(),
+            excerpt(history, &ids, 60)
+        );
+    }
 }
 
 /// The last `n` events about the procedures `ids` (or trees they are the root of), and
