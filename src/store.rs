@@ -64,6 +64,14 @@ pub struct StoreSnapshot {
 /// [`StoreSnapshot`]'s records split for a recovery on several threads
 /// ([`ProcedureStore::load_parts`]): parts that no tree spans (the records that name the
 /// same `root` are in one part), each sorted by id.
+///
+/// ```
+/// use proctor::{MemoryStore, ProcedureStore};
+/// let mut store = MemoryStore::new();
+/// let loaded = store.load_parts().unwrap();
+/// assert_eq!(loaded.parts.len(), 1); // a store that does not split: one part
+/// assert!(loaded.into_snapshot().records.is_empty());
+/// ```
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct StoreParts {
     /// The latest record per live procedure, in parts.

@@ -55,6 +55,43 @@ fn reopen_gives_back_the_latest_records() {
     assert_eq!(wal.load().unwrap().max_id, 2);
 }
 
+/// A log big enough for open to replay it in parts: `load` gives exactly the model's
+/// records, and `load_parts` the same records in parts that no tree spans, each by id.
+#[test]
+fn a_large_log_loads_whole_and_in_parts() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut model = MemoryStore::new();
+    {
+        let mut wal = WalStore::open(dir.path()).unwrap();
+        for first in (1..=6_000u64).step_by(3) {
+            let (root, a, b) = (first, first + 1, first + 2);
+            let mut ops = vec![StoreOp::Insert(record(root, root, 0))];
+            ops.extend([a, b].map(|c| StoreOp::Insert(record(c, root, 0))));
+            for version in 1..=3 {
+                ops.extend([root, a, b].map(|id| StoreOp::Update(record(id, root, version))));
+            }
+            if root % 4 == 1 {
+                ops.push(StoreOp::Delete(ProcId(a)));
+            }
+            append(&mut wal, &mut model, ops);
+        }
+    }
+    let expected = model.load().unwrap();
+    let mut wal = WalStore::open(dir.path()).unwrap();
+    let loaded = wal.load_parts().unwrap();
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    assert_eq!(loaded.parts.len(), threads);
+    let mut part_of_root = std::collections::BTreeMap::new();
+    for (i, part) in loaded.parts.iter().enumerate() {
+        assert!(part.windows(2).all(|w| w[0].id < w[1].id));
+        for r in part {
+            assert_eq!(*part_of_root.entry(r.root).or_insert(i), i);
+        }
+    }
+    assert_eq!(loaded.into_snapshot(), expected);
+    assert_eq!(wal.load().unwrap(), expected);
+}
+
 #[test]
 fn churn_leaves_a_few_segments_and_long_waiters_survive() {
     let dir = tempfile::tempdir().unwrap();
