@@ -51,7 +51,8 @@
 //!   over the cores by a hash of their root when there are many (the parts
 //!   [`ProcedureStore::load_parts`] hands over). Until the replay ends,
 //!   open holds the payloads of every segment (the log's size, which the bound above
-//!   limits) and an index entry of 32 bytes per op. The read-only scan
+//!   limits) and an index entry of 40 bytes per op; a segment file above 64 MiB is
+//!   streamed on the opening thread rather than read whole. The read-only scan
 //!   ([`scan_wal_dir`], `proctor wal verify`) streams instead: one frame in memory at a
 //!   time.
 
