@@ -2102,23 +2102,31 @@ mod tests {
         assert_eq!(last(&t), (ProcState::RolledBack, vec![8]));
     }
 
-    #[test]
-    fn a_skipped_holder_that_never_ran_gives_up_its_locks_in_the_record_first() {
-        use crate::locks::Lock;
-        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
-        let life = LockClaim {
-            locks: vec![Lock::exclusive("t/r")],
+    /// A claim on `lock` held for the procedure's life, not yet granted.
+    fn for_life(lock: crate::locks::Lock) -> LockClaim {
+        LockClaim {
+            locks: vec![lock],
             for_life: true,
             held: false,
-        };
-        let report = |id: u64, outcome| StepReport {
+        }
+    }
+
+    /// A step report of `id` whose state is then `[id]`.
+    fn report(id: u64, outcome: StepOutcome) -> StepReport {
+        StepReport {
             id: ProcId(id),
             outcome,
             data: vec![id as u8],
             result: None,
             irreversible: false,
             on_error: None,
-        };
+        }
+    }
+
+    #[test]
+    fn a_skipped_holder_that_never_ran_gives_up_its_locks_in_the_record_first() {
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        let life = for_life(crate::locks::Lock::exclusive("t/r"));
         let children =
             StepOutcome::Children(vec![new(2, vec![], Some(life)), new(3, vec![], None)]);
         rs.on_step(report(1, children), 1);
@@ -2136,20 +2144,7 @@ mod tests {
 
     #[test]
     fn a_step_a_crash_may_have_cut_off_is_undone_if_the_tree_fails_before_it_runs_again() {
-        use crate::locks::Lock;
-        let life = LockClaim {
-            locks: vec![Lock::shared("t/r")],
-            for_life: true,
-            held: false,
-        };
-        let report = |id: u64, outcome| StepReport {
-            id: ProcId(id),
-            outcome,
-            data: vec![id as u8],
-            result: None,
-            irreversible: false,
-            on_error: None,
-        };
+        let life = for_life(crate::locks::Lock::shared("t/r"));
         // Before the crash: 1 starts 2 (which holds a lock for its life, and then runs
         // a step the crash keeps from being recorded) and 3.
         let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
