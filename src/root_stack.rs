@@ -2184,4 +2184,27 @@ mod tests {
             ]
         );
     }
+
+    #[test]
+    fn a_retried_holder_whose_retry_is_skipped_is_rolled_back_inside_its_locks() {
+        let policy = FailurePolicy::RetryThenRollback {
+            times: 3,
+            backoff_ms: 100,
+        };
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        let life = for_life(crate::locks::Lock::exclusive("t/r"));
+        let children =
+            StepOutcome::Children(vec![new(2, vec![], Some(life)), new(3, vec![], None)]);
+        rs.on_step(report(1, children), 1);
+        rs.on_locks_held(ProcId(2), vec![2], 2);
+        // 2's step fails and is retried; before the retry starts, 3 fails the tree.
+        let retry = rs.on_step(failed_with(2, policy), 3).to_string();
+        assert!(retry.starts_with("U2:WAITING_TIMEOUT[]"), "{retry}");
+        assert_eq!(rs.on_wake(ProcId(2)).to_string(), " | run 2");
+        rs.on_step(report(3, StepOutcome::Failed(ProcError::failed("x"))), 4);
+        // The retry is skipped, but the failed attempt may have left effects: 2 keeps
+        // its lock and its rollback undoes that attempt first.
+        let t = rs.on_step(report(2, StepOutcome::Skipped), 5);
+        assert_eq!(t.to_string(), " | rollback 2 unrecorded");
+    }
 }
