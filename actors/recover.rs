@@ -1,6 +1,7 @@
 //! Recovery's plan on every core: [`recovery::plan`] with the trees split over scoped
 //! threads. The core plans a run of trees exactly as it plans them all, so the parts,
-//! appended in order, are the plan one thread would have made.
+//! appended in order, are the plan one thread would have made. Also the scoped-thread
+//! helpers the WAL store's open shares ([`cores`], [`on_threads`], [`joined`]).
 
 use crate::fast_map::merge_sorted;
 use crate::record::ProcRecord;
@@ -8,6 +9,35 @@ use crate::recovery::{self, RecoveryPlan};
 
 /// Below this many records, planning stays on the calling thread.
 const PARALLEL_PLAN_MIN: usize = 4096;
+
+/// How many threads recovery works on: one per core, 8 at most.
+pub(crate) fn cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+}
+
+/// `work` on each of `items`: the first on this thread, each other on a scoped thread
+/// of its own; the results in the order of the items.
+pub(crate) fn on_threads<T: Send, R: Send>(items: Vec<T>, work: impl Fn(T) -> R + Sync) -> Vec<R> {
+    let mut items = items.into_iter();
+    let Some(first) = items.next() else {
+        return Vec::new();
+    };
+    let work = &work;
+    std::thread::scope(|scope| {
+        let others: Vec<_> = items.map(|item| scope.spawn(move || work(item))).collect();
+        let mut results = Vec::with_capacity(others.len() + 1);
+        results.push(work(first));
+        results.extend(others.into_iter().map(joined));
+        results
+    })
+}
+
+/// A scoped worker's result; its panic goes on in this thread.
+pub(crate) fn joined<R>(worker: std::thread::ScopedJoinHandle<'_, R>) -> R {
+    worker
+        .join()
+        .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+}
 
 /// [`recovery::plan`] of the records of `parts` (parts that no tree spans, as
 /// [`ProcedureStore::load_parts`](crate::ProcedureStore::load_parts) gives them), on as
@@ -27,7 +57,7 @@ pub fn plan(
     let threads = if records.len() < PARALLEL_PLAN_MIN {
         1
     } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+        cores()
     };
     plan_on(records, names, now_ms, threads)
 }
@@ -38,20 +68,7 @@ fn plan_parts(
     names: &(dyn Fn(&str) -> Option<&'static str> + Sync),
     now_ms: u64,
 ) -> RecoveryPlan {
-    let mut parts = parts.into_iter();
-    let first = parts.next().unwrap_or_default();
-    let plans: Vec<RecoveryPlan> = std::thread::scope(|scope| {
-        let workers: Vec<_> = parts
-            .map(|part| scope.spawn(move || recovery::plan(part, names, now_ms)))
-            .collect();
-        let mut plans = vec![recovery::plan(first, names, now_ms)];
-        plans.extend(workers.into_iter().map(|worker| {
-            worker
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-        }));
-        plans
-    });
+    let plans = on_threads(parts, |part| recovery::plan(part, names, now_ms));
     let (mut trees, mut finished, mut corrupt) = (Vec::new(), Vec::new(), Vec::new());
     for plan in plans {
         trees.push(plan.trees);
@@ -77,27 +94,20 @@ fn plan_on(
     if threads <= 1 || first.len() < 2 {
         return recovery::plan_trees(first, names, now_ms);
     }
-    // Cut runs of trees off the end; this thread plans the first run.
+    // Cut runs of trees off the end, then put them back in order.
     let per_thread = first.len().div_ceil(threads);
-    let mut later = Vec::with_capacity(threads);
+    let mut runs = Vec::with_capacity(threads);
     while first.len() > per_thread {
-        later.push(first.split_off(first.len() - per_thread));
+        runs.push(first.split_off(first.len() - per_thread));
     }
-    later.reverse();
-    std::thread::scope(|scope| {
-        let workers: Vec<_> = later
-            .into_iter()
-            .map(|run| scope.spawn(move || recovery::plan_trees(run, names, now_ms)))
-            .collect();
-        let mut plan = recovery::plan_trees(first, names, now_ms);
-        for worker in workers {
-            let part = worker
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
-            plan.append(part);
-        }
-        plan
-    })
+    runs.push(first);
+    runs.reverse();
+    let mut plans = on_threads(runs, |run| recovery::plan_trees(run, names, now_ms)).into_iter();
+    let mut plan = plans.next().unwrap_or_default();
+    for later in plans {
+        plan.append(later);
+    }
+    plan
 }
 
 #[cfg(test)]

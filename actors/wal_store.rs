@@ -878,7 +878,7 @@ fn index_segments<F: WalFs>(
         })?;
         Ok(IndexedSegment { summary, frames })
     };
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
+    let threads = super::recover::cores();
     if threads == 1 || files.len() < 2 {
         return files
             .iter()
@@ -939,9 +939,7 @@ impl Indexing<'_> {
     /// The segment indexed; a worker's panic goes on in this thread.
     fn joined(self) -> Result<IndexedSegment, StoreError> {
         match self {
-            Indexing::Running(worker) => worker
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic)),
+            Indexing::Running(worker) => super::recover::joined(worker),
             Indexing::Done(indexed) => indexed,
         }
     }
@@ -995,7 +993,7 @@ fn replay(dir: &Path, segments: SegmentFrames) -> Result<Replayed, StoreError> {
     let threads = if ops < PARALLEL_REPLAY_MIN {
         1
     } else {
-        std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
+        super::recover::cores()
     };
     replay_on(dir, segments, threads)
 }
@@ -1024,17 +1022,8 @@ fn replay_on(dir: &Path, segments: SegmentFrames, threads: usize) -> Result<Repl
 /// last delete all name one root (or it would be live in two parts), so they are all
 /// in that root's part, in order.
 fn split_replay(dir: &Path, segments: &SegmentFrames, parts: usize) -> Option<Replayed> {
-    let results: Vec<_> = std::thread::scope(|scope| {
-        let others: Vec<_> = (1..parts)
-            .map(|part| scope.spawn(move || replay_part(dir, segments, part, parts)))
-            .collect();
-        let mut results = vec![replay_part(dir, segments, 0, parts)];
-        results.extend(others.into_iter().map(|worker| {
-            worker
-                .join()
-                .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-        }));
-        results
+    let results = super::recover::on_threads((0..parts).collect(), |part| {
+        replay_part(dir, segments, part, parts)
     });
     let live_count = results
         .iter()

@@ -8,5 +8,5 @@ pub mod recovery;
 #[path = "wal.rs"]
 pub mod wal;
 
-/// [`recovery::plan`] on every core, as the executor plans its recovery.
+/// [`recovery::plan`] of a store's parts ([`ProcedureStore::load_parts`](crate::ProcedureStore::load_parts)) on every core, as the executor plans its recovery.
 pub use crate::actors::recover::plan as plan_recovery;
