@@ -483,7 +483,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                         updated_ms: record.updated_ms,
                         tree: None,
                         extra: EntryExtra {
-                            result: Some(record.failure.map_or(Ok(()), |f| Err(Box::new(f)))),
+                            result: Some(record.failure.map_or(Ok(()), Err)),
                             value: record.result,
                             nonce: record.nonce,
                         }

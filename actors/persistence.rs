@@ -39,7 +39,7 @@ pub(crate) struct Persistence {
     pending_ops: Vec<StoreOp>,
     pending_acks: Vec<DurableAck>,
     /// Emptied buffers of the last batch written: a batch reuses them rather than
-    /// growing new ones op by op (an op is a whole record, about half a kilobyte).
+    /// growing new ones op by op (an op is a whole record, about 300 bytes).
     spare_ops: Vec<StoreOp>,
     spare_acks: Vec<DurableAck>,
     in_flight: bool,

@@ -131,10 +131,12 @@ mod tests {
             .into(),
             state,
             stack_indexes: stack.to_vec(),
-            failure: failed.then(|| Failure {
-                proc: ProcId(id),
-                type_name: "t".into(),
-                error: ProcError::failed("x"),
+            failure: failed.then(|| {
+                Box::new(Failure {
+                    proc: ProcId(id),
+                    type_name: "t".into(),
+                    error: ProcError::failed("x"),
+                })
             }),
             failure_seq: failed.then_some(0),
             submitted_ms: 0,

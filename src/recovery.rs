@@ -140,11 +140,11 @@ pub fn abort(records: &[ProcRecord], id: ProcId, now_ms: u64) -> Result<Vec<Stor
         return Err(format!("tree {root} is already rolling back: {first}"));
     }
     let record = ProcRecord {
-        failure: Some(Failure {
+        failure: Some(Box::new(Failure {
             proc: id,
             type_name: target.type_name.clone(),
             error: ProcError::Aborted,
-        }),
+        })),
         failure_seq: Some(0),
         updated_ms: now_ms,
         ..target.clone()
@@ -333,10 +333,12 @@ mod tests {
             type_name: "t".into(),
             state,
             stack_indexes: stack.to_vec(),
-            failure: (state == ProcState::Failed).then(|| Failure {
-                proc: ProcId(id),
-                type_name: "t".into(),
-                error: ProcError::failed("x"),
+            failure: (state == ProcState::Failed).then(|| {
+                Box::new(Failure {
+                    proc: ProcId(id),
+                    type_name: "t".into(),
+                    error: ProcError::failed("x"),
+                })
             }),
             failure_seq: (state == ProcState::Failed).then_some(id),
             submitted_ms: 0,

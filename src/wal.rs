@@ -1541,11 +1541,11 @@ mod tests {
             type_name: "t".into(),
             state: ProcState::Runnable,
             stack_indexes: vec![0, 3],
-            failure: Some(Failure {
+            failure: Some(Box::new(Failure {
                 proc: ProcId(id),
                 type_name: "t".into(),
                 error: ProcError::Aborted,
-            }),
+            })),
             failure_seq: Some(0),
             submitted_ms: 1,
             updated_ms: 2,
@@ -1894,10 +1894,12 @@ mod tests {
                     r.wake_at_ms = when;
                     r.deadline_ms = when.map(|w| w / 2);
                     r.result = result;
-                    r.failure = fail.then(|| Failure {
-                        proc: ProcId(id),
-                        type_name: "t".repeat(retries as usize % 50 + 1),
-                        error: ProcError::Failed("é".repeat(retries as usize % 20)),
+                    r.failure = fail.then(|| {
+                        Box::new(Failure {
+                            proc: ProcId(id),
+                            type_name: "t".repeat(retries as usize % 50 + 1),
+                            error: ProcError::Failed("é".repeat(retries as usize % 20)),
+                        })
                     });
                     r.nonce = fail.then_some(crate::Nonce {
                         group: id,

@@ -423,7 +423,7 @@ impl<S: ProcedureStore> ProcedureStore for Recording<S> {
                     root: r.root,
                     state: r.state,
                     stack: r.stack_indexes.clone(),
-                    failure: r.failure.clone(),
+                    failure: r.failure.as_deref().cloned(),
                 });
             }
         }

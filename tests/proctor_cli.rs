@@ -435,14 +435,14 @@ fn write_trees(dir: &Path) {
         },
         ProcRecord {
             stack_indexes: vec![],
-            failure: Some(failure(21, "disk full")),
+            failure: Some(Box::new(failure(21, "disk full"))),
             failure_seq: Some(0),
             ..node(20, None, 20, ProcState::RolledBack, 0)
         },
         node(30, None, 30, ProcState::Waiting, 0),
         ProcRecord {
             type_name: "assign_region".into(),
-            failure: Some(failure(31, "boom")),
+            failure: Some(Box::new(failure(31, "boom"))),
             failure_seq: Some(0),
             ..node(31, Some(30), 30, ProcState::Failed, 1)
         },

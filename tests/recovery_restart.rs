@@ -355,7 +355,7 @@ async fn after_a_restart_the_result_is_the_first_recorded_failure() {
             drop(store);
             let (second, _rec) = common::start(open(), 2).await;
             let result = second.wait(root).await.unwrap().unwrap_err();
-            assert_eq!(result, first_failed, "{name}");
+            assert_eq!(result, *first_failed, "{name}");
             second.shutdown_now().await.unwrap();
         }
     }
