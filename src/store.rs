@@ -4,7 +4,6 @@
 //! The engine talks to storage only through this trait, from one place (the persistence
 //! actor, on a thread of its own), so implementations need no internal concurrency.
 
-use std::collections::btree_map::Entry;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -177,6 +176,10 @@ impl ProcedureStore for Box<dyn ProcedureStore> {
 /// A store in memory: nothing survives the process, but clones share one map, so a test
 /// can stop an executor and start another on the same store to exercise recovery.
 ///
+/// It keeps each procedure's latest record encoded as the WAL store writes it, so a
+/// record costs its encoding (about a hundred bytes for a small state) and what `load`
+/// gives back has been through the same codec as a record read from disk.
+///
 /// ```
 /// use proctor::{MemoryStore, ProcedureStore};
 /// let mut store = MemoryStore::new();
@@ -199,27 +202,43 @@ impl std::fmt::Debug for MemoryStore {
 
 #[derive(Default)]
 struct MemoryInner {
-    /// Boxed: a B-tree's nodes are half empty after inserts in id order, and a record
-    /// is 300 bytes; boxed, the empty slots cost 16 bytes each, not 300.
-    records: BTreeMap<ProcId, Box<ProcRecord>>,
+    /// Each live procedure's latest op, encoded as the WAL encodes it (MessagePack,
+    /// positional). A record kept so costs its encoding, about a hundred bytes, where a
+    /// decoded one costs 300 and its strings; and what `load` returns has been through
+    /// the codec a record read back from disk has been through.
+    records: BTreeMap<ProcId, Box<[u8]>>,
     max_id: u64,
 }
 
 impl MemoryInner {
-    fn apply(&mut self, op: StoreOp) {
-        self.max_id = self.max_id.max(op.proc_id().0);
-        match op {
-            StoreOp::Insert(r) | StoreOp::Update(r) => match self.records.entry(r.id) {
-                // The box is reused: an update allocates nothing.
-                Entry::Occupied(mut e) => **e.get_mut() = r,
-                Entry::Vacant(e) => {
-                    e.insert(Box::new(r));
+    /// Applies `ops` in order, all or none (an op that does not encode stops the batch
+    /// before anything is applied).
+    fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
+        let encoded = ops
+            .iter()
+            .map(|op| match op {
+                StoreOp::Insert(r) | StoreOp::Update(r) => rmp_serde::to_vec(op)
+                    .map(|bytes| Some(bytes.into_boxed_slice()))
+                    .map_err(|e| StoreError::Io {
+                        context: format!("encoding the record of procedure {}", r.id),
+                        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+                    }),
+                StoreOp::Delete(_) => Ok(None),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        for (op, bytes) in ops.iter().zip(encoded) {
+            let id = op.proc_id();
+            self.max_id = self.max_id.max(id.0);
+            match bytes {
+                Some(bytes) => {
+                    self.records.insert(id, bytes);
                 }
-            },
-            StoreOp::Delete(id) => {
-                self.records.remove(&id);
+                None => {
+                    self.records.remove(&id);
+                }
             }
         }
+        Ok(())
     }
 }
 
@@ -238,29 +257,25 @@ impl MemoryStore {
 
 impl ProcedureStore for MemoryStore {
     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
-        let mut inner = self.lock();
-        for op in ops {
-            inner.apply(op.clone());
-        }
-        Ok(())
-    }
-
-    fn append_owned(&mut self, ops: &mut Vec<StoreOp>) -> Result<(), StoreError> {
-        let mut inner = self.lock();
-        for op in ops.drain(..) {
-            inner.apply(op);
-        }
-        Ok(())
+        self.lock().append(ops)
     }
 
     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
         let inner = self.lock();
+        let records = inner
+            .records
+            .iter()
+            .map(|(id, bytes)| match crate::wal::decode_op(bytes) {
+                Ok(StoreOp::Insert(r) | StoreOp::Update(r)) => Ok(r),
+                Ok(StoreOp::Delete(_)) | Err(_) => Err(StoreError::Corrupt {
+                    file: "memory".into(),
+                    offset: 0,
+                    reason: format!("the record of procedure {id} does not decode"),
+                }),
+            })
+            .collect::<Result<_, _>>()?;
         Ok(StoreSnapshot {
-            records: inner
-                .records
-                .values()
-                .map(|r| ProcRecord::clone(r))
-                .collect(),
+            records,
             max_id: inner.max_id,
             repairs: Vec::new(),
         })

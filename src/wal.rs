@@ -618,10 +618,7 @@ impl RawOp {
     /// another kind or procedure than its index said.
     pub fn decode(&self) -> Result<StoreOp, FrameError> {
         let bad = |what: String| FrameError::Payload(what);
-        let op: StoreOp = match decode_op_fast(self.bytes()) {
-            Some(op) => op,
-            None => rmp_serde::from_slice(self.bytes()).map_err(|e| bad(e.to_string()))?,
-        };
+        let op = decode_op(self.bytes())?;
         check_op(&op).map_err(bad)?;
         let kind = OpKind::of(&op);
         if (kind, op.proc_id()) != (self.kind, self.id) {
@@ -633,6 +630,18 @@ impl RawOp {
             )));
         }
         Ok(op)
+    }
+}
+
+/// Decodes one op encoded as a frame holds it (`rmp_serde`'s positional form): the
+/// direct decoder, serde for any other form.
+///
+/// # Errors
+/// [`FrameError::Payload`] if it does not decode.
+pub fn decode_op(bytes: &[u8]) -> Result<StoreOp, FrameError> {
+    match decode_op_fast(bytes) {
+        Some(op) => Ok(op),
+        None => rmp_serde::from_slice(bytes).map_err(|e| FrameError::Payload(e.to_string())),
     }
 }
 
