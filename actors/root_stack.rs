@@ -89,6 +89,15 @@ struct Rare {
     quiesce: Vec<oneshot::Sender<()>>,
 }
 
+/// What a root stack starts with. The actor is in every tree's task, so these few
+/// words live in a box that goes once the tree has started.
+struct Start {
+    /// The submit's (or recovery's) transition, applied when the actor starts.
+    initial: Option<Transition>,
+    /// Answered once the root's insert is durable and it is queued.
+    submit_ack: Option<oneshot::Sender<Result<ProcId, Error>>>,
+}
+
 pub(crate) struct RootStackActor {
     core: RootStack,
     shared: Arc<Shared>,
@@ -102,22 +111,21 @@ pub(crate) struct RootStackActor {
     me: Option<TreeAddr>,
     /// What few trees ever need: boxed, as every tree's actor lives in a task.
     rare: Option<Box<Rare>>,
-    /// New procedures, started once their insert is durable.
-    unspawned: Objects,
+    /// New procedures, started once their insert is durable. Boxed, and `None` while
+    /// there are none (nearly always).
+    unspawned: Option<Box<Objects>>,
     status: Arc<TreeStatus>,
     /// Transitions in the order they were made; actions run strictly in that order.
     pending: Lent<Pending>,
-    /// Answered once the root's insert is durable and it is queued.
-    submit_ack: Option<oneshot::Sender<Result<ProcId, Error>>>,
-    /// The submit's transition, applied when the actor starts.
-    initial: Option<Box<Transition>>,
+    /// What the actor starts with, dropped once the root's insert is durable.
+    start: Option<Box<Start>>,
     /// How many transitions have had their actions performed.
     performed: usize,
     /// Rebuilt by recovery: the first cells it makes are recovered procedures.
     recovered: bool,
     /// Steps handed to the scheduler whose `StepDone` has not come back. Each holds (or
     /// waits for) a worker that only this actor frees.
-    dispatched: usize,
+    dispatched: u32,
     /// The tree's result, published once every stop has been answered.
     result: Option<Box<Result<(), Failure>>>,
     /// Set when nothing more can be made durable: the tree is cut off like in a crash.
@@ -139,7 +147,9 @@ impl RootStackActor {
         let mut unspawned = Objects::default();
         unspawned.insert(id, (proc, data));
         let mut actor = Self::new(shared, core, t, unspawned);
-        actor.submit_ack = Some(ack);
+        if let Some(start) = &mut actor.start {
+            start.submit_ack = Some(ack);
+        }
         actor
     }
 
@@ -176,11 +186,13 @@ impl RootStackActor {
             flushing: false,
             me: None,
             rare: None,
-            unspawned,
+            unspawned: (!unspawned.is_empty()).then(|| Box::new(unspawned)),
             status,
             pending: Lent::default(),
-            submit_ack: None,
-            initial: Some(Box::new(t)),
+            start: Some(Box::new(Start {
+                initial: Some(t),
+                submit_ack: None,
+            })),
             performed: 0,
             recovered: false,
             dispatched: 0,
@@ -296,16 +308,15 @@ impl RootStackActor {
                 let _ = ack.send(());
             }
         }
-        if let Some(ack) = self.submit_ack.take() {
-            if self.performed > 0 {
+        // The initial transition is durable and performed: the tree has started.
+        if self.performed > 0 {
+            if let Some(ack) = self.start.take().and_then(|s| s.submit_ack) {
                 let _ = ack.send(Ok(self.core.root()));
                 if self.shared.has_subscribers() {
                     self.shared
                         .news
                         .do_send(TreeNews::Submitted(self.core.root()));
                 }
-            } else {
-                self.submit_ack = Some(ack);
             }
         }
     }
@@ -482,7 +493,11 @@ impl RootStackActor {
     }
 
     fn spawn(&mut self, id: ProcId, ctx: &mut Context<Self>) {
-        let Some((proc, data)) = self.unspawned.remove(&id) else {
+        let object = self.unspawned.as_mut().and_then(|u| u.remove(&id));
+        if self.unspawned.as_ref().is_some_and(|u| u.is_empty()) {
+            self.unspawned = None;
+        }
+        let Some((proc, data)) = object else {
             unreachable!("spawn of {id}, which has no object");
         };
         let shared = self.shared.clone();
@@ -638,10 +653,10 @@ impl RootStackActor {
         self.status.set_halted();
         // Steps waiting for locks are queued to report themselves skipped.
         self.shared.scheduler.do_send(TreeFailed(root));
-        if let Some(ack) = self.submit_ack.take() {
+        if let Some(ack) = self.start.take().and_then(|s| s.submit_ack) {
             let _ = ack.send(Err(e.duplicate()));
         }
-        for p in self.pending.drain(..) {
+        for p in self.pending.take_all() {
             for (ack, _) in p.acks {
                 let _ = ack.send(Err(e.duplicate()));
             }
@@ -650,7 +665,7 @@ impl RootStackActor {
         for ack in waiters.flat_map(|(_, acks)| acks) {
             let _ = ack.send(Err(e.duplicate()));
         }
-        self.unspawned.clear();
+        self.unspawned = None;
         self.result = None;
         self.shared.finished.do_send(TreeFinished {
             root,
@@ -674,7 +689,7 @@ impl Actor for RootStackActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        if let Some(t) = self.initial.take().map(|t| *t) {
+        if let Some(t) = self.start.as_mut().and_then(|s| s.initial.take()) {
             self.apply(t, None, ctx);
         }
         let rerun = self.rare.as_mut().map(|r| std::mem::take(&mut r.rerun));
@@ -737,11 +752,13 @@ impl RootStackActor {
         self.dispatched -= 1;
         let id = msg.report.id;
         if self.halted.is_none() {
-            self.unspawned.extend(
-                msg.children
-                    .into_iter()
-                    .map(|(id, proc)| (id, (proc, Vec::new()))),
-            );
+            if !msg.children.is_empty() {
+                self.unspawned.get_or_insert_default().extend(
+                    msg.children
+                        .into_iter()
+                        .map(|(id, proc)| (id, (proc, Vec::new()))),
+                );
+            }
             if let Some(t) = self.core(
                 "step report",
                 |core| core.on_step(msg.report, now_ms()),
@@ -750,7 +767,8 @@ impl RootStackActor {
                 // Children keep their encoded state for their cell's "last good" copy.
                 for op in &t.persist {
                     if let StoreOp::Insert(r) = op {
-                        if let Some(entry) = self.unspawned.get_mut(&r.id) {
+                        let unspawned = self.unspawned.as_deref_mut();
+                        if let Some(entry) = unspawned.and_then(|u| u.get_mut(&r.id)) {
                             entry.1.clone_from(&r.data);
                         }
                     }
@@ -1134,4 +1152,25 @@ fn apply_rows(shared: &Shared, rows: Vec<Row>) {
 /// `List` and `Abort`.
 pub(crate) fn publish(shared: &Shared, ops: &[StoreOp], tree: &TreeAddr) {
     apply_rows(shared, rows(shared, ops, Some(tree)));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn an_idle_trees_task_fits_five_cache_line_pairs() {
+        // Every tree's actor lives in a tokio task whose cell is aligned to 128 bytes: a
+        // 32-byte header, the scheduler and the task id (16), the future (the actix
+        // context with this actor inside) and a 48-byte trailer, rounded up to 128. At
+        // 544 bytes for the future the cell is 640 bytes; a few more words make it 768
+        // for every idle tree (BENCHMARKS.md, "bytes per idle procedure").
+        let future =
+            std::mem::size_of::<actix::dev::ContextFut<RootStackActor, Context<RootStackActor>>>();
+        assert!(
+            future + 32 + 16 + 48 <= 640,
+            "the task's future is {future} bytes"
+        );
+    }
 }

@@ -74,6 +74,10 @@ impl<K: Ord + Copy, V> SortedMap<K, V> {
         Some(value)
     }
 
+    pub(crate) fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
     pub(crate) fn clear(&mut self) {
         self.0 = Vec::new();
     }

@@ -346,7 +346,8 @@ pub struct RootStack {
     root: ProcId,
     nodes: NodeMap,
     stack: Vec<StackEntry>,
-    running: usize,
+    /// Procedures of the tree with a step or rollback in progress.
+    running: u32,
     /// The first failure. Boxed: most trees never fail, and a `Failure` is 100 bytes.
     failure: Option<Box<Failure>>,
     /// How many procedures of the tree have failed: the next failure's `failure_seq`.
