@@ -109,6 +109,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut wal = WalStore::open(dir)?;
     let loaded = wal.load_parts()?;
     let open_s = started.elapsed().as_secs_f64();
+    let open_peak_rss_mb = rss::peak_rss_mb().round();
     let live: usize = loaded.parts.iter().map(Vec::len).sum();
     let plan = plan_recovery(loaded.parts, &|n| (n == "bench").then_some("bench"), 0);
     let recover_s = started.elapsed().as_secs_f64();
@@ -124,6 +125,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "raw_read_s": (raw_s * 10000.0).round() / 10000.0,
         "recover_over_raw_read": (recover_s / raw_s.max(1e-9) * 10.0).round() / 10.0,
         "live_procs": live,
+        "open_peak_rss_mb": open_peak_rss_mb,
         "peak_rss_mb": rss::peak_rss_mb().round(),
     });
     if let Some(w) = written {

@@ -114,6 +114,9 @@ struct Args {
     /// Concurrent steps (the executor's workers).
     #[arg(long, default_value_t = 64)]
     workers: usize,
+    /// Threads the root stacks are spread over (default: the engine's, one per core).
+    #[arg(long)]
+    arbiters: Option<usize>,
     /// Each root (and its children) holds an exclusive lock on one of N resources
     /// (`res/<k>`); every step checks that no other tree is inside it (JSON:
     /// `lock_conflicts`, which must be 0).
@@ -268,6 +271,9 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .registry(registry())
         .workers(args.workers)
         .env(env.clone());
+    if let Some(n) = args.arbiters {
+        builder = builder.arbiters(n);
+    }
     if let Some(ms) = args.retention_ms {
         builder = builder
             .retention(Duration::from_millis(ms))
