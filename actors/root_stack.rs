@@ -435,7 +435,7 @@ impl RootStackActor {
                         id,
                         root,
                         state,
-                        why,
+                        why: *why,
                     };
                     self.shared.news.do_send(news);
                 }
@@ -486,7 +486,7 @@ impl RootStackActor {
                         tracing::warn!(root = self.core.root().0, %failure, "tree rolled back")
                     }
                 }
-                self.result = Some(Box::new(result));
+                self.result = Some(Box::new(result.map_err(|f| *f)));
                 self.publish_result(ctx);
             }
         }

@@ -249,6 +249,8 @@ pub fn plan_trees(
     now_ms: u64,
 ) -> RecoveryPlan {
     let mut plan = RecoveryPlan::default();
+    // Nearly every group is a tree to carry on: one allocation, no regrowth.
+    plan.trees.reserve_exact(groups.len());
     for (root, mut group) in groups {
         let corrupt = |group: &[ProcRecord], reason: String| -> Vec<CorruptProc> {
             group
