@@ -113,21 +113,29 @@ pub(crate) struct ProcedureCell {
     /// A step returned Done: nothing more to abort.
     done: bool,
     lock_held: bool,
-    /// Aborts that arrived while a step ran, answered when it ends.
-    pending_aborts: Vec<AbortAck>,
-    /// The timeout expired while a step ran.
-    pending_timeout: bool,
+    /// What arrived while a call ran, and an operator's pause: rare, so boxed (a cell
+    /// is in every live procedure's tree, idle or not).
+    pending: Option<Box<Pending>>,
     /// The running step's cancellation signal, raised by an abort that arrives meanwhile.
     step_cancel: Option<Cancel>,
     /// The signal steps get, reused from step to step until one is raised.
     cancel: Option<Cancel>,
-    /// An operator asked it to pause: report its next step as paused, not run.
-    pause_next: bool,
     /// The procedure's span (id, root, parent, type): the parent of its step and
     /// rollback spans, so whatever user code logs carries them.
     span: tracing::Span,
     /// `proctor_step_duration_seconds` for its type, registered once.
     step_seconds: ::metrics::Histogram,
+}
+
+/// What arrived for a cell while a call into user code ran, and an operator's pause.
+#[derive(Default)]
+struct Pending {
+    /// Aborts, answered when the call ends.
+    aborts: Vec<AbortAck>,
+    /// The timeout expired.
+    timeout: bool,
+    /// An operator asked it to pause: report its next step as paused, not run.
+    pause_next: bool,
 }
 
 /// A call into user code in progress, counted by the graceful shutdown's drain until
@@ -190,11 +198,9 @@ impl ProcedureCell {
             failed: false,
             done: false,
             lock_held: false,
-            pending_aborts: Vec::new(),
-            pending_timeout: false,
+            pending: None,
             step_cancel: None,
             cancel: None,
-            pause_next: false,
         }
     }
 
@@ -520,10 +526,25 @@ impl ProcedureCell {
                 if cell.proc.is_some() {
                     cell.expire(out, ctx);
                 } else {
-                    cell.pending_timeout = true;
+                    cell.pending().timeout = true;
                 }
             });
         });
+    }
+
+    fn pending(&mut self) -> &mut Pending {
+        self.pending.get_or_insert_with(Box::default)
+    }
+
+    /// Frees the box once nothing is pending.
+    fn tidy_pending(&mut self) {
+        if self
+            .pending
+            .as_ref()
+            .is_some_and(|p| p.aborts.is_empty() && !p.timeout && !p.pause_next)
+        {
+            self.pending = None;
+        }
     }
 
     fn finished_error(&self, state: ProcState) -> Error {
@@ -532,17 +553,24 @@ impl ProcedureCell {
 
     /// Answers aborts and a timeout that arrived while a step or rollback ran.
     fn settle_pending(&mut self, out: &mut Outbox, ctx: &mut Context<RootStackActor>) {
+        let (timeout, aborts) = match self.pending.as_deref_mut() {
+            Some(p) => (
+                std::mem::take(&mut p.timeout),
+                std::mem::take(&mut p.aborts),
+            ),
+            None => return,
+        };
+        self.tidy_pending();
         if self.status.halted() {
-            self.pending_timeout = false;
-            for ack in std::mem::take(&mut self.pending_aborts) {
+            for ack in aborts {
                 let _ = ack.send(Err(Error::Stopped));
             }
             return;
         }
-        if std::mem::take(&mut self.pending_timeout) {
+        if timeout {
             self.expire(out, ctx);
         }
-        for ack in std::mem::take(&mut self.pending_aborts) {
+        for ack in aborts {
             self.request_failure(Some(ack), out);
         }
     }
@@ -593,7 +621,12 @@ impl ProcedureCell {
             self.report(StepOutcome::Skipped, self.data.clone(), out);
             return;
         }
-        if std::mem::take(&mut self.pause_next) {
+        let pause = self
+            .pending
+            .as_mut()
+            .is_some_and(|p| std::mem::take(&mut p.pause_next));
+        if pause {
+            self.tidy_pending();
             // A step boundary: the pause takes effect, and the step runs when an
             // operator continues it.
             self.report(StepOutcome::Paused, self.data.clone(), out);
@@ -776,7 +809,7 @@ impl ProcedureCell {
             if let Some(cancel) = &self.step_cancel {
                 cancel.cancel();
             }
-            self.pending_aborts.push(ack);
+            self.pending().aborts.push(ack);
         } else {
             self.request_failure(Some(ack), out);
         }
@@ -802,7 +835,8 @@ impl ProcedureCell {
                 tracing::error!(proc = %self.id, %e, "completion_cleanup panicked");
             }
         }
-        for ack in std::mem::take(&mut self.pending_aborts) {
+        let aborts = self.pending.take().map(|p| p.aborts).unwrap_or_default();
+        for ack in aborts {
             let _ = ack.send(Err(self.finished_error(state)));
         }
     }
@@ -811,7 +845,10 @@ impl ProcedureCell {
     /// its failure policy): a pause asked again meanwhile is answered, so it must not
     /// pause the step after a continue.
     pub(crate) fn forget_pause(&mut self) {
-        self.pause_next = false;
+        if let Some(p) = &mut self.pending {
+            p.pause_next = false;
+        }
+        self.tidy_pending();
     }
 
     /// An operator asked the procedure to pause: its next step is not run but reported
@@ -823,7 +860,7 @@ impl ProcedureCell {
             out.push_back(Report::PauseNow(PauseNow { id: self.id, data }));
             return;
         }
-        self.pause_next = true;
+        self.pending().pause_next = true;
     }
 
     /// The procedure's failed attempt is discarded (a failure policy retries or pauses
