@@ -217,12 +217,15 @@ impl MemoryInner {
         let encoded = ops
             .iter()
             .map(|op| match op {
-                StoreOp::Insert(r) | StoreOp::Update(r) => rmp_serde::to_vec(op)
-                    .map(|bytes| Some(bytes.into_boxed_slice()))
-                    .map_err(|e| StoreError::Io {
-                        context: format!("encoding the record of procedure {}", r.id),
-                        source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
-                    }),
+                StoreOp::Insert(r) | StoreOp::Update(r) => {
+                    let mut bytes = Vec::with_capacity(128);
+                    crate::wal::encode_op(op, &mut bytes)
+                        .map(|()| Some(bytes.into_boxed_slice()))
+                        .map_err(|e| StoreError::Io {
+                            context: format!("encoding the record of procedure {}", r.id),
+                            source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
+                        })
+                }
                 StoreOp::Delete(_) => Ok(None),
             })
             .collect::<Result<Vec<_>, _>>()?;
