@@ -31,7 +31,9 @@
 //! latest record of each procedure and compaction copies records forward as they are.
 //! That decoding reads a record in the writer's form directly (serde only for its rare
 //! fields: a failure, locks, a nonce, a paused or retried steering) and hands any other
-//! form to rmp-serde, which gives the same record.
+//! form to rmp-serde, which gives the same record. The writer's form is written the
+//! same way ([`encode_op`]): byte for byte what rmp-serde writes, without its generic
+//! machinery for the fields every record has.
 //!
 //! One frame is one `append` of the store, so a frame is the unit of atomicity: a crash
 //! leaves either the whole frame or a torn one, which recovery drops. A record is a full
