@@ -409,8 +409,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         });
         super::metrics::describe();
         let persistence = Persistence::new(store)
-            .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
-            .start();
+            .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?;
         let views = Arc::new(SchedulerViews {
             fair: self.scheduling == Scheduling::Fair,
             ..SchedulerViews::default()
@@ -424,6 +423,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             self.monitor,
             self.permits,
             views.clone(),
+            persistence,
         )
         .start();
         // Locks held for life when the engine stopped go back to their holders, roots
@@ -461,7 +461,6 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 env,
                 views,
                 scheduler,
-                persistence,
                 ctx.address().recipient(),
                 ctx.address().recipient(),
                 handles,
@@ -1543,9 +1542,10 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         let more = batch.len() == EVICT_BATCH;
         self.evicting = true;
         let (ack, durable) = oneshot::channel();
-        self.shared.persistence.do_send(Persist {
+        self.shared.scheduler.do_send(Persist {
             ops: batch.iter().map(|&id| StoreOp::Delete(id)).collect(),
             ack: DurableAck::Caller(ack),
+            finished: None,
         });
         let done = async move { durable.await.unwrap_or(Err(Error::Stopped)) };
         ctx.spawn(done.into_actor(self).map(move |result, act, ctx| {
@@ -1577,7 +1577,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
             tracing::error!(error = %e, "executor stopped accepting work");
             if matches!(e, Error::Internal(_)) {
                 // Stop every other tree at its next write, as a store failure does.
-                self.shared.persistence.do_send(Refuse(e.to_string()));
+                self.shared.scheduler.do_send(Refuse(e.to_string()));
             }
             let _ = self.shared.broken_error.set(e.duplicate());
             self.shared.broken.cancel();
@@ -2070,7 +2070,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         }
         // Their streams end.
         self.subscribers.clear();
-        let persistence = self.shared.persistence.clone();
+        let scheduler = self.shared.scheduler.clone();
         let owned_system = self.owned_system;
         // Joined off the actor threads: a call into user code that is in the middle of a
         // poll finishes it, and then nothing of this executor runs any more when
@@ -2090,7 +2090,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 let _ = threads_gone.await;
             }
             // Errors mean it has stopped already.
-            let _ = persistence.send(StopWriter).await;
+            let _ = scheduler.send(StopWriter).await;
             if owned_system {
                 System::current().stop();
             }

@@ -1,4 +1,4 @@
-//! The persistence actor: the one door to the [`ProcedureStore`], with group commit.
+//! Group commit in front of the [`ProcedureStore`], owned by the scheduler actor.
 //!
 //! Appends that arrive while a batch is being written wait in `pending` and go out
 //! together as the next batch: one `append` (one write and one sync, for the WAL) per
@@ -6,14 +6,19 @@
 //! dedicated writer thread, so a slow disk never blocks an actor thread. Every waiter is
 //! answered only after its batch is durable, in the order the appends arrived.
 //!
-//! After a failed append the actor fails every later append: the state of the storage
-//! is unknown, and acknowledging anything more could lose an acknowledged step.
+//! It is not an actor of its own: the scheduler holds it, so a root stack's append and
+//! the end of the step that caused it travel as one message (`Persist` with its
+//! `finished` step), and the scheduler's mailbox orders appends and scheduling alike.
+//! The scheduler polls each batch's completion as one of its futures and hands it back
+//! ([`Persistence::done`]).
+//!
+//! After a failed append it fails every later append: the state of the storage is
+//! unknown, and acknowledging anything more could lose an acknowledged step.
 
 use std::sync::mpsc;
 use std::thread;
 use std::time::Instant;
 
-use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::error::Error;
@@ -22,12 +27,22 @@ use crate::store::{ProcedureStore, StoreError};
 
 use super::metrics;
 use super::perturb;
-use super::protocol::{DurableAck, Persist, Refuse, StopWriter};
+use super::protocol::DurableAck;
 
 struct Batch {
     ops: Vec<StoreOp>,
     /// The result, and the batch's `Vec` emptied, for the next batch to reuse.
-    done: oneshot::Sender<(Result<(), StoreError>, Vec<StoreOp>)>,
+    done: oneshot::Sender<BatchResult>,
+}
+
+/// What the writer thread answers for a batch: the append's result and the batch's
+/// emptied buffer.
+pub(crate) type BatchResult = (Result<(), StoreError>, Vec<StoreOp>);
+
+/// A batch handed to the writer thread: its answer, and whom to tell.
+pub(crate) struct InFlight {
+    pub(crate) answer: oneshot::Receiver<BatchResult>,
+    pub(crate) acks: Vec<DurableAck>,
 }
 
 /// The largest batch buffers kept for reuse, in ops and acks.
@@ -61,7 +76,7 @@ impl Persistence {
                     let records = ops.len();
                     let result = store.append_owned(&mut ops);
                     metrics.append(started.elapsed(), records);
-                    // The actor may be gone at shutdown; nothing is waiting then.
+                    // The scheduler may be gone at shutdown; nothing is waiting then.
                     let _ = batch.done.send((result, ops));
                 }
             })?;
@@ -77,60 +92,97 @@ impl Persistence {
         })
     }
 
-    fn enqueue(&mut self, msg: Persist, ctx: &mut Context<Self>) {
+    /// Queues `ops` for the next batch, answered on `ack` once durable (at once, with
+    /// the error, after a failure). Returns the batch to wait for if the writer was
+    /// idle and took it.
+    pub(crate) fn append(&mut self, ops: Vec<StoreOp>, ack: DurableAck) -> Option<InFlight> {
         if let Some(reason) = &self.failed {
-            msg.ack.send(Err(Error::Store(reason.clone())));
-            return;
+            ack.send(Err(Error::Store(reason.clone())));
+            return None;
         }
-        self.pending_ops.extend(msg.ops);
-        self.pending_acks.push(msg.ack);
-        if !self.in_flight {
-            self.flush(ctx);
+        self.pending_ops.extend(ops);
+        self.pending_acks.push(ack);
+        if self.in_flight {
+            return None;
         }
+        self.flush()
     }
 
-    fn flush(&mut self, ctx: &mut Context<Self>) {
+    /// Hands what is pending to the writer thread as one batch.
+    fn flush(&mut self) -> Option<InFlight> {
         if self.pending_acks.is_empty() {
-            return;
+            return None;
         }
         let ops = std::mem::replace(&mut self.pending_ops, std::mem::take(&mut self.spare_ops));
         let acks = std::mem::replace(&mut self.pending_acks, std::mem::take(&mut self.spare_acks));
-        let (done, done_rx) = oneshot::channel();
+        let (done, answer) = oneshot::channel();
         let sent = self
             .writer
             .as_ref()
             .is_some_and(|w| w.send(Batch { ops, done }).is_ok());
         if !sent {
             self.fail("the store writer thread has stopped".to_string(), acks);
-            return;
+            return None;
         }
         self.in_flight = true;
-        ctx.spawn(done_rx.into_actor(self).map(move |result, act, ctx| {
-            act.in_flight = false;
-            match result {
-                Ok((Ok(()), ops)) => {
-                    let mut acks = acks;
-                    for ack in acks.drain(..) {
-                        ack.send(Ok(()));
-                    }
-                    if ops.capacity() <= KEEP_CAPACITY && acks.capacity() <= KEEP_CAPACITY {
-                        act.spare_ops = ops;
-                        act.spare_acks = acks;
-                    }
-                    act.flush(ctx);
+        Some(InFlight { answer, acks })
+    }
+
+    /// The writer thread answered the batch in flight (`Err`: it dropped the answer,
+    /// having panicked): answers its acks, and returns the next batch if one was
+    /// waiting.
+    pub(crate) fn done(
+        &mut self,
+        answer: Result<BatchResult, oneshot::error::RecvError>,
+        mut acks: Vec<DurableAck>,
+    ) -> Option<InFlight> {
+        self.in_flight = false;
+        match answer {
+            Ok((Ok(()), ops)) => {
+                for ack in acks.drain(..) {
+                    ack.send(Ok(()));
                 }
-                Ok((Err(e), _)) => act.fail(e.to_string(), acks),
-                Err(_) => act.fail("the store writer thread panicked".to_string(), acks),
+                if ops.capacity() <= KEEP_CAPACITY && acks.capacity() <= KEEP_CAPACITY {
+                    self.spare_ops = ops;
+                    self.spare_acks = acks;
+                }
+                self.flush()
             }
-        }));
+            Ok((Err(e), _)) => {
+                self.fail(e.to_string(), acks);
+                None
+            }
+            Err(_) => {
+                self.fail("the store writer thread panicked".to_string(), acks);
+                None
+            }
+        }
+    }
+
+    /// Refuses every append from now on (the engine broke an invariant).
+    pub(crate) fn refuse(&mut self, reason: String) {
+        if self.failed.is_none() {
+            self.fail(reason, Vec::new());
+        }
     }
 
     /// Closes the channel, which ends the writer thread once it has written what it
     /// has, and waits for it (dropping the store and releasing its lock).
-    fn close_writer(&mut self) {
+    pub(crate) fn close_writer(&mut self) {
         self.writer = None;
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
+        }
+    }
+
+    /// A shutdown, not a store failure: closes the writer and refuses what is still
+    /// queued, quietly.
+    pub(crate) fn stop(&mut self) {
+        self.close_writer();
+        self.failed = Some("the executor has shut down".to_string());
+        self.pending_ops.clear();
+        for ack in std::mem::take(&mut self.pending_acks) {
+            ack.send(Err(Error::Stopped));
         }
     }
 
@@ -142,46 +194,5 @@ impl Persistence {
         for ack in acks.into_iter().chain(later) {
             ack.send(Err(Error::Store(reason.clone())));
         }
-    }
-}
-
-impl Actor for Persistence {
-    type Context = Context<Self>;
-
-    fn stopped(&mut self, _ctx: &mut Context<Self>) {
-        self.close_writer();
-    }
-}
-
-impl Handler<Persist> for Persistence {
-    type Result = ();
-
-    fn handle(&mut self, msg: Persist, ctx: &mut Context<Self>) {
-        self.enqueue(msg, ctx);
-    }
-}
-
-impl Handler<Refuse> for Persistence {
-    type Result = ();
-
-    fn handle(&mut self, msg: Refuse, _ctx: &mut Context<Self>) {
-        if self.failed.is_none() {
-            self.fail(msg.0, Vec::new());
-        }
-    }
-}
-
-impl Handler<StopWriter> for Persistence {
-    type Result = ();
-
-    fn handle(&mut self, _msg: StopWriter, ctx: &mut Context<Self>) {
-        self.close_writer();
-        // A shutdown, not a store failure: refuse what is still queued, quietly.
-        self.failed = Some("the executor has shut down".to_string());
-        self.pending_ops.clear();
-        for ack in std::mem::take(&mut self.pending_acks) {
-            ack.send(Err(Error::Stopped));
-        }
-        ctx.stop();
     }
 }

@@ -124,9 +124,10 @@ lendable!(Report);
 // that caused it are durable. RunStep (scheduler -> the procedure, through its root
 // stack's mailbox as a ToProc) counts against a worker. Every RunStep is answered by
 // exactly one StepDone (the cell's report, queued in its root stack's outbox), and the
-// root stack sends StepFinished (-> scheduler) only after feeding that report to the
-// core and sending any Enqueue it caused without a write: a worker is handed on only
-// once its step is recorded. The scheduler times each step from its RunStep to its
+// root stack frees the worker only after feeding that report to the core: with the
+// report's records (Persist with `finished`), or as StepFinished (-> scheduler) after
+// any Enqueue the report caused without a write. A worker is handed on only once its
+// step is recorded. The scheduler times each step from its RunStep to its
 // StepFinished and charges it to the step's tree (the Enqueue names the root); the root
 // stack sends TreeEnded when it stops (from its Drop), after every StepFinished it sent,
 // and the scheduler then drops the tree's accumulated time, and frees the worker of any
@@ -413,22 +414,29 @@ impl Message for Wake {
 }
 
 // ------------------------------------------------------------------------------------
-// Root stack -> persistence, root stack -> executor.
+// Root stack -> scheduler (its group commit), root stack -> executor.
 //
-// Persist is answered after its batch is durable, in the order the appends arrived;
-// after a failed append every later one fails too (Refuse forces that state). A root
-// stack's Persist is answered with a Durable message naming its transition (so the
-// answers reach it in the order it sent the appends), the cleaner's on a channel; an
-// answer dropped unsent is an Error::Stopped. A root stack sends TreeFinished once: its
-// result (after its finished procedures were stopped), or the error that halted it; on
-// the first error the executor answers every waiter.
+// The scheduler holds the group commit in front of the store, so appends and scheduling
+// share one mailbox. Persist is answered after its batch is durable, in the order the
+// appends arrived; after a failed append every later one fails too (Refuse forces that
+// state). A root stack's Persist is answered with a Durable message naming its
+// transition (so the answers reach it in the order it sent the appends), the cleaner's
+// on a channel; an answer dropped unsent is an Error::Stopped. A Persist made for a
+// step's report carries the step's StepFinished (`finished`): the scheduler queues the
+// records first, then frees the worker, as the two messages would in that order. A root
+// stack sends TreeFinished once: its result (after its finished procedures were
+// stopped), or the error that halted it; on the first error the executor answers every
+// waiter.
 // ------------------------------------------------------------------------------------
 
-/// Makes `ops` durable, then answers on `ack`. If the actor is gone, `ack` is dropped
-/// and that is an answer too (`Error::Stopped`), so nothing waits for ever.
+/// Makes `ops` durable, then answers on `ack`. If the scheduler is gone, `ack` is
+/// dropped and that is an answer too (`Error::Stopped`), so nothing waits for ever.
 pub(crate) struct Persist {
     pub(crate) ops: Vec<StoreOp>,
     pub(crate) ack: DurableAck,
+    /// The step of this procedure whose report made these records has ended: after
+    /// queueing them, the scheduler handles it as a `StepFinished`.
+    pub(crate) finished: Option<ProcId>,
 }
 
 /// Who is told that a `Persist` is durable (or failed).
@@ -452,7 +460,7 @@ impl DurableAck {
 }
 
 /// A root stack's transition number `seq`, to acknowledge once. Dropped unanswered
-/// (the persistence actor gone), it answers `Error::Stopped`, as a dropped channel did.
+/// (the scheduler gone), it answers `Error::Stopped`, as a dropped channel did.
 pub(crate) struct TreeAck {
     tree: TreeAddr,
     seq: usize,
@@ -486,7 +494,7 @@ impl Drop for TreeAck {
 }
 
 /// The root stack's transition `seq` (and every earlier one) is durable, or the store
-/// failed. From the persistence actor, in the order the appends arrived.
+/// failed. From the scheduler's group commit, in the order the appends arrived.
 pub(crate) struct Durable {
     pub(crate) seq: usize,
     pub(crate) result: Result<(), Error>,
@@ -507,8 +515,9 @@ impl Message for Refuse {
     type Result = ();
 }
 
-/// Stops the actor once everything handed to the writer thread is written; answers
-/// after the thread (and with it the store, and its lock) is gone.
+/// Stops the scheduler once everything handed to the writer thread is written (the last
+/// message it gets, after every root stack's thread has ended); answers after the
+/// thread (and with it the store, and its lock) is gone.
 pub(crate) struct StopWriter;
 
 impl Message for StopWriter {

@@ -228,22 +228,26 @@ impl RootStackActor {
     /// Persists the transition's records, then (in order) publishes them, performs its
     /// actions and answers `ack`.
     fn apply(&mut self, t: Transition, ack: Option<AckWith>, ctx: &mut Context<Self>) {
-        self.apply_named(t, ack, None, ctx);
+        self.apply_named(t, ack, None, None, ctx);
     }
 
-    /// As `apply`, with a step report's state name, published on its procedure's row.
+    /// As `apply`, for the report of a step of `finished`, with its state name,
+    /// published on its procedure's row. If the transition has records to persist, the
+    /// step's end goes to the scheduler with them (one message, records first) and this
+    /// returns `true`; otherwise the caller sends `StepFinished` after it.
     fn apply_named(
         &mut self,
         t: Transition,
         ack: Option<AckWith>,
         state_name: Option<(ProcId, String)>,
+        finished: Option<ProcId>,
         ctx: &mut Context<Self>,
-    ) {
+    ) -> bool {
         if let Some(e) = &self.halted {
             if let Some((ack, _)) = ack {
                 let _ = ack.send(Err(e.duplicate()));
             }
-            return;
+            return false;
         }
         if self.core.is_failed() && !self.status.failed() {
             self.status.set_failed();
@@ -275,14 +279,19 @@ impl RootStackActor {
         });
         if durable {
             self.run_ready(ctx);
-            return;
+            return false;
         }
         let seq = self.performed + self.pending.len() - 1;
         let ack = TreeAck::new(self.me(ctx), seq);
-        self.shared.persistence.do_send(Persist {
+        if finished.is_some() {
+            perturb::point("root_stack::step_done::free_worker");
+        }
+        self.shared.scheduler.do_send(Persist {
             ops: t.persist,
             ack: DurableAck::Tree(ack),
+            finished,
         });
+        finished.is_some()
     }
 
     fn run_ready(&mut self, ctx: &mut Context<Self>) {
@@ -751,6 +760,7 @@ impl RootStackActor {
     fn on_step_done(&mut self, msg: StepDone, ctx: &mut Context<Self>) {
         self.dispatched -= 1;
         let id = msg.report.id;
+        let mut finished = false;
         if self.halted.is_none() {
             if !msg.children.is_empty() {
                 self.unspawned.get_or_insert_default().extend(
@@ -774,13 +784,15 @@ impl RootStackActor {
                     }
                 }
                 let state_name = msg.state_name.map(|name| (id, name));
-                self.apply_named(t, None, state_name, ctx);
+                finished = self.apply_named(t, None, state_name, Some(id), ctx);
             }
         }
         // Only now, with the report recorded (and any enqueue it caused sent first), may
-        // the worker go to another step.
-        perturb::point("root_stack::step_done::free_worker");
-        self.shared.scheduler.do_send(StepFinished(id));
+        // the worker go to another step: with the report's records, or on its own.
+        if !finished {
+            perturb::point("root_stack::step_done::free_worker");
+            self.shared.scheduler.do_send(StepFinished(id));
+        }
         self.stop_when_quiet(ctx);
     }
 }

@@ -1,15 +1,20 @@
-//! The scheduler actor: its mailbox decides what runs next.
+//! The scheduler actor: its mailbox decides what runs next, and what is written.
 //!
 //! It owns the [`ReadyQueue`] (at most `workers` steps at once, in the order of the
 //! executor's [`Scheduling`]: the multilevel fair queue by default, or FIFO with a
 //! front for procedures that continue), the [`LockTable`] and the table of events
 //! procedures are suspended on. It times every step it dispatches (from `RunStep` to
 //! its `StepFinished`) and charges the time to the step's tree, whose accumulated time
-//! puts it on a level of the fair queue; a tree's time is dropped at its `TreeEnded`. A procedure waiting for children, an event, a deadline or its locks is
-//! not in the ready queue and holds no worker. Every enqueue comes from a root stack,
-//! after the step that caused it is durable; the scheduler itself never changes a
-//! procedure's state. What it knows of locks it mirrors into the shared lock view that
-//! `GetState` and `List` read.
+//! puts it on a level of the fair queue; a tree's time is dropped at its `TreeEnded`. A
+//! procedure waiting for children, an event, a deadline or its locks is not in the
+//! ready queue and holds no worker. Every enqueue comes from a root stack, after the
+//! step that caused it is durable; the scheduler itself never changes a procedure's
+//! state. What it knows of locks it mirrors into the shared lock view that `GetState`
+//! and `List` read.
+//!
+//! It also holds the group commit in front of the store ([`Persistence`]): a step's
+//! records and the end of the step come in one message (`Persist` with `finished`), and
+//! it answers each append once its batch is durable.
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -25,10 +30,12 @@ use crate::ready_queue::{ReadyQueue, Scheduling};
 use crate::workers::{Change, WorkerPolicy, Workers};
 
 use super::metrics;
+use super::persistence::{InFlight, Persistence};
 use super::perturb;
 use super::protocol::{
-    Enqueue, LockFailed, LockForRollback, LocksGranted, ProcAddr, Regrant, ReleaseLocks, Rollback,
-    RunStep, StepFinished, SuspendOn, TreeAddr, TreeEnded, TreeFailed, Unsuspend, Wake,
+    Enqueue, LockFailed, LockForRollback, LocksGranted, Persist, ProcAddr, Refuse, Regrant,
+    ReleaseLocks, Rollback, RunStep, StepFinished, StopWriter, SuspendOn, TreeAddr, TreeEnded,
+    TreeFailed, Unsuspend, Wake,
 };
 use super::shared::{now_ms, LockView, SchedulerViews};
 
@@ -165,6 +172,9 @@ pub(crate) struct Scheduler {
     deferred: IdMap<ProcId, Deferred>,
     view: Arc<SchedulerViews>,
     gauges: metrics::SchedulerGauges,
+    /// The group commit in front of the store: appends share this mailbox with the
+    /// steps whose reports made them.
+    persistence: Persistence,
 }
 
 impl Scheduler {
@@ -174,6 +184,7 @@ impl Scheduler {
         monitor: Monitor,
         permits: Vec<(String, u32)>,
         view: Arc<SchedulerViews>,
+        persistence: Persistence,
     ) -> Self {
         let mut locks = LockTable::new();
         for (resource, n) in permits {
@@ -200,6 +211,7 @@ impl Scheduler {
             deferred: IdMap::default(),
             view,
             gauges: metrics::SchedulerGauges::new(),
+            persistence,
         }
     }
 
@@ -398,6 +410,10 @@ impl Actor for Scheduler {
     fn started(&mut self, ctx: &mut Context<Self>) {
         ctx.run_interval(self.monitor_every, |act, _ctx| act.monitor());
     }
+
+    fn stopped(&mut self, _ctx: &mut Context<Self>) {
+        self.persistence.close_writer();
+    }
 }
 
 impl Handler<GetSchedulerStats> for Scheduler {
@@ -455,16 +471,64 @@ impl Handler<StepFinished> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: StepFinished, ctx: &mut Context<Self>) {
-        // The step's time counts before its worker is handed on.
-        if let Some(run) = self.running.remove(&msg.0) {
+        self.step_finished(msg.0, ctx);
+    }
+}
+
+impl Scheduler {
+    /// A dispatched step of `id` ended and its report is recorded: its time is charged
+    /// to its tree, then its worker is handed on.
+    fn step_finished(&mut self, id: ProcId, ctx: &mut Context<Self>) {
+        if let Some(run) = self.running.remove(&id) {
             let elapsed = u64::try_from(run.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
             if let Some(level) = self.ready.charge(&run.root, elapsed) {
                 let level = u8::try_from(level).unwrap_or(u8::MAX);
                 self.view.levels.insert(run.root, level);
             }
         }
-        self.free_worker(msg.0, ctx);
+        self.free_worker(id, ctx);
         self.dispatch();
+    }
+
+    /// Waits for a batch handed to the writer thread; when it is answered, answers its
+    /// appends and hands the writer the next batch.
+    fn wait_for(&mut self, batch: Option<InFlight>, ctx: &mut Context<Self>) {
+        let Some(InFlight { answer, acks }) = batch else {
+            return;
+        };
+        ctx.spawn(answer.into_actor(self).map(move |answer, act, ctx| {
+            let next = act.persistence.done(answer, acks);
+            act.wait_for(next, ctx);
+        }));
+    }
+}
+
+impl Handler<Persist> for Scheduler {
+    type Result = ();
+
+    fn handle(&mut self, msg: Persist, ctx: &mut Context<Self>) {
+        let batch = self.persistence.append(msg.ops, msg.ack);
+        self.wait_for(batch, ctx);
+        if let Some(id) = msg.finished {
+            self.step_finished(id, ctx);
+        }
+    }
+}
+
+impl Handler<Refuse> for Scheduler {
+    type Result = ();
+
+    fn handle(&mut self, msg: Refuse, _ctx: &mut Context<Self>) {
+        self.persistence.refuse(msg.0);
+    }
+}
+
+impl Handler<StopWriter> for Scheduler {
+    type Result = ();
+
+    fn handle(&mut self, _msg: StopWriter, ctx: &mut Context<Self>) {
+        self.persistence.stop();
+        ctx.stop();
     }
 }
 

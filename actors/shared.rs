@@ -16,7 +16,6 @@ use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Nonce, Steering};
 use crate::registry::Types;
 
-use super::persistence::Persistence;
 use super::protocol::{TreeAddr, TreeFinished, TreeNews};
 use super::scheduler::Scheduler;
 
@@ -162,8 +161,8 @@ pub(crate) struct Shared {
     pub(crate) env: Arc<AnyEnv>,
     pub(crate) table: DashMap<ProcId, Entry, IdHasher>,
     pub(crate) views: Arc<SchedulerViews>,
+    /// The scheduler, which also holds the group commit in front of the store.
     pub(crate) scheduler: Addr<Scheduler>,
-    pub(crate) persistence: Addr<Persistence>,
     /// The executor, for finished trees.
     pub(crate) finished: Recipient<TreeFinished>,
     /// The executor, for submits and pauses to publish.
@@ -240,7 +239,6 @@ impl Shared {
         env: Arc<AnyEnv>,
         views: Arc<SchedulerViews>,
         scheduler: Addr<Scheduler>,
-        persistence: Addr<Persistence>,
         finished: Recipient<TreeFinished>,
         news: Recipient<TreeNews>,
         arbiters: Vec<ArbiterHandle>,
@@ -252,7 +250,6 @@ impl Shared {
             table: DashMap::default(),
             views,
             scheduler,
-            persistence,
             finished,
             news,
             arbiters,

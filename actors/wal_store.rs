@@ -2,9 +2,9 @@
 //! The byte format, the seal and LSN rules and the torn-tail rule are in [`crate::wal`];
 //! this file is the file system shell around them.
 //!
-//! - **Append**: one frame per call, one `write` and one `fdatasync`; the persistence
-//!   actor calls it from its writer thread with everything that arrived during the
-//!   previous sync (group commit). After a failed write or sync the store refuses every
+//! - **Append**: one frame per call, one `write` and one `fdatasync`; the group commit
+//!   calls it from its writer thread with everything that arrived during the previous
+//!   sync. After a failed write or sync the store refuses every
 //!   later append: the file's state is unknown, and retrying an fsync can report success
 //!   for data the kernel already dropped.
 //! - **Roll and seal**: once a frame would take the current segment past

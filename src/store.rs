@@ -1,8 +1,8 @@
 //! The storage trait, [`ProcedureStore`], and its in-memory implementation,
 //! [`MemoryStore`].
 //!
-//! The engine talks to storage only through this trait, from one place (the persistence
-//! actor, on a thread of its own), so implementations need no internal concurrency.
+//! The engine talks to storage only through this trait, from one place (the group
+//! commit's writer thread), so implementations need no internal concurrency.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
