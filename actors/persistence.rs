@@ -129,24 +129,21 @@ impl Persistence {
     }
 
     /// The writer thread answered the batch in flight (`Err`: it dropped the answer,
-    /// having panicked): answers its acks, and returns the next batch if one was
-    /// waiting.
+    /// having panicked). On success, returns the batch's acks for the caller to answer
+    /// (then to hand back with [`Persistence::recycle`]); on a failure, answers them
+    /// with the error and fails everything after.
     pub(crate) fn done(
         &mut self,
         answer: Result<BatchResult, oneshot::error::RecvError>,
-        mut acks: Vec<DurableAck>,
-    ) -> Option<InFlight> {
+        acks: Vec<DurableAck>,
+    ) -> Option<Vec<DurableAck>> {
         self.in_flight = false;
         match answer {
             Ok((Ok(()), ops)) => {
-                for ack in acks.drain(..) {
-                    ack.send(Ok(()));
-                }
-                if ops.capacity() <= KEEP_CAPACITY && acks.capacity() <= KEEP_CAPACITY {
+                if ops.capacity() <= KEEP_CAPACITY {
                     self.spare_ops = ops;
-                    self.spare_acks = acks;
                 }
-                self.flush()
+                Some(acks)
             }
             Ok((Err(e), _)) => {
                 self.fail(e.to_string(), acks);
@@ -157,6 +154,22 @@ impl Persistence {
                 None
             }
         }
+    }
+
+    /// Takes back an answered batch's emptied `Vec` of acks, for a later batch.
+    pub(crate) fn recycle(&mut self, acks: Vec<DurableAck>) {
+        debug_assert!(acks.is_empty());
+        if acks.capacity() <= KEEP_CAPACITY {
+            self.spare_acks = acks;
+        }
+    }
+
+    /// Hands the writer what waited while a batch was in flight, if anything did.
+    pub(crate) fn next_batch(&mut self) -> Option<InFlight> {
+        if self.in_flight {
+            return None;
+        }
+        self.flush()
     }
 
     /// Refuses every append from now on (the engine broke an invariant).

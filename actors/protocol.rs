@@ -121,7 +121,12 @@ lendable!(Report);
 // Scheduler <-> root stack (and its procedure cell): one step.
 //
 // Enqueue (root stack -> scheduler) is sent only once the records of the transition
-// that caused it are durable. RunStep (scheduler -> the procedure, through its root
+// that caused it are durable. A step that needs no locks, queued by a transition with
+// records, is not sent at all: it rides on the transition's Persist (in its TreeAck),
+// and the scheduler queues it when the batch is durable, before it sends that
+// transition's Durable (which counts it, `enqueued`) and before it dispatches anything;
+// so the step's RunStep reaches the root stack after the Durable, whose actions (the
+// step's cell started, for a new child) are performed first. RunStep (scheduler -> the procedure, through its root
 // stack's mailbox as a ToProc) counts against a worker. Every RunStep is answered by
 // exactly one StepDone (the cell's report, queued in its root stack's outbox), and the
 // root stack frees the worker only after feeding that report to the core: with the
@@ -459,29 +464,54 @@ impl DurableAck {
     }
 }
 
-/// A root stack's transition number `seq`, to acknowledge once. Dropped unanswered
-/// (the scheduler gone), it answers `Error::Stopped`, as a dropped channel did.
+/// A root stack's transition number `seq`, to acknowledge once, with the steps to queue
+/// once it is durable. Dropped unanswered (the scheduler gone), it answers
+/// `Error::Stopped`, as a dropped channel did.
 pub(crate) struct TreeAck {
     tree: TreeAddr,
     seq: usize,
     answered: bool,
+    /// Steps the transition queues that need no locks: the scheduler queues them itself
+    /// once the transition is durable, rather than wait for the root stack's `Enqueue`.
+    steps: Vec<Enqueue>,
 }
 
 impl TreeAck {
-    pub(crate) fn new(tree: TreeAddr, seq: usize) -> Self {
+    pub(crate) fn new(tree: TreeAddr, seq: usize, steps: Vec<Enqueue>) -> Self {
         TreeAck {
             tree,
             seq,
             answered: false,
+            steps,
         }
     }
 
-    fn send(&mut self, result: Result<(), Error>) {
+    /// The transition is durable: takes the steps to queue. Queue them, then answer with
+    /// [`TreeAck::durable`].
+    pub(crate) fn take_steps(&mut self) -> Vec<Enqueue> {
+        std::mem::take(&mut self.steps)
+    }
+
+    /// Tells the root stack that the transition is durable and that `enqueued` of its
+    /// steps were queued.
+    pub(crate) fn durable(mut self, enqueued: usize) {
+        self.answer(Ok(()), enqueued);
+    }
+
+    fn answer(&mut self, result: Result<(), Error>, enqueued: usize) {
         self.answered = true;
         self.tree.do_send(Durable {
             seq: self.seq,
             result,
+            enqueued: u32::try_from(enqueued).unwrap_or(u32::MAX),
         });
+    }
+
+    fn send(&mut self, result: Result<(), Error>) {
+        // Answered so only on a failure (or with the steps already queued): nothing
+        // more is queued.
+        self.steps.clear();
+        self.answer(result, 0);
     }
 }
 
@@ -498,6 +528,9 @@ impl Drop for TreeAck {
 pub(crate) struct Durable {
     pub(crate) seq: usize,
     pub(crate) result: Result<(), Error>,
+    /// Steps of the transition the scheduler queued itself (see [`TreeAck`]): each
+    /// owes the root stack a report, and its `RunStep` comes after this message.
+    pub(crate) enqueued: u32,
 }
 
 impl Message for Durable {

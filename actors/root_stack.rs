@@ -257,6 +257,14 @@ impl RootStackActor {
             self.shared.scheduler.do_send(TreeFailed(self.core.root()));
         }
         let durable = t.persist.is_empty();
+        let mut t = t;
+        // Steps that need no locks go with the records: the scheduler queues them once
+        // the records are durable.
+        let steps = if durable {
+            Vec::new()
+        } else {
+            self.steps_to_queue(&mut t.actions, ctx)
+        };
         // Only inserts need the tree's address.
         let inserts = t.persist.iter().any(|op| matches!(op, StoreOp::Insert(_)));
         let tree = inserts.then(|| self.me(ctx));
@@ -282,7 +290,7 @@ impl RootStackActor {
             return false;
         }
         let seq = self.performed + self.pending.len() - 1;
-        let ack = TreeAck::new(self.me(ctx), seq);
+        let ack = TreeAck::new(self.me(ctx), seq, steps);
         if finished.is_some() {
             perturb::point("root_stack::step_done::free_worker");
         }
@@ -292,6 +300,32 @@ impl RootStackActor {
             finished,
         });
         finished.is_some()
+    }
+
+    /// Takes out of `actions` the steps they queue that need no locks, as the
+    /// scheduler's `Enqueue`s (see `TreeAck`): the scheduler queues them itself once
+    /// the transition is durable. A step that needs locks stays an action: its request
+    /// goes to the lock table when the action is performed.
+    fn steps_to_queue(
+        &mut self,
+        actions: &mut Vec<Action>,
+        ctx: &mut Context<Self>,
+    ) -> Vec<Enqueue> {
+        let mut steps = Vec::new();
+        if !actions.iter().any(|a| matches!(a, Action::Enqueue { .. })) {
+            return steps;
+        }
+        actions.retain(|action| match *action {
+            Action::Enqueue { id, front } => match self.enqueue_msg(id, front, ctx) {
+                Some(step) if step.lock.is_none() => {
+                    steps.push(step);
+                    false
+                }
+                _ => true,
+            },
+            _ => true,
+        });
+        steps
     }
 
     fn run_ready(&mut self, ctx: &mut Context<Self>) {
@@ -591,6 +625,14 @@ impl RootStackActor {
         if !self.procs.contains_key(&id) {
             unreachable!("enqueue of {id}, which is not live");
         }
+        if let Some(step) = self.enqueue_msg(id, front, ctx) {
+            self.shared.scheduler.do_send(step);
+        }
+    }
+
+    /// What queues a step of `id` (`None` if it is not in the tree).
+    fn enqueue_msg(&mut self, id: ProcId, front: bool, ctx: &mut Context<Self>) -> Option<Enqueue> {
+        let type_name = self.core.type_name_of(id)?;
         let addr = self.proc_addr(id, ctx);
         // A failed tree's steps are only skipped: they need no locks.
         let lock = if self.core.is_failed() {
@@ -598,17 +640,14 @@ impl RootStackActor {
         } else {
             self.core.lock_request(id, false)
         };
-        self.shared.scheduler.do_send(Enqueue {
+        Some(Enqueue {
             id,
             root: self.core.root(),
             addr,
             front,
-            what: (
-                self.core.type_name_of(id).unwrap_or("?"),
-                self.core.steps_of(id) + 1,
-            ),
+            what: (type_name, self.core.steps_of(id) + 1),
             lock,
-        });
+        })
     }
 
     fn send_rollback(&mut self, id: ProcId, unrecorded: bool, ctx: &mut Context<Self>) {
@@ -714,6 +753,9 @@ impl Handler<Durable> for RootStackActor {
     type Result = ();
 
     fn handle(&mut self, msg: Durable, ctx: &mut Context<Self>) {
+        // Steps the scheduler queued for the transition: each owes a report, halted or
+        // not, and its `RunStep` follows this message.
+        self.dispatched += msg.enqueued;
         if self.halted.is_some() {
             return;
         }

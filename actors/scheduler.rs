@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use tokio::sync::oneshot;
 
 use crate::events::EventTable;
 use crate::fast_map::{IdMap, IdSet};
@@ -30,12 +31,12 @@ use crate::ready_queue::{ReadyQueue, Scheduling};
 use crate::workers::{Change, WorkerPolicy, Workers};
 
 use super::metrics;
-use super::persistence::{InFlight, Persistence};
+use super::persistence::{BatchResult, InFlight, Persistence};
 use super::perturb;
 use super::protocol::{
-    Enqueue, LockFailed, LockForRollback, LocksGranted, Persist, ProcAddr, Refuse, Regrant,
-    ReleaseLocks, Rollback, RunStep, StepFinished, StopWriter, SuspendOn, TreeAddr, TreeEnded,
-    TreeFailed, Unsuspend, Wake,
+    DurableAck, Enqueue, LockFailed, LockForRollback, LocksGranted, Persist, ProcAddr, Refuse,
+    Regrant, ReleaseLocks, Rollback, RunStep, StepFinished, StopWriter, SuspendOn, TreeAddr,
+    TreeEnded, TreeFailed, Unsuspend, Wake,
 };
 use super::shared::{now_ms, LockView, SchedulerViews};
 
@@ -497,9 +498,40 @@ impl Scheduler {
             return;
         };
         ctx.spawn(answer.into_actor(self).map(move |answer, act, ctx| {
-            let next = act.persistence.done(answer, acks);
-            act.wait_for(next, ctx);
+            act.batch_done(answer, acks, ctx);
         }));
+    }
+
+    /// A batch is durable (or failed): queues the steps its transitions queue without
+    /// locks, answers each append in order, hands the writer the next batch, and only
+    /// then dispatches, so each root stack gets its `Durable` before any `RunStep` of
+    /// those steps.
+    fn batch_done(
+        &mut self,
+        answer: Result<BatchResult, oneshot::error::RecvError>,
+        acks: Vec<DurableAck>,
+        ctx: &mut Context<Self>,
+    ) {
+        if let Some(mut acks) = self.persistence.done(answer, acks) {
+            for ack in acks.drain(..) {
+                match ack {
+                    DurableAck::Tree(mut ack) => {
+                        let steps = ack.take_steps();
+                        let enqueued = steps.len();
+                        for step in steps {
+                            let (front, root) = (step.front, step.root);
+                            self.queue((step.id, root, step.addr, step.what), root, front);
+                        }
+                        ack.durable(enqueued);
+                    }
+                    caller @ DurableAck::Caller(_) => caller.send(Ok(())),
+                }
+            }
+            self.persistence.recycle(acks);
+        }
+        let next = self.persistence.next_batch();
+        self.wait_for(next, ctx);
+        self.dispatch();
     }
 }
 
