@@ -507,3 +507,44 @@ async fn a_store_failure_under_load_leaves_nothing_hanging() {
         }
     }
 }
+
+/// A step that needs no locks is queued by the scheduler itself once the record of the
+/// transition that queued it is durable (it rides on that record's append), and its
+/// `RunStep` reaches the root stack after the transition is performed: while the record
+/// of the root's first step (which starts a child) is on its way to disk, neither the
+/// child nor the root's next step runs and the child is not listed; once it is durable,
+/// the child's cell exists before its first step arrives, and everything runs in
+/// order. (Seen while building it: a step dispatched before its root stack had
+/// performed the transition found no cell and was dropped as a stopped procedure's.)
+#[actix::test]
+async fn a_step_queued_with_its_record_runs_only_once_the_record_is_durable() {
+    for store_name in ["memory", "wal"] {
+        let stores = Reopen::new(store_name);
+        // Append 1 is the root's insert; append 2, the record of its first step (the
+        // child's insert with it), waits at the gate.
+        let (store, mut gate) = GatedStore::new(stores.open(), 2);
+        let (executor, rec) = start(Box::new(store), 4).await;
+        let child = Scripted::new("c", vec![Step::More, Step::More]);
+        let root = Scripted::new("r", vec![Step::Children(vec![child]), Step::More]);
+        let id = executor.submit(root).await.unwrap();
+        gate.reached().await;
+        assert_eq!(rec.calls(), ["r-exec"], "{store_name}: ran before durable");
+        let listed = executor.list(proctor::List::new()).await.unwrap();
+        assert_eq!(
+            listed.iter().map(|p| p.id).collect::<Vec<_>>(),
+            [id],
+            "{store_name}: the child is listed before its insert is durable"
+        );
+        gate.release();
+        let result = tokio::time::timeout(Duration::from_secs(30), executor.wait(id))
+            .await
+            .unwrap_or_else(|_| panic!("{store_name}: the tree never finished"));
+        assert_eq!(result.unwrap(), Ok(()));
+        assert_eq!(
+            rec.calls(),
+            ["r-exec", "c-exec", "c-exec", "r-exec"],
+            "{store_name}"
+        );
+        executor.shutdown_now().await.unwrap();
+    }
+}
