@@ -104,10 +104,10 @@ type What = (&'static str, usize);
 /// A queued step: who, its tree (root), its actor, its type and step.
 type Ready = (ProcId, ProcId, ProcAddr, What);
 
-/// A dispatched step: when it started (wall clock, for the stuck-worker monitor, and
-/// monotonic, for its run time), its type and step, and its tree.
+/// A dispatched step: when it started (monotonic: its run time, and how long it has
+/// been running for the stuck-worker monitor; one clock read a dispatch), its type and
+/// step, and its tree.
 struct Running {
-    started_ms: u64,
     started: Instant,
     what: What,
     root: ProcId,
@@ -233,7 +233,6 @@ impl Scheduler {
                 tracing::trace!(proc = %id, "dispatch");
                 perturb::point("scheduler::dispatch::run_step");
                 let running = Running {
-                    started_ms: now_ms(),
                     started: Instant::now(),
                     what,
                     root,
@@ -255,9 +254,12 @@ impl Scheduler {
     /// retires a worker as [`Workers::check`] says.
     fn monitor(&mut self) {
         let now = now_ms();
+        let mono = Instant::now();
         let mut stuck = 0;
         for (id, run) in &self.running {
-            let (started, (type_name, step)) = (run.started_ms, run.what);
+            let ran = u64::try_from(mono.saturating_duration_since(run.started).as_millis());
+            let started = now.saturating_sub(ran.unwrap_or(u64::MAX));
+            let (type_name, step) = run.what;
             if self.workers.is_stuck(started, now) {
                 stuck += 1;
                 tracing::warn!(

@@ -69,42 +69,74 @@ pub fn level_of(accumulated_ns: u64) -> usize {
         .unwrap_or(0)
 }
 
-struct Entry<T> {
+/// A queued item's place in its level's heap: its rank and its slot in the
+/// [`Slab`]. The item itself stays put while the heap reorders (24 bytes moved per
+/// sift, not the item's size: a step's item is about 60).
+struct Entry {
     key: u64,
     seq: i64,
-    item: T,
+    slot: u32,
 }
 
-impl<T> PartialEq for Entry<T> {
+impl PartialEq for Entry {
     fn eq(&self, other: &Self) -> bool {
         (self.key, self.seq) == (other.key, other.seq)
     }
 }
 
-impl<T> Eq for Entry<T> {}
+impl Eq for Entry {}
 
-impl<T> PartialOrd for Entry<T> {
+impl PartialOrd for Entry {
     fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
         Some(self.cmp(other))
     }
 }
 
-impl<T> Ord for Entry<T> {
+impl Ord for Entry {
     fn cmp(&self, other: &Self) -> Ordering {
         (self.key, self.seq).cmp(&(other.key, other.seq))
     }
 }
 
-struct Level<T> {
+/// The queued items, by slot; a freed slot is reused by the next push.
+struct Slab<T> {
+    slots: Vec<Option<T>>,
+    free: Vec<u32>,
+}
+
+impl<T> Slab<T> {
+    fn insert(&mut self, item: T) -> u32 {
+        match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(item);
+                slot
+            }
+            None => {
+                let slot = u32::try_from(self.slots.len()).expect("more than 2^32 queued items");
+                self.slots.push(Some(item));
+                slot
+            }
+        }
+    }
+
+    fn take(&mut self, slot: u32) -> T {
+        self.free.push(slot);
+        self.slots[slot as usize]
+            .take()
+            .expect("a queued entry's slot holds its item")
+    }
+}
+
+struct Level {
     /// Least (key, sequence) first.
-    queue: BinaryHeap<Reverse<Entry<T>>>,
+    queue: BinaryHeap<Reverse<Entry>>,
     /// Step time charged to this level, in nanoseconds.
     scheduled_ns: u64,
     /// The largest key a back push got on this level.
     back_key: u64,
 }
 
-impl<T> Level<T> {
+impl Level {
     fn new() -> Self {
         Level {
             queue: BinaryHeap::new(),
@@ -121,7 +153,8 @@ impl<T> Level<T> {
 
 /// Items queued on levels by their tree's accumulated step time; `R` names a tree.
 pub struct Mlfq<T, R> {
-    levels: Vec<Level<T>>,
+    levels: Vec<Level>,
+    items: Slab<T>,
     /// Accumulated step time of each live tree, in nanoseconds.
     trees: IdMap<R, u64>,
     /// The next back push's sequence (counting up) and front push's (counting down).
@@ -153,6 +186,10 @@ impl<T, R: Hash + Eq> Mlfq<T, R> {
     pub fn new() -> Self {
         Mlfq {
             levels: (0..LEVELS).map(|_| Level::new()).collect(),
+            items: Slab {
+                slots: Vec::new(),
+                free: Vec::new(),
+            },
             trees: IdMap::default(),
             next_back: 0,
             next_front: -1,
@@ -179,16 +216,15 @@ impl<T, R: Hash + Eq> Mlfq<T, R> {
             level.back_key = key;
             (key, self.next_back - 1)
         };
-        level.queue.push(Reverse(Entry { key, seq, item }));
+        let slot = self.items.insert(item);
+        level.queue.push(Reverse(Entry { key, seq, slot }));
         self.len += 1;
     }
 
     /// The next item: the first of the non-empty level furthest below its share.
     pub fn pop(&mut self) -> Option<T> {
         let l = self.pick()?;
-        let Reverse(entry) = self.levels[l].queue.pop()?;
-        self.len -= 1;
-        Some(entry.item)
+        self.pop_at(l)
     }
 
     /// The next item of level `l` only (see [`ReadyQueue`](crate::ready_queue::ReadyQueue)'s
@@ -196,7 +232,7 @@ impl<T, R: Hash + Eq> Mlfq<T, R> {
     pub fn pop_at(&mut self, l: usize) -> Option<T> {
         let Reverse(entry) = self.levels.get_mut(l)?.queue.pop()?;
         self.len -= 1;
-        Some(entry.item)
+        Some(self.items.take(entry.slot))
     }
 
     /// The level [`pop`](Mlfq::pop) takes from: the non-empty one with the lowest
@@ -284,6 +320,33 @@ mod tests {
 
     const S: u64 = NS_PER_SEC;
     const MS: u64 = 1_000_000;
+
+    /// Items stay in their slots while the heap orders the entries; a popped item's
+    /// slot is reused, so the slab holds at most as many slots as were ever queued at
+    /// once, and every item comes out once, intact, in order.
+    #[test]
+    fn slots_are_reused_and_items_come_out_whole() {
+        let mut q: Mlfq<String, u64> = Mlfq::new();
+        let mut out = Vec::new();
+        for round in 0..50 {
+            for i in 0..3 {
+                q.push(format!("{round}-{i}"), 7, false);
+            }
+            out.extend(q.pop());
+            out.extend(q.pop());
+        }
+        while let Some(item) = q.pop() {
+            out.push(item);
+        }
+        let expected: Vec<String> = (0..50)
+            .flat_map(|round| (0..3).map(move |i| format!("{round}-{i}")))
+            .collect();
+        assert_eq!(out, expected);
+        assert_eq!(q.len(), 0);
+        // Round r holds r + 3 after its pushes: 52 at most, in the last.
+        assert_eq!(q.items.slots.len(), 52);
+        assert!(q.items.slots.iter().all(Option::is_none));
+    }
 
     #[test]
     fn levels_by_accumulated_time() {
