@@ -1608,35 +1608,65 @@ impl<E: Send + Sync + 'static> Actor for ExecutorActor<E> {
     }
 }
 
-impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
-    type Result = ResponseActFuture<Self, Result<ProcId, Error>>;
+/// A submit with a nonce was answered (from the submit's own future, before its caller
+/// hears): the retries that came meanwhile get the same answer, and a successful one
+/// makes the nonce known; a failed one frees it for the next retry.
+struct NonceSettled {
+    nonce: Nonce,
+    result: Result<ProcId, Error>,
+}
 
-    fn handle(&mut self, msg: Submit<E>, _ctx: &mut Context<Self>) -> Self::Result {
+impl Message for NonceSettled {
+    type Result = ();
+}
+
+impl<E: Send + Sync + 'static> Handler<NonceSettled> for ExecutorActor<E> {
+    type Result = ();
+
+    fn handle(&mut self, msg: NonceSettled, _ctx: &mut Context<Self>) {
+        let NonceSettled { nonce, result } = msg;
+        if let Some(NonceState::Submitting(waiting)) = self.nonces.remove(&nonce) {
+            for tx in waiting {
+                let _ = tx.send(result.as_ref().map(|id| *id).map_err(Error::duplicate));
+            }
+        }
+        if let Ok(id) = result {
+            self.nonces.insert(nonce, NonceState::Known(id));
+        }
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
+    // A plain future, not one of the actor's: actix polls every future an actor holds
+    // each time the actor wakes, so thousands of submits waiting for their inserts to
+    // be durable made every message to the executor cost thousands of polls.
+    type Result = ResponseFuture<Result<ProcId, Error>>;
+
+    fn handle(&mut self, msg: Submit<E>, ctx: &mut Context<Self>) -> Self::Result {
         if let Some(broken) = &self.broken {
             let e = broken.duplicate();
-            return Box::pin(actix::fut::ready(Err(e)));
+            return Box::pin(std::future::ready(Err(e)));
         }
         if self.stopping {
-            return Box::pin(actix::fut::ready(Err(Error::Stopped)));
+            return Box::pin(std::future::ready(Err(Error::Stopped)));
         }
         if let Some(nonce) = msg.nonce {
             match self.nonces.get_mut(&nonce) {
                 Some(NonceState::Known(id)) => {
                     let id = *id;
-                    return Box::pin(actix::fut::ready(Ok(id)));
+                    return Box::pin(std::future::ready(Ok(id)));
                 }
                 Some(NonceState::Submitting(waiting)) => {
                     let (tx, rx) = oneshot::channel();
                     waiting.push(tx);
-                    let answer = async move { rx.await.unwrap_or(Err(Error::Stopped)) };
-                    return Box::pin(answer.into_actor(self));
+                    return Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) });
                 }
                 None => {}
             }
         }
         if self.unfinished >= self.max_unfinished {
             let limit = self.max_unfinished;
-            return Box::pin(actix::fut::ready(Err(Error::Overloaded { limit })));
+            return Box::pin(std::future::ready(Err(Error::Overloaded { limit })));
         }
         let mut root = match declare(&self.shared, &*msg.proc, now_ms()) {
             Ok(root) => root,
@@ -1645,7 +1675,7 @@ impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
                     Undeclarable::Registry(e) => Error::Registry(e),
                     Undeclarable::Invalid(e) => Error::Invalid(e.to_string()),
                 };
-                return Box::pin(actix::fut::ready(Err(e)));
+                return Box::pin(std::future::ready(Err(e)));
             }
         };
         root.nonce = msg.nonce;
@@ -1661,21 +1691,24 @@ impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
             RootStackActor::submit(shared, root, proc, ack)
         });
         let answer = async move { rx.await.unwrap_or(Err(Error::Stopped)) };
-        Box::pin(answer.into_actor(self).map(move |result, act, _ctx| {
-            if let Some(nonce) = msg.nonce {
-                // Retries that came meanwhile get the same answer; a failed submit
-                // frees the nonce for the next retry.
-                if let Some(NonceState::Submitting(waiting)) = act.nonces.remove(&nonce) {
-                    for tx in waiting {
-                        let _ = tx.send(result.as_ref().map(|id| *id).map_err(Error::duplicate));
-                    }
-                }
-                if let Ok(id) = &result {
-                    act.nonces.insert(nonce, NonceState::Known(*id));
-                }
-            }
+        let Some(nonce) = msg.nonce else {
+            return Box::pin(answer);
+        };
+        let executor = ctx.address();
+        Box::pin(async move {
+            let result = answer.await;
+            let settled = result.as_ref().map(|id| *id).map_err(Error::duplicate);
+            // Settled before the caller hears, so a retry after the answer finds the
+            // nonce known. A stopped executor answers the waiting retries by dropping
+            // them.
+            let _ = executor
+                .send(NonceSettled {
+                    nonce,
+                    result: settled,
+                })
+                .await;
             result
-        }))
+        })
     }
 }
 
