@@ -1711,7 +1711,7 @@ mod tests {
             .unwrap();
         let bad = |id: ProcId, offset: u64| {
             let r = ProcRecord {
-                type_name: String::new(),
+                type_name: "".into(),
                 ..record(id.0, 1)
             };
             frame(offset, &[StoreOp::Update(r)])

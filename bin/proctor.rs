@@ -880,7 +880,7 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
             format!("{}{}", "  ".repeat(depth), r.id),
             r.parent.map_or("-".to_string(), |p| p.to_string()),
             r.root.to_string(),
-            r.type_name.clone(),
+            r.type_name.to_string(),
             state,
             r.stack_indexes.len().to_string(),
             format!("{}s", now.saturating_sub(r.updated_ms) / 1000),

@@ -6,6 +6,7 @@
 //! user's state as opaque MessagePack bytes decoded through the
 //! [`Registry`](crate::Registry).
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -47,8 +48,9 @@ pub struct ProcRecord {
     pub parent: Option<ProcId>,
     /// The root of its tree (itself for a root).
     pub root: ProcId,
-    /// The registered type name of `data`.
-    pub type_name: String,
+    /// The registered type name of `data`: borrowed from the registry when the engine
+    /// writes the record (no allocation per record), owned when it is decoded.
+    pub type_name: Cow<'static, str>,
     /// Its state when the record was written.
     pub state: ProcState,
     /// Its positions on the root stack, one per executed step not yet rolled back.

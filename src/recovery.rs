@@ -142,7 +142,7 @@ pub fn abort(records: &[ProcRecord], id: ProcId, now_ms: u64) -> Result<Vec<Stor
     let record = ProcRecord {
         failure: Some(Box::new(Failure {
             proc: id,
-            type_name: target.type_name.clone(),
+            type_name: target.type_name.to_string(),
             error: ProcError::Aborted,
         })),
         failure_seq: Some(0),

@@ -1502,7 +1502,7 @@ impl RootStack {
             id,
             parent: node.parent,
             root: self.root,
-            type_name: node.type_name.to_string(),
+            type_name: std::borrow::Cow::Borrowed(node.type_name),
             state: node.state,
             stack_indexes: node.stack_indexes.clone(),
             failure: node.failure.clone(),

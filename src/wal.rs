@@ -1024,7 +1024,7 @@ impl MsgReader<'_> {
             id: ProcId(self.uint()?),
             parent: self.nil_or(Self::uint)?.map(ProcId),
             root: ProcId(self.uint()?),
-            type_name: self.string()?,
+            type_name: self.string()?.into(),
             state: self.state()?,
             stack_indexes: self.stack_runs()?,
             failure: self.nil_or(Self::serde)?,
@@ -2160,7 +2160,7 @@ mod tests {
                 r.steering.irreversible = irreversible;
                 r.steering.dirty = dirty;
                 r.bypassed = bypassed;
-                r.type_name = "t".repeat(type_len);
+                r.type_name = "t".repeat(type_len).into();
                 // Runs of consecutive positions with gaps between them, some past a
                 // byte, some past 16 bits.
                 let mut at = if dirty { 70_000 } else { 0 };

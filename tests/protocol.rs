@@ -435,7 +435,7 @@ async fn a_reordered_log_is_reported_not_run_into_a_panic() {
         id: ProcId(id),
         parent: parent.map(ProcId),
         root: ProcId(1),
-        type_name: type_name.to_string(),
+        type_name: type_name.to_string().into(),
         state: ProcState::Runnable,
         stack_indexes: stack,
         failure: None,

@@ -199,7 +199,7 @@ async fn an_overdue_deadline_fires_at_once_after_a_restart() {
         id: ProcId(1),
         parent: None,
         root: ProcId(1),
-        type_name: type_name.to_string(),
+        type_name: type_name.to_string().into(),
         state: ProcState::Waiting,
         stack_indexes: vec![0],
         failure: None,
