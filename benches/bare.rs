@@ -188,6 +188,7 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
         .collect();
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
     let started = Instant::now();
+    let cpu_started = rss::cpu_s();
     let mut next = 0u64;
     let start_one = |next: &mut u64| {
         let proc = Proc {
@@ -215,6 +216,7 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
         }
     }
     let wall_s = started.elapsed().as_secs_f64();
+    let cpu_s = rss::cpu_s() - cpu_started;
     let _ = tx.send(None);
     for arbiter in &arbiters {
         arbiter.stop();
@@ -229,6 +231,8 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
         "steps": steps,
         "wall_s": round3(wall_s),
         "steps_per_s": round3(steps as f64 / wall_s),
+        "cpu_s": round3(cpu_s),
+        "cpu_us_per_step": round3(cpu_s * 1e6 / steps.max(1) as f64),
         "batches": batches,
         "records_per_batch": round3(steps as f64 / batches.max(1) as f64),
         "peak_rss_mb": round3(rss::peak_rss_mb()),

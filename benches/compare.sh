@@ -3,7 +3,9 @@
 #
 # 1. steps/s: for each concurrency (procedures in flight), ROUNDS rounds that alternate
 #    the four runs (bare durable, proctor WAL, bare memory, proctor memory); then the
-#    medians, the ranges and the ratios proctor / bare;
+#    medians, the ranges and the ratios proctor / bare; and the same runs' CPU time per
+#    step (the process's, every thread's), steadier than steps/s on a noisy machine,
+#    with bare's ÷ proctor's (a throughput-like ratio: 0.5 is half bare's efficiency);
 # 2. instructions per step (valgrind's callgrind, memory stores, 3 steps each): the
 #    total of a run of INSTR_PROCS procedures ÷ its steps, and the marginal cost between
 #    INSTR_PROCS and 2·INSTR_PROCS procedures (which leaves out start-up);
@@ -80,7 +82,7 @@ fi
 
 python3 - "$out" <<'EOF'
 import json, statistics, sys
-runs, instr, idle, recovery = {}, {}, None, None
+runs, cpu, instr, idle, recovery = {}, {}, {}, None, None
 for line in open(sys.argv[1]):
     kind, store, c, report = line.rstrip("\n").split(" ", 3)
     if kind == "instr":
@@ -90,7 +92,10 @@ for line in open(sys.argv[1]):
     elif kind == "recovery":
         recovery = json.loads(report)
     else:
-        runs.setdefault((int(c), store, kind), []).append(json.loads(report)["steps_per_s"])
+        r = json.loads(report)
+        runs.setdefault((int(c), store, kind), []).append(r["steps_per_s"])
+        if "cpu_us_per_step" in r:
+            cpu.setdefault((int(c), store, kind), []).append(r["cpu_us_per_step"])
 
 def cell(xs):
     return f"{statistics.median(xs):,.0f} ({min(xs):,.0f} – {max(xs):,.0f}; " + " · ".join(f"{x:,.0f}" for x in xs) + ")"
@@ -100,6 +105,16 @@ print("| ---: | --- | --- | --- | ---: |")
 for (c, store) in sorted({(c, s) for (c, s, _) in runs}):
     b, p = runs[(c, store, "bare")], runs[(c, store, "proctor")]
     print(f"| {c:,} | {store} | {cell(b)} | {cell(p)} | {statistics.median(p) / statistics.median(b):.3f} |")
+
+if cpu:
+    print()
+    print("| in flight | store | bare CPU µs per step: median (runs) | proctor CPU µs per step: median (runs) | bare ÷ proctor |")
+    print("| ---: | --- | --- | --- | ---: |")
+    for (c, store) in sorted({(c, s) for (c, s, _) in cpu}):
+        b, p = cpu.get((c, store, "bare")), cpu.get((c, store, "proctor"))
+        if b and p:
+            runs_of = lambda xs: " · ".join(f"{x:.2f}" for x in xs)
+            print(f"| {c:,} | {store} | {statistics.median(b):.2f} ({runs_of(b)}) | {statistics.median(p):.2f} ({runs_of(p)}) | {statistics.median(b) / statistics.median(p):.3f} |")
 
 if instr:
     print()

@@ -335,6 +335,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         );
     }
     let started = Instant::now();
+    let cpu_started = rss::cpu_s();
     let tally = Rc::new(RefCell::new(Tally {
         latency_us: Some(Histogram::new_with_bounds(1, 3_600_000_000, 3)?),
         ..Tally::default()
@@ -420,6 +421,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     running.all_done().await;
     let wall_s = started.elapsed().as_secs_f64();
+    let cpu_s = rss::cpu_s() - cpu_started;
     // Every task has finished: the shared cells are ours alone now.
     let shapes = shapes.take();
     let mut tally = tally.take();
@@ -468,6 +470,8 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "wall_s": round3(wall_s),
         "procs_per_s": round3(finished as f64 / wall_s),
         "steps_per_s": round3(steps as f64 / wall_s),
+        "cpu_s": round3(cpu_s),
+        "cpu_us_per_step": if steps > 0 { round3(cpu_s * 1e6 / steps as f64) } else { 0.0 },
         "p50_ms": round3(ms(0.50)),
         "p99_ms": round3(ms(0.99)),
         "wal_bytes": wal.bytes_appended,
