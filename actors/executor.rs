@@ -313,7 +313,9 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// Works from any async context. Inside an actix system (under `#[actix::main]`, in
     /// an actor, on an actix arbiter) the executor joins that system. Anywhere else (a
     /// plain tokio runtime, multi-thread or current-thread) it starts an actix system
-    /// of its own on a thread it owns; [`Executor::shutdown`] stops that thread.
+    /// of its own on a thread it owns; [`Executor::shutdown`] stops that thread, and so
+    /// does dropping the last handle without a shutdown (the engine then shuts down
+    /// gracefully on its own threads, and nobody waits for it).
     ///
     /// # Errors
     ///
@@ -343,8 +345,10 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         let mut executor = answer.await.map_err(|_| {
             Error::Internal("the engine's system thread ended while starting".into())
         })??;
+        let addr = executor.addr.clone();
         executor.system = Some(Arc::new(OwnedSystem {
             gone: std::sync::Mutex::new(Some((system_gone, thread))),
+            stop: Box::new(move || addr.do_send(Shutdown::graceful())),
         }));
         Ok(executor)
     }
@@ -554,6 +558,21 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
 /// The actix system an executor started for itself, and how to see its thread end.
 struct OwnedSystem {
     gone: std::sync::Mutex<Option<(oneshot::Receiver<()>, std::thread::JoinHandle<()>)>>,
+    /// Asks the executor to shut down (gracefully), for when the last handle goes.
+    stop: Box<dyn Fn() + Send + Sync>,
+}
+
+impl Drop for OwnedSystem {
+    /// The last handle went without a shutdown: the engine shuts down on its own
+    /// threads (as `shutdown` does, without anyone waiting), and its system thread then
+    /// ends, releasing the store. Left running, nobody could reach it again, and it
+    /// would hold the store (a WAL directory's lock) until the process ended.
+    fn drop(&mut self) {
+        let running = self.gone.get_mut().map_or(true, |g| g.is_some());
+        if running {
+            (self.stop)();
+        }
+    }
 }
 
 /// Decodes the unfinished procedures of a recovered tree and runs their

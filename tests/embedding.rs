@@ -77,6 +77,51 @@ fn starts_from_a_plain_thread_with_its_own_runtime() {
     runtime.block_on(start_run_stop_restart("wal"));
 }
 
+/// Dropping the last handle of an executor that runs its own actix system (started
+/// outside actix) shuts it down as `shutdown` does: its threads end and the store's lock
+/// is released, so a new executor can open the same directory; what was durable is
+/// there. While any handle is left it runs on. (Seen: the system thread ran on, holding
+/// the WAL directory's lock, until the process ended.)
+#[tokio::test(flavor = "current_thread")]
+async fn dropping_the_last_handle_stops_an_executor_that_owns_its_system() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let wal = proctor::WalStore::open(dir.path()).expect("open");
+    let (executor, _rec) = start_on(Box::new(wal)).await;
+    let id = executor
+        .submit(Scripted::new("a", vec![Step::More]))
+        .await
+        .expect("submit");
+    assert_eq!(executor.wait(id).await.expect("wait"), Ok(()));
+    let other = executor.clone();
+    drop(executor);
+    assert_eq!(
+        other.state(id).await.expect("still running").state,
+        ProcState::Success
+    );
+    drop(other);
+    // The engine stops on its own threads; wait for its lock to go (no fixed sleep).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let reopened = loop {
+        match proctor::WalStore::open(dir.path()) {
+            Ok(wal) => break wal,
+            Err(proctor::StoreError::Locked { .. }) if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+            Err(e) => panic!("the dropped executor still holds its store: {e}"),
+        }
+    };
+    let (executor, _) = start_on(Box::new(reopened)).await;
+    let listed = executor
+        .list(List::new().with_finished())
+        .await
+        .expect("list");
+    assert_eq!(
+        listed.iter().map(|i| (i.id, i.state)).collect::<Vec<_>>(),
+        vec![(id, ProcState::Success)]
+    );
+    executor.shutdown().await.expect("shutdown");
+}
+
 #[actix::test]
 async fn inside_actix_it_joins_the_system_and_stops_by_message() {
     for (name, store, _dir) in common::stores() {
