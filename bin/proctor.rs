@@ -883,7 +883,12 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
             r.type_name.to_string(),
             state,
             r.stack_indexes.len().to_string(),
-            format!("{}s", now.saturating_sub(r.updated_ms) / 1000),
+            // A record without a time (written by a tool or a test) has no age.
+            if r.updated_ms == 0 {
+                "-".to_string()
+            } else {
+                format!("{}s", now.saturating_sub(r.updated_ms) / 1000)
+            },
             waits_for(r, wait_of(r, children, failed_trees.contains(&r.root)), now),
             locks_of(r).unwrap_or_else(|| "-".into()),
             if failure.is_empty() {

@@ -420,6 +420,7 @@ fn write_trees(dir: &Path) {
         ProcRecord {
             type_name: "assign_region".into(),
             wake_at_ms: Some(now + 30_000),
+            updated_ms: now - 5_000,
             ..node(3, Some(1), 1, ProcState::WaitingTimeout, 2)
         },
         ProcRecord {
@@ -488,6 +489,14 @@ fn procs_lines_up_and_says_what_each_procedure_waits_for() {
         }
     }
     assert!(row(&out, 1).contains(" 2 children "), "{out}");
+    // AGE: time since the record was written; a record without a time has none.
+    let age = header.find("AGE").unwrap();
+    assert_eq!(&row(&out, 1)[age..age + 2], "- ", "{out}");
+    let age_of_3: u64 = row(&out, 3)[age..]
+        .split_once('s')
+        .and_then(|(n, _)| n.parse().ok())
+        .unwrap_or_else(|| panic!("no age for 3:\n{out}"));
+    assert!((5..300).contains(&age_of_3), "{out}");
     assert!(row(&out, 2).contains(" 1 child "), "{out}");
     assert!(row(&out, 3).contains(" timer, in 30s "), "{out}");
     assert!(
