@@ -126,8 +126,8 @@ lendable!(Report);
 // and the scheduler queues it when the batch is durable, before it sends that
 // transition's Durable (which counts it, `enqueued`) and before it dispatches anything;
 // so the step's RunStep reaches the root stack after the Durable, whose actions (the
-// step's cell started, for a new child) are performed first. RunStep (scheduler -> the procedure, through its root
-// stack's mailbox as a ToProc) counts against a worker. Every RunStep is answered by
+// step's cell started, for a new child) are performed first. RunStep (scheduler -> the
+// procedure, through its root stack's mailbox as a ToProc) counts against a worker. Every RunStep is answered by
 // exactly one StepDone (the cell's report, queued in its root stack's outbox), and the
 // root stack frees the worker only after feeding that report to the core: with the
 // report's records (Persist with `finished`), or as StepFinished (-> scheduler) after

@@ -315,14 +315,19 @@ impl RootStackActor {
         if !actions.iter().any(|a| matches!(a, Action::Enqueue { .. })) {
             return steps;
         }
+        // As `enqueue_msg` decides: a failed tree's steps, and those of a procedure
+        // without engine locks, need none. Those that do are not built here.
+        let failed = self.core.is_failed();
         actions.retain(|action| match *action {
-            Action::Enqueue { id, front } => match self.enqueue_msg(id, front, ctx) {
-                Some(step) if step.lock.is_none() => {
-                    steps.push(step);
-                    false
+            Action::Enqueue { id, front } if failed || !self.core.claims_locks(id) => {
+                match self.enqueue_msg(id, front, ctx) {
+                    Some(step) => {
+                        steps.push(step);
+                        false
+                    }
+                    None => true,
                 }
-                _ => true,
-            },
+            }
             _ => true,
         });
         steps

@@ -1134,6 +1134,12 @@ impl RootStack {
 
     /// The lock request of `id`'s next step (or, with `rollback`, rollback step), if it
     /// declared locks: its ancestors (whose locks do not block it) come from the tree.
+    /// Whether `id` declared engine locks (what [`lock_request`](Self::lock_request)
+    /// would build a request for), without building one.
+    pub fn claims_locks(&self, id: ProcId) -> bool {
+        self.nodes.get(&id).is_some_and(|n| n.locks.is_some())
+    }
+
     pub fn lock_request(&self, id: ProcId, rollback: bool) -> Option<Request> {
         let node = self.nodes.get(&id)?;
         let claim = node.locks.as_ref()?;
