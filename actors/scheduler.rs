@@ -225,6 +225,12 @@ impl Scheduler {
         }
     }
 
+    /// Queues the step an `Enqueue` asks for, its locks (if any) already held.
+    fn queue_step(&mut self, step: Enqueue) {
+        let (front, root) = (step.front, step.root);
+        self.queue((step.id, root, step.addr, step.what), root, front);
+    }
+
     fn dispatch(&mut self) {
         while let Some((id, root, addr, what)) = self.ready.pop() {
             // A procedure's actor stops only after its tree has finished, and a finished
@@ -442,15 +448,13 @@ impl Handler<Enqueue> for Scheduler {
 
     fn handle(&mut self, msg: Enqueue, _ctx: &mut Context<Self>) {
         let Some(req) = msg.lock.clone() else {
-            let (front, root) = (msg.front, msg.root);
-            self.queue((msg.id, root, msg.addr, msg.what), root, front);
+            self.queue_step(msg);
             self.dispatch();
             return;
         };
         match self.locks.holds(msg.id) {
             Some(true) => {
-                let (front, root) = (msg.front, msg.root);
-                self.queue((msg.id, root, msg.addr, msg.what), root, front);
+                self.queue_step(msg);
                 self.dispatch();
             }
             // The previous step's report was recorded but its StepFinished (which frees
@@ -521,8 +525,7 @@ impl Scheduler {
                         let steps = ack.take_steps();
                         let enqueued = steps.len();
                         for step in steps {
-                            let (front, root) = (step.front, step.root);
-                            self.queue((step.id, root, step.addr, step.what), root, front);
+                            self.queue_step(step);
                         }
                         ack.durable(enqueued);
                     }
