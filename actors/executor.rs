@@ -33,7 +33,7 @@ use super::protocol::{
     AbortRequest, BypassRequest, Command, CommandRequest, DurableAck, Persist, Quiesce, Refuse,
     Regrant, StopWriter, TreeAddr, TreeFinished, TreeNews,
 };
-use super::root_stack::{publish, Objects, RootStackActor};
+use super::root_stack::{publish_recovered, Objects, RootStackActor};
 use super::scheduler::{
     GetSchedulerStats, Monitor, ResetEvent, Scheduler, SchedulerStats, WakeEvent,
 };
@@ -386,16 +386,17 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         let snapshot = store.load_parts()?;
         let registry = self.registry.into_types();
         let names = |name: &str| registry.static_name(name);
-        let plan = super::recover::plan(snapshot.parts, &names, now_ms());
-        let mut corrupt = plan.corrupt;
+        let mut plan = super::recover::plan(snapshot.parts, &names, now_ms());
+        let mut corrupt = std::mem::take(&mut plan.corrupt);
         // Decode every unfinished procedure before anything starts, so that hooks run
         // in the plan's order (children before parents) and a tree that cannot be
         // decoded is reported whole.
         let mut trees = Vec::with_capacity(plan.trees.len());
-        for tree in plan.trees {
-            match decode_tree(&registry, &tree.records) {
+        for tree in std::mem::take(&mut plan.trees) {
+            let records = plan.records_of(&tree);
+            match decode_tree(&registry, records) {
                 Ok(decoded) => trees.push((tree, decoded)),
-                Err(reason) => corrupt.extend(tree.records.iter().map(|r| CorruptProc {
+                Err(reason) => corrupt.extend(records.iter().map(|r| CorruptProc {
                     id: r.id,
                     root: r.root,
                     reason: reason.clone(),
@@ -405,8 +406,10 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         for c in &corrupt {
             tracing::error!(proc = %c.id, root = %c.root, reason = %c.reason, "cannot recover procedure");
         }
+        let mut recovered_roots: Vec<ProcId> = trees.iter().map(|(t, _)| t.stack.root()).collect();
+        recovered_roots.sort_unstable();
         let report = Arc::new(Recovery {
-            recovered_roots: trees.iter().map(|(t, _)| t.stack.root()).collect(),
+            recovered_roots,
             finished_roots: plan.finished.len(),
             corrupt,
             repairs: snapshot.repairs,
@@ -452,13 +455,13 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         let nonces: HashMap<Nonce, NonceState> = plan
             .finished
             .iter()
-            .chain(trees.iter().flat_map(|(t, _)| t.records.iter()))
+            .chain(trees.iter().flat_map(|(t, _)| plan.records_of(t)))
             .filter(|r| r.parent.is_none())
             .filter_map(|r| Some((r.nonce?, NonceState::Known(r.id))))
             .collect();
         let arbiters: Vec<Arbiter> = (0..self.arbiters).map(|_| Arbiter::new()).collect();
         let handles = arbiters.iter().map(Arbiter::handle).collect();
-        let finished = plan.finished;
+        let finished = std::mem::take(&mut plan.finished);
         let addr = ExecutorActor::<E>::create(move |ctx| {
             let shared = Arc::new(Shared::new(
                 registry,
@@ -499,12 +502,10 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             }
             for (tree, (objects, rerun)) in trees {
                 // Finished children stay out: nothing stops (and unlists) them later.
-                let inserts: Vec<StoreOp> = tree
-                    .records
-                    .into_iter()
-                    .filter(|r| r.parent.is_none() || !r.state.is_finished())
-                    .map(StoreOp::Insert)
-                    .collect();
+                let records = plan
+                    .records_of(&tree)
+                    .iter()
+                    .filter(|r| r.parent.is_none() || !r.state.is_finished());
                 let actor_shared = shared.clone();
                 let addr =
                     RootStackActor::start_in_arbiter(&shared.next_arbiter().clone(), move |_| {
@@ -518,7 +519,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                     });
                 // In the table before the executor handles any request (it is not
                 // running yet): recovered records are durable by definition.
-                publish(&shared, &inserts, &Arc::new(addr));
+                publish_recovered(&shared, records, &Arc::new(addr));
             }
             ExecutorActor {
                 shared,

@@ -3,7 +3,6 @@
 //! appended in order, are the plan one thread would have made. Also the scoped-thread
 //! helpers the WAL store's open shares ([`cores`], [`on_threads`], [`joined`]).
 
-use crate::fast_map::merge_sorted;
 use crate::record::ProcRecord;
 use crate::recovery::{self, RecoveryPlan};
 
@@ -62,52 +61,44 @@ pub fn plan(
     plan_on(records, names, now_ms, threads)
 }
 
-/// Each of `parts` planned on a thread of its own, the plans merged by root.
+/// Each of `parts` planned on a thread of its own, the plans appended in order.
 fn plan_parts(
     parts: Vec<Vec<ProcRecord>>,
     names: &(dyn Fn(&str) -> Option<&'static str> + Sync),
     now_ms: u64,
 ) -> RecoveryPlan {
-    let plans = on_threads(parts, |part| recovery::plan(part, names, now_ms));
-    let (mut trees, mut finished, mut corrupt) = (Vec::new(), Vec::new(), Vec::new());
-    for plan in plans {
-        trees.push(plan.trees);
-        finished.push(plan.finished);
-        corrupt.push(plan.corrupt);
-    }
-    // Each list is by root within a part, and a root is in one part only.
-    RecoveryPlan {
-        trees: merge_sorted(trees, |t| t.stack.root()),
-        finished: merge_sorted(finished, |r| r.id),
-        corrupt: merge_sorted(corrupt, |c| c.root),
-    }
-}
-
-/// [`plan`] on `threads` threads.
-fn plan_on(
-    records: Vec<ProcRecord>,
-    names: &(dyn Fn(&str) -> Option<&'static str> + Sync),
-    now_ms: u64,
-    threads: usize,
-) -> RecoveryPlan {
-    let mut first = recovery::group_trees(records);
-    if threads <= 1 || first.len() < 2 {
-        return recovery::plan_trees(first, names, now_ms);
-    }
-    // Cut runs of trees off the end, then put them back in order.
-    let per_thread = first.len().div_ceil(threads);
-    let mut runs = Vec::with_capacity(threads);
-    while first.len() > per_thread {
-        runs.push(first.split_off(first.len() - per_thread));
-    }
-    runs.push(first);
-    runs.reverse();
-    let mut plans = on_threads(runs, |run| recovery::plan_trees(run, names, now_ms)).into_iter();
+    let mut plans = on_threads(parts, |part| recovery::plan(part, names, now_ms)).into_iter();
     let mut plan = plans.next().unwrap_or_default();
     for later in plans {
         plan.append(later);
     }
     plan
+}
+
+/// [`plan`] of one part on `threads` threads: the trees grouped on this thread, then
+/// runs of them planned on several, their records in place.
+fn plan_on(
+    mut records: Vec<ProcRecord>,
+    names: &(dyn Fn(&str) -> Option<&'static str> + Sync),
+    now_ms: u64,
+    threads: usize,
+) -> RecoveryPlan {
+    let groups = recovery::group_trees(&mut records);
+    let per_thread = groups.len().div_ceil(threads.max(1)).max(1);
+    let mut runs = Vec::with_capacity(threads);
+    let mut rest: &mut [ProcRecord] = &mut records;
+    let mut offset = 0;
+    for run in groups.chunks(per_thread) {
+        let len: usize = run.iter().map(|&(_, n)| n).sum();
+        let (head, tail) = std::mem::take(&mut rest).split_at_mut(len);
+        runs.push((head, run, offset));
+        offset += len;
+        rest = tail;
+    }
+    let planned = on_threads(runs, |(records, groups, offset)| {
+        recovery::plan_trees(records, groups, offset, names, now_ms)
+    });
+    RecoveryPlan::of_part(records, planned)
 }
 
 #[cfg(test)]
@@ -180,9 +171,25 @@ mod tests {
         (name == "t").then_some("t")
     }
 
+    /// What a plan does, whatever parts and runs it was made in: each tree (by root)
+    /// with its records and start, then the finished roots and the corrupt procedures.
+    fn described(plan: &RecoveryPlan) -> String {
+        let mut trees: Vec<String> = plan
+            .trees
+            .iter()
+            .map(|t| format!("{:?} {:?} {:?}", plan.records_of(t), t.stack, t.start))
+            .collect();
+        trees.sort();
+        let mut finished: Vec<String> = plan.finished.iter().map(|r| format!("{r:?}")).collect();
+        finished.sort();
+        let mut corrupt: Vec<String> = plan.corrupt.iter().map(|c| format!("{c:?}")).collect();
+        corrupt.sort();
+        format!("{trees:#?}\n{finished:#?}\n{corrupt:#?}")
+    }
+
     #[test]
     fn a_plan_of_parts_is_the_plan_of_their_records() {
-        let alone = format!("{:?}", recovery::plan(records(), names, 5));
+        let alone = described(&recovery::plan(records(), names, 5));
         for parts in [2, 3, 8] {
             // Split as a store splits them: by root, each part sorted by id.
             let mut split = vec![Vec::new(); parts];
@@ -190,7 +197,8 @@ mod tests {
                 split[(r.root.0 as usize * 7) % parts].push(r);
             }
             let planned = plan(split, &names, 5);
-            assert_eq!(format!("{planned:?}"), alone, "{parts} parts");
+            assert_eq!(planned.records.len(), parts);
+            assert_eq!(described(&planned), alone, "{parts} parts");
         }
     }
 
@@ -202,6 +210,7 @@ mod tests {
             assert!(split.trees.len() > 50 && !split.corrupt.is_empty());
             assert!(!split.finished.is_empty());
             assert_eq!(format!("{split:?}"), alone, "{threads} threads");
+            assert_eq!(split.records.len(), 1);
         }
     }
 }

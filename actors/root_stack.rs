@@ -1136,26 +1136,7 @@ fn refuse(ack: AbortAck, command: &'static str, id: ProcId, reason: impl Into<St
 fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&TreeAddr>) -> Vec<Row> {
     ops.iter()
         .filter_map(|op| match op {
-            StoreOp::Insert(r) => Some(Row::Insert(
-                r.id,
-                Box::new(Entry {
-                    root: r.root,
-                    parent: r.parent,
-                    type_name: shared.registry.static_name(&r.type_name).unwrap_or("?"),
-                    state: r.state,
-                    submitted_ms: r.submitted_ms,
-                    updated_ms: r.updated_ms,
-                    tree: tree.cloned(),
-                    extra: EntryExtra {
-                        nonce: r.nonce,
-                        ..EntryExtra::default()
-                    }
-                    .boxed(),
-                    waiting: Waiting::of(r),
-                    state_name: None,
-                    steering: steering_of(r),
-                }),
-            )),
+            StoreOp::Insert(r) => Some(Row::Insert(r.id, Box::new(entry(shared, r, tree)))),
             StoreOp::Update(r) => Some(Row::Update {
                 id: r.id,
                 state: r.state,
@@ -1168,6 +1149,27 @@ fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&TreeAddr>) -> Vec<Row> {
             StoreOp::Delete(_) => None,
         })
         .collect()
+}
+
+/// The table's entry for a new procedure, from its record.
+fn entry(shared: &Shared, r: &ProcRecord, tree: Option<&TreeAddr>) -> Entry {
+    Entry {
+        root: r.root,
+        parent: r.parent,
+        type_name: shared.registry.static_name(&r.type_name).unwrap_or("?"),
+        state: r.state,
+        submitted_ms: r.submitted_ms,
+        updated_ms: r.updated_ms,
+        tree: tree.cloned(),
+        extra: EntryExtra {
+            nonce: r.nonce,
+            ..EntryExtra::default()
+        }
+        .boxed(),
+        waiting: Waiting::of(r),
+        state_name: None,
+        steering: steering_of(r),
+    }
 }
 
 /// A record's steering, boxed and only when there is any (most procedures never fail).
@@ -1207,10 +1209,16 @@ fn apply_rows(shared: &Shared, rows: Vec<Row>) {
     }
 }
 
-/// Mirrors durable records of the tree `tree` into the procedure table, for `GetState`,
-/// `List` and `Abort`.
-pub(crate) fn publish(shared: &Shared, ops: &[StoreOp], tree: &TreeAddr) {
-    apply_rows(shared, rows(shared, ops, Some(tree)));
+/// Mirrors the recovered records of the tree `tree` into the procedure table (they are
+/// durable by definition), for `GetState`, `List` and `Abort`.
+pub(crate) fn publish_recovered<'a>(
+    shared: &Shared,
+    records: impl Iterator<Item = &'a ProcRecord>,
+    tree: &TreeAddr,
+) {
+    for r in records {
+        shared.table.insert(r.id, entry(shared, r, Some(tree)));
+    }
 }
 
 #[cfg(test)]

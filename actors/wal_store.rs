@@ -955,7 +955,7 @@ struct Latest<'a> {
 /// What replaying the frames gives.
 struct Replayed {
     /// The latest record of every live procedure, in parts that no tree spans, each
-    /// sorted by id.
+    /// in tree order (by root, then id; see [`replay_part`]).
     parts: Vec<Vec<ProcRecord>>,
     /// Each live procedure's segment and the encoded size of its latest record.
     live: IdMap<ProcId, (u64, u32)>,
@@ -1054,8 +1054,8 @@ fn part_of(root: ProcId, parts: usize) -> usize {
 }
 
 /// Part `part` of [`replay`]: the live procedures of the trees of that part, their
-/// records decoded and sorted by id; or the lowest id whose record does not decode,
-/// with the error.
+/// records decoded in tree order (by root, then id); or the lowest id whose record does
+/// not decode, with the error.
 fn replay_part<'a>(
     dir: &Path,
     segments: &'a SegmentFrames,
@@ -1088,33 +1088,44 @@ fn replay_part<'a>(
             }
         }
     }
-    let mut latest: Vec<Latest<'a>> = latest.into_values().collect();
-    latest.sort_unstable_by_key(|l| l.op.id);
+    // Decoded in tree order (by root, then id), so the records come out grouped as
+    // recovery plans them and need not move again. The keys are copied out of the
+    // index first: sorting through a pointer per comparison misses the cache.
+    let mut latest: Vec<((ProcId, ProcId), Latest<'a>)> = latest
+        .into_iter()
+        .map(|(id, l)| ((l.op.root, id), l))
+        .collect();
+    latest.sort_unstable_by_key(|&(key, _)| key);
     let mut records = Vec::with_capacity(latest.len());
-    for l in &latest {
-        match l.op.decode() {
+    // The error to report is the lowest id's, as a replay in id order meets it first.
+    let mut bad: Option<(ProcId, StoreError)> = None;
+    for (_, l) in &latest {
+        let why = match l.op.decode() {
             // The index may not have read the root (a record in another form): one
             // that lands in another tree's part sends the replay back to order.
             Ok(StoreOp::Insert(r) | StoreOp::Update(r)) if parts > 1 && r.root != l.op.root => {
-                let why = format!("indexed as root {}, its record says {}", l.op.root, r.root);
-                return Err((
-                    l.op.id,
-                    corrupt(&segment_path(dir, l.seq), l.frame_offset, why),
-                ));
+                format!("indexed as root {}, its record says {}", l.op.root, r.root)
             }
-            Ok(StoreOp::Insert(r) | StoreOp::Update(r)) => records.push(r),
+            Ok(StoreOp::Insert(r) | StoreOp::Update(r)) => {
+                records.push(r);
+                continue;
+            }
             Ok(StoreOp::Delete(_)) => unreachable!("a delete is never live"),
-            Err(e) => {
-                let at = corrupt(&segment_path(dir, l.seq), l.frame_offset, e);
-                return Err((l.op.id, at));
-            }
+            Err(e) => e.to_string(),
+        };
+        if bad.as_ref().is_none_or(|(id, _)| l.op.id < *id) {
+            let at = corrupt(&segment_path(dir, l.seq), l.frame_offset, why);
+            bad = Some((l.op.id, at));
         }
+    }
+    if let Some(bad) = bad {
+        return Err(bad);
     }
     Ok(ReplayPart {
         records,
         live: latest
             .iter()
-            .map(|l| (l.op.id, (l.seq, l.op.size())))
+            .map(|(_, l)| (l.op.id, (l.seq, l.op.size())))
             .collect(),
         max_id,
     })
@@ -1665,10 +1676,12 @@ mod tests {
         for threads in [1, 2, 3, 8] {
             let replayed = replay_on(Path::new("wal"), segments.clone(), threads).unwrap();
             assert_eq!(replayed.parts.len(), threads);
-            // No tree spans two parts, and each part is sorted by id.
+            // No tree spans two parts, and each part is in tree order.
             let mut part_of_root = BTreeMap::new();
             for (i, part) in replayed.parts.iter().enumerate() {
-                assert!(part.windows(2).all(|w| w[0].id < w[1].id));
+                assert!(part
+                    .windows(2)
+                    .all(|w| (w[0].root, w[0].id) < (w[1].root, w[1].id)));
                 for r in part {
                     assert_eq!(
                         *part_of_root.entry(r.root).or_insert(i),
@@ -1677,7 +1690,8 @@ mod tests {
                     );
                 }
             }
-            let records = crate::fast_map::merge_sorted(replayed.parts, |r| r.id);
+            let mut records = replayed.parts.concat();
+            records.sort_unstable_by_key(|r| r.id);
             assert_eq!(records, expected, "{threads} parts");
             assert_eq!(replayed.live.len(), expected.len(), "{threads} parts");
             for r in &expected {
@@ -1798,7 +1812,8 @@ mod tests {
             ],
         )];
         let replayed = replay_on(Path::new("wal"), segments, threads).unwrap();
-        let records = crate::fast_map::merge_sorted(replayed.parts, |r| r.id);
+        let mut records = replayed.parts.concat();
+        records.sort_unstable_by_key(|r| r.id);
         assert_eq!(records, vec![record(3, 0), child]);
         assert_eq!(replayed.live.len(), 2);
     }

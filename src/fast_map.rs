@@ -121,34 +121,9 @@ impl<K: Ord + Copy, V> FromIterator<(K, V)> for SortedMap<K, V> {
     }
 }
 
-/// Merges lists each sorted by `key` into one sorted list, moving each item once. Equal
-/// keys keep the order of their lists.
-pub(crate) fn merge_sorted<T, K: Ord>(mut lists: Vec<Vec<T>>, key: impl Fn(&T) -> K) -> Vec<T> {
-    if lists.len() <= 1 {
-        return lists.pop().unwrap_or_default();
-    }
-    let mut merged = Vec::with_capacity(lists.iter().map(Vec::len).sum());
-    let mut lists: Vec<_> = lists
-        .into_iter()
-        .map(|list| list.into_iter().peekable())
-        .collect();
-    loop {
-        let next = lists
-            .iter_mut()
-            .enumerate()
-            .filter_map(|(i, list)| Some((key(list.peek()?), i)))
-            .min();
-        let Some(item) = next.and_then(|(_, i)| lists[i].next()) else {
-            break;
-        };
-        merged.push(item);
-    }
-    merged
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{merge_sorted, SortedMap};
+    use super::SortedMap;
 
     #[test]
     fn a_sorted_map_keeps_its_keys_in_order_and_sized_for_one() {
@@ -181,21 +156,5 @@ mod tests {
             m.iter().map(|(k, _)| *k).collect::<Vec<_>>(),
             [0, 1, 2, 3, 4]
         );
-    }
-
-    #[test]
-    fn merging_sorted_lists_keeps_the_order_and_every_item() {
-        let lists = vec![
-            vec![(2, 'a'), (5, 'a'), (9, 'a')],
-            vec![],
-            vec![(1, 'c'), (5, 'c')],
-            vec![(3, 'd')],
-        ];
-        let merged = merge_sorted(lists, |&(k, _)| k);
-        assert_eq!(
-            merged,
-            [(1, 'c'), (2, 'a'), (3, 'd'), (5, 'a'), (5, 'c'), (9, 'a')]
-        );
-        assert!(merge_sorted(Vec::<Vec<u8>>::new(), |&k| k).is_empty());
     }
 }

@@ -8,6 +8,7 @@
 //! it never stops unrelated trees from recovering. Finished roots keep their results.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use crate::fast_map::IdMap;
 use crate::procedure::{ProcError, ProcId, ProcState};
@@ -25,11 +26,14 @@ pub struct CorruptProc {
     pub reason: String,
 }
 
-/// One unfinished tree, rebuilt.
+/// One unfinished tree, rebuilt. Its records stay in the plan
+/// ([`RecoveryPlan::records_of`]).
 #[derive(Debug)]
 pub struct TreeRecovery {
-    /// The tree's records, children before parents.
-    pub records: Vec<ProcRecord>,
+    /// The part of [`RecoveryPlan::records`] that holds the tree's records.
+    pub part: usize,
+    /// Where in that part: the tree's records, children before parents.
+    pub range: Range<usize>,
     /// The rebuilt bookkeeping.
     pub stack: RootStack,
     /// What to do to carry the tree on (no records; actions only).
@@ -39,21 +43,98 @@ pub struct TreeRecovery {
 /// What recovery does with a store's records.
 #[derive(Debug, Default)]
 pub struct RecoveryPlan {
-    /// Unfinished trees, by root id.
+    /// Unfinished trees: by root within each part, the parts in order.
     pub trees: Vec<TreeRecovery>,
-    /// Finished roots: their results are kept.
+    /// The unfinished trees' records, in the parts they were planned in, each tree's
+    /// together ([`TreeRecovery::range`]). Kept where they were decoded rather than
+    /// moved into a list per tree: for a million records that is hundreds of megabytes
+    /// less memory touched.
+    pub records: Vec<Vec<ProcRecord>>,
+    /// Finished roots (by root within each part): their results are kept.
     pub finished: Vec<ProcRecord>,
     /// Procedures that cannot be recovered.
     pub corrupt: Vec<CorruptProc>,
 }
 
 impl RecoveryPlan {
-    /// Adds the plan of the trees that follow this plan's (by root id) at its end.
+    /// The records of `tree`, one of this plan's trees: children before parents.
+    pub fn records_of(&self, tree: &TreeRecovery) -> &[ProcRecord] {
+        self.records
+            .get(tree.part)
+            .and_then(|part| part.get(tree.range.clone()))
+            .unwrap_or_default()
+    }
+
+    /// Adds the plan of other parts after this plan's.
     pub fn append(&mut self, mut later: RecoveryPlan) {
+        let parts = self.records.len();
+        for tree in &mut later.trees {
+            tree.part += parts;
+        }
         self.trees.append(&mut later.trees);
+        self.records.append(&mut later.records);
         self.finished.append(&mut later.finished);
         self.corrupt.append(&mut later.corrupt);
     }
+
+    /// The plan of one part, `records`, planned in `runs` (in order, as
+    /// [`plan_trees`] left them): the records of corrupt and finished trees leave the
+    /// part (a finished root's for [`finished`](RecoveryPlan::finished)), and the
+    /// others close up, in order, with each tree's range moved down to match.
+    pub fn of_part(mut records: Vec<ProcRecord>, runs: Vec<PlannedRun>) -> RecoveryPlan {
+        let mut plan = RecoveryPlan::default();
+        plan.trees
+            .reserve_exact(runs.iter().map(|run| run.trees.len()).sum());
+        let mut dropped = Vec::new();
+        for mut run in runs {
+            plan.trees.append(&mut run.trees);
+            plan.corrupt.append(&mut run.corrupt);
+            dropped.append(&mut run.dropped);
+        }
+        if !dropped.is_empty() {
+            // Both lists are in record order: each tree's range moves down by the
+            // records dropped before it.
+            let mut before = dropped.iter().peekable();
+            let mut gone = 0;
+            for tree in &mut plan.trees {
+                while let Some((range, _)) = before.next_if(|(r, _)| r.end <= tree.range.start) {
+                    gone += range.len();
+                }
+                tree.range = tree.range.start - gone..tree.range.end - gone;
+            }
+            let mut at = 0;
+            let mut next = dropped.iter().peekable();
+            let mut out = records.extract_if(.., |_| {
+                let i = at;
+                at += 1;
+                while next.next_if(|(r, _)| r.end <= i).is_some() {}
+                next.peek().is_some_and(|(r, _)| r.contains(&i))
+            });
+            // The records come out in order, range after range.
+            for (range, finished_root) in &dropped {
+                for i in range.clone() {
+                    match out.next() {
+                        Some(r) if Some(i) == *finished_root => plan.finished.push(r),
+                        _ => {}
+                    }
+                }
+            }
+        }
+        plan.records.push(records);
+        plan
+    }
+}
+
+/// What [`plan_trees`] makes of a run of trees, before [`RecoveryPlan::of_part`]
+/// closes up the part's records.
+#[derive(Debug, Default)]
+pub struct PlannedRun {
+    /// The trees to carry on, their ranges where their records are now.
+    trees: Vec<TreeRecovery>,
+    corrupt: Vec<CorruptProc>,
+    /// The ranges of the trees whose records leave the part, in order, each with the
+    /// place of its root's record when that root has finished (a result to keep).
+    dropped: Vec<(Range<usize>, Option<usize>)>,
 }
 
 /// An operator's bypass on a stopped engine's store (`proctor bypass`): from the latest
@@ -199,59 +280,70 @@ fn leak(name: &str) -> &'static str {
     Box::leak(name.to_string().into_boxed_str())
 }
 
-/// Plans the recovery of `records` (the latest record of every live procedure).
+/// Plans the recovery of `records` (the latest record of every live procedure, in any
+/// order; grouped by tree, by root then id, they are not moved).
 /// `names` maps a stored type name to the registry's, `None` when unknown.
 ///
-/// The same as [`plan_trees`] of [`group_trees`]; a caller with cores to spare may split
-/// the groups and plan the parts on several threads, then [`append`](RecoveryPlan::append)
-/// the parts in order: the result is the same.
+/// The same as [`group_trees`], [`plan_trees`] of the groups, then
+/// [`RecoveryPlan::of_part`]; a caller with cores to spare may split the groups (and
+/// the records at the same places) and plan the runs on several threads: the result is
+/// the same.
 pub fn plan(
-    records: Vec<ProcRecord>,
+    mut records: Vec<ProcRecord>,
     names: impl Fn(&str) -> Option<&'static str>,
     now_ms: u64,
 ) -> RecoveryPlan {
-    plan_trees(group_trees(records), names, now_ms)
+    let groups = group_trees(&mut records);
+    let run = plan_trees(&mut records, &groups, 0, names, now_ms);
+    RecoveryPlan::of_part(records, vec![run])
 }
 
-/// A tree's records, grouped by [`group_trees`]: its root's id and its records.
-pub type TreeRecords = (ProcId, Vec<ProcRecord>);
+/// A tree's root and how many records it has, as [`group_trees`] found them.
+pub type TreeGroup = (ProcId, usize);
 
-/// The first half of [`plan`]: `records` grouped by tree, the trees by root id, each
-/// tree's records by id.
-pub fn group_trees(records: Vec<ProcRecord>) -> Vec<TreeRecords> {
-    // Group by tree, moving each record once (a record is a few hundred bytes: sorting
-    // them all would move each many times); then the trees by root, and each tree's
-    // records by id.
-    let mut tree_of: IdMap<ProcId, usize> = IdMap::default();
-    let mut groups: Vec<TreeRecords> = Vec::new();
-    for r in records {
-        match tree_of.get(&r.root) {
-            Some(&i) => groups[i].1.push(r),
-            None => {
-                tree_of.insert(r.root, groups.len());
-                groups.push((r.root, vec![r]));
-            }
-        }
+/// The first step of [`plan`]: puts `records` in tree order (by root, then by id) and
+/// returns the trees in that order. Records already in that order (the
+/// [`WalStore`](crate::WalStore) hands its parts over so) are not moved; others are
+/// moved once each (their keys are sorted, not the records: a record is a few hundred
+/// bytes).
+pub fn group_trees(records: &mut [ProcRecord]) -> Vec<TreeGroup> {
+    let grouped = records
+        .windows(2)
+        .all(|w| (w[0].root, w[0].id) < (w[1].root, w[1].id));
+    if !grouped {
+        records.sort_by_cached_key(|r| (r.root, r.id));
     }
-    drop(tree_of);
-    groups.sort_unstable_by_key(|(root, _)| *root);
-    for (_, group) in &mut groups {
-        group.sort_unstable_by_key(|r| r.id);
+    let mut groups: Vec<TreeGroup> = Vec::new();
+    for r in records.iter() {
+        match groups.last_mut() {
+            Some((root, n)) if *root == r.root => *n += 1,
+            _ => groups.push((r.root, 1)),
+        }
     }
     groups
 }
 
-/// The second half of [`plan`]: rebuilds each tree of `groups` (from [`group_trees`],
-/// or any run of them, in order).
+/// The second step of [`plan`]: rebuilds each tree of `groups` (a run of
+/// [`group_trees`]' groups, in order) from `records`, the run's records, which start at
+/// `offset` in their part. Puts each tree's records children first, in place.
 pub fn plan_trees(
-    groups: Vec<TreeRecords>,
+    records: &mut [ProcRecord],
+    groups: &[TreeGroup],
+    offset: usize,
     names: impl Fn(&str) -> Option<&'static str>,
     now_ms: u64,
-) -> RecoveryPlan {
-    let mut plan = RecoveryPlan::default();
+) -> PlannedRun {
+    let mut run = PlannedRun::default();
     // Nearly every group is a tree to carry on: one allocation, no regrowth.
-    plan.trees.reserve_exact(groups.len());
-    for (root, mut group) in groups {
+    run.trees.reserve_exact(groups.len());
+    let mut end = 0;
+    for &(root, len) in groups {
+        let (start, group) = match records.get_mut(end..end + len) {
+            Some(group) => (end, group),
+            None => break, // more groups than records: not from group_trees
+        };
+        end += len;
+        let range = offset + start..offset + end;
         let corrupt = |group: &[ProcRecord], reason: String| -> Vec<CorruptProc> {
             group
                 .iter()
@@ -262,37 +354,46 @@ pub fn plan_trees(
                 })
                 .collect()
         };
-        let Some(root_record) = group.iter().find(|r| r.id == root) else {
-            plan.corrupt
-                .extend(corrupt(&group, format!("its root {root} has no record")));
+        let Some(root_at) = group.iter().position(|r| r.id == root) else {
+            run.corrupt
+                .extend(corrupt(group, format!("its root {root} has no record")));
+            run.dropped.push((range, None));
             continue;
         };
-        if root_record.state.is_finished() {
+        let root_state = group[root_at].state;
+        if root_state.is_finished() {
             // A finished tree's children are deleted with the root's final record, in
             // one atomic append; any left over mean the log was tampered with.
-            let root_record = root_record.clone();
-            group.retain(|r| r.id != root);
-            plan.corrupt.extend(corrupt(
-                &group,
-                format!("its root {root} has finished ({})", root_record.state),
-            ));
-            plan.finished.push(root_record);
+            let reason = format!("its root {root} has finished ({root_state})");
+            run.corrupt
+                .extend(group.iter().filter(|r| r.id != root).map(|r| CorruptProc {
+                    id: r.id,
+                    root,
+                    reason: reason.clone(),
+                }));
+            run.dropped
+                .push((range.clone(), Some(range.start + root_at)));
             continue;
         }
-        if let Err(reason) = order_children_first(&mut group) {
-            plan.corrupt.extend(corrupt(&group, reason));
+        if let Err(reason) = order_children_first(group) {
+            run.corrupt.extend(corrupt(group, reason));
+            run.dropped.push((range, None));
             continue;
         }
-        match RootStack::recover(&group, &names, now_ms) {
-            Ok((stack, start)) => plan.trees.push(TreeRecovery {
-                records: group,
+        match RootStack::recover(group, &names, now_ms) {
+            Ok((stack, start)) => run.trees.push(TreeRecovery {
+                part: 0,
+                range,
                 stack,
                 start,
             }),
-            Err(reason) => plan.corrupt.extend(corrupt(&group, reason)),
+            Err(reason) => {
+                run.corrupt.extend(corrupt(group, reason));
+                run.dropped.push((range, None));
+            }
         }
     }
-    plan
+    run
 }
 
 /// Sorts a tree's records deepest first (so hooks run on children before parents).
@@ -367,7 +468,11 @@ mod tests {
         let plan = plan(records, names, 100);
         let mut lines = Vec::new();
         for tree in &plan.trees {
-            let order: Vec<String> = tree.records.iter().map(|r| r.id.to_string()).collect();
+            let order: Vec<String> = plan
+                .records_of(tree)
+                .iter()
+                .map(|r| r.id.to_string())
+                .collect();
             lines.push(format!("tree [{}]: {}", order.join(" "), tree.start));
         }
         for r in &plan.finished {
@@ -590,6 +695,67 @@ mod tests {
                 "corrupt 20: procedure 20 has unknown type \"gone\"",
             ],
         );
+    }
+
+    #[test]
+    fn records_in_any_order_make_one_plan_and_records_in_tree_order_stay_put() {
+        let child = |id, root, state| ProcRecord {
+            root: ProcId(root),
+            ..rec(id, Some(root), state, &[1])
+        };
+        let tree_order = vec![
+            rec(1, None, Runnable, &[0]),
+            // No root: dropped, between trees that stay.
+            child(3, 2, Runnable),
+            rec(10, None, Waiting, &[0]),
+            child(11, 10, Runnable),
+            // A finished root with a child left over: its result kept, the child corrupt.
+            rec(20, None, Success, &[0]),
+            child(21, 20, Success),
+            rec(30, None, Waiting, &[0]),
+            child(31, 30, Success),
+            ProcRecord {
+                stack_indexes: vec![2],
+                ..child(32, 30, Runnable)
+            },
+        ];
+        let described = |plan: &RecoveryPlan| -> Vec<String> {
+            let mut lines: Vec<String> = plan
+                .trees
+                .iter()
+                .map(|t| format!("tree {:?}: {}", ids(plan.records_of(t)), t.start))
+                .collect();
+            lines.push(format!("finished {:?}", ids(&plan.finished)));
+            lines.push(format!("corrupt {:?}", plan.corrupt));
+            lines
+        };
+        let expected = [
+            "tree [1]:  | spawn 1, run 1",
+            "tree [11, 10]:  | spawn 10, spawn 11, run 11",
+            "tree [31, 32, 30]:  | spawn 30, spawn 32, run 32",
+            "finished [20]",
+        ];
+        let mut by_id = tree_order.clone();
+        by_id.sort_by_key(|r| std::cmp::Reverse(r.id));
+        by_id.sort_by_key(|r| r.id);
+        let mut reversed = tree_order.clone();
+        reversed.reverse();
+        for records in [tree_order.clone(), by_id, reversed] {
+            let lines = described(&plan(records, names, 100));
+            assert_eq!(lines[..4], expected);
+            assert!(lines[4].contains("id: ProcId(3)") && lines[4].contains("id: ProcId(21)"));
+        }
+        // In tree order nothing moves but the dropped records and the children put
+        // before their parents: the part is the buffer that came in.
+        let buffer = tree_order.as_ptr();
+        let planned = plan(tree_order, names, 100);
+        assert_eq!(planned.records.len(), 1);
+        assert_eq!(planned.records[0].as_ptr(), buffer);
+        assert_eq!(ids(&planned.records[0]), [1, 11, 10, 31, 32, 30]);
+    }
+
+    fn ids(records: &[ProcRecord]) -> Vec<u64> {
+        records.iter().map(|r| r.id.0).collect()
     }
 
     #[test]

@@ -63,7 +63,9 @@ pub struct StoreSnapshot {
 
 /// [`StoreSnapshot`]'s records split for a recovery on several threads
 /// ([`ProcedureStore::load_parts`]): parts that no tree spans (the records that name the
-/// same `root` are in one part), each sorted by id.
+/// same `root` are in one part). Within a part the order is the store's: by id (the
+/// default), or by root and then id (the [`WalStore`](crate::WalStore)), which recovery
+/// plans without moving a record.
 ///
 /// ```
 /// use proctor::{MemoryStore, ProcedureStore};
@@ -85,8 +87,17 @@ pub struct StoreParts {
 impl StoreParts {
     /// The snapshot these parts make: every record, by id.
     pub fn into_snapshot(self) -> StoreSnapshot {
+        let mut parts = self.parts;
+        let mut records = if parts.len() <= 1 {
+            parts.pop().unwrap_or_default()
+        } else {
+            parts.concat()
+        };
+        if !records.is_sorted_by_key(|r: &ProcRecord| r.id) {
+            records.sort_by_cached_key(|r| r.id);
+        }
         StoreSnapshot {
-            records: crate::fast_map::merge_sorted(self.parts, |r| r.id),
+            records,
             max_id: self.max_id,
             repairs: self.repairs,
         }
