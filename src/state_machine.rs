@@ -178,7 +178,14 @@ impl<S, E> DerefMut for StateContext<'_, S, E> {
 /// states visited (for rollback in reverse), and the cycle count. Register it as
 /// `registry.register::<StateMachine<MyProc>>("my_proc")` (for an environment `E`,
 /// `StateMachine<MyProc, E>`).
-#[derive(Serialize, Deserialize)]
+///
+/// Stored as a MessagePack array of its own four fields (the machine, the next state,
+/// the history, the cycle count), the machine inside with its field names as any
+/// procedure's state. The wrapper is encoded at every step and its field names would
+/// be a quarter of a small record; the named form that earlier versions wrote still
+/// decodes (serde reads a struct from either form), and a field added later goes last,
+/// with `#[serde(default)]`.
+#[derive(Deserialize)]
 #[serde(bound = "")]
 pub struct StateMachine<T, E = ()>
 where
@@ -189,11 +196,34 @@ where
     next: Option<T::State>,
     /// Stored as `(state, times)` runs, so a machine that cycles in one state for
     /// thousands of steps keeps a small record.
-    #[serde(with = "state_runs")]
+    #[serde(deserialize_with = "state_runs::deserialize")]
     history: Vec<T::State>,
     cycles: u32,
     #[serde(skip)]
     env: PhantomData<fn() -> E>,
+}
+
+impl<T, E> Serialize for StateMachine<T, E>
+where
+    T: StateMachineProcedure<E>,
+    E: Send + Sync + 'static,
+{
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeTuple;
+        /// The history as its runs.
+        struct Runs<'a, X>(&'a [X]);
+        impl<X: Copy + Eq + Serialize> Serialize for Runs<'_, X> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                state_runs::serialize(self.0, s)
+            }
+        }
+        let mut fields = s.serialize_tuple(4)?;
+        fields.serialize_element(&self.machine)?;
+        fields.serialize_element(&self.next)?;
+        fields.serialize_element(&Runs(&self.history))?;
+        fields.serialize_element(&self.cycles)?;
+        fields.end()
+    }
 }
 
 impl<T, E> Debug for StateMachine<T, E>
@@ -606,6 +636,43 @@ mod tests {
         let back: StateMachine<Machine> = rmp_serde::from_slice(&bytes).unwrap();
         assert_eq!(back.history(), &[S::A]);
         assert_eq!(back.current_state(), S::B);
+    }
+
+    /// The wrapper's fields by position, the machine's by name; and the named form
+    /// earlier versions wrote still decodes.
+    #[test]
+    fn the_wrappers_fields_are_positional_and_the_named_form_still_decodes() {
+        let mut sm = StateMachine::new(Machine {
+            loops_in_b: 2,
+            ..Machine::default()
+        });
+        now(sm.execute(&mut ctx())).unwrap();
+        let bytes = crate::procedure::EncodeState::encode_state(&sm).unwrap();
+        // A fixarray of 4, then the machine as a fixmap of its 4 named fields.
+        assert_eq!(bytes[..2], [0x94, 0x84]);
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(text.contains("loops_in_b") && !text.contains("history"));
+
+        #[derive(Serialize)]
+        struct Named<'a> {
+            machine: &'a Machine,
+            next: Option<S>,
+            history: Vec<(S, u32)>,
+            cycles: u32,
+        }
+        let old = rmp_serde::to_vec_named(&Named {
+            machine: &sm.machine,
+            next: sm.next,
+            history: vec![(S::A, 1)],
+            cycles: sm.cycles,
+        })
+        .unwrap();
+        for bytes in [bytes, old] {
+            let back: StateMachine<Machine> = rmp_serde::from_slice(&bytes).unwrap();
+            assert_eq!(back.history(), &[S::A]);
+            assert_eq!(back.current_state(), S::B);
+            assert_eq!(back.machine.loops_in_b, 2);
+        }
     }
 
     #[test]
