@@ -391,8 +391,8 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         // Decode every unfinished procedure before anything starts, so that hooks run
         // in the plan's order (children before parents) and a tree that cannot be
         // decoded is reported whole.
-        let mut trees = Vec::with_capacity(plan.trees.len());
-        for tree in std::mem::take(&mut plan.trees) {
+        let mut trees = Vec::with_capacity(plan.tree_count());
+        for tree in std::mem::take(&mut plan.trees).into_iter().flatten() {
             let records = plan.records_of(&tree);
             match decode_tree(&registry, records) {
                 Ok(decoded) => trees.push((tree, decoded)),

@@ -175,8 +175,7 @@ mod tests {
     /// with its records and start, then the finished roots and the corrupt procedures.
     fn described(plan: &RecoveryPlan) -> String {
         let mut trees: Vec<String> = plan
-            .trees
-            .iter()
+            .each_tree()
             .map(|t| format!("{:?} {:?} {:?}", plan.records_of(t), t.stack, t.start))
             .collect();
         trees.sort();
@@ -204,13 +203,21 @@ mod tests {
 
     #[test]
     fn a_plan_on_many_threads_is_the_plan_on_one() {
-        let alone = format!("{:?}", recovery::plan(records(), names, 5));
+        let alone = recovery::plan(records(), names, 5);
         for threads in [1, 2, 3, 8] {
             let split = plan_on(records(), &names, 5, threads);
-            assert!(split.trees.len() > 50 && !split.corrupt.is_empty());
+            assert!(split.tree_count() > 50 && !split.corrupt.is_empty());
             assert!(!split.finished.is_empty());
-            assert_eq!(format!("{split:?}"), alone, "{threads} threads");
-            assert_eq!(split.records.len(), 1);
+            assert_eq!(described(&split), described(&alone), "{threads} threads");
+            // The same part, in the same order, and the same trees in it.
+            assert_eq!(split.records, alone.records, "{threads} threads");
+            let ranges = |plan: &RecoveryPlan| -> Vec<_> {
+                plan.each_tree()
+                    .map(|t| (t.part, t.range.clone()))
+                    .collect()
+            };
+            assert_eq!(ranges(&split), ranges(&alone), "{threads} threads");
+            assert_eq!(split.trees.len(), threads.min(split.tree_count()));
         }
     }
 }

@@ -113,7 +113,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let live: usize = loaded.parts.iter().map(Vec::len).sum();
     let plan = plan_recovery(loaded.parts, &|n| (n == "bench").then_some("bench"), 0);
     let recover_s = started.elapsed().as_secs_f64();
-    assert_eq!(plan.trees.len() as u64, procs - procs / 2);
+    assert_eq!(plan.tree_count() as u64, procs - procs / 2);
     assert!(plan.corrupt.is_empty());
 
     let ms = |s: f64| (s * 1000.0).round() / 1000.0;

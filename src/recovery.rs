@@ -43,8 +43,10 @@ pub struct TreeRecovery {
 /// What recovery does with a store's records.
 #[derive(Debug, Default)]
 pub struct RecoveryPlan {
-    /// Unfinished trees: by root within each part, the parts in order.
-    pub trees: Vec<TreeRecovery>,
+    /// Unfinished trees, in the runs they were planned in (each run by root; every
+    /// tree is [`each_tree`](RecoveryPlan::each_tree)). Kept as the planning threads
+    /// made them rather than copied into one list: that would touch their memory twice.
+    pub trees: Vec<Vec<TreeRecovery>>,
     /// The unfinished trees' records, in the parts they were planned in, each tree's
     /// together ([`TreeRecovery::range`]). Kept where they were decoded rather than
     /// moved into a list per tree: for a million records that is hundreds of megabytes
@@ -57,6 +59,16 @@ pub struct RecoveryPlan {
 }
 
 impl RecoveryPlan {
+    /// Every unfinished tree, run after run.
+    pub fn each_tree(&self) -> impl Iterator<Item = &TreeRecovery> {
+        self.trees.iter().flatten()
+    }
+
+    /// How many unfinished trees the plan carries on.
+    pub fn tree_count(&self) -> usize {
+        self.trees.iter().map(Vec::len).sum()
+    }
+
     /// The records of `tree`, one of this plan's trees: children before parents.
     pub fn records_of(&self, tree: &TreeRecovery) -> &[ProcRecord] {
         self.records
@@ -68,7 +80,7 @@ impl RecoveryPlan {
     /// Adds the plan of other parts after this plan's.
     pub fn append(&mut self, mut later: RecoveryPlan) {
         let parts = self.records.len();
-        for tree in &mut later.trees {
+        for tree in later.trees.iter_mut().flatten() {
             tree.part += parts;
         }
         self.trees.append(&mut later.trees);
@@ -83,11 +95,9 @@ impl RecoveryPlan {
     /// others close up, in order, with each tree's range moved down to match.
     pub fn of_part(mut records: Vec<ProcRecord>, runs: Vec<PlannedRun>) -> RecoveryPlan {
         let mut plan = RecoveryPlan::default();
-        plan.trees
-            .reserve_exact(runs.iter().map(|run| run.trees.len()).sum());
         let mut dropped = Vec::new();
         for mut run in runs {
-            plan.trees.append(&mut run.trees);
+            plan.trees.push(run.trees);
             plan.corrupt.append(&mut run.corrupt);
             dropped.append(&mut run.dropped);
         }
@@ -96,7 +106,7 @@ impl RecoveryPlan {
             // records dropped before it.
             let mut before = dropped.iter().peekable();
             let mut gone = 0;
-            for tree in &mut plan.trees {
+            for tree in plan.trees.iter_mut().flatten() {
                 while let Some((range, _)) = before.next_if(|(r, _)| r.end <= tree.range.start) {
                     gone += range.len();
                 }
@@ -467,7 +477,7 @@ mod tests {
     fn check(records: Vec<ProcRecord>, expected: &[&str]) {
         let plan = plan(records, names, 100);
         let mut lines = Vec::new();
-        for tree in &plan.trees {
+        for tree in plan.each_tree() {
             let order: Vec<String> = plan
                 .records_of(tree)
                 .iter()
@@ -599,7 +609,7 @@ mod tests {
             failed(3, 0, 9),
         ];
         let plan = plan(records, names, 100);
-        let result = plan.trees[0].stack.first_failure().cloned();
+        let result = plan.trees[0][0].stack.first_failure().cloned();
         assert_eq!(result.map(|f| f.proc), Some(ProcId(3)));
     }
 
@@ -721,8 +731,7 @@ mod tests {
         ];
         let described = |plan: &RecoveryPlan| -> Vec<String> {
             let mut lines: Vec<String> = plan
-                .trees
-                .iter()
+                .each_tree()
                 .map(|t| format!("tree {:?}: {}", ids(plan.records_of(t)), t.start))
                 .collect();
             lines.push(format!("finished {:?}", ids(&plan.finished)));
@@ -795,7 +804,7 @@ mod tests {
             &["tree [2 3 1]:  | spawn 1, spawn 2, spawn 3, rollback 3 unrecorded"],
         );
         let plan = plan(records.clone(), names, 100);
-        let first = plan.trees[0].stack.first_failure().cloned().unwrap();
+        let first = plan.trees[0][0].stack.first_failure().cloned().unwrap();
         assert_eq!((first.proc, first.error), (ProcId(2), ProcError::Aborted));
         // Once aborted, the tree is rolling back: a second abort is refused.
         let again = abort(&records, ProcId(3), 100).unwrap_err();
