@@ -607,7 +607,7 @@ fn decode_tree(registry: &Types, records: &[ProcRecord]) -> Result<(Objects, Vec
 /// What the executor found in its store when it started.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Recovery {
-    /// Roots of the unfinished trees it carries on.
+    /// Roots of the unfinished trees it carries on, by id.
     pub recovered_roots: Vec<ProcId>,
     /// Finished roots whose results it keeps.
     pub finished_roots: usize,
