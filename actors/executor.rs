@@ -33,10 +33,11 @@ use super::protocol::{
     AbortRequest, BypassRequest, Command, CommandRequest, DurableAck, Persist, Quiesce, Refuse,
     Regrant, StopWriter, TreeAddr, TreeFinished, TreeNews,
 };
-use super::root_stack::{publish_recovered, Objects, RootStackActor};
+use super::root_stack::{publish_recovered, Objects, TreeRunner};
 use super::scheduler::{
     GetSchedulerStats, Monitor, ResetEvent, Scheduler, SchedulerStats, WakeEvent,
 };
+use super::shard::Shard;
 use super::shared::{now_ms, Entry, EntryExtra, SchedulerViews, Shared, Waiting};
 
 impl From<MailboxError> for Error {
@@ -461,6 +462,13 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             .collect();
         let arbiters: Vec<Arbiter> = (0..self.arbiters).map(|_| Arbiter::new()).collect();
         let handles = arbiters.iter().map(Arbiter::handle).collect();
+        let shards = arbiters
+            .iter()
+            .map(|arbiter| {
+                let scheduler = scheduler.clone();
+                Shard::start_in_arbiter(&arbiter.handle(), |_| Shard::new(scheduler))
+            })
+            .collect();
         let finished = std::mem::take(&mut plan.finished);
         let addr = ExecutorActor::<E>::create(move |ctx| {
             let shared = Arc::new(Shared::new(
@@ -471,6 +479,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 ctx.address().recipient(),
                 ctx.address().recipient(),
                 handles,
+                shards,
                 snapshot.max_id,
             ));
             for record in finished {
@@ -506,20 +515,18 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                     .records_of(&tree)
                     .iter()
                     .filter(|r| r.parent.is_none() || !r.state.is_finished());
-                let actor_shared = shared.clone();
-                let addr =
-                    RootStackActor::start_in_arbiter(&shared.next_arbiter().clone(), move |_| {
-                        RootStackActor::recover(
-                            actor_shared,
-                            tree.stack,
-                            tree.start,
-                            objects,
-                            rerun,
-                        )
-                    });
+                let addr = shared.new_tree(tree.stack.root());
                 // In the table before the executor handles any request (it is not
                 // running yet): recovered records are durable by definition.
-                publish_recovered(&shared, records, &Arc::new(addr));
+                publish_recovered(&shared, records, &addr);
+                addr.start(TreeRunner::recover(
+                    shared.clone(),
+                    addr.clone(),
+                    tree.stack,
+                    tree.start,
+                    objects,
+                    rerun,
+                ));
             }
             ExecutorActor {
                 shared,
@@ -1707,9 +1714,8 @@ impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
         let (ack, rx) = oneshot::channel();
         let proc = msg.proc;
         self.unfinished += 1;
-        RootStackActor::start_in_arbiter(&self.shared.next_arbiter().clone(), move |_| {
-            RootStackActor::submit(shared, root, proc, ack)
-        });
+        let tree = self.shared.new_tree(root.id);
+        tree.start(TreeRunner::submit(shared, tree.clone(), root, proc, ack));
         let answer = async move { rx.await.unwrap_or(Err(Error::Stopped)) };
         let Some(nonce) = msg.nonce else {
             return Box::pin(answer);
@@ -1741,11 +1747,9 @@ impl<E: Send + Sync + 'static> Handler<Abort> for ExecutorActor<E> {
         let shared = self.shared.clone();
         Box::pin(async move {
             let (ack, answer) = oneshot::channel();
-            let answer = match tree?.send(AbortRequest { id, ack }).await {
-                Ok(()) => answer.await.ok(),
-                Err(_) => None,
-            };
+            tree?.do_send(AbortRequest { id, ack });
             // No answer: the tree finished (or halted) meanwhile.
+            let answer = answer.await.ok();
             answer.unwrap_or_else(|| {
                 Err(match shared.table.get(&id) {
                     Some(e) => Error::Finished { id, state: e.state },
@@ -1769,7 +1773,7 @@ impl<E: Send + Sync + 'static> Handler<Bypass> for ExecutorActor<E> {
                 recursive: msg.recursive,
                 ack,
             };
-            tree?.send(request).await?;
+            tree?.do_send(request);
             answer.await.unwrap_or(Err(Error::Stopped)).map(|_| ())
         })
     }
@@ -1783,7 +1787,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         let shared = self.shared.clone();
         Box::pin(async move {
             let (ack, answer) = oneshot::channel();
-            tree?.send(CommandRequest { id, command, ack }).await?;
+            tree?.do_send(CommandRequest { id, command, ack });
             // A pause waits for a step boundary that a broken engine may never reach
             // (a tree that writes nothing is never told).
             let answer = tokio::select! {

@@ -15,6 +15,7 @@ mod protocol;
 pub(crate) mod recover;
 mod root_stack;
 mod scheduler;
+mod shard;
 mod shared;
 mod wal_store;
 

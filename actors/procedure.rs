@@ -1,11 +1,11 @@
-//! The procedure cell: one per live procedure, held by its tree's root-stack actor. It
+//! The procedure cell: one per live procedure, held by its tree's runner. It
 //! owns the user's object and is the only place that calls into it: a step when the
 //! scheduler says [`RunStep`], a rollback when its root stack (or, once the rollback's
 //! locks are granted, the scheduler) says so, the abort and timeout hooks between steps.
 //!
-//! A cell is not an actor of its own: the scheduler's messages reach it through its root
-//! stack's mailbox ([`ToCell`]), its calls into user code run as futures of the root
-//! stack's context, and its timers are the root stack's. So a step's report crosses no
+//! A cell is not an actor of its own: the scheduler's messages reach it through its tree's
+//! shard ([`ToCell`]), its calls into user code run as futures of that shard (through
+//! the tree's `TreeCtx`), and its timers are the shard's. So a step's report crosses no
 //! mailbox, no task and no thread, and an idle procedure costs no task of its own.
 //!
 //! It never decides what happens next; it reports what the user's code returned
@@ -19,8 +19,6 @@
 use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-use actix::prelude::*;
 
 use crate::cancel::{Cancel, CancelReason};
 use crate::erased::{Call, DynProc, ErasedProc, Next, StepResult};
@@ -37,7 +35,7 @@ use super::protocol::{
     AbortAck, Deadline, FailRequest, LockFailed, LocksHeld, Outbox, PauseNow, ReleaseLocks, Report,
     Rollback, RolledBack, RunStep, StepDone, ToCell,
 };
-use super::root_stack::RootStackActor;
+use super::shard::{Timer, TreeCtx};
 use super::shared::{now_ms, Shared, TreeStatus};
 
 /// The largest encoding buffer a thread keeps between steps.
@@ -141,7 +139,7 @@ struct Pending {
 /// A call into user code in progress, counted by the graceful shutdown's drain until
 /// it is dropped: when the call's result has been handled, or with the call itself if
 /// its root stack dies first.
-struct InCall(Arc<Shared>);
+pub(crate) struct InCall(Arc<Shared>);
 
 impl InCall {
     fn begin(shared: &Arc<Shared>) -> Option<InCall> {
@@ -155,11 +153,17 @@ impl Drop for InCall {
     }
 }
 
+/// A call into user code that ended, for the cell of the procedure it names.
+pub(crate) enum CallEnd {
+    Step(ProcId, StepEnd),
+    Rollback(ProcId, RollbackEnd),
+}
+
 /// What a step's future hands back to the cell.
-type StepEnd = (DynProc, Call, Result<StepResult, ProcError>, InCall);
+pub(crate) type StepEnd = (DynProc, Call, Result<StepResult, ProcError>, InCall);
 
 /// What a rollback's future hands back to the cell.
-type RollbackEnd = (
+pub(crate) type RollbackEnd = (
     DynProc,
     Call,
     Result<Result<(), ProcError>, ProcError>,
@@ -206,7 +210,7 @@ impl ProcedureCell {
 
     /// The procedure joins its tree: a recovered one's `after_recover` hook runs, and its
     /// timeout's timer starts.
-    pub(crate) fn start(&mut self, ctx: &mut Context<RootStackActor>) {
+    pub(crate) fn start(&mut self, ctx: &mut TreeCtx<'_>) {
         if self.recovered {
             if let Some(proc) = self.proc.as_mut() {
                 if let Err(e) = guard("after_recover", || proc.after_recover()) {
@@ -468,7 +472,7 @@ impl ProcedureCell {
 
     /// The deadline passed while the procedure was idle: asks its timeout hook, then
     /// fails it, or persists the new deadline (or none) and re-arms.
-    fn expire(&mut self, out: &mut Outbox, ctx: &mut Context<RootStackActor>) {
+    fn expire(&mut self, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
         if self.status.halted() || self.done || self.failed || self.status.failed() {
             return;
         }
@@ -511,25 +515,31 @@ impl ProcedureCell {
     }
 
     /// Starts the timer for the current deadline, if any (at once if it has passed).
-    fn arm(&mut self, ctx: &mut Context<RootStackActor>) {
+    fn arm(&mut self, ctx: &mut TreeCtx<'_>) {
         let Some(deadline_ms) = self.deadline_ms else {
             return;
         };
         let id = self.id;
         let delay = Duration::from_millis(deadline_ms.saturating_sub(now_ms()));
-        ctx.run_later(delay, move |act, ctx| {
-            act.with_cell(id, ctx, |cell, out, ctx| {
-                // A later re-arm replaced this deadline: its own timer is running.
-                if cell.deadline_ms != Some(deadline_ms) || cell.status.halted() {
-                    return;
-                }
-                if cell.proc.is_some() {
-                    cell.expire(out, ctx);
-                } else {
-                    cell.pending().timeout = true;
-                }
-            });
-        });
+        ctx.run_later(delay, Timer::Deadline { id, deadline_ms });
+    }
+
+    /// The timer of `deadline_ms` fired.
+    pub(crate) fn deadline_passed(
+        &mut self,
+        deadline_ms: u64,
+        out: &mut Outbox,
+        ctx: &mut TreeCtx<'_>,
+    ) {
+        // A later re-arm replaced this deadline: its own timer is running.
+        if self.deadline_ms != Some(deadline_ms) || self.status.halted() {
+            return;
+        }
+        if self.proc.is_some() {
+            self.expire(out, ctx);
+        } else {
+            self.pending().timeout = true;
+        }
     }
 
     fn pending(&mut self) -> &mut Pending {
@@ -552,7 +562,7 @@ impl ProcedureCell {
     }
 
     /// Answers aborts and a timeout that arrived while a step or rollback ran.
-    fn settle_pending(&mut self, out: &mut Outbox, ctx: &mut Context<RootStackActor>) {
+    fn settle_pending(&mut self, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
         let (timeout, aborts) = match self.pending.as_deref_mut() {
             Some(p) => (
                 std::mem::take(&mut p.timeout),
@@ -576,12 +586,7 @@ impl ProcedureCell {
     }
 
     /// Handles what the scheduler sent.
-    pub(crate) fn deliver(
-        &mut self,
-        msg: ToCell,
-        out: &mut Outbox,
-        ctx: &mut Context<RootStackActor>,
-    ) {
+    pub(crate) fn deliver(&mut self, msg: ToCell, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
         match msg {
             ToCell::RunStep(RunStep { step }) => self.run_step(step, out, ctx),
             ToCell::Rollback(Rollback { unrecorded }) => self.rollback(unrecorded, out, ctx),
@@ -608,8 +613,8 @@ impl ProcedureCell {
     }
 
     /// Runs one step (the scheduler counts it against a worker): the user's `execute`
-    /// runs as a future of the root stack's; [`ProcedureCell::step_ended`] takes its end.
-    fn run_step(&mut self, step: usize, out: &mut Outbox, ctx: &mut Context<RootStackActor>) {
+    /// runs as a future of the tree's shard; [`ProcedureCell::step_ended`] takes its end.
+    fn run_step(&mut self, step: usize, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
         let id = self.id;
         if self.shared.drain.is_draining() {
             // A graceful shutdown: the step runs after the restart.
@@ -680,15 +685,11 @@ impl ProcedureCell {
             (proc, pctx, result, in_call)
         };
         let call = tracing::Instrument::instrument(call, span);
-        ctx.spawn(
-            actix::fut::wrap_future(call).map(move |end, act: &mut RootStackActor, ctx| {
-                act.with_cell(id, ctx, |cell, out, ctx| cell.step_ended(end, out, ctx));
-            }),
-        );
+        ctx.spawn(async move { CallEnd::Step(id, call.await) });
     }
 
     /// A step's call ended: its report goes to the root stack.
-    fn step_ended(&mut self, end: StepEnd, out: &mut Outbox, ctx: &mut Context<RootStackActor>) {
+    pub(crate) fn step_ended(&mut self, end: StepEnd, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
         let (proc, pctx, result, in_call) = end;
         if self.step_cancel.take().is_some_and(|c| c.is_cancelled()) {
             // Raised for this step: the next one gets a fresh signal.
@@ -702,12 +703,7 @@ impl ProcedureCell {
     /// Rolls back the newest step (from the root stack, or from the scheduler once the
     /// rollback's locks are granted); `unrecorded` as in
     /// [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step).
-    pub(crate) fn rollback(
-        &mut self,
-        unrecorded: bool,
-        out: &mut Outbox,
-        ctx: &mut Context<RootStackActor>,
-    ) {
+    pub(crate) fn rollback(&mut self, unrecorded: bool, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
         let id = self.id;
         if self.status.halted() || self.shared.drain.is_draining() {
             // Cut off like in a crash (or not begun, in a graceful shutdown): recovery
@@ -757,19 +753,15 @@ impl ProcedureCell {
             (proc, pctx, result, in_call)
         };
         let call = tracing::Instrument::instrument(call, span);
-        ctx.spawn(
-            actix::fut::wrap_future(call).map(move |end, act: &mut RootStackActor, ctx| {
-                act.with_cell(id, ctx, |cell, out, ctx| cell.rollback_ended(end, out, ctx));
-            }),
-        );
+        ctx.spawn(async move { CallEnd::Rollback(id, call.await) });
     }
 
     /// A rollback's call ended: its result goes to the root stack.
-    fn rollback_ended(
+    pub(crate) fn rollback_ended(
         &mut self,
         end: RollbackEnd,
         out: &mut Outbox,
-        ctx: &mut Context<RootStackActor>,
+        ctx: &mut TreeCtx<'_>,
     ) {
         let (mut proc, pctx, result, in_call) = end;
         if !proc.holds_lock() && !self.status.halted() {
@@ -785,7 +777,7 @@ impl ProcedureCell {
             });
         self.proc = Some(proc);
         if self.has_locks && !self.status.halted() {
-            self.shared.scheduler.do_send(ReleaseLocks {
+            ctx.tell(ReleaseLocks {
                 id: self.id,
                 step_only: true,
             });
@@ -817,10 +809,10 @@ impl ProcedureCell {
 
     /// The procedure is finished and its final record is durable: release its locks,
     /// run its completion cleanup, and answer late aborts with how it finished.
-    pub(crate) fn stop(mut self, state: ProcState) {
+    pub(crate) fn stop(mut self, state: ProcState, ctx: &mut TreeCtx<'_>) {
         if self.has_locks && !self.status.halted() {
             // Before the tree's result, which is published only after this.
-            self.shared.scheduler.do_send(ReleaseLocks {
+            ctx.tell(ReleaseLocks {
                 id: self.id,
                 step_only: false,
             });

@@ -19,17 +19,17 @@ use crate::record::{Failure, Paused, StoreOp};
 use crate::root_stack::{RollbackFailure, StepReport};
 
 use super::lent::{lendable, Lent};
-use super::root_stack::RootStackActor;
+use super::scheduler::Scheduler;
+use super::shard::{Mail, TreeHandle};
 
 /// A root stack's address as the engine keeps it (in the procedure table, the event
-/// table, every queued step): shared, because cloning an actix `Addr` allocates (a new
-/// sender).
-pub(crate) type TreeAddr = std::sync::Arc<Addr<RootStackActor>>;
+/// table, every queued step): its shard and root, shared, because cloning an actix
+/// `Addr` counts a new sender.
+pub(crate) type TreeAddr = std::sync::Arc<TreeHandle>;
 
 /// Where a procedure is reached: its tree's root stack, which holds the procedure's
-/// cell and hands it what is addressed to it ([`ToProc`]). The root stack's address is
-/// shared, because cloning an actix `Addr` allocates (a new sender), and every queued
-/// step carries one.
+/// cell and hands it what is addressed to it ([`ToProc`]). Every queued step carries
+/// one.
 #[derive(Clone)]
 pub(crate) struct ProcAddr {
     tree: TreeAddr,
@@ -46,12 +46,15 @@ impl ProcAddr {
         self.tree.connected()
     }
 
-    /// Sends `msg` to the procedure, through its root stack's mailbox.
-    pub(crate) fn do_send(&self, msg: impl Into<ToCell>) {
-        self.tree.do_send(ToProc {
-            id: self.id,
-            msg: msg.into(),
-        });
+    /// Adds `msg` for the procedure to `mail`.
+    pub(crate) fn post(&self, mail: &mut Mail, msg: impl Into<ToCell>) {
+        mail.push(
+            &self.tree,
+            ToProc {
+                id: self.id,
+                msg: msg.into(),
+            },
+        );
     }
 }
 
@@ -59,10 +62,6 @@ impl ProcAddr {
 pub(crate) struct ToProc {
     pub(crate) id: ProcId,
     pub(crate) msg: ToCell,
-}
-
-impl Message for ToProc {
-    type Result = ();
 }
 
 /// The scheduler's messages to a procedure.
@@ -334,10 +333,6 @@ pub(crate) struct AbortRequest {
     pub(crate) ack: AbortAck,
 }
 
-impl Message for AbortRequest {
-    type Result = ();
-}
-
 /// An operator's bypass of a procedure of this tree, from the executor: answered
 /// `Ok(true)` once the bypass is durable, or with why it was refused.
 pub(crate) struct BypassRequest {
@@ -346,20 +341,12 @@ pub(crate) struct BypassRequest {
     pub(crate) ack: AbortAck,
 }
 
-impl Message for BypassRequest {
-    type Result = ();
-}
-
 /// An operator's command on a procedure of this tree, from the executor: answered
 /// `Ok(true)` once its effect is durable, or with why it was refused.
 pub(crate) struct CommandRequest {
     pub(crate) id: ProcId,
     pub(crate) command: Command,
     pub(crate) ack: AbortAck,
-}
-
-impl Message for CommandRequest {
-    type Result = ();
 }
 
 /// What an operator asks of a procedure.
@@ -413,10 +400,6 @@ pub(crate) struct Deadline {
 
 /// A timer or event woke the procedure.
 pub(crate) struct Wake(pub(crate) ProcId);
-
-impl Message for Wake {
-    type Result = ();
-}
 
 // ------------------------------------------------------------------------------------
 // Root stack -> scheduler (its group commit), root stack -> executor.
@@ -492,10 +475,16 @@ impl TreeAck {
         std::mem::take(&mut self.steps)
     }
 
-    /// Tells the root stack that the transition is durable and that `enqueued` of its
-    /// steps were queued.
-    pub(crate) fn durable(mut self, enqueued: usize) {
-        self.answer(Ok(()), enqueued);
+    /// Tells the root stack, through `mail`, that the transition is durable and that
+    /// `enqueued` of its steps were queued.
+    pub(crate) fn durable(mut self, enqueued: usize, mail: &mut Mail) {
+        self.answered = true;
+        let durable = Durable {
+            seq: self.seq,
+            result: Ok(()),
+            enqueued: u32::try_from(enqueued).unwrap_or(u32::MAX),
+        };
+        mail.push(&self.tree, durable);
     }
 
     fn answer(&mut self, result: Result<(), Error>, enqueued: usize) {
@@ -531,10 +520,6 @@ pub(crate) struct Durable {
     /// Steps of the transition the scheduler queued itself (see [`TreeAck`]): each
     /// owes the root stack a report, and its `RunStep` comes after this message.
     pub(crate) enqueued: u32,
-}
-
-impl Message for Durable {
-    type Result = ();
 }
 
 impl Message for Persist {
@@ -575,10 +560,6 @@ impl Message for TreeFinished {
 /// before), so the answer covers every report of the tree.
 pub(crate) struct Quiesce(pub(crate) oneshot::Sender<()>);
 
-impl Message for Quiesce {
-    type Result = ();
-}
-
 // Subscriptions: root stack -> executor, in order with the tree's `TreeFinished`.
 
 /// News of a tree for the subscribers (sent only while there are any). From the root
@@ -596,5 +577,67 @@ pub(crate) enum TreeNews {
 }
 
 impl Message for TreeNews {
+    type Result = ();
+}
+
+// Batches: a shard -> the scheduler, in the order its trees made them.
+
+/// What a tree sends the scheduler. A shard queues its trees' messages in one outbox
+/// and sends them as one [`FromShard`] (or the message itself, when it is alone), so
+/// their order is the order they were made in, as if each had been sent on its own.
+pub(crate) enum ToScheduler {
+    Persist(Persist),
+    StepFinished(StepFinished),
+    Enqueue(Enqueue),
+    ReleaseLocks(ReleaseLocks),
+    Unsuspend(Unsuspend),
+    SuspendOn(SuspendOn),
+    LockForRollback(LockForRollback),
+    TreeFailed(TreeFailed),
+}
+
+macro_rules! to_scheduler {
+    ($($variant:ident),* $(,)?) => {
+        $(
+            impl From<$variant> for ToScheduler {
+                fn from(m: $variant) -> Self {
+                    ToScheduler::$variant(m)
+                }
+            }
+        )*
+
+        impl ToScheduler {
+            /// Sends this one message on its own.
+            pub(crate) fn send_to(self, scheduler: &Addr<Scheduler>) {
+                match self {
+                    $(ToScheduler::$variant(m) => scheduler.do_send(m),)*
+                }
+            }
+
+            /// Handles it as the message itself would be.
+            pub(crate) fn handle_in(self, scheduler: &mut Scheduler, ctx: &mut Context<Scheduler>) {
+                match self {
+                    $(ToScheduler::$variant(m) => Handler::handle(scheduler, m, ctx),)*
+                }
+            }
+        }
+    };
+}
+
+to_scheduler!(
+    Persist,
+    StepFinished,
+    Enqueue,
+    ReleaseLocks,
+    Unsuspend,
+    SuspendOn,
+    LockForRollback,
+    TreeFailed,
+);
+
+/// A shard's messages to the scheduler, handled in order.
+pub(crate) struct FromShard(pub(crate) Vec<ToScheduler>);
+
+impl Message for FromShard {
     type Result = ();
 }

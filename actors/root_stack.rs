@@ -1,7 +1,9 @@
-//! The root-stack actor: one per procedure tree. It holds the cells of the tree's live
-//! procedures ([`ProcedureCell`]) and runs the pure [`RootStack`] bookkeeping: every
-//! event of the tree goes through it, its records are persisted, and only then are its
-//! actions performed, in the order the transitions were made.
+//! The tree runner: one per procedure tree, a plain value in the shard of one arbiter
+//! (`shard.rs`), which hands it the tree's messages, the ends of its calls and its
+//! timers. It holds the cells of the tree's live procedures ([`ProcedureCell`]) and
+//! runs the pure [`RootStack`] bookkeeping: every event of the tree goes through it,
+//! its records are persisted, and only then are its actions performed, in the order the
+//! transitions were made.
 //!
 //! The protocol rules it enforces (see `ARCHITECTURE.md`, "Protocol"):
 //! - it frees a step's worker (`StepFinished` to the scheduler) only after it has fed
@@ -17,15 +19,14 @@
 //!   waiter answered, and it stays alive until each dispatched step has reported, so no
 //!   worker of the scheduler leaks.
 //!
-//! Honest limits: an actor's mailbox lives in memory. If the process dies, what was in
-//! flight here is gone; durability comes only from the store, and recovery rebuilds this
-//! actor from it.
+//! Honest limits: a mailbox lives in memory. If the process dies, what was in flight
+//! here is gone; durability comes only from the store, and recovery rebuilds the tree
+//! from it.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 
-use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::erased::DynProc;
@@ -39,13 +40,14 @@ use super::guard::panic_message;
 use super::lent::{lendable, Lent};
 use super::metrics;
 use super::perturb;
-use super::procedure::{ProcSpec, ProcedureCell};
+use super::procedure::{CallEnd, ProcSpec, ProcedureCell};
 use super::protocol::{
     AbortAck, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Durable,
     DurableAck, Enqueue, FailRequest, LockForRollback, LocksHeld, Outbox, PauseNow, Persist,
     ProcAddr, Quiesce, ReleaseLocks, Report, RolledBack, StepDone, StepFinished, SuspendOn, ToCell,
     ToProc, TreeAck, TreeAddr, TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
 };
+use super::shard::{Timer, TreeCtx, TreeMsg};
 use super::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
 
 /// Decoded procedures waiting for their cells, with their encoded state.
@@ -89,16 +91,16 @@ struct Rare {
     quiesce: Vec<oneshot::Sender<()>>,
 }
 
-/// What a root stack starts with. The actor is in every tree's task, so these few
-/// words live in a box that goes once the tree has started.
+/// What a root stack starts with. Every tree holds a runner, so these few words live
+/// in a box that goes once the tree has started.
 struct Start {
-    /// The submit's (or recovery's) transition, applied when the actor starts.
+    /// The submit's (or recovery's) transition, applied when the tree starts.
     initial: Option<Transition>,
     /// Answered once the root's insert is durable and it is queued.
     submit_ack: Option<oneshot::Sender<Result<ProcId, Error>>>,
 }
 
-pub(crate) struct RootStackActor {
+pub(crate) struct TreeRunner {
     core: RootStack,
     shared: Arc<Shared>,
     /// The live procedures of this tree.
@@ -107,9 +109,9 @@ pub(crate) struct RootStackActor {
     outbox: Outbox,
     /// `flush` is working through the outbox.
     flushing: bool,
-    /// This actor's own address, shared by the addresses of its procedures.
-    me: Option<TreeAddr>,
-    /// What few trees ever need: boxed, as every tree's actor lives in a task.
+    /// The tree's address (its shard and root), shared by its procedures' addresses.
+    me: TreeAddr,
+    /// What few trees ever need: boxed, as every tree holds a runner.
     rare: Option<Box<Rare>>,
     /// New procedures, started once their insert is durable. Boxed, and `None` while
     /// there are none (nearly always).
@@ -117,27 +119,28 @@ pub(crate) struct RootStackActor {
     status: Arc<TreeStatus>,
     /// Transitions in the order they were made; actions run strictly in that order.
     pending: Lent<Pending>,
-    /// What the actor starts with, dropped once the root's insert is durable.
+    /// What the runner starts with, dropped once the root's insert is durable.
     start: Option<Box<Start>>,
     /// How many transitions have had their actions performed.
     performed: usize,
     /// Rebuilt by recovery: the first cells it makes are recovered procedures.
     recovered: bool,
     /// Steps handed to the scheduler whose `StepDone` has not come back. Each holds (or
-    /// waits for) a worker that only this actor frees.
+    /// waits for) a worker that only this runner frees.
     dispatched: u32,
     /// The tree's result, published once every stop has been answered.
     result: Option<Box<Result<(), Failure>>>,
     /// Set when nothing more can be made durable: the tree is cut off like in a crash.
     halted: Option<Box<Error>>,
-    /// The result went to the executor: the actor's work is done.
+    /// The result went to the executor: the runner's work is done.
     published: bool,
 }
 
-impl RootStackActor {
+impl TreeRunner {
     /// A newly submitted root: `started` persists its insert and queues it.
     pub(crate) fn submit(
         shared: Arc<Shared>,
+        me: TreeAddr,
         root: NewChild,
         proc: DynProc,
         ack: oneshot::Sender<Result<ProcId, Error>>,
@@ -146,7 +149,7 @@ impl RootStackActor {
         let (core, t) = RootStack::submit(root, now_ms());
         let mut unspawned = Objects::default();
         unspawned.insert(id, (proc, data));
-        let mut actor = Self::new(shared, core, t, unspawned);
+        let mut actor = Self::new(shared, me, core, t, unspawned);
         if let Some(start) = &mut actor.start {
             start.submit_ack = Some(ack);
         }
@@ -158,6 +161,7 @@ impl RootStackActor {
     /// their next step at once instead of waiting for their event again.
     pub(crate) fn recover(
         shared: Arc<Shared>,
+        me: TreeAddr,
         core: RootStack,
         mut t: Transition,
         objects: Objects,
@@ -165,7 +169,7 @@ impl RootStackActor {
     ) -> Self {
         t.actions
             .retain(|a| !matches!(a, Action::SuspendOn { id, .. } if rerun.contains(id)));
-        let mut actor = Self::new(shared, core, t, objects);
+        let mut actor = Self::new(shared, me, core, t, objects);
         actor.recovered = true;
         if !rerun.is_empty() {
             actor.rare().rerun = rerun;
@@ -173,18 +177,24 @@ impl RootStackActor {
         actor
     }
 
-    fn new(shared: Arc<Shared>, core: RootStack, t: Transition, unspawned: Objects) -> Self {
+    fn new(
+        shared: Arc<Shared>,
+        me: TreeAddr,
+        core: RootStack,
+        t: Transition,
+        unspawned: Objects,
+    ) -> Self {
         let status = Arc::new(TreeStatus::default());
         if core.is_failed() {
             status.set_failed();
         }
-        RootStackActor {
+        TreeRunner {
             core,
             shared,
             procs: SortedMap::default(),
             outbox: Outbox::default(),
             flushing: false,
-            me: None,
+            me,
             rare: None,
             unspawned: (!unspawned.is_empty()).then(|| Box::new(unspawned)),
             status,
@@ -209,7 +219,7 @@ impl RootStackActor {
         &mut self,
         event: &str,
         f: impl FnOnce(&mut RootStack) -> R,
-        ctx: &mut Context<Self>,
+        ctx: &mut TreeCtx<'_>,
     ) -> Option<R> {
         match catch_unwind(AssertUnwindSafe(|| f(&mut self.core))) {
             Ok(r) => Some(r),
@@ -227,7 +237,7 @@ impl RootStackActor {
 
     /// Persists the transition's records, then (in order) publishes them, performs its
     /// actions and answers `ack`.
-    fn apply(&mut self, t: Transition, ack: Option<AckWith>, ctx: &mut Context<Self>) {
+    fn apply(&mut self, t: Transition, ack: Option<AckWith>, ctx: &mut TreeCtx<'_>) {
         self.apply_named(t, ack, None, None, ctx);
     }
 
@@ -241,7 +251,7 @@ impl RootStackActor {
         ack: Option<AckWith>,
         state_name: Option<(ProcId, String)>,
         finished: Option<ProcId>,
-        ctx: &mut Context<Self>,
+        ctx: &mut TreeCtx<'_>,
     ) -> bool {
         if let Some(e) = &self.halted {
             if let Some((ack, _)) = ack {
@@ -254,7 +264,7 @@ impl RootStackActor {
             // Pauses not in effect never will be: the tree rolls back.
             self.refuse_pauses("its tree failed before it paused");
             // Its procedures waiting for locks would only be skipped once granted.
-            self.shared.scheduler.do_send(TreeFailed(self.core.root()));
+            ctx.tell(TreeFailed(self.core.root()));
         }
         let durable = t.persist.is_empty();
         let mut t = t;
@@ -263,11 +273,11 @@ impl RootStackActor {
         let steps = if durable {
             Vec::new()
         } else {
-            self.steps_to_queue(&mut t.actions, ctx)
+            self.steps_to_queue(&mut t.actions)
         };
         // Only inserts need the tree's address.
         let inserts = t.persist.iter().any(|op| matches!(op, StoreOp::Insert(_)));
-        let tree = inserts.then(|| self.me(ctx));
+        let tree = inserts.then(|| self.me.clone());
         let mut rows = rows(&self.shared, &t.persist, tree.as_ref());
         if let Some((named, name)) = state_name {
             for row in &mut rows {
@@ -290,11 +300,11 @@ impl RootStackActor {
             return false;
         }
         let seq = self.performed + self.pending.len() - 1;
-        let ack = TreeAck::new(self.me(ctx), seq, steps);
+        let ack = TreeAck::new(self.me.clone(), seq, steps);
         if finished.is_some() {
             perturb::point("root_stack::step_done::free_worker");
         }
-        self.shared.scheduler.do_send(Persist {
+        ctx.tell(Persist {
             ops: t.persist,
             ack: DurableAck::Tree(ack),
             finished,
@@ -306,11 +316,7 @@ impl RootStackActor {
     /// scheduler's `Enqueue`s (see `TreeAck`): the scheduler queues them itself once
     /// the transition is durable. A step that needs locks stays an action: its request
     /// goes to the lock table when the action is performed.
-    fn steps_to_queue(
-        &mut self,
-        actions: &mut Vec<Action>,
-        ctx: &mut Context<Self>,
-    ) -> Vec<Enqueue> {
+    fn steps_to_queue(&self, actions: &mut Vec<Action>) -> Vec<Enqueue> {
         let mut steps = Vec::new();
         if !actions.iter().any(|a| matches!(a, Action::Enqueue { .. })) {
             return steps;
@@ -320,7 +326,7 @@ impl RootStackActor {
         let failed = self.core.is_failed();
         actions.retain(|action| match *action {
             Action::Enqueue { id, front } if failed || !self.core.claims_locks(id) => {
-                match self.enqueue_msg(id, front, ctx) {
+                match self.enqueue_msg(id, front) {
                     Some(step) => {
                         steps.push(step);
                         false
@@ -333,7 +339,7 @@ impl RootStackActor {
         steps
     }
 
-    fn run_ready(&mut self, ctx: &mut Context<Self>) {
+    fn run_ready(&mut self, ctx: &mut TreeCtx<'_>) {
         while self.pending.front().is_some_and(|p| p.durable) {
             let Some(p) = self.pending.pop_front() else {
                 break;
@@ -372,7 +378,7 @@ impl RootStackActor {
     /// Works through the procedures' reports, in order, including those that handling
     /// them adds. Called once a call into a procedure has returned, never from inside
     /// another report's handling (that one's loop takes the new reports).
-    fn flush(&mut self, ctx: &mut Context<Self>) {
+    fn flush(&mut self, ctx: &mut TreeCtx<'_>) {
         if self.flushing {
             return;
         }
@@ -397,8 +403,8 @@ impl RootStackActor {
     pub(crate) fn with_cell(
         &mut self,
         id: ProcId,
-        ctx: &mut Context<Self>,
-        f: impl FnOnce(&mut ProcedureCell, &mut Outbox, &mut Context<Self>),
+        ctx: &mut TreeCtx<'_>,
+        f: impl FnOnce(&mut ProcedureCell, &mut Outbox, &mut TreeCtx<'_>),
     ) {
         if let Some(cell) = self.procs.get_mut(&id) {
             f(cell, &mut self.outbox, ctx);
@@ -418,7 +424,7 @@ impl RootStackActor {
         }
     }
 
-    fn perform(&mut self, action: Action, ctx: &mut Context<Self>) {
+    fn perform(&mut self, action: Action, ctx: &mut TreeCtx<'_>) {
         match action {
             Action::Spawn(id) => self.spawn(id, ctx),
             Action::Enqueue { id, front } => {
@@ -429,7 +435,7 @@ impl RootStackActor {
             Action::Resume(id) => self.enqueue(id, true, ctx),
             Action::Release(id) => {
                 if self.core.lock_request(id, false).is_some() {
-                    self.shared.scheduler.do_send(ReleaseLocks {
+                    ctx.tell(ReleaseLocks {
                         id,
                         step_only: false,
                     });
@@ -444,7 +450,7 @@ impl RootStackActor {
                 // Stopped while suspended (its tree failed, or timed out): it no longer
                 // waits, so the event must not keep it.
                 if let Some(event) = self.core.event_of(id) {
-                    self.shared.scheduler.do_send(Unsuspend {
+                    ctx.tell(Unsuspend {
                         id,
                         event: event.to_string(),
                     });
@@ -453,7 +459,7 @@ impl RootStackActor {
                     // Its lock is released and its cleanup run before anything later,
                     // the tree's result included.
                     perturb::point("root_stack::perform::stop");
-                    cell.stop(self.core.state_of(id).unwrap_or(ProcState::Success));
+                    cell.stop(self.core.state_of(id).unwrap_or(ProcState::Success), ctx);
                 }
                 self.log_finished(id);
                 if id != self.core.root() {
@@ -472,7 +478,7 @@ impl RootStackActor {
                 // Paused while it waited for an event: the event must not wake it (a
                 // continue suspends it again).
                 if let Some(event) = self.core.event_of(id) {
-                    self.shared.scheduler.do_send(Unsuspend {
+                    ctx.tell(Unsuspend {
                         id,
                         event: event.to_string(),
                     });
@@ -490,7 +496,7 @@ impl RootStackActor {
             }
             Action::Reset { id, data } => {
                 // Before any later call of `id`: that call comes from a step queued (or
-                // a rollback sent) after this, through this actor.
+                // a rollback sent) after this, through this runner.
                 if let Some(cell) = self.procs.get_mut(&id) {
                     cell.reset(data);
                 }
@@ -501,27 +507,16 @@ impl RootStackActor {
                 unrecorded,
                 delay_ms,
             } => {
-                ctx.run_later(Duration::from_millis(delay_ms), move |act, ctx| {
-                    if act.halted.is_none() {
-                        act.send_rollback(id, unrecorded, ctx);
-                        act.flush(ctx);
-                    }
-                });
+                let timer = Timer::RetryRollback { id, unrecorded };
+                ctx.run_later(Duration::from_millis(delay_ms), timer);
             }
             Action::WakeAt { id, at_ms } => {
                 let delay = Duration::from_millis(at_ms.saturating_sub(now_ms()));
-                ctx.run_later(delay, move |act, ctx| {
-                    if act.halted.is_some() {
-                        return;
-                    }
-                    if let Some(t) = act.core("wake", |core| core.on_wake(id), ctx) {
-                        act.apply(t, None, ctx);
-                    }
-                });
+                ctx.run_later(delay, Timer::WakeAt { id });
             }
             Action::SuspendOn { id, event } => {
-                let root_stack = self.me(ctx);
-                self.shared.scheduler.do_send(SuspendOn {
+                let root_stack = self.me.clone();
+                ctx.tell(SuspendOn {
                     id,
                     event,
                     root_stack,
@@ -540,7 +535,7 @@ impl RootStackActor {
         }
     }
 
-    fn spawn(&mut self, id: ProcId, ctx: &mut Context<Self>) {
+    fn spawn(&mut self, id: ProcId, ctx: &mut TreeCtx<'_>) {
         let object = self.unspawned.as_mut().and_then(|u| u.remove(&id));
         if self.unspawned.as_ref().is_some_and(|u| u.is_empty()) {
             self.unspawned = None;
@@ -614,31 +609,24 @@ impl RootStackActor {
         self.rare.as_mut()?.pause_waiters.remove(&id)
     }
 
-    /// This actor's address, made once and shared.
-    fn me(&mut self, ctx: &mut Context<Self>) -> TreeAddr {
-        self.me
-            .get_or_insert_with(|| Arc::new(ctx.address()))
-            .clone()
+    /// Where the scheduler reaches procedure `id`: through this runner.
+    fn proc_addr(&self, id: ProcId) -> ProcAddr {
+        ProcAddr::new(self.me.clone(), id)
     }
 
-    /// Where the scheduler reaches procedure `id`: through this actor.
-    fn proc_addr(&mut self, id: ProcId, ctx: &mut Context<Self>) -> ProcAddr {
-        ProcAddr::new(self.me(ctx), id)
-    }
-
-    fn enqueue(&mut self, id: ProcId, front: bool, ctx: &mut Context<Self>) {
+    fn enqueue(&self, id: ProcId, front: bool, ctx: &mut TreeCtx<'_>) {
         if !self.procs.contains_key(&id) {
             unreachable!("enqueue of {id}, which is not live");
         }
-        if let Some(step) = self.enqueue_msg(id, front, ctx) {
-            self.shared.scheduler.do_send(step);
+        if let Some(step) = self.enqueue_msg(id, front) {
+            ctx.tell(step);
         }
     }
 
     /// What queues a step of `id` (`None` if it is not in the tree).
-    fn enqueue_msg(&mut self, id: ProcId, front: bool, ctx: &mut Context<Self>) -> Option<Enqueue> {
+    fn enqueue_msg(&self, id: ProcId, front: bool) -> Option<Enqueue> {
         let type_name = self.core.type_name_of(id)?;
-        let addr = self.proc_addr(id, ctx);
+        let addr = self.proc_addr(id);
         // A failed tree's steps are only skipped: they need no locks.
         let lock = if self.core.is_failed() {
             None
@@ -655,12 +643,12 @@ impl RootStackActor {
         })
     }
 
-    fn send_rollback(&mut self, id: ProcId, unrecorded: bool, ctx: &mut Context<Self>) {
+    fn send_rollback(&mut self, id: ProcId, unrecorded: bool, ctx: &mut TreeCtx<'_>) {
         match self.core.lock_request(id, true) {
             // A rollback step runs under the procedure's locks, like a step.
             Some(lock) => {
-                let addr = self.proc_addr(id, ctx);
-                self.shared.scheduler.do_send(LockForRollback {
+                let addr = self.proc_addr(id);
+                ctx.tell(LockForRollback {
                     id,
                     addr,
                     lock,
@@ -675,8 +663,8 @@ impl RootStackActor {
     }
 
     /// Publishes the tree's result once it is known and every finished procedure has
-    /// released its lock and run its cleanup; then the actor's work is done.
-    fn publish_result(&mut self, ctx: &mut Context<Self>) {
+    /// released its lock and run its cleanup; then the runner's work is done.
+    fn publish_result(&mut self, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() {
             return;
         }
@@ -687,6 +675,8 @@ impl RootStackActor {
         if let Some(mut e) = self.shared.table.get_mut(&root) {
             e.extra_mut().result = Some(result.clone().map_err(Box::new));
         }
+        // The locks its procedures released are free before anyone hears of the result.
+        ctx.flush();
         self.shared.finished.do_send(TreeFinished {
             root,
             result: Ok(result),
@@ -697,7 +687,7 @@ impl RootStackActor {
 
     /// Nothing this tree does can be made durable any more (or the core broke): stop
     /// calling user code, answer everyone, and tell the executor.
-    fn halt(&mut self, e: Error, ctx: &mut Context<Self>) {
+    fn halt(&mut self, e: Error, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() {
             return;
         }
@@ -705,7 +695,7 @@ impl RootStackActor {
         tracing::error!(root = %root, error = %e, "tree halted: its records cannot be made durable");
         self.status.set_halted();
         // Steps waiting for locks are queued to report themselves skipped.
-        self.shared.scheduler.do_send(TreeFailed(root));
+        ctx.tell(TreeFailed(root));
         if let Some(ack) = self.start.take().and_then(|s| s.submit_ack) {
             let _ = ack.send(Err(e.duplicate()));
         }
@@ -720,6 +710,7 @@ impl RootStackActor {
         }
         self.unspawned = None;
         self.result = None;
+        ctx.flush();
         self.shared.finished.do_send(TreeFinished {
             root,
             result: Err(e.duplicate()),
@@ -730,7 +721,7 @@ impl RootStackActor {
 
     /// A halted tree stops once every dispatched step has reported (and freed its
     /// worker). Its procedures' cells go with it.
-    fn stop_when_quiet(&mut self, ctx: &mut Context<Self>) {
+    fn stop_when_quiet(&mut self, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() && self.dispatched == 0 {
             self.procs.clear();
             ctx.stop();
@@ -738,10 +729,9 @@ impl RootStackActor {
     }
 }
 
-impl Actor for RootStackActor {
-    type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    /// The tree joins its shard: its first transition is applied.
+    pub(crate) fn started(&mut self, ctx: &mut TreeCtx<'_>) {
         if let Some(t) = self.start.as_mut().and_then(|s| s.initial.take()) {
             self.apply(t, None, ctx);
         }
@@ -752,12 +742,62 @@ impl Actor for RootStackActor {
             }
         }
     }
+
+    /// A message to the tree, from its shard's mailbox.
+    pub(crate) fn receive(&mut self, msg: TreeMsg, ctx: &mut TreeCtx<'_>) {
+        match msg {
+            // The shard starts a tree itself.
+            TreeMsg::Start(_) => {}
+            TreeMsg::Durable(m) => self.on_durable(m, ctx),
+            TreeMsg::ToProc(m) => self.on_to_proc(m, ctx),
+            TreeMsg::Bypass(m) => self.on_bypass(m, ctx),
+            TreeMsg::Wake(m) => self.on_wake(m, ctx),
+            TreeMsg::Quiesce(m) => self.on_quiesce(m),
+            TreeMsg::Command(m) => self.on_command(m, ctx),
+            TreeMsg::Abort(m) => self.on_abort(m, ctx),
+        }
+    }
+
+    /// A call into a procedure's user code ended.
+    pub(crate) fn call_ended(&mut self, end: CallEnd, ctx: &mut TreeCtx<'_>) {
+        match end {
+            CallEnd::Step(id, end) => {
+                self.with_cell(id, ctx, |cell, out, ctx| cell.step_ended(end, out, ctx));
+            }
+            CallEnd::Rollback(id, end) => {
+                self.with_cell(id, ctx, |cell, out, ctx| cell.rollback_ended(end, out, ctx));
+            }
+        }
+    }
+
+    /// One of the tree's timers fired.
+    pub(crate) fn on_timer(&mut self, timer: Timer, ctx: &mut TreeCtx<'_>) {
+        match timer {
+            Timer::RetryRollback { id, unrecorded } => {
+                if self.halted.is_none() {
+                    self.send_rollback(id, unrecorded, ctx);
+                    self.flush(ctx);
+                }
+            }
+            Timer::WakeAt { id } => {
+                if self.halted.is_some() {
+                    return;
+                }
+                if let Some(t) = self.core("wake", |core| core.on_wake(id), ctx) {
+                    self.apply(t, None, ctx);
+                }
+            }
+            Timer::Deadline { id, deadline_ms } => {
+                self.with_cell(id, ctx, |cell, out, ctx| {
+                    cell.deadline_passed(deadline_ms, out, ctx)
+                });
+            }
+        }
+    }
 }
 
-impl Handler<Durable> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: Durable, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_durable(&mut self, msg: Durable, ctx: &mut TreeCtx<'_>) {
         // Steps the scheduler queued for the transition: each owes a report, halted or
         // not, and its `RunStep` follows this message.
         self.dispatched += msg.enqueued;
@@ -781,10 +821,8 @@ impl Handler<Durable> for RootStackActor {
     }
 }
 
-impl Handler<ToProc> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: ToProc, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_to_proc(&mut self, msg: ToProc, ctx: &mut TreeCtx<'_>) {
         let ToProc { id, msg } = msg;
         match self.procs.get_mut(&id) {
             Some(cell) => cell.deliver(msg, &mut self.outbox, ctx),
@@ -794,7 +832,7 @@ impl Handler<ToProc> for RootStackActor {
                     // must not leak.
                     tracing::warn!(proc = %id, "a step dispatched to a stopped procedure");
                     self.dispatched = self.dispatched.saturating_sub(1);
-                    self.shared.scheduler.do_send(StepFinished(id));
+                    ctx.tell(StepFinished(id));
                 }
             }
         }
@@ -803,8 +841,8 @@ impl Handler<ToProc> for RootStackActor {
     }
 }
 
-impl RootStackActor {
-    fn on_step_done(&mut self, msg: StepDone, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_step_done(&mut self, msg: StepDone, ctx: &mut TreeCtx<'_>) {
         self.dispatched -= 1;
         let id = msg.report.id;
         let mut finished = false;
@@ -838,14 +876,14 @@ impl RootStackActor {
         // the worker go to another step: with the report's records, or on its own.
         if !finished {
             perturb::point("root_stack::step_done::free_worker");
-            self.shared.scheduler.do_send(StepFinished(id));
+            ctx.tell(StepFinished(id));
         }
         self.stop_when_quiet(ctx);
     }
 }
 
-impl RootStackActor {
-    fn on_pause_now(&mut self, msg: PauseNow, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_pause_now(&mut self, msg: PauseNow, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() {
             return;
         }
@@ -868,8 +906,8 @@ impl RootStackActor {
     }
 }
 
-impl RootStackActor {
-    fn on_fail_request(&mut self, msg: FailRequest, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_fail_request(&mut self, msg: FailRequest, ctx: &mut TreeCtx<'_>) {
         let t = match msg.failure {
             Some((error, data)) => {
                 let id = msg.id;
@@ -888,8 +926,8 @@ impl RootStackActor {
     }
 }
 
-impl RootStackActor {
-    fn on_rolled_back(&mut self, msg: RolledBack, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_rolled_back(&mut self, msg: RolledBack, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() {
             return;
         }
@@ -904,14 +942,14 @@ impl RootStackActor {
     }
 }
 
-impl RootStackActor {
-    fn on_locks_held(&mut self, msg: LocksHeld, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_locks_held(&mut self, msg: LocksHeld, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() {
             // Nothing is persisted any more; the step still owes its report (skipped),
-            // and this actor waits for it before it stops.
+            // and this runner waits for it before it stops.
             if self.procs.contains_key(&msg.id) {
-                let addr = self.proc_addr(msg.id, ctx);
-                self.shared.scheduler.do_send(Enqueue {
+                let addr = self.proc_addr(msg.id);
+                ctx.tell(Enqueue {
                     id: msg.id,
                     root: self.core.root(),
                     addr,
@@ -933,10 +971,8 @@ impl RootStackActor {
     }
 }
 
-impl Handler<BypassRequest> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: BypassRequest, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_bypass(&mut self, msg: BypassRequest, ctx: &mut TreeCtx<'_>) {
         if let Some(e) = &self.halted {
             let _ = msg.ack.send(Err(e.duplicate()));
             return;
@@ -962,8 +998,8 @@ impl Handler<BypassRequest> for RootStackActor {
     }
 }
 
-impl RootStackActor {
-    fn on_deadline(&mut self, msg: Deadline, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_deadline(&mut self, msg: Deadline, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() {
             return;
         }
@@ -978,10 +1014,8 @@ impl RootStackActor {
     }
 }
 
-impl Handler<Wake> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: Wake, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_wake(&mut self, msg: Wake, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() {
             return;
         }
@@ -991,16 +1025,18 @@ impl Handler<Wake> for RootStackActor {
     }
 }
 
-impl Drop for RootStackActor {
+impl Drop for TreeRunner {
     /// A root stack that ends without publishing its result or halting died of a panic
     /// in engine code; the executor must not leave the tree's waiters hanging.
     fn drop(&mut self) {
-        // Every StepFinished this actor sent is ahead of this in the scheduler's mailbox.
+        self.me.set_ended();
+        // Every StepFinished this runner sent is ahead of this in the scheduler's mailbox
+        // (its shard sends what it queued before it drops a tree).
         self.shared.scheduler.do_send(TreeEnded(self.core.root()));
         if self.halted.is_none() && !self.published {
             // Cut the tree off like a crash. Its running calls died with it; the
             // scheduler frees their workers on `TreeEnded`, and those of its queued
-            // steps when it finds this mailbox closed.
+            // steps when it finds the tree ended (`TreeHandle::connected`).
             self.status.set_halted();
             self.shared.finished.do_send(TreeFinished {
                 root: self.core.root(),
@@ -1013,10 +1049,8 @@ impl Drop for RootStackActor {
     }
 }
 
-impl Handler<Quiesce> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: Quiesce, _ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_quiesce(&mut self, msg: Quiesce) {
         if self.pending.is_empty() || self.halted.is_some() {
             let _ = msg.0.send(());
         } else {
@@ -1025,10 +1059,8 @@ impl Handler<Quiesce> for RootStackActor {
     }
 }
 
-impl Handler<CommandRequest> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: CommandRequest, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_command(&mut self, msg: CommandRequest, ctx: &mut TreeCtx<'_>) {
         if let Some(e) = &self.halted {
             let _ = msg.ack.send(Err(e.duplicate()));
             return;
@@ -1062,7 +1094,7 @@ impl Handler<CommandRequest> for RootStackActor {
                 refuse(msg.ack, command.name(), id, reason);
                 return;
             }
-            self.handle(AbortRequest { id, ack: msg.ack }, ctx);
+            self.on_abort(AbortRequest { id, ack: msg.ack }, ctx);
             return;
         }
         let now = now_ms();
@@ -1093,10 +1125,8 @@ impl Handler<CommandRequest> for RootStackActor {
     }
 }
 
-impl Handler<AbortRequest> for RootStackActor {
-    type Result = ();
-
-    fn handle(&mut self, msg: AbortRequest, ctx: &mut Context<Self>) {
+impl TreeRunner {
+    fn on_abort(&mut self, msg: AbortRequest, ctx: &mut TreeCtx<'_>) {
         if let Some(e) = &self.halted {
             let _ = msg.ack.send(Err(e.duplicate()));
             return;
@@ -1226,19 +1256,14 @@ mod tests {
     use super::*;
 
     #[test]
-    #[cfg(target_arch = "x86_64")]
-    fn an_idle_trees_task_fits_five_cache_line_pairs() {
-        // Every tree's actor lives in a tokio task whose cell is aligned to 128 bytes: a
-        // 32-byte header, the scheduler and the task id (16), the future (the actix
-        // context with this actor inside) and a 48-byte trailer, rounded up to 128. At
-        // 544 bytes for the future the cell is 640 bytes; a few more words make it 768
-        // for every idle tree (BENCHMARKS.md, "bytes per idle procedure").
-        let future =
-            std::mem::size_of::<actix::dev::ContextFut<RootStackActor, Context<RootStackActor>>>();
-        assert!(
-            future + 32 + 16 + 48 <= 640,
-            "the task's future is {future} bytes"
-        );
+    #[cfg(target_pointer_width = "64")]
+    fn an_idle_tree_is_its_root_stack_only() {
+        // A tree is a boxed root stack in its shard's map (no task, no mailbox): at 200
+        // bytes the box is in mimalloc's 224-byte class, where a tree used to cost a
+        // 640-byte task and a mailbox of its own (BENCHMARKS.md, "bytes per idle
+        // procedure").
+        let tree = std::mem::size_of::<TreeRunner>();
+        assert!(tree <= 200, "a root stack is {tree} bytes");
     }
 
     #[test]

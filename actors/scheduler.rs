@@ -34,10 +34,11 @@ use super::metrics;
 use super::persistence::{BatchResult, InFlight, Persistence};
 use super::perturb;
 use super::protocol::{
-    DurableAck, Enqueue, LockFailed, LockForRollback, LocksGranted, Persist, ProcAddr, Refuse,
-    Regrant, ReleaseLocks, Rollback, RunStep, StepFinished, StopWriter, SuspendOn, TreeAddr,
-    TreeEnded, TreeFailed, Unsuspend, Wake,
+    DurableAck, Enqueue, FromShard, LockFailed, LockForRollback, LocksGranted, Persist, ProcAddr,
+    Refuse, Regrant, ReleaseLocks, Rollback, RunStep, StepFinished, StopWriter, SuspendOn,
+    TreeAddr, TreeEnded, TreeFailed, Unsuspend, Wake,
 };
+use super::shard::Mail;
 use super::shared::{now_ms, LockView, SchedulerViews};
 
 /// Makes the named event ready and wakes the procedures suspended on it, oldest first;
@@ -176,6 +177,9 @@ pub(crate) struct Scheduler {
     /// The group commit in front of the store: appends share this mailbox with the
     /// steps whose reports made them.
     persistence: Persistence,
+    /// Acknowledgements and dispatched steps for the trees, one message per shard: sent
+    /// at the end of the batch or dispatch that gathered them.
+    mail: Mail,
 }
 
 impl Scheduler {
@@ -213,6 +217,7 @@ impl Scheduler {
             view,
             gauges: metrics::SchedulerGauges::new(),
             persistence,
+            mail: Mail::default(),
         }
     }
 
@@ -244,13 +249,16 @@ impl Scheduler {
                     root,
                 };
                 self.running.insert(id, running);
-                addr.do_send(RunStep { step: what.1 });
+                addr.post(&mut self.mail, RunStep { step: what.1 });
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");
+                // What the release sends goes after the steps dispatched so far.
+                self.mail.send();
                 self.ready.complete();
                 self.release(id, Some(Hold::Step));
             }
         }
+        self.mail.send();
         let (holders, waiters) = self.locks.len();
         let counts = [self.ready.queued(), self.ready.busy(), holders, waiters];
         self.gauges.set(counts);
@@ -383,12 +391,14 @@ impl Scheduler {
                 Then::Step { addr, front, what } => {
                     if self.locks.holds(id) == Some(true) {
                         // Held for life: made durable before the step runs.
-                        addr.do_send(LocksGranted);
+                        addr.post(&mut self.mail, LocksGranted);
                     } else {
                         self.queue((id, parked.root, addr, what), parked.root, front);
                     }
                 }
-                Then::Rollback { addr, unrecorded } => addr.do_send(Rollback { unrecorded }),
+                Then::Rollback { addr, unrecorded } => {
+                    addr.post(&mut self.mail, Rollback { unrecorded })
+                }
             }
         }
         for loan in &changes.loans {
@@ -400,7 +410,7 @@ impl Scheduler {
             self.view.locks.remove(&id);
             match self.unpark(id).map(|p| (p.root, p.then)) {
                 Some((root, Then::Step { addr, front, what })) => {
-                    addr.do_send(LockFailed(deadlock.to_string()));
+                    addr.post(&mut self.mail, LockFailed(deadlock.to_string()));
                     // Its step is still owed a report: queued, it reports itself skipped.
                     self.queue((id, root, addr, what), root, front);
                 }
@@ -417,11 +427,44 @@ impl Actor for Scheduler {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        ctx.run_interval(self.monitor_every, |act, _ctx| act.monitor());
+        ctx.spawn(SendMail);
+        ctx.run_interval(self.monitor_every, |act, _ctx| {
+            act.monitor();
+            act.mail.send();
+        });
     }
 
     fn stopped(&mut self, _ctx: &mut Context<Self>) {
         self.persistence.close_writer();
+    }
+}
+
+/// Sends the scheduler's gathered messages to the trees once its mailbox is empty:
+/// actix polls an actor's futures after handling every message waiting. (What a future
+/// of the scheduler's own gathers, it sends before it returns.)
+struct SendMail;
+
+impl ActorFuture<Scheduler> for SendMail {
+    type Output = ();
+
+    fn poll(
+        self: std::pin::Pin<&mut Self>,
+        scheduler: &mut Scheduler,
+        _ctx: &mut Context<Scheduler>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        scheduler.mail.send();
+        std::task::Poll::Pending
+    }
+}
+
+impl Handler<FromShard> for Scheduler {
+    type Result = ();
+
+    fn handle(&mut self, msg: FromShard, ctx: &mut Context<Self>) {
+        for msg in msg.0 {
+            msg.handle_in(self, ctx);
+        }
     }
 }
 
@@ -527,11 +570,12 @@ impl Scheduler {
                         for step in steps {
                             self.queue_step(step);
                         }
-                        ack.durable(enqueued);
+                        ack.durable(enqueued, &mut self.mail);
                     }
                     caller @ DurableAck::Caller(_) => caller.send(Ok(())),
                 }
             }
+            self.mail.send();
             self.persistence.recycle(acks);
         }
         let next = self.persistence.next_batch();
@@ -575,9 +619,12 @@ impl Handler<LockForRollback> for Scheduler {
     fn handle(&mut self, msg: LockForRollback, _ctx: &mut Context<Self>) {
         match self.locks.held_for(msg.id) {
             // Held for its life: through its rollback.
-            Some(Hold::Life) => msg.addr.do_send(Rollback {
-                unrecorded: msg.unrecorded,
-            }),
+            Some(Hold::Life) => msg.addr.post(
+                &mut self.mail,
+                Rollback {
+                    unrecorded: msg.unrecorded,
+                },
+            ),
             // A skipped step's report can start the rollback before the step's
             // StepFinished frees the step's locks: ask once they are freed, or the
             // rollback would run under locks about to go.
@@ -673,7 +720,7 @@ impl Handler<SuspendOn> for Scheduler {
 
     fn handle(&mut self, msg: SuspendOn, _ctx: &mut Context<Self>) {
         if let Some((id, root_stack)) = self.events.suspend(&msg.event, (msg.id, msg.root_stack)) {
-            root_stack.do_send(Wake(id));
+            self.mail.push(&root_stack, Wake(id));
         }
     }
 }
@@ -683,7 +730,7 @@ impl Handler<WakeEvent> for Scheduler {
 
     fn handle(&mut self, msg: WakeEvent, _ctx: &mut Context<Self>) {
         for (id, root_stack) in self.events.wake(&msg.0) {
-            root_stack.do_send(Wake(id));
+            self.mail.push(&root_stack, Wake(id));
         }
     }
 }

@@ -18,6 +18,7 @@ use crate::registry::Types;
 
 use super::protocol::{TreeAddr, TreeFinished, TreeNews};
 use super::scheduler::Scheduler;
+use super::shard::{Shard, TreeHandle};
 
 /// The engine's clock, in ms since the Unix epoch. The one place the actors read time;
 /// the core gets it as a parameter.
@@ -167,8 +168,11 @@ pub(crate) struct Shared {
     pub(crate) finished: Recipient<TreeFinished>,
     /// The executor, for submits and pauses to publish.
     pub(crate) news: Recipient<TreeNews>,
+    /// The arbiters' threads, stopped at shutdown.
     pub(crate) arbiters: Vec<ArbiterHandle>,
-    next_arbiter: AtomicUsize,
+    /// One shard on each arbiter, holding the trees placed on it.
+    pub(crate) shards: Vec<Addr<Shard>>,
+    next_shard: AtomicUsize,
     next_id: AtomicU64,
     /// A graceful shutdown in progress, and the calls into user code it waits for.
     pub(crate) drain: Drain,
@@ -242,6 +246,7 @@ impl Shared {
         finished: Recipient<TreeFinished>,
         news: Recipient<TreeNews>,
         arbiters: Vec<ArbiterHandle>,
+        shards: Vec<Addr<Shard>>,
         max_id: u64,
     ) -> Self {
         Shared {
@@ -253,7 +258,8 @@ impl Shared {
             finished,
             news,
             arbiters,
-            next_arbiter: AtomicUsize::new(0),
+            shards,
+            next_shard: AtomicUsize::new(0),
             next_id: AtomicU64::new(max_id + 1),
             drain: Drain::default(),
             shutdown: Cancel::new(),
@@ -279,10 +285,10 @@ impl Shared {
         id.0 < self.next_id.load(Ordering::Relaxed)
     }
 
-    /// The arbiter for the next new actor: round robin, so trees and children spread
-    /// over all cores.
-    pub(crate) fn next_arbiter(&self) -> &ArbiterHandle {
-        let i = self.next_arbiter.fetch_add(1, Ordering::Relaxed);
-        &self.arbiters[i % self.arbiters.len()]
+    /// The address of a new tree of `root`, on the next shard: round robin, so trees
+    /// spread over all cores.
+    pub(crate) fn new_tree(&self, root: ProcId) -> TreeAddr {
+        let i = self.next_shard.fetch_add(1, Ordering::Relaxed) % self.shards.len();
+        TreeHandle::new(self.shards[i].clone(), i, root)
     }
 }

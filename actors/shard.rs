@@ -1,0 +1,539 @@
+//! The shard: one actor per arbiter, owning the root stacks of the trees placed on it as
+//! plain values. A tree has no task and no mailbox of its own: its messages come through
+//! its shard's mailbox (one [`ToTree`] naming the root), the calls into its procedures'
+//! user code are futures of the shard's (polled when they are woken, not all at once),
+//! and its timers sit in the shard's timer queue. An idle tree costs its state only.
+//!
+//! What a root stack knew of its actix context it now gets from a [`TreeCtx`]: spawn a
+//! call, start a timer, its own address, stop. The rules it obeys are unchanged: the
+//! messages of one sender to a tree arrive in the order they were sent (one mailbox per
+//! shard, and a tree never moves), a tree's calls and timers end on its shard's thread,
+//! and a tree that stopped gets nothing more: its messages, calls and timers that
+//! arrive later are dropped, as a stopped actor's would be.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{self, Poll};
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use futures_util::stream::{FuturesUnordered, StreamExt};
+
+use crate::fast_map::IdMap;
+use crate::procedure::ProcId;
+
+use super::perturb;
+use super::procedure::CallEnd;
+use super::protocol::{
+    AbortRequest, BypassRequest, CommandRequest, Durable, FromShard, Quiesce, ToProc, ToScheduler,
+    TreeAddr, Wake,
+};
+use super::root_stack::TreeRunner;
+use super::scheduler::Scheduler;
+
+/// Where a tree is reached: its shard and its root. Shared (`TreeAddr`), because every
+/// queued step and table entry of the tree holds it.
+pub(crate) struct TreeHandle {
+    shard: Addr<Shard>,
+    /// The shard's place among the executor's shards, for [`Mail`].
+    index: usize,
+    root: ProcId,
+    /// Set when the tree's root stack is dropped: nothing of the tree runs any more.
+    ended: AtomicBool,
+}
+
+impl TreeHandle {
+    /// The address of the tree of `root`, placed on `shard`, the `index`th shard.
+    pub(crate) fn new(shard: Addr<Shard>, index: usize, root: ProcId) -> TreeAddr {
+        Arc::new(TreeHandle {
+            shard,
+            index,
+            root,
+            ended: AtomicBool::new(false),
+        })
+    }
+
+    /// Sends `msg` to the tree, through its shard's mailbox.
+    pub(crate) fn do_send(&self, msg: impl Into<TreeMsg>) {
+        self.shard.do_send(ToTree {
+            root: self.root,
+            msg: msg.into(),
+        });
+    }
+
+    /// Starts `tree` on its shard; every later message of this sender comes after.
+    pub(crate) fn start(&self, tree: TreeRunner) {
+        self.do_send(TreeMsg::Start(Box::new(tree)));
+    }
+
+    /// Whether the tree's root stack still runs.
+    pub(crate) fn connected(&self) -> bool {
+        !self.ended.load(Ordering::Acquire) && self.shard.connected()
+    }
+
+    /// The tree's root stack is gone.
+    pub(crate) fn set_ended(&self) {
+        self.ended.store(true, Ordering::Release);
+    }
+}
+
+/// A message to one tree of a shard.
+pub(crate) struct ToTree {
+    root: ProcId,
+    msg: TreeMsg,
+}
+
+impl Message for ToTree {
+    type Result = ();
+}
+
+/// Messages to trees of one shard, in the order they were made: one message for what
+/// a sender has for many trees (the scheduler's acknowledgements of a durable batch,
+/// its dispatched steps).
+pub(crate) struct ToTrees(Letters);
+
+impl Message for ToTrees {
+    type Result = ();
+}
+
+/// Messages to trees gathered per shard, each shard's sent as one [`ToTrees`]. Whoever
+/// gathers sends before any other message to a tree, so nothing overtakes them.
+#[derive(Default)]
+pub(crate) struct Mail {
+    /// By the shard's index: its address and what is gathered for it.
+    shards: Vec<Option<(Addr<Shard>, Letters)>>,
+}
+
+/// Messages for trees of one shard, each with its tree's root.
+type Letters = Vec<(ProcId, TreeMsg)>;
+
+impl Mail {
+    /// Adds `msg` for `tree`.
+    pub(crate) fn push(&mut self, tree: &TreeHandle, msg: impl Into<TreeMsg>) {
+        if self.shards.len() <= tree.index {
+            self.shards.resize_with(tree.index + 1, || None);
+        }
+        let (_, msgs) =
+            self.shards[tree.index].get_or_insert_with(|| (tree.shard.clone(), Vec::new()));
+        msgs.push((tree.root, msg.into()));
+    }
+
+    /// Sends what was gathered, one message per shard.
+    pub(crate) fn send(&mut self) {
+        for (shard, msgs) in self.shards.iter_mut().flatten() {
+            if !msgs.is_empty() {
+                perturb::point("shard::mail::send");
+            }
+            match msgs.len() {
+                0 => {}
+                1 => {
+                    if let Some((root, msg)) = msgs.pop() {
+                        shard.do_send(ToTree { root, msg });
+                    }
+                }
+                _ => shard.do_send(ToTrees(std::mem::take(msgs))),
+            }
+        }
+    }
+}
+
+/// What a tree is sent. Each variant's ordering rule is written beside its message in
+/// `protocol.rs`.
+pub(crate) enum TreeMsg {
+    /// The tree joins the shard and starts (its first message).
+    Start(Box<TreeRunner>),
+    Durable(Durable),
+    ToProc(ToProc),
+    Bypass(BypassRequest),
+    Wake(Wake),
+    Quiesce(Quiesce),
+    Command(CommandRequest),
+    Abort(AbortRequest),
+}
+
+macro_rules! tree_msg {
+    ($($variant:ident($message:ty)),* $(,)?) => {$(
+        impl From<$message> for TreeMsg {
+            fn from(m: $message) -> Self {
+                TreeMsg::$variant(m)
+            }
+        }
+    )*};
+}
+
+tree_msg!(
+    Durable(Durable),
+    ToProc(ToProc),
+    Bypass(BypassRequest),
+    Wake(Wake),
+    Quiesce(Quiesce),
+    Command(CommandRequest),
+    Abort(AbortRequest),
+);
+
+/// A timer of a tree: what to do when it fires.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Timer {
+    /// Send a failed rollback of `id` again.
+    RetryRollback { id: ProcId, unrecorded: bool },
+    /// `id`'s sleep is over.
+    WakeAt { id: ProcId },
+    /// `id`'s deadline (as armed then) has passed.
+    Deadline { id: ProcId, deadline_ms: u64 },
+}
+
+/// A call into user code, with the root of the tree it belongs to.
+type Call = Pin<Box<dyn Future<Output = (ProcId, CallEnd)>>>;
+
+/// A timer's place in the queue: when it fires, then the order it was started in.
+type TimerKey = (Instant, u64);
+
+/// The shard's calls, timers and messages to the scheduler: what a tree's context
+/// reaches.
+pub(crate) struct ShardIo {
+    scheduler: Addr<Scheduler>,
+    /// The trees' messages to the scheduler, in the order they were made: sent as one
+    /// message when the shard's handler or its poll of calls and timers returns, and
+    /// before a tree is dropped (whose `TreeEnded` goes after them) or publishes its
+    /// result.
+    outbox: Vec<ToScheduler>,
+    calls: FuturesUnordered<Call>,
+    timers: Timers,
+    /// Set to the first timer's instant while there is one.
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl ShardIo {
+    fn new(scheduler: Addr<Scheduler>) -> Self {
+        ShardIo {
+            scheduler,
+            outbox: Vec::new(),
+            calls: FuturesUnordered::new(),
+            timers: Timers::default(),
+            sleep: None,
+        }
+    }
+
+    /// Sends the scheduler what the trees have for it.
+    fn flush(&mut self) {
+        if self.outbox.is_empty() {
+            return;
+        }
+        perturb::point("shard::flush::to_scheduler");
+        match self.outbox.len() {
+            0 => {}
+            1 => {
+                if let Some(msg) = self.outbox.pop() {
+                    msg.send_to(&self.scheduler);
+                }
+            }
+            _ => self
+                .scheduler
+                .do_send(FromShard(std::mem::take(&mut self.outbox))),
+        }
+    }
+}
+
+/// The timers of a shard's trees, by when they fire (then in the order they were
+/// started), with each tree's own so that a tree's go when it stops.
+#[derive(Default)]
+struct Timers {
+    queue: BTreeMap<TimerKey, (ProcId, Timer)>,
+    /// The keys of each tree's timers that have not fired.
+    by_tree: IdMap<ProcId, Vec<TimerKey>>,
+    next: u64,
+}
+
+impl Timers {
+    fn add(&mut self, root: ProcId, at: Instant, timer: Timer) {
+        let key = (at, self.next);
+        self.next += 1;
+        self.queue.insert(key, (root, timer));
+        self.by_tree.entry(root).or_default().push(key);
+    }
+
+    /// When the first timer fires.
+    fn first(&self) -> Option<Instant> {
+        self.queue.first_key_value().map(|(k, _)| k.0)
+    }
+
+    /// The first timer due at `now`, taken out of the queue.
+    fn due(&mut self, now: Instant) -> Option<(ProcId, Timer)> {
+        let entry = self.queue.first_entry()?;
+        if entry.key().0 > now {
+            return None;
+        }
+        let key = *entry.key();
+        let (root, timer) = entry.remove();
+        if let Some(keys) = self.by_tree.get_mut(&root) {
+            keys.retain(|k| *k != key);
+            if keys.is_empty() {
+                self.by_tree.remove(&root);
+            }
+        }
+        Some((root, timer))
+    }
+
+    /// Drops the timers of `root`'s tree.
+    fn forget(&mut self, root: ProcId) {
+        for key in self.by_tree.remove(&root).unwrap_or_default() {
+            self.queue.remove(&key);
+        }
+    }
+}
+
+/// What a root stack may do beyond its own state: the part of its shard it reaches.
+pub(crate) struct TreeCtx<'a> {
+    root: ProcId,
+    io: &'a mut ShardIo,
+    stop: bool,
+}
+
+impl TreeCtx<'_> {
+    /// Runs `call` as one of the shard's futures; its end goes to the tree's
+    /// `call_ended` (dropped if the tree has stopped by then).
+    pub(crate) fn spawn(&mut self, call: impl Future<Output = CallEnd> + 'static) {
+        let root = self.root;
+        self.io
+            .calls
+            .push(Box::pin(async move { (root, call.await) }));
+    }
+
+    /// Fires `timer` after `delay` (dropped if the tree stops first).
+    pub(crate) fn run_later(&mut self, delay: Duration, timer: Timer) {
+        self.io.timers.add(self.root, Instant::now() + delay, timer);
+    }
+
+    /// The tree's work is done: the shard drops its root stack once this call returns.
+    pub(crate) fn stop(&mut self) {
+        self.stop = true;
+    }
+
+    /// Queues `msg` for the scheduler, after everything the shard's trees queued before.
+    pub(crate) fn tell(&mut self, msg: impl Into<ToScheduler>) {
+        self.io.outbox.push(msg.into());
+    }
+
+    /// Sends what is queued for the scheduler now: before anything that leaves the
+    /// shard another way and must not overtake it (a tree's result).
+    pub(crate) fn flush(&mut self) {
+        self.io.flush();
+    }
+}
+
+/// One arbiter's trees.
+pub(crate) struct Shard {
+    trees: IdMap<ProcId, Box<TreeRunner>>,
+    io: ShardIo,
+}
+
+impl Shard {
+    pub(crate) fn new(scheduler: Addr<Scheduler>) -> Self {
+        Shard {
+            trees: IdMap::default(),
+            io: ShardIo::new(scheduler),
+        }
+    }
+
+    /// Calls `f` with the root stack of `root`, if it is live, and drops it if it
+    /// stopped.
+    fn with_tree(&mut self, root: ProcId, f: impl FnOnce(&mut TreeRunner, &mut TreeCtx<'_>)) {
+        let Some(tree) = self.trees.get_mut(&root) else {
+            return;
+        };
+        let mut ctx = TreeCtx {
+            root,
+            io: &mut self.io,
+            stop: false,
+        };
+        f(tree, &mut ctx);
+        if ctx.stop {
+            self.io.timers.forget(root);
+            // Its `TreeEnded` (sent as it drops) goes after everything it sent.
+            self.io.flush();
+            drop(self.trees.remove(&root));
+        }
+    }
+
+    /// Hands the trees their ended calls and fired timers until there are none, then
+    /// waits for the next.
+    fn drive(&mut self, cx: &mut task::Context<'_>) {
+        loop {
+            let mut progress = false;
+            while let Poll::Ready(Some((root, end))) = self.io.calls.poll_next_unpin(cx) {
+                progress = true;
+                self.with_tree(root, |tree, ctx| tree.call_ended(end, ctx));
+            }
+            let now = Instant::now();
+            while let Some((root, timer)) = self.io.timers.due(now) {
+                progress = true;
+                self.with_tree(root, |tree, ctx| tree.on_timer(timer, ctx));
+            }
+            match self.io.timers.first() {
+                Some(at) => {
+                    let at = tokio::time::Instant::from_std(at);
+                    let sleep = self
+                        .io
+                        .sleep
+                        .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at)));
+                    if sleep.deadline() != at {
+                        sleep.as_mut().reset(at);
+                    }
+                    if sleep.as_mut().poll(cx).is_ready() {
+                        progress = true;
+                    }
+                }
+                None => self.io.sleep = None,
+            }
+            if !progress {
+                self.io.flush();
+                return;
+            }
+        }
+    }
+}
+
+impl Actor for Shard {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.spawn(Driver);
+    }
+}
+
+impl Handler<ToTree> for Shard {
+    type Result = ();
+
+    fn handle(&mut self, msg: ToTree, _ctx: &mut Context<Self>) {
+        let ToTree { root, msg } = msg;
+        match msg {
+            TreeMsg::Start(tree) => {
+                self.trees.insert(root, tree);
+                self.with_tree(root, TreeRunner::started);
+            }
+            msg => self.with_tree(root, |tree, ctx| tree.receive(msg, ctx)),
+        }
+        self.io.flush();
+    }
+}
+
+impl Handler<ToTrees> for Shard {
+    type Result = ();
+
+    fn handle(&mut self, msg: ToTrees, _ctx: &mut Context<Self>) {
+        for (root, msg) in msg.0 {
+            self.with_tree(root, |tree, ctx| tree.receive(msg, ctx));
+        }
+        self.io.flush();
+    }
+}
+
+/// The shard's one lasting future: polls its calls and timers. actix polls it after
+/// every batch of messages (so calls spawned by a handler start at once) and whenever
+/// a call or the timer wakes the shard.
+struct Driver;
+
+impl ActorFuture<Shard> for Driver {
+    type Output = ();
+
+    fn poll(
+        self: Pin<&mut Self>,
+        shard: &mut Shard,
+        _ctx: &mut Context<Shard>,
+        cx: &mut task::Context<'_>,
+    ) -> Poll<()> {
+        shard.drive(cx);
+        Poll::Pending
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn wake(id: u64) -> Timer {
+        Timer::WakeAt { id: ProcId(id) }
+    }
+
+    fn fired(timers: &mut Timers, now: Instant) -> Vec<(u64, u64)> {
+        std::iter::from_fn(|| timers.due(now))
+            .map(|(root, timer)| match timer {
+                Timer::WakeAt { id } => (root.0, id.0),
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect()
+    }
+
+    /// Timers started as (tree, timer id, fires at ms), the trees stopped, the time
+    /// looked at (ms), what fired as (tree, timer id), and how many are left.
+    struct Case {
+        added: &'static [(u64, u64, u64)],
+        stopped: &'static [u64],
+        now: u64,
+        fired: &'static [(u64, u64)],
+        left: usize,
+    }
+
+    #[test]
+    fn timers_fire_by_instant_then_start_order_and_go_with_their_tree() {
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let cases = [
+            Case {
+                added: &[(1, 10, 5), (2, 20, 1), (1, 11, 5)],
+                stopped: &[],
+                now: 5,
+                fired: &[(2, 20), (1, 10), (1, 11)],
+                left: 0,
+            },
+            Case {
+                added: &[(1, 10, 5), (2, 20, 1)],
+                stopped: &[],
+                now: 3,
+                fired: &[(2, 20)],
+                left: 1,
+            },
+            Case {
+                added: &[(1, 10, 5), (2, 20, 1), (1, 11, 2)],
+                stopped: &[1],
+                now: 9,
+                fired: &[(2, 20)],
+                left: 0,
+            },
+            Case {
+                added: &[(1, 10, 5)],
+                stopped: &[2],
+                now: 4,
+                fired: &[],
+                left: 1,
+            },
+            Case {
+                added: &[],
+                stopped: &[1],
+                now: 4,
+                fired: &[],
+                left: 0,
+            },
+        ];
+        for (i, c) in cases.iter().enumerate() {
+            let mut timers = Timers::default();
+            for &(root, id, at) in c.added {
+                timers.add(ProcId(root), ms(at), wake(id));
+            }
+            for &root in c.stopped {
+                timers.forget(ProcId(root));
+            }
+            assert_eq!(fired(&mut timers, ms(c.now)), c.fired, "case {i}");
+            assert_eq!(timers.queue.len(), c.left, "case {i}");
+            // A fired timer is no longer its tree's to forget.
+            for &(root, _, _) in c.added {
+                timers.forget(ProcId(root));
+            }
+            assert_eq!(timers.queue.len(), 0, "case {i}");
+            assert!(timers.by_tree.is_empty(), "case {i}");
+        }
+    }
+}
