@@ -4,8 +4,8 @@
 //! [`List`], [`WakeEvent`]) for code that talks to actors.
 //!
 //! The executor itself does little: it names and encodes a submitted procedure, starts
-//! its root-stack actor on one of the arbiters, and answers once the root stack has made
-//! the insert durable. It keeps the waiters for results.
+//! its tree on one of the arbiters' shards, and answers once the tree's root stack has
+//! made the insert durable. It keeps the waiters for results.
 
 use std::collections::{HashMap, VecDeque};
 use std::marker::PhantomData;

@@ -28,6 +28,7 @@ use crate::store::{ProcedureStore, StoreError};
 use super::metrics;
 use super::perturb;
 use super::protocol::DurableAck;
+use super::shard::Mail;
 
 struct Batch {
     ops: Vec<StoreOp>,
@@ -95,9 +96,14 @@ impl Persistence {
     /// Queues `ops` for the next batch, answered on `ack` once durable (at once, with
     /// the error, after a failure). Returns the batch to wait for if the writer was
     /// idle and took it.
-    pub(crate) fn append(&mut self, ops: Vec<StoreOp>, ack: DurableAck) -> Option<InFlight> {
+    pub(crate) fn append(
+        &mut self,
+        ops: Vec<StoreOp>,
+        ack: DurableAck,
+        mail: &mut Mail,
+    ) -> Option<InFlight> {
         if let Some(reason) = &self.failed {
-            ack.send(Err(Error::Store(reason.clone())));
+            ack.send(Err(Error::Store(reason.clone())), mail);
             return None;
         }
         self.pending_ops.extend(ops);
@@ -105,11 +111,11 @@ impl Persistence {
         if self.in_flight {
             return None;
         }
-        self.flush()
+        self.flush(mail)
     }
 
     /// Hands what is pending to the writer thread as one batch.
-    fn flush(&mut self) -> Option<InFlight> {
+    fn flush(&mut self, mail: &mut Mail) -> Option<InFlight> {
         if self.pending_acks.is_empty() {
             return None;
         }
@@ -121,7 +127,11 @@ impl Persistence {
             .as_ref()
             .is_some_and(|w| w.send(Batch { ops, done }).is_ok());
         if !sent {
-            self.fail("the store writer thread has stopped".to_string(), acks);
+            self.fail(
+                "the store writer thread has stopped".to_string(),
+                acks,
+                mail,
+            );
             return None;
         }
         self.in_flight = true;
@@ -136,6 +146,7 @@ impl Persistence {
         &mut self,
         answer: Result<BatchResult, oneshot::error::RecvError>,
         acks: Vec<DurableAck>,
+        mail: &mut Mail,
     ) -> Option<Vec<DurableAck>> {
         self.in_flight = false;
         match answer {
@@ -146,11 +157,11 @@ impl Persistence {
                 Some(acks)
             }
             Ok((Err(e), _)) => {
-                self.fail(e.to_string(), acks);
+                self.fail(e.to_string(), acks, mail);
                 None
             }
             Err(_) => {
-                self.fail("the store writer thread panicked".to_string(), acks);
+                self.fail("the store writer thread panicked".to_string(), acks, mail);
                 None
             }
         }
@@ -165,17 +176,17 @@ impl Persistence {
     }
 
     /// Hands the writer what waited while a batch was in flight, if anything did.
-    pub(crate) fn next_batch(&mut self) -> Option<InFlight> {
+    pub(crate) fn next_batch(&mut self, mail: &mut Mail) -> Option<InFlight> {
         if self.in_flight {
             return None;
         }
-        self.flush()
+        self.flush(mail)
     }
 
     /// Refuses every append from now on (the engine broke an invariant).
-    pub(crate) fn refuse(&mut self, reason: String) {
+    pub(crate) fn refuse(&mut self, reason: String, mail: &mut Mail) {
         if self.failed.is_none() {
-            self.fail(reason, Vec::new());
+            self.fail(reason, Vec::new(), mail);
         }
     }
 
@@ -190,22 +201,22 @@ impl Persistence {
 
     /// A shutdown, not a store failure: closes the writer and refuses what is still
     /// queued, quietly.
-    pub(crate) fn stop(&mut self) {
+    pub(crate) fn stop(&mut self, mail: &mut Mail) {
         self.close_writer();
         self.failed = Some("the executor has shut down".to_string());
         self.pending_ops.clear();
         for ack in std::mem::take(&mut self.pending_acks) {
-            ack.send(Err(Error::Stopped));
+            ack.send(Err(Error::Stopped), mail);
         }
     }
 
-    fn fail(&mut self, reason: String, acks: Vec<DurableAck>) {
+    fn fail(&mut self, reason: String, acks: Vec<DurableAck>, mail: &mut Mail) {
         tracing::error!(%reason, "store failed; refusing further appends");
         self.failed = Some(reason.clone());
         let later = std::mem::take(&mut self.pending_acks);
         self.pending_ops.clear();
         for ack in acks.into_iter().chain(later) {
-            ack.send(Err(Error::Store(reason.clone())));
+            ack.send(Err(Error::Store(reason.clone())), mail);
         }
     }
 }

@@ -437,12 +437,14 @@ pub(crate) enum DurableAck {
 }
 
 impl DurableAck {
-    pub(crate) fn send(self, result: Result<(), Error>) {
+    /// Answers: a caller at once, a root stack through `mail` (the scheduler's, so the
+    /// answer keeps its place among the scheduler's other messages to the tree).
+    pub(crate) fn send(self, result: Result<(), Error>, mail: &mut Mail) {
         match self {
             DurableAck::Caller(tx) => {
                 let _ = tx.send(result);
             }
-            DurableAck::Tree(mut ack) => ack.send(result),
+            DurableAck::Tree(ack) => ack.answer(result, 0, mail),
         }
     }
 }
@@ -477,37 +479,32 @@ impl TreeAck {
 
     /// Tells the root stack, through `mail`, that the transition is durable and that
     /// `enqueued` of its steps were queued.
-    pub(crate) fn durable(mut self, enqueued: usize, mail: &mut Mail) {
-        self.answered = true;
-        let durable = Durable {
-            seq: self.seq,
-            result: Ok(()),
-            enqueued: u32::try_from(enqueued).unwrap_or(u32::MAX),
-        };
-        mail.push(&self.tree, durable);
+    pub(crate) fn durable(self, enqueued: usize, mail: &mut Mail) {
+        self.answer(Ok(()), enqueued, mail);
     }
 
-    fn answer(&mut self, result: Result<(), Error>, enqueued: usize) {
+    /// Answers through `mail`. Answered with an error, it queued nothing: its steps go.
+    fn answer(mut self, result: Result<(), Error>, enqueued: usize, mail: &mut Mail) {
         self.answered = true;
-        self.tree.do_send(Durable {
+        self.steps.clear();
+        mail.push(&self.tree, self.message(result, enqueued));
+    }
+
+    fn message(&self, result: Result<(), Error>, enqueued: usize) -> Durable {
+        Durable {
             seq: self.seq,
             result,
             enqueued: u32::try_from(enqueued).unwrap_or(u32::MAX),
-        });
-    }
-
-    fn send(&mut self, result: Result<(), Error>) {
-        // Answered so only on a failure (or with the steps already queued): nothing
-        // more is queued.
-        self.steps.clear();
-        self.answer(result, 0);
+        }
     }
 }
 
 impl Drop for TreeAck {
+    /// Unanswered, the scheduler is gone (and its mail with it): told directly.
     fn drop(&mut self) {
         if !self.answered {
-            self.send(Err(Error::Stopped));
+            self.steps.clear();
+            self.tree.do_send(self.message(Err(Error::Stopped), 0));
         }
     }
 }

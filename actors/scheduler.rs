@@ -554,14 +554,15 @@ impl Scheduler {
     /// A batch is durable (or failed): queues the steps its transitions queue without
     /// locks, answers each append in order, hands the writer the next batch, and only
     /// then dispatches, so each root stack gets its `Durable` before any `RunStep` of
-    /// those steps.
+    /// those steps (both go into the mail, in that order, sent as one message per
+    /// shard).
     fn batch_done(
         &mut self,
         answer: Result<BatchResult, oneshot::error::RecvError>,
         acks: Vec<DurableAck>,
         ctx: &mut Context<Self>,
     ) {
-        if let Some(mut acks) = self.persistence.done(answer, acks) {
+        if let Some(mut acks) = self.persistence.done(answer, acks, &mut self.mail) {
             for ack in acks.drain(..) {
                 match ack {
                     DurableAck::Tree(mut ack) => {
@@ -572,15 +573,17 @@ impl Scheduler {
                         }
                         ack.durable(enqueued, &mut self.mail);
                     }
-                    caller @ DurableAck::Caller(_) => caller.send(Ok(())),
+                    caller @ DurableAck::Caller(_) => caller.send(Ok(()), &mut self.mail),
                 }
             }
-            self.mail.send();
             self.persistence.recycle(acks);
         }
-        let next = self.persistence.next_batch();
+        let next = self.persistence.next_batch(&mut self.mail);
         self.wait_for(next, ctx);
         self.dispatch();
+        // The batch's answers, then the steps dispatched after them (a future's mail is
+        // sent by the future itself).
+        self.mail.send();
     }
 }
 
@@ -588,7 +591,7 @@ impl Handler<Persist> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: Persist, ctx: &mut Context<Self>) {
-        let batch = self.persistence.append(msg.ops, msg.ack);
+        let batch = self.persistence.append(msg.ops, msg.ack, &mut self.mail);
         self.wait_for(batch, ctx);
         if let Some(id) = msg.finished {
             self.step_finished(id, ctx);
@@ -600,7 +603,7 @@ impl Handler<Refuse> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: Refuse, _ctx: &mut Context<Self>) {
-        self.persistence.refuse(msg.0);
+        self.persistence.refuse(msg.0, &mut self.mail);
     }
 }
 
@@ -608,7 +611,9 @@ impl Handler<StopWriter> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, _msg: StopWriter, ctx: &mut Context<Self>) {
-        self.persistence.stop();
+        self.persistence.stop(&mut self.mail);
+        // A stopping actor polls no future: its mail goes now.
+        self.mail.send();
         ctx.stop();
     }
 }

@@ -1,8 +1,8 @@
 //! The bookkeeping of one procedure tree (HBase's `RootProcedureState`, IoTDB's
 //! `RootProcedureStack`), as a pure state machine: events in, a [`Transition`] out.
 //!
-//! The root-stack actor feeds this every event of its tree (a step finished, an abort
-//! was accepted, a rollback finished, a timer or event fired), persists
+//! The actor layer's tree runner feeds this every event of its tree (a step finished,
+//! an abort was accepted, a rollback finished, a timer or event fired), persists
 //! [`Transition::persist`] and only once that is durable performs
 //! [`Transition::actions`]. That ordering is the write-ahead rule: nothing a step
 //! caused (the next step, a child's start, a parent's wake-up, the tree's result) is
