@@ -349,6 +349,10 @@ impl TreeRunner {
             for action in p.actions {
                 self.perform(action, ctx);
             }
+            if !p.acks.is_empty() {
+                // What the actions told the scheduler goes before the callers hear.
+                ctx.send_now();
+            }
             for (ack, answer) in p.acks {
                 let _ = ack.send(answer);
             }
@@ -358,6 +362,9 @@ impl TreeRunner {
         self.flush(ctx);
         if self.pending.is_empty() {
             self.pending.release();
+            if self.rare.as_ref().is_some_and(|r| !r.quiesce.is_empty()) {
+                ctx.send_now();
+            }
             for ack in self.rare.iter_mut().flat_map(|r| r.quiesce.drain(..)) {
                 let _ = ack.send(());
             }
@@ -365,6 +372,9 @@ impl TreeRunner {
         // The initial transition is durable and performed: the tree has started.
         if self.performed > 0 {
             if let Some(ack) = self.start.take().and_then(|s| s.submit_ack) {
+                // Its first step's request reaches the scheduler before the submitter
+                // hears (and submits the next, perhaps through another shard).
+                ctx.send_now();
                 let _ = ack.send(Ok(self.core.root()));
                 if self.shared.has_subscribers() {
                     self.shared
@@ -469,7 +479,11 @@ impl TreeRunner {
                 }
             }
             Action::Paused { id, state, why } => {
-                for ack in self.pause_waiters(id).unwrap_or_default() {
+                let acks = self.pause_waiters(id).unwrap_or_default();
+                if !acks.is_empty() {
+                    ctx.send_now();
+                }
+                for ack in acks {
                     let _ = ack.send(Ok(true));
                 }
                 if let Some(cell) = self.procs.get_mut(&id) {
@@ -491,6 +505,7 @@ impl TreeRunner {
                         state,
                         why: *why,
                     };
+                    ctx.send_now();
                     self.shared.news.do_send(news);
                 }
             }
@@ -676,7 +691,7 @@ impl TreeRunner {
             e.extra_mut().result = Some(result.clone().map_err(Box::new));
         }
         // The locks its procedures released are free before anyone hears of the result.
-        ctx.flush();
+        ctx.send_now();
         self.shared.finished.do_send(TreeFinished {
             root,
             result: Ok(result),
@@ -696,6 +711,7 @@ impl TreeRunner {
         self.status.set_halted();
         // Steps waiting for locks are queued to report themselves skipped.
         ctx.tell(TreeFailed(root));
+        ctx.send_now();
         if let Some(ack) = self.start.take().and_then(|s| s.submit_ack) {
             let _ = ack.send(Err(e.duplicate()));
         }
@@ -710,7 +726,6 @@ impl TreeRunner {
         }
         self.unspawned = None;
         self.result = None;
-        ctx.flush();
         self.shared.finished.do_send(TreeFinished {
             root,
             result: Err(e.duplicate()),

@@ -11,9 +11,11 @@
 //! and a tree that stopped gets nothing more: its messages, calls and timers that
 //! arrive later are dropped, as a stopped actor's would be.
 
+use std::cell::Cell;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{self, Poll};
@@ -185,8 +187,9 @@ pub(crate) enum Timer {
     Deadline { id: ProcId, deadline_ms: u64 },
 }
 
-/// A call into user code, with the root of the tree it belongs to.
-type Call = Pin<Box<dyn Future<Output = (ProcId, CallEnd)>>>;
+/// A call into user code, with the root of the tree it belongs to; `None` if the tree
+/// was dropped first.
+type Call = Pin<Box<dyn Future<Output = (ProcId, Option<CallEnd>)>>>;
 
 /// A timer's place in the queue: when it fires, then the order it was started in.
 type TimerKey = (Instant, u64);
@@ -201,6 +204,10 @@ pub(crate) struct ShardIo {
     /// result.
     outbox: Vec<ToScheduler>,
     calls: FuturesUnordered<Call>,
+    /// For each tree that has made calls, the flag its calls watch: raised when the tree
+    /// is dropped, so that none of them runs user code again (as a stopped actor's
+    /// futures were dropped with it).
+    cut: IdMap<ProcId, Rc<Cell<bool>>>,
     timers: Timers,
     /// Set to the first timer's instant while there is one.
     sleep: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -212,6 +219,7 @@ impl ShardIo {
             scheduler,
             outbox: Vec::new(),
             calls: FuturesUnordered::new(),
+            cut: IdMap::default(),
             timers: Timers::default(),
             sleep: None,
         }
@@ -294,12 +302,23 @@ pub(crate) struct TreeCtx<'a> {
 
 impl TreeCtx<'_> {
     /// Runs `call` as one of the shard's futures; its end goes to the tree's
-    /// `call_ended` (dropped if the tree has stopped by then).
+    /// `call_ended`. If the tree is dropped first, the call is not polled again: it
+    /// ends (and drops the user's future) the next time it wakes.
     pub(crate) fn spawn(&mut self, call: impl Future<Output = CallEnd> + 'static) {
         let root = self.root;
-        self.io
-            .calls
-            .push(Box::pin(async move { (root, call.await) }));
+        let cut = self.io.cut.entry(root).or_default().clone();
+        self.io.calls.push(Box::pin(async move {
+            let mut call = std::pin::pin!(call);
+            let end = std::future::poll_fn(|cx| {
+                if cut.get() {
+                    Poll::Ready(None)
+                } else {
+                    call.as_mut().poll(cx).map(Some)
+                }
+            })
+            .await;
+            (root, end)
+        }));
     }
 
     /// Fires `timer` after `delay` (dropped if the tree stops first).
@@ -318,8 +337,9 @@ impl TreeCtx<'_> {
     }
 
     /// Sends what is queued for the scheduler now: before anything that leaves the
-    /// shard another way and must not overtake it (a tree's result).
-    pub(crate) fn flush(&mut self) {
+    /// shard another way and must not overtake it (an answer to a caller, a tree's
+    /// result, news for the executor).
+    pub(crate) fn send_now(&mut self) {
         self.io.flush();
     }
 }
@@ -352,6 +372,9 @@ impl Shard {
         f(tree, &mut ctx);
         if ctx.stop {
             self.io.timers.forget(root);
+            if let Some(cut) = self.io.cut.remove(&root) {
+                cut.set(true);
+            }
             // Its `TreeEnded` (sent as it drops) goes after everything it sent.
             self.io.flush();
             drop(self.trees.remove(&root));
@@ -365,7 +388,9 @@ impl Shard {
             let mut progress = false;
             while let Poll::Ready(Some((root, end))) = self.io.calls.poll_next_unpin(cx) {
                 progress = true;
-                self.with_tree(root, |tree, ctx| tree.call_ended(end, ctx));
+                if let Some(end) = end {
+                    self.with_tree(root, |tree, ctx| tree.call_ended(end, ctx));
+                }
             }
             let now = Instant::now();
             while let Some((root, timer)) = self.io.timers.due(now) {
