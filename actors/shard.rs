@@ -12,6 +12,7 @@
 //! arrive later are dropped, as a stopped actor's would be.
 
 use std::cell::Cell;
+use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
@@ -204,9 +205,10 @@ pub(crate) struct ShardIo {
     /// result.
     outbox: Vec<ToScheduler>,
     calls: FuturesUnordered<Call>,
-    /// For each tree that has made calls, the flag its calls watch: raised when the tree
-    /// is dropped, so that none of them runs user code again (as a stopped actor's
-    /// futures were dropped with it).
+    /// For each tree with calls in flight, the flag its calls watch: raised when the
+    /// tree is dropped, so that none of them runs user code again (as a stopped actor's
+    /// futures were dropped with it). Gone when its last call ends, so an idle tree has
+    /// none.
     cut: IdMap<ProcId, Rc<Cell<bool>>>,
     timers: Timers,
     /// Set to the first timer's instant while there is one.
@@ -388,6 +390,12 @@ impl Shard {
             let mut progress = false;
             while let Poll::Ready(Some((root, end))) = self.io.calls.poll_next_unpin(cx) {
                 progress = true;
+                // The call's future is gone: if it was the tree's last, so is its flag.
+                if let Entry::Occupied(cut) = self.io.cut.entry(root) {
+                    if Rc::strong_count(cut.get()) == 1 {
+                        cut.remove();
+                    }
+                }
                 if let Some(end) = end {
                     self.with_tree(root, |tree, ctx| tree.call_ended(end, ctx));
                 }
