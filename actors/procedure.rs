@@ -685,7 +685,10 @@ impl ProcedureCell {
             (proc, pctx, result, in_call)
         };
         let call = tracing::Instrument::instrument(call, span);
-        ctx.spawn(async move { CallEnd::Step(id, call.await) });
+        ctx.spawn(
+            self.status.clone(),
+            async move { CallEnd::Step(id, call.await) },
+        );
     }
 
     /// A step's call ended: its report goes to the root stack.
@@ -753,7 +756,9 @@ impl ProcedureCell {
             (proc, pctx, result, in_call)
         };
         let call = tracing::Instrument::instrument(call, span);
-        ctx.spawn(async move { CallEnd::Rollback(id, call.await) });
+        ctx.spawn(self.status.clone(), async move {
+            CallEnd::Rollback(id, call.await)
+        });
     }
 
     /// A rollback's call ended: its result goes to the root stack.

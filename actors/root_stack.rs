@@ -1045,6 +1045,8 @@ impl Drop for TreeRunner {
     /// in engine code; the executor must not leave the tree's waiters hanging.
     fn drop(&mut self) {
         self.me.set_ended();
+        // Its calls still in flight run no more user code.
+        self.status.set_dropped();
         // Every StepFinished this runner sent is ahead of this in the scheduler's mailbox
         // (its shard sends what it queued before it drops a tree).
         self.shared.scheduler.do_send(TreeEnded(self.core.root()));

@@ -11,12 +11,9 @@
 //! and a tree that stopped gets nothing more: its messages, calls and timers that
 //! arrive later are dropped, as a stopped actor's would be.
 
-use std::cell::Cell;
-use std::collections::hash_map::Entry;
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
-use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::task::{self, Poll};
@@ -36,6 +33,7 @@ use super::protocol::{
 };
 use super::root_stack::TreeRunner;
 use super::scheduler::Scheduler;
+use super::shared::TreeStatus;
 
 /// Where a tree is reached: its shard and its root. Shared (`TreeAddr`), because every
 /// queued step and table entry of the tree holds it.
@@ -205,11 +203,6 @@ pub(crate) struct ShardIo {
     /// result.
     outbox: Vec<ToScheduler>,
     calls: FuturesUnordered<Call>,
-    /// For each tree with calls in flight, the flag its calls watch: raised when the
-    /// tree is dropped, so that none of them runs user code again (as a stopped actor's
-    /// futures were dropped with it). Gone when its last call ends, so an idle tree has
-    /// none.
-    cut: IdMap<ProcId, Rc<Cell<bool>>>,
     timers: Timers,
     /// Set to the first timer's instant while there is one.
     sleep: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -221,7 +214,6 @@ impl ShardIo {
             scheduler,
             outbox: Vec::new(),
             calls: FuturesUnordered::new(),
-            cut: IdMap::default(),
             timers: Timers::default(),
             sleep: None,
         }
@@ -304,15 +296,19 @@ pub(crate) struct TreeCtx<'a> {
 
 impl TreeCtx<'_> {
     /// Runs `call` as one of the shard's futures; its end goes to the tree's
-    /// `call_ended`. If the tree is dropped first, the call is not polled again: it
-    /// ends (and drops the user's future) the next time it wakes.
-    pub(crate) fn spawn(&mut self, call: impl Future<Output = CallEnd> + 'static) {
+    /// `call_ended`. If the tree (whose status is `tree`) is dropped first, the call is
+    /// not polled again: it ends, and drops the user's future, the next time it wakes
+    /// (as a stopped actor's futures were dropped with it).
+    pub(crate) fn spawn(
+        &mut self,
+        tree: Arc<TreeStatus>,
+        call: impl Future<Output = CallEnd> + 'static,
+    ) {
         let root = self.root;
-        let cut = self.io.cut.entry(root).or_default().clone();
         self.io.calls.push(Box::pin(async move {
             let mut call = std::pin::pin!(call);
             let end = std::future::poll_fn(|cx| {
-                if cut.get() {
+                if tree.dropped() {
                     Poll::Ready(None)
                 } else {
                     call.as_mut().poll(cx).map(Some)
@@ -374,9 +370,6 @@ impl Shard {
         f(tree, &mut ctx);
         if ctx.stop {
             self.io.timers.forget(root);
-            if let Some(cut) = self.io.cut.remove(&root) {
-                cut.set(true);
-            }
             // Its `TreeEnded` (sent as it drops) goes after everything it sent.
             self.io.flush();
             drop(self.trees.remove(&root));
@@ -390,12 +383,6 @@ impl Shard {
             let mut progress = false;
             while let Poll::Ready(Some((root, end))) = self.io.calls.poll_next_unpin(cx) {
                 progress = true;
-                // The call's future is gone: if it was the tree's last, so is its flag.
-                if let Entry::Occupied(cut) = self.io.cut.entry(root) {
-                    if Rc::strong_count(cut.get()) == 1 {
-                        cut.remove();
-                    }
-                }
                 if let Some(end) = end {
                     self.with_tree(root, |tree, ctx| tree.call_ended(end, ctx));
                 }

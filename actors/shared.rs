@@ -29,12 +29,14 @@ pub(crate) fn now_ms() -> u64 {
 }
 
 /// What the procedures of one tree read before each call into user code, written
-/// only by the tree's root stack. Monotonic: healthy, then failed, then halted.
+/// only by the tree's root stack. Monotonic: healthy, then failed, then halted, then
+/// dropped.
 #[derive(Default)]
 pub(crate) struct TreeStatus(AtomicU8);
 
 const FAILED: u8 = 1;
 const HALTED: u8 = 2;
+const DROPPED: u8 = 3;
 
 impl TreeStatus {
     /// The tree has failed: run no more steps (report them skipped).
@@ -54,6 +56,15 @@ impl TreeStatus {
 
     pub(crate) fn set_halted(&self) {
         self.0.fetch_max(HALTED, Ordering::AcqRel);
+    }
+
+    /// The tree's runner is gone: a call of it still in flight is not polled again.
+    pub(crate) fn dropped(&self) -> bool {
+        self.0.load(Ordering::Acquire) >= DROPPED
+    }
+
+    pub(crate) fn set_dropped(&self) {
+        self.0.fetch_max(DROPPED, Ordering::AcqRel);
     }
 }
 
