@@ -1,5 +1,6 @@
 //! Panic guards for user code. actix does not restart an actor whose handler panicked;
-//! it closes the mailbox, and every message after that is lost. So every call into a
+//! it closes the mailbox (here a whole shard's, every tree on that arbiter), and every
+//! message after that is lost. So every call into a
 //! user's procedure goes through [`guard`] or [`CatchUnwind`], and a panic becomes a
 //! [`ProcError::Panicked`](crate::ProcError::Panicked) that names the message.
 

@@ -4,6 +4,11 @@
 //! `ARCHITECTURE.md`, "Protocol"). `tests/protocol.rs` pins each rule with the race that
 //! broke it, and `tests/perturbation.rs` checks them all on random workloads.
 //!
+//! A tree has no mailbox of its own: its messages go through its shard's (`shard.rs`),
+//! and what the scheduler and a shard send each other is gathered and sent in batches
+//! that keep the order it was made in (`Mail`, `FromShard`), so every rule below holds
+//! per tree as it did when each tree was an actor.
+//!
 //! Handlers live with their actors; the public messages a caller sends (`Submit`,
 //! `Abort`, `GetState`, `WaitFor`, `List`, `WakeEvent`) live in `executor.rs` and
 //! `scheduler.rs` beside the API they mirror.
@@ -126,7 +131,7 @@ lendable!(Report);
 // transition's Durable (which counts it, `enqueued`) and before it dispatches anything;
 // so the step's RunStep reaches the root stack after the Durable, whose actions (the
 // step's cell started, for a new child) are performed first. RunStep (scheduler -> the
-// procedure, through its root stack's mailbox as a ToProc) counts against a worker. Every RunStep is answered by
+// procedure, through its tree's shard as a ToProc) counts against a worker. Every RunStep is answered by
 // exactly one StepDone (the cell's report, queued in its root stack's outbox), and the
 // root stack frees the worker only after feeding that report to the core: with the
 // report's records (Persist with `finished`), or as StepFinished (-> scheduler) after

@@ -13,6 +13,7 @@
 
 use std::collections::BTreeMap;
 use std::future::Future;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -25,6 +26,7 @@ use futures_util::stream::{FuturesUnordered, StreamExt};
 use crate::fast_map::IdMap;
 use crate::procedure::ProcId;
 
+use super::guard::panic_message;
 use super::perturb;
 use super::procedure::CallEnd;
 use super::protocol::{
@@ -357,7 +359,9 @@ impl Shard {
     }
 
     /// Calls `f` with the root stack of `root`, if it is live, and drops it if it
-    /// stopped.
+    /// stopped. A panic in engine code drops that tree only (its runner's `Drop` tells
+    /// the scheduler and the executor), as it killed only that tree's actor when each
+    /// tree had one: the shard and its other trees go on.
     fn with_tree(&mut self, root: ProcId, f: impl FnOnce(&mut TreeRunner, &mut TreeCtx<'_>)) {
         let Some(tree) = self.trees.get_mut(&root) else {
             return;
@@ -367,8 +371,12 @@ impl Shard {
             io: &mut self.io,
             stop: false,
         };
-        f(tree, &mut ctx);
-        if ctx.stop {
+        let ran = catch_unwind(AssertUnwindSafe(|| f(tree, &mut ctx)));
+        if let Err(payload) = &ran {
+            let message = panic_message(&**payload);
+            tracing::error!(%root, %message, "engine code panicked: the tree is cut off");
+        }
+        if ctx.stop || ran.is_err() {
             self.io.timers.forget(root);
             // Its `TreeEnded` (sent as it drops) goes after everything it sent.
             self.io.flush();
