@@ -584,22 +584,16 @@ impl Message for TreeNews {
 
 // Batches: a shard -> the scheduler, in the order its trees made them.
 
-/// What a tree sends the scheduler. A shard queues its trees' messages in one outbox
-/// and sends them as one [`FromShard`] (or the message itself, when it is alone), so
-/// their order is the order they were made in, as if each had been sent on its own.
-pub(crate) enum ToScheduler {
-    Persist(Persist),
-    StepFinished(StepFinished),
-    Enqueue(Enqueue),
-    ReleaseLocks(ReleaseLocks),
-    Unsuspend(Unsuspend),
-    SuspendOn(SuspendOn),
-    LockForRollback(LockForRollback),
-    TreeFailed(TreeFailed),
-}
-
 macro_rules! to_scheduler {
     ($($variant:ident),* $(,)?) => {
+        /// What a tree sends the scheduler. A shard queues its trees' messages in one
+        /// outbox and sends them as one [`FromShard`] (or the message itself, when it is
+        /// alone), so their order is the order they were made in, as if each had been
+        /// sent on its own.
+        pub(crate) enum ToScheduler {
+            $($variant($variant),)*
+        }
+
         $(
             impl From<$variant> for ToScheduler {
                 fn from(m: $variant) -> Self {

@@ -143,28 +143,26 @@ impl Mail {
     }
 }
 
-/// What a tree is sent. Each variant's ordering rule is written beside its message in
-/// `protocol.rs`.
-pub(crate) enum TreeMsg {
-    /// The tree joins the shard and starts (its first message).
-    Start(Box<TreeRunner>),
-    Durable(Durable),
-    ToProc(ToProc),
-    Bypass(BypassRequest),
-    Wake(Wake),
-    Quiesce(Quiesce),
-    Command(CommandRequest),
-    Abort(AbortRequest),
-}
-
+/// Declares [`TreeMsg`]: `Start`, then one variant per message a tree is sent, each
+/// with its `From`.
 macro_rules! tree_msg {
-    ($($variant:ident($message:ty)),* $(,)?) => {$(
-        impl From<$message> for TreeMsg {
-            fn from(m: $message) -> Self {
-                TreeMsg::$variant(m)
-            }
+    ($($variant:ident($message:ty)),* $(,)?) => {
+        /// What a tree is sent. Each variant's ordering rule is written beside its
+        /// message in `protocol.rs`.
+        pub(crate) enum TreeMsg {
+            /// The tree joins the shard and starts (its first message).
+            Start(Box<TreeRunner>),
+            $($variant($message),)*
         }
-    )*};
+
+        $(
+            impl From<$message> for TreeMsg {
+                fn from(m: $message) -> Self {
+                    TreeMsg::$variant(m)
+                }
+            }
+        )*
+    };
 }
 
 tree_msg!(
