@@ -37,7 +37,7 @@ use super::root_stack::{publish_recovered, Objects, TreeRunner};
 use super::scheduler::{
     GetSchedulerStats, Monitor, ResetEvent, Scheduler, SchedulerStats, WakeEvent,
 };
-use super::shard::Shard;
+use super::shard::{Mail, Shard};
 use super::shared::{now_ms, Entry, EntryExtra, SchedulerViews, Shared, Waiting};
 
 impl From<MailboxError> for Error {
@@ -45,6 +45,10 @@ impl From<MailboxError> for Error {
         Error::Stopped
     }
 }
+
+/// How many recovered trees are gathered before they go to their shards (one message
+/// per shard).
+const RECOVERED_STARTS_PER_MESSAGE: usize = 4096;
 
 /// Configuration of an executor, with defaults that suit a control plane.
 ///
@@ -509,7 +513,13 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                     },
                 );
             }
-            for (tree, (objects, rerun)) in trees {
+            // The trees go to their shards a few thousand to a message, all of them
+            // before the executor handles any request.
+            let mut starts = Mail::default();
+            for (n, (tree, (objects, rerun))) in trees.into_iter().enumerate() {
+                if n % RECOVERED_STARTS_PER_MESSAGE == 0 {
+                    starts.send();
+                }
                 // Finished children stay out: nothing stops (and unlists) them later.
                 let records = plan
                     .records_of(&tree)
@@ -519,15 +529,17 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 // In the table before the executor handles any request (it is not
                 // running yet): recovered records are durable by definition.
                 publish_recovered(&shared, records, &addr);
-                addr.start(TreeRunner::recover(
+                let runner = TreeRunner::recover(
                     shared.clone(),
                     addr.clone(),
                     tree.stack,
                     tree.start,
                     objects,
                     rerun,
-                ));
+                );
+                addr.start_by(&mut starts, runner);
             }
+            starts.send();
             ExecutorActor {
                 shared,
                 waiters: IdMap::default(),

@@ -72,6 +72,11 @@ impl TreeHandle {
         self.do_send(TreeMsg::Start(Box::new(tree)));
     }
 
+    /// Starts `tree` through `mail` (many trees at once, as at recovery).
+    pub(crate) fn start_by(&self, mail: &mut Mail, tree: TreeRunner) {
+        mail.push(self, TreeMsg::Start(Box::new(tree)));
+    }
+
     /// Whether the tree's root stack still runs.
     pub(crate) fn connected(&self) -> bool {
         !self.ended.load(Ordering::Acquire) && self.shard.connected()
@@ -434,14 +439,7 @@ impl Handler<ToTree> for Shard {
     type Result = ();
 
     fn handle(&mut self, msg: ToTree, _ctx: &mut Context<Self>) {
-        let ToTree { root, msg } = msg;
-        match msg {
-            TreeMsg::Start(tree) => {
-                self.trees.insert(root, tree);
-                self.with_tree(root, TreeRunner::started);
-            }
-            msg => self.with_tree(root, |tree, ctx| tree.receive(msg, ctx)),
-        }
+        self.deliver(msg.root, msg.msg);
         self.io.flush();
     }
 }
@@ -451,9 +449,22 @@ impl Handler<ToTrees> for Shard {
 
     fn handle(&mut self, msg: ToTrees, _ctx: &mut Context<Self>) {
         for (root, msg) in msg.0 {
-            self.with_tree(root, |tree, ctx| tree.receive(msg, ctx));
+            self.deliver(root, msg);
         }
         self.io.flush();
+    }
+}
+
+impl Shard {
+    /// Hands `msg` to the tree of `root` (a `Start` places the tree first).
+    fn deliver(&mut self, root: ProcId, msg: TreeMsg) {
+        match msg {
+            TreeMsg::Start(tree) => {
+                self.trees.insert(root, tree);
+                self.with_tree(root, TreeRunner::started);
+            }
+            msg => self.with_tree(root, |tree, ctx| tree.receive(msg, ctx)),
+        }
     }
 }
 
