@@ -244,6 +244,16 @@ impl ShardIo {
     }
 }
 
+/// When a timer started at `now` with `delay` fires: a delay past what an `Instant` can
+/// hold (a sleep or a deadline of `u64::MAX` ms) fires in about 30 years, as tokio's
+/// own timers do, rather than overflow.
+fn fire_at(now: Instant, delay: Duration) -> Instant {
+    const FAR: Duration = Duration::from_secs(86_400 * 365 * 30);
+    now.checked_add(delay.min(FAR))
+        .or_else(|| now.checked_add(FAR))
+        .unwrap_or(now)
+}
+
 /// The timers of a shard's trees, by when they fire (then in the order they were
 /// started), with each tree's own so that a tree's go when it stops.
 #[derive(Default)]
@@ -326,7 +336,9 @@ impl TreeCtx<'_> {
 
     /// Fires `timer` after `delay` (dropped if the tree stops first).
     pub(crate) fn run_later(&mut self, delay: Duration, timer: Timer) {
-        self.io.timers.add(self.root, Instant::now() + delay, timer);
+        self.io
+            .timers
+            .add(self.root, fire_at(Instant::now(), delay), timer);
     }
 
     /// The tree's work is done: the shard drops its root stack once this call returns.
@@ -502,6 +514,20 @@ mod tests {
                 other => panic!("unexpected {other:?}"),
             })
             .collect()
+    }
+
+    #[test]
+    fn a_timer_past_what_an_instant_holds_fires_far_away_not_in_a_panic() {
+        let now = Instant::now();
+        let far = Duration::from_secs(86_400 * 365 * 30);
+        for (delay, expect) in [
+            (Duration::ZERO, now),
+            (Duration::from_millis(5), now + Duration::from_millis(5)),
+            (Duration::from_millis(u64::MAX), now + far),
+            (Duration::MAX, now + far),
+        ] {
+            assert_eq!(fire_at(now, delay), expect, "{delay:?}");
+        }
     }
 
     /// Timers started as (tree, timer id, fires at ms), the trees stopped, the time

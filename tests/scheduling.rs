@@ -5,7 +5,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{run, start, stores, Recorder, Scripted, Step};
+use common::{run, start, stores, wait_for_state, Recorder, Scripted, Step};
 use proctor::{async_trait, Context, Executor, Flow, ProcError, ProcState, Procedure};
 use serde::{Deserialize, Serialize};
 
@@ -102,6 +102,25 @@ async fn sleeping_and_suspended_procedures_wake_up() {
             .await
             .unwrap();
         assert_eq!(executor.wait(late).await.unwrap(), Ok(()));
+    }
+}
+
+/// A sleep as long as the clock allows is a timer like any other: the procedure waits
+/// (its shard's timer queue holds the deadline, capped, rather than overflowing an
+/// `Instant`), and an abort ends it.
+#[actix::test]
+async fn a_sleep_of_almost_forever_waits_and_an_abort_ends_it() {
+    for (store_name, store, _dir) in stores() {
+        let (executor, _rec) = start(store, 1).await;
+        let sleeper = executor
+            .submit(Scripted::new("forever", vec![Step::Sleep(u64::MAX / 2)]))
+            .await
+            .unwrap();
+        wait_for_state(&executor, sleeper, ProcState::WaitingTimeout).await;
+        assert!(executor.abort(sleeper).await.unwrap(), "{store_name}");
+        let result = executor.wait(sleeper).await.unwrap();
+        assert!(result.is_err(), "{store_name}: {result:?}");
+        executor.shutdown_now().await.unwrap();
     }
 }
 
