@@ -1,15 +1,18 @@
-//! The shard: one actor per arbiter, owning the root stacks of the trees placed on it as
+//! The shard: one actor per arbiter, owning the runners of the trees placed on it as
 //! plain values. A tree has no task and no mailbox of its own: its messages come through
-//! its shard's mailbox (one [`ToTree`] naming the root), the calls into its procedures'
-//! user code are futures of the shard's (polled when they are woken, not all at once),
-//! and its timers sit in the shard's timer queue. An idle tree costs its state only.
+//! its shard's mailbox (a [`ToTree`] naming the root, or a [`ToTrees`] batch), the calls
+//! into its procedures' user code are futures of the shard's (polled when they are
+//! woken, not all at once), and its timers sit in the shard's timer queue. An idle tree
+//! costs its runner only.
 //!
-//! What a root stack knew of its actix context it now gets from a [`TreeCtx`]: spawn a
-//! call, start a timer, its own address, stop. The rules it obeys are unchanged: the
-//! messages of one sender to a tree arrive in the order they were sent (one mailbox per
-//! shard, and a tree never moves), a tree's calls and timers end on its shard's thread,
-//! and a tree that stopped gets nothing more: its messages, calls and timers that
-//! arrive later are dropped, as a stopped actor's would be.
+//! What a runner knew of its actix context it now gets from a [`TreeCtx`]: spawn a
+//! call, start a timer, tell the scheduler (queued in the shard's outbox, sent as one
+//! message when the shard's handler or poll returns, or at once with `send_now`), stop.
+//! The rules it obeys are those it obeyed as an actor: one sender's messages to a tree
+//! arrive in the order they were sent (one mailbox per shard, batches kept in order, and
+//! a tree never moves), a tree's calls and timers end on its shard's thread, and a tree
+//! that stopped gets nothing more: its messages and timers that arrive later are
+//! dropped, and its calls in flight are not polled again, as a stopped actor's would be.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -203,9 +206,9 @@ type TimerKey = (Instant, u64);
 pub(crate) struct ShardIo {
     scheduler: Addr<Scheduler>,
     /// The trees' messages to the scheduler, in the order they were made: sent as one
-    /// message when the shard's handler or its poll of calls and timers returns, and
-    /// before a tree is dropped (whose `TreeEnded` goes after them) or publishes its
-    /// result.
+    /// message when the shard's handler or its poll of calls and timers returns, before
+    /// a tree is dropped (whose `TreeEnded` goes after them), and before anything leaves
+    /// a tree another way (`TreeCtx::send_now`).
     outbox: Vec<ToScheduler>,
     calls: FuturesUnordered<Call>,
     timers: Timers,
@@ -244,9 +247,8 @@ impl ShardIo {
     }
 }
 
-/// When a timer started at `now` with `delay` fires: a delay past what an `Instant` can
-/// hold (a sleep or a deadline of `u64::MAX` ms) fires in about 30 years, as tokio's
-/// own timers do, rather than overflow.
+/// When a timer started at `now` with `delay` fires. A delay is capped at about 30
+/// years, as tokio caps its own timers, so that no delay overflows an `Instant`.
 fn fire_at(now: Instant, delay: Duration) -> Instant {
     const FAR: Duration = Duration::from_secs(86_400 * 365 * 30);
     now.checked_add(delay.min(FAR))
@@ -517,7 +519,7 @@ mod tests {
     }
 
     #[test]
-    fn a_timer_past_what_an_instant_holds_fires_far_away_not_in_a_panic() {
+    fn a_timer_delay_is_capped_far_away_rather_than_overflowing() {
         let now = Instant::now();
         let far = Duration::from_secs(86_400 * 365 * 30);
         for (delay, expect) in [
