@@ -149,11 +149,11 @@ impl TreeRunner {
         let (core, t) = RootStack::submit(root, now_ms());
         let mut unspawned = Objects::default();
         unspawned.insert(id, (proc, data));
-        let mut actor = Self::new(shared, me, core, t, unspawned);
-        if let Some(start) = &mut actor.start {
+        let mut runner = Self::new(shared, me, core, t, unspawned);
+        if let Some(start) = &mut runner.start {
             start.submit_ack = Some(ack);
         }
-        actor
+        runner
     }
 
     /// A tree rebuilt by recovery: `core` and `t` from [`RootStack::recover`], the
@@ -169,12 +169,12 @@ impl TreeRunner {
     ) -> Self {
         t.actions
             .retain(|a| !matches!(a, Action::SuspendOn { id, .. } if rerun.contains(id)));
-        let mut actor = Self::new(shared, me, core, t, objects);
-        actor.recovered = true;
+        let mut runner = Self::new(shared, me, core, t, objects);
+        runner.recovered = true;
         if !rerun.is_empty() {
-            actor.rare().rerun = rerun;
+            runner.rare().rerun = rerun;
         }
-        actor
+        runner
     }
 
     fn new(
