@@ -177,8 +177,9 @@ pub(crate) struct Scheduler {
     /// The group commit in front of the store: appends share this mailbox with the
     /// steps whose reports made them.
     persistence: Persistence,
-    /// Acknowledgements and dispatched steps for the trees, one message per shard: sent
-    /// at the end of the batch or dispatch that gathered them.
+    /// Everything for the trees (acknowledgements, dispatched steps, grants, wakes), one
+    /// message per shard: sent once a durable batch is answered, after a monitor tick,
+    /// before the scheduler stops, and whenever its mailbox is empty (`SendMail`).
     mail: Mail,
 }
 
@@ -252,13 +253,10 @@ impl Scheduler {
                 addr.post(&mut self.mail, RunStep { step: what.1 });
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");
-                // What the release sends goes after the steps dispatched so far.
-                self.mail.send();
                 self.ready.complete();
                 self.release(id, Some(Hold::Step));
             }
         }
-        self.mail.send();
         let (holders, waiters) = self.locks.len();
         let counts = [self.ready.queued(), self.ready.busy(), holders, waiters];
         self.gauges.set(counts);
