@@ -35,7 +35,7 @@ use super::protocol::{
 };
 use super::root_stack::{publish_recovered, Objects, TreeRunner};
 use super::scheduler::{
-    GetSchedulerStats, Monitor, ResetEvent, Scheduler, SchedulerStats, WakeEvent,
+    GetSchedulerStats, Monitor, Queueing, ResetEvent, Scheduler, SchedulerStats, WakeEvent,
 };
 use super::shard::{Mail, Shard};
 use super::shared::{now_ms, Entry, EntryExtra, SchedulerViews, Shared, Waiting};
@@ -64,6 +64,7 @@ pub struct ExecutorBuilder<E = ()> {
     workers: usize,
     scheduling: Scheduling,
     reserved_workers: Option<usize>,
+    system_workers: usize,
     arbiters: usize,
     store: Option<Box<dyn ProcedureStore>>,
     registry: Registry<E>,
@@ -81,6 +82,7 @@ impl<E> std::fmt::Debug for ExecutorBuilder<E> {
             .field("workers", &self.workers)
             .field("scheduling", &self.scheduling)
             .field("reserved_workers", &self.reserved_workers)
+            .field("system_workers", &self.system_workers)
             .field("arbiters", &self.arbiters)
             .field("store", &self.store.as_ref().map(|_| "custom"))
             .field("registry", &self.registry)
@@ -108,6 +110,7 @@ impl<E> Default for ExecutorBuilder<E> {
             workers: 16,
             scheduling: Scheduling::Fair,
             reserved_workers: None,
+            system_workers: 1,
             arbiters: std::thread::available_parallelism().map_or(2, |n| n.get()),
             store: None,
             registry: Registry::default(),
@@ -183,6 +186,25 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         self
     }
 
+    /// Workers of their own for system procedures
+    /// ([`Registry::register_system`](crate::Registry::register_system)), beside the
+    /// [`workers`](Self::workers), as HBase keeps urgent workers for its meta table's
+    /// procedures. A system procedure's step takes one of them while one is free, and a
+    /// shared worker only when they are all busy; no other step takes them. Steps are
+    /// not preempted, so without one a system step waits for some running step to end
+    /// when long user steps fill every worker, even when it is first in the queue.
+    /// Default 1. An executor without system types never uses them.
+    ///
+    /// ```
+    /// let builder = proctor::Executor::builder().workers(8).system_workers(2);
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn system_workers(mut self, n: usize) -> Self {
+        self.system_workers = n;
+        self
+    }
+
     /// How many arbiters (threads) the trees are spread over, round robin (default:
     /// one per core). The procedures of one tree run on their tree's arbiter.
     #[must_use]
@@ -210,6 +232,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             workers: self.workers,
             scheduling: self.scheduling,
             reserved_workers: self.reserved_workers,
+            system_workers: self.system_workers,
             arbiters: self.arbiters,
             store: self.store,
             registry,
@@ -431,7 +454,12 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             .unwrap_or(usize::from(self.workers >= 4));
         let scheduler = Scheduler::new(
             self.workers,
-            (self.scheduling, reserved, registry.system()),
+            Queueing {
+                scheduling: self.scheduling,
+                reserved,
+                system_workers: self.system_workers,
+                system: registry.system(),
+            },
             self.monitor,
             self.permits,
             views.clone(),

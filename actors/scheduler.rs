@@ -27,7 +27,7 @@ use crate::events::EventTable;
 use crate::fast_map::{IdMap, IdSet};
 use crate::locks::{Changes, Hold, LockTable, Request};
 use crate::procedure::ProcId;
-use crate::ready_queue::{ReadyQueue, Scheduling};
+use crate::ready_queue::{Lane, ReadyQueue, Scheduling};
 use crate::workers::{Change, WorkerPolicy, Workers};
 
 use super::metrics;
@@ -112,6 +112,19 @@ struct Running {
     started: Instant,
     what: What,
     root: ProcId,
+    /// The workers it counts against.
+    lane: Lane,
+}
+
+/// How the ready queue orders steps and which workers it keeps for whom.
+pub(crate) struct Queueing {
+    pub(crate) scheduling: Scheduling,
+    /// Workers kept for level 0 of the fair order.
+    pub(crate) reserved: usize,
+    /// Workers beside the shared ones for system procedures' steps.
+    pub(crate) system_workers: usize,
+    /// Types registered as system procedures.
+    pub(crate) system: HashSet<&'static str>,
 }
 
 /// What the scheduler is doing, for operators and tests.
@@ -186,7 +199,12 @@ pub(crate) struct Scheduler {
 impl Scheduler {
     pub(crate) fn new(
         workers: usize,
-        (scheduling, reserved, system): (Scheduling, usize, HashSet<&'static str>),
+        Queueing {
+            scheduling,
+            reserved,
+            system_workers,
+            system,
+        }: Queueing,
         monitor: Monitor,
         permits: Vec<(String, u32)>,
         view: Arc<SchedulerViews>,
@@ -199,6 +217,7 @@ impl Scheduler {
         let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
         let mut ready = ReadyQueue::new(workers, scheduling);
         ready.set_reserved(reserved);
+        ready.set_system_workers(system_workers);
         Scheduler {
             ready,
             system,
@@ -238,7 +257,7 @@ impl Scheduler {
     }
 
     fn dispatch(&mut self) {
-        while let Some((id, root, addr, what)) = self.ready.pop() {
+        while let Some(((id, root, addr, what), lane)) = self.ready.pop() {
             // A procedure's actor stops only after its tree has finished, and a finished
             // tree queues nothing; a stopped one here would leak the worker, so free it.
             if addr.connected() {
@@ -248,12 +267,13 @@ impl Scheduler {
                     started: Instant::now(),
                     what,
                     root,
+                    lane,
                 };
                 self.running.insert(id, running);
                 addr.post(&mut self.mail, RunStep { step: what.1 });
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");
-                self.ready.complete();
+                self.ready.complete(lane);
                 self.release(id, Some(Hold::Step));
             }
         }
@@ -317,8 +337,8 @@ impl Scheduler {
 
     /// A dispatched step of `id` is over: its worker and its step's locks are free, and
     /// what waited on those locks is asked again.
-    fn free_worker(&mut self, id: ProcId, ctx: &mut Context<Self>) {
-        self.ready.complete();
+    fn free_worker(&mut self, id: ProcId, lane: Lane, ctx: &mut Context<Self>) {
+        self.ready.complete(lane);
         self.release(id, Some(Hold::Step));
         self.undefer(id, ctx);
     }
@@ -527,14 +547,16 @@ impl Scheduler {
     /// A dispatched step of `id` ended and its report is recorded: its time is charged
     /// to its tree, then its worker is handed on.
     fn step_finished(&mut self, id: ProcId, ctx: &mut Context<Self>) {
+        let mut lane = Lane::Shared;
         if let Some(run) = self.running.remove(&id) {
             let elapsed = u64::try_from(run.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
             if let Some(level) = self.ready.charge(&run.root, elapsed) {
                 let level = u8::try_from(level).unwrap_or(u8::MAX);
                 self.view.levels.insert(run.root, level);
             }
+            lane = run.lane;
         }
-        self.free_worker(id, ctx);
+        self.free_worker(id, lane, ctx);
         self.dispatch();
     }
 
@@ -761,16 +783,16 @@ impl Handler<TreeEnded> for Scheduler {
         // Every `StepFinished` the tree's root stack sent came before this: a step of
         // the tree still running died with it (a panic in engine code), and its worker
         // is freed here, or it would leak.
-        let lost: Vec<ProcId> = self
+        let lost: Vec<(ProcId, Lane)> = self
             .running
             .iter()
             .filter(|(_, run)| run.root == msg.0)
-            .map(|(id, _)| *id)
+            .map(|(id, run)| (*id, run.lane))
             .collect();
-        for id in lost {
+        for (id, lane) in lost {
             tracing::warn!(proc = %id, "a step's tree ended before the step reported");
             self.running.remove(&id);
-            self.free_worker(id, ctx);
+            self.free_worker(id, lane, ctx);
         }
         self.ready.forget(&msg.0);
         self.view.levels.remove(&msg.0);

@@ -5,7 +5,7 @@
 //! cargo run --release --example fairness
 //! ```
 //!
-//! Four phases, each on a fresh executor over the in-memory store with few workers
+//! Five phases, each on a fresh executor over the in-memory store with few workers
 //! (default 4): short procedures of 3 steps alone; then the same beside background
 //! procedures that run many long steps (default 6 of them, each up to 150 steps that
 //! hold a worker for 20 to 50 ms, running alone for `--warmup-ms` first, as procedures
@@ -13,14 +13,17 @@
 //! (`Scheduling::Fair`, with its default reserved worker); then the same under
 //! `Scheduling::Fifo`; then under the fair queue with the background starting together
 //! with the short ones ("cold": for their first second of step time the background
-//! trees are young too, on level 0 beside the short ones). The short procedures are
-//! submitted at a steady pace (default one every 20 ms, 200 of them), each timed from
+//! trees are young too, on level 0 beside the short ones); then cold again with the
+//! short procedures' type registered as a system procedure (`Registry::register_system`:
+//! their steps go first and have a worker of their own, `ExecutorBuilder::system_workers`).
+//! The short procedures are submitted at a steady pace (default one every 20 ms, 200 of them), each timed from
 //! submit to the end of its `wait`. Once the short ones are done the background ones
 //! stop at their next step.
 //!
 //! The last line is one JSON object (a contract, see `examples/README.md`) with the
 //! short procedures' p50 and p99 latency in each phase (`short_p99_alone_ms`,
-//! `short_p99_fair_ms`, `short_p99_fifo_ms`, `short_p99_fair_cold_ms`, ...), their
+//! `short_p99_fair_ms`, `short_p99_fifo_ms`, `short_p99_fair_cold_ms`,
+//! `short_p99_system_cold_ms`, ...), their
 //! counts and each phase's duration.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -51,6 +54,10 @@ struct Args {
     /// with 4 workers or more).
     #[arg(long)]
     reserved_workers: Option<usize>,
+    /// Workers of their own for system procedures (the last phase's short ones; default:
+    /// the engine's, 1).
+    #[arg(long)]
+    system_workers: Option<usize>,
     /// Background procedures that run many long steps.
     #[arg(long, default_value_t = 6)]
     background: u32,
@@ -155,14 +162,31 @@ impl Phase {
     }
 }
 
-async fn phase(
-    args: &Args,
+/// What a phase runs beside the short procedures, and how.
+#[derive(Clone, Copy)]
+struct Setup {
     scheduling: Scheduling,
+    /// Background procedures run beside the short ones.
     background: bool,
+    /// They run alone for `--warmup-ms` first.
     warmup: bool,
-) -> Result<Phase, Box<dyn std::error::Error>> {
+    /// The short procedures' type is a system procedure's.
+    short_is_system: bool,
+}
+
+async fn phase(args: &Args, setup: Setup) -> Result<Phase, Box<dyn std::error::Error>> {
+    let Setup {
+        scheduling,
+        background,
+        warmup,
+        short_is_system,
+    } = setup;
     let mut registry = Registry::<Env>::default();
-    registry.register::<Short>("short");
+    if short_is_system {
+        registry.register_system::<Short>("short");
+    } else {
+        registry.register::<Short>("short");
+    }
     registry.register::<Long>("long");
     let env = Arc::new(Env {
         args: args.clone(),
@@ -176,6 +200,10 @@ async fn phase(
         .scheduling(scheduling);
     let executor = match args.reserved_workers {
         Some(n) => executor.reserved_workers(n),
+        None => executor,
+    };
+    let executor = match args.system_workers {
+        Some(n) => executor.system_workers(n),
         None => executor,
     };
     let executor = executor.start().await?;
@@ -226,18 +254,26 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.workers == 0 || args.shorts == 0 {
         return Err("need --workers >= 1 and --shorts >= 1".into());
     }
-    let alone = phase(&args, Scheduling::Fair, false, false).await?;
-    let fair = phase(&args, Scheduling::Fair, true, true).await?;
-    let fifo = phase(&args, Scheduling::Fifo, true, true).await?;
-    let cold = phase(&args, Scheduling::Fair, true, false).await?;
+    let setup = |scheduling, background, warmup, short_is_system| Setup {
+        scheduling,
+        background,
+        warmup,
+        short_is_system,
+    };
+    let alone = phase(&args, setup(Scheduling::Fair, false, false, false)).await?;
+    let fair = phase(&args, setup(Scheduling::Fair, true, true, false)).await?;
+    let fifo = phase(&args, setup(Scheduling::Fifo, true, true, false)).await?;
+    let cold = phase(&args, setup(Scheduling::Fair, true, false, false)).await?;
+    let system = phase(&args, setup(Scheduling::Fair, true, false, true)).await?;
     for (name, p) in [
         ("alone", &alone),
         ("fair", &fair),
         ("fifo", &fifo),
         ("fair, no warm-up", &cold),
+        ("system, no warm-up", &system),
     ] {
         eprintln!(
-            "{name:>16}: {} short procedures in {:.1} s, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+            "{name:>18}: {} short procedures in {:.1} s, p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
             p.latencies.len(),
             p.wall.as_secs_f64(),
             p.ms(0.5),
@@ -261,13 +297,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "short_p99_fifo_ms": round(fifo.ms(0.99)),
         "short_p50_fair_cold_ms": round(cold.ms(0.5)),
         "short_p99_fair_cold_ms": round(cold.ms(0.99)),
+        "short_p50_system_cold_ms": round(system.ms(0.5)),
+        "short_p99_system_cold_ms": round(system.ms(0.99)),
+        "fair_cold_over_alone_p99": round(cold.ms(0.99) / alone.ms(0.99).max(0.001)),
+        "system_cold_over_alone_p99": round(system.ms(0.99) / alone.ms(0.99).max(0.001)),
         "fair_over_alone_p99": round(fair.ms(0.99) / alone.ms(0.99).max(0.001)),
         "fifo_over_alone_p99": round(fifo.ms(0.99) / alone.ms(0.99).max(0.001)),
         "wall_s_alone": round(alone.wall.as_secs_f64()),
         "wall_s_fair": round(fair.wall.as_secs_f64()),
         "wall_s_fifo": round(fifo.wall.as_secs_f64()),
         "wall_s_fair_cold": round(cold.wall.as_secs_f64()),
+        "wall_s_system_cold": round(system.wall.as_secs_f64()),
         "reserved_workers": args.reserved_workers,
+        "system_workers": args.system_workers,
         "warmup_ms": args.warmup_ms,
     });
     println!("{report}");

@@ -35,6 +35,17 @@ enum Order<T, R> {
     Fifo(VecDeque<T>),
 }
 
+/// Which workers a dispatched item counts against: what [`ReadyQueue::pop`] says and
+/// [`ReadyQueue::complete`] is given back.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Lane {
+    /// A step of any other type: one of the `workers`.
+    Shared,
+    /// A system procedure's step: one of the system workers while any is free, else one
+    /// of the `workers`.
+    System,
+}
+
 /// Queued items and the count of items dispatched but not completed; `R` names the
 /// tree an item belongs to.
 #[derive(Debug)]
@@ -43,9 +54,14 @@ pub struct ReadyQueue<T, R> {
     urgent: VecDeque<T>,
     order: Order<T, R>,
     workers: usize,
+    /// Items running, system items included.
     busy: usize,
     /// Workers only level 0 of the fair order may take (fewer than `workers`).
     reserved: usize,
+    /// Workers beside `workers` that only system items take.
+    system_workers: usize,
+    /// System items running (on their own workers first, then on shared ones).
+    busy_system: usize,
 }
 
 impl<T, R: Hash + Eq> ReadyQueue<T, R> {
@@ -65,7 +81,17 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
             workers,
             busy: 0,
             reserved: 0,
+            system_workers: 0,
+            busy_system: 0,
         }
+    }
+
+    /// Gives system items `n` workers of their own beside the shared ones (as HBase's
+    /// urgent workers): a system item starts while one of them is free even when every
+    /// shared worker runs a long step, and takes a shared worker only when its own are
+    /// all busy. Other items never take them.
+    pub fn set_system_workers(&mut self, n: usize) {
+        self.system_workers = n;
     }
 
     /// Keeps `n` workers for level 0 of the fair order (trees with under a second of
@@ -91,30 +117,36 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
 
     /// Queues an item of a system procedure (a type registered with
     /// [`Registry::register_system`](crate::Registry::register_system)): it runs before
-    /// every other queued item, system items in arrival order, and may take a reserved
-    /// worker.
+    /// every other queued item, system items in arrival order, on a system worker
+    /// ([`set_system_workers`](ReadyQueue::set_system_workers)) or any shared one,
+    /// reserved or not.
     pub fn push_urgent(&mut self, item: T) {
         self.urgent.push_back(item);
     }
 
-    /// The next item to run, if a worker is free; it counts as busy until
-    /// [`complete`](ReadyQueue::complete).
-    pub fn pop(&mut self) -> Option<T> {
-        if self.busy >= self.workers {
+    /// The next item to run, if a worker is free for it, and the lane it runs in; it
+    /// counts as busy until [`complete`](ReadyQueue::complete) gets that lane back.
+    pub fn pop(&mut self) -> Option<(T, Lane)> {
+        // System items run on their own workers first: what they take beyond those is
+        // taken from the shared ones.
+        let shared_busy = self.busy - self.busy_system.min(self.system_workers);
+        let shared_free = self.workers.saturating_sub(shared_busy);
+        if !self.urgent.is_empty() && (shared_free > 0 || self.busy_system < self.system_workers) {
+            let item = self.urgent.pop_front()?;
+            self.busy += 1;
+            self.busy_system += 1;
+            return Some((item, Lane::System));
+        }
+        if shared_free == 0 {
             return None;
         }
-        if let Some(item) = self.urgent.pop_front() {
-            self.busy += 1;
-            return Some(item);
-        }
-        let free = self.workers - self.busy;
         let item = match &mut self.order {
-            Order::Fair(q) if free <= self.reserved.min(self.workers - 1) => q.pop_at(0),
+            Order::Fair(q) if shared_free <= self.reserved.min(self.workers - 1) => q.pop_at(0),
             Order::Fair(q) => q.pop(),
             Order::Fifo(q) => q.pop_front(),
         }?;
         self.busy += 1;
-        Some(item)
+        Some((item, Lane::Shared))
     }
 
     /// A step of `tree` ran for `elapsed_ns` (the fair order's feedback; FIFO ignores
@@ -169,12 +201,20 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
         self.busy
     }
 
-    /// A dispatched item finished; its worker is free.
+    /// A dispatched item finished; its worker is free. `lane` is what
+    /// [`pop`](ReadyQueue::pop) said.
     ///
     /// # Panics
-    /// If nothing was dispatched: that is a bookkeeping bug.
-    pub fn complete(&mut self) {
+    /// If nothing was dispatched in that lane: that is a bookkeeping bug.
+    pub fn complete(&mut self, lane: Lane) {
         assert!(self.busy > 0, "complete() without a dispatched item");
+        if lane == Lane::System {
+            assert!(
+                self.busy_system > 0,
+                "complete(System) without a system item"
+            );
+            self.busy_system -= 1;
+        }
         self.busy -= 1;
     }
 }
@@ -194,8 +234,8 @@ mod tests {
                 match op.split_at(1) {
                     ("+", n) => q.push(n.parse::<u32>().unwrap(), 0, false),
                     ("^", n) => q.push(n.parse::<u32>().unwrap(), 0, true),
-                    ("p", _) => out.push(q.pop().map_or("-".to_string(), |n| n.to_string())),
-                    ("c", _) => q.complete(),
+                    ("p", _) => out.push(q.pop().map_or("-".to_string(), |(n, _)| n.to_string())),
+                    ("c", _) => q.complete(Lane::Shared),
                     _ => panic!("bad op {op}"),
                 }
             }
@@ -228,16 +268,16 @@ mod tests {
         for (scheduling, expected, levels) in cases {
             let mut q = ReadyQueue::new(1, scheduling);
             q.push("long", 1, false);
-            assert_eq!(q.pop(), Some("long"));
+            assert_eq!(q.pop(), Some(("long", Lane::Shared)));
             q.charge(&1, 2_000_000_000);
             q.push("short", 2, false);
             q.push("long", 1, true);
             assert_eq!(q.queued_by_level().len(), levels, "{scheduling:?}");
-            q.complete();
+            q.complete(Lane::Shared);
             let mut out = Vec::new();
-            while let Some(item) = q.pop() {
+            while let Some((item, lane)) = q.pop() {
                 out.push(item);
-                q.complete();
+                q.complete(lane);
             }
             assert_eq!(out.join(" "), expected, "{scheduling:?}");
         }
@@ -270,15 +310,15 @@ mod tests {
             let mut q = ReadyQueue::new(workers, scheduling);
             q.set_reserved(reserved);
             q.push("o0".to_string(), 1, false);
-            assert_eq!(q.pop().as_deref(), Some("o0"));
+            assert_eq!(q.pop().map(|(s, _)| s).as_deref(), Some("o0"));
             q.charge(&1, 2_000_000_000);
-            q.complete();
+            q.complete(Lane::Shared);
             let mut out = Vec::new();
             for op in script.split_whitespace() {
                 match op {
                     "y" => q.push("y".to_string(), 2, false),
-                    "p" => out.push(q.pop().map_or("-".to_string(), |s| s.replace('o', ""))),
-                    "c" => q.complete(),
+                    "p" => out.push(q.pop().map_or("-".to_string(), |(s, _)| s.replace('o', ""))),
+                    "c" => q.complete(Lane::Shared),
                     _ => q.push(op.to_string(), 1, false),
                 }
             }
@@ -295,7 +335,7 @@ mod tests {
             let mut q = ReadyQueue::new(2, scheduling);
             q.set_reserved(1);
             q.push("o0", 1, false);
-            assert_eq!(q.pop(), Some("o0"));
+            assert_eq!(q.pop(), Some(("o0", Lane::Shared)));
             q.charge(&1, 2_000_000_000); // tree 1 is old now
             q.push("old", 1, true);
             q.push("young", 2, false);
@@ -304,12 +344,14 @@ mod tests {
             assert_eq!((q.queued(), q.queued_urgent()), (4, 2));
             // o0 runs: the one free worker is the reserved one, and s1 takes it.
             let mut out = vec![q.pop()];
-            q.complete();
-            q.complete();
+            q.complete(Lane::System);
+            q.complete(Lane::Shared);
             out.extend([q.pop(), q.pop()]);
-            q.complete();
-            q.complete();
+            for (_, lane) in out[1..].iter().flatten() {
+                q.complete(*lane);
+            }
             out.extend([q.pop(), q.pop()]);
+            let out: Vec<_> = out.into_iter().map(|p| p.map(|(s, _)| s)).collect();
             let expected = match scheduling {
                 Scheduling::Fair => [Some("s1"), Some("s2"), Some("young"), Some("old"), None],
                 Scheduling::Fifo => [Some("s1"), Some("s2"), Some("old"), Some("young"), None],
@@ -318,9 +360,63 @@ mod tests {
         }
     }
 
+    /// System workers: `s` pushes a system item, `u` a user item (tree 1), `p` pops
+    /// (what came out and its lane: `S`ystem or `U`ser), `cs`/`cu` complete one of
+    /// that lane.
+    #[test]
+    fn system_workers_run_system_items_only_and_first() {
+        // (workers, system workers, script, popped)
+        let cases = [
+            // Every shared worker busy: a system item still starts, on its own worker.
+            (2, 1, "u u p p s p", "uU uU sS"),
+            // Its own worker busy too: the next one waits for a shared worker.
+            (2, 1, "u u p p s s p p cu p", "uU uU sS - sS"),
+            // A user item never takes a system worker.
+            (2, 1, "u u u p p p", "uU uU -"),
+            // System items take their own worker first: the shared ones stay for users.
+            (2, 1, "s u u p p p", "sS uU uU"),
+            // With their own busy, system items take shared workers, and users wait
+            // until a shared one is free again; a system item ending on a shared worker
+            // frees it for them.
+            (2, 1, "s s s u p p p p cs p", "sS sS sS - uU"),
+            // Without system workers, system items share the workers.
+            (2, 0, "u u p p s p cu p", "uU uU - sS"),
+        ];
+        for (scheduling, (workers, system, script, expected)) in
+            [Scheduling::Fair, Scheduling::Fifo]
+                .into_iter()
+                .flat_map(|s| cases.iter().map(move |c| (s, *c)))
+        {
+            let mut q = ReadyQueue::new(workers, scheduling);
+            q.set_system_workers(system);
+            let mut out = Vec::new();
+            for op in script.split_whitespace() {
+                match op {
+                    "s" => q.push_urgent("s"),
+                    "u" => q.push("u", 1, false),
+                    "p" => out.push(q.pop().map_or("-".to_string(), |(s, lane)| {
+                        let lane = if lane == Lane::System { "S" } else { "U" };
+                        format!("{s}{lane}")
+                    })),
+                    "cs" => q.complete(Lane::System),
+                    "cu" => q.complete(Lane::Shared),
+                    _ => panic!("bad op {op}"),
+                }
+            }
+            let at = format!("{scheduling:?} workers={workers} system={system}: {script}");
+            assert_eq!(out.join(" "), expected, "{at}");
+            let running = out.iter().filter(|s| *s != "-").count();
+            let completed = script
+                .split_whitespace()
+                .filter(|o| o.starts_with('c'))
+                .count();
+            assert_eq!(q.busy(), running - completed, "{at}");
+        }
+    }
+
     #[test]
     #[should_panic(expected = "without a dispatched item")]
     fn complete_needs_a_dispatch() {
-        ReadyQueue::<u32, u32>::new(1, Scheduling::Fair).complete();
+        ReadyQueue::<u32, u32>::new(1, Scheduling::Fair).complete(Lane::Shared);
     }
 }

@@ -158,9 +158,12 @@ impl<E: Send + Sync + 'static> Registry<E> {
     }
 
     /// Registers `P` under `name` as a system procedure: its steps go before every
-    /// queued step of other types, in arrival order, and may take the workers kept for
-    /// young trees ([`ExecutorBuilder::reserved_workers`](crate::ExecutorBuilder::reserved_workers)),
-    /// as HBase runs the procedures of its meta table first. For the few procedures
+    /// queued step of other types, in arrival order, run on workers of their own
+    /// ([`ExecutorBuilder::system_workers`](crate::ExecutorBuilder::system_workers), 1
+    /// by default) or any other free one, the workers kept for young trees
+    /// ([`ExecutorBuilder::reserved_workers`](crate::ExecutorBuilder::reserved_workers))
+    /// included, as HBase runs the procedures of its meta table first, on urgent workers
+    /// of their own. For the few procedures
     /// that others wait on (assigning the catalog, fencing a dead node): a busy system
     /// type delays everything else.
     ///

@@ -6,7 +6,9 @@ mod common;
 use std::sync::Arc;
 
 use common::{run, start, stores, wait_for_state, Recorder, Scripted, Step};
-use proctor::{async_trait, Context, Executor, Flow, ProcError, ProcState, Procedure};
+use proctor::{
+    async_trait, Context, Executor, Flow, ProcError, ProcId, ProcState, Procedure, ProcedureStore,
+};
 use serde::{Deserialize, Serialize};
 
 /// One worker, two procedures that yield: each yield puts the yielder behind the other,
@@ -262,31 +264,43 @@ impl Procedure<Recorder> for Meta {
     }
 }
 
-/// One worker, held by a blocker while a user procedure and then a system one queue:
-/// the system one runs first.
+/// One shared worker, `system_workers` system workers, and `store`: a blocker holds the
+/// shared worker (released by `rec.gate`), a user procedure queues behind it, then a
+/// system procedure is submitted. Returns the executor and the three ids.
+async fn blocked_then_user_then_system(
+    store: Box<dyn ProcedureStore>,
+    rec: &Arc<Recorder>,
+    system_workers: usize,
+) -> (Executor<Recorder>, [ProcId; 3]) {
+    let mut registry = common::registry();
+    registry.register_system::<Meta>("meta");
+    let executor: Executor<Recorder> = Executor::builder()
+        .registry(registry)
+        .store(store)
+        .workers(1)
+        .system_workers(system_workers)
+        .env(rec.clone())
+        .start()
+        .await
+        .unwrap();
+    let blocker = executor
+        .submit(Scripted::new("b", vec![Step::Gate]))
+        .await
+        .unwrap();
+    while rec.count("b-exec") == 0 {
+        tokio::task::yield_now().await;
+    }
+    let user = executor.submit(Scripted::new("u", vec![])).await.unwrap();
+    let system = executor.submit(Meta("s".into())).await.unwrap();
+    (executor, [blocker, user, system])
+}
+
+/// Without a system worker, the system procedure queues too, and runs first.
 #[actix::test]
 async fn a_system_procedure_runs_before_queued_user_procedures() {
     for (store_name, store, _dir) in stores() {
         let rec = Arc::new(Recorder::default());
-        let mut registry = common::registry();
-        registry.register_system::<Meta>("meta");
-        let executor: Executor<Recorder> = Executor::builder()
-            .registry(registry)
-            .store(store)
-            .workers(1)
-            .env(rec.clone())
-            .start()
-            .await
-            .unwrap();
-        let blocker = executor
-            .submit(Scripted::new("b", vec![Step::Gate]))
-            .await
-            .unwrap();
-        while rec.count("b-exec") == 0 {
-            tokio::task::yield_now().await;
-        }
-        let user = executor.submit(Scripted::new("u", vec![])).await.unwrap();
-        let system = executor.submit(Meta("s".into())).await.unwrap();
+        let (executor, ids) = blocked_then_user_then_system(store, &rec, 0).await;
         let stats = loop {
             let stats = executor.scheduler_stats().await.unwrap();
             if stats.queued == 2 {
@@ -297,7 +311,29 @@ async fn a_system_procedure_runs_before_queued_user_procedures() {
         assert_eq!(stats.queued_system, 1, "{store_name}");
         assert_eq!(stats.queued_by_level, [1, 0, 0, 0, 0], "{store_name}");
         rec.gate.notify_one();
-        for id in [blocker, user, system] {
+        for id in ids {
+            assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
+        }
+        assert_eq!(rec.calls(), ["b-exec", "s-exec", "u-exec"], "{store_name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// With a system worker, the system procedure runs to its end meanwhile, and the user
+/// procedure does not take that worker when it is free again.
+#[actix::test]
+async fn a_system_procedure_runs_on_its_own_worker_while_user_steps_fill_the_others() {
+    for (store_name, store, _dir) in stores() {
+        let rec = Arc::new(Recorder::default());
+        let (executor, [blocker, user, system]) =
+            blocked_then_user_then_system(store, &rec, 1).await;
+        assert_eq!(executor.wait(system).await.unwrap(), Ok(()), "{store_name}");
+        let stats = executor.scheduler_stats().await.unwrap();
+        let (running, queued) = (stats.running, stats.queued);
+        assert_eq!((running, queued), (1, 1), "{store_name}: {stats:?}");
+        assert_eq!(rec.calls(), ["b-exec", "s-exec"], "{store_name}");
+        rec.gate.notify_one();
+        for id in [blocker, user] {
             assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
         }
         assert_eq!(rec.calls(), ["b-exec", "s-exec", "u-exec"], "{store_name}");
