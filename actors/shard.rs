@@ -194,9 +194,36 @@ pub(crate) enum Timer {
     Deadline { id: ProcId, deadline_ms: u64 },
 }
 
-/// A call into user code, with the root of the tree it belongs to; `None` if the tree
-/// was dropped first.
-type Call = Pin<Box<dyn Future<Output = (ProcId, Option<CallEnd>)>>>;
+/// A call into user code, with the root of the tree it belongs to.
+type Call = Pin<Box<dyn Future<Output = (ProcId, Ended)>>>;
+
+/// How a call of a tree ended.
+#[derive(Debug, PartialEq)]
+enum Ended<T = CallEnd> {
+    /// It returned: its tree handles what it reports.
+    Returned(T),
+    /// Its tree was dropped first: it was not polled again.
+    Dropped,
+    /// Engine code around the user's (which catches its own panics) panicked: the
+    /// tree is cut off, as for a panic in its handling.
+    Panicked(String),
+}
+
+/// `call`, not polled again once `tree` is dropped, with a panic out of it caught.
+async fn guarded<T>(tree: Arc<TreeStatus>, call: impl Future<Output = T>) -> Ended<T> {
+    let mut call = std::pin::pin!(call);
+    std::future::poll_fn(|cx| {
+        if tree.dropped() {
+            return Poll::Ready(Ended::Dropped);
+        }
+        match catch_unwind(AssertUnwindSafe(|| call.as_mut().poll(cx))) {
+            Ok(Poll::Ready(end)) => Poll::Ready(Ended::Returned(end)),
+            Ok(Poll::Pending) => Poll::Pending,
+            Err(payload) => Poll::Ready(Ended::Panicked(panic_message(&*payload))),
+        }
+    })
+    .await
+}
 
 /// A timer's place in the queue: when it fires, then the order it was started in.
 type TimerKey = (Instant, u64);
@@ -322,18 +349,9 @@ impl TreeCtx<'_> {
         call: impl Future<Output = CallEnd> + 'static,
     ) {
         let root = self.root;
-        self.io.calls.push(Box::pin(async move {
-            let mut call = std::pin::pin!(call);
-            let end = std::future::poll_fn(|cx| {
-                if tree.dropped() {
-                    Poll::Ready(None)
-                } else {
-                    call.as_mut().poll(cx).map(Some)
-                }
-            })
-            .await;
-            (root, end)
-        }));
+        self.io
+            .calls
+            .push(Box::pin(async move { (root, guarded(tree, call).await) }));
     }
 
     /// Fires `timer` after `delay` (dropped if the tree stops first).
@@ -389,16 +407,25 @@ impl Shard {
             stop: false,
         };
         let ran = catch_unwind(AssertUnwindSafe(|| f(tree, &mut ctx)));
-        if let Err(payload) = &ran {
-            let message = panic_message(&**payload);
-            tracing::error!(%root, %message, "engine code panicked: the tree is cut off");
+        let stop = ctx.stop;
+        match ran {
+            Err(payload) => self.cut_off(root, &panic_message(&*payload)),
+            Ok(()) if stop => self.drop_tree(root),
+            Ok(()) => {}
         }
-        if ctx.stop || ran.is_err() {
-            self.io.timers.forget(root);
-            // Its `TreeEnded` (sent as it drops) goes after everything it sent.
-            self.io.flush();
-            drop(self.trees.remove(&root));
-        }
+    }
+
+    /// Engine code panicked for the tree `root`: it is dropped, the others go on.
+    fn cut_off(&mut self, root: ProcId, message: &str) {
+        tracing::error!(%root, %message, "engine code panicked: the tree is cut off");
+        self.drop_tree(root);
+    }
+
+    fn drop_tree(&mut self, root: ProcId) {
+        self.io.timers.forget(root);
+        // Its `TreeEnded` (sent as it drops) goes after everything it sent.
+        self.io.flush();
+        drop(self.trees.remove(&root));
     }
 
     /// Hands the trees their ended calls and fired timers until there are none, then
@@ -408,8 +435,15 @@ impl Shard {
             let mut progress = false;
             while let Poll::Ready(Some((root, end))) = self.io.calls.poll_next_unpin(cx) {
                 progress = true;
-                if let Some(end) = end {
-                    self.with_tree(root, |tree, ctx| tree.call_ended(end, ctx));
+                match end {
+                    Ended::Returned(end) => {
+                        self.with_tree(root, |tree, ctx| tree.call_ended(end, ctx));
+                    }
+                    Ended::Dropped => {}
+                    Ended::Panicked(message) if self.trees.contains_key(&root) => {
+                        self.cut_off(root, &message);
+                    }
+                    Ended::Panicked(_) => {}
                 }
             }
             let now = Instant::now();
@@ -504,6 +538,76 @@ impl ActorFuture<Shard> for Driver {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A call that returns `7` at its `ready_at`th poll, or panics there; counts its
+    /// polls and says when it is dropped.
+    struct Probe {
+        polls: Arc<std::sync::atomic::AtomicUsize>,
+        dropped: Arc<AtomicBool>,
+        ready_at: usize,
+        panics: bool,
+    }
+
+    impl Future for Probe {
+        type Output = u32;
+        fn poll(self: Pin<&mut Self>, _: &mut task::Context<'_>) -> Poll<u32> {
+            let n = self.polls.fetch_add(1, Ordering::SeqCst) + 1;
+            if n < self.ready_at {
+                Poll::Pending
+            } else if self.panics {
+                panic!("engine bug at poll {n}");
+            } else {
+                Poll::Ready(7)
+            }
+        }
+    }
+
+    impl Drop for Probe {
+        fn drop(&mut self) {
+            self.dropped.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// (ready at poll, panics, the tree is dropped after this many polls) → how it
+    /// ended, and how often the call was polled. Every call is dropped at the end.
+    #[test]
+    fn a_call_is_guarded_against_engine_panics_and_its_dropped_tree() {
+        let panicked = |n: usize| Ended::Panicked(format!("engine bug at poll {n}"));
+        let cases = [
+            (1, false, None, Ended::Returned(7), 1),
+            (3, false, None, Ended::Returned(7), 3),
+            (2, true, None, panicked(2), 2),
+            (3, false, Some(1), Ended::Dropped, 1),
+            (1, false, Some(0), Ended::Dropped, 0),
+        ];
+        for (ready_at, panics, drop_after, expected, polls) in cases {
+            let probe = Probe {
+                polls: Arc::default(),
+                dropped: Arc::default(),
+                ready_at,
+                panics,
+            };
+            let (count, dropped) = (probe.polls.clone(), probe.dropped.clone());
+            let tree = Arc::new(TreeStatus::default());
+            let mut call = Box::pin(guarded(tree.clone(), probe));
+            let mut cx = task::Context::from_waker(task::Waker::noop());
+            let mut pass = 0;
+            let ended = loop {
+                if drop_after == Some(pass) {
+                    tree.set_dropped();
+                }
+                pass += 1;
+                if let Poll::Ready(ended) = call.as_mut().poll(&mut cx) {
+                    break ended;
+                }
+                assert!(pass < 10, "never ended");
+            };
+            let at = format!("ready at {ready_at}, panics {panics}, dropped {drop_after:?}");
+            assert_eq!(ended, expected, "{at}");
+            assert_eq!(count.load(Ordering::SeqCst), polls, "{at}");
+            assert!(dropped.load(Ordering::SeqCst), "{at}: the call was dropped");
+        }
+    }
 
     fn wake(id: u64) -> Timer {
         Timer::WakeAt { id: ProcId(id) }
