@@ -502,6 +502,11 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             })
             .collect();
         let finished = std::mem::take(&mut plan.finished);
+        let table_capacity = finished.len()
+            + trees
+                .iter()
+                .map(|(t, _)| plan.records_of(t).len())
+                .sum::<usize>();
         let addr = ExecutorActor::<E>::create(move |ctx| {
             let shared = Arc::new(Shared::new(
                 registry,
@@ -513,6 +518,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 handles,
                 shards,
                 snapshot.max_id,
+                table_capacity,
             ));
             for record in finished {
                 // Finished roots keep their results across restarts.

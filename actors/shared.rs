@@ -259,11 +259,14 @@ impl Shared {
         arbiters: Vec<ArbiterHandle>,
         shards: Vec<Addr<Shard>>,
         max_id: u64,
+        table_capacity: usize,
     ) -> Self {
         Shared {
             registry,
             env,
-            table: DashMap::default(),
+            // Sized for what recovery publishes: growing it row by row would move every
+            // row once or twice more.
+            table: DashMap::with_capacity_and_hasher(table_capacity, IdHasher::default()),
             views,
             scheduler,
             finished,
