@@ -50,6 +50,23 @@ impl From<MailboxError> for Error {
 /// per shard).
 const RECOVERED_STARTS_PER_MESSAGE: usize = 4096;
 
+/// Below this many recovered trees, the executor builds them on its own thread.
+const PARALLEL_START_MIN: usize = 4096;
+
+/// `items` in up to `parts` runs of about equal length, in order; one run if there are
+/// fewer than `min`.
+fn split_evenly<T>(items: Vec<T>, parts: usize, min: usize) -> Vec<Vec<T>> {
+    if items.len() < min || parts <= 1 {
+        return vec![items];
+    }
+    let len = items.len().div_ceil(parts);
+    let mut items = items.into_iter();
+    std::iter::from_fn(|| {
+        Some(items.by_ref().take(len).collect::<Vec<T>>()).filter(|run| !run.is_empty())
+    })
+    .collect()
+}
+
 /// Configuration of an executor, with defaults that suit a control plane.
 ///
 /// ```
@@ -548,32 +565,36 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 );
             }
             // The trees go to their shards a few thousand to a message, all of them
-            // before the executor handles any request.
-            let mut starts = Mail::default();
-            for (n, (tree, (objects, rerun))) in trees.into_iter().enumerate() {
-                if n % RECOVERED_STARTS_PER_MESSAGE == 0 {
-                    starts.send();
+            // before the executor handles any request. A large recovery builds them on
+            // every core.
+            let chunks = split_evenly(trees, super::recover::cores(), PARALLEL_START_MIN);
+            super::recover::on_threads(chunks, |chunk| {
+                let mut starts = Mail::default();
+                for (n, (tree, (objects, rerun))) in chunk.into_iter().enumerate() {
+                    if n % RECOVERED_STARTS_PER_MESSAGE == 0 {
+                        starts.send();
+                    }
+                    // Finished children stay out: nothing stops (and unlists) them later.
+                    let records = plan
+                        .records_of(&tree)
+                        .iter()
+                        .filter(|r| r.parent.is_none() || !r.state.is_finished());
+                    let addr = shared.new_tree(tree.stack.root());
+                    // In the table before the executor handles any request (it is not
+                    // running yet): recovered records are durable by definition.
+                    publish_recovered(&shared, records, &addr);
+                    let runner = TreeRunner::recover(
+                        shared.clone(),
+                        addr.clone(),
+                        tree.stack,
+                        tree.start,
+                        objects,
+                        rerun,
+                    );
+                    addr.start_by(&mut starts, runner);
                 }
-                // Finished children stay out: nothing stops (and unlists) them later.
-                let records = plan
-                    .records_of(&tree)
-                    .iter()
-                    .filter(|r| r.parent.is_none() || !r.state.is_finished());
-                let addr = shared.new_tree(tree.stack.root());
-                // In the table before the executor handles any request (it is not
-                // running yet): recovered records are durable by definition.
-                publish_recovered(&shared, records, &addr);
-                let runner = TreeRunner::recover(
-                    shared.clone(),
-                    addr.clone(),
-                    tree.stack,
-                    tree.start,
-                    objects,
-                    rerun,
-                );
-                addr.start_by(&mut starts, runner);
-            }
-            starts.send();
+                starts.send();
+            });
             ExecutorActor {
                 shared,
                 waiters: IdMap::default(),
@@ -2202,5 +2223,31 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         // Stopped last: an actor's pending futures end with it. Meanwhile `broken`
         // answers every request.
         .map(|(), _act, ctx| ctx.stop())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_evenly;
+
+    /// (items, parts, min) → the runs' lengths.
+    #[test]
+    fn split_evenly_keeps_order_and_stays_whole_when_small() {
+        let cases: [(usize, usize, usize, &[usize]); 7] = [
+            (0, 2, 0, &[]),
+            (10, 2, 20, &[10]),
+            (10, 1, 0, &[10]),
+            (10, 2, 0, &[5, 5]),
+            (11, 2, 0, &[6, 5]),
+            (10, 3, 0, &[4, 4, 2]),
+            (2, 4, 0, &[1, 1]),
+        ];
+        for (n, parts, min, lengths) in cases {
+            let runs = split_evenly((0..n).collect(), parts, min);
+            let got: Vec<usize> = runs.iter().map(Vec::len).collect();
+            assert_eq!(got, lengths, "{n} items, {parts} parts, min {min}");
+            let flat: Vec<usize> = runs.into_iter().flatten().collect();
+            assert_eq!(flat, (0..n).collect::<Vec<_>>(), "order");
+        }
     }
 }
