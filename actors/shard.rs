@@ -209,20 +209,20 @@ enum Ended<T = CallEnd> {
     Panicked(String),
 }
 
-/// `call`, not polled again once `tree` is dropped, with a panic out of it caught.
-async fn guarded<T>(tree: Arc<TreeStatus>, call: impl Future<Output = T>) -> Ended<T> {
-    let mut call = std::pin::pin!(call);
-    std::future::poll_fn(|cx| {
-        if tree.dropped() {
-            return Poll::Ready(Ended::Dropped);
-        }
-        match catch_unwind(AssertUnwindSafe(|| call.as_mut().poll(cx))) {
-            Ok(Poll::Ready(end)) => Poll::Ready(Ended::Returned(end)),
-            Ok(Poll::Pending) => Poll::Pending,
-            Err(payload) => Poll::Ready(Ended::Panicked(panic_message(&*payload))),
-        }
-    })
-    .await
+/// Polls `call` unless `tree` was dropped, catching a panic out of it.
+fn poll_guarded<T>(
+    tree: &TreeStatus,
+    call: Pin<&mut impl Future<Output = T>>,
+    cx: &mut task::Context<'_>,
+) -> Poll<Ended<T>> {
+    if tree.dropped() {
+        return Poll::Ready(Ended::Dropped);
+    }
+    match catch_unwind(AssertUnwindSafe(|| call.poll(cx))) {
+        Ok(Poll::Ready(end)) => Poll::Ready(Ended::Returned(end)),
+        Ok(Poll::Pending) => Poll::Pending,
+        Err(payload) => Poll::Ready(Ended::Panicked(panic_message(&*payload))),
+    }
 }
 
 /// A timer's place in the queue: when it fires, then the order it was started in.
@@ -349,9 +349,12 @@ impl TreeCtx<'_> {
         call: impl Future<Output = CallEnd> + 'static,
     ) {
         let root = self.root;
-        self.io
-            .calls
-            .push(Box::pin(async move { (root, guarded(tree, call).await) }));
+        // One future: the call moves into it once (a nested one would move it again).
+        self.io.calls.push(Box::pin(async move {
+            let mut call = std::pin::pin!(call);
+            let end = std::future::poll_fn(|cx| poll_guarded(&tree, call.as_mut(), cx)).await;
+            (root, end)
+        }));
     }
 
     /// Fires `timer` after `delay` (dropped if the tree stops first).
@@ -588,8 +591,8 @@ mod tests {
                 panics,
             };
             let (count, dropped) = (probe.polls.clone(), probe.dropped.clone());
-            let tree = Arc::new(TreeStatus::default());
-            let mut call = Box::pin(guarded(tree.clone(), probe));
+            let tree = TreeStatus::default();
+            let mut call = Some(Box::pin(probe));
             let mut cx = task::Context::from_waker(task::Waker::noop());
             let mut pass = 0;
             let ended = loop {
@@ -597,7 +600,9 @@ mod tests {
                     tree.set_dropped();
                 }
                 pass += 1;
-                if let Poll::Ready(ended) = call.as_mut().poll(&mut cx) {
+                let polled = poll_guarded(&tree, call.as_mut().unwrap().as_mut(), &mut cx);
+                if let Poll::Ready(ended) = polled {
+                    drop(call.take()); // as the shard drops an ended call
                     break ended;
                 }
                 assert!(pass < 10, "never ended");
