@@ -287,13 +287,17 @@ impl Scheduler {
     fn monitor(&mut self) {
         let now = now_ms();
         let mono = Instant::now();
-        let mut stuck = 0;
+        // Stuck steps on shared workers: the extra workers are shared ones.
+        let (mut stuck, mut stuck_system) = (0, 0);
         for (id, run) in &self.running {
             let ran = u64::try_from(mono.saturating_duration_since(run.started).as_millis());
             let started = now.saturating_sub(ran.unwrap_or(u64::MAX));
             let (type_name, step) = run.what;
             if self.workers.is_stuck(started, now) {
-                stuck += 1;
+                match run.lane {
+                    Lane::Shared => stuck += 1,
+                    Lane::System => stuck_system += 1,
+                }
                 tracing::warn!(
                     proc = %id,
                     r#type = type_name,
@@ -303,9 +307,10 @@ impl Scheduler {
                 );
             }
         }
+        let stuck = stuck + self.ready.system_on_shared(stuck_system);
         let change = self
             .workers
-            .check(now, stuck, self.ready.busy(), self.ready.queued());
+            .check(now, stuck, self.ready.busy_shared(), self.ready.queued());
         match change {
             Change::None => return,
             Change::Added => tracing::warn!(

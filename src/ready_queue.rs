@@ -129,7 +129,7 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
     pub fn pop(&mut self) -> Option<(T, Lane)> {
         // System items run on their own workers first: what they take beyond those is
         // taken from the shared ones.
-        let shared_busy = self.busy - self.busy_system.min(self.system_workers);
+        let shared_busy = self.busy_shared();
         let shared_free = self.workers.saturating_sub(shared_busy);
         if !self.urgent.is_empty() && (shared_free > 0 || self.busy_system < self.system_workers) {
             let item = self.urgent.pop_front()?;
@@ -199,6 +199,18 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
     /// How many items run.
     pub fn busy(&self) -> usize {
         self.busy
+    }
+
+    /// How many of the shared workers are busy (system items count against their own
+    /// workers first).
+    pub fn busy_shared(&self) -> usize {
+        self.busy - self.busy_system.min(self.system_workers)
+    }
+
+    /// Of `stuck` running system items, how many count against the shared workers: those
+    /// beyond the system workers (a system item counts against its own workers first).
+    pub fn system_on_shared(&self, stuck: usize) -> usize {
+        stuck.saturating_sub(self.system_workers)
     }
 
     /// A dispatched item finished; its worker is free. `lane` is what
@@ -411,6 +423,24 @@ mod tests {
                 .filter(|o| o.starts_with('c'))
                 .count();
             assert_eq!(q.busy(), running - completed, "{at}");
+        }
+    }
+
+    /// Two system workers: (system items running, stuck ones) → shared workers they
+    /// take, stuck ones counted against the shared workers.
+    #[test]
+    fn system_items_count_against_their_own_workers_first() {
+        for (running, stuck, shared, stuck_shared) in
+            [(0, 0, 0, 0), (2, 2, 0, 0), (3, 1, 1, 0), (4, 3, 2, 1)]
+        {
+            let mut q = ReadyQueue::<u32, u32>::new(4, Scheduling::Fair);
+            q.set_system_workers(2);
+            for i in 0..running {
+                q.push_urgent(i);
+                assert_eq!(q.pop(), Some((i, Lane::System)));
+            }
+            assert_eq!(q.busy_shared(), shared, "{running} running");
+            assert_eq!(q.system_on_shared(stuck), stuck_shared, "{stuck} stuck");
         }
     }
 
