@@ -11,7 +11,8 @@
 #    INSTR_PROCS and 2·INSTR_PROCS procedures (which leaves out start-up);
 # 3. bytes per idle procedure (`benches/idle.rs --procs IDLE`: each design, and proctor on
 #    each store, in a process of its own; live heap bytes and resident-set growth);
-# 4. recovery ÷ raw read (`benches/recovery.rs` with RECOVERY_PROCS procedures).
+# 4. recovery ÷ raw read (`benches/recovery.rs --start` with RECOVERY_PROCS procedures:
+#    open and plan, and an executor's whole start).
 #
 # Needs python3 for the tables; skips 2 without valgrind. Set INSTR_PROCS, IDLE or
 # RECOVERY_PROCS to 0 to skip that part. Honours CARGO_TARGET_DIR and CARGO_BUILD_JOBS.
@@ -77,7 +78,7 @@ fi
 
 if [ "$RECOVERY_PROCS" -gt 0 ]; then
   echo "recovery, $RECOVERY_PROCS procedures" >&2
-  printf 'recovery - - %s\n' "$("$recovery" "$RECOVERY_PROCS" | tail -n 1)" >>"$out"
+  printf 'recovery - - %s\n' "$("$recovery" "$RECOVERY_PROCS" --start | tail -n 1)" >>"$out"
 fi
 
 python3 - "$out" <<'EOF'
@@ -141,5 +142,6 @@ if recovery:
     print()
     print(f"recovery ({recovery['procs']:,} procedures, {recovery['wal_bytes_on_disk'] / 1e6:,.0f} MB on disk): "
           f"open + load + plan {recovery['recover_s']} s, raw read {recovery['raw_read_s']} s, "
-          f"ratio {recovery['recover_over_raw_read']}")
+          f"ratio {recovery['recover_over_raw_read']}; an executor's whole start {recovery['start_s']} s, "
+          f"ratio {recovery['start_over_raw_read']}")
 EOF
