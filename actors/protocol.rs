@@ -21,7 +21,7 @@ use crate::error::Error;
 use crate::locks::Request;
 use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, Paused, StoreOp};
-use crate::root_stack::{RollbackFailure, StepReport};
+use crate::root_stack::{Place, RollbackFailure, StepReport};
 
 use super::lent::{lendable, Lent};
 use super::scheduler::Scheduler;
@@ -150,7 +150,7 @@ pub(crate) struct Enqueue {
     /// The root of its tree: the fair queue ranks the step by the tree's step time.
     pub(crate) root: ProcId,
     pub(crate) addr: ProcAddr,
-    pub(crate) front: bool,
+    pub(crate) place: Place,
     /// Its registered type name and which of its steps this is, counting from 1 (for
     /// the stuck-worker monitor's warnings).
     pub(crate) what: (&'static str, usize),

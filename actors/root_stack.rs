@@ -34,7 +34,7 @@ use crate::error::Error;
 use crate::fast_map::{IdMap, SortedMap};
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, ProcRecord, Steering, StoreOp};
-use crate::root_stack::{Action, NewChild, RootStack, Transition};
+use crate::root_stack::{Action, NewChild, Place, RootStack, Transition};
 
 use super::guard::panic_message;
 use super::lent::{lendable, Lent};
@@ -325,8 +325,8 @@ impl TreeRunner {
         // without engine locks, need none. Those that do are not built here.
         let failed = self.core.is_failed();
         actions.retain(|action| match *action {
-            Action::Enqueue { id, front } if failed || !self.core.claims_locks(id) => {
-                match self.enqueue_msg(id, front) {
+            Action::Enqueue { id, place } if failed || !self.core.claims_locks(id) => {
+                match self.enqueue_msg(id, place) {
                     Some(step) => {
                         steps.push(step);
                         false
@@ -437,12 +437,12 @@ impl TreeRunner {
     fn perform(&mut self, action: Action, ctx: &mut TreeCtx<'_>) {
         match action {
             Action::Spawn(id) => self.spawn(id, ctx),
-            Action::Enqueue { id, front } => {
+            Action::Enqueue { id, place } => {
                 self.dispatched += 1;
-                self.enqueue(id, front, ctx);
+                self.enqueue(id, place, ctx);
             }
             // The same queued step, now that its life-long locks are durably held.
-            Action::Resume(id) => self.enqueue(id, true, ctx),
+            Action::Resume(id) => self.enqueue(id, Place::Front, ctx),
             Action::Release(id) => {
                 if self.core.lock_request(id, false).is_some() {
                     ctx.tell(ReleaseLocks {
@@ -629,17 +629,17 @@ impl TreeRunner {
         ProcAddr::new(self.me.clone(), id)
     }
 
-    fn enqueue(&self, id: ProcId, front: bool, ctx: &mut TreeCtx<'_>) {
+    fn enqueue(&self, id: ProcId, place: Place, ctx: &mut TreeCtx<'_>) {
         if !self.procs.contains_key(&id) {
             unreachable!("enqueue of {id}, which is not live");
         }
-        if let Some(step) = self.enqueue_msg(id, front) {
+        if let Some(step) = self.enqueue_msg(id, place) {
             ctx.tell(step);
         }
     }
 
     /// What queues a step of `id` (`None` if it is not in the tree).
-    fn enqueue_msg(&self, id: ProcId, front: bool) -> Option<Enqueue> {
+    fn enqueue_msg(&self, id: ProcId, place: Place) -> Option<Enqueue> {
         let type_name = self.core.type_name_of(id)?;
         let addr = self.proc_addr(id);
         // A failed tree's steps are only skipped: they need no locks.
@@ -652,7 +652,7 @@ impl TreeRunner {
             id,
             root: self.core.root(),
             addr,
-            front,
+            place,
             what: (type_name, self.core.steps_of(id) + 1),
             lock,
         })
@@ -968,7 +968,7 @@ impl TreeRunner {
                     id: msg.id,
                     root: self.core.root(),
                     addr,
-                    front: true,
+                    place: Place::Front,
                     what: (self.core.type_name_of(msg.id).unwrap_or("?"), 0),
                     lock: None,
                 });

@@ -16,7 +16,8 @@
 //! records and the end of the step come in one message (`Persist` with `finished`), and
 //! it answers each append once its batch is durable.
 
-use std::collections::HashSet;
+use std::collections::hash_map::Entry;
+use std::collections::{HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,7 @@ use crate::fast_map::{IdMap, IdSet};
 use crate::locks::{Changes, Hold, LockTable, Request};
 use crate::procedure::ProcId;
 use crate::ready_queue::{Lane, ReadyQueue, Scheduling};
+use crate::root_stack::Place;
 use crate::workers::{Change, WorkerPolicy, Workers};
 
 use super::metrics;
@@ -85,7 +87,7 @@ enum Deferred {
 enum Then {
     Step {
         addr: ProcAddr,
-        front: bool,
+        place: Place,
         what: What,
     },
     Rollback {
@@ -173,8 +175,13 @@ pub(crate) struct Scheduler {
     ready: ReadyQueue<Ready, ProcId>,
     /// Types registered as system procedures: their steps go first.
     system: HashSet<&'static str>,
-    /// Steps dispatched and not finished.
+    /// Steps dispatched and not finished: each procedure's oldest.
     running: IdMap<ProcId, Running>,
+    /// A procedure's later steps, dispatched before its earlier one's `StepFinished`
+    /// arrived, oldest first. A step that queues its procedure again (a yield, a
+    /// continue) sends that `Enqueue` before it frees its worker, so the next step may
+    /// start first; each `StepFinished` ends the procedure's oldest step.
+    overlapped: IdMap<ProcId, VecDeque<Running>>,
     workers: Workers,
     monitor_every: Duration,
     events: EventTable<(ProcId, TreeAddr)>,
@@ -222,6 +229,7 @@ impl Scheduler {
             ready,
             system,
             running: IdMap::default(),
+            overlapped: IdMap::default(),
             workers: Workers::new(WorkerPolicy {
                 base: workers,
                 max: workers.saturating_mul(10),
@@ -241,19 +249,22 @@ impl Scheduler {
         }
     }
 
-    /// Queues a step of `root`'s tree; a system procedure's goes before all others.
-    fn queue(&mut self, item: Ready, root: ProcId, front: bool) {
-        if !self.system.is_empty() && self.system.contains(item.3 .0) {
+    /// Queues a step of `root`'s tree at `place`. A system procedure's goes before all
+    /// others, unless it gave its turn away (a yield): that one waits its turn like any
+    /// other, or a system procedure that yields until another procedure lets go of
+    /// something would keep every worker from that procedure.
+    fn queue(&mut self, item: Ready, root: ProcId, place: Place) {
+        if place != Place::Yielded && !self.system.is_empty() && self.system.contains(item.3 .0) {
             self.ready.push_urgent(item);
         } else {
-            self.ready.push(item, root, front);
+            self.ready.push(item, root, place == Place::Front);
         }
     }
 
     /// Queues the step an `Enqueue` asks for, its locks (if any) already held.
     fn queue_step(&mut self, step: Enqueue) {
-        let (front, root) = (step.front, step.root);
-        self.queue((step.id, root, step.addr, step.what), root, front);
+        let (place, root) = (step.place, step.root);
+        self.queue((step.id, root, step.addr, step.what), root, place);
     }
 
     fn dispatch(&mut self) {
@@ -269,7 +280,14 @@ impl Scheduler {
                     root,
                     lane,
                 };
-                self.running.insert(id, running);
+                match self.running.entry(id) {
+                    Entry::Vacant(slot) => {
+                        slot.insert(running);
+                    }
+                    Entry::Occupied(_) => {
+                        self.overlapped.entry(id).or_default().push_back(running);
+                    }
+                }
                 addr.post(&mut self.mail, RunStep { step: what.1 });
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");
@@ -411,12 +429,12 @@ impl Scheduler {
                 );
             }
             match parked.then {
-                Then::Step { addr, front, what } => {
+                Then::Step { addr, place, what } => {
                     if self.locks.holds(id) == Some(true) {
                         // Held for life: made durable before the step runs.
                         addr.post(&mut self.mail, LocksGranted);
                     } else {
-                        self.queue((id, parked.root, addr, what), parked.root, front);
+                        self.queue((id, parked.root, addr, what), parked.root, place);
                     }
                 }
                 Then::Rollback { addr, unrecorded } => {
@@ -432,10 +450,10 @@ impl Scheduler {
             tracing::warn!(proc = %id, %deadlock, "deadlock: failing the younger tree");
             self.view.locks.remove(&id);
             match self.unpark(id).map(|p| (p.root, p.then)) {
-                Some((root, Then::Step { addr, front, what })) => {
+                Some((root, Then::Step { addr, place, what })) => {
                     addr.post(&mut self.mail, LockFailed(deadlock.to_string()));
                     // Its step is still owed a report: queued, it reports itself skipped.
-                    self.queue((id, root, addr, what), root, front);
+                    self.queue((id, root, addr, what), root, place);
                 }
                 Some((_, Then::Rollback { .. })) | None => {
                     tracing::error!(proc = %id, "deadlock victim is not a waiting step");
@@ -531,7 +549,7 @@ impl Handler<Enqueue> for Scheduler {
             None => {
                 let then = Then::Step {
                     addr: msg.addr,
-                    front: msg.front,
+                    place: msg.place,
                     what: msg.what,
                 };
                 self.request(req, then);
@@ -552,17 +570,36 @@ impl Scheduler {
     /// A dispatched step of `id` ended and its report is recorded: its time is charged
     /// to its tree, then its worker is handed on.
     fn step_finished(&mut self, id: ProcId, ctx: &mut Context<Self>) {
-        let mut lane = Lane::Shared;
-        if let Some(run) = self.running.remove(&id) {
-            let elapsed = u64::try_from(run.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-            if let Some(level) = self.ready.charge(&run.root, elapsed) {
-                let level = u8::try_from(level).unwrap_or(u8::MAX);
-                self.view.levels.insert(run.root, level);
-            }
-            lane = run.lane;
+        let Some(run) = self.end_oldest(id) else {
+            // A bookkeeping bug: no worker is counted for it, so none is freed (its step's
+            // locks still are).
+            tracing::warn!(proc = %id, "a step finished that is not running");
+            self.release(id, Some(Hold::Step));
+            self.undefer(id, ctx);
+            self.dispatch();
+            return;
+        };
+        let elapsed = u64::try_from(run.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        if let Some(level) = self.ready.charge(&run.root, elapsed) {
+            let level = u8::try_from(level).unwrap_or(u8::MAX);
+            self.view.levels.insert(run.root, level);
         }
-        self.free_worker(id, lane, ctx);
+        self.free_worker(id, run.lane, ctx);
         self.dispatch();
+    }
+
+    /// Takes `id`'s oldest running step out; its next one, if any, becomes the oldest.
+    fn end_oldest(&mut self, id: ProcId) -> Option<Running> {
+        let run = self.running.remove(&id)?;
+        if let Some(later) = self.overlapped.get_mut(&id) {
+            if let Some(next) = later.pop_front() {
+                self.running.insert(id, next);
+            }
+            if later.is_empty() {
+                self.overlapped.remove(&id);
+            }
+        }
+        Some(run)
     }
 
     /// Waits for a batch handed to the writer thread; when it is answered, answers its
@@ -712,7 +749,7 @@ impl Handler<TreeFailed> for Scheduler {
                 continue;
             }
             let Some(Parked {
-                then: Then::Step { addr, front, what },
+                then: Then::Step { addr, place, what },
                 root,
             }) = self.unpark(id)
             else {
@@ -721,7 +758,7 @@ impl Handler<TreeFailed> for Scheduler {
             self.view.locks.remove(&id);
             let changes = self.locks.release(id);
             // Queued without its locks: its tree has failed, so it only reports a skip.
-            self.queue((id, root, addr, what), root, front);
+            self.queue((id, root, addr, what), root, place);
             self.apply(changes);
         }
         self.dispatch();
@@ -788,16 +825,17 @@ impl Handler<TreeEnded> for Scheduler {
         // Every `StepFinished` the tree's root stack sent came before this: a step of
         // the tree still running died with it (a panic in engine code), and its worker
         // is freed here, or it would leak.
-        let lost: Vec<(ProcId, Lane)> = self
+        let lost: Vec<ProcId> = self
             .running
             .iter()
             .filter(|(_, run)| run.root == msg.0)
-            .map(|(id, run)| (*id, run.lane))
+            .map(|(id, _)| *id)
             .collect();
-        for (id, lane) in lost {
-            tracing::warn!(proc = %id, "a step's tree ended before the step reported");
-            self.running.remove(&id);
-            self.free_worker(id, lane, ctx);
+        for id in lost {
+            while let Some(run) = self.end_oldest(id) {
+                tracing::warn!(proc = %id, "a step's tree ended before the step reported");
+                self.free_worker(id, run.lane, ctx);
+            }
         }
         self.ready.forget(&msg.0);
         self.view.levels.remove(&msg.0);

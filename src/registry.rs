@@ -163,7 +163,9 @@ impl<E: Send + Sync + 'static> Registry<E> {
     /// by default) or any other free one, the workers kept for young trees
     /// ([`ExecutorBuilder::reserved_workers`](crate::ExecutorBuilder::reserved_workers))
     /// included, as HBase runs the procedures of its meta table first, on urgent workers
-    /// of their own. For the few procedures
+    /// of their own. A step after a yield is queued like any other type's: a system
+    /// procedure that yields until another one lets go of something does not keep the
+    /// workers from it. For the few procedures
     /// that others wait on (assigning the catalog, fencing a dead node): a busy system
     /// type delays everything else.
     ///

@@ -159,17 +159,29 @@ pub fn decide(policy: FailurePolicy, retries: u32, irreversible: bool, rollback:
     }
 }
 
+/// Where a queued step goes in the ready queue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// Before the others: a procedure continuing its steps.
+    Front,
+    /// Behind the others: a new, woken or resumed procedure.
+    Back,
+    /// Behind the others, and never ahead of them by its type: a procedure that gave
+    /// its turn away (a yield, or `is_yield_after_execution`).
+    Yielded,
+}
+
 /// Something to do once the transition's records are durable.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Action {
     /// Start the actor of a new procedure.
     Spawn(ProcId),
-    /// Queue a step; `front` runs it before the others (a procedure continuing).
+    /// Queue a step, at `place`.
     Enqueue {
         /// The procedure.
         id: ProcId,
-        /// Whether it goes to the front of the ready queue.
-        front: bool,
+        /// Where in the ready queue.
+        place: Place,
     },
     /// The locks granted to the queued step of `id` for its life are durably held: run
     /// the step. Not a new step: the one queued before is still counted as running.
@@ -576,12 +588,16 @@ impl RootStack {
             }
             let node = &tree.nodes[&id];
             match node.state {
-                ProcState::Runnable | ProcState::Initializing => tree.enqueue(&mut t, id, false),
+                ProcState::Runnable | ProcState::Initializing => {
+                    tree.enqueue(&mut t, id, Place::Back)
+                }
                 ProcState::Waiting if node.event.is_some() => {
                     let event = node.event.as_deref().unwrap_or_default().to_string();
                     t.actions.push(Action::SuspendOn { id, event });
                 }
-                ProcState::Waiting if node.pending_children == 0 => tree.enqueue(&mut t, id, false),
+                ProcState::Waiting if node.pending_children == 0 => {
+                    tree.enqueue(&mut t, id, Place::Back)
+                }
                 ProcState::WaitingTimeout => {
                     let at_ms = node.wake_at_ms.unwrap_or(now_ms);
                     t.actions.push(Action::WakeAt { id, at_ms });
@@ -711,7 +727,7 @@ impl RootStack {
             StepOutcome::Paused => {}
             StepOutcome::Yield => {
                 if !self.is_failed() {
-                    self.enqueue(&mut t, id, false);
+                    self.enqueue(&mut t, id, Place::Yielded);
                 }
             }
             StepOutcome::Failed(error) => {
@@ -779,7 +795,12 @@ impl RootStack {
                 self.node_mut(id).state = ProcState::Runnable;
                 self.persist_update(&mut t, id, report.data, now_ms);
                 if !self.is_failed() {
-                    self.enqueue(&mut t, id, !yield_after);
+                    let place = if yield_after {
+                        Place::Yielded
+                    } else {
+                        Place::Front
+                    };
+                    self.enqueue(&mut t, id, place);
                 }
             }
             StepOutcome::Children(children) => {
@@ -877,7 +898,7 @@ impl RootStack {
                         node.state = ProcState::WaitingTimeout;
                         t.actions.push(Action::WakeAt { id, at_ms });
                     }
-                    (None, None) => self.enqueue(&mut t, id, false),
+                    (None, None) => self.enqueue(&mut t, id, Place::Back),
                 }
                 self.persist_update(&mut t, id, data, now_ms);
             }
@@ -1021,7 +1042,7 @@ impl RootStack {
             let node = self.node_mut(id);
             node.wake_at_ms = None;
             node.event = None;
-            self.enqueue(&mut t, id, false);
+            self.enqueue(&mut t, id, Place::Back);
         }
         t
     }
@@ -1110,7 +1131,7 @@ impl RootStack {
                 && parent_node.state == ProcState::Waiting
                 && !failed
             {
-                self.enqueue(&mut t, parent, true);
+                self.enqueue(&mut t, parent, Place::Front);
             }
         }
         Ok(t)
@@ -1336,13 +1357,13 @@ impl RootStack {
         t.persist
             .push(StoreOp::Insert(self.record(id, data, now_ms)));
         t.actions.push(Action::Spawn(id));
-        self.enqueue(t, id, false);
+        self.enqueue(t, id, Place::Back);
     }
 
-    fn enqueue(&mut self, t: &mut Transition, id: ProcId, front: bool) {
+    fn enqueue(&mut self, t: &mut Transition, id: ProcId, place: Place) {
         self.node_mut(id).state = ProcState::Runnable;
         self.running += 1;
-        t.actions.push(Action::Enqueue { id, front });
+        t.actions.push(Action::Enqueue { id, place });
     }
 
     fn push_step(&mut self, id: ProcId) {
@@ -1409,7 +1430,7 @@ impl RootStack {
         if parent_node.pending_children == 0 && parent_node.state == ProcState::Waiting && !failed {
             // The child's SUCCESS is in this transition, so it is durable before the
             // parent's next step can run.
-            self.enqueue(t, parent, true);
+            self.enqueue(t, parent, Place::Front);
         }
     }
 
@@ -1543,8 +1564,18 @@ impl fmt::Display for Transition {
         for a in &self.actions {
             acts.push(match a {
                 Action::Spawn(id) => format!("spawn {id}"),
-                Action::Enqueue { id, front: true } => format!("run {id} now"),
-                Action::Enqueue { id, front: false } => format!("run {id}"),
+                Action::Enqueue {
+                    id,
+                    place: Place::Front,
+                } => format!("run {id} now"),
+                Action::Enqueue {
+                    id,
+                    place: Place::Back,
+                } => format!("run {id}"),
+                Action::Enqueue {
+                    id,
+                    place: Place::Yielded,
+                } => format!("run {id} after others"),
                 Action::Resume(id) => format!("resume {id}"),
                 Action::Release(id) => format!("release {id}"),
                 Action::Reset { id, .. } => format!("reset {id}"),
@@ -1768,7 +1799,7 @@ mod tests {
             vec![Step(1, StepOutcome::Yield), Step(1, StepOutcome::Done)],
             &[
                 "I1 | spawn 1, run 1",
-                " | run 1",
+                " | run 1 after others",
                 "U1:SUCCESS[] | stop 1, finished ok",
             ],
         );

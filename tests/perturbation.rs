@@ -3,7 +3,8 @@
 //! Each seed builds a random workload — trees of procedures with children, failing
 //! steps, yields, roots holding a lock through the user hooks, procedures (roots and
 //! children) declaring engine locks on a small resource hierarchy, per step or for
-//! life, operator aborts at random moments, sometimes a crash through a failing store
+//! life, some roots of a system type (their steps first, on system workers when the
+//! seed gives the executor one), operator aborts at random moments, sometimes a crash through a failing store
 //! and a restart — and runs it with the actor layer's perturbation points on
 //! (`proctor::perturb`), so rare interleavings happen often. Everything observable goes
 //! into one history: step and rollback calls, hook lock grants and releases, which
@@ -158,6 +159,11 @@ async fn hang_report() -> String {
             executor.list(proctor::List::new().with_finished()),
         )
         .await;
+        if let Ok(Ok(stats)) =
+            tokio::time::timeout(Duration::from_secs(5), executor.scheduler_stats()).await
+        {
+            out += &format!("the scheduler: {stats:?}\n");
+        }
         if let Ok(Ok(list)) = list {
             for i in list {
                 if !i.state.is_finished() || !i.locks_held.is_empty() {
@@ -406,6 +412,43 @@ impl Procedure<World> for Traced {
     }
 }
 
+/// A root of a system type (`Registry::register_system`): the same procedure, whose
+/// steps go first and may run on the system workers beside the shared ones.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(transparent)]
+struct Urgent(Traced);
+
+#[async_trait]
+impl Procedure<World> for Urgent {
+    async fn execute(&mut self, ctx: &mut Context<World>) -> Result<Flow<World>, ProcError> {
+        self.0.execute(ctx).await
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context<World>) -> Result<(), ProcError> {
+        self.0.rollback(ctx).await
+    }
+
+    fn acquire_lock(&mut self, ctx: &Context<World>) -> LockState {
+        self.0.acquire_lock(ctx)
+    }
+
+    fn release_lock(&mut self, ctx: &Context<World>) {
+        self.0.release_lock(ctx);
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        self.0.locks()
+    }
+
+    fn holds_lock(&self) -> bool {
+        self.0.holds_lock()
+    }
+
+    fn completion_cleanup(&mut self) {
+        self.0.completion_cleanup();
+    }
+}
+
 /// Records every op the inner store made durable.
 #[derive(Clone)]
 struct Recording<S> {
@@ -445,6 +488,17 @@ struct Plan {
     aborts: usize,
     /// Operators' pauses of random live procedures, each continued a little later.
     pauses: usize,
+    /// Which roots are of the system type (by index in `trees`).
+    urgent: Vec<bool>,
+    /// The executor's system workers.
+    system_workers: usize,
+}
+
+impl Plan {
+    /// Steps run one at a time: one shared worker, and no system step beside it.
+    fn serial(&self) -> bool {
+        self.workers == 1 && (self.system_workers == 0 || !self.urgent.contains(&true))
+    }
 }
 
 /// The resources engine locks are drawn from: two tables and some of their regions.
@@ -516,7 +570,7 @@ fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool, engin
 
 fn gen_plan(seed: u64) -> Plan {
     let mut rng = fastrand::Rng::with_seed(seed);
-    let trees = (0..rng.usize(3..=9))
+    let trees: Vec<Traced> = (0..rng.usize(3..=9))
         .map(|i| {
             let engine = rng.u8(0..3) != 0;
             gen_proc(&mut rng, format!("t{i}"), 0, true, engine)
@@ -530,20 +584,27 @@ fn gen_plan(seed: u64) -> Plan {
         };
         (rng.usize(1..40), point)
     });
+    let (workers, arbiters, wal) = (rng.usize(1..=4), rng.usize(1..=3), rng.bool());
+    let (aborts, pauses) = (rng.usize(0..3), rng.usize(0..3));
+    // Drawn last, so the rest of a seed's plan is what it was before system roots.
+    let urgent = (0..trees.len()).map(|_| rng.u8(0..4) == 0).collect();
     Plan {
         trees,
-        workers: rng.usize(1..=4),
-        arbiters: rng.usize(1..=3),
-        wal: rng.bool(),
+        workers,
+        arbiters,
+        wal,
         crash,
-        aborts: rng.usize(0..3),
-        pauses: rng.usize(0..3),
+        aborts,
+        pauses,
+        urgent,
+        system_workers: rng.usize(0..=1),
     }
 }
 
 fn registry() -> Registry<World> {
     let mut r = Registry::<World>::default();
     r.register::<Traced>("traced");
+    r.register_system::<Urgent>("urgent");
     r
 }
 
@@ -556,6 +617,7 @@ async fn start(
         .registry(registry())
         .store(store)
         .workers(plan.workers)
+        .system_workers(plan.system_workers)
         .arbiters(plan.arbiters)
         .env(world.clone())
         .start()
@@ -576,10 +638,13 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
         todo.extend(&p.children);
     }
     eprintln!(
-        "seed {seed}: {} trees, {} workers, {} arbiters, {}, crash {:?}, {} aborts, \
-         {} pauses, {locking} procedures with engine locks ({for_life} for life)",
+        "seed {seed}: {} trees ({} of a system type), {} workers (+{} for system steps), \
+         {} arbiters, {}, crash {:?}, {} aborts, {} pauses, {locking} procedures with \
+         engine locks ({for_life} for life)",
         plan.trees.len(),
+        plan.urgent.iter().filter(|&&u| u).count(),
         plan.workers,
+        plan.system_workers,
         plan.arbiters,
         if plan.wal { "wal" } else { "memory" },
         plan.crash,
@@ -632,8 +697,13 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     };
 
     let mut trees = BTreeMap::new();
-    for tree in &plan.trees {
-        if let Ok(id) = executor.submit(tree.clone()).await {
+    for (tree, &urgent) in plan.trees.iter().zip(&plan.urgent) {
+        let submitted = if urgent {
+            executor.submit(Urgent(tree.clone())).await
+        } else {
+            executor.submit(tree.clone()).await
+        };
+        if let Ok(id) = submitted {
             trees.insert(id, tree.clone());
         }
     }
@@ -1009,8 +1079,9 @@ fn lock_stats(history: &[Ev]) -> (usize, usize) {
     (enters, deadlocks)
 }
 
-/// The protocol's promises on one history; `workers` is the executor's step bound.
-fn check(history: &[Ev], crashed: bool, workers: usize) {
+/// The protocol's promises on one history; `serial`: the executor ran one step at a
+/// time.
+fn check(history: &[Ev], crashed: bool, serial: bool) {
     let violations: Vec<&String> = history
         .iter()
         .filter_map(|e| match e {
@@ -1213,9 +1284,10 @@ fn check(history: &[Ev], crashed: bool, workers: usize) {
             .collect();
         assert_eq!(actual, expected, "tree {root}: rollback order");
     }
-    // With one worker steps happen one after another, and the order the root stack
-    // records (the stack indexes) must be the order they happened.
-    if workers == 1 {
+    // With one worker (and no system step beside it) steps happen one after another,
+    // and the order the root stack records (the stack indexes) must be the order they
+    // happened.
+    if serial {
         let roots: BTreeSet<ProcId> = root_of.values().copied().collect();
         for root in roots {
             let (index_owner, _) = recorded_steps(history, root);
@@ -1275,7 +1347,7 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
         };
         let run = async {
             let (history, crashed) = run_seed(seed).await;
-            check(&history, crashed, gen_plan(seed).workers);
+            check(&history, crashed, gen_plan(seed).serial());
             lock_stats(&history)
         };
         // A guard against a hang (which is itself the failure), not a sequencer.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use common::{run, start, stores, wait_for_state, Recorder, Scripted, Step};
 use proctor::{
     async_trait, Context, Executor, Flow, ProcError, ProcId, ProcState, Procedure, ProcedureStore,
+    Scheduling,
 };
 use serde::{Deserialize, Serialize};
 
@@ -261,6 +262,68 @@ impl Procedure<Recorder> for Meta {
     }
     async fn rollback(&mut self, _: &mut Context<Recorder>) -> Result<(), ProcError> {
         Ok(())
+    }
+}
+
+/// A system procedure that yields until a procedure named `waits_for` has run a step.
+#[derive(Serialize, Deserialize)]
+struct Spinner {
+    waits_for: String,
+}
+
+#[async_trait]
+impl Procedure<Recorder> for Spinner {
+    async fn execute(&mut self, ctx: &mut Context<Recorder>) -> Result<Flow<Recorder>, ProcError> {
+        if ctx.env().count(&format!("{}-exec", self.waits_for)) == 0 {
+            return Ok(Flow::Yield);
+        }
+        ctx.env().record("spinner-exec".to_string());
+        Ok(Flow::Done)
+    }
+    async fn rollback(&mut self, _: &mut Context<Recorder>) -> Result<(), ProcError> {
+        Ok(())
+    }
+}
+
+/// One worker and no system worker: a system procedure that yields until a user
+/// procedure has run does not keep the worker from it (a yield gives up the system
+/// type's place before everything), under both orders.
+#[actix::test]
+async fn a_yielding_system_procedure_lets_queued_user_procedures_run() {
+    for scheduling in [Scheduling::Fair, Scheduling::Fifo] {
+        for (store_name, store, _dir) in stores() {
+            let rec = Arc::new(Recorder::default());
+            let mut registry = common::registry();
+            registry.register_system::<Spinner>("spinner");
+            let executor: Executor<Recorder> = Executor::builder()
+                .registry(registry)
+                .store(store)
+                .workers(1)
+                .system_workers(0)
+                .scheduling(scheduling)
+                .env(rec.clone())
+                .start()
+                .await
+                .unwrap();
+            let spinner = executor
+                .submit(Spinner {
+                    waits_for: "u".into(),
+                })
+                .await
+                .unwrap();
+            let user = executor.submit(Scripted::new("u", vec![])).await.unwrap();
+            for id in [spinner, user] {
+                // A guard against the livelock (which is the failure), not a sequencer.
+                let result =
+                    tokio::time::timeout(std::time::Duration::from_secs(60), executor.wait(id))
+                        .await
+                        .expect("the system procedure kept the only worker")
+                        .unwrap();
+                assert_eq!(result, Ok(()), "{scheduling:?}, {store_name}");
+            }
+            assert_eq!(rec.calls(), ["u-exec", "spinner-exec"], "{scheduling:?}");
+            executor.shutdown().await.unwrap();
+        }
     }
 }
 
