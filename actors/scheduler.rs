@@ -134,8 +134,13 @@ pub(crate) struct Queueing {
 pub struct SchedulerStats {
     /// Workers now: the configured ones plus any extra the stuck-worker monitor added.
     pub workers: usize,
-    /// Steps running.
+    /// Workers beside those that only system procedures' steps take
+    /// ([`ExecutorBuilder::system_workers`](crate::ExecutorBuilder::system_workers)).
+    pub system_workers: usize,
+    /// Steps running, system procedures' included.
     pub running: usize,
+    /// Of `running`, steps of system procedures (on their own workers first).
+    pub running_system: usize,
     /// Steps queued for a worker.
     pub queued: usize,
     /// Steps queued for a worker on each level of the fair queue, level 0 first (five
@@ -516,7 +521,9 @@ impl Handler<GetSchedulerStats> for Scheduler {
         let (lock_holders, lock_waiters) = self.locks.len();
         Ok(SchedulerStats {
             workers: self.workers.current(),
+            system_workers: self.ready.system_workers(),
             running: self.ready.busy(),
+            running_system: self.ready.busy_system(),
             queued: self.ready.queued(),
             queued_by_level: self.ready.queued_by_level(),
             queued_system: self.ready.queued_urgent(),

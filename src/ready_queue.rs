@@ -201,6 +201,16 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
         self.busy
     }
 
+    /// How many workers only system items take.
+    pub fn system_workers(&self) -> usize {
+        self.system_workers
+    }
+
+    /// How many system items run.
+    pub fn busy_system(&self) -> usize {
+        self.busy_system
+    }
+
     /// How many of the shared workers are busy (system items count against their own
     /// workers first).
     pub fn busy_shared(&self) -> usize {
@@ -440,6 +450,7 @@ mod tests {
                 assert_eq!(q.pop(), Some((i, Lane::System)));
             }
             assert_eq!(q.busy_shared(), shared, "{running} running");
+            assert_eq!((q.busy_system(), q.system_workers()), (running as usize, 2));
             assert_eq!(q.system_on_shared(stuck), stuck_shared, "{stuck} stuck");
         }
     }

@@ -394,6 +394,8 @@ async fn a_system_procedure_runs_on_its_own_worker_while_user_steps_fill_the_oth
         let stats = executor.scheduler_stats().await.unwrap();
         let (running, queued) = (stats.running, stats.queued);
         assert_eq!((running, queued), (1, 1), "{store_name}: {stats:?}");
+        let system = (stats.system_workers, stats.running_system);
+        assert_eq!(system, (1, 0), "{store_name}: {stats:?}");
         assert_eq!(rec.calls(), ["b-exec", "s-exec"], "{store_name}");
         rec.gate.notify_one();
         for id in [blocker, user] {
