@@ -76,13 +76,7 @@ async fn a_subtree_needs_the_recursive_flag_and_refusals_say_why() {
             Err(Error::UnknownProcedure(_))
         ));
         // One in a step cannot be bypassed under it.
-        let busy = executor
-            .submit(Scripted::new("busy", vec![Step::Gate]))
-            .await
-            .unwrap();
-        while rec.count("busy-exec") == 0 {
-            tokio::task::yield_now().await;
-        }
+        let busy = common::start_gated(&executor, &rec, "busy").await;
         match executor.bypass(busy, false).await {
             Err(Error::BypassRefused { reason, .. }) => {
                 assert!(

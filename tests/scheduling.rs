@@ -22,13 +22,7 @@ async fn yielding_5_times_runs_6_times_and_lets_others_run_between() {
     for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 1).await;
         // A blocker holds the only worker while both yielders are queued behind it.
-        let blocker = executor
-            .submit(Scripted::new("b", vec![Step::Gate]))
-            .await
-            .unwrap();
-        while rec.count("b-exec") == 0 {
-            tokio::task::yield_now().await;
-        }
+        let blocker = common::start_gated(&executor, &rec, "b").await;
         let yielder = Scripted::new("y", (0..5).map(|_| Step::Yield).collect());
         let yielder = executor.submit(yielder).await.unwrap();
         let other = Scripted::new("o", (0..3).map(|_| Step::Yield).collect());
@@ -217,13 +211,7 @@ async fn a_stuck_pool_gets_an_extra_worker_that_later_retires() {
 async fn stats_show_queued_steps_per_level() {
     for (store_name, store, _dir) in stores() {
         let (executor, rec) = start(store, 1).await;
-        let blocker = executor
-            .submit(Scripted::new("b", vec![Step::Gate]))
-            .await
-            .unwrap();
-        while rec.count("b-exec") == 0 {
-            tokio::task::yield_now().await;
-        }
+        let blocker = common::start_gated(&executor, &rec, "b").await;
         let mut queued = Vec::new();
         for name in ["q1", "q2"] {
             queued.push(executor.submit(Scripted::new(name, vec![])).await.unwrap());
@@ -293,18 +281,7 @@ async fn a_yielding_system_procedure_lets_queued_user_procedures_run() {
     for scheduling in [Scheduling::Fair, Scheduling::Fifo] {
         for (store_name, store, _dir) in stores() {
             let rec = Arc::new(Recorder::default());
-            let mut registry = common::registry();
-            registry.register_system::<Spinner>("spinner");
-            let executor: Executor<Recorder> = Executor::builder()
-                .registry(registry)
-                .store(store)
-                .workers(1)
-                .system_workers(0)
-                .scheduling(scheduling)
-                .env(rec.clone())
-                .start()
-                .await
-                .unwrap();
+            let executor = one_worker::<Spinner>(store, &rec, "spinner", 0, scheduling).await;
             let spinner = executor
                 .submit(Spinner {
                     waits_for: "u".into(),
@@ -327,6 +304,29 @@ async fn a_yielding_system_procedure_lets_queued_user_procedures_run() {
     }
 }
 
+/// An executor on `store` with one shared worker, `system_workers` system workers, and
+/// `P` registered as the system procedure `name`.
+async fn one_worker<P: Procedure<Recorder> + serde::de::DeserializeOwned>(
+    store: Box<dyn ProcedureStore>,
+    rec: &Arc<Recorder>,
+    name: &'static str,
+    system_workers: usize,
+    scheduling: Scheduling,
+) -> Executor<Recorder> {
+    let mut registry = common::registry();
+    registry.register_system::<P>(name);
+    Executor::builder()
+        .registry(registry)
+        .store(store)
+        .workers(1)
+        .system_workers(system_workers)
+        .scheduling(scheduling)
+        .env(rec.clone())
+        .start()
+        .await
+        .unwrap()
+}
+
 /// One shared worker, `system_workers` system workers, and `store`: a blocker holds the
 /// shared worker (released by `rec.gate`), a user procedure queues behind it, then a
 /// system procedure is submitted. Returns the executor and the three ids.
@@ -335,24 +335,8 @@ async fn blocked_then_user_then_system(
     rec: &Arc<Recorder>,
     system_workers: usize,
 ) -> (Executor<Recorder>, [ProcId; 3]) {
-    let mut registry = common::registry();
-    registry.register_system::<Meta>("meta");
-    let executor: Executor<Recorder> = Executor::builder()
-        .registry(registry)
-        .store(store)
-        .workers(1)
-        .system_workers(system_workers)
-        .env(rec.clone())
-        .start()
-        .await
-        .unwrap();
-    let blocker = executor
-        .submit(Scripted::new("b", vec![Step::Gate]))
-        .await
-        .unwrap();
-    while rec.count("b-exec") == 0 {
-        tokio::task::yield_now().await;
-    }
+    let executor = one_worker::<Meta>(store, rec, "meta", system_workers, Scheduling::Fair).await;
+    let blocker = common::start_gated(&executor, rec, "b").await;
     let user = executor.submit(Scripted::new("u", vec![])).await.unwrap();
     let system = executor.submit(Meta("s".into())).await.unwrap();
     (executor, [blocker, user, system])

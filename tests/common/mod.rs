@@ -306,6 +306,19 @@ pub async fn start(
     (executor, rec)
 }
 
+/// Submits a procedure `name` whose one step waits at `rec.gate`, and returns once that
+/// step runs (holding a worker until `rec.gate` is notified).
+pub async fn start_gated(executor: &Executor<Recorder>, rec: &Recorder, name: &str) -> ProcId {
+    let id = executor
+        .submit(Scripted::new(name, vec![Step::Gate]))
+        .await
+        .expect("submit");
+    while rec.count(&format!("{name}-exec")) == 0 {
+        tokio::task::yield_now().await;
+    }
+    id
+}
+
 /// Submits and waits for the result.
 pub async fn run(
     executor: &Executor<Recorder>,
