@@ -134,7 +134,7 @@ pub(crate) struct Queueing {
 pub struct SchedulerStats {
     /// Workers now: the configured ones plus any extra the stuck-worker monitor added.
     pub workers: usize,
-    /// Workers beside those that only system procedures' steps take
+    /// Workers, beside `workers`, that only system procedures' steps take
     /// ([`ExecutorBuilder::system_workers`](crate::ExecutorBuilder::system_workers)).
     pub system_workers: usize,
     /// Steps running, system procedures' included.

@@ -214,7 +214,8 @@ impl<T, R: Hash + Eq> ReadyQueue<T, R> {
     /// How many of the shared workers are busy (system items count against their own
     /// workers first).
     pub fn busy_shared(&self) -> usize {
-        self.busy - self.busy_system.min(self.system_workers)
+        self.busy
+            .saturating_sub(self.busy_system.min(self.system_workers))
     }
 
     /// Of `stuck` running system items, how many count against the shared workers: those
