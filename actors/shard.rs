@@ -209,6 +209,20 @@ enum Ended<T = CallEnd> {
     Panicked(String),
 }
 
+/// `call` as one of the shard's futures: not polled again once `tree` is dropped, a
+/// panic out of it caught, the call (the user's future) dropped as soon as it ended
+/// either way. Boxed as it is, not awaited inside another future: the call moves into
+/// it once.
+async fn guarded_call<T>(
+    root: ProcId,
+    tree: Arc<TreeStatus>,
+    call: impl Future<Output = T>,
+) -> (ProcId, Ended<T>) {
+    let mut call = std::pin::pin!(call);
+    let end = std::future::poll_fn(|cx| poll_guarded(&tree, call.as_mut(), cx)).await;
+    (root, end)
+}
+
 /// Polls `call` unless `tree` was dropped, catching a panic out of it.
 fn poll_guarded<T>(
     tree: &TreeStatus,
@@ -348,13 +362,9 @@ impl TreeCtx<'_> {
         tree: Arc<TreeStatus>,
         call: impl Future<Output = CallEnd> + 'static,
     ) {
-        let root = self.root;
-        // One future: the call moves into it once (a nested one would move it again).
-        self.io.calls.push(Box::pin(async move {
-            let mut call = std::pin::pin!(call);
-            let end = std::future::poll_fn(|cx| poll_guarded(&tree, call.as_mut(), cx)).await;
-            (root, end)
-        }));
+        self.io
+            .calls
+            .push(Box::pin(guarded_call(self.root, tree, call)));
     }
 
     /// Fires `timer` after `delay` (dropped if the tree stops first).
@@ -572,7 +582,8 @@ mod tests {
     }
 
     /// (ready at poll, panics, the tree is dropped after this many polls) → how it
-    /// ended, and how often the call was polled. Every call is dropped at the end.
+    /// ended, and how often the call was polled. The shard's future drops the call as
+    /// soon as it ends, while the future itself is still held.
     #[test]
     fn a_call_is_guarded_against_engine_panics_and_its_dropped_tree() {
         let panicked = |n: usize| Ended::Panicked(format!("engine bug at poll {n}"));
@@ -591,8 +602,8 @@ mod tests {
                 panics,
             };
             let (count, dropped) = (probe.polls.clone(), probe.dropped.clone());
-            let tree = TreeStatus::default();
-            let mut call = Some(Box::pin(probe));
+            let tree = Arc::new(TreeStatus::default());
+            let mut call = Box::pin(guarded_call(ProcId(1), tree.clone(), probe));
             let mut cx = task::Context::from_waker(task::Waker::noop());
             let mut pass = 0;
             let ended = loop {
@@ -600,9 +611,8 @@ mod tests {
                     tree.set_dropped();
                 }
                 pass += 1;
-                let polled = poll_guarded(&tree, call.as_mut().unwrap().as_mut(), &mut cx);
-                if let Poll::Ready(ended) = polled {
-                    drop(call.take()); // as the shard drops an ended call
+                if let Poll::Ready((root, ended)) = call.as_mut().poll(&mut cx) {
+                    assert_eq!(root, ProcId(1));
                     break ended;
                 }
                 assert!(pass < 10, "never ended");
