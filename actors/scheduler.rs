@@ -363,10 +363,13 @@ impl Scheduler {
         }
     }
 
-    /// A dispatched step of `id` is over: its worker and its step's locks are free, and
-    /// what waited on those locks is asked again.
-    fn free_worker(&mut self, id: ProcId, lane: Lane, ctx: &mut Context<Self>) {
-        self.ready.complete(lane);
+    /// A dispatched step of `id` is over: its worker (in `lane`; `None` if none was
+    /// counted for it) and its step's locks are free, and what waited on those locks is
+    /// asked again.
+    fn free_worker(&mut self, id: ProcId, lane: Option<Lane>, ctx: &mut Context<Self>) {
+        if let Some(lane) = lane {
+            self.ready.complete(lane);
+        }
         self.release(id, Some(Hold::Step));
         self.undefer(id, ctx);
     }
@@ -577,21 +580,23 @@ impl Scheduler {
     /// A dispatched step of `id` ended and its report is recorded: its time is charged
     /// to its tree, then its worker is handed on.
     fn step_finished(&mut self, id: ProcId, ctx: &mut Context<Self>) {
-        let Some(run) = self.end_oldest(id) else {
-            // A bookkeeping bug: no worker is counted for it, so none is freed (its step's
-            // locks still are).
-            tracing::warn!(proc = %id, "a step finished that is not running");
-            self.release(id, Some(Hold::Step));
-            self.undefer(id, ctx);
-            self.dispatch();
-            return;
+        let lane = match self.end_oldest(id) {
+            Some(run) => {
+                let elapsed = u64::try_from(run.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                if let Some(level) = self.ready.charge(&run.root, elapsed) {
+                    let level = u8::try_from(level).unwrap_or(u8::MAX);
+                    self.view.levels.insert(run.root, level);
+                }
+                Some(run.lane)
+            }
+            // A bookkeeping bug: no worker is counted for it, so none is freed (its
+            // step's locks still are).
+            None => {
+                tracing::warn!(proc = %id, "a step finished that is not running");
+                None
+            }
         };
-        let elapsed = u64::try_from(run.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        if let Some(level) = self.ready.charge(&run.root, elapsed) {
-            let level = u8::try_from(level).unwrap_or(u8::MAX);
-            self.view.levels.insert(run.root, level);
-        }
-        self.free_worker(id, run.lane, ctx);
+        self.free_worker(id, lane, ctx);
         self.dispatch();
     }
 
@@ -841,7 +846,7 @@ impl Handler<TreeEnded> for Scheduler {
         for id in lost {
             while let Some(run) = self.end_oldest(id) {
                 tracing::warn!(proc = %id, "a step's tree ended before the step reported");
-                self.free_worker(id, run.lane, ctx);
+                self.free_worker(id, Some(run.lane), ctx);
             }
         }
         self.ready.forget(&msg.0);
