@@ -1000,15 +1000,16 @@ fn replay(dir: &Path, segments: SegmentFrames) -> Result<Replayed, StoreError> {
 
 /// [`replay`] in `threads` parts.
 fn replay_on(dir: &Path, segments: SegmentFrames, threads: usize) -> Result<Replayed, StoreError> {
+    let ids = IdSpan::of(&segments);
     if threads > 1 {
-        if let Some(replayed) = split_replay(dir, &segments, threads) {
+        if let Some(replayed) = split_replay(dir, &segments, ids, threads) {
             return Ok(replayed);
         }
         // The parts do not add up: a procedure whose records name two roots is live in
         // two parts, or a record does not decode (and which error a replay in order
         // meets first is the one to report). The replay in order decides.
     }
-    let part = replay_part(dir, &segments, 0, 1).map_err(|(_, e)| e)?;
+    let part = replay_part(dir, &segments, ids, 0, 1).map_err(|(_, e)| e)?;
     Ok(Replayed {
         parts: vec![part.records],
         live: part.live.into_iter().collect(),
@@ -1021,9 +1022,14 @@ fn replay_on(dir: &Path, segments: SegmentFrames, threads: usize) -> Result<Repl
 /// exactly what a replay in order gives: a procedure's inserts and updates after its
 /// last delete all name one root (or it would be live in two parts), so they are all
 /// in that root's part, in order.
-fn split_replay(dir: &Path, segments: &SegmentFrames, parts: usize) -> Option<Replayed> {
+fn split_replay(
+    dir: &Path,
+    segments: &SegmentFrames,
+    ids: IdSpan,
+    parts: usize,
+) -> Option<Replayed> {
     let results = super::recover::on_threads((0..parts).collect(), |part| {
-        replay_part(dir, segments, part, parts)
+        replay_part(dir, segments, ids, part, parts)
     });
     let live_count = results
         .iter()
@@ -1056,18 +1062,17 @@ fn part_of(root: ProcId, parts: usize) -> usize {
 /// Part `part` of [`replay`]: the live procedures of the trees of that part, their
 /// records decoded in tree order (by root, then id); or the lowest id whose record does
 /// not decode, with the error.
-fn replay_part<'a>(
+fn replay_part(
     dir: &Path,
-    segments: &'a SegmentFrames,
+    segments: &SegmentFrames,
+    ids: IdSpan,
     part: usize,
     parts: usize,
 ) -> Result<ReplayPart, (ProcId, StoreError)> {
-    let mut latest: IdMap<ProcId, Latest<'a>> = IdMap::default();
-    let mut max_id = 0;
+    let mut latest = LatestIndex::for_span(ids);
     for (seq, frames) in segments {
         for frame in frames {
             for op in &frame.ops {
-                max_id = max_id.max(op.id.0);
                 match op.kind {
                     OpKind::Insert | OpKind::Update => {
                         if parts > 1 && part_of(op.root, parts) != part {
@@ -1081,9 +1086,7 @@ fn replay_part<'a>(
                         latest.insert(op.id, at);
                     }
                     // A delete names no root: every part applies it.
-                    OpKind::Delete => {
-                        latest.remove(&op.id);
-                    }
+                    OpKind::Delete => latest.remove(op.id),
                 }
             }
         }
@@ -1091,10 +1094,7 @@ fn replay_part<'a>(
     // Decoded in tree order (by root, then id), so the records come out grouped as
     // recovery plans them and need not move again. The keys are copied out of the
     // index first: sorting through a pointer per comparison misses the cache.
-    let mut latest: Vec<((ProcId, ProcId), Latest<'a>)> = latest
-        .into_iter()
-        .map(|(id, l)| ((l.op.root, id), l))
-        .collect();
+    let mut latest = latest.into_keyed();
     latest.sort_unstable_by_key(|&(key, _)| key);
     let mut records = Vec::with_capacity(latest.len());
     // The error to report is the lowest id's, as a replay in id order meets it first.
@@ -1127,8 +1127,115 @@ fn replay_part<'a>(
             .iter()
             .map(|(_, l)| (l.op.id, (l.seq, l.op.size())))
             .collect(),
-        max_id,
+        max_id: ids.max_id(),
     })
+}
+
+/// The ids the ops of a log name: the lowest, the highest, and how many ops.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct IdSpan {
+    first: u64,
+    last: u64,
+    ops: usize,
+}
+
+impl IdSpan {
+    fn of(segments: &SegmentFrames) -> IdSpan {
+        let mut span = IdSpan {
+            first: u64::MAX,
+            last: 0,
+            ops: 0,
+        };
+        for op in segments.iter().flat_map(|(_, f)| f).flat_map(|f| &f.ops) {
+            span.first = span.first.min(op.id.0);
+            span.last = span.last.max(op.id.0);
+            span.ops += 1;
+        }
+        span
+    }
+
+    /// The highest id an op names (0 for none).
+    fn max_id(self) -> u64 {
+        self.last
+    }
+
+    /// Slots for every id from the lowest to the highest, if that is at most
+    /// [`DENSE_SLOTS_PER_OP`] per op.
+    fn dense_len(self) -> Option<usize> {
+        if self.ops == 0 {
+            return None;
+        }
+        let len = usize::try_from(self.last - self.first)
+            .ok()?
+            .checked_add(1)?;
+        (len <= self.ops.saturating_mul(DENSE_SLOTS_PER_OP)).then_some(len)
+    }
+}
+
+/// How many slots (24 bytes each) per op a replay part's index may take to keep
+/// latest ops by position rather than in a map. A map holds an entry of 32 bytes per
+/// live id, at a load of 1/2 to 7/8 after growing through every smaller table, so up to
+/// four slots per op cost about what it does, with no hashing and no growth.
+const DENSE_SLOTS_PER_OP: usize = 4;
+
+/// A replay part's latest op of each procedure. Ids are handed out in order and a log
+/// keeps the recent ones, so they usually fill their span: then by position (a slot
+/// per id from the lowest); ids spread thin (a few old procedures among many newer
+/// ones, long deleted) go in a map.
+enum LatestIndex<'a> {
+    Dense {
+        first: u64,
+        slots: Vec<Option<Latest<'a>>>,
+    },
+    Sparse(IdMap<ProcId, Latest<'a>>),
+}
+
+impl<'a> LatestIndex<'a> {
+    fn for_span(ids: IdSpan) -> Self {
+        match ids.dense_len() {
+            Some(len) => {
+                let mut slots = Vec::with_capacity(len);
+                slots.resize_with(len, || None);
+                LatestIndex::Dense {
+                    first: ids.first,
+                    slots,
+                }
+            }
+            None => LatestIndex::Sparse(IdMap::default()),
+        }
+    }
+
+    fn insert(&mut self, id: ProcId, at: Latest<'a>) {
+        match self {
+            LatestIndex::Dense { first, slots } => slots[Self::slot(*first, id)] = Some(at),
+            LatestIndex::Sparse(map) => {
+                map.insert(id, at);
+            }
+        }
+    }
+
+    fn remove(&mut self, id: ProcId) {
+        match self {
+            LatestIndex::Dense { first, slots } => slots[Self::slot(*first, id)] = None,
+            LatestIndex::Sparse(map) => {
+                map.remove(&id);
+            }
+        }
+    }
+
+    /// Every id's slot: the span was taken over the same ops.
+    fn slot(first: u64, id: ProcId) -> usize {
+        (id.0 - first) as usize
+    }
+
+    /// The latest ops, each keyed by its tree order (root, then id), in no order.
+    fn into_keyed(self) -> Vec<((ProcId, ProcId), Latest<'a>)> {
+        let keyed = |l: Latest<'a>| ((l.op.root, l.op.id), l);
+        match self {
+            LatestIndex::Dense { slots, .. } => slots.into_iter().flatten().map(keyed).collect(),
+            LatestIndex::Sparse(map) => map.into_values().map(keyed).collect(),
+        }
+    }
 }
 
 impl WalStore<StdFs> {
@@ -1640,6 +1747,11 @@ mod tests {
     /// Three segments of seeded inserts, updates and deletes over 300 ids, and what
     /// applying them in order leaves.
     fn log() -> (SegmentFrames, BTreeMap<ProcId, ProcRecord>) {
+        log_spread(1)
+    }
+
+    /// As [`log`], with the ids `stride` apart.
+    fn log_spread(stride: u64) -> (SegmentFrames, BTreeMap<ProcId, ProcRecord>) {
         let mut model = BTreeMap::new();
         let mut segments = Vec::new();
         let mut x: u64 = 0x2545_f491_4f6c_dd1d;
@@ -1651,7 +1763,7 @@ mod tests {
                         x ^= x << 13;
                         x ^= x >> 7;
                         x ^= x << 17;
-                        let id = 1 + x % 300;
+                        let id = 1 + (x % 300) * stride;
                         match x >> 60 {
                             0..=2 => StoreOp::Delete(ProcId(id)),
                             _ => StoreOp::Update(record(id, x >> 40)),
@@ -1712,6 +1824,48 @@ mod tests {
                 .max();
             assert_eq!(Some(replayed.max_id), max_id, "{threads} parts");
         }
+    }
+
+    #[test]
+    fn latest_ops_are_kept_by_position_when_the_ids_fill_their_span() {
+        // (ids `stride` apart over 300 ids in 3 000 ops) → slots by position?
+        let cases = [
+            (1, Some(300)),
+            (10, Some(2_991)),
+            (41, None),
+            (1 << 40, None),
+        ];
+        for (stride, dense) in cases {
+            let (segments, model) = log_spread(stride);
+            let ids = IdSpan::of(&segments);
+            assert_eq!(ids.ops, 3_000, "stride {stride}");
+            assert_eq!(ids.dense_len(), dense, "stride {stride}");
+            let index = LatestIndex::for_span(ids);
+            assert_eq!(
+                matches!(index, LatestIndex::Dense { .. }),
+                dense.is_some(),
+                "stride {stride}"
+            );
+            let expected: Vec<ProcRecord> = model.into_values().collect();
+            for threads in [1, 2] {
+                let replayed = replay_on(Path::new("wal"), segments.clone(), threads).unwrap();
+                let mut records = replayed.parts.concat();
+                records.sort_unstable_by_key(|r| r.id);
+                assert_eq!(records, expected, "stride {stride}, {threads} parts");
+                assert_eq!(Some(replayed.max_id), model_max(&segments));
+            }
+        }
+        let none = IdSpan::of(&Vec::new());
+        assert_eq!((none.dense_len(), none.max_id()), (None, 0));
+    }
+
+    fn model_max(segments: &SegmentFrames) -> Option<u64> {
+        segments
+            .iter()
+            .flat_map(|(_, frames)| frames)
+            .flat_map(|f| &f.ops)
+            .map(|op| op.id.0)
+            .max()
     }
 
     #[test]
