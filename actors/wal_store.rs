@@ -1186,6 +1186,8 @@ enum LatestIndex<'a> {
     Dense {
         first: u64,
         slots: Vec<Option<Latest<'a>>>,
+        /// The slots filled.
+        filled: usize,
     },
     Sparse(IdMap<ProcId, Latest<'a>>),
 }
@@ -1199,6 +1201,7 @@ impl<'a> LatestIndex<'a> {
                 LatestIndex::Dense {
                     first: ids.first,
                     slots,
+                    filled: 0,
                 }
             }
             None => LatestIndex::Sparse(IdMap::default()),
@@ -1207,7 +1210,15 @@ impl<'a> LatestIndex<'a> {
 
     fn insert(&mut self, id: ProcId, at: Latest<'a>) {
         match self {
-            LatestIndex::Dense { first, slots } => slots[Self::slot(*first, id)] = Some(at),
+            LatestIndex::Dense {
+                first,
+                slots,
+                filled,
+            } => {
+                let slot = &mut slots[Self::slot(*first, id)];
+                *filled += usize::from(slot.is_none());
+                *slot = Some(at);
+            }
             LatestIndex::Sparse(map) => {
                 map.insert(id, at);
             }
@@ -1216,7 +1227,15 @@ impl<'a> LatestIndex<'a> {
 
     fn remove(&mut self, id: ProcId) {
         match self {
-            LatestIndex::Dense { first, slots } => slots[Self::slot(*first, id)] = None,
+            LatestIndex::Dense {
+                first,
+                slots,
+                filled,
+            } => {
+                let slot = &mut slots[Self::slot(*first, id)];
+                *filled -= usize::from(slot.is_some());
+                *slot = None;
+            }
             LatestIndex::Sparse(map) => {
                 map.remove(&id);
             }
@@ -1232,7 +1251,12 @@ impl<'a> LatestIndex<'a> {
     fn into_keyed(self) -> Vec<((ProcId, ProcId), Latest<'a>)> {
         let keyed = |l: Latest<'a>| ((l.op.root, l.op.id), l);
         match self {
-            LatestIndex::Dense { slots, .. } => slots.into_iter().flatten().map(keyed).collect(),
+            LatestIndex::Dense { slots, filled, .. } => {
+                // Sized up front: a filtered iterator's `collect` grows from a guess.
+                let mut out = Vec::with_capacity(filled);
+                out.extend(slots.into_iter().flatten().map(keyed));
+                out
+            }
             LatestIndex::Sparse(map) => map.into_values().map(keyed).collect(),
         }
     }
