@@ -137,11 +137,12 @@ lendable!(Report);
 // report's records (Persist with `finished`), or as StepFinished (-> scheduler) after
 // any Enqueue the report caused without a write. A worker is handed on only once its
 // step is recorded. The scheduler times each step from its RunStep to its
-// StepFinished and charges it to the step's tree (the Enqueue names the root); the root
-// stack sends TreeEnded when it stops (from its Drop), after every StepFinished it sent,
-// and the scheduler then drops the tree's accumulated time, and frees the worker of any
-// step of the tree still running (its root stack died of a panic in engine code, and
-// the step's call with it).
+// StepFinished and charges it to the step's tree (the Enqueue names the root); when the
+// shard drops a root stack it queues the tree's TreeEnded in its outbox, after every
+// StepFinished the tree sent (a root stack dropped another way sends it from its Drop),
+// and the scheduler then drops the tree's accumulated time, and, when the root stack
+// says steps may be out (it died of a panic in engine code, and the steps' calls with
+// it), frees the worker of any step of the tree still running.
 // ------------------------------------------------------------------------------------
 
 /// Queue a step of `id`; with `lock`, once its locks are granted.
@@ -171,10 +172,16 @@ impl Message for StepFinished {
     type Result = ();
 }
 
-/// The tree rooted at `.0` ended (its root stack stopped): the scheduler forgets its
+/// The tree rooted at `root` ended (its root stack stopped): the scheduler forgets its
 /// accumulated step time. A late `StepFinished` of the tree (from a procedure whose
 /// root stack died) charges nothing.
-pub(crate) struct TreeEnded(pub(crate) ProcId);
+pub(crate) struct TreeEnded {
+    pub(crate) root: ProcId,
+    /// Steps of the tree may still hold workers: its root stack was cut off (a panic
+    /// in engine code) or stopped with steps it had not heard back from. Otherwise
+    /// every step of it has finished, and the scheduler need not look for them.
+    pub(crate) steps_out: bool,
+}
 
 impl Message for TreeEnded {
     type Result = ();
@@ -629,6 +636,7 @@ to_scheduler!(
     SuspendOn,
     LockForRollback,
     TreeFailed,
+    TreeEnded,
 );
 
 /// A shard's messages to the scheduler, handled in order.

@@ -134,6 +134,8 @@ pub(crate) struct TreeRunner {
     halted: Option<Box<Error>>,
     /// The result went to the executor: the runner's work is done.
     published: bool,
+    /// Its shard queued its `TreeEnded` ([`TreeRunner::ended`]): its drop sends none.
+    ended_queued: bool,
 }
 
 impl TreeRunner {
@@ -209,6 +211,7 @@ impl TreeRunner {
             result: None,
             halted: None,
             published: false,
+            ended_queued: false,
         }
     }
 
@@ -1040,6 +1043,30 @@ impl TreeRunner {
     }
 }
 
+impl TreeRunner {
+    /// Its shard is about to drop it: its `TreeEnded`, for the shard's outbox (behind
+    /// everything the tree queued there), and whether the tree was cut off before it
+    /// finished (a panic in engine code: then the shard sends the outbox at once, as the
+    /// drop reports the tree's failure to the executor).
+    pub(crate) fn ended(&mut self) -> (TreeEnded, bool) {
+        self.ended_queued = true;
+        (self.ended_message(), self.cut_off())
+    }
+
+    fn ended_message(&self) -> TreeEnded {
+        TreeEnded {
+            root: self.core.root(),
+            steps_out: self.cut_off() || self.dispatched > 0,
+        }
+    }
+
+    /// It stops without having published its result or halted: a panic in engine
+    /// code cut it off.
+    fn cut_off(&self) -> bool {
+        self.halted.is_none() && !self.published
+    }
+}
+
 impl Drop for TreeRunner {
     /// A root stack that ends without publishing its result or halting died of a panic
     /// in engine code; the executor must not leave the tree's waiters hanging.
@@ -1047,10 +1074,12 @@ impl Drop for TreeRunner {
         self.me.set_ended();
         // Its calls still in flight run no more user code.
         self.status.set_dropped();
-        // Every StepFinished this runner sent is ahead of this in the scheduler's mailbox
-        // (its shard sends what it queued before it drops a tree).
-        self.shared.scheduler.do_send(TreeEnded(self.core.root()));
-        if self.halted.is_none() && !self.published {
+        if !self.ended_queued {
+            // Every StepFinished this runner sent is ahead of this in the scheduler's
+            // mailbox (its shard sends what it queued before it drops a tree).
+            self.shared.scheduler.do_send(self.ended_message());
+        }
+        if self.cut_off() {
             // Cut the tree off like a crash. Its running calls died with it; the
             // scheduler frees their workers on `TreeEnded`, and those of its queued
             // steps when it finds the tree ended (`TreeHandle::connected`).

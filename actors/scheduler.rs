@@ -834,23 +834,27 @@ impl Handler<TreeEnded> for Scheduler {
     type Result = ();
 
     fn handle(&mut self, msg: TreeEnded, ctx: &mut Context<Self>) {
+        let TreeEnded { root, steps_out } = msg;
         // Every `StepFinished` the tree's root stack sent came before this: a step of
         // the tree still running died with it (a panic in engine code), and its worker
-        // is freed here, or it would leak.
-        let lost: Vec<ProcId> = self
-            .running
-            .iter()
-            .filter(|(_, run)| run.root == msg.0)
-            .map(|(id, _)| *id)
-            .collect();
-        for id in lost {
-            while let Some(run) = self.end_oldest(id) {
-                tracing::warn!(proc = %id, "a step's tree ended before the step reported");
-                self.free_worker(id, Some(run.lane), ctx);
+        // is freed here, or it would leak. A tree that heard back from every step it
+        // was given has none running: no need to look through every running step.
+        if steps_out {
+            let lost: Vec<ProcId> = self
+                .running
+                .iter()
+                .filter(|(_, run)| run.root == root)
+                .map(|(id, _)| *id)
+                .collect();
+            for id in lost {
+                while let Some(run) = self.end_oldest(id) {
+                    tracing::warn!(proc = %id, "a step's tree ended before the step reported");
+                    self.free_worker(id, Some(run.lane), ctx);
+                }
             }
         }
-        self.ready.forget(&msg.0);
-        self.view.levels.remove(&msg.0);
+        self.ready.forget(&root);
+        self.view.levels.remove(&root);
         self.dispatch();
     }
 }

@@ -436,9 +436,18 @@ impl Shard {
 
     fn drop_tree(&mut self, root: ProcId) {
         self.io.timers.forget(root);
-        // Its `TreeEnded` (sent as it drops) goes after everything it sent.
-        self.io.flush();
-        drop(self.trees.remove(&root));
+        let Some(mut tree) = self.trees.remove(&root) else {
+            return;
+        };
+        // Its `TreeEnded` goes after everything it sent, with the shard's next batch.
+        let (ended, cut_off) = tree.ended();
+        self.io.outbox.push(ended.into());
+        if cut_off {
+            // The drop tells the executor that the tree failed: the scheduler hears
+            // first that it ended (and frees the workers of its steps).
+            self.io.flush();
+        }
+        drop(tree);
     }
 
     /// Hands the trees their ended calls and fired timers until there are none, then
