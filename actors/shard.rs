@@ -12,7 +12,8 @@
 //! arrive in the order they were sent (one mailbox per shard, batches kept in order, and
 //! a tree never moves), a tree's calls and timers end on its shard's thread, and a tree
 //! that stopped gets nothing more: its messages and timers that arrive later are
-//! dropped, and its calls in flight are not polled again, as a stopped actor's would be.
+//! dropped, and its calls in flight are not polled again, as a stopped actor's would be;
+//! those of a tree cut off by a panic in engine code are dropped with it.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -194,8 +195,50 @@ pub(crate) enum Timer {
     Deadline { id: ProcId, deadline_ms: u64 },
 }
 
-/// A call into user code, with the root of the tree it belongs to.
-type Call = Pin<Box<dyn Future<Output = (ProcId, Ended)>>>;
+/// A call into user code of the tree rooted at `root`.
+struct TreeCall<T = CallEnd> {
+    root: ProcId,
+    call: Pin<Box<dyn Future<Output = Ended<T>>>>,
+}
+
+impl<T> Future for TreeCall<T> {
+    type Output = (ProcId, Ended<T>);
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut task::Context<'_>) -> Poll<Self::Output> {
+        let root = self.root;
+        self.call.as_mut().poll(cx).map(|end| (root, end))
+    }
+}
+
+/// The shard's calls in flight, each polled when it is woken.
+struct Calls<T = CallEnd>(FuturesUnordered<TreeCall<T>>);
+
+impl<T> Default for Calls<T> {
+    fn default() -> Self {
+        Calls(FuturesUnordered::new())
+    }
+}
+
+impl<T> Calls<T> {
+    fn push(&mut self, root: ProcId, call: Pin<Box<dyn Future<Output = Ended<T>>>>) {
+        self.0.push(TreeCall { root, call });
+    }
+
+    /// Drops the calls of `root`'s tree now, and the user's futures in them, rather
+    /// than when each next wakes (which may be never): for a tree cut off while calls
+    /// of it run. Takes every call out and puts the others back, so each of those is
+    /// polled once more (a spurious wake, which a future allows). Returns how many
+    /// went.
+    fn drop_tree(&mut self, root: ProcId) -> usize {
+        let before = self.0.len();
+        for call in std::mem::take(&mut self.0) {
+            if call.root != root {
+                self.0.push(call);
+            }
+        }
+        before - self.0.len()
+    }
+}
 
 /// How a call of a tree ended.
 #[derive(Debug, PartialEq)]
@@ -213,14 +256,9 @@ enum Ended<T = CallEnd> {
 /// panic out of it caught, the call (the user's future) dropped as soon as it ended
 /// either way. Boxed as it is, not awaited inside another future: the call moves into
 /// it once.
-async fn guarded_call<T>(
-    root: ProcId,
-    tree: Arc<TreeStatus>,
-    call: impl Future<Output = T>,
-) -> (ProcId, Ended<T>) {
+async fn guarded_call<T>(tree: Arc<TreeStatus>, call: impl Future<Output = T>) -> Ended<T> {
     let mut call = std::pin::pin!(call);
-    let end = std::future::poll_fn(|cx| poll_guarded(&tree, call.as_mut(), cx)).await;
-    (root, end)
+    std::future::poll_fn(|cx| poll_guarded(&tree, call.as_mut(), cx)).await
 }
 
 /// Polls `call` unless `tree` was dropped, catching a panic out of it.
@@ -251,7 +289,7 @@ pub(crate) struct ShardIo {
     /// a tree is dropped (whose `TreeEnded` goes after them), and before anything leaves
     /// a tree another way (`TreeCtx::send_now`).
     outbox: Vec<ToScheduler>,
-    calls: FuturesUnordered<Call>,
+    calls: Calls,
     timers: Timers,
     /// Set to the first timer's instant while there is one.
     sleep: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -262,7 +300,7 @@ impl ShardIo {
         ShardIo {
             scheduler,
             outbox: Vec::new(),
-            calls: FuturesUnordered::new(),
+            calls: Calls::default(),
             timers: Timers::default(),
             sleep: None,
         }
@@ -356,7 +394,8 @@ impl TreeCtx<'_> {
     /// Runs `call` as one of the shard's futures; its end goes to the tree's
     /// `call_ended`. If the tree (whose status is `tree`) is dropped first, the call is
     /// not polled again: it ends, and drops the user's future, the next time it wakes
-    /// (as a stopped actor's futures were dropped with it).
+    /// (as a stopped actor's futures were dropped with it), or at once if a panic in
+    /// engine code cut the tree off.
     pub(crate) fn spawn(
         &mut self,
         tree: Arc<TreeStatus>,
@@ -364,7 +403,7 @@ impl TreeCtx<'_> {
     ) {
         self.io
             .calls
-            .push(Box::pin(guarded_call(self.root, tree, call)));
+            .push(self.root, Box::pin(guarded_call(tree, call)));
     }
 
     /// Fires `timer` after `delay` (dropped if the tree stops first).
@@ -448,6 +487,15 @@ impl Shard {
             self.io.flush();
         }
         drop(tree);
+        if cut_off {
+            // Its calls still running hold the user's futures (and what those hold):
+            // they go now, not when each next wakes. (A tree that stops normally has
+            // heard back from every call.)
+            let dropped = self.io.calls.drop_tree(root);
+            if dropped > 0 {
+                tracing::warn!(%root, calls = dropped, "calls of a cut-off tree dropped");
+            }
+        }
     }
 
     /// Hands the trees their ended calls and fired timers until there are none, then
@@ -455,7 +503,7 @@ impl Shard {
     fn drive(&mut self, cx: &mut task::Context<'_>) {
         loop {
             let mut progress = false;
-            while let Poll::Ready(Some((root, end))) = self.io.calls.poll_next_unpin(cx) {
+            while let Poll::Ready(Some((root, end))) = self.io.calls.0.poll_next_unpin(cx) {
                 progress = true;
                 match end {
                     Ended::Returned(end) => {
@@ -612,7 +660,7 @@ mod tests {
             };
             let (count, dropped) = (probe.polls.clone(), probe.dropped.clone());
             let tree = Arc::new(TreeStatus::default());
-            let mut call = Box::pin(guarded_call(ProcId(1), tree.clone(), probe));
+            let mut call = Box::pin(guarded_call(tree.clone(), probe));
             let mut cx = task::Context::from_waker(task::Waker::noop());
             let mut pass = 0;
             let ended = loop {
@@ -620,8 +668,7 @@ mod tests {
                     tree.set_dropped();
                 }
                 pass += 1;
-                if let Poll::Ready((root, ended)) = call.as_mut().poll(&mut cx) {
-                    assert_eq!(root, ProcId(1));
+                if let Poll::Ready(ended) = call.as_mut().poll(&mut cx) {
                     break ended;
                 }
                 assert!(pass < 10, "never ended");
@@ -631,6 +678,41 @@ mod tests {
             assert_eq!(count.load(Ordering::SeqCst), polls, "{at}");
             assert!(dropped.load(Ordering::SeqCst), "{at}: the call was dropped");
         }
+    }
+
+    /// A call of a tree cut off goes at once, with the user's future in it, however
+    /// long that future would have waited; the other trees' calls go on.
+    #[test]
+    fn a_cut_off_trees_calls_are_dropped_at_once_and_the_others_run_on() {
+        let probe = |ready_at: usize| Probe {
+            polls: Arc::default(),
+            dropped: Arc::default(),
+            ready_at,
+            panics: false,
+        };
+        // Two calls of tree 1 that never end, one of tree 2 that ends at its 2nd poll.
+        let (a, b, c) = (probe(usize::MAX), probe(usize::MAX), probe(2));
+        let flags = [&a, &b, &c].map(|p| (p.dropped.clone(), p.polls.clone()));
+        let mut calls = Calls::<u32>::default();
+        for (root, p) in [(1, a), (1, b), (2, c)] {
+            let status = Arc::new(TreeStatus::default());
+            calls.push(ProcId(root), Box::pin(guarded_call(status, p)));
+        }
+        let mut cx = task::Context::from_waker(task::Waker::noop());
+        assert!(calls.0.poll_next_unpin(&mut cx).is_pending());
+        assert_eq!(calls.drop_tree(ProcId(3)), 0);
+        assert_eq!(calls.drop_tree(ProcId(1)), 2);
+        let dropped = flags.each_ref().map(|(d, _)| d.load(Ordering::SeqCst));
+        assert_eq!(dropped, [true, true, false]);
+        // Tree 2's call is polled again (put back, as if woken) and ends.
+        match calls.0.poll_next_unpin(&mut cx) {
+            Poll::Ready(Some((root, ended))) => {
+                assert_eq!((root, ended), (ProcId(2), Ended::Returned(7)));
+            }
+            other => panic!("tree 2's call did not end: {other:?}"),
+        }
+        assert_eq!(flags[2].1.load(Ordering::SeqCst), 2);
+        assert_eq!(calls.0.len(), 0);
     }
 
     fn wake(id: u64) -> Timer {
