@@ -1916,17 +1916,18 @@ impl<E: Send + Sync + 'static> Handler<WaitFor> for ExecutorActor<E> {
 
     fn handle(&mut self, msg: WaitFor, _ctx: &mut Context<Self>) -> Self::Result {
         let id = msg.0;
-        let ready = match self.info(id) {
+        // The row's root and result only (the table's guard released before anything
+        // else is looked up), not the whole `ProcInfo`.
+        let row = self
+            .shared
+            .table
+            .get(&id)
+            .map(|e| (e.root, e.result().cloned()));
+        let ready = match row {
             None => Some(Err(self.missing(id))),
-            Some(info) if info.root != id => Some(Err(Error::NotRoot {
-                id,
-                root: info.root,
-            })),
-            Some(ProcInfo {
-                result: Some(result),
-                ..
-            }) => Some(Ok(result)),
-            Some(_) => self.broken.as_ref().map(|e| Err(e.duplicate())),
+            Some((root, _)) if root != id => Some(Err(Error::NotRoot { id, root })),
+            Some((_, Some(result))) => Some(Ok(result.map_err(|f| *f))),
+            Some((_, None)) => self.broken.as_ref().map(|e| Err(e.duplicate())),
         };
         if let Some(ready) = ready {
             return Box::pin(async move { ready });
