@@ -29,7 +29,6 @@ use crate::registry::RegistryError;
 use crate::root_stack::{NewChild, OnError, RollbackFailure, StepOutcome, StepReport};
 
 use super::guard::{guard, CatchUnwind};
-use super::metrics;
 use super::perturb;
 use super::protocol::{
     AbortAck, Deadline, FailRequest, LockFailed, LocksHeld, Outbox, PauseNow, ReleaseLocks, Report,
@@ -187,7 +186,7 @@ impl ProcedureCell {
         );
         ProcedureCell {
             span,
-            step_seconds: metrics::step_histogram(spec.type_name),
+            step_seconds: shared.metrics.step_histogram(spec.type_name),
             id: spec.id,
             type_name: spec.type_name,
             parent: spec.parent,

@@ -38,7 +38,6 @@ use crate::root_stack::{Action, NewChild, Place, RootStack, Transition};
 
 use super::guard::panic_message;
 use super::lent::{lendable, Lent};
-use super::metrics;
 use super::perturb;
 use super::procedure::{CallEnd, ProcSpec, ProcedureCell};
 use super::protocol::{
@@ -569,7 +568,7 @@ impl TreeRunner {
         let type_name = self.core.type_name_of(id).unwrap_or("?");
         if !self.recovered {
             // Its insert is durable: accepted (a recovered one was counted before).
-            metrics::submitted(type_name);
+            self.shared.metrics.submitted(type_name);
             if id == self.core.root() {
                 tracing::info!(id = id.0, r#type = %type_name, "procedure submitted");
             } else {
@@ -606,7 +605,7 @@ impl TreeRunner {
         };
         let (type_name, state) = (e.type_name, e.state);
         let duration_ms = now_ms().saturating_sub(e.submitted_ms);
-        metrics::finished(type_name, state, duration_ms);
+        self.shared.metrics.finished(type_name, state, duration_ms);
         tracing::info!(
             id = id.0,
             parent = e.parent.map(|p| p.0),

@@ -197,6 +197,8 @@ pub(crate) struct Shared {
     pub(crate) broken_error: std::sync::OnceLock<crate::Error>,
     /// Someone subscribed to procedure events (root stacks then report submits).
     pub(crate) subscribed: AtomicBool,
+    /// Each procedure type's metric handles.
+    pub(crate) metrics: super::metrics::TypeMetrics,
 }
 
 /// Calls into user code (steps and rollbacks) in progress, for a graceful shutdown:
@@ -280,6 +282,7 @@ impl Shared {
             broken: Cancel::new(),
             broken_error: std::sync::OnceLock::new(),
             subscribed: AtomicBool::new(false),
+            metrics: super::metrics::TypeMetrics::default(),
         }
     }
 
