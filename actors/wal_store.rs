@@ -1083,10 +1083,10 @@ fn replay_part(
                             frame_offset: frame.offset,
                             op,
                         };
-                        latest.insert(op.id, at);
+                        latest.set(op.id, Some(at));
                     }
                     // A delete names no root: every part applies it.
-                    OpKind::Delete => latest.remove(op.id),
+                    OpKind::Delete => latest.set(op.id, None),
                 }
             }
         }
@@ -1208,7 +1208,8 @@ impl<'a> LatestIndex<'a> {
         }
     }
 
-    fn insert(&mut self, id: ProcId, at: Latest<'a>) {
+    /// Sets `id`'s latest op (`None`: it was deleted).
+    fn set(&mut self, id: ProcId, at: Option<Latest<'a>>) {
         match self {
             LatestIndex::Dense {
                 first,
@@ -1216,29 +1217,17 @@ impl<'a> LatestIndex<'a> {
                 filled,
             } => {
                 let slot = &mut slots[Self::slot(*first, id)];
-                *filled += usize::from(slot.is_none());
-                *slot = Some(at);
+                *filled = *filled + usize::from(at.is_some()) - usize::from(slot.is_some());
+                *slot = at;
             }
-            LatestIndex::Sparse(map) => {
-                map.insert(id, at);
-            }
-        }
-    }
-
-    fn remove(&mut self, id: ProcId) {
-        match self {
-            LatestIndex::Dense {
-                first,
-                slots,
-                filled,
-            } => {
-                let slot = &mut slots[Self::slot(*first, id)];
-                *filled -= usize::from(slot.is_some());
-                *slot = None;
-            }
-            LatestIndex::Sparse(map) => {
-                map.remove(&id);
-            }
+            LatestIndex::Sparse(map) => match at {
+                Some(at) => {
+                    map.insert(id, at);
+                }
+                None => {
+                    map.remove(&id);
+                }
+            },
         }
     }
 
