@@ -2,17 +2,25 @@
 //! empty: a root stack's outbox and its transitions waiting for durability. An idle
 //! tree would otherwise hold a buffer per queue for as long as it waits.
 //!
-//! An emptied queue lends its buffer to the thread (one spare per thread and type), and
-//! the next push on the thread takes it back, so a busy tree allocates nothing either.
-//! The root stacks of one arbiter take the spare in turn: each empties its queues before
-//! its handler returns, or holds the buffer until it does.
+//! An emptied queue lends its buffer to the thread (up to [`SPARES`] spares per thread
+//! and type), and a push on the thread into a queue without one takes a spare, so busy
+//! trees allocate nothing either. The root stacks of one arbiter share the spares: a
+//! tree's transitions wait for durability across messages, so under load many trees
+//! hold a buffer at once, and one spare per thread was too few.
 
-use std::cell::Cell;
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::thread::LocalKey;
 
-/// A thread's spare buffer for queues of `T`.
-pub(crate) type Spare<T> = LocalKey<Cell<Option<Box<VecDeque<T>>>>>;
+/// A thread's spare buffers for queues of `T`.
+pub(crate) type Spare<T> = LocalKey<RefCell<Vec<Box<VecDeque<T>>>>>;
+
+/// The spares a thread keeps per item type, at most: enough for every tree of a busy
+/// arbiter that waits for durability, a few hundred kilobytes at most.
+pub(crate) const SPARES: usize = 1024;
+
+/// A buffer grown past this many items is dropped rather than kept as a spare.
+const SPARE_CAPACITY_MAX: usize = 16;
 
 /// An item type of [`Lent`] queues: names its thread's spare buffer (a `thread_local!`
 /// of its own, as a thread local cannot be generic).
@@ -20,8 +28,8 @@ pub(crate) trait Lendable: Sized + 'static {
     fn spare() -> &'static Spare<Self>;
 }
 
-/// A queue that gives its buffer to the thread's spare when emptied
-/// ([`Lent::release`]) and takes the spare at its first push. One pointer while it has
+/// A queue that gives its buffer to the thread's spares when emptied
+/// ([`Lent::release`]) and takes a spare at its first push. One pointer while it has
 /// no buffer (a `VecDeque` would be four): every idle tree's actor holds two.
 pub(crate) struct Lent<T: Lendable> {
     // The box is the point: one word inline instead of four.
@@ -40,7 +48,7 @@ impl<T: Lendable> Lent<T> {
         let queue = self.queue.get_or_insert_with(|| {
             // After the thread's locals are gone (its arbiter stopping), it allocates.
             T::spare()
-                .try_with(Cell::take)
+                .try_with(|spares| spares.borrow_mut().pop())
                 .ok()
                 .flatten()
                 .unwrap_or_default()
@@ -85,11 +93,19 @@ impl<T: Lendable> Lent<T> {
         self.queue.as_deref().map(std::ptr::from_ref)
     }
 
-    /// Lends the buffer to the thread if the queue is empty.
+    /// Lends the buffer to the thread if the queue is empty (and drops it if the
+    /// thread has spares enough, or it grew large).
     pub(crate) fn release(&mut self) {
         if self.is_empty() {
             if let Some(buf) = self.queue.take() {
-                let _ = T::spare().try_with(|spare| spare.set(Some(buf)));
+                if buf.capacity() <= SPARE_CAPACITY_MAX {
+                    let _ = T::spare().try_with(|spares| {
+                        let mut spares = spares.borrow_mut();
+                        if spares.len() < SPARES {
+                            spares.push(buf);
+                        }
+                    });
+                }
             }
         }
     }
@@ -101,9 +117,9 @@ macro_rules! lendable {
         impl $crate::actors::lent::Lendable for $t {
             fn spare() -> &'static $crate::actors::lent::Spare<Self> {
                 thread_local! {
-                    static SPARE: std::cell::Cell<
-                        Option<Box<std::collections::VecDeque<$t>>>,
-                    > = const { std::cell::Cell::new(None) };
+                    static SPARE: std::cell::RefCell<
+                        Vec<Box<std::collections::VecDeque<$t>>>,
+                    > = const { std::cell::RefCell::new(Vec::new()) };
                 }
                 &SPARE
             }
@@ -142,5 +158,37 @@ mod tests {
             (1, vec![5])
         );
         assert!(b.is_empty() && !b.has_buffer());
+    }
+
+    #[test]
+    fn a_thread_keeps_several_spares_but_not_grown_buffers_or_too_many() {
+        let spares = || <u32 as Lendable>::spare().with(|s| s.borrow().len());
+        let mut queues: Vec<Lent<u32>> = (0..SPARES + 3).map(|_| Lent::default()).collect();
+        for q in &mut queues {
+            q.push_back(1);
+        }
+        let buffers: Vec<_> = queues.iter().map(Lent::buffer).collect();
+        for q in &mut queues {
+            q.pop_front();
+            q.release();
+        }
+        assert_eq!(spares(), SPARES, "kept up to SPARES");
+        // The next pushes take the spares, last lent first.
+        let mut again: Vec<Lent<u32>> = (0..3).map(|_| Lent::default()).collect();
+        for q in &mut again {
+            q.push_back(2);
+        }
+        assert_eq!(again[0].buffer(), buffers[SPARES - 1]);
+        assert_eq!(again[2].buffer(), buffers[SPARES - 3]);
+        assert_eq!(spares(), SPARES - 3);
+        // A buffer grown large is not kept: the spare it took is gone.
+        let mut big = Lent::<u32>::default();
+        for i in 0..100 {
+            big.push_back(i);
+        }
+        assert_eq!(spares(), SPARES - 4);
+        while big.pop_front().is_some() {}
+        big.release();
+        assert_eq!(spares(), SPARES - 4);
     }
 }
