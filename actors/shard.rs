@@ -146,11 +146,22 @@ impl Mail {
                         shard.do_send(ToTree { root, msg });
                     }
                 }
-                _ => shard.do_send(ToTrees(std::mem::take(msgs))),
+                _ => shard.do_send(ToTrees(take_sized(msgs))),
             }
         }
     }
 }
+
+/// The next batch is about as long as this one: its buffer starts at this one's length
+/// (up to `BATCH_CAPACITY_MAX`) rather than growing from empty again, copying as it
+/// grows.
+fn take_sized<T>(batch: &mut Vec<T>) -> Vec<T> {
+    let next = Vec::with_capacity(batch.len().min(BATCH_CAPACITY_MAX));
+    std::mem::replace(batch, next)
+}
+
+/// The most a batch's buffer starts with (a recovery's batches are thousands long).
+const BATCH_CAPACITY_MAX: usize = 256;
 
 /// Declares [`TreeMsg`]: `Start`, then one variant per message a tree is sent, each
 /// with its `From`.
@@ -321,7 +332,7 @@ impl ShardIo {
             }
             _ => self
                 .scheduler
-                .do_send(FromShard(std::mem::take(&mut self.outbox))),
+                .do_send(FromShard(take_sized(&mut self.outbox))),
         }
     }
 }
