@@ -87,3 +87,14 @@ pub(crate) use enabled::point;
 #[cfg(not(feature = "perturb"))]
 #[inline(always)]
 pub(crate) fn point(_name: &'static str) {}
+
+/// Whether the engine checks its own bookkeeping where the check costs time: in debug
+/// builds (the tests), and while a perturbation seed is set (the perturbation test,
+/// built for release). Never in a user's release build.
+pub(crate) fn checking() -> bool {
+    #[cfg(feature = "perturb")]
+    let seeded = enabled::seed() != 0;
+    #[cfg(not(feature = "perturb"))]
+    let seeded = false;
+    cfg!(debug_assertions) || seeded
+}

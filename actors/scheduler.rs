@@ -852,6 +852,13 @@ impl Handler<TreeEnded> for Scheduler {
                     self.free_worker(id, Some(run.lane), ctx);
                 }
             }
+        } else if perturb::checking() {
+            // The tests (and the perturbation test, built for release) check the
+            // root stack's count against the running steps on every tree's end.
+            assert!(
+                !self.running.values().any(|run| run.root == root),
+                "tree {root} ended saying no step of it was out, but one is running"
+            );
         }
         self.ready.forget(&root);
         self.view.levels.remove(&root);
