@@ -496,9 +496,7 @@ impl Shard {
             // The drop tells the executor that the tree failed: the scheduler hears
             // first that it ended (and frees the workers of its steps).
             self.io.flush();
-        }
-        drop(tree);
-        if cut_off {
+            drop(tree);
             // Its calls still running hold the user's futures (and what those hold):
             // they go now, not when each next wakes. (A tree that stops normally has
             // heard back from every call.)

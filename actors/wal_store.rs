@@ -985,22 +985,29 @@ const PARALLEL_REPLAY_MIN: usize = 16_384;
 /// [`StoreError::Corrupt`] naming the segment and frame of a record that does not
 /// decode (of the lowest id, as a replay in id order meets it first).
 fn replay(dir: &Path, segments: SegmentFrames) -> Result<Replayed, StoreError> {
-    let ops: usize = segments
-        .iter()
-        .flat_map(|(_, frames)| frames)
-        .map(|f| f.ops.len())
-        .sum();
-    let threads = if ops < PARALLEL_REPLAY_MIN {
+    let ids = IdSpan::of(&segments);
+    let threads = if ids.ops < PARALLEL_REPLAY_MIN {
         1
     } else {
         super::recover::cores()
     };
-    replay_on(dir, segments, threads)
+    replay_spanned(dir, segments, ids, threads)
 }
 
-/// [`replay`] in `threads` parts.
+/// [`replay`] in `threads` parts (the tests pick the count).
+#[cfg(test)]
 fn replay_on(dir: &Path, segments: SegmentFrames, threads: usize) -> Result<Replayed, StoreError> {
     let ids = IdSpan::of(&segments);
+    replay_spanned(dir, segments, ids, threads)
+}
+
+/// [`replay`] in `threads` parts, the ids of `segments` being `ids`.
+fn replay_spanned(
+    dir: &Path,
+    segments: SegmentFrames,
+    ids: IdSpan,
+    threads: usize,
+) -> Result<Replayed, StoreError> {
     if threads > 1 {
         if let Some(replayed) = split_replay(dir, &segments, ids, threads) {
             return Ok(replayed);
