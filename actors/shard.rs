@@ -249,6 +249,18 @@ impl<T> Calls<T> {
         }
         before - self.0.len()
     }
+
+    /// The next call that ended, with its tree's root; `Ready(None)` when none is in
+    /// flight.
+    fn poll_next(&mut self, cx: &mut task::Context<'_>) -> Poll<Option<(ProcId, Ended<T>)>> {
+        self.0.poll_next_unpin(cx)
+    }
+
+    /// How many calls are in flight.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.0.len()
+    }
 }
 
 /// How a call of a tree ended.
@@ -512,7 +524,7 @@ impl Shard {
     fn drive(&mut self, cx: &mut task::Context<'_>) {
         loop {
             let mut progress = false;
-            while let Poll::Ready(Some((root, end))) = self.io.calls.0.poll_next_unpin(cx) {
+            while let Poll::Ready(Some((root, end))) = self.io.calls.poll_next(cx) {
                 progress = true;
                 match end {
                     Ended::Returned(end) => {
@@ -708,20 +720,20 @@ mod tests {
             calls.push(ProcId(root), Box::pin(guarded_call(status, p)));
         }
         let mut cx = task::Context::from_waker(task::Waker::noop());
-        assert!(calls.0.poll_next_unpin(&mut cx).is_pending());
+        assert!(calls.poll_next(&mut cx).is_pending());
         assert_eq!(calls.drop_tree(ProcId(3)), 0);
         assert_eq!(calls.drop_tree(ProcId(1)), 2);
         let dropped = flags.each_ref().map(|(d, _)| d.load(Ordering::SeqCst));
         assert_eq!(dropped, [true, true, false]);
         // Tree 2's call is polled again (put back, as if woken) and ends.
-        match calls.0.poll_next_unpin(&mut cx) {
+        match calls.poll_next(&mut cx) {
             Poll::Ready(Some((root, ended))) => {
                 assert_eq!((root, ended), (ProcId(2), Ended::Returned(7)));
             }
             other => panic!("tree 2's call did not end: {other:?}"),
         }
         assert_eq!(flags[2].1.load(Ordering::SeqCst), 2);
-        assert_eq!(calls.0.len(), 0);
+        assert_eq!(calls.len(), 0);
     }
 
     fn wake(id: u64) -> Timer {
