@@ -3,7 +3,9 @@
 //! a child procedure ([`DagTask`]); the task statuses are the DAG's persisted state, so
 //! a restart resumes the DAG where it was; a failure rolls back every task the DAG
 //! started, in reverse topological order. [`DagBuilder::build`] refuses a cycle,
-//! naming its tasks.
+//! naming its tasks; a DAG's record that does not describe one it could build (a
+//! cycle, a task out of range) fails to decode, saying what is wrong, so recovery
+//! reports that procedure as corrupt.
 //!
 //! # How it runs
 //!
@@ -373,6 +375,8 @@ impl<T: fmt::Debug> DagBuilder<T> {
 /// ([`ProcInfo::state_name`](crate::ProcInfo::state_name)), and each started task as a
 /// child of the DAG (`List::new().root(id)`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(try_from = "DagRecord<T>")]
+#[serde(bound(deserialize = "T: Deserialize<'de>"))]
 pub struct Dag<T> {
     tasks: Vec<T>,
     /// Each task's predecessors, ascending.
@@ -385,6 +389,65 @@ pub struct Dag<T> {
     /// The task whose rollback failed last, for [`Procedure::failure_policy`].
     #[serde(skip)]
     failed_rollback: Option<u32>,
+}
+
+/// A [`Dag`] as its record holds it, checked before it becomes one: a record that
+/// does not describe a DAG [`DagBuilder::build`] could make (a cycle, a task index out
+/// of range, lists of different lengths) fails to decode with what is wrong, so
+/// recovery reports the procedure as corrupt rather than the engine panicking on it.
+#[derive(Deserialize)]
+struct DagRecord<T> {
+    tasks: Vec<T>,
+    preds: Vec<Vec<u32>>,
+    marks: Vec<Mark>,
+    waves: Vec<Vec<u32>>,
+    parallelism: u32,
+    locks: Vec<Lock>,
+}
+
+impl<T> TryFrom<DagRecord<T>> for Dag<T> {
+    type Error = String;
+
+    fn try_from(r: DagRecord<T>) -> Result<Self, String> {
+        let n = r.tasks.len();
+        if r.preds.len() != n || r.marks.len() != n {
+            return Err(format!(
+                "a DAG of {n} tasks with {} predecessor lists and {} statuses",
+                r.preds.len(),
+                r.marks.len()
+            ));
+        }
+        if r.parallelism == 0 {
+            return Err("a DAG with a parallelism of 0".into());
+        }
+        let in_range = |t: u32| (t as usize) < n;
+        for (task, preds) in r.preds.iter().enumerate() {
+            if let Some(p) = preds.iter().find(|&&p| !in_range(p)) {
+                return Err(format!(
+                    "task {task} of {n} follows task {p}, which does not exist"
+                ));
+            }
+        }
+        for wave in &r.waves {
+            if let Some(t) = wave.iter().find(|&&t| !in_range(t)) {
+                return Err(format!("a wave of a DAG of {n} tasks names task {t}"));
+            }
+        }
+        if let Some(cycle) = find_cycle(&r.preds) {
+            return Err(format!(
+                "the DAG's edges form a cycle through tasks {cycle:?}"
+            ));
+        }
+        Ok(Dag {
+            tasks: r.tasks,
+            preds: r.preds,
+            marks: r.marks,
+            waves: r.waves,
+            parallelism: r.parallelism,
+            locks: r.locks,
+            failed_rollback: None,
+        })
+    }
 }
 
 impl<T> Dag<T> {
@@ -1102,5 +1165,55 @@ mod tests {
         let mut back: Dag<Job> = rmp_serde::from_slice(&bytes).unwrap();
         assert_eq!(back.statuses(), dag.statuses());
         assert_eq!(step(&mut back, &log), Some(vec![3]));
+    }
+
+    #[test]
+    fn a_record_that_is_no_dag_fails_to_decode_saying_why() {
+        let dag = fan();
+        let good = serde_json::to_value(&dag).unwrap();
+        let n = dag.statuses().len();
+        type Edit = fn(&mut serde_json::Value);
+        let cases: [(&str, Edit, &str); 6] = [
+            ("as written", |_| {}, ""),
+            (
+                "a cycle",
+                |v| v["preds"][0] = serde_json::json!([1]),
+                "cycle through tasks [0, 1]",
+            ),
+            (
+                "a self edge",
+                |v| v["preds"][2] = serde_json::json!([2]),
+                "cycle through tasks [2]",
+            ),
+            (
+                "a missing task",
+                |v| v["preds"][1] = serde_json::json!([99]),
+                "follows task 99",
+            ),
+            (
+                "a short list",
+                |v| v["marks"].as_array_mut().unwrap().truncate(1),
+                "1 statuses",
+            ),
+            (
+                "a bad wave",
+                |v| v["waves"] = serde_json::json!([[0], [7, 1]]),
+                "names task 7",
+            ),
+        ];
+        for (case, edit, why) in cases {
+            let mut v = good.clone();
+            edit(&mut v);
+            match serde_json::from_value::<Dag<Job>>(v) {
+                Ok(back) if why.is_empty() => assert_eq!(back.statuses().len(), n),
+                Ok(_) => panic!("{case}: decoded"),
+                Err(e) if !why.is_empty() => assert!(e.to_string().contains(why), "{case}: {e}"),
+                Err(e) => panic!("{case}: {e}"),
+            }
+        }
+        let mut v = good;
+        v["parallelism"] = serde_json::json!(0);
+        let e = serde_json::from_value::<Dag<Job>>(v).unwrap_err();
+        assert!(e.to_string().contains("parallelism of 0"), "{e}");
     }
 }
