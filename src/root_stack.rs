@@ -2015,6 +2015,151 @@ mod tests {
     }
 
     #[test]
+    fn operator_commands_in_each_state_are_done_or_refused_saying_why() {
+        type Setup = fn() -> (RootStack, u64);
+        fn submit() -> RootStack {
+            RootStack::submit(new(1, vec![], None), 0).0
+        }
+        /// Root 1 started children 2 and 3.
+        fn parent() -> RootStack {
+            let mut rs = submit();
+            rs.on_step(done(1, kids(&[2, 3]), false), 1);
+            rs
+        }
+        const RETRY: FailurePolicy = FailurePolicy::RetryThenRollback {
+            times: 1,
+            backoff_ms: 100,
+        };
+        // Each command's expected outcome: `""` done, else a part of the refusal. An
+        // operator's rollback of a procedure that is not paused is an abort (the actor
+        // layer's): here it is only not refused.
+        let cases: [(&str, Setup, [&str; 3]); 10] = [
+            (
+                "runnable",
+                || (submit(), 1),
+                ["", "is RUNNABLE: only a PAUSED", ""],
+            ),
+            (
+                "waiting for children",
+                || (parent(), 1),
+                ["", "is WAITING", ""],
+            ),
+            (
+                "waiting for a retry",
+                || {
+                    let mut rs = submit();
+                    rs.on_step(failed_with(1, RETRY), 1);
+                    (rs, 1)
+                },
+                ["", "is WAITING_TIMEOUT", ""],
+            ),
+            (
+                "paused",
+                || {
+                    let mut rs = submit();
+                    rs.on_step(failed_with(1, FailurePolicy::Pause), 1);
+                    (rs, 1)
+                },
+                ["is PAUSED: only a runnable or waiting", "", ""],
+            ),
+            (
+                "rollback paused",
+                || {
+                    let mut rs = submit();
+                    rs.on_step(failed_with(1, FailurePolicy::Rollback), 1);
+                    rs.on_rolled_back(ProcId(1), rollback_failed(FailurePolicy::Pause), 2);
+                    (rs, 1)
+                },
+                [
+                    "is rolling back",
+                    "",
+                    "rollback is paused: continue it instead",
+                ],
+            ),
+            (
+                "rolling back",
+                || {
+                    let mut rs = submit();
+                    rs.on_step(failed_with(1, FailurePolicy::Rollback), 1);
+                    (rs, 1)
+                },
+                ["is rolling back", "is FAILED", "is already rolling back"],
+            ),
+            (
+                "paused in a tree that failed",
+                || {
+                    let mut rs = parent();
+                    rs.on_step(failed_with(2, FailurePolicy::Pause), 2);
+                    rs.on_step(failed_with(3, FailurePolicy::Rollback), 3);
+                    (rs, 2)
+                },
+                [
+                    "is rolling back",
+                    "has failed: it is rolled back, not continued",
+                    "is already rolling back",
+                ],
+            ),
+            (
+                "finished, its tree running",
+                || {
+                    let mut rs = parent();
+                    rs.on_step(done(2, StepOutcome::Done, false), 2);
+                    (rs, 2)
+                },
+                [
+                    "has already finished (SUCCESS)",
+                    "is SUCCESS",
+                    "has already finished (SUCCESS)",
+                ],
+            ),
+            (
+                "past its tree's point of no return",
+                || {
+                    let mut rs = submit();
+                    rs.on_step(done(1, kids(&[2]), true), 1);
+                    (rs, 2)
+                },
+                [
+                    "",
+                    "is RUNNABLE",
+                    "passed its point of no return: continue instead",
+                ],
+            ),
+            ("not in the tree", || (submit(), 9), ["not in tree 1"; 3]),
+        ];
+        let outcome = |r: Option<String>| r.unwrap_or_default();
+        for (case, setup, [pause, cont, rollback]) in cases {
+            let (rs, id) = setup();
+            let got = outcome(rs.pause_refusal(ProcId(id)));
+            assert!(
+                got.contains(pause) && got.is_empty() == pause.is_empty(),
+                "{case}: pause: {got:?}"
+            );
+            let (mut rs, _) = setup();
+            let got = outcome(rs.on_continue(ProcId(id), 10).err());
+            assert!(
+                got.contains(cont) && got.is_empty() == cont.is_empty(),
+                "{case}: continue: {got:?}"
+            );
+            let (mut rs, _) = setup();
+            let got = outcome(rs.rollback_refusal(ProcId(id)));
+            assert!(
+                got.contains(rollback) && got.is_empty() == rollback.is_empty(),
+                "{case}: rollback: {got:?}"
+            );
+            // The core's own rollback does only a PAUSED procedure, and refuses what
+            // the refusal above refuses, saying the same.
+            let done = rs.on_operator_rollback(ProcId(id), 10);
+            match (rs.state_of(ProcId(id)), &done) {
+                (_, Err(why)) if !rollback.is_empty() => assert_eq!(why, &got, "{case}"),
+                (Some(ProcState::Failed), Ok(_)) => assert_eq!(case, "paused"),
+                (_, Err(why)) => assert!(why.contains("is not paused"), "{case}: {why}"),
+                (state, Ok(t)) => panic!("{case}: rolled back from {state:?}: {t}"),
+            }
+        }
+    }
+
+    #[test]
     fn past_the_point_of_no_return_failures_pause_and_rollback_is_refused() {
         let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
         rs.on_step(done(1, kids(&[2]), true), 1);

@@ -1,6 +1,8 @@
 //! Failure policies and operator commands: retries (counted across a restart), pause
-//! and continue, an operator's rollback of a paused procedure, a rollback that pauses,
-//! and the point of no return. Each scenario runs on both stores.
+//! and continue, an operator's rollback of a paused and of a running procedure, a
+//! rollback that pauses, and the point of no return. Each scenario runs on both stores;
+//! every command in every state, with its refusal, is a table in the core's tests
+//! (`operator_commands_in_each_state_are_done_or_refused_saying_why`).
 
 mod common;
 
@@ -327,6 +329,51 @@ async fn an_operators_rollback_of_a_paused_procedure_undoes_the_failed_step_firs
             w.calls(),
             ["exec 1", "exec 2", "undo 2", "rollback 1"],
             "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// `Rollback` of a RUNNING procedure: its step is cancelled, the answer comes once the
+/// failure is durable, and its steps are rolled back; a second one is refused
+/// (the tree is already rolling back), and so is one of the finished procedure.
+#[actix::test]
+async fn an_operators_rollback_of_a_running_procedure_cancels_its_step() {
+    use common::{Scripted, Step};
+    for name in ["memory", "wal"] {
+        let (executor, rec) = common::start(Reopen::new(name).open(), 2).await;
+        let plan = vec![Step::More, Step::UntilCancelled, Step::More];
+        let id = executor.submit(Scripted::new("p", plan)).await.unwrap();
+        rec.signal.notified().await; // step 2 runs, until cancelled
+        assert_eq!(executor.state(id).await.unwrap().state, ProcState::Runnable);
+        executor.rollback(id).await.expect("rolled back");
+        let refused = executor.rollback(id).await;
+        assert!(
+            matches!(
+                &refused,
+                Err(Error::Refused { .. } | Error::Finished { .. })
+            ),
+            "{name}: {refused:?}"
+        );
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::Aborted, "{name}");
+        // The cancelled step may have left effects: it is undone (unrecorded) before
+        // the recorded step 1.
+        assert_eq!(
+            rec.calls(),
+            [
+                "p-exec",
+                "p-exec",
+                "p-cancelled",
+                "p-rollback",
+                "p-rollback"
+            ],
+            "{name}"
+        );
+        let refused = executor.rollback(id).await.unwrap_err();
+        assert!(
+            matches!(refused, Error::Finished { .. }),
+            "{name}: {refused}"
         );
         executor.shutdown().await.unwrap();
     }
