@@ -63,7 +63,9 @@ enum Command {
         command: WalCommand,
     },
     /// The procedures the log holds, latest record of each: finished roots (kept with
-    /// their results) included; narrow with --state, --type or --tree.
+    /// their results) included; narrow with --state, --type or --tree. A DAG's data is
+    /// its progress, task by task (`DAG 1/6 done, 2 running; tasks dssrww`: waiting,
+    /// ready, started, done, undone).
     #[command(after_help = EXIT_CODES)]
     Procs {
         /// The WAL directory.
@@ -593,6 +595,15 @@ fn decode_state(data: &[u8]) -> Option<Result<Value, String>> {
     )
 }
 
+/// A DAG's progress (see [`proctor::Dag::summary`]), when the state is a [`proctor::Dag`]'s,
+/// of whatever task type: the command knows no user types, but a DAG's own fields it
+/// does.
+fn dag_summary(data: &[u8]) -> Option<String> {
+    rmp_serde::from_slice::<proctor::Dag<de::IgnoredAny>>(data)
+        .ok()
+        .map(|dag| dag.summary())
+}
+
 /// Any self-describing value, read into JSON.
 struct Json(Value);
 
@@ -820,6 +831,7 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
                     bypassed: r.bypassed,
                     steering: &r.steering,
                     corrupt: corrupt.get(&id).map(String::as_str),
+                    dag: dag_summary(&r.data),
                     data: match decode_state(&r.data) {
                         None => Value::Null,
                         Some(Ok(value)) => value,
@@ -871,10 +883,11 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
         } else {
             r.state.to_string()
         };
-        let data = match decode_state(&r.data) {
-            None => "-".to_string(),
-            Some(Ok(value)) => value.to_string(),
-            Some(Err(reason)) => reason,
+        let data = match (dag_summary(&r.data), decode_state(&r.data)) {
+            (Some(dag), _) => format!("DAG {dag}"),
+            (None, None) => "-".to_string(),
+            (None, Some(Ok(value))) => value.to_string(),
+            (None, Some(Err(reason))) => reason,
         };
         table.push(vec![
             format!("{}{}", "  ".repeat(depth), r.id),
@@ -953,6 +966,8 @@ struct ProcJson<'a> {
     steering: &'a proctor::Steering,
     /// Why recovery cannot rebuild its tree, if it cannot.
     corrupt: Option<&'a str>,
+    /// A DAG's progress, task by task (`Dag::summary`); null for any other state.
+    dag: Option<String>,
     /// Its own state decoded; `{"undecodable": reason}` when it is not MessagePack.
     data: Value,
 }

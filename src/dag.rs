@@ -518,8 +518,20 @@ impl<T> Dag<T> {
             .collect()
     }
 
-    /// How far the DAG is, as its state name shows it: `3/20 done, 4 running`, and the
-    /// tasks rolled back once there are some.
+    /// How far the DAG is, as its state name (and `proctor procs`) shows it:
+    /// `3/6 done, 2 running; tasks dddssw` — the tasks done, started and, once there
+    /// are some, rolled back, then each task's status in id order: `w` waiting, `r`
+    /// ready, `s` started, `d` done, `u` rolled back (undone).
+    ///
+    /// ```
+    /// use proctor::DagBuilder;
+    ///
+    /// let mut dag = DagBuilder::new();
+    /// let (a, b) = (dag.add("create"), dag.add("fill"));
+    /// dag.add("index");
+    /// dag.edge(a, b);
+    /// assert_eq!(dag.build().unwrap().summary(), "0/3 done, 0 running; tasks rwr");
+    /// ```
     pub fn summary(&self) -> String {
         let count = |mark| self.marks.iter().filter(|&&m| m == mark).count();
         let mut text = format!(
@@ -532,6 +544,15 @@ impl<T> Dag<T> {
         if rolled_back > 0 {
             text.push_str(&format!(", {rolled_back} rolled back"));
         }
+        text.reserve(8 + self.tasks.len());
+        text.push_str("; tasks ");
+        text.extend(self.statuses().into_iter().map(|(_, status)| match status {
+            TaskStatus::Waiting => 'w',
+            TaskStatus::Ready => 'r',
+            TaskStatus::Started => 's',
+            TaskStatus::Done => 'd',
+            TaskStatus::RolledBack => 'u',
+        }));
         text
     }
 
@@ -1057,12 +1078,12 @@ mod tests {
         assert_eq!(
             names,
             [
-                "0/5 done, 0 running",
-                "0/5 done, 1 running",
-                "1/5 done, 2 running",
-                "3/5 done, 1 running",
-                "4/5 done, 1 running",
-                "5/5 done, 0 running",
+                "0/5 done, 0 running; tasks rwwww",
+                "0/5 done, 1 running; tasks swwww",
+                "1/5 done, 2 running; tasks dssrw",
+                "3/5 done, 1 running; tasks dddsw",
+                "4/5 done, 1 running; tasks dddds",
+                "5/5 done, 0 running; tasks ddddd",
             ]
         );
         assert!(
@@ -1152,7 +1173,10 @@ mod tests {
             statuses,
             [RolledBack, RolledBack, RolledBack, Waiting, Waiting]
         );
-        assert_eq!(dag.summary(), "0/5 done, 0 running, 3 rolled back");
+        assert_eq!(
+            dag.summary(),
+            "0/5 done, 0 running, 3 rolled back; tasks uuuww"
+        );
     }
 
     #[test]

@@ -614,6 +614,92 @@ fn procs_speaks_json() {
     assert_eq!(doc["procedures"][0]["waiting_for"], "rollback");
 }
 
+/// A DAG's record shows its progress task by task, in the table and in JSON, whatever
+/// its task type (the command knows none).
+#[test]
+fn procs_shows_a_dags_tasks() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut dag = proctor::DagBuilder::new();
+    let (a, b) = (dag.add("create".to_string()), dag.add("fill".to_string()));
+    dag.add("index".to_string());
+    dag.edge(a, b);
+    let mut r = record(1, ProcState::Runnable);
+    r.data = rmp_serde::to_vec_named(&dag.build().unwrap()).unwrap();
+    let mut wal = open_wal(dir.path()).unwrap();
+    wal.append(&[
+        StoreOp::Insert(r),
+        StoreOp::Insert(record(2, ProcState::Runnable)),
+    ])
+    .unwrap();
+    drop(wal);
+    let procs = text(&proctor(&["procs"], dir.path()));
+    assert!(
+        row(&procs, 1).contains("DAG 0/3 done, 0 running; tasks rwr"),
+        "{procs}"
+    );
+    assert!(!row(&procs, 2).contains("DAG"), "{procs}");
+    let out = proctor(&["procs", "--json"], dir.path());
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let procs = doc["procedures"].as_array().unwrap();
+    assert_eq!(procs[0]["dag"], "0/3 done, 0 running; tasks rwr");
+    assert_eq!(
+        procs[0]["data"]["tasks"],
+        serde_json::json!(["create", "fill", "index"])
+    );
+    assert_eq!(procs[1]["dag"], serde_json::Value::Null);
+}
+
+/// A procedure paused by its failure policy shows the error, the policy and the retries
+/// it spent, in the table and in JSON.
+#[actix::test]
+async fn procs_says_why_a_policy_paused_a_procedure() {
+    #[derive(Clone, serde::Deserialize, Serialize)]
+    struct Stubborn;
+    #[proctor::async_trait]
+    impl proctor::Procedure for Stubborn {
+        async fn execute(&mut self, _: &mut proctor::Context) -> Result<proctor::Flow, ProcError> {
+            Err(ProcError::failed("disk full"))
+        }
+        async fn rollback(&mut self, _: &mut proctor::Context) -> Result<(), ProcError> {
+            Ok(())
+        }
+        fn failure_policy(&self, _: &ProcError) -> proctor::FailurePolicy {
+            proctor::FailurePolicy::RetryThenPause {
+                times: 2,
+                backoff_ms: 1,
+            }
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut registry = proctor::Registry::new();
+    registry.register::<Stubborn>("stubborn");
+    let executor = proctor::Executor::builder()
+        .registry(registry)
+        .store(open_wal(dir.path()).unwrap())
+        .start()
+        .await
+        .unwrap();
+    let id = executor.submit(Stubborn).await.unwrap();
+    common::wait_for_state(&executor, id, ProcState::Paused).await;
+    executor.shutdown().await.unwrap();
+
+    let procs = text(&proctor(&["procs"], dir.path()));
+    let line = row(&procs, id.0);
+    assert!(
+        line.contains("disk full (policy RetryThenPause { times: 2, backoff_ms: 1 }, 2 retries)"),
+        "{procs}"
+    );
+    let out = proctor(&["procs", "--json"], dir.path());
+    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let paused = &doc["procedures"][0]["steering"]["paused"];
+    assert_eq!(paused["retries"], 2, "{doc}");
+    assert!(paused["error"].to_string().contains("disk full"), "{doc}");
+    assert!(
+        paused["policy"].to_string().contains("RetryThenPause"),
+        "{doc}"
+    );
+}
+
 /// `proctor abort` on a stopped engine's log: the engine that starts next rolls the
 /// tree back (the aborted procedure first gets the rollback of a step it may have been
 /// in, then of its recorded steps), and the tree's result is the abort.
