@@ -810,9 +810,10 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// running further or rolling back, its locks are released, and its parent goes on
     /// as if it had succeeded (bypassing a root ends its tree). With `recursive`, its
     /// unfinished descendants are bypassed too; without, a procedure with unfinished
-    /// children is refused. Only a procedure that waits (for children, an event or a
-    /// deadline) can be bypassed, not one queued or in a step, and not in a tree that
-    /// is rolling back: each refusal is [`Error::BypassRefused`] with the reason.
+    /// children is refused. Only a procedure that waits (for children, an event, a
+    /// deadline, or an operator: PAUSED) can be bypassed, not one queued or in a step,
+    /// and not in a tree that is rolling back (ROLLBACK_PAUSED included): each refusal
+    /// is [`Error::BypassRefused`] with the reason.
     /// Answers once the bypass is durable.
     ///
     /// # Errors

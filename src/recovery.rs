@@ -156,7 +156,8 @@ pub struct PlannedRun {
 /// # Errors
 /// A refusal naming the reason: `id` is not in the store, its tree cannot be rebuilt,
 /// it has finished, its tree is rolling back, it has unfinished children and
-/// `recursive` is not set, or it (or a descendant) is neither waiting nor RUNNABLE.
+/// `recursive` is not set, or it (or a descendant) is neither waiting, PAUSED nor
+/// RUNNABLE.
 pub fn bypass(
     records: &[ProcRecord],
     id: ProcId,

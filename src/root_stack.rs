@@ -1049,9 +1049,10 @@ impl RootStack {
 
     /// An operator bypasses `id` (HBCK2's `bypass`): it is marked SUCCESS without
     /// running further or rolling back, and so, with `recursive`, is every unfinished
-    /// procedure below it. Only procedures that wait (for children, an event or a
-    /// deadline) can be bypassed: one queued or in a step cannot be stopped under it,
-    /// and a tree that is rolling back is refused. The parent of a bypassed procedure
+    /// procedure below it. Only procedures that wait (for children, an event, a
+    /// deadline, or an operator: PAUSED) can be bypassed: one queued or in a step
+    /// cannot be stopped under it, and a tree that is rolling back (a ROLLBACK_PAUSED
+    /// procedure's too) is refused. The parent of a bypassed procedure
     /// goes on as if it had succeeded; bypassing the root ends the tree. Refusals say
     /// why.
     ///
@@ -1088,8 +1089,10 @@ impl RootStack {
                 .map(|(&c, _)| c)
                 .collect();
             if !children.is_empty() && !recursive {
+                let children: Vec<String> = children.iter().map(ToString::to_string).collect();
                 return Err(format!(
-                    "procedure {parent} has unfinished children {children:?}: bypass it recursively"
+                    "procedure {parent} has unfinished children {}: bypass it recursively",
+                    children.join(", ")
                 ));
             }
             targets.extend(children);
@@ -1097,17 +1100,22 @@ impl RootStack {
         }
         for &target in &targets {
             let state = self.nodes[&target].state;
-            let idle = matches!(state, ProcState::Waiting | ProcState::WaitingTimeout)
-                || (stopped && state == ProcState::Runnable);
+            let idle = matches!(
+                state,
+                ProcState::Waiting | ProcState::WaitingTimeout | ProcState::Paused
+            ) || (stopped && state == ProcState::Runnable);
             if !idle {
                 return Err(format!(
-                    "procedure {target} is {state}: only a waiting procedure can be bypassed"
+                    "procedure {target} is {state}: only a waiting or paused procedure can be bypassed"
                 ));
             }
         }
         let mut t = Transition::default();
         let root = self.root;
         for &target in targets.iter().rev() {
+            if self.nodes[&target].state == ProcState::Paused {
+                self.unpause(target);
+            }
             let node = self.node_mut(target);
             node.state = ProcState::Success;
             node.bypassed = true;
@@ -2016,6 +2024,7 @@ mod tests {
 
     #[test]
     fn operator_commands_in_each_state_are_done_or_refused_saying_why() {
+        // Pause, continue, rollback and (online) bypass.
         type Setup = fn() -> (RootStack, u64);
         fn submit() -> RootStack {
             RootStack::submit(new(1, vec![], None), 0).0
@@ -2030,19 +2039,25 @@ mod tests {
             times: 1,
             backoff_ms: 100,
         };
-        // Each command's expected outcome: `""` done, else a part of the refusal. An
-        // operator's rollback of a procedure that is not paused is an abort (the actor
-        // layer's): here it is only not refused.
-        let cases: [(&str, Setup, [&str; 3]); 10] = [
+        // Each command's expected outcome (pause, continue, rollback, bypass): `""`
+        // done, else a part of the refusal. An operator's rollback of a procedure that
+        // is not paused is an abort (the actor layer's): here it is only not refused.
+        const IDLE_ONLY: &str = "only a waiting or paused procedure can be bypassed";
+        let cases: [(&str, Setup, [&str; 4]); 10] = [
             (
                 "runnable",
                 || (submit(), 1),
-                ["", "is RUNNABLE: only a PAUSED", ""],
+                ["", "is RUNNABLE: only a PAUSED", "", IDLE_ONLY],
             ),
             (
                 "waiting for children",
                 || (parent(), 1),
-                ["", "is WAITING", ""],
+                [
+                    "",
+                    "is WAITING",
+                    "",
+                    "has unfinished children 2, 3: bypass it recursively",
+                ],
             ),
             (
                 "waiting for a retry",
@@ -2051,7 +2066,7 @@ mod tests {
                     rs.on_step(failed_with(1, RETRY), 1);
                     (rs, 1)
                 },
-                ["", "is WAITING_TIMEOUT", ""],
+                ["", "is WAITING_TIMEOUT", "", ""],
             ),
             (
                 "paused",
@@ -2060,7 +2075,7 @@ mod tests {
                     rs.on_step(failed_with(1, FailurePolicy::Pause), 1);
                     (rs, 1)
                 },
-                ["is PAUSED: only a runnable or waiting", "", ""],
+                ["is PAUSED: only a runnable or waiting", "", "", ""],
             ),
             (
                 "rollback paused",
@@ -2074,6 +2089,7 @@ mod tests {
                     "is rolling back",
                     "",
                     "rollback is paused: continue it instead",
+                    "is rolling back",
                 ],
             ),
             (
@@ -2083,7 +2099,12 @@ mod tests {
                     rs.on_step(failed_with(1, FailurePolicy::Rollback), 1);
                     (rs, 1)
                 },
-                ["is rolling back", "is FAILED", "is already rolling back"],
+                [
+                    "is rolling back",
+                    "is FAILED",
+                    "is already rolling back",
+                    "is rolling back",
+                ],
             ),
             (
                 "paused in a tree that failed",
@@ -2097,6 +2118,7 @@ mod tests {
                     "is rolling back",
                     "has failed: it is rolled back, not continued",
                     "is already rolling back",
+                    "is rolling back",
                 ],
             ),
             (
@@ -2109,6 +2131,7 @@ mod tests {
                 [
                     "has already finished (SUCCESS)",
                     "is SUCCESS",
+                    "has already finished (SUCCESS)",
                     "has already finished (SUCCESS)",
                 ],
             ),
@@ -2123,12 +2146,19 @@ mod tests {
                     "",
                     "is RUNNABLE",
                     "passed its point of no return: continue instead",
+                    IDLE_ONLY,
                 ],
             ),
-            ("not in the tree", || (submit(), 9), ["not in tree 1"; 3]),
+            ("not in the tree", || (submit(), 9), ["not in tree 1"; 4]),
         ];
         let outcome = |r: Option<String>| r.unwrap_or_default();
-        for (case, setup, [pause, cont, rollback]) in cases {
+        for (case, setup, [pause, cont, rollback, bypass]) in cases {
+            let (mut rs, id) = setup();
+            let got = outcome(rs.on_bypass(ProcId(id), false, false, 10).err());
+            assert!(
+                got.contains(bypass) && got.is_empty() == bypass.is_empty(),
+                "{case}: bypass: {got:?}"
+            );
             let (rs, id) = setup();
             let got = outcome(rs.pause_refusal(ProcId(id)));
             assert!(

@@ -80,7 +80,7 @@ async fn a_subtree_needs_the_recursive_flag_and_refusals_say_why() {
         match executor.bypass(busy, false).await {
             Err(Error::BypassRefused { reason, .. }) => {
                 assert!(
-                    reason.contains("only a waiting procedure"),
+                    reason.contains("only a waiting or paused procedure"),
                     "{name}: {reason}"
                 )
             }
@@ -88,6 +88,25 @@ async fn a_subtree_needs_the_recursive_flag_and_refusals_say_why() {
         }
         rec.gate.notify_waiters();
         assert_eq!(executor.wait(busy).await.unwrap(), Ok(()));
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// A PAUSED procedure (its work finished by hand, say) can be bypassed: it ends
+/// SUCCESS, marked bypassed, without running again. (Every state's bypass, the
+/// refusals included, is a table in the core's tests.)
+#[actix::test]
+async fn a_paused_procedure_can_be_bypassed() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, rec) = common::start(store, 4).await;
+        let root = executor.submit(suspended("p")).await.unwrap();
+        common::wait_for_state(&executor, root, ProcState::Waiting).await;
+        executor.pause(root).await.expect("paused at once");
+        executor.bypass(root, false).await.unwrap();
+        assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{name}");
+        let info = executor.state(root).await.unwrap();
+        assert!(info.steering.paused.is_none(), "{name}: no longer paused");
+        assert_eq!(rec.count("p-exec"), 1, "{name}: ran no further");
         executor.shutdown_now().await.unwrap();
     }
 }

@@ -501,6 +501,64 @@ async fn holder_and_waiter(executor: &Executor<World>) -> (ProcId, ProcId) {
     (a, b)
 }
 
+/// A PAUSED procedure keeps the locks it holds for life, across a restart too: those
+/// waiting for them wait until it is continued and finishes.
+#[actix::test]
+async fn a_paused_holder_keeps_its_locks_until_continued_and_done() {
+    for name in ["memory", "wal"] {
+        let store = common::Reopen::new(name);
+        let (executor, world) = start(store.open(), 4, |b| b).await;
+        let holder = Locker::new(
+            "holder",
+            vec![Lock::exclusive("t")],
+            true,
+            vec![Step::Suspend("go".into()), Step::More],
+        );
+        let a = executor
+            .submit(Locker {
+                stay_suspended: true,
+                ..holder
+            })
+            .await
+            .unwrap();
+        common::wait_for_state(&executor, a, ProcState::Waiting).await;
+        executor
+            .pause(a)
+            .await
+            .expect("paused at once: it waits for an event");
+        let waiter = Locker::new("waiter", vec![Lock::exclusive("t")], true, vec![Step::More]);
+        let b = executor.submit(waiter).await.unwrap();
+        wait_for_lock_wait(&executor, b).await;
+        let info = executor.state(a).await.unwrap();
+        assert_eq!(info.state, ProcState::Paused, "{name}");
+        assert_eq!(info.locks_held, [Lock::exclusive("t")], "{name}");
+        executor.shutdown_now().await.unwrap();
+
+        let (executor, world2) = start(store.open(), 4, |b| b).await;
+        let info = executor.state(a).await.unwrap();
+        assert_eq!(
+            (info.state, info.locks_held),
+            (ProcState::Paused, vec![Lock::exclusive("t")]),
+            "{name}: paused and holding, after the restart"
+        );
+        wait_for_lock_wait(&executor, b).await;
+        executor.resume(a).await.unwrap();
+        common::wait_for_state(&executor, a, ProcState::Waiting).await;
+        executor.wake_event("go").await.unwrap();
+        assert_eq!(executor.wait(a).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(executor.wait(b).await.unwrap(), Ok(()), "{name}");
+        let calls = [world.calls(), world2.calls()].concat();
+        assert_eq!(
+            calls,
+            ["holder-exec", "holder-exec", "waiter-exec"],
+            "{name}"
+        );
+        assert!(world.conflicts.lock().unwrap().is_empty(), "{name}");
+        assert!(world2.conflicts.lock().unwrap().is_empty(), "{name}");
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
 /// Aborting a procedure that waits for its lock fails it at once: it never runs, and
 /// the holder is not disturbed.
 #[actix::test]

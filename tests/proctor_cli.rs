@@ -218,7 +218,7 @@ fn bypass_marks_a_stuck_procedure_finished_offline() {
     );
     assert_eq!(out.status.code(), Some(1), "{}", text(&out));
     assert!(
-        text(&out).contains("unfinished children [ProcId(2)]"),
+        text(&out).contains("unfinished children 2: bypass it recursively"),
         "{}",
         text(&out)
     );
