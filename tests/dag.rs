@@ -1,8 +1,9 @@
 //! DAG procedures end to end, on both stores: a failure in the middle of a 20-task DAG
 //! rolls back exactly the started tasks against the edges, a DAG cut off by a crash-like
 //! stop resumes on the same store, a cycle is refused, and a wave never runs more tasks
-//! than the DAG's parallelism; a task's failure follows its policy, and past an
-//! irreversible task a failure pauses the task until an operator continues it.
+//! than the DAG's parallelism; a task's failure, and its failed rollback, follow its
+//! policy; a task runs under its own locks; and past an irreversible task a failure
+//! pauses the task until an operator continues it.
 
 mod common;
 
@@ -70,6 +71,8 @@ enum Kind {
     FailTimes(u32),
     /// Execute at once; roll back only once the named task's rollback has begun.
     UndoWith(String),
+    /// Execute at once; the first N rollbacks fail.
+    UndoFailsTimes(u32),
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -78,6 +81,7 @@ struct Job {
     kind: Kind,
     policy: FailurePolicy,
     irreversible: bool,
+    locks: Vec<Lock>,
 }
 
 fn job(name: impl Into<String>, kind: Kind) -> Job {
@@ -86,6 +90,7 @@ fn job(name: impl Into<String>, kind: Kind) -> Job {
         kind,
         policy: FailurePolicy::Rollback,
         irreversible: false,
+        locks: Vec::new(),
     }
 }
 
@@ -100,7 +105,7 @@ impl Task<Env> for Job {
             s.max_running = s.max_running.max(s.running);
         });
         let result = match &self.kind {
-            Kind::Plain | Kind::UndoWith(_) => Ok(()),
+            Kind::Plain | Kind::UndoWith(_) | Kind::UndoFailsTimes(_) => Ok(()),
             Kind::FailAfter(others) => {
                 env.wait(|s| others.iter().all(|o| s.entered.contains(o)))
                     .await;
@@ -135,9 +140,19 @@ impl Task<Env> for Job {
         let env = ctx.env();
         env.seen
             .send_modify(|s| s.calls.push(format!("rollback {}", self.name)));
-        if let Kind::UndoWith(other) = &self.kind {
-            let begun = format!("rollback {other}");
-            env.wait(|s| s.calls.contains(&begun)).await;
+        match &self.kind {
+            Kind::UndoWith(other) => {
+                let begun = format!("rollback {other}");
+                env.wait(|s| s.calls.contains(&begun)).await;
+            }
+            Kind::UndoFailsTimes(n) => {
+                let mine = format!("rollback {}", self.name);
+                let tries = env.calls().iter().filter(|c| **c == mine).count();
+                if tries <= *n as usize {
+                    return Err(ProcError::failed(format!("{} is stuck", self.name)));
+                }
+            }
+            _ => {}
         }
         Ok(())
     }
@@ -148,6 +163,10 @@ impl Task<Env> for Job {
 
     fn irreversible(&self) -> bool {
         self.irreversible
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        self.locks.clone()
     }
 }
 
@@ -442,6 +461,82 @@ async fn a_task_failure_follows_the_tasks_policy() {
             ["exec a", "exec b", "exec b", "exec b"],
             "{store_name}: b was retried, nothing rolled back"
         );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// A task whose rollback fails follows its own policy too: under `Pause` the DAG's
+/// rollback pauses (ROLLBACK_PAUSED) until an operator continues it, and the task's
+/// rollback then runs again and the DAG ends rolled back.
+#[actix::test]
+async fn a_tasks_failed_rollback_follows_the_tasks_policy() {
+    for (store_name, store, _dir) in stores() {
+        let env = Env::new(false);
+        let executor = start(store, env.clone(), 4).await;
+        let mut b = DagBuilder::new();
+        let mut stuck = job("a", Kind::UndoFailsTimes(1));
+        stuck.policy = FailurePolicy::Pause;
+        let a = b.add(stuck);
+        let fails = b.add(job("b", Kind::FailTimes(u32::MAX)));
+        b.edge(a, fails);
+        let id = executor.submit(b.build().unwrap()).await.unwrap();
+        common::wait_for_state(&executor, id, ProcState::RollbackPaused).await;
+        let info = executor.state(id).await.unwrap();
+        let paused = info.steering.paused.expect("why it paused");
+        assert_eq!(paused.policy, Some(FailurePolicy::Pause), "{store_name}");
+        assert!(
+            paused
+                .error
+                .is_some_and(|e| e.to_string().contains("a is stuck")),
+            "{store_name}"
+        );
+        executor.resume(id).await.unwrap();
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert!(
+            failure.error.to_string().contains("b broke"),
+            "{store_name}"
+        );
+        assert_eq!(
+            env.calls(),
+            ["exec a", "exec b", "rollback b", "rollback a", "rollback a"],
+            "{store_name}: b (started, failed) undone first; a's rollback ran again after the continue"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// A task's own locks (`Task::locks`) are held while it runs: its child procedure
+/// shows them, and they are free once the DAG is done.
+#[actix::test]
+async fn a_task_runs_under_its_own_locks() {
+    for (store_name, store, _dir) in stores() {
+        let env = Env::new(false);
+        let executor = start(store, env.clone(), 4).await;
+        let mut b = DagBuilder::new();
+        let mut locked = job("a", Kind::Permit);
+        locked.locks = vec![Lock::exclusive("tables/t1")];
+        b.add(locked);
+        let id = executor.submit(b.build().unwrap()).await.unwrap();
+        env.wait(|s| s.running == 1).await;
+        let tree = executor.list(proctor::List::new().root(id)).await.unwrap();
+        let task = tree
+            .iter()
+            .find(|p| p.parent == Some(id))
+            .expect("a's child");
+        assert_eq!(
+            task.locks_held,
+            [Lock::exclusive("tables/t1")],
+            "{store_name}"
+        );
+        env.permits.add_permits(1);
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
+        // Free again: another DAG whose task takes the same lock runs.
+        let mut again = DagBuilder::new();
+        let mut locked = job("b", Kind::Plain);
+        locked.locks = vec![Lock::exclusive("tables/t1")];
+        again.add(locked);
+        let id = executor.submit(again.build().unwrap()).await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
         executor.shutdown().await.unwrap();
     }
 }
