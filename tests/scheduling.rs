@@ -238,6 +238,43 @@ async fn stats_show_queued_steps_per_level() {
     }
 }
 
+/// A tree whose steps have run for over a second is on level 1 of the fair queue, and
+/// the listing says so. (Step time is measured, so the first step is held open for
+/// 1.1 s: the duration is what is tested, not a way to order events.)
+#[actix::test]
+async fn the_listing_shows_a_tree_moved_down_a_level() {
+    use std::time::{Duration, Instant};
+    for (store_name, store, _dir) in stores() {
+        let (executor, rec) = start(store, 1).await;
+        let a = executor
+            .submit(Scripted::new("a", vec![Step::Hold, Step::Hold]))
+            .await
+            .unwrap();
+        rec.signal.notified().await; // step 1 runs
+        assert_eq!(executor.state(a).await.unwrap().queue_level, Some(0));
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        rec.gate.notify_one();
+        rec.signal.notified().await; // step 2 runs
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let level = executor.state(a).await.unwrap().queue_level;
+            if level == Some(1) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "{store_name}: level {level:?}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        rec.gate.notify_one();
+        assert_eq!(executor.wait(a).await.unwrap(), Ok(()), "{store_name}");
+        assert_eq!(
+            executor.state(a).await.unwrap().queue_level,
+            None,
+            "{store_name}"
+        );
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
 /// A one-step procedure registered as a system procedure.
 #[derive(Serialize, Deserialize)]
 struct Meta(String);
