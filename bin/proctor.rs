@@ -1,7 +1,7 @@
 //! `proctor`: the operator command for a proctor WAL directory. Its reading commands
 //! (`wal verify`, `wal dump`, `procs`) take no lock and change nothing, so they are safe
-//! beside a running engine and on a damaged log; `bypass` and `abort` write through the
-//! store, so they open the log as the engine does (taking its lock: the engine must be
+//! beside a running engine and on a damaged log; `bypass`, `abort`, `pause`,
+//! `continue` and `rollback` write through the store, so they open the log as the engine does (taking its lock: the engine must be
 //! stopped).
 //!
 //! ```sh
@@ -10,6 +10,9 @@
 //! proctor procs DIR [--state S,..] [--type NAME] [--tree ID] [--json]
 //! proctor bypass DIR ID [--recursive]   # mark a stuck procedure finished (HBCK2)
 //! proctor abort DIR ID                  # fail it; its tree rolls back at next start
+//! proctor pause DIR ID                  # it stays paused at next start
+//! proctor continue DIR ID               # a paused procedure goes on
+//! proctor rollback DIR ID               # a paused procedure's tree rolls back
 //! ```
 //!
 //! Output goes through [`Out`]: a reader that closes the pipe early (`| head`) ends the
@@ -104,6 +107,17 @@ enum Command {
     /// procedure and for a tree that has already failed.
     #[command(after_help = EXIT_CODES)]
     Abort {
+        /// The WAL directory (of a stopped engine: its lock is taken).
+        dir: PathBuf,
+        /// The procedure.
+        id: u64,
+    },
+    /// Pause a procedure on a stopped engine's directory: a RUNNABLE one, or one
+    /// waiting for an event or a timer, is recorded PAUSED and runs nothing when the
+    /// engine starts until an operator continues it (or rolls it back). Refused for a
+    /// parent waiting for its children (pause them), and in a tree rolling back.
+    #[command(after_help = EXIT_CODES)]
+    Pause {
         /// The WAL directory (of a stopped engine: its lock is taken).
         dir: PathBuf,
         /// The procedure.
@@ -216,6 +230,7 @@ fn main() -> ExitCode {
         }),
         Command::Bypass { dir, id, recursive } => bypass(&mut out, &dir, ProcId(id), recursive),
         Command::Abort { dir, id } => abort(&mut out, &dir, ProcId(id)),
+        Command::Pause { dir, id } => steer(&mut out, &dir, ProcId(id), Steer::Pause),
         Command::Continue { dir, id } => steer(&mut out, &dir, ProcId(id), Steer::Continue),
         Command::Rollback { dir, id } => steer(&mut out, &dir, ProcId(id), Steer::Rollback),
     };
@@ -1052,10 +1067,15 @@ fn abort(out: &mut Out, dir: &Path, id: ProcId) -> Outcome {
     }
 }
 
-/// Writes an operator's continue or rollback of a paused procedure through the store.
+/// Writes an operator's pause, or continue or rollback of a paused procedure, through
+/// the store.
 fn steer(out: &mut Out, dir: &Path, id: ProcId, command: Steer) -> Outcome {
     let (mut wal, records) = open_stopped(dir)?;
     let (name, effect) = match command {
+        Steer::Pause => (
+            "pause",
+            "it stays paused when the engine starts, until continued",
+        ),
         Steer::Continue => ("continue", "it goes on when the engine starts"),
         Steer::Rollback => ("rollback", "its tree rolls back when the engine starts"),
     };

@@ -248,6 +248,10 @@ pub fn abort(records: &[ProcRecord], id: ProcId, now_ms: u64) -> Result<Vec<Stor
 /// (`proctor continue` / `proctor rollback`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Steer {
+    /// A RUNNABLE procedure, or one waiting for an event or a timer, is PAUSED (by an
+    /// operator) and stays so at next start until continued; a parent waiting for its
+    /// children is refused (pause them).
+    Pause,
     /// A PAUSED procedure runs its step again at next start (retries reset); a
     /// ROLLBACK_PAUSED one retries its rollback.
     Continue,
@@ -257,9 +261,10 @@ pub enum Steer {
 }
 
 /// The ops that carry out `command` on `id`, from the latest records, exactly as the
-/// running engine's [`Executor::resume`](crate::Executor::resume) and
-/// [`Executor::rollback`](crate::Executor::rollback) would write them. Append them
-/// through the store.
+/// running engine's [`Executor::pause`](crate::Executor::pause),
+/// [`Executor::resume`](crate::Executor::resume) and
+/// [`Executor::rollback`](crate::Executor::rollback) would write them (a pause takes
+/// effect at once: nothing runs). Append them through the store.
 ///
 /// # Errors
 /// A refusal naming the reason: `id` is not in the store, its tree cannot be rebuilt,
@@ -273,6 +278,7 @@ pub fn steer(
 ) -> Result<Vec<StoreOp>, String> {
     let (target, mut stack) = rebuild(records, id, now_ms)?;
     let t = match command {
+        Steer::Pause => stack.on_offline_pause(id, target.data.clone(), now_ms)?,
         Steer::Continue => stack.on_continue(id, now_ms)?,
         Steer::Rollback => stack.on_operator_rollback(id, now_ms).map_err(|reason| {
             if target.state == ProcState::Paused {

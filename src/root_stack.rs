@@ -961,6 +961,37 @@ impl RootStack {
         Some(t)
     }
 
+    /// An operator pauses `id` on a stopped engine (`proctor pause`), `data` being its
+    /// recorded state. Nothing runs there, so a RUNNABLE procedure pauses at once, as
+    /// one waiting for an event or a timer does (`on_pause_waiting`); a parent waiting
+    /// for its children is refused, since its pause takes effect at its next step,
+    /// which only a running engine sees. Other refusals as [`pause_refusal`]
+    /// (Self::pause_refusal).
+    pub fn on_offline_pause(
+        &mut self,
+        id: ProcId,
+        data: Vec<u8>,
+        now_ms: u64,
+    ) -> Result<Transition, String> {
+        if let Some(reason) = self.pause_refusal(id) {
+            return Err(reason);
+        }
+        if self.nodes[&id].state == ProcState::Waiting && !self.waits_for_wake(id) {
+            return Err(format!(
+                "procedure {id} waits for its children: pause them, or pause it on a \
+                 running engine (it stops at its next step)"
+            ));
+        }
+        let mut t = Transition::default();
+        let why = Paused {
+            error: None,
+            policy: None,
+            retries: 0,
+        };
+        self.pause(&mut t, id, ProcState::Paused, why, data, now_ms);
+        Ok(t)
+    }
+
     /// Why an operator may not pause `id`, if not: only a procedure queued, running or
     /// waiting in a healthy tree can be (it pauses at its next step, which it does not
     /// run).

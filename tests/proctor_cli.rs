@@ -796,6 +796,96 @@ fn abort_and_bypass_refuse_a_running_engine_and_an_unknown_id() {
 
 /// `proctor continue` and `proctor rollback` on a stopped engine's log: one paused
 /// procedure goes on at the next start, the other's tree rolls back.
+/// `proctor pause` on a stopped engine's log: a RUNNABLE procedure and one waiting
+/// for an event are PAUSED when the engine starts and run nothing until continued; a
+/// parent waiting for its children is refused, and so is an unknown id.
+#[actix::test]
+async fn pause_on_a_stopped_engine_holds_a_procedure_until_continued() {
+    let dir = tempfile::tempdir().unwrap();
+    let (executor, rec1) = common::start(Box::new(open_wal(dir.path()).unwrap()), 2).await;
+    // In a step when the engine stops: its record stays RUNNABLE.
+    let runnable = executor
+        .submit(Scripted::new("q", vec![Step::Hold, Step::More]))
+        .await
+        .unwrap();
+    rec1.signal.notified().await;
+    let waiting = executor
+        .submit(Scripted::new(
+            "r",
+            vec![Step::Suspend("go".into()), Step::More],
+        ))
+        .await
+        .unwrap();
+    let child = Scripted::new("c", vec![Step::Suspend("go".into())]);
+    let parent = executor
+        .submit(Scripted::new(
+            "p",
+            vec![Step::Children(vec![child]), Step::More],
+        ))
+        .await
+        .unwrap();
+    common::wait_for_state(&executor, waiting, proctor::ProcState::Waiting).await;
+    common::waiting_children(&executor, parent, 1).await;
+    executor.shutdown_now().await.unwrap();
+
+    let run = |id: u64| {
+        output(
+            Command::new(env!("CARGO_BIN_EXE_proctor"))
+                .arg("pause")
+                .arg(dir.path())
+                .arg(id.to_string()),
+        )
+    };
+    for id in [runnable, waiting] {
+        let out = run(id.0);
+        assert!(out.status.success(), "{id}: {}", text(&out));
+        assert!(text(&out).contains("stays paused"), "{}", text(&out));
+    }
+    let refused = run(parent.0);
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused));
+    assert!(
+        text(&refused).contains("waits for its children"),
+        "{}",
+        text(&refused)
+    );
+    let unknown = run(1 << 40);
+    assert_eq!(unknown.status.code(), Some(1), "{}", text(&unknown));
+    let procs = text(&proctor(&["procs", "--state", "paused"], dir.path()));
+    assert_eq!(
+        ids(&procs),
+        [runnable.0.to_string(), waiting.0.to_string()],
+        "{procs}"
+    );
+
+    let (executor, rec) = common::start(Box::new(open_wal(dir.path()).unwrap()), 2).await;
+    for id in [runnable, waiting] {
+        let info = executor.state(id).await.unwrap();
+        assert_eq!(info.state, proctor::ProcState::Paused, "{id}");
+    }
+    // The event does not wake a paused procedure; the parent's child goes on.
+    executor.wake_event("go").await.unwrap();
+    assert_eq!(executor.wait(parent).await.unwrap(), Ok(()));
+    assert_eq!(
+        rec.count("q-exec") + rec.count("r-exec"),
+        0,
+        "{:?}",
+        rec.calls()
+    );
+    for id in [runnable, waiting] {
+        executor.resume(id).await.unwrap();
+    }
+    // `r` waits for its event again.
+    common::wait_for_state(&executor, waiting, proctor::ProcState::Waiting).await;
+    executor.wake_event("go").await.unwrap();
+    rec.signal.notified().await; // `q` holds in its first step again
+    rec.gate.notify_one();
+    assert_eq!(executor.wait(runnable).await.unwrap(), Ok(()));
+    assert_eq!(executor.wait(waiting).await.unwrap(), Ok(()));
+    assert_eq!(rec.count("q-exec"), 2, "{:?}", rec.calls());
+    assert_eq!(rec.count("r-exec"), 1, "{:?}", rec.calls());
+    executor.shutdown().await.unwrap();
+}
+
 #[actix::test]
 async fn continue_and_rollback_of_paused_procedures_on_a_stopped_engine() {
     let dir = tempfile::tempdir().unwrap();
