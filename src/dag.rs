@@ -468,7 +468,7 @@ impl<T> Dag<T> {
     /// dag.edge(a, b);
     /// let dag = dag.build().unwrap();
     /// assert_eq!(dag.statuses(), [(a, TaskStatus::Ready), (b, TaskStatus::Waiting)]);
-    /// assert_eq!(dag.summary(), "0/2 done, 0 running");
+    /// assert_eq!(dag.summary(), "0/2 done, 0 running; tasks rw");
     /// ```
     pub fn statuses(&self) -> Vec<(TaskId, TaskStatus)> {
         (0..self.tasks.len())
