@@ -657,9 +657,13 @@ fn decode_tree(registry: &Types, records: &[ProcRecord]) -> Result<(Objects, Vec
     let mut objects = Vec::new();
     let mut rerun = Vec::new();
     for r in records.iter().filter(|r| !r.state.is_finished()) {
-        let mut proc = registry
-            .decode(&r.type_name, &r.data)
-            .map_err(|e| format!("procedure {}: {e}", r.id))?;
+        // The user's `Deserialize` runs here: a panic in it makes the tree corrupt,
+        // named, rather than ending the engine's start.
+        let mut proc = guard("decoding the state", || {
+            registry.decode(&r.type_name, &r.data)
+        })
+        .map_err(|e| format!("procedure {}: {e}", r.id))?
+        .map_err(|e| format!("procedure {}: {e}", r.id))?;
         if let Err(e) = guard("before_recover", || proc.before_recover()) {
             tracing::error!(proc = %r.id, %e, "before_recover panicked");
         }

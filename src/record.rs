@@ -159,24 +159,50 @@ mod stack_runs {
 
     pub(super) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u32>, D::Error> {
         let runs: Vec<(u32, u32)> = Vec::deserialize(d)?;
-        let total: u64 = runs.iter().map(|&(_, n)| u64::from(n)).sum();
-        // Positions index a stack in memory: a run that claims more than a u32 stack
-        // can hold is damage, not a reason to allocate.
-        if total > u64::from(u32::MAX) {
-            return Err(serde::de::Error::custom(
-                "stack runs longer than a stack can be",
+        super::expand_stack_runs(runs).map_err(serde::de::Error::custom)
+    }
+}
+
+/// The most steps one procedure records ([`ProcRecord::stack_indexes`]): its next
+/// step past them fails the procedure (see `RootStack::on_step`), and a record that
+/// claims more is damage, refused before anything is allocated for it. A step recorded
+/// costs its tree's stack 8 bytes and the procedure's record 4 bytes until the
+/// procedure ends, so this is far past any procedure that finishes, and small enough
+/// that a damaged record cannot ask for more memory than a machine has.
+#[cfg(not(test))]
+pub(crate) const MAX_RECORDED_STEPS: usize = 1 << 24;
+/// Small in the crate's unit tests, so that a test reaches it.
+#[cfg(test)]
+pub(crate) const MAX_RECORDED_STEPS: usize = 1 << 12;
+
+/// The stack positions of `(first, count)` runs, checked as the engine writes them: in
+/// increasing order without overlap, at most [`MAX_RECORDED_STEPS`] in all. The error
+/// says what is wrong.
+pub(crate) fn expand_stack_runs(
+    runs: impl IntoIterator<Item = (u32, u32)>,
+) -> Result<Vec<u32>, String> {
+    let mut indexes: Vec<u32> = Vec::new();
+    // The first position the next run may start at.
+    let mut next = 0u64;
+    for (first, count) in runs {
+        let end = u64::from(first) + u64::from(count);
+        if u64::from(first) < next || count == 0 {
+            return Err(format!(
+                "stack run ({first}, {count}) is empty, or not after the run before it"
             ));
         }
-        let mut indexes = Vec::with_capacity(total as usize);
-        for (first, count) in runs {
-            let end = u64::from(first) + u64::from(count);
-            if end > u64::from(u32::MAX) + 1 {
-                return Err(serde::de::Error::custom("a stack run past u32::MAX"));
-            }
-            indexes.extend((u64::from(first)..end).map(|i| i as u32));
+        if end > u64::from(u32::MAX) + 1 {
+            return Err(format!("stack run ({first}, {count}) goes past u32::MAX"));
         }
-        Ok(indexes)
+        if indexes.len() + count as usize > MAX_RECORDED_STEPS {
+            return Err(format!(
+                "stack runs of more than {MAX_RECORDED_STEPS} steps"
+            ));
+        }
+        indexes.extend((u64::from(first)..end).map(|i| i as u32));
+        next = end;
     }
+    Ok(indexes)
 }
 
 /// A change to the store. Ops are applied in order; see
@@ -244,11 +270,10 @@ mod tests {
 
     #[test]
     fn stack_indexes_round_trip_as_runs() {
-        let cases: [Vec<u32>; 5] = [
+        let cases: [Vec<u32>; 4] = [
             vec![],
             vec![0],
             vec![0, 1, 2, 5, 6, 9],
-            vec![3, 1, 2],
             vec![u32::MAX - 1, u32::MAX],
         ];
         for stack in cases {
@@ -257,6 +282,13 @@ mod tests {
             let back: ProcRecord = rmp_serde::from_slice(&bytes).unwrap();
             assert_eq!(back.stack_indexes, stack);
         }
+        // Positions only grow: a stack out of order is damage, refused on reading.
+        let bytes = rmp_serde::to_vec_named(&record(vec![3, 1, 2])).unwrap();
+        let refused = rmp_serde::from_slice::<ProcRecord>(&bytes).unwrap_err();
+        assert!(
+            refused.to_string().contains("not after the run before it"),
+            "{refused}"
+        );
     }
 
     #[test]
@@ -284,7 +316,16 @@ mod tests {
             #[allow(dead_code)]
             stack_indexes: Vec<u32>,
         }
-        for runs in [vec![(0, u32::MAX), (0, u32::MAX)], vec![(u32::MAX, 2)]] {
+        // More than a procedure records (one run: a few bytes asking for 16 GiB),
+        // overlapping, past u32::MAX, empty.
+        let too_long = (0, super::MAX_RECORDED_STEPS as u32 + 1);
+        for runs in [
+            vec![too_long],
+            vec![(0, u32::MAX)],
+            vec![(0, 2), (1, 2)],
+            vec![(u32::MAX, 2)],
+            vec![(5, 0)],
+        ] {
             let bytes = rmp_serde::to_vec_named(&Raw {
                 stack_indexes: runs,
             })

@@ -179,14 +179,23 @@ fn rebuild(
         .iter()
         .find(|r| r.id == id)
         .ok_or_else(|| format!("procedure {id} is not in the store"))?;
-    let tree: Vec<ProcRecord> = records
-        .iter()
-        .filter(|r| r.root == target.root)
-        .cloned()
-        .collect();
-    let (stack, _) = RootStack::recover(&tree, |name| Some(leak(name)), now_ms)
-        .map_err(|reason| format!("tree {} cannot be rebuilt: {reason}", target.root))?;
+    let (stack, _) = rebuild_tree(records, target.root, now_ms)?;
     Ok((target, stack))
+}
+
+/// Rebuilds the tree of `root` from the latest records, as the engine's recovery
+/// would: a parent cycle is refused here too (recovery finds it while ordering the
+/// tree, which an operator's command does not need), or a recursive bypass would walk
+/// it for ever.
+fn rebuild_tree(
+    records: &[ProcRecord],
+    root: ProcId,
+    now_ms: u64,
+) -> Result<(RootStack, Transition), String> {
+    let mut tree: Vec<ProcRecord> = records.iter().filter(|r| r.root == root).cloned().collect();
+    order_children_first(&mut tree)
+        .and_then(|()| RootStack::recover(&tree, |name| Some(leak(name)), now_ms))
+        .map_err(|reason| format!("tree {root} cannot be rebuilt: {reason}"))
 }
 
 /// An operator's abort on a stopped engine's store (`proctor abort`, HBase's
@@ -225,9 +234,7 @@ pub fn abort(records: &[ProcRecord], id: ProcId, now_ms: u64) -> Result<Vec<Stor
         Some(_) => {}
         None => return Err(format!("its root {root} has no record")),
     }
-    let tree: Vec<ProcRecord> = records.iter().filter(|r| r.root == root).cloned().collect();
-    let (stack, _) = RootStack::recover(&tree, |name| Some(leak(name)), now_ms)
-        .map_err(|reason| format!("tree {root} cannot be rebuilt: {reason}"))?;
+    let (stack, _) = rebuild_tree(records, root, now_ms)?;
     if let Some(first) = stack.first_failure() {
         return Err(format!("tree {root} is already rolling back: {first}"));
     }
@@ -710,6 +717,54 @@ mod tests {
                 "corrupt 11: holes in the stack indexes: expected index 1, found 2 (procedure 11)",
                 "corrupt 10: holes in the stack indexes: expected index 1, found 2 (procedure 11)",
                 "corrupt 20: procedure 20 has unknown type \"gone\"",
+            ],
+        );
+    }
+
+    #[test]
+    fn an_operators_command_refuses_a_tree_with_a_parent_cycle() {
+        // Root 1; 2 and 3 name each other as parents (and 1 as their root).
+        let records = [
+            rec(1, None, Waiting, &[0]),
+            rec(2, Some(3), Waiting, &[]),
+            rec(3, Some(2), Waiting, &[]),
+        ];
+        let refused = bypass(&records, ProcId(2), true, 0).unwrap_err();
+        assert!(refused.contains("parent cycle"), "{refused}");
+        let refused = abort(&records, ProcId(2), 0).unwrap_err();
+        assert!(refused.contains("parent cycle"), "{refused}");
+    }
+
+    #[test]
+    fn records_the_engine_never_writes_are_corrupt_not_a_panic() {
+        let child = |id, root, state, stack: &[u32]| ProcRecord {
+            root: ProcId(root),
+            ..rec(id, Some(root), state, stack)
+        };
+        check(
+            vec![
+                // A child's positions out of order: its rollback would pop the wrong
+                // entry.
+                rec(40, None, Waiting, &[0]),
+                child(41, 40, Runnable, &[2, 1]),
+                // Rolled back, yet with a recorded step left.
+                rec(50, None, Failed, &[0]),
+                child(51, 50, RolledBack, &[1]),
+                // A rollback paused in a tree that never failed.
+                rec(60, None, RollbackPaused, &[0]),
+                // A failure sequence with no successor.
+                ProcRecord {
+                    failure_seq: Some(u64::MAX),
+                    ..rec(70, None, Failed, &[0])
+                },
+            ],
+            &[
+                "corrupt 41: procedure 41's stack indexes are out of order or too many",
+                "corrupt 40: procedure 41's stack indexes are out of order or too many",
+                "corrupt 51: procedure 51 is ROLLEDBACK but still has recorded steps",
+                "corrupt 50: procedure 51 is ROLLEDBACK but still has recorded steps",
+                "corrupt 60: procedure 60 is ROLLBACK_PAUSED in a tree without a failure",
+                "corrupt 70: procedure 70's failure sequence is u64::MAX",
             ],
         );
     }

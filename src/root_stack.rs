@@ -23,7 +23,7 @@ use crate::fast_map::SortedMap;
 use crate::locks::{LockClaim, Request};
 use crate::procedure::FailurePolicy;
 use crate::procedure::{ProcError, ProcId, ProcState};
-use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp};
+use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp, MAX_RECORDED_STEPS};
 
 /// Rollback retries back off from this delay...
 const ROLLBACK_RETRY_BASE_MS: u64 = 10;
@@ -463,6 +463,36 @@ impl RootStack {
                     r.id
                 ));
             }
+            if r.failure_seq == Some(u64::MAX) {
+                return Err(format!("procedure {}'s failure sequence is u64::MAX", r.id));
+            }
+            // A procedure's steps are pushed on the stack in order and popped from the
+            // top: its positions only grow. (The stores' decoders check this too; a
+            // store of another kind may not.)
+            if !r.stack_indexes.windows(2).all(|w| w[0] < w[1])
+                || r.stack_indexes.len() > MAX_RECORDED_STEPS
+            {
+                return Err(format!(
+                    "procedure {}'s stack indexes are out of order or too many",
+                    r.id
+                ));
+            }
+            // Rolled back means every recorded step was undone and popped; only a
+            // success keeps its positions (rollback skips them).
+            if r.state.is_finished() && r.state != ProcState::Success && !r.stack_indexes.is_empty()
+            {
+                return Err(format!(
+                    "procedure {} is {} but still has recorded steps",
+                    r.id, r.state
+                ));
+            }
+            // A rollback pauses only in a tree that is rolling back, after a failure.
+            if r.state == ProcState::RollbackPaused && !failed {
+                return Err(format!(
+                    "procedure {} is ROLLBACK_PAUSED in a tree without a failure",
+                    r.id
+                ));
+            }
             if let Some(parent) = r.parent {
                 let Some(p) = nodes.get_mut(&parent) else {
                     return Err(format!("procedure {}'s parent {parent} is missing", r.id));
@@ -516,7 +546,7 @@ impl RootStack {
             .iter()
             .filter_map(|r| r.failure_seq)
             .max()
-            .map_or(0, |seq| seq + 1);
+            .map_or(0, |seq| seq + 1); // below u64::MAX, checked above
         let mut tree = RootStack {
             root,
             nodes,
@@ -685,6 +715,29 @@ impl RootStack {
         assert_eq!(self.phase, Phase::Executing, "step report for {id}");
         self.running -= 1;
         let mut t = Transition::default();
+        let records_a_step = !matches!(
+            report.outcome,
+            StepOutcome::Failed(_)
+                | StepOutcome::Yield
+                | StepOutcome::Skipped
+                | StepOutcome::Paused
+        );
+        let recorded = self.nodes.get(&id).map_or(0, |n| n.stack_indexes.len());
+        let report = if records_a_step && recorded + 1 >= MAX_RECORDED_STEPS {
+            // Its last recordable step: the step fails instead (its failure is recorded
+            // as that step, and rolled back), rather than write a record no engine
+            // could read back.
+            let error = ProcError::failed(format!(
+                "procedure {id} has recorded {recorded} steps, the most a procedure may"
+            ));
+            StepReport {
+                outcome: StepOutcome::Failed(error),
+                on_error: None,
+                ..report
+            }
+        } else {
+            report
+        };
         if !matches!(
             report.outcome,
             StepOutcome::Failed(_)
@@ -2051,6 +2104,36 @@ mod tests {
             t.to_string(),
             "U1:ROLLEDBACK[] | stop 1, finished err 1:boom"
         );
+    }
+
+    #[test]
+    fn a_procedure_at_the_most_recorded_steps_fails_its_next_step() {
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        for step in 0..MAX_RECORDED_STEPS - 1 {
+            let t = rs.on_step(done(1, more(), false), 1);
+            assert_eq!(t.actions.len(), 1, "step {step}: {t}");
+        }
+        assert_eq!(rs.steps_of(ProcId(1)), MAX_RECORDED_STEPS - 1);
+        // The step past the last recordable one fails instead, whatever it returned,
+        // and its failure is recorded as that last step.
+        let t = rs.on_step(done(1, StepOutcome::Done, false), 2);
+        assert!(t.to_string().starts_with("U1:FAILED"), "{t}");
+        assert_eq!(rs.steps_of(ProcId(1)), MAX_RECORDED_STEPS);
+        let StoreOp::Update(r) = &t.persist[0] else {
+            panic!("{t}")
+        };
+        let failure = r.failure.as_ref().expect("failed");
+        assert!(
+            failure
+                .error
+                .to_string()
+                .contains("the most a procedure may"),
+            "{failure:?}"
+        );
+        // Its record still reads back.
+        let bytes = rmp_serde::to_vec_named(r).unwrap();
+        let back: ProcRecord = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(back.stack_indexes.len(), MAX_RECORDED_STEPS);
     }
 
     #[test]

@@ -688,7 +688,9 @@ fn index_payload_in(
     let base = range.start;
     let bytes = &buf[range];
     let (count, mut at) = array_header(bytes)?;
-    let mut ops = Vec::with_capacity(count);
+    // An op takes at least 9 bytes (`{"Delete": id}`): reserve no more than that allows,
+    // whatever the header says (each op indexed takes 40 bytes).
+    let mut ops = Vec::with_capacity(count.min(bytes.len() / 9));
     for i in 0..count {
         let (kind, id, root, end) = index_op(bytes, at)
             .map_err(|why| FrameError::Payload(format!("op {i} at payload byte {at}: {why}")))?;
@@ -1102,22 +1104,16 @@ impl MsgReader<'_> {
     /// record's own decoder: `None` where it would refuse them.
     fn stack_runs(&mut self) -> Option<Vec<u32>> {
         let runs = self.array_len()?;
-        let mut indexes = Vec::new();
+        let mut pairs = Vec::new();
         for _ in 0..runs {
             if self.array_len()? != 2 {
                 return None;
             }
             let first = u32::try_from(self.uint()?).ok()?;
             let count = u32::try_from(self.uint()?).ok()?;
-            let end = u64::from(first) + u64::from(count);
-            if end > u64::from(u32::MAX) + 1
-                || indexes.len() as u64 + u64::from(count) > u64::from(u32::MAX)
-            {
-                return None;
-            }
-            indexes.extend((u64::from(first)..end).map(|i| i as u32));
+            pairs.push((first, count));
         }
-        Some(indexes)
+        crate::record::expand_stack_runs(pairs).ok()
     }
 
     fn steering(&mut self) -> Option<Steering> {
@@ -2042,6 +2038,10 @@ mod tests {
             .prop_map(
                 |((id, child, tag, stack), (event, data, when, result), (fail, retries, lock))| {
                     let mut r = record(id, child.then_some(1), data);
+                    // Positions only grow, as the engine pushes them.
+                    let mut stack = stack;
+                    stack.sort_unstable();
+                    stack.dedup();
                     r.stack_indexes = stack;
                     r.event = event;
                     r.wake_at_ms = when;

@@ -470,6 +470,84 @@ async fn a_reordered_log_is_reported_not_run_into_a_panic() {
     assert_eq!(result, Ok(()));
 }
 
+/// A procedure type whose own `Deserialize` panics on its recorded state: recovery
+/// reports that tree as corrupt, naming the panic, and the engine starts and serves
+/// other work (the panic used to end the engine's start).
+#[actix::test]
+async fn a_panic_decoding_a_recovered_state_is_reported_not_fatal() {
+    #[derive(Serialize)]
+    struct Touchy {
+        unreadable: bool,
+    }
+    impl<'de> Deserialize<'de> for Touchy {
+        fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            #[derive(Deserialize)]
+            struct Raw {
+                unreadable: bool,
+            }
+            let raw = Raw::deserialize(d)?;
+            assert!(!raw.unreadable, "a state this build cannot read");
+            Ok(Touchy { unreadable: false })
+        }
+    }
+    #[async_trait]
+    impl Procedure<common::Recorder> for Touchy {
+        async fn execute(
+            &mut self,
+            _: &mut Context<common::Recorder>,
+        ) -> Result<Flow<common::Recorder>, ProcError> {
+            Ok(Flow::Done)
+        }
+        async fn rollback(&mut self, _: &mut Context<common::Recorder>) -> Result<(), ProcError> {
+            Ok(())
+        }
+    }
+    let mut registry = common::registry();
+    registry.register::<Touchy>("touchy");
+    let (type_name, data) = registry.encode(&Touchy { unreadable: true }).unwrap();
+    let mut store = MemoryStore::new();
+    store
+        .append(&[StoreOp::Insert(ProcRecord {
+            id: ProcId(1),
+            parent: None,
+            root: ProcId(1),
+            type_name: type_name.to_string().into(),
+            state: ProcState::Runnable,
+            stack_indexes: vec![],
+            failure: None,
+            failure_seq: None,
+            submitted_ms: 1,
+            updated_ms: 1,
+            wake_at_ms: None,
+            event: None,
+            data,
+            locks: None,
+            deadline_ms: None,
+            nonce: None,
+            result: None,
+            bypassed: false,
+            steering: Default::default(),
+        })])
+        .unwrap();
+    let executor = Executor::builder()
+        .registry(registry)
+        .store(store)
+        .env(Arc::new(common::Recorder::default()))
+        .start()
+        .await
+        .expect("the engine starts");
+    let corrupt = &executor.recovery().corrupt;
+    assert_eq!(corrupt.len(), 1, "{corrupt:?}");
+    assert_eq!(corrupt[0].id, ProcId(1));
+    assert!(
+        corrupt[0].reason.contains("a state this build cannot read"),
+        "{corrupt:?}"
+    );
+    let (_, result) = run(&executor, Scripted::new("other", vec![Step::More])).await;
+    assert_eq!(result, Ok(()));
+    executor.shutdown().await.unwrap();
+}
+
 /// Many trees in flight on many workers when the store fails (the issue's "resume on a
 /// still-full disk" hung in 6 of 8 tries with 64 workers): every wait is answered, with
 /// a result or the store error, and the executor shuts down.
