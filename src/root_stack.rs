@@ -715,29 +715,7 @@ impl RootStack {
         assert_eq!(self.phase, Phase::Executing, "step report for {id}");
         self.running -= 1;
         let mut t = Transition::default();
-        let records_a_step = !matches!(
-            report.outcome,
-            StepOutcome::Failed(_)
-                | StepOutcome::Yield
-                | StepOutcome::Skipped
-                | StepOutcome::Paused
-        );
-        let recorded = self.nodes.get(&id).map_or(0, |n| n.stack_indexes.len());
-        let report = if records_a_step && recorded + 1 >= MAX_RECORDED_STEPS {
-            // Its last recordable step: the step fails instead (its failure is recorded
-            // as that step, and rolled back), rather than write a record no engine
-            // could read back.
-            let error = ProcError::failed(format!(
-                "procedure {id} has recorded {recorded} steps, the most a procedure may"
-            ));
-            StepReport {
-                outcome: StepOutcome::Failed(error),
-                on_error: None,
-                ..report
-            }
-        } else {
-            report
-        };
+        let mut report = report;
         if !matches!(
             report.outcome,
             StepOutcome::Failed(_)
@@ -745,12 +723,24 @@ impl RootStack {
                 | StepOutcome::Skipped
                 | StepOutcome::Paused
         ) {
-            // A step that succeeded: its retries are over, it left nothing unrecorded,
-            // and a point of no return is recorded with it.
             let node = self.node_mut(id);
-            node.steering.retries = 0;
-            node.steering.dirty = false;
-            node.steering.irreversible |= report.irreversible;
+            let recorded = node.stack_indexes.len();
+            if recorded + 1 >= MAX_RECORDED_STEPS {
+                // Past its last recordable step: the step fails instead (its failure
+                // is recorded as that last step, and rolled back), rather than write a
+                // record no engine could read back.
+                let error = ProcError::failed(format!(
+                    "procedure {id} has recorded {recorded} steps, the most a procedure may"
+                ));
+                report.outcome = StepOutcome::Failed(error);
+                report.on_error = None;
+            } else {
+                // A step that succeeded: its retries are over, it left nothing
+                // unrecorded, and a point of no return is recorded with it.
+                node.steering.retries = 0;
+                node.steering.dirty = false;
+                node.steering.irreversible |= report.irreversible;
+            }
         }
         match report.outcome {
             StepOutcome::Skipped => {
