@@ -706,7 +706,7 @@ impl RootStack {
     }
 
     /// A step of `report.id` finished.
-    pub fn on_step(&mut self, report: StepReport, now_ms: u64) -> Transition {
+    pub fn on_step(&mut self, mut report: StepReport, now_ms: u64) -> Transition {
         let id = report.id;
         assert!(
             self.running > 0,
@@ -715,7 +715,6 @@ impl RootStack {
         assert_eq!(self.phase, Phase::Executing, "step report for {id}");
         self.running -= 1;
         let mut t = Transition::default();
-        let mut report = report;
         if !matches!(
             report.outcome,
             StepOutcome::Failed(_)
