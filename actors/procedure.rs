@@ -863,8 +863,12 @@ impl ProcedureCell {
     /// it): reload its object from `data`, the state now recorded. Before anything can
     /// call it again.
     pub(crate) fn reset(&mut self, data: Vec<u8>) {
-        match self.shared.registry.decode(self.type_name, &data) {
-            Ok(proc) => {
+        // The user's `Deserialize` runs here: a panic in it is an error like any other.
+        let decoded = guard("decoding the state", || {
+            self.shared.registry.decode(self.type_name, &data)
+        });
+        match decoded {
+            Ok(Ok(proc)) => {
                 self.proc = Some(proc);
                 self.data = data;
                 // It goes on (later), so it is not failed.
@@ -872,6 +876,7 @@ impl ProcedureCell {
             }
             // Its recorded state decoded at least once (or it was just encoded), so
             // this is not expected; keep the object as the failed attempt left it.
+            Ok(Err(e)) => tracing::error!(proc = %self.id, %e, "cannot reload the recorded state"),
             Err(e) => tracing::error!(proc = %self.id, %e, "cannot reload the recorded state"),
         }
     }

@@ -503,7 +503,10 @@ impl RootStack {
                     // WAITING, and is woken only once all of them finished; in a healthy
                     // tree any other state beside an unfinished child is a log that was
                     // reordered or mixed from different times.
-                    if !failed && (p.state != ProcState::Waiting || p.event.is_some()) {
+                    // (A PAUSED parent was paused at once while they ran: a failure
+                    // past its tree's point of no return, its timeout.)
+                    let waits = matches!(p.state, ProcState::Waiting | ProcState::Paused);
+                    if !failed && (!waits || p.event.is_some()) {
                         return Err(format!(
                             "procedure {parent} is {} but its child {} is unfinished ({})",
                             p.state, r.id, r.state
@@ -727,7 +730,9 @@ impl RootStack {
             if recorded + 1 >= MAX_RECORDED_STEPS {
                 // Past its last recordable step: the step fails instead (its failure
                 // is recorded as that last step, and rolled back), rather than write a
-                // record no engine could read back.
+                // record no engine could read back. A point of no return it declared
+                // still counts: then the failure pauses it.
+                node.steering.irreversible |= report.irreversible;
                 let error = ProcError::failed(format!(
                     "procedure {id} has recorded {recorded} steps, the most a procedure may"
                 ));
@@ -940,6 +945,12 @@ impl RootStack {
                         node.state = ProcState::WaitingTimeout;
                         t.actions.push(Action::WakeAt { id, at_ms });
                     }
+                    // Paused (past its tree's point of no return, its timeout) while
+                    // its children ran: it waits for those still running, and the last
+                    // to finish wakes it.
+                    (None, None) if node.pending_children > 0 => {
+                        node.state = ProcState::Waiting;
+                    }
                     (None, None) => self.enqueue(&mut t, id, Place::Back),
                 }
                 self.persist_update(&mut t, id, data, now_ms);
@@ -1018,7 +1029,8 @@ impl RootStack {
         if let Some(reason) = self.pause_refusal(id) {
             return Err(reason);
         }
-        if self.nodes[&id].state == ProcState::Waiting && !self.waits_for_wake(id) {
+        let node = &self.nodes[&id];
+        if node.state == ProcState::Waiting && node.pending_children > 0 {
             return Err(format!(
                 "procedure {id} waits for its children: pause them, or pause it on a \
                  running engine (it stops at its next step)"
@@ -1147,7 +1159,9 @@ impl RootStack {
                 node.state
             ));
         }
-        if self.phase != Phase::Executing {
+        // A failed tree rolls back once its running steps end: a procedure bypassed
+        // now would have its steps skipped by that rollback.
+        if self.phase != Phase::Executing || self.is_failed() {
             return Err(format!("tree {} is rolling back", self.root));
         }
         // The target and, with `recursive`, its unfinished descendants, deepest first.
@@ -2096,6 +2110,34 @@ mod tests {
     }
 
     #[test]
+    fn a_parent_paused_while_its_children_run_recovers_and_waits_for_them() {
+        let mut latest = std::collections::BTreeMap::<ProcId, ProcRecord>::new();
+        let mut keep = |t: &Transition| {
+            for op in &t.persist {
+                if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
+                    latest.insert(r.id, r.clone());
+                }
+            }
+        };
+        let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
+        keep(&t);
+        keep(&rs.on_step(done(1, kids(&[2]), true), 1));
+        // Past the point of no return its timeout pauses it at once, child running.
+        let t = rs.on_fail(ProcId(1), ProcError::TimedOut { timeout_ms: 5 }, vec![1], 2);
+        assert_eq!(t.to_string(), "U1:PAUSED[0] | paused 1");
+        keep(&t);
+        // What the log holds then recovers: the parent stays paused, the child runs.
+        let records: Vec<ProcRecord> = latest.values().cloned().collect();
+        let (_, start) = RootStack::recover(&records, |_| Some("t"), 3).expect("recovers");
+        assert_eq!(start.to_string(), " | spawn 1, spawn 2, run 2");
+        // Continued while the child runs, it waits for it; the child's end wakes it.
+        let t = rs.on_continue(ProcId(1), 4).unwrap();
+        assert_eq!(t.to_string(), "U1:WAITING[0] | ");
+        let t = rs.on_step(done(2, StepOutcome::Done, false), 5);
+        assert!(t.to_string().ends_with("stop 2, run 1 now"), "{t}");
+    }
+
+    #[test]
     fn a_procedure_at_the_most_recorded_steps_fails_its_next_step() {
         let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
         for step in 0..MAX_RECORDED_STEPS - 1 {
@@ -2123,11 +2165,30 @@ mod tests {
         let bytes = rmp_serde::to_vec_named(r).unwrap();
         let back: ProcRecord = rmp_serde::from_slice(&bytes).unwrap();
         assert_eq!(back.stack_indexes.len(), MAX_RECORDED_STEPS);
+
+        // Past a point of no return (its first step), that failure pauses it instead.
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        rs.on_step(done(1, more(), true), 1);
+        for _ in 1..MAX_RECORDED_STEPS - 1 {
+            rs.on_step(done(1, more(), false), 1);
+        }
+        let t = rs.on_step(done(1, StepOutcome::Done, false), 2);
+        assert!(t.to_string().starts_with("U1:PAUSED"), "{t}");
+        assert_eq!(rs.steps_of(ProcId(1)), MAX_RECORDED_STEPS - 1);
+    }
+
+    #[test]
+    fn a_parent_whose_children_all_finished_can_be_paused_offline() {
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        rs.on_step(done(1, kids(&[2]), false), 1);
+        rs.on_step(done(2, StepOutcome::Done, false), 2);
+        let t = rs.on_offline_pause(ProcId(1), vec![5], 3).unwrap();
+        assert!(t.to_string().starts_with("U1:PAUSED"), "{t}");
     }
 
     #[test]
     fn operator_commands_in_each_state_are_done_or_refused_saying_why() {
-        // Pause, continue, rollback and (online) bypass.
+        // Pause, continue, rollback, (online) bypass, and pause on a stopped engine.
         type Setup = fn() -> (RootStack, u64);
         fn submit() -> RootStack {
             RootStack::submit(new(1, vec![], None), 0).0
@@ -2142,15 +2203,17 @@ mod tests {
             times: 1,
             backoff_ms: 100,
         };
-        // Each command's expected outcome (pause, continue, rollback, bypass): `""`
+        // Each command's expected outcome (pause, continue, rollback, bypass, offline
+        // pause): `""`
         // done, else a part of the refusal. An operator's rollback of a procedure that
         // is not paused is an abort (the actor layer's): here it is only not refused.
         const IDLE_ONLY: &str = "only a waiting or paused procedure can be bypassed";
-        let cases: [(&str, Setup, [&str; 4]); 10] = [
+        const CHILDREN: &str = "waits for its children";
+        let cases: [(&str, Setup, [&str; 5]); 11] = [
             (
                 "runnable",
                 || (submit(), 1),
-                ["", "is RUNNABLE: only a PAUSED", "", IDLE_ONLY],
+                ["", "is RUNNABLE: only a PAUSED", "", IDLE_ONLY, ""],
             ),
             (
                 "waiting for children",
@@ -2160,6 +2223,7 @@ mod tests {
                     "is WAITING",
                     "",
                     "has unfinished children 2, 3: bypass it recursively",
+                    CHILDREN,
                 ],
             ),
             (
@@ -2169,7 +2233,7 @@ mod tests {
                     rs.on_step(failed_with(1, RETRY), 1);
                     (rs, 1)
                 },
-                ["", "is WAITING_TIMEOUT", "", ""],
+                ["", "is WAITING_TIMEOUT", "", "", ""],
             ),
             (
                 "paused",
@@ -2178,7 +2242,13 @@ mod tests {
                     rs.on_step(failed_with(1, FailurePolicy::Pause), 1);
                     (rs, 1)
                 },
-                ["is PAUSED: only a runnable or waiting", "", "", ""],
+                [
+                    "is PAUSED: only a runnable or waiting",
+                    "",
+                    "",
+                    "",
+                    "is PAUSED: only a runnable or waiting",
+                ],
             ),
             (
                 "rollback paused",
@@ -2193,6 +2263,7 @@ mod tests {
                     "",
                     "rollback is paused: continue it instead",
                     "is rolling back",
+                    "is rolling back",
                 ],
             ),
             (
@@ -2206,6 +2277,7 @@ mod tests {
                     "is rolling back",
                     "is FAILED",
                     "is already rolling back",
+                    "is rolling back",
                     "is rolling back",
                 ],
             ),
@@ -2222,6 +2294,24 @@ mod tests {
                     "has failed: it is rolled back, not continued",
                     "is already rolling back",
                     "is rolling back",
+                    "is rolling back",
+                ],
+            ),
+            (
+                "paused, its tree failed while a step still runs",
+                || {
+                    let mut rs = submit();
+                    rs.on_step(done(1, kids(&[2, 3, 4]), false), 1);
+                    rs.on_step(failed_with(2, FailurePolicy::Pause), 2);
+                    rs.on_step(failed_with(3, FailurePolicy::Rollback), 3);
+                    (rs, 2)
+                },
+                [
+                    "is rolling back",
+                    "has failed: it is rolled back, not continued",
+                    "is already rolling back",
+                    "is rolling back",
+                    "is rolling back",
                 ],
             ),
             (
@@ -2234,6 +2324,7 @@ mod tests {
                 [
                     "has already finished (SUCCESS)",
                     "is SUCCESS",
+                    "has already finished (SUCCESS)",
                     "has already finished (SUCCESS)",
                     "has already finished (SUCCESS)",
                 ],
@@ -2250,12 +2341,19 @@ mod tests {
                     "is RUNNABLE",
                     "passed its point of no return: continue instead",
                     IDLE_ONLY,
+                    "",
                 ],
             ),
-            ("not in the tree", || (submit(), 9), ["not in tree 1"; 4]),
+            ("not in the tree", || (submit(), 9), ["not in tree 1"; 5]),
         ];
         let outcome = |r: Option<String>| r.unwrap_or_default();
-        for (case, setup, [pause, cont, rollback, bypass]) in cases {
+        for (case, setup, [pause, cont, rollback, bypass, offline]) in cases {
+            let (mut rs, id) = setup();
+            let got = outcome(rs.on_offline_pause(ProcId(id), vec![5], 10).err());
+            assert!(
+                got.contains(offline) && got.is_empty() == offline.is_empty(),
+                "{case}: offline pause: {got:?}"
+            );
             let (mut rs, id) = setup();
             let got = outcome(rs.on_bypass(ProcId(id), false, false, 10).err());
             assert!(

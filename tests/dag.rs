@@ -536,7 +536,10 @@ async fn a_task_runs_under_its_own_locks() {
         locked.locks = vec![Lock::exclusive("tables/t1")];
         again.add(locked);
         let id = executor.submit(again.build().unwrap()).await.unwrap();
-        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
+        let waited = tokio::time::timeout(std::time::Duration::from_secs(60), executor.wait(id))
+            .await
+            .expect("the lock is free again");
+        assert_eq!(waited.unwrap(), Ok(()), "{store_name}");
         executor.shutdown().await.unwrap();
     }
 }

@@ -794,8 +794,6 @@ fn abort_and_bypass_refuse_a_running_engine_and_an_unknown_id() {
     assert!(text(&out).contains("procedure 300 has already finished (SUCCESS)"));
 }
 
-/// `proctor continue` and `proctor rollback` on a stopped engine's log: one paused
-/// procedure goes on at the next start, the other's tree rolls back.
 /// `proctor pause` on a stopped engine's log: a RUNNABLE procedure and one waiting
 /// for an event are PAUSED when the engine starts and run nothing until continued; a
 /// parent waiting for its children is refused, and so is an unknown id.
@@ -886,6 +884,8 @@ async fn pause_on_a_stopped_engine_holds_a_procedure_until_continued() {
     executor.shutdown().await.unwrap();
 }
 
+/// `proctor continue` and `proctor rollback` on a stopped engine's log: one paused
+/// procedure goes on at the next start, the other's tree rolls back.
 #[actix::test]
 async fn continue_and_rollback_of_paused_procedures_on_a_stopped_engine() {
     let dir = tempfile::tempdir().unwrap();
