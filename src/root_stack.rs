@@ -2193,6 +2193,12 @@ mod tests {
         fn submit() -> RootStack {
             RootStack::submit(new(1, vec![], None), 0).0
         }
+        /// Root 1's first step failed under `policy`.
+        fn failed(policy: FailurePolicy) -> RootStack {
+            let mut rs = submit();
+            rs.on_step(failed_with(1, policy), 1);
+            rs
+        }
         /// Root 1 started children 2 and 3.
         fn parent() -> RootStack {
             let mut rs = submit();
@@ -2228,20 +2234,12 @@ mod tests {
             ),
             (
                 "waiting for a retry",
-                || {
-                    let mut rs = submit();
-                    rs.on_step(failed_with(1, RETRY), 1);
-                    (rs, 1)
-                },
+                || (failed(RETRY), 1),
                 ["", "is WAITING_TIMEOUT", "", "", ""],
             ),
             (
                 "paused",
-                || {
-                    let mut rs = submit();
-                    rs.on_step(failed_with(1, FailurePolicy::Pause), 1);
-                    (rs, 1)
-                },
+                || (failed(FailurePolicy::Pause), 1),
                 [
                     "is PAUSED: only a runnable or waiting",
                     "",
@@ -2253,8 +2251,7 @@ mod tests {
             (
                 "rollback paused",
                 || {
-                    let mut rs = submit();
-                    rs.on_step(failed_with(1, FailurePolicy::Rollback), 1);
+                    let mut rs = failed(FailurePolicy::Rollback);
                     rs.on_rolled_back(ProcId(1), rollback_failed(FailurePolicy::Pause), 2);
                     (rs, 1)
                 },
@@ -2268,11 +2265,7 @@ mod tests {
             ),
             (
                 "rolling back",
-                || {
-                    let mut rs = submit();
-                    rs.on_step(failed_with(1, FailurePolicy::Rollback), 1);
-                    (rs, 1)
-                },
+                || (failed(FailurePolicy::Rollback), 1),
                 [
                     "is rolling back",
                     "is FAILED",

@@ -423,6 +423,32 @@ async fn a_store_failure_answers_every_waiter() {
     executor.shutdown_now().await.unwrap();
 }
 
+/// A RUNNABLE root record of tree 1 with nothing recorded: procedure `id` of
+/// `type_name`, its state `data`.
+fn runnable_record(id: u64, type_name: &str, data: Vec<u8>) -> ProcRecord {
+    ProcRecord {
+        id: ProcId(id),
+        parent: None,
+        root: ProcId(1),
+        type_name: type_name.to_string().into(),
+        state: ProcState::Runnable,
+        stack_indexes: vec![],
+        failure: None,
+        failure_seq: None,
+        submitted_ms: 1,
+        updated_ms: 1,
+        wake_at_ms: None,
+        event: None,
+        data,
+        locks: None,
+        deadline_ms: None,
+        nonce: None,
+        result: None,
+        bypassed: false,
+        steering: Default::default(),
+    }
+}
+
 /// A log whose frames were swapped can hold a child's insert with its parent's older
 /// record (RUNNABLE, not WAITING). Recovery reports that tree as corrupt instead of
 /// running it into an internal assertion that killed an arbiter thread and hung the
@@ -432,25 +458,9 @@ async fn a_reordered_log_is_reported_not_run_into_a_panic() {
     let registry = common::registry();
     let (type_name, data) = registry.encode(&Scripted::new("orphan", vec![])).unwrap();
     let record = |id: u64, parent: Option<u64>, stack: Vec<u32>| ProcRecord {
-        id: ProcId(id),
         parent: parent.map(ProcId),
-        root: ProcId(1),
-        type_name: type_name.to_string().into(),
-        state: ProcState::Runnable,
         stack_indexes: stack,
-        failure: None,
-        failure_seq: None,
-        submitted_ms: 1,
-        updated_ms: 1,
-        wake_at_ms: None,
-        event: None,
-        data: data.clone(),
-        locks: None,
-        deadline_ms: None,
-        nonce: None,
-        result: None,
-        bypassed: false,
-        steering: Default::default(),
+        ..runnable_record(id, type_name, data.clone())
     };
     let mut store = MemoryStore::new();
     store
@@ -507,27 +517,7 @@ async fn a_panic_decoding_a_recovered_state_is_reported_not_fatal() {
     let (type_name, data) = registry.encode(&Touchy { unreadable: true }).unwrap();
     let mut store = MemoryStore::new();
     store
-        .append(&[StoreOp::Insert(ProcRecord {
-            id: ProcId(1),
-            parent: None,
-            root: ProcId(1),
-            type_name: type_name.to_string().into(),
-            state: ProcState::Runnable,
-            stack_indexes: vec![],
-            failure: None,
-            failure_seq: None,
-            submitted_ms: 1,
-            updated_ms: 1,
-            wake_at_ms: None,
-            event: None,
-            data,
-            locks: None,
-            deadline_ms: None,
-            nonce: None,
-            result: None,
-            bypassed: false,
-            steering: Default::default(),
-        })])
+        .append(&[StoreOp::Insert(runnable_record(1, type_name, data))])
         .unwrap();
     let executor = Executor::builder()
         .registry(registry)
