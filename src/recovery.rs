@@ -736,6 +736,34 @@ mod tests {
     }
 
     #[test]
+    fn a_rollback_paused_below_others_is_continued_when_it_is_next() {
+        // 2's rollback paused; 3 may have been in a step when the engine stopped, so
+        // its unrecorded rollback goes first.
+        let failure = rec(2, Some(1), Failed, &[]).failure;
+        let records = [
+            rec(1, None, Waiting, &[0]),
+            ProcRecord {
+                failure,
+                failure_seq: Some(0),
+                ..rec(2, Some(1), RollbackPaused, &[1])
+            },
+            rec(3, Some(1), Runnable, &[]),
+        ];
+        let (mut stack, start) = RootStack::recover(&records, names, 0).unwrap();
+        assert!(
+            start.to_string().ends_with("rollback 3 unrecorded"),
+            "{start}"
+        );
+        let refused = stack.on_continue(ProcId(2), 1).unwrap_err();
+        assert!(refused.contains("rollback is not next"), "{refused}");
+        // 3 is undone; the rollback then waits for 2's continue.
+        let t = stack.on_rolled_back(ProcId(3), Ok(vec![]), 2);
+        assert_eq!(t.to_string(), "U3:ROLLEDBACK[] | stop 3");
+        let t = stack.on_continue(ProcId(2), 3).unwrap();
+        assert!(t.to_string().ends_with("rollback 2"), "{t}");
+    }
+
+    #[test]
     fn records_the_engine_never_writes_are_corrupt_not_a_panic() {
         let child = |id, root, state, stack: &[u32]| ProcRecord {
             root: ProcId(root),

@@ -961,6 +961,14 @@ impl RootStack {
                     self.root
                 ))
             }
+            // Recovered, it may be below entries the rollback undoes first (the steps
+            // of others that may have been cut off): it is continued when it is next.
+            ProcState::RollbackPaused if self.stack.last().is_none_or(|e| e.id != id) => {
+                return Err(format!(
+                    "procedure {id}'s rollback is not next: the tree's rollback undoes \
+                     other steps first, then waits for it; continue it then"
+                ))
+            }
             ProcState::RollbackPaused => {
                 let unrecorded = self.stack.last().is_some_and(|e| !e.recorded);
                 let data = self.unpause(id);
