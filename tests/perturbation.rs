@@ -125,6 +125,12 @@ enum Ev {
         result: Result<(), Failure>,
     },
     Violation(String),
+    /// The engine is being stopped at once (`shutdown_now`): its arbiters stop one by
+    /// one, dropping the calls in flight on each, so a call that entered may never
+    /// leave; the scheduler frees a dropped tree's step locks, and a call of a tree on
+    /// an arbiter not yet stopped may start under them meanwhile (and be dropped in
+    /// turn).
+    Stopping,
     /// The engine was cut off (store crash) and a new one started.
     Restart,
 }
@@ -774,6 +780,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     }
     stop.store(true, Ordering::SeqCst);
     let _ = observer.await;
+    world.log(Ev::Stopping);
     executor.shutdown_now().await.unwrap();
 
     if crashed || plan.crash.is_some_and(|_| trees.len() < plan.trees.len()) {
@@ -999,7 +1006,9 @@ fn check_engine_locks(history: &[Ev]) {
                     hold.4 = false;
                 }
             }
-            Ev::Restart => {
+            // A call in flight at a stop may be dropped without leaving: from then on
+            // only what is held for life is held.
+            Ev::Stopping | Ev::Restart => {
                 inside.retain(|_, hold| hold.2);
                 for hold in inside.values_mut() {
                     hold.4 = false;
@@ -1040,7 +1049,7 @@ fn excerpt(history: &[Ev], ids: &[ProcId], n: usize) -> String {
             | Ev::Continued { id }
             | Ev::AbortAnswer { id, .. } => ids.contains(id),
             Ev::Result { root, .. } => ids.contains(root),
-            Ev::Restart | Ev::Violation(_) => true,
+            Ev::Stopping | Ev::Restart | Ev::Violation(_) => true,
             _ => false,
         })
         .take(n)
