@@ -26,7 +26,7 @@ use crate::recovery::CorruptProc;
 use crate::registry::{Registry, Types};
 use crate::store::{MemoryStore, ProcedureStore};
 
-use super::guard::guard;
+use super::guard::{decode_guarded, guard};
 use super::persistence::Persistence;
 use super::procedure::{declare, Undeclarable};
 use super::protocol::{
@@ -659,11 +659,8 @@ fn decode_tree(registry: &Types, records: &[ProcRecord]) -> Result<(Objects, Vec
     for r in records.iter().filter(|r| !r.state.is_finished()) {
         // The user's `Deserialize` runs here: a panic in it makes the tree corrupt,
         // named, rather than ending the engine's start.
-        let mut proc = guard("decoding the state", || {
-            registry.decode(&r.type_name, &r.data)
-        })
-        .map_err(|e| format!("procedure {}: {e}", r.id))?
-        .map_err(|e| format!("procedure {}: {e}", r.id))?;
+        let mut proc = decode_guarded(registry, &r.type_name, &r.data)
+            .map_err(|e| format!("procedure {}: {e}", r.id))?;
         if let Err(e) = guard("before_recover", || proc.before_recover()) {
             tracing::error!(proc = %r.id, %e, "before_recover panicked");
         }

@@ -10,11 +10,22 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use crate::erased::DynProc;
 use crate::procedure::ProcError;
+use crate::registry::Types;
 
 /// Runs a synchronous hook; a panic becomes an error naming `hook`.
 pub(crate) fn guard<R>(hook: &str, f: impl FnOnce() -> R) -> Result<R, ProcError> {
     catch_unwind(AssertUnwindSafe(f)).map_err(|payload| panicked(hook, payload))
+}
+
+/// Decodes a procedure's recorded state, the user's `Deserialize` guarded: a panic in
+/// it is an error like one it returns, saying which.
+pub(crate) fn decode_guarded(types: &Types, name: &str, bytes: &[u8]) -> Result<DynProc, String> {
+    match guard("decoding the state", || types.decode(name, bytes)) {
+        Ok(decoded) => decoded.map_err(|e| e.to_string()),
+        Err(panic) => Err(panic.to_string()),
+    }
 }
 
 /// A future whose panics become errors naming `hook`.

@@ -28,7 +28,7 @@ use crate::procedure::{FailurePolicy, LockState, OnTimeout, ProcError, ProcId, P
 use crate::registry::RegistryError;
 use crate::root_stack::{NewChild, OnError, RollbackFailure, StepOutcome, StepReport};
 
-use super::guard::{guard, CatchUnwind};
+use super::guard::{decode_guarded, guard, CatchUnwind};
 use super::perturb;
 use super::protocol::{
     AbortAck, Deadline, FailRequest, LockFailed, LocksHeld, Outbox, PauseNow, ReleaseLocks, Report,
@@ -864,11 +864,8 @@ impl ProcedureCell {
     /// call it again.
     pub(crate) fn reset(&mut self, data: Vec<u8>) {
         // The user's `Deserialize` runs here: a panic in it is an error like any other.
-        let decoded = guard("decoding the state", || {
-            self.shared.registry.decode(self.type_name, &data)
-        });
-        match decoded {
-            Ok(Ok(proc)) => {
+        match decode_guarded(&self.shared.registry, self.type_name, &data) {
+            Ok(proc) => {
                 self.proc = Some(proc);
                 self.data = data;
                 // It goes on (later), so it is not failed.
@@ -876,7 +873,6 @@ impl ProcedureCell {
             }
             // Its recorded state decoded at least once (or it was just encoded), so
             // this is not expected; keep the object as the failed attempt left it.
-            Ok(Err(e)) => tracing::error!(proc = %self.id, %e, "cannot reload the recorded state"),
             Err(e) => tracing::error!(proc = %self.id, %e, "cannot reload the recorded state"),
         }
     }

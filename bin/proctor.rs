@@ -898,11 +898,13 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
         } else {
             r.state.to_string()
         };
-        let data = match (dag_summary(&r.data), decode_state(&r.data)) {
-            (Some(dag), _) => format!("DAG {dag}"),
-            (None, None) => "-".to_string(),
-            (None, Some(Ok(value))) => value.to_string(),
-            (None, Some(Err(reason))) => reason,
+        let data = match dag_summary(&r.data) {
+            Some(dag) => format!("DAG {dag}"),
+            None => match decode_state(&r.data) {
+                None => "-".to_string(),
+                Some(Ok(value)) => value.to_string(),
+                Some(Err(reason)) => reason,
+            },
         };
         table.push(vec![
             format!("{}{}", "  ".repeat(depth), r.id),

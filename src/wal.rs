@@ -1104,16 +1104,26 @@ impl MsgReader<'_> {
     /// record's own decoder: `None` where it would refuse them.
     fn stack_runs(&mut self) -> Option<Vec<u32>> {
         let runs = self.array_len()?;
-        let mut pairs = Vec::new();
-        for _ in 0..runs {
-            if self.array_len()? != 2 {
-                return None;
-            }
-            let first = u32::try_from(self.uint()?).ok()?;
-            let count = u32::try_from(self.uint()?).ok()?;
-            pairs.push((first, count));
+        // Read as they are expanded (no list of runs of its own: every recovered record
+        // goes through here); the first run that does not read stops both.
+        let mut unread = false;
+        let pairs = (0..runs).map_while(|_| {
+            let pair = self.stack_run();
+            unread |= pair.is_none();
+            pair
+        });
+        let indexes = crate::record::expand_stack_runs(pairs).ok()?;
+        (!unread).then_some(indexes)
+    }
+
+    /// One `(first, count)` run of [`stack_runs`](Self::stack_runs).
+    fn stack_run(&mut self) -> Option<(u32, u32)> {
+        if self.array_len()? != 2 {
+            return None;
         }
-        crate::record::expand_stack_runs(pairs).ok()
+        let first = u32::try_from(self.uint()?).ok()?;
+        let count = u32::try_from(self.uint()?).ok()?;
+        Some((first, count))
     }
 
     fn steering(&mut self) -> Option<Steering> {
