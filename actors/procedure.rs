@@ -728,6 +728,14 @@ impl ProcedureCell {
             };
             if let Some(error) = busy {
                 self.proc = Some(proc);
+                if self.has_locks {
+                    // The engine's locks were granted for this try: given back like
+                    // after a rollback call, or the retry waits for them for ever.
+                    ctx.tell(ReleaseLocks {
+                        id,
+                        step_only: true,
+                    });
+                }
                 // The engine's own trouble: retried for ever, whatever the policy.
                 out.push_back(Report::RolledBack(RolledBack {
                     id,

@@ -237,7 +237,8 @@ pub(crate) struct StepDone {
 // sends Resume's Enqueue: no step runs under a life-long lock before recovery would
 // grant it back. A rollback step's locks are asked with LockForRollback; the scheduler
 // sends the Rollback itself once granted, and the procedure releases them with
-// ReleaseLocks after the call (and everything when it stops, before the tree's result).
+// ReleaseLocks after the call, or instead of it when its acquire_lock hook yields (and
+// everything when it stops, before the tree's result).
 // TreeFailed withdraws the tree's waiting step requests (those steps are skipped
 // anyway); a deadlock victim gets LockFailed and then its step, which it skips.
 // ------------------------------------------------------------------------------------

@@ -3,17 +3,18 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use proctor::{
-    async_trait, Context, Error, Executor, Flow, LockState, ProcError, ProcState, Procedure,
+    async_trait, Context, Error, Executor, Flow, Lock, LockState, ProcError, ProcState, Procedure,
     Registry,
 };
 use serde::{Deserialize, Serialize};
 
 #[derive(Default)]
-struct Log(Mutex<Vec<String>>);
+struct Log(Mutex<Vec<String>>, AtomicU32);
 
 impl Log {
     fn push(&self, s: impl Into<String>) {
@@ -33,6 +34,10 @@ struct Hooked {
     sleep_forever: bool,
     /// Tell the test when completion cleanup runs.
     signal_cleanup: bool,
+    /// The last step fails, and the next `n` `acquire_lock`s (its rollback's) yield.
+    fail_then_busy: Option<u32>,
+    /// An engine lock beside the hooks.
+    resource: Option<String>,
 }
 
 /// Signalled by the completion cleanup of a procedure with `signal_cleanup`.
@@ -51,6 +56,8 @@ impl Hooked {
             timeout_ms: None,
             sleep_forever: false,
             signal_cleanup: false,
+            fail_then_busy: None,
+            resource: None,
         }
     }
 }
@@ -63,6 +70,10 @@ impl Procedure<Log> for Hooked {
             return Ok(Flow::SleepUntil(ctx.now_ms() + 3_600_000));
         }
         self.steps -= 1;
+        if let (0, Some(busy)) = (self.steps, self.fail_then_busy) {
+            ctx.env().1.store(busy, Ordering::SeqCst);
+            return Err(ProcError::failed("the last step fails"));
+        }
         Ok(if self.steps > 0 {
             Flow::MoreToDo
         } else {
@@ -76,8 +87,12 @@ impl Procedure<Log> for Hooked {
     }
 
     fn acquire_lock(&mut self, ctx: &Context<Log>) -> LockState {
-        if self.busy_locks > 0 {
-            self.busy_locks -= 1;
+        let env_busy = ctx
+            .env()
+            .1
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if self.busy_locks > 0 || env_busy.is_ok() {
+            self.busy_locks = self.busy_locks.saturating_sub(1);
             log(ctx, "lock busy");
             return LockState::Yield;
         }
@@ -91,6 +106,10 @@ impl Procedure<Log> for Hooked {
 
     fn holds_lock(&self) -> bool {
         self.hold
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        self.resource.iter().map(Lock::exclusive).collect()
     }
 
     fn timeout_ms(&self) -> Option<u64> {
@@ -137,6 +156,50 @@ async fn locks_are_taken_around_each_step_and_a_busy_lock_requeues() {
             "unlock"
         ]
     );
+}
+
+/// A rollback whose hook lock is busy is retried (the engine's own trouble) under the
+/// engine's locks as well: each try gives the engine's locks back, or the retry would
+/// wait for them for ever.
+#[actix::test]
+async fn a_rollback_whose_lock_is_busy_is_retried_beside_engine_locks() {
+    let (executor, log) = start().await;
+    for resource in [None, Some("t1".to_string())] {
+        let mut proc = Hooked::new(2);
+        proc.fail_then_busy = Some(2);
+        proc.resource = resource.clone();
+        let id = executor.submit(proc).await.unwrap();
+        let failure = tokio::time::timeout(Duration::from_secs(30), executor.wait(id))
+            .await
+            .unwrap_or_else(|_| panic!("{resource:?}: the rollback never ran"))
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(failure.error, ProcError::failed("the last step fails"));
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::RolledBack
+        );
+        assert_eq!(
+            log.take(),
+            [
+                "lock",
+                "execute",
+                "unlock",
+                "lock",
+                "execute",
+                "unlock",
+                "lock busy",
+                "lock busy",
+                "lock",
+                "rollback",
+                "unlock",
+                "lock",
+                "rollback",
+                "unlock"
+            ],
+            "{resource:?}"
+        );
+    }
 }
 
 #[actix::test]
