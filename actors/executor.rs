@@ -2187,6 +2187,9 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
     fn stop_now(&mut self) -> impl ActorFuture<Self, Output = ()> {
         // Set first: the trees cut off below report nothing as an engine failure.
         self.broken = Some(Error::Stopped);
+        // The arbiters stop one by one, and a tree cut off on one frees its locks:
+        // a procedure on another must not start a call under them meanwhile.
+        self.shared.drain.close();
         for arbiter in &self.shared.arbiters {
             arbiter.stop();
         }

@@ -234,6 +234,12 @@ impl Drain {
         }
     }
 
+    /// Starts no call from now on, without waiting for those in progress (a stop
+    /// at once: they are cut off with their arbiters).
+    pub(crate) fn close(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+
     /// Begins draining, and completes when no call is in progress.
     pub(crate) async fn drain(&self) {
         self.draining.store(true, Ordering::SeqCst);
