@@ -250,7 +250,13 @@ async fn phase(args: &Args, setup: Setup) -> Result<Phase, Box<dyn std::error::E
 
 #[actix::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args = Args::parse();
+    let report = run(&Args::parse()).await?;
+    println!("{report}");
+    Ok(())
+}
+
+/// Runs the five phases, logs each to stderr, and gives the report (the last line).
+async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
     if args.workers == 0 || args.shorts == 0 {
         return Err("need --workers >= 1 and --shorts >= 1".into());
     }
@@ -260,11 +266,11 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         warmup,
         short_is_system,
     };
-    let alone = phase(&args, setup(Scheduling::Fair, false, false, false)).await?;
-    let fair = phase(&args, setup(Scheduling::Fair, true, true, false)).await?;
-    let fifo = phase(&args, setup(Scheduling::Fifo, true, true, false)).await?;
-    let cold = phase(&args, setup(Scheduling::Fair, true, false, false)).await?;
-    let system = phase(&args, setup(Scheduling::Fair, true, false, true)).await?;
+    let alone = phase(args, setup(Scheduling::Fair, false, false, false)).await?;
+    let fair = phase(args, setup(Scheduling::Fair, true, true, false)).await?;
+    let fifo = phase(args, setup(Scheduling::Fifo, true, true, false)).await?;
+    let cold = phase(args, setup(Scheduling::Fair, true, false, false)).await?;
+    let system = phase(args, setup(Scheduling::Fair, true, false, true)).await?;
     for (name, p) in [
         ("alone", &alone),
         ("fair", &fair),
@@ -312,6 +318,49 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "system_workers": args.system_workers,
         "warmup_ms": args.warmup_ms,
     });
-    println!("{report}");
-    Ok(())
+    Ok(report)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The report's shape (the contract's keys, every short procedure counted), on a
+    /// run small enough for `cargo test`. Its figures are timings: they are measured
+    /// by the full run (BENCHMARKS.md), not asserted here.
+    #[actix::test]
+    async fn the_report_has_every_phase_and_the_contracts_keys() {
+        let args = Args::parse_from([
+            "fairness",
+            "--workers=2",
+            "--background=2",
+            "--background-steps=30",
+            "--warmup-ms=50",
+            "--step-ms-min=1",
+            "--step-ms-max=3",
+            "--short-step-ms=1",
+            "--shorts=20",
+            "--every-ms=2",
+        ]);
+        let report = run(&args).await.unwrap();
+        for key in [
+            "short_p99_alone_ms",
+            "short_p99_fair_ms",
+            "short_p99_fifo_ms",
+            "short_p99_fair_cold_ms",
+            "short_p99_system_cold_ms",
+            "fair_over_alone_p99",
+        ] {
+            let ms = report[key]
+                .as_f64()
+                .unwrap_or_else(|| panic!("{key}: {report}"));
+            // Three steps of 1 ms each at the least.
+            assert!(ms > 0.0, "{key}: {report}");
+        }
+        for key in ["short_count_alone", "short_count_fair", "short_count_fifo"] {
+            assert_eq!(report[key], 20, "{key}: {report}");
+        }
+        // One line: what outside checks read.
+        assert!(!report.to_string().contains('\n'));
+    }
 }
