@@ -527,8 +527,10 @@ fn gen_locks(rng: &mut fastrand::Rng) -> Vec<Lock> {
 }
 
 /// A procedure and its subtree. A tree either takes the hook lock (its root, sometimes)
-/// or engine locks (most of its procedures, a half of them for life), never both: the
-/// engine cannot see a wait for a hook lock, so a cycle through both kinds would hang.
+/// or engine locks (most of its procedures, a half of them for life); an engine tree's
+/// root that holds its engine locks one step at a time sometimes takes a hook lock too.
+/// Never a hook lock held for life beside engine locks: the engine cannot see a wait
+/// for a hook lock, so a cycle through both kinds would hang.
 /// Trees with engine locks have children more often, and their roots often take a
 /// whole table exclusively: with children locking in the other table, two such trees
 /// deadlock (a wait-for cycle always goes through a parent holding for life).
@@ -560,6 +562,16 @@ fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool, engin
         gen_locks(rng)
     };
     let hold = (lock.is_some() || !engine_locks.is_empty()) && rng.bool();
+    let yields = if rng.u8(0..4) == 0 { rng.u32(1..3) } else { 0 };
+    // Sometimes both kinds, one step at a time: the hook lock is taken only once the
+    // engine's are granted, and a busy one yields (a rollback's is retried) giving
+    // them back, so no wait is ever held across the two.
+    let lock = match lock {
+        None if root && !hold && !engine_locks.is_empty() && rng.u8(0..3) == 0 => {
+            Some(rng.u32(0..3))
+        }
+        lock => lock,
+    };
     Traced {
         name,
         steps,
@@ -570,7 +582,7 @@ fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool, engin
         lock,
         engine_locks,
         hold,
-        yields: if rng.u8(0..4) == 0 { rng.u32(1..3) } else { 0 },
+        yields,
     }
 }
 
