@@ -356,6 +356,10 @@ impl ProcedureCell {
                 }
             },
         };
+        let waits = matches!(
+            outcome,
+            StepOutcome::Suspend(_) | StepOutcome::SleepUntil(_)
+        );
         match &outcome {
             StepOutcome::Done => self.done = true,
             StepOutcome::Failed(error) => {
@@ -385,6 +389,16 @@ impl ProcedureCell {
             state_name,
             out,
         );
+        if waits && self.pending.as_ref().is_some_and(|p| p.pause_next) {
+            // An operator's pause asked during the step, which now waits for an event
+            // or a timer: no step comes soon to stop at, so it pauses now, as a pause
+            // of a waiting procedure does (after the step's report, which makes it wait).
+            self.forget_pause();
+            out.push_back(Report::PauseNow(PauseNow {
+                id: self.id,
+                data: self.data.clone(),
+            }));
+        }
     }
 
     fn name_children(
@@ -472,7 +486,14 @@ impl ProcedureCell {
     /// The deadline passed while the procedure was idle: asks its timeout hook, then
     /// fails it, or persists the new deadline (or none) and re-arms.
     fn expire(&mut self, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
-        if self.status.halted() || self.done || self.failed || self.status.failed() {
+        if self.status.halted() || self.done || self.status.failed() {
+            return;
+        }
+        if self.failed {
+            // Its failure is being decided: a failed step's policy may retry or pause
+            // it, and past the point of no return a failure pauses it. The deadline
+            // counts again once it goes on (`went_on`); if its tree fails, never.
+            self.pending().timeout = true;
             return;
         }
         let Some(mut proc) = self.proc.take() else {
@@ -870,18 +891,35 @@ impl ProcedureCell {
     /// The procedure's failed attempt is discarded (a failure policy retries or pauses
     /// it): reload its object from `data`, the state now recorded. Before anything can
     /// call it again.
-    pub(crate) fn reset(&mut self, data: Vec<u8>) {
+    pub(crate) fn reset(&mut self, data: Vec<u8>, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
         // The user's `Deserialize` runs here: a panic in it is an error like any other.
         match decode_guarded(&self.shared.registry, self.type_name, &data) {
             Ok(proc) => {
                 self.proc = Some(proc);
                 self.data = data;
-                // It goes on (later), so it is not failed.
-                self.failed = false;
             }
             // Its recorded state decoded at least once (or it was just encoded), so
             // this is not expected; keep the object as the failed attempt left it.
             Err(e) => tracing::error!(proc = %self.id, %e, "cannot reload the recorded state"),
+        }
+        self.went_on(out, ctx);
+    }
+
+    /// The failure the procedure asked for (a failed step, a timeout, an abort, a
+    /// deadlock) was not taken: a policy retries or pauses it, or past the point of no
+    /// return it is paused. It is not failed, so its next step runs; a deadline that
+    /// passed meanwhile is handled now.
+    pub(crate) fn went_on(&mut self, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+        if !std::mem::take(&mut self.failed) || self.proc.is_none() {
+            return;
+        }
+        let timeout = self
+            .pending
+            .as_mut()
+            .is_some_and(|p| std::mem::take(&mut p.timeout));
+        self.tidy_pending();
+        if timeout {
+            self.expire(out, ctx);
         }
     }
 }

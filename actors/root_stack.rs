@@ -490,6 +490,11 @@ impl TreeRunner {
                 }
                 if let Some(cell) = self.procs.get_mut(&id) {
                     cell.forget_pause();
+                    if state == ProcState::Paused {
+                        // Paused in place of the failure it asked for (past the point
+                        // of no return): continued, its next step runs.
+                        cell.went_on(&mut self.outbox, ctx);
+                    }
                 }
                 // Paused while it waited for an event: the event must not wake it (a
                 // continue suspends it again).
@@ -515,7 +520,7 @@ impl TreeRunner {
                 // Before any later call of `id`: that call comes from a step queued (or
                 // a rollback sent) after this, through this runner.
                 if let Some(cell) = self.procs.get_mut(&id) {
-                    cell.reset(data);
+                    cell.reset(data, &mut self.outbox, ctx);
                 }
             }
             Action::Rollback { id, unrecorded } => self.send_rollback(id, unrecorded, ctx),
@@ -928,7 +933,14 @@ impl TreeRunner {
         let t = match msg.failure {
             Some((error, data)) => {
                 let id = msg.id;
-                self.core("abort", |core| core.on_fail(id, error, data, now_ms()), ctx)
+                let event = self.core.event_of(id).map(str::to_string);
+                let t = self.core("abort", |core| core.on_fail(id, error, data, now_ms()), ctx);
+                if let Some(event) = event.filter(|_| self.core.event_of(id).is_none()) {
+                    // Paused instead (past the point of no return), it no longer waits
+                    // for the event: the event must not wake it.
+                    ctx.tell(Unsuspend { id, event });
+                }
+                t
             }
             None => Some(Transition::default()),
         };

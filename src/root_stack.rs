@@ -311,6 +311,9 @@ struct NodeExtra {
     /// For a PAUSED or ROLLBACK_PAUSED procedure: its state as last recorded, written
     /// again when an operator continues or rolls it back.
     paused_data: Option<Vec<u8>>,
+    /// A failure past the point of no return found it RUNNABLE: its queued step,
+    /// skipped, pauses it for this reason.
+    pause_at_step: Option<Box<Paused>>,
 }
 
 impl NodeExtra {
@@ -320,7 +323,8 @@ impl NodeExtra {
             && self.rollback_attempts == 0
             && self.nonce.is_none()
             && self.result.is_none()
-            && self.paused_data.is_none();
+            && self.paused_data.is_none()
+            && self.pause_at_step.is_none();
         (!empty).then(|| Box::new(self))
     }
 }
@@ -450,6 +454,7 @@ impl RootStack {
                             ProcState::Paused | ProcState::RollbackPaused
                         )
                         .then(|| r.data.clone()),
+                        pause_at_step: None,
                     }
                     .boxed(),
                 },
@@ -746,7 +751,20 @@ impl RootStack {
                 node.steering.irreversible |= report.irreversible;
             }
         }
+        let pause_at_step = match report.outcome {
+            StepOutcome::Skipped if !self.is_failed() => self
+                .node_mut(id)
+                .extra
+                .as_mut()
+                .and_then(|e| e.pause_at_step.take()),
+            _ => None,
+        };
         match report.outcome {
+            StepOutcome::Skipped if pause_at_step.is_some() => {
+                if let Some(why) = pause_at_step {
+                    self.pause(&mut t, id, ProcState::Paused, *why, report.data, now_ms);
+                }
+            }
             StepOutcome::Skipped => {
                 // Never ran a step, in a failed tree: nothing of it to roll back, so
                 // locks it holds for its life go now — recorded first, so that
@@ -900,15 +918,21 @@ impl RootStack {
         if self.phase == Phase::Executing && live && self.is_irreversible() {
             // Past the point of no return a timeout cannot roll the tree back either.
             tracing::warn!(proc = %id, %error, "failure past the point of no return; procedure paused");
-            let node = self.node_mut(id);
-            node.wake_at_ms = None;
-            node.event = None;
             let why = Paused {
                 error: Some(error),
                 policy: None,
                 retries: 0,
             };
-            self.pause(&mut t, id, ProcState::Paused, why, data, now_ms);
+            let node = self.node_mut(id);
+            if node.state == ProcState::Runnable {
+                // Its step is queued (or waits for its locks), and comes back skipped
+                // (the procedure asked to fail): it pauses then, not with a step out.
+                node.extra().pause_at_step = Some(Box::new(why));
+            } else {
+                node.wake_at_ms = None;
+                node.event = None;
+                self.pause(&mut t, id, ProcState::Paused, why, data, now_ms);
+            }
         } else if self.phase == Phase::Executing && live {
             self.fail(id, error);
             self.persist_update(&mut t, id, data, now_ms);
@@ -2183,6 +2207,34 @@ mod tests {
         let t = rs.on_step(done(1, StepOutcome::Done, false), 2);
         assert!(t.to_string().starts_with("U1:PAUSED"), "{t}");
         assert_eq!(rs.steps_of(ProcId(1)), MAX_RECORDED_STEPS - 1);
+    }
+
+    #[test]
+    fn past_the_point_of_no_return_a_failure_pauses_waiting_now_and_runnable_at_its_step() {
+        // Waiting for an event: paused now, and no longer waiting for it.
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        rs.on_step(done(1, StepOutcome::Suspend("e".into()), true), 1);
+        let t = rs.on_fail(ProcId(1), ProcError::TimedOut { timeout_ms: 5 }, vec![7], 2);
+        assert!(t.to_string().starts_with("U1:PAUSED"), "{t}");
+        assert_eq!(rs.event_of(ProcId(1)), None);
+
+        // RUNNABLE: its step is queued (perhaps behind a lock), so nothing changes
+        // until that step comes back skipped; then it pauses, for the failure's reason.
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        rs.on_step(done(1, more(), true), 1);
+        let t = rs.on_fail(ProcId(1), ProcError::TimedOut { timeout_ms: 5 }, vec![7], 2);
+        assert_eq!(t.to_string(), " | ");
+        assert_eq!(rs.state_of(ProcId(1)), Some(ProcState::Runnable));
+        let t = rs.on_step(done(1, StepOutcome::Skipped, false), 3);
+        assert!(t.to_string().starts_with("U1:PAUSED"), "{t}");
+        let why = t.actions.iter().find_map(|a| match a {
+            Action::Paused { why, .. } => why.error.clone(),
+            _ => None,
+        });
+        assert_eq!(why, Some(ProcError::TimedOut { timeout_ms: 5 }));
+        // Continued, it runs that step.
+        let t = rs.on_continue(ProcId(1), 4).unwrap();
+        assert!(t.to_string().contains("run 1"), "{t}");
     }
 
     #[test]

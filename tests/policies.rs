@@ -11,8 +11,8 @@ use std::sync::{Arc, Mutex};
 
 use common::{wait_for_state, Reopen};
 use proctor::{
-    async_trait, Context, Error, Executor, FailurePolicy, Flow, ProcError, ProcEvent, ProcId,
-    ProcState, Procedure, ProcedureStore, Registry,
+    async_trait, Context, Error, Executor, FailurePolicy, Flow, OnTimeout, ProcError, ProcEvent,
+    ProcId, ProcState, Procedure, ProcedureStore, Registry,
 };
 use serde::{Deserialize, Serialize};
 
@@ -172,12 +172,129 @@ impl Procedure<World> for Gated {
     }
 }
 
+/// Two steps; step 1 does what `first` says, step 2 ends. `timeout_ms` is its time
+/// limit; with `wait_for_step_1` a deadline that passes before step 1 has run is
+/// re-armed (so the timeout is sure to find step 1 done).
+#[derive(Clone, Serialize, Deserialize)]
+struct Timed {
+    at: u32,
+    first: First,
+    timeout_ms: Option<u64>,
+    wait_for_step_1: bool,
+    /// Its deadline is re-armed until `TIME_OUT` is set; then it times out, and
+    /// signals `TIMED_OUT`.
+    time_out_when_told: bool,
+    policy: FailurePolicy,
+    /// An engine lock, exclusive.
+    resource: Option<String>,
+}
+
+static TIME_OUT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static TIMED_OUT: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+#[derive(Clone, Copy, Serialize, Deserialize)]
+enum First {
+    /// Marks the point of no return and sleeps for an hour.
+    IrreversibleSleep,
+    /// While the world has step failures: takes this many ms, then fails. After: waits
+    /// for an event nobody wakes.
+    SlowFailThenSuspend(u64),
+    /// Signals `entered`, waits for the world's gate, then waits for an event nobody
+    /// wakes.
+    GatedSuspend,
+    /// Marks the point of no return and waits for event `go`.
+    IrreversibleSuspend,
+}
+
+impl Timed {
+    fn new(first: First) -> Self {
+        Timed {
+            at: 0,
+            first,
+            timeout_ms: None,
+            wait_for_step_1: false,
+            time_out_when_told: false,
+            policy: FailurePolicy::Rollback,
+            resource: None,
+        }
+    }
+}
+
+#[async_trait]
+impl Procedure<World> for Timed {
+    async fn execute(&mut self, ctx: &mut Context<World>) -> Result<Flow<World>, ProcError> {
+        let world = ctx.env_arc().clone();
+        self.at += 1;
+        world.record(format!("exec {}", self.at));
+        if self.at > 1 {
+            return Ok(Flow::Done);
+        }
+        let never = Flow::Suspend("never".into());
+        Ok(match self.first {
+            First::IrreversibleSleep => {
+                ctx.set_irreversible();
+                Flow::SleepUntil(ctx.now_ms() + 3_600_000)
+            }
+            First::SlowFailThenSuspend(ms) => {
+                if world.step_failures.load(Ordering::SeqCst) > 0 {
+                    world.step_failures.fetch_sub(1, Ordering::SeqCst);
+                    tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+                    return Err(ProcError::failed("slow step failed"));
+                }
+                never
+            }
+            First::GatedSuspend => {
+                world.entered.notify_one();
+                world.gate.notified().await;
+                never
+            }
+            First::IrreversibleSuspend => {
+                ctx.set_irreversible();
+                Flow::Suspend("go".into())
+            }
+        })
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context<World>) -> Result<(), ProcError> {
+        ctx.env().record(format!("rollback {}", self.at));
+        Ok(())
+    }
+
+    fn timeout_ms(&self) -> Option<u64> {
+        self.timeout_ms
+    }
+
+    fn on_timeout(&mut self) -> OnTimeout {
+        if self.wait_for_step_1 && self.at == 0 {
+            OnTimeout::Rearm(20)
+        } else if self.time_out_when_told {
+            if TIME_OUT.load(Ordering::SeqCst) {
+                TIMED_OUT.notify_one();
+                OnTimeout::Fail
+            } else {
+                OnTimeout::Rearm(10)
+            }
+        } else {
+            OnTimeout::Fail
+        }
+    }
+
+    fn locks(&self) -> Vec<proctor::Lock> {
+        self.resource.iter().map(proctor::Lock::exclusive).collect()
+    }
+
+    fn failure_policy(&self, _error: &ProcError) -> FailurePolicy {
+        self.policy
+    }
+}
+
 async fn start(store: Box<dyn ProcedureStore>, world: Arc<World>) -> Executor<World> {
     let mut registry = Registry::<World>::default();
     registry
         .register::<Flaky>("flaky")
         .register::<Waiter>("waiter")
-        .register::<Gated>("gated");
+        .register::<Gated>("gated")
+        .register::<Timed>("timed");
     Executor::builder()
         .registry(registry)
         .store(store)
@@ -457,6 +574,11 @@ async fn past_the_point_of_no_return_a_failure_pauses_and_only_continue_is_allow
             error.to_string().contains("step 2 failed"),
             "{name}: {error}"
         );
+        eprintln!(
+            "DEBUG {:?} {:?}",
+            executor.state(id).await.unwrap(),
+            w.calls()
+        );
         assert_eq!(executor.state(id).await.unwrap().state, ProcState::Paused);
         assert!(executor.state(id).await.unwrap().steering.irreversible);
         for refused in [
@@ -642,6 +764,192 @@ async fn a_pause_answered_by_a_failure_policy_is_spent() {
             w.calls(),
             ["exec 1", "exec 1", "exec 2", "exec 3"],
             "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// Past the point of no return a timeout pauses the procedure instead of failing it.
+/// Continued, it runs its next step (the wait it timed out in is over) and ends: the
+/// failure the timeout asked for must not stay with it.
+#[actix::test]
+async fn a_procedure_a_timeout_paused_past_the_point_of_no_return_runs_when_continued() {
+    for name in ["memory", "wal"] {
+        let w = world(0, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let mut proc = Timed::new(First::IrreversibleSleep);
+        proc.timeout_ms = Some(30);
+        proc.wait_for_step_1 = true;
+        let id = executor.submit(proc).await.unwrap();
+        wait_for_state(&executor, id, ProcState::Paused).await;
+        let why = executor.state(id).await.unwrap().steering.paused.unwrap();
+        assert!(
+            matches!(why.error, Some(ProcError::TimedOut { .. })),
+            "{name}: {why:?}"
+        );
+        executor.resume(id).await.unwrap();
+        let done =
+            tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id)).await;
+        assert!(
+            matches!(done, Ok(Ok(Ok(())))),
+            "{name}: {done:?}, {:?}",
+            executor.state(id).await.map(|i| i.state)
+        );
+        assert_eq!(w.calls(), ["exec 1", "exec 2"], "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// A deadline that passes while a step runs is handled when the step ends; when that
+/// step fails and its policy retries it, the timeout still comes, after the retry is
+/// set up (here it ends the retries, which wait for an event nobody wakes).
+#[actix::test]
+async fn a_deadline_passed_during_a_failing_step_still_times_out_its_retries() {
+    for name in ["memory", "wal"] {
+        let w = world(1, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let mut proc = Timed::new(First::SlowFailThenSuspend(300));
+        proc.timeout_ms = Some(100);
+        proc.policy = FailurePolicy::RetryThenPause {
+            times: 3,
+            backoff_ms: 1,
+        };
+        let id = executor.submit(proc).await.unwrap();
+        let done = tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
+            .await
+            .unwrap_or_else(|_| panic!("{name}: never timed out"))
+            .unwrap();
+        let failure = done.unwrap_err();
+        assert!(
+            matches!(failure.error, ProcError::TimedOut { timeout_ms: 100 }),
+            "{name}: {failure:?}"
+        );
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::RolledBack,
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// An operator's pause that arrives while a step runs takes effect at the step's end;
+/// when the step then waits for an event (or a timer), there is no next step to stop
+/// at soon, so it pauses at once, as a pause of a waiting procedure does.
+#[actix::test]
+async fn a_pause_asked_during_a_step_that_then_waits_takes_effect_at_once() {
+    for name in ["memory", "wal"] {
+        let w = world(0, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let id = executor
+            .submit(Timed::new(First::GatedSuspend))
+            .await
+            .unwrap();
+        w.entered.notified().await;
+        let pausing = {
+            let executor = executor.clone();
+            actix::spawn(async move { executor.pause(id).await })
+        };
+        // The pause reaches the root stack before the step ends: a command sent after
+        // it (a continue, refused while the procedure runs) is answered after it. The
+        // first continue is sent before the spawned pause runs, the second after.
+        for _ in 0..2 {
+            let refused = executor.resume(id).await.unwrap_err();
+            assert!(
+                matches!(refused, Error::Refused { .. }),
+                "{name}: {refused}"
+            );
+        }
+        w.gate.notify_one();
+        let paused = tokio::time::timeout(std::time::Duration::from_secs(30), pausing)
+            .await
+            .unwrap_or_else(|_| panic!("{name}: the pause was never answered"))
+            .unwrap();
+        assert!(matches!(paused, Ok(())), "{name}: {paused:?}");
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::Paused,
+            "{name}"
+        );
+        // Continued, it waits for its event again.
+        executor.resume(id).await.unwrap();
+        wait_for_state(&executor, id, ProcState::Waiting).await;
+        executor.wake_event("never").await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(w.calls(), ["exec 1", "exec 2"], "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// Past the point of no return, a timeout that finds the procedure with its step
+/// queued behind another tree's lock pauses it when that step comes (skipped): it
+/// does not run the step, and it is not paused with a step still out. Continued, it
+/// runs the step and ends.
+#[actix::test]
+async fn a_timeout_past_the_point_of_no_return_pauses_a_procedure_waiting_for_its_locks() {
+    for name in ["memory", "wal"] {
+        TIME_OUT.store(false, Ordering::SeqCst);
+        let w = world(0, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let mut waiter = Timed::new(First::IrreversibleSuspend);
+        waiter.timeout_ms = Some(10);
+        waiter.time_out_when_told = true;
+        waiter.resource = Some("r".into());
+        let id = executor.submit(waiter).await.unwrap();
+        wait_for_state(&executor, id, ProcState::Waiting).await;
+        let mut holder = Timed::new(First::GatedSuspend);
+        holder.resource = Some("r".into());
+        let holder = executor.submit(holder).await.unwrap();
+        w.entered.notified().await;
+        // Woken, its step 2 waits for `r`, which the holder's step holds.
+        executor.wake_event("go").await.unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        while executor.state(id).await.unwrap().locks_waiting.is_empty() {
+            assert!(std::time::Instant::now() < deadline, "never waited for r");
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        TIME_OUT.store(true, Ordering::SeqCst);
+        // The root stack handles the timeout's failure in the same turn as the hook.
+        TIMED_OUT.notified().await;
+        w.gate.notify_one();
+        // Until the holder has left its step, the lock has gone to the waiter's step and
+        // that step has come back: nothing queued, running or waiting for a lock.
+        loop {
+            let stats = executor.scheduler_stats().await.unwrap();
+            let quiet = stats.running == 0 && stats.queued == 0 && stats.lock_waiters == 0;
+            let holder_done = executor.state(holder).await.unwrap().state == ProcState::Waiting;
+            if quiet
+                && holder_done
+                && executor.state(id).await.unwrap().state != ProcState::Runnable
+            {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never quiet: {stats:?}"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        eprintln!(
+            "DEBUG {:?} {:?}",
+            executor.state(id).await.unwrap(),
+            w.calls()
+        );
+        assert_eq!(executor.state(id).await.unwrap().state, ProcState::Paused);
+        let why = executor.state(id).await.unwrap().steering.paused.unwrap();
+        assert!(
+            matches!(why.error, Some(ProcError::TimedOut { .. })),
+            "{why:?}"
+        );
+        assert_eq!(w.calls(), ["exec 1", "exec 1"], "step 2 did not run");
+        executor.resume(id).await.unwrap();
+        let done =
+            tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id)).await;
+        assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
+        assert_eq!(w.calls(), ["exec 1", "exec 1", "exec 2"]);
+        assert_eq!(
+            executor.state(holder).await.unwrap().state,
+            ProcState::Waiting
         );
         executor.shutdown().await.unwrap();
     }
