@@ -731,6 +731,11 @@ impl TreeRunner {
         for ack in waiters.flat_map(|(_, acks)| acks) {
             let _ = ack.send(Err(e.duplicate()));
         }
+        // Nothing more becomes durable: a graceful shutdown waiting for that goes on
+        // now, not when the tree has stopped.
+        for ack in self.rare.iter_mut().flat_map(|r| r.quiesce.drain(..)) {
+            let _ = ack.send(());
+        }
         self.unspawned = None;
         self.result = None;
         self.shared.finished.do_send(TreeFinished {
