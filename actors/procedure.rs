@@ -107,6 +107,10 @@ pub(crate) struct ProcedureCell {
     status: Arc<TreeStatus>,
     /// This procedure failed (a step, or an accepted abort or timeout): run no more steps.
     failed: bool,
+    /// Its failed step's policy may retry or pause it (the root stack decides): an
+    /// abort waits for that decision (`went_on`, or its rollback) instead of being
+    /// answered as if it were failing.
+    deciding: bool,
     /// A step returned Done: nothing more to abort.
     done: bool,
     lock_held: bool,
@@ -199,6 +203,7 @@ impl ProcedureCell {
             shared,
             status,
             failed: false,
+            deciding: false,
             done: false,
             lock_held: false,
             pending: None,
@@ -340,6 +345,7 @@ impl ProcedureCell {
                     guard("failure_policy", || proc.failure_policy(error)).unwrap_or_default();
                 let before = self.data.clone();
                 let after = self.encode(&*proc).unwrap_or_else(|_| before.clone());
+                self.deciding = policy != FailurePolicy::Rollback;
                 on_error = Some(OnError { policy, before });
                 after
             }
@@ -442,6 +448,15 @@ impl ProcedureCell {
             }
             return;
         }
+        let ack = match ack {
+            Some(ack) if self.deciding && !self.status.failed() => {
+                // Its failed step may be retried, or paused: whether it is failing is
+                // not known yet. The abort waits for the decision.
+                self.pending().aborts.push(ack);
+                return;
+            }
+            ack => ack,
+        };
         if self.done || self.failed || self.status.failed() {
             // Finished, or already failing (itself or its tree): no hook to ask. The
             // answer waits until what it reports is durable.
@@ -733,6 +748,19 @@ impl ProcedureCell {
             // rolls back from the durable state.
             return;
         }
+        if std::mem::take(&mut self.deciding) {
+            // Its failed step was not retried: it is failing after all, and aborts that
+            // waited for that are answered so.
+            let aborts = self
+                .pending
+                .as_mut()
+                .map(|p| std::mem::take(&mut p.aborts))
+                .unwrap_or_default();
+            self.tidy_pending();
+            for ack in aborts {
+                self.request_failure(Some(ack), out);
+            }
+        }
         let Some(mut proc) = self.proc.take() else {
             unreachable!("rollback of {id} while a call runs");
         };
@@ -910,16 +938,11 @@ impl ProcedureCell {
     /// return it is paused. It is not failed, so its next step runs; a deadline that
     /// passed meanwhile is handled now.
     pub(crate) fn went_on(&mut self, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+        self.deciding = false;
         if !std::mem::take(&mut self.failed) || self.proc.is_none() {
             return;
         }
-        let timeout = self
-            .pending
-            .as_mut()
-            .is_some_and(|p| std::mem::take(&mut p.timeout));
-        self.tidy_pending();
-        if timeout {
-            self.expire(out, ctx);
-        }
+        // A deadline that passed and aborts that came meanwhile.
+        self.settle_pending(out, ctx);
     }
 }

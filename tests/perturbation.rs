@@ -1,10 +1,13 @@
 //! Seeded randomized runs of the whole engine against a history checker.
 //!
 //! Each seed builds a random workload — trees of procedures with children, failing
-//! steps, yields, roots holding a lock through the user hooks, procedures (roots and
+//! steps (some retried by a `RetryThenRollback` policy, some of those getting past the
+//! failure on a retry), yields, roots holding a lock through the user hooks, procedures (roots and
 //! children) declaring engine locks on a small resource hierarchy, per step or for
 //! life, some roots of a system type (their steps first, on system workers when the
-//! seed gives the executor one), operator aborts at random moments, sometimes a crash through a failing store
+//! seed gives the executor one), time limits of a few ms on some procedures (a timeout
+//! fails the tree wherever the procedure is: in a step, queued, waiting for locks or
+//! children, paused), operator aborts at random moments, sometimes a crash through a failing store
 //! and a restart — and runs it with the actor layer's perturbation points on
 //! (`proctor::perturb`), so rare interleavings happen often. Everything observable goes
 //! into one history: step and rollback calls, hook lock grants and releases, which
@@ -23,8 +26,8 @@
 //! - engine locks: two procedures that are not ancestor and descendant of each other are
 //!   never inside conflicting locks at once, before or after a restart (a life-long
 //!   holder stays inside across it: recovery grants its locks back before anything
-//!   runs); every tree ends SUCCESS or ROLLEDBACK, with its own failure, an abort or a
-//!   deadlock (`deadlock: ...`) as the reason;
+//!   runs); every tree ends SUCCESS or ROLLEDBACK, with its own failure, an abort, a
+//!   timeout or a deadlock (`deadlock: ...`) as the reason;
 //! - completion cleanup runs at most once per procedure (exactly once without a crash)
 //!   and before its tree's result is visible;
 //! - the executor never reports a state before it is durable, and an abort answered
@@ -44,9 +47,9 @@ use std::time::{Duration, Instant};
 
 use proctor::testing::{CrashPoint, CrashingStore};
 use proctor::{
-    async_trait, perturb, Context, Error, Executor, Failure, Flow, Lock, LockMode, LockState,
-    MemoryStore, ProcError, ProcId, ProcState, Procedure, ProcedureStore, Registry, StoreError,
-    StoreOp, StoreSnapshot, WalStore,
+    async_trait, perturb, Context, Error, Executor, Failure, FailurePolicy, Flow, Lock, LockMode,
+    LockState, MemoryStore, ProcError, ProcId, ProcState, Procedure, ProcedureStore, Registry,
+    StoreError, StoreOp, StoreSnapshot, WalStore,
 };
 use serde::{Deserialize, Serialize};
 
@@ -56,6 +59,8 @@ enum Ev {
     Exec {
         id: ProcId,
         name: String,
+        /// The step failed (its policy may retry it: then it is not recorded).
+        failed: bool,
     },
     Rollback {
         id: ProcId,
@@ -140,6 +145,8 @@ struct World {
     history: Mutex<Vec<Ev>>,
     ledger: Mutex<BTreeSet<String>>,
     locks: Mutex<HashMap<u32, String>>,
+    /// Failed attempts so far, by procedure name (for failures that pass).
+    failures: Mutex<HashMap<String, u32>>,
 }
 
 impl World {
@@ -210,6 +217,18 @@ struct Traced {
     /// `holds_lock()`: both kinds of lock are held for the procedure's life.
     hold: bool,
     yields: u32,
+    /// Its time limit (`timeout_ms()`): past it, it fails with `TimedOut` wherever it
+    /// is (queued, waiting for locks or children, paused, inside a step).
+    #[serde(default)]
+    timeout_ms: Option<u64>,
+    /// Its failed step is retried this many times (`RetryThenRollback`) before the
+    /// tree rolls back.
+    #[serde(default)]
+    retries: u32,
+    /// Step `fail_at` fails this many times, then succeeds (a retry gets past it);
+    /// `None`: every time.
+    #[serde(default)]
+    fail_times: Option<u32>,
 }
 
 impl Traced {
@@ -303,16 +322,23 @@ impl Procedure<World> for Traced {
         }
         self.check_lock(&world, "a step");
         self.at += 1;
+        let fails = self.fail_at == Some(self.at) && {
+            let mut failures = world.failures.lock().unwrap();
+            let failed = failures.entry(self.name.clone()).or_default();
+            *failed += 1;
+            self.fail_times.is_none_or(|times| *failed <= times)
+        };
         world.log(Ev::Exec {
             id: ctx.id(),
             name: self.name.clone(),
+            failed: fails,
         });
         world
             .ledger
             .lock()
             .unwrap()
             .insert(format!("{}#{}", self.name, self.at));
-        let flow = if self.fail_at == Some(self.at) {
+        let flow = if fails {
             Err(ProcError::failed(format!("{} failed", self.name)))
         } else if self.children_at == Some(self.at) {
             Ok(Flow::Children(
@@ -409,6 +435,20 @@ impl Procedure<World> for Traced {
         self.hold
     }
 
+    fn timeout_ms(&self) -> Option<u64> {
+        self.timeout_ms
+    }
+
+    fn failure_policy(&self, _error: &ProcError) -> FailurePolicy {
+        match self.retries {
+            0 => FailurePolicy::Rollback,
+            times => FailurePolicy::RetryThenRollback {
+                times,
+                backoff_ms: 1,
+            },
+        }
+    }
+
     fn completion_cleanup(&mut self) {
         if let Some(world) = WORLD.lock().unwrap().clone() {
             world.log(Ev::Cleanup {
@@ -448,6 +488,14 @@ impl Procedure<World> for Urgent {
 
     fn holds_lock(&self) -> bool {
         self.0.holds_lock()
+    }
+
+    fn timeout_ms(&self) -> Option<u64> {
+        self.0.timeout_ms()
+    }
+
+    fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
+        self.0.failure_policy(error)
     }
 
     fn completion_cleanup(&mut self) {
@@ -572,6 +620,14 @@ fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool, engin
         }
         lock => lock,
     };
+    // Drawn last, so the rest of a seed's plan is what it was before timeouts.
+    let timeout_ms = (rng.u8(0..8) == 0).then(|| rng.u64(1..60));
+    let retries = if fail_at.is_some() && rng.bool() {
+        rng.u32(1..4)
+    } else {
+        0
+    };
+    let fail_times = (retries > 0 && rng.bool()).then(|| rng.u32(1..=retries));
     Traced {
         name,
         steps,
@@ -583,6 +639,9 @@ fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool, engin
         engine_locks,
         hold,
         yields,
+        timeout_ms,
+        retries,
+        fail_times,
     }
 }
 
@@ -833,7 +892,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
         .map(|t| (t.name.clone(), t.clone()))
         .collect();
     for ev in &history {
-        if let Ev::Exec { id, name } = ev {
+        if let Ev::Exec { id, name, .. } = ev {
             if let Some(t) = by_name.get(name) {
                 trees.entry(*id).or_insert_with(|| t.clone());
             }
@@ -870,8 +929,9 @@ fn check_ledger(trees: &BTreeMap<ProcId, Traced>, history: &[Ev], ledger: &BTree
             }
             Err(f) => assert!(
                 mine.is_empty(),
-                "tree {root} ({}) rolled back ({f}) but left {mine:?}",
-                tree.name
+                "tree {root} ({}) rolled back ({f}) but left {mine:?}:\n{}",
+                tree.name,
+                excerpt(history, &[*root], 60)
             ),
         }
     }
@@ -1086,18 +1146,21 @@ fn last_events(history: &[Ev], n: usize) -> String {
 }
 
 /// How many calls ran inside engine locks, and how many trees a deadlock failed.
-fn lock_stats(history: &[Ev]) -> (usize, usize) {
+/// Calls inside engine locks, trees failed on a deadlock, trees failed on a timeout.
+fn lock_stats(history: &[Ev]) -> (usize, usize, usize) {
     let enters = history
         .iter()
         .filter(|e| matches!(e, Ev::Enter { .. }))
         .count();
-    let deadlocks = history
-        .iter()
-        .filter(|e| {
-            matches!(e, Ev::Result { result: Err(f), .. } if matches!(f.error, ProcError::Deadlock(_)))
-        })
-        .count();
-    (enters, deadlocks)
+    let failed_for = |what: fn(&ProcError) -> bool| {
+        history
+            .iter()
+            .filter(|e| matches!(e, Ev::Result { result: Err(f), .. } if what(&f.error)))
+            .count()
+    };
+    let deadlocks = failed_for(|e| matches!(e, ProcError::Deadlock(_)));
+    let timeouts = failed_for(|e| matches!(e, ProcError::TimedOut { .. }));
+    (enters, deadlocks, timeouts)
 }
 
 /// The protocol's promises on one history; `serial`: the executor ran one step at a
@@ -1151,7 +1214,7 @@ fn check(history: &[Ev], crashed: bool, serial: bool) {
                 if let Err(f) = result {
                     match &f.error {
                         ProcError::Failed(text) if text.ends_with(" failed") => {}
-                        ProcError::Aborted => {}
+                        ProcError::Aborted | ProcError::TimedOut { .. } => {}
                         ProcError::Deadlock(text) => assert!(
                             text.starts_with("deadlock: "),
                             "tree {root}: deadlock failure {text:?}"
@@ -1214,7 +1277,7 @@ fn check(history: &[Ev], crashed: bool, serial: bool) {
             Ev::Continued { id } => {
                 paused.remove(id);
             }
-            Ev::Exec { id, name } if paused.contains(id) => panic!(
+            Ev::Exec { id, name, .. } if paused.contains(id) => panic!(
                 "{name} ({id}) ran a step while paused:\n{}",
                 excerpt(history, &[*id], 30)
             ),
@@ -1239,7 +1302,7 @@ fn check(history: &[Ev], crashed: bool, serial: bool) {
     // Without a crash: every procedure that ran cleaned up before its tree's result...
     let mut name_of: HashMap<ProcId, String> = HashMap::new();
     for ev in history {
-        if let Ev::Exec { id, name } = ev {
+        if let Ev::Exec { id, name, .. } = ev {
             name_of.insert(*id, name.clone());
         }
     }
@@ -1313,18 +1376,39 @@ fn check(history: &[Ev], crashed: bool, serial: bool) {
         for root in roots {
             let (index_owner, _) = recorded_steps(history, root);
             let recorded: Vec<ProcId> = index_owner.values().copied().collect();
-            let happened: Vec<ProcId> = history
+            // A failed attempt its policy retried (or one whose retry its tree's
+            // failure cut short) is not recorded: the recorded steps are the calls in
+            // the order they happened, some failed ones left out.
+            let execs: Vec<(ProcId, bool)> = history
                 .iter()
                 .filter_map(|e| match e {
-                    Ev::Exec { id, .. } if root_of.get(id) == Some(&root) => Some(*id),
+                    Ev::Exec { id, failed, .. } if root_of.get(id) == Some(&root) => {
+                        Some((*id, *failed))
+                    }
                     _ => None,
                 })
                 .collect();
+            let mut matched = 0;
+            let mut unrecorded = Vec::new();
+            for (at, &(id, failed)) in execs.iter().enumerate() {
+                if failed && execs[at + 1..].iter().any(|&(later, _)| later == id) {
+                    // Retried: the same step again.
+                    continue;
+                }
+                if recorded.get(matched) == Some(&id) {
+                    matched += 1;
+                } else if !failed {
+                    unrecorded.push(at);
+                }
+            }
             // A successful root's last step is never recorded with its index (the final
             // record keeps only the result).
+            let last_ok = execs.iter().rposition(|&(_, failed)| !failed);
             assert!(
-                happened.starts_with(&recorded) && happened.len() - recorded.len() <= 1,
-                "tree {root}: steps happened in the order {happened:?}, recorded as {recorded:?}"
+                matched == recorded.len()
+                    && (unrecorded.is_empty() || unrecorded == [last_ok.unwrap_or(usize::MAX)]),
+                "tree {root}: steps happened in the order {execs:?} (id, failed), recorded as \
+                 {recorded:?}"
             );
         }
     }
@@ -1356,7 +1440,7 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
     let mut next_seed = listed.iter().max().copied().unwrap_or(0);
     let mut seeds = listed.into_iter();
     let mut runs = 0;
-    let (mut enters, mut deadlocks) = (0, 0);
+    let (mut enters, mut deadlocks, mut timeouts) = (0, 0, 0);
     loop {
         let seed = match (seeds.next(), budget) {
             (Some(seed), _) => seed,
@@ -1373,9 +1457,10 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
         };
         // A guard against a hang (which is itself the failure), not a sequencer.
         match tokio::time::timeout(Duration::from_secs(60), run).await {
-            Ok((e, d)) => {
+            Ok((e, d, t)) => {
                 enters += e;
                 deadlocks += d;
+                timeouts += t;
             }
             Err(_) => panic!(
                 "seed {seed}: the run hung; replay with PROCTOR_SEED={seed} cargo test --test \
@@ -1387,7 +1472,7 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
     }
     eprintln!(
         "{runs} seeds checked in {:?}: {enters} calls inside engine locks, {deadlocks} trees \
-         failed on a deadlock",
+         failed on a deadlock, {timeouts} on a timeout",
         started.elapsed()
     );
 }

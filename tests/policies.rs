@@ -204,6 +204,9 @@ enum First {
     GatedSuspend,
     /// Marks the point of no return and waits for event `go`.
     IrreversibleSuspend,
+    /// While the world has step failures: signals `entered`, waits for the world's
+    /// gate, then fails. After: goes on.
+    GatedFail,
 }
 
 impl Timed {
@@ -251,6 +254,15 @@ impl Procedure<World> for Timed {
             First::IrreversibleSuspend => {
                 ctx.set_irreversible();
                 Flow::Suspend("go".into())
+            }
+            First::GatedFail => {
+                if world.step_failures.load(Ordering::SeqCst) > 0 {
+                    world.entered.notify_one();
+                    world.gate.notified().await;
+                    world.step_failures.fetch_sub(1, Ordering::SeqCst);
+                    return Err(ProcError::failed("step 1 failed"));
+                }
+                Flow::MoreToDo
             }
         })
     }
@@ -950,6 +962,52 @@ async fn a_timeout_past_the_point_of_no_return_pauses_a_procedure_waiting_for_it
         assert_eq!(
             executor.state(holder).await.unwrap().state,
             ProcState::Waiting
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// An abort that reaches a procedure while its step runs is settled when the step
+/// ends. When that step fails and its policy retries it, the procedure is not failing
+/// yet: the abort must not be answered as accepted and then lost to a retry that
+/// succeeds. It waits for the decision, and then aborts the procedure.
+#[actix::test]
+async fn an_abort_during_a_step_that_fails_and_is_retried_still_aborts() {
+    for name in ["memory", "wal"] {
+        let w = world(1, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let mut proc = Timed::new(First::GatedFail);
+        proc.policy = retry_then_rollback(3);
+        let id = executor.submit(proc).await.unwrap();
+        w.entered.notified().await;
+        let aborting = {
+            let executor = executor.clone();
+            actix::spawn(async move { executor.abort(id).await })
+        };
+        // The abort reaches the procedure before the step ends: a command sent after
+        // it is answered after it (a continue, refused while it runs).
+        for _ in 0..2 {
+            let refused = executor.resume(id).await.unwrap_err();
+            assert!(
+                matches!(refused, Error::Refused { .. }),
+                "{name}: {refused}"
+            );
+        }
+        w.gate.notify_one();
+        let answer = aborting.await.unwrap();
+        assert!(matches!(answer, Ok(true)), "{name}: {answer:?}");
+        let done = tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
+            .await
+            .unwrap_or_else(|_| panic!("{name}: never ended"))
+            .unwrap();
+        assert!(
+            matches!(&done, Err(f) if f.error == ProcError::Aborted),
+            "{name}: the abort was accepted, but: {done:?}"
+        );
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::RolledBack,
+            "{name}"
         );
         executor.shutdown().await.unwrap();
     }
