@@ -908,7 +908,10 @@ impl ProcedureCell {
     /// as paused. With `now` (it waits for an event or a timer), a procedure between
     /// calls asks to be paused at once instead.
     pub(crate) fn pause(&mut self, now: bool, out: &mut Outbox) {
-        if now && self.proc.is_some() && !self.status.halted() {
+        // Not while its failure is being decided: until a retry's `Reset`, the
+        // object (and `data`) is the failed attempt's, not the recorded state, and
+        // the pause would record it. `went_on` asks again.
+        if now && self.proc.is_some() && !self.status.halted() && !self.failed {
             let data = self.data.clone();
             out.push_back(Report::PauseNow(PauseNow { id: self.id, data }));
             return;
@@ -944,5 +947,13 @@ impl ProcedureCell {
         }
         // A deadline that passed and aborts that came meanwhile.
         self.settle_pending(out, ctx);
+        if self.pending.as_ref().is_some_and(|p| p.pause_next) && !self.failed {
+            // An operator's pause that came meanwhile: now that it holds its recorded
+            // state, at once if it waits (for its retry), else at its next step.
+            out.push_back(Report::PauseNow(PauseNow {
+                id: self.id,
+                data: self.data.clone(),
+            }));
+        }
     }
 }

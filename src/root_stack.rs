@@ -612,12 +612,14 @@ impl RootStack {
         let ids: Vec<ProcId> = tree.nodes.iter().map(|(&id, _)| id).collect();
         for id in ids {
             let node = &tree.nodes[&id];
-            let runs_again = match node.state {
-                ProcState::Runnable | ProcState::Initializing => true,
-                ProcState::Waiting => node.event.is_none() && node.pending_children == 0,
+            // A waiting one too: a wake (its timer, its event) queues the next step
+            // without a record.
+            let may_have_run = match node.state {
+                ProcState::Runnable | ProcState::Initializing | ProcState::WaitingTimeout => true,
+                ProcState::Waiting => node.pending_children == 0,
                 _ => false,
             };
-            if runs_again {
+            if may_have_run {
                 // It may have been in the middle of a step the crash kept from being
                 // recorded. If the tree fails before that step runs again, its rollback
                 // undoes it first, as it would have had the tree failed before the crash
@@ -2676,6 +2678,33 @@ mod tests {
                 "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 3:x",
             ]
         );
+    }
+
+    #[test]
+    fn a_procedure_recovered_waiting_may_have_run_its_next_step_unrecorded() {
+        // A wake (of the timer or the event) queues the next step without a record:
+        // the crash may have come in that step. If the tree fails before the step
+        // runs again, its rollback undoes it first, as for a RUNNABLE one.
+        for outcome in [
+            StepOutcome::SleepUntil(50),
+            StepOutcome::Suspend("e".into()),
+        ] {
+            let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
+            let mut records: Vec<ProcRecord> = Vec::new();
+            for op in t
+                .persist
+                .into_iter()
+                .chain(rs.on_step(report(1, outcome), 1).persist)
+            {
+                if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
+                    records.retain(|x| x.id != r.id);
+                    records.push(r);
+                }
+            }
+            let (mut rs, _) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+            let t = rs.on_fail(ProcId(1), ProcError::Aborted, vec![], 11);
+            assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 unrecorded");
+        }
     }
 
     #[test]

@@ -913,6 +913,16 @@ fn check_ledger(trees: &BTreeMap<ProcId, Traced>, history: &[Ev], ledger: &BTree
         }) else {
             panic!("tree {root} ({}) has no result", tree.name);
         };
+        // The tree's procedures, for the messages.
+        let ids: Vec<ProcId> = history
+            .iter()
+            .filter_map(|e| match e {
+                Ev::Durable { id, root: r, .. } if r == root => Some(*id),
+                _ => None,
+            })
+            .collect::<BTreeSet<_>>()
+            .into_iter()
+            .collect();
         let mine: BTreeSet<String> = ledger
             .iter()
             .filter(|k| {
@@ -925,13 +935,19 @@ fn check_ledger(trees: &BTreeMap<ProcId, Traced>, history: &[Ev], ledger: &BTree
             Ok(()) => {
                 let mut expected = BTreeSet::new();
                 tree.all_effects(&mut expected);
-                assert_eq!(mine, expected, "tree {root} ({}) succeeded", tree.name);
+                assert_eq!(
+                    mine,
+                    expected,
+                    "tree {root} ({}) succeeded:\n{}",
+                    tree.name,
+                    excerpt(history, &ids, 120)
+                );
             }
             Err(f) => assert!(
                 mine.is_empty(),
                 "tree {root} ({}) rolled back ({f}) but left {mine:?}:\n{}",
                 tree.name,
-                excerpt(history, &[*root], 60)
+                excerpt(history, &ids, 120)
             ),
         }
     }

@@ -306,7 +306,8 @@ async fn start(store: Box<dyn ProcedureStore>, world: Arc<World>) -> Executor<Wo
         .register::<Flaky>("flaky")
         .register::<Waiter>("waiter")
         .register::<Gated>("gated")
-        .register::<Timed>("timed");
+        .register::<Timed>("timed")
+        .register::<Parent>("parent");
     Executor::builder()
         .registry(registry)
         .store(store)
@@ -585,11 +586,6 @@ async fn past_the_point_of_no_return_a_failure_pauses_and_only_continue_is_allow
         assert!(
             error.to_string().contains("step 2 failed"),
             "{name}: {error}"
-        );
-        eprintln!(
-            "DEBUG {:?} {:?}",
-            executor.state(id).await.unwrap(),
-            w.calls()
         );
         assert_eq!(executor.state(id).await.unwrap().state, ProcState::Paused);
         assert!(executor.state(id).await.unwrap().steering.irreversible);
@@ -942,11 +938,6 @@ async fn a_timeout_past_the_point_of_no_return_pauses_a_procedure_waiting_for_it
             );
             tokio::time::sleep(std::time::Duration::from_millis(1)).await;
         }
-        eprintln!(
-            "DEBUG {:?} {:?}",
-            executor.state(id).await.unwrap(),
-            w.calls()
-        );
         assert_eq!(executor.state(id).await.unwrap().state, ProcState::Paused);
         let why = executor.state(id).await.unwrap().steering.paused.unwrap();
         assert!(
@@ -1008,6 +999,92 @@ async fn an_abort_during_a_step_that_fails_and_is_retried_still_aborts() {
             executor.state(id).await.unwrap().state,
             ProcState::RolledBack,
             "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// Step 1 starts its child; step 2 ends.
+#[derive(Clone, Serialize, Deserialize)]
+struct Parent {
+    child: Option<Flaky>,
+}
+
+#[async_trait]
+impl Procedure<World> for Parent {
+    async fn execute(&mut self, _ctx: &mut Context<World>) -> Result<Flow<World>, ProcError> {
+        Ok(match self.child.take() {
+            Some(child) => Flow::Children(vec![Box::new(child)]),
+            None => Flow::Done,
+        })
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context<World>) -> Result<(), ProcError> {
+        Ok(())
+    }
+}
+
+/// A step that fails under a retrying policy leaves its failed attempt's state in the
+/// procedure until the retry's record is durable and it is reset to the recorded
+/// state. An operator's pause in that window (the procedure already waits for its
+/// retry) must record the recorded state, not the failed attempt's: continued after
+/// a restart, the retry runs the failed step again, not the step after it. (Seen in
+/// the perturbation test: a tree SUCCESS without the children of its failed step.)
+#[actix::test]
+async fn a_pause_while_a_retry_is_being_recorded_keeps_the_recorded_state() {
+    for name in ["memory", "wal"] {
+        let w = world(1, 0);
+        // Appends: 1 the parent's insert, 2 its step and the child's insert, 3 the
+        // child's step 1, 4 the retry of its step 2.
+        let reopen = Reopen::new(name);
+        let (store, mut gate) = common::GatedStore::new(reopen.open(), 4);
+        let executor = start(Box::new(store), w.clone()).await;
+        let parent = Parent {
+            child: Some(Flaky::new(retry_then_rollback(3))),
+        };
+        let root = executor.submit(parent).await.unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(30), gate.reached())
+            .await
+            .expect("append 4");
+        let child = executor
+            .list(proctor::List::new())
+            .await
+            .unwrap()
+            .into_iter()
+            .find(|p| p.parent == Some(root))
+            .expect("the child")
+            .id;
+        let pausing = {
+            let executor = executor.clone();
+            actix::spawn(async move { executor.pause(child).await })
+        };
+        // The pause has reached the tree once a command sent after it is answered (a
+        // continue of the parent, refused: it waits for its child). The first is sent
+        // before the spawned pause runs, the second after.
+        for _ in 0..2 {
+            let refused = executor.resume(root).await.unwrap_err();
+            assert!(
+                matches!(refused, Error::Refused { .. }),
+                "{name}: {refused}"
+            );
+        }
+        gate.release();
+        pausing.await.unwrap().expect("paused");
+        // The record is what counts: continued after a restart, it goes on from it.
+        executor.shutdown().await.unwrap();
+        let executor = start(reopen.open(), w.clone()).await;
+        assert_eq!(
+            executor.state(child).await.unwrap().state,
+            ProcState::Paused
+        );
+        executor.resume(child).await.unwrap();
+        let done =
+            tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(root)).await;
+        assert!(matches!(done, Ok(Ok(Ok(())))), "{name}: {done:?}");
+        assert_eq!(
+            w.calls(),
+            ["exec 1", "exec 2", "exec 2", "exec 3"],
+            "{name}: the failed step ran again"
         );
         executor.shutdown().await.unwrap();
     }

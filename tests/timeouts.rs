@@ -79,7 +79,14 @@ impl Procedure<Calls> for Timer {
     }
 
     async fn rollback(&mut self, ctx: &mut Context<Calls>) -> Result<(), ProcError> {
-        ctx.env().push(format!("{}-rollback", self.name));
+        // An unrecorded step: one its wake may have started before a restart.
+        let unrecorded = if ctx.is_unrecorded_step() {
+            "-unrecorded"
+        } else {
+            ""
+        };
+        ctx.env()
+            .push(format!("{}-rollback{unrecorded}", self.name));
         Ok(())
     }
 
@@ -88,6 +95,11 @@ impl Procedure<Calls> for Timer {
     }
 
     fn on_timeout(&mut self) -> OnTimeout {
+        if !self.started {
+            // Not in its wait yet (a loaded machine): what the tests time out is the
+            // wait, so the deadline is pushed back until the step has run.
+            return OnTimeout::Rearm(self.timeout.unwrap_or(0));
+        }
         self.handled += 1;
         if self.handled <= self.handle {
             OnTimeout::Rearm(self.timeout.unwrap_or(0))
@@ -232,7 +244,9 @@ async fn an_overdue_deadline_fires_at_once_after_a_restart() {
             timeout_ms: 3_600_000
         }
     );
-    assert_eq!(calls.all(), ["t-rollback"]);
+    // A procedure recovered waiting may have been woken, and have run its next step,
+    // before the restart: that step is undone first, then the recorded one.
+    assert_eq!(calls.all(), ["t-rollback-unrecorded", "t-rollback"]);
     executor.shutdown_now().await.unwrap();
 }
 
