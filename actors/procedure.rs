@@ -938,9 +938,10 @@ impl ProcedureCell {
 
     /// The failure the procedure asked for (a failed step, a timeout, an abort, a
     /// deadlock) was not taken: a policy retries or pauses it, or past the point of no
-    /// return it is paused. It is not failed, so its next step runs; a deadline that
-    /// passed meanwhile is handled now.
-    pub(crate) fn went_on(&mut self, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+    /// return it is paused (each comes with a `Reset` to the recorded state, which
+    /// calls this). It is not failed, so its next step runs; a deadline that passed,
+    /// aborts and an operator's pause that came meanwhile are handled now.
+    fn went_on(&mut self, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
         self.deciding = false;
         if !std::mem::take(&mut self.failed) || self.proc.is_none() {
             return;

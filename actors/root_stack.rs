@@ -490,11 +490,6 @@ impl TreeRunner {
                 }
                 if let Some(cell) = self.procs.get_mut(&id) {
                     cell.forget_pause();
-                    if state == ProcState::Paused {
-                        // Paused in place of the failure it asked for (past the point
-                        // of no return): continued, its next step runs.
-                        cell.went_on(&mut self.outbox, ctx);
-                    }
                 }
                 // Paused while it waited for an event: the event must not wake it (a
                 // continue suspends it again).

@@ -764,7 +764,10 @@ impl RootStack {
         match report.outcome {
             StepOutcome::Skipped if pause_at_step.is_some() => {
                 if let Some(why) = pause_at_step {
-                    self.pause(&mut t, id, ProcState::Paused, *why, report.data, now_ms);
+                    let data = report.data;
+                    self.pause(&mut t, id, ProcState::Paused, *why, data.clone(), now_ms);
+                    // Its failure was not taken: it goes on from `data` when continued.
+                    t.actions.push(Action::Reset { id, data });
                 }
             }
             StepOutcome::Skipped => {
@@ -933,7 +936,9 @@ impl RootStack {
             } else {
                 node.wake_at_ms = None;
                 node.event = None;
-                self.pause(&mut t, id, ProcState::Paused, why, data, now_ms);
+                self.pause(&mut t, id, ProcState::Paused, why, data.clone(), now_ms);
+                // Its failure was not taken: it goes on from `data` when continued.
+                t.actions.push(Action::Reset { id, data });
             }
         } else if self.phase == Phase::Executing && live {
             self.fail(id, error);
@@ -2158,7 +2163,7 @@ mod tests {
         keep(&rs.on_step(done(1, kids(&[2]), true), 1));
         // Past the point of no return its timeout pauses it at once, child running.
         let t = rs.on_fail(ProcId(1), ProcError::TimedOut { timeout_ms: 5 }, vec![1], 2);
-        assert_eq!(t.to_string(), "U1:PAUSED[0] | paused 1");
+        assert_eq!(t.to_string(), "U1:PAUSED[0] | paused 1, reset 1");
         keep(&t);
         // What the log holds then recovers: the parent stays paused, the child runs.
         let records: Vec<ProcRecord> = latest.values().cloned().collect();
@@ -2458,7 +2463,7 @@ mod tests {
         assert!(rs.on_operator_rollback(ProcId(2), 3).is_err());
         // A timeout, too.
         let t = rs.on_fail(ProcId(1), ProcError::TimedOut { timeout_ms: 5 }, vec![1], 3);
-        assert_eq!(t.to_string(), "U1:PAUSED[0] | paused 1");
+        assert_eq!(t.to_string(), "U1:PAUSED[0] | paused 1, reset 1");
         assert!(!rs.is_failed());
         let t = rs.on_continue(ProcId(2), 4).unwrap();
         assert_eq!(t.to_string(), "U2:RUNNABLE[] | run 2");

@@ -1004,6 +1004,46 @@ async fn an_abort_during_a_step_that_fails_and_is_retried_still_aborts() {
     }
 }
 
+/// As above, under the `Pause` policy: the failure pauses the procedure, and then the
+/// abort that waited rolls it back (an abort of a PAUSED procedure), undoing the failed
+/// step from the state recorded before it.
+#[actix::test]
+async fn an_abort_during_a_step_that_fails_and_pauses_rolls_it_back() {
+    for name in ["memory", "wal"] {
+        let w = world(1, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let mut proc = Timed::new(First::GatedFail);
+        proc.policy = FailurePolicy::Pause;
+        let id = executor.submit(proc).await.unwrap();
+        w.entered.notified().await;
+        let aborting = {
+            let executor = executor.clone();
+            actix::spawn(async move { executor.abort(id).await })
+        };
+        for _ in 0..2 {
+            let refused = executor.resume(id).await.unwrap_err();
+            assert!(
+                matches!(refused, Error::Refused { .. }),
+                "{name}: {refused}"
+            );
+        }
+        w.gate.notify_one();
+        let answer = aborting.await.unwrap();
+        assert!(matches!(answer, Ok(true)), "{name}: {answer:?}");
+        let done = tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
+            .await
+            .unwrap_or_else(|_| panic!("{name}: never ended"))
+            .unwrap();
+        assert!(
+            matches!(&done, Err(f) if f.error == ProcError::Aborted),
+            "{name}: {done:?}"
+        );
+        // The failed step, undone from the state before it (step 1 not recorded).
+        assert_eq!(w.calls(), ["exec 1", "rollback 0"], "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
 /// Step 1 starts its child; step 2 ends.
 #[derive(Clone, Serialize, Deserialize)]
 struct Parent {
