@@ -107,9 +107,10 @@ pub(crate) struct ProcedureCell {
     status: Arc<TreeStatus>,
     /// This procedure failed (a step, or an accepted abort or timeout): run no more steps.
     failed: bool,
-    /// Its failed step's policy may retry or pause it (the root stack decides): an
-    /// abort waits for that decision (`went_on`, or its rollback) instead of being
-    /// answered as if it were failing.
+    /// Its failed step's fate is the root stack's to decide (its policy may retry or
+    /// pause it; past a point of no return it pauses): an abort waits for that
+    /// decision (`went_on`, or `tree_failed`) instead of being answered as if it
+    /// were failing.
     deciding: bool,
     /// A step returned Done: nothing more to abort.
     done: bool,
@@ -345,7 +346,9 @@ impl ProcedureCell {
                     guard("failure_policy", || proc.failure_policy(error)).unwrap_or_default();
                 let before = self.data.clone();
                 let after = self.encode(&*proc).unwrap_or_else(|_| before.clone());
-                self.deciding = policy != FailurePolicy::Rollback;
+                // Even under `Rollback`: past a point of no return a sibling may have
+                // recorded meanwhile, a failure pauses instead.
+                self.deciding = !self.status.failed();
                 on_error = Some(OnError { policy, before });
                 after
             }
@@ -748,19 +751,9 @@ impl ProcedureCell {
             // rolls back from the durable state.
             return;
         }
-        if std::mem::take(&mut self.deciding) {
-            // Its failed step was not retried: it is failing after all, and aborts that
-            // waited for that are answered so.
-            let aborts = self
-                .pending
-                .as_mut()
-                .map(|p| std::mem::take(&mut p.aborts))
-                .unwrap_or_default();
-            self.tidy_pending();
-            for ack in aborts {
-                self.request_failure(Some(ack), out);
-            }
-        }
+        // Its failed step was not retried: it is failing after all (its tree's failure
+        // answered the aborts that waited for that already).
+        self.tree_failed(out);
         let Some(mut proc) = self.proc.take() else {
             unreachable!("rollback of {id} while a call runs");
         };
@@ -934,6 +927,24 @@ impl ProcedureCell {
             Err(e) => tracing::error!(proc = %self.id, %e, "cannot reload the recorded state"),
         }
         self.went_on(out, ctx);
+    }
+
+    /// Its tree failed: aborts that waited for its failed step's fate are answered
+    /// now (accepted: it is failing), not when its own rollback starts, which other
+    /// rollbacks (paused, retried, waiting for locks) may hold back.
+    pub(crate) fn tree_failed(&mut self, out: &mut Outbox) {
+        if !std::mem::take(&mut self.deciding) {
+            return;
+        }
+        let aborts = self
+            .pending
+            .as_mut()
+            .map(|p| std::mem::take(&mut p.aborts))
+            .unwrap_or_default();
+        self.tidy_pending();
+        for ack in aborts {
+            self.request_failure(Some(ack), out);
+        }
     }
 
     /// The failure the procedure asked for (a failed step, a timeout, an abort, a

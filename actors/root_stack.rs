@@ -265,6 +265,10 @@ impl TreeRunner {
             self.status.set_failed();
             // Pauses not in effect never will be: the tree rolls back.
             self.refuse_pauses("its tree failed before it paused");
+            // Aborts that waited for a failed step's fate: it is failing.
+            for cell in self.procs.values_mut() {
+                cell.tree_failed(&mut self.outbox);
+            }
             // Its procedures waiting for locks would only be skipped once granted.
             ctx.tell(TreeFailed(self.core.root()));
         }
@@ -933,14 +937,7 @@ impl TreeRunner {
         let t = match msg.failure {
             Some((error, data)) => {
                 let id = msg.id;
-                let event = self.core.event_of(id).map(str::to_string);
-                let t = self.core("abort", |core| core.on_fail(id, error, data, now_ms()), ctx);
-                if let Some(event) = event.filter(|_| self.core.event_of(id).is_none()) {
-                    // Paused instead (past the point of no return), it no longer waits
-                    // for the event: the event must not wake it.
-                    ctx.tell(Unsuspend { id, event });
-                }
-                t
+                self.core("abort", |core| core.on_fail(id, error, data, now_ms()), ctx)
             }
             None => Some(Transition::default()),
         };

@@ -934,8 +934,10 @@ impl RootStack {
                 // (the procedure asked to fail): it pauses then, not with a step out.
                 node.extra().pause_at_step = Some(Box::new(why));
             } else {
-                node.wake_at_ms = None;
-                node.event = None;
+                // It keeps what it waits for, as under an operator's pause: the root
+                // stack unsuspends it from its event when the pause is performed (after
+                // the record that suspended it, whose `SuspendOn` comes first), and a
+                // continue puts it back to waiting.
                 self.pause(&mut t, id, ProcState::Paused, why, data.clone(), now_ms);
                 // Its failure was not taken: it goes on from `data` when continued.
                 t.actions.push(Action::Reset { id, data });
@@ -2218,12 +2220,16 @@ mod tests {
 
     #[test]
     fn past_the_point_of_no_return_a_failure_pauses_waiting_now_and_runnable_at_its_step() {
-        // Waiting for an event: paused now, and no longer waiting for it.
+        // Waiting for an event: paused now.
         let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
         rs.on_step(done(1, StepOutcome::Suspend("e".into()), true), 1);
         let t = rs.on_fail(ProcId(1), ProcError::TimedOut { timeout_ms: 5 }, vec![7], 2);
         assert!(t.to_string().starts_with("U1:PAUSED"), "{t}");
-        assert_eq!(rs.event_of(ProcId(1)), None);
+        // It keeps its event (the root stack unsuspends it when the pause is performed),
+        // and a continue puts it back to waiting.
+        assert_eq!(rs.event_of(ProcId(1)), Some("e"));
+        let t = rs.on_continue(ProcId(1), 3).unwrap();
+        assert_eq!(t.to_string(), "U1:WAITING[0] | suspend 1 on e");
 
         // RUNNABLE: its step is queued (perhaps behind a lock), so nothing changes
         // until that step comes back skipped; then it pauses, for the failure's reason.

@@ -194,8 +194,6 @@ static TIMED_OUT: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
 #[derive(Clone, Copy, Serialize, Deserialize)]
 enum First {
-    /// Marks the point of no return and sleeps for an hour.
-    IrreversibleSleep,
     /// While the world has step failures: takes this many ms, then fails. After: waits
     /// for an event nobody wakes.
     SlowFailThenSuspend(u64),
@@ -234,10 +232,6 @@ impl Procedure<World> for Timed {
         }
         let never = Flow::Suspend("never".into());
         Ok(match self.first {
-            First::IrreversibleSleep => {
-                ctx.set_irreversible();
-                Flow::SleepUntil(ctx.now_ms() + 3_600_000)
-            }
             First::SlowFailThenSuspend(ms) => {
                 if world.step_failures.load(Ordering::SeqCst) > 0 {
                     world.step_failures.fetch_sub(1, Ordering::SeqCst);
@@ -778,14 +772,15 @@ async fn a_pause_answered_by_a_failure_policy_is_spent() {
 }
 
 /// Past the point of no return a timeout pauses the procedure instead of failing it.
-/// Continued, it runs its next step (the wait it timed out in is over) and ends: the
-/// failure the timeout asked for must not stay with it.
+/// Paused, its event does not wake it; continued, it waits for the event again (as
+/// after an operator's pause), and the event, still ready, lets it run its next step
+/// and end: the failure the timeout asked for must not stay with it.
 #[actix::test]
 async fn a_procedure_a_timeout_paused_past_the_point_of_no_return_runs_when_continued() {
     for name in ["memory", "wal"] {
         let w = world(0, 0);
         let executor = start(Reopen::new(name).open(), w.clone()).await;
-        let mut proc = Timed::new(First::IrreversibleSleep);
+        let mut proc = Timed::new(First::IrreversibleSuspend);
         proc.timeout_ms = Some(30);
         proc.wait_for_step_1 = true;
         let id = executor.submit(proc).await.unwrap();
@@ -795,6 +790,13 @@ async fn a_procedure_a_timeout_paused_past_the_point_of_no_return_runs_when_cont
             matches!(why.error, Some(ProcError::TimedOut { .. })),
             "{name}: {why:?}"
         );
+        executor.wake_event("go").await.unwrap();
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::Paused,
+            "{name}"
+        );
+        assert_eq!(w.calls(), ["exec 1"], "{name}: ran while paused");
         executor.resume(id).await.unwrap();
         let done =
             tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id)).await;
