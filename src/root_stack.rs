@@ -699,7 +699,13 @@ impl RootStack {
             .get(&id)
             .is_some_and(|n| !n.state.is_finished() && n.state != ProcState::Failed);
         if self.phase == Phase::Executing && live {
-            self.node_mut(id).deadline_ms = deadline_ms;
+            let node = self.node_mut(id);
+            node.deadline_ms = deadline_ms;
+            if let Some(paused) = node.extra.as_mut().and_then(|e| e.paused_data.as_mut()) {
+                // Paused: the state its continue or rollback records is this one now
+                // (the timeout hook may have changed it).
+                paused.clone_from(&data);
+            }
             self.persist_update(&mut t, id, data, now_ms);
         }
         t
@@ -2689,6 +2695,20 @@ mod tests {
                 "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 3:x",
             ]
         );
+    }
+
+    #[test]
+    fn a_deadline_kept_going_while_paused_is_what_the_continue_records() {
+        let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+        rs.on_step(done(1, StepOutcome::Suspend("e".into()), false), 1);
+        rs.on_pause_waiting(ProcId(1), vec![1], 2).expect("paused");
+        // The timeout hook re-armed the deadline, changing the state.
+        rs.on_deadline(ProcId(1), Some(100), vec![2], 3);
+        let t = rs.on_continue(ProcId(1), 4).unwrap();
+        let StoreOp::Update(r) = &t.persist[0] else {
+            panic!("{t}")
+        };
+        assert_eq!((r.state, &r.data[..]), (ProcState::Waiting, &[2][..]));
     }
 
     #[test]
