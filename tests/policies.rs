@@ -855,26 +855,16 @@ async fn a_pause_asked_during_a_step_that_then_waits_takes_effect_at_once() {
             .submit(Timed::new(First::GatedSuspend))
             .await
             .unwrap();
-        w.entered.notified().await;
-        let pausing = {
+        let pause = {
             let executor = executor.clone();
-            actix::spawn(async move { executor.pause(id).await })
+            async move { executor.pause(id).await }
         };
-        // The pause reaches the root stack before the step ends: a command sent after
-        // it (a continue, refused while the procedure runs) is answered after it. The
-        // first continue is sent before the spawned pause runs, the second after.
-        for _ in 0..2 {
-            let refused = executor.resume(id).await.unwrap_err();
-            assert!(
-                matches!(refused, Error::Refused { .. }),
-                "{name}: {refused}"
-            );
-        }
-        w.gate.notify_one();
-        let paused = tokio::time::timeout(std::time::Duration::from_secs(30), pausing)
-            .await
-            .unwrap_or_else(|_| panic!("{name}: the pause was never answered"))
-            .unwrap();
+        let paused = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            during_gated_step(&executor, &w, id, pause),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{name}: the pause was never answered"));
         assert!(matches!(paused, Ok(())), "{name}: {paused:?}");
         assert_eq!(
             executor.state(id).await.unwrap().state,
@@ -961,89 +951,65 @@ async fn a_timeout_past_the_point_of_no_return_pauses_a_procedure_waiting_for_it
 }
 
 /// An abort that reaches a procedure while its step runs is settled when the step
-/// ends. When that step fails and its policy retries it, the procedure is not failing
-/// yet: the abort must not be answered as accepted and then lost to a retry that
-/// succeeds. It waits for the decision, and then aborts the procedure.
+/// ends. When that step fails and its policy retries it (or pauses it), the procedure
+/// is not failing yet: the abort must not be answered as accepted and then lost to a
+/// retry that succeeds (seen: "the abort was accepted, but: Ok(())"). It waits for the
+/// decision, and then aborts the procedure (a paused one too), whose rollback undoes
+/// the failed step from the state recorded before it.
 #[actix::test]
-async fn an_abort_during_a_step_that_fails_and_is_retried_still_aborts() {
-    for name in ["memory", "wal"] {
-        let w = world(1, 0);
-        let executor = start(Reopen::new(name).open(), w.clone()).await;
-        let mut proc = Timed::new(First::GatedFail);
-        proc.policy = retry_then_rollback(3);
-        let id = executor.submit(proc).await.unwrap();
-        w.entered.notified().await;
-        let aborting = {
-            let executor = executor.clone();
-            actix::spawn(async move { executor.abort(id).await })
-        };
-        // The abort reaches the procedure before the step ends: a command sent after
-        // it is answered after it (a continue, refused while it runs).
-        for _ in 0..2 {
-            let refused = executor.resume(id).await.unwrap_err();
+async fn an_abort_during_a_step_that_fails_waits_for_its_policy_then_aborts() {
+    for policy in [retry_then_rollback(3), FailurePolicy::Pause] {
+        for name in ["memory", "wal"] {
+            let w = world(1, 0);
+            let executor = start(Reopen::new(name).open(), w.clone()).await;
+            let mut proc = Timed::new(First::GatedFail);
+            proc.policy = policy;
+            let id = executor.submit(proc).await.unwrap();
+            let abort = {
+                let executor = executor.clone();
+                async move { executor.abort(id).await }
+            };
+            let answer = during_gated_step(&executor, &w, id, abort).await;
+            assert!(matches!(answer, Ok(true)), "{name} {policy:?}: {answer:?}");
+            let done = tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
+                .await
+                .unwrap_or_else(|_| panic!("{name} {policy:?}: never ended"))
+                .unwrap();
             assert!(
-                matches!(refused, Error::Refused { .. }),
-                "{name}: {refused}"
+                matches!(&done, Err(f) if f.error == ProcError::Aborted),
+                "{name} {policy:?}: the abort was accepted, but: {done:?}"
             );
+            assert_eq!(
+                executor.state(id).await.unwrap().state,
+                ProcState::RolledBack,
+                "{name} {policy:?}"
+            );
+            assert_eq!(w.calls(), ["exec 1", "rollback 0"], "{name} {policy:?}");
+            executor.shutdown().await.unwrap();
         }
-        w.gate.notify_one();
-        let answer = aborting.await.unwrap();
-        assert!(matches!(answer, Ok(true)), "{name}: {answer:?}");
-        let done = tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
-            .await
-            .unwrap_or_else(|_| panic!("{name}: never ended"))
-            .unwrap();
-        assert!(
-            matches!(&done, Err(f) if f.error == ProcError::Aborted),
-            "{name}: the abort was accepted, but: {done:?}"
-        );
-        assert_eq!(
-            executor.state(id).await.unwrap().state,
-            ProcState::RolledBack,
-            "{name}"
-        );
-        executor.shutdown().await.unwrap();
     }
 }
 
-/// As above, under the `Pause` policy: the failure pauses the procedure, and then the
-/// abort that waited rolls it back (an abort of a PAUSED procedure), undoing the failed
-/// step from the state recorded before it.
-#[actix::test]
-async fn an_abort_during_a_step_that_fails_and_pauses_rolls_it_back() {
-    for name in ["memory", "wal"] {
-        let w = world(1, 0);
-        let executor = start(Reopen::new(name).open(), w.clone()).await;
-        let mut proc = Timed::new(First::GatedFail);
-        proc.policy = FailurePolicy::Pause;
-        let id = executor.submit(proc).await.unwrap();
-        w.entered.notified().await;
-        let aborting = {
-            let executor = executor.clone();
-            actix::spawn(async move { executor.abort(id).await })
-        };
-        for _ in 0..2 {
-            let refused = executor.resume(id).await.unwrap_err();
-            assert!(
-                matches!(refused, Error::Refused { .. }),
-                "{name}: {refused}"
-            );
-        }
-        w.gate.notify_one();
-        let answer = aborting.await.unwrap();
-        assert!(matches!(answer, Ok(true)), "{name}: {answer:?}");
-        let done = tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
-            .await
-            .unwrap_or_else(|_| panic!("{name}: never ended"))
-            .unwrap();
-        assert!(
-            matches!(&done, Err(f) if f.error == ProcError::Aborted),
-            "{name}: {done:?}"
-        );
-        // The failed step, undone from the state before it (step 1 not recorded).
-        assert_eq!(w.calls(), ["exec 1", "rollback 0"], "{name}");
-        executor.shutdown().await.unwrap();
+/// Sends `command` to the tree of `id` while its gated step runs (once the step has
+/// signalled `entered`), makes sure the tree has it before the step ends, then opens
+/// the gate; gives the command's answer.
+async fn during_gated_step<T: 'static>(
+    executor: &Executor<World>,
+    w: &World,
+    id: ProcId,
+    command: impl std::future::Future<Output = T> + 'static,
+) -> T {
+    w.entered.notified().await;
+    let sent = actix::spawn(command);
+    // A command sent after it is answered after it (a continue, refused while the step
+    // runs). The first continue is sent before the spawned command runs, the second
+    // after.
+    for _ in 0..2 {
+        let refused = executor.resume(id).await.unwrap_err();
+        assert!(matches!(refused, Error::Refused { .. }), "{refused}");
     }
+    w.gate.notify_one();
+    sent.await.unwrap()
 }
 
 /// Step 1 starts its child; step 2 ends.
