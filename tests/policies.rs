@@ -1097,3 +1097,43 @@ async fn a_pause_while_a_retry_is_being_recorded_keeps_the_recorded_state() {
         executor.shutdown().await.unwrap();
     }
 }
+
+/// The abort of a procedure whose failing step is running waits for the step's fate;
+/// once that fails the tree, it is answered then, not when the procedure's own rollback
+/// starts, which may wait (here for its lock, which another tree took in between).
+#[actix::test]
+async fn an_abort_that_waited_for_a_failing_step_is_answered_when_the_tree_fails() {
+    for name in ["memory", "wal"] {
+        let w = world(1, 0);
+        let executor = start(Reopen::new(name).open(), w.clone()).await;
+        let mut failing = Timed::new(First::GatedFail);
+        failing.resource = Some("x".into());
+        let id = executor.submit(failing).await.unwrap();
+        // Waits for `x` while the failing step holds it; takes it once that step is
+        // over, and holds it at the gate.
+        let mut holder = Timed::new(First::GatedSuspend);
+        holder.resource = Some("x".into());
+        let holder = executor.submit(holder).await.unwrap();
+        let abort = {
+            let executor = executor.clone();
+            async move { executor.abort(id).await }
+        };
+        let answer = tokio::time::timeout(
+            std::time::Duration::from_secs(30),
+            during_gated_step(&executor, &w, id, abort),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{name}: the abort waited for the rollback"));
+        assert!(matches!(answer, Ok(true)), "{name}: {answer:?}");
+        // The holder's step runs at the gate; let it go, and the rollback follows.
+        w.entered.notified().await;
+        w.gate.notify_one();
+        let done = executor.wait(id).await.unwrap();
+        assert!(
+            matches!(&done, Err(f) if f.error == ProcError::Failed("step 1 failed".into())),
+            "{name}: {done:?}"
+        );
+        wait_for_state(&executor, holder, ProcState::Waiting).await;
+        executor.shutdown().await.unwrap();
+    }
+}
