@@ -403,10 +403,7 @@ impl ProcedureCell {
             // or a timer: no step comes soon to stop at, so it pauses now, as a pause
             // of a waiting procedure does (after the step's report, which makes it wait).
             self.forget_pause();
-            out.push_back(Report::PauseNow(PauseNow {
-                id: self.id,
-                data: self.data.clone(),
-            }));
+            self.pause(true, out);
         }
     }
 
@@ -453,8 +450,8 @@ impl ProcedureCell {
         }
         let ack = match ack {
             Some(ack) if self.deciding && !self.status.failed() => {
-                // Its failed step may be retried, or paused: whether it is failing is
-                // not known yet. The abort waits for the decision.
+                // Its failed step's fate is not decided yet (a policy may retry or
+                // pause it): whether it is failing is not known. The abort waits.
                 self.pending().aborts.push(ack);
                 return;
             }
@@ -751,9 +748,6 @@ impl ProcedureCell {
             // rolls back from the durable state.
             return;
         }
-        // Its failed step was not retried: it is failing after all (its tree's failure
-        // answered the aborts that waited for that already).
-        self.tree_failed(out);
         let Some(mut proc) = self.proc.take() else {
             unreachable!("rollback of {id} while a call runs");
         };
@@ -959,13 +953,10 @@ impl ProcedureCell {
         }
         // A deadline that passed and aborts that came meanwhile.
         self.settle_pending(out, ctx);
-        if self.pending.as_ref().is_some_and(|p| p.pause_next) && !self.failed {
+        if self.pending.as_ref().is_some_and(|p| p.pause_next) {
             // An operator's pause that came meanwhile: now that it holds its recorded
             // state, at once if it waits (for its retry), else at its next step.
-            out.push_back(Report::PauseNow(PauseNow {
-                id: self.id,
-                data: self.data.clone(),
-            }));
+            self.pause(true, out);
         }
     }
 }
