@@ -755,10 +755,10 @@ async fn a_pause_answered_by_a_failure_policy_is_spent() {
         let info = executor.state(id).await.unwrap();
         assert_eq!(info.state, ProcState::Paused, "{name}");
         executor.resume(id).await.unwrap();
-        let done =
-            tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id)).await;
-        assert!(
-            matches!(done, Ok(Ok(Ok(())))),
+        let done = result_of(&executor, id, name).await;
+        assert_eq!(
+            done,
+            Ok(()),
             "{name}: paused again after the continue: {:?}",
             executor.state(id).await.map(|i| i.state)
         );
@@ -798,11 +798,11 @@ async fn a_procedure_a_timeout_paused_past_the_point_of_no_return_runs_when_cont
         );
         assert_eq!(w.calls(), ["exec 1"], "{name}: ran while paused");
         executor.resume(id).await.unwrap();
-        let done =
-            tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id)).await;
-        assert!(
-            matches!(done, Ok(Ok(Ok(())))),
-            "{name}: {done:?}, {:?}",
+        let done = result_of(&executor, id, name).await;
+        assert_eq!(
+            done,
+            Ok(()),
+            "{name}: {:?}",
             executor.state(id).await.map(|i| i.state)
         );
         assert_eq!(w.calls(), ["exec 1", "exec 2"], "{name}");
@@ -825,10 +825,7 @@ async fn a_deadline_passed_during_a_failing_step_still_times_out_its_retries() {
             backoff_ms: 1,
         };
         let id = executor.submit(proc).await.unwrap();
-        let done = tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
-            .await
-            .unwrap_or_else(|_| panic!("{name}: never timed out"))
-            .unwrap();
+        let done = result_of(&executor, id, name).await;
         let failure = done.unwrap_err();
         assert!(
             matches!(failure.error, ProcError::TimedOut { timeout_ms: 100 }),
@@ -938,9 +935,7 @@ async fn a_timeout_past_the_point_of_no_return_pauses_a_procedure_waiting_for_it
         );
         assert_eq!(w.calls(), ["exec 1", "exec 1"], "step 2 did not run");
         executor.resume(id).await.unwrap();
-        let done =
-            tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id)).await;
-        assert!(matches!(done, Ok(Ok(Ok(())))), "{done:?}");
+        assert_eq!(result_of(&executor, id, name).await, Ok(()), "{name}");
         assert_eq!(w.calls(), ["exec 1", "exec 1", "exec 2"]);
         assert_eq!(
             executor.state(holder).await.unwrap().state,
@@ -971,10 +966,7 @@ async fn an_abort_during_a_step_that_fails_waits_for_its_policy_then_aborts() {
             };
             let answer = during_gated_step(&executor, &w, id, abort).await;
             assert!(matches!(answer, Ok(true)), "{name} {policy:?}: {answer:?}");
-            let done = tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
-                .await
-                .unwrap_or_else(|_| panic!("{name} {policy:?}: never ended"))
-                .unwrap();
+            let done = result_of(&executor, id, &format!("{name} {policy:?}")).await;
             assert!(
                 matches!(&done, Err(f) if f.error == ProcError::Aborted),
                 "{name} {policy:?}: the abort was accepted, but: {done:?}"
@@ -987,6 +979,22 @@ async fn an_abort_during_a_step_that_fails_waits_for_its_policy_then_aborts() {
             assert_eq!(w.calls(), ["exec 1", "rollback 0"], "{name} {policy:?}");
             executor.shutdown().await.unwrap();
         }
+    }
+}
+
+/// `id`'s result, waited for at most 30 s: a hang is the failure, reported with
+/// `what` and the state `id` was stuck in.
+async fn result_of(
+    executor: &Executor<World>,
+    id: ProcId,
+    what: &str,
+) -> Result<(), proctor::Failure> {
+    match tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id)).await {
+        Ok(result) => result.unwrap(),
+        Err(_) => panic!(
+            "{what}: {id} never ended ({:?})",
+            executor.state(id).await.map(|i| i.state)
+        ),
     }
 }
 
@@ -1086,9 +1094,7 @@ async fn a_pause_while_a_retry_is_being_recorded_keeps_the_recorded_state() {
             ProcState::Paused
         );
         executor.resume(child).await.unwrap();
-        let done =
-            tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(root)).await;
-        assert!(matches!(done, Ok(Ok(Ok(())))), "{name}: {done:?}");
+        assert_eq!(result_of(&executor, root, name).await, Ok(()), "{name}");
         assert_eq!(
             w.calls(),
             ["exec 1", "exec 2", "exec 2", "exec 3"],
