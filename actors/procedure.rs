@@ -323,7 +323,14 @@ impl ProcedureCell {
             Ok(Next::MoreToDo) => StepOutcome::MoreToDo {
                 yield_after: proc.is_yield_after_execution(),
             },
-            Ok(Next::Children(procs)) => self.name_children(procs, &mut children),
+            Ok(Next::Children(procs)) => {
+                let named = self.name_children(procs, &mut children);
+                named.map_or_else(StepOutcome::Failed, StepOutcome::Children)
+            }
+            Ok(Next::Spawn(procs)) => {
+                let named = self.name_children(procs, &mut children);
+                named.map_or_else(StepOutcome::Failed, StepOutcome::Spawn)
+            }
             Ok(Next::Yield) => StepOutcome::Yield,
             Ok(Next::Suspend(event)) => StepOutcome::Suspend(event),
             Ok(Next::SleepUntil(at_ms)) => StepOutcome::SleepUntil(at_ms),
@@ -411,7 +418,7 @@ impl ProcedureCell {
         &self,
         procs: Vec<DynProc>,
         objects: &mut Vec<(ProcId, DynProc)>,
-    ) -> StepOutcome {
+    ) -> Result<Vec<NewChild>, ProcError> {
         let mut named = Vec::with_capacity(procs.len());
         let now = now_ms();
         for child in procs {
@@ -422,14 +429,14 @@ impl ProcedureCell {
                 }
                 Err(e) => {
                     objects.clear();
-                    return StepOutcome::Failed(match e {
+                    return Err(match e {
                         Undeclarable::Registry(e) => ProcError::Persist(format!("child: {e}")),
                         Undeclarable::Invalid(e) => ProcError::failed(format_args!("child: {e}")),
                     });
                 }
             }
         }
-        StepOutcome::Children(named)
+        Ok(named)
     }
 
     fn release_lock(&mut self, proc: &mut dyn ErasedProc, ctx: &Call) {
@@ -623,7 +630,7 @@ impl ProcedureCell {
     /// Handles what the scheduler sent.
     pub(crate) fn deliver(&mut self, msg: ToCell, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
         match msg {
-            ToCell::RunStep(RunStep { step }) => self.run_step(step, out, ctx),
+            ToCell::RunStep(RunStep { step, children }) => self.run_step(step, children, out, ctx),
             ToCell::Rollback(Rollback { unrecorded }) => self.rollback(unrecorded, out, ctx),
             ToCell::LocksGranted => {
                 // Between steps: `data` is the state the last record holds.
@@ -649,7 +656,13 @@ impl ProcedureCell {
 
     /// Runs one step (the scheduler counts it against a worker): the user's `execute`
     /// runs as a future of the tree's shard; [`ProcedureCell::step_ended`] takes its end.
-    fn run_step(&mut self, step: usize, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+    fn run_step(
+        &mut self,
+        step: usize,
+        children: Option<Vec<(ProcId, ProcState)>>,
+        out: &mut Outbox,
+        ctx: &mut TreeCtx<'_>,
+    ) {
         let id = self.id;
         if self.shared.drain.is_draining() {
             // A graceful shutdown: the step runs after the restart.
@@ -676,7 +689,10 @@ impl ProcedureCell {
             unreachable!("procedure {id} dispatched while a call runs");
         };
         let cancel = self.cancel.get_or_insert_with(Cancel::new).clone();
-        let pctx = self.context().with_cancel(cancel.clone());
+        let mut pctx = self.context().with_cancel(cancel.clone());
+        if let Some(children) = children {
+            pctx = pctx.with_children(children);
+        }
         if !self.lock_held {
             match guard("acquire_lock", || proc.acquire_lock(&pctx)) {
                 Ok(LockState::Acquired) => self.lock_held = true,

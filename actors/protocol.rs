@@ -213,6 +213,9 @@ impl Message for Unsuspend {
 pub(crate) struct RunStep {
     /// Which of the procedure's steps this is, counting from 1 (for its span).
     pub(crate) step: usize,
+    /// For a parent: its children as they are now (filled in by its root stack, whose
+    /// bookkeeping has them; see `Context::children`).
+    pub(crate) children: Option<Vec<(ProcId, ProcState)>>,
 }
 
 /// A step ended (the procedure cell's report), with the objects of any new children. Every

@@ -849,7 +849,10 @@ impl TreeRunner {
 
 impl TreeRunner {
     fn on_to_proc(&mut self, msg: ToProc, ctx: &mut TreeCtx<'_>) {
-        let ToProc { id, msg } = msg;
+        let ToProc { id, mut msg } = msg;
+        if let ToCell::RunStep(step) = &mut msg {
+            step.children = self.core.children_of(id);
+        }
         match self.procs.get_mut(&id) {
             Some(cell) => cell.deliver(msg, &mut self.outbox, ctx),
             None => {

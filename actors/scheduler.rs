@@ -293,7 +293,13 @@ impl Scheduler {
                         self.overlapped.entry(id).or_default().push_back(running);
                     }
                 }
-                addr.post(&mut self.mail, RunStep { step: what.1 });
+                addr.post(
+                    &mut self.mail,
+                    RunStep {
+                        step: what.1,
+                        children: None,
+                    },
+                );
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no actor");
                 self.ready.complete(lane);

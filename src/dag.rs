@@ -9,19 +9,21 @@
 //!
 //! # How it runs
 //!
-//! Each step of the DAG marks the tasks of its previous wave done (the engine wakes a
-//! parent only once all its children succeeded), picks the ready tasks — longest
-//! remaining chain first, then in the order they were added — takes at most
-//! [`DagBuilder::parallelism`] of them, marks them started and returns them as
-//! [`Flow::Children`]. The engine makes that state durable before it starts the
-//! children, runs them on its worker pool, and wakes the DAG when all have finished.
-//! The last step returns [`Flow::Done`].
+//! Each step of the DAG marks done the started tasks whose child procedures have
+//! succeeded ([`Context::children`]), picks the ready tasks — longest remaining chain
+//! first, then in the order they were added — takes as many as
+//! [`DagBuilder::parallelism`] leaves room for beside the tasks still running, marks
+//! them started and returns them as [`Flow::Spawn`]: a *wave*, possibly empty. The
+//! engine makes that state durable before it starts the children, runs them on its
+//! worker pool, and wakes the DAG each time one of its children succeeds, so a task
+//! starts as soon as its predecessors are done, whatever else runs beside it. The
+//! last step returns [`Flow::Done`].
 //!
-//! **Limitation:** a wave waits for its slowest task: a task whose predecessors are
-//! done starts only with the next wave, after every task of the current one has
-//! finished. `Flow::Children` waits for all the children it starts; doing better needs
-//! an engine that wakes a parent per finished child. Ordering the ready tasks by the
-//! length of the chain they head keeps the critical path moving when the limit bites.
+//! The DAG's children are its started tasks in the order it started them, so the
+//! `n`-th child is the `n`-th task of its waves: a step whose children do not match its
+//! started tasks fails, naming both counts. A DAG recorded by a version that started
+//! its waves with `Flow::Children` resumes the same way (woken once all had finished,
+//! its step finds them all succeeded).
 //!
 //! # Why the DAG rolls its tasks back itself
 //!
@@ -34,9 +36,11 @@
 //! step, newest first, each undoing the newest wave not yet undone, its tasks all at
 //! once (a wave has no edge inside it and is never larger than the parallelism; the
 //! calls run concurrently on the DAG's rollback call, each with a clone of its
-//! context). A wave's tasks started only once all their predecessors were done, in
-//! earlier waves, so for every edge `a → b` that ran, `b` is rolled back before `a`.
-//! Every started task is rolled back exactly once (a crash during the DAG's rollback,
+//! context). A wave's tasks started only once all their predecessors were done, and a
+//! step sees a task done only after the step that started it, so for every edge
+//! `a → b` that ran, `b`'s wave is newer than `a`'s and `b` is rolled back before `a`.
+//! The DAG has at least as many recorded steps as waves (a step that started nothing
+//! is recorded too; the extra rollback calls find nothing left to undo). Every started task is rolled back exactly once (a crash during the DAG's rollback,
 //! or a failed rollback of one task of a wave, may repeat that wave's calls —
 //! rollbacks are idempotent), including a task of the failing wave that the engine had queued but
 //! not yet run when the tree failed (it skips such a step). Hence [`Task`] rather than
@@ -57,12 +61,12 @@
 //! A task whose [`Task::irreversible`] is true is a point of no return: its child
 //! procedure marks its step ([`Context::set_irreversible`]), so once that step is
 //! recorded a failure anywhere in the tree pauses the failing procedure, and the DAG
-//! is never rolled back past the task. Such a task runs in a wave of its own, and only
-//! when no reversible task is ready: a sibling failing in the same wave could
-//! otherwise fail the tree while the task's step is still unrecorded, and the DAG
-//! would have to undo it. Alone in its wave, the task either fails itself (its effect
-//! is then not done, and the DAG rolls back) or is recorded before any other task
-//! starts.
+//! is never rolled back past the task. Such a task runs alone: it starts only when no
+//! other task is running or ready, and nothing starts beside it. A sibling failing
+//! while it ran could otherwise fail the tree while the task's step is still
+//! unrecorded, and the DAG would have to undo it. Alone, the task either fails itself
+//! (its effect is then not done, and the DAG rolls back) or is recorded before any
+//! other task starts.
 
 use std::collections::BTreeSet;
 use std::fmt;
@@ -75,7 +79,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::Lock;
-use crate::procedure::{Context, FailurePolicy, Flow, ProcError, Procedure};
+use crate::procedure::{Context, FailurePolicy, Flow, ProcError, ProcState, Procedure};
 
 /// A task of a [`Dag`]: one idempotent action and its idempotent undo. Usually an enum
 /// of the kinds of work a DAG does. Its value is fixed when it is added to the
@@ -131,9 +135,9 @@ where
 
     /// Whether the task is a point of no return ([`Context::set_irreversible`]): once
     /// its `execute` is done and recorded, a failure anywhere in the DAG's tree pauses
-    /// instead of rolling back, so the DAG never undoes it. Such a task runs in a wave
-    /// of its own, after the ready reversible tasks: with no sibling in flight, no
-    /// failure can race it, and its own failure still rolls the DAG back.
+    /// instead of rolling back, so the DAG never undoes it. Such a task runs alone,
+    /// after the ready reversible tasks: with no sibling in flight, no failure can race
+    /// it, and its own failure still rolls the DAG back.
     fn irreversible(&self) -> bool {
         false
     }
@@ -162,12 +166,12 @@ impl fmt::Display for TaskId {
 pub enum TaskStatus {
     /// Some predecessor is not done.
     Waiting,
-    /// Every predecessor is done; it starts with the DAG's next wave.
+    /// Every predecessor is done; the DAG starts it when there is room.
     Ready,
-    /// Given to the engine as a child procedure (running, queued, or finished in a wave
-    /// that has not ended yet).
+    /// Given to the engine as a child procedure (running, queued, or finished but not
+    /// yet seen by a step of the DAG).
     Started,
-    /// Done, and its wave has ended.
+    /// Done, as a step of the DAG has seen.
     Done,
     /// Started, then rolled back because the DAG's tree failed.
     RolledBack,
@@ -282,7 +286,7 @@ impl<T: fmt::Debug> DagBuilder<T> {
         self
     }
 
-    /// At most `n` tasks started at once (one wave). Unlimited by default.
+    /// At most `n` tasks running at once. Unlimited by default.
     pub fn parallelism(&mut self, n: usize) -> &mut Self {
         self.parallelism = n;
         self
@@ -357,10 +361,10 @@ impl<T: fmt::Debug> DagBuilder<T> {
 /// ```
 ///
 /// Each step starts a wave: the ready tasks (every predecessor done), longest
-/// remaining chain first, at most [`DagBuilder::parallelism`], each as a child
-/// procedure ([`DagTask`]); the next step, once they have all finished, marks them done
-/// and starts the next wave. A wave waits for its slowest task before the dependents of
-/// its fast ones start ([`Flow::Children`] waits for all its children).
+/// remaining chain first, up to [`DagBuilder::parallelism`] tasks running at once, each
+/// as a child procedure ([`DagTask`]). The engine wakes the DAG as each task succeeds
+/// ([`Flow::Spawn`]), and its next step marks the finished tasks done and starts those
+/// they made ready, while the others run on.
 ///
 /// When the DAG's tree fails, running tasks end their step, then the DAG rolls back
 /// every task it started — done, failed, cut off, or queued but never run — exactly
@@ -562,22 +566,29 @@ impl<T> Dag<T> {
             .all(|&p| self.marks[p as usize] == Mark::Done)
     }
 
-    /// Ends the current wave (its tasks are done) and starts the next one: the ready
-    /// tasks, by priority, at most `parallelism`; those for which `alone` is true (the
-    /// irreversible) only when no other is ready, one per wave. Empty when nothing is
-    /// ready.
-    fn next_wave(&mut self, alone: impl Fn(u32) -> bool) -> Vec<u32> {
-        for mark in &mut self.marks {
-            if *mark == Mark::Started {
-                *mark = Mark::Done;
+    /// Marks the `done` tasks done and starts the next wave: the ready tasks, by
+    /// priority, as many as the parallelism leaves room for beside the tasks still
+    /// running; one for which `alone` is true (an irreversible one) only when no other
+    /// task is running or ready, and nothing beside it. Empty when nothing can start.
+    fn next_wave(&mut self, done: &[u32], alone: impl Fn(u32) -> bool) -> Vec<u32> {
+        for &t in done {
+            if self.marks[t as usize] == Mark::Started {
+                self.marks[t as usize] = Mark::Done;
             }
         }
+        let running: Vec<u32> = (0..self.marks.len() as u32)
+            .filter(|&t| self.marks[t as usize] == Mark::Started)
+            .collect();
+        if running.iter().any(|&t| alone(t)) {
+            return Vec::new();
+        }
+        let room = (self.parallelism as usize).saturating_sub(running.len());
         let ready = ready(&self.preds, &self.marks);
         let mut wave: Vec<u32> = ready.iter().copied().filter(|&t| !alone(t)).collect();
-        if wave.is_empty() {
+        if wave.is_empty() && running.is_empty() {
             wave.extend(ready.first());
         }
-        wave.truncate(self.parallelism as usize);
+        wave.truncate(room);
         for &t in &wave {
             self.marks[t as usize] = Mark::Started;
         }
@@ -697,21 +708,38 @@ where
     T: Task<E>,
     E: Send + Sync + 'static,
 {
-    async fn execute(&mut self, _ctx: &mut Context<E>) -> Result<Flow<E>, ProcError> {
+    async fn execute(&mut self, ctx: &mut Context<E>) -> Result<Flow<E>, ProcError> {
+        // The DAG's children are its started tasks, in the order it started them.
+        let started = self.waves.iter().flatten();
+        let children = ctx.children();
+        if started.clone().count() != children.len() {
+            return Err(ProcError::failed(format!(
+                "DAG has started {} tasks but has {} children ({})",
+                started.count(),
+                children.len(),
+                self.summary()
+            )));
+        }
+        let done: Vec<u32> = started
+            .zip(children)
+            .filter(|(_, (_, state))| *state == ProcState::Success)
+            .map(|(&t, _)| t)
+            .collect();
         let tasks = &self.tasks;
         let alone: Vec<bool> = tasks.iter().map(Task::irreversible).collect();
-        let wave = self.next_wave(|t| alone[t as usize]);
-        if wave.is_empty() {
-            if self.marks.iter().all(|&m| m == Mark::Done) {
-                return Ok(Flow::Done);
-            }
+        let wave = self.next_wave(&done, |t| alone[t as usize]);
+        if self.marks.iter().all(|&m| m == Mark::Done) {
+            return Ok(Flow::Done);
+        }
+        if wave.is_empty() && !self.marks.contains(&Mark::Started) {
             // build() refuses cycles, so only a corrupt state gets here.
             return Err(ProcError::failed(format!(
                 "DAG cannot go on: nothing is ready ({})",
                 self.summary()
             )));
         }
-        Ok(Flow::Children(
+        // Woken as each task finishes, to start what it made ready.
+        Ok(Flow::Spawn(
             wave.into_iter()
                 .map(|t| {
                     Box::new(DagTask {
@@ -1032,11 +1060,34 @@ mod tests {
         assert_eq!(b.build().unwrap_err(), DagError::ZeroParallelism);
     }
 
-    /// The task ids a step started, or `None` for `Done`.
+    /// The task ids a step started, or `None` for `Done`, once every task it started
+    /// before has finished.
     fn step(dag: &mut Dag<Job>, log: &Arc<Log>) -> Option<Vec<usize>> {
-        match now(Procedure::<Log>::execute(dag, &mut ctx(log))).unwrap() {
+        let all: Vec<usize> = dag.waves.iter().flatten().map(|&t| t as usize).collect();
+        step_after(dag, log, &all)
+    }
+
+    /// The same, once the `done` tasks it started have finished (the others run on).
+    fn step_after(dag: &mut Dag<Job>, log: &Arc<Log>, done: &[usize]) -> Option<Vec<usize>> {
+        // Its children, as the engine shows them: the started tasks in order.
+        let children = dag
+            .waves
+            .iter()
+            .flatten()
+            .enumerate()
+            .map(|(i, &t)| {
+                let state = if done.contains(&(t as usize)) {
+                    ProcState::Success
+                } else {
+                    ProcState::Runnable
+                };
+                (ProcId(i as u64 + 2), state)
+            })
+            .collect();
+        let mut ctx = ctx(log).with_children(children);
+        match now(Procedure::<Log>::execute(dag, &mut ctx)).unwrap() {
             Flow::Done => None,
-            Flow::Children(children) => Some(
+            Flow::Spawn(children) => Some(
                 children
                     .iter()
                     .map(|c| {
@@ -1045,7 +1096,7 @@ mod tests {
                     })
                     .collect(),
             ),
-            _ => panic!("a DAG step starts children or is done"),
+            other => panic!("a DAG step spawns children or is done: {other:?}"),
         }
     }
 
@@ -1115,13 +1166,7 @@ mod tests {
             (&["!x", "a", "b"], &[(0, 1)], 2, &[&[2], &[0], &[1]]),
         ];
         for &(names, edges, parallelism, expected) in cases {
-            let mut b = DagBuilder::new();
-            let ids: Vec<TaskId> = names.iter().map(|n| b.add(job(n))).collect();
-            for &(x, y) in edges {
-                b.edge(ids[x as usize], ids[y as usize]);
-            }
-            b.parallelism(parallelism);
-            let mut dag = b.build().unwrap();
+            let mut dag = dag_of(names, edges, parallelism);
             let log = Arc::new(Log::default());
             let mut waves = Vec::new();
             while let Some(wave) = step(&mut dag, &log) {
@@ -1129,6 +1174,93 @@ mod tests {
             }
             assert_eq!(waves, expected, "{names:?} {edges:?}");
         }
+    }
+
+    /// A DAG of jobs with these names and edges (by index).
+    fn dag_of(names: &[&str], edges: Edges, parallelism: usize) -> Dag<Job> {
+        let mut b = DagBuilder::new();
+        let ids: Vec<TaskId> = names.iter().map(|n| b.add(job(n))).collect();
+        for &(x, y) in edges {
+            b.edge(ids[x as usize], ids[y as usize]);
+        }
+        b.parallelism(parallelism);
+        b.build().unwrap()
+    }
+
+    #[test]
+    fn a_task_starts_once_its_predecessors_are_done_beside_slower_ones() {
+        // (tasks, edges, parallelism, steps: the tasks done when the step runs and what
+        // it starts, `None` for done)
+        type Case = (
+            &'static str,
+            &'static [&'static str],
+            Edges,
+            usize,
+            &'static [(&'static [usize], Option<&'static [usize]>)],
+        );
+        let cases: &[Case] = &[
+            (
+                "b follows a while c runs on; d waits for c",
+                &["a", "b", "c", "d"],
+                &[(0, 1), (2, 3)],
+                4,
+                &[
+                    (&[], Some(&[0, 2])),
+                    (&[0], Some(&[1])),
+                    (&[0, 1], Some(&[])),
+                    (&[0, 1, 2], Some(&[3])),
+                    (&[0, 1, 2, 3], None),
+                ],
+            ),
+            (
+                "a finished task's place goes to the next ready one",
+                &["a", "b", "c", "d"],
+                &[],
+                2,
+                &[
+                    (&[], Some(&[0, 1])),
+                    (&[1], Some(&[2])),
+                    (&[1], Some(&[])),
+                    (&[0, 1, 2], Some(&[3])),
+                    (&[0, 1, 2, 3], None),
+                ],
+            ),
+            (
+                "an irreversible task waits until nothing else runs or is ready",
+                &["a", "!x", "b", "c"],
+                &[(0, 2)],
+                4,
+                &[
+                    (&[], Some(&[0, 3])),
+                    (&[0], Some(&[2])),
+                    (&[0, 2], Some(&[])),
+                    (&[0, 2, 3], Some(&[1])),
+                    (&[0, 1, 2, 3], None),
+                ],
+            ),
+        ];
+        for &(name, names, edges, parallelism, steps) in cases {
+            let mut dag = dag_of(names, edges, parallelism);
+            let log = Arc::new(Log::default());
+            for (i, &(done, want)) in steps.iter().enumerate() {
+                let got = step_after(&mut dag, &log, done);
+                assert_eq!(got.as_deref(), want, "{name}: step {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_step_whose_children_do_not_match_its_started_tasks_fails() {
+        let log = Arc::new(Log::default());
+        let mut dag = fan();
+        step(&mut dag, &log); // starts a
+        let mut ctx = ctx(&log); // but shows no child
+        let e = now(Procedure::<Log>::execute(&mut dag, &mut ctx)).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("DAG has started 1 tasks but has 0 children"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -37,6 +37,7 @@ pub(crate) enum Next {
     Done,
     MoreToDo,
     Children(Vec<DynProc>),
+    Spawn(Vec<DynProc>),
     Yield,
     Suspend(String),
     SleepUntil(u64),
@@ -50,6 +51,7 @@ impl<E: Send + Sync + 'static> From<Flow<E>> for Next {
             Flow::Children(children) => {
                 Next::Children(children.into_iter().map(erase_boxed).collect())
             }
+            Flow::Spawn(children) => Next::Spawn(children.into_iter().map(erase_boxed).collect()),
             Flow::Yield => Next::Yield,
             Flow::Suspend(event) => Next::Suspend(event),
             Flow::SleepUntil(at_ms) => Next::SleepUntil(at_ms),

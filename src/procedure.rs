@@ -244,6 +244,18 @@ pub enum Flow<E = ()> {
     /// Persist, start these children, and WAIT until all of them finish; then run the
     /// next step. An empty list behaves like [`Flow::Done`].
     Children(Vec<Box<dyn Procedure<E>>>),
+    /// Persist, start these children (none is fine), and WAIT until any child of the
+    /// procedure — from this step or an earlier one — succeeds; then run the next step,
+    /// which sees in [`Context::children`] which have finished. With no child running
+    /// the next step runs at once. For work that starts more children as earlier ones
+    /// finish, as a [`Dag`](crate::Dag) does its tasks.
+    ///
+    /// Until its children have all finished, the procedure's steps may return only
+    /// `Spawn` or [`Flow::Children`] (which waits for all of them); any other flow fails
+    /// the step. A wake writes nothing, so a step may also run again after a restart
+    /// without a new child having finished: look at [`Context::children`] rather
+    /// than count wakes.
+    Spawn(Vec<Box<dyn Procedure<E>>>),
     /// Run again later, behind everything already queued (under the default
     /// [`Scheduling::Fair`](crate::Scheduling::Fair): behind every new or yielding
     /// procedure queued on its tree's level). Nothing is persisted and the step is not
@@ -264,6 +276,7 @@ impl<E> fmt::Debug for Flow<E> {
             Flow::Done => f.write_str("Done"),
             Flow::MoreToDo => f.write_str("MoreToDo"),
             Flow::Children(c) => write!(f, "Children({})", c.len()),
+            Flow::Spawn(c) => write!(f, "Spawn({})", c.len()),
             Flow::Yield => f.write_str("Yield"),
             Flow::Suspend(e) => write!(f, "Suspend({e:?})"),
             Flow::SleepUntil(t) => write!(f, "SleepUntil({t})"),
@@ -296,6 +309,7 @@ pub struct Context<E: ?Sized = ()> {
     cancel: Option<Cancel>,
     shutdown: Option<Cancel>,
     irreversible: bool,
+    children: Vec<(ProcId, ProcState)>,
 }
 
 impl<E: ?Sized> Clone for Context<E> {
@@ -311,6 +325,7 @@ impl<E: ?Sized> Clone for Context<E> {
             cancel: self.cancel.clone(),
             shutdown: self.shutdown.clone(),
             irreversible: self.irreversible,
+            children: self.children.clone(),
         }
     }
 }
@@ -350,7 +365,34 @@ impl<E: ?Sized> Context<E> {
             cancel: None,
             shutdown: None,
             irreversible: false,
+            children: Vec::new(),
         }
+    }
+
+    /// Gives the call the procedure's children as they were when it was dispatched
+    /// (see [`Context::children`]). For tests of a parent's steps.
+    #[must_use]
+    pub fn with_children(mut self, children: Vec<(ProcId, ProcState)>) -> Self {
+        self.children = children;
+        self
+    }
+
+    /// The procedure's children, in the order it started them, each with its state
+    /// when this call was dispatched: [`ProcState::Success`] for one that finished,
+    /// an unfinished state for one still running. Empty for a procedure that started
+    /// none, and in a rollback. A step that follows a [`Flow::Spawn`] looks here for
+    /// which children it was woken for.
+    ///
+    /// ```
+    /// use proctor::{Context, ProcId, ProcState};
+    /// use std::sync::Arc;
+    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, Arc::new(()))
+    ///     .with_children(vec![(ProcId(2), ProcState::Success), (ProcId(3), ProcState::Runnable)]);
+    /// let done = ctx.children().iter().filter(|(_, s)| *s == ProcState::Success).count();
+    /// assert_eq!(done, 1);
+    /// ```
+    pub fn children(&self) -> &[(ProcId, ProcState)] {
+        &self.children
     }
 
     /// Gives the call a cancellation signal (the engine gives each step one; see
@@ -559,6 +601,7 @@ impl Context<dyn Any + Send + Sync> {
             cancel: self.cancel.clone(),
             shutdown: self.shutdown.clone(),
             irreversible: false,
+            children: self.children.clone(),
         }
     }
 }

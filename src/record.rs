@@ -126,6 +126,11 @@ pub struct Steering {
     /// of the procedure undoes it first (as an unrecorded step).
     #[serde(default)]
     pub dirty: bool,
+    /// Its last step that started or awaited children was a
+    /// [`Flow::Spawn`](crate::Flow::Spawn): each child that succeeds wakes it, not only
+    /// the last. (Absent from records written before format 3.)
+    #[serde(default)]
+    pub wakes_per_child: bool,
 }
 
 /// Why a procedure is paused.

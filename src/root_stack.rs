@@ -40,8 +40,12 @@ pub enum StepOutcome {
         /// From [`Procedure::is_yield_after_execution`](crate::Procedure::is_yield_after_execution).
         yield_after: bool,
     },
-    /// Start these children (ids already assigned) and wait for them.
+    /// Start these children (ids already assigned) and wait for all of them (and any
+    /// still running from earlier steps).
     Children(Vec<NewChild>),
+    /// Start these children (possibly none) and wait until any child succeeds, or at
+    /// once if none is running ([`Flow::Spawn`](crate::Flow::Spawn)).
+    Spawn(Vec<NewChild>),
     /// Not a step: requeue behind the others; nothing is persisted.
     Yield,
     /// Wait for the named event.
@@ -298,6 +302,12 @@ struct Node {
     steering: Steering,
     /// What few procedures have. Boxed: every idle procedure holds a node.
     extra: Option<Box<NodeExtra>>,
+    /// It has started children (its steps see them: [`RootStack::children_of`]).
+    has_children: bool,
+    /// Waking per child, a child of it succeeded while it was not waiting (queued,
+    /// running a step, asleep for a retry, paused): its next wait for children ends at
+    /// once, since the step may have looked before that child finished.
+    unseen_child: bool,
 }
 
 /// The parts of a node that few procedures use: a failure's order, retries of a
@@ -457,6 +467,8 @@ impl RootStack {
                         pause_at_step: None,
                     }
                     .boxed(),
+                    has_children: false,
+                    unseen_child: false,
                 },
             );
         }
@@ -502,6 +514,11 @@ impl RootStack {
                 let Some(p) = nodes.get_mut(&parent) else {
                     return Err(format!("procedure {}'s parent {parent} is missing", r.id));
                 };
+                p.has_children = true;
+                if r.state == ProcState::Success {
+                    // Waking per child, the parent may have been woken for it.
+                    p.unseen_child = true;
+                }
                 if !r.state.is_finished() {
                     p.pending_children += 1;
                     // A parent starts its children in the same record that makes it
@@ -509,8 +526,11 @@ impl RootStack {
                     // tree any other state beside an unfinished child is a log that was
                     // reordered or mixed from different times.
                     // (A PAUSED parent was paused at once while they ran: a failure
-                    // past its tree's point of no return, its timeout.)
-                    let waits = matches!(p.state, ProcState::Waiting | ProcState::Paused);
+                    // past its tree's point of no return, its timeout.) One that wakes
+                    // per child runs steps while they run, and may retry one, so it may
+                    // be recorded in any unfinished state but waiting for an event.
+                    let waits = matches!(p.state, ProcState::Waiting | ProcState::Paused)
+                        || (p.steering.wakes_per_child && !p.state.is_finished());
                     if !failed && (!waits || p.event.is_some()) {
                         return Err(format!(
                             "procedure {parent} is {} but its child {} is unfinished ({})",
@@ -590,11 +610,17 @@ impl RootStack {
                 .nodes
                 .iter()
                 .filter(|(id, n)| {
+                    // One that wakes per child may have been woken by a child that
+                    // succeeded, whatever the others did.
+                    let woken = if n.steering.wakes_per_child {
+                        n.pending_children == 0 || n.unseen_child
+                    } else {
+                        n.pending_children == 0 && !failed_child_of.contains(id)
+                    };
                     (!n.state.is_finished()
                         && n.state != ProcState::Failed
                         && n.state != ProcState::RollbackPaused
-                        && n.pending_children == 0
-                        && !failed_child_of.contains(id))
+                        && woken)
                         || (n.steering.dirty && !n.state.is_finished())
                 })
                 .map(|(&id, _)| id)
@@ -614,9 +640,15 @@ impl RootStack {
             let node = &tree.nodes[&id];
             // A waiting one too: a wake (its timer, its event) queues the next step
             // without a record.
+            // One waking per child was woken, unrecorded, by any child that succeeded.
+            let woken =
+                node.pending_children == 0 || (node.steering.wakes_per_child && node.unseen_child);
+            // Its next step, if any, sees every child as it is now.
+            tree.node_mut(id).unseen_child = false;
+            let node = &tree.nodes[&id];
             let may_have_run = match node.state {
                 ProcState::Runnable | ProcState::Initializing | ProcState::WaitingTimeout => true,
-                ProcState::Waiting => node.pending_children == 0,
+                ProcState::Waiting => woken,
                 _ => false,
             };
             if may_have_run {
@@ -635,9 +667,7 @@ impl RootStack {
                     let event = node.event.as_deref().unwrap_or_default().to_string();
                     t.actions.push(Action::SuspendOn { id, event });
                 }
-                ProcState::Waiting if node.pending_children == 0 => {
-                    tree.enqueue(&mut t, id, Place::Back)
-                }
+                ProcState::Waiting if woken => tree.enqueue(&mut t, id, Place::Back),
                 ProcState::WaitingTimeout => {
                     let at_ms = node.wake_at_ms.unwrap_or(now_ms);
                     t.actions.push(Action::WakeAt { id, at_ms });
@@ -672,6 +702,24 @@ impl RootStack {
     /// How many of `id`'s steps are recorded (its next step is the one after).
     pub fn steps_of(&self, id: ProcId) -> usize {
         self.nodes.get(&id).map_or(0, |n| n.stack_indexes.len())
+    }
+
+    /// `id`'s children, in the order they were started (by id), each with its state;
+    /// `None` for a procedure that never started one. What a parent's step sees of
+    /// them ([`Context::children`](crate::Context::children)); the scan is over the
+    /// tree, so it is made only for parents.
+    pub fn children_of(&self, id: ProcId) -> Option<Vec<(ProcId, ProcState)>> {
+        if !self.nodes.get(&id)?.has_children {
+            return None;
+        }
+        let mut children: Vec<(ProcId, ProcState)> = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.parent == Some(id))
+            .map(|(&child, n)| (child, n.state))
+            .collect();
+        children.sort_unstable_by_key(|&(child, _)| child);
+        Some(children)
     }
 
     /// The registered type name of `id`.
@@ -757,6 +805,26 @@ impl RootStack {
                 node.steering.retries = 0;
                 node.steering.dirty = false;
                 node.steering.irreversible |= report.irreversible;
+            }
+            let pending = node.pending_children;
+            let waits_for_children = match &report.outcome {
+                StepOutcome::Spawn(_) => true,
+                StepOutcome::Children(children) => !children.is_empty(),
+                _ => false,
+            };
+            if pending > 0
+                && !waits_for_children
+                && !matches!(report.outcome, StepOutcome::Failed(_))
+            {
+                // Woken per child while others run: it may not finish, nor wait for
+                // anything but them, before they do.
+                let error = ProcError::failed(format!(
+                    "procedure {id} returned {} with {pending} children unfinished: until \
+                     they finish, a step may only return Flow::Spawn or Flow::Children",
+                    outcome_name(&report.outcome)
+                ));
+                report.outcome = StepOutcome::Failed(error);
+                report.on_error = None;
             }
         }
         let pause_at_step = match report.outcome {
@@ -883,15 +951,23 @@ impl RootStack {
                 self.push_step(id);
                 let node = self.node_mut(id);
                 node.state = ProcState::Waiting;
+                node.steering.wakes_per_child = false;
+                node.unseen_child = false;
                 self.persist_update(&mut t, id, report.data, now_ms);
-                // A failed tree starts nothing new: the parent is rolled back anyway.
-                if !self.is_failed() {
-                    // More children than a u32 counts cannot be started anyway.
-                    self.node_mut(id).pending_children =
-                        u32::try_from(children.len()).unwrap_or(u32::MAX);
-                    for child in children {
-                        self.add_node(&mut t, Some(id), child, now_ms);
-                    }
+                self.start_children(&mut t, id, children, now_ms);
+            }
+            StepOutcome::Spawn(children) => {
+                self.push_step(id);
+                let node = self.node_mut(id);
+                node.state = ProcState::Waiting;
+                node.steering.wakes_per_child = true;
+                self.persist_update(&mut t, id, report.data, now_ms);
+                self.start_children(&mut t, id, children, now_ms);
+                // Recorded WAITING: the wake, like any, writes nothing.
+                let node = self.node_mut(id);
+                let wake = node.pending_children == 0 || std::mem::take(&mut node.unseen_child);
+                if wake && !self.is_failed() {
+                    self.enqueue(&mut t, id, Place::Front);
                 }
             }
             StepOutcome::Suspend(event) => {
@@ -986,8 +1062,11 @@ impl RootStack {
                     }
                     // Paused (past its tree's point of no return, its timeout) while
                     // its children ran: it waits for those still running, and the last
-                    // to finish wakes it.
-                    (None, None) if node.pending_children > 0 => {
+                    // to finish wakes it; waking per child, it looks at them at once
+                    // (some may have succeeded while it was paused).
+                    (None, None)
+                        if node.pending_children > 0 && !node.steering.wakes_per_child =>
+                    {
                         node.state = ProcState::Waiting;
                     }
                     (None, None) => self.enqueue(&mut t, id, Place::Back),
@@ -1266,15 +1345,7 @@ impl RootStack {
             self.persist_update(&mut t, id, Vec::new(), now_ms);
             self.finish(&mut t, now_ms);
         } else if let Some(parent) = self.nodes[&id].parent {
-            let failed = self.is_failed();
-            let parent_node = self.node_mut(parent);
-            parent_node.pending_children = parent_node.pending_children.saturating_sub(1);
-            if parent_node.pending_children == 0
-                && parent_node.state == ProcState::Waiting
-                && !failed
-            {
-                self.enqueue(&mut t, parent, Place::Front);
-            }
+            self.child_succeeded(&mut t, parent);
         }
         Ok(t)
     }
@@ -1493,6 +1564,8 @@ impl RootStack {
                 ..NodeExtra::default()
             }
             .boxed(),
+            has_children: false,
+            unseen_child: false,
         };
         let old = self.nodes.insert(id, node);
         assert!(old.is_none(), "procedure {id} added twice");
@@ -1503,7 +1576,10 @@ impl RootStack {
     }
 
     fn enqueue(&mut self, t: &mut Transition, id: ProcId, place: Place) {
-        self.node_mut(id).state = ProcState::Runnable;
+        let node = self.node_mut(id);
+        node.state = ProcState::Runnable;
+        // Its step, dispatched after this, sees every child that has finished.
+        node.unseen_child = false;
         self.running += 1;
         t.actions.push(Action::Enqueue { id, place });
     }
@@ -1565,14 +1641,47 @@ impl RootStack {
         self.node_mut(id).stopped = true;
         t.actions.push(Action::Stop(id));
         let parent = self.nodes[&id].parent.expect("a child has a parent");
+        assert!(self.nodes[&parent].pending_children > 0 || self.is_failed());
+        self.child_succeeded(t, parent);
+    }
+
+    /// A child of `parent` succeeded (or was bypassed): the parent is woken when it was
+    /// the last one it waited for, or, waking per child, for any.
+    fn child_succeeded(&mut self, t: &mut Transition, parent: ProcId) {
         let failed = self.is_failed();
-        let parent_node = self.node_mut(parent);
-        assert!(parent_node.pending_children > 0 || failed);
-        parent_node.pending_children = parent_node.pending_children.saturating_sub(1);
-        if parent_node.pending_children == 0 && parent_node.state == ProcState::Waiting && !failed {
+        let node = self.node_mut(parent);
+        node.pending_children = node.pending_children.saturating_sub(1);
+        let waiting = node.state == ProcState::Waiting && node.event.is_none();
+        let per_child = node.steering.wakes_per_child;
+        if per_child && !waiting && !node.state.is_finished() {
+            node.unseen_child = true;
+        }
+        if waiting && (node.pending_children == 0 || per_child) && !failed {
             // The child's SUCCESS is in this transition, so it is durable before the
             // parent's next step can run.
             self.enqueue(t, parent, Place::Front);
+        }
+    }
+
+    /// Starts `children` of `id` (none in a failed tree: the parent is rolled back
+    /// anyway); the parent waits for them besides any still running.
+    fn start_children(
+        &mut self,
+        t: &mut Transition,
+        id: ProcId,
+        children: Vec<NewChild>,
+        now_ms: u64,
+    ) {
+        if self.is_failed() || children.is_empty() {
+            return;
+        }
+        let node = self.node_mut(id);
+        node.has_children = true;
+        // More children than a u32 counts cannot be started anyway.
+        let added = u32::try_from(children.len()).unwrap_or(u32::MAX);
+        node.pending_children = node.pending_children.saturating_add(added);
+        for child in children {
+            self.add_node(t, Some(id), child, now_ms);
         }
     }
 
@@ -1739,6 +1848,20 @@ impl fmt::Display for Transition {
             });
         }
         write!(f, "{} | {}", ops.join(" "), acts.join(", "))
+    }
+}
+
+/// How a step's outcome is named in errors: as the [`Flow`](crate::Flow) it came from.
+fn outcome_name(outcome: &StepOutcome) -> &'static str {
+    match outcome {
+        StepOutcome::Done | StepOutcome::Children(_) => "Flow::Done",
+        StepOutcome::MoreToDo { .. } => "Flow::MoreToDo",
+        StepOutcome::Spawn(_) => "Flow::Spawn",
+        StepOutcome::Suspend(_) => "Flow::Suspend",
+        StepOutcome::SleepUntil(_) => "Flow::SleepUntil",
+        StepOutcome::Yield => "Flow::Yield",
+        StepOutcome::Failed(_) => "an error",
+        StepOutcome::Skipped | StepOutcome::Paused => "no step",
     }
 }
 
@@ -2759,5 +2882,190 @@ mod tests {
         // its lock and its rollback undoes that attempt first.
         let t = rs.on_step(report(2, StepOutcome::Skipped), 5);
         assert_eq!(t.to_string(), " | rollback 2 unrecorded");
+    }
+
+    fn spawn(ids: &[u64]) -> StepOutcome {
+        match kids(ids) {
+            StepOutcome::Children(children) => StepOutcome::Spawn(children),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn a_parent_that_spawns_is_woken_as_each_child_succeeds() {
+        check(
+            vec![
+                Step(1, spawn(&[2, 3])),
+                Step(2, StepOutcome::Done),
+                Step(1, spawn(&[4])),
+                Step(3, StepOutcome::Done),
+                // Nothing new, 4 still runs: it waits.
+                Step(1, spawn(&[])),
+                Step(4, StepOutcome::Done),
+                Step(1, StepOutcome::Done),
+            ],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:WAITING[0] I2 I3 | spawn 2, run 2, spawn 3, run 3",
+                "U2:SUCCESS[1] | stop 2, run 1 now",
+                "U1:WAITING[0, 2] I4 | spawn 4, run 4",
+                "U3:SUCCESS[3] | stop 3, run 1 now",
+                "U1:WAITING[0, 2, 4] | ",
+                "U4:SUCCESS[5] | stop 4, run 1 now",
+                "U1:SUCCESS[] D2 D3 D4 | stop 1, finished ok",
+            ],
+        );
+    }
+
+    #[test]
+    fn a_child_that_succeeds_while_its_spawning_parent_runs_wakes_it_after() {
+        check(
+            vec![
+                Step(1, spawn(&[2, 3, 4])),
+                Step(2, StepOutcome::Done),
+                // 1 runs, having looked before 3 finished.
+                Step(3, StepOutcome::Done),
+                Step(1, spawn(&[])),
+                Step(1, spawn(&[])),
+                Step(4, StepOutcome::Done),
+                Step(1, StepOutcome::Done),
+            ],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:WAITING[0] I2 I3 I4 | spawn 2, run 2, spawn 3, run 3, spawn 4, run 4",
+                "U2:SUCCESS[1] | stop 2, run 1 now",
+                "U3:SUCCESS[2] | stop 3",
+                "U1:WAITING[0, 3] | run 1 now",
+                "U1:WAITING[0, 3, 4] | ",
+                "U4:SUCCESS[5] | stop 4, run 1 now",
+                "U1:SUCCESS[] D2 D3 D4 | stop 1, finished ok",
+            ],
+        );
+    }
+
+    #[test]
+    fn children_after_spawn_wait_for_every_child() {
+        check(
+            vec![
+                Step(1, spawn(&[2, 3])),
+                Step(2, StepOutcome::Done),
+                Step(1, kids(&[4])),
+                Step(3, StepOutcome::Done),
+                Step(4, StepOutcome::Done),
+                Step(1, StepOutcome::Done),
+            ],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:WAITING[0] I2 I3 | spawn 2, run 2, spawn 3, run 3",
+                "U2:SUCCESS[1] | stop 2, run 1 now",
+                "U1:WAITING[0, 2] I4 | spawn 4, run 4",
+                "U3:SUCCESS[3] | stop 3",
+                "U4:SUCCESS[4] | stop 4, run 1 now",
+                "U1:SUCCESS[] D2 D3 D4 | stop 1, finished ok",
+            ],
+        );
+    }
+
+    #[test]
+    fn a_parent_woken_per_child_may_not_finish_before_its_children() {
+        for (outcome, name) in [
+            (StepOutcome::Done, "Flow::Done"),
+            (more(), "Flow::MoreToDo"),
+            (StepOutcome::Suspend("e".into()), "Flow::Suspend"),
+            (StepOutcome::Children(Vec::new()), "Flow::Done"),
+        ] {
+            let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+            rs.on_step(report(1, spawn(&[2, 3])), 1);
+            rs.on_step(report(2, StepOutcome::Done), 2);
+            let t = rs.on_step(report(1, outcome), 3);
+            // Failed and recorded; the rollback waits for 3, still running.
+            assert_eq!(t.to_string(), "U1:FAILED[0, 2] | ", "{name}");
+            let failure = rs.first_failure().expect("failed").to_string();
+            assert!(
+                failure.contains(&format!(
+                    "procedure 1 returned {name} with 1 children unfinished"
+                )),
+                "{failure}"
+            );
+        }
+    }
+
+    /// Records of a tree after `steps` (each a report), as the store would keep them.
+    fn recorded(steps: Vec<(u64, StepOutcome)>) -> Vec<ProcRecord> {
+        let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
+        let mut records: Vec<ProcRecord> = Vec::new();
+        let mut ops = t.persist;
+        for (id, outcome) in steps {
+            ops.extend(rs.on_step(report(id, outcome), 1).persist);
+        }
+        for op in ops {
+            if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
+                records.retain(|x| x.id != r.id);
+                records.push(r);
+            }
+        }
+        records
+    }
+
+    #[test]
+    fn recovery_wakes_a_parent_that_spawns_for_a_child_that_succeeded() {
+        // (the parent's step, whether 2 succeeded, the recovered plan)
+        let cases = [
+            (spawn(&[2, 3]), true, "spawn 1, spawn 3, run 1, run 3"),
+            (
+                spawn(&[2, 3]),
+                false,
+                "spawn 1, spawn 2, spawn 3, run 2, run 3",
+            ),
+            // Waiting for all, it is not woken before the last.
+            (kids(&[2, 3]), true, "spawn 1, spawn 3, run 3"),
+        ];
+        for (i, (outcome, succeeded, plan)) in cases.into_iter().enumerate() {
+            let mut steps = vec![(1, outcome)];
+            if succeeded {
+                steps.push((2, StepOutcome::Done));
+            }
+            let records = recorded(steps);
+            let (mut rs, t) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+            assert_eq!(t.to_string(), format!(" | {plan}"), "case {i}");
+            // Woken, it may have been in a step the crash cut off: a failure undoes it.
+            let queued: Vec<u64> = (1..=3)
+                .filter(|&id| rs.state_of(ProcId(id)) == Some(ProcState::Runnable))
+                .collect();
+            let mut t = rs
+                .on_fail(ProcId(3), ProcError::Aborted, vec![], 11)
+                .to_string();
+            // Their queued steps come back skipped; then the rollback starts.
+            for id in queued {
+                t += &rs.on_step(report(id, StepOutcome::Skipped), 12).to_string();
+            }
+            // Roll back to the end, each rollback call succeeding.
+            let mut last = t.clone();
+            while let Some(at) = last.rfind("rollback ") {
+                let id: u64 = last[at + 9..]
+                    .split(|c: char| !c.is_ascii_digit())
+                    .next()
+                    .and_then(|n| n.parse().ok())
+                    .expect("an id");
+                last = rs.on_rolled_back(ProcId(id), Ok(vec![]), 13).to_string();
+                t += &last;
+            }
+            let woken = i == 0;
+            assert_eq!(t.contains("rollback 1 unrecorded"), woken, "case {i}: {t}");
+        }
+    }
+
+    #[test]
+    fn a_failed_tree_recovered_undoes_a_spawning_parents_unrecorded_step() {
+        // 1 spawned 2 and 3; 2 succeeded and woke 1; then 3 failed, and the crash
+        // came before anything was rolled back.
+        let records = recorded(vec![
+            (1, spawn(&[2, 3])),
+            (2, StepOutcome::Done),
+            (3, err("x")),
+        ]);
+        let (_, t) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+        let plan = t.to_string();
+        assert!(plan.contains("rollback 1 unrecorded"), "{plan}");
     }
 }

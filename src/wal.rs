@@ -2,7 +2,7 @@
 //! a torn tail from corruption. Pure: bytes (or a reader) in, values out. The file
 //! handling lives in `actors/wal_store.rs`; the `proctor` command reads logs through it.
 //!
-//! # Format (version 2)
+//! # Format (version 3; version 2 is read too)
 //!
 //! A WAL is a directory of segment files named `{seq:020}.wal` (exactly twenty decimal
 //! digits), `seq` counting up from 1 with no gaps: segments are only ever deleted oldest
@@ -11,7 +11,7 @@
 //!
 //! ```text
 //! segment  := header frame* seal?
-//! header   := magic "PRCTRWAL" (8) | version u16 (2) | reserved u16 (0) | seq u64
+//! header   := magic "PRCTRWAL" (8) | version u16 (3) | reserved u16 (0) | seq u64
 //!             | max_id u64 | first_lsn u64 | crc32c u32 of the preceding 36 bytes
 //!                                                                      = 40 bytes
 //! frame    := len u32 | kind u8 | lsn u64 | header_crc u32 | payload_crc u32
@@ -25,6 +25,10 @@
 //!             "Insert" | "Update" → ProcRecord (an array of its fields, `id` first)
 //!           | "Delete" → ProcId
 //! ```
+//!
+//! Version 3 added the fifth field of a record's steering, `wakes_per_child`; a
+//! version 2 record's steering has four, and reads as not woken per child. A log may
+//! hold segments of both versions.
 //!
 //! A scan indexes each payload without decoding it ([`index_payload`]: each op's tag,
 //! the first field of its record, and its length), so that recovery decodes only the
@@ -103,8 +107,12 @@ use crate::record::{ProcRecord, Steering, StoreOp};
 
 /// The first eight bytes of every segment.
 pub const MAGIC: [u8; 8] = *b"PRCTRWAL";
-/// The format version this code writes and reads.
-pub const VERSION: u16 = 2;
+/// The format version this code writes. It reads this one and [`OLDEST_READ`]: format
+/// 3 added a field to a record's steering (`wakes_per_child`), which format 2 records
+/// lack and read as `false`.
+pub const VERSION: u16 = 3;
+/// The oldest format version this code reads.
+pub const OLDEST_READ: u16 = 2;
 /// Bytes in a segment header.
 pub const SEGMENT_HEADER_LEN: usize = 40;
 /// Bytes in a frame header.
@@ -244,9 +252,9 @@ pub fn parse_segment_header(bytes: &[u8]) -> Result<SegmentHeader, FrameError> {
         ));
     }
     let version = u16::from_le_bytes([h[8], h[9]]);
-    if version != VERSION {
+    if !(OLDEST_READ..=VERSION).contains(&version) {
         return Err(FrameError::Header(format!(
-            "format version {version}, this build reads {VERSION}"
+            "format version {version}, this build reads {OLDEST_READ} to {VERSION}"
         )));
     }
     let stored = u32_at(h, 36);
@@ -806,8 +814,10 @@ fn index_op_fast(bytes: &[u8], at: usize) -> Option<(OpKind, ProcId, ProcId, usi
 const RECORD_FIELDS: u64 = 19;
 
 /// A [`Steering`] with nothing in it, as serde writes it: retries 0, not paused, not
-/// irreversible, not dirty.
-const DEFAULT_STEERING: [u8; 5] = [0x94, 0x00, 0xc0, 0xc2, 0xc2];
+/// irreversible, not dirty, not woken per child.
+const DEFAULT_STEERING: [u8; 6] = [0x95, 0x00, 0xc0, 0xc2, 0xc2, 0xc2];
+/// The same in format 2, before `wakes_per_child`.
+const DEFAULT_STEERING_2: [u8; 5] = [0x94, 0x00, 0xc0, 0xc2, 0xc2];
 
 /// Appends `op` to `out` in the writer's form: byte for byte what
 /// `rmp_serde::to_vec(op)` writes (MessagePack, a record as the positional array of its
@@ -1128,9 +1138,11 @@ impl MsgReader<'_> {
 
     fn steering(&mut self) -> Option<Steering> {
         // retries 0, not paused, not irreversible, not dirty.
-        if self.bytes[self.at..].starts_with(&DEFAULT_STEERING) {
-            self.at += DEFAULT_STEERING.len();
-            return Some(Steering::default());
+        for default in [&DEFAULT_STEERING[..], &DEFAULT_STEERING_2[..]] {
+            if self.bytes[self.at..].starts_with(default) {
+                self.at += default.len();
+                return Some(Steering::default());
+            }
         }
         self.serde()
     }
@@ -2115,22 +2127,55 @@ mod tests {
     }
 
     proptest! {
+        /// A format 2 record (a steering of four fields) reads as it was, not woken
+        /// per child, through both decoders; so does a format 2 segment header.
+        #[test]
+        fn format_2_records_and_headers_still_read(op in arb_rich_op(), retries in 0u32..3) {
+            let mut op = op;
+            let (StoreOp::Insert(r) | StoreOp::Update(r)) = &mut op else {
+                return Ok(());
+            };
+            r.steering = Steering::default();
+            r.steering.retries = retries;
+            let mut bytes = rmp_serde::to_vec(&op).unwrap();
+            // The steering is the record's last field: [0x95, retries, nil, false,
+            // false, false] becomes format 2's [0x94, retries, nil, false, false].
+            let at = bytes.len() - 6;
+            prop_assert_eq!(bytes[at], 0x95);
+            bytes[at] = 0x94;
+            bytes.pop();
+            prop_assert_eq!(decode_op_fast(&bytes), Some(op.clone()));
+            prop_assert_eq!(rmp_serde::from_slice::<StoreOp>(&bytes).ok(), Some(op));
+
+            let mut h = segment_header(1, 2, 3);
+            h[8..10].copy_from_slice(&2u16.to_le_bytes());
+            let crc = crc32c::crc32c(&h[0..36]);
+            h[36..40].copy_from_slice(&crc.to_le_bytes());
+            prop_assert_eq!(parse_segment_header(&h).map(|h| h.seq), Ok(1));
+            h[8..10].copy_from_slice(&(VERSION + 1).to_le_bytes());
+            let crc = crc32c::crc32c(&h[0..36]);
+            h[36..40].copy_from_slice(&crc.to_le_bytes());
+            let e = parse_segment_header(&h).unwrap_err().to_string();
+            prop_assert!(e.contains("format version 4, this build reads 2 to 3"), "{}", e);
+        }
+
         /// The direct decoder reads every op the writer writes, exactly as serde does;
         /// on damaged bytes it either gives up or agrees with serde.
         #[test]
         fn the_direct_decoder_agrees_with_serde(
             op in arb_rich_op(),
             state in 0usize..9,
-            flags in (any::<bool>(), any::<bool>(), any::<bool>()),
+            flags in (any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>()),
             flip in any::<prop::sample::Index>(),
             bit in 0u8..8,
         ) {
             let mut op = op;
             if let StoreOp::Insert(r) | StoreOp::Update(r) = &mut op {
-                let (irreversible, dirty, paused) = flags;
+                let (irreversible, dirty, paused, per_child) = flags;
                 r.state = state_encodings()[state].1;
                 r.steering.irreversible = irreversible;
                 r.steering.dirty = dirty;
+                r.steering.wakes_per_child = per_child;
                 r.steering.paused = paused.then(|| {
                     Box::new(crate::record::Paused {
                         error: Some(ProcError::Aborted),
@@ -2158,17 +2203,18 @@ mod tests {
         fn the_direct_encoder_agrees_with_serde(
             op in arb_rich_op(),
             state in 0usize..9,
-            flags in (any::<bool>(), any::<bool>(), any::<bool>()),
+            flags in (any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>()),
             type_len in prop_oneof![1usize..32, 32usize..300, 65_530usize..65_540],
             stack in prop::collection::vec((0u32..5, 1u32..4), 0..40),
             big in prop_oneof![Just(0usize), 250usize..260, 65_530usize..65_540],
         ) {
             let mut op = op;
             if let StoreOp::Insert(r) | StoreOp::Update(r) = &mut op {
-                let (irreversible, dirty, bypassed) = flags;
+                let (irreversible, dirty, bypassed, per_child) = flags;
                 r.state = state_encodings()[state].1;
                 r.steering.irreversible = irreversible;
                 r.steering.dirty = dirty;
+                r.steering.wakes_per_child = per_child;
                 r.bypassed = bypassed;
                 r.type_name = "t".repeat(type_len).into();
                 // Runs of consecutive positions with gaps between them, some past a

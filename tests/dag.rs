@@ -73,6 +73,8 @@ enum Kind {
     UndoWith(String),
     /// Execute at once; the first N rollbacks fail.
     UndoFailsTimes(u32),
+    /// End only once the named task has entered `execute`.
+    Until(String),
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -110,6 +112,10 @@ impl Task<Env> for Job {
                 env.wait(|s| others.iter().all(|o| s.entered.contains(o)))
                     .await;
                 Err(ProcError::failed(format!("{} broke", self.name)))
+            }
+            Kind::Until(other) => {
+                env.wait(|s| s.entered.contains(other)).await;
+                Ok(())
             }
             Kind::Hold if env.hold => std::future::pending().await,
             Kind::Hold => Ok(()),
@@ -633,6 +639,38 @@ async fn the_tasks_of_a_wave_roll_back_at_once() {
             undone,
             ["rollback a", "rollback b", "rollback c"],
             "{store_name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_task_starts_once_its_predecessors_are_done_while_a_slower_one_runs() {
+    for (store_name, store, _dir) in stores() {
+        let env = Env::new(false);
+        let executor = start(store, env.clone(), 4).await;
+        // a → b, and slow beside them, which ends only once b has begun: b must start
+        // while slow still runs (a DAG that waited for all it started would hang here).
+        let mut dag = DagBuilder::new();
+        let a = dag.add(job("a", Kind::Plain));
+        let b = dag.add(job("b", Kind::Plain));
+        dag.add(job("slow", Kind::Until("b".into())));
+        dag.edge(a, b);
+        let id = executor.submit(dag.build().unwrap()).await.unwrap();
+        let outcome = tokio::time::timeout(std::time::Duration::from_secs(60), executor.wait(id))
+            .await
+            .unwrap_or_else(|_| {
+                panic!(
+                    "{store_name}: b waited for slow, which waited for b: {:?}",
+                    env.calls()
+                )
+            });
+        assert_eq!(outcome.unwrap(), Ok(()), "{store_name}");
+        let calls = env.calls();
+        assert_eq!(calls.len(), 3, "{store_name}: {calls:?}");
+        assert!(
+            position(&calls, "exec a", false) < position(&calls, "exec b", false),
+            "{store_name}: {calls:?}"
         );
         executor.shutdown().await.unwrap();
     }
