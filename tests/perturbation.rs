@@ -229,6 +229,12 @@ struct Traced {
     /// `None`: every time.
     #[serde(default)]
     fail_times: Option<u32>,
+    /// Starts its children with `Flow::Spawn`: woken as each succeeds, it records a
+    /// step that changes nothing (`waits` counts them) until all have.
+    #[serde(default)]
+    spawn: bool,
+    #[serde(default)]
+    waits: u32,
 }
 
 impl Traced {
@@ -321,6 +327,27 @@ impl Procedure<World> for Traced {
             return Ok(Flow::Yield);
         }
         self.check_lock(&world, "a step");
+        let waiting = self.spawn
+            && self.children_at == Some(self.at)
+            && ctx
+                .children()
+                .iter()
+                .any(|(_, state)| *state != ProcState::Success);
+        if waiting {
+            // Woken for a child while others run: a recorded step with no effect.
+            self.waits += 1;
+            world.log(Ev::Exec {
+                id: ctx.id(),
+                name: self.name.clone(),
+                failed: false,
+            });
+            if self.hold {
+                self.pause(&world, ctx);
+            } else {
+                self.leave(&world, ctx);
+            }
+            return Ok(Flow::Spawn(Vec::new()));
+        }
         self.at += 1;
         let fails = self.fail_at == Some(self.at) && {
             let mut failures = world.failures.lock().unwrap();
@@ -341,12 +368,16 @@ impl Procedure<World> for Traced {
         let flow = if fails {
             Err(ProcError::failed(format!("{} failed", self.name)))
         } else if self.children_at == Some(self.at) {
-            Ok(Flow::Children(
-                self.children
-                    .iter()
-                    .map(|c| Box::new(c.clone()) as Box<dyn Procedure<World>>)
-                    .collect(),
-            ))
+            let children = self
+                .children
+                .iter()
+                .map(|c| Box::new(c.clone()) as Box<dyn Procedure<World>>)
+                .collect();
+            if self.spawn {
+                Ok(Flow::Spawn(children))
+            } else {
+                Ok(Flow::Children(children))
+            }
         } else if self.at < self.steps {
             Ok(Flow::MoreToDo)
         } else {
@@ -373,6 +404,10 @@ impl Procedure<World> for Traced {
         });
         if unrecorded {
             self.undo(&world, self.at + 1);
+        } else if self.children_at == Some(self.at) && self.waits > 0 {
+            // The steps it recorded while its children ran come after the one that
+            // started them, and changed nothing.
+            self.waits -= 1;
         } else {
             self.undo(&world, self.at);
             self.at -= 1;
@@ -628,6 +663,7 @@ fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool, engin
         0
     };
     let fail_times = (retries > 0 && rng.bool()).then(|| rng.u32(1..=retries));
+    let spawn = children_at.is_some() && rng.bool();
     Traced {
         name,
         steps,
@@ -642,6 +678,8 @@ fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool, engin
         timeout_ms,
         retries,
         fail_times,
+        spawn,
+        waits: 0,
     }
 }
 
