@@ -659,7 +659,7 @@ impl ProcedureCell {
     fn run_step(
         &mut self,
         step: usize,
-        children: Option<Vec<(ProcId, ProcState)>>,
+        children: Option<Box<[(ProcId, ProcState)]>>,
         out: &mut Outbox,
         ctx: &mut TreeCtx<'_>,
     ) {
@@ -691,7 +691,7 @@ impl ProcedureCell {
         let cancel = self.cancel.get_or_insert_with(Cancel::new).clone();
         let mut pctx = self.context().with_cancel(cancel.clone());
         if let Some(children) = children {
-            pctx = pctx.with_children(children);
+            pctx = pctx.with_children(children.into_vec());
         }
         if !self.lock_held {
             match guard("acquire_lock", || proc.acquire_lock(&pctx)) {

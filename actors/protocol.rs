@@ -215,7 +215,7 @@ pub(crate) struct RunStep {
     pub(crate) step: usize,
     /// For a parent: its children as they are now (filled in by its root stack, whose
     /// bookkeeping has them; see `Context::children`).
-    pub(crate) children: Option<Vec<(ProcId, ProcState)>>,
+    pub(crate) children: Option<Box<[(ProcId, ProcState)]>>,
 }
 
 /// A step ended (the procedure cell's report), with the objects of any new children. Every

@@ -309,7 +309,8 @@ pub struct Context<E: ?Sized = ()> {
     cancel: Option<Cancel>,
     shutdown: Option<Cancel>,
     irreversible: bool,
-    children: Vec<(ProcId, ProcState)>,
+    /// Boxed, and only for a parent's steps: every call carries a context.
+    children: Option<Box<[(ProcId, ProcState)]>>,
 }
 
 impl<E: ?Sized> Clone for Context<E> {
@@ -365,7 +366,7 @@ impl<E: ?Sized> Context<E> {
             cancel: None,
             shutdown: None,
             irreversible: false,
-            children: Vec::new(),
+            children: None,
         }
     }
 
@@ -373,7 +374,7 @@ impl<E: ?Sized> Context<E> {
     /// (see [`Context::children`]). For tests of a parent's steps.
     #[must_use]
     pub fn with_children(mut self, children: Vec<(ProcId, ProcState)>) -> Self {
-        self.children = children;
+        self.children = Some(children.into_boxed_slice());
         self
     }
 
@@ -392,7 +393,7 @@ impl<E: ?Sized> Context<E> {
     /// assert_eq!(done, 1);
     /// ```
     pub fn children(&self) -> &[(ProcId, ProcState)] {
-        &self.children
+        self.children.as_deref().unwrap_or(&[])
     }
 
     /// Gives the call a cancellation signal (the engine gives each step one; see

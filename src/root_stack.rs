@@ -302,8 +302,6 @@ struct Node {
     steering: Steering,
     /// What few procedures have. Boxed: every idle procedure holds a node.
     extra: Option<Box<NodeExtra>>,
-    /// It has started children (its steps see them: [`RootStack::children_of`]).
-    has_children: bool,
     /// Waking per child, a child of it succeeded while it was not waiting (queued,
     /// running a step, asleep for a retry, paused): its next wait for children ends at
     /// once, since the step may have looked before that child finished.
@@ -324,6 +322,8 @@ struct NodeExtra {
     /// A failure past the point of no return found it RUNNABLE: its queued step,
     /// skipped, pauses it for this reason.
     pause_at_step: Option<Box<Paused>>,
+    /// Its children, in the order it started them (ascending ids).
+    children: Vec<ProcId>,
 }
 
 impl NodeExtra {
@@ -334,7 +334,8 @@ impl NodeExtra {
             && self.nonce.is_none()
             && self.result.is_none()
             && self.paused_data.is_none()
-            && self.pause_at_step.is_none();
+            && self.pause_at_step.is_none()
+            && self.children.is_empty();
         (!empty).then(|| Box::new(self))
     }
 }
@@ -465,9 +466,9 @@ impl RootStack {
                         )
                         .then(|| r.data.clone()),
                         pause_at_step: None,
+                        children: Vec::new(),
                     }
                     .boxed(),
-                    has_children: false,
                     unseen_child: false,
                 },
             );
@@ -514,7 +515,7 @@ impl RootStack {
                 let Some(p) = nodes.get_mut(&parent) else {
                     return Err(format!("procedure {}'s parent {parent} is missing", r.id));
                 };
-                p.has_children = true;
+                p.extra().children.push(r.id);
                 if r.state == ProcState::Success {
                     // Waking per child, the parent may have been woken for it.
                     p.unseen_child = true;
@@ -538,6 +539,12 @@ impl RootStack {
                         ));
                     }
                 }
+            }
+        }
+        for node in nodes.values_mut() {
+            if let Some(extra) = node.extra.as_mut() {
+                // Ids only grow: their order is the order the parent started them.
+                extra.children.sort_unstable();
             }
         }
         indexed.sort_unstable();
@@ -704,22 +711,20 @@ impl RootStack {
         self.nodes.get(&id).map_or(0, |n| n.stack_indexes.len())
     }
 
-    /// `id`'s children, in the order they were started (by id), each with its state;
-    /// `None` for a procedure that never started one. What a parent's step sees of
-    /// them ([`Context::children`](crate::Context::children)); the scan is over the
-    /// tree, so it is made only for parents.
-    pub fn children_of(&self, id: ProcId) -> Option<Vec<(ProcId, ProcState)>> {
-        if !self.nodes.get(&id)?.has_children {
+    /// `id`'s children, in the order they were started, each with its state; `None`
+    /// for a procedure that never started one. What a parent's step sees of them
+    /// ([`Context::children`](crate::Context::children)).
+    pub fn children_of(&self, id: ProcId) -> Option<Box<[(ProcId, ProcState)]>> {
+        let children = &self.nodes.get(&id)?.extra.as_ref()?.children;
+        if children.is_empty() {
             return None;
         }
-        let mut children: Vec<(ProcId, ProcState)> = self
-            .nodes
-            .iter()
-            .filter(|(_, n)| n.parent == Some(id))
-            .map(|(&child, n)| (child, n.state))
-            .collect();
-        children.sort_unstable_by_key(|&(child, _)| child);
-        Some(children)
+        let state = |child: &ProcId| {
+            self.nodes
+                .get(child)
+                .map_or(ProcState::Success, |n| n.state)
+        };
+        Some(children.iter().map(|c| (*c, state(c))).collect())
     }
 
     /// The registered type name of `id`.
@@ -807,15 +812,12 @@ impl RootStack {
                 node.steering.irreversible |= report.irreversible;
             }
             let pending = node.pending_children;
-            let waits_for_children = match &report.outcome {
-                StepOutcome::Spawn(_) => true,
+            let waits_for_children = || match &report.outcome {
+                StepOutcome::Spawn(_) | StepOutcome::Failed(_) => true,
                 StepOutcome::Children(children) => !children.is_empty(),
                 _ => false,
             };
-            if pending > 0
-                && !waits_for_children
-                && !matches!(report.outcome, StepOutcome::Failed(_))
-            {
+            if pending > 0 && !waits_for_children() {
                 // Woken per child while others run: it may not finish, nor wait for
                 // anything but them, before they do.
                 let error = ProcError::failed(format!(
@@ -1564,7 +1566,6 @@ impl RootStack {
                 ..NodeExtra::default()
             }
             .boxed(),
-            has_children: false,
             unseen_child: false,
         };
         let old = self.nodes.insert(id, node);
@@ -1676,10 +1677,10 @@ impl RootStack {
             return;
         }
         let node = self.node_mut(id);
-        node.has_children = true;
         // More children than a u32 counts cannot be started anyway.
         let added = u32::try_from(children.len()).unwrap_or(u32::MAX);
         node.pending_children = node.pending_children.saturating_add(added);
+        node.extra().children.extend(children.iter().map(|c| c.id));
         for child in children {
             self.add_node(t, Some(id), child, now_ms);
         }
