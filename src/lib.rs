@@ -18,6 +18,7 @@ mod events;
 mod fast_map;
 mod locks;
 mod mlfq;
+mod policy;
 mod procedure;
 mod ready_queue;
 mod record;
