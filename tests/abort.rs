@@ -3,7 +3,7 @@
 mod common;
 
 use common::{run, start, stores, Scripted, Step};
-use proctor::{Error, ProcError, ProcId, ProcState};
+use proctor::{Error, List, ProcError, ProcId, ProcState};
 
 #[actix::test]
 async fn abort_of_a_running_procedure_rolls_it_back() {
@@ -107,5 +107,75 @@ async fn abort_of_unknown_or_finished_procedures_is_a_clear_error() {
             "{finished}"
         );
         assert!(finished.to_string().contains("already finished (SUCCESS)"));
+    }
+}
+
+/// An abort that reached a procedure in a step, while its tree could still roll back,
+/// but that takes effect (the abort hook accepts it) only after a sibling recorded the
+/// tree's point of no return: the tree does not roll back, so the abort is answered
+/// refused, and the procedure is paused for an operator, as any failure there.
+#[actix::test]
+async fn an_abort_overtaken_by_a_siblings_point_of_no_return_is_refused_and_pauses() {
+    for (store_name, store, _dir) in stores() {
+        let (executor, rec) = start(store, 4).await;
+        let held = Scripted::new("held", vec![Step::Hold, Step::More]);
+        let mark = Scripted::new("mark", vec![Step::Suspend("go".into()), Step::Irreversible]);
+        let root = executor
+            .submit(Scripted::new(
+                "root",
+                vec![Step::Children(vec![held, mark])],
+            ))
+            .await
+            .unwrap();
+        rec.signal.notified().await; // held is inside its first step
+        let mut children: Vec<ProcId> = executor
+            .list(List::new().root(root))
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|p| p.parent == Some(root))
+            .map(|p| p.id)
+            .collect();
+        children.sort();
+        let [held, mark] = children[..] else {
+            panic!("{store_name}: children {children:?}");
+        };
+        let abort = actix::spawn({
+            let executor = executor.clone();
+            async move { executor.abort(held).await }
+        });
+        // Answered in order after the abort: it has reached the tree (the tree could
+        // still roll back), and waits for the step.
+        for _ in 0..2 {
+            let refused = executor.resume(held).await.unwrap_err();
+            assert!(matches!(refused, Error::Refused { .. }), "{refused}");
+        }
+        executor.wake_event("go").await.unwrap();
+        // Its SUCCESS is durable once it is shown, or once it is gone (a finished child).
+        while executor
+            .state(mark)
+            .await
+            .is_ok_and(|p| p.state != ProcState::Success)
+        {
+            tokio::task::yield_now().await;
+        }
+        rec.gate.notify_one(); // held's step ends; the abort hook accepts
+        match abort.await.unwrap() {
+            Err(Error::Refused { reason, .. }) => {
+                assert!(
+                    reason.contains("point of no return"),
+                    "{store_name}: {reason}"
+                )
+            }
+            other => panic!("{store_name}: abort answered {other:?}"),
+        }
+        while executor.state(held).await.unwrap().state != ProcState::Paused {
+            tokio::task::yield_now().await;
+        }
+        executor.resume(held).await.unwrap();
+        let result = executor.wait(root).await.unwrap();
+        assert_eq!(result, Ok(()), "{store_name}");
+        assert_eq!(rec.count("held-rollback"), 0, "{store_name}");
+        executor.shutdown().await.unwrap();
     }
 }

@@ -88,6 +88,8 @@ pub enum Step {
     /// Signal, then wait (inside the step) until the test opens the gate; then run
     /// another step.
     Hold,
+    /// Mark the step as the point of no return, then run another step.
+    Irreversible,
 }
 
 /// A procedure that follows its plan; when the plan runs out it is done.
@@ -160,6 +162,10 @@ impl Procedure<Recorder> for Scripted {
                     rec.signal.notify_one();
                 }
                 Flow::SleepUntil(ctx.now_ms() + ms)
+            }
+            Step::Irreversible => {
+                ctx.set_irreversible();
+                more(self.at, &self.plan)
             }
             Step::Hold => {
                 rec.signal.notify_one();
