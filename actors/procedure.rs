@@ -926,6 +926,10 @@ impl ProcedureCell {
     /// it): reload its object from `data`, the state now recorded. Before anything can
     /// call it again.
     pub(crate) fn reset(&mut self, data: Vec<u8>, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+        // What its step returned was not taken: a `Done` the root stack refused (a
+        // parent with children still running, a procedure at its most steps) failed
+        // the step instead, so it is not done and its next step runs.
+        self.done = false;
         // The user's `Deserialize` runs here: a panic in it is an error like any other.
         match decode_guarded(&self.shared.registry, self.type_name, &data) {
             Ok(proc) => {

@@ -851,7 +851,17 @@ impl TreeRunner {
     fn on_to_proc(&mut self, msg: ToProc, ctx: &mut TreeCtx<'_>) {
         let ToProc { id, mut msg } = msg;
         if let ToCell::RunStep(step) = &mut msg {
-            step.children = self.core.children_of(id);
+            step.children = self.core.children_of(id).map(|mut children| {
+                for (child, state) in children.iter_mut() {
+                    if *state == ProcState::Success && self.procs.contains_key(child) {
+                        // Its SUCCESS is not durable yet (its `Stop`, performed after the
+                        // record, drops its cell): the step sees it running. Its parent,
+                        // not waiting now, is woken again for it (`unseen_child`).
+                        *state = ProcState::Runnable;
+                    }
+                }
+                children
+            });
         }
         match self.procs.get_mut(&id) {
             Some(cell) => cell.deliver(msg, &mut self.outbox, ctx),

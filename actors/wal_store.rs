@@ -484,6 +484,8 @@ pub struct SegmentReport {
     pub max_id: u64,
     /// Whether it ends with a seal.
     pub sealed: bool,
+    /// The format version of its header.
+    pub version: u16,
     /// The LSN the frame after its good ones gets.
     pub next_lsn: u64,
 }
@@ -743,6 +745,7 @@ fn check_segments(
             good_len: summary.good_len,
             max_id: header.max_id,
             sealed: summary.sealed,
+            version: header.version,
             next_lsn,
         });
     }
@@ -1400,6 +1403,16 @@ impl<F: WalFs> WalStore<F> {
             buf: Vec::new(),
             stats: WalStats::default(),
         };
+        if scan
+            .segments
+            .last()
+            .is_some_and(|s| s.version < wal::VERSION && !s.sealed)
+        {
+            // Written by an older build: this one's records go to a segment of its own
+            // version, so that the older build, reading the log again, refuses the new
+            // segment by its header rather than taking its records for damage.
+            store.roll()?;
+        }
         store.collect_garbage()?;
         Ok(store)
     }

@@ -379,8 +379,9 @@ impl<E: ?Sized> Context<E> {
     }
 
     /// The procedure's children, in the order it started them, each with its state
-    /// when this call was dispatched: [`ProcState::Success`] for one that finished,
-    /// an unfinished state for one still running. Empty for a procedure that started
+    /// when this call was dispatched: [`ProcState::Success`] for one whose success is
+    /// durable, an unfinished state for one still running (or whose success is not
+    /// recorded yet). Empty for a procedure that started
     /// none, and in a rollback. A step that follows a [`Flow::Spawn`] looks here for
     /// which children it was woken for.
     ///

@@ -2387,4 +2387,31 @@ mod tests {
         let plan = t.to_string();
         assert!(plan.contains("rollback 1 unrecorded"), "{plan}");
     }
+
+    #[test]
+    fn a_parent_whose_only_child_failed_never_ran_again_and_gets_no_unrecorded_rollback() {
+        // Its child failed and was rolled back, then the crash: woken by no child, the
+        // parent (waiting for all, or per child) has no step to undo but its recorded one.
+        for per_child in [false, true] {
+            let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
+            let mut ops = t.persist;
+            let outcome = if per_child { spawn(&[2]) } else { kids(&[2]) };
+            ops.extend(rs.on_step(report(1, outcome), 1).persist);
+            ops.extend(rs.on_step(report(2, err("x")), 2).persist);
+            ops.extend(rs.on_rolled_back(ProcId(2), Ok(vec![]), 3).persist);
+            let mut records: Vec<ProcRecord> = Vec::new();
+            for op in ops {
+                if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
+                    records.retain(|x| x.id != r.id);
+                    records.push(r);
+                }
+            }
+            let (_, t) = RootStack::recover(&records, |_| Some("t"), 10).unwrap();
+            assert_eq!(
+                t.to_string(),
+                " | spawn 1, rollback 1",
+                "per child: {per_child}"
+            );
+        }
+    }
 }

@@ -28,7 +28,9 @@
 //!
 //! Version 3 added the fifth field of a record's steering, `wakes_per_child`; a
 //! version 2 record's steering has four, and reads as not woken per child. A log may
-//! hold segments of both versions.
+//! hold segments of both versions: a store appends only to a segment of its own
+//! version, so opening a log whose newest segment is older rolls to a new one first
+//! (and an older build refuses that segment by its header).
 //!
 //! A scan indexes each payload without decoding it ([`index_payload`]: each op's tag,
 //! the first field of its record, and its length), so that recovery decodes only the
@@ -206,6 +208,9 @@ pub struct SegmentHeader {
     pub max_id: u64,
     /// The LSN of the segment's first frame (the next LSN, while it has none).
     pub first_lsn: u64,
+    /// The format version it was written in (a store appends only to a segment of
+    /// this build's [`VERSION`]).
+    pub version: u16,
 }
 
 /// A segment header for segment `seq`.
@@ -270,6 +275,7 @@ pub fn parse_segment_header(bytes: &[u8]) -> Result<SegmentHeader, FrameError> {
         seq: u64_at(h, 12),
         max_id: u64_at(h, 20),
         first_lsn: u64_at(h, 28),
+        version,
     };
     if header.max_id > MAX_ID {
         return Err(FrameError::Header(format!(
@@ -1777,7 +1783,8 @@ mod tests {
             Ok(SegmentHeader {
                 seq: 42,
                 max_id: 7,
-                first_lsn: 1000
+                first_lsn: 1000,
+                version: VERSION,
             })
         );
         let cases: [(usize, &str); 4] = [
@@ -1806,7 +1813,8 @@ mod tests {
             Some(SegmentHeader {
                 seq: 7,
                 max_id: 99,
-                first_lsn: 10
+                first_lsn: 10,
+                version: VERSION,
             })
         );
         assert_eq!(scan.end, ScanEnd::Clean);

@@ -509,3 +509,45 @@ fn a_huge_sparse_segment_costs_no_memory() {
     assert!(snapshot.repairs[0].contains(&format!("byte {good_len}")));
     assert_eq!(fs::metadata(&file).unwrap().len(), good_len);
 }
+
+/// A log whose newest segment an older build wrote (format 2): the store reads it, and
+/// appends to a new segment of its own format rather than under the old header, so the
+/// older build, reading the log again, refuses the new segment by its header instead of
+/// taking the new records for damage.
+#[test]
+fn a_segment_of_an_older_format_is_read_and_not_appended_to() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut model = MemoryStore::new();
+    {
+        let mut wal = WalStore::open(dir.path()).unwrap();
+        append(&mut wal, &mut model, vec![StoreOp::Insert(record(1, 1, 0))]);
+    }
+    let old = segments(dir.path());
+    assert_eq!(old.len(), 1);
+    let set_version = |path: &Path, version: u16| {
+        let mut bytes = fs::read(path).unwrap();
+        bytes[8..10].copy_from_slice(&version.to_le_bytes());
+        let crc = crc32c::crc32c(&bytes[0..36]);
+        bytes[36..40].copy_from_slice(&crc.to_le_bytes());
+        fs::write(path, bytes).unwrap();
+    };
+    let version = |path: &Path| {
+        let bytes = fs::read(path).unwrap();
+        u16::from_le_bytes([bytes[8], bytes[9]])
+    };
+    set_version(&old[0], 2);
+    {
+        let mut wal = WalStore::open(dir.path()).unwrap();
+        assert_eq!(wal.load().unwrap(), model.load().unwrap());
+        append(&mut wal, &mut model, vec![StoreOp::Insert(record(2, 2, 0))]);
+    }
+    let now = segments(dir.path());
+    assert_eq!(now.len(), 2, "{now:?}");
+    assert_eq!((version(&now[0]), version(&now[1])), (2, 3));
+    let mut wal = WalStore::open(dir.path()).unwrap();
+    assert_eq!(wal.load().unwrap(), model.load().unwrap());
+    // Reopened, the newest segment is of this format: appended to, no new one.
+    append(&mut wal, &mut model, vec![StoreOp::Insert(record(3, 3, 0))]);
+    drop(wal);
+    assert_eq!(segments(dir.path()).len(), 2);
+}

@@ -224,11 +224,8 @@ impl RootStack {
                 .filter(|(id, n)| {
                     // One that wakes per child may have been woken by a child that
                     // succeeded, whatever the others did.
-                    let woken = if n.steering.wakes_per_child {
-                        n.pending_children == 0 || n.unseen_child
-                    } else {
-                        n.pending_children == 0 && !failed_child_of.contains(id)
-                    };
+                    let woken = (n.steering.wakes_per_child && n.unseen_child)
+                        || (n.pending_children == 0 && !failed_child_of.contains(id));
                     (!n.state.is_finished()
                         && n.state != ProcState::Failed
                         && n.state != ProcState::RollbackPaused
