@@ -255,6 +255,62 @@ pub enum Flow<E = ()> {
     /// the step. A wake writes nothing, so a step may also run again after a restart
     /// without a new child having finished: look at [`Context::children`] rather
     /// than count wakes.
+    ///
+    /// A rolling restart, two nodes at a time, each next one as soon as a slot frees:
+    ///
+    /// ```
+    /// use proctor::{async_trait, Context, Flow, ProcError, ProcId, ProcState, Procedure};
+    /// use serde::{Deserialize, Serialize};
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct Restart { node: u32 }
+    ///
+    /// #[async_trait]
+    /// impl Procedure for Restart {
+    ///     async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> {
+    ///         Ok(Flow::Done) // restart self.node...
+    ///     }
+    ///     async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> {
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct RollingRestart { nodes: u32, started: u32 }
+    ///
+    /// #[async_trait]
+    /// impl Procedure for RollingRestart {
+    ///     async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+    ///         let children = ctx.children();
+    ///         let running = children.iter().filter(|(_, s)| *s != ProcState::Success).count();
+    ///         if self.started == self.nodes && running == 0 {
+    ///             return Ok(Flow::Done);
+    ///         }
+    ///         let mut next: Vec<Box<dyn Procedure>> = Vec::new();
+    ///         while self.started < self.nodes && running + next.len() < 2 {
+    ///             next.push(Box::new(Restart { node: self.started }));
+    ///             self.started += 1;
+    ///         }
+    ///         Ok(Flow::Spawn(next))
+    ///     }
+    ///     async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> {
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// // Its steps, as the engine would run them: two start, then one per finished.
+    /// let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+    /// let mut roll = RollingRestart { nodes: 3, started: 0 };
+    /// let ctx = |children| Context::new(ProcId(1), None, ProcId(1), 0, Default::default())
+    ///     .with_children(children);
+    /// let spawned = |flow: Flow| match flow {
+    ///     Flow::Spawn(next) => next.len(),
+    ///     other => panic!("{other:?}"),
+    /// };
+    /// assert_eq!(spawned(rt.block_on(roll.execute(&mut ctx(vec![]))).unwrap()), 2);
+    /// let one_done = vec![(ProcId(2), ProcState::Success), (ProcId(3), ProcState::Runnable)];
+    /// assert_eq!(spawned(rt.block_on(roll.execute(&mut ctx(one_done))).unwrap()), 1);
+    /// ```
     Spawn(Vec<Box<dyn Procedure<E>>>),
     /// Run again later, behind everything already queued (under the default
     /// [`Scheduling::Fair`](crate::Scheduling::Fair): behind every new or yielding
