@@ -177,13 +177,55 @@ pub enum TaskStatus {
     RolledBack,
 }
 
-/// What a [`Dag`] persists per task.
+/// What a [`Dag`] persists per task: one byte each (see [`stored_marks`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 enum Mark {
-    Pending,
-    Started,
-    Done,
-    RolledBack,
+    Pending = 0,
+    Started = 1,
+    Done = 2,
+    RolledBack = 3,
+}
+
+impl Mark {
+    fn from_byte(b: u8) -> Option<Mark> {
+        [Mark::Pending, Mark::Started, Mark::Done, Mark::RolledBack]
+            .get(usize::from(b))
+            .copied()
+    }
+}
+
+/// A DAG's task statuses as its record holds them: a byte string, a byte a task (its
+/// `Mark` as a number). A DAG records its whole state at every step, now one per
+/// finished task, and a status by name took eight bytes. Records written before hold
+/// the names, which still read.
+mod stored_marks {
+    use super::Mark;
+    use serde::{Deserialize, Serializer};
+
+    pub(super) fn serialize<S: Serializer>(marks: &[Mark], s: S) -> Result<S::Ok, S::Error> {
+        let bytes: Vec<u8> = marks.iter().map(|&m| m as u8).collect();
+        s.serialize_bytes(&bytes)
+    }
+
+    /// Either form, as read.
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    pub(super) enum Stored {
+        Bytes(serde_bytes::ByteBuf),
+        Names(Vec<Mark>),
+    }
+
+    impl Stored {
+        pub(super) fn into_marks(self) -> Result<Vec<Mark>, String> {
+            match self {
+                Stored::Names(marks) => Ok(marks),
+                Stored::Bytes(bytes) => bytes
+                    .iter()
+                    .map(|&b| Mark::from_byte(b).ok_or_else(|| format!("a task status of {b}")))
+                    .collect(),
+            }
+        }
+    }
 }
 
 /// Why [`DagBuilder::build`] refused a DAG.
@@ -385,6 +427,7 @@ pub struct Dag<T> {
     tasks: Vec<T>,
     /// Each task's predecessors, ascending.
     preds: Vec<Vec<u32>>,
+    #[serde(serialize_with = "stored_marks::serialize")]
     marks: Vec<Mark>,
     /// The tasks each DAG step started, in order.
     waves: Vec<Vec<u32>>,
@@ -403,7 +446,7 @@ pub struct Dag<T> {
 struct DagRecord<T> {
     tasks: Vec<T>,
     preds: Vec<Vec<u32>>,
-    marks: Vec<Mark>,
+    marks: stored_marks::Stored,
     waves: Vec<Vec<u32>>,
     parallelism: u32,
     locks: Vec<Lock>,
@@ -414,11 +457,12 @@ impl<T> TryFrom<DagRecord<T>> for Dag<T> {
 
     fn try_from(r: DagRecord<T>) -> Result<Self, String> {
         let n = r.tasks.len();
-        if r.preds.len() != n || r.marks.len() != n {
+        let marks = r.marks.into_marks()?;
+        if r.preds.len() != n || marks.len() != n {
             return Err(format!(
                 "a DAG of {n} tasks with {} predecessor lists and {} statuses",
                 r.preds.len(),
-                r.marks.len()
+                marks.len()
             ));
         }
         if r.parallelism == 0 {
@@ -445,7 +489,7 @@ impl<T> TryFrom<DagRecord<T>> for Dag<T> {
         Ok(Dag {
             tasks: r.tasks,
             preds: r.preds,
-            marks: r.marks,
+            marks,
             waves: r.waves,
             parallelism: r.parallelism,
             locks: r.locks,
@@ -1324,12 +1368,53 @@ mod tests {
     }
 
     #[test]
+    fn statuses_are_a_byte_each_and_records_with_their_names_still_read() {
+        let log = Arc::new(Log::default());
+        let mut dag = fan();
+        step(&mut dag, &log);
+        step(&mut dag, &log); // a done, b and c started
+        let bytes = rmp_serde::to_vec_named(&dag).unwrap();
+        // "marks" then a bin of five bytes: 0xc4 5, done, started, started, pending, pending.
+        let at = bytes.windows(5).position(|w| w == b"marks").unwrap() + 5;
+        assert_eq!(bytes[at..at + 7], [0xc4, 5, 2, 1, 1, 0, 0]);
+        // As an earlier version wrote it: each status by its name.
+        #[derive(Serialize)]
+        struct Named<'a> {
+            tasks: &'a [Job],
+            preds: &'a [Vec<u32>],
+            marks: &'a [Mark],
+            waves: &'a [Vec<u32>],
+            parallelism: u32,
+            locks: &'a [Lock],
+        }
+        let named = rmp_serde::to_vec_named(&Named {
+            tasks: &dag.tasks,
+            preds: &dag.preds,
+            marks: &dag.marks,
+            waves: &dag.waves,
+            parallelism: dag.parallelism,
+            locks: &dag.locks,
+        })
+        .unwrap();
+        assert!(
+            named.len() > bytes.len() + 20,
+            "{} vs {}",
+            named.len(),
+            bytes.len()
+        );
+        let back: Dag<Job> = rmp_serde::from_slice(&named).unwrap();
+        assert_eq!(back.statuses(), dag.statuses());
+        let back: Dag<Job> = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(back.statuses(), dag.statuses());
+    }
+
+    #[test]
     fn a_record_that_is_no_dag_fails_to_decode_saying_why() {
         let dag = fan();
         let good = serde_json::to_value(&dag).unwrap();
         let n = dag.statuses().len();
         type Edit = fn(&mut serde_json::Value);
-        let cases: [(&str, Edit, &str); 6] = [
+        let cases: [(&str, Edit, &str); 7] = [
             ("as written", |_| {}, ""),
             (
                 "a cycle",
@@ -1350,6 +1435,11 @@ mod tests {
                 "a short list",
                 |v| v["marks"].as_array_mut().unwrap().truncate(1),
                 "1 statuses",
+            ),
+            (
+                "a bad status",
+                |v| v["marks"][0] = serde_json::json!(7),
+                "a task status of 7",
             ),
             (
                 "a bad wave",
