@@ -800,8 +800,11 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// # Errors
     ///
     /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
-    /// longer known; [`Error::Finished`] if it has finished; [`Error::Store`] or
-    /// [`Error::Internal`] once the store has failed or the engine broke;
+    /// longer known; [`Error::Finished`] if it has finished; [`Error::Refused`] past
+    /// its tree's point of no return ([`Context::set_irreversible`](crate::Context::set_irreversible)),
+    /// also when the tree passes it while the abort waits for a running step: the
+    /// procedure is then paused instead, for an operator to continue; [`Error::Store`]
+    /// or [`Error::Internal`] once the store has failed or the engine broke;
     /// [`Error::Stopped`] after shutdown.
     pub async fn abort(&self, id: ProcId) -> Result<bool, Error> {
         self.addr.send(Abort(id)).await?
