@@ -28,6 +28,8 @@ use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp, MAX_R
 
 mod operator;
 mod recover;
+#[cfg(test)]
+mod simulation;
 
 /// What a step of one procedure came to, as the procedure's cell reports it.
 #[derive(Debug)]
