@@ -508,13 +508,15 @@ impl ProcedureCell {
     /// The deadline passed while the procedure was idle: asks its timeout hook, then
     /// fails it, or persists the new deadline (or none) and re-arms.
     fn expire(&mut self, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
-        if self.status.halted() || self.done || self.status.failed() {
+        if self.status.halted() || self.status.failed() {
             return;
         }
-        if self.failed {
+        if self.failed || self.done {
             // Its failure is being decided: a failed step's policy may retry or pause
             // it, and past the point of no return a failure pauses it. The deadline
-            // counts again once it goes on (`went_on`); if its tree fails, never.
+            // counts again once it goes on (`went_on`); if its tree fails, never. Done,
+            // its `Done` may yet be refused (children still running): the deadline
+            // waits with it, and goes with the cell when the success is recorded.
             self.pending().timeout = true;
             return;
         }
@@ -928,8 +930,11 @@ impl ProcedureCell {
     pub(crate) fn reset(&mut self, data: Vec<u8>, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
         // What its step returned was not taken: a `Done` the root stack refused (a
         // parent with children still running, a procedure at its most steps) failed
-        // the step instead, so it is not done and its next step runs.
-        self.done = false;
+        // the step instead, so it is not done and its next step runs; what waited
+        // meanwhile (a deadline) is settled as after any failure not taken.
+        if std::mem::take(&mut self.done) {
+            self.failed = true;
+        }
         // The user's `Deserialize` runs here: a panic in it is an error like any other.
         match decode_guarded(&self.shared.registry, self.type_name, &data) {
             Ok(proc) => {

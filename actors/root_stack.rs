@@ -948,26 +948,29 @@ impl TreeRunner {
 impl TreeRunner {
     fn on_fail_request(&mut self, msg: FailRequest, ctx: &mut TreeCtx<'_>) {
         let mut ack = msg.ack;
+        let id = msg.id;
+        if self.core.is_irreversible() && !self.core.is_failed() {
+            // The tree passed its point of no return after the abort reached the
+            // procedure (a sibling's step recorded it while the abort waited for a
+            // step, or for a failed step's policy): the failure pauses the procedure
+            // instead, so the abort did not take effect. So for an abort that finds the
+            // procedure already failing (an earlier abort, a timeout): that failure
+            // pauses it too.
+            if let Some((_, answer @ Ok(true))) = &mut ack {
+                *answer = Err(Error::Refused {
+                    command: "abort",
+                    id,
+                    reason: format!(
+                        "tree {} passed its point of no return before the abort took \
+                         effect: procedure {id} pauses instead (at once, or when its \
+                         queued step comes back); continue it then",
+                        self.core.root()
+                    ),
+                });
+            }
+        }
         let t = match msg.failure {
             Some((error, data)) => {
-                let id = msg.id;
-                if self.core.is_irreversible() && !self.core.is_failed() {
-                    // The tree passed its point of no return after the abort reached
-                    // the procedure (a sibling's step recorded it while the abort waited
-                    // for a step, or for a failed step's policy): the failure pauses the
-                    // procedure instead, so the abort did not take effect.
-                    if let Some((_, answer @ Ok(true))) = &mut ack {
-                        *answer = Err(Error::Refused {
-                            command: "abort",
-                            id,
-                            reason: format!(
-                                "tree {} passed its point of no return before the abort \
-                                 took effect: procedure {id} is paused instead; continue it",
-                                self.core.root()
-                            ),
-                        });
-                    }
-                }
                 self.core("abort", |core| core.on_fail(id, error, data, now_ms()), ctx)
             }
             None => Some(Transition::default()),

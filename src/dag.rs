@@ -196,34 +196,102 @@ impl Mark {
 
 /// A DAG's task statuses as its record holds them: a byte string, a byte a task (its
 /// `Mark` as a number). A DAG records its whole state at every step, now one per
-/// finished task, and a status by name took eight bytes. Records written before hold
-/// the names, which still read.
+/// finished task, and a status by name took eight bytes. Records written before hold a
+/// list of names, which still read. The bytes are asked for as such
+/// (`deserialize_byte_buf`), so formats that are not self-describing (postcard,
+/// bincode) read them too; only the old list needs a self-describing one.
 mod stored_marks {
+    use std::fmt;
+
+    use serde::de::{self, SeqAccess, Visitor};
+    use serde::{Deserialize, Deserializer, Serializer};
+
     use super::Mark;
-    use serde::{Deserialize, Serializer};
 
     pub(super) fn serialize<S: Serializer>(marks: &[Mark], s: S) -> Result<S::Ok, S::Error> {
         let bytes: Vec<u8> = marks.iter().map(|&m| m as u8).collect();
         s.serialize_bytes(&bytes)
     }
 
-    /// Either form, as read.
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    pub(super) enum Stored {
-        Bytes(serde_bytes::ByteBuf),
-        Names(Vec<Mark>),
-    }
+    /// The statuses as read, each a byte, not yet checked.
+    pub(super) struct Stored(Vec<u8>);
 
     impl Stored {
         pub(super) fn into_marks(self) -> Result<Vec<Mark>, String> {
-            match self {
-                Stored::Names(marks) => Ok(marks),
-                Stored::Bytes(bytes) => bytes
-                    .iter()
-                    .map(|&b| Mark::from_byte(b).ok_or_else(|| format!("a task status of {b}")))
-                    .collect(),
+            self.0
+                .iter()
+                .map(|&b| Mark::from_byte(b).ok_or_else(|| format!("a task status of {b}")))
+                .collect()
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Stored {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_byte_buf(StoredVisitor)
+        }
+    }
+
+    struct StoredVisitor;
+
+    impl<'de> Visitor<'de> for StoredVisitor {
+        type Value = Stored;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("task statuses")
+        }
+
+        fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Stored, E> {
+            Ok(Stored(v.to_vec()))
+        }
+
+        fn visit_byte_buf<E: de::Error>(self, v: Vec<u8>) -> Result<Stored, E> {
+            Ok(Stored(v))
+        }
+
+        /// A list: of names (as written before), or of numbers (a format that writes
+        /// bytes as a list, JSON).
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Stored, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
+            while let Some(OneMark(b)) = seq.next_element()? {
+                out.push(b);
             }
+            Ok(Stored(out))
+        }
+    }
+
+    /// One status in a list: its number, or its name.
+    struct OneMark(u8);
+
+    impl<'de> Deserialize<'de> for OneMark {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            d.deserialize_any(OneMarkVisitor)
+        }
+    }
+
+    struct OneMarkVisitor;
+
+    impl Visitor<'_> for OneMarkVisitor {
+        type Value = OneMark;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("a task status")
+        }
+
+        fn visit_u64<E: de::Error>(self, v: u64) -> Result<OneMark, E> {
+            u8::try_from(v)
+                .map(OneMark)
+                .map_err(|_| E::custom(format!("a task status of {v}")))
+        }
+
+        fn visit_str<E: de::Error>(self, v: &str) -> Result<OneMark, E> {
+            let mark = match v {
+                "Pending" => Mark::Pending,
+                "Started" => Mark::Started,
+                "Done" => Mark::Done,
+                "RolledBack" => Mark::RolledBack,
+                _ => return Err(E::custom(format!("a task status of {v:?}"))),
+            };
+            Ok(OneMark(mark as u8))
         }
     }
 }
@@ -1406,6 +1474,40 @@ mod tests {
         assert_eq!(back.statuses(), dag.statuses());
         let back: Dag<Job> = rmp_serde::from_slice(&bytes).unwrap();
         assert_eq!(back.statuses(), dag.statuses());
+    }
+
+    /// Statuses read where the format says nothing of its values' kinds (postcard,
+    /// bincode): only bytes asked for as bytes, no `deserialize_any`.
+    #[test]
+    fn statuses_read_from_a_format_that_is_not_self_describing() {
+        struct OnlyBytes(Vec<u8>);
+        impl<'de> serde::Deserializer<'de> for OnlyBytes {
+            type Error = serde::de::value::Error;
+            fn deserialize_any<V: serde::de::Visitor<'de>>(
+                self,
+                _: V,
+            ) -> Result<V::Value, Self::Error> {
+                Err(serde::de::Error::custom("not self-describing"))
+            }
+            fn deserialize_byte_buf<V: serde::de::Visitor<'de>>(
+                self,
+                visitor: V,
+            ) -> Result<V::Value, Self::Error> {
+                visitor.visit_byte_buf(self.0)
+            }
+            serde::forward_to_deserialize_any! {
+                bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+                option unit unit_struct newtype_struct seq tuple tuple_struct map struct
+                enum identifier ignored_any
+            }
+        }
+        let stored = stored_marks::Stored::deserialize(OnlyBytes(vec![2, 1, 0, 3])).unwrap();
+        assert_eq!(
+            stored.into_marks().unwrap(),
+            [Mark::Done, Mark::Started, Mark::Pending, Mark::RolledBack]
+        );
+        let bad = stored_marks::Stored::deserialize(OnlyBytes(vec![4])).unwrap();
+        assert_eq!(bad.into_marks().unwrap_err(), "a task status of 4");
     }
 
     #[test]

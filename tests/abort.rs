@@ -179,3 +179,72 @@ async fn an_abort_overtaken_by_a_siblings_point_of_no_return_is_refused_and_paus
         executor.shutdown().await.unwrap();
     }
 }
+
+/// Two aborts that both reached the procedure during its step, before a sibling
+/// recorded the point of no return: the first is accepted by the hook (the procedure
+/// pauses), the second finds the cell already failing. Neither is answered accepted,
+/// since nothing rolls back (the second was, before).
+#[actix::test]
+async fn a_second_abort_overtaken_by_the_point_of_no_return_is_refused_too() {
+    for (store_name, store, _dir) in stores() {
+        let (executor, rec) = start(store, 4).await;
+        let held = Scripted::new("held", vec![Step::Hold, Step::More]);
+        let mark = Scripted::new("mark", vec![Step::Suspend("go".into()), Step::Irreversible]);
+        let root = executor
+            .submit(Scripted::new(
+                "root",
+                vec![Step::Children(vec![held, mark])],
+            ))
+            .await
+            .unwrap();
+        rec.signal.notified().await;
+        let mut children: Vec<ProcId> = executor
+            .list(List::new().root(root))
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|p| p.parent == Some(root))
+            .map(|p| p.id)
+            .collect();
+        children.sort();
+        let [held, mark] = children[..] else {
+            panic!("{store_name}: children {children:?}");
+        };
+        let aborts: Vec<_> = (0..2)
+            .map(|_| {
+                let executor = executor.clone();
+                actix::spawn(async move { executor.abort(held).await })
+            })
+            .collect();
+        for _ in 0..2 {
+            let refused = executor.resume(held).await.unwrap_err();
+            assert!(matches!(refused, Error::Refused { .. }), "{refused}");
+        }
+        executor.wake_event("go").await.unwrap();
+        while executor
+            .state(mark)
+            .await
+            .is_ok_and(|p| p.state != ProcState::Success)
+        {
+            tokio::task::yield_now().await;
+        }
+        rec.gate.notify_one();
+        let mut answers = Vec::new();
+        for a in aborts {
+            answers.push(a.await.unwrap());
+        }
+        while executor.state(held).await.unwrap().state != ProcState::Paused {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(rec.count("held-rollback"), 0, "{store_name}");
+        for answer in &answers {
+            assert!(
+                matches!(answer, Err(Error::Refused { .. })),
+                "{store_name}: the procedure paused (no rollback), yet an abort was answered {answer:?}"
+            );
+        }
+        executor.resume(held).await.unwrap();
+        assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{store_name}");
+        executor.shutdown().await.unwrap();
+    }
+}
