@@ -949,40 +949,46 @@ impl TreeRunner {
     fn on_fail_request(&mut self, msg: FailRequest, ctx: &mut TreeCtx<'_>) {
         let mut ack = msg.ack;
         let id = msg.id;
-        if self.core.is_irreversible() && !self.core.is_failed() {
-            // The tree passed its point of no return after the abort reached the
-            // procedure (a sibling's step recorded it while the abort waited for a
-            // step, or for a failed step's policy): the failure pauses the procedure
-            // instead, so the abort did not take effect. So for an abort that finds the
-            // procedure already failing (an earlier abort, a timeout): that failure
-            // pauses it too.
-            if let Some((_, answer @ Ok(true))) = &mut ack {
-                *answer = Err(Error::Refused {
-                    command: "abort",
-                    id,
-                    reason: format!(
-                        "tree {} passed its point of no return before the abort took \
-                         effect: procedure {id} pauses instead (at once, or when its \
-                         queued step comes back); continue it then",
-                        self.core.root()
-                    ),
-                });
-            }
-        }
         let t = match msg.failure {
             Some((error, data)) => {
                 self.core("abort", |core| core.on_fail(id, error, data, now_ms()), ctx)
             }
+            // Already failing (an earlier abort, a timeout, a failed step): that
+            // failure's request came first and is applied.
             None => Some(Transition::default()),
         };
-        match t {
-            Some(t) => self.apply(t, ack, ctx),
-            None => {
-                if let (Some((ack, _)), Some(e)) = (ack, &self.halted) {
-                    let _ = ack.send(Err(e.duplicate()));
-                }
+        let Some(t) = t else {
+            if let (Some((ack, _)), Some(e)) = (ack, &self.halted) {
+                let _ = ack.send(Err(e.duplicate()));
+            }
+            return;
+        };
+        // An abort is answered accepted only if its tree now rolls back. It may not:
+        // the tree passed its point of no return after the abort reached the
+        // procedure (a sibling's step recorded it while the abort waited for a step,
+        // or for a failed step's policy), so the failure pauses the procedure instead;
+        // or the procedure finished meanwhile (an operator's bypass).
+        if let Some((_, answer @ Ok(true))) = &mut ack {
+            if !self.core.is_failed() {
+                *answer = Err(match self.core.state_of(id) {
+                    Some(state) if !state.is_finished() => Error::Refused {
+                        command: "abort",
+                        id,
+                        reason: format!(
+                            "tree {} passed its point of no return before the abort took \
+                             effect: procedure {id} pauses instead (at once, or when its \
+                             queued step comes back); continue it then",
+                            self.core.root()
+                        ),
+                    },
+                    state => Error::Finished {
+                        id,
+                        state: state.unwrap_or(ProcState::Success),
+                    },
+                });
             }
         }
+        self.apply(t, ack, ctx);
     }
 }
 
