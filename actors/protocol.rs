@@ -243,7 +243,9 @@ pub(crate) struct StepDone {
 // ReleaseLocks after the call, or instead of it when its acquire_lock hook yields (and
 // everything when it stops, before the tree's result).
 // TreeFailed withdraws the tree's waiting step requests (those steps are skipped
-// anyway); a deadlock victim gets LockFailed and then its step, which it skips.
+// anyway), WithdrawStep one procedure's (its cell failed past the point of no return,
+// so the step comes back skipped and it pauses); a deadlock victim gets LockFailed and
+// then its step, which it skips.
 // ------------------------------------------------------------------------------------
 
 /// Roll back a step of `id` once its locks are granted (from the root stack).
@@ -275,6 +277,15 @@ impl Message for ReleaseLocks {
 pub(crate) struct TreeFailed(pub(crate) ProcId);
 
 impl Message for TreeFailed {
+    type Result = ();
+}
+
+/// The queued step of `.0` is to be skipped (its procedure failed past the point of no
+/// return, and pauses when the step comes back): if it waits for its locks, the request
+/// is withdrawn and the step queued (from the root stack).
+pub(crate) struct WithdrawStep(pub(crate) ProcId);
+
+impl Message for WithdrawStep {
     type Result = ();
 }
 
@@ -640,6 +651,7 @@ to_scheduler!(
     SuspendOn,
     LockForRollback,
     TreeFailed,
+    WithdrawStep,
     TreeEnded,
 );
 

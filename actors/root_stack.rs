@@ -45,6 +45,7 @@ use super::protocol::{
     DurableAck, Enqueue, FailRequest, LockForRollback, LocksHeld, Outbox, PauseNow, Persist,
     ProcAddr, Quiesce, ReleaseLocks, Report, RolledBack, StepDone, StepFinished, SuspendOn, ToCell,
     ToProc, TreeAck, TreeAddr, TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
+    WithdrawStep,
 };
 use super::shard::{Timer, TreeCtx, TreeMsg};
 use super::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
@@ -449,6 +450,11 @@ impl TreeRunner {
             }
             // The same queued step, now that its life-long locks are durably held.
             Action::Resume(id) => self.enqueue(id, Place::Front, ctx),
+            Action::Withdraw(id) => {
+                if self.core.lock_request(id, false).is_some() {
+                    ctx.tell(WithdrawStep(id));
+                }
+            }
             Action::Release(id) => {
                 if self.core.lock_request(id, false).is_some() {
                     ctx.tell(ReleaseLocks {

@@ -38,7 +38,7 @@ use super::perturb;
 use super::protocol::{
     DurableAck, Enqueue, FromShard, LockFailed, LockForRollback, LocksGranted, Persist, ProcAddr,
     Refuse, Regrant, ReleaseLocks, Rollback, RunStep, StepFinished, StopWriter, SuspendOn,
-    TreeAddr, TreeEnded, TreeFailed, Unsuspend, Wake,
+    TreeAddr, TreeEnded, TreeFailed, Unsuspend, Wake, WithdrawStep,
 };
 use super::shard::Mail;
 use super::shared::{now_ms, LockView, SchedulerViews};
@@ -779,6 +779,38 @@ impl Handler<TreeFailed> for Scheduler {
             self.queue((id, root, addr, what), root, place);
             self.apply(changes);
         }
+        self.dispatch();
+    }
+}
+
+impl Handler<WithdrawStep> for Scheduler {
+    type Result = ();
+
+    fn handle(&mut self, msg: WithdrawStep, _ctx: &mut Context<Self>) {
+        let id = msg.0;
+        // Deferred behind its previous step's locks: it asks for none when it comes.
+        if let Some(Deferred::Step(step)) = self.deferred.get_mut(&id) {
+            step.lock = None;
+        }
+        if !matches!(
+            self.parked.get(&id).map(|p| &p.then),
+            Some(Then::Step { .. })
+        ) {
+            // Granted already, or never waited: its step comes back as it is.
+            return;
+        }
+        let Some(Parked {
+            then: Then::Step { addr, place, what },
+            root,
+        }) = self.unpark(id)
+        else {
+            return;
+        };
+        self.view.locks.remove(&id);
+        let changes = self.locks.release(id);
+        // Queued without its locks: it only reports a skip (its cell has failed).
+        self.queue((id, root, addr, what), root, place);
+        self.apply(changes);
         self.dispatch();
     }
 }

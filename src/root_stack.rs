@@ -153,6 +153,10 @@ pub enum Action {
     /// step of its own to roll back): release the locks it holds for its life now, not
     /// when the tree ends, so its tree's rollbacks can take them.
     Release(ProcId),
+    /// Its queued step is to come back skipped (it pauses then, past the point of no
+    /// return): if it waits for its locks, stop waiting and queue it, so that the
+    /// pause does not wait for a holder that may never let go.
+    Withdraw(ProcId),
     /// Ask the procedure to roll back its newest step. `unrecorded` marks the step
     /// that may have started before a crash but was never recorded.
     Rollback {
@@ -690,6 +694,7 @@ impl RootStack {
                 // Its step is queued (or waits for its locks), and comes back skipped
                 // (the procedure asked to fail): it pauses then, not with a step out.
                 node.extra().pause_at_step = Some(Box::new(why));
+                t.actions.push(Action::Withdraw(id));
             } else {
                 // It keeps what it waits for, as under an operator's pause: the root
                 // stack unsuspends it from its event when the pause is performed (after
@@ -1203,6 +1208,7 @@ impl fmt::Display for Transition {
                 } => format!("run {id} after others"),
                 Action::Resume(id) => format!("resume {id}"),
                 Action::Release(id) => format!("release {id}"),
+                Action::Withdraw(id) => format!("withdraw {id}"),
                 Action::Reset { id, .. } => format!("reset {id}"),
                 Action::Paused { id, .. } => format!("paused {id}"),
                 Action::Stop(id) => format!("stop {id}"),
@@ -1681,12 +1687,13 @@ mod tests {
         let t = rs.on_continue(ProcId(1), 3).unwrap();
         assert_eq!(t.to_string(), "U1:WAITING[0] | suspend 1 on e");
 
-        // RUNNABLE: its step is queued (perhaps behind a lock), so nothing changes
-        // until that step comes back skipped; then it pauses, for the failure's reason.
+        // RUNNABLE: its step is queued (perhaps behind a lock, which it stops waiting
+        // for: a holder may never let go), so nothing changes until that step comes
+        // back skipped; then it pauses, for the failure's reason.
         let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
         rs.on_step(done(1, more(), true), 1);
         let t = rs.on_fail(ProcId(1), ProcError::TimedOut { timeout_ms: 5 }, vec![7], 2);
-        assert_eq!(t.to_string(), " | ");
+        assert_eq!(t.to_string(), " | withdraw 1");
         assert_eq!(rs.state_of(ProcId(1)), Some(ProcState::Runnable));
         let t = rs.on_step(done(1, StepOutcome::Skipped, false), 3);
         assert!(t.to_string().starts_with("U1:PAUSED"), "{t}");

@@ -908,9 +908,21 @@ async fn a_timeout_past_the_point_of_no_return_pauses_a_procedure_waiting_for_it
         TIME_OUT.store(true, Ordering::SeqCst);
         // The root stack handles the timeout's failure in the same turn as the hook.
         TIMED_OUT.notified().await;
+        // Its step stops waiting for `r` and comes back skipped: it pauses while the
+        // holder still holds `r` (one that never let go kept it RUNNABLE before).
+        wait_for_state(&executor, id, ProcState::Paused).await;
+        assert!(
+            executor.state(id).await.unwrap().locks_waiting.is_empty(),
+            "{name}"
+        );
+        assert_eq!(
+            executor.state(holder).await.unwrap().state,
+            ProcState::Runnable,
+            "{name}: the holder is still in its step"
+        );
         w.gate.notify_one();
-        // Until the holder has left its step, the lock has gone to the waiter's step and
-        // that step has come back: nothing queued, running or waiting for a lock.
+        // Once the holder has left its step: nothing queued, running or waiting for a
+        // lock.
         loop {
             let stats = executor.scheduler_stats().await.unwrap();
             let quiet = stats.running == 0 && stats.queued == 0 && stats.lock_waiters == 0;
