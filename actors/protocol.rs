@@ -280,6 +280,15 @@ impl Message for TreeFailed {
     type Result = ();
 }
 
+/// The tree rooted at `.0` has passed its point of no return (from its root stack, once
+/// a step marking it is reported, or at start for a recovered one): a deadlock's victim
+/// is taken from other trees while one can be (until its `TreeEnded`).
+pub(crate) struct TreeIrreversible(pub(crate) ProcId);
+
+impl Message for TreeIrreversible {
+    type Result = ();
+}
+
 /// The queued step of `.0` is to be skipped (its procedure failed past the point of no
 /// return, and pauses when the step comes back): if it waits for its locks, the request
 /// is withdrawn and the step queued (from the root stack).
@@ -652,6 +661,7 @@ to_scheduler!(
     LockForRollback,
     TreeFailed,
     WithdrawStep,
+    TreeIrreversible,
     TreeEnded,
 );
 

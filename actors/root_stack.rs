@@ -44,8 +44,8 @@ use super::protocol::{
     AbortAck, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Durable,
     DurableAck, Enqueue, FailRequest, LockForRollback, LocksHeld, Outbox, PauseNow, Persist,
     ProcAddr, Quiesce, ReleaseLocks, Report, RolledBack, StepDone, StepFinished, SuspendOn, ToCell,
-    ToProc, TreeAck, TreeAddr, TreeEnded, TreeFailed, TreeFinished, TreeNews, Unsuspend, Wake,
-    WithdrawStep,
+    ToProc, TreeAck, TreeAddr, TreeEnded, TreeFailed, TreeFinished, TreeIrreversible, TreeNews,
+    Unsuspend, Wake, WithdrawStep,
 };
 use super::shard::{Timer, TreeCtx, TreeMsg};
 use super::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
@@ -764,6 +764,10 @@ impl TreeRunner {
 impl TreeRunner {
     /// The tree joins its shard: its first transition is applied.
     pub(crate) fn started(&mut self, ctx: &mut TreeCtx<'_>) {
+        if self.recovered && !self.core.is_failed() && self.core.is_irreversible() {
+            // Before its steps ask for locks: a deadlock's victim is taken elsewhere.
+            ctx.tell(TreeIrreversible(self.core.root()));
+        }
         if let Some(t) = self.start.as_mut().and_then(|s| s.initial.take()) {
             self.apply(t, None, ctx);
         }
@@ -890,6 +894,11 @@ impl TreeRunner {
     fn on_step_done(&mut self, msg: StepDone, ctx: &mut TreeCtx<'_>) {
         self.dispatched -= 1;
         let id = msg.report.id;
+        if msg.report.irreversible && self.halted.is_none() {
+            // Told before the step's record is durable: only a preference of the
+            // deadlock detector, which a crash resets (recovery tells it again).
+            ctx.tell(TreeIrreversible(self.core.root()));
+        }
         let mut finished = false;
         if self.halted.is_none() {
             if !msg.children.is_empty() {

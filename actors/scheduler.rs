@@ -38,7 +38,7 @@ use super::perturb;
 use super::protocol::{
     DurableAck, Enqueue, FromShard, LockFailed, LockForRollback, LocksGranted, Persist, ProcAddr,
     Refuse, Regrant, ReleaseLocks, Rollback, RunStep, StepFinished, StopWriter, SuspendOn,
-    TreeAddr, TreeEnded, TreeFailed, Unsuspend, Wake, WithdrawStep,
+    TreeAddr, TreeEnded, TreeFailed, TreeIrreversible, Unsuspend, Wake, WithdrawStep,
 };
 use super::shard::Mail;
 use super::shared::{now_ms, LockView, SchedulerViews};
@@ -783,6 +783,14 @@ impl Handler<TreeFailed> for Scheduler {
     }
 }
 
+impl Handler<TreeIrreversible> for Scheduler {
+    type Result = ();
+
+    fn handle(&mut self, msg: TreeIrreversible, _ctx: &mut Context<Self>) {
+        self.locks.set_irreversible(msg.0, true);
+    }
+}
+
 impl Handler<WithdrawStep> for Scheduler {
     type Result = ();
 
@@ -873,6 +881,7 @@ impl Handler<TreeEnded> for Scheduler {
 
     fn handle(&mut self, msg: TreeEnded, ctx: &mut Context<Self>) {
         let TreeEnded { root, steps_out } = msg;
+        self.locks.set_irreversible(root, false);
         // Every `StepFinished` the tree's root stack sent came before this: a step of
         // the tree still running died with it (a panic in engine code), and its worker
         // is freed here, or it would leak. A tree that heard back from every step it

@@ -352,6 +352,10 @@ pub struct LockTable {
     rollback_waiters: IdMap<ProcId, BTreeSet<u64>>,
     /// Borrowers (waiting or holding) and the holders whose locks they may ignore.
     loans: IdMap<ProcId, Vec<ProcId>>,
+    /// Trees past their point of no return: a deadlock's victim is taken from the
+    /// others if it can be (a failure there would pause the victim, not roll its tree
+    /// back, and the cycle would close again when it is continued).
+    irreversible: IdSet<ProcId>,
     next_priority: u64,
     next_ordinary: u64,
 }
@@ -367,6 +371,7 @@ impl Default for LockTable {
             desc_waiters: IdMap::default(),
             rollback_waiters: IdMap::default(),
             loans: IdMap::default(),
+            irreversible: IdSet::default(),
             next_priority: 0,
             next_ordinary: ORDINARY,
         }
@@ -470,7 +475,10 @@ impl LockTable {
                         .get(&e.waiter)
                         .is_some_and(|s| !self.waiters[s].req.rollback)
                 })
-                .max_by_key(|e| (e.waiter_root, std::cmp::Reverse(e.waiter)))
+                .max_by_key(|e| {
+                    let can_roll_back = !self.irreversible.contains(&e.waiter_root);
+                    (can_roll_back, e.waiter_root, std::cmp::Reverse(e.waiter))
+                })
                 .map(|e| (e.waiter, e.waiter_root));
             if let Some((victim, victim_root)) = victim {
                 self.remove_waiter(victim, &mut changes);
@@ -508,6 +516,16 @@ impl LockTable {
             self.wake(departed.into(), &mut changes);
         }
         changes
+    }
+
+    /// The tree rooted at `root` has passed its point of no return, or (`false`) has
+    /// ended: a deadlock's victim is taken from other trees while one can be.
+    pub fn set_irreversible(&mut self, root: ProcId, irreversible: bool) {
+        if irreversible {
+            self.irreversible.insert(root);
+        } else {
+            self.irreversible.remove(&root);
+        }
     }
 
     /// Grants `req` whatever holds or waits (recovery re-granting persisted locks, root
@@ -1178,6 +1196,33 @@ mod tests {
         assert_eq!(c.deadlocks.len(), 1);
         assert_eq!(c.deadlocks[0].victim, ProcId(6));
         assert!(t.waited_by(ProcId(2)).is_some());
+    }
+
+    #[test]
+    fn the_victim_is_a_tree_that_can_roll_back_if_there_is_one() {
+        // As above, but the youngest tree (5) is past its point of no return: failing
+        // its waiter would pause it, and the cycle would close again when continued.
+        let mut t = LockTable::new();
+        t.set_irreversible(ProcId(5), true);
+        t.request(req(1, &[], &["X res/1"]));
+        t.request(req(5, &[], &["X res/2"]));
+        assert_eq!(t.request(req(6, &[5], &["X res/1"])), Changes::default());
+        let c = t.request(req(2, &[1], &["X res/2"]));
+        assert_eq!(c.deadlocks.len(), 1);
+        assert_eq!(
+            (c.deadlocks[0].victim, c.deadlocks[0].victim_root),
+            (ProcId(2), ProcId(1))
+        );
+        assert!(t.waited_by(ProcId(6)).is_some());
+        // Both past it: the youngest, as ever (an operator must step in).
+        let mut t = LockTable::new();
+        t.set_irreversible(ProcId(1), true);
+        t.set_irreversible(ProcId(5), true);
+        t.request(req(1, &[], &["X res/1"]));
+        t.request(req(5, &[], &["X res/2"]));
+        t.request(req(6, &[5], &["X res/1"]));
+        let c = t.request(req(2, &[1], &["X res/2"]));
+        assert_eq!(c.deadlocks[0].victim, ProcId(6));
     }
 
     #[test]
