@@ -760,26 +760,35 @@ impl Handler<TreeFailed> for Scheduler {
             .map(|set| set.iter().copied().collect())
             .unwrap_or_default();
         for id in ids {
-            if !matches!(
-                self.parked.get(&id).map(|p| &p.then),
-                Some(Then::Step { .. })
-            ) {
-                continue;
-            }
-            let Some(Parked {
-                then: Then::Step { addr, place, what },
-                root,
-            }) = self.unpark(id)
-            else {
-                continue;
-            };
-            self.view.locks.remove(&id);
-            let changes = self.locks.release(id);
-            // Queued without its locks: its tree has failed, so it only reports a skip.
-            self.queue((id, root, addr, what), root, place);
-            self.apply(changes);
+            // Its tree has failed, so it only reports a skip.
+            self.withdraw_step(id);
         }
         self.dispatch();
+    }
+}
+
+impl Scheduler {
+    /// If `id`'s step is parked waiting for its locks, withdraws the request and
+    /// queues the step without them, to come back skipped (its tree failed, or it
+    /// failed past its tree's point of no return). A rollback's wait stays.
+    fn withdraw_step(&mut self, id: ProcId) {
+        if !matches!(
+            self.parked.get(&id).map(|p| &p.then),
+            Some(Then::Step { .. })
+        ) {
+            return;
+        }
+        let Some(Parked {
+            then: Then::Step { addr, place, what },
+            root,
+        }) = self.unpark(id)
+        else {
+            return;
+        };
+        self.view.locks.remove(&id);
+        let changes = self.locks.release(id);
+        self.queue((id, root, addr, what), root, place);
+        self.apply(changes);
     }
 }
 
@@ -800,25 +809,8 @@ impl Handler<WithdrawStep> for Scheduler {
         if let Some(Deferred::Step(step)) = self.deferred.get_mut(&id) {
             step.lock = None;
         }
-        if !matches!(
-            self.parked.get(&id).map(|p| &p.then),
-            Some(Then::Step { .. })
-        ) {
-            // Granted already, or never waited: its step comes back as it is.
-            return;
-        }
-        let Some(Parked {
-            then: Then::Step { addr, place, what },
-            root,
-        }) = self.unpark(id)
-        else {
-            return;
-        };
-        self.view.locks.remove(&id);
-        let changes = self.locks.release(id);
-        // Queued without its locks: it only reports a skip (its cell has failed).
-        self.queue((id, root, addr, what), root, place);
-        self.apply(changes);
+        // Granted already, or never waited: its step comes back as it is.
+        self.withdraw_step(id);
         self.dispatch();
     }
 }

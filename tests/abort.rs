@@ -110,141 +110,79 @@ async fn abort_of_unknown_or_finished_procedures_is_a_clear_error() {
     }
 }
 
-/// An abort that reached a procedure in a step, while its tree could still roll back,
-/// but that takes effect (the abort hook accepts it) only after a sibling recorded the
-/// tree's point of no return: the tree does not roll back, so the abort is answered
-/// refused, and the procedure is paused for an operator, as any failure there.
+/// Aborts that reached a procedure in a step, while its tree could still roll back, but
+/// take effect (the abort hook accepts one) only after a sibling recorded the tree's
+/// point of no return: the tree does not roll back, so each is answered refused, and
+/// the procedure is paused for an operator, as any failure there. With two, the second
+/// finds the cell already failing (it was answered accepted, before).
 #[actix::test]
-async fn an_abort_overtaken_by_a_siblings_point_of_no_return_is_refused_and_pauses() {
-    for (store_name, store, _dir) in stores() {
-        let (executor, rec) = start(store, 4).await;
-        let held = Scripted::new("held", vec![Step::Hold, Step::More]);
-        let mark = Scripted::new("mark", vec![Step::Suspend("go".into()), Step::Irreversible]);
-        let root = executor
-            .submit(Scripted::new(
-                "root",
-                vec![Step::Children(vec![held, mark])],
-            ))
-            .await
-            .unwrap();
-        rec.signal.notified().await; // held is inside its first step
-        let mut children: Vec<ProcId> = executor
-            .list(List::new().root(root))
-            .await
-            .unwrap()
-            .into_iter()
-            .filter(|p| p.parent == Some(root))
-            .map(|p| p.id)
-            .collect();
-        children.sort();
-        let [held, mark] = children[..] else {
-            panic!("{store_name}: children {children:?}");
-        };
-        let abort = actix::spawn({
-            let executor = executor.clone();
-            async move { executor.abort(held).await }
-        });
-        // Answered in order after the abort: it has reached the tree (the tree could
-        // still roll back), and waits for the step.
-        for _ in 0..2 {
-            let refused = executor.resume(held).await.unwrap_err();
-            assert!(matches!(refused, Error::Refused { .. }), "{refused}");
-        }
-        executor.wake_event("go").await.unwrap();
-        // Its SUCCESS is durable once it is shown, or once it is gone (a finished child).
-        while executor
-            .state(mark)
-            .await
-            .is_ok_and(|p| p.state != ProcState::Success)
-        {
-            tokio::task::yield_now().await;
-        }
-        rec.gate.notify_one(); // held's step ends; the abort hook accepts
-        match abort.await.unwrap() {
-            Err(Error::Refused { reason, .. }) => {
-                assert!(
-                    reason.contains("point of no return"),
-                    "{store_name}: {reason}"
-                )
+async fn aborts_overtaken_by_a_siblings_point_of_no_return_are_refused_and_pause() {
+    for aborts in [1, 2] {
+        for (store_name, store, _dir) in stores() {
+            let at = format!("{store_name}, {aborts} aborts");
+            let (executor, rec) = start(store, 4).await;
+            let held = Scripted::new("held", vec![Step::Hold, Step::More]);
+            let mark = Scripted::new("mark", vec![Step::Suspend("go".into()), Step::Irreversible]);
+            let root = executor
+                .submit(Scripted::new(
+                    "root",
+                    vec![Step::Children(vec![held, mark])],
+                ))
+                .await
+                .unwrap();
+            rec.signal.notified().await; // held is inside its first step
+            let mut children: Vec<ProcId> = executor
+                .list(List::new().root(root))
+                .await
+                .unwrap()
+                .into_iter()
+                .filter(|p| p.parent == Some(root))
+                .map(|p| p.id)
+                .collect();
+            children.sort();
+            let [held, mark] = children[..] else {
+                panic!("{at}: children {children:?}");
+            };
+            let sent: Vec<_> = (0..aborts)
+                .map(|_| {
+                    let executor = executor.clone();
+                    actix::spawn(async move { executor.abort(held).await })
+                })
+                .collect();
+            // Answered in order after the aborts: they have reached the tree (which could
+            // still roll back), and wait for the step.
+            for _ in 0..2 {
+                let refused = executor.resume(held).await.unwrap_err();
+                assert!(matches!(refused, Error::Refused { .. }), "{refused}");
             }
-            other => panic!("{store_name}: abort answered {other:?}"),
+            executor.wake_event("go").await.unwrap();
+            // Its SUCCESS is durable once it is shown, or once it is gone (a finished
+            // child).
+            while executor
+                .state(mark)
+                .await
+                .is_ok_and(|p| p.state != ProcState::Success)
+            {
+                tokio::task::yield_now().await;
+            }
+            rec.gate.notify_one(); // held's step ends; the abort hook accepts
+            for abort in sent {
+                match abort.await.unwrap() {
+                    Err(Error::Refused { reason, .. }) => {
+                        assert!(reason.contains("point of no return"), "{at}: {reason}")
+                    }
+                    other => {
+                        panic!("{at}: nothing rolls back, yet an abort was answered {other:?}")
+                    }
+                }
+            }
+            while executor.state(held).await.unwrap().state != ProcState::Paused {
+                tokio::task::yield_now().await;
+            }
+            executor.resume(held).await.unwrap();
+            assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{at}");
+            assert_eq!(rec.count("held-rollback"), 0, "{at}");
+            executor.shutdown().await.unwrap();
         }
-        while executor.state(held).await.unwrap().state != ProcState::Paused {
-            tokio::task::yield_now().await;
-        }
-        executor.resume(held).await.unwrap();
-        let result = executor.wait(root).await.unwrap();
-        assert_eq!(result, Ok(()), "{store_name}");
-        assert_eq!(rec.count("held-rollback"), 0, "{store_name}");
-        executor.shutdown().await.unwrap();
-    }
-}
-
-/// Two aborts that both reached the procedure during its step, before a sibling
-/// recorded the point of no return: the first is accepted by the hook (the procedure
-/// pauses), the second finds the cell already failing. Neither is answered accepted,
-/// since nothing rolls back (the second was, before).
-#[actix::test]
-async fn a_second_abort_overtaken_by_the_point_of_no_return_is_refused_too() {
-    for (store_name, store, _dir) in stores() {
-        let (executor, rec) = start(store, 4).await;
-        let held = Scripted::new("held", vec![Step::Hold, Step::More]);
-        let mark = Scripted::new("mark", vec![Step::Suspend("go".into()), Step::Irreversible]);
-        let root = executor
-            .submit(Scripted::new(
-                "root",
-                vec![Step::Children(vec![held, mark])],
-            ))
-            .await
-            .unwrap();
-        rec.signal.notified().await;
-        let mut children: Vec<ProcId> = executor
-            .list(List::new().root(root))
-            .await
-            .unwrap()
-            .into_iter()
-            .filter(|p| p.parent == Some(root))
-            .map(|p| p.id)
-            .collect();
-        children.sort();
-        let [held, mark] = children[..] else {
-            panic!("{store_name}: children {children:?}");
-        };
-        let aborts: Vec<_> = (0..2)
-            .map(|_| {
-                let executor = executor.clone();
-                actix::spawn(async move { executor.abort(held).await })
-            })
-            .collect();
-        for _ in 0..2 {
-            let refused = executor.resume(held).await.unwrap_err();
-            assert!(matches!(refused, Error::Refused { .. }), "{refused}");
-        }
-        executor.wake_event("go").await.unwrap();
-        while executor
-            .state(mark)
-            .await
-            .is_ok_and(|p| p.state != ProcState::Success)
-        {
-            tokio::task::yield_now().await;
-        }
-        rec.gate.notify_one();
-        let mut answers = Vec::new();
-        for a in aborts {
-            answers.push(a.await.unwrap());
-        }
-        while executor.state(held).await.unwrap().state != ProcState::Paused {
-            tokio::task::yield_now().await;
-        }
-        assert_eq!(rec.count("held-rollback"), 0, "{store_name}");
-        for answer in &answers {
-            assert!(
-                matches!(answer, Err(Error::Refused { .. })),
-                "{store_name}: the procedure paused (no rollback), yet an abort was answered {answer:?}"
-            );
-        }
-        executor.resume(held).await.unwrap();
-        assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{store_name}");
-        executor.shutdown().await.unwrap();
     }
 }
