@@ -177,8 +177,9 @@ pub enum TaskStatus {
     RolledBack,
 }
 
-/// What a [`Dag`] persists per task: one byte each (see [`stored_marks`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// What a [`Dag`] persists per task: one byte each (see [`stored_marks`], which also
+/// reads the names earlier records held; `Serialize` writes those names, for its test).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 enum Mark {
     Pending = 0,
     Started = 1,
