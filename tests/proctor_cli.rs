@@ -730,7 +730,12 @@ async fn abort_on_a_stopped_engine_rolls_the_tree_back_at_the_next_start() {
         )
     };
     let out = abort(child);
-    assert!(out.status.success(), "{}", text(&out));
+    assert!(
+        out.status.success(),
+        "{}{}",
+        text(&out),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(text(&out).contains(&format!("aborted procedure {child}")));
     let again = abort(root);
     assert_eq!(again.status.code(), Some(1), "{}", text(&again));
