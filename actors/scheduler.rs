@@ -457,7 +457,7 @@ impl Scheduler {
             }
         }
         for loan in &changes.loans {
-            tracing::warn!(proc = %loan.borrower, lender = %loan.lender, %loan, "deadlock between rollbacks: the older tree borrows the younger tree's locks");
+            tracing::warn!(proc = %loan.borrower, lender = %loan.lender, %loan, "deadlock no failure can break: the waiter borrows the locks of a tree that rolls back");
         }
         for deadlock in changes.deadlocks {
             let id = deadlock.victim;

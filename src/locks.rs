@@ -40,6 +40,14 @@
 //! time, its own rollback waits in the same cycle, and that wait cannot end before the
 //! borrower's step does. Everyone else still sees the lender's locks.
 //!
+//! Failing a waiter of a tree past its point of no return (see
+//! [`LockTable::set_irreversible`]) does not break a cycle for good: the engine pauses
+//! it, and continued it asks again and closes the same cycle. So the victim is taken
+//! from trees that can roll back; when the cycle has none, a waiter whose blocker's tree
+//! rolls back with its rollback waiting in the cycle borrows that holder's locks, on the
+//! same grounds as above. Only a cycle with neither pauses its victim (an operator must
+//! step in, by a bypass).
+//!
 //! Pure: no clock, no IO. The scheduler actor owns one table.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -231,12 +239,19 @@ impl fmt::Display for Deadlock {
     }
 }
 
-/// A wait-for cycle of rollbacks only, broken by letting one of them borrow the locks
-/// of a procedure of a younger tree whose own rollback waits in the cycle.
+/// A wait-for cycle in which no waiter can be failed usefully, broken by letting one
+/// waiter borrow the locks of a procedure of a tree that rolls back, runs nothing, and
+/// whose own rollback waits in the cycle.
+///
+/// The borrower is a rollback (a cycle of rollbacks only: the lender is the youngest
+/// tree's holder), or a step of a tree past its point of no return (failing it would
+/// pause it, and continued it would close the same cycle again).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Loan {
-    /// The waiting rollback, granted over the lender's locks.
+    /// The waiter granted over the lender's locks.
     pub borrower: ProcId,
+    /// Whether the borrower is a rollback (otherwise a step past a point of no return).
+    pub rollback: bool,
     /// The holder whose locks no longer block the borrower until it releases.
     pub lender: ProcId,
     /// The lender's tree (the youngest a blocker of the cycle belongs to).
@@ -247,14 +262,25 @@ pub struct Loan {
 
 impl fmt::Display for Loan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "deadlock between rollbacks: ")?;
-        write_cycle(f, &self.cycle)?;
-        write!(
-            f,
-            "; procedure {} rolls back under the locks of procedure {} of the younger tree {}, \
-             which waits",
-            self.borrower, self.lender, self.lender_root
-        )
+        if self.rollback {
+            write!(f, "deadlock between rollbacks: ")?;
+            write_cycle(f, &self.cycle)?;
+            write!(
+                f,
+                "; procedure {} rolls back under the locks of procedure {} of the younger \
+                 tree {}, which waits",
+                self.borrower, self.lender, self.lender_root
+            )
+        } else {
+            write!(f, "deadlock past a point of no return: ")?;
+            write_cycle(f, &self.cycle)?;
+            write!(
+                f,
+                "; procedure {} runs under the locks of procedure {} of the tree {}, which \
+                 rolls back and waits",
+                self.borrower, self.lender, self.lender_root
+            )
+        }
     }
 }
 
@@ -468,19 +494,37 @@ impl LockTable {
             let Some(cycle) = self.find_cycle(owner) else {
                 break;
             };
+            let is_rollback = |w: ProcId| {
+                self.waiting_seq
+                    .get(&w)
+                    .is_some_and(|s| self.waiters[s].req.rollback)
+            };
+            // The waiters that can be failed (not rollbacks), best victim last: a tree
+            // that can roll back, the youngest.
             let victim = cycle
                 .iter()
-                .filter(|e| {
-                    self.waiting_seq
-                        .get(&e.waiter)
-                        .is_some_and(|s| !self.waiters[s].req.rollback)
-                })
+                .filter(|e| !is_rollback(e.waiter))
                 .max_by_key(|e| {
                     let can_roll_back = !self.irreversible.contains(&e.waiter_root);
                     (can_roll_back, e.waiter_root, std::cmp::Reverse(e.waiter))
                 })
                 .map(|e| (e.waiter, e.waiter_root));
-            if let Some((victim, victim_root)) = victim {
+            let useful = victim.is_some_and(|(_, root)| !self.irreversible.contains(&root));
+            // Otherwise a wait on the holder of a tree whose rollback waits in this
+            // cycle borrows its locks, the youngest such tree's (see the module docs):
+            // that tree runs nothing until its rollback is granted, which cannot be
+            // before the borrower releases.
+            let rolling_back: Vec<ProcId> = cycle
+                .iter()
+                .filter(|e| is_rollback(e.waiter))
+                .map(|e| e.waiter_root)
+                .collect();
+            let lend = cycle
+                .iter()
+                .filter(|e| e.held && rolling_back.contains(&e.blocker_root))
+                .max_by_key(|e| (e.blocker_root, std::cmp::Reverse(e.waiter_root)))
+                .cloned();
+            if let Some((victim, victim_root)) = victim.filter(|_| useful || lend.is_none()) {
                 self.remove_waiter(victim, &mut changes);
                 changes.deadlocks.push(Deadlock {
                     victim,
@@ -489,14 +533,7 @@ impl LockTable {
                 });
                 continue;
             }
-            // Every wait is a rollback: nothing can be failed. The wait on the youngest
-            // tree's holder borrows its locks (see the module docs).
-            let Some(edge) = cycle
-                .iter()
-                .filter(|e| e.held)
-                .max_by_key(|e| (e.blocker_root, std::cmp::Reverse(e.waiter_root)))
-                .cloned()
-            else {
+            let Some(edge) = lend else {
                 break;
             };
             self.loans
@@ -505,6 +542,7 @@ impl LockTable {
                 .push(edge.blocker);
             changes.loans.push(Loan {
                 borrower: edge.waiter,
+                rollback: is_rollback(edge.waiter),
                 lender: edge.blocker,
                 lender_root: edge.blocker_root,
                 cycle: rotate(&cycle, edge.waiter),
@@ -1322,6 +1360,66 @@ mod tests {
         t.release(ProcId(30));
         assert_eq!(t.len(), (0, 0));
         assert!(t.loans.is_empty() && t.nodes.is_empty());
+    }
+
+    #[test]
+    fn a_step_past_the_point_of_no_return_borrows_from_a_tree_rolling_back() {
+        // As above, but tree 2 is past its point of no return. Failing 10 would pause
+        // it; continued, it would ask again and close the same cycle, for ever. Tree 6
+        // runs nothing until its rollback 8 (waiting in the cycle) is granted, which
+        // cannot come before 10 ends: 10 goes under 7's locks.
+        let mut t = LockTable::new();
+        t.set_irreversible(ProcId(2), true);
+        t.request(req(2, &[], &["X t0"]));
+        t.request(req(7, &[6], &["X t1"]));
+        let mut rollback = req(8, &[6], &["S t0/r0"]);
+        rollback.rollback = true;
+        rollback.for_life = false;
+        assert_eq!(t.request(rollback), Changes::default());
+        let mut step = req(10, &[2], &["X t1"]);
+        step.for_life = false;
+        let c = t.request(step);
+        assert!(c.deadlocks.is_empty(), "{c:?}");
+        assert_eq!(c.granted, ids(&[10]));
+        assert_eq!(c.loans.len(), 1, "{c:?}");
+        let loan = &c.loans[0];
+        assert_eq!(
+            (loan.borrower, loan.lender, loan.lender_root, loan.rollback),
+            (ProcId(10), ProcId(7), ProcId(6), false)
+        );
+        assert_eq!(
+            loan.to_string(),
+            "deadlock past a point of no return: procedure 10 (tree 2) waits for [X t1] held \
+             by procedure 7 (tree 6); procedure 8 (tree 6) waits for [S t0/r0] held by \
+             procedure 2 (tree 2); procedure 10 runs under the locks of procedure 7 of the \
+             tree 6, which rolls back and waits"
+        );
+        check_holders(&t);
+        // Only the borrower: another step of tree 2 closes the cycle again and borrows
+        // in turn; it still waits for 10's step.
+        let mut again = req(11, &[2], &["S t1"]);
+        again.for_life = false;
+        let c = t.request(again);
+        assert!(c.granted.is_empty() && c.deadlocks.is_empty(), "{c:?}");
+        assert_eq!(c.loans.len(), 1, "{c:?}");
+        assert!(t.release(ProcId(10)).granted == ids(&[11]));
+        // The rollback goes once tree 2 is done; the loan ended with 10's step.
+        t.release(ProcId(11));
+        assert_eq!(t.release(ProcId(2)).granted, ids(&[8]));
+        t.release(ProcId(8));
+        t.release(ProcId(7));
+        assert_eq!(t.len(), (0, 0));
+        assert!(t.loans.is_empty() && t.nodes.is_empty());
+        // Without a tree rolling back in the cycle there is nothing to borrow: the waiter
+        // past its point of no return is failed (it pauses; an operator must step in).
+        let mut t = LockTable::new();
+        t.set_irreversible(ProcId(1), true);
+        t.set_irreversible(ProcId(5), true);
+        t.request(req(1, &[], &["X res/1"]));
+        t.request(req(5, &[], &["X res/2"]));
+        t.request(req(6, &[5], &["X res/1"]));
+        let c = t.request(req(2, &[1], &["X res/2"]));
+        assert_eq!((c.deadlocks.len(), c.loans.len()), (1, 0), "{c:?}");
     }
 
     #[test]

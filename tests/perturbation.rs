@@ -720,10 +720,6 @@ fn mark_irreversible(tree: &mut Traced, rng: &mut fastrand::Rng) {
     walk(tree, pick, &mut 0, rng);
 }
 
-fn uses_engine_locks(p: &Traced) -> bool {
-    !p.engine_locks.is_empty() || p.children.iter().any(uses_engine_locks)
-}
-
 fn gen_plan(seed: u64) -> Plan {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut trees: Vec<Traced> = (0..rng.usize(3..=9))
@@ -745,14 +741,9 @@ fn gen_plan(seed: u64) -> Plan {
     // Drawn last, so the rest of a seed's plan is what it was before system roots.
     let urgent = (0..trees.len()).map(|_| rng.u8(0..4) == 0).collect();
     // Points of no return, from a generator of their own (the plan above unchanged).
-    // Not in trees with engine locks: a wait-for cycle whose only waiters that can be
-    // failed are past a point of no return is not broken by the detector (the victim
-    // pauses and, continued, closes the cycle again; seen with a failed tree's rollback
-    // queued ahead of such a waiter). It needs an operator; the run has none that
-    // would know.
     let mut ponr = fastrand::Rng::with_seed(seed ^ 0x9e37_79b9_7f4a_7c15);
     for tree in &mut trees {
-        if ponr.u8(0..4) == 0 && !uses_engine_locks(tree) {
+        if ponr.u8(0..4) == 0 {
             mark_irreversible(tree, &mut ponr);
         }
     }
@@ -1168,15 +1159,17 @@ fn related(a: &str, b: &str) -> bool {
 /// call of the old engine; only life-long holders stay inside (their locks are durably
 /// held and granted back first). At the end, every hold has been left.
 ///
-/// One exception, the engine's loan: a rollback may enter the locks of a life-long
-/// holder of another failed tree between that holder's calls (when the two trees'
-/// rollbacks wait for each other, the older borrows the younger's locks while the
-/// younger runs nothing). The lender's own next call is then checked as usual.
+/// One exception, the engine's loan: a rollback, or a step of a tree past its point of
+/// no return, may enter the locks of a life-long holder of another failed tree between
+/// that holder's calls (when the waits of the two trees close a cycle that no failure
+/// can break, the waiter borrows the failed tree's locks while that tree runs nothing).
+/// The lender's own next call is then checked as usual.
 fn check_engine_locks(history: &[Ev]) {
     // name -> (id, locks, for life, index of the enter that began the hold, in a call)
     let mut inside: BTreeMap<&str, (ProcId, &[Lock], bool, usize, bool)> = BTreeMap::new();
     let mut root_of: HashMap<ProcId, ProcId> = HashMap::new();
     let mut failed_trees: BTreeSet<ProcId> = BTreeSet::new();
+    let mut irreversible_trees: BTreeSet<ProcId> = BTreeSet::new();
     for (at, ev) in history.iter().enumerate() {
         match ev {
             Ev::Durable {
@@ -1184,11 +1177,15 @@ fn check_engine_locks(history: &[Ev]) {
                 root,
                 state,
                 failure,
+                irreversible,
                 ..
             } => {
                 root_of.insert(*id, *root);
                 if failure.is_some() || *state == ProcState::Failed {
                     failed_trees.insert(*root);
+                }
+                if *irreversible {
+                    irreversible_trees.insert(*root);
                 }
             }
             Ev::Enter {
@@ -1212,7 +1209,11 @@ fn check_engine_locks(history: &[Ev]) {
                         && root_of
                             .get(&other_id)
                             .is_some_and(|r| failed_trees.contains(r));
-                    if *call == "rollback" && lender {
+                    let borrower = *call == "rollback"
+                        || root_of
+                            .get(id)
+                            .is_some_and(|r| irreversible_trees.contains(r));
+                    if borrower && lender {
                         continue;
                     }
                     let pair = locks
