@@ -21,7 +21,7 @@ use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use proctor::{Executor, ProcState, ProcedureStore, StateMachine, WalStore};
@@ -38,13 +38,25 @@ const CHILDREN: u16 = 2;
 /// Each tree locks one of these resources for its life (`res/<k>`).
 const LOCKS: u32 = 8;
 
+/// The two tests here run side by side: one spawns children while the other opens a
+/// WAL. A child holds a copy of this process's descriptors, a WAL's lock included, until
+/// its exec closes them, and Linux lets the spawning thread go on a moment before that.
+/// A log dropped and reopened in that moment would find its lock still held. So each
+/// child lives, from spawn to exit, with this mutex held, and every open takes it.
+static FORK: Mutex<()> = Mutex::new(());
+
+fn open_wal(dir: &Path) -> WalStore {
+    let _serial = FORK.lock().unwrap_or_else(PoisonError::into_inner);
+    WalStore::open(dir).expect("open WAL")
+}
+
 async fn executor(dir: &Path) -> (Executor<Env>, Arc<Env>) {
     let env = Arc::new(Env::new(Some(
         Ledger::open(&dir.join("ledger")).expect("ledger"),
     )));
     let executor = Executor::builder()
         .registry(work::registry())
-        .store(WalStore::open(dir.join("wal")).expect("open WAL"))
+        .store(open_wal(&dir.join("wal")))
         .env(env.clone())
         .workers(32)
         .start()
@@ -111,6 +123,7 @@ fn kill_repeatedly(dir: &Path, rounds: u32, dag_width: Option<u16>) {
         if let Some(width) = dag_width {
             command.env(DAG_VAR, width.to_string());
         }
+        let _serial = FORK.lock().unwrap_or_else(PoisonError::into_inner);
         let mut child = command.spawn().expect("spawn the child");
         // Wait for the child to have recovered and started submitting.
         let stdout = child.stdout.take().unwrap();
@@ -188,10 +201,7 @@ fn sigkill_during_dags_loses_nothing_and_never_rolls_back_past_a_point_of_no_ret
 
     // What each root must come to, from its persisted state, as `workload --resume
     // --verify` reads it.
-    let snapshot = WalStore::open(dir.path().join("wal"))
-        .unwrap()
-        .load()
-        .unwrap();
+    let snapshot = open_wal(&dir.path().join("wal")).load().unwrap();
     let plans: HashMap<proctor::ProcId, dag::Plan> = snapshot
         .records
         .iter()

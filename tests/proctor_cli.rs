@@ -22,10 +22,14 @@ use proctor::{
 use serde::Serialize;
 
 /// The tests here spawn processes while others drop and take a WAL's lock. A child
-/// holds a copy of every open descriptor from fork until exec, the lock's included, so
-/// a lock dropped in that window stays held until the child execs. Spawns and opens are
-/// therefore serialized: `spawn` returns only once the child has exec'd, so an open
-/// never meets a copy of an earlier lock.
+/// holds a copy of every open descriptor from fork until its exec closes them, the
+/// lock's included, so a lock dropped meanwhile stays held. Waiting for `spawn` is not
+/// enough: Linux lets the spawning thread go on as the child's exec replaces its memory
+/// (`exec_mmap` in `begin_new_exec`), a moment *before* it closes the close-on-exec
+/// descriptors, and under load that moment is long enough for another thread to drop
+/// and reopen a log and find its lock still held (seen twice in about 55 runs beside
+/// busy loops). So a child runs, from spawn to exit, with no open and no other spawn in
+/// this process: they all take this mutex.
 static FORK: Mutex<()> = Mutex::new(());
 
 fn forking<T>(f: impl FnOnce() -> T) -> T {
@@ -33,17 +37,18 @@ fn forking<T>(f: impl FnOnce() -> T) -> T {
     f()
 }
 
-/// `Command::output`, its spawn serialized with the opens.
+/// `Command::output`, the child's whole life serialized with the opens (see `FORK`).
 fn output(command: &mut Command) -> Output {
-    let child = forking(|| {
+    forking(|| {
         command
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
+            .expect("run proctor")
+            .wait_with_output()
+            .expect("run proctor")
     })
-    .expect("run proctor");
-    child.wait_with_output().expect("run proctor")
 }
 
 fn open_wal(dir: &Path) -> Result<WalStore, StoreError> {
@@ -261,22 +266,22 @@ fn a_closed_pipe_ends_the_command_quietly() {
     let dir = tempfile::tempdir().unwrap();
     write_many(dir.path(), 3000);
     for args in [&["procs"][..], &["wal", "dump"][..]] {
-        let mut child = forking(|| {
-            Command::new(env!("CARGO_BIN_EXE_proctor"))
+        let (first, out) = forking(|| {
+            let mut child = Command::new(env!("CARGO_BIN_EXE_proctor"))
                 .args(args)
                 .arg(dir.path())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
-        })
-        .unwrap();
-        let mut first = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut first)
-            .unwrap();
+                .unwrap();
+            let mut first = String::new();
+            BufReader::new(child.stdout.take().unwrap())
+                .read_line(&mut first)
+                .unwrap();
+            // The reader (and with it the pipe's read end) is dropped here.
+            (first, child.wait_with_output().unwrap())
+        });
         assert!(!first.is_empty(), "{args:?}: no output");
-        // The reader (and with it the pipe's read end) is dropped here.
-        let out = child.wait_with_output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{args:?}: {:?} {err}", out.status);
         assert!(!err.contains("panicked"), "{args:?}: {err}");
