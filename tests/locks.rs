@@ -1,7 +1,8 @@
 //! Engine locks, driven through the executor's messages on both stores: contention
 //! checked by the procedures themselves, FIFO per resource, children under their
-//! parent's locks, counted resources, a deadlock between two trees, locks held across a
-//! restart, an abort of a waiting procedure, bad names, and admission control.
+//! parent's locks, counted resources, a deadlock between two trees (and one that only a
+//! loan breaks), locks held across a restart, an abort of a waiting procedure, bad names,
+//! and admission control.
 
 mod common;
 
@@ -10,8 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use proctor::{
-    async_trait, Context, Error, Executor, Flow, Lock, LockMode, ProcError, ProcId, ProcState,
-    Procedure, ProcedureStore, Registry,
+    async_trait, Context, Error, Executor, Flow, List, Lock, LockMode, ProcError, ProcId,
+    ProcState, Procedure, ProcedureStore, Registry,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, Semaphore};
@@ -84,6 +85,8 @@ enum Step {
     Permit,
     Children(Vec<Locker>),
     Suspend(String),
+    /// Mark the tree's point of no return, then go on.
+    Irreversible,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -203,6 +206,14 @@ impl Procedure<World> for Locker {
                     .collect(),
             ),
             Some(Step::Suspend(event)) => Flow::Suspend(event),
+            Some(Step::Irreversible) => {
+                ctx.set_irreversible();
+                if last {
+                    Flow::Done
+                } else {
+                    Flow::MoreToDo
+                }
+            }
         };
         if self.counted && matches!(flow, Flow::Done) {
             world.in_counted.fetch_sub(1, Ordering::SeqCst);
@@ -419,6 +430,94 @@ async fn a_deadlock_between_two_trees_fails_the_younger() {
         assert!(world.first("b-rollback").is_some(), "{name}: b rolled back");
         assert!(world.first("b-child-exec").is_none(), "{name}");
         assert!(world.conflicts.lock().unwrap().is_empty());
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// A deadlock no failure can break for good: tree `t` is past its point of no return
+/// and holds X t0 for its life; its child `c` waits for X t1, which tree `f` holds for
+/// its life; `f`'s child `g` then needs S t0/r0. The victim is `g` (its tree can roll
+/// back), and `f` fails; but `g`'s rollback needs S t0/r0 too, and closes the cycle
+/// again with `c` as its only waiter that can be failed. Failing `c` would only pause
+/// it (a continue would close the cycle once more), so `c` borrows `f`'s locks: `f`
+/// runs nothing until `g`'s rollback is granted, which waits for `t` to finish. Before,
+/// `c` paused and both trees hung.
+#[actix::test]
+async fn a_step_past_the_point_of_no_return_borrows_from_a_tree_rolling_back() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, world) = start(store, 4, |b| b).await;
+        let g = Locker::new(
+            "g",
+            vec![Lock::shared("t0/r0")],
+            false,
+            vec![Step::More, Step::Suspend("g".into()), Step::More],
+        );
+        let f = executor
+            .submit(Locker::new(
+                "f",
+                vec![Lock::exclusive("t1")],
+                true,
+                vec![Step::Children(vec![g])],
+            ))
+            .await
+            .unwrap();
+        // g has run its first step and is suspended.
+        let [g] = common::waiting_children(&executor, f, 1).await[..] else {
+            panic!("{name}: f has one child");
+        };
+        let c = Locker::new("c", vec![Lock::exclusive("t1")], false, vec![Step::More]);
+        let t = executor
+            .submit(Locker::new(
+                "t",
+                vec![Lock::exclusive("t0")],
+                true,
+                vec![Step::Irreversible, Step::Children(vec![c])],
+            ))
+            .await
+            .unwrap();
+        let c = loop {
+            let list = executor.list(List::new().root(t)).await.unwrap();
+            if let Some(c) = list.iter().find(|p| p.parent == Some(t)) {
+                break c.id;
+            }
+            tokio::task::yield_now().await;
+        };
+        wait_for_lock_wait(&executor, c).await;
+        executor.wake_event("g").await.unwrap();
+
+        let both = async { (executor.wait(t).await, executor.wait(f).await) };
+        let Ok((t_result, f_result)) =
+            tokio::time::timeout(std::time::Duration::from_secs(30), both).await
+        else {
+            let c = executor.state(c).await.unwrap();
+            panic!(
+                "{name}: the trees hang; c is {:?} ({:?})",
+                c.state, c.steering
+            );
+        };
+        assert_eq!(t_result.unwrap(), Ok(()), "{name}");
+        let failure = f_result.unwrap().expect_err("f deadlocks");
+        assert_eq!(failure.proc, g, "{name}: {failure}");
+        assert!(
+            matches!(failure.error, ProcError::Deadlock(_)),
+            "{name}: {failure}"
+        );
+        // c ran under f's lock (the loan), before g's rollback and f's.
+        let (c_exec, g_back, f_back) = (
+            world.first("c-exec").expect("c ran"),
+            world.first("g-rollback").expect("g rolled back"),
+            world.first("f-rollback").expect("f rolled back"),
+        );
+        assert!(
+            c_exec < g_back && g_back < f_back,
+            "{name}: {:?}",
+            world.calls()
+        );
+        assert_eq!(
+            *world.conflicts.lock().unwrap(),
+            ["c took X t1 while f held Exclusive t1"],
+            "{name}: the loan, and nothing else"
+        );
         executor.shutdown_now().await.unwrap();
     }
 }
