@@ -1252,7 +1252,8 @@ mod tests {
             (ProcId(2), ProcId(1))
         );
         assert!(t.waited_by(ProcId(6)).is_some());
-        // Both past it: the youngest, as ever (an operator must step in).
+        // Both past it, and no tree rolling back whose locks could be lent: the
+        // youngest, as ever (it pauses; an operator must step in).
         let mut t = LockTable::new();
         t.set_irreversible(ProcId(1), true);
         t.set_irreversible(ProcId(5), true);
@@ -1260,7 +1261,7 @@ mod tests {
         t.request(req(5, &[], &["X res/2"]));
         t.request(req(6, &[5], &["X res/1"]));
         let c = t.request(req(2, &[1], &["X res/2"]));
-        assert_eq!(c.deadlocks[0].victim, ProcId(6));
+        assert_eq!((c.deadlocks[0].victim, c.loans.len()), (ProcId(6), 0));
     }
 
     #[test]
@@ -1296,18 +1297,24 @@ mod tests {
         assert!(t.request(other).granted.is_empty());
     }
 
-    #[test]
-    fn a_waiting_rollback_behind_another_trees_holder_closes_a_cycle() {
-        // Tree 6 is rolling back: its procedure 8 must roll back (under S t0/r0) before
-        // its procedure 7 can release X t1. Tree 2's root holds X t0; its child 10
-        // waits for X t1.
+    /// Tree 6 is rolling back: its procedure 8 must roll back (under S t0/r0) before its
+    /// procedure 7 can release X t1. Tree 2's root holds X t0 (its child 10 is to wait
+    /// for X t1).
+    fn rolling_back_behind_tree_2(tree_2_irreversible: bool) -> LockTable {
         let mut t = LockTable::new();
+        t.set_irreversible(ProcId(2), tree_2_irreversible);
         t.request(req(2, &[], &["X t0"]));
         t.request(req(7, &[6], &["X t1"]));
         let mut rollback = req(8, &[6], &["S t0/r0"]);
         rollback.rollback = true;
         rollback.for_life = false;
         assert_eq!(t.request(rollback), Changes::default());
+        t
+    }
+
+    #[test]
+    fn a_waiting_rollback_behind_another_trees_holder_closes_a_cycle() {
+        let mut t = rolling_back_behind_tree_2(false);
         let c = t.request(req(10, &[2], &["X t1"]));
         assert_eq!(c.deadlocks.len(), 1, "{c:?}");
         // The rollback cannot be failed: the victim is the step of the other tree.
@@ -1368,14 +1375,7 @@ mod tests {
         // it; continued, it would ask again and close the same cycle, for ever. Tree 6
         // runs nothing until its rollback 8 (waiting in the cycle) is granted, which
         // cannot come before 10 ends: 10 goes under 7's locks.
-        let mut t = LockTable::new();
-        t.set_irreversible(ProcId(2), true);
-        t.request(req(2, &[], &["X t0"]));
-        t.request(req(7, &[6], &["X t1"]));
-        let mut rollback = req(8, &[6], &["S t0/r0"]);
-        rollback.rollback = true;
-        rollback.for_life = false;
-        assert_eq!(t.request(rollback), Changes::default());
+        let mut t = rolling_back_behind_tree_2(true);
         let mut step = req(10, &[2], &["X t1"]);
         step.for_life = false;
         let c = t.request(step);
@@ -1410,16 +1410,8 @@ mod tests {
         t.release(ProcId(7));
         assert_eq!(t.len(), (0, 0));
         assert!(t.loans.is_empty() && t.nodes.is_empty());
-        // Without a tree rolling back in the cycle there is nothing to borrow: the waiter
-        // past its point of no return is failed (it pauses; an operator must step in).
-        let mut t = LockTable::new();
-        t.set_irreversible(ProcId(1), true);
-        t.set_irreversible(ProcId(5), true);
-        t.request(req(1, &[], &["X res/1"]));
-        t.request(req(5, &[], &["X res/2"]));
-        t.request(req(6, &[5], &["X res/1"]));
-        let c = t.request(req(2, &[1], &["X res/2"]));
-        assert_eq!((c.deadlocks.len(), c.loans.len()), (1, 0), "{c:?}");
+        // Without a tree rolling back in the cycle there is nothing to borrow: see
+        // `the_victim_is_a_tree_that_can_roll_back_if_there_is_one`.
     }
 
     #[test]

@@ -97,14 +97,7 @@ impl RootStack {
         if !self.waits_for_wake(id) || self.pause_refusal(id).is_some() {
             return None;
         }
-        let mut t = Transition::default();
-        let why = Paused {
-            error: None,
-            policy: None,
-            retries: 0,
-        };
-        self.pause(&mut t, id, ProcState::Paused, why, data, now_ms);
-        Some(t)
+        Some(self.operator_pause(id, data, now_ms))
     }
 
     /// An operator pauses `id` on a stopped engine (`proctor pause`), `data` being its
@@ -129,6 +122,11 @@ impl RootStack {
                  running engine (it stops at its next step)"
             ));
         }
+        Ok(self.operator_pause(id, data, now_ms))
+    }
+
+    /// Pauses `id` for an operator: no error, no policy, no retries spent.
+    fn operator_pause(&mut self, id: ProcId, data: Vec<u8>, now_ms: u64) -> Transition {
         let mut t = Transition::default();
         let why = Paused {
             error: None,
@@ -136,7 +134,7 @@ impl RootStack {
             retries: 0,
         };
         self.pause(&mut t, id, ProcState::Paused, why, data, now_ms);
-        Ok(t)
+        t
     }
 
     /// Why an operator may not pause `id`, if not: only a procedure queued, running or
