@@ -34,7 +34,11 @@
 //!   `Ok(true)` ends in ROLLEDBACK;
 //! - operators pause random live procedures and continue them a little later: a pause
 //!   is answered only once PAUSED is durable, and a durably PAUSED procedure runs no
-//!   step until an operator continues it (across a crash too).
+//!   step until an operator continues it (across a crash too);
+//! - some trees mark a step their point of no return (one of them may hold engine locks
+//!   for life): once that mark is durable before any failure, the tree never rolls
+//!   back; an operator continues whatever a failure paused past it, and a deadlock
+//!   there is broken by a loan from a tree that rolls back (see `gen_plan`).
 //!
 //! CI runs `PROCTOR_SEEDS` seeds (default 24). A failure prints its seed; replay it with
 //! `PROCTOR_SEED=<seed> cargo test --test perturbation`. A longer search:
@@ -720,6 +724,24 @@ fn mark_irreversible(tree: &mut Traced, rng: &mut fastrand::Rng) {
     walk(tree, pick, &mut 0, rng);
 }
 
+/// The names of the procedures of `p`'s tree that hold engine locks for their life.
+fn life_long_holders<'a>(p: &'a Traced, out: &mut Vec<&'a str>) {
+    if p.hold && !p.engine_locks.is_empty() {
+        out.push(&p.name);
+    }
+    for c in &p.children {
+        life_long_holders(c, out);
+    }
+}
+
+/// Whether every two of `names` are ancestor and descendant.
+fn on_one_line(names: &[&str]) -> bool {
+    names
+        .iter()
+        .enumerate()
+        .all(|(i, a)| names[i + 1..].iter().all(|b| related(a, b)))
+}
+
 fn gen_plan(seed: u64) -> Plan {
     let mut rng = fastrand::Rng::with_seed(seed);
     let mut trees: Vec<Traced> = (0..rng.usize(3..=9))
@@ -741,10 +763,26 @@ fn gen_plan(seed: u64) -> Plan {
     // Drawn last, so the rest of a seed's plan is what it was before system roots.
     let urgent = (0..trees.len()).map(|_| rng.u8(0..4) == 0).collect();
     // Points of no return, from a generator of their own (the plan above unchanged).
+    // A wait-for cycle with no tree that can roll back in it has no way out but an
+    // operator's bypass: its victim pauses, and continued closes the cycle again. Such
+    // a cycle needs two trees past their point of no return holding engine locks for
+    // life, or one whose life-long holders are not all on one line of descent (two
+    // branches, each waiting for what the other holds). So at most one tree with
+    // life-long engine locks gets a point of no return, and only if its holders are on
+    // one line. (Any other cycle has a tree that can roll back: one is failed, or lends
+    // its locks while it rolls back.)
     let mut ponr = fastrand::Rng::with_seed(seed ^ 0x9e37_79b9_7f4a_7c15);
+    let mut life_long_marked = false;
     for tree in &mut trees {
         if ponr.u8(0..4) == 0 {
-            mark_irreversible(tree, &mut ponr);
+            let mut holders = Vec::new();
+            life_long_holders(tree, &mut holders);
+            if holders.is_empty() {
+                mark_irreversible(tree, &mut ponr);
+            } else if !life_long_marked && on_one_line(&holders) {
+                life_long_marked = true;
+                mark_irreversible(tree, &mut ponr);
+            }
         }
     }
     Plan {
