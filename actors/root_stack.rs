@@ -894,11 +894,9 @@ impl TreeRunner {
     fn on_step_done(&mut self, msg: StepDone, ctx: &mut TreeCtx<'_>) {
         self.dispatched -= 1;
         let id = msg.report.id;
-        if msg.report.irreversible && self.halted.is_none() {
-            // Told before the step's record is durable: only a preference of the
-            // deadlock detector, which a crash resets (recovery tells it again).
-            ctx.tell(TreeIrreversible(self.core.root()));
-        }
+        // Whether this step may make the tree irreversible (the core decides: not a
+        // failed, yielded or skipped step, nor one in a tree that failed first).
+        let marks = msg.report.irreversible && !self.core.is_irreversible();
         let mut finished = false;
         if self.halted.is_none() {
             if !msg.children.is_empty() {
@@ -913,6 +911,13 @@ impl TreeRunner {
                 |core| core.on_step(msg.report, now_ms()),
                 ctx,
             ) {
+                if marks && self.core.is_irreversible() && !self.core.is_failed() {
+                    // Before the transition's lock requests: the deadlock detector
+                    // neither fails nor lends to this tree's waiters as if it could
+                    // roll back. Told before the record is durable; a crash resets
+                    // it, and recovery tells it again if the record made it.
+                    ctx.tell(TreeIrreversible(self.core.root()));
+                }
                 // Children keep their encoded state for their cell's "last good" copy.
                 for op in &t.persist {
                     if let StoreOp::Insert(r) = op {

@@ -48,6 +48,11 @@
 //! same grounds as above. Only a cycle with neither pauses its victim (an operator must
 //! step in, by a bypass).
 //!
+//! Both loans rest on every wait of the cycle lasting until its blocker finishes. A
+//! shared wait on a full counted resource does not: any of its holders leaving ends it,
+//! and then the lender's tree could run while the borrower holds. No loan is made over
+//! such a cycle.
+//!
 //! Pure: no clock, no IO. The scheduler actor owns one table.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -243,18 +248,19 @@ impl fmt::Display for Deadlock {
 /// waiter borrow the locks of a procedure of a tree that rolls back, runs nothing, and
 /// whose own rollback waits in the cycle.
 ///
-/// The borrower is a rollback (a cycle of rollbacks only: the lender is the youngest
-/// tree's holder), or a step of a tree past its point of no return (failing it would
-/// pause it, and continued it would close the same cycle again).
+/// Every waiter of such a cycle is a rollback, or a step of a tree past its point of no
+/// return (failing it would pause it, and continued it would close the same cycle
+/// again). The lender is a holder of the youngest tree that rolls back in the cycle.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Loan {
     /// The waiter granted over the lender's locks.
     pub borrower: ProcId,
-    /// Whether the borrower is a rollback (otherwise a step past a point of no return).
-    pub rollback: bool,
+    /// Whether every waiter of the cycle is a rollback (otherwise some are steps of
+    /// trees past their point of no return).
+    pub rollbacks_only: bool,
     /// The holder whose locks no longer block the borrower until it releases.
     pub lender: ProcId,
-    /// The lender's tree (the youngest a blocker of the cycle belongs to).
+    /// The lender's tree: the youngest tree that rolls back in the cycle.
     pub lender_root: ProcId,
     /// The waits of the cycle, starting with the borrower's.
     pub cycle: Vec<WaitEdge>,
@@ -262,7 +268,7 @@ pub struct Loan {
 
 impl fmt::Display for Loan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.rollback {
+        if self.rollbacks_only {
             write!(f, "deadlock between rollbacks: ")?;
             write_cycle(f, &self.cycle)?;
             write!(
@@ -276,7 +282,7 @@ impl fmt::Display for Loan {
             write_cycle(f, &self.cycle)?;
             write!(
                 f,
-                "; procedure {} runs under the locks of procedure {} of the tree {}, which \
+                "; procedure {} goes on under the locks of procedure {} of tree {}, which \
                  rolls back and waits",
                 self.borrower, self.lender, self.lender_root
             )
@@ -311,8 +317,8 @@ pub struct Changes {
     pub granted: Vec<ProcId>,
     /// Requests removed to break a wait-for cycle.
     pub deadlocks: Vec<Deadlock>,
-    /// Cycles of rollbacks broken by a loan (the borrower is among `granted` once
-    /// nothing else blocks it).
+    /// Cycles that no failure breaks, broken by a loan (the borrower is among
+    /// `granted` once nothing else blocks it).
     pub loans: Vec<Loan>,
 }
 
@@ -352,6 +358,9 @@ struct Waiter {
 enum Link {
     /// A waiter for a holder (for life) of a conflicting lock.
     Held,
+    /// A waiter for one of a counted resource's shared holders (for life), all of whom
+    /// fill it: any one of them leaving ends the wait.
+    Counted,
     /// A waiter for an earlier conflicting waiter it queues behind.
     Queued,
     /// A life-long holder for its waiting descendant (it cannot finish first).
@@ -491,7 +500,7 @@ impl LockTable {
         }
         // Each round removes a waiter or a blocking edge, so this ends.
         while self.waiting_seq.contains_key(&owner) {
-            let Some(cycle) = self.find_cycle(owner) else {
+            let Some((cycle, firm)) = self.find_cycle(owner) else {
                 break;
             };
             let is_rollback = |w: ProcId| {
@@ -513,7 +522,8 @@ impl LockTable {
             // Otherwise a wait on the holder of a tree whose rollback waits in this
             // cycle borrows its locks, the youngest such tree's (see the module docs):
             // that tree runs nothing until its rollback is granted, which cannot be
-            // before the borrower releases.
+            // before the borrower releases — so long as every wait of the cycle can
+            // end only by its blocker finishing.
             let rolling_back: Vec<ProcId> = cycle
                 .iter()
                 .filter(|e| is_rollback(e.waiter))
@@ -521,7 +531,7 @@ impl LockTable {
                 .collect();
             let lend = cycle
                 .iter()
-                .filter(|e| e.held && rolling_back.contains(&e.blocker_root))
+                .filter(|e| firm && e.held && rolling_back.contains(&e.blocker_root))
                 .max_by_key(|e| (e.blocker_root, std::cmp::Reverse(e.waiter_root)))
                 .cloned();
             if let Some((victim, victim_root)) = victim.filter(|_| useful || lend.is_none()) {
@@ -540,9 +550,10 @@ impl LockTable {
                 .entry(edge.waiter)
                 .or_default()
                 .push(edge.blocker);
+            let rollbacks_only = cycle.iter().all(|e| is_rollback(e.waiter));
             changes.loans.push(Loan {
                 borrower: edge.waiter,
-                rollback: is_rollback(edge.waiter),
+                rollbacks_only,
                 lender: edge.blocker,
                 lender_root: edge.blocker_root,
                 cycle: rotate(&cycle, edge.waiter),
@@ -642,25 +653,27 @@ impl LockTable {
                 .is_some_and(|lenders| lenders.contains(&holder))
     }
 
-    /// Visits every holder outside `req`'s ancestry whose locks conflict with it.
+    /// Visits every holder outside `req`'s ancestry whose locks conflict with it, and
+    /// whether it blocks `req` by itself (`true`), or only as one of a counted
+    /// resource's full set of shared holders, any of whom leaving lets `req` in.
     fn each_blocking_holder(
         &self,
         req: &Request,
-        f: &mut dyn FnMut(ProcId) -> ControlFlow<()>,
+        f: &mut dyn FnMut(ProcId, bool) -> ControlFlow<()>,
     ) -> ControlFlow<()> {
         for lock in &req.locks {
             let r = lock.resource.as_str();
             if let Some(n) = self.nodes.get(r) {
                 for &h in &n.exclusive {
                     if !self.exempt(req, h) {
-                        f(h)?;
+                        f(h, true)?;
                     }
                 }
                 match lock.mode {
                     LockMode::Exclusive => {
                         for &h in n.shared.iter().chain(n.below.keys()) {
                             if !self.exempt(req, h) {
-                                f(h)?;
+                                f(h, true)?;
                             }
                         }
                     }
@@ -669,7 +682,7 @@ impl LockTable {
                             let others = n.shared.iter().filter(|&&h| !self.exempt(req, h));
                             if others.clone().count() >= permits as usize {
                                 for &h in others {
-                                    f(h)?;
+                                    f(h, false)?;
                                 }
                             }
                         }
@@ -680,7 +693,7 @@ impl LockTable {
                 if let Some(n) = self.nodes.get(a) {
                     for &h in &n.exclusive {
                         if !self.exempt(req, h) {
-                            f(h)?;
+                            f(h, true)?;
                         }
                     }
                 }
@@ -728,7 +741,7 @@ impl LockTable {
 
     fn grantable(&self, req: &Request, seq: u64, priority: bool) -> bool {
         if self
-            .each_blocking_holder(req, &mut |_| ControlFlow::Break(()))
+            .each_blocking_holder(req, &mut |_, _| ControlFlow::Break(()))
             .is_break()
         {
             return false;
@@ -960,9 +973,9 @@ impl LockTable {
         let mut out = Vec::new();
         if let Some(&seq) = self.waiting_seq.get(&p) {
             let w = &self.waiters[&seq];
-            let _ = self.each_blocking_holder(&w.req, &mut |h| {
+            let _ = self.each_blocking_holder(&w.req, &mut |h, alone| {
                 if self.holders.get(&h).is_some_and(|r| r.for_life) {
-                    out.push((h, Link::Held));
+                    out.push((h, if alone { Link::Held } else { Link::Counted }));
                 }
                 ControlFlow::Continue(())
             });
@@ -981,14 +994,16 @@ impl LockTable {
                 out.extend(rollbacks.filter(|&w| w != p).map(|w| (w, Link::Tree)));
             }
         }
+        // One link per procedure, the firmest (`Held` sorts first).
         out.sort_unstable();
         out.dedup_by_key(|(id, _)| *id);
         out
     }
 
     /// A wait-for cycle through `start`, as its waits (holder-to-descendant links are
-    /// implied between them), or `None`.
-    fn find_cycle(&self, start: ProcId) -> Option<Vec<WaitEdge>> {
+    /// implied between them), and whether each of its waits can end only by its blocker
+    /// finishing (no wait on a counted resource, none queued behind a waiter); or `None`.
+    fn find_cycle(&self, start: ProcId) -> Option<(Vec<WaitEdge>, bool)> {
         // Iterative depth-first search keeping the path of (node, edge kind into it).
         let mut visited: IdSet<ProcId> = IdSet::from_iter([start]);
         let mut path: Vec<PathStep> = vec![(start, Link::Tree, self.successors(start))];
@@ -1003,15 +1018,18 @@ impl LockTable {
                 let mut hops: Vec<(ProcId, ProcId, Link)> =
                     path.windows(2).map(|w| (w[0].0, w[1].0, w[1].1)).collect();
                 hops.push((from, succ, kind));
-                return Some(
-                    hops.into_iter()
-                        .filter_map(|(waiter, blocker, link)| match link {
-                            Link::Held => Some(self.edge(waiter, blocker, true)),
-                            Link::Queued => Some(self.edge(waiter, blocker, false)),
-                            Link::Tree => None,
-                        })
-                        .collect(),
-                );
+                let firm = hops
+                    .iter()
+                    .all(|(_, _, link)| matches!(link, Link::Held | Link::Tree));
+                let waits = hops
+                    .into_iter()
+                    .filter_map(|(waiter, blocker, link)| match link {
+                        Link::Held | Link::Counted => Some(self.edge(waiter, blocker, true)),
+                        Link::Queued => Some(self.edge(waiter, blocker, false)),
+                        Link::Tree => None,
+                    })
+                    .collect();
+                return Some((waits, firm));
             }
             if visited.insert(succ) {
                 let succs = self.successors(succ);
@@ -1384,14 +1402,19 @@ mod tests {
         assert_eq!(c.loans.len(), 1, "{c:?}");
         let loan = &c.loans[0];
         assert_eq!(
-            (loan.borrower, loan.lender, loan.lender_root, loan.rollback),
+            (
+                loan.borrower,
+                loan.lender,
+                loan.lender_root,
+                loan.rollbacks_only
+            ),
             (ProcId(10), ProcId(7), ProcId(6), false)
         );
         assert_eq!(
             loan.to_string(),
             "deadlock past a point of no return: procedure 10 (tree 2) waits for [X t1] held \
              by procedure 7 (tree 6); procedure 8 (tree 6) waits for [S t0/r0] held by \
-             procedure 2 (tree 2); procedure 10 runs under the locks of procedure 7 of the \
+             procedure 2 (tree 2); procedure 10 goes on under the locks of procedure 7 of \
              tree 6, which rolls back and waits"
         );
         check_holders(&t);
@@ -1412,6 +1435,78 @@ mod tests {
         assert!(t.loans.is_empty() && t.nodes.is_empty());
         // Without a tree rolling back in the cycle there is nothing to borrow: see
         // `the_victim_is_a_tree_that_can_roll_back_if_there_is_one`.
+    }
+
+    #[test]
+    fn no_loan_over_a_wait_on_a_counted_resource() {
+        // srv is counted (2 permits), full: tree 2 holds S srv for its life, procedure
+        // 20 of another tree for one step. Tree 6 rolls back: 7 holds X t1 for its life,
+        // and its rollback 8 needs S srv. Only 2 is an edge of 8's wait, but 20 leaving
+        // would end it too: tree 6 could then run while a borrower held 7's locks.
+        for tree_2_irreversible in [true, false] {
+            let mut t = LockTable::new();
+            t.set_permits("srv", 2);
+            t.set_irreversible(ProcId(2), tree_2_irreversible);
+            t.request(req(2, &[], &["S srv"]));
+            let mut third = req(20, &[], &["S srv"]);
+            third.for_life = false;
+            assert_eq!(t.request(third).granted, ids(&[20]));
+            t.request(req(7, &[6], &["X t1"]));
+            let mut rollback = req(8, &[6], &["S srv"]);
+            rollback.rollback = true;
+            rollback.for_life = false;
+            assert_eq!(t.request(rollback), Changes::default());
+            // 10 (tree 2) waits for 7: 10 -> 7 -> 8 -> 2 -> 10, through srv.
+            let mut wait = req(10, &[2], &["X t1"]);
+            wait.for_life = false;
+            // Tree 2 failed instead: 10 is its rollback, and nothing can be failed.
+            wait.rollback = !tree_2_irreversible;
+            let c = t.request(wait);
+            assert!(c.loans.is_empty() && c.granted.is_empty(), "{c:?}");
+            if tree_2_irreversible {
+                // Failed (it pauses); continued later, it finds tree 6 gone on.
+                assert_eq!(c.deadlocks[0].victim, ProcId(10), "{c:?}");
+            } else {
+                assert!(c.deadlocks.is_empty(), "{c:?}");
+            }
+            assert_eq!(t.release(ProcId(20)).granted, ids(&[8]));
+            t.release(ProcId(8));
+            let granted = t.release(ProcId(7)).granted;
+            assert_eq!(granted, ids(if tree_2_irreversible { &[] } else { &[10] }));
+            check_holders(&t);
+        }
+    }
+
+    #[test]
+    fn a_cycle_of_rollbacks_and_steps_past_the_point_of_no_return_says_so() {
+        // 42 (a rollback of tree 4) -> 91 (tree 9) -> 92 (a rollback of tree 9) -> 2
+        // (tree 2, past its point of no return) -> 21 (its step) -> 41 (tree 4) -> 42.
+        let mut t = LockTable::new();
+        t.set_irreversible(ProcId(2), true);
+        t.request(req(2, &[], &["X c"]));
+        t.request(req(91, &[9], &["X a"]));
+        t.request(req(41, &[4], &["X b"]));
+        let rollback = |owner, ancestors: &[u64], locks: &[&str]| {
+            let mut r = req(owner, ancestors, locks);
+            r.rollback = true;
+            r.for_life = false;
+            r
+        };
+        t.request(rollback(42, &[4], &["X a"]));
+        t.request(rollback(92, &[9], &["X c"]));
+        let mut step = req(21, &[2], &["X b"]);
+        step.for_life = false;
+        let c = t.request(step);
+        let [loan] = &c.loans[..] else {
+            panic!("{c:?}");
+        };
+        assert!(!loan.rollbacks_only, "{loan:?}");
+        assert!(
+            loan.to_string()
+                .starts_with("deadlock past a point of no return: "),
+            "{loan}"
+        );
+        check_holders(&t);
     }
 
     #[test]
