@@ -429,6 +429,11 @@ impl Scheduler {
 
     /// Acts on what the lock table granted and whom it failed.
     fn apply(&mut self, changes: Changes) {
+        // Logged before the grants go out (the perturbation test orders a borrower's
+        // calls after its loan by this event).
+        for loan in &changes.loans {
+            tracing::warn!(proc = %loan.borrower, lender = %loan.lender, %loan, "deadlock no failure can break: the waiter borrows the locks of a tree that rolls back");
+        }
         for id in changes.granted {
             let Some(parked) = self.unpark(id) else {
                 continue;
@@ -455,9 +460,6 @@ impl Scheduler {
                     addr.post(&mut self.mail, Rollback { unrecorded })
                 }
             }
-        }
-        for loan in &changes.loans {
-            tracing::warn!(proc = %loan.borrower, lender = %loan.lender, %loan, "deadlock no failure can break: the waiter borrows the locks of a tree that rolls back");
         }
         for deadlock in changes.deadlocks {
             let id = deadlock.victim;

@@ -136,6 +136,15 @@ enum Ev {
         result: Result<(), Failure>,
     },
     Violation(String),
+    /// The lock table lent `lender`'s locks to `borrower` (its WARN event, logged before
+    /// the grant goes out): a deadlock no failure breaks.
+    Loan {
+        borrower: ProcId,
+        lender: ProcId,
+        /// Some waiter of the cycle is a step past a point of no return (not only
+        /// rollbacks).
+        past_ponr: bool,
+    },
     /// The engine is being stopped at once (`shutdown_now`): its arbiters stop one by
     /// one, dropping the calls in flight on each, so a call that entered may never
     /// leave; the scheduler frees a dropped tree's step locks, and a call of a tree on
@@ -163,6 +172,68 @@ impl World {
 
 /// Completion cleanup gets no context, so it finds the world here.
 static WORLD: Mutex<Option<Arc<World>>> = Mutex::new(None);
+
+/// Turns the scheduler's loan events into `Ev::Loan`s of the current seed's history.
+struct LoanWitness;
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LoanWitness {
+    fn on_event(
+        &self,
+        event: &tracing::Event<'_>,
+        _ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        #[derive(Default)]
+        struct Fields {
+            message: String,
+            borrower: Option<u64>,
+            lender: Option<u64>,
+            loan: String,
+        }
+        impl tracing::field::Visit for Fields {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                let text = format!("{value:?}");
+                match field.name() {
+                    "message" => self.message = text,
+                    "proc" => self.borrower = text.parse().ok(),
+                    "lender" => self.lender = text.parse().ok(),
+                    "loan" => self.loan = text,
+                    _ => {}
+                }
+            }
+        }
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        if !fields.message.starts_with("deadlock no failure can break") {
+            return;
+        }
+        let (Some(borrower), Some(lender)) = (fields.borrower, fields.lender) else {
+            panic!("a loan event without its procedures: {}", fields.message);
+        };
+        if let Some(world) = WORLD.lock().unwrap().as_ref() {
+            world.log(Ev::Loan {
+                borrower: ProcId(borrower),
+                lender: ProcId(lender),
+                past_ponr: fields
+                    .loan
+                    .starts_with("deadlock past a point of no return"),
+            });
+        }
+    }
+}
+
+/// Installs the witness once, for the scheduler's WARN events only (no span of the
+/// engine is enabled by it, so the runs pay nothing for it).
+fn witness_loans() {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::Layer;
+    let only_loans = tracing_subscriber::filter::filter_fn(|m| {
+        m.is_event()
+            && *m.level() == tracing::Level::WARN
+            && m.target().starts_with("proctor::actors::scheduler")
+    });
+    let subscriber = tracing_subscriber::registry().with(LoanWitness.with_filter(only_loans));
+    let _ = tracing::subscriber::set_global_default(subscriber);
+}
 
 /// The engine the current seed runs on, for the report of a hang.
 static EXECUTOR: Mutex<Option<Executor<World>>> = Mutex::new(None);
@@ -1208,8 +1279,14 @@ fn check_engine_locks(history: &[Ev]) {
     let mut root_of: HashMap<ProcId, ProcId> = HashMap::new();
     let mut failed_trees: BTreeSet<ProcId> = BTreeSet::new();
     let mut irreversible_trees: BTreeSet<ProcId> = BTreeSet::new();
+    let mut loans: BTreeSet<(ProcId, ProcId)> = BTreeSet::new();
     for (at, ev) in history.iter().enumerate() {
         match ev {
+            Ev::Loan {
+                borrower, lender, ..
+            } => {
+                loans.insert((*borrower, *lender));
+            }
             Ev::Durable {
                 id,
                 root,
@@ -1251,7 +1328,7 @@ fn check_engine_locks(history: &[Ev]) {
                         || root_of
                             .get(id)
                             .is_some_and(|r| irreversible_trees.contains(r));
-                    if borrower && lender {
+                    if borrower && lender && loans.contains(&(*id, other_id)) {
                         continue;
                     }
                     let pair = locks
@@ -1346,13 +1423,23 @@ fn last_events(history: &[Ev], n: usize) -> String {
     lines.join("\n")
 }
 
-/// How many calls ran inside engine locks, and how many trees a deadlock failed.
-/// Calls inside engine locks, trees failed on a deadlock, trees failed on a timeout.
-fn lock_stats(history: &[Ev]) -> (usize, usize, usize) {
-    let enters = history
-        .iter()
-        .filter(|e| matches!(e, Ev::Enter { .. }))
-        .count();
+/// Calls inside engine locks, trees failed on a deadlock, trees failed on a timeout, and
+/// loans the lock table made (all, and those past a point of no return).
+fn lock_stats(history: &[Ev]) -> (usize, usize, usize, [usize; 2]) {
+    let count = |what: fn(&Ev) -> bool| history.iter().filter(|e| what(e)).count();
+    let enters = count(|e| matches!(e, Ev::Enter { .. }));
+    let loans = [
+        count(|e| matches!(e, Ev::Loan { .. })),
+        count(|e| {
+            matches!(
+                e,
+                Ev::Loan {
+                    past_ponr: true,
+                    ..
+                }
+            )
+        }),
+    ];
     let failed_for = |what: fn(&ProcError) -> bool| {
         history
             .iter()
@@ -1361,7 +1448,7 @@ fn lock_stats(history: &[Ev]) -> (usize, usize, usize) {
     };
     let deadlocks = failed_for(|e| matches!(e, ProcError::Deadlock(_)));
     let timeouts = failed_for(|e| matches!(e, ProcError::TimedOut { .. }));
-    (enters, deadlocks, timeouts)
+    (enters, deadlocks, timeouts, loans)
 }
 
 /// The protocol's promises on one history; `serial`: the executor ran one step at a
@@ -1632,6 +1719,7 @@ fn seeds() -> Vec<u64> {
 
 #[actix::test]
 async fn random_workloads_keep_every_promise_under_perturbation() {
+    witness_loans();
     let budget = std::env::var("PROCTOR_PERTURB_SECS")
         .ok()
         .and_then(|s| s.parse::<u64>().ok())
@@ -1641,7 +1729,7 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
     let mut next_seed = listed.iter().max().copied().unwrap_or(0);
     let mut seeds = listed.into_iter();
     let mut runs = 0;
-    let (mut enters, mut deadlocks, mut timeouts) = (0, 0, 0);
+    let (mut enters, mut deadlocks, mut timeouts, mut loans) = (0, 0, 0, [0, 0]);
     loop {
         let seed = match (seeds.next(), budget) {
             (Some(seed), _) => seed,
@@ -1658,10 +1746,12 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
         };
         // A guard against a hang (which is itself the failure), not a sequencer.
         match tokio::time::timeout(Duration::from_secs(60), run).await {
-            Ok((e, d, t)) => {
+            Ok((e, d, t, l)) => {
                 enters += e;
                 deadlocks += d;
                 timeouts += t;
+                loans[0] += l[0];
+                loans[1] += l[1];
             }
             Err(_) => panic!(
                 "seed {seed}: the run hung; replay with PROCTOR_SEED={seed} cargo test --test \
@@ -1673,7 +1763,10 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
     }
     eprintln!(
         "{runs} seeds checked in {:?}: {enters} calls inside engine locks, {deadlocks} trees \
-         failed on a deadlock, {timeouts} on a timeout",
-        started.elapsed()
+         failed on a deadlock, {} loans ({} past a point of no return), {timeouts} trees \
+         failed on a timeout",
+        started.elapsed(),
+        loans[0],
+        loans[1]
     );
 }
