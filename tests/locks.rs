@@ -11,8 +11,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use proctor::{
-    async_trait, Context, Error, Executor, Flow, List, Lock, LockMode, ProcError, ProcId,
-    ProcState, Procedure, ProcedureStore, Registry,
+    async_trait, Context, Error, Executor, FailurePolicy, Flow, List, Lock, LockMode, ProcError,
+    ProcId, ProcState, Procedure, ProcedureStore, Registry,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, Semaphore};
@@ -31,6 +31,8 @@ struct World {
     /// One permit per `Step::Signal` run (for waiting on several at once).
     signals: Semaphore,
     permits: Semaphore,
+    /// How many `Step::MarkThenFailOnce` ran.
+    marked: AtomicUsize,
 }
 
 impl Default for World {
@@ -44,6 +46,7 @@ impl Default for World {
             signal: Notify::new(),
             signals: Semaphore::new(0),
             permits: Semaphore::new(0),
+            marked: AtomicUsize::new(0),
         }
     }
 }
@@ -87,6 +90,8 @@ enum Step {
     Suspend(String),
     /// Mark the tree's point of no return, then go on.
     Irreversible,
+    /// The first time (in the world), mark the point of no return and fail; then go on.
+    MarkThenFailOnce,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -102,6 +107,9 @@ struct Locker {
     /// After a restart, wait for the event again instead of re-running.
     #[serde(default)]
     stay_suspended: bool,
+    /// A failed step is retried once (`RetryThenRollback`).
+    #[serde(default)]
+    retry_once: bool,
 }
 
 impl Locker {
@@ -115,6 +123,7 @@ impl Locker {
             ancestors: Vec::new(),
             counted: false,
             stay_suspended: false,
+            retry_once: false,
         }
     }
 
@@ -214,6 +223,18 @@ impl Procedure<World> for Locker {
                     Flow::MoreToDo
                 }
             }
+            Some(Step::MarkThenFailOnce) => {
+                if world.marked.fetch_add(1, Ordering::SeqCst) == 0 {
+                    ctx.set_irreversible();
+                    self.leave(&world);
+                    return Err(ProcError::failed("marked, then failed"));
+                }
+                if last {
+                    Flow::Done
+                } else {
+                    Flow::MoreToDo
+                }
+            }
         };
         if self.counted && matches!(flow, Flow::Done) {
             world.in_counted.fetch_sub(1, Ordering::SeqCst);
@@ -243,6 +264,17 @@ impl Procedure<World> for Locker {
 
     fn holds_lock(&self) -> bool {
         self.life
+    }
+
+    fn failure_policy(&self, _error: &ProcError) -> FailurePolicy {
+        if self.retry_once {
+            FailurePolicy::RetryThenRollback {
+                times: 1,
+                backoff_ms: 0,
+            }
+        } else {
+            FailurePolicy::Rollback
+        }
     }
 
     fn rerun_after_recover(&self, _event: &str) -> bool {
@@ -518,6 +550,64 @@ async fn a_step_past_the_point_of_no_return_borrows_from_a_tree_rolling_back() {
             ["c took X t1 while f held Exclusive t1"],
             "{name}: the loan, and nothing else"
         );
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// The table hears that a tree passed its point of no return only once the step that
+/// marks it is taken. Tree `a`'s first step marks it and fails; retried, it goes on
+/// without the mark, so `a` can still roll back. When `a`'s and the younger `b`'s
+/// children then deadlock, `b` being past its point of no return, the victim is `a`'s
+/// child. (When the mark of the failed attempt reached the table, both trees looked
+/// irreversible there and the younger `b`'s child was failed: it paused, and both
+/// trees hung.)
+#[actix::test]
+async fn a_failed_step_that_marked_the_point_of_no_return_leaves_its_tree_the_victim() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, world) = start(store, 4, |b| b).await;
+        let tree = |n: &str, mine: &str, theirs: &str, first: Step| {
+            let child = Locker::new(
+                &format!("{n}-child"),
+                vec![Lock::exclusive(theirs)],
+                false,
+                vec![Step::More],
+            );
+            Locker::new(
+                n,
+                vec![Lock::exclusive(mine)],
+                true,
+                vec![
+                    first,
+                    Step::Signal,
+                    Step::Permit,
+                    Step::Children(vec![child]),
+                    Step::More,
+                ],
+            )
+        };
+        let mut a = tree("a", "res/1", "res/2", Step::MarkThenFailOnce);
+        a.retry_once = true;
+        let a = executor.submit(a).await.unwrap();
+        world.signal.notified().await;
+        let b = executor
+            .submit(tree("b", "res/2", "res/1", Step::Irreversible))
+            .await
+            .unwrap();
+        world.signal.notified().await;
+        assert_eq!(world.marked.load(Ordering::SeqCst), 2, "{name}: a retried");
+        world.permits.add_permits(2);
+        let both = async { (executor.wait(a).await, executor.wait(b).await) };
+        let Ok((a_result, b_result)) =
+            tokio::time::timeout(std::time::Duration::from_secs(30), both).await
+        else {
+            panic!("{name}: the trees hang");
+        };
+        let failure = a_result.unwrap().expect_err("a is the deadlock's victim");
+        assert!(
+            matches!(failure.error, ProcError::Deadlock(_)),
+            "{name}: {failure}"
+        );
+        assert_eq!(b_result.unwrap(), Ok(()), "{name}");
         executor.shutdown_now().await.unwrap();
     }
 }
