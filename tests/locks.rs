@@ -415,6 +415,24 @@ async fn a_counted_resource_lets_n_holders_run() {
     }
 }
 
+/// A root holding `mine` for its life (after `first`, if any): it signals, waits for a
+/// permit, then starts a child that asks for `theirs`.
+fn crossing(n: &str, mine: &str, theirs: &str, first: Option<Step>) -> Locker {
+    let child = Locker::new(
+        &format!("{n}-child"),
+        vec![Lock::exclusive(theirs)],
+        false,
+        vec![Step::More],
+    );
+    let plan = first.into_iter().chain([
+        Step::Signal,
+        Step::Permit,
+        Step::Children(vec![child]),
+        Step::More,
+    ]);
+    Locker::new(n, vec![Lock::exclusive(mine)], true, plan.collect())
+}
+
 /// Each tree holds one resource for its life, and its child asks for the other's: the
 /// younger tree fails with a deadlock error naming both procedures and resources, and
 /// rolls back; the older one finishes.
@@ -422,25 +440,7 @@ async fn a_counted_resource_lets_n_holders_run() {
 async fn a_deadlock_between_two_trees_fails_the_younger() {
     for (name, store, _dir) in common::stores() {
         let (executor, world) = start(store, 4, |b| b).await;
-        let tree = |n: &str, mine: &str, theirs: &str| {
-            let child = Locker::new(
-                &format!("{n}-child"),
-                vec![Lock::exclusive(theirs)],
-                false,
-                vec![Step::More],
-            );
-            Locker::new(
-                n,
-                vec![Lock::exclusive(mine)],
-                true,
-                vec![
-                    Step::Signal,
-                    Step::Permit,
-                    Step::Children(vec![child]),
-                    Step::More,
-                ],
-            )
-        };
+        let tree = |n, mine, theirs| crossing(n, mine, theirs, None);
         let a = executor.submit(tree("a", "res/1", "res/2")).await.unwrap();
         world.signal.notified().await;
         let b = executor.submit(tree("b", "res/2", "res/1")).await.unwrap();
@@ -565,32 +565,12 @@ async fn a_step_past_the_point_of_no_return_borrows_from_a_tree_rolling_back() {
 async fn a_failed_step_that_marked_the_point_of_no_return_leaves_its_tree_the_victim() {
     for (name, store, _dir) in common::stores() {
         let (executor, world) = start(store, 4, |b| b).await;
-        let tree = |n: &str, mine: &str, theirs: &str, first: Step| {
-            let child = Locker::new(
-                &format!("{n}-child"),
-                vec![Lock::exclusive(theirs)],
-                false,
-                vec![Step::More],
-            );
-            Locker::new(
-                n,
-                vec![Lock::exclusive(mine)],
-                true,
-                vec![
-                    first,
-                    Step::Signal,
-                    Step::Permit,
-                    Step::Children(vec![child]),
-                    Step::More,
-                ],
-            )
-        };
-        let mut a = tree("a", "res/1", "res/2", Step::MarkThenFailOnce);
+        let mut a = crossing("a", "res/1", "res/2", Some(Step::MarkThenFailOnce));
         a.retry_once = true;
         let a = executor.submit(a).await.unwrap();
         world.signal.notified().await;
         let b = executor
-            .submit(tree("b", "res/2", "res/1", Step::Irreversible))
+            .submit(crossing("b", "res/2", "res/1", Some(Step::Irreversible)))
             .await
             .unwrap();
         world.signal.notified().await;
