@@ -463,7 +463,7 @@ impl Scheduler {
         }
         for deadlock in changes.deadlocks {
             let id = deadlock.victim;
-            tracing::warn!(proc = %id, %deadlock, "deadlock: failing the younger tree");
+            tracing::warn!(proc = %id, %deadlock, "deadlock: failing a waiter");
             self.view.locks.remove(&id);
             match self.unpark(id).map(|p| (p.root, p.then)) {
                 Some((root, Then::Step { addr, place, what })) => {

@@ -225,7 +225,8 @@ pub struct WaitEdge {
 pub struct Deadlock {
     /// The waiter whose request was removed; the engine fails it.
     pub victim: ProcId,
-    /// Its tree (the youngest of the cycle).
+    /// Its tree: the youngest of the cycle that can roll back (the youngest of all if
+    /// none can).
     pub victim_root: ProcId,
     /// The waits of the cycle, starting with the victim's. Between them, each blocker is
     /// an ancestor of the next waiter, holding its locks until that descendant finishes.
@@ -236,11 +237,25 @@ impl fmt::Display for Deadlock {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "deadlock: ")?;
         write_cycle(f, &self.cycle)?;
-        write!(
-            f,
-            "; failing procedure {} of the younger tree {}",
-            self.victim, self.victim_root
-        )
+        let youngest = self
+            .cycle
+            .iter()
+            .map(|e| e.waiter_root.max(e.blocker_root))
+            .max();
+        if youngest.is_none_or(|y| y == self.victim_root) {
+            write!(
+                f,
+                "; failing procedure {} of the younger tree {}",
+                self.victim, self.victim_root
+            )
+        } else {
+            write!(
+                f,
+                "; failing procedure {} of tree {} (the younger ones are past their point \
+                 of no return)",
+                self.victim, self.victim_root
+            )
+        }
     }
 }
 
@@ -1268,6 +1283,14 @@ mod tests {
         assert_eq!(
             (c.deadlocks[0].victim, c.deadlocks[0].victim_root),
             (ProcId(2), ProcId(1))
+        );
+        assert!(
+            c.deadlocks[0].to_string().ends_with(
+                "failing procedure 2 of tree 1 (the younger ones are past their point of no \
+                 return)"
+            ),
+            "{}",
+            c.deadlocks[0]
         );
         assert!(t.waited_by(ProcId(6)).is_some());
         // Both past it, and no tree rolling back whose locks could be lent: the
