@@ -137,19 +137,29 @@ impl RootStack {
         t
     }
 
-    /// Why an operator may not pause `id`, if not: only a procedure queued, running or
-    /// waiting in a healthy tree can be (it pauses at its next step, which it does not
-    /// run).
-    pub fn pause_refusal(&self, id: ProcId) -> Option<String> {
+    /// `id`'s node, if it is in the tree and unfinished; otherwise why an operator may
+    /// not act on it.
+    fn unfinished(&self, id: ProcId) -> Result<&Node, String> {
         let Some(node) = self.nodes.get(&id) else {
-            return Some(format!("procedure {id} is not in tree {}", self.root));
+            return Err(format!("procedure {id} is not in tree {}", self.root));
         };
         if node.state.is_finished() {
-            return Some(format!(
+            return Err(format!(
                 "procedure {id} has already finished ({})",
                 node.state
             ));
         }
+        Ok(node)
+    }
+
+    /// Why an operator may not pause `id`, if not: only a procedure queued, running or
+    /// waiting in a healthy tree can be (it pauses at its next step, which it does not
+    /// run).
+    pub fn pause_refusal(&self, id: ProcId) -> Option<String> {
+        let node = match self.unfinished(id) {
+            Ok(node) => node,
+            Err(refusal) => return Some(refusal),
+        };
         if self.is_failed() || self.phase != Phase::Executing {
             return Some(format!("tree {} is rolling back", self.root));
         }
@@ -164,15 +174,10 @@ impl RootStack {
     /// Why an operator may not roll `id` back, if not: a tree past its point of no
     /// return, a procedure finished, rolling back or with its rollback paused.
     pub fn rollback_refusal(&self, id: ProcId) -> Option<String> {
-        let Some(node) = self.nodes.get(&id) else {
-            return Some(format!("procedure {id} is not in tree {}", self.root));
+        let node = match self.unfinished(id) {
+            Ok(node) => node,
+            Err(refusal) => return Some(refusal),
         };
-        if node.state.is_finished() {
-            return Some(format!(
-                "procedure {id} has already finished ({})",
-                node.state
-            ));
-        }
         if node.state == ProcState::RollbackPaused {
             return Some(format!(
                 "procedure {id}'s rollback is paused: continue it instead"
@@ -228,15 +233,7 @@ impl RootStack {
         stopped: bool,
         now_ms: u64,
     ) -> Result<Transition, String> {
-        let Some(node) = self.nodes.get(&id) else {
-            return Err(format!("procedure {id} is not in tree {}", self.root));
-        };
-        if node.state.is_finished() {
-            return Err(format!(
-                "procedure {id} has already finished ({})",
-                node.state
-            ));
-        }
+        self.unfinished(id)?;
         // A failed tree rolls back once its running steps end: a procedure bypassed
         // now would have its steps skipped by that rollback.
         if self.phase != Phase::Executing || self.is_failed() {
