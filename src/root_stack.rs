@@ -1075,15 +1075,22 @@ impl RootStack {
                 .filter(|(_, n)| n.steering.dirty && !n.state.is_finished())
                 .map(|(&id, _)| id)
                 .collect();
-            for id in dirty {
-                self.stack.push(StackEntry {
-                    id,
-                    recorded: false,
-                });
-            }
-            self.phase = Phase::RollingBack;
-            self.next_rollback(t, now_ms);
+            self.roll_back_from(dirty, t, now_ms);
         }
+    }
+
+    /// Starts the failed tree's rollback: first the steps `unrecorded` procedures may
+    /// have run without a record (each gets an unrecorded rollback), then the recorded
+    /// ones, newest first.
+    fn roll_back_from(&mut self, unrecorded: Vec<ProcId>, t: &mut Transition, now_ms: u64) {
+        for id in unrecorded {
+            self.stack.push(StackEntry {
+                id,
+                recorded: false,
+            });
+        }
+        self.phase = Phase::RollingBack;
+        self.next_rollback(t, now_ms);
     }
 
     fn next_rollback(&mut self, t: &mut Transition, now_ms: u64) {

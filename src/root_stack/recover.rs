@@ -234,14 +234,7 @@ impl RootStack {
                 })
                 .map(|(&id, _)| id)
                 .collect();
-            for id in maybe_mid_step {
-                tree.stack.push(StackEntry {
-                    id,
-                    recorded: false,
-                });
-            }
-            tree.phase = Phase::RollingBack;
-            tree.next_rollback(&mut t, now_ms);
+            tree.roll_back_from(maybe_mid_step, &mut t, now_ms);
             return Ok((tree, t));
         }
         let ids: Vec<ProcId> = tree.nodes.iter().map(|(&id, _)| id).collect();
