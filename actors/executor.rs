@@ -285,8 +285,9 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     }
 
     /// Makes `resource` a counted resource: at most `permits` procedures hold a shared
-    /// lock on it at once (say, DDL parallelism per schema). An exclusive lock on it
-    /// still excludes everyone.
+    /// lock on it at once (say, DDL parallelism per schema). A procedure whose ancestor
+    /// holds that shared lock for its life runs under the ancestor's permit and takes
+    /// none of its own. An exclusive lock on it still excludes everyone.
     ///
     /// ```
     /// let builder = proctor::Executor::builder().permits("ddl/db1", 4);

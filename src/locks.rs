@@ -15,7 +15,10 @@
 //!
 //! so a shared `ns` with exclusive `ns/t1` and `ns/t2` run together, and an exclusive
 //! `ns/t1` excludes every region of `t1` and an exclusive `ns`. A counted resource
-//! (see [`LockTable::set_permits`]) lets at most N shared holders in.
+//! (see [`LockTable::set_permits`]) lets at most N shared holders in, counted per line of
+//! descent: a child that takes it under its parent's life-long shared lock takes no
+//! permit of its own (it runs under its parent's locks, and its parent cannot leave
+//! before it).
 //!
 //! Locks a procedure's ancestors hold do not block it (HBase's lock access: a child runs
 //! under its parent's locks), nor do, for a rollback, the locks of its own tree (a tree
@@ -49,9 +52,11 @@
 //! step in, by a bypass).
 //!
 //! Both loans rest on every wait of the cycle lasting until its blocker finishes. A
-//! shared wait on a full counted resource does not: any of its holders leaving ends it,
-//! and then the lender's tree could run while the borrower holds. No loan is made over
-//! such a cycle.
+//! shared wait on a full counted resource ends when any of its holders leaves, and then
+//! the lender's tree could run while the borrower holds. So such a wait counts only if
+//! every holder filling the resource holds for life and is frozen by the cycle: of a
+//! tree whose rollback waits in it, or an ancestor of a waiter in it. Otherwise no loan
+//! is made: the cycle fails a victim or, of rollbacks only, waits for a holder to leave.
 //!
 //! Pure: no clock, no IO. The scheduler actor owns one table.
 
@@ -451,7 +456,8 @@ impl LockTable {
         Self::default()
     }
 
-    /// Makes `resource` counted: at most `permits` (at least 1) shared holders at once.
+    /// Makes `resource` counted: at most `permits` (at least 1) shared holders at once, a
+    /// holder under an ancestor that holds it for life not counted.
     /// An exclusive lock on it still excludes everyone.
     pub fn set_permits(&mut self, resource: impl Into<String>, permits: u32) {
         self.permits.insert(resource.into(), permits.max(1));
@@ -693,13 +699,8 @@ impl LockTable {
                         }
                     }
                     LockMode::Shared => {
-                        if let Some(&permits) = self.permits.get(r) {
-                            let others = n.shared.iter().filter(|&&h| !self.exempt(req, h));
-                            if others.clone().count() >= permits as usize {
-                                for &h in others {
-                                    f(h, false)?;
-                                }
-                            }
+                        for h in self.fillers(req, r, n) {
+                            f(h, false)?;
                         }
                     }
                 }
@@ -715,6 +716,42 @@ impl LockTable {
             }
         }
         ControlFlow::Continue(())
+    }
+
+    /// The shared holders that fill counted resource `r` (node `n`) against `req`: none
+    /// if `r` is not counted or has room. A permit is taken per line of descent: a
+    /// holder under an ancestor's life-long shared lock on `r` takes none of its own (it
+    /// runs under that ancestor's locks, which cannot leave before it does), so neither
+    /// it nor `req`, if `req` is such a holder, counts.
+    fn fillers(&self, req: &Request, r: &str, n: &ResNode) -> Vec<ProcId> {
+        let Some(&permits) = self.permits.get(r) else {
+            return Vec::new();
+        };
+        let covered = |ancestors: &[ProcId]| {
+            ancestors.iter().any(|a| {
+                n.shared.contains(a) && self.holders.get(a).is_some_and(|held| held.for_life)
+            })
+        };
+        if covered(&req.ancestors) {
+            return Vec::new();
+        }
+        let lines: Vec<ProcId> = n
+            .shared
+            .iter()
+            .copied()
+            .filter(|&h| {
+                !self.exempt(req, h)
+                    && self
+                        .holders
+                        .get(&h)
+                        .is_none_or(|held| !covered(&held.ancestors))
+            })
+            .collect();
+        if lines.len() >= permits as usize {
+            lines
+        } else {
+            Vec::new()
+        }
     }
 
     /// Visits every waiter before `seq` whose request conflicts with `req`.
@@ -1017,7 +1054,8 @@ impl LockTable {
 
     /// A wait-for cycle through `start`, as its waits (holder-to-descendant links are
     /// implied between them), and whether each of its waits can end only by its blocker
-    /// finishing (no wait on a counted resource, none queued behind a waiter); or `None`.
+    /// finishing (none queued behind a waiter, none on a counted resource that a holder
+    /// outside the cycle fills: see [`counted_wait_lasts`](Self::counted_wait_lasts)); or `None`.
     fn find_cycle(&self, start: ProcId) -> Option<(Vec<WaitEdge>, bool)> {
         // Iterative depth-first search keeping the path of (node, edge kind into it).
         let mut visited: IdSet<ProcId> = IdSet::from_iter([start]);
@@ -1033,9 +1071,16 @@ impl LockTable {
                 let mut hops: Vec<(ProcId, ProcId, Link)> =
                     path.windows(2).map(|w| (w[0].0, w[1].0, w[1].1)).collect();
                 hops.push((from, succ, kind));
-                let firm = hops
+                let waiters: Vec<ProcId> = hops
                     .iter()
-                    .all(|(_, _, link)| matches!(link, Link::Held | Link::Tree));
+                    .filter(|(_, _, link)| *link != Link::Tree)
+                    .map(|&(waiter, _, _)| waiter)
+                    .collect();
+                let firm = hops.iter().all(|&(waiter, blocker, link)| match link {
+                    Link::Held | Link::Tree => true,
+                    Link::Counted => self.counted_wait_lasts(waiter, blocker, &waiters),
+                    Link::Queued => false,
+                });
                 let waits = hops
                     .into_iter()
                     .filter_map(|(waiter, blocker, link)| match link {
@@ -1052,6 +1097,34 @@ impl LockTable {
             }
         }
         None
+    }
+
+    /// Whether `waiter`'s wait for a full counted resource that `holder` fills lasts
+    /// until the cycle of `waiters` is broken: every holder filling it holds for life
+    /// and is frozen by the cycle — of a tree whose rollback waits in it (a tree rolls
+    /// back one step at a time and runs nothing meanwhile), or an ancestor of a waiter in
+    /// it (it cannot finish before that descendant does). Any other holder could leave
+    /// and end the wait by itself.
+    fn counted_wait_lasts(&self, waiter: ProcId, holder: ProcId, waiters: &[ProcId]) -> bool {
+        let req = |w: &ProcId| &self.waiters[&self.waiting_seq[w]].req;
+        let frozen = |h: ProcId| {
+            self.holders.get(&h).is_some_and(|held| {
+                held.for_life
+                    && waiters
+                        .iter()
+                        .map(req)
+                        .any(|w| (w.rollback && w.root == held.root) || w.ancestors.contains(&h))
+            })
+        };
+        let w = req(&waiter);
+        w.locks.iter().any(|lock| {
+            let r = lock.resource.as_str();
+            let Some(n) = self.nodes.get(r).filter(|_| lock.mode == LockMode::Shared) else {
+                return false;
+            };
+            let fillers = self.fillers(w, r, n);
+            fillers.contains(&holder) && fillers.into_iter().all(frozen)
+        })
     }
 
     fn edge(&self, waiter: ProcId, blocker: ProcId, held: bool) -> WaitEdge {
@@ -1501,6 +1574,159 @@ mod tests {
     }
 
     #[test]
+    fn a_wait_on_a_counted_resource_that_the_cycle_fills_is_loaned_over() {
+        // srv is counted and full. Tree 6 rolls back: 7 holds X t1 for its life, its
+        // rollback 8 needs S srv. Then 10 (tree 2, a child of 3) needs X t1:
+        // 10 -> 7 -> 8 -> srv's holders -> 10. When every holder filling srv is frozen
+        // by the cycle — a life-long holder of a tree whose rollback waits in it, or an
+        // ancestor of a waiter in it — srv stays full until the cycle is broken, so the
+        // cycle holds and 10 borrows 7's locks. A holder that can leave (a step's,
+        // another tree's, or a life-long one of a tree past its point of no return that
+        // is not an ancestor of a waiter) would end 8's wait by itself: no loan then (10
+        // waits, or, a step past the point of no return, is failed). The last holder
+        // listed leaves, and 8 gets srv.
+        type Holder = (u64, &'static [u64], bool);
+        struct Case {
+            permits: u32,
+            holders: &'static [Holder],
+            tree_2_rolls_back: bool,
+            loan: bool,
+        }
+        const SIBLINGS: &[Holder] = &[(3, &[2], true), (4, &[2], true)];
+        let cases = [
+            // Tree 2 rolls back; its 3 and 4 fill srv for life: frozen.
+            Case {
+                permits: 2,
+                holders: SIBLINGS,
+                tree_2_rolls_back: true,
+                loan: true,
+            },
+            // Tree 2 is past its point of no return; 3 is an ancestor of the waiter 10.
+            Case {
+                permits: 1,
+                holders: &[(3, &[2], true)],
+                tree_2_rolls_back: false,
+                loan: true,
+            },
+            // 4 is not: it can finish (tree 2 runs on).
+            Case {
+                permits: 2,
+                holders: SIBLINGS,
+                tree_2_rolls_back: false,
+                loan: false,
+            },
+            // A step's holder leaves when its step ends.
+            Case {
+                permits: 2,
+                holders: &[(3, &[2], true), (20, &[], false)],
+                tree_2_rolls_back: true,
+                loan: false,
+            },
+            Case {
+                permits: 2,
+                holders: &[(3, &[2], true), (20, &[], false)],
+                tree_2_rolls_back: false,
+                loan: false,
+            },
+            // A life-long holder of a tree outside the cycle can finish.
+            Case {
+                permits: 2,
+                holders: &[(3, &[2], true), (30, &[], true)],
+                tree_2_rolls_back: true,
+                loan: false,
+            },
+        ];
+        for (i, case) in cases.iter().enumerate() {
+            let mut t = LockTable::new();
+            t.set_permits("srv", case.permits);
+            t.set_irreversible(ProcId(2), !case.tree_2_rolls_back);
+            for &(id, ancestors, for_life) in case.holders {
+                let mut holder = req(id, ancestors, &["S srv"]);
+                holder.for_life = for_life;
+                assert_eq!(t.request(holder).granted, ids(&[id]), "case {i}");
+            }
+            t.request(req(7, &[6], &["X t1"]));
+            let mut rollback = req(8, &[6], &["S srv"]);
+            rollback.rollback = true;
+            rollback.for_life = false;
+            assert_eq!(t.request(rollback), Changes::default(), "case {i}");
+            let mut wait = req(10, &[3, 2], &["X t1"]);
+            wait.for_life = false;
+            wait.rollback = case.tree_2_rolls_back;
+            let c = t.request(wait);
+            let leaves = ProcId(case.holders[case.holders.len() - 1].0);
+            if case.loan {
+                let [loan] = &c.loans[..] else {
+                    panic!("case {i}: {c:?}");
+                };
+                assert_eq!(
+                    (loan.borrower, loan.lender),
+                    (ProcId(10), ProcId(7)),
+                    "case {i}"
+                );
+                assert_eq!(loan.rollbacks_only, case.tree_2_rolls_back, "case {i}");
+                assert_eq!(c.granted, ids(&[10]), "case {i}");
+                assert!(c.deadlocks.is_empty(), "case {i}: {c:?}");
+                check_holders(&t);
+                // 10 done, tree 2 goes on: srv has room for 8 once a holder leaves.
+                assert!(t.release(ProcId(10)).granted.is_empty(), "case {i}");
+            } else {
+                assert!(
+                    c.loans.is_empty() && c.granted.is_empty(),
+                    "case {i}: {c:?}"
+                );
+                // A rollback waits; a step past the point of no return is failed.
+                assert_eq!(
+                    c.deadlocks.is_empty(),
+                    case.tree_2_rolls_back,
+                    "case {i}: {c:?}"
+                );
+            }
+            assert_eq!(t.release(leaves).granted, ids(&[8]), "case {i}");
+            check_holders(&t);
+        }
+    }
+
+    #[test]
+    fn a_holder_under_its_ancestors_share_of_a_counted_resource_takes_no_permit() {
+        // srv has 2 permits. 1 (for life) and its child 2 hold it: one line of descent,
+        // one permit. 3 gets the second; 4 (another tree) waits; 5, a child of 1, is
+        // under 1's share.
+        let mut t = LockTable::new();
+        t.set_permits("srv", 2);
+        for (owner, ancestors, granted) in [
+            (1, &[][..], true),
+            (2, &[1][..], true),
+            (3, &[][..], true),
+            (4, &[][..], false),
+            (5, &[1][..], true),
+        ] {
+            let c = t.request(req(owner, ancestors, &["S srv"]));
+            assert_eq!(
+                c.granted,
+                if granted { vec![ProcId(owner)] } else { vec![] },
+                "{owner}"
+            );
+            check_holders(&t);
+        }
+        // 2 and 5 leaving frees no permit; 1 leaving does (its children gone first).
+        assert!(t.release(ProcId(2)).granted.is_empty());
+        assert!(t.release(ProcId(5)).granted.is_empty());
+        assert_eq!(t.release(ProcId(1)).granted, ids(&[4]));
+        check_holders(&t);
+        // A parent's share held for one step covers nothing: it may leave first.
+        let mut t = LockTable::new();
+        t.set_permits("srv", 2);
+        let mut step = req(6, &[], &["S srv"]);
+        step.for_life = false;
+        assert_eq!(t.request(step).granted, ids(&[6]));
+        assert_eq!(t.request(req(7, &[6], &["S srv"])).granted, ids(&[7]));
+        assert!(t.request(req(8, &[], &["S srv"])).granted.is_empty());
+        assert_eq!(t.release(ProcId(6)).granted, ids(&[8]));
+        check_holders(&t);
+    }
+
+    #[test]
     fn a_cycle_of_rollbacks_and_steps_past_the_point_of_no_return_says_so() {
         // 42 (a rollback of tree 4) -> 91 (tree 9) -> 92 (a rollback of tree 9) -> 2
         // (tree 2, past its point of no return) -> 21 (its step) -> 41 (tree 4) -> 42.
@@ -1590,7 +1816,13 @@ mod tests {
             }
         }
         for (resource, &permits) in &t.permits {
-            let n = t.nodes.get(resource).map_or(0, |n| n.shared.len());
+            // One permit per line of descent.
+            let shared = t.nodes.get(resource).map_or(&[][..], |n| &n.shared[..]);
+            let under_another = |h: &ProcId| {
+                let life = |a: &ProcId| shared.contains(a) && t.holders[a].for_life;
+                t.holders[h].ancestors.iter().any(life)
+            };
+            let n = shared.iter().filter(|h| !under_another(h)).count();
             assert!(n <= permits as usize, "{n} holders of {resource}");
         }
     }

@@ -476,11 +476,36 @@ async fn a_deadlock_between_two_trees_fails_the_younger() {
 /// `c` paused and both trees hung.
 #[actix::test]
 async fn a_step_past_the_point_of_no_return_borrows_from_a_tree_rolling_back() {
+    borrow_past_the_point_of_no_return(Lock::exclusive("t0"), Lock::shared("t0/r0"), None).await;
+}
+
+/// The same cycle through a counted resource: `t` fills `srv` (1 permit) for its life,
+/// and `g` needs a share of it. `g`'s wait could end by any holder of `srv` leaving,
+/// but its only holder is `t`, which cannot finish before its waiting child `c`: the
+/// cycle holds, and `c` borrows. Before, a wait on a counted resource never carried a
+/// loan: `c` paused and both trees hung.
+#[actix::test]
+async fn a_cycle_through_a_counted_resource_the_cycle_fills_also_borrows() {
+    borrow_past_the_point_of_no_return(Lock::shared("srv"), Lock::shared("srv"), Some(("srv", 1)))
+        .await;
+}
+
+/// Tree `t` (irreversible, `t_lock` for its life, child `c` wanting X t1) against tree
+/// `f` (X t1 for its life, child `g` wanting `g_lock`): see the two tests above.
+async fn borrow_past_the_point_of_no_return(
+    t_lock: Lock,
+    g_lock: Lock,
+    permits: Option<(&str, u32)>,
+) {
     for (name, store, _dir) in common::stores() {
-        let (executor, world) = start(store, 4, |b| b).await;
+        let (executor, world) = start(store, 4, |b| match permits {
+            Some((resource, n)) => b.permits(resource, n),
+            None => b,
+        })
+        .await;
         let g = Locker::new(
             "g",
-            vec![Lock::shared("t0/r0")],
+            vec![g_lock.clone()],
             false,
             vec![Step::More, Step::Suspend("g".into()), Step::More],
         );
@@ -501,7 +526,7 @@ async fn a_step_past_the_point_of_no_return_borrows_from_a_tree_rolling_back() {
         let t = executor
             .submit(Locker::new(
                 "t",
-                vec![Lock::exclusive("t0")],
+                vec![t_lock.clone()],
                 true,
                 vec![Step::Irreversible, Step::Children(vec![c])],
             ))

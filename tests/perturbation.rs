@@ -3,8 +3,8 @@
 //! Each seed builds a random workload — trees of procedures with children, failing
 //! steps (some retried by a `RetryThenRollback` policy, some of those getting past the
 //! failure on a retry), yields, roots holding a lock through the user hooks, procedures (roots and
-//! children) declaring engine locks on a small resource hierarchy, per step or for
-//! life, some roots of a system type (their steps first, on system workers when the
+//! children) declaring engine locks on a small resource hierarchy and a counted
+//! resource (1 or 2 permits), per step or for life, some roots of a system type (their steps first, on system workers when the
 //! seed gives the executor one), time limits of a few ms on some procedures (a timeout
 //! fails the tree wherever the procedure is: in a step, queued, waiting for locks or
 //! children, paused), operator aborts at random moments, sometimes a crash through a failing store
@@ -24,7 +24,8 @@
 //! - a lock is held by one procedure at a time, around every call of its holder, and
 //!   released exactly once per grant (without a crash);
 //! - engine locks: two procedures that are not ancestor and descendant of each other are
-//!   never inside conflicting locks at once, before or after a restart (a life-long
+//!   never inside conflicting locks at once, nor more lines of descent than its permits
+//!   inside the counted resource, before or after a restart (a life-long
 //!   holder stays inside across it: recovery grants its locks back before anything
 //!   runs); every tree ends SUCCESS or ROLLEDBACK, with its own failure, an abort, a
 //!   timeout or a deadlock (`deadlock: ...`) as the reason;
@@ -667,6 +668,8 @@ struct Plan {
     urgent: Vec<bool>,
     /// The executor's system workers.
     system_workers: usize,
+    /// How many procedures outside one another's ancestry may hold [`COUNTED`] at once.
+    counted_permits: u32,
 }
 
 impl Plan {
@@ -678,6 +681,11 @@ impl Plan {
 
 /// The resources engine locks are drawn from: two tables and some of their regions.
 const RESOURCES: [&str; 5] = ["t0", "t0/r0", "t0/r1", "t1", "t1/r0"];
+
+/// A counted resource (at most [`Plan::counted_permits`] holders, 1 or 2, a holder under
+/// an ancestor that holds it for life not counted), always taken shared, beside other
+/// engine locks.
+const COUNTED: &str = "srv";
 
 /// One or two engine locks on distinct resources, each shared or exclusive.
 fn gen_locks(rng: &mut fastrand::Rng) -> Vec<Lock> {
@@ -723,7 +731,7 @@ fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool, engin
     };
     let fail_at = (rng.u8(0..6) == 0).then(|| rng.u32(1..=steps));
     let lock = (!engine && root && rng.bool()).then(|| rng.u32(0..3));
-    let engine_locks = if !engine || rng.u8(0..3) == 0 {
+    let mut engine_locks = if !engine || rng.u8(0..3) == 0 {
         Vec::new()
     } else if root && rng.bool() {
         vec![Lock::exclusive(format!("t{}", rng.u8(0..2)))]
@@ -750,6 +758,9 @@ fn gen_proc(rng: &mut fastrand::Rng, name: String, depth: u32, root: bool, engin
     };
     let fail_times = (retries > 0 && rng.bool()).then(|| rng.u32(1..=retries));
     let spawn = children_at.is_some() && rng.bool();
+    if !engine_locks.is_empty() && rng.u8(0..4) == 0 {
+        engine_locks.push(Lock::shared(COUNTED));
+    }
     Traced {
         name,
         steps,
@@ -866,6 +877,7 @@ fn gen_plan(seed: u64) -> Plan {
         pauses,
         urgent,
         system_workers: rng.usize(0..=1),
+        counted_permits: rng.u32(1..=2),
     }
 }
 
@@ -887,6 +899,7 @@ async fn start(
         .workers(plan.workers)
         .system_workers(plan.system_workers)
         .arbiters(plan.arbiters)
+        .permits(COUNTED, plan.counted_permits)
         .env(world.clone())
         .start()
         .await
@@ -926,12 +939,13 @@ fn spawn_continuer(
 /// whether the engine crashed on the way.
 async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     let plan = gen_plan(seed);
-    let (mut locking, mut for_life, mut marks) = (0, 0, 0);
+    let (mut locking, mut for_life, mut counted, mut marks) = (0, 0, 0, 0);
     let mut todo: Vec<&Traced> = plan.trees.iter().collect();
     while let Some(p) = todo.pop() {
         if !p.engine_locks.is_empty() {
             locking += 1;
             for_life += usize::from(p.hold);
+            counted += usize::from(p.engine_locks.iter().any(|l| l.resource == COUNTED));
         }
         marks += usize::from(p.irreversible_at.is_some());
         todo.extend(&p.children);
@@ -939,7 +953,8 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     eprintln!(
         "seed {seed}: {} trees ({} of a system type), {} workers (+{} for system steps), \
          {} arbiters, {}, crash {:?}, {} aborts, {} pauses, {locking} procedures with \
-         engine locks ({for_life} for life), {marks} points of no return",
+         engine locks ({for_life} for life, {counted} on {COUNTED} of {} permits), {marks} \
+         points of no return",
         plan.trees.len(),
         plan.urgent.iter().filter(|&&u| u).count(),
         plan.workers,
@@ -948,7 +963,8 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
         if plan.wal { "wal" } else { "memory" },
         plan.crash,
         plan.aborts,
-        plan.pauses
+        plan.pauses,
+        plan.counted_permits
     );
     let world = Arc::new(World::default());
     *WORLD.lock().unwrap() = Some(world.clone());
@@ -1247,20 +1263,20 @@ fn clash(a: &Lock, b: &Lock) -> bool {
     }
 }
 
-/// Procedure names are paths (`t3.0.1` is a child of `t3.0`): one is the other's
-/// ancestor, so runs under its locks.
 /// Whether two procedure names belong to the same tree (`t3`, `t3.0`, `t3.0.1`).
 fn same_tree(a: &str, b: &str) -> bool {
     a.split('.').next() == b.split('.').next()
 }
 
+/// Procedure names are paths (`t3.0.1` is a child of `t3.0`): whether one is the
+/// other's ancestor, so runs under its locks.
 fn related(a: &str, b: &str) -> bool {
-    let under = |lower: &str, upper: &str| {
-        lower.len() > upper.len()
-            && lower.starts_with(upper)
-            && lower[upper.len()..].starts_with('.')
-    };
     under(a, b) || under(b, a)
+}
+
+/// Whether `lower` is a descendant of `upper`.
+fn under(lower: &str, upper: &str) -> bool {
+    lower.len() > upper.len() && lower.starts_with(upper) && lower[upper.len()..].starts_with('.')
 }
 
 /// Engine locks: replays who is inside which locks and asserts that no two procedures
@@ -1273,7 +1289,7 @@ fn related(a: &str, b: &str) -> bool {
 /// that holder's calls (when the waits of the two trees close a cycle that no failure
 /// can break, the waiter borrows the failed tree's locks while that tree runs nothing).
 /// The lender's own next call is then checked as usual.
-fn check_engine_locks(history: &[Ev]) {
+fn check_engine_locks(history: &[Ev], permits: u32) {
     // name -> (id, locks, for life, index of the enter that began the hold, in a call)
     let mut inside: BTreeMap<&str, (ProcId, &[Lock], bool, usize, bool)> = BTreeMap::new();
     let mut root_of: HashMap<ProcId, ProcId> = HashMap::new();
@@ -1310,6 +1326,8 @@ fn check_engine_locks(history: &[Ev]) {
                 life,
                 call,
             } => {
+                let counted = locks.iter().any(|l| l.resource == COUNTED);
+                let mut sharing = Vec::new();
                 for (&other, &(other_id, other_locks, life, since, in_call)) in &inside {
                     if other == name || related(name, other) {
                         continue;
@@ -1331,6 +1349,9 @@ fn check_engine_locks(history: &[Ev]) {
                     if borrower && lender && loans.contains(&(*id, other_id)) {
                         continue;
                     }
+                    if counted && other_locks.iter().any(|l| l.resource == COUNTED) {
+                        sharing.push((other, other_id, since));
+                    }
                     let pair = locks
                         .iter()
                         .find_map(|a| other_locks.iter().find(|b| clash(a, b)).map(|b| (a, b)));
@@ -1342,6 +1363,28 @@ fn check_engine_locks(history: &[Ev]) {
                              events and {other}'s:\n{excerpt}"
                         );
                     }
+                }
+                // The counted resource takes a permit per line of descent: a holder
+                // under a life-long holder of it (its ancestor) takes none. At most its
+                // permits (a second call inside the same hold is no new holder).
+                let covered = |x: &str| {
+                    inside.iter().any(|(&a, hold)| {
+                        hold.2 && hold.1.iter().any(|l| l.resource == COUNTED) && under(x, a)
+                    })
+                };
+                sharing.retain(|s| !covered(s.0));
+                if counted
+                    && !inside.contains_key(name.as_str())
+                    && !covered(name)
+                    && sharing.len() >= permits as usize
+                {
+                    let ids: Vec<ProcId> = sharing.iter().map(|s| s.1).chain([*id]).collect();
+                    panic!(
+                        "event {at}: {name} ({id}) entered S {COUNTED} for its {call} while \
+                         {sharing:?} (name, id, since event) were inside it; their last \
+                         events:\n{}",
+                        excerpt(&history[..=at], &ids, 50)
+                    );
                 }
                 inside
                     .entry(name.as_str())
@@ -1423,11 +1466,17 @@ fn last_events(history: &[Ev], n: usize) -> String {
     lines.join("\n")
 }
 
-/// Calls inside engine locks, trees failed on a deadlock, trees failed on a timeout, and
-/// loans the lock table made (all, and those past a point of no return).
-fn lock_stats(history: &[Ev]) -> (usize, usize, usize, [usize; 2]) {
+/// Calls inside engine locks (all, and those inside the counted resource), trees failed
+/// on a deadlock, trees failed on a timeout, and loans the lock table made (all, and
+/// those past a point of no return).
+fn lock_stats(history: &[Ev]) -> ([usize; 2], usize, usize, [usize; 2]) {
     let count = |what: fn(&Ev) -> bool| history.iter().filter(|e| what(e)).count();
-    let enters = count(|e| matches!(e, Ev::Enter { .. }));
+    let enters = [
+        count(|e| matches!(e, Ev::Enter { .. })),
+        count(
+            |e| matches!(e, Ev::Enter { locks, .. } if locks.iter().any(|l| l.resource == COUNTED)),
+        ),
+    ];
     let loans = [
         count(|e| matches!(e, Ev::Loan { .. })),
         count(|e| {
@@ -1452,8 +1501,8 @@ fn lock_stats(history: &[Ev]) -> (usize, usize, usize, [usize; 2]) {
 }
 
 /// The protocol's promises on one history; `serial`: the executor ran one step at a
-/// time.
-fn check(history: &[Ev], crashed: bool, serial: bool) {
+/// time; `permits`: the counted resource's.
+fn check(history: &[Ev], crashed: bool, serial: bool, permits: u32) {
     let violations: Vec<&String> = history
         .iter()
         .filter_map(|e| match e {
@@ -1462,7 +1511,7 @@ fn check(history: &[Ev], crashed: bool, serial: bool) {
         })
         .collect();
     assert!(violations.is_empty(), "violations: {violations:?}");
-    check_engine_locks(history);
+    check_engine_locks(history, permits);
 
     // Which tree each procedure belongs to, and its durable states so far.
     let mut root_of: HashMap<ProcId, ProcId> = HashMap::new();
@@ -1729,7 +1778,7 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
     let mut next_seed = listed.iter().max().copied().unwrap_or(0);
     let mut seeds = listed.into_iter();
     let mut runs = 0;
-    let (mut enters, mut deadlocks, mut timeouts, mut loans) = (0, 0, 0, [0, 0]);
+    let (mut enters, mut deadlocks, mut timeouts, mut loans) = ([0, 0], 0, 0, [0, 0]);
     loop {
         let seed = match (seeds.next(), budget) {
             (Some(seed), _) => seed,
@@ -1741,13 +1790,15 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
         };
         let run = async {
             let (history, crashed) = run_seed(seed).await;
-            check(&history, crashed, gen_plan(seed).serial());
+            let plan = gen_plan(seed);
+            check(&history, crashed, plan.serial(), plan.counted_permits);
             lock_stats(&history)
         };
         // A guard against a hang (which is itself the failure), not a sequencer.
         match tokio::time::timeout(Duration::from_secs(60), run).await {
             Ok((e, d, t, l)) => {
-                enters += e;
+                enters[0] += e[0];
+                enters[1] += e[1];
                 deadlocks += d;
                 timeouts += t;
                 loans[0] += l[0];
@@ -1762,10 +1813,12 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
         runs += 1;
     }
     eprintln!(
-        "{runs} seeds checked in {:?}: {enters} calls inside engine locks, {deadlocks} trees \
-         failed on a deadlock, {} loans ({} past a point of no return), {timeouts} trees \
-         failed on a timeout",
+        "{runs} seeds checked in {:?}: {} calls inside engine locks ({} inside {COUNTED}), \
+         {deadlocks} trees failed on a deadlock, {} loans ({} past a point of no return), \
+         {timeouts} trees failed on a timeout",
         started.elapsed(),
+        enters[0],
+        enters[1],
         loans[0],
         loans[1]
     );
