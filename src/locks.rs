@@ -58,6 +58,11 @@
 //! tree whose rollback waits in it, or an ancestor of a waiter in it. Otherwise no loan
 //! is made: the cycle fails a victim or, of rollbacks only, waits for a holder to leave.
 //!
+//! One wait can close several cycles at once (a wait on a counted resource has an edge
+//! to each holder filling it). The table breaks the first one it finds that can be
+//! broken for good — by a victim whose tree can roll back, or by a loan — and pauses a
+//! victim, or waits, only when none can.
+//!
 //! Pure: no clock, no IO. The scheduler actor owns one table.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
@@ -387,8 +392,33 @@ enum Link {
     Tree,
 }
 
-/// One procedure on the search path, how it was reached, and what is left to visit.
-type PathStep = (ProcId, Link, Vec<(ProcId, Link)>);
+/// One procedure on the search path for cycles.
+struct Frame {
+    node: ProcId,
+    /// How it was reached.
+    link: Link,
+    /// Its successors left to visit.
+    next: Vec<(ProcId, Link)>,
+    /// A cycle closed through it, or its search met a procedure on the path (through
+    /// which, reached by another path, it might close one): it may be searched again.
+    live: bool,
+}
+
+/// How a wait-for cycle is broken.
+enum Break {
+    /// A waiter's request is removed (the engine fails it).
+    Fail {
+        victim: ProcId,
+        victim_root: ProcId,
+        cycle: Vec<WaitEdge>,
+    },
+    /// A waiter borrows a holder's locks.
+    Lend(Loan),
+}
+
+/// At most this many procedures are visited looking for a cycle that can be broken
+/// (the first cycle found is taken past it).
+const CYCLE_SEARCH_BUDGET: usize = 4096;
 
 /// Priority requests take sequence numbers below every ordinary one.
 const ORDINARY: u64 = 1 << 63;
@@ -521,71 +551,114 @@ impl LockTable {
         }
         // Each round removes a waiter or a blocking edge, so this ends.
         while self.waiting_seq.contains_key(&owner) {
-            let Some((cycle, firm)) = self.find_cycle(owner) else {
-                break;
-            };
-            let is_rollback = |w: ProcId| {
-                self.waiting_seq
-                    .get(&w)
-                    .is_some_and(|s| self.waiters[s].req.rollback)
-            };
-            // The waiters that can be failed (not rollbacks), best victim last: a tree
-            // that can roll back, the youngest.
-            let victim = cycle
-                .iter()
-                .filter(|e| !is_rollback(e.waiter))
-                .max_by_key(|e| {
-                    let can_roll_back = !self.irreversible.contains(&e.waiter_root);
-                    (can_roll_back, e.waiter_root, std::cmp::Reverse(e.waiter))
-                })
-                .map(|e| (e.waiter, e.waiter_root));
-            let useful = victim.is_some_and(|(_, root)| !self.irreversible.contains(&root));
-            // Otherwise a wait on the holder of a tree whose rollback waits in this
-            // cycle borrows its locks, the youngest such tree's (see the module docs):
-            // that tree runs nothing until its rollback is granted, which cannot be
-            // before the borrower releases — so long as every wait of the cycle can
-            // end only by its blocker finishing.
-            let rolling_back: Vec<ProcId> = cycle
-                .iter()
-                .filter(|e| is_rollback(e.waiter))
-                .map(|e| e.waiter_root)
-                .collect();
-            let lend = cycle
-                .iter()
-                .filter(|e| firm && e.held && rolling_back.contains(&e.blocker_root))
-                .max_by_key(|e| (e.blocker_root, std::cmp::Reverse(e.waiter_root)))
-                .cloned();
-            if let Some((victim, victim_root)) = victim.filter(|_| useful || lend.is_none()) {
-                self.remove_waiter(victim, &mut changes);
-                changes.deadlocks.push(Deadlock {
+            match self.break_cycle(owner) {
+                Some(Break::Fail {
                     victim,
                     victim_root,
-                    cycle: rotate(&cycle, victim),
-                });
-                continue;
+                    cycle,
+                }) => {
+                    self.remove_waiter(victim, &mut changes);
+                    changes.deadlocks.push(Deadlock {
+                        victim,
+                        victim_root,
+                        cycle,
+                    });
+                }
+                Some(Break::Lend(loan)) => {
+                    self.loans
+                        .entry(loan.borrower)
+                        .or_default()
+                        .push(loan.lender);
+                    let borrower = loan.borrower;
+                    changes.loans.push(loan);
+                    let mut departed = Vec::new();
+                    if let Some(&seq) = self.waiting_seq.get(&borrower) {
+                        self.try_grant(seq, &mut departed, &mut changes);
+                    }
+                    self.wake(departed.into(), &mut changes);
+                }
+                None => break,
             }
-            let Some(edge) = lend else {
-                break;
-            };
-            self.loans
-                .entry(edge.waiter)
-                .or_default()
-                .push(edge.blocker);
-            let rollbacks_only = cycle.iter().all(|e| is_rollback(e.waiter));
-            changes.loans.push(Loan {
-                borrower: edge.waiter,
-                rollbacks_only,
-                lender: edge.blocker,
-                lender_root: edge.blocker_root,
-                cycle: rotate(&cycle, edge.waiter),
-            });
-            let mut departed = Vec::new();
-            if let Some(&seq) = self.waiting_seq.get(&edge.waiter) {
-                self.try_grant(seq, &mut departed, &mut changes);
-            }
-            self.wake(departed.into(), &mut changes);
         }
         changes
+    }
+
+    /// How to break a wait-for cycle through `start`, if one closes: from the first
+    /// cycle found that can be broken for good (a victim whose tree can roll back, or a
+    /// loan), else from the first cycle found (a victim past its point of no return,
+    /// which only pauses; a cycle of rollbacks only with nothing to lend has none).
+    /// Several cycles can close through one wait (a wait on a counted resource has an
+    /// edge to each holder filling it), and the first met may be the one without a
+    /// way out.
+    fn break_cycle(&self, start: ProcId) -> Option<Break> {
+        let mut first = None;
+        let found = self.each_cycle(start, &mut |cycle, firm| {
+            let (action, for_good) = self.plan_break(cycle, firm);
+            if for_good {
+                return ControlFlow::Break(action);
+            }
+            first.get_or_insert(action);
+            ControlFlow::Continue(())
+        });
+        match found {
+            ControlFlow::Break(action) => action,
+            ControlFlow::Continue(()) => first.flatten(),
+        }
+    }
+
+    /// What breaks `cycle` (see the module docs), and whether it breaks it for good.
+    fn plan_break(&self, cycle: Vec<WaitEdge>, firm: bool) -> (Option<Break>, bool) {
+        let is_rollback = |w: ProcId| {
+            self.waiting_seq
+                .get(&w)
+                .is_some_and(|s| self.waiters[s].req.rollback)
+        };
+        // The waiters that can be failed (not rollbacks), best victim last: a tree
+        // that can roll back, the youngest.
+        let victim = cycle
+            .iter()
+            .filter(|e| !is_rollback(e.waiter))
+            .max_by_key(|e| {
+                let can_roll_back = !self.irreversible.contains(&e.waiter_root);
+                (can_roll_back, e.waiter_root, std::cmp::Reverse(e.waiter))
+            })
+            .map(|e| (e.waiter, e.waiter_root));
+        let useful = victim.is_some_and(|(_, root)| !self.irreversible.contains(&root));
+        // Otherwise a wait on the holder of a tree whose rollback waits in this cycle
+        // borrows its locks, the youngest such tree's (see the module docs): that tree
+        // runs nothing until its rollback is granted, which cannot be before the
+        // borrower releases — so long as every wait of the cycle can end only by its
+        // blocker finishing.
+        let rolling_back: Vec<ProcId> = cycle
+            .iter()
+            .filter(|e| is_rollback(e.waiter))
+            .map(|e| e.waiter_root)
+            .collect();
+        let lend = cycle
+            .iter()
+            .filter(|e| firm && e.held && rolling_back.contains(&e.blocker_root))
+            .max_by_key(|e| (e.blocker_root, std::cmp::Reverse(e.waiter_root)))
+            .cloned();
+        if let Some((victim, victim_root)) = victim.filter(|_| useful || lend.is_none()) {
+            let cycle = rotate(&cycle, victim);
+            let fail = Break::Fail {
+                victim,
+                victim_root,
+                cycle,
+            };
+            return (Some(fail), useful);
+        }
+        let Some(edge) = lend else {
+            return (None, false);
+        };
+        let loan = Loan {
+            borrower: edge.waiter,
+            rollbacks_only: cycle.iter().all(|e| is_rollback(e.waiter)),
+            lender: edge.blocker,
+            lender_root: edge.blocker_root,
+            cycle: rotate(&cycle, edge.waiter),
+        };
+        (Some(Break::Lend(loan)), true)
     }
 
     /// The tree rooted at `root` has passed its point of no return, or (`false`) has
@@ -1052,24 +1125,50 @@ impl LockTable {
         out
     }
 
-    /// A wait-for cycle through `start`, as its waits (holder-to-descendant links are
-    /// implied between them), and whether each of its waits can end only by its blocker
-    /// finishing (none queued behind a waiter, none on a counted resource that a holder
-    /// outside the cycle fills: see [`counted_wait_lasts`](Self::counted_wait_lasts)); or `None`.
-    fn find_cycle(&self, start: ProcId) -> Option<(Vec<WaitEdge>, bool)> {
-        // Iterative depth-first search keeping the path of (node, edge kind into it).
-        let mut visited: IdSet<ProcId> = IdSet::from_iter([start]);
-        let mut path: Vec<PathStep> = vec![(start, Link::Tree, self.successors(start))];
-        while let Some((node, _, next)) = path.last_mut() {
-            let from = *node;
-            let Some((succ, kind)) = next.pop() else {
-                path.pop();
+    /// Calls `f` with wait-for cycles through `start`, as their waits (holder-to-
+    /// descendant links are implied between them), and whether each of their waits
+    /// can end only by its blocker finishing (none queued behind a waiter, none on a
+    /// counted resource that a holder outside the cycle fills: see
+    /// [`counted_wait_lasts`](Self::counted_wait_lasts)), until `f` breaks.
+    ///
+    /// A depth-first search over simple paths. A procedure whose search neither closed
+    /// a cycle nor met one on the path cannot reach `start` and is not searched again;
+    /// any other may be, by another path, so each cycle is met once. It stops after
+    /// [`CYCLE_SEARCH_BUDGET`] procedures.
+    fn each_cycle<T>(
+        &self,
+        start: ProcId,
+        f: &mut dyn FnMut(Vec<WaitEdge>, bool) -> ControlFlow<T>,
+    ) -> ControlFlow<T> {
+        let mut dead: IdSet<ProcId> = IdSet::default();
+        let mut on_path: IdSet<ProcId> = IdSet::from_iter([start]);
+        let mut path = vec![Frame {
+            node: start,
+            link: Link::Tree,
+            next: self.successors(start),
+            live: false,
+        }];
+        let mut budget = CYCLE_SEARCH_BUDGET;
+        while let Some(top) = path.last_mut() {
+            let from = top.node;
+            let Some((succ, kind)) = top.next.pop() else {
+                if let Some(done) = path.pop() {
+                    on_path.remove(&done.node);
+                    if !done.live {
+                        dead.insert(done.node);
+                    } else if let Some(parent) = path.last_mut() {
+                        parent.live = true;
+                    }
+                }
                 continue;
             };
             if succ == start {
+                top.live = true;
                 // Close the cycle: every step along the path, plus this last edge.
-                let mut hops: Vec<(ProcId, ProcId, Link)> =
-                    path.windows(2).map(|w| (w[0].0, w[1].0, w[1].1)).collect();
+                let mut hops: Vec<(ProcId, ProcId, Link)> = path
+                    .windows(2)
+                    .map(|w| (w[0].node, w[1].node, w[1].link))
+                    .collect();
                 hops.push((from, succ, kind));
                 let waiters: Vec<ProcId> = hops
                     .iter()
@@ -1089,14 +1188,27 @@ impl LockTable {
                         Link::Tree => None,
                     })
                     .collect();
-                return Some((waits, firm));
+                f(waits, firm)?;
+                continue;
             }
-            if visited.insert(succ) {
-                let succs = self.successors(succ);
-                path.push((succ, kind, succs));
+            if on_path.contains(&succ) {
+                top.live = true;
+                continue;
             }
+            if budget == 0 || dead.contains(&succ) {
+                continue;
+            }
+            budget -= 1;
+            on_path.insert(succ);
+            let next = self.successors(succ);
+            path.push(Frame {
+                node: succ,
+                link: kind,
+                next,
+                live: false,
+            });
         }
-        None
+        ControlFlow::Continue(())
     }
 
     /// Whether `waiter`'s wait for a full counted resource that `holder` fills lasts
@@ -1685,6 +1797,42 @@ mod tests {
             assert_eq!(t.release(leaves).granted, ids(&[8]), "case {i}");
             check_holders(&t);
         }
+    }
+
+    #[test]
+    fn a_cycle_that_can_be_broken_is_found_beside_one_that_cannot() {
+        // srv is counted (2 permits), filled for life by 1 (tree 1, runs on) and 3
+        // (tree 3, rolls back). 2, 1's child, waits for X p, which 3 holds for life;
+        // 4, tree 3's rollback, waits for X q, held for life by 5 (tree 5, rolls back).
+        // Then 6, tree 5's rollback, needs S srv: two cycles close through it.
+        // 6 -> 3 -> 4 -> 5 -> 6 has rollbacks only and a wait that 1 leaving would end:
+        // nothing to fail, nothing to lend. 6 -> 1 -> 2 -> 3 -> 4 -> 5 -> 6 has 2 to
+        // fail. The table must find the second, whichever it meets first.
+        let mut t = LockTable::new();
+        t.set_permits("srv", 2);
+        let rollback = |owner, ancestors: &[u64], locks: &[&str]| {
+            let mut r = req(owner, ancestors, locks);
+            r.rollback = true;
+            r.for_life = false;
+            r
+        };
+        t.request(req(1, &[], &["S srv"]));
+        t.request(req(3, &[], &["S srv", "X p"]));
+        t.request(req(5, &[], &["X q"]));
+        let mut step = req(2, &[1], &["X p"]);
+        step.for_life = false;
+        assert_eq!(t.request(step), Changes::default());
+        assert_eq!(t.request(rollback(4, &[3], &["X q"])), Changes::default());
+        let c = t.request(rollback(6, &[5], &["S srv"]));
+        let [deadlock] = &c.deadlocks[..] else {
+            panic!("{c:?}");
+        };
+        assert_eq!(
+            (deadlock.victim, deadlock.victim_root),
+            (ProcId(2), ProcId(1))
+        );
+        assert!(c.loans.is_empty() && c.granted.is_empty(), "{c:?}");
+        check_holders(&t);
     }
 
     #[test]
