@@ -1131,10 +1131,10 @@ impl LockTable {
     /// counted resource that a holder outside the cycle fills: see
     /// [`counted_wait_lasts`](Self::counted_wait_lasts)), until `f` breaks.
     ///
-    /// A depth-first search over simple paths. A procedure whose search neither closed
-    /// a cycle nor met one on the path cannot reach `start` and is not searched again;
-    /// any other may be, by another path, so each cycle is met once. It stops after
-    /// [`CYCLE_SEARCH_BUDGET`] procedures.
+    /// A depth-first search over simple paths, so no cycle is reported twice. A
+    /// procedure whose search neither closed a cycle nor met a procedure on the path
+    /// cannot reach `start` and is not searched again; any other may be, by another
+    /// path. It stops after [`CYCLE_SEARCH_BUDGET`] procedures.
     fn each_cycle<T>(
         &self,
         start: ProcId,
