@@ -808,23 +808,18 @@ impl LockTable {
         if covered(&req.ancestors) {
             return Vec::new();
         }
-        let lines: Vec<ProcId> = n
-            .shared
-            .iter()
-            .copied()
-            .filter(|&h| {
-                !self.exempt(req, h)
-                    && self
-                        .holders
-                        .get(&h)
-                        .is_none_or(|held| !covered(&held.ancestors))
-            })
-            .collect();
-        if lines.len() >= permits as usize {
-            lines
-        } else {
-            Vec::new()
+        let line = |h: &ProcId| {
+            !self.exempt(req, *h)
+                && self
+                    .holders
+                    .get(h)
+                    .is_none_or(|held| !covered(&held.ancestors))
+        };
+        // Counted first: a resource with room allocates nothing.
+        if n.shared.iter().filter(|h| line(h)).count() < permits as usize {
+            return Vec::new();
         }
+        n.shared.iter().copied().filter(|h| line(h)).collect()
     }
 
     /// Visits every waiter before `seq` whose request conflicts with `req`.
