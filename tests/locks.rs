@@ -579,6 +579,111 @@ async fn borrow_past_the_point_of_no_return(
     }
 }
 
+/// One wait closing two cycles. `srv` (3 permits) is filled for life by `c` (tree c,
+/// suspended), `a` (tree a) and `e` (tree e, suspended). `c`'s child `c2` waits for
+/// X p, held by `a` for life. Tree a is aborted: the rollback of its child `a2` waits
+/// for X q, held by `b` for life. Tree b is aborted: the rollback of its child `b2`
+/// needs S srv. That wait closes a cycle of rollbacks through `a` (nothing to fail, and
+/// no loan: `c` or `e` leaving would end it) and one through `c` and `c2` (`c2` can be
+/// failed). Before, the table stopped at the first cycle it met (through `a`) and all
+/// four trees hung; now it fails `c2`, and everything finishes.
+#[actix::test]
+async fn a_wait_closing_two_cycles_breaks_the_one_that_can_be_broken() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, world) = start(store, 8, |b| b.permits("srv", 3)).await;
+        let srv = || Lock::shared("srv");
+        let suspended = |n: &str, locks: Vec<Lock>, mut plan: Vec<Step>| {
+            plan.insert(0, Step::Suspend(n.to_string()));
+            Locker::new(n, locks, true, plan)
+        };
+        let c2 = Locker::new("c2", vec![Lock::exclusive("p")], false, vec![Step::More]);
+        let c = executor
+            .submit(suspended("c", vec![srv()], vec![Step::Children(vec![c2])]))
+            .await
+            .unwrap();
+        common::wait_for_state(&executor, c, ProcState::Waiting).await;
+        // a2 takes X q for two steps, then waits for an event.
+        let a2 = Locker::new(
+            "a2",
+            vec![Lock::exclusive("q")],
+            false,
+            vec![Step::More, Step::Suspend("a2".into()), Step::More],
+        );
+        let a = executor
+            .submit(Locker::new(
+                "a",
+                vec![srv(), Lock::exclusive("p")],
+                true,
+                vec![Step::Children(vec![a2])],
+            ))
+            .await
+            .unwrap();
+        let [a2] = common::waiting_children(&executor, a, 1).await[..] else {
+            panic!("{name}: a has one child");
+        };
+        // b2 takes S srv (the third permit) for two steps, then waits for an event.
+        let b2 = Locker::new(
+            "b2",
+            vec![srv()],
+            false,
+            vec![Step::More, Step::Suspend("b2".into()), Step::More],
+        );
+        let b = executor
+            .submit(Locker::new(
+                "b",
+                vec![Lock::exclusive("q")],
+                true,
+                vec![Step::Children(vec![b2])],
+            ))
+            .await
+            .unwrap();
+        common::waiting_children(&executor, b, 1).await;
+        let e = executor
+            .submit(suspended("e", vec![srv()], vec![Step::More]))
+            .await
+            .unwrap();
+        common::wait_for_state(&executor, e, ProcState::Waiting).await;
+        executor.wake_event("c").await.unwrap();
+        let c2 = loop {
+            let list = executor.list(List::new().root(c)).await.unwrap();
+            if let Some(c2) = list.iter().find(|p| p.parent == Some(c)) {
+                break c2.id;
+            }
+            tokio::task::yield_now().await;
+        };
+        wait_for_lock_wait(&executor, c2).await;
+        // a2's rollback waits for b's X q, then b2's closes the cycles.
+        assert!(executor.abort(a).await.unwrap(), "{name}");
+        wait_for_lock_wait(&executor, a2).await;
+        assert!(executor.abort(b).await.unwrap(), "{name}");
+
+        let trees = async {
+            (
+                executor.wait(a).await,
+                executor.wait(b).await,
+                executor.wait(c).await,
+            )
+        };
+        let Ok((a_result, b_result, c_result)) =
+            tokio::time::timeout(std::time::Duration::from_secs(30), trees).await
+        else {
+            panic!("{name}: the trees hang; calls {:?}", world.calls());
+        };
+        assert!(a_result.unwrap().is_err(), "{name}: a was aborted");
+        assert!(b_result.unwrap().is_err(), "{name}: b was aborted");
+        let failure = c_result.unwrap().expect_err("c deadlocks");
+        assert_eq!(failure.proc, c2, "{name}: {failure}");
+        assert!(
+            matches!(failure.error, ProcError::Deadlock(_)),
+            "{name}: {failure}"
+        );
+        executor.wake_event("e").await.unwrap();
+        assert_eq!(executor.wait(e).await.unwrap(), Ok(()), "{name}");
+        assert!(world.conflicts.lock().unwrap().is_empty(), "{name}");
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
 /// The table hears that a tree passed its point of no return only once the step that
 /// marks it is taken. Tree `a`'s first step marks it and fails; retried, it goes on
 /// without the mark, so `a` can still roll back. When `a`'s and the younger `b`'s
