@@ -287,7 +287,11 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// Makes `resource` a counted resource: at most `permits` procedures hold a shared
     /// lock on it at once (say, DDL parallelism per schema). A procedure whose ancestor
     /// holds that shared lock for its life runs under the ancestor's permit and takes
-    /// none of its own. An exclusive lock on it still excludes everyone.
+    /// none of its own (an ancestor's share held for one step covers nothing). A tree's
+    /// rollback step is not kept out by its own tree's holders, nor a deadlock's
+    /// borrower by its lender (see the guide's **Locks**): those run nothing meanwhile,
+    /// so at most `permits` lines of descent run inside at once. An exclusive lock on
+    /// it still excludes everyone.
     ///
     /// ```
     /// let builder = proctor::Executor::builder().permits("ddl/db1", 4);
