@@ -64,7 +64,10 @@
 //! One wait can close several cycles at once (a wait on a counted resource has an edge
 //! to each holder filling it). The table breaks the first one it finds that can be
 //! broken for good — by a victim whose tree can roll back, or by a loan — and pauses a
-//! victim, or waits, only when none can.
+//! victim, or waits, only when none can. Cycles found together may hold where none
+//! does alone (each freezes a holder of a counted resource that another's wait needs
+//! gone): then their waits together are treated as one cycle, and a loan among them
+//! is as safe.
 //!
 //! Pure: no clock, no IO. The scheduler actor owns one table.
 
@@ -593,24 +596,32 @@ impl LockTable {
     fn break_cycle(&self, start: ProcId) -> Option<Break> {
         let mut first = None;
         let mut without: Vec<(ProcId, ProcId)> = Vec::new();
-        for _ in 0..CYCLE_SEARCHES {
+        // The links of the cycles found so far.
+        let mut union: Vec<Hop> = Vec::new();
+        for round in 0..CYCLE_SEARCHES {
             let Some(hops) = self.find_cycle(start, &without) else {
                 break;
             };
             let loose = self.loose_hops(&hops);
-            let waits = hops
-                .iter()
-                .filter_map(|&(waiter, blocker, link)| match link {
-                    Link::Held | Link::Counted => Some(self.edge(waiter, blocker, true)),
-                    Link::Queued => Some(self.edge(waiter, blocker, false)),
-                    Link::Tree => None,
-                })
-                .collect();
-            let (action, for_good) = self.plan_break(waits, loose.is_empty());
+            let (action, for_good) = self.plan_break(self.waits(&hops), loose.is_empty());
             if for_good {
                 return action;
             }
             first.get_or_insert(action);
+            // Together, the cycles found may hold where none does alone: each freezes
+            // a holder of a counted resource that the others wait on. Then nothing in
+            // them moves until one of their waits is granted, and a loan among them is
+            // as safe as in one cycle.
+            for hop in &hops {
+                if !union.contains(hop) {
+                    union.push(*hop);
+                }
+            }
+            if round > 0 && self.loose_hops(&union).is_empty() {
+                if let (action @ Some(_), true) = self.plan_break(self.waits(&union), true) {
+                    return action;
+                }
+            }
             if loose.is_empty() {
                 without.push((hops[0].0, hops[0].1));
             } else {
@@ -618,6 +629,17 @@ impl LockTable {
             }
         }
         first.flatten()
+    }
+
+    /// The waits among `hops`, as the table reports them.
+    fn waits(&self, hops: &[Hop]) -> Vec<WaitEdge> {
+        hops.iter()
+            .filter_map(|&(waiter, blocker, link)| match link {
+                Link::Held | Link::Counted => Some(self.edge(waiter, blocker, true)),
+                Link::Queued => Some(self.edge(waiter, blocker, false)),
+                Link::Tree => None,
+            })
+            .collect()
     }
 
     /// What breaks `cycle` (see the module docs), and whether it breaks it for good.
@@ -1904,6 +1926,59 @@ mod tests {
         check_holders(&t);
         assert_eq!(t.release(ProcId(6)).granted, ids(&[7]));
         check_holders(&t);
+    }
+
+    #[test]
+    fn cycles_that_freeze_a_counted_resource_only_together_are_loaned_over() {
+        // srv (2 permits) is filled for life by 1 (tree 1) and 3 (tree 3). 5 holds
+        // X q for life; 2 (1's child) and 4 (3's child) wait for it. Tree 5 rolls back:
+        // 6 needs S srv. Cycles 6 -> 1 -> 2 -> 5 -> 6 and 6 -> 3 -> 4 -> 5 -> 6: each
+        // alone has a holder of srv it does not freeze, but together they freeze both,
+        // so nothing in them moves until one wait is granted. When 2 and 4 are steps
+        // past their point of no return, failing them would only pause them; when they
+        // are their trees' rollbacks, nothing can be failed. Either way, one borrows
+        // 5's locks.
+        for irreversible in [true, false] {
+            let mut t = LockTable::new();
+            t.set_permits("srv", 2);
+            t.set_irreversible(ProcId(1), irreversible);
+            t.set_irreversible(ProcId(3), irreversible);
+            assert_eq!(t.request(req(5, &[], &["X q"])).granted, ids(&[5]));
+            assert_eq!(t.request(req(1, &[], &["S srv"])).granted, ids(&[1]));
+            assert_eq!(t.request(req(3, &[], &["S srv"])).granted, ids(&[3]));
+            for (owner, parent) in [(2, 1), (4, 3)] {
+                let wait = if irreversible {
+                    let mut step = req(owner, &[parent], &["X q"]);
+                    step.for_life = false;
+                    step
+                } else {
+                    rollback(owner, &[parent], &["X q"])
+                };
+                assert_eq!(t.request(wait), Changes::default(), "{irreversible}");
+            }
+            let c = t.request(rollback(6, &[5], &["S srv"]));
+            let [loan] = &c.loans[..] else {
+                panic!("{irreversible}: {c:?}");
+            };
+            assert_eq!(loan.lender, ProcId(5), "{irreversible}");
+            assert_eq!(loan.rollbacks_only, !irreversible, "{irreversible}");
+            assert_eq!(loan.borrower, ProcId(2), "{irreversible}: the older tree's");
+            assert_eq!(c.granted, ids(&[2]), "{irreversible}");
+            // The cycle through 3 is left; 1 can leave once 2 is done, so it is
+            // treated as any cycle a holder outside it could end: a victim past its
+            // point of no return pauses (and continued asks again), rollbacks wait.
+            let victims: Vec<ProcId> = c.deadlocks.iter().map(|d| d.victim).collect();
+            assert_eq!(victims, ids(if irreversible { &[4] } else { &[] }), "{c:?}");
+            check_holders(&t);
+            // 2 done, then its tree: srv has room for 6, tree 5 rolls back, and q is
+            // free for 4's rollback (paused, 4 asks again when continued).
+            assert!(t.release(ProcId(2)).granted.is_empty());
+            assert_eq!(t.release(ProcId(1)).granted, ids(&[6]));
+            t.release(ProcId(6));
+            let granted = t.release(ProcId(5)).granted;
+            assert_eq!(granted, ids(if irreversible { &[] } else { &[4] }));
+            check_holders(&t);
+        }
     }
 
     #[test]
