@@ -67,7 +67,8 @@
 //! victim, or waits, only when none can. Cycles found together may hold where none
 //! does alone (each freezes a holder of a counted resource that another's wait needs
 //! gone): then their waits together are treated as one cycle, and a loan among them
-//! is as safe.
+//! is as safe. A loan rests on the other waits of its cycle lasting, so until its
+//! borrower releases, none of those waiters may borrow in turn.
 //!
 //! Pure: no clock, no IO. The scheduler actor owns one table.
 
@@ -438,6 +439,10 @@ pub struct LockTable {
     rollback_waiters: IdMap<ProcId, BTreeSet<u64>>,
     /// Borrowers (waiting or holding) and the holders whose locks they may ignore.
     loans: IdMap<ProcId, Vec<ProcId>>,
+    /// Borrowers and the other waiters of the cycle their loan was made over: the loan
+    /// is safe while those waits last, so none of them may borrow until the borrower
+    /// releases.
+    loan_pins: IdMap<ProcId, Vec<ProcId>>,
     /// Trees past their point of no return: a deadlock's victim is taken from the
     /// others if it can be (a failure there would pause the victim, not roll its tree
     /// back, and the cycle would close again when it is continued).
@@ -457,6 +462,7 @@ impl Default for LockTable {
             desc_waiters: IdMap::default(),
             rollback_waiters: IdMap::default(),
             loans: IdMap::default(),
+            loan_pins: IdMap::default(),
             irreversible: IdSet::default(),
             next_priority: 0,
             next_ordinary: ORDINARY,
@@ -571,6 +577,12 @@ impl LockTable {
                         .or_default()
                         .push(loan.lender);
                     let borrower = loan.borrower;
+                    let pins = loan
+                        .cycle
+                        .iter()
+                        .map(|e| e.waiter)
+                        .filter(|&w| w != borrower);
+                    self.loan_pins.entry(borrower).or_default().extend(pins);
                     changes.loans.push(loan);
                     let mut departed = Vec::new();
                     if let Some(&seq) = self.waiting_seq.get(&borrower) {
@@ -670,9 +682,13 @@ impl LockTable {
             .filter(|e| is_rollback(e.waiter))
             .map(|e| e.waiter_root)
             .collect();
+        // A waiter an earlier loan rests on does not borrow: its wait must last until
+        // that loan's borrower releases.
+        let pinned = |w: ProcId| self.loan_pins.values().any(|pins| pins.contains(&w));
         let lend = cycle
             .iter()
             .filter(|e| firm && e.held && rolling_back.contains(&e.blocker_root))
+            .filter(|e| !pinned(e.waiter))
             .max_by_key(|e| (e.blocker_root, std::cmp::Reverse(e.waiter_root)))
             .cloned();
         if let Some((victim, victim_root)) = victim.filter(|_| useful || lend.is_none()) {
@@ -724,6 +740,7 @@ impl LockTable {
     pub fn release(&mut self, owner: ProcId) -> Changes {
         let mut changes = Changes::default();
         self.loans.remove(&owner);
+        self.loan_pins.remove(&owner);
         if let Some(req) = self.holders.remove(&owner) {
             let mut touched = VecDeque::new();
             self.ungrant(&req, &mut touched);
@@ -1982,6 +1999,61 @@ mod tests {
     }
 
     #[test]
+    fn a_waiter_a_loan_rests_on_does_not_borrow_until_that_loan_ends() {
+        // srv (2 permits) is filled for life by 1 and 3; trees 1, 3 and 7 are past
+        // their point of no return. Tree 5 rolls back: 5 holds X q, X r, X s for life,
+        // its rollback 6 needs S srv. Waiting steps: 11 (1's child) for X q, 10 (1's
+        // child) for X p (held by 7), 70 (7's child) for X s, 30 (3's child) for X r.
+        // 6's wait closes cycles that together lend to 11 (1 frozen by 11, 3 by 30):
+        // that loan rests on 30 waiting. The cycles left (through 30, and through 10
+        // and 70) would together lend again; 30 borrowing would let tree 3 finish, srv
+        // free a permit, and tree 5 roll back while 11 holds its locks. So 70 borrows.
+        let step = |owner: u64, ancestors: &[u64], locks: &[&str]| {
+            let mut r = req(owner, ancestors, locks);
+            r.for_life = false;
+            r
+        };
+        let mut t = LockTable::new();
+        t.set_permits("srv", 2);
+        for root in [1, 3, 7] {
+            t.set_irreversible(ProcId(root), true);
+        }
+        assert_eq!(
+            t.request(req(5, &[], &["X q", "X r", "X s"])).granted,
+            ids(&[5])
+        );
+        assert_eq!(t.request(req(1, &[], &["S srv"])).granted, ids(&[1]));
+        assert_eq!(t.request(req(3, &[], &["S srv"])).granted, ids(&[3]));
+        assert_eq!(t.request(req(7, &[], &["X p"])).granted, ids(&[7]));
+        for (owner, parent, lock) in [
+            (11, 1, "X q"),
+            (10, 1, "X p"),
+            (30, 3, "X r"),
+            (70, 7, "X s"),
+        ] {
+            assert_eq!(
+                t.request(step(owner, &[parent], &[lock])),
+                Changes::default()
+            );
+        }
+        let c = t.request(rollback(6, &[5], &["S srv"]));
+        let borrowers: Vec<ProcId> = c.loans.iter().map(|l| l.borrower).collect();
+        assert_eq!(borrowers, ids(&[11, 70]), "{c:?}");
+        check_holders(&t);
+        // Each step ends, then its procedure and tree go on; tree 5's rollback is
+        // granted only once no borrower of its locks holds.
+        for done in [70, 7, 10, 11, 1] {
+            t.release(ProcId(done));
+            check_holders(&t);
+        }
+        assert_eq!(
+            t.held_by(ProcId(6)).map(<[Lock]>::len),
+            Some(1),
+            "6 holds srv"
+        );
+    }
+
+    #[test]
     fn a_holder_under_its_ancestors_share_of_a_counted_resource_takes_no_permit() {
         // srv has 2 permits. 1 (for life) and its child 2 hold it: one line of descent,
         // one permit. 3 gets the second; 4 (another tree) waits; 5, a child of 1, is
@@ -2097,6 +2169,22 @@ mod tests {
     }
 
     fn check_holders(t: &LockTable) {
+        // A lender's tree runs nothing (no rollback of it holds) while its borrower does.
+        for (borrower, lenders) in &t.loans {
+            if !t.holders.contains_key(borrower) {
+                continue;
+            }
+            for root in lenders
+                .iter()
+                .filter_map(|l| t.holders.get(l).map(|r| r.root))
+            {
+                let running = t.holders.values().find(|h| h.rollback && h.root == root);
+                assert!(
+                    running.is_none(),
+                    "{running:?} of tree {root} holds while {borrower} borrows its locks"
+                );
+            }
+        }
         let holders: Vec<&Request> = t.holders.values().collect();
         for (i, a) in holders.iter().enumerate() {
             for b in &holders[i + 1..] {
