@@ -2053,6 +2053,153 @@ mod tests {
         );
     }
 
+    /// How a tree of `loans_stay_safe_under_random_engine_calls` goes.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Course {
+        RunsOn,
+        PastNoReturn,
+        RollsBack,
+    }
+
+    /// Random calls as the engine makes them, against the safety of loans: a few trees
+    /// (running on, past their point of no return, or rolling back) whose procedures
+    /// ask for locks for a step or for life (a rolling-back tree asks for one rollback
+    /// at a time, when nothing else of it waits or holds for a step); holders release
+    /// when they may (a step's at any time, a life-long one once no descendant of it is
+    /// alive, and in a rolling-back tree only between its rollbacks); a deadlock's
+    /// victim pauses past a point of no return (alive, asking nothing) or turns its
+    /// tree to rolling back (its other waits withdrawn). After every call, no lender's
+    /// tree runs while its borrower holds. About 300 loans in the 10 000 seeds. (A
+    /// review's model: 240 000 seeds ran clean; without the loan pins it fails, rarely.)
+    #[test]
+    fn loans_stay_safe_under_random_engine_calls() {
+        const LOCKS: [&str; 6] = ["X a", "X b", "X c", "X d", "S srv", "S srv2"];
+        for seed in 0..10_000u64 {
+            let mut rng = fastrand::Rng::with_seed(seed);
+            let mut t = LockTable::new();
+            t.set_permits("srv", rng.u32(1..=2));
+            t.set_permits("srv2", 1);
+            let some_locks = |rng: &mut fastrand::Rng| {
+                let mut v: Vec<&str> = LOCKS
+                    .iter()
+                    .copied()
+                    .filter(|_| rng.u8(0..3) == 0)
+                    .collect();
+                if v.is_empty() {
+                    v.push(LOCKS[rng.usize(..LOCKS.len())]);
+                }
+                v
+            };
+            let trees = rng.u64(3..6);
+            let mut course: Vec<Course> = Vec::new();
+            // Every procedure made, with its ancestors; paused victims stay alive.
+            let mut procs: Vec<(u64, Vec<u64>)> = Vec::new();
+            let mut paused: Vec<u64> = Vec::new();
+            let mut log: Vec<String> = Vec::new();
+            for k in 1..=trees {
+                let root = k * 10;
+                let locks = some_locks(&mut rng);
+                t.request(req(root, &[], &locks));
+                let c = [Course::RunsOn, Course::PastNoReturn, Course::RollsBack][rng.usize(..3)];
+                t.set_irreversible(ProcId(root), c == Course::PastNoReturn);
+                course.push(c);
+                procs.push((root, Vec::new()));
+                log.push(format!("{root}: {locks:?}, {c:?}"));
+            }
+            let tree = |root: ProcId| (root.0 / 10 - 1) as usize;
+            let mut next = 1000;
+            for _ in 0..60 {
+                if rng.bool() {
+                    // A new procedure under a life-long holder of a random tree.
+                    let k = rng.usize(..course.len());
+                    let root = ProcId(k as u64 * 10 + 10);
+                    let parents: Vec<&(u64, Vec<u64>)> = procs
+                        .iter()
+                        .filter(|(p, a)| {
+                            (a.last().copied().unwrap_or(*p) == root.0)
+                                && t.holds(ProcId(*p)) == Some(true)
+                        })
+                        .collect();
+                    if parents.is_empty() {
+                        continue;
+                    }
+                    let (parent, above) = parents[rng.usize(..parents.len())];
+                    let ancestors: Vec<u64> =
+                        [*parent].into_iter().chain(above.iter().copied()).collect();
+                    let locks = some_locks(&mut rng);
+                    next += 1;
+                    let c = if course[k] == Course::RollsBack {
+                        let busy = t.waiters.values().any(|w| w.req.root == root)
+                            || t.holders.values().any(|h| h.root == root && !h.for_life);
+                        if busy {
+                            continue;
+                        }
+                        log.push(format!("rollback {next} under {ancestors:?}: {locks:?}"));
+                        t.request(rollback(next, &ancestors, &locks))
+                    } else {
+                        let mut r = req(next, &ancestors, &locks);
+                        r.for_life = rng.bool();
+                        log.push(format!(
+                            "{next} under {ancestors:?}: {locks:?}, life {}",
+                            r.for_life
+                        ));
+                        t.request(r)
+                    };
+                    procs.push((next, ancestors));
+                    log.push(format!("  -> {c:?}"));
+                    for d in &c.deadlocks {
+                        match course[tree(d.victim_root)] {
+                            Course::PastNoReturn => paused.push(d.victim.0),
+                            _ => {
+                                course[tree(d.victim_root)] = Course::RollsBack;
+                                let waiting: Vec<ProcId> = t
+                                    .waiters
+                                    .values()
+                                    .filter(|w| w.req.root == d.victim_root)
+                                    .map(|w| w.req.owner)
+                                    .collect();
+                                for w in waiting {
+                                    t.release(w);
+                                }
+                            }
+                        }
+                    }
+                } else {
+                    // A holder that may release does.
+                    let alive_below = |h: ProcId| {
+                        t.holders.values().any(|o| o.ancestors.contains(&h))
+                            || t.waiters.values().any(|o| o.req.ancestors.contains(&h))
+                            || paused
+                                .iter()
+                                .any(|p| procs.iter().any(|(q, a)| q == p && a.contains(&h.0)))
+                    };
+                    let may: Vec<ProcId> = t
+                        .holders
+                        .values()
+                        .filter(|h| {
+                            !h.for_life
+                                || (!alive_below(h.owner)
+                                    && (course[tree(h.root)] != Course::RollsBack
+                                        || !(t.waiters.values().any(|w| w.req.root == h.root)
+                                            || t.holders
+                                                .values()
+                                                .any(|o| o.root == h.root && !o.for_life))))
+                        })
+                        .map(|h| h.owner)
+                        .collect();
+                    if may.is_empty() {
+                        continue;
+                    }
+                    let h = may[rng.usize(..may.len())];
+                    let c = t.release(h);
+                    log.push(format!("release {h} -> {c:?}"));
+                }
+                let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| check_loans(&t)));
+                assert!(ok.is_ok(), "seed {seed}:\n{}", log.join("\n"));
+            }
+        }
+    }
+
     #[test]
     fn a_holder_under_its_ancestors_share_of_a_counted_resource_takes_no_permit() {
         // srv has 2 permits. 1 (for life) and its child 2 hold it: one line of descent,
@@ -2136,6 +2283,10 @@ mod tests {
         if ancestry(a, b.owner) || ancestry(b, a.owner) {
             return false;
         }
+        // A rollback goes in beside its own tree's holders, which run nothing meanwhile.
+        if (a.rollback || b.rollback) && a.root == b.root {
+            return false;
+        }
         let lent = |x: &Request, y: &Request| {
             table
                 .loans
@@ -2169,7 +2320,18 @@ mod tests {
     }
 
     fn check_holders(t: &LockTable) {
-        // A lender's tree runs nothing (no rollback of it holds) while its borrower does.
+        check_loans(t);
+        let holders: Vec<&Request> = t.holders.values().collect();
+        for (i, a) in holders.iter().enumerate() {
+            for b in &holders[i + 1..] {
+                assert!(!conflicting(a, b, t), "conflicting holders {a:?} and {b:?}");
+            }
+        }
+        check_permits(t);
+    }
+
+    /// A lender's tree runs nothing (no rollback of it holds) while its borrower does.
+    fn check_loans(t: &LockTable) {
         for (borrower, lenders) in &t.loans {
             if !t.holders.contains_key(borrower) {
                 continue;
@@ -2185,12 +2347,11 @@ mod tests {
                 );
             }
         }
-        let holders: Vec<&Request> = t.holders.values().collect();
-        for (i, a) in holders.iter().enumerate() {
-            for b in &holders[i + 1..] {
-                assert!(!conflicting(a, b, t), "conflicting holders {a:?} and {b:?}");
-            }
-        }
+    }
+
+    /// At most a counted resource's permits of lines of descent hold it, among the
+    /// holders that may run.
+    fn check_permits(t: &LockTable) {
         for (resource, &permits) in &t.permits {
             // One permit per line of descent.
             let shared = t.nodes.get(resource).map_or(&[][..], |n| &n.shared[..]);
