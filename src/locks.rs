@@ -600,7 +600,7 @@ impl LockTable {
     /// cycle found that can be broken for good (a victim whose tree can roll back, or a
     /// loan), else from the first cycle found (a victim past its point of no return,
     /// which only pauses; a cycle of rollbacks only with nothing to lend has none).
-    /// Several cycles can close through one wait (a wait on a counted resource has an
+    /// Several cycles can close through one wait (a wait on a counted resource has a
     /// link to each holder filling it), and the first met may be the one without a way
     /// out: the search is repeated without the links that made it so (its waits that a
     /// holder outside it could end, or else its first link), up to [`CYCLE_SEARCHES`]
