@@ -2,18 +2,19 @@
 //!
 //! Each seed builds a random workload — trees of procedures with children, failing
 //! steps (some retried by a `RetryThenRollback` policy, some of those getting past the
-//! failure on a retry), yields, roots holding a lock through the user hooks, procedures (roots and
-//! children) declaring engine locks on a small resource hierarchy and a counted
-//! resource (1 or 2 permits), per step or for life, some roots of a system type (their steps first, on system workers when the
-//! seed gives the executor one), time limits of a few ms on some procedures (a timeout
-//! fails the tree wherever the procedure is: in a step, queued, waiting for locks or
-//! children, paused), operator aborts at random moments, sometimes a crash through a failing store
-//! and a restart — and runs it with the actor layer's perturbation points on
-//! (`proctor::perturb`), so rare interleavings happen often. Everything observable goes
-//! into one history: step and rollback calls, hook lock grants and releases, which
-//! procedure is inside which engine locks (entered at the start of a call, left before
-//! the call that ends the hold returns), cleanups, records as they become durable,
-//! states the executor reports, abort and pause answers, continues and results. [`check`] then asserts the
+//! failure on a retry), yields, roots holding a lock through the user hooks, procedures
+//! (roots and children) declaring engine locks on a small resource hierarchy and a
+//! counted resource (1 or 2 permits), per step or for life, some roots of a system type
+//! (their steps first, on system workers when the seed gives the executor one), time
+//! limits of a few ms on some procedures (a timeout fails the tree wherever the
+//! procedure is: in a step, queued, waiting for locks or children, paused), operator
+//! aborts at random moments, sometimes a crash through a failing store and a restart —
+//! and runs it with the actor layer's perturbation points on (`proctor::perturb`), so
+//! rare interleavings happen often. Everything observable goes into one history: step
+//! and rollback calls, hook lock grants and releases, which procedure is inside which
+//! engine locks (entered at the start of a call, left before the call that ends the
+//! hold returns), cleanups, records as they become durable, states the executor
+//! reports, abort and pause answers, continues and results. [`check`] then asserts the
 //! engine's promises on it:
 //!
 //! - a failed tree's result is the first failure its log made durable;
