@@ -59,12 +59,22 @@
 //! the lender's tree could run while the borrower holds. So such a wait counts only if
 //! every holder filling the resource holds for life and is frozen by the cycle: of a
 //! tree whose rollback waits in it, or an ancestor of a waiter in it. Otherwise no loan
-//! is made: the cycle fails a victim or, of rollbacks only, waits for a holder to leave.
+//! is made.
+//!
+//! Nor is such a cycle always a deadlock. A holder filling the resource that is free to
+//! leave — it holds for one step, or for life with no waiter below it and none rolling
+//! back its tree — is held up by no lock wait, and its leaving ends the cycle: the
+//! waiter just waits, and nothing is failed or paused. Should that holder come to wait
+//! on the cycle later, it does so by a request, which is searched in turn. A holder
+//! held up by any wait might be frozen through waits the search did not follow, so a
+//! cycle whose other holders are all held up is broken as a deadlock.
 //!
 //! One wait can close several cycles at once (a wait on a counted resource has an edge
 //! to each holder filling it). The table breaks the first one it finds that can be
 //! broken for good — by a victim whose tree can roll back, or by a loan — and pauses a
-//! victim, or waits, only when none can. Cycles found together may hold where none
+//! victim, or waits, only when none can; cycles that end by themselves are passed over,
+//! unless the search is cut short (then the first cycle found is broken, since one not
+//! searched could be a deadlock). Cycles found together may hold where none
 //! does alone (each freezes a holder of a counted resource that another's wait needs
 //! gone): then their waits together are treated as one cycle, and a loan among them
 //! is as safe. A loan rests on the other waits of its cycle lasting, so until its
@@ -600,26 +610,37 @@ impl LockTable {
     /// cycle found that can be broken for good (a victim whose tree can roll back, or a
     /// loan), else from the first cycle found (a victim past its point of no return,
     /// which only pauses; a cycle of rollbacks only with nothing to lend has none).
-    /// Several cycles can close through one wait (a wait on a counted resource has a
+    /// A cycle that a holder free to leave can end ([`ends_by_itself`](Self::ends_by_itself))
+    /// is no deadlock and is passed over, unless the search is cut short. Several cycles can close through one wait (a wait on a counted resource has a
     /// link to each holder filling it), and the first met may be the one without a way
     /// out: the search is repeated without the links that made it so (its waits that a
     /// holder outside it could end, or else its first link), up to [`CYCLE_SEARCHES`]
     /// times. Each search visits a procedure at most once.
     fn break_cycle(&self, start: ProcId) -> Option<Break> {
-        let mut first = None;
+        // The first cycle's way out among those that cannot end by themselves, and
+        // among all (taken only if the search is cut short).
+        let (mut first, mut fallback) = (None, None);
         let mut without: Vec<(ProcId, ProcId)> = Vec::new();
         // The links of the cycles found so far.
         let mut union: Vec<Hop> = Vec::new();
+        let mut searched_all = false;
         for round in 0..CYCLE_SEARCHES {
             let Some(hops) = self.find_cycle(start, &without) else {
+                searched_all = true;
                 break;
             };
             let loose = self.loose_hops(&hops);
             let (action, for_good) = self.plan_break(self.waits(&hops), loose.is_empty());
-            if for_good {
+            // A wait of the cycle on a counted resource that a holder not held up by
+            // any wait fills ends when that holder leaves: no deadlock (yet). Should the
+            // holder come to wait on the cycle later, that wait is searched in turn.
+            if self.ends_by_itself(&hops) {
+                fallback.get_or_insert(action);
+            } else if for_good {
                 return action;
+            } else {
+                first.get_or_insert(action);
             }
-            first.get_or_insert(action);
             // Together, the cycles found may hold where none does alone: each freezes
             // a holder of a counted resource that the others wait on. Then nothing in
             // them moves until one of their waits is granted, and a loan among them is
@@ -640,7 +661,13 @@ impl LockTable {
                 without.extend(loose);
             }
         }
-        first.flatten()
+        // Cut short, a cycle not searched could be a deadlock: the first one found is
+        // broken then, even if it might have ended by itself.
+        if searched_all {
+            first.flatten()
+        } else {
+            first.or(fallback).flatten()
+        }
     }
 
     /// The waits among `hops`, as the table reports them.
@@ -1256,6 +1283,41 @@ impl LockTable {
         })
     }
 
+    /// Whether the cycle `hops` can end by itself: one of its waits is on a full
+    /// counted resource that a holder [free to leave](Self::free_to_leave) fills.
+    fn ends_by_itself(&self, hops: &[Hop]) -> bool {
+        hops.iter().any(|&(waiter, holder, link)| {
+            link == Link::Counted && {
+                let w = &self.waiters[&self.waiting_seq[&waiter]].req;
+                w.locks.iter().any(|lock| {
+                    let r = lock.resource.as_str();
+                    let Some(n) = self.nodes.get(r).filter(|_| lock.mode == LockMode::Shared)
+                    else {
+                        return false;
+                    };
+                    let fillers = self.fillers(w, r, n);
+                    fillers.contains(&holder) && fillers.into_iter().any(|h| self.free_to_leave(h))
+                })
+            }
+        })
+    }
+
+    /// Whether holder `h` is held up by no wait in the table: it holds for one step
+    /// (which ends), or for life with no waiter below it and none rolling back its
+    /// tree. Whatever else it waits for (its step, its children, an event, an
+    /// operator) is not a lock wait, and it comes to wait on one only by a new request,
+    /// which is searched for cycles then.
+    fn free_to_leave(&self, h: ProcId) -> bool {
+        let Some(held) = self.holders.get(&h) else {
+            return true;
+        };
+        let waiting = |index: &IdMap<ProcId, BTreeSet<u64>>, id| {
+            index.get(&id).is_some_and(|seqs| !seqs.is_empty())
+        };
+        !held.for_life
+            || !(waiting(&self.desc_waiters, h) || waiting(&self.rollback_waiters, held.root))
+    }
+
     fn edge(&self, waiter: ProcId, blocker: ProcId, held: bool) -> WaitEdge {
         let w = &self.waiters[&self.waiting_seq[&waiter]].req;
         let blocker_root = self
@@ -1687,18 +1749,12 @@ mod tests {
             wait.for_life = false;
             // Tree 2 failed instead: 10 is its rollback, and nothing can be failed.
             wait.rollback = !tree_2_irreversible;
-            let c = t.request(wait);
-            assert!(c.loans.is_empty() && c.granted.is_empty(), "{c:?}");
-            if tree_2_irreversible {
-                // Failed (it pauses); continued later, it finds tree 6 gone on.
-                assert_eq!(c.deadlocks[0].victim, ProcId(10), "{c:?}");
-            } else {
-                assert!(c.deadlocks.is_empty(), "{c:?}");
-            }
+            // 20 leaving ends the cycle: no victim either (before, 10 past the point of
+            // no return was failed, and paused).
+            assert_eq!(t.request(wait), Changes::default());
             assert_eq!(t.release(ProcId(20)).granted, ids(&[8]));
             t.release(ProcId(8));
-            let granted = t.release(ProcId(7)).granted;
-            assert_eq!(granted, ids(if tree_2_irreversible { &[] } else { &[10] }));
+            assert_eq!(t.release(ProcId(7)).granted, ids(&[10]));
             check_holders(&t);
         }
     }
@@ -1712,9 +1768,10 @@ mod tests {
         // ancestor of a waiter in it — srv stays full until the cycle is broken, so the
         // cycle holds and 10 borrows 7's locks. A holder that can leave (a step's,
         // another tree's, or a life-long one of a tree past its point of no return that
-        // is not an ancestor of a waiter) would end 8's wait by itself: no loan then (10
-        // waits, or, a step past the point of no return, is failed). The last holder
-        // listed leaves, and 8 gets srv.
+        // is not an ancestor of a waiter) would end 8's wait by itself: no loan then, and
+        // no victim either (before, a step past the point of no return was failed, and
+        // paused): 10 waits. The last holder listed leaves, and 8 gets srv; then 7
+        // rolls back, and 10 gets X t1.
         type Holder = (u64, &'static [u64], bool);
         struct Case {
             permits: u32,
@@ -1801,19 +1858,14 @@ mod tests {
                 // 10 done, tree 2 goes on: srv has room for 8 once a holder leaves.
                 assert!(t.release(ProcId(10)).granted.is_empty(), "case {i}");
             } else {
-                assert!(
-                    c.loans.is_empty() && c.granted.is_empty(),
-                    "case {i}: {c:?}"
-                );
-                // A rollback waits; a step past the point of no return is failed.
-                assert_eq!(
-                    c.deadlocks.is_empty(),
-                    case.tree_2_rolls_back,
-                    "case {i}: {c:?}"
-                );
+                assert_eq!(c, Changes::default(), "case {i}");
             }
             assert_eq!(t.release(leaves).granted, ids(&[8]), "case {i}");
             check_holders(&t);
+            if !case.loan {
+                t.release(ProcId(8));
+                assert_eq!(t.release(ProcId(7)).granted, ids(&[10]), "case {i}");
+            }
         }
     }
 
@@ -1946,6 +1998,75 @@ mod tests {
     }
 
     #[test]
+    fn a_cycle_a_holder_free_to_leave_could_end_is_left_waiting() {
+        // srv (2 permits) is filled for life by 3 (tree 2, past its point of no return)
+        // and 30 (tree 30). Tree 6 rolls back: 7 holds X t1 for life, its rollback 8
+        // needs S srv. Then 10 (3's child) needs X t1: 10 -> 7 -> 8 -> 3 -> 10. 30 is
+        // outside the cycle: if nothing holds it up, it leaves in time and ends 8's
+        // wait, so 10 waits (before, 10 was failed, and paused: an operator had to
+        // continue it). If a wait holds 30 up — one below it, or one rolling its tree
+        // back — the table does not look further and breaks the cycle as before.
+        struct Case {
+            what: &'static str,
+            holds_30_up: Option<Request>,
+            victim: bool,
+        }
+        let cases = [
+            Case {
+                what: "30 is free",
+                holds_30_up: None,
+                victim: false,
+            },
+            Case {
+                what: "30's child waits",
+                holds_30_up: Some(req(31, &[30], &["X z"])),
+                victim: true,
+            },
+            Case {
+                what: "30's tree's rollback waits",
+                holds_30_up: Some(rollback(32, &[30], &["X z"])),
+                victim: true,
+            },
+        ];
+        for case in cases {
+            let mut t = LockTable::new();
+            t.set_permits("srv", 2);
+            t.set_irreversible(ProcId(2), true);
+            assert_eq!(t.request(req(40, &[], &["X z"])).granted, ids(&[40]));
+            assert_eq!(t.request(req(3, &[2], &["S srv"])).granted, ids(&[3]));
+            assert_eq!(t.request(req(30, &[], &["S srv"])).granted, ids(&[30]));
+            if let Some(wait) = case.holds_30_up {
+                assert_eq!(t.request(wait), Changes::default(), "{}", case.what);
+            }
+            t.request(req(7, &[6], &["X t1"]));
+            assert_eq!(t.request(rollback(8, &[6], &["S srv"])), Changes::default());
+            let mut wait = req(10, &[3, 2], &["X t1"]);
+            wait.for_life = false;
+            let c = t.request(wait);
+            assert!(
+                c.granted.is_empty() && c.loans.is_empty(),
+                "{}: {c:?}",
+                case.what
+            );
+            let victims: Vec<ProcId> = c.deadlocks.iter().map(|d| d.victim).collect();
+            let expected: &[u64] = if case.victim { &[10] } else { &[] };
+            assert_eq!(victims, ids(expected), "{}", case.what);
+            check_holders(&t);
+            // 40 leaves, whatever waited on it goes and is done, then 30 leaves: srv
+            // has room for 8, tree 6 rolls back, and X t1 is free for 10 if it waits.
+            for done in t.release(ProcId(40)).granted {
+                t.release(done);
+            }
+            assert_eq!(t.release(ProcId(30)).granted, ids(&[8]), "{}", case.what);
+            t.release(ProcId(8));
+            let granted = t.release(ProcId(7)).granted;
+            let expected: &[u64] = if case.victim { &[] } else { &[10] };
+            assert_eq!(granted, ids(expected), "{}", case.what);
+            check_holders(&t);
+        }
+    }
+
+    #[test]
     fn cycles_that_freeze_a_counted_resource_only_together_are_loaned_over() {
         // srv (2 permits) is filled for life by 1 (tree 1) and 3 (tree 3). 5 holds
         // X q for life; 2 (1's child) and 4 (3's child) wait for it. Tree 5 rolls back:
@@ -1981,19 +2102,17 @@ mod tests {
             assert_eq!(loan.rollbacks_only, !irreversible, "{irreversible}");
             assert_eq!(loan.borrower, ProcId(2), "{irreversible}: the older tree's");
             assert_eq!(c.granted, ids(&[2]), "{irreversible}");
-            // The cycle through 3 is left; 1 can leave once 2 is done, so it is
-            // treated as any cycle a holder outside it could end: a victim past its
-            // point of no return pauses (and continued asks again), rollbacks wait.
-            let victims: Vec<ProcId> = c.deadlocks.iter().map(|d| d.victim).collect();
-            assert_eq!(victims, ids(if irreversible { &[4] } else { &[] }), "{c:?}");
+            // The cycle through 3 is left, and 1, no longer above a waiter, can leave
+            // once 2 is done: no victim (before, 4 past its point of no return was
+            // failed, and paused, though it would have been granted in time).
+            assert!(c.deadlocks.is_empty(), "{c:?}");
             check_holders(&t);
             // 2 done, then its tree: srv has room for 6, tree 5 rolls back, and q is
-            // free for 4's rollback (paused, 4 asks again when continued).
+            // free for 4.
             assert!(t.release(ProcId(2)).granted.is_empty());
             assert_eq!(t.release(ProcId(1)).granted, ids(&[6]));
             t.release(ProcId(6));
-            let granted = t.release(ProcId(5)).granted;
-            assert_eq!(granted, ids(if irreversible { &[] } else { &[4] }));
+            assert_eq!(t.release(ProcId(5)).granted, ids(&[4]));
             check_holders(&t);
         }
     }

@@ -303,6 +303,17 @@ async fn start(
     (executor, world)
 }
 
+/// The first child `parent` has, once it has one.
+async fn first_child(executor: &Executor<World>, parent: ProcId) -> ProcId {
+    loop {
+        let list = executor.list(List::new().root(parent)).await.unwrap();
+        if let Some(child) = list.iter().find(|p| p.parent == Some(parent)) {
+            return child.id;
+        }
+        tokio::task::yield_now().await;
+    }
+}
+
 /// Waits until `id` is reported waiting for its locks (polling, as an operator would).
 async fn wait_for_lock_wait(executor: &Executor<World>, id: ProcId) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
@@ -532,13 +543,7 @@ async fn borrow_past_the_point_of_no_return(
             ))
             .await
             .unwrap();
-        let c = loop {
-            let list = executor.list(List::new().root(t)).await.unwrap();
-            if let Some(c) = list.iter().find(|p| p.parent == Some(t)) {
-                break c.id;
-            }
-            tokio::task::yield_now().await;
-        };
+        let c = first_child(&executor, t).await;
         wait_for_lock_wait(&executor, c).await;
         executor.wake_event("g").await.unwrap();
 
@@ -579,14 +584,80 @@ async fn borrow_past_the_point_of_no_return(
     }
 }
 
+/// A cycle that a holder outside it ends: `srv` (2 permits) is filled for life by `t`
+/// and by `x`, which is in a step (waiting for the test). `t`'s child `c` waits for
+/// X p, which `a` holds for life; then `a`'s child `a2` needs S srv:
+/// a2 -> t -> c -> a -> a2. Nothing holds `x` up, and its leaving ends `a2`'s wait,
+/// so there is no deadlock: `a2` waits, and all three trees succeed. Before, the
+/// younger tree `t` failed with a deadlock error and rolled back.
+#[actix::test]
+async fn a_cycle_a_holder_outside_it_ends_is_not_a_deadlock() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, world) = start(store, 4, |b| b.permits("srv", 2)).await;
+        let in_srv = |n, life, plan| Locker {
+            counted: true,
+            ..Locker::new(n, vec![Lock::shared("srv")], life, plan)
+        };
+        let x = in_srv("x", true, vec![Step::Signal, Step::Permit]);
+        let x = executor.submit(x).await.unwrap();
+        world.signal.notified().await;
+        let a2 = in_srv("a2", false, vec![Step::More]);
+        let a = Locker::new(
+            "a",
+            vec![Lock::exclusive("p")],
+            true,
+            vec![Step::Suspend("a".into()), Step::Children(vec![a2])],
+        );
+        let a = executor.submit(a).await.unwrap();
+        let c = Locker::new("c", vec![Lock::exclusive("p")], false, vec![Step::More]);
+        let t = in_srv("t", true, vec![Step::Children(vec![c])]);
+        let t = executor.submit(t).await.unwrap();
+        let c = first_child(&executor, t).await;
+        wait_for_lock_wait(&executor, c).await;
+        // a holds p and is suspended (c waits for it); now it starts a2.
+        executor.wake_event("a").await.unwrap();
+        let a2 = first_child(&executor, a).await;
+        // a2's request closes the cycle: it waits (before, c was failed at once).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            let (a2_info, t_info) = (executor.state(a2).await, executor.state(t).await);
+            if !a2_info.unwrap().locks_waiting.is_empty() || t_info.unwrap().result.is_some() {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{name}: a2 never asked"
+            );
+            tokio::task::yield_now().await;
+        }
+        world.permits.add_permits(1);
+        for (tree, id) in [("x", x), ("a", a), ("t", t)] {
+            let result = executor.wait(id).await.unwrap();
+            assert_eq!(result, Ok(()), "{name}: tree {tree}");
+        }
+        // c ran once a (and so a2) was done; never more than two inside srv.
+        let first = |call| {
+            world
+                .first(call)
+                .unwrap_or_else(|| panic!("{name}: {call}"))
+        };
+        assert!(first("a2-exec") < first("c-exec"), "{name}");
+        assert_eq!(world.max_counted.load(Ordering::SeqCst), 2, "{name}");
+        assert!(world.conflicts.lock().unwrap().is_empty(), "{name}");
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
 /// One wait closing two cycles. `srv` (3 permits) is filled for life by `c` (tree c,
-/// suspended), `a` (tree a) and `e` (tree e, suspended). `c`'s child `c2` waits for
-/// X p, held by `a` for life. Tree a is aborted: the rollback of its child `a2` waits
-/// for X q, held by `b` for life. Tree b is aborted: the rollback of its child `b2`
-/// needs S srv. That wait closes a cycle of rollbacks through `a` (nothing to fail, and
-/// no loan: `c` or `e` leaving would end it) and one through `c` and `c2` (`c2` can be
-/// failed). Before, the table stopped at the first cycle it met (through `a`) and all
-/// four trees hung; now it fails `c2`, and everything finishes.
+/// suspended), `a` (tree a) and `e` (tree e). `c`'s child `c2` waits for X p, held by
+/// `a` for life. Tree a is aborted: the rollback of its child `a2` waits for X q, held
+/// by `b` for life. Tree b is aborted: the rollback of its child `b2` needs S srv. That
+/// wait closes a cycle of rollbacks through `a` (nothing to fail, and no loan: `c` or
+/// `e` leaving would end it) and one through `c` and `c2` (`c2` can be failed). Before,
+/// the table stopped at the first cycle it met (through `a`) and all four trees hung;
+/// now it fails `c2`, and everything finishes. `e` is held up by a wait (its child
+/// `e2` waits for X z, which the suspended `z` holds): were it free to leave, `b2`
+/// would just wait for it (`a_cycle_a_holder_outside_it_ends_is_not_a_deadlock`).
 #[actix::test]
 async fn a_wait_closing_two_cycles_breaks_the_one_that_can_be_broken() {
     for (name, store, _dir) in common::stores() {
@@ -638,19 +709,24 @@ async fn a_wait_closing_two_cycles_breaks_the_one_that_can_be_broken() {
             .await
             .unwrap();
         common::waiting_children(&executor, b, 1).await;
-        let e = executor
-            .submit(suspended("e", vec![srv()], vec![Step::More]))
+        let z = executor
+            .submit(suspended("z", vec![Lock::exclusive("z")], vec![Step::More]))
             .await
             .unwrap();
-        common::wait_for_state(&executor, e, ProcState::Waiting).await;
+        common::wait_for_state(&executor, z, ProcState::Waiting).await;
+        let e2 = Locker::new("e2", vec![Lock::exclusive("z")], false, vec![Step::More]);
+        let e = executor
+            .submit(Locker::new(
+                "e",
+                vec![srv()],
+                true,
+                vec![Step::Children(vec![e2])],
+            ))
+            .await
+            .unwrap();
+        wait_for_lock_wait(&executor, first_child(&executor, e).await).await;
         executor.wake_event("c").await.unwrap();
-        let c2 = loop {
-            let list = executor.list(List::new().root(c)).await.unwrap();
-            if let Some(c2) = list.iter().find(|p| p.parent == Some(c)) {
-                break c2.id;
-            }
-            tokio::task::yield_now().await;
-        };
+        let c2 = first_child(&executor, c).await;
         wait_for_lock_wait(&executor, c2).await;
         // a2's rollback waits for b's X q, then b2's closes the cycles.
         assert!(executor.abort(a).await.unwrap(), "{name}");
@@ -677,7 +753,8 @@ async fn a_wait_closing_two_cycles_breaks_the_one_that_can_be_broken() {
             matches!(failure.error, ProcError::Deadlock(_)),
             "{name}: {failure}"
         );
-        executor.wake_event("e").await.unwrap();
+        executor.wake_event("z").await.unwrap();
+        assert_eq!(executor.wait(z).await.unwrap(), Ok(()), "{name}");
         assert_eq!(executor.wait(e).await.unwrap(), Ok(()), "{name}");
         assert!(world.conflicts.lock().unwrap().is_empty(), "{name}");
         executor.shutdown_now().await.unwrap();
