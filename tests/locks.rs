@@ -1110,12 +1110,19 @@ async fn a_rolled_back_procedure_frees_its_life_long_locks_for_the_rest_of_the_r
     }
 }
 
-/// A bypassed holder's locks are released: the procedure waiting for them runs.
+/// A bypassed holder's locks are released: the procedure waiting for them runs. The
+/// waiter itself cannot be bypassed (it is queued: no wait of the lock table, which a
+/// loan could rest on, ends by a bypass of its waiter).
 #[actix::test]
 async fn a_bypassed_holder_releases_its_locks() {
     for (name, store, _dir) in common::stores() {
         let (executor, world) = start(store, 4, |b| b).await;
         let (a, b) = holder_and_waiter(&executor).await;
+        let refused = executor.bypass(b, false).await;
+        assert!(
+            matches!(&refused, Err(Error::BypassRefused { id, .. }) if *id == b),
+            "{name}: {refused:?}"
+        );
         executor.bypass(a, false).await.unwrap();
         assert_eq!(executor.wait(a).await.unwrap(), Ok(()), "{name}");
         assert_eq!(executor.wait(b).await.unwrap(), Ok(()), "{name}");
