@@ -63,11 +63,14 @@
 //!
 //! Nor is such a cycle always a deadlock. A holder filling the resource that is free to
 //! leave — it holds for one step, or for life with no waiter below it and none rolling
-//! back its tree — is held up by no lock wait, and its leaving ends the cycle: the
-//! waiter just waits, and nothing is failed or paused. Should that holder come to wait
-//! on the cycle later, it does so by a request, which is searched in turn. A holder
-//! held up by any wait might be frozen through waits the search did not follow, so a
-//! cycle whose other holders are all held up is broken as a deadlock.
+//! back its tree — is held up by no lock wait. When such holders would make room by
+//! leaving (more of them than the resource has holders past its permits: a loan or a
+//! rollback's own tree can put more in), in every counted resource by which the
+//! cycle's blocker blocks the waiter, their leaving ends the cycle: the waiter just
+//! waits, and nothing is failed or paused. Should such a holder come to wait on the
+//! cycle later, it does so by a request, which is searched in turn. A holder held up by
+//! any wait might be frozen through waits the search did not follow, so it is not
+//! counted on to leave.
 //!
 //! One wait can close several cycles at once (a wait on a counted resource has an edge
 //! to each holder filling it). The table breaks the first one it finds that can be
@@ -610,7 +613,7 @@ impl LockTable {
     /// cycle found that can be broken for good (a victim whose tree can roll back, or a
     /// loan), else from the first cycle found (a victim past its point of no return,
     /// which only pauses; a cycle of rollbacks only with nothing to lend has none).
-    /// A cycle that a holder free to leave can end ([`ends_by_itself`](Self::ends_by_itself))
+    /// A cycle that holders free to leave can end ([`ends_by_itself`](Self::ends_by_itself))
     /// is no deadlock and is passed over, unless the search is cut short. Several cycles can close through one wait (a wait on a counted resource has a
     /// link to each holder filling it), and the first met may be the one without a way
     /// out: the search is repeated without the links that made it so (its waits that a
@@ -631,16 +634,21 @@ impl LockTable {
             };
             let loose = self.loose_hops(&hops);
             let (action, for_good) = self.plan_break(self.waits(&hops), loose.is_empty());
-            // A wait of the cycle on a counted resource that a holder not held up by
-            // any wait fills ends when that holder leaves: no deadlock (yet). Should the
-            // holder come to wait on the cycle later, that wait is searched in turn.
-            if self.ends_by_itself(&hops) {
+            // A wait of the cycle on counted resources that holders held up by no wait
+            // fill ends when they leave: no deadlock (yet). Should such a holder come
+            // to wait on the cycle later, that wait is searched in turn. Only those
+            // waits are left out of the next search (the cycle's other loose waits
+            // may be firm in another cycle), and the cycle stays out of the union.
+            let ending = self.ends_by_itself(&hops);
+            if !ending.is_empty() {
                 fallback.get_or_insert(action);
-            } else if for_good {
-                return action;
-            } else {
-                first.get_or_insert(action);
+                without.extend(ending);
+                continue;
             }
+            if for_good {
+                return action;
+            }
+            first.get_or_insert(action);
             // Together, the cycles found may hold where none does alone: each freezes
             // a holder of a counted resource that the others wait on. Then nothing in
             // them moves until one of their waits is granted, and a loan among them is
@@ -1283,23 +1291,37 @@ impl LockTable {
         })
     }
 
-    /// Whether the cycle `hops` can end by itself: one of its waits is on a full
-    /// counted resource that a holder [free to leave](Self::free_to_leave) fills.
-    fn ends_by_itself(&self, hops: &[Hop]) -> bool {
-        hops.iter().any(|&(waiter, holder, link)| {
-            link == Link::Counted && {
-                let w = &self.waiters[&self.waiting_seq[&waiter]].req;
-                w.locks.iter().any(|lock| {
-                    let r = lock.resource.as_str();
-                    let Some(n) = self.nodes.get(r).filter(|_| lock.mode == LockMode::Shared)
-                    else {
-                        return false;
-                    };
-                    let fillers = self.fillers(w, r, n);
-                    fillers.contains(&holder) && fillers.into_iter().any(|h| self.free_to_leave(h))
+    /// The waits of the cycle `hops` that end by themselves: a wait on a holder that
+    /// blocks it only by filling counted resources, each beside more holders
+    /// [free to leave](Self::free_to_leave) than it has holders past its permits (a
+    /// loan or a rollback's own tree can put more holders in than permits), so that
+    /// their leaving makes room in every one. A cycle with such a wait is no deadlock
+    /// (yet).
+    fn ends_by_itself(&self, hops: &[Hop]) -> Vec<(ProcId, ProcId)> {
+        let ends = |waiter: ProcId, holder: ProcId| {
+            let w = &self.waiters[&self.waiting_seq[&waiter]].req;
+            let mut fills = w.locks.iter().filter_map(|lock| {
+                let r = lock.resource.as_str();
+                let n = self
+                    .nodes
+                    .get(r)
+                    .filter(|_| lock.mode == LockMode::Shared)?;
+                let fillers = self.fillers(w, r, n);
+                fillers.contains(&holder).then(|| {
+                    let permits = self.permits.get(r).map_or(0, |&p| p as usize);
+                    let free = fillers.iter().filter(|&&h| self.free_to_leave(h)).count();
+                    free > fillers.len().saturating_sub(permits)
                 })
-            }
-        })
+            });
+            // A `Counted` link fills at least one; every one it fills must get room.
+            fills
+                .next()
+                .is_some_and(|room| room && fills.all(|room| room))
+        };
+        hops.iter()
+            .filter(|&&(waiter, holder, link)| link == Link::Counted && ends(waiter, holder))
+            .map(|&(waiter, holder, _)| (waiter, holder))
+            .collect()
     }
 
     /// Whether holder `h` is held up by no wait in the table: it holds for one step
@@ -2064,6 +2086,134 @@ mod tests {
             assert_eq!(granted, ids(expected), "{}", case.what);
             check_holders(&t);
         }
+    }
+
+    #[test]
+    fn a_deadlock_behind_cycles_that_end_by_themselves_is_still_broken() {
+        // srv (2 permits) is filled for life by 40 (tree 40) and 30 (tree 30); srv2 (2
+        // permits) by 50 (tree 50) and 60 (tree 60, free to leave). 100 holds X p for
+        // life. 40's children 41 and 30's child 31 wait for X p, and so does 50's
+        // child 51; 40's child 42 and 30's child 32 wait for S srv2. Then 100's child
+        // 101 asks for S srv: a real deadlock, 101 -> {40, 30} (srv), 40 -> 41 -> 100,
+        // 30 -> 31 -> 100, 100 -> 101, whatever 60 does. The search from 101 first
+        // meets 101 -> 40 -> 42 -> 50 -> 51 -> 100 -> 101, which 60 could end (srv2),
+        // and excludes its loose links, among them 101 -> 40 (30 is not frozen by
+        // that cycle); then 101 -> 30 -> 32 -> ..., likewise, excluding 101 -> 30.
+        // Nothing is left to search, and no victim is reported.
+        let mut t = LockTable::new();
+        t.set_permits("srv", 2);
+        t.set_permits("srv2", 2);
+        for (owner, lock) in [
+            (100, "X p"),
+            (40, "S srv"),
+            (30, "S srv"),
+            (50, "S srv2"),
+            (60, "S srv2"),
+        ] {
+            assert_eq!(t.request(req(owner, &[], &[lock])).granted, ids(&[owner]));
+        }
+        let mut victims = Vec::new();
+        for (owner, parent, lock) in [
+            (41, 40, "X p"),
+            (31, 30, "X p"),
+            (42, 40, "S srv2"),
+            (32, 30, "S srv2"),
+            (51, 50, "X p"),
+            (101, 100, "S srv"),
+        ] {
+            let c = t.request(req(owner, &[parent], &[lock]));
+            assert!(c.granted.is_empty(), "{owner}: {c:?}");
+            victims.extend(c.deadlocks.iter().map(|d| d.victim));
+        }
+        check_holders(&t);
+        // 60 leaves (free to), 42 and then 32 get srv2 and finish.
+        assert_eq!(t.release(ProcId(60)).granted, ids(&[42]));
+        assert_eq!(t.release(ProcId(42)).granted, ids(&[32]));
+        assert!(t.release(ProcId(32)).granted.is_empty());
+        // Left: 101 on srv (40, 30), 41, 31 and 51 on X p (100). Every holder is an
+        // ancestor of a waiter, every waiter is blocked: a deadlock nobody broke.
+        let stuck: Vec<ProcId> = t.waiters.values().map(|w| w.req.owner).collect();
+        assert!(
+            !victims.is_empty(),
+            "no victim, and waiters {stuck:?} can never be granted"
+        );
+    }
+
+    #[test]
+    fn a_holder_leaving_an_overfull_counted_resource_does_not_end_the_wait() {
+        // srv has 1 permit. Trees 20 and 30 roll back: 20 holds X a, 30 holds S srv,
+        // 40 (runs on) holds X b, all for life. 20's rollback 21 needs S srv (30), 30's
+        // rollback 31 needs X a (20) and X b (40): rollbacks only, 21 borrows 30's
+        // locks and holds srv beside 30 — two holders on one permit. Then 40's child
+        // 41 needs S srv: 41 -> 30 (srv) -> 31 -> 40 (X b) -> 41. 21 fills srv and,
+        // a rollback step, is free to leave, so the cycle is taken to end by itself.
+        // But 21 leaving leaves 30 alone on srv, still full for 41: a deadlock nobody
+        // breaks (before the change, 41 was failed).
+        let mut t = LockTable::new();
+        t.set_permits("srv", 1);
+        for (owner, lock) in [(20, "X a"), (30, "S srv"), (40, "X b")] {
+            assert_eq!(t.request(req(owner, &[], &[lock])).granted, ids(&[owner]));
+        }
+        assert_eq!(
+            t.request(rollback(21, &[20], &["S srv"])),
+            Changes::default()
+        );
+        let c = t.request(rollback(31, &[30], &["X a", "X b"]));
+        assert_eq!(c.loans.len(), 1, "{c:?}");
+        assert_eq!(
+            (c.loans[0].borrower, c.loans[0].lender),
+            (ProcId(21), ProcId(30))
+        );
+        assert_eq!(c.granted, ids(&[21]));
+        let c = t.request(req(41, &[40], &["S srv"]));
+        let mut victims: Vec<ProcId> = c.deadlocks.iter().map(|d| d.victim).collect();
+        check_holders(&t);
+        // 21's rollback step ends; tree 20 has nothing left waiting, so 20 rolls back
+        // and leaves.
+        let c = t.release(ProcId(21));
+        assert!(c.granted.is_empty(), "{c:?}");
+        victims.extend(c.deadlocks.iter().map(|d| d.victim));
+        let c = t.release(ProcId(20));
+        assert!(c.granted.is_empty(), "{c:?}");
+        // Left: 41 on srv (30, frozen by 31), 31 on X b (40, frozen by 41).
+        let stuck: Vec<ProcId> = t.waiters.values().map(|w| w.req.owner).collect();
+        assert!(
+            !victims.is_empty(),
+            "no victim, and waiters {stuck:?} can never be granted"
+        );
+    }
+
+    #[test]
+    fn a_free_holder_of_one_counted_lock_does_not_end_a_wait_on_two() {
+        // srv has 2 permits, srv2 1. 40 (tree 40) holds S srv and S srv2 for life, 50
+        // (tree 50, free to leave) S srv, 30 (tree 30) X b. Tree 40 rolls back: 41
+        // needs X b (30). 30's child 31 needs S srv and S srv2: 31 -> 40 -> 41 -> 30
+        // -> 31. 50 fills srv and is free to leave, so the cycle is taken to end by
+        // itself; but 50 leaving leaves srv2 full (40 alone): a deadlock nobody breaks
+        // (before the change, 31 was failed).
+        let mut t = LockTable::new();
+        t.set_permits("srv", 2);
+        t.set_permits("srv2", 1);
+        for (owner, locks) in [
+            (40, &["S srv", "S srv2"][..]),
+            (50, &["S srv"][..]),
+            (30, &["X b"][..]),
+        ] {
+            assert_eq!(t.request(req(owner, &[], locks)).granted, ids(&[owner]));
+        }
+        assert_eq!(t.request(rollback(41, &[40], &["X b"])), Changes::default());
+        let c = t.request(req(31, &[30], &["S srv", "S srv2"]));
+        let mut victims: Vec<ProcId> = c.deadlocks.iter().map(|d| d.victim).collect();
+        check_holders(&t);
+        let c = t.release(ProcId(50));
+        assert!(c.granted.is_empty(), "{c:?}");
+        victims.extend(c.deadlocks.iter().map(|d| d.victim));
+        // Left: 31 on srv2 (40, frozen by 41), 41 on X b (30, frozen by 31).
+        let stuck: Vec<ProcId> = t.waiters.values().map(|w| w.req.owner).collect();
+        assert!(
+            !victims.is_empty(),
+            "no victim, and waiters {stuck:?} can never be granted"
+        );
     }
 
     #[test]
