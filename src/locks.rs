@@ -72,10 +72,11 @@
 //! any wait might be frozen through waits the search did not follow, so it is not
 //! counted on to leave. A cycle left standing — it may end by itself, or it is of
 //! rollbacks only with nothing safe to lend — is searched again, from each of its
-//! waiters, at every release and after every new wait that is searched: a holder it
-//! counted on may have left without making room, or been held up, and the cycle be a
-//! deadlock now with no new wait through it to find it; and a knot of cycles through
-//! different waiters may show whole only from a waiter they share.
+//! waiters, when one of its procedures or of the holders filling a counted resource it
+//! waits on leaves, when a loan ends (its pins may have kept the cycle from borrowing),
+//! and after a new wait that holds one of those up (below it, or rolling back its
+//! tree): the cycle may be a deadlock now with no new wait through it to find it. A knot
+//! of cycles through different waiters may show whole only from a waiter they share.
 //!
 //! One wait can close several cycles at once (a wait on a counted resource has an edge
 //! to each holder filling it). The table breaks the first one it finds that can be
@@ -461,9 +462,13 @@ pub struct LockTable {
     /// is safe while those waits last, so none of them may borrow until the borrower
     /// releases.
     loan_pins: IdMap<ProcId, Vec<ProcId>>,
-    /// Waiters whose wait closed a cycle that was left standing, searched again at
-    /// each release and after each new wait that is searched.
-    standing: IdSet<ProcId>,
+    /// Waiters whose wait closed a cycle that was left standing, each with the
+    /// procedures of its cycle and the holders filling the counted resources it waits
+    /// on: searched again when one of those leaves or is held up by a new wait.
+    standing: IdMap<ProcId, Vec<ProcId>>,
+    /// Cycle searches made, for tests.
+    #[cfg(test)]
+    searches: std::cell::Cell<usize>,
     /// Trees past their point of no return: a deadlock's victim is taken from the
     /// others if it can be (a failure there would pause the victim, not roll its tree
     /// back, and the cycle would close again when it is continued).
@@ -484,7 +489,9 @@ impl Default for LockTable {
             rollback_waiters: IdMap::default(),
             loans: IdMap::default(),
             loan_pins: IdMap::default(),
-            standing: IdSet::default(),
+            standing: IdMap::default(),
+            #[cfg(test)]
+            searches: std::cell::Cell::new(0),
             irreversible: IdSet::default(),
             next_priority: 0,
             next_ordinary: ORDINARY,
@@ -578,19 +585,36 @@ impl LockTable {
         if !ancestor_holds && !priority {
             return changes;
         }
-        self.break_cycles(owner, &mut changes);
         // This wait may hold up a holder that a cycle left standing counted on to
         // leave: that cycle may be a deadlock now.
-        self.recheck_standing(&mut changes);
+        let holds_up = self.holds_up_standing(owner);
+        self.break_cycles(owner, &mut changes);
+        if holds_up {
+            self.recheck_standing(&mut changes);
+        }
         changes
+    }
+
+    /// Whether waiter `owner` holds up a procedure of a cycle left standing: one of its
+    /// ancestors, or, for a rollback, a holder of its tree.
+    fn holds_up_standing(&self, owner: ProcId) -> bool {
+        if self.standing.is_empty() {
+            return false;
+        }
+        let w = &self.waiters[&self.waiting_seq[&owner]].req;
+        self.standing.values().flatten().any(|&p| {
+            w.ancestors.contains(&p)
+                || (w.rollback && self.holders.get(&p).is_some_and(|h| h.root == w.root))
+        })
     }
 
     /// Breaks the cycles through waiter `owner` (victims, loans) until none is left or
     /// none can be broken now. A cycle left standing (it may end by itself, or it is of
-    /// rollbacks only with nothing safe to lend) is remembered: when a release changes
-    /// the graph, each of its waiters is searched again ([`release`](Self::release)), for the
-    /// cycle may have become one that must be broken, with no new wait to find it; and
-    /// when a new wait (searched itself) holds up a holder it counted on to leave.
+    /// rollbacks only with nothing safe to lend) is remembered (`note_standing`): when
+    /// one of its procedures or counted holders leaves, a loan ends
+    /// ([`release`](Self::release)), or a new wait holds one of them up
+    /// ([`request`](Self::request)), each of its waiters is searched again, for the
+    /// cycle may have become one that must be broken, with no new wait to find it.
     fn break_cycles(&mut self, owner: ProcId, changes: &mut Changes) {
         // Each round removes a waiter or a blocking edge, so this ends.
         while self.waiting_seq.contains_key(&owner) {
@@ -630,13 +654,7 @@ impl LockTable {
                     let Some(hops) = self.find_cycle(owner, &[]) else {
                         break;
                     };
-                    // Every waiter of the cycle: a knot whose cycles pass through
-                    // different waiters may show whole only from one of them.
-                    for (waiter, _, link) in hops {
-                        if link != Link::Tree {
-                            self.standing.insert(waiter);
-                        }
-                    }
+                    self.note_standing(&hops);
                     return;
                 }
             }
@@ -644,13 +662,37 @@ impl LockTable {
         self.standing.remove(&owner);
     }
 
+    /// Remembers the cycle `hops` as standing: under every one of its waiters (a knot
+    /// whose cycles pass through different waiters may show whole only from one of
+    /// them), with its procedures and the holders filling the counted resources its
+    /// waiters wait on (whose leaving, or being held up, may make it a deadlock).
+    fn note_standing(&mut self, hops: &[Hop]) {
+        let mut concerned: Vec<ProcId> = Vec::new();
+        for &(waiter, blocker, link) in hops {
+            concerned.extend([waiter, blocker]);
+            if link == Link::Counted {
+                let w = &self.waiters[&self.waiting_seq[&waiter]].req;
+                for lock in w.locks.iter().filter(|l| l.mode == LockMode::Shared) {
+                    let r = lock.resource.as_str();
+                    if let Some(n) = self.nodes.get(r) {
+                        concerned.extend(self.fillers(w, r, n));
+                    }
+                }
+            }
+        }
+        concerned.sort_unstable();
+        concerned.dedup();
+        for &(waiter, _, link) in hops {
+            if link != Link::Tree {
+                self.standing.insert(waiter, concerned.clone());
+            }
+        }
+    }
+
     /// Searches again through the waiters of cycles left standing (see
     /// [`break_cycles`](Self::break_cycles)).
     fn recheck_standing(&mut self, changes: &mut Changes) {
-        if self.standing.is_empty() {
-            return;
-        }
-        let mut ids: Vec<ProcId> = self.standing.iter().copied().collect();
+        let mut ids: Vec<ProcId> = self.standing.keys().copied().collect();
         ids.sort_unstable();
         for id in ids {
             self.break_cycles(id, changes);
@@ -823,7 +865,10 @@ impl LockTable {
     pub fn release(&mut self, owner: ProcId) -> Changes {
         let mut changes = Changes::default();
         self.loans.remove(&owner);
-        self.loan_pins.remove(&owner);
+        // A cycle left standing may be a deadlock once one of its procedures or
+        // holders leaves, or once a loan ends (its pins could keep it from borrowing).
+        let recheck = self.loan_pins.remove(&owner).is_some()
+            || self.standing.values().flatten().any(|&p| p == owner);
         if let Some(req) = self.holders.remove(&owner) {
             let mut touched = VecDeque::new();
             self.ungrant(&req, &mut touched);
@@ -831,7 +876,9 @@ impl LockTable {
         } else {
             self.remove_waiter(owner, &mut changes);
         }
-        self.recheck_standing(&mut changes);
+        if recheck {
+            self.recheck_standing(&mut changes);
+        }
         changes
     }
 
@@ -856,6 +903,7 @@ impl LockTable {
             return;
         };
         self.loans.remove(&owner);
+        self.loan_pins.remove(&owner);
         let waiter = self.dequeue(seq);
         let touched = waiter
             .req
@@ -1265,6 +1313,8 @@ impl LockTable {
     /// from a life-long holder to its waiting descendant or its tree's waiting
     /// rollback), none of them in `without`; or `None`.
     fn find_cycle(&self, start: ProcId, without: &[(ProcId, ProcId)]) -> Option<Vec<Hop>> {
+        #[cfg(test)]
+        self.searches.set(self.searches.get() + 1);
         // Iterative depth-first search keeping the path of (node, edge kind into it).
         let mut visited: IdSet<ProcId> = IdSet::from_iter([start]);
         let mut path: Vec<PathStep> = vec![(start, Link::Tree, self.successors(start))];
@@ -2234,6 +2284,52 @@ mod tests {
         assert!(t.standing.is_empty());
     }
 
+    #[test]
+    fn a_cycle_left_standing_is_searched_again_only_when_it_may_have_changed() {
+        // The standing cycle of `a_cycle_a_holder_free_to_leave_could_end_is_left_waiting`
+        // (10 -> 7 -> 8 -> 3 -> 10, which 30 leaving srv ends), beside unrelated
+        // holders: their releases search nothing; 30's release searches again (and
+        // grants 8, ending the cycle); so does a wait that holds 30 up.
+        for hold_30_up in [false, true] {
+            let mut t = LockTable::new();
+            t.set_permits("srv", 2);
+            t.set_irreversible(ProcId(2), true);
+            assert_eq!(t.request(req(3, &[2], &["S srv"])).granted, ids(&[3]));
+            assert_eq!(t.request(req(30, &[], &["S srv"])).granted, ids(&[30]));
+            t.request(req(7, &[6], &["X t1"]));
+            assert_eq!(t.request(rollback(8, &[6], &["S srv"])), Changes::default());
+            for i in 0..10 {
+                let mut step = req(100 + i, &[], &[&format!("X u/{i}")]);
+                step.for_life = false;
+                assert_eq!(t.request(step).granted, ids(&[100 + i]));
+            }
+            let mut wait = req(10, &[3, 2], &["X t1"]);
+            wait.for_life = false;
+            assert_eq!(t.request(wait), Changes::default());
+            assert!(t.standing.contains_key(&ProcId(10)), "{:?}", t.standing);
+            let searches = t.searches.get();
+            for i in 0..10 {
+                t.release(ProcId(100 + i));
+            }
+            assert_eq!(t.searches.get(), searches, "unrelated releases");
+            if hold_30_up {
+                // 30's child waits for X z (40): 30 is held up, and the standing
+                // cycle is searched again; it is broken as a deadlock then (victim 10),
+                // as in that test's second case.
+                assert_eq!(t.request(req(40, &[], &["X z"])).granted, ids(&[40]));
+                let c = t.request(req(31, &[30], &["X z"]));
+                assert!(t.searches.get() > searches);
+                let victims: Vec<ProcId> = c.deadlocks.iter().map(|d| d.victim).collect();
+                assert!(victims.contains(&ProcId(10)), "{c:?}");
+            } else {
+                assert_eq!(t.release(ProcId(30)).granted, ids(&[8]));
+                assert!(t.searches.get() > searches);
+                assert!(t.standing.is_empty(), "{:?}", t.standing);
+            }
+            check_holders(&t);
+        }
+    }
+
     /// srv (1 permit) held by 30 and, under a loan, by 20's rollback 21: 20 holds X a,
     /// 30 S srv, 40 X b, all for life; trees 20 and 30 roll back, and 30's rollback
     /// 31 waits for X a and X b (see the two tests below).
@@ -2516,7 +2612,7 @@ mod tests {
             t.request(rollback(41, &[40], &["S srv"])),
             Changes::default()
         );
-        assert!(t.standing.contains(&ProcId(41)));
+        assert!(t.standing.contains_key(&ProcId(41)));
         let c = t.release(ProcId(21));
         let [loan] = &c.loans[..] else {
             panic!("{c:?}");
