@@ -75,8 +75,9 @@
 //! waiters, when one of its procedures or of the holders filling a counted resource it
 //! waits on leaves, when a loan ends (its pins may have kept the cycle from borrowing),
 //! and after a new wait that holds one of those up (below it, or rolling back its
-//! tree): the cycle may be a deadlock now with no new wait through it to find it. A knot
-//! of cycles through different waiters may show whole only from a waiter they share.
+//! tree) or closes a cycle of its own (it may freeze a holder through others): the
+//! cycle may be a deadlock now with no new wait through it to find it. A knot of
+//! cycles through different waiters may show whole only from a waiter they share.
 //!
 //! One wait can close several cycles at once (a wait on a counted resource has an edge
 //! to each holder filling it). The table breaks the first one it finds that can be
@@ -587,9 +588,12 @@ impl LockTable {
         }
         // This wait may hold up a holder that a cycle left standing counted on to
         // leave: that cycle may be a deadlock now.
+        // So may the cycles this wait closed, through procedures not concerned by
+        // that cycle (a rollback that freezes a holder of a counted resource through
+        // the tree it rolls back): the standing cycles are searched again after any.
         let holds_up = self.holds_up_standing(owner);
-        self.break_cycles(owner, &mut changes);
-        if holds_up {
+        let closed = self.break_cycles(owner, &mut changes);
+        if holds_up || closed {
             self.recheck_standing(&mut changes);
         }
         changes
@@ -612,10 +616,13 @@ impl LockTable {
     /// none can be broken now. A cycle left standing (it may end by itself, or it is of
     /// rollbacks only with nothing safe to lend) is remembered (`note_standing`): when
     /// one of its procedures or counted holders leaves, a loan ends
-    /// ([`release`](Self::release)), or a new wait holds one of them up
-    /// ([`request`](Self::request)), each of its waiters is searched again, for the
+    /// ([`release`](Self::release)), or a new wait holds one of them up or closes a
+    /// cycle of its own ([`request`](Self::request)), each of its waiters is searched
+    /// again, for the
     /// cycle may have become one that must be broken, with no new wait to find it.
-    fn break_cycles(&mut self, owner: ProcId, changes: &mut Changes) {
+    /// Returns whether a cycle was found.
+    fn break_cycles(&mut self, owner: ProcId, changes: &mut Changes) -> bool {
+        let mut found = false;
         // Each round removes a waiter or a blocking edge, so this ends.
         while self.waiting_seq.contains_key(&owner) {
             match self.break_cycle(owner) {
@@ -624,6 +631,7 @@ impl LockTable {
                     victim_root,
                     cycle,
                 }) => {
+                    found = true;
                     self.remove_waiter(victim, changes);
                     changes.deadlocks.push(Deadlock {
                         victim,
@@ -632,6 +640,7 @@ impl LockTable {
                     });
                 }
                 Some(Break::Lend(loan)) => {
+                    found = true;
                     self.loans
                         .entry(loan.borrower)
                         .or_default()
@@ -655,11 +664,12 @@ impl LockTable {
                         break;
                     };
                     self.note_standing(&hops);
-                    return;
+                    return true;
                 }
             }
         }
         self.standing.remove(&owner);
+        found
     }
 
     /// Remembers the cycle `hops` as standing: under every one of its waiters (a knot
@@ -682,9 +692,13 @@ impl LockTable {
         }
         concerned.sort_unstable();
         concerned.dedup();
+        // A waiter on several standing cycles keeps what concerns each.
         for &(waiter, _, link) in hops {
             if link != Link::Tree {
-                self.standing.insert(waiter, concerned.clone());
+                let entry = self.standing.entry(waiter).or_default();
+                entry.extend(&concerned);
+                entry.sort_unstable();
+                entry.dedup();
             }
         }
     }
@@ -2328,6 +2342,47 @@ mod tests {
             }
             check_holders(&t);
         }
+    }
+
+    #[test]
+    fn a_knot_closed_by_a_wait_that_holds_up_no_concerned_procedure_is_found() {
+        // srv (2 permits) is filled for life by 10 and 20; 30 holds X b, 40 X z, all
+        // for life; trees 10, 20, 30 and 40 roll back. 20's rollback 21 waits for X z
+        // (40, free to leave); 10's rollback 11 for X b (30); 30's rollback 31 for
+        // S srv: 31 -> 10 -> 11 -> 30 -> 31, of rollbacks only, loose (20 is held up
+        // by 21, not frozen by the cycle): left standing, concerned {10, 11, 20, 30, 31}.
+        // Then 40's rollback 41 waits for X b (30): 41 -> 30 -> 31 -> 20 -> 21 -> 40
+        // -> 41, loose too (10 is not frozen by it). Together the two cycles freeze
+        // both holders of srv, and every holder now is frozen: a deadlock that only a
+        // search from 31 (the waiter they share) sees whole. 41 holds up 40 only, which
+        // is in no concerned list: with rechecks only for held-up concerned procedures
+        // nothing searched from 31 again, and all four rollbacks hung. A wait that
+        // closes a cycle of its own now rechecks the standing ones (a loan).
+        let mut t = LockTable::new();
+        t.set_permits("srv", 2);
+        for (owner, lock) in [(10, "S srv"), (20, "S srv"), (30, "X b"), (40, "X z")] {
+            assert_eq!(t.request(req(owner, &[], &[lock])).granted, ids(&[owner]));
+        }
+        assert_eq!(t.request(rollback(21, &[20], &["X z"])), Changes::default());
+        assert_eq!(t.request(rollback(11, &[10], &["X b"])), Changes::default());
+        assert_eq!(
+            t.request(rollback(31, &[30], &["S srv"])),
+            Changes::default()
+        );
+        assert!(t.standing.contains_key(&ProcId(31)), "{:?}", t.standing);
+        let c = t.request(rollback(41, &[40], &["X b"]));
+        check_holders(&t);
+        check_loans(&t);
+        let frozen = t
+            .holders
+            .values()
+            .all(|h| t.rollback_waiters.contains_key(&h.root));
+        assert!(
+            !(c.loans.is_empty() && c.granted.is_empty() && c.deadlocks.is_empty()),
+            "nothing broken; every holder frozen: {frozen}; waiting {:?}; standing {:?}",
+            t.waiters.values().map(|w| w.req.owner).collect::<Vec<_>>(),
+            t.standing
+        );
     }
 
     /// srv (1 permit) held by 30 and, under a loan, by 20's rollback 21: 20 holds X a,
