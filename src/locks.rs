@@ -2218,15 +2218,16 @@ mod tests {
         let mut t = LockTable::new();
         t.set_permits("srv", 2);
         t.set_permits("srv2", 2);
-        for (owner, lock) in [
-            (100, "X p"),
-            (40, "S srv"),
-            (30, "S srv"),
-            (50, "S srv2"),
-            (60, "S srv2"),
-        ] {
-            assert_eq!(t.request(req(owner, &[], &[lock])).granted, ids(&[owner]));
-        }
+        hold_for_life(
+            &mut t,
+            &[
+                (100, "X p"),
+                (40, "S srv"),
+                (30, "S srv"),
+                (50, "S srv2"),
+                (60, "S srv2"),
+            ],
+        );
         let mut victims = Vec::new();
         for (owner, parent, lock) in [
             (41, 40, "X p"),
@@ -2247,11 +2248,7 @@ mod tests {
         assert!(t.release(ProcId(32)).granted.is_empty());
         // Left: 101 on srv (40, 30), 41, 31 and 51 on X p (100). Every holder is an
         // ancestor of a waiter, every waiter is blocked: a deadlock nobody broke.
-        let stuck: Vec<ProcId> = t.waiters.values().map(|w| w.req.owner).collect();
-        assert!(
-            !victims.is_empty(),
-            "no victim, and waiters {stuck:?} can never be granted"
-        );
+        assert_broken(&t, &victims);
     }
 
     #[test]
@@ -2267,13 +2264,10 @@ mod tests {
         let mut t = LockTable::new();
         t.set_permits("srv", 1);
         t.set_permits("srv2", 2);
-        for (owner, locks) in [
-            (10, &["S srv2"][..]),
-            (20, &["X c", "S srv"]),
-            (30, &["S srv2"]),
-        ] {
-            assert_eq!(t.request(req(owner, &[], locks)).granted, ids(&[owner]));
-        }
+        hold_for_life(
+            &mut t,
+            &[(10, "S srv2"), (20, "X c, S srv"), (30, "S srv2")],
+        );
         assert_eq!(
             t.request(rollback(1001, &[20], &["S srv2"])),
             Changes::default()
@@ -2362,9 +2356,10 @@ mod tests {
         // closes a cycle of its own now rechecks the standing ones (a loan).
         let mut t = LockTable::new();
         t.set_permits("srv", 2);
-        for (owner, lock) in [(10, "S srv"), (20, "S srv"), (30, "X b"), (40, "X z")] {
-            assert_eq!(t.request(req(owner, &[], &[lock])).granted, ids(&[owner]));
-        }
+        hold_for_life(
+            &mut t,
+            &[(10, "S srv"), (20, "S srv"), (30, "X b"), (40, "X z")],
+        );
         assert_eq!(t.request(rollback(21, &[20], &["X z"])), Changes::default());
         assert_eq!(t.request(rollback(11, &[10], &["X b"])), Changes::default());
         assert_eq!(
@@ -2399,9 +2394,7 @@ mod tests {
         let mut t = LockTable::new();
         t.set_irreversible(ProcId(60), true);
         t.set_irreversible(ProcId(50), true);
-        for (owner, lock) in [(60, "X p"), (10, "X a"), (50, "X b")] {
-            assert_eq!(t.request(req(owner, &[], &[lock])).granted, ids(&[owner]));
-        }
+        hold_for_life(&mut t, &[(60, "X p"), (10, "X a"), (50, "X b")]);
         assert_eq!(t.request(rollback(11, &[10], &["X p"])), Changes::default());
         assert_eq!(t.request(req(51, &[50], &["X p"])), Changes::default());
         let c = t.request(req(61, &[60], &["X a", "X b"]));
@@ -2412,15 +2405,31 @@ mod tests {
         check_holders(&t);
     }
 
+    /// Grants each `(owner, locks)` — a root, its locks written `"S srv, X b"` — for
+    /// life, asserting it is granted at once.
+    fn hold_for_life(t: &mut LockTable, holders: &[(u64, &str)]) {
+        for &(owner, locks) in holders {
+            let locks: Vec<&str> = locks.split(", ").collect();
+            assert_eq!(t.request(req(owner, &[], &locks)).granted, ids(&[owner]));
+        }
+    }
+
+    /// Asserts that a deadlock was broken (some victim), naming the waiters left.
+    fn assert_broken(t: &LockTable, victims: &[ProcId]) {
+        let stuck: Vec<ProcId> = t.waiters.values().map(|w| w.req.owner).collect();
+        assert!(
+            !victims.is_empty(),
+            "no victim, and waiters {stuck:?} can never be granted"
+        );
+    }
+
     /// srv (1 permit) held by 30 and, under a loan, by 20's rollback 21: 20 holds X a,
     /// 30 S srv, 40 X b, all for life; trees 20 and 30 roll back, and 30's rollback
     /// 31 waits for X a and X b (see the two tests below).
     fn overfull_srv() -> LockTable {
         let mut t = LockTable::new();
         t.set_permits("srv", 1);
-        for (owner, lock) in [(20, "X a"), (30, "S srv"), (40, "X b")] {
-            assert_eq!(t.request(req(owner, &[], &[lock])).granted, ids(&[owner]));
-        }
+        hold_for_life(&mut t, &[(20, "X a"), (30, "S srv"), (40, "X b")]);
         let c = t.request(rollback(21, &[20], &["S srv"]));
         assert_eq!(c, Changes::default());
         let c = t.request(rollback(31, &[30], &["X a", "X b"]));
@@ -2454,11 +2463,7 @@ mod tests {
         let c = t.release(ProcId(20));
         assert!(c.granted.is_empty(), "{c:?}");
         // Left: 41 on srv (30, frozen by 31), 31 on X b (40, frozen by 41).
-        let stuck: Vec<ProcId> = t.waiters.values().map(|w| w.req.owner).collect();
-        assert!(
-            !victims.is_empty(),
-            "no victim, and waiters {stuck:?} can never be granted"
-        );
+        assert_broken(&t, &victims);
     }
 
     #[test]
@@ -2472,13 +2477,7 @@ mod tests {
         let mut t = LockTable::new();
         t.set_permits("srv", 2);
         t.set_permits("srv2", 1);
-        for (owner, locks) in [
-            (40, &["S srv", "S srv2"][..]),
-            (50, &["S srv"][..]),
-            (30, &["X b"][..]),
-        ] {
-            assert_eq!(t.request(req(owner, &[], locks)).granted, ids(&[owner]));
-        }
+        hold_for_life(&mut t, &[(40, "S srv, S srv2"), (50, "S srv"), (30, "X b")]);
         assert_eq!(t.request(rollback(41, &[40], &["X b"])), Changes::default());
         let c = t.request(req(31, &[30], &["S srv", "S srv2"]));
         let mut victims: Vec<ProcId> = c.deadlocks.iter().map(|d| d.victim).collect();
@@ -2487,11 +2486,7 @@ mod tests {
         assert!(c.granted.is_empty(), "{c:?}");
         victims.extend(c.deadlocks.iter().map(|d| d.victim));
         // Left: 31 on srv2 (40, frozen by 41), 41 on X b (30, frozen by 31).
-        let stuck: Vec<ProcId> = t.waiters.values().map(|w| w.req.owner).collect();
-        assert!(
-            !victims.is_empty(),
-            "no victim, and waiters {stuck:?} can never be granted"
-        );
+        assert_broken(&t, &victims);
     }
 
     /// Liveness under engine-like random calls (trees running on, past their point of
