@@ -586,11 +586,10 @@ impl LockTable {
         if !ancestor_holds && !priority {
             return changes;
         }
-        // This wait may hold up a holder that a cycle left standing counted on to
-        // leave: that cycle may be a deadlock now.
-        // So may the cycles this wait closed, through procedures not concerned by
-        // that cycle (a rollback that freezes a holder of a counted resource through
-        // the tree it rolls back): the standing cycles are searched again after any.
+        // A cycle left standing may be a deadlock after this wait: if the wait holds
+        // up a procedure the cycle counted on to leave, or if it closed a cycle of its
+        // own, which can freeze such a holder through procedures the standing cycle
+        // does not name (a rollback of a tree whose waiter holds it up).
         let holds_up = self.holds_up_standing(owner);
         let closed = self.break_cycles(owner, &mut changes);
         if holds_up || closed {
@@ -618,9 +617,8 @@ impl LockTable {
     /// one of its procedures or counted holders leaves, a loan ends
     /// ([`release`](Self::release)), or a new wait holds one of them up or closes a
     /// cycle of its own ([`request`](Self::request)), each of its waiters is searched
-    /// again, for the
-    /// cycle may have become one that must be broken, with no new wait to find it.
-    /// Returns whether a cycle was found.
+    /// again, for the cycle may have become one that must be broken, with no new wait
+    /// to find it. Returns whether a cycle was found.
     fn break_cycles(&mut self, owner: ProcId, changes: &mut Changes) -> bool {
         let mut found = false;
         // Each round removes a waiter or a blocking edge, so this ends.
@@ -684,12 +682,7 @@ impl LockTable {
             concerned.extend([waiter, blocker]);
             if link == Link::Counted {
                 let w = &self.waiters[&self.waiting_seq[&waiter]].req;
-                for lock in w.locks.iter().filter(|l| l.mode == LockMode::Shared) {
-                    let r = lock.resource.as_str();
-                    if let Some(n) = self.nodes.get(r) {
-                        concerned.extend(self.fillers(w, r, n));
-                    }
-                }
+                concerned.extend(self.full_counted(w).flat_map(|(_, fillers)| fillers));
             }
         }
         concerned.sort_unstable();
@@ -719,10 +712,11 @@ impl LockTable {
     /// cycle found that can be broken for good (a victim whose tree can roll back, or a
     /// loan), else from the first cycle found (a victim past its point of no return,
     /// which only pauses; a cycle of rollbacks only with nothing to lend has none).
-    /// A cycle that holders free to leave can end ([`ends_by_itself`](Self::ends_by_itself))
-    /// is no deadlock and is passed over, unless the search is cut short. Several cycles can close through one wait (a wait on a counted resource has a
-    /// link to each holder filling it), and the first met may be the one without a way
-    /// out: the search is repeated without the links that made it so (its waits that a
+    /// A cycle that holders free to leave can end
+    /// ([`ends_by_itself`](Self::ends_by_itself)) is no deadlock and is passed over,
+    /// unless the search is cut short. Several cycles can close through one wait (a
+    /// wait on a counted resource has a link to each holder filling it), and the first
+    /// met may be the one without a way out: the search is repeated without the links that made it so (its waits that a
     /// holder outside it could end, or else its first link), up to [`CYCLE_SEARCHES`]
     /// times. Each search visits a procedure at most once.
     fn break_cycle(&self, start: ProcId) -> Option<Break> {
@@ -1384,6 +1378,22 @@ impl LockTable {
     /// back one step at a time and runs nothing meanwhile), or an ancestor of a waiter in
     /// it (it cannot finish before that descendant does). Any other holder could leave
     /// and end the wait by itself.
+    /// The counted resources that `w` asks a share of and that are full against it,
+    /// each with the holders filling it ([`fillers`](Self::fillers)).
+    fn full_counted<'a>(
+        &'a self,
+        w: &'a Request,
+    ) -> impl Iterator<Item = (&'a str, Vec<ProcId>)> + 'a {
+        w.locks
+            .iter()
+            .filter(|lock| lock.mode == LockMode::Shared)
+            .filter_map(move |lock| {
+                let r = lock.resource.as_str();
+                let fillers = self.fillers(w, r, self.nodes.get(r)?);
+                (!fillers.is_empty()).then_some((r, fillers))
+            })
+    }
+
     fn counted_wait_lasts(&self, waiter: ProcId, holder: ProcId, waiters: &[ProcId]) -> bool {
         let req = |w: &ProcId| &self.waiters[&self.waiting_seq[w]].req;
         let frozen = |h: ProcId| {
@@ -1395,15 +1405,8 @@ impl LockTable {
                         .any(|w| (w.rollback && w.root == held.root) || w.ancestors.contains(&h))
             })
         };
-        let w = req(&waiter);
-        w.locks.iter().any(|lock| {
-            let r = lock.resource.as_str();
-            let Some(n) = self.nodes.get(r).filter(|_| lock.mode == LockMode::Shared) else {
-                return false;
-            };
-            let fillers = self.fillers(w, r, n);
-            fillers.contains(&holder) && fillers.into_iter().all(frozen)
-        })
+        self.full_counted(req(&waiter))
+            .any(|(_, fillers)| fillers.contains(&holder) && fillers.into_iter().all(frozen))
     }
 
     /// The waits of the cycle `hops` that end by themselves: a wait on a holder that
@@ -1415,13 +1418,7 @@ impl LockTable {
     fn ends_by_itself(&self, hops: &[Hop]) -> Vec<(ProcId, ProcId)> {
         let ends = |waiter: ProcId, holder: ProcId| {
             let w = &self.waiters[&self.waiting_seq[&waiter]].req;
-            let mut fills = w.locks.iter().filter_map(|lock| {
-                let r = lock.resource.as_str();
-                let n = self
-                    .nodes
-                    .get(r)
-                    .filter(|_| lock.mode == LockMode::Shared)?;
-                let fillers = self.fillers(w, r, n);
+            let mut fills = self.full_counted(w).filter_map(|(r, fillers)| {
                 fillers.contains(&holder).then(|| {
                     let permits = self.permits.get(r).map_or(0, |&p| p as usize);
                     let free = fillers.iter().filter(|&&h| self.free_to_leave(h)).count();
