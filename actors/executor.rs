@@ -669,7 +669,9 @@ fn decode_tree(registry: &Types, records: &[ProcRecord]) -> Result<(Objects, Vec
         if let Err(e) = guard("before_recover", || proc.before_recover()) {
             tracing::error!(proc = %r.id, %e, "before_recover panicked");
         }
-        if let (ProcState::Waiting, Some(event)) = (r.state, &r.event) {
+        // Paused while it waited (an operator's pause), it asks the same question:
+        // continued, does it run its next step or wait for the event again?
+        if let (ProcState::Waiting | ProcState::Paused, Some(event)) = (r.state, &r.event) {
             match guard("rerun_after_recover", || proc.rerun_after_recover(event)) {
                 Ok(true) => rerun.push(r.id),
                 Ok(false) => {}

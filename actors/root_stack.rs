@@ -773,7 +773,8 @@ impl TreeRunner {
         }
         let rerun = self.rare.as_mut().map(|r| std::mem::take(&mut r.rerun));
         for id in rerun.unwrap_or_default() {
-            if let Some(t) = self.core("rerun after recovery", |core| core.on_wake(id), ctx) {
+            let rerun = |core: &mut RootStack| core.on_recovered_rerun(id);
+            if let Some(t) = self.core("rerun after recovery", rerun, ctx) {
                 self.apply(t, None, ctx);
             }
         }

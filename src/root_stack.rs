@@ -730,6 +730,24 @@ impl RootStack {
         t
     }
 
+    /// After a restart, `id`, recorded waiting for an event, runs its next step rather
+    /// than wait again (its `rerun_after_recover` said so: whether the event was woken
+    /// before the restart is not in the log). A waiting one is woken now; one an
+    /// operator paused while it waited forgets its event, so that when it is continued
+    /// it runs its next step. (Kept, the event would put it back to waiting for a wake
+    /// that may have come and gone while it was paused.)
+    pub fn on_recovered_rerun(&mut self, id: ProcId) -> Transition {
+        let paused_waiting = self
+            .nodes
+            .get(&id)
+            .is_some_and(|n| n.state == ProcState::Paused && n.event.is_some());
+        if paused_waiting {
+            self.node_mut(id).event = None;
+            return Transition::default();
+        }
+        self.on_wake(id)
+    }
+
     /// The locks `id` holds for its life were granted to its queued step: record that
     /// (so recovery grants them back before anything else runs), then run the step.
     /// `data` is the procedure's current state.
@@ -2193,6 +2211,42 @@ mod tests {
             let (mut rs, _) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
             let t = rs.on_fail(ProcId(1), ProcError::Aborted, vec![], 11);
             assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 unrecorded");
+        }
+    }
+
+    #[test]
+    fn a_recovered_rerun_wakes_a_waiter_and_makes_a_paused_one_run_when_continued() {
+        // Recorded suspended on "e": woken now, it runs its next step.
+        // Recorded paused while suspended: it stays paused, and continued it runs its
+        // next step instead of waiting for a wake it may have missed while paused.
+        for pause in [false, true] {
+            let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
+            let mut records: Vec<ProcRecord> = Vec::new();
+            let mut ops = t.persist;
+            ops.extend(
+                rs.on_step(report(1, StepOutcome::Suspend("e".into())), 1)
+                    .persist,
+            );
+            if pause {
+                let t = rs.on_pause_waiting(ProcId(1), vec![1], 2).expect("pauses");
+                ops.extend(t.persist);
+            }
+            for op in ops {
+                if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
+                    records.retain(|x| x.id != r.id);
+                    records.push(r);
+                }
+            }
+            let (mut rs, _) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+            let t = rs.on_recovered_rerun(ProcId(1));
+            if !pause {
+                assert_eq!(t.to_string(), " | run 1");
+                continue;
+            }
+            assert_eq!(t.to_string(), " | ");
+            assert_eq!(rs.state_of(ProcId(1)), Some(ProcState::Paused));
+            let t = rs.on_continue(ProcId(1), 11).unwrap();
+            assert_eq!(t.to_string(), "U1:RUNNABLE[0] | run 1");
         }
     }
 

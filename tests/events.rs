@@ -152,3 +152,186 @@ async fn a_suspended_procedure_reruns_or_waits_after_a_restart_as_its_hook_says(
         executor.shutdown_now().await.unwrap();
     }
 }
+
+/// Waits for `id`'s result, failing the test (rather than hanging it) if none comes.
+async fn result_of(
+    executor: &Executor<Calls>,
+    id: proctor::ProcId,
+) -> Result<(), proctor::Failure> {
+    tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
+        .await
+        .unwrap_or_else(|_| panic!("procedure {id} never finished"))
+        .unwrap()
+}
+
+/// Appends what an operator's offline command plans, as `proctor` does on a stopped
+/// engine's store.
+fn offline(
+    store: &common::Reopen,
+    plan: impl FnOnce(&[proctor::ProcRecord]) -> Vec<proctor::StoreOp>,
+) {
+    let mut s = store.open();
+    let records = s.load().unwrap().records;
+    let ops = plan(&records);
+    s.append(&ops).unwrap();
+}
+
+/// A procedure paused while it was suspended is off its event's waiters; a wake of the
+/// event then finds nobody. After a restart, continued, it runs its next step (which
+/// re-checks) as every recovered suspended procedure does by default — or, when its
+/// hook says so, waits for the event again. It used to wait for the event in both
+/// cases, and the wake it had missed never came again.
+#[actix::test]
+async fn a_paused_suspended_procedure_reruns_when_continued_after_a_restart() {
+    for name in ["memory", "wal"] {
+        let store = common::Reopen::new(name);
+        let (executor, _) = start(store.open()).await;
+        let rerun = executor
+            .submit(Waiter::new("rerun", "e", false))
+            .await
+            .unwrap();
+        let stay = executor
+            .submit(Waiter::new("stay", "e", true))
+            .await
+            .unwrap();
+        for id in [rerun, stay] {
+            common::wait_for_state(&executor, id, ProcState::Waiting).await;
+            executor.pause(id).await.unwrap();
+            common::wait_for_state(&executor, id, ProcState::Paused).await;
+        }
+        executor.wake_event("e").await.unwrap();
+        executor.shutdown().await.unwrap();
+
+        let (executor, calls) = start(store.open()).await;
+        for id in [rerun, stay] {
+            let state = executor.state(id).await.unwrap().state;
+            assert_eq!(state, ProcState::Paused, "{name}: {id}");
+            executor.resume(id).await.unwrap();
+        }
+        assert_eq!(result_of(&executor, rerun).await, Ok(()), "{name}");
+        assert_eq!(calls.all(), ["rerun-run"], "{name}");
+        common::wait_for_state(&executor, stay, ProcState::Waiting).await;
+        executor.wake_event("e").await.unwrap();
+        assert_eq!(result_of(&executor, stay).await, Ok(()), "{name}");
+        assert_eq!(calls.all(), ["rerun-run", "stay-run"], "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// The same with a pause written on the stopped engine's store (`proctor pause`): at
+/// the next start it is PAUSED, and once continued it runs its next step.
+#[actix::test]
+async fn an_offline_pause_of_a_suspended_procedure_reruns_when_continued() {
+    for name in ["memory", "wal"] {
+        let store = common::Reopen::new(name);
+        let (executor, _) = start(store.open()).await;
+        let w = executor.submit(Waiter::new("w", "e", false)).await.unwrap();
+        common::wait_for_state(&executor, w, ProcState::Waiting).await;
+        executor.shutdown().await.unwrap();
+
+        offline(&store, |records| {
+            proctor::internals::recovery::steer(
+                records,
+                w,
+                proctor::internals::recovery::Steer::Pause,
+                0,
+            )
+            .unwrap()
+        });
+        let (executor, calls) = start(store.open()).await;
+        assert_eq!(
+            executor.state(w).await.unwrap().state,
+            ProcState::Paused,
+            "{name}"
+        );
+        executor.resume(w).await.unwrap();
+        assert_eq!(result_of(&executor, w).await, Ok(()), "{name}");
+        assert_eq!(calls.all(), ["w-run"], "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// An abort written on the stopped engine's store (`proctor abort`) of a suspended
+/// procedure, or of one an operator paused while it was suspended, rolls its tree back
+/// at the next start: its result comes, no step runs.
+#[actix::test]
+async fn an_offline_abort_of_a_suspended_procedure_rolls_it_back_at_the_next_start() {
+    for name in ["memory", "wal"] {
+        for paused in [false, true] {
+            let store = common::Reopen::new(name);
+            let (executor, _) = start(store.open()).await;
+            let w = executor.submit(Waiter::new("w", "e", false)).await.unwrap();
+            common::wait_for_state(&executor, w, ProcState::Waiting).await;
+            if paused {
+                executor.pause(w).await.unwrap();
+                common::wait_for_state(&executor, w, ProcState::Paused).await;
+                executor.wake_event("e").await.unwrap();
+            }
+            executor.shutdown().await.unwrap();
+
+            offline(&store, |records| {
+                proctor::internals::recovery::abort(records, w, 0).unwrap()
+            });
+            let (executor, calls) = start(store.open()).await;
+            let failure = result_of(&executor, w).await.expect_err("rolled back");
+            assert!(
+                failure.to_string().contains("abort"),
+                "{name}, paused {paused}: {failure}"
+            );
+            assert_eq!(calls.all(), Vec::<String>::new(), "{name}, paused {paused}");
+            executor.shutdown().await.unwrap();
+        }
+    }
+}
+
+/// `wake_event` hands its waiters to their trees oldest first, and each tree queues
+/// its procedure's next step. Trees on one arbiter are queued in that order, so with
+/// one worker and FIFO scheduling the oldest waiter's step runs first; trees on
+/// different arbiters are queued by each arbiter in turn, in an order not promised
+/// (the executor's docs of `wake_event` say so).
+#[actix::test]
+async fn woken_waiters_of_one_arbiter_run_oldest_first() {
+    for (name, store, _dir) in common::stores() {
+        let mut registry = Registry::<Calls>::default();
+        registry.register::<Waiter>("waiter");
+        let calls = Arc::new(Calls::default());
+        let executor = Executor::builder()
+            .registry(registry)
+            .store(store)
+            .env(calls.clone())
+            .workers(1)
+            .arbiters(1)
+            .scheduling(proctor::Scheduling::Fifo)
+            .start()
+            .await
+            .expect("executor starts");
+        for round in 0..12 {
+            let event = format!("e{round}");
+            let (a, b) = (format!("a{round}"), format!("b{round}"));
+            let first = executor
+                .submit(Waiter::new(&a, &event, false))
+                .await
+                .unwrap();
+            common::wait_for_state(&executor, first, ProcState::Waiting).await;
+            let second = executor
+                .submit(Waiter::new(&b, &event, false))
+                .await
+                .unwrap();
+            common::wait_for_state(&executor, second, ProcState::Waiting).await;
+            executor.wake_event(event).await.unwrap();
+            assert_eq!(executor.wait(first).await.unwrap(), Ok(()), "{name}");
+            assert_eq!(executor.wait(second).await.unwrap(), Ok(()), "{name}");
+            let runs: Vec<String> = calls
+                .all()
+                .into_iter()
+                .filter(|c| c.ends_with("-run") && c.contains(&format!("{round}-")))
+                .collect();
+            assert_eq!(
+                runs,
+                [format!("{a}-run"), format!("{b}-run")],
+                "{name}: round {round}"
+            );
+        }
+        executor.shutdown().await.unwrap();
+    }
+}
