@@ -927,6 +927,11 @@ impl ProcedureCell {
     /// The procedure's failed attempt is discarded (a failure policy retries or pauses
     /// it): reload its object from `data`, the state now recorded. Before anything can
     /// call it again.
+    /// The procedure's latest state that encoded: its state as recorded, between calls.
+    pub(crate) fn data(&self) -> &[u8] {
+        &self.data
+    }
+
     pub(crate) fn reset(&mut self, data: Vec<u8>, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
         // What its step returned was not taken: a `Done` the root stack refused (a
         // parent with children still running, a procedure at its most steps) failed

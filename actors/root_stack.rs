@@ -1065,9 +1065,23 @@ impl TreeRunner {
             return;
         }
         let (id, recursive) = (msg.id, msg.recursive);
+        // Each bypassed procedure's final record keeps its state as recorded (a copy
+        // of the tree's: an operator's command is rare).
+        let recorded: Vec<(ProcId, Vec<u8>)> = self
+            .procs
+            .iter()
+            .map(|(&p, cell)| (p, cell.data().to_vec()))
+            .collect();
+        let data_of = |p: ProcId| {
+            recorded
+                .iter()
+                .find(|(q, _)| *q == p)
+                .map(|(_, data)| data.clone())
+                .unwrap_or_default()
+        };
         match self.core(
             "bypass",
-            |core| core.on_bypass(id, recursive, false, now_ms()),
+            |core| core.on_bypass(id, recursive, false, &data_of, now_ms()),
             ctx,
         ) {
             Some(Ok(t)) => self.apply(t, Some((msg.ack, Ok(true))), ctx),

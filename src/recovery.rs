@@ -165,7 +165,14 @@ pub fn bypass(
     now_ms: u64,
 ) -> Result<Vec<StoreOp>, String> {
     let (_, mut stack) = rebuild(records, id, now_ms)?;
-    let t = stack.on_bypass(id, recursive, true, now_ms)?;
+    let data_of = |p: ProcId| {
+        records
+            .iter()
+            .find(|r| r.id == p)
+            .map(|r| r.data.clone())
+            .unwrap_or_default()
+    };
+    let t = stack.on_bypass(id, recursive, true, &data_of, now_ms)?;
     Ok(t.persist)
 }
 

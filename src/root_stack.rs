@@ -1903,7 +1903,10 @@ mod tests {
                 "{case}: offline pause: {got:?}"
             );
             let (mut rs, id) = setup();
-            let got = outcome(rs.on_bypass(ProcId(id), false, false, 10).err());
+            let got = outcome(
+                rs.on_bypass(ProcId(id), false, false, &|_| vec![7], 10)
+                    .err(),
+            );
             assert!(
                 got.contains(bypass) && got.is_empty() == bypass.is_empty(),
                 "{case}: bypass: {got:?}"

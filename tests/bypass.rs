@@ -133,3 +133,66 @@ async fn a_bypass_is_persisted() {
         executor.shutdown_now().await.unwrap();
     }
 }
+
+/// What a bypassed procedure was stays readable: its final record keeps its state as
+/// recorded — online or on a stopped engine (`proctor bypass`), waiting, paused, or a
+/// child bypassed with its parent — so an operator (or a verifier) can decode it until
+/// its result is evicted. The records used to carry no state at all.
+#[actix::test]
+async fn a_bypassed_procedure_keeps_its_state_in_its_final_record() {
+    for name in ["memory", "wal"] {
+        for how in ["online", "paused", "offline", "recursive"] {
+            let store = common::Reopen::new(name);
+            let (executor, _) = common::start(store.open(), 4).await;
+            let root = executor
+                .submit(match how {
+                    "recursive" => Scripted::new(
+                        "root",
+                        vec![Step::Children(vec![suspended("child")]), Step::More],
+                    ),
+                    _ => suspended("root"),
+                })
+                .await
+                .unwrap();
+            let child = match how {
+                "recursive" => Some(common::waiting_children(&executor, root, 1).await[0]),
+                _ => {
+                    common::wait_for_state(&executor, root, ProcState::Waiting).await;
+                    None
+                }
+            };
+            match how {
+                "offline" => {}
+                "paused" => {
+                    executor.pause(root).await.unwrap();
+                    executor.bypass(root, false).await.unwrap();
+                }
+                _ => executor.bypass(root, true).await.unwrap(),
+            }
+            executor.shutdown().await.unwrap();
+            if how == "offline" {
+                let mut s = store.open();
+                let records = s.load().unwrap().records;
+                let ops = proctor::internals::recovery::bypass(&records, root, false, 0).unwrap();
+                s.append(&ops).unwrap();
+            }
+
+            let snapshot = store.open().load().unwrap();
+            let record = snapshot.records.iter().find(|r| r.id == root).unwrap();
+            assert!(record.bypassed, "{name}, {how}");
+            assert_eq!(record.state, ProcState::Success, "{name}, {how}");
+            let state: Scripted = rmp_serde::from_slice(&record.data)
+                .unwrap_or_else(|e| panic!("{name}, {how}: the root's state decodes: {e}"));
+            assert_eq!(
+                (state.name.as_str(), state.at),
+                ("root", 1),
+                "{name}, {how}"
+            );
+            // The bypassed child is deleted with its finished tree; the root's record
+            // is what stays.
+            if let Some(child) = child {
+                assert!(snapshot.records.iter().all(|r| r.id != child), "{name}");
+            }
+        }
+    }
+}

@@ -226,11 +226,15 @@ impl RootStack {
     ///
     /// `stopped` is for an engine that is not running (an operator's offline bypass):
     /// nothing is queued or in a step then, so a RUNNABLE procedure can be bypassed too.
+    /// `data_of` gives a procedure's state as recorded (the core keeps only a paused
+    /// one's): each bypassed procedure's final record keeps it, so what it was can be
+    /// read (and decoded) until its result is evicted.
     pub fn on_bypass(
         &mut self,
         id: ProcId,
         recursive: bool,
         stopped: bool,
+        data_of: &dyn Fn(ProcId) -> Vec<u8>,
         now_ms: u64,
     ) -> Result<Transition, String> {
         self.unfinished(id)?;
@@ -274,10 +278,13 @@ impl RootStack {
         }
         let mut t = Transition::default();
         let root = self.root;
+        let mut root_data = Vec::new();
         for &target in targets.iter().rev() {
-            if self.nodes[&target].state == ProcState::Paused {
-                self.unpause(target);
-            }
+            let data = if self.nodes[&target].state == ProcState::Paused {
+                self.unpause(target)
+            } else {
+                data_of(target)
+            };
             let node = self.node_mut(target);
             node.state = ProcState::Success;
             node.bypassed = true;
@@ -285,13 +292,15 @@ impl RootStack {
             node.wake_at_ms = None;
             if target != root {
                 node.stopped = true;
-                self.persist_update(&mut t, target, Vec::new(), now_ms);
+                self.persist_update(&mut t, target, data, now_ms);
                 t.actions.push(Action::Stop(target));
+            } else {
+                root_data = data;
             }
         }
         tracing::warn!(root = %self.root, proc = %id, recursive, "procedure bypassed");
         if id == self.root {
-            self.persist_update(&mut t, id, Vec::new(), now_ms);
+            self.persist_update(&mut t, id, root_data, now_ms);
             self.finish(&mut t, now_ms);
         } else if let Some(parent) = self.nodes[&id].parent {
             self.child_succeeded(&mut t, parent);

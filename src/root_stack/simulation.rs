@@ -315,7 +315,10 @@ fn run(seed: u64) {
                         }
                     }
                 } else if !running && id != 1 {
-                    if let Ok(t) = sim.rs.on_bypass(ProcId(id), false, false, 1) {
+                    if let Ok(t) = sim
+                        .rs
+                        .on_bypass(ProcId(id), false, false, &|_| Vec::new(), 1)
+                    {
                         sim.timers.remove(&id);
                         sim.paused.remove(&id);
                         sim.apply(format!("bypass {id}"), t);
