@@ -22,9 +22,9 @@ use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState, Procedure};
 use crate::ready_queue::Scheduling;
 use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp};
-use crate::recovery::CorruptProc;
+use crate::recovery::{self, CorruptProc};
 use crate::registry::{Registry, Types};
-use crate::store::{MemoryStore, ProcedureStore};
+use crate::store::{LastStop, MemoryStore, ProcedureStore};
 
 use super::guard::{decode_guarded, guard};
 use super::persistence::Persistence;
@@ -434,9 +434,18 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         }
         let mut store = self.store.unwrap_or_else(|| Box::new(MemoryStore::new()));
         let snapshot = store.load_parts()?;
+        // A drained stop's mark holds for one start: this engine may run a step (a
+        // recovered waiter's, say) before it first appends, so the mark goes first.
+        if snapshot.last_stop != LastStop::Unknown {
+            store.mark_running()?;
+        }
         let registry = self.registry.into_types();
         let names = |name: &str| registry.static_name(name);
-        let mut plan = super::recover::plan(snapshot.parts, &names, now_ms());
+        let cut_off = recovery::may_be_cut_off(&snapshot.last_stop);
+        let mut plan = super::recover::plan(snapshot.parts, &names, &cut_off, now_ms());
+        // The procedures recovery takes as possibly cut off, for this engine's own
+        // drained stop to pass on if they have not run a step by then.
+        let cut_off: Vec<ProcId> = plan.each_tree().flat_map(|t| t.stack.cut_off()).collect();
         let mut corrupt = std::mem::take(&mut plan.corrupt);
         // Decode every unfinished procedure before anything starts, so that hooks run
         // in the plan's order (children before parents) and a tree that cannot be
@@ -615,6 +624,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 owned_system: owned,
                 drain_timeout,
                 stopping: false,
+                cut_off,
                 subscribers: Vec::new(),
                 env: PhantomData,
             }
@@ -1509,6 +1519,10 @@ pub struct ExecutorActor<E = ()> {
     drain_timeout: Duration,
     /// A shutdown has begun: submits are refused.
     stopping: bool,
+    /// The procedures recovery took as possibly cut off by the last engine's stop.
+    /// A drained stop marks those still unfinished as possibly cut off, since a
+    /// procedure that has not been recorded since keeps that in memory only.
+    cut_off: Vec<ProcId>,
     /// Who receives procedure events.
     subscribers: Vec<Subscriber>,
     /// The environment type of the procedures it takes.
@@ -2132,7 +2146,7 @@ impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
     fn handle(&mut self, msg: Shutdown, _ctx: &mut Context<Self>) -> Self::Result {
         if !msg.graceful || self.stopping || self.broken.is_some() {
             self.stopping = true;
-            return Box::pin(self.stop_now());
+            return Box::pin(self.stop_now(false));
         }
         self.stopping = true;
         tracing::info!(
@@ -2141,6 +2155,8 @@ impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
         );
         let shared = self.shared.clone();
         let mut deadline = tokio::time::Instant::now() + self.drain_timeout;
+        // Whether a step was cut off (cancelled, or not made durable in time).
+        let mut cut = false;
         let drain = async move {
             if tokio::time::timeout_at(deadline, shared.drain.drain())
                 .await
@@ -2156,8 +2172,10 @@ impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
                     .is_err()
                 {
                     tracing::warn!("steps still running after their cancellation: stopping now");
-                    return;
+                    return false;
                 }
+                // A cancelled step that returned reported a yield: it ran, unrecorded.
+                cut = true;
             }
             // Every report is sent; wait until each tree has made its records durable.
             let trees: Vec<_> = shared
@@ -2182,19 +2200,30 @@ impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
             };
             if tokio::time::timeout_at(deadline, all_quiet).await.is_err() {
                 tracing::warn!("drain deadline passed with records not yet durable: stopping now");
+                return false;
             }
+            !cut
         };
         Box::pin(
             drain
                 .into_actor(self)
-                .then(|(), act: &mut Self, _ctx| act.stop_now()),
+                .then(|drained, act: &mut Self, _ctx| act.stop_now(drained)),
         )
     }
 }
 
 impl<E: Send + Sync + 'static> ExecutorActor<E> {
-    /// Stops the arbiters (cutting off what runs) and the store writer.
-    fn stop_now(&mut self) -> impl ActorFuture<Self, Output = ()> {
+    /// Stops the arbiters (cutting off what runs) and the store writer. `drained`: a
+    /// graceful shutdown ended every call and made every report durable, so the store
+    /// is marked so ([`ProcedureStore::mark_drained`](crate::ProcedureStore::mark_drained))
+    /// after its last append.
+    fn stop_now(&mut self, drained: bool) -> impl ActorFuture<Self, Output = ()> {
+        let drained = drained.then(|| {
+            let table = &self.shared.table;
+            let mut cut_off = std::mem::take(&mut self.cut_off);
+            cut_off.retain(|id| table.get(id).is_some_and(|e| !e.state.is_finished()));
+            cut_off
+        });
         // Set first: the trees cut off below report nothing as an engine failure.
         self.broken = Some(Error::Stopped);
         // The arbiters stop one by one, and a tree cut off on one frees its locks:
@@ -2230,7 +2259,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 let _ = threads_gone.await;
             }
             // Errors mean it has stopped already.
-            let _ = scheduler.send(StopWriter).await;
+            let _ = scheduler.send(StopWriter { drained }).await;
             if owned_system {
                 System::current().stop();
             }

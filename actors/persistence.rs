@@ -22,6 +22,7 @@ use std::time::Instant;
 use tokio::sync::oneshot;
 
 use crate::error::Error;
+use crate::procedure::ProcId;
 use crate::record::StoreOp;
 use crate::store::{ProcedureStore, StoreError};
 
@@ -34,6 +35,14 @@ struct Batch {
     ops: Vec<StoreOp>,
     /// The result, and the batch's `Vec` emptied, for the next batch to reuse.
     done: oneshot::Sender<BatchResult>,
+}
+
+/// What the writer thread is handed, in order.
+enum Write {
+    Batch(Batch),
+    /// The last write of a drained shutdown (after every batch handed over before it):
+    /// [`ProcedureStore::mark_drained`].
+    Drained(Vec<ProcId>),
 }
 
 /// What the writer thread answers for a batch: the append's result and the batch's
@@ -50,7 +59,7 @@ pub(crate) struct InFlight {
 const KEEP_CAPACITY: usize = 1 << 14;
 
 pub(crate) struct Persistence {
-    writer: Option<mpsc::Sender<Batch>>,
+    writer: Option<mpsc::Sender<Write>>,
     thread: Option<thread::JoinHandle<()>>,
     pending_ops: Vec<StoreOp>,
     pending_acks: Vec<DurableAck>,
@@ -65,17 +74,32 @@ pub(crate) struct Persistence {
 impl Persistence {
     /// Moves the store onto its writer thread.
     pub(crate) fn new(mut store: Box<dyn ProcedureStore>) -> std::io::Result<Self> {
-        let (tx, rx) = mpsc::channel::<Batch>();
+        let (tx, rx) = mpsc::channel::<Write>();
         let thread = thread::Builder::new()
             .name("proctor-store-writer".into())
             .spawn(move || {
                 let metrics = metrics::WalMetrics::new();
-                while let Ok(batch) = rx.recv() {
+                // The store refuses every append after a failed one, and then a
+                // drained mark would be a lie: it is written only after successes.
+                let mut failed = false;
+                while let Ok(write) = rx.recv() {
+                    let batch = match write {
+                        Write::Batch(batch) => batch,
+                        Write::Drained(cut_off) => {
+                            if !failed {
+                                if let Err(e) = store.mark_drained(&cut_off) {
+                                    tracing::warn!(%e, "cannot mark the store drained; the next start assumes steps were cut off");
+                                }
+                            }
+                            continue;
+                        }
+                    };
                     perturb::point("persistence::writer::append");
                     let started = Instant::now();
                     let mut ops = batch.ops;
                     let records = ops.len();
                     let result = store.append_owned(&mut ops);
+                    failed |= result.is_err();
                     metrics.append(started.elapsed(), records);
                     // The scheduler may be gone at shutdown; nothing is waiting then.
                     let _ = batch.done.send((result, ops));
@@ -125,7 +149,7 @@ impl Persistence {
         let sent = self
             .writer
             .as_ref()
-            .is_some_and(|w| w.send(Batch { ops, done }).is_ok());
+            .is_some_and(|w| w.send(Write::Batch(Batch { ops, done })).is_ok());
         if !sent {
             self.fail(
                 "the store writer thread has stopped".to_string(),
@@ -200,8 +224,13 @@ impl Persistence {
     }
 
     /// A shutdown, not a store failure: closes the writer and refuses what is still
-    /// queued, quietly.
-    pub(crate) fn stop(&mut self, mail: &mut Mail) {
+    /// queued, quietly. `drained` (a drained shutdown's procedures possibly cut off by
+    /// an earlier crash): the store is marked drained after the batches already handed
+    /// over, unless an append failed.
+    pub(crate) fn stop(&mut self, drained: Option<Vec<ProcId>>, mail: &mut Mail) {
+        if let (Some(cut_off), None, Some(writer)) = (drained, &self.failed, &self.writer) {
+            let _ = writer.send(Write::Drained(cut_off));
+        }
         self.close_writer();
         self.failed = Some("the executor has shut down".to_string());
         self.pending_ops.clear();

@@ -568,8 +568,12 @@ impl Message for Refuse {
 
 /// Stops the scheduler once everything handed to the writer thread is written (the last
 /// message it gets, after every root stack's thread has ended); answers after the
-/// thread (and with it the store, and its lock) is gone.
-pub(crate) struct StopWriter;
+/// thread (and with it the store, and its lock) is gone. `drained`: the shutdown
+/// drained (no step was cut off), and the store is marked so after its last append,
+/// naming the procedures an earlier crash may still have cut off.
+pub(crate) struct StopWriter {
+    pub(crate) drained: Option<Vec<ProcId>>,
+}
 
 impl Message for StopWriter {
     type Result = ();

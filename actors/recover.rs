@@ -3,6 +3,7 @@
 //! appended in order, are the plan one thread would have made. Also the scoped-thread
 //! helpers the WAL store's open shares ([`cores`], [`on_threads`], [`joined`]).
 
+use crate::procedure::ProcId;
 use crate::record::ProcRecord;
 use crate::recovery::{self, RecoveryPlan};
 
@@ -47,10 +48,11 @@ pub(crate) fn joined<R>(worker: std::thread::ScopedJoinHandle<'_, R>) -> R {
 pub fn plan(
     mut parts: Vec<Vec<ProcRecord>>,
     names: &(dyn Fn(&str) -> Option<&'static str> + Sync),
+    cut_off: &(dyn Fn(ProcId) -> bool + Sync),
     now_ms: u64,
 ) -> RecoveryPlan {
     if parts.len() > 1 {
-        return plan_parts(parts, names, now_ms);
+        return plan_parts(parts, names, cut_off, now_ms);
     }
     let records = parts.pop().unwrap_or_default();
     let threads = if records.len() < PARALLEL_PLAN_MIN {
@@ -58,16 +60,18 @@ pub fn plan(
     } else {
         cores()
     };
-    plan_on(records, names, now_ms, threads)
+    plan_on(records, names, cut_off, now_ms, threads)
 }
 
 /// Each of `parts` planned on a thread of its own, the plans appended in order.
 fn plan_parts(
     parts: Vec<Vec<ProcRecord>>,
     names: &(dyn Fn(&str) -> Option<&'static str> + Sync),
+    cut_off: &(dyn Fn(ProcId) -> bool + Sync),
     now_ms: u64,
 ) -> RecoveryPlan {
-    let mut plans = on_threads(parts, |part| recovery::plan(part, names, now_ms)).into_iter();
+    let plan_one = |part| recovery::plan(part, names, cut_off, now_ms);
+    let mut plans = on_threads(parts, plan_one).into_iter();
     let mut plan = plans.next().unwrap_or_default();
     for later in plans {
         plan.append(later);
@@ -80,6 +84,7 @@ fn plan_parts(
 fn plan_on(
     mut records: Vec<ProcRecord>,
     names: &(dyn Fn(&str) -> Option<&'static str> + Sync),
+    cut_off: &(dyn Fn(ProcId) -> bool + Sync),
     now_ms: u64,
     threads: usize,
 ) -> RecoveryPlan {
@@ -96,7 +101,7 @@ fn plan_on(
         rest = tail;
     }
     let planned = on_threads(runs, |(records, groups, offset)| {
-        recovery::plan_trees(records, groups, offset, names, now_ms)
+        recovery::plan_trees(records, groups, offset, names, cut_off, now_ms)
     });
     RecoveryPlan::of_part(records, planned)
 }
@@ -188,14 +193,14 @@ mod tests {
 
     #[test]
     fn a_plan_of_parts_is_the_plan_of_their_records() {
-        let alone = described(&recovery::plan(records(), names, 5));
+        let alone = described(&recovery::plan(records(), names, &|_| true, 5));
         for parts in [2, 3, 8] {
             // Split as a store splits them: by root, each part sorted by id.
             let mut split = vec![Vec::new(); parts];
             for r in records() {
                 split[(r.root.0 as usize * 7) % parts].push(r);
             }
-            let planned = plan(split, &names, 5);
+            let planned = plan(split, &names, &|_| true, 5);
             assert_eq!(planned.records.len(), parts);
             assert_eq!(described(&planned), alone, "{parts} parts");
         }
@@ -203,9 +208,9 @@ mod tests {
 
     #[test]
     fn a_plan_on_many_threads_is_the_plan_on_one() {
-        let alone = recovery::plan(records(), names, 5);
+        let alone = recovery::plan(records(), names, &|_| true, 5);
         for threads in [1, 2, 3, 8] {
-            let split = plan_on(records(), &names, 5, threads);
+            let split = plan_on(records(), &names, &|_| true, 5, threads);
             assert!(split.tree_count() > 50 && !split.corrupt.is_empty());
             assert!(!split.finished.is_empty());
             assert_eq!(described(&split), described(&alone), "{threads} threads");

@@ -692,8 +692,8 @@ impl Handler<Refuse> for Scheduler {
 impl Handler<StopWriter> for Scheduler {
     type Result = ();
 
-    fn handle(&mut self, _msg: StopWriter, ctx: &mut Context<Self>) {
-        self.persistence.stop(&mut self.mail);
+    fn handle(&mut self, msg: StopWriter, ctx: &mut Context<Self>) {
+        self.persistence.stop(msg.drained, &mut self.mail);
         // A stopping actor polls no future: its mail goes now.
         self.mail.send();
         ctx.stop();

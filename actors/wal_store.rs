@@ -1398,6 +1398,7 @@ impl<F: WalFs> WalStore<F> {
                 parts,
                 max_id,
                 repairs,
+                last_stop: crate::store::LastStop::Unknown,
             }),
             failed: None,
             buf: Vec::new(),
@@ -1727,6 +1728,7 @@ impl<F: WalFs> ProcedureStore for WalStore<F> {
             parts: replay(&self.dir, segments)?.parts,
             max_id: self.max_id,
             repairs: Vec::new(),
+            last_stop: crate::store::LastStop::Unknown,
         })
     }
 }

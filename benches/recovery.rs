@@ -140,7 +140,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let open_s = started.elapsed().as_secs_f64();
     let open_peak_rss_mb = rss::peak_rss_mb().round();
     let live: usize = loaded.parts.iter().map(Vec::len).sum();
-    let plan = plan_recovery(loaded.parts, &|n| (n == "bench").then_some("bench"), 0);
+    let plan = plan_recovery(
+        loaded.parts,
+        &|n| (n == "bench").then_some("bench"),
+        &|_| true,
+        0,
+    );
     let recover_s = started.elapsed().as_secs_f64();
     assert_eq!(plan.tree_count() as u64, procs - procs / 2);
     assert!(plan.corrupt.is_empty());

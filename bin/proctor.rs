@@ -777,7 +777,7 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
     let now = now_ms();
     // Any stored name will do here: the command checks histories, not types.
     let names = |name: &str| Some(&*Box::leak(name.to_string().into_boxed_str()));
-    let plan = recovery::plan(latest.values().cloned().collect(), names, now);
+    let plan = recovery::plan(latest.values().cloned().collect(), names, &|_| true, now);
     let corrupt: BTreeMap<ProcId, String> =
         plan.corrupt.into_iter().map(|c| (c.id, c.reason)).collect();
     // Unfinished trees in which a procedure has failed: they roll back at next start.

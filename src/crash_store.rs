@@ -6,6 +6,7 @@
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use crate::procedure::ProcId;
 use crate::record::StoreOp;
 use crate::store::{ProcedureStore, StoreError, StoreSnapshot};
 
@@ -101,6 +102,18 @@ impl<S: ProcedureStore> ProcedureStore for CrashingStore<S> {
 
     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
         self.inner.load()
+    }
+
+    /// A crashed process marks nothing.
+    fn mark_drained(&mut self, cut_off: &[ProcId]) -> Result<(), StoreError> {
+        if self.crashed() {
+            return Ok(());
+        }
+        self.inner.mark_drained(cut_off)
+    }
+
+    fn mark_running(&mut self) -> Result<(), StoreError> {
+        self.inner.mark_running()
     }
 }
 

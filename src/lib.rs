@@ -75,7 +75,9 @@ pub use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp};
 pub use crate::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};
-pub use crate::store::{MemoryStore, ProcedureStore, StoreError, StoreParts, StoreSnapshot};
+pub use crate::store::{
+    LastStop, MemoryStore, ProcedureStore, StoreError, StoreParts, StoreSnapshot,
+};
 
 /// The README's examples compile and run as doc tests too.
 #[cfg(doctest)]

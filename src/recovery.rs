@@ -14,6 +14,7 @@ use crate::fast_map::IdMap;
 use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, ProcRecord, StoreOp};
 use crate::root_stack::{RootStack, Transition};
+use crate::store::LastStop;
 
 /// A procedure that recovery could not rebuild, and why.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -201,7 +202,7 @@ fn rebuild_tree(
 ) -> Result<(RootStack, Transition), String> {
     let mut tree: Vec<ProcRecord> = records.iter().filter(|r| r.root == root).cloned().collect();
     order_children_first(&mut tree)
-        .and_then(|()| RootStack::recover(&tree, |name| Some(leak(name)), now_ms))
+        .and_then(|()| RootStack::recover(&tree, |name| Some(leak(name)), &|_| true, now_ms))
         .map_err(|reason| format!("tree {root} cannot be rebuilt: {reason}"))
 }
 
@@ -305,6 +306,18 @@ pub fn steer(
     Ok(t.persist)
 }
 
+/// Which procedures may have been in the middle of a step nobody recorded when the
+/// engine stopped, as recovery needs to know ([`plan`]'s `cut_off`): after a crash
+/// (or a stop the store cannot tell), any; after a drained shutdown, only those an
+/// earlier crash may have cut off that had not run a step since.
+pub fn may_be_cut_off(last_stop: &LastStop) -> impl Fn(ProcId) -> bool + Sync + '_ {
+    let only: Option<std::collections::HashSet<ProcId>> = match last_stop {
+        LastStop::Unknown => None,
+        LastStop::Drained { cut_off } => Some(cut_off.iter().copied().collect()),
+    };
+    move |id| only.as_ref().is_none_or(|ids| ids.contains(&id))
+}
+
 /// Type names are only compared here; the few an offline bypass needs may live for the
 /// rest of the command.
 fn leak(name: &str) -> &'static str {
@@ -313,7 +326,8 @@ fn leak(name: &str) -> &'static str {
 
 /// Plans the recovery of `records` (the latest record of every live procedure, in any
 /// order; grouped by tree, by root then id, they are not moved).
-/// `names` maps a stored type name to the registry's, `None` when unknown.
+/// `names` maps a stored type name to the registry's, `None` when unknown; `cut_off`
+/// says which procedures may have been in a step nobody recorded ([`may_be_cut_off`]).
 ///
 /// The same as [`group_trees`], [`plan_trees`] of the groups, then
 /// [`RecoveryPlan::of_part`]; a caller with cores to spare may split the groups (and
@@ -322,10 +336,11 @@ fn leak(name: &str) -> &'static str {
 pub fn plan(
     mut records: Vec<ProcRecord>,
     names: impl Fn(&str) -> Option<&'static str>,
+    cut_off: &dyn Fn(ProcId) -> bool,
     now_ms: u64,
 ) -> RecoveryPlan {
     let groups = group_trees(&mut records);
-    let run = plan_trees(&mut records, &groups, 0, names, now_ms);
+    let run = plan_trees(&mut records, &groups, 0, names, cut_off, now_ms);
     RecoveryPlan::of_part(records, vec![run])
 }
 
@@ -362,6 +377,7 @@ pub fn plan_trees(
     groups: &[TreeGroup],
     offset: usize,
     names: impl Fn(&str) -> Option<&'static str>,
+    cut_off: &dyn Fn(ProcId) -> bool,
     now_ms: u64,
 ) -> PlannedRun {
     let mut run = PlannedRun::default();
@@ -411,7 +427,7 @@ pub fn plan_trees(
             run.dropped.push((range, None));
             continue;
         }
-        match RootStack::recover(group, &names, now_ms) {
+        match RootStack::recover(group, &names, cut_off, now_ms) {
             Ok((stack, start)) => run.trees.push(TreeRecovery {
                 part: 0,
                 range,
@@ -496,7 +512,7 @@ mod tests {
     /// Plans and describes the result: one line per tree (its start actions), then
     /// finished roots and corrupt procedures.
     fn check(records: Vec<ProcRecord>, expected: &[&str]) {
-        let plan = plan(records, names, 100);
+        let plan = plan(records, names, &|_| true, 100);
         let mut lines = Vec::new();
         for tree in plan.each_tree() {
             let order: Vec<String> = plan
@@ -629,7 +645,7 @@ mod tests {
             failed(2, 1, 5),
             failed(3, 0, 9),
         ];
-        let plan = plan(records, names, 100);
+        let plan = plan(records, names, &|_| true, 100);
         let result = plan.trees[0][0].stack.first_failure().cloned();
         assert_eq!(result.map(|f| f.proc), Some(ProcId(3)));
     }
@@ -756,7 +772,7 @@ mod tests {
             },
             rec(3, Some(1), Runnable, &[]),
         ];
-        let (mut stack, start) = RootStack::recover(&records, names, 0).unwrap();
+        let (mut stack, start) = RootStack::recover(&records, names, &|_| true, 0).unwrap();
         assert!(
             start.to_string().ends_with("rollback 3 unrecorded"),
             "{start}"
@@ -847,14 +863,14 @@ mod tests {
         let mut reversed = tree_order.clone();
         reversed.reverse();
         for records in [tree_order.clone(), by_id, reversed] {
-            let lines = described(&plan(records, names, 100));
+            let lines = described(&plan(records, names, &|_| true, 100));
             assert_eq!(lines[..4], expected);
             assert!(lines[4].contains("id: ProcId(3)") && lines[4].contains("id: ProcId(21)"));
         }
         // In tree order nothing moves but the dropped records and the children put
         // before their parents: the part is the buffer that came in.
         let buffer = tree_order.as_ptr();
-        let planned = plan(tree_order, names, 100);
+        let planned = plan(tree_order, names, &|_| true, 100);
         assert_eq!(planned.records.len(), 1);
         assert_eq!(planned.records[0].as_ptr(), buffer);
         assert_eq!(ids(&planned.records[0]), [1, 11, 10, 31, 32, 30]);
@@ -900,7 +916,7 @@ mod tests {
             records.clone(),
             &["tree [2 3 1]:  | spawn 1, spawn 2, spawn 3, rollback 3 unrecorded"],
         );
-        let plan = plan(records.clone(), names, 100);
+        let plan = plan(records.clone(), names, &|_| true, 100);
         let first = plan.trees[0][0].stack.first_failure().cloned().unwrap();
         assert_eq!((first.proc, first.error), (ProcId(2), ProcError::Aborted));
         // Once aborted, the tree is rolling back: a second abort is refused.

@@ -730,6 +730,16 @@ impl RootStack {
         t
     }
 
+    /// The unfinished procedures that may have been in a step nobody recorded (marked
+    /// `Steering::dirty`, by recovery or by a failed step): should the tree fail before
+    /// they run again, each gets an unrecorded rollback first.
+    pub fn cut_off(&self) -> impl Iterator<Item = ProcId> + '_ {
+        self.nodes
+            .iter()
+            .filter(|(_, n)| n.steering.dirty && !n.state.is_finished())
+            .map(|(&id, _)| id)
+    }
+
     /// After a restart, `id`, recorded waiting for an event, runs its next step rather
     /// than wait again (its `rerun_after_recover` said so: whether the event was woken
     /// before the restart is not in the log). A waiting one is woken now; one an
@@ -1650,7 +1660,8 @@ mod tests {
         keep(&t);
         // What the log holds then recovers: the parent stays paused, the child runs.
         let records: Vec<ProcRecord> = latest.values().cloned().collect();
-        let (_, start) = RootStack::recover(&records, |_| Some("t"), 3).expect("recovers");
+        let (_, start) =
+            RootStack::recover(&records, |_| Some("t"), &|_| true, 3).expect("recovers");
         assert_eq!(start.to_string(), " | spawn 1, spawn 2, run 2");
         // Continued while the child runs, it waits for it; the child's end wakes it.
         let t = rs.on_continue(ProcId(1), 4).unwrap();
@@ -2049,7 +2060,8 @@ mod tests {
                 c.held = true;
             }
         }
-        let (back, _) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+        let (back, _) =
+            RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
         let held: Vec<ProcId> = back.held_locks().iter().map(|r| r.owner).collect();
         assert_eq!(held, vec![ProcId(1), ProcId(2)]);
     }
@@ -2152,7 +2164,8 @@ mod tests {
             }
         }
         // After it: both run again, and 3 fails before 2's step has run.
-        let (mut rs, start) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+        let (mut rs, start) =
+            RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
         let mut seen = vec![start.to_string()];
         seen.push(
             rs.on_step(report(3, StepOutcome::Failed(ProcError::failed("x"))), 11)
@@ -2211,7 +2224,8 @@ mod tests {
                     records.push(r);
                 }
             }
-            let (mut rs, _) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+            let (mut rs, _) =
+                RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
             let t = rs.on_fail(ProcId(1), ProcError::Aborted, vec![], 11);
             assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 unrecorded");
         }
@@ -2240,7 +2254,8 @@ mod tests {
                     records.push(r);
                 }
             }
-            let (mut rs, _) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+            let (mut rs, _) =
+                RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
             let t = rs.on_recovered_rerun(ProcId(1));
             if !pause {
                 assert_eq!(t.to_string(), " | run 1");
@@ -2418,7 +2433,8 @@ mod tests {
                 steps.push((2, StepOutcome::Done));
             }
             let records = recorded(steps);
-            let (mut rs, t) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+            let (mut rs, t) =
+                RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
             assert_eq!(t.to_string(), format!(" | {plan}"), "case {i}");
             // Woken, it may have been in a step the crash cut off: a failure undoes it.
             let queued: Vec<u64> = (1..=3)
@@ -2456,7 +2472,7 @@ mod tests {
             (2, StepOutcome::Done),
             (3, err("x")),
         ]);
-        let (_, t) = RootStack::recover(&records, |_| Some("t"), 10).expect("recovers");
+        let (_, t) = RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
         let plan = t.to_string();
         assert!(plan.contains("rollback 1 unrecorded"), "{plan}");
     }
@@ -2479,7 +2495,7 @@ mod tests {
                     records.push(r);
                 }
             }
-            let (_, t) = RootStack::recover(&records, |_| Some("t"), 10).unwrap();
+            let (_, t) = RootStack::recover(&records, |_| Some("t"), &|_| true, 10).unwrap();
             assert_eq!(
                 t.to_string(),
                 " | spawn 1, rollback 1",

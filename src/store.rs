@@ -59,6 +59,37 @@ pub struct StoreSnapshot {
     /// interrupted roll removed). Empty when nothing was repaired, and always empty for
     /// [`MemoryStore`]. Only the first `load` after opening reports them.
     pub repairs: Vec<String>,
+    /// How the last engine on the store stopped, as far as the store knows.
+    pub last_stop: LastStop,
+}
+
+/// How the last engine on a store stopped ([`StoreSnapshot::last_stop`]), which tells
+/// recovery which procedures may have been in the middle of a step that was never
+/// recorded (those get an extra, *unrecorded* rollback should their tree fail before
+/// the step runs again).
+///
+/// ```
+/// use proctor::{LastStop, MemoryStore, ProcedureStore};
+/// let mut store = MemoryStore::new();
+/// store.mark_drained(&[]).unwrap(); // a graceful shutdown's last write
+/// assert_eq!(store.load().unwrap().last_stop, LastStop::Drained { cut_off: vec![] });
+/// store.mark_running().unwrap(); // the next engine's first write
+/// assert_eq!(store.load().unwrap().last_stop, LastStop::Unknown);
+/// ```
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub enum LastStop {
+    /// A crash, a shutdown that cut steps off, an engine still running, or a store
+    /// that keeps no mark: any procedure recorded runnable, or waiting for a timer or
+    /// an event, may have been in a step.
+    #[default]
+    Unknown,
+    /// A graceful shutdown drained every call into user code and made every report
+    /// durable: no step was cut off, but maybe those of `cut_off` — procedures that an
+    /// earlier crash may have cut off and that had not run a step since.
+    Drained {
+        /// The procedures that may still have been cut off by an earlier crash.
+        cut_off: Vec<ProcId>,
+    },
 }
 
 /// [`StoreSnapshot`]'s records split for a recovery on several threads
@@ -82,6 +113,8 @@ pub struct StoreParts {
     pub max_id: u64,
     /// As [`StoreSnapshot::repairs`].
     pub repairs: Vec<String>,
+    /// As [`StoreSnapshot::last_stop`].
+    pub last_stop: LastStop,
 }
 
 impl StoreParts {
@@ -100,6 +133,7 @@ impl StoreParts {
             records,
             max_id: self.max_id,
             repairs: self.repairs,
+            last_stop: self.last_stop,
         }
     }
 }
@@ -111,6 +145,7 @@ impl From<StoreSnapshot> for StoreParts {
             parts: vec![snapshot.records],
             max_id: snapshot.max_id,
             repairs: snapshot.repairs,
+            last_stop: snapshot.last_stop,
         }
     }
 }
@@ -164,6 +199,32 @@ pub trait ProcedureStore: Send + 'static {
     fn load_parts(&mut self) -> Result<StoreParts, StoreError> {
         self.load().map(StoreParts::from)
     }
+
+    /// Marks a graceful stop, after the engine's last append: its drain ended every call
+    /// into user code and made every report durable, so no step was cut off but maybe
+    /// those of `cut_off` (left by an earlier crash). Until the next append or
+    /// [`mark_running`](ProcedureStore::mark_running), [`load`](ProcedureStore::load)
+    /// reports [`LastStop::Drained`]. Durable when it returns. The default keeps no
+    /// mark: recovery then assumes any waiting or runnable procedure may have been in a
+    /// step, which is always safe.
+    ///
+    /// # Errors
+    /// As [`append`](ProcedureStore::append); the engine is stopping anyway, and the
+    /// next start assumes the worst.
+    fn mark_drained(&mut self, cut_off: &[ProcId]) -> Result<(), StoreError> {
+        let _ = cut_off;
+        Ok(())
+    }
+
+    /// Ends a [`LastStop::Drained`] mark: an engine starts on the store and may run
+    /// steps before its first append. The engine calls it, durably, before anything
+    /// runs, when its `load` reported a drained stop. The default does nothing.
+    ///
+    /// # Errors
+    /// As [`append`](ProcedureStore::append); the engine does not start then.
+    fn mark_running(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
 }
 
 impl ProcedureStore for Box<dyn ProcedureStore> {
@@ -181,6 +242,14 @@ impl ProcedureStore for Box<dyn ProcedureStore> {
 
     fn load_parts(&mut self) -> Result<StoreParts, StoreError> {
         (**self).load_parts()
+    }
+
+    fn mark_drained(&mut self, cut_off: &[ProcId]) -> Result<(), StoreError> {
+        (**self).mark_drained(cut_off)
+    }
+
+    fn mark_running(&mut self) -> Result<(), StoreError> {
+        (**self).mark_running()
     }
 }
 
@@ -219,6 +288,7 @@ struct MemoryInner {
     /// the codec a record read back from disk has been through.
     records: BTreeMap<ProcId, Box<[u8]>>,
     max_id: u64,
+    last_stop: LastStop,
 }
 
 impl MemoryInner {
@@ -240,6 +310,7 @@ impl MemoryInner {
                 StoreOp::Delete(_) => Ok(None),
             })
             .collect::<Result<Vec<_>, _>>()?;
+        self.last_stop = LastStop::Unknown;
         for (op, bytes) in ops.iter().zip(encoded) {
             let id = op.proc_id();
             self.max_id = self.max_id.max(id.0);
@@ -274,6 +345,18 @@ impl ProcedureStore for MemoryStore {
         self.lock().append(ops)
     }
 
+    fn mark_drained(&mut self, cut_off: &[ProcId]) -> Result<(), StoreError> {
+        self.lock().last_stop = LastStop::Drained {
+            cut_off: cut_off.to_vec(),
+        };
+        Ok(())
+    }
+
+    fn mark_running(&mut self) -> Result<(), StoreError> {
+        self.lock().last_stop = LastStop::Unknown;
+        Ok(())
+    }
+
     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
         let inner = self.lock();
         let records = inner
@@ -292,6 +375,7 @@ impl ProcedureStore for MemoryStore {
             records,
             max_id: inner.max_id,
             repairs: Vec::new(),
+            last_stop: inner.last_stop.clone(),
         })
     }
 }

@@ -73,6 +73,8 @@ impl ProcedureStore for FilePerProcStore {
             records,
             max_id,
             repairs: Vec::new(),
+            // The baseline keeps no mark: a restart assumes any step may have been cut off.
+            last_stop: proctor::LastStop::Unknown,
         })
     }
 }

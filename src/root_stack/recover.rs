@@ -20,11 +20,15 @@ impl RootStack {
     ///   recorded is undone too.
     ///
     /// `records` are all records of one tree, root included; `names` maps stored type
-    /// names to the registry's. Fails, naming the reason, when the history is
+    /// names to the registry's; `cut_off` says whether a procedure may have been in a
+    /// step nobody recorded when the engine stopped (any, after a crash; after a
+    /// drained shutdown, only those an earlier crash may have cut off: see
+    /// [`LastStop`](crate::LastStop)). Fails, naming the reason, when the history is
     /// incomplete: a missing root or parent, holes in the stack indexes.
     pub fn recover(
         records: &[ProcRecord],
         names: impl Fn(&str) -> Option<&'static str>,
+        cut_off: &dyn Fn(ProcId) -> bool,
         now_ms: u64,
     ) -> Result<(Self, Transition), String> {
         let root = match records.iter().find(|r| r.parent.is_none()) {
@@ -229,7 +233,8 @@ impl RootStack {
                     (!n.state.is_finished()
                         && n.state != ProcState::Failed
                         && n.state != ProcState::RollbackPaused
-                        && woken)
+                        && woken
+                        && cut_off(**id))
                         || (n.steering.dirty && !n.state.is_finished())
                 })
                 .map(|(&id, _)| id)
@@ -253,7 +258,7 @@ impl RootStack {
                 ProcState::Waiting => woken,
                 _ => false,
             };
-            if may_have_run {
+            if may_have_run && cut_off(id) {
                 // It may have been in the middle of a step the crash kept from being
                 // recorded. If the tree fails before that step runs again, its rollback
                 // undoes it first, as it would have had the tree failed before the crash

@@ -129,7 +129,7 @@ impl Sim {
 
     fn recover_ok(&self) {
         let records: Vec<ProcRecord> = self.records.values().cloned().collect();
-        if let Err(e) = RootStack::recover(&records, |_| Some("t"), 100) {
+        if let Err(e) = RootStack::recover(&records, |_| Some("t"), &|_| true, 100) {
             panic!("recovery refuses: {e}\n{}", self.log.join("\n"));
         }
     }
@@ -344,7 +344,7 @@ fn run(seed: u64) {
             8 if rng.below(4) == 0 => {
                 // A crash and a restart from the records.
                 let records: Vec<ProcRecord> = sim.records.values().cloned().collect();
-                let (rs, t) = RootStack::recover(&records, |_| Some("t"), 100).unwrap();
+                let (rs, t) = RootStack::recover(&records, |_| Some("t"), &|_| true, 100).unwrap();
                 let cut_off: Vec<u64> = sim.running.iter().map(|r| r.0).collect();
                 for &id in &cut_off {
                     let n = &rs.nodes[&ProcId(id)];
