@@ -33,6 +33,8 @@ const DIR_VAR: &str = "PROCTOR_CRASH_CHILD_DIR";
 const SEED_VAR: &str = "PROCTOR_CRASH_CHILD_SEED";
 /// Set: the child submits DAGs of this many tasks instead of trees.
 const DAG_VAR: &str = "PROCTOR_CRASH_CHILD_DAG";
+/// Set: the child's engine evicts results this many ms after their roots finish.
+const RETENTION_VAR: &str = "PROCTOR_CRASH_CHILD_RETENTION_MS";
 const STEPS: u16 = 3;
 const CHILDREN: u16 = 2;
 /// Each tree locks one of these resources for its life (`res/<k>`).
@@ -50,18 +52,21 @@ fn open_wal(dir: &Path) -> WalStore {
     WalStore::open(dir).expect("open WAL")
 }
 
-async fn executor(dir: &Path) -> (Executor<Env>, Arc<Env>) {
+async fn executor(dir: &Path, retention: Option<Duration>) -> (Executor<Env>, Arc<Env>) {
     let env = Arc::new(Env::new(Some(
         Ledger::open(&dir.join("ledger")).expect("ledger"),
     )));
-    let executor = Executor::builder()
+    let mut builder = Executor::builder()
         .registry(work::registry())
         .store(open_wal(&dir.join("wal")))
         .env(env.clone())
-        .workers(32)
-        .start()
-        .await
-        .expect("recovery succeeds");
+        .workers(32);
+    if let Some(kept) = retention {
+        builder = builder
+            .retention(kept)
+            .cleaner_interval(Duration::from_millis(20));
+    }
+    let executor = builder.start().await.expect("recovery succeeds");
     (executor, env)
 }
 
@@ -73,8 +78,11 @@ fn crash_child() {
     };
     let seed: u64 = std::env::var(SEED_VAR).unwrap().parse().unwrap();
     let dag_width: Option<u16> = std::env::var(DAG_VAR).ok().map(|w| w.parse().unwrap());
+    let retention = std::env::var(RETENTION_VAR)
+        .ok()
+        .map(|ms| Duration::from_millis(ms.parse().unwrap()));
     actix::System::new().block_on(async move {
-        let (executor, _env) = executor(Path::new(&dir)).await;
+        let (executor, _env) = executor(Path::new(&dir), retention).await;
         if dag_width.is_some() {
             dag::continue_every_pause(&executor).await.unwrap();
         }
@@ -87,13 +95,8 @@ fn crash_child() {
                 None => {
                     let fail =
                         (rng.f64() < 0.2).then(|| (rng.u16(0..=CHILDREN), rng.u16(0..STEPS)));
-                    Box::new(StateMachine::new(Work {
-                        path: 0,
-                        steps: STEPS,
-                        children: CHILDREN,
-                        fail,
-                        lock: Some(rng.u32(0..LOCKS)),
-                    }))
+                    let lock = Some(rng.u32(0..LOCKS));
+                    Box::new(StateMachine::new(Work::root(STEPS, CHILDREN, fail, lock)))
                 }
             };
             let permit = window.clone().acquire_owned().await.unwrap();
@@ -112,6 +115,17 @@ fn crash_child() {
 /// Runs the child over `dir` `rounds` times, each killed with SIGKILL at a random
 /// moment once it is ready.
 fn kill_repeatedly(dir: &Path, rounds: u32, dag_width: Option<u16>) {
+    kill_repeatedly_with(dir, rounds, dag_width, None);
+}
+
+/// As [`kill_repeatedly`], the child's engine evicting results `retention_ms` after
+/// their roots finish, if given.
+fn kill_repeatedly_with(
+    dir: &Path,
+    rounds: u32,
+    dag_width: Option<u16>,
+    retention_ms: Option<u64>,
+) {
     let mut rng = fastrand::Rng::with_seed(7);
     for round in 0..rounds {
         let mut command = Command::new(std::env::current_exe().unwrap());
@@ -122,6 +136,9 @@ fn kill_repeatedly(dir: &Path, rounds: u32, dag_width: Option<u16>) {
             .stdout(Stdio::piped());
         if let Some(width) = dag_width {
             command.env(DAG_VAR, width.to_string());
+        }
+        if let Some(ms) = retention_ms {
+            command.env(RETENTION_VAR, ms.to_string());
         }
         let _serial = FORK.lock().unwrap_or_else(PoisonError::into_inner);
         let mut child = command.spawn().expect("spawn the child");
@@ -157,7 +174,7 @@ fn sigkill_at_random_moments_loses_nothing() {
     kill_repeatedly(dir.path(), 10, None);
 
     actix::System::new().block_on(async {
-        let (executor, env) = executor(dir.path()).await;
+        let (executor, env) = executor(dir.path(), None).await;
         let recovery = executor.recovery().clone();
         assert!(recovery.corrupt.is_empty(), "{:?}", recovery.corrupt);
         assert!(
@@ -213,7 +230,7 @@ fn sigkill_during_dags_loses_nothing_and_never_rolls_back_past_a_point_of_no_ret
         })
         .collect();
     actix::System::new().block_on(async {
-        let (executor, env) = executor(dir.path()).await;
+        let (executor, env) = executor(dir.path(), None).await;
         let recovery = executor.recovery().clone();
         assert!(recovery.corrupt.is_empty(), "{:?}", recovery.corrupt);
         dag::continue_every_pause(&executor).await.unwrap();
@@ -262,6 +279,48 @@ fn sigkill_during_dags_loses_nothing_and_never_rolls_back_past_a_point_of_no_ret
                 "no DAG ended {end:?}: {outcomes:?}"
             );
         }
+        executor.shutdown_now().await.unwrap();
+    });
+}
+
+/// With results evicted soon after their roots finish (as `workload --retention-ms`
+/// runs), the roots that earlier processes evicted are in the store no more: the final
+/// check tells them (ids the engine issued, their effects all or none in the ledger)
+/// from roots it never knew, which it used to report by the thousand.
+#[test]
+fn sigkill_with_results_evicted_loses_nothing_and_tells_evicted_from_unknown() {
+    let dir = tempfile::tempdir().unwrap();
+    kill_repeatedly_with(dir.path(), 6, None, Some(100));
+
+    actix::System::new().block_on(async {
+        let (executor, env) = executor(dir.path(), None).await;
+        let recovery = executor.recovery().clone();
+        assert!(recovery.corrupt.is_empty(), "{:?}", recovery.corrupt);
+        for id in &recovery.recovered_roots {
+            let _ = executor.wait(*id).await.expect("recovered root finishes");
+        }
+        let roots = finished_roots(&executor).await;
+        let mut effects = env.ledger.as_ref().unwrap().effects_per_root().unwrap();
+        let evicted = work::check_evicted(&executor, &env, &HashMap::new(), &roots, &mut effects)
+            .await
+            .unwrap();
+        assert!(evicted.count > 0, "earlier processes evicted results");
+        let per_root = usize::from(STEPS) * (1 + usize::from(CHILDREN));
+        let mut violations = evicted.violations;
+        violations.extend(work::ledger_violations(&roots, &effects, |_| per_root));
+        assert_eq!(
+            env.lock_conflicts.load(Ordering::Relaxed),
+            0,
+            "lock conflicts"
+        );
+        assert!(
+            violations.is_empty(),
+            "{} violations over {} roots known and {} evicted, first: {:?}",
+            violations.len(),
+            roots.len(),
+            evicted.count,
+            &violations[..violations.len().min(5)]
+        );
         executor.shutdown_now().await.unwrap();
     });
 }

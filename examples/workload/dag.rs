@@ -42,6 +42,10 @@ pub struct Step {
     /// Fails the first time it runs in this process (after recording its effect).
     pub fail: bool,
     pub irreversible: bool,
+    /// The DAG's tasks: the effects it leaves when it succeeds (0 in states written
+    /// before it was kept).
+    #[serde(default)]
+    pub of: u16,
 }
 
 #[async_trait]
@@ -50,7 +54,7 @@ impl Task<Env> for Step {
         let env = ctx.env();
         env.steps.fetch_add(1, Ordering::Relaxed);
         let root = ctx.root().0;
-        env.effect((root, self.index, 0), true)?;
+        env.add_effect((root, self.index, 0), u32::from(self.of))?;
         if self.fail && env.fire(root, self.index) {
             return Err(ProcError::failed(format!(
                 "injected failure in task {}",
@@ -61,7 +65,7 @@ impl Task<Env> for Step {
     }
 
     async fn rollback(&self, ctx: &mut Context<Env>) -> Result<(), ProcError> {
-        ctx.env().effect((ctx.root().0, self.index, 0), false)
+        ctx.env().remove_effect((ctx.root().0, self.index, 0))
     }
 
     fn irreversible(&self) -> bool {
@@ -96,6 +100,7 @@ pub fn generate(
                 index,
                 fail: fail == Some(index),
                 irreversible: irreversible[index as usize],
+                of: width,
             })
         })
         .collect();

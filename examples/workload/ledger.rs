@@ -2,8 +2,11 @@
 //! removes it, so a run (or a crash and a resume) can be checked from outside the
 //! engine.
 //!
-//! Format: one line per call, `+ ROOT PATH STEP` or `- ROOT PATH STEP`, appended with
-//! one `write` each, before the step returns. A write reaches the kernel before the
+//! Format: one line per call, `+ ROOT PATH STEP TOTAL` or `- ROOT PATH STEP`, appended
+//! with one `write` each, before the step returns. `TOTAL` is the number of effects
+//! the root's whole tree leaves when it succeeds, so a root whose result the engine
+//! has evicted (`--retention-ms`) can still be checked: its effects in force are none
+//! or all of them. (A line without it, from before it was written, checks nothing.) A write reaches the kernel before the
 //! engine persists the step, so a process crash (SIGKILL) loses no effect the store
 //! knows of. Replaying the lines in order gives the set of effects in force; adding an
 //! effect twice (a step re-run after a crash) is harmless.
@@ -32,16 +35,17 @@ impl Ledger {
         })
     }
 
-    pub fn add(&self, effect: Effect) -> std::io::Result<()> {
-        self.write('+', effect)
+    /// Records `effect`, of a tree that leaves `total` effects when it succeeds.
+    pub fn add(&self, effect: Effect, total: u32) -> std::io::Result<()> {
+        let (root, path, step) = effect;
+        self.write(format!("+ {root} {path} {step} {total}\n"))
     }
 
-    pub fn remove(&self, effect: Effect) -> std::io::Result<()> {
-        self.write('-', effect)
+    pub fn remove(&self, (root, path, step): Effect) -> std::io::Result<()> {
+        self.write(format!("- {root} {path} {step}\n"))
     }
 
-    fn write(&self, sign: char, (root, path, step): Effect) -> std::io::Result<()> {
-        let line = format!("{sign} {root} {path} {step}\n");
+    fn write(&self, line: String) -> std::io::Result<()> {
         let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
         file.write_all(line.as_bytes())
     }
@@ -65,6 +69,26 @@ impl Ledger {
 
     /// Every line in order: `true` for an added effect, `false` for a removed one.
     pub fn history(&self) -> std::io::Result<Vec<(bool, Effect)>> {
+        Ok(self
+            .lines()?
+            .into_iter()
+            .map(|(add, effect, _)| (add, effect))
+            .collect())
+    }
+
+    /// The effects each root's tree leaves when it succeeds, as its lines say.
+    pub fn totals(&self) -> std::io::Result<HashMap<u64, usize>> {
+        let mut totals = HashMap::new();
+        for (_, (root, _, _), total) in self.lines()? {
+            if let Some(total) = total.filter(|&t| t > 0) {
+                totals.insert(root, total as usize);
+            }
+        }
+        Ok(totals)
+    }
+
+    /// Every line in order, with the total an added effect names.
+    fn lines(&self) -> std::io::Result<Vec<(bool, Effect, Option<u64>)>> {
         let mut history = Vec::new();
         let reader = BufReader::new(File::open(&self.path)?);
         for (n, line) in reader.lines().enumerate() {
@@ -93,7 +117,12 @@ impl Ledger {
                 "-" => false,
                 _ => return Err(bad()),
             };
-            history.push((add, effect));
+            let total = match parts.next() {
+                Some(t) if add => Some(t.parse::<u64>().map_err(|_| bad())?),
+                Some(_) => return Err(bad()),
+                None => None,
+            };
+            history.push((add, effect, total));
         }
         Ok(history)
     }

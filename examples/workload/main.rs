@@ -368,13 +368,8 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
             None => {
                 let fail = (rng.f64() < args.fail_rate)
                     .then(|| (rng.u16(0..=args.children), rng.u16(0..args.steps)));
-                let work = Work {
-                    path: 0,
-                    steps: args.steps,
-                    children: args.children,
-                    fail,
-                    lock: args.locks.map(|n| rng.u32(0..n)),
-                };
+                let lock = args.locks.map(|n| rng.u32(0..n));
+                let work = Work::root(args.steps, args.children, fail, lock);
                 let shape = Shape::of(&work);
                 (Box::new(StateMachine::new(work)), shape)
             }
@@ -432,8 +427,9 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         ));
     }
 
+    let mut evicted = 0;
     if args.verify {
-        verify(&executor, &env, &shapes, &mut tally).await?;
+        evicted = verify(&executor, &env, &shapes, &mut tally).await?;
         for corrupt in &recovery.corrupt {
             tally.violations.push(format!(
                 "procedure {} could not be recovered: {}",
@@ -483,6 +479,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "wal_largest_frame": wal.largest_frame,
         "peak_rss_mb": round3(rss::peak_rss_mb()),
         "lock_conflicts": lock_conflicts,
+        "evicted": evicted,
         "continued": continued.get(),
         "violations": tally.violations.len(),
     });
@@ -570,13 +567,14 @@ fn stored_shapes(
 }
 
 /// Every root is finished, in the state its plan says, and the ledger holds exactly the
-/// effects of the successful roots.
+/// effects of the successful roots. Returns how many roots the engine had evicted
+/// (`--retention-ms`): those are checked against the ledger alone.
 async fn verify(
     executor: &Executor<Env>,
     env: &Env,
     shapes: &HashMap<ProcId, Shape>,
     tally: &mut Tally,
-) -> Result<(), Box<dyn std::error::Error>> {
+) -> Result<u64, Box<dyn std::error::Error>> {
     let mut known = HashMap::new();
     for info in executor.list(proctor::List::new().with_finished()).await? {
         if info.parent.is_some() || info.root != info.id {
@@ -603,20 +601,6 @@ async fn verify(
                 .push(format!("root {id} ({state}) {problem}"));
         }
     }
-    // Roots whose results the cleaner evicted (`--retention-ms`) cannot be checked.
-    let mut gone = std::collections::HashSet::new();
-    for id in shapes.keys() {
-        if !known.contains_key(id) {
-            match executor.state(*id).await {
-                Err(proctor::Error::Gone(_)) => {
-                    gone.insert(id.0);
-                }
-                _ => tally
-                    .violations
-                    .push(format!("root {id} was submitted but is unknown")),
-            }
-        }
-    }
     let mut effects = match &env.ledger {
         Some(ledger) => ledger.effects_per_root()?,
         None => known.keys().map(|id| (id.0, 0)).collect(),
@@ -636,7 +620,12 @@ async fn verify(
             }
         }
     }
-    effects.retain(|root, _| !gone.contains(root));
+    let planned = shapes
+        .iter()
+        .map(|(&id, s)| (id, (s.succeeds, s.effects)))
+        .collect();
+    let evicted = work::check_evicted(executor, env, &planned, &known, &mut effects).await?;
+    tally.violations.extend(evicted.violations);
     let ledger = env.ledger.is_some();
     let expect = |id: ProcId| match shapes.get(&id) {
         Some(shape) if ledger => shape.effects,
@@ -645,5 +634,5 @@ async fn verify(
     tally
         .violations
         .extend(work::ledger_violations(&known, &effects, expect));
-    Ok(())
+    Ok(evicted.count)
 }

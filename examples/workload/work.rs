@@ -65,16 +65,25 @@ impl Env {
         fired.insert((root, index))
     }
 
-    pub fn effect(&self, effect: ledger::Effect, add: bool) -> Result<(), ProcError> {
+    /// Records `effect` in the ledger, of a tree that leaves `total` effects when it
+    /// succeeds.
+    pub fn add_effect(&self, effect: ledger::Effect, total: u32) -> Result<(), ProcError> {
         let Some(ledger) = &self.ledger else {
             return Ok(());
         };
-        let written = if add {
-            ledger.add(effect)
-        } else {
-            ledger.remove(effect)
+        ledger
+            .add(effect, total)
+            .map_err(|e| ProcError::failed(format!("ledger: {e}")))
+    }
+
+    /// Removes `effect` from the ledger.
+    pub fn remove_effect(&self, effect: ledger::Effect) -> Result<(), ProcError> {
+        let Some(ledger) = &self.ledger else {
+            return Ok(());
         };
-        written.map_err(|e| ProcError::failed(format!("ledger: {e}")))
+        ledger
+            .remove(effect)
+            .map_err(|e| ProcError::failed(format!("ledger: {e}")))
     }
 }
 
@@ -89,9 +98,27 @@ pub struct Work {
     /// The resource `res/<k>` the tree locks exclusively, if any.
     #[serde(default)]
     pub lock: Option<u32>,
+    /// The ledger effects the whole tree leaves when it succeeds, written with each
+    /// effect (0 in states written before it was kept).
+    #[serde(default)]
+    pub tree_effects: u32,
 }
 
 impl Work {
+    /// A root of `steps` steps with `children` children, failing where `fail` says.
+    pub fn root(steps: u16, children: u16, fail: Option<(u16, u16)>, lock: Option<u32>) -> Self {
+        let mut work = Work {
+            path: 0,
+            steps,
+            children,
+            fail,
+            lock,
+            tree_effects: 0,
+        };
+        work.tree_effects = work.effects() as u32;
+        work
+    }
+
     /// The ledger effects a successful tree of this root leaves.
     pub fn effects(&self) -> usize {
         usize::from(self.steps) * (1 + usize::from(self.children))
@@ -129,14 +156,14 @@ impl StateMachineProcedure<Env> for Work {
         if step >= self.steps {
             return Ok(());
         }
-        env.effect((root, self.path, step), false)?;
+        env.remove_effect((root, self.path, step))?;
         if self.path == 0 && step == 0 {
             // The root's first step started the children: undo what they did. A child
             // that succeeded is not rolled back itself (its parent's rollback undoes
             // what the parent caused).
             for path in 1..=self.children {
                 for child_step in 0..self.steps {
-                    env.effect((root, path, child_step), false)?;
+                    env.remove_effect((root, path, child_step))?;
                 }
             }
             // The root's last rollback: the tree leaves its resource.
@@ -167,7 +194,7 @@ impl Work {
             // Only reached by a one-step root with children: the step after them.
             return Ok(Flow::Done);
         }
-        env.effect((ctx.root().0, self.path, step), true)?;
+        env.add_effect((ctx.root().0, self.path, step), self.tree_effects)?;
         if self.fail == Some((self.path, step)) {
             return Err(ProcError::failed(format!(
                 "injected failure at path {} step {step}",
@@ -234,4 +261,77 @@ pub fn ledger_violations(
         }
     }
     violations
+}
+
+/// What [`check_evicted`] found.
+pub struct Evicted {
+    /// Roots the engine had evicted.
+    pub count: u64,
+    pub violations: Vec<String>,
+}
+
+/// Roots the engine no longer knows — planned (`planned`: whether a root's plan makes
+/// it succeed, and its tree's effects then), or named by the ledger — that it
+/// evicted (with a retention, in this process or an earlier one: ids it issued and
+/// holds no record of). How they ended is gone with their results, so each must have
+/// none or all of its tree's effects in force (all if its plan says it succeeds, none
+/// if it fails; the total from its plan or from its ledger lines). Each is taken out
+/// of `effects`, so that what remains there unknown to the engine is a violation of
+/// [`ledger_violations`]. `known` are the roots the engine knows.
+///
+/// # Errors
+/// Reading the ledger.
+pub async fn check_evicted(
+    executor: &proctor::Executor<Env>,
+    env: &Env,
+    planned: &HashMap<ProcId, (Option<bool>, usize)>,
+    known: &HashMap<ProcId, ProcState>,
+    effects: &mut HashMap<u64, usize>,
+) -> std::io::Result<Evicted> {
+    let totals = match &env.ledger {
+        Some(ledger) => ledger.totals()?,
+        None => HashMap::new(),
+    };
+    let mut found = Evicted {
+        count: 0,
+        violations: Vec::new(),
+    };
+    let unknown: std::collections::BTreeSet<ProcId> = effects
+        .keys()
+        .map(|&root| ProcId(root))
+        .chain(planned.keys().copied())
+        .filter(|id| !known.contains_key(id))
+        .collect();
+    for id in unknown {
+        if !matches!(executor.state(id).await, Err(proctor::Error::Gone(_))) {
+            // One the ledger names is reported by `ledger_violations`, as unknown to
+            // the store.
+            if planned.contains_key(&id) {
+                found
+                    .violations
+                    .push(format!("root {id} was submitted but is unknown"));
+            }
+            continue;
+        }
+        found.count += 1;
+        let n = effects.remove(&id.0).unwrap_or(0);
+        let plan = planned.get(&id).copied();
+        let total = plan.map(|(_, t)| t).or_else(|| totals.get(&id.0).copied());
+        let whole = Some(n) == total;
+        let ok = match plan.and_then(|(succeeds, _)| succeeds) {
+            Some(true) => whole,
+            Some(false) => n == 0,
+            // A DAG that may pause past a point of no return and be continued, or a
+            // root known only from the ledger; with no total (a ledger written before
+            // totals were), nothing to check.
+            None => n == 0 || whole || total.is_none(),
+        };
+        if !ok {
+            let total = total.map_or("?".to_string(), |t| t.to_string());
+            found.violations.push(format!(
+                "root {id} was evicted with {n} of its tree's {total} effects in the ledger"
+            ));
+        }
+    }
+    Ok(found)
 }
