@@ -44,8 +44,9 @@ Exit codes:
   2  usage: bad arguments, a directory that is missing or holds no WAL, a --tree
      procedure that is not in the log, an IO error, or (bypass, abort) the log's lock
      held by a running engine
-  3  verify: the log ends in a torn tail (or an interrupted segment roll), what a crash
-     leaves; the engine truncates it at next start and loses nothing acknowledged";
+  3  verify: the log ends in a torn tail (or an interrupted segment roll, or segments
+     an interrupted compaction left below the start of the log), what a crash leaves;
+     the engine repairs it at next start and loses nothing acknowledged";
 
 #[derive(Parser)]
 #[command(
@@ -280,6 +281,11 @@ fn describe_repair(repair: &Repair) -> String {
         ),
         Repair::Remove { path, reason } => format!(
             "interrupted roll at {}:0, will be removed at next start ({reason})",
+            path.display()
+        ),
+        Repair::Leftover { path, start } => format!(
+            "leftover of an interrupted compaction at {}, will be removed at next start \
+             (the log begins at segment {start})",
             path.display()
         ),
     }
