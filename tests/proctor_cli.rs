@@ -966,3 +966,46 @@ async fn continue_and_rollback_of_paused_procedures_on_a_stopped_engine() {
     );
     executor.shutdown().await.unwrap();
 }
+
+/// A log with a middle segment missing: `procs` refuses it (exit 1) and shows what the
+/// segments before the gap hold, as its summary says.
+#[test]
+fn procs_shows_what_precedes_a_missing_middle_segment() {
+    let dir = tempfile::tempdir().unwrap();
+    write_log(dir.path());
+    let segments = common::wal::segments(dir.path());
+    assert!(segments.len() >= 4, "{segments:?}");
+    let mut expected = std::collections::BTreeMap::new();
+    for file in &segments[..2] {
+        let bytes = fs::read(file).unwrap();
+        for frame in proctor::internals::wal::scan_segment(&bytes, false).frames {
+            for op in frame.ops {
+                op.apply_to(&mut expected);
+            }
+        }
+    }
+    assert!(!expected.is_empty());
+    let gone = &segments[2];
+    fs::remove_file(gone).unwrap();
+    let procs = proctor(&["procs"], dir.path());
+    assert_eq!(procs.status.code(), Some(1), "{}", text(&procs));
+    let summary = text(&procs).lines().last().unwrap_or_default().to_string();
+    assert!(
+        summary.starts_with(&format!("{} procedures, 0 corrupt", expected.len())),
+        "{summary}"
+    );
+    assert!(
+        summary.contains("shown is what precedes the damage"),
+        "{summary}"
+    );
+    assert!(
+        summary.contains(gone.file_name().unwrap().to_str().unwrap()),
+        "{summary}"
+    );
+    for id in expected.keys() {
+        assert!(
+            !row(&text(&procs), id.0).is_empty(),
+            "procedure {id} not shown"
+        );
+    }
+}
