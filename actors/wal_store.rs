@@ -31,15 +31,28 @@
 //!   most half live (by bytes) even under the bound: that rewrite frees more than it
 //!   writes, and keeps a mostly dead log small. The bound, after every successful append: with `S` =
 //!   `segment_bytes` and `F` the longest frame written plus 61 bytes (a segment holds at
-//!   most `max(S, 40 + frame)` bytes before its 21-byte seal, so at most `S + F`),
+//!   most `max(S, 69 + frame)` bytes before its 21-byte seal, its header and the roll's
+//!   start frame included, so at most `S + F`),
 //!
 //!   ```text
 //!   total segment bytes  ≤  2·L + M·(S + F)
-//!   segments             ≤  max(M, 1 + (2·L + M·S) / (S − F))      (when F < S)
+//!   segments             ≤  max(M, 1 + (2·L + M·S) / max(S − F, 90))
 //!   ```
 //!
 //!   Either there are at most `M` segments, each at most `S + F` bytes, or the rewrites
-//!   ran until the total fell to `2·L + M·S`. They always get there within one pass over
+//!   ran until the total fell to `2·L + M·S`; then every segment but the newest is
+//!   sealed and holds more than `S − F` bytes (it rolled because a frame of at most
+//!   `F − 61` bytes did not fit), and at least 90 (a 40-byte header, one frame of at
+//!   least 29 bytes, a 21-byte seal). The 90 is what bounds the count when frames
+//!   outgrow the segments (`F ≥ S`): a frame larger than `S` takes a segment of its own
+//!   and the next small frame another, so segments can be that small, and the count
+//!   grows with the live bytes rather than with `M` (with `S` = 4 KiB, `M` = 3 and
+//!   `L` = 1 MiB: up to about 23 000 segments, while the bytes stay within their
+//!   bound). Segments are not refused for being smaller than a frame: the largest
+//!   frame is known only when it is written, and a store that refused it would lose the
+//!   append; choose `segment_bytes` well above the largest group commit. (One segment
+//!   may be smaller than 90 bytes: the empty newest segment of an older format, sealed
+//!   by the roll at the first open of this format.) They always get there within one pass over
 //!   the segments that exist when the append starts: after rewriting all of them, the
 //!   log holds the current segment (at most `S + F`) and the live records once. That pass
 //!   is the worst-case work of one append (about `L + S` bytes written). Usually the
