@@ -66,6 +66,10 @@
 //!   any of them a crash leaves behind is a leftover, so the order in which the
 //!   deletions reach the disk does not matter.
 //! - **One engine per directory**: the store holds an exclusive lock on `DIR/LOCK`.
+//!   `proctor wal verify` ([`view_wal_dir`]) holds it too for its scan when it is free;
+//!   beside a running engine it checks a consistent view instead (listed, scanned,
+//!   listed again, and retried while a roll or a compaction changed the listing), so
+//!   the engine's work in flight never passes for damage.
 //! - **Open**: checks the directory (canonical names, regular files), reads each segment
 //!   whole, oldest first, and indexes it on a thread of its own while the next is read,
 //!   then checks the whole log: where it begins (its newest start frame), no gaps from
@@ -139,6 +143,20 @@ pub trait WalFs: Send + 'static {
     /// The OS error of creating, opening or locking the file; a lock held elsewhere is
     /// `Ok(None)`, not an error.
     fn lock(&self, path: &Path) -> io::Result<Option<Box<dyn Send>>>;
+    /// Tries the exclusive lock on an existing lock file `path` without creating it and
+    /// without waiting: what a reader that must not change the directory
+    /// ([`view_wal_dir`]) asks. The default takes it through [`lock`](WalFs::lock),
+    /// which creates a missing file.
+    ///
+    /// # Errors
+    /// The OS error of opening or locking the file; a missing file or a lock held
+    /// elsewhere is an `Ok` answer, not an error.
+    fn probe_lock(&self, path: &Path) -> io::Result<LockProbe> {
+        Ok(match self.lock(path)? {
+            Some(guard) => LockProbe::Taken(guard),
+            None => LockProbe::Held,
+        })
+    }
     /// The entries of a directory, in any order.
     ///
     /// # Errors
@@ -183,6 +201,27 @@ pub trait WalFs: Send + 'static {
     fn remove_file(&self, path: &Path) -> io::Result<()>;
 }
 
+/// What [`WalFs::probe_lock`] found.
+pub enum LockProbe {
+    /// The lock is now held by the caller, until the guard is dropped.
+    Taken(Box<dyn Send>),
+    /// Another holder has it: a running engine.
+    Held,
+    /// There is no lock file (or it is not a regular file): no engine has opened the
+    /// directory, and nothing can be locked without creating one.
+    Missing,
+}
+
+impl fmt::Debug for LockProbe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LockProbe::Taken(_) => "Taken",
+            LockProbe::Held => "Held",
+            LockProbe::Missing => "Missing",
+        })
+    }
+}
+
 /// The real file system.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StdFs;
@@ -216,6 +255,27 @@ impl WalFs for StdFs {
         match file.try_lock() {
             Ok(()) => Ok(Some(Box::new(file))),
             Err(fs::TryLockError::WouldBlock) => Ok(None),
+            Err(fs::TryLockError::Error(e)) => Err(e),
+        }
+    }
+
+    fn probe_lock(&self, path: &Path) -> io::Result<LockProbe> {
+        // Never opened unless it is a regular file: opening a FIFO would block.
+        match fs::symlink_metadata(path) {
+            Ok(meta) if meta.is_file() => {}
+            Ok(_) => return Ok(LockProbe::Missing),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(LockProbe::Missing),
+            Err(e) => return Err(e),
+        }
+        // A lock (flock) needs no write access: the reader opens it read-only.
+        let file = match File::open(path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(LockProbe::Missing),
+            Err(e) => return Err(e),
+        };
+        match file.try_lock() {
+            Ok(()) => Ok(LockProbe::Taken(Box::new(file))),
+            Err(fs::TryLockError::WouldBlock) => Ok(LockProbe::Held),
             Err(fs::TryLockError::Error(e)) => Err(e),
         }
     }
@@ -590,6 +650,112 @@ pub fn scan_wal_dir_on<F: WalFs>(
         })?;
     }
     Ok(scan)
+}
+
+/// How `proctor wal verify` saw a WAL directory (see [`view_wal_dir`]).
+#[derive(Debug)]
+pub enum DirView {
+    /// A scan of the directory as it was: no engine changed its segments meanwhile.
+    Stable {
+        /// What the scan found.
+        scan: WalDirScan,
+        /// Whether a running engine holds the directory's lock. Then the view is the
+        /// log as of the scan, and what a crash would leave for open to repair (a torn
+        /// tail of the newest segment, the empty segment of a roll, leftovers below
+        /// the start) is the engine's work in flight, not damage: [`WalDirScan::repairs`]
+        /// lists it all the same.
+        in_use: bool,
+        /// The scans it took to see the directory unchanged from before to after one.
+        attempts: u32,
+    },
+    /// A running engine changed the directory's segments during every scan: no
+    /// verdict.
+    Unstable {
+        /// The scans tried.
+        attempts: u32,
+    },
+}
+
+/// How many scans [`view_wal_dir`] tries before it gives up on a directory that a
+/// running engine keeps changing.
+pub const VIEW_ATTEMPTS: u32 = 50;
+
+/// [`scan_wal_dir`] for a directory an engine may be running on. If the lock is free,
+/// it is held for the scan, so no engine starts and changes the directory meanwhile. If
+/// a running engine holds it (or there is no lock file to take), the scan is of a
+/// consistent view: the segment files are listed, scanned, and listed again, and the
+/// scan is tried again (up to [`VIEW_ATTEMPTS`] times, with a short backoff) while the
+/// two listings differ (a segment created or deleted, or a segment but the newest
+/// changed length, as a seal does) or a file vanished during the scan. Compaction and
+/// rolls then never pass for damage: a stable listing means none ran during the scan.
+///
+/// # Errors
+/// As [`scan_wal_dir`], and [`StoreError::Io`] if the lock file cannot be probed.
+pub fn view_wal_dir(dir: &Path) -> Result<DirView, StoreError> {
+    view_wal_dir_on(&StdFs, dir)
+}
+
+/// [`view_wal_dir`] on any [`WalFs`].
+///
+/// # Errors
+/// As [`view_wal_dir`], for any error `fs` returns.
+pub fn view_wal_dir_on<F: WalFs>(fs: &F, dir: &Path) -> Result<DirView, StoreError> {
+    let lock_path = dir.join("LOCK");
+    let in_use = match fs
+        .probe_lock(&lock_path)
+        .map_err(io(format!("probing the lock {}", lock_path.display())))?
+    {
+        LockProbe::Taken(guard) => {
+            let scan = scan_wal_dir_on(fs, dir, &mut |_, _| {});
+            drop(guard);
+            return scan.map(|scan| DirView::Stable {
+                scan,
+                in_use: false,
+                attempts: 1,
+            });
+        }
+        LockProbe::Held => true,
+        LockProbe::Missing => false,
+    };
+    for attempt in 1..=VIEW_ATTEMPTS {
+        let before = listing(fs, dir)?;
+        match check_dir(fs, dir) {
+            Ok((scan, _)) => {
+                if listing(fs, dir)? == before {
+                    return Ok(DirView::Stable {
+                        scan,
+                        in_use,
+                        attempts: attempt,
+                    });
+                }
+            }
+            // A segment deleted between the listing and its reading.
+            Err(StoreError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        // The engine is amid a roll or a compaction: let it finish.
+        std::thread::sleep(std::time::Duration::from_micros(200 << attempt.min(6)));
+    }
+    Ok(DirView::Unstable {
+        attempts: VIEW_ATTEMPTS,
+    })
+}
+
+/// What a consistent view compares before and after its scan: each segment file's
+/// number and, but for the newest (which a running engine appends to), its length.
+/// Names that are not canonical give an empty listing: the scan reports them.
+fn listing<F: WalFs>(fs: &F, dir: &Path) -> Result<Vec<(u64, Option<u64>)>, StoreError> {
+    let files = match segment_files(fs, dir) {
+        Ok(files) => files,
+        Err(StoreError::Corrupt { .. }) => Vec::new(),
+        Err(e) => return Err(e),
+    };
+    let last = files.len().saturating_sub(1);
+    Ok(files
+        .iter()
+        .enumerate()
+        .map(|(i, (seq, path))| (*seq, (i != last).then(|| fs.len(path).ok()).flatten()))
+        .collect())
 }
 
 fn open_segment<F: WalFs>(fs: &F, path: &Path) -> Result<F::Reader, StoreError> {
