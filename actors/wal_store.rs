@@ -52,9 +52,10 @@
 //!   frame is known only when it is written, and a store that refused it would lose the
 //!   append; choose `segment_bytes` well above the largest group commit. (One segment
 //!   may be smaller than 90 bytes: the empty newest segment of an older format, sealed
-//!   by the roll at the first open of this format.) They always get there within one pass over
-//!   the segments that exist when the append starts: after rewriting all of them, the
-//!   log holds the current segment (at most `S + F`) and the live records once. That pass
+//!   by the roll at the first open of this format.) The rewrites always get there
+//!   within one pass over the segments that exist when the append starts: after
+//!   rewriting all of them, the log holds the current segment (at most `S + F`) and the
+//!   live records once. That pass
 //!   is the worst-case work of one append (about `L + S` bytes written). Usually the
 //!   oldest segment is the one most overwritten since, so a rewrite frees more than it
 //!   writes and the amortised cost is below one rewritten byte per appended byte.
@@ -2156,6 +2157,93 @@ mod tests {
             segments.push((seq, frames));
         }
         (segments, model)
+    }
+
+    /// The real file system, as seen beside an engine that holds the lock and changes
+    /// the length of some older segment between any two looks.
+    struct Churning(std::sync::atomic::AtomicU64);
+
+    impl WalFs for Churning {
+        type Appender = File;
+        type Reader = BufReader<File>;
+
+        fn is_dir(&self, path: &Path) -> io::Result<Option<bool>> {
+            StdFs.is_dir(path)
+        }
+        fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+            StdFs.create_dir_all(path)
+        }
+        fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+            StdFs.sync_dir(dir)
+        }
+        fn lock(&self, path: &Path) -> io::Result<Option<Box<dyn Send>>> {
+            StdFs.lock(path)
+        }
+        fn probe_lock(&self, _path: &Path) -> io::Result<LockProbe> {
+            Ok(LockProbe::Held)
+        }
+        fn list(&self, dir: &Path) -> io::Result<Vec<Entry>> {
+            StdFs.list(dir)
+        }
+        fn open_read(&self, path: &Path) -> io::Result<Self::Reader> {
+            StdFs.open_read(path)
+        }
+        fn len(&self, path: &Path) -> io::Result<u64> {
+            let looks = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(StdFs.len(path)? + looks)
+        }
+        fn create_new(&self, path: &Path) -> io::Result<File> {
+            StdFs.create_new(path)
+        }
+        fn open_append(&self, path: &Path) -> io::Result<File> {
+            StdFs.open_append(path)
+        }
+        fn sync(&self, file: &mut File) -> io::Result<()> {
+            StdFs.sync(file)
+        }
+        fn truncate(&self, path: &Path, len: u64) -> io::Result<()> {
+            StdFs.truncate(path, len)
+        }
+        fn remove_file(&self, path: &Path) -> io::Result<()> {
+            StdFs.remove_file(path)
+        }
+    }
+
+    /// A directory whose segments change between every two listings gives no view, and
+    /// no verdict; the same directory at rest, its lock held elsewhere, gives a view of
+    /// the log, in use.
+    #[test]
+    fn a_directory_that_never_holds_still_gives_no_verdict() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = WalOptions {
+            segment_bytes: 1 << 10,
+            max_segments: 100,
+            sync: false,
+        };
+        let mut wal = WalStore::open_with(dir.path(), options).unwrap();
+        for id in 1..60 {
+            wal.append(&[StoreOp::Insert(record(id, 0))]).unwrap();
+        }
+        let churning = Churning(std::sync::atomic::AtomicU64::new(0));
+        match view_wal_dir_on(&churning, dir.path()).unwrap() {
+            DirView::Unstable { attempts } => assert_eq!(attempts, VIEW_ATTEMPTS),
+            other => panic!("a view of a moving directory: {other:?}"),
+        }
+        match view_wal_dir(dir.path()).unwrap() {
+            DirView::Stable {
+                scan,
+                in_use: true,
+                attempts: 1,
+            } => {
+                assert!(scan.damage.is_none() && scan.segments.len() > 2, "{scan:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(wal);
+        assert!(matches!(
+            view_wal_dir(dir.path()).unwrap(),
+            DirView::Stable { in_use: false, .. }
+        ));
     }
 
     #[test]
