@@ -27,6 +27,7 @@ pub use executor::{
 };
 pub use scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
 pub use wal_store::{
-    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Entry, Repair, SegmentReport, StdFs,
-    WalDirScan, WalFs, WalOptions, WalStats, WalStore,
+    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, view_wal_dir, view_wal_dir_on, DirView,
+    Entry, LockProbe, Repair, SegmentReport, StdFs, WalDirScan, WalFs, WalOptions, WalStats,
+    WalStore, VIEW_ATTEMPTS,
 };

@@ -10,7 +10,16 @@
 //! - **Roll and seal**: once a frame would take the current segment past
 //!   `segment_bytes`, the store creates the next segment (header synced, directory
 //!   synced), then appends a seal frame to the current one and syncs it, so that every
-//!   complete segment says so and a lost or cut segment is found at open.
+//!   complete segment says so and a lost or cut segment is found at open. The new
+//!   segment's first frame is a start frame restating where the log begins, written and
+//!   synced with the frame that made the roll, so the newest segment knows where the
+//!   log begins even if the oldest file, which may hold the last start frame, is lost.
+//! - **Where the log begins**: before compaction deletes segments it appends and syncs a
+//!   start frame naming the first segment it keeps, then deletes the ones below it and
+//!   syncs the directory (see [`crate::wal`], *Where the log begins*). At open, segment
+//!   files below the newest start frame are leftovers of an interrupted deletion and
+//!   are removed (a reported repair); a lowest file above it is a missing oldest
+//!   segment, and the store refuses to open, naming it.
 //! - **Bounded size**: the store knows which segment holds each live procedure's latest
 //!   record and how many bytes that record takes (its encoded size, the *live bytes*
 //!   `L`). After every append (and at open) it deletes the oldest segment while it holds
@@ -22,29 +31,52 @@
 //!   most half live (by bytes) even under the bound: that rewrite frees more than it
 //!   writes, and keeps a mostly dead log small. The bound, after every successful append: with `S` =
 //!   `segment_bytes` and `F` the longest frame written plus 61 bytes (a segment holds at
-//!   most `max(S, 40 + frame)` bytes before its 21-byte seal, so at most `S + F`),
+//!   most `max(S, 69 + frame)` bytes before its 21-byte seal, its header and the roll's
+//!   start frame included, so at most `S + F`),
 //!
 //!   ```text
 //!   total segment bytes  ≤  2·L + M·(S + F)
-//!   segments             ≤  max(M, 1 + (2·L + M·S) / (S − F))      (when F < S)
+//!   segments             ≤  max(M, 1 + (2·L + M·S) / max(S − F, 90))
 //!   ```
 //!
 //!   Either there are at most `M` segments, each at most `S + F` bytes, or the rewrites
-//!   ran until the total fell to `2·L + M·S`. They always get there within one pass over
-//!   the segments that exist when the append starts: after rewriting all of them, the
-//!   log holds the current segment (at most `S + F`) and the live records once. That pass
+//!   ran until the total fell to `2·L + M·S`; then every segment but the newest is
+//!   sealed and holds more than `S − F` bytes (it rolled because a frame of at most
+//!   `F − 61` bytes did not fit), and at least 90 (a 40-byte header, one frame of at
+//!   least 29 bytes, a 21-byte seal). The 90 is what bounds the count when frames
+//!   outgrow the segments (`F ≥ S`): a frame larger than `S` takes a segment of its own
+//!   and the next small frame another, so segments can be that small, and the count
+//!   grows with the live bytes rather than with `M` (with `S` = 4 KiB, `M` = 3 and
+//!   `L` = 1 MiB: up to about 23 000 segments, while the bytes stay within their
+//!   bound). Segments are not refused for being smaller than a frame: the largest
+//!   frame is known only when it is written, and a store that refused it would lose the
+//!   append; choose `segment_bytes` well above the largest group commit. (One segment
+//!   may be smaller than 90 bytes: the empty newest segment of an older format, sealed
+//!   by the roll at the first open of this format.) The rewrites always get there
+//!   within one pass over the segments that exist when the append starts: after
+//!   rewriting all of them, the log holds the current segment (at most `S + F`) and the
+//!   live records once. That pass
 //!   is the worst-case work of one append (about `L + S` bytes written). Usually the
 //!   oldest segment is the one most overwritten since, so a rewrite frees more than it
 //!   writes and the amortised cost is below one rewritten byte per appended byte.
 //! - **Directory changes are durable before they are relied on**: every segment creation
-//!   and deletion (garbage collection, a torn or interrupted-roll segment removed at open)
-//!   is followed by an fsync of the directory ([`sync_dir`]), and so is the creation of
-//!   the WAL directory itself (its parent's fsync).
+//!   and deletion (garbage collection, a torn or interrupted-roll segment or a leftover
+//!   removed at open) is followed by an fsync of the directory ([`sync_dir`]), and so is
+//!   the creation of the WAL directory itself (its parent's fsync). Compaction deletes
+//!   a run of segments and then syncs once: the start frame before it already says that
+//!   any of them a crash leaves behind is a leftover, so the order in which the
+//!   deletions reach the disk does not matter.
 //! - **One engine per directory**: the store holds an exclusive lock on `DIR/LOCK`.
-//! - **Open**: checks the directory (canonical names, regular files, no gaps), reads
-//!   each segment whole, oldest first, and indexes it on a thread of its own while the
-//!   next is read, checks the LSN chain and the seals, removes the empty segment of an
-//!   interrupted roll, truncates a torn tail of the newest segment, reports each repair
+//!   `proctor wal verify` ([`view_wal_dir`]) holds it too for its scan when it is free;
+//!   beside a running engine it checks a consistent view instead (listed, scanned,
+//!   listed again, and retried while a roll or a compaction changed the listing), so
+//!   the engine's work in flight never passes for damage.
+//! - **Open**: checks the directory (canonical names, regular files), reads each segment
+//!   whole, oldest first, and indexes it on a thread of its own while the next is read,
+//!   then checks the whole log: where it begins (its newest start frame), no gaps from
+//!   there on, the LSN chain and the seals; removes the leftovers below the start and
+//!   the empty segment of an interrupted roll, truncates a torn tail of the newest
+//!   segment, reports each repair
 //!   in [`StoreSnapshot::repairs`], and stops with [`StoreError::Corrupt`] (file and
 //!   offset) on any other damage. Then it replays the ops: the latest op of each
 //!   procedure is kept as bytes and only the live ones are decoded, the trees split
@@ -112,6 +144,20 @@ pub trait WalFs: Send + 'static {
     /// The OS error of creating, opening or locking the file; a lock held elsewhere is
     /// `Ok(None)`, not an error.
     fn lock(&self, path: &Path) -> io::Result<Option<Box<dyn Send>>>;
+    /// Tries the exclusive lock on an existing lock file `path` without creating it and
+    /// without waiting: what a reader that must not change the directory
+    /// ([`view_wal_dir`]) asks. The default takes it through [`lock`](WalFs::lock),
+    /// which creates a missing file.
+    ///
+    /// # Errors
+    /// The OS error of opening or locking the file; a missing file or a lock held
+    /// elsewhere is an `Ok` answer, not an error.
+    fn probe_lock(&self, path: &Path) -> io::Result<LockProbe> {
+        Ok(match self.lock(path)? {
+            Some(guard) => LockProbe::Taken(guard),
+            None => LockProbe::Held,
+        })
+    }
     /// The entries of a directory, in any order.
     ///
     /// # Errors
@@ -156,6 +202,27 @@ pub trait WalFs: Send + 'static {
     fn remove_file(&self, path: &Path) -> io::Result<()>;
 }
 
+/// What [`WalFs::probe_lock`] found.
+pub enum LockProbe {
+    /// The lock is now held by the caller, until the guard is dropped.
+    Taken(Box<dyn Send>),
+    /// Another holder has it: a running engine.
+    Held,
+    /// There is no lock file (or it is not a regular file): no engine has opened the
+    /// directory, and nothing can be locked without creating one.
+    Missing,
+}
+
+impl fmt::Debug for LockProbe {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            LockProbe::Taken(_) => "Taken",
+            LockProbe::Held => "Held",
+            LockProbe::Missing => "Missing",
+        })
+    }
+}
+
 /// The real file system.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct StdFs;
@@ -189,6 +256,27 @@ impl WalFs for StdFs {
         match file.try_lock() {
             Ok(()) => Ok(Some(Box::new(file))),
             Err(fs::TryLockError::WouldBlock) => Ok(None),
+            Err(fs::TryLockError::Error(e)) => Err(e),
+        }
+    }
+
+    fn probe_lock(&self, path: &Path) -> io::Result<LockProbe> {
+        // Never opened unless it is a regular file: opening a FIFO would block.
+        match fs::symlink_metadata(path) {
+            Ok(meta) if meta.is_file() => {}
+            Ok(_) => return Ok(LockProbe::Missing),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(LockProbe::Missing),
+            Err(e) => return Err(e),
+        }
+        // A lock (flock) needs no write access: the reader opens it read-only.
+        let file = match File::open(path) {
+            Ok(file) => file,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(LockProbe::Missing),
+            Err(e) => return Err(e),
+        };
+        match file.try_lock() {
+            Ok(()) => Ok(LockProbe::Taken(Box::new(file))),
+            Err(fs::TryLockError::WouldBlock) => Ok(LockProbe::Held),
             Err(fs::TryLockError::Error(e)) => Err(e),
         }
     }
@@ -446,6 +534,14 @@ pub enum Repair {
         /// Why it holds nothing.
         reason: String,
     },
+    /// A segment below the start of the log is removed: compaction recorded that the
+    /// log begins at segment `start`, and a crash came before the deletion of this one.
+    Leftover {
+        /// The segment.
+        path: PathBuf,
+        /// The segment the log begins at.
+        start: u64,
+    },
 }
 
 impl fmt::Display for Repair {
@@ -463,6 +559,12 @@ impl fmt::Display for Repair {
             Repair::Remove { path, reason } => write!(
                 f,
                 "{}: removed at byte 0, it holds no frame ({reason})",
+                path.display()
+            ),
+            Repair::Leftover { path, start } => write!(
+                f,
+                "{}: removed, a leftover of an interrupted compaction below the start of \
+                 the log (segment {start})",
                 path.display()
             ),
         }
@@ -500,22 +602,28 @@ pub struct WalDirScan {
     /// The damage that stopped the scan, always [`StoreError::Corrupt`]: the store
     /// refuses to open on it. The segments before it are in `segments`.
     pub damage: Option<StoreError>,
+    /// The segment the log's newest start frame says it begins at; `None` if it has no
+    /// start frame (see [`crate::wal`], *Where the log begins*).
+    pub start: Option<u64>,
 }
 
 /// Scans every segment of a WAL directory without changing anything: what
 /// `proctor wal verify` reads, and what [`WalStore::open`] checks before it repairs.
+/// Every frame of the log is decoded, so a record that does not decode is damage.
 ///
 /// # Errors
 /// [`StoreError::Io`] if the directory (a missing one included) or a segment cannot be
 /// listed, opened or read. Damage is not an error: it is [`WalDirScan::damage`].
 pub fn scan_wal_dir(dir: &Path) -> Result<WalDirScan, StoreError> {
-    scan_wal_dir_on(&StdFs, dir, &mut |_, _| {})
+    check_dir(&StdFs, dir).map(|(scan, _)| scan)
 }
 
-/// [`scan_wal_dir`], handing every good frame (with its segment's sequence number) to
-/// `on_frame` as it goes: one frame in memory at a time. Frames of a segment found
-/// damaged later may already have been handed out; a caller must drop what it built
-/// when `damage` is set.
+/// [`scan_wal_dir`], then every good frame of the log that precedes any damage (with
+/// its segment's sequence number) handed to `on_frame`, oldest first: one frame in
+/// memory at a time. Which segments count is known only once every segment has been
+/// read (a start frame near the end of the log says where it begins), so their frames
+/// are read a second time; leftovers below the start are not handed out, nor any
+/// segment after a missing one.
 ///
 /// # Errors
 /// As [`scan_wal_dir`].
@@ -535,28 +643,120 @@ pub fn scan_wal_dir_on<F: WalFs>(
     dir: &Path,
     on_frame: &mut dyn FnMut(u64, Frame),
 ) -> Result<WalDirScan, StoreError> {
-    scan_wal_dir_raw(fs, dir, &mut |seq, raw| {
-        on_frame(seq, raw.decode()?);
-        Ok(())
+    let (scan, counted) = check_dir(fs, dir)?;
+    for segment in counted {
+        scan_path(fs, &segment.path, segment.newest, None, &mut |raw| {
+            on_frame(segment.seq, raw.decode()?);
+            Ok(())
+        })?;
+    }
+    Ok(scan)
+}
+
+/// How `proctor wal verify` saw a WAL directory (see [`view_wal_dir`]).
+#[derive(Debug)]
+pub enum DirView {
+    /// A scan of the directory as it was: no engine changed its segments meanwhile.
+    Stable {
+        /// What the scan found.
+        scan: WalDirScan,
+        /// Whether a running engine holds the directory's lock. Then the view is the
+        /// log as of the scan, and what a crash would leave for open to repair (a torn
+        /// tail of the newest segment, the empty segment of a roll, leftovers below
+        /// the start) is the engine's work in flight, not damage: [`WalDirScan::repairs`]
+        /// lists it all the same.
+        in_use: bool,
+        /// The scans it took to see the directory unchanged from before to after one.
+        attempts: u32,
+    },
+    /// A running engine changed the directory's segments during every scan: no
+    /// verdict.
+    Unstable {
+        /// The scans tried.
+        attempts: u32,
+    },
+}
+
+/// How many scans [`view_wal_dir`] tries before it gives up on a directory that a
+/// running engine keeps changing.
+pub const VIEW_ATTEMPTS: u32 = 50;
+
+/// [`scan_wal_dir`] for a directory an engine may be running on. If the lock is free,
+/// it is held for the scan, so no engine starts and changes the directory meanwhile. If
+/// a running engine holds it (or there is no lock file to take), the scan is of a
+/// consistent view: the segment files are listed, scanned, and listed again, and the
+/// scan is tried again (up to [`VIEW_ATTEMPTS`] times, with a short backoff) while the
+/// two listings differ (a segment created or deleted, or a segment but the newest
+/// changed length, as a seal does) or a file vanished during the scan. Compaction and
+/// rolls then never pass for damage: a stable listing means none ran during the scan.
+///
+/// # Errors
+/// As [`scan_wal_dir`], and [`StoreError::Io`] if the lock file cannot be probed.
+pub fn view_wal_dir(dir: &Path) -> Result<DirView, StoreError> {
+    view_wal_dir_on(&StdFs, dir)
+}
+
+/// [`view_wal_dir`] on any [`WalFs`].
+///
+/// # Errors
+/// As [`view_wal_dir`], for any error `fs` returns.
+pub fn view_wal_dir_on<F: WalFs>(fs: &F, dir: &Path) -> Result<DirView, StoreError> {
+    let lock_path = dir.join("LOCK");
+    let in_use = match fs
+        .probe_lock(&lock_path)
+        .map_err(io(format!("probing the lock {}", lock_path.display())))?
+    {
+        LockProbe::Taken(guard) => {
+            let scan = scan_wal_dir_on(fs, dir, &mut |_, _| {});
+            drop(guard);
+            return scan.map(|scan| DirView::Stable {
+                scan,
+                in_use: false,
+                attempts: 1,
+            });
+        }
+        LockProbe::Held => true,
+        LockProbe::Missing => false,
+    };
+    for attempt in 1..=VIEW_ATTEMPTS {
+        let before = listing(fs, dir)?;
+        match check_dir(fs, dir) {
+            Ok((scan, _)) => {
+                if listing(fs, dir)? == before {
+                    return Ok(DirView::Stable {
+                        scan,
+                        in_use,
+                        attempts: attempt,
+                    });
+                }
+            }
+            // A segment deleted between the listing and its reading.
+            Err(StoreError::Io { source, .. }) if source.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+        // The engine is amid a roll or a compaction: let it finish.
+        std::thread::sleep(std::time::Duration::from_micros(200 << attempt.min(6)));
+    }
+    Ok(DirView::Unstable {
+        attempts: VIEW_ATTEMPTS,
     })
 }
 
-/// [`scan_wal_dir_on`] with the frames indexed, not decoded; an error from `on_frame`
-/// is damage at that frame.
-fn scan_wal_dir_raw<F: WalFs>(
-    fs: &F,
-    dir: &Path,
-    on_frame: &mut dyn FnMut(u64, RawFrame) -> Result<(), FrameError>,
-) -> Result<WalDirScan, StoreError> {
-    let mut out = WalDirScan::default();
-    match scan_into(fs, dir, on_frame, &mut out) {
-        Ok(()) => Ok(out),
-        Err(damage @ StoreError::Corrupt { .. }) => {
-            out.damage = Some(damage);
-            Ok(out)
-        }
-        Err(e) => Err(e),
-    }
+/// What a consistent view compares before and after its scan: each segment file's
+/// number and, but for the newest (which a running engine appends to), its length.
+/// Names that are not canonical give an empty listing: the scan reports them.
+fn listing<F: WalFs>(fs: &F, dir: &Path) -> Result<Vec<(u64, Option<u64>)>, StoreError> {
+    let files = match segment_files(fs, dir) {
+        Ok(files) => files,
+        Err(StoreError::Corrupt { .. }) => Vec::new(),
+        Err(e) => return Err(e),
+    };
+    let last = files.len().saturating_sub(1);
+    Ok(files
+        .iter()
+        .enumerate()
+        .map(|(i, (seq, path))| (*seq, (i != last).then(|| fs.len(path).ok()).flatten()))
+        .collect())
 }
 
 fn open_segment<F: WalFs>(fs: &F, path: &Path) -> Result<F::Reader, StoreError> {
@@ -593,93 +793,172 @@ fn ends_with_seal(fs: &impl WalFs, path: &Path) -> Result<bool, StoreError> {
     read().map_err(io(format!("reading {}", path.display())))
 }
 
-fn scan_into(
-    fs: &impl WalFs,
-    dir: &Path,
-    on_frame: &mut dyn FnMut(u64, RawFrame) -> Result<(), FrameError>,
-    out: &mut WalDirScan,
-) -> Result<(), StoreError> {
-    let files = segments_to_scan(fs, dir, out)?;
-    check_segments(
-        dir,
-        &files,
-        out,
-        &mut |_, seq, path, newest, expect_first_lsn| {
-            scan_path(fs, path, newest, expect_first_lsn, &mut |frame| {
-                on_frame(seq, frame)
-            })
-        },
-    )
+/// One segment file as a scan of the whole directory read it.
+struct Scanned {
+    seq: u64,
+    path: PathBuf,
+    /// Whether it was scanned as the newest segment (the only one a crash can tear).
+    newest: bool,
+    summary: SegmentSummary,
 }
 
-/// A segment's scan, asked for by [`check_segments`]: its index in the list, its
-/// sequence number and file, whether it is the newest, and the LSN it must start at
-/// (when the previous segment says).
-type ScanSegment<'a> =
-    dyn FnMut(usize, u64, &Path, bool, Option<u64>) -> Result<SegmentSummary, StoreError> + 'a;
+/// A segment whose good frames belong to the log and precede any damage.
+struct Counted {
+    seq: u64,
+    path: PathBuf,
+    newest: bool,
+}
 
-/// The segment files of a log, oldest first: names checked, a gap refused, and the empty
-/// newest segment of an interrupted roll left out (its removal queued in
-/// `out.repairs`).
+/// The read-only scan: every segment file streamed once (frames decoded, so that one
+/// that does not decode is damage), then the checks of the whole log ([`check_log`]).
+/// Returns the segments whose frames count, oldest first.
+fn check_dir<F: WalFs>(fs: &F, dir: &Path) -> Result<(WalDirScan, Vec<Counted>), StoreError> {
+    let mut out = WalDirScan::default();
+    let files = match segments_to_scan(fs, dir, &mut out) {
+        Ok(files) => files,
+        Err(damage @ StoreError::Corrupt { .. }) => {
+            out.damage = Some(damage);
+            return Ok((out, Vec::new()));
+        }
+        Err(e) => return Err(e),
+    };
+    let last = files.len().saturating_sub(1);
+    let mut scanned = Vec::with_capacity(files.len());
+    for (i, (seq, path)) in files.into_iter().enumerate() {
+        let newest = i == last;
+        let summary = scan_path(fs, &path, newest, None, &mut |raw| raw.decode().map(drop))?;
+        scanned.push(Scanned {
+            seq,
+            path,
+            newest,
+            summary,
+        });
+    }
+    let counted = check_log(dir, &scanned, &mut out)
+        .into_iter()
+        .map(|i| Counted {
+            seq: scanned[i].seq,
+            path: scanned[i].path.clone(),
+            newest: scanned[i].newest,
+        })
+        .collect();
+    Ok((out, counted))
+}
+
+/// The segment files of a log, oldest first: names checked, and the empty newest
+/// segment of an interrupted roll left out (its removal queued in `out.repairs`).
+/// Gaps are left to [`check_log`]: whether a gap is damage depends on where the log
+/// begins, which only its start frames tell.
 fn segments_to_scan(
     fs: &impl WalFs,
     dir: &Path,
     out: &mut WalDirScan,
 ) -> Result<Vec<(u64, PathBuf)>, StoreError> {
     let mut files = segment_files(fs, dir)?;
-    for pair in files.windows(2) {
-        let (older, newer) = (&pair[0], &pair[1]);
-        if newer.0 != older.0 + 1 {
-            return Err(corrupt(
-                &segment_path(dir, older.0 + 1),
-                0,
-                format!(
-                    "missing segment: {} and {} exist, and segments are only deleted \
-                     oldest first",
-                    file_name(&older.1),
-                    file_name(&newer.1)
-                ),
-            ));
-        }
-    }
     // A crash mid-roll leaves a newest segment with no frame beside an unsealed
     // predecessor: the roll never finished, so the predecessor is the newest segment.
-    if let [.., (_, previous), (_, newest)] = &files[..] {
-        let has_frames = wal::first_frame_is_valid(&mut open_segment(fs, newest)?)
-            .map_err(io(format!("reading {}", newest.display())))?;
-        if !has_frames && !ends_with_seal(fs, previous)? {
-            let summary = scan_path(fs, newest, true, None, &mut |_| Ok(()))?;
-            if let ScanEnd::Corrupt { offset, reason } = summary.end {
-                return Err(corrupt(newest, offset, reason));
+    if let [.., (before, previous), (last, newest)] = &files[..] {
+        if *last == before + 1 {
+            let has_frames = wal::first_frame_is_valid(&mut open_segment(fs, newest)?)
+                .map_err(io(format!("reading {}", newest.display())))?;
+            if !has_frames && !ends_with_seal(fs, previous)? {
+                let summary = scan_path(fs, newest, true, None, &mut |_| Ok(()))?;
+                if let ScanEnd::Corrupt { offset, reason } = summary.end {
+                    return Err(corrupt(newest, offset, reason));
+                }
+                out.repairs.push(Repair::Remove {
+                    path: newest.clone(),
+                    reason: format!(
+                        "the empty segment of an interrupted roll: {} is not sealed",
+                        file_name(previous)
+                    ),
+                });
+                files.pop();
             }
-            out.repairs.push(Repair::Remove {
-                path: newest.clone(),
-                reason: format!(
-                    "the empty segment of an interrupted roll: {} is not sealed",
-                    file_name(previous)
-                ),
-            });
-            files.pop();
         }
     }
     Ok(files)
 }
 
-/// Scans `files` oldest first through `scan` and checks each segment against its
-/// neighbours (header sequence number, LSN chain, seals, where a torn tail may be),
-/// recording each in `out.segments` and each repair in `out.repairs`.
-fn check_segments(
+/// Checks the scans of every segment file, oldest first, as one log: where it begins
+/// (its newest start frame), which files below that are leftovers (queued for removal
+/// in `out.repairs`), then each segment of the log against its neighbours (no missing
+/// number, header sequence number, LSN chain, seals, where a torn tail may be),
+/// recording each in `out.segments`, each repair in `out.repairs`, and the first damage
+/// in `out.damage`. Returns the indexes in `scanned` of the segments whose good frames
+/// count: those of the log that precede the damage (the damaged one's frames before
+/// the damage included).
+fn check_log(dir: &Path, scanned: &[Scanned], out: &mut WalDirScan) -> Vec<usize> {
+    let mut counted = Vec::new();
+    if let Err(damage) = check_log_into(dir, scanned, out, &mut counted) {
+        out.damage = Some(damage);
+    }
+    counted
+}
+
+fn check_log_into(
     dir: &Path,
-    files: &[(u64, PathBuf)],
+    scanned: &[Scanned],
     out: &mut WalDirScan,
-    scan: &mut ScanSegment<'_>,
+    counted: &mut Vec<usize>,
 ) -> Result<(), StoreError> {
-    let last = files.len().saturating_sub(1);
+    let Some(oldest) = scanned.first() else {
+        return Ok(());
+    };
+    let newest_start = scanned
+        .iter()
+        .rev()
+        .find_map(|s| s.summary.start.map(|m| (s, m)));
+    let (start, why) = match (newest_start, oldest.summary.header) {
+        (Some((s, m)), _) => (
+            m.first,
+            format!(
+                "as its newest start frame says, in {} at byte {}",
+                file_name(&s.path),
+                m.offset
+            ),
+        ),
+        // An older format recorded no start; and a bad header is damage of its own.
+        (None, Some(h)) if h.version >= wal::FIRST_WITH_START => (
+            1,
+            "it has no start frame, so it begins at segment 1".to_string(),
+        ),
+        (None, _) => (oldest.seq, String::new()),
+    };
+    out.start = newest_start.map(|(_, m)| m.first);
+    for leftover in scanned.iter().filter(|s| s.seq < start) {
+        out.repairs.push(Repair::Leftover {
+            path: leftover.path.clone(),
+            start,
+        });
+    }
+    let log: Vec<(usize, &Scanned)> = scanned
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.seq >= start)
+        .collect();
+    let only = log.len() == 1;
     let mut expect_first_lsn = None;
-    for (i, (seq, path)) in files.iter().enumerate() {
-        let newest = i == last;
-        let seq = *seq;
-        let summary = scan(i, seq, path, newest, expect_first_lsn)?;
+    let mut previous: Option<&Scanned> = None;
+    for (i, s) in log {
+        let (seq, path, summary) = (s.seq, &s.path, &s.summary);
+        let expect_seq = previous.map_or(start, |p| p.seq + 1);
+        if seq != expect_seq {
+            let reason = match previous {
+                None => format!(
+                    "missing oldest segment: the log begins at segment {start} ({why}), and \
+                     the oldest segment file is {}",
+                    file_name(path)
+                ),
+                Some(p) => format!(
+                    "missing segment: {} and {} exist, and segments are only deleted \
+                     oldest first",
+                    file_name(&p.path),
+                    file_name(path)
+                ),
+            };
+            return Err(corrupt(&segment_path(dir, expect_seq), 0, reason));
+        }
         if let Some(header) = summary.header.filter(|h| h.seq != seq) {
             return Err(corrupt(
                 path,
@@ -690,13 +969,25 @@ fn check_segments(
                 ),
             ));
         }
+        let mismatch = summary
+            .header
+            .as_ref()
+            .and_then(|h| wal::first_lsn_mismatch(h, expect_first_lsn));
+        if let Some(ScanEnd::Corrupt { offset, reason } | ScanEnd::TornTail { offset, reason }) =
+            mismatch
+        {
+            return Err(corrupt(path, offset, reason));
+        }
         match summary.end.clone() {
             ScanEnd::Clean => {}
-            ScanEnd::Corrupt { offset, reason } => return Err(corrupt(path, offset, reason)),
+            ScanEnd::Corrupt { offset, reason } => {
+                counted.push(i);
+                return Err(corrupt(path, offset, reason));
+            }
             ScanEnd::TornTail { offset: 0, reason } => {
                 // A segment header is synced before anything else happens, so only the
                 // creation of the very first segment can leave it torn.
-                if files.len() > 1 || seq != 1 {
+                if !only || seq != 1 {
                     return Err(corrupt(path, 0, reason));
                 }
                 out.repairs.push(Repair::Remove {
@@ -714,7 +1005,19 @@ fn check_segments(
         let Some(header) = summary.header else {
             return Err(corrupt(path, 0, "no segment header"));
         };
-        if !newest && !summary.sealed {
+        counted.push(i);
+        if let Some(m) = summary.start.filter(|m| m.first > start) {
+            return Err(corrupt(
+                path,
+                m.offset,
+                format!(
+                    "a start frame names segment {}, and a later one names {start}: the \
+                     start of the log never moves back",
+                    m.first
+                ),
+            ));
+        }
+        if !s.newest && !summary.sealed {
             return Err(corrupt(
                 path,
                 summary.good_len,
@@ -725,7 +1028,7 @@ fn check_segments(
                 ),
             ));
         }
-        if newest && summary.sealed {
+        if s.newest && summary.sealed {
             return Err(corrupt(
                 &segment_path(dir, seq + 1),
                 0,
@@ -738,6 +1041,7 @@ fn check_segments(
         }
         let next_lsn = summary.next_lsn().unwrap_or(header.first_lsn);
         expect_first_lsn = Some(next_lsn);
+        previous = Some(s);
         out.segments.push(SegmentReport {
             seq,
             path: path.clone(),
@@ -808,56 +1112,44 @@ struct IndexedSegment {
 type SegmentFrames = Vec<(u64, Vec<RawFrame>)>;
 
 /// What [`WalStore::open_on`] and [`WalStore::load`] scan: the checks of
-/// [`scan_wal_dir_raw`], with each segment read whole on this thread, oldest first, and
+/// [`scan_wal_dir`], with each segment read whole on this thread, oldest first, and
 /// indexed on another thread while the next one is read ([`index_segments`]). Returns
-/// the frames of the segments that checked out.
+/// the frames of the segments that count.
 fn scan_for_replay<F: WalFs>(
     fs: &F,
     dir: &Path,
 ) -> Result<(WalDirScan, SegmentFrames), StoreError> {
     let mut out = WalDirScan::default();
-    let mut kept = Vec::new();
-    let checked = segments_to_scan(fs, dir, &mut out).and_then(|files| {
-        let mut indexed = index_segments(fs, &files).into_iter();
-        check_segments(
-            dir,
-            &files,
-            &mut out,
-            &mut |_, seq, path, _, expect_first_lsn| {
-                let IndexedSegment { summary, frames } = indexed.next().ok_or_else(|| {
-                    StoreError::Failed(format!("{} was listed but not read", path.display()))
-                })??;
-                let mismatch = summary
-                    .header
-                    .as_ref()
-                    .and_then(|h| wal::first_lsn_mismatch(h, expect_first_lsn));
-                if let Some(end) = mismatch {
-                    // What a streamed scan that knew the expected LSN reports: nothing after
-                    // the header.
-                    return Ok(SegmentSummary {
-                        frames: 0,
-                        last_lsn: None,
-                        sealed: false,
-                        good_len: wal::SEGMENT_HEADER_LEN as u64,
-                        end,
-                        ..summary
-                    });
-                }
-                if !frames.is_empty() {
-                    kept.push((seq, frames));
-                }
-                Ok(summary)
-            },
-        )
-    });
-    match checked {
-        Ok(()) => Ok((out, kept)),
+    let files = match segments_to_scan(fs, dir, &mut out) {
+        Ok(files) => files,
         Err(damage @ StoreError::Corrupt { .. }) => {
             out.damage = Some(damage);
-            Ok((out, kept))
+            return Ok((out, Vec::new()));
         }
-        Err(e) => Err(e),
+        Err(e) => return Err(e),
+    };
+    let last = files.len().saturating_sub(1);
+    let mut scanned = Vec::with_capacity(files.len());
+    let mut frames = Vec::with_capacity(files.len());
+    let indexed = index_segments(fs, &files);
+    for (i, ((seq, path), segment)) in files.into_iter().zip(indexed).enumerate() {
+        let IndexedSegment { summary, frames: f } = segment?;
+        scanned.push(Scanned {
+            seq,
+            path,
+            newest: i == last,
+            summary,
+        });
+        frames.push(f);
     }
+    let mut kept = Vec::new();
+    for i in check_log(dir, &scanned, &mut out) {
+        let f = std::mem::take(&mut frames[i]);
+        if !f.is_empty() {
+            kept.push((scanned[i].seq, f));
+        }
+    }
+    Ok((out, kept))
 }
 
 /// Larger segment files are scanned as a stream on the opening thread, one frame in
@@ -866,8 +1158,8 @@ fn scan_for_replay<F: WalFs>(
 const WHOLE_SEGMENT_MAX: u64 = 64 << 20;
 
 /// Reads each of `files` whole, oldest first, on this thread, and indexes each on a
-/// thread of its own (as many at once as there are cores) while the next is read. A
-/// segment's error stays in its place: it counts only if the checks get that far.
+/// thread of its own (as many at once as there are cores) while the next is read. Each
+/// segment's result is in its place.
 fn index_segments<F: WalFs>(
     fs: &F,
     files: &[(u64, PathBuf)],
@@ -1324,7 +1616,7 @@ impl<F: WalFs> WalStore<F> {
                     fs.truncate(path, *offset)
                         .map_err(io(format!("truncating {}", path.display())))?;
                 }
-                Repair::Remove { path, .. } => {
+                Repair::Remove { path, .. } | Repair::Leftover { path, .. } => {
                     fs.remove_file(path)
                         .map_err(io(format!("removing {}", path.display())))?;
                     sync_dir(&fs, &dir)?;
@@ -1414,6 +1706,14 @@ impl<F: WalFs> WalStore<F> {
             // segment by its header rather than taking its records for damage.
             store.roll()?;
         }
+        match scan.segments.first() {
+            Some(oldest) if scan.start.is_none() && oldest.version < wal::FIRST_WITH_START => {
+                // An older format recorded no start, so the log began at its oldest
+                // segment: said now, a loss of that segment is seen from here on.
+                store.write_start(oldest.seq)?;
+            }
+            _ => {}
+        }
         store.collect_garbage()?;
         Ok(store)
     }
@@ -1477,16 +1777,34 @@ impl<F: WalFs> WalStore<F> {
         ops: impl Iterator<Item = (OpKind, ProcId, u32)>,
     ) -> Result<(), StoreError> {
         let len = self.buf.len() as u64;
+        let mut start_len = 0;
         if self.current_len + len > self.options.segment_bytes
             && self.current_len > wal::SEGMENT_HEADER_LEN as u64
         {
             self.roll()?;
-            // The seal took the LSN the frame was encoded with.
-            wal::set_frame_lsn(&mut self.buf, self.next_lsn);
+            // A new segment begins by saying where the log begins, so that the newest
+            // segment knows it even when the older one that said it last is lost. It
+            // goes in the same write and sync as the frame, which takes the LSN after
+            // it (the seal took the one the frame was encoded with).
+            let first = self
+                .segments
+                .keys()
+                .next()
+                .copied()
+                .unwrap_or(self.current_seq);
+            let mut both = Vec::with_capacity(self.buf.len() + 32);
+            wal::encode_start_frame(self.next_lsn, first, &mut both);
+            start_len = both.len() as u64;
+            wal::set_frame_lsn(&mut self.buf, self.next_lsn + 1);
+            both.extend_from_slice(&self.buf);
+            self.buf = both;
         }
         if let Err(e) = self.write_current() {
             let path = self.segments[&self.current_seq].path.display().to_string();
             return Err(self.fail(io(format!("appending to {path}"))(e)));
+        }
+        if start_len > 0 {
+            self.account_written(start_len);
         }
         self.account_written(len);
         for (kind, id, size) in ops {
@@ -1594,19 +1912,7 @@ impl<F: WalFs> WalStore<F> {
                 return Ok(());
             }
             if segment.live == 0 {
-                // Oldest first, so a Delete in a later segment never outlives what it
-                // deletes: nothing older than this segment is left to resurrect. The
-                // directory is synced at once, so deletions reach the disk in order and a
-                // crash can never leave a gap.
-                let path = segment.path.clone();
-                let bytes = segment.bytes;
-                self.fs
-                    .remove_file(&path)
-                    .map_err(io(format!("removing {}", path.display())))?;
-                sync_dir(&self.fs, &self.dir)?;
-                self.segments.remove(&oldest);
-                self.total_bytes -= bytes;
-                self.stats.segments_deleted += 1;
+                self.delete_oldest()?;
                 continue;
             }
             let mostly_dead = self.segments.len() > self.options.max_segments
@@ -1617,6 +1923,46 @@ impl<F: WalFs> WalStore<F> {
             rewrites_left -= 1;
             self.rewrite_forward(oldest)?;
         }
+    }
+
+    /// Deletes the run of oldest segments that hold no live record (the current one
+    /// aside). Oldest first, so a Delete in a later segment never outlives what it
+    /// deletes: nothing older is left to resurrect. First a start frame says where the
+    /// log now begins, synced, so that a crash amid the deletions leaves leftovers below
+    /// the start (removed at open) rather than a log that seems to begin later, and so
+    /// that a segment lost from the oldest end is seen (see [`crate::wal`], *Where the
+    /// log begins*). One directory sync after the run makes the deletions durable.
+    fn delete_oldest(&mut self) -> Result<(), StoreError> {
+        let dead: Vec<u64> = self
+            .segments
+            .iter()
+            .take_while(|&(&seq, s)| seq != self.current_seq && s.live == 0)
+            .map(|(&seq, _)| seq)
+            .collect();
+        let Some(&last) = dead.last() else {
+            return Ok(());
+        };
+        self.write_start(last + 1)?;
+        for seq in dead {
+            let Some(path) = self.segments.get(&seq).map(|s| s.path.clone()) else {
+                continue;
+            };
+            self.fs
+                .remove_file(&path)
+                .map_err(io(format!("removing {}", path.display())))?;
+            if let Some(segment) = self.segments.remove(&seq) {
+                self.total_bytes -= segment.bytes;
+                self.stats.segments_deleted += 1;
+            }
+        }
+        sync_dir(&self.fs, &self.dir)
+    }
+
+    /// Appends a start frame: the log begins at segment `first`.
+    fn write_start(&mut self, first: u64) -> Result<(), StoreError> {
+        self.buf.clear();
+        wal::encode_start_frame(self.next_lsn, first, &mut self.buf);
+        self.write_encoded(std::iter::empty())
     }
 
     /// Appends the latest records still in segment `seq` as checkpoint frames of about a
@@ -1813,6 +2159,93 @@ mod tests {
             segments.push((seq, frames));
         }
         (segments, model)
+    }
+
+    /// The real file system, as seen beside an engine that holds the lock and changes
+    /// the length of some older segment between any two looks.
+    struct Churning(std::sync::atomic::AtomicU64);
+
+    impl WalFs for Churning {
+        type Appender = File;
+        type Reader = BufReader<File>;
+
+        fn is_dir(&self, path: &Path) -> io::Result<Option<bool>> {
+            StdFs.is_dir(path)
+        }
+        fn create_dir_all(&self, path: &Path) -> io::Result<()> {
+            StdFs.create_dir_all(path)
+        }
+        fn sync_dir(&self, dir: &Path) -> io::Result<()> {
+            StdFs.sync_dir(dir)
+        }
+        fn lock(&self, path: &Path) -> io::Result<Option<Box<dyn Send>>> {
+            StdFs.lock(path)
+        }
+        fn probe_lock(&self, _path: &Path) -> io::Result<LockProbe> {
+            Ok(LockProbe::Held)
+        }
+        fn list(&self, dir: &Path) -> io::Result<Vec<Entry>> {
+            StdFs.list(dir)
+        }
+        fn open_read(&self, path: &Path) -> io::Result<Self::Reader> {
+            StdFs.open_read(path)
+        }
+        fn len(&self, path: &Path) -> io::Result<u64> {
+            let looks = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            Ok(StdFs.len(path)? + looks)
+        }
+        fn create_new(&self, path: &Path) -> io::Result<File> {
+            StdFs.create_new(path)
+        }
+        fn open_append(&self, path: &Path) -> io::Result<File> {
+            StdFs.open_append(path)
+        }
+        fn sync(&self, file: &mut File) -> io::Result<()> {
+            StdFs.sync(file)
+        }
+        fn truncate(&self, path: &Path, len: u64) -> io::Result<()> {
+            StdFs.truncate(path, len)
+        }
+        fn remove_file(&self, path: &Path) -> io::Result<()> {
+            StdFs.remove_file(path)
+        }
+    }
+
+    /// A directory whose segments change between every two listings gives no view, and
+    /// no verdict; the same directory at rest, its lock held elsewhere, gives a view of
+    /// the log, in use.
+    #[test]
+    fn a_directory_that_never_holds_still_gives_no_verdict() {
+        let dir = tempfile::tempdir().unwrap();
+        let options = WalOptions {
+            segment_bytes: 1 << 10,
+            max_segments: 100,
+            sync: false,
+        };
+        let mut wal = WalStore::open_with(dir.path(), options).unwrap();
+        for id in 1..60 {
+            wal.append(&[StoreOp::Insert(record(id, 0))]).unwrap();
+        }
+        let churning = Churning(std::sync::atomic::AtomicU64::new(0));
+        match view_wal_dir_on(&churning, dir.path()).unwrap() {
+            DirView::Unstable { attempts } => assert_eq!(attempts, VIEW_ATTEMPTS),
+            other => panic!("a view of a moving directory: {other:?}"),
+        }
+        match view_wal_dir(dir.path()).unwrap() {
+            DirView::Stable {
+                scan,
+                in_use: true,
+                attempts: 1,
+            } => {
+                assert!(scan.damage.is_none() && scan.segments.len() > 2, "{scan:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        drop(wal);
+        assert!(matches!(
+            view_wal_dir(dir.path()).unwrap(),
+            DirView::Stable { in_use: false, .. }
+        ));
     }
 
     #[test]

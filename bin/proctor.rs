@@ -1,6 +1,12 @@
 //! `proctor`: the operator command for a proctor WAL directory. Its reading commands
-//! (`wal verify`, `wal dump`, `procs`) take no lock and change nothing, so they are safe
-//! beside a running engine and on a damaged log; `bypass`, `abort`, `pause`,
+//! (`wal verify`, `wal dump`, `procs`) change nothing, so they are safe beside a running
+//! engine and on a damaged log. `wal verify` holds the engine's lock for its scan if it
+//! is free (so no engine starts meanwhile: one that tries is refused, as beside another
+//! engine, and can be started again); if a running engine holds it, verify checks
+//! a consistent view (listed, scanned, listed again, retried while the engine's rolls
+//! and compactions changed it) and says the directory is in use, and what is in flight
+//! is not damage. `wal dump` and `procs` take no lock: beside a running engine they read
+//! whatever is there as they go. `bypass`, `abort`, `pause`,
 //! `continue` and `rollback` write through the store, so they open the log as the engine does (taking its lock: the engine must be
 //! stopped).
 //!
@@ -28,8 +34,8 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use clap::{Parser, Subcommand};
 use proctor::internals::recovery::{self, Steer};
 use proctor::{
-    scan_wal_dir, scan_wal_dir_with, ProcId, ProcRecord, ProcState, ProcedureStore, Repair,
-    StoreError, StoreOp, WalDirScan, WalStore,
+    scan_wal_dir, scan_wal_dir_with, view_wal_dir, DirView, ProcId, ProcRecord, ProcState,
+    ProcedureStore, Repair, StoreError, StoreOp, WalDirScan, WalStore,
 };
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Serialize;
@@ -44,8 +50,11 @@ Exit codes:
   2  usage: bad arguments, a directory that is missing or holds no WAL, a --tree
      procedure that is not in the log, an IO error, or (bypass, abort) the log's lock
      held by a running engine
-  3  verify: the log ends in a torn tail (or an interrupted segment roll), what a crash
-     leaves; the engine truncates it at next start and loses nothing acknowledged";
+  3  verify: the log ends in a torn tail (or an interrupted segment roll, or segments
+     an interrupted compaction left below the start of the log), what a crash leaves;
+     the engine repairs it at next start and loses nothing acknowledged
+  4  verify: a running engine changed the directory's segments during each of its 50
+     scans, so no consistent view was had: no verdict (not damage); try again";
 
 #[derive(Parser)]
 #[command(
@@ -148,7 +157,11 @@ enum Command {
 #[derive(Subcommand)]
 enum WalCommand {
     /// Check the log as the engine would open it: exit 0 when sound, 3 when it ends in
-    /// a torn tail the engine will truncate, 1 when it is damaged.
+    /// a torn tail the engine will truncate, 1 when it is damaged. Beside a running
+    /// engine (it holds DIR/LOCK) the check is of a consistent view of the log as of
+    /// the scan: an append, roll or compaction in flight is the engine's work, not
+    /// damage, and what it writes later is not checked; exit 4 if the engine changed
+    /// the directory during every attempt.
     #[command(after_help = EXIT_CODES)]
     Verify {
         /// The WAL directory.
@@ -171,6 +184,9 @@ enum Exit {
     Failed = 1,
     /// 3: `wal verify` found a torn tail the engine will truncate.
     TornTail = 3,
+    /// 4: `wal verify` had no consistent view of a directory a running engine kept
+    /// changing.
+    NoView = 4,
 }
 
 /// Why a command stopped: exit 2, or a reader that went away (exit 0).
@@ -282,6 +298,11 @@ fn describe_repair(repair: &Repair) -> String {
             "interrupted roll at {}:0, will be removed at next start ({reason})",
             path.display()
         ),
+        Repair::Leftover { path, start } => format!(
+            "leftover of an interrupted compaction at {}, will be removed at next start \
+             (the log begins at segment {start})",
+            path.display()
+        ),
     }
 }
 
@@ -303,11 +324,34 @@ fn segment_name(seq: u64) -> String {
 
 /// Sound means the engine would start on it and repair nothing; a torn tail is what a
 /// crash leaves and holds nothing that was acknowledged, so it has its own exit code.
+/// Beside a running engine, what a crash would leave is the engine's work in flight:
+/// the view is sound if nothing else is wrong.
 fn verify(out: &mut Out, dir: &Path) -> Outcome {
-    let scan = scan_wal_dir(dir)?;
+    let lock = dir.join("LOCK");
+    let (scan, in_use) = match view_wal_dir(dir)? {
+        DirView::Stable { scan, in_use, .. } => (scan, in_use),
+        DirView::Unstable { attempts } => {
+            writeln!(
+                out,
+                "no consistent view of {} in {attempts} scans: its segments changed during \
+                 every one (a running engine rolling or compacting); no verdict, try again",
+                dir.display()
+            )?;
+            return Ok(Exit::NoView);
+        }
+    };
     if let Some(stop) = no_wal(dir, &scan) {
         return Err(stop);
     }
+    let in_use = in_use.then(|| {
+        format!(
+            "in use by a running engine ({} is held): checked a consistent view of {} \
+             segments as of the scan; an append, roll or compaction in flight is the \
+             engine's own work, not damage, and what it writes after the scan is not checked",
+            lock.display(),
+            scan.segments.len()
+        )
+    });
     let mut frames = 0;
     for segment in &scan.segments {
         frames += segment.frames;
@@ -322,13 +366,21 @@ fn verify(out: &mut Out, dir: &Path) -> Outcome {
     }
     if let Some(damage) = &scan.damage {
         writeln!(out, "{}", describe(damage))?;
+        if let Some(in_use) = &in_use {
+            writeln!(out, "{in_use}")?;
+        }
         writeln!(out, "NOT sound: the engine refuses to start on this log")?;
         return Ok(Exit::Failed);
+    }
+    let summary = format!("{} segments, {frames} frames", scan.segments.len());
+    if let Some(in_use) = &in_use {
+        writeln!(out, "{in_use}")?;
+        writeln!(out, "sound: {summary}")?;
+        return Ok(Exit::Done);
     }
     for repair in &scan.repairs {
         writeln!(out, "{}", describe_repair(repair))?;
     }
-    let summary = format!("{} segments, {frames} frames", scan.segments.len());
     if scan.repairs.is_empty() {
         writeln!(out, "sound: {summary}")?;
         Ok(Exit::Done)

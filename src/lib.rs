@@ -56,11 +56,12 @@ pub mod testing {
 pub use crate::actors::metrics;
 
 pub use crate::actors::{
-    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, Abort, AckResult, Bypass, Continue, Entry,
-    Executor, ExecutorActor, ExecutorBuilder, GetSchedulerStats, GetState, GetValue, List, Pause,
-    ProcEvent, ProcInfo, Recovery, Repair, ResetEvent, Rollback, SchedulerStats, SegmentReport,
-    Shutdown, StdFs, Submit, Subscribe, Subscription, WaitFor, WaitingOn, WakeEvent, WalDirScan,
-    WalFs, WalOptions, WalStats, WalStore,
+    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, view_wal_dir, view_wal_dir_on, Abort,
+    AckResult, Bypass, Continue, DirView, Entry, Executor, ExecutorActor, ExecutorBuilder,
+    GetSchedulerStats, GetState, GetValue, List, LockProbe, Pause, ProcEvent, ProcInfo, Recovery,
+    Repair, ResetEvent, Rollback, SchedulerStats, SegmentReport, Shutdown, StdFs, Submit,
+    Subscribe, Subscription, WaitFor, WaitingOn, WakeEvent, WalDirScan, WalFs, WalOptions,
+    WalStats, WalStore, VIEW_ATTEMPTS,
 };
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};

@@ -2,16 +2,17 @@
 //! a torn tail from corruption. Pure: bytes (or a reader) in, values out. The file
 //! handling lives in `actors/wal_store.rs`; the `proctor` command reads logs through it.
 //!
-//! # Format (version 3; version 2 is read too)
+//! # Format (version 4; versions 2 and 3 are read too)
 //!
 //! A WAL is a directory of segment files named `{seq:020}.wal` (exactly twenty decimal
 //! digits), `seq` counting up from 1 with no gaps: segments are only ever deleted oldest
-//! first, so a missing number is damage. Any other file whose name ends in `.wal`, or a
-//! segment name that is not a regular file, is refused. Integers are little-endian.
+//! first, and the log says which segment it begins at (see *Where the log begins*), so
+//! a missing number is damage. Any other file whose name ends in `.wal`, or a segment
+//! name that is not a regular file, is refused. Integers are little-endian.
 //!
 //! ```text
 //! segment  := header frame* seal?
-//! header   := magic "PRCTRWAL" (8) | version u16 (3) | reserved u16 (0) | seq u64
+//! header   := magic "PRCTRWAL" (8) | version u16 (4) | reserved u16 (0) | seq u64
 //!             | max_id u64 | first_lsn u64 | crc32c u32 of the preceding 36 bytes
 //!                                                                      = 40 bytes
 //! frame    := len u32 | kind u8 | lsn u64 | header_crc u32 | payload_crc u32
@@ -21,16 +22,19 @@
 //! kind     := 1 batch       (one group-committed append)
 //!           | 2 checkpoint  (latest records rewritten forward by compaction)
 //!           | 3 seal        (len 0: the segment is complete; it is always the last frame)
-//! payload  := MessagePack array of ops, each a one-entry map {tag: body}:
+//!           | 4 start       (len 8: the segment the log begins at; format 4 on)
+//! payload  := ops (batch, checkpoint) | nothing (seal) | first u64 (start)
+//! ops      := MessagePack array of ops, each a one-entry map {tag: body}:
 //!             "Insert" | "Update" → ProcRecord (an array of its fields, `id` first)
 //!           | "Delete" → ProcId
 //! ```
 //!
 //! Version 3 added the fifth field of a record's steering, `wakes_per_child`; a
-//! version 2 record's steering has four, and reads as not woken per child. A log may
-//! hold segments of both versions: a store appends only to a segment of its own
-//! version, so opening a log whose newest segment is older rolls to a new one first
-//! (and an older build refuses that segment by its header).
+//! version 2 record's steering has four, and reads as not woken per child. Version 4
+//! added the start frame; a start frame in a segment of an older version is corruption.
+//! A log may hold segments of several versions: a store appends only to a segment of
+//! its own version, so opening a log whose newest segment is older rolls to a new one
+//! first (and an older build refuses that segment by its header).
 //!
 //! A scan indexes each payload without decoding it ([`index_payload`]: each op's tag,
 //! the first field of its record, and its length), so that recovery decodes only the
@@ -66,6 +70,32 @@
 //! - a newest segment with no frames beside an unsealed predecessor is the trace of a
 //!   crash mid-roll: it is deleted and the predecessor is the newest segment again (its
 //!   tail may be torn by the unsynced seal).
+//!
+//! # Where the log begins
+//!
+//! Compaction deletes segments from the oldest end, so the lowest segment file is not
+//! always segment 1, and a lost oldest file would look like a log that begins later.
+//! So the log says where it begins: before the store deletes segments it appends (and
+//! syncs) a **start** frame holding the number of the first segment it keeps, and only
+//! then deletes the segments below it and syncs the directory. The newest start frame
+//! (the one with the highest LSN) says where the log begins:
+//!
+//! - segment files below it are leftovers of a deletion a crash interrupted: no part of
+//!   the log (nothing in them counts, damage included), and opening removes them, as a
+//!   reported repair, and syncs the directory;
+//! - from it on, every number up to the newest segment must be there: a lowest segment
+//!   file above it is a missing oldest segment, corruption naming the missing file,
+//!   exactly as a missing middle segment is;
+//! - a log with no start frame begins at segment 1, unless its oldest segment was
+//!   written by a format before 4, which recorded no start: then it begins at its
+//!   oldest segment (a loss below that cannot be seen), and the first store of this
+//!   format that opens it appends a start frame saying so;
+//! - a start frame names a segment no later than its own, and never an earlier one than
+//!   a start frame before it; anything else is corruption.
+//!
+//! A start frame is an ordinary frame of the append path (its own LSN, synced before
+//! anything relies on it, never after a seal), so a crash can tear it as it tears any
+//! last frame, and a torn start frame was followed by no deletion.
 //!
 //! # Torn tail or corruption
 //!
@@ -109,12 +139,18 @@ use crate::record::{ProcRecord, Steering, StoreOp};
 
 /// The first eight bytes of every segment.
 pub const MAGIC: [u8; 8] = *b"PRCTRWAL";
-/// The format version this code writes. It reads this one and [`OLDEST_READ`]: format
-/// 3 added a field to a record's steering (`wakes_per_child`), which format 2 records
-/// lack and read as `false`.
-pub const VERSION: u16 = 3;
+/// The format version this code writes. It reads this one down to [`OLDEST_READ`]:
+/// format 4 added the start frame ([`FrameKind::Start`]); format 3 added a field to a
+/// record's steering (`wakes_per_child`), which format 2 records lack and read as
+/// `false`.
+pub const VERSION: u16 = 4;
 /// The oldest format version this code reads.
 pub const OLDEST_READ: u16 = 2;
+/// The first format version with start frames: a log whose oldest segment is older
+/// recorded no start.
+pub const FIRST_WITH_START: u16 = 4;
+/// Payload bytes of a start frame: the segment number, a `u64`.
+pub const START_PAYLOAD_LEN: u32 = 8;
 /// Bytes in a segment header.
 pub const SEGMENT_HEADER_LEN: usize = 40;
 /// Bytes in a frame header.
@@ -140,6 +176,8 @@ pub enum FrameKind {
     Checkpoint = 2,
     /// The end of a complete segment: its successor exists.
     Seal = 3,
+    /// Where the log begins: the segments below the one it names are being deleted.
+    Start = 4,
 }
 
 impl FrameKind {
@@ -148,6 +186,7 @@ impl FrameKind {
             1 => Some(FrameKind::Batch),
             2 => Some(FrameKind::Checkpoint),
             3 => Some(FrameKind::Seal),
+            4 => Some(FrameKind::Start),
             _ => None,
         }
     }
@@ -316,8 +355,8 @@ pub struct FrameHeader {
 /// # Errors
 /// [`FrameError::Truncated`] for fewer than [`FRAME_HEADER_LEN`] bytes;
 /// [`FrameError::Checksum`] for a bad header CRC; [`FrameError::Kind`] for an unknown
-/// kind; [`FrameError::Length`] for a length above [`MAX_PAYLOAD_LEN`] or a seal with a
-/// payload.
+/// kind; [`FrameError::Length`] for a length above [`MAX_PAYLOAD_LEN`], a seal with a
+/// payload, or a start frame whose payload is not [`START_PAYLOAD_LEN`] bytes.
 pub fn parse_frame_header(h: &[u8]) -> Result<FrameHeader, FrameError> {
     if h.len() < FRAME_HEADER_LEN {
         return Err(FrameError::Truncated {
@@ -336,7 +375,12 @@ pub fn parse_frame_header(h: &[u8]) -> Result<FrameHeader, FrameError> {
     }
     let len = u32_at(h, 0);
     let kind = FrameKind::from_byte(h[4]).ok_or(FrameError::Kind(h[4]))?;
-    if len > MAX_PAYLOAD_LEN || (kind == FrameKind::Seal && len != 0) {
+    let fits_kind = match kind {
+        FrameKind::Seal => len == 0,
+        FrameKind::Start => len == START_PAYLOAD_LEN,
+        FrameKind::Batch | FrameKind::Checkpoint => true,
+    };
+    if len > MAX_PAYLOAD_LEN || !fits_kind {
         return Err(FrameError::Length(len));
     }
     Ok(FrameHeader {
@@ -433,6 +477,10 @@ pub fn encode_frame(
     let start = out.len();
     out.extend_from_slice(&[0u8; FRAME_HEADER_LEN]);
     let mut sizes = Vec::with_capacity(ops.len());
+    assert!(
+        kind != FrameKind::Start,
+        "a start frame is written by encode_start_frame"
+    );
     if kind == FrameKind::Seal {
         assert!(ops.is_empty(), "a seal frame holds no ops");
     } else {
@@ -445,6 +493,23 @@ pub fn encode_frame(
     }
     finish_frame(kind, lsn, start, out)?;
     Ok(sizes)
+}
+
+/// Appends a start frame with LSN `lsn` to `out`: the log begins at segment `first`
+/// (see *Where the log begins* in the module docs).
+pub fn encode_start_frame(lsn: u64, first: u64, out: &mut Vec<u8>) {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; FRAME_HEADER_LEN]);
+    out.extend_from_slice(&first.to_le_bytes());
+    // Eight payload bytes are far below the maximum, so finishing cannot fail.
+    let _ = finish_frame(FrameKind::Start, lsn, start, out);
+}
+
+/// The segment a start frame's payload names, if the payload is one: exactly
+/// [`START_PAYLOAD_LEN`] bytes.
+pub fn start_of(payload: &[u8]) -> Option<u64> {
+    let bytes: [u8; 8] = payload.try_into().ok()?;
+    Some(u64::from_le_bytes(bytes))
 }
 
 /// Fills in the header of the frame that starts at `out[start]` and runs to the end.
@@ -693,7 +758,7 @@ fn index_payload_in(
     buf: Arc<Vec<u8>>,
     range: std::ops::Range<usize>,
 ) -> Result<Vec<RawOp>, FrameError> {
-    if kind == FrameKind::Seal {
+    if matches!(kind, FrameKind::Seal | FrameKind::Start) {
         return Ok(Vec::new());
     }
     if u32::try_from(range.end).is_err() {
@@ -1305,8 +1370,19 @@ pub struct SegmentSummary {
     pub sealed: bool,
     /// Where the good frames end.
     pub good_len: u64,
+    /// The last good start frame, if the segment has one.
+    pub start: Option<StartFrame>,
     /// How the scan ended.
     pub end: ScanEnd,
+}
+
+/// A start frame as a scan found it: where the log begins (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StartFrame {
+    /// The first segment of the log.
+    pub first: u64,
+    /// The frame's byte offset in its segment.
+    pub offset: u64,
 }
 
 impl SegmentSummary {
@@ -1490,6 +1566,7 @@ fn scan_with<R: Read + Seek>(
         last_lsn: None,
         sealed: false,
         good_len: 0,
+        start: None,
         end: ScanEnd::Clean,
     };
     let mut buf = Vec::new();
@@ -1590,6 +1667,18 @@ fn scan_with<R: Read + Seek>(
             });
         }
         let len = (FRAME_HEADER_LEN + range.len()) as u64;
+        if fh.kind == FrameKind::Start {
+            match check_start(&header, summary.start, &buf[range.clone()]) {
+                Ok(first) => summary.start = Some(StartFrame { first, offset }),
+                Err(reason) => {
+                    break Some(Bad {
+                        offset,
+                        reason,
+                        torn_shape: false,
+                    })
+                }
+            }
+        }
         let handed = index_payload_in(fh.kind, buf, range).and_then(|ops| {
             on_frame(RawFrame {
                 offset,
@@ -1617,6 +1706,35 @@ fn scan_with<R: Read + Seek>(
         summary.end = classify(bad, newest);
     }
     Ok(summary)
+}
+
+/// The segment a start frame with good checksums names, if a writer could have written
+/// it: in a segment of format 4 or later, naming a segment no later than its own and
+/// no earlier than the segment's previous start frame did.
+fn check_start(
+    header: &SegmentHeader,
+    previous: Option<StartFrame>,
+    payload: &[u8],
+) -> Result<u64, FrameError> {
+    if header.version < FIRST_WITH_START {
+        return Err(FrameError::Kind(FrameKind::Start as u8));
+    }
+    let first = start_of(payload).ok_or(FrameError::Length(payload.len() as u32))?;
+    if first == 0 || first > header.seq {
+        return Err(FrameError::Payload(format!(
+            "a start frame in segment {} names segment {first}: the log cannot begin \
+             after the segment that says where it begins",
+            header.seq
+        )));
+    }
+    if let Some(previous) = previous.filter(|p| p.first > first) {
+        return Err(FrameError::Payload(format!(
+            "a start frame names segment {first}, after one that named {}: the start \
+             of the log never moves back",
+            previous.first
+        )));
+    }
+    Ok(first)
 }
 
 fn classify(bad: Bad, newest: bool) -> ScanEnd {
@@ -1661,7 +1779,7 @@ fn valid_frame_follows<R: Read + Seek>(
         let mut p = 0;
         while p + FRAME_HEADER_LEN <= window.len() && p < last {
             let kind = window[p + 4];
-            if (1..=3).contains(&kind) {
+            if (1..=4).contains(&kind) {
                 if let Ok(fh) = parse_frame_header(&window[p..p + FRAME_HEADER_LEN]) {
                     if after.is_none_or(|a| fh.lsn > a) {
                         let at = window_start + p as u64;
@@ -2001,6 +2119,50 @@ mod tests {
         );
     }
 
+    /// A start frame is read into the summary, the last one winning; one that names a
+    /// later segment than its own, moves the start back, or sits in a segment of a
+    /// format before start frames is corruption.
+    #[test]
+    fn a_start_frame_says_where_the_log_begins() {
+        let mut bytes = segment(&sample());
+        encode_start_frame(14, 3, &mut bytes);
+        let at = bytes.len() as u64;
+        encode_start_frame(15, 7, &mut bytes);
+        let scan = scan_stream(&mut io::Cursor::new(&bytes), true, None, &mut |_| Ok(())).unwrap();
+        assert_eq!(scan.end, ScanEnd::Clean);
+        assert_eq!(
+            scan.start,
+            Some(StartFrame {
+                first: 7,
+                offset: at
+            })
+        );
+        assert_eq!(scan.frames, 6);
+        assert_eq!(
+            parse_frame_header(&bytes[at as usize..]).map(|h| h.len),
+            Ok(8)
+        );
+
+        let bad = |first: u64, version: u16| {
+            let mut bytes = segment(&sample());
+            bytes[8..10].copy_from_slice(&version.to_le_bytes());
+            let crc = crc32c::crc32c(&bytes[0..36]);
+            bytes[36..40].copy_from_slice(&crc.to_le_bytes());
+            encode_start_frame(14, 5, &mut bytes);
+            let at = bytes.len() as u64;
+            encode_start_frame(15, first, &mut bytes);
+            let scan = scan_segment(&bytes, true);
+            match scan.end {
+                ScanEnd::Corrupt { offset, reason } if offset == at => reason.to_string(),
+                ScanEnd::Corrupt { offset, .. } if offset == at - 29 => "at the first".into(),
+                other => panic!("start {first}, format {version}: {other:?}"),
+            }
+        };
+        assert!(bad(8, VERSION).contains("cannot begin after"));
+        assert!(bad(4, VERSION).contains("never moves back"));
+        assert_eq!(bad(6, 3), "at the first");
+    }
+
     #[test]
     fn decoded_records_are_checked() {
         let bad_root = StoreOp::Insert(ProcRecord {
@@ -2164,7 +2326,7 @@ mod tests {
             let crc = crc32c::crc32c(&h[0..36]);
             h[36..40].copy_from_slice(&crc.to_le_bytes());
             let e = parse_segment_header(&h).unwrap_err().to_string();
-            prop_assert!(e.contains("format version 4, this build reads 2 to 3"), "{}", e);
+            prop_assert!(e.contains("format version 5, this build reads 2 to 4"), "{}", e);
         }
 
         /// The direct decoder reads every op the writer writes, exactly as serde does;

@@ -173,6 +173,18 @@ fn every_kind_of_damage_gets_the_right_verdict() {
                 offset: None,
             })
         }),
+        (
+            "a missing oldest segment of a log that never compacted",
+            |log| {
+                // No start marker: the log begins at segment 1.
+                let gone = &log.segments[0];
+                fs::remove_file(gone).unwrap();
+                Some(Verdict::Refused {
+                    file: name(gone),
+                    offset: None,
+                })
+            },
+        ),
         ("a missing newest segment", |log| {
             fs::remove_file(log.newest()).unwrap();
             Some(Verdict::Refused {
@@ -372,4 +384,41 @@ fn check_row(
         }
     }
     Ok(())
+}
+
+/// A log that compaction has shortened from below: its oldest segment files are gone
+/// by design, and its start marker says where it begins. Removing the lowest file that
+/// is left is refused by open and by `proctor wal verify`, naming the file.
+#[test]
+fn a_missing_oldest_segment_after_compaction_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        segment_bytes: 4 << 10,
+        max_segments: 3,
+        sync: false,
+    };
+    {
+        let mut wal = WalStore::open_with(dir.path(), options.clone()).unwrap();
+        // Procedure 1 lives for the whole run; the others finish and are deleted.
+        wal.append(&[StoreOp::Insert(record(1, 0))]).unwrap();
+        for id in 2..400 {
+            wal.append(&[StoreOp::Insert(record(id, 0))]).unwrap();
+            wal.append(&[StoreOp::Delete(proctor::ProcId(id))]).unwrap();
+        }
+        assert!(wal.stats().segments_deleted > 5, "{:?}", wal.stats());
+    }
+    let before = segments(dir.path());
+    assert!(!name(&before[0]).ends_with("00001.wal"), "{before:?}");
+    let gone = &before[0];
+    fs::remove_file(gone).unwrap();
+    let verify = proctor_verify(dir.path());
+    let out = String::from_utf8_lossy(&verify.stdout).into_owned();
+    assert_eq!(verify.status.code(), Some(1), "{out}");
+    assert!(out.contains("NOT sound"), "{out}");
+    assert!(out.contains(&name(gone)), "{out}");
+    match WalStore::open_with(dir.path(), options) {
+        Err(StoreError::Corrupt { file, .. }) => assert!(file.ends_with(&name(gone)), "{file}"),
+        Err(other) => panic!("not a corruption error: {other}"),
+        Ok(_) => panic!("open accepted a log without its oldest segment"),
+    }
 }

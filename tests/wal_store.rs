@@ -281,6 +281,13 @@ fn on_disk(dir: &Path) -> (usize, u64) {
     (files.len(), bytes)
 }
 
+/// The segment-count bound of `actors/wal_store.rs` for `M` segments, `L` live bytes,
+/// segments of `S` bytes and `F` the longest frame plus 61 bytes: every segment but
+/// the newest is at least `S − F` bytes, and at least 90 (a header, a frame, a seal).
+fn count_bound(m: u64, l: u64, s: u64, f: u64) -> usize {
+    m.max(1 + (2 * l + m * s) / s.saturating_sub(f).max(90)) as usize
+}
+
 /// The size bound of `actors/wal_store.rs`, checked after every append of a workload
 /// that used to stall compaction: long-lived procedures written once at the start pin
 /// the oldest segments (more than half live, so the old rule never rewrote them), while
@@ -305,7 +312,7 @@ fn the_log_stays_within_its_size_bound_at_every_step() {
             "step {steps}: {} bytes > 2·{l} + {m}·({s} + {f})",
             stats.segment_bytes
         );
-        let count_bound = m.max(1 + (2 * l + m * s) / (s - f)) as usize;
+        let count_bound = count_bound(m, l, s, f);
         assert!(
             stats.segments <= count_bound,
             "step {steps}: {} segments > {count_bound}",
@@ -510,12 +517,17 @@ fn a_huge_sparse_segment_costs_no_memory() {
     assert_eq!(fs::metadata(&file).unwrap().len(), good_len);
 }
 
-/// A log whose newest segment an older build wrote (format 2): the store reads it, and
-/// appends to a new segment of its own format rather than under the old header, so the
-/// older build, reading the log again, refuses the new segment by its header instead of
-/// taking the new records for damage.
+/// A log whose newest segment an older build wrote (format 2), and which compaction
+/// had already shortened (it begins at segment 5): the store reads it, and appends to
+/// a new segment of its own format rather than under the old header, so the older
+/// build, reading the log again, refuses the new segment by its header instead of
+/// taking the new records for damage. The older format recorded no start, so the log
+/// begins at its oldest segment, and the store says so in a start frame: from then on
+/// the loss of that segment is seen.
 #[test]
 fn a_segment_of_an_older_format_is_read_and_not_appended_to() {
+    use proctor::internals::wal::{scan_segment, FrameKind, VERSION};
+
     let dir = tempfile::tempdir().unwrap();
     let mut model = MemoryStore::new();
     {
@@ -524,18 +536,19 @@ fn a_segment_of_an_older_format_is_read_and_not_appended_to() {
     }
     let old = segments(dir.path());
     assert_eq!(old.len(), 1);
-    let set_version = |path: &Path, version: u16| {
-        let mut bytes = fs::read(path).unwrap();
-        bytes[8..10].copy_from_slice(&version.to_le_bytes());
-        let crc = crc32c::crc32c(&bytes[0..36]);
-        bytes[36..40].copy_from_slice(&crc.to_le_bytes());
-        fs::write(path, bytes).unwrap();
-    };
+    // Segment 1 becomes segment 5 of format 2.
+    let fifth = dir.path().join(format!("{:020}.wal", 5));
+    let mut bytes = fs::read(&old[0]).unwrap();
+    bytes[8..10].copy_from_slice(&2u16.to_le_bytes());
+    bytes[12..20].copy_from_slice(&5u64.to_le_bytes());
+    let crc = crc32c::crc32c(&bytes[0..36]);
+    bytes[36..40].copy_from_slice(&crc.to_le_bytes());
+    fs::write(&fifth, bytes).unwrap();
+    fs::remove_file(&old[0]).unwrap();
     let version = |path: &Path| {
         let bytes = fs::read(path).unwrap();
         u16::from_le_bytes([bytes[8], bytes[9]])
     };
-    set_version(&old[0], 2);
     {
         let mut wal = WalStore::open(dir.path()).unwrap();
         assert_eq!(wal.load().unwrap(), model.load().unwrap());
@@ -543,11 +556,146 @@ fn a_segment_of_an_older_format_is_read_and_not_appended_to() {
     }
     let now = segments(dir.path());
     assert_eq!(now.len(), 2, "{now:?}");
-    assert_eq!((version(&now[0]), version(&now[1])), (2, 3));
+    assert_eq!((version(&now[0]), version(&now[1])), (2, VERSION));
+    let first = scan_segment(&fs::read(&now[1]).unwrap(), true).frames;
+    assert_eq!(first[0].kind, FrameKind::Start, "{first:?}");
     let mut wal = WalStore::open(dir.path()).unwrap();
     assert_eq!(wal.load().unwrap(), model.load().unwrap());
     // Reopened, the newest segment is of this format: appended to, no new one.
     append(&mut wal, &mut model, vec![StoreOp::Insert(record(3, 3, 0))]);
     drop(wal);
     assert_eq!(segments(dir.path()).len(), 2);
+    fs::remove_file(&fifth).unwrap();
+    match WalStore::open(dir.path()) {
+        Err(StoreError::Corrupt { file, .. }) => assert!(file.ends_with("00005.wal"), "{file}"),
+        other => panic!("the loss of the oldest segment is not seen: {other:?}"),
+    }
+}
+
+/// A crash after compaction wrote its start marker and before it deleted the segments
+/// below it leaves them behind (a segment deleted, then put back, plays that part):
+/// `proctor wal verify` says they will be removed, and open removes them, reports it,
+/// and loads exactly the records the log held.
+#[test]
+fn a_leftover_of_an_interrupted_compaction_is_removed_at_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        segment_bytes: 4 << 10,
+        max_segments: 3,
+        sync: false,
+    };
+    let mut model = MemoryStore::new();
+    let mut wal = WalStore::open_with(dir.path(), options.clone()).unwrap();
+    append(&mut wal, &mut model, vec![StoreOp::Insert(record(1, 1, 0))]);
+    // The oldest segment as it was before compaction deleted it.
+    let mut oldest: Option<(PathBuf, Vec<u8>)> = None;
+    let mut id = 2;
+    let (path, bytes) = loop {
+        let files = segments(dir.path());
+        if files.len() > 1 && oldest.as_ref().is_none_or(|(p, _)| *p != files[0]) {
+            oldest = Some((files[0].clone(), fs::read(&files[0]).unwrap()));
+        }
+        append(
+            &mut wal,
+            &mut model,
+            vec![StoreOp::Insert(record(id, id, 0))],
+        );
+        append(&mut wal, &mut model, vec![StoreOp::Delete(ProcId(id))]);
+        id += 1;
+        match &oldest {
+            Some((path, _)) if !path.exists() => break oldest.take().unwrap(),
+            _ => {}
+        }
+    };
+    drop(wal);
+    fs::write(&path, bytes).unwrap();
+    let name = path.file_name().unwrap().to_string_lossy().into_owned();
+
+    let verify = std::process::Command::new(env!("CARGO_BIN_EXE_proctor"))
+        .args(["wal", "verify"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&verify.stdout).into_owned();
+    assert_eq!(verify.status.code(), Some(3), "{out}");
+    assert!(
+        out.contains(&name) && out.contains("will be removed at next start"),
+        "{out}"
+    );
+
+    let mut wal = WalStore::open_with(dir.path(), options.clone()).unwrap();
+    let snapshot = wal.load().unwrap();
+    assert_eq!(snapshot.records, model.load().unwrap().records);
+    assert!(
+        snapshot.repairs.len() == 1
+            && snapshot.repairs[0].contains(&name)
+            && snapshot.repairs[0].contains("leftover"),
+        "{:?}",
+        snapshot.repairs
+    );
+    assert!(!path.exists(), "the leftover is removed");
+    append(
+        &mut wal,
+        &mut model,
+        vec![StoreOp::Insert(record(9000, 9000, 0))],
+    );
+    drop(wal);
+    let mut again = WalStore::open_with(dir.path(), options).unwrap();
+    let snapshot = again.load().unwrap();
+    assert_eq!(snapshot.records, model.load().unwrap().records);
+    assert!(snapshot.repairs.is_empty(), "{:?}", snapshot.repairs);
+}
+
+/// The size bound when frames outgrow the segments (`F > S`): each such frame takes a
+/// segment of its own, and a small frame after it another, so a segment is no longer
+/// at least `S − F` bytes; it is still at least a header, a frame and a seal, and the
+/// count bound says so. Checked after every append, with long-lived procedures pinning
+/// the oldest segments and finished ones deleted.
+#[test]
+fn the_log_stays_within_its_size_bound_when_frames_outgrow_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let options = WalOptions {
+        segment_bytes: 4 << 10,
+        max_segments: 3,
+        sync: false,
+    };
+    let (s, m) = (options.segment_bytes, options.max_segments as u64);
+    let mut wal = WalStore::open_with(dir.path(), options.clone()).unwrap();
+    let mut model = MemoryStore::new();
+    let mut most = 0;
+    for id in 1..=1500u64 {
+        // Every third procedure is large (a frame above the segment size) and every
+        // fifth lives on; the rest finish and are deleted.
+        let data = if id % 3 == 0 { 6 << 10 } else { 40 };
+        let r = common::wal::record(id, id, 0, data);
+        append(&mut wal, &mut model, vec![StoreOp::Insert(r)]);
+        if id % 5 != 0 && id > 4 {
+            append(&mut wal, &mut model, vec![StoreOp::Delete(ProcId(id - 4))]);
+        }
+        let stats = wal.stats();
+        let f = stats.largest_frame + 61;
+        let l = stats.live_bytes;
+        assert!(
+            stats.segment_bytes <= 2 * l + m * (s + f),
+            "append {id}: {} bytes > 2·{l} + {m}·({s} + {f})",
+            stats.segment_bytes
+        );
+        let bound = count_bound(m, l, s, f);
+        assert!(
+            stats.segments <= bound,
+            "append {id}: {} segments > {bound}",
+            stats.segments
+        );
+        most = most.max(stats.segments);
+    }
+    assert!(
+        most > 2 * m as usize,
+        "the case is exercised: {most} segments"
+    );
+    drop(wal);
+    let mut reopened = WalStore::open_with(dir.path(), options).unwrap();
+    assert_eq!(
+        reopened.load().unwrap().records,
+        model.load().unwrap().records
+    );
 }
