@@ -98,7 +98,7 @@ use std::sync::Arc;
 use crate::fast_map::IdMap;
 use crate::procedure::ProcId;
 use crate::record::{ProcRecord, StoreOp};
-use crate::store::{ProcedureStore, StoreError, StoreParts, StoreSnapshot};
+use crate::store::{LastStop, ProcedureStore, StoreError, StoreParts, StoreSnapshot};
 use crate::wal::{
     self, Frame, FrameError, FrameKind, OpKind, RawFrame, RawOp, ScanEnd, SegmentSummary,
 };
@@ -605,6 +605,9 @@ pub struct WalDirScan {
     /// The segment the log's newest start frame says it begins at; `None` if it has no
     /// start frame (see [`crate::wal`], *Where the log begins*).
     pub start: Option<u64>,
+    /// How the last engine on the log stopped, as its stop frames say (see
+    /// [`crate::wal`], *How the engine stopped*); [`LastStop::Unknown`] with damage.
+    pub last_stop: LastStop,
 }
 
 /// Scans every segment of a WAL directory without changing anything: what
@@ -890,8 +893,13 @@ fn segments_to_scan(
 /// the damage included).
 fn check_log(dir: &Path, scanned: &[Scanned], out: &mut WalDirScan) -> Vec<usize> {
     let mut counted = Vec::new();
-    if let Err(damage) = check_log_into(dir, scanned, out, &mut counted) {
-        out.damage = Some(damage);
+    match check_log_into(dir, scanned, out, &mut counted) {
+        Err(damage) => out.damage = Some(damage),
+        Ok(()) => {
+            out.last_stop = counted.iter().fold(LastStop::Unknown, |before, &i| {
+                scanned[i].summary.last_stop_after(before)
+            });
+        }
     }
     counted
 }
@@ -1690,7 +1698,7 @@ impl<F: WalFs> WalStore<F> {
                 parts,
                 max_id,
                 repairs,
-                last_stop: crate::store::LastStop::Unknown,
+                last_stop: scan.last_stop.clone(),
             }),
             failed: None,
             buf: Vec::new(),
@@ -1958,6 +1966,22 @@ impl<F: WalFs> WalStore<F> {
         sync_dir(&self.fs, &self.dir)
     }
 
+    /// Appends a stop frame, synced: how the engine stopped (see [`crate::wal`], *How
+    /// the engine stopped*).
+    fn write_stop(&mut self, stop: &LastStop) -> Result<(), StoreError> {
+        if let Some(reason) = &self.failed {
+            return Err(StoreError::Failed(reason.clone()));
+        }
+        self.opened = None;
+        self.buf.clear();
+        wal::encode_stop_frame(self.next_lsn, stop, &mut self.buf).map_err(|e| StoreError::Io {
+            context: "encoding a WAL stop frame".into(),
+            source: io::Error::new(io::ErrorKind::InvalidData, e),
+        })?;
+        self.write_encoded(std::iter::empty())?;
+        self.collect_garbage().map_err(|e| self.fail(e))
+    }
+
     /// Appends a start frame: the log begins at segment `first`.
     fn write_start(&mut self, first: u64) -> Result<(), StoreError> {
         self.buf.clear();
@@ -2062,6 +2086,16 @@ impl<F: WalFs> ProcedureStore for WalStore<F> {
         self.load_parts().map(StoreParts::into_snapshot)
     }
 
+    fn mark_drained(&mut self, cut_off: &[ProcId]) -> Result<(), StoreError> {
+        self.write_stop(&LastStop::Drained {
+            cut_off: cut_off.to_vec(),
+        })
+    }
+
+    fn mark_running(&mut self) -> Result<(), StoreError> {
+        self.write_stop(&LastStop::Unknown)
+    }
+
     fn load_parts(&mut self) -> Result<StoreParts, StoreError> {
         if let Some(parts) = self.opened.take() {
             return Ok(parts);
@@ -2074,7 +2108,7 @@ impl<F: WalFs> ProcedureStore for WalStore<F> {
             parts: replay(&self.dir, segments)?.parts,
             max_id: self.max_id,
             repairs: Vec::new(),
-            last_stop: crate::store::LastStop::Unknown,
+            last_stop: scan.last_stop,
         })
     }
 }

@@ -23,7 +23,9 @@
 //!           | 2 checkpoint  (latest records rewritten forward by compaction)
 //!           | 3 seal        (len 0: the segment is complete; it is always the last frame)
 //!           | 4 start       (len 8: the segment the log begins at; format 4 on)
+//!           | 5 stop        (how the engine stopped; format 4 on)
 //! payload  := ops (batch, checkpoint) | nothing (seal) | first u64 (start)
+//!           | 0 u8 (stop: an engine runs) | 1 u8, id u64* (stop: drained, see below)
 //! ops      := MessagePack array of ops, each a one-entry map {tag: body}:
 //!             "Insert" | "Update" → ProcRecord (an array of its fields, `id` first)
 //!           | "Delete" → ProcId
@@ -93,6 +95,17 @@
 //! - a start frame names a segment no later than its own, and never an earlier one than
 //!   a start frame before it; anything else is corruption.
 //!
+//! # How the engine stopped
+//!
+//! A graceful shutdown that drained every call appends, as its last write, a **stop**
+//! frame saying so (tag 1), with the ids of the procedures an earlier crash may still
+//! have cut off ([`LastStop::Drained`]); the next engine appends one with tag 0 before
+//! anything runs. The log ended drained when its newest stop frame has tag 1 and no
+//! batch frame follows it (checkpoints, start frames and seals say nothing of steps);
+//! otherwise, and in a log with no stop frame, any step may have been cut off
+//! ([`LastStop::Unknown`]). A torn stop frame is truncated like any torn tail, and a
+//! stop frame lost with a segment compaction deleted leaves the safe answer.
+//!
 //! A start frame is an ordinary frame of the append path (its own LSN, synced before
 //! anything relies on it, never after a seal), so a crash can tear it as it tears any
 //! last frame, and a torn start frame was followed by no deletion.
@@ -136,6 +149,7 @@ use serde::Deserialize;
 
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{ProcRecord, Steering, StoreOp};
+use crate::store::LastStop;
 
 /// The first eight bytes of every segment.
 pub const MAGIC: [u8; 8] = *b"PRCTRWAL";
@@ -178,6 +192,8 @@ pub enum FrameKind {
     Seal = 3,
     /// Where the log begins: the segments below the one it names are being deleted.
     Start = 4,
+    /// How the engine stopped (see *How the engine stopped* in the module docs).
+    Stop = 5,
 }
 
 impl FrameKind {
@@ -187,6 +203,7 @@ impl FrameKind {
             2 => Some(FrameKind::Checkpoint),
             3 => Some(FrameKind::Seal),
             4 => Some(FrameKind::Start),
+            5 => Some(FrameKind::Stop),
             _ => None,
         }
     }
@@ -378,6 +395,7 @@ pub fn parse_frame_header(h: &[u8]) -> Result<FrameHeader, FrameError> {
     let fits_kind = match kind {
         FrameKind::Seal => len == 0,
         FrameKind::Start => len == START_PAYLOAD_LEN,
+        FrameKind::Stop => len % 8 == 1,
         FrameKind::Batch | FrameKind::Checkpoint => true,
     };
     if len > MAX_PAYLOAD_LEN || !fits_kind {
@@ -478,8 +496,8 @@ pub fn encode_frame(
     out.extend_from_slice(&[0u8; FRAME_HEADER_LEN]);
     let mut sizes = Vec::with_capacity(ops.len());
     assert!(
-        kind != FrameKind::Start,
-        "a start frame is written by encode_start_frame"
+        !matches!(kind, FrameKind::Start | FrameKind::Stop),
+        "start and stop frames are written by encode_start_frame and encode_stop_frame"
     );
     if kind == FrameKind::Seal {
         assert!(ops.is_empty(), "a seal frame holds no ops");
@@ -503,6 +521,42 @@ pub fn encode_start_frame(lsn: u64, first: u64, out: &mut Vec<u8>) {
     out.extend_from_slice(&first.to_le_bytes());
     // Eight payload bytes are far below the maximum, so finishing cannot fail.
     let _ = finish_frame(FrameKind::Start, lsn, start, out);
+}
+
+/// Appends a stop frame with LSN `lsn` to `out`: how the engine stopped (see *How the
+/// engine stopped* in the module docs).
+///
+/// # Errors
+/// A drained stop that names more procedures than a frame can hold (`out` is left as
+/// it was).
+pub fn encode_stop_frame(
+    lsn: u64,
+    stop: &LastStop,
+    out: &mut Vec<u8>,
+) -> Result<(), rmp_serde::encode::Error> {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; FRAME_HEADER_LEN]);
+    match stop {
+        LastStop::Unknown => out.push(0),
+        LastStop::Drained { cut_off } => {
+            out.push(1);
+            for id in cut_off {
+                out.extend_from_slice(&id.0.to_le_bytes());
+            }
+        }
+    }
+    finish_frame(FrameKind::Stop, lsn, start, out).inspect_err(|_| out.truncate(start))
+}
+
+/// What a stop frame's payload says, if it is one: tag 0, or tag 1 and ids.
+pub fn stop_of(payload: &[u8]) -> Option<LastStop> {
+    match payload.split_first()? {
+        (0, []) => Some(LastStop::Unknown),
+        (1, ids) if ids.len() % 8 == 0 => Some(LastStop::Drained {
+            cut_off: ids.chunks_exact(8).map(|b| ProcId(u64_at(b, 0))).collect(),
+        }),
+        _ => None,
+    }
 }
 
 /// The segment a start frame's payload names, if the payload is one: exactly
@@ -758,7 +812,7 @@ fn index_payload_in(
     buf: Arc<Vec<u8>>,
     range: std::ops::Range<usize>,
 ) -> Result<Vec<RawOp>, FrameError> {
-    if matches!(kind, FrameKind::Seal | FrameKind::Start) {
+    if matches!(kind, FrameKind::Seal | FrameKind::Start | FrameKind::Stop) {
         return Ok(Vec::new());
     }
     if u32::try_from(range.end).is_err() {
@@ -1372,6 +1426,10 @@ pub struct SegmentSummary {
     pub good_len: u64,
     /// The last good start frame, if the segment has one.
     pub start: Option<StartFrame>,
+    /// The last good stop frame, if the segment has one: its LSN and what it says.
+    pub stop: Option<(u64, LastStop)>,
+    /// The LSN of the last good batch frame, if the segment has one.
+    pub last_batch_lsn: Option<u64>,
     /// How the scan ended.
     pub end: ScanEnd,
 }
@@ -1386,6 +1444,18 @@ pub struct StartFrame {
 }
 
 impl SegmentSummary {
+    /// How the engine had stopped as of the end of this segment, given how it had as of
+    /// the end of the segment before: a stop frame after the last batch frame says so;
+    /// a batch frame after the last stop frame means steps ran since (see *How the
+    /// engine stopped* in the module docs).
+    pub fn last_stop_after(&self, before: LastStop) -> LastStop {
+        match (&self.stop, self.last_batch_lsn) {
+            (Some((lsn, stop)), batch) if batch.is_none_or(|b| b < *lsn) => stop.clone(),
+            (None, None) => before,
+            _ => LastStop::Unknown,
+        }
+    }
+
     /// The LSN the next frame after this segment's good frames must have.
     pub fn next_lsn(&self) -> Option<u64> {
         self.last_lsn
@@ -1567,6 +1637,8 @@ fn scan_with<R: Read + Seek>(
         sealed: false,
         good_len: 0,
         start: None,
+        stop: None,
+        last_batch_lsn: None,
         end: ScanEnd::Clean,
     };
     let mut buf = Vec::new();
@@ -1678,6 +1750,26 @@ fn scan_with<R: Read + Seek>(
                     })
                 }
             }
+        }
+        if fh.kind == FrameKind::Stop {
+            let stop = (header.version >= FIRST_WITH_START)
+                .then(|| stop_of(&buf[range.clone()]))
+                .flatten();
+            match stop {
+                Some(stop) => summary.stop = Some((fh.lsn, stop)),
+                None => {
+                    break Some(Bad {
+                        offset,
+                        reason: FrameError::Payload(
+                            "a stop frame that no writer of its segment's format writes".into(),
+                        ),
+                        torn_shape: false,
+                    })
+                }
+            }
+        }
+        if fh.kind == FrameKind::Batch {
+            summary.last_batch_lsn = Some(fh.lsn);
         }
         let handed = index_payload_in(fh.kind, buf, range).and_then(|ops| {
             on_frame(RawFrame {
@@ -2117,6 +2209,76 @@ mod tests {
             scan.frames.last().map(|f| (f.lsn, f.kind)),
             Some((14, FrameKind::Seal))
         );
+    }
+
+    /// A stop frame says how the engine stopped until a batch frame follows it; a
+    /// checkpoint or start frame after it says nothing of steps; a stop frame in a
+    /// segment of a format before stop frames is corruption.
+    #[test]
+    fn a_stop_frame_holds_until_a_batch_frame_follows() {
+        let drained = LastStop::Drained {
+            cut_off: vec![ProcId(4), ProcId(9)],
+        };
+        // (frames after the sample's four batches, how the segment ends up)
+        type Frames = fn(&mut Vec<u8>, &LastStop);
+        let cases: [(&str, Frames, LastStop); 5] = [
+            ("nothing", |_, _| {}, LastStop::Unknown),
+            (
+                "drained",
+                |b, d| encode_stop_frame(14, d, b).unwrap(),
+                drained.clone(),
+            ),
+            (
+                "drained, then a start frame",
+                |b, d| {
+                    encode_stop_frame(14, d, b).unwrap();
+                    encode_start_frame(15, 7, b);
+                },
+                drained.clone(),
+            ),
+            (
+                "drained, then a batch",
+                |b, d| {
+                    encode_stop_frame(14, d, b).unwrap();
+                    let ops = [StoreOp::Delete(ProcId(1))];
+                    encode_frame(FrameKind::Batch, 15, &ops, b).unwrap();
+                },
+                LastStop::Unknown,
+            ),
+            (
+                "drained, then running",
+                |b, d| {
+                    encode_stop_frame(14, d, b).unwrap();
+                    encode_stop_frame(15, &LastStop::Unknown, b).unwrap();
+                },
+                LastStop::Unknown,
+            ),
+        ];
+        for (what, frames, expected) in cases {
+            let mut bytes = segment(&sample());
+            frames(&mut bytes, &drained);
+            let scan =
+                scan_stream(&mut io::Cursor::new(&bytes), true, None, &mut |_| Ok(())).unwrap();
+            assert_eq!(scan.end, ScanEnd::Clean, "{what}");
+            // A segment with no frame of its own keeps what the one before said.
+            assert_eq!(scan.last_stop_after(drained.clone()), expected, "{what}");
+        }
+        let empty = segment(&[]);
+        let scan = scan_stream(&mut io::Cursor::new(&empty), true, None, &mut |_| Ok(())).unwrap();
+        assert_eq!(scan.last_stop_after(drained.clone()), drained);
+
+        let mut old = segment(&sample());
+        old[8..10].copy_from_slice(&3u16.to_le_bytes());
+        let crc = crc32c::crc32c(&old[0..36]);
+        old[36..40].copy_from_slice(&crc.to_le_bytes());
+        let at = old.len() as u64;
+        encode_stop_frame(14, &drained, &mut old).unwrap();
+        assert!(
+            matches!(scan_segment(&old, true).end, ScanEnd::Corrupt { offset, .. } if offset == at)
+        );
+        assert_eq!(stop_of(&[1, 0, 0]), None, "ids of eight bytes");
+        assert_eq!(stop_of(&[2]), None, "an unknown tag");
+        assert_eq!(stop_of(&[0]), Some(LastStop::Unknown));
     }
 
     /// A start frame is read into the summary, the last one winning; one that names a

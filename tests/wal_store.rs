@@ -699,3 +699,58 @@ fn the_log_stays_within_its_size_bound_when_frames_outgrow_segments() {
         model.load().unwrap().records
     );
 }
+
+/// How the last engine stopped, on both stores: a drained mark (with the procedures
+/// it names) until the next append or running mark, on a reopened WAL as in memory; a
+/// torn mark is truncated like any torn tail and says nothing.
+#[test]
+fn a_drained_stop_is_reported_until_the_next_write() {
+    use proctor::LastStop;
+    let drained = LastStop::Drained {
+        cut_off: vec![ProcId(3), ProcId(7)],
+    };
+    for name in ["memory", "wal"] {
+        let reopen = common::Reopen::new(name);
+        let mut store = reopen.open();
+        store.append(&[StoreOp::Insert(record(1, 1, 0))]).unwrap();
+        assert_eq!(store.load().unwrap().last_stop, LastStop::Unknown, "{name}");
+        store.mark_drained(&[ProcId(3), ProcId(7)]).unwrap();
+        drop(store);
+        // Reported, and again at the next open: loading runs nothing.
+        for _ in 0..2 {
+            let loaded = reopen.open().load().unwrap();
+            assert_eq!(loaded.last_stop, drained, "{name}");
+            assert_eq!(loaded.records.len(), 1, "{name}");
+        }
+        // The next engine's running mark ends it.
+        let mut store = reopen.open();
+        store.mark_running().unwrap();
+        drop(store);
+        assert_eq!(
+            reopen.open().load().unwrap().last_stop,
+            LastStop::Unknown,
+            "{name}"
+        );
+        // So does any append after it.
+        let mut store = reopen.open();
+        store.mark_drained(&[]).unwrap();
+        store.append(&[StoreOp::Update(record(1, 1, 1))]).unwrap();
+        drop(store);
+        assert_eq!(
+            reopen.open().load().unwrap().last_stop,
+            LastStop::Unknown,
+            "{name}"
+        );
+        if name == "wal" {
+            // A torn mark: the last frame cut short is a torn tail, truncated.
+            let mut store = reopen.open();
+            store.mark_drained(&[ProcId(9)]).unwrap();
+            drop(store);
+            let newest = segments(reopen.dir()).pop().unwrap();
+            truncate_by(&newest, 3);
+            let loaded = reopen.open().load().unwrap();
+            assert_eq!(loaded.last_stop, LastStop::Unknown);
+            assert_eq!(loaded.repairs.len(), 1, "{:?}", loaded.repairs);
+        }
+    }
+}

@@ -451,6 +451,11 @@ pub struct Reopen {
 }
 
 impl Reopen {
+    /// The WAL's directory (unused by the memory store).
+    pub fn dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
     pub fn new(name: &'static str) -> Self {
         Reopen {
             name,
