@@ -20,7 +20,7 @@ use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState};
 use crate::ready_queue::Scheduling;
 use crate::record::{Nonce, ProcRecord};
-use crate::recovery::{self, CorruptProc};
+use crate::recovery::{self, CorruptProc, RecoveryPlan, TreeRecovery};
 use crate::registry::{Registry, Types};
 use crate::store::{LastStop, MemoryStore, ProcedureStore};
 
@@ -395,8 +395,46 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
 
     /// Starts the actors in the current actix system; `owned`: the system is the
     /// executor's own, stopped by its shutdown.
-    async fn start_here(self, owned: bool) -> Result<Executor<E>, Error> {
-        let env: Arc<AnyEnv> = match self.env {
+    async fn start_here(mut self, owned: bool) -> Result<Executor<E>, Error> {
+        let env = self.check()?;
+        let mut store = self
+            .store
+            .take()
+            .unwrap_or_else(|| Box::new(MemoryStore::new()));
+        // The registry's types go to the recovery, and on to the actors: the other
+        // options are still read below.
+        let recovered = Recovered::load(&mut *store, std::mem::take(&mut self.registry))?;
+        crate::actors::metrics::describe();
+        let persistence = Persistence::new(store)
+            .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?;
+        let views = Arc::new(SchedulerViews {
+            fair: self.scheduling == Scheduling::Fair,
+            ..SchedulerViews::default()
+        });
+        let scheduler = self.start_scheduler(&recovered.registry, views.clone(), persistence);
+        recovered.regrant(&scheduler);
+        let report = recovered.report.clone();
+        let addr = self.create_actor(recovered, env, views, scheduler, owned);
+        if !report.recovered_roots.is_empty() {
+            tracing::info!(
+                recovered = report.recovered_roots.len(),
+                finished = report.finished_roots,
+                corrupt = report.corrupt.len(),
+                "recovered procedures"
+            );
+        }
+        Ok(Executor {
+            addr,
+            report,
+            system: None,
+        })
+    }
+
+    /// The environment the procedures get, once the options are checked: nothing
+    /// starts with a missing environment, without workers or arbiters, or with a bad
+    /// counted resource.
+    fn check(&mut self) -> Result<Arc<AnyEnv>, Error> {
+        let env: Arc<AnyEnv> = match self.env.take() {
             Some(env) => env,
             // The one environment there is nothing to give of.
             None => (Arc::new(()) as Arc<AnyEnv>).downcast::<E>().map_err(|_| {
@@ -422,58 +460,21 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 )));
             }
         }
-        let mut store = self.store.unwrap_or_else(|| Box::new(MemoryStore::new()));
-        let snapshot = store.load_parts()?;
-        // A drained stop's mark holds for one start: this engine may run a step (a
-        // recovered waiter's, say) before it first appends, so the mark goes first.
-        if snapshot.last_stop != LastStop::Unknown {
-            store.mark_running()?;
-        }
-        let registry = self.registry.into_types();
-        let names = |name: &str| registry.static_name(name);
-        let cut_off = recovery::may_be_cut_off(&snapshot.last_stop);
-        let mut plan = crate::actors::recover::plan(snapshot.parts, &names, &cut_off, now_ms());
-        // The procedures recovery takes as possibly cut off, for this engine's own
-        // drained stop to pass on if they have not run a step by then.
-        let cut_off: Vec<ProcId> = plan.each_tree().flat_map(|t| t.stack.cut_off()).collect();
-        let mut corrupt = std::mem::take(&mut plan.corrupt);
-        // Decode every unfinished procedure before anything starts, so that hooks run
-        // in the plan's order (children before parents) and a tree that cannot be
-        // decoded is reported whole.
-        let mut trees = Vec::with_capacity(plan.tree_count());
-        for tree in std::mem::take(&mut plan.trees).into_iter().flatten() {
-            let records = plan.records_of(&tree);
-            match decode_tree(&registry, records) {
-                Ok(decoded) => trees.push((tree, decoded)),
-                Err(reason) => corrupt.extend(records.iter().map(|r| CorruptProc {
-                    id: r.id,
-                    root: r.root,
-                    reason: reason.clone(),
-                })),
-            }
-        }
-        for c in &corrupt {
-            tracing::error!(proc = %c.id, root = %c.root, reason = %c.reason, "cannot recover procedure");
-        }
-        let mut recovered_roots: Vec<ProcId> = trees.iter().map(|(t, _)| t.stack.root()).collect();
-        recovered_roots.sort_unstable();
-        let report = Arc::new(Recovery {
-            recovered_roots,
-            finished_roots: plan.finished.len(),
-            corrupt,
-            repairs: snapshot.repairs,
-        });
-        crate::actors::metrics::describe();
-        let persistence = Persistence::new(store)
-            .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?;
-        let views = Arc::new(SchedulerViews {
-            fair: self.scheduling == Scheduling::Fair,
-            ..SchedulerViews::default()
-        });
+        Ok(env)
+    }
+
+    /// Starts the scheduler, with the workers, the queueing and the counted resources
+    /// of the options, in front of the store's writer.
+    fn start_scheduler(
+        &mut self,
+        registry: &Types,
+        views: Arc<SchedulerViews>,
+        persistence: Persistence,
+    ) -> Addr<Scheduler> {
         let reserved = self
             .reserved_workers
             .unwrap_or(usize::from(self.workers >= 4));
-        let scheduler = Scheduler::new(
+        Scheduler::new(
             self.workers,
             Queueing {
                 scheduling: self.scheduling,
@@ -482,53 +483,46 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 system: registry.system(),
             },
             self.monitor,
-            self.permits,
-            views.clone(),
+            std::mem::take(&mut self.permits),
+            views,
             persistence,
         )
-        .start();
-        // Locks held for life when the engine stopped go back to their holders, roots
-        // first, before any tree is started and can ask for anything.
-        let mut held: Vec<_> = trees
-            .iter()
-            .flat_map(|(t, _)| t.stack.held_locks())
-            .collect();
-        held.sort_by_key(|r| (r.root, r.owner));
-        if !held.is_empty() {
-            scheduler.do_send(Regrant(held));
-        }
+        .start()
+    }
+
+    /// Starts the arbiters, each with its shard, and then the executor actor, which
+    /// keeps the recovered results and sends the recovered trees to their shards
+    /// before it handles any request.
+    fn create_actor(
+        &self,
+        recovered: Recovered,
+        env: Arc<AnyEnv>,
+        views: Arc<SchedulerViews>,
+        scheduler: Addr<Scheduler>,
+        owned: bool,
+    ) -> Addr<ExecutorActor<E>> {
         let max_unfinished = self.max_unfinished;
         let retention = self.retention;
         let drain_timeout = self.drain_timeout;
-        let unfinished = trees.len();
-        // Results to evict, oldest first (recovered ones by when they finished).
-        let mut finished_at: Vec<(u64, ProcId)> =
-            plan.finished.iter().map(|r| (r.updated_ms, r.id)).collect();
-        finished_at.sort_unstable();
-        // Every root record keeps its nonce, finished or not.
-        let nonces: HashMap<Nonce, NonceState> = plan
-            .finished
-            .iter()
-            .chain(trees.iter().flat_map(|(t, _)| plan.records_of(t)))
-            .filter(|r| r.parent.is_none())
-            .filter_map(|r| Some((r.nonce?, NonceState::Known(r.id))))
-            .collect();
-        let arbiters: Vec<Arbiter> = (0..self.arbiters).map(|_| Arbiter::new()).collect();
-        let handles = arbiters.iter().map(Arbiter::handle).collect();
-        let shards = arbiters
-            .iter()
-            .map(|arbiter| {
-                let scheduler = scheduler.clone();
-                Shard::start_in_arbiter(&arbiter.handle(), |_| Shard::new(scheduler))
-            })
-            .collect();
+        let unfinished = recovered.trees.len();
+        let finished_at = recovered.finished_at();
+        let nonces = recovered.nonces();
+        let (arbiters, handles, shards) = start_arbiters(self.arbiters, &scheduler);
+        let Recovered {
+            registry,
+            mut plan,
+            trees,
+            cut_off,
+            max_id,
+            ..
+        } = recovered;
         let finished = std::mem::take(&mut plan.finished);
         let table_capacity = finished.len()
             + trees
                 .iter()
                 .map(|(t, _)| plan.records_of(t).len())
                 .sum::<usize>();
-        let addr = ExecutorActor::<E>::create(move |ctx| {
+        ExecutorActor::<E>::create(move |ctx| {
             let shared = Arc::new(Shared::new(
                 registry,
                 env,
@@ -538,67 +532,11 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 ctx.address().recipient(),
                 handles,
                 shards,
-                snapshot.max_id,
+                max_id,
                 table_capacity,
             ));
-            for record in finished {
-                // Finished roots keep their results across restarts.
-                shared.table.insert(
-                    record.id,
-                    Entry {
-                        root: record.root,
-                        parent: record.parent,
-                        type_name: shared
-                            .registry
-                            .static_name(&record.type_name)
-                            .unwrap_or("?"),
-                        state: record.state,
-                        submitted_ms: record.submitted_ms,
-                        updated_ms: record.updated_ms,
-                        tree: None,
-                        extra: EntryExtra {
-                            result: Some(record.failure.map_or(Ok(()), Err)),
-                            value: record.result,
-                            nonce: record.nonce,
-                        }
-                        .boxed(),
-                        waiting: Waiting::Nothing,
-                        state_name: None,
-                        steering: None,
-                    },
-                );
-            }
-            // The trees go to their shards a few thousand to a message, all of them
-            // before the executor handles any request. A large recovery builds them on
-            // every core.
-            let chunks = split_evenly(trees, crate::actors::recover::cores(), PARALLEL_START_MIN);
-            crate::actors::recover::on_threads(chunks, |chunk| {
-                let mut starts = Mail::default();
-                for (n, (tree, (objects, rerun))) in chunk.into_iter().enumerate() {
-                    if n % RECOVERED_STARTS_PER_MESSAGE == 0 {
-                        starts.send();
-                    }
-                    // Finished children stay out: nothing stops (and unlists) them later.
-                    let records = plan
-                        .records_of(&tree)
-                        .iter()
-                        .filter(|r| r.parent.is_none() || !r.state.is_finished());
-                    let addr = shared.new_tree(tree.stack.root());
-                    // In the table before the executor handles any request (it is not
-                    // running yet): recovered records are durable by definition.
-                    publish_recovered(&shared, records, &addr);
-                    let runner = TreeRunner::recover(
-                        shared.clone(),
-                        addr.clone(),
-                        tree.stack,
-                        tree.start,
-                        objects,
-                        rerun,
-                    );
-                    addr.start_by(&mut starts, runner);
-                }
-                starts.send();
-            });
+            keep_results(&shared, finished);
+            start_recovered(&shared, &plan, trees);
             ExecutorActor {
                 shared,
                 waiters: IdMap::default(),
@@ -618,21 +556,214 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 subscribers: Vec::new(),
                 env: PhantomData,
             }
-        });
-        if !report.recovered_roots.is_empty() {
-            tracing::info!(
-                recovered = report.recovered_roots.len(),
-                finished = report.finished_roots,
-                corrupt = report.corrupt.len(),
-                "recovered procedures"
-            );
-        }
-        Ok(Executor {
-            addr,
-            report,
-            system: None,
         })
     }
+}
+
+/// Starts `n` arbiters, each with a shard of its own: the arbiters (joined at
+/// shutdown), their handles and their shards.
+fn start_arbiters(
+    n: usize,
+    scheduler: &Addr<Scheduler>,
+) -> (Vec<Arbiter>, Vec<ArbiterHandle>, Vec<Addr<Shard>>) {
+    let arbiters: Vec<Arbiter> = (0..n).map(|_| Arbiter::new()).collect();
+    let handles = arbiters.iter().map(Arbiter::handle).collect();
+    let shards = arbiters
+        .iter()
+        .map(|arbiter| {
+            let scheduler = scheduler.clone();
+            Shard::start_in_arbiter(&arbiter.handle(), |_| Shard::new(scheduler))
+        })
+        .collect();
+    (arbiters, handles, shards)
+}
+
+/// A recovered tree, decoded: its plan, its procedures, and the suspended ones that
+/// run their next step at once.
+type DecodedTree = (TreeRecovery, (Objects, Vec<ProcId>));
+
+/// What the start made of the store before any actor starts.
+struct Recovered {
+    registry: Types,
+    /// The plan, its trees and corrupt procedures taken out (into `trees` and
+    /// `report`).
+    plan: RecoveryPlan,
+    /// The unfinished trees that decoded, in the plan's order.
+    trees: Vec<DecodedTree>,
+    /// What becomes the actor's `cut_off`.
+    cut_off: Vec<ProcId>,
+    report: Arc<Recovery>,
+    /// The highest procedure id the store has seen.
+    max_id: u64,
+}
+
+impl Recovered {
+    /// Loads `store`, plans the recovery of what it holds and decodes every tree the
+    /// plan carries on; reports what cannot be recovered.
+    fn load<E: Send + Sync + 'static>(
+        store: &mut dyn ProcedureStore,
+        registry: Registry<E>,
+    ) -> Result<Self, Error> {
+        let snapshot = store.load_parts()?;
+        // A drained stop's mark holds for one start: this engine may run a step (a
+        // recovered waiter's, say) before it first appends, so the mark goes first.
+        if snapshot.last_stop != LastStop::Unknown {
+            store.mark_running()?;
+        }
+        let registry = registry.into_types();
+        let names = |name: &str| registry.static_name(name);
+        let cut_off = recovery::may_be_cut_off(&snapshot.last_stop);
+        let mut plan = crate::actors::recover::plan(snapshot.parts, &names, &cut_off, now_ms());
+        // The procedures recovery takes as possibly cut off, for this engine's own
+        // drained stop to pass on if they have not run a step by then.
+        let cut_off: Vec<ProcId> = plan.each_tree().flat_map(|t| t.stack.cut_off()).collect();
+        let (trees, corrupt) = decode_trees(&registry, &mut plan);
+        for c in &corrupt {
+            tracing::error!(proc = %c.id, root = %c.root, reason = %c.reason, "cannot recover procedure");
+        }
+        let mut recovered_roots: Vec<ProcId> = trees.iter().map(|(t, _)| t.stack.root()).collect();
+        recovered_roots.sort_unstable();
+        let report = Arc::new(Recovery {
+            recovered_roots,
+            finished_roots: plan.finished.len(),
+            corrupt,
+            repairs: snapshot.repairs,
+        });
+        Ok(Recovered {
+            registry,
+            plan,
+            trees,
+            cut_off,
+            report,
+            max_id: snapshot.max_id,
+        })
+    }
+
+    /// Locks held for life when the engine stopped go back to their holders, roots
+    /// first, before any tree is started and can ask for anything.
+    fn regrant(&self, scheduler: &Addr<Scheduler>) {
+        let mut held: Vec<_> = self
+            .trees
+            .iter()
+            .flat_map(|(t, _)| t.stack.held_locks())
+            .collect();
+        held.sort_by_key(|r| (r.root, r.owner));
+        if !held.is_empty() {
+            scheduler.do_send(Regrant(held));
+        }
+    }
+
+    /// Results to evict, oldest first (recovered ones by when they finished).
+    fn finished_at(&self) -> Vec<(u64, ProcId)> {
+        let mut finished_at: Vec<(u64, ProcId)> = self
+            .plan
+            .finished
+            .iter()
+            .map(|r| (r.updated_ms, r.id))
+            .collect();
+        finished_at.sort_unstable();
+        finished_at
+    }
+
+    /// Every root record keeps its nonce, finished or not.
+    fn nonces(&self) -> HashMap<Nonce, NonceState> {
+        let plan = &self.plan;
+        plan.finished
+            .iter()
+            .chain(self.trees.iter().flat_map(|(t, _)| plan.records_of(t)))
+            .filter(|r| r.parent.is_none())
+            .filter_map(|r| Some((r.nonce?, NonceState::Known(r.id))))
+            .collect()
+    }
+}
+
+/// Decodes the trees `plan` carries on, taking them and its corrupt procedures out of
+/// it: the trees that decoded, and every procedure that cannot be recovered (those of
+/// a tree that does not decode included).
+fn decode_trees(registry: &Types, plan: &mut RecoveryPlan) -> (Vec<DecodedTree>, Vec<CorruptProc>) {
+    let mut corrupt = std::mem::take(&mut plan.corrupt);
+    // Decode every unfinished procedure before anything starts, so that hooks run
+    // in the plan's order (children before parents) and a tree that cannot be
+    // decoded is reported whole.
+    let mut trees = Vec::with_capacity(plan.tree_count());
+    for tree in std::mem::take(&mut plan.trees).into_iter().flatten() {
+        let records = plan.records_of(&tree);
+        match decode_tree(registry, records) {
+            Ok(decoded) => trees.push((tree, decoded)),
+            Err(reason) => corrupt.extend(records.iter().map(|r| CorruptProc {
+                id: r.id,
+                root: r.root,
+                reason: reason.clone(),
+            })),
+        }
+    }
+    (trees, corrupt)
+}
+
+/// Puts the recovered finished roots in the table, with their results.
+fn keep_results(shared: &Shared, finished: Vec<ProcRecord>) {
+    for record in finished {
+        // Finished roots keep their results across restarts.
+        shared.table.insert(
+            record.id,
+            Entry {
+                root: record.root,
+                parent: record.parent,
+                type_name: shared
+                    .registry
+                    .static_name(&record.type_name)
+                    .unwrap_or("?"),
+                state: record.state,
+                submitted_ms: record.submitted_ms,
+                updated_ms: record.updated_ms,
+                tree: None,
+                extra: EntryExtra {
+                    result: Some(record.failure.map_or(Ok(()), Err)),
+                    value: record.result,
+                    nonce: record.nonce,
+                }
+                .boxed(),
+                waiting: Waiting::Nothing,
+                state_name: None,
+                steering: None,
+            },
+        );
+    }
+}
+
+/// Publishes the recovered trees' records and starts each tree on its shard.
+fn start_recovered(shared: &Arc<Shared>, plan: &RecoveryPlan, trees: Vec<DecodedTree>) {
+    // The trees go to their shards a few thousand to a message, all of them
+    // before the executor handles any request. A large recovery builds them on
+    // every core.
+    let chunks = split_evenly(trees, crate::actors::recover::cores(), PARALLEL_START_MIN);
+    crate::actors::recover::on_threads(chunks, |chunk| {
+        let mut starts = Mail::default();
+        for (n, (tree, (objects, rerun))) in chunk.into_iter().enumerate() {
+            if n % RECOVERED_STARTS_PER_MESSAGE == 0 {
+                starts.send();
+            }
+            // Finished children stay out: nothing stops (and unlists) them later.
+            let records = plan
+                .records_of(&tree)
+                .iter()
+                .filter(|r| r.parent.is_none() || !r.state.is_finished());
+            let addr = shared.new_tree(tree.stack.root());
+            // In the table before the executor handles any request (it is not
+            // running yet): recovered records are durable by definition.
+            publish_recovered(shared, records, &addr);
+            let runner = TreeRunner::recover(
+                shared.clone(),
+                addr.clone(),
+                tree.stack,
+                tree.start,
+                objects,
+                rerun,
+            );
+            addr.start_by(&mut starts, runner);
+        }
+        starts.send();
+    });
 }
 
 /// Decodes the unfinished procedures of a recovered tree and runs their
