@@ -7,6 +7,7 @@
 //! every waiter is answered.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
@@ -194,6 +195,37 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         if self.evicting || self.broken.is_some() {
             return;
         }
+        let batch = self.due_results();
+        if batch.is_empty() {
+            return;
+        }
+        let more = batch.len() == EVICT_BATCH;
+        self.evicting = true;
+        let (ack, durable) = oneshot::channel();
+        self.shared.scheduler.do_send(Persist {
+            ops: batch.iter().map(|&id| StoreOp::Delete(id)).collect(),
+            ack: DurableAck::Caller(ack),
+            finished: None,
+        });
+        let done = async move { durable.await.unwrap_or(Err(Error::Stopped)) };
+        ctx.spawn(done.into_actor(self).map(move |result, act, ctx| {
+            act.evicting = false;
+            match result {
+                Ok(()) => {
+                    act.evicted(&batch);
+                    if more {
+                        act.clean(ctx);
+                    }
+                }
+                Err(e) => act.broke(e),
+            }
+        }));
+    }
+
+    /// Up to a batch of results whose time is up, in id order, taken out of
+    /// `finished` and `acked`: those kept past their retention first, then those
+    /// acknowledged past the shorter one.
+    fn due_results(&mut self) -> Vec<ProcId> {
         let now = now_ms();
         let kept = u64::try_from(self.retention.kept.as_millis()).unwrap_or(u64::MAX);
         let after_ack = u64::try_from(self.retention.after_ack.as_millis()).unwrap_or(u64::MAX);
@@ -229,38 +261,21 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 .get(id)
                 .is_some_and(|e| e.result().is_some())
         });
-        if batch.is_empty() {
-            return;
-        }
-        let more = batch.len() == EVICT_BATCH;
-        self.evicting = true;
-        let (ack, durable) = oneshot::channel();
-        self.shared.scheduler.do_send(Persist {
-            ops: batch.iter().map(|&id| StoreOp::Delete(id)).collect(),
-            ack: DurableAck::Caller(ack),
-            finished: None,
-        });
-        let done = async move { durable.await.unwrap_or(Err(Error::Stopped)) };
-        ctx.spawn(done.into_actor(self).map(move |result, act, ctx| {
-            act.evicting = false;
-            match result {
-                Ok(()) => {
-                    for id in &batch {
-                        if let Some((_, e)) = act.shared.table.remove(id) {
-                            if let Some(nonce) = e.nonce() {
-                                act.nonces.remove(&nonce);
-                            }
-                        }
-                        act.acked.remove(id);
-                    }
-                    tracing::debug!(evicted = batch.len(), "evicted finished results");
-                    if more {
-                        act.clean(ctx);
-                    }
+        batch
+    }
+
+    /// Forgets the results of `batch`, whose deletes are durable: their rows, their
+    /// nonces and their acknowledgements.
+    fn evicted(&mut self, batch: &[ProcId]) {
+        for id in batch {
+            if let Some((_, e)) = self.shared.table.remove(id) {
+                if let Some(nonce) = e.nonce() {
+                    self.nonces.remove(&nonce);
                 }
-                Err(e) => act.broke(e),
             }
-        }));
+            self.acked.remove(id);
+        }
+        tracing::debug!(evicted = batch.len(), "evicted finished results");
     }
 
     /// The store failed (or the engine broke): accept nothing more and answer every
@@ -336,41 +351,69 @@ impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<ProcId, Error>>;
 
     fn handle(&mut self, msg: Submit<E>, ctx: &mut Context<Self>) -> Self::Result {
+        if let Some(answer) = self.answer_at_once(msg.nonce) {
+            return answer;
+        }
+        let nonce = msg.nonce;
+        let answer = match self.start_root(msg) {
+            Ok(answer) => answer,
+            Err(e) => return Box::pin(std::future::ready(Err(e))),
+        };
+        let Some(nonce) = nonce else {
+            return Box::pin(answer);
+        };
+        settle_nonce(ctx.address(), nonce, answer)
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    /// The answer to a submit that starts no tree: a refusal (the engine broke or is
+    /// stopping, or too many roots are unfinished), or a retry of a nonce's submit,
+    /// which gets that submit's answer.
+    fn answer_at_once(
+        &mut self,
+        nonce: Option<Nonce>,
+    ) -> Option<ResponseFuture<Result<ProcId, Error>>> {
         if let Some(broken) = &self.broken {
             let e = broken.duplicate();
-            return Box::pin(std::future::ready(Err(e)));
+            return Some(Box::pin(std::future::ready(Err(e))));
         }
         if self.stopping {
-            return Box::pin(std::future::ready(Err(Error::Stopped)));
+            return Some(Box::pin(std::future::ready(Err(Error::Stopped))));
         }
-        if let Some(nonce) = msg.nonce {
+        if let Some(nonce) = nonce {
             match self.nonces.get_mut(&nonce) {
                 Some(NonceState::Known(id)) => {
                     let id = *id;
-                    return Box::pin(std::future::ready(Ok(id)));
+                    return Some(Box::pin(std::future::ready(Ok(id))));
                 }
                 Some(NonceState::Submitting(waiting)) => {
                     let (tx, rx) = oneshot::channel();
                     waiting.push(tx);
-                    return Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) });
+                    let answer = async move { rx.await.unwrap_or(Err(Error::Stopped)) };
+                    return Some(Box::pin(answer));
                 }
                 None => {}
             }
         }
         if self.unfinished >= self.max_unfinished {
             let limit = self.max_unfinished;
-            return Box::pin(std::future::ready(Err(Error::Overloaded { limit })));
+            let e = Error::Overloaded { limit };
+            return Some(Box::pin(std::future::ready(Err(e))));
         }
-        let mut root = match declare(&self.shared, &*msg.proc, now_ms()) {
-            Ok(root) => root,
-            Err(e) => {
-                let e = match e {
-                    Undeclarable::Registry(e) => Error::Registry(e),
-                    Undeclarable::Invalid(e) => Error::Invalid(e.to_string()),
-                };
-                return Box::pin(std::future::ready(Err(e)));
-            }
-        };
+        None
+    }
+
+    /// Names and encodes the submitted root (its nonce, if any, now submitting) and
+    /// starts its tree; the answer comes once its insert is durable.
+    fn start_root(
+        &mut self,
+        msg: Submit<E>,
+    ) -> Result<impl Future<Output = Result<ProcId, Error>> + 'static, Error> {
+        let mut root = declare(&self.shared, &*msg.proc, now_ms()).map_err(|e| match e {
+            Undeclarable::Registry(e) => Error::Registry(e),
+            Undeclarable::Invalid(e) => Error::Invalid(e.to_string()),
+        })?;
         root.nonce = msg.nonce;
         if let Some(nonce) = msg.nonce {
             self.nonces
@@ -382,26 +425,31 @@ impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
         self.unfinished += 1;
         let tree = self.shared.new_tree(root.id);
         tree.start(TreeRunner::submit(shared, tree.clone(), root, proc, ack));
-        let answer = async move { rx.await.unwrap_or(Err(Error::Stopped)) };
-        let Some(nonce) = msg.nonce else {
-            return Box::pin(answer);
-        };
-        let executor = ctx.address();
-        Box::pin(async move {
-            let result = answer.await;
-            let settled = result.as_ref().map(|id| *id).map_err(Error::duplicate);
-            // Settled before the caller hears, so a retry after the answer finds the
-            // nonce known. A stopped executor answers the waiting retries by dropping
-            // them.
-            let _ = executor
-                .send(NonceSettled {
-                    nonce,
-                    result: settled,
-                })
-                .await;
-            result
-        })
+        Ok(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
     }
+}
+
+/// The answer to a submit with a nonce: `answer`, once the executor has settled the
+/// nonce with it ([`NonceSettled`]).
+fn settle_nonce<E: Send + Sync + 'static>(
+    executor: Addr<ExecutorActor<E>>,
+    nonce: Nonce,
+    answer: impl Future<Output = Result<ProcId, Error>> + 'static,
+) -> ResponseFuture<Result<ProcId, Error>> {
+    Box::pin(async move {
+        let result = answer.await;
+        let settled = result.as_ref().map(|id| *id).map_err(Error::duplicate);
+        // Settled before the caller hears, so a retry after the answer finds the
+        // nonce known. A stopped executor answers the waiting retries by dropping
+        // them.
+        let _ = executor
+            .send(NonceSettled {
+                nonce,
+                result: settled,
+            })
+            .await;
+        result
+    })
 }
 
 impl<E: Send + Sync + 'static> Handler<Abort> for ExecutorActor<E> {
@@ -727,61 +775,73 @@ impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
             "draining"
         );
         let shared = self.shared.clone();
-        let mut deadline = tokio::time::Instant::now() + self.drain_timeout;
-        // Whether a step was cut off (cancelled, or not made durable in time).
-        let mut cut = false;
-        let drain = async move {
-            if tokio::time::timeout_at(deadline, shared.drain.drain())
-                .await
-                .is_err()
-            {
-                // Ask the running calls to stop (`CancelReason::Shutdown`), and give
-                // those that watch the signal a moment to return.
-                tracing::warn!("drain deadline passed with steps still running: cancelling them");
-                shared.shutdown.cancel();
-                deadline = tokio::time::Instant::now() + CANCEL_GRACE;
-                if tokio::time::timeout_at(deadline, shared.drain.drain())
-                    .await
-                    .is_err()
-                {
-                    tracing::warn!("steps still running after their cancellation: stopping now");
-                    return false;
-                }
-                // A cancelled step that returned reported a yield: it ran, unrecorded.
-                cut = true;
-            }
-            // Every report is sent; wait until each tree has made its records durable.
-            let trees: Vec<_> = shared
-                .table
-                .iter()
-                .filter(|e| e.parent.is_none())
-                .filter_map(|e| e.tree.clone())
-                .collect();
-            let answers: Vec<_> = trees
-                .into_iter()
-                .map(|tree| {
-                    let (tx, rx) = oneshot::channel();
-                    tree.do_send(Quiesce(tx));
-                    rx
-                })
-                .collect();
-            let all_quiet = async {
-                for answer in answers {
-                    // A tree that ended meanwhile drops its sender: quiet too.
-                    let _ = answer.await;
-                }
-            };
-            if tokio::time::timeout_at(deadline, all_quiet).await.is_err() {
-                tracing::warn!("drain deadline passed with records not yet durable: stopping now");
-                return false;
-            }
-            !cut
-        };
+        let deadline = tokio::time::Instant::now() + self.drain_timeout;
         Box::pin(
-            drain
+            graceful_drain(shared, deadline)
                 .into_actor(self)
                 .then(|drained, act: &mut Self, _ctx| act.stop_now(drained)),
         )
+    }
+}
+
+/// A graceful shutdown's drain: waits until `deadline` for the running calls to end
+/// (past it, cancels them and waits [`CANCEL_GRACE`] more), then for every tree to make
+/// its records durable. `true` if all of it ended in time and no step was cut off.
+async fn graceful_drain(shared: Arc<Shared>, mut deadline: tokio::time::Instant) -> bool {
+    // Whether a step was cut off (cancelled, or not made durable in time).
+    let mut cut = false;
+    if tokio::time::timeout_at(deadline, shared.drain.drain())
+        .await
+        .is_err()
+    {
+        // Ask the running calls to stop (`CancelReason::Shutdown`), and give
+        // those that watch the signal a moment to return.
+        tracing::warn!("drain deadline passed with steps still running: cancelling them");
+        shared.shutdown.cancel();
+        deadline = tokio::time::Instant::now() + CANCEL_GRACE;
+        if tokio::time::timeout_at(deadline, shared.drain.drain())
+            .await
+            .is_err()
+        {
+            tracing::warn!("steps still running after their cancellation: stopping now");
+            return false;
+        }
+        // A cancelled step that returned reported a yield: it ran, unrecorded.
+        cut = true;
+    }
+    // Every report is sent; wait until each tree has made its records durable.
+    if tokio::time::timeout_at(deadline, quiesced(&shared))
+        .await
+        .is_err()
+    {
+        tracing::warn!("drain deadline passed with records not yet durable: stopping now");
+        return false;
+    }
+    !cut
+}
+
+/// Asks every tree to make its records durable (`Quiesce`, sent now); the future ends
+/// once each has answered.
+fn quiesced(shared: &Shared) -> impl Future<Output = ()> {
+    let trees: Vec<_> = shared
+        .table
+        .iter()
+        .filter(|e| e.parent.is_none())
+        .filter_map(|e| e.tree.clone())
+        .collect();
+    let answers: Vec<_> = trees
+        .into_iter()
+        .map(|tree| {
+            let (tx, rx) = oneshot::channel();
+            tree.do_send(Quiesce(tx));
+            rx
+        })
+        .collect();
+    async move {
+        for answer in answers {
+            // A tree that ended meanwhile drops its sender: quiet too.
+            let _ = answer.await;
+        }
     }
 }
 
