@@ -10,7 +10,7 @@
 //! per tree as it did when each tree was an actor.
 //!
 //! Handlers live with their actors; the public messages a caller sends (`Submit`,
-//! `Abort`, `GetState`, `WaitFor`, `List`, `WakeEvent`) live in `executor.rs` and
+//! `Abort`, `GetState`, `WaitFor`, `List`, `WakeEvent`) live in `executor/api.rs` and
 //! `scheduler.rs` beside the API they mirror.
 
 use actix::prelude::*;

@@ -1,0 +1,905 @@
+//! [`ExecutorActor`], the executor's actor, with its state and a handler for every
+//! message it takes: submits (with their nonces and the admission bound), operators'
+//! commands passed to the trees, queries of the procedure table, result waiters, the
+//! result cleaner, subscribers, and the shutdown. [`Executor`] and the public messages
+//! reach it; the root stacks tell it of finished trees and news. The invariant it
+//! guards: once the store has failed or a shutdown began, it accepts nothing more, and
+//! every waiter is answered.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use crate::error::Error;
+use crate::fast_map::IdMap;
+use crate::procedure::{ProcId, ProcState};
+use crate::record::{Failure, Nonce, StoreOp};
+
+use crate::actors::procedure::{declare, Undeclarable};
+use crate::actors::protocol::{
+    AbortRequest, BypassRequest, Command, CommandRequest, DurableAck, Persist, Quiesce, Refuse,
+    StopWriter, TreeAddr, TreeFinished, TreeNews,
+};
+use crate::actors::root_stack::TreeRunner;
+use crate::actors::scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
+use crate::actors::shared::{now_ms, Shared, Waiting};
+
+use super::api::{
+    Abort, AckResult, Bypass, Continue, GetState, GetValue, List, Pause, ProcEvent, ProcInfo,
+    Rollback, Shutdown, Submit, Subscribe, SubscribeChannel, WaitFor, WaitingOn,
+};
+use super::builder::Retention;
+
+// For the docs' links only.
+#[cfg(doc)]
+use super::handle::Executor;
+
+/// Where a subscriber's events go.
+pub(super) enum Subscriber {
+    Actor(Recipient<ProcEvent>),
+    Channel(tokio::sync::mpsc::UnboundedSender<ProcEvent>),
+}
+
+impl Subscriber {
+    /// Delivers `event`; `false` once the subscriber is gone.
+    fn deliver(&self, event: ProcEvent) -> bool {
+        match self {
+            Subscriber::Actor(r) => {
+                r.connected() && {
+                    r.do_send(event);
+                    true
+                }
+            }
+            Subscriber::Channel(tx) => tx.send(event).is_ok(),
+        }
+    }
+}
+
+/// How long a graceful shutdown waits, past its drain deadline, for the calls it
+/// cancelled to return.
+const CANCEL_GRACE: Duration = Duration::from_secs(1);
+
+type Waiter = oneshot::Sender<Result<Result<(), Failure>, Error>>;
+
+/// The executor's actor. Talk to it through [`Executor`] or with the messages.
+pub struct ExecutorActor<E = ()> {
+    pub(super) shared: Arc<Shared>,
+    pub(super) waiters: IdMap<ProcId, Vec<Waiter>>,
+    /// Set once the store has failed (or the engine broke): nothing more is accepted,
+    /// and every waiter gets this error.
+    pub(super) broken: Option<Error>,
+    /// The arbiter threads, joined at shutdown.
+    pub(super) arbiters: Vec<Arbiter>,
+    /// Root procedures submitted or recovered and not finished.
+    pub(super) unfinished: usize,
+    pub(super) max_unfinished: usize,
+    /// Roots by the nonce they were submitted with, as long as their records live.
+    pub(super) nonces: HashMap<Nonce, NonceState>,
+    pub(super) retention: Retention,
+    /// Finished roots whose results are kept, oldest first: when they finished.
+    pub(super) finished: VecDeque<(u64, ProcId)>,
+    /// Results the client acknowledged, and when.
+    pub(super) acked: IdMap<ProcId, u64>,
+    /// A batch of evictions is on its way to the store.
+    pub(super) evicting: bool,
+    /// The actix system is the executor's own: shutdown stops it.
+    pub(super) owned_system: bool,
+    /// The longest a graceful shutdown waits.
+    pub(super) drain_timeout: Duration,
+    /// A shutdown has begun: submits are refused.
+    pub(super) stopping: bool,
+    /// The procedures recovery took as possibly cut off by the last engine's stop.
+    /// A drained stop marks those still unfinished as possibly cut off, since a
+    /// procedure that has not been recorded since keeps that in memory only.
+    pub(super) cut_off: Vec<ProcId>,
+    /// Who receives procedure events.
+    pub(super) subscribers: Vec<Subscriber>,
+    /// The environment type of the procedures it takes.
+    pub(super) env: PhantomData<fn() -> E>,
+}
+
+impl<E> std::fmt::Debug for ExecutorActor<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecutorActor")
+            .field("unfinished", &self.unfinished)
+            .field("max_unfinished", &self.max_unfinished)
+            .field("finished_kept", &self.finished.len())
+            .field("broken", &self.broken)
+            .field("stopping", &self.stopping)
+            .field("subscribers", &self.subscribers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where a nonce's submit is.
+pub(super) enum NonceState {
+    /// Its insert is on its way to the store: later submits wait for the answer.
+    Submitting(Vec<oneshot::Sender<Result<ProcId, Error>>>),
+    /// The procedure exists (durably).
+    Known(ProcId),
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    fn info(&self, id: ProcId) -> Option<ProcInfo> {
+        let (locks_held, locks_waiting) = match self.shared.views.locks.get(&id) {
+            Some(v) if v.held => (v.locks.clone(), Vec::new()),
+            Some(v) => (Vec::new(), v.locks.clone()),
+            None => (Vec::new(), Vec::new()),
+        };
+        let views = &self.shared.views;
+        self.shared.table.get(&id).map(|e| {
+            let waiting_on = match (&e.waiting, e.state) {
+                _ if !locks_waiting.is_empty() => Some(WaitingOn::Locks),
+                (Waiting::Event(event), ProcState::Waiting) => {
+                    Some(WaitingOn::Event(event.to_string()))
+                }
+                (Waiting::Timer(at_ms), ProcState::WaitingTimeout) => {
+                    Some(WaitingOn::Timer { at_ms: *at_ms })
+                }
+                (_, ProcState::Waiting) => Some(WaitingOn::Children),
+                _ => None,
+            };
+            ProcInfo {
+                id,
+                root: e.root,
+                parent: e.parent,
+                type_name: e.type_name,
+                state: e.state,
+                submitted_ms: e.submitted_ms,
+                updated_ms: e.updated_ms,
+                result: e.result().cloned().map(|r| r.map_err(|f| *f)),
+                locks_held,
+                locks_waiting,
+                state_name: e.state_name.clone(),
+                waiting_on,
+                steering: e.steering.as_deref().cloned().unwrap_or_default(),
+                queue_level: (views.fair && e.state == ProcState::Runnable)
+                    .then(|| views.levels.get(&e.root).map_or(0, |l| *l)),
+            }
+        })
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    /// The root stack of `id`'s tree while `id` is unfinished, or why there is none.
+    fn live_tree(&self, id: ProcId) -> Result<TreeAddr, Error> {
+        if let Some(broken) = &self.broken {
+            return Err(broken.duplicate());
+        }
+        match self.shared.table.get(&id) {
+            None => Err(self.missing(id)),
+            Some(e) => match &e.tree {
+                Some(tree) if !e.state.is_finished() && e.result().is_none() => Ok(tree.clone()),
+                _ => Err(Error::Finished { id, state: e.state }),
+            },
+        }
+    }
+
+    /// The error for an id the table does not have.
+    fn missing(&self, id: ProcId) -> Error {
+        if self.shared.issued(id) {
+            Error::Gone(id)
+        } else {
+            Error::UnknownProcedure(id)
+        }
+    }
+
+    /// Evicts, in one append, up to a batch of results whose time is up; goes on at
+    /// once if there were more.
+    fn clean(&mut self, ctx: &mut Context<Self>) {
+        if self.evicting || self.broken.is_some() {
+            return;
+        }
+        let batch = self.due_results();
+        if batch.is_empty() {
+            return;
+        }
+        let more = batch.len() == EVICT_BATCH;
+        self.evicting = true;
+        let (ack, durable) = oneshot::channel();
+        self.shared.scheduler.do_send(Persist {
+            ops: batch.iter().map(|&id| StoreOp::Delete(id)).collect(),
+            ack: DurableAck::Caller(ack),
+            finished: None,
+        });
+        let done = async move { durable.await.unwrap_or(Err(Error::Stopped)) };
+        ctx.spawn(done.into_actor(self).map(move |result, act, ctx| {
+            act.evicting = false;
+            match result {
+                Ok(()) => {
+                    act.evicted(&batch);
+                    if more {
+                        act.clean(ctx);
+                    }
+                }
+                Err(e) => act.broke(e),
+            }
+        }));
+    }
+
+    /// Up to a batch of results whose time is up, in id order, taken out of
+    /// `finished` and `acked`: those kept past their retention first, then those
+    /// acknowledged past the shorter one.
+    fn due_results(&mut self) -> Vec<ProcId> {
+        let now = now_ms();
+        let kept = u64::try_from(self.retention.kept.as_millis()).unwrap_or(u64::MAX);
+        let after_ack = u64::try_from(self.retention.after_ack.as_millis()).unwrap_or(u64::MAX);
+        let mut batch: Vec<ProcId> = Vec::new();
+        while batch.len() < EVICT_BATCH {
+            match self.finished.front() {
+                Some(&(at, id)) if at.saturating_add(kept) <= now => {
+                    self.finished.pop_front();
+                    batch.push(id);
+                }
+                _ => break,
+            }
+        }
+        if batch.len() < EVICT_BATCH {
+            let due: Vec<ProcId> = self
+                .acked
+                .iter()
+                .filter(|(_, &at)| at.saturating_add(after_ack) <= now)
+                .map(|(&id, _)| id)
+                .take(EVICT_BATCH - batch.len())
+                .collect();
+            for id in due {
+                self.acked.remove(&id);
+                batch.push(id);
+            }
+        }
+        // An acknowledged result may also have reached its time in `finished`.
+        batch.sort_unstable();
+        batch.dedup();
+        batch.retain(|id| {
+            self.shared
+                .table
+                .get(id)
+                .is_some_and(|e| e.result().is_some())
+        });
+        batch
+    }
+
+    /// Forgets the results of `batch`, whose deletes are durable: their rows, their
+    /// nonces and their acknowledgements.
+    fn evicted(&mut self, batch: &[ProcId]) {
+        for id in batch {
+            if let Some((_, e)) = self.shared.table.remove(id) {
+                if let Some(nonce) = e.nonce() {
+                    self.nonces.remove(&nonce);
+                }
+            }
+            self.acked.remove(id);
+        }
+        tracing::debug!(evicted = batch.len(), "evicted finished results");
+    }
+
+    /// The store failed (or the engine broke): accept nothing more and answer every
+    /// waiter with the error.
+    fn broke(&mut self, e: Error) {
+        if self.broken.is_none() {
+            tracing::error!(error = %e, "executor stopped accepting work");
+            if matches!(e, Error::Internal(_)) {
+                // Stop every other tree at its next write, as a store failure does.
+                self.shared.scheduler.do_send(Refuse(e.to_string()));
+            }
+            let _ = self.shared.broken_error.set(e.duplicate());
+            self.shared.broken.cancel();
+            self.broken = Some(e);
+        }
+        // Trees that are idle (sleeping, suspended) write nothing and would never
+        // learn; their waiters get the error now, like everyone's.
+        let broken = self
+            .broken
+            .as_ref()
+            .map_or(Error::Stopped, Error::duplicate);
+        for (_, waiters) in self.waiters.drain() {
+            for waiter in waiters {
+                let _ = waiter.send(Err(broken.duplicate()));
+            }
+        }
+    }
+}
+
+/// Results evicted per append, at most.
+const EVICT_BATCH: usize = 10_000;
+
+impl<E: Send + Sync + 'static> Actor for ExecutorActor<E> {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(self.retention.every, |act, ctx| act.clean(ctx));
+    }
+}
+
+/// A submit with a nonce was answered (from the submit's own future, before its caller
+/// hears): the retries that came meanwhile get the same answer, and a successful one
+/// makes the nonce known; a failed one frees it for the next retry.
+struct NonceSettled {
+    nonce: Nonce,
+    result: Result<ProcId, Error>,
+}
+
+impl Message for NonceSettled {
+    type Result = ();
+}
+
+impl<E: Send + Sync + 'static> Handler<NonceSettled> for ExecutorActor<E> {
+    type Result = ();
+
+    fn handle(&mut self, msg: NonceSettled, _ctx: &mut Context<Self>) {
+        let NonceSettled { nonce, result } = msg;
+        if let Some(NonceState::Submitting(waiting)) = self.nonces.remove(&nonce) {
+            for tx in waiting {
+                let _ = tx.send(result.as_ref().map(|id| *id).map_err(Error::duplicate));
+            }
+        }
+        if let Ok(id) = result {
+            self.nonces.insert(nonce, NonceState::Known(id));
+        }
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
+    // A plain future, not one of the actor's: actix polls every future an actor holds
+    // each time the actor wakes, so thousands of submits waiting for their inserts to
+    // be durable made every message to the executor cost thousands of polls.
+    type Result = ResponseFuture<Result<ProcId, Error>>;
+
+    fn handle(&mut self, msg: Submit<E>, ctx: &mut Context<Self>) -> Self::Result {
+        if let Some(answer) = self.answer_at_once(msg.nonce) {
+            return answer;
+        }
+        let nonce = msg.nonce;
+        let answer = match self.start_root(msg) {
+            Ok(answer) => answer,
+            Err(e) => return Box::pin(std::future::ready(Err(e))),
+        };
+        let Some(nonce) = nonce else {
+            return Box::pin(answer);
+        };
+        settle_nonce(ctx.address(), nonce, answer)
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    /// The answer to a submit that starts no tree: a refusal (the engine broke or is
+    /// stopping, or too many roots are unfinished), or a retry of a nonce's submit,
+    /// which gets that submit's answer.
+    fn answer_at_once(
+        &mut self,
+        nonce: Option<Nonce>,
+    ) -> Option<ResponseFuture<Result<ProcId, Error>>> {
+        if let Some(broken) = &self.broken {
+            let e = broken.duplicate();
+            return Some(Box::pin(std::future::ready(Err(e))));
+        }
+        if self.stopping {
+            return Some(Box::pin(std::future::ready(Err(Error::Stopped))));
+        }
+        if let Some(nonce) = nonce {
+            match self.nonces.get_mut(&nonce) {
+                Some(NonceState::Known(id)) => {
+                    let id = *id;
+                    return Some(Box::pin(std::future::ready(Ok(id))));
+                }
+                Some(NonceState::Submitting(waiting)) => {
+                    let (tx, rx) = oneshot::channel();
+                    waiting.push(tx);
+                    let answer = async move { rx.await.unwrap_or(Err(Error::Stopped)) };
+                    return Some(Box::pin(answer));
+                }
+                None => {}
+            }
+        }
+        if self.unfinished >= self.max_unfinished {
+            let limit = self.max_unfinished;
+            let e = Error::Overloaded { limit };
+            return Some(Box::pin(std::future::ready(Err(e))));
+        }
+        None
+    }
+
+    /// Names and encodes the submitted root (its nonce, if any, now submitting) and
+    /// starts its tree; the answer comes once its insert is durable.
+    fn start_root(
+        &mut self,
+        msg: Submit<E>,
+    ) -> Result<impl Future<Output = Result<ProcId, Error>> + 'static, Error> {
+        let mut root = declare(&self.shared, &*msg.proc, now_ms()).map_err(|e| match e {
+            Undeclarable::Registry(e) => Error::Registry(e),
+            Undeclarable::Invalid(e) => Error::Invalid(e.to_string()),
+        })?;
+        root.nonce = msg.nonce;
+        if let Some(nonce) = msg.nonce {
+            self.nonces
+                .insert(nonce, NonceState::Submitting(Vec::new()));
+        }
+        let shared = self.shared.clone();
+        let (ack, rx) = oneshot::channel();
+        let proc = msg.proc;
+        self.unfinished += 1;
+        let tree = self.shared.new_tree(root.id);
+        tree.start(TreeRunner::submit(shared, tree.clone(), root, proc, ack));
+        Ok(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
+    }
+}
+
+/// The answer to a submit with a nonce: `answer`, once the executor has settled the
+/// nonce with it ([`NonceSettled`]).
+fn settle_nonce<E: Send + Sync + 'static>(
+    executor: Addr<ExecutorActor<E>>,
+    nonce: Nonce,
+    answer: impl Future<Output = Result<ProcId, Error>> + 'static,
+) -> ResponseFuture<Result<ProcId, Error>> {
+    Box::pin(async move {
+        let result = answer.await;
+        let settled = result.as_ref().map(|id| *id).map_err(Error::duplicate);
+        // Settled before the caller hears, so a retry after the answer finds the
+        // nonce known. A stopped executor answers the waiting retries by dropping
+        // them.
+        let _ = executor
+            .send(NonceSettled {
+                nonce,
+                result: settled,
+            })
+            .await;
+        result
+    })
+}
+
+impl<E: Send + Sync + 'static> Handler<Abort> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<bool, Error>>;
+
+    fn handle(&mut self, msg: Abort, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.0;
+        let tree = self.live_tree(id);
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let (ack, answer) = oneshot::channel();
+            tree?.do_send(AbortRequest { id, ack });
+            // No answer: the tree finished (or halted) meanwhile.
+            let answer = answer.await.ok();
+            answer.unwrap_or_else(|| {
+                Err(match shared.table.get(&id) {
+                    Some(e) => Error::Finished { id, state: e.state },
+                    None => Error::Stopped,
+                })
+            })
+        })
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Bypass> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<(), Error>>;
+
+    fn handle(&mut self, msg: Bypass, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.id;
+        let tree = self.live_tree(id);
+        Box::pin(async move {
+            let (ack, answer) = oneshot::channel();
+            let request = BypassRequest {
+                id,
+                recursive: msg.recursive,
+                ack,
+            };
+            tree?.do_send(request);
+            answer.await.unwrap_or(Err(Error::Stopped)).map(|_| ())
+        })
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    /// Sends an operator's command to the procedure's tree; the answer comes once its
+    /// effect is durable.
+    fn command(&self, id: ProcId, command: Command) -> ResponseFuture<Result<(), Error>> {
+        let tree = self.live_tree(id);
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let (ack, answer) = oneshot::channel();
+            tree?.do_send(CommandRequest { id, command, ack });
+            // A pause waits for a step boundary that a broken engine may never reach
+            // (a tree that writes nothing is never told).
+            let answer = tokio::select! {
+                biased;
+                answer = answer => answer.unwrap_or(Err(Error::Stopped)),
+                () = shared.broken.cancelled() => Err(shared
+                    .broken_error
+                    .get()
+                    .map_or(Error::Stopped, Error::duplicate)),
+            };
+            match answer? {
+                true => Ok(()),
+                // A rollback of a procedure that is not paused is an abort, which its
+                // hook refused.
+                false => Err(Error::Refused {
+                    command: command.name(),
+                    id,
+                    reason: "the procedure's abort hook refused".into(),
+                }),
+            }
+        })
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Pause> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<(), Error>>;
+
+    fn handle(&mut self, msg: Pause, _ctx: &mut Context<Self>) -> Self::Result {
+        self.command(msg.0, Command::Pause)
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Continue> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<(), Error>>;
+
+    fn handle(&mut self, msg: Continue, _ctx: &mut Context<Self>) -> Self::Result {
+        self.command(msg.0, Command::Continue)
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Rollback> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<(), Error>>;
+
+    fn handle(&mut self, msg: Rollback, _ctx: &mut Context<Self>) -> Self::Result {
+        self.command(msg.0, Command::Rollback)
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<GetState> for ExecutorActor<E> {
+    type Result = Result<ProcInfo, Error>;
+
+    fn handle(&mut self, msg: GetState, _ctx: &mut Context<Self>) -> Self::Result {
+        self.info(msg.0).ok_or_else(|| self.missing(msg.0))
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<WaitFor> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<Result<(), Failure>, Error>>;
+
+    fn handle(&mut self, msg: WaitFor, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.0;
+        // The row's root and result only (the table's guard released before anything
+        // else is looked up), not the whole `ProcInfo`.
+        let row = self
+            .shared
+            .table
+            .get(&id)
+            .map(|e| (e.root, e.result().cloned()));
+        let ready = match row {
+            None => Some(Err(self.missing(id))),
+            Some((root, _)) if root != id => Some(Err(Error::NotRoot { id, root })),
+            Some((_, Some(result))) => Some(Ok(result.map_err(|f| *f))),
+            Some((_, None)) => self.broken.as_ref().map(|e| Err(e.duplicate())),
+        };
+        if let Some(ready) = ready {
+            return Box::pin(async move { ready });
+        }
+        let (tx, rx) = oneshot::channel();
+        self.waiters.entry(id).or_default().push(tx);
+        Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<GetValue> for ExecutorActor<E> {
+    type Result = Result<Option<Vec<u8>>, Error>;
+
+    fn handle(&mut self, msg: GetValue, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.0;
+        match self.shared.table.get(&id) {
+            None => Err(self.missing(id)),
+            Some(e) if e.result().is_none() => Err(Error::NotFinished(id)),
+            Some(e) => Ok(e.caller_value().cloned()),
+        }
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<AckResult> for ExecutorActor<E> {
+    type Result = Result<(), Error>;
+
+    fn handle(&mut self, msg: AckResult, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.0;
+        match self.shared.table.get(&id) {
+            None => return Err(self.missing(id)),
+            Some(e) if e.root != id => return Err(Error::NotRoot { id, root: e.root }),
+            Some(e) if e.result().is_none() => return Err(Error::NotFinished(id)),
+            Some(_) => {}
+        }
+        self.acked.entry(id).or_insert_with(now_ms);
+        Ok(())
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<List> for ExecutorActor<E> {
+    type Result = Result<Vec<ProcInfo>, Error>;
+
+    fn handle(&mut self, msg: List, _ctx: &mut Context<Self>) -> Self::Result {
+        if let Some(broken) = &self.broken {
+            return Err(broken.duplicate());
+        }
+        let mut ids: Vec<ProcId> = match msg.root {
+            Some(root) => self
+                .shared
+                .table
+                .iter()
+                .filter(|e| e.root == root)
+                .map(|e| *e.key())
+                .collect(),
+            None => self.shared.table.iter().map(|e| *e.key()).collect(),
+        };
+        ids.sort_unstable();
+        Ok(ids
+            .into_iter()
+            .filter_map(|id| self.info(id))
+            .filter(|info| msg.matches(info))
+            .collect())
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<WakeEvent> for ExecutorActor<E> {
+    type Result = ();
+
+    fn handle(&mut self, msg: WakeEvent, _ctx: &mut Context<Self>) {
+        self.shared.scheduler.do_send(msg);
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<GetSchedulerStats> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<SchedulerStats, Error>>;
+
+    fn handle(&mut self, msg: GetSchedulerStats, _ctx: &mut Context<Self>) -> Self::Result {
+        let scheduler = self.shared.scheduler.clone();
+        Box::pin(async move { scheduler.send(msg).await? })
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<ResetEvent> for ExecutorActor<E> {
+    type Result = ();
+
+    fn handle(&mut self, msg: ResetEvent, _ctx: &mut Context<Self>) {
+        self.shared.scheduler.do_send(msg);
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<TreeFinished> for ExecutorActor<E> {
+    type Result = ();
+
+    fn handle(&mut self, msg: TreeFinished, _ctx: &mut Context<Self>) {
+        match msg.result {
+            Ok(result) => {
+                self.unfinished = self.unfinished.saturating_sub(1);
+                self.finished.push_back((now_ms(), msg.root));
+                if !self.subscribers.is_empty() {
+                    let event = ProcEvent::Finished {
+                        id: msg.root,
+                        type_name: self.type_name_of(msg.root),
+                        result: result.clone(),
+                    };
+                    self.publish(event);
+                }
+                for waiter in self.waiters.remove(&msg.root).unwrap_or_default() {
+                    let _ = waiter.send(Ok(result.clone()));
+                }
+            }
+            Err(e) => self.broke(e),
+        }
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    fn type_name_of(&self, id: ProcId) -> &'static str {
+        self.shared.table.get(&id).map_or("?", |e| e.type_name)
+    }
+
+    /// Sends `event` to every subscriber, forgetting those that are gone.
+    fn publish(&mut self, event: ProcEvent) {
+        self.subscribers.retain(|s| s.deliver(event.clone()));
+        if self.subscribers.is_empty() {
+            self.shared
+                .subscribed
+                .store(false, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn subscribe(&mut self, subscriber: Subscriber) -> Result<(), Error> {
+        if let Some(broken) = &self.broken {
+            return Err(broken.duplicate());
+        }
+        self.subscribers.push(subscriber);
+        self.shared
+            .subscribed
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Subscribe> for ExecutorActor<E> {
+    type Result = Result<(), Error>;
+
+    fn handle(&mut self, msg: Subscribe, _ctx: &mut Context<Self>) -> Self::Result {
+        self.subscribe(Subscriber::Actor(msg.0))
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<SubscribeChannel> for ExecutorActor<E> {
+    type Result = Result<(), Error>;
+
+    fn handle(&mut self, msg: SubscribeChannel, _ctx: &mut Context<Self>) -> Self::Result {
+        self.subscribe(Subscriber::Channel(msg.0))
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<TreeNews> for ExecutorActor<E> {
+    type Result = ();
+
+    fn handle(&mut self, msg: TreeNews, _ctx: &mut Context<Self>) {
+        if self.subscribers.is_empty() {
+            return;
+        }
+        let event = match msg {
+            TreeNews::Submitted(id) => ProcEvent::Submitted {
+                id,
+                type_name: self.type_name_of(id),
+            },
+            TreeNews::Paused {
+                id,
+                root,
+                state,
+                why,
+            } => ProcEvent::Paused {
+                id,
+                root,
+                state,
+                why,
+            },
+        };
+        self.publish(event);
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
+    type Result = ResponseActFuture<Self, ()>;
+
+    fn handle(&mut self, msg: Shutdown, _ctx: &mut Context<Self>) -> Self::Result {
+        if !msg.graceful || self.stopping || self.broken.is_some() {
+            self.stopping = true;
+            return Box::pin(self.stop_now(false));
+        }
+        self.stopping = true;
+        tracing::info!(
+            timeout_ms = self.drain_timeout.as_millis() as u64,
+            "draining"
+        );
+        let shared = self.shared.clone();
+        let deadline = tokio::time::Instant::now() + self.drain_timeout;
+        Box::pin(
+            graceful_drain(shared, deadline)
+                .into_actor(self)
+                .then(|drained, act: &mut Self, _ctx| act.stop_now(drained)),
+        )
+    }
+}
+
+/// A graceful shutdown's drain: waits until `deadline` for the running calls to end
+/// (past it, cancels them and waits [`CANCEL_GRACE`] more), then for every tree to make
+/// its records durable. `true` if all of it ended in time and no step was cut off.
+async fn graceful_drain(shared: Arc<Shared>, mut deadline: tokio::time::Instant) -> bool {
+    // Whether a step was cut off (cancelled, or not made durable in time).
+    let mut cut = false;
+    if tokio::time::timeout_at(deadline, shared.drain.drain())
+        .await
+        .is_err()
+    {
+        // Ask the running calls to stop (`CancelReason::Shutdown`), and give
+        // those that watch the signal a moment to return.
+        tracing::warn!("drain deadline passed with steps still running: cancelling them");
+        shared.shutdown.cancel();
+        deadline = tokio::time::Instant::now() + CANCEL_GRACE;
+        if tokio::time::timeout_at(deadline, shared.drain.drain())
+            .await
+            .is_err()
+        {
+            tracing::warn!("steps still running after their cancellation: stopping now");
+            return false;
+        }
+        // A cancelled step that returned reported a yield: it ran, unrecorded.
+        cut = true;
+    }
+    // Every report is sent; wait until each tree has made its records durable.
+    if tokio::time::timeout_at(deadline, quiesced(&shared))
+        .await
+        .is_err()
+    {
+        tracing::warn!("drain deadline passed with records not yet durable: stopping now");
+        return false;
+    }
+    !cut
+}
+
+/// Asks every tree to make its records durable (`Quiesce`, sent now); the future ends
+/// once each has answered.
+fn quiesced(shared: &Shared) -> impl Future<Output = ()> {
+    let trees: Vec<_> = shared
+        .table
+        .iter()
+        .filter(|e| e.parent.is_none())
+        .filter_map(|e| e.tree.clone())
+        .collect();
+    let answers: Vec<_> = trees
+        .into_iter()
+        .map(|tree| {
+            let (tx, rx) = oneshot::channel();
+            tree.do_send(Quiesce(tx));
+            rx
+        })
+        .collect();
+    async move {
+        for answer in answers {
+            // A tree that ended meanwhile drops its sender: quiet too.
+            let _ = answer.await;
+        }
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    /// Stops the arbiters (cutting off what runs) and the store writer. `drained`: a
+    /// graceful shutdown ended every call and made every report durable, so the store
+    /// is marked so ([`ProcedureStore::mark_drained`](crate::ProcedureStore::mark_drained))
+    /// after its last append.
+    fn stop_now(&mut self, drained: bool) -> impl ActorFuture<Self, Output = ()> {
+        let drained = drained.then(|| {
+            let table = &self.shared.table;
+            let mut cut_off = std::mem::take(&mut self.cut_off);
+            cut_off.retain(|id| table.get(id).is_some_and(|e| !e.state.is_finished()));
+            cut_off
+        });
+        // Set first: the trees cut off below report nothing as an engine failure.
+        self.broken = Some(Error::Stopped);
+        // The arbiters stop one by one, and a tree cut off on one frees its locks:
+        // a procedure on another must not start a call under them meanwhile.
+        self.shared.drain.close();
+        for arbiter in &self.shared.arbiters {
+            arbiter.stop();
+        }
+        for (_, waiters) in self.waiters.drain() {
+            for waiter in waiters {
+                let _ = waiter.send(Err(Error::Stopped));
+            }
+        }
+        // Their streams end.
+        self.subscribers.clear();
+        let scheduler = self.shared.scheduler.clone();
+        let owned_system = self.owned_system;
+        // Joined off the actor threads: a call into user code that is in the middle of a
+        // poll finishes it, and then nothing of this executor runs any more when
+        // `shutdown` returns (a new executor on the same store must never overlap it).
+        let (joined, threads_gone) = oneshot::channel();
+        let arbiters = std::mem::take(&mut self.arbiters);
+        let joiner = std::thread::Builder::new()
+            .name("proctor-shutdown".into())
+            .spawn(move || {
+                for arbiter in arbiters {
+                    let _ = arbiter.join();
+                }
+                let _ = joined.send(());
+            });
+        async move {
+            if joiner.is_ok() {
+                let _ = threads_gone.await;
+            }
+            // Errors mean it has stopped already.
+            let _ = scheduler.send(StopWriter { drained }).await;
+            if owned_system {
+                System::current().stop();
+            }
+        }
+        .into_actor(self)
+        // Stopped last: an actor's pending futures end with it. Meanwhile `broken`
+        // answers every request.
+        .map(|(), _act, ctx| ctx.stop())
+    }
+}

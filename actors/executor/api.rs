@@ -1,0 +1,405 @@
+//! The public messages the executor actor takes ([`Submit`], [`Abort`], [`Bypass`],
+//! [`Pause`], [`Continue`], [`Rollback`], [`GetState`], [`WaitFor`], [`GetValue`],
+//! [`AckResult`], [`List`], [`Shutdown`], [`Subscribe`]) and what it answers or sends
+//! with them ([`ProcInfo`], [`WaitingOn`], [`ProcEvent`]), for code that talks to
+//! actors; [`Executor`]'s methods send the same messages. Each message's `Result` is
+//! the answer its handler in `actor.rs` gives, and the one its method returns.
+
+use std::marker::PhantomData;
+
+use actix::prelude::*;
+
+use crate::erased::{erase, erase_boxed, DynProc};
+use crate::error::Error;
+use crate::locks::Lock;
+use crate::procedure::{ProcId, ProcState, Procedure};
+use crate::record::{Failure, Nonce, Paused, Steering};
+
+// For the docs' links only.
+#[cfg(doc)]
+use super::{Executor, ExecutorBuilder};
+#[cfg(doc)]
+use crate::ready_queue::Scheduling;
+
+/// What a waiting procedure waits for (see [`ProcInfo::waiting_on`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum WaitingOn {
+    /// Its children to finish.
+    Children,
+    /// The named event to be woken ([`Executor::wake_event`]).
+    Event(String),
+    /// Its timer: it runs again at this time (ms since the Unix epoch).
+    Timer {
+        /// When.
+        at_ms: u64,
+    },
+    /// The engine locks in [`ProcInfo::locks_waiting`].
+    Locks,
+}
+
+/// A snapshot of one procedure.
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct ProcInfo {
+    /// The procedure.
+    pub id: ProcId,
+    /// The root of its tree.
+    pub root: ProcId,
+    /// Its parent, `None` for a root.
+    pub parent: Option<ProcId>,
+    /// Its registered type name.
+    pub type_name: &'static str,
+    /// Its state.
+    pub state: ProcState,
+    /// When it was submitted, ms since the Unix epoch.
+    pub submitted_ms: u64,
+    /// When its state last changed, ms since the Unix epoch.
+    pub updated_ms: u64,
+    /// For a finished root: its result.
+    pub result: Option<Result<(), Failure>>,
+    /// The engine locks it holds now (see [`Procedure::locks`](crate::Procedure::locks)).
+    pub locks_held: Vec<Lock>,
+    /// The engine locks it is waiting for (all granted together).
+    pub locks_waiting: Vec<Lock>,
+    /// The name of the state it is in ([`Procedure::state_name`]; for a
+    /// [`StateMachine`](crate::StateMachine), its current state), as of its latest step.
+    pub state_name: Option<String>,
+    /// What it waits for, when it is not queued or running: children, an event, its
+    /// timer, or engine locks.
+    pub waiting_on: Option<WaitingOn>,
+    /// What failure policies and operators did to it: retries spent on its current
+    /// step, why it is PAUSED or ROLLBACK_PAUSED, whether it passed its point of no
+    /// return.
+    pub steering: Steering,
+    /// For a RUNNABLE procedure under [`Scheduling::Fair`]: the level of the fair queue
+    /// its steps are queued on (0 to 4, by its tree's accumulated step time: from 0, 1,
+    /// 10, 60 and 300 s); `None` otherwise.
+    pub queue_level: Option<u8>,
+}
+
+/// Submit a root procedure; answers its id once the insert is durable.
+///
+/// ```
+/// # use proctor::{async_trait, Context, Flow, ProcError, Procedure};
+/// # #[derive(serde::Serialize)] struct Noop;
+/// # #[async_trait] impl Procedure for Noop {
+/// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+/// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) } }
+/// let submit = proctor::Submit::new(Noop).with_nonce(proctor::Nonce { group: 7, nonce: 42 });
+/// # let _ = submit;
+/// ```
+pub struct Submit<E = ()> {
+    pub(super) proc: DynProc,
+    pub(super) nonce: Option<Nonce>,
+    env: PhantomData<fn() -> E>,
+}
+
+impl<E> std::fmt::Debug for Submit<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Submit")
+            .field("nonce", &self.nonce)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E: Send + Sync + 'static> Submit<E> {
+    /// Boxes the procedure.
+    pub fn new(proc: impl Procedure<E>) -> Self {
+        Submit {
+            proc: erase(proc),
+            nonce: None,
+            env: PhantomData,
+        }
+    }
+
+    /// An already boxed procedure.
+    pub fn boxed(proc: Box<dyn Procedure<E>>) -> Self {
+        Submit {
+            proc: erase_boxed(proc),
+            nonce: None,
+            env: PhantomData,
+        }
+    }
+
+    /// Makes the submit idempotent: another submit with the same nonce — concurrent, or
+    /// after a restart — answers this one's id and runs nothing, for as long as the
+    /// procedure's result is kept.
+    #[must_use]
+    pub fn with_nonce(mut self, nonce: Nonce) -> Self {
+        self.nonce = Some(nonce);
+        self
+    }
+}
+
+impl<E> Message for Submit<E> {
+    type Result = Result<ProcId, Error>;
+}
+
+/// Abort a procedure; answers whether it accepted.
+#[derive(Clone, Copy, Debug)]
+pub struct Abort(pub ProcId);
+
+impl Message for Abort {
+    type Result = Result<bool, Error>;
+}
+
+/// Bypass a stuck procedure (HBCK2's `bypass`); see [`Executor::bypass`].
+#[derive(Clone, Copy, Debug)]
+pub struct Bypass {
+    /// The procedure.
+    pub id: ProcId,
+    /// Also bypass its unfinished descendants (required if it has any).
+    pub recursive: bool,
+}
+
+impl Message for Bypass {
+    type Result = Result<(), Error>;
+}
+
+/// Pause a procedure at its next step; see [`Executor::pause`].
+#[derive(Clone, Copy, Debug)]
+pub struct Pause(pub ProcId);
+
+impl Message for Pause {
+    type Result = Result<(), Error>;
+}
+
+/// Continue a PAUSED or ROLLBACK_PAUSED procedure; see [`Executor::resume`].
+#[derive(Clone, Copy, Debug)]
+pub struct Continue(pub ProcId);
+
+impl Message for Continue {
+    type Result = Result<(), Error>;
+}
+
+/// Roll a procedure's tree back on an operator's word; see [`Executor::rollback`].
+#[derive(Clone, Copy, Debug)]
+pub struct Rollback(pub ProcId);
+
+impl Message for Rollback {
+    type Result = Result<(), Error>;
+}
+
+/// What the executor knows of a procedure.
+#[derive(Clone, Copy, Debug)]
+pub struct GetState(pub ProcId);
+
+impl Message for GetState {
+    type Result = Result<ProcInfo, Error>;
+}
+
+/// Wait for a root procedure to finish.
+#[derive(Clone, Copy, Debug)]
+pub struct WaitFor(pub ProcId);
+
+impl Message for WaitFor {
+    type Result = Result<Result<(), Failure>, Error>;
+}
+
+/// A finished root's value (MessagePack), if its last step set one.
+#[derive(Clone, Copy, Debug)]
+pub struct GetValue(pub ProcId);
+
+impl Message for GetValue {
+    type Result = Result<Option<Vec<u8>>, Error>;
+}
+
+/// The client has a finished root's result: keep it only for the shorter retention.
+#[derive(Clone, Copy, Debug)]
+pub struct AckResult(pub ProcId);
+
+impl Message for AckResult {
+    type Result = Result<(), Error>;
+}
+
+/// Which procedures to list: by default every unfinished one. Filters combine (a
+/// procedure must pass all of them); finished roots, whose results the executor keeps
+/// for a while, only with [`with_finished`](Self::with_finished).
+///
+/// ```no_run
+/// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+/// use proctor::{List, ProcState};
+/// let waiting = executor
+///     .list(List::new().state(ProcState::Waiting).type_name("create-table"))
+///     .await?;
+/// # let _ = waiting; Ok(()) }
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct List {
+    states: Vec<ProcState>,
+    type_name: Option<String>,
+    pub(super) root: Option<ProcId>,
+    finished: bool,
+}
+
+impl List {
+    /// Every unfinished procedure.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Only procedures in `state` (call again to allow more states). Asking for a
+    /// finished state lists finished roots too.
+    #[must_use]
+    pub fn state(mut self, state: ProcState) -> Self {
+        self.finished |= state.is_finished();
+        self.states.push(state);
+        self
+    }
+
+    /// Only procedures of the registered type `name`.
+    #[must_use]
+    pub fn type_name(mut self, name: impl Into<String>) -> Self {
+        self.type_name = Some(name.into());
+        self
+    }
+
+    /// Only the tree of root `root`.
+    #[must_use]
+    pub fn root(mut self, root: ProcId) -> Self {
+        self.root = Some(root);
+        self
+    }
+
+    /// Finished roots too (SUCCESS or ROLLEDBACK, kept for their results).
+    #[must_use]
+    pub fn with_finished(mut self) -> Self {
+        self.finished = true;
+        self
+    }
+
+    pub(super) fn matches(&self, info: &ProcInfo) -> bool {
+        (self.finished || !info.state.is_finished())
+            && (self.states.is_empty() || self.states.contains(&info.state))
+            && self
+                .type_name
+                .as_deref()
+                .is_none_or(|t| t == info.type_name)
+            && self.root.is_none_or(|r| r == info.root)
+    }
+}
+
+impl Message for List {
+    type Result = Result<Vec<ProcInfo>, Error>;
+}
+
+/// Stops the executor, as [`Executor::shutdown`] (graceful, the default) or
+/// [`Executor::shutdown_now`] do: for code that holds only the executor's address.
+/// Answers once the engine's threads and its store writer have stopped; an executor
+/// that started its own actix system stops that system too.
+///
+/// ```no_run
+/// # async fn f(addr: actix::Addr<proctor::ExecutorActor>) -> Result<(), actix::MailboxError> {
+/// addr.send(proctor::Shutdown::graceful()).await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Copy, Debug)]
+pub struct Shutdown {
+    pub(super) graceful: bool,
+}
+
+impl Shutdown {
+    /// Drains first: no new step or rollback starts, running ones end and their records
+    /// become durable, within the executor's
+    /// [`drain_timeout`](ExecutorBuilder::drain_timeout).
+    pub fn graceful() -> Self {
+        Shutdown { graceful: true }
+    }
+
+    /// Stops at once, cutting off running steps as a crash would (for tests of
+    /// recovery).
+    pub fn now() -> Self {
+        Shutdown { graceful: false }
+    }
+}
+
+impl Default for Shutdown {
+    fn default() -> Self {
+        Shutdown::graceful()
+    }
+}
+
+/// What happened to a root procedure, or to any procedure that paused, for subscribers
+/// ([`Executor::subscribe`], [`Subscribe`]). Each root gives `Submitted` (once its
+/// insert is durable) before `Finished`, and any `Paused` of its tree between them;
+/// roots recovered at start give no `Submitted`, and procedures recovered paused give
+/// no `Paused` (list them: `List::new().state(ProcState::Paused)`).
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub enum ProcEvent {
+    /// A root was submitted: it is durable and will run to SUCCESS or ROLLEDBACK.
+    Submitted {
+        /// The root.
+        id: ProcId,
+        /// Its registered type name.
+        type_name: &'static str,
+    },
+    /// A procedure (a root or a child) is durably paused and waits for an operator's
+    /// [`Executor::resume`] or [`Executor::rollback`]: stopped by [`Executor::pause`],
+    /// or by its [`FailurePolicy`](crate::FailurePolicy), or by a failure past the
+    /// point of no return.
+    Paused {
+        /// The paused procedure.
+        id: ProcId,
+        /// Its root.
+        root: ProcId,
+        /// [`ProcState::Paused`] or [`ProcState::RollbackPaused`].
+        state: ProcState,
+        /// Why: the error and policy, or neither for an operator's pause.
+        why: Paused,
+    },
+    /// A root's tree finished: `Ok` for SUCCESS, the original failure for ROLLEDBACK.
+    Finished {
+        /// The root.
+        id: ProcId,
+        /// Its registered type name.
+        type_name: &'static str,
+        /// Its result, as [`Executor::wait`] gives it.
+        result: Result<(), Failure>,
+    },
+}
+
+impl Message for ProcEvent {
+    type Result = ();
+}
+
+/// Subscribes an actor to [`ProcEvent`]s: it receives every root's events from now on,
+/// until it stops. For code that holds only the executor's address.
+///
+/// ```no_run
+/// # use actix::prelude::*;
+/// # struct Manager;
+/// # impl Actor for Manager { type Context = Context<Self>; }
+/// # impl Handler<proctor::ProcEvent> for Manager {
+/// #     type Result = ();
+/// #     fn handle(&mut self, _: proctor::ProcEvent, _: &mut Context<Self>) {}
+/// # }
+/// # async fn f(executor: Addr<proctor::ExecutorActor>, me: Addr<Manager>) -> Result<(), proctor::Error> {
+/// executor.send(proctor::Subscribe(me.recipient())).await??;
+/// # Ok(()) }
+/// ```
+pub struct Subscribe(pub Recipient<ProcEvent>);
+
+impl std::fmt::Debug for Subscribe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Subscribe")
+            .field(&"Recipient<ProcEvent>")
+            .finish()
+    }
+}
+
+impl Message for Subscribe {
+    type Result = Result<(), Error>;
+}
+
+/// Subscribes a channel (what [`Executor::subscribe`] sends).
+pub(super) struct SubscribeChannel(pub(super) tokio::sync::mpsc::UnboundedSender<ProcEvent>);
+
+impl Message for SubscribeChannel {
+    type Result = Result<(), Error>;
+}
+
+impl Message for Shutdown {
+    type Result = ();
+}

@@ -1,0 +1,838 @@
+//! The executor's start: [`ExecutorBuilder`] with its options, and the start itself,
+//! which loads the store, decodes what recovery carries on, starts the scheduler, the
+//! arbiters and their shards, and creates the executor actor. Used by
+//! [`Executor::builder`] and by `crash_test.rs`. The invariant it guards: every recovered
+//! tree is on its shard, and every finished root's result in the table, before the
+//! executor handles any request.
+
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use crate::erased::AnyEnv;
+use crate::error::Error;
+use crate::fast_map::IdMap;
+use crate::locks::Lock;
+use crate::procedure::{ProcId, ProcState};
+use crate::ready_queue::Scheduling;
+use crate::record::{Nonce, ProcRecord};
+use crate::recovery::{self, CorruptProc, RecoveryPlan, TreeRecovery};
+use crate::registry::{Registry, Types};
+use crate::store::{LastStop, MemoryStore, ProcedureStore};
+
+use crate::actors::guard::{decode_guarded, guard};
+use crate::actors::persistence::Persistence;
+use crate::actors::protocol::Regrant;
+use crate::actors::root_stack::{publish_recovered, Objects, TreeRunner};
+use crate::actors::scheduler::{Monitor, Queueing, Scheduler};
+use crate::actors::shard::{Mail, Shard};
+use crate::actors::shared::{now_ms, Entry, EntryExtra, SchedulerViews, Shared, Waiting};
+
+use super::actor::{ExecutorActor, NonceState};
+use super::api::Shutdown;
+use super::handle::{Executor, OwnedSystem};
+
+/// How many recovered trees are gathered before they go to their shards (one message
+/// per shard).
+const RECOVERED_STARTS_PER_MESSAGE: usize = 4096;
+
+/// Below this many recovered trees, the executor builds them on its own thread.
+const PARALLEL_START_MIN: usize = 4096;
+
+/// `items` in up to `parts` runs of about equal length, in order; one run if there are
+/// fewer than `min`.
+fn split_evenly<T>(items: Vec<T>, parts: usize, min: usize) -> Vec<Vec<T>> {
+    if items.len() < min || parts <= 1 {
+        return vec![items];
+    }
+    let len = items.len().div_ceil(parts);
+    let mut items = items.into_iter();
+    std::iter::from_fn(|| {
+        Some(items.by_ref().take(len).collect::<Vec<T>>()).filter(|run| !run.is_empty())
+    })
+    .collect()
+}
+
+/// Configuration of an executor, with defaults that suit a control plane.
+///
+/// ```
+/// use proctor::{Executor, MemoryStore, Registry};
+/// let builder = Executor::builder()
+///     .registry(Registry::new())
+///     .store(MemoryStore::new())
+///     .workers(32);
+/// # let _ = builder;
+/// ```
+pub struct ExecutorBuilder<E = ()> {
+    workers: usize,
+    scheduling: Scheduling,
+    reserved_workers: Option<usize>,
+    system_workers: usize,
+    arbiters: usize,
+    store: Option<Box<dyn ProcedureStore>>,
+    registry: Registry<E>,
+    env: Option<Arc<E>>,
+    permits: Vec<(String, u32)>,
+    max_unfinished: usize,
+    retention: Retention,
+    monitor: Monitor,
+    drain_timeout: Duration,
+}
+
+impl<E> std::fmt::Debug for ExecutorBuilder<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecutorBuilder")
+            .field("workers", &self.workers)
+            .field("scheduling", &self.scheduling)
+            .field("reserved_workers", &self.reserved_workers)
+            .field("system_workers", &self.system_workers)
+            .field("arbiters", &self.arbiters)
+            .field("store", &self.store.as_ref().map(|_| "custom"))
+            .field("registry", &self.registry)
+            .field("env", &self.env.is_some())
+            .field("permits", &self.permits)
+            .field("max_unfinished", &self.max_unfinished)
+            .field("retention", &self.retention)
+            .field("monitor", &self.monitor)
+            .field("drain_timeout", &self.drain_timeout)
+            .finish()
+    }
+}
+
+/// How long finished roots' results are kept, and how often the cleaner looks.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Retention {
+    pub(super) kept: Duration,
+    pub(super) after_ack: Duration,
+    pub(super) every: Duration,
+}
+
+impl<E> Default for ExecutorBuilder<E> {
+    fn default() -> Self {
+        ExecutorBuilder {
+            workers: 16,
+            scheduling: Scheduling::Fair,
+            reserved_workers: None,
+            system_workers: 1,
+            arbiters: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            store: None,
+            registry: Registry::default(),
+            env: None,
+            permits: Vec::new(),
+            max_unfinished: 1_000_000,
+            retention: Retention {
+                kept: Duration::from_secs(15 * 60),
+                after_ack: Duration::from_secs(5 * 60),
+                every: Duration::from_secs(30),
+            },
+            monitor: Monitor {
+                every: Duration::from_secs(5),
+                stuck_after: Duration::from_secs(10),
+                retire_after: Duration::from_secs(60),
+            },
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
+    /// How long a graceful [`Executor::shutdown`] waits for running steps and
+    /// rollbacks to end and their records to become durable (default 30 s). Past it,
+    /// the calls still running are cancelled
+    /// ([`CancelReason::Shutdown`](crate::CancelReason::Shutdown)) and get one more
+    /// second to return; then the engine stops as by [`Executor::shutdown_now`].
+    #[must_use]
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
+    /// How many steps may run at once (default 16). Waiting procedures hold none.
+    #[must_use]
+    pub fn workers(mut self, workers: usize) -> Self {
+        self.workers = workers;
+        self
+    }
+
+    /// The order in which queued steps get a worker (default [`Scheduling::Fair`]: a
+    /// multilevel feedback queue by each tree's accumulated step time, so trees of a
+    /// few short steps are not held up behind trees that run many long ones;
+    /// [`Scheduling::Fifo`] runs them in arrival order and lets a procedure that
+    /// continues keep its worker).
+    ///
+    /// ```
+    /// use proctor::{Executor, Scheduling};
+    /// let builder = Executor::builder().scheduling(Scheduling::Fifo);
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn scheduling(mut self, scheduling: Scheduling) -> Self {
+        self.scheduling = scheduling;
+        self
+    }
+
+    /// Workers kept for young trees (under a second of step time, level 0 of the
+    /// [`Scheduling::Fair`] queue): a step of an older tree starts only while more than
+    /// `n` workers are free. Steps are not preempted, so a new tree's first step would
+    /// otherwise wait for some running step to end when long-running trees fill every
+    /// worker; with a reserved worker it starts at once. The price: trees that have run
+    /// a second or more use at most `workers - n` workers. Default: 1 with 4 workers or
+    /// more, else 0; always fewer than the workers. [`Scheduling::Fifo`] ignores it.
+    ///
+    /// ```
+    /// let builder = proctor::Executor::builder().workers(8).reserved_workers(2);
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn reserved_workers(mut self, n: usize) -> Self {
+        self.reserved_workers = Some(n);
+        self
+    }
+
+    /// Workers of their own for system procedures
+    /// ([`Registry::register_system`](crate::Registry::register_system)), beside the
+    /// [`workers`](Self::workers), as HBase keeps urgent workers for its meta table's
+    /// procedures. A system procedure's step takes one of them while one is free, and a
+    /// shared worker only when they are all busy; no other step takes them. Steps are
+    /// not preempted, so without one a system step waits for some running step to end
+    /// when long user steps fill every worker, even when it is first in the queue.
+    /// Default 1. An executor without system types never uses them.
+    ///
+    /// ```
+    /// let builder = proctor::Executor::builder().workers(8).system_workers(2);
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn system_workers(mut self, n: usize) -> Self {
+        self.system_workers = n;
+        self
+    }
+
+    /// How many arbiters (threads) the trees are spread over, round robin (default:
+    /// one per core). The procedures of one tree run on their tree's arbiter.
+    #[must_use]
+    pub fn arbiters(mut self, arbiters: usize) -> Self {
+        self.arbiters = arbiters;
+        self
+    }
+
+    /// Where records go (default: a fresh [`MemoryStore`], which survives nothing).
+    #[must_use]
+    pub fn store(mut self, store: impl ProcedureStore) -> Self {
+        self.store = Some(Box::new(store));
+        self
+    }
+
+    /// The procedure types this executor can persist and recover. Their environment
+    /// type `F` becomes the executor's: give the registry first, then
+    /// [`env`](Self::env). An environment given before, of another type, is dropped.
+    #[must_use]
+    pub fn registry<F: Send + Sync + 'static>(self, registry: Registry<F>) -> ExecutorBuilder<F> {
+        let env = self
+            .env
+            .and_then(|env| (env as Arc<AnyEnv>).downcast::<F>().ok());
+        ExecutorBuilder {
+            workers: self.workers,
+            scheduling: self.scheduling,
+            reserved_workers: self.reserved_workers,
+            system_workers: self.system_workers,
+            arbiters: self.arbiters,
+            store: self.store,
+            registry,
+            env,
+            permits: self.permits,
+            max_unfinished: self.max_unfinished,
+            retention: self.retention,
+            monitor: self.monitor,
+            drain_timeout: self.drain_timeout,
+        }
+    }
+
+    /// The value every call borrows through [`Context::env`](crate::Context::env): the
+    /// service's clients, say. Its type `E` is the registry's (see
+    /// [`Procedure`](crate::Procedure)); give it by value or as an `Arc<E>` the
+    /// service keeps a copy of. Needed unless `E` is `()`: [`start`](Self::start)
+    /// refuses to start without it.
+    ///
+    /// ```
+    /// use proctor::{Executor, Registry};
+    /// use std::sync::Arc;
+    /// struct Cluster { name: String }
+    /// let cluster = Arc::new(Cluster { name: "c1".into() });
+    /// let builder = Executor::builder()
+    ///     .registry(Registry::<Cluster>::default())
+    ///     .env(cluster.clone());
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn env(mut self, env: impl Into<Arc<E>>) -> Self {
+        self.env = Some(env.into());
+        self
+    }
+
+    /// Makes `resource` a counted resource: at most `permits` procedures hold a shared
+    /// lock on it at once (say, DDL parallelism per schema). A procedure whose ancestor
+    /// holds that shared lock for its life runs under the ancestor's permit and takes
+    /// none of its own (an ancestor's share held for one step covers nothing). A tree's
+    /// rollback step is not kept out by its own tree's holders, nor a deadlock's
+    /// borrower by its lender (see the guide's **Locks**): those run nothing meanwhile,
+    /// so at most `permits` lines of descent run inside at once. An exclusive lock on
+    /// it still excludes everyone.
+    ///
+    /// ```
+    /// let builder = proctor::Executor::builder().permits("ddl/db1", 4);
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn permits(mut self, resource: impl Into<String>, permits: u32) -> Self {
+        self.permits.push((resource.into(), permits));
+        self
+    }
+
+    /// The most root procedures that may be unfinished at once (default 1 000 000,
+    /// recovered ones included). A submit beyond it is refused at once with
+    /// [`Error::Overloaded`] instead of queueing without bound.
+    #[must_use]
+    pub fn max_unfinished(mut self, max: usize) -> Self {
+        self.max_unfinished = max;
+        self
+    }
+
+    /// How long a finished root's result (its state, outcome, value and nonce) is kept
+    /// after it finished (default 15 minutes, as HBase): then a periodic cleaner evicts
+    /// it in batches, its records become garbage in the log, and asking for it answers
+    /// [`Error::Gone`].
+    #[must_use]
+    pub fn retention(mut self, kept: Duration) -> Self {
+        self.retention.kept = kept;
+        self
+    }
+
+    /// How long a result is kept once the client acknowledged it with
+    /// [`Executor::ack_result`] (default 5 minutes), if that is sooner.
+    #[must_use]
+    pub fn retention_after_ack(mut self, kept: Duration) -> Self {
+        self.retention.after_ack = kept;
+        self
+    }
+
+    /// How often the cleaner looks for results to evict (default 30 s).
+    #[must_use]
+    pub fn cleaner_interval(mut self, every: Duration) -> Self {
+        self.retention.every = every;
+        self
+    }
+
+    /// The stuck-worker monitor: every `every` (default 5 s) it counts the workers that
+    /// have been in one step for `stuck_after` (default 10 s) or more, warns about each
+    /// (procedure, type, how long), and when at least half of the configured workers
+    /// are stuck while runnable procedures wait, allows one extra worker (up to 10×
+    /// the configured count).
+    #[must_use]
+    pub fn stuck_worker_monitor(mut self, every: Duration, stuck_after: Duration) -> Self {
+        self.monitor.every = every;
+        self.monitor.stuck_after = stuck_after;
+        self
+    }
+
+    /// How long the pool must have had an idle worker before an extra worker retires
+    /// (default one minute).
+    #[must_use]
+    pub fn extra_worker_idle(mut self, retire_after: Duration) -> Self {
+        self.monitor.retire_after = retire_after;
+        self
+    }
+
+    /// Recovers the store and starts the executor. Every unfinished tree in the store is
+    /// carried on to SUCCESS or ROLLEDBACK; see [`Executor::recovery`].
+    ///
+    /// Works from any async context. Inside an actix system (under `#[actix::main]`, in
+    /// an actor, on an actix arbiter) the executor joins that system. Anywhere else (a
+    /// plain tokio runtime, multi-thread or current-thread) it starts an actix system
+    /// of its own on a thread it owns; [`Executor::shutdown`] stops that thread, and so
+    /// does dropping the last handle without a shutdown (the engine then shuts down
+    /// gracefully on its own threads, and nobody waits for it).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] for a bad setting, a missing environment (one of type `E` is
+    /// needed unless `E` is `()`), or when a thread cannot be started;
+    /// [`Error::Store`] when the store cannot be loaded (a corrupt log, a directory
+    /// locked by another engine).
+    pub async fn start(self) -> Result<Executor<E>, Error> {
+        if actix::Arbiter::try_current().is_some() {
+            return self.start_here(false).await;
+        }
+        let (started, answer) = oneshot::channel();
+        let (gone, system_gone) = oneshot::channel();
+        let thread = std::thread::Builder::new()
+            .name("proctor-system".into())
+            .spawn(move || {
+                let system = actix::System::new();
+                let result = system.block_on(self.start_here(true));
+                let ok = result.is_ok();
+                // The starter may have given up waiting: then nothing should run.
+                if started.send(result).is_ok() && ok {
+                    let _ = system.run();
+                }
+                let _ = gone.send(());
+            })
+            .map_err(|e| Error::Config(format!("cannot start the engine's system thread: {e}")))?;
+        let mut executor = answer.await.map_err(|_| {
+            Error::Internal("the engine's system thread ended while starting".into())
+        })??;
+        let addr = executor.addr.clone();
+        executor.system = Some(Arc::new(OwnedSystem {
+            gone: std::sync::Mutex::new(Some((system_gone, thread))),
+            stop: Box::new(move || addr.do_send(Shutdown::graceful())),
+        }));
+        Ok(executor)
+    }
+
+    /// Starts the actors in the current actix system; `owned`: the system is the
+    /// executor's own, stopped by its shutdown.
+    async fn start_here(mut self, owned: bool) -> Result<Executor<E>, Error> {
+        let env = self.check()?;
+        let mut store = self
+            .store
+            .take()
+            .unwrap_or_else(|| Box::new(MemoryStore::new()));
+        // The registry's types go to the recovery, and on to the actors: the other
+        // options are still read below.
+        let recovered = Recovered::load(&mut *store, std::mem::take(&mut self.registry))?;
+        crate::actors::metrics::describe();
+        let persistence = Persistence::new(store)
+            .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?;
+        let views = Arc::new(SchedulerViews {
+            fair: self.scheduling == Scheduling::Fair,
+            ..SchedulerViews::default()
+        });
+        let scheduler = self.start_scheduler(&recovered.registry, views.clone(), persistence);
+        recovered.regrant(&scheduler);
+        let report = recovered.report.clone();
+        let addr = self.create_actor(recovered, env, views, scheduler, owned);
+        if !report.recovered_roots.is_empty() {
+            tracing::info!(
+                recovered = report.recovered_roots.len(),
+                finished = report.finished_roots,
+                corrupt = report.corrupt.len(),
+                "recovered procedures"
+            );
+        }
+        Ok(Executor {
+            addr,
+            report,
+            system: None,
+        })
+    }
+
+    /// The environment the procedures get, once the options are checked: nothing
+    /// starts with a missing environment, without workers or arbiters, or with a bad
+    /// counted resource.
+    fn check(&mut self) -> Result<Arc<AnyEnv>, Error> {
+        let env: Arc<AnyEnv> = match self.env.take() {
+            Some(env) => env,
+            // The one environment there is nothing to give of.
+            None => (Arc::new(()) as Arc<AnyEnv>).downcast::<E>().map_err(|_| {
+                Error::Config(format!(
+                    "the registry's procedures need an environment of type {}: give it \
+                         with ExecutorBuilder::env",
+                    std::any::type_name::<E>()
+                ))
+            })?,
+        };
+        if self.workers == 0 || self.arbiters == 0 {
+            return Err(Error::Config(
+                "workers and arbiters must be at least 1".into(),
+            ));
+        }
+        for (resource, permits) in &self.permits {
+            Lock::shared(resource.as_str())
+                .check()
+                .map_err(Error::Config)?;
+            if *permits == 0 {
+                return Err(Error::Config(format!(
+                    "counted resource {resource:?} needs at least 1 permit"
+                )));
+            }
+        }
+        Ok(env)
+    }
+
+    /// Starts the scheduler, with the workers, the queueing and the counted resources
+    /// of the options, in front of the store's writer.
+    fn start_scheduler(
+        &mut self,
+        registry: &Types,
+        views: Arc<SchedulerViews>,
+        persistence: Persistence,
+    ) -> Addr<Scheduler> {
+        let reserved = self
+            .reserved_workers
+            .unwrap_or(usize::from(self.workers >= 4));
+        Scheduler::new(
+            self.workers,
+            Queueing {
+                scheduling: self.scheduling,
+                reserved,
+                system_workers: self.system_workers,
+                system: registry.system(),
+            },
+            self.monitor,
+            std::mem::take(&mut self.permits),
+            views,
+            persistence,
+        )
+        .start()
+    }
+
+    /// Starts the arbiters, each with its shard, and then the executor actor, which
+    /// keeps the recovered results and sends the recovered trees to their shards
+    /// before it handles any request.
+    fn create_actor(
+        &self,
+        recovered: Recovered,
+        env: Arc<AnyEnv>,
+        views: Arc<SchedulerViews>,
+        scheduler: Addr<Scheduler>,
+        owned: bool,
+    ) -> Addr<ExecutorActor<E>> {
+        let max_unfinished = self.max_unfinished;
+        let retention = self.retention;
+        let drain_timeout = self.drain_timeout;
+        let unfinished = recovered.trees.len();
+        let finished_at = recovered.finished_at();
+        let nonces = recovered.nonces();
+        let (arbiters, handles, shards) = start_arbiters(self.arbiters, &scheduler);
+        let Recovered {
+            registry,
+            mut plan,
+            trees,
+            cut_off,
+            max_id,
+            ..
+        } = recovered;
+        let finished = std::mem::take(&mut plan.finished);
+        let table_capacity = finished.len()
+            + trees
+                .iter()
+                .map(|(t, _)| plan.records_of(t).len())
+                .sum::<usize>();
+        ExecutorActor::<E>::create(move |ctx| {
+            let shared = Arc::new(Shared::new(
+                registry,
+                env,
+                views,
+                scheduler,
+                ctx.address().recipient(),
+                ctx.address().recipient(),
+                handles,
+                shards,
+                max_id,
+                table_capacity,
+            ));
+            keep_results(&shared, finished);
+            start_recovered(&shared, &plan, trees);
+            ExecutorActor {
+                shared,
+                waiters: IdMap::default(),
+                broken: None,
+                arbiters,
+                unfinished,
+                max_unfinished,
+                nonces,
+                retention,
+                finished: finished_at.into(),
+                acked: IdMap::default(),
+                evicting: false,
+                owned_system: owned,
+                drain_timeout,
+                stopping: false,
+                cut_off,
+                subscribers: Vec::new(),
+                env: PhantomData,
+            }
+        })
+    }
+}
+
+/// Starts `n` arbiters, each with a shard of its own: the arbiters (joined at
+/// shutdown), their handles and their shards.
+fn start_arbiters(
+    n: usize,
+    scheduler: &Addr<Scheduler>,
+) -> (Vec<Arbiter>, Vec<ArbiterHandle>, Vec<Addr<Shard>>) {
+    let arbiters: Vec<Arbiter> = (0..n).map(|_| Arbiter::new()).collect();
+    let handles = arbiters.iter().map(Arbiter::handle).collect();
+    let shards = arbiters
+        .iter()
+        .map(|arbiter| {
+            let scheduler = scheduler.clone();
+            Shard::start_in_arbiter(&arbiter.handle(), |_| Shard::new(scheduler))
+        })
+        .collect();
+    (arbiters, handles, shards)
+}
+
+/// A recovered tree, decoded: its plan, its procedures, and the suspended ones that
+/// run their next step at once.
+type DecodedTree = (TreeRecovery, (Objects, Vec<ProcId>));
+
+/// What the start made of the store before any actor starts.
+struct Recovered {
+    registry: Types,
+    /// The plan, its trees and corrupt procedures taken out (into `trees` and
+    /// `report`).
+    plan: RecoveryPlan,
+    /// The unfinished trees that decoded, in the plan's order.
+    trees: Vec<DecodedTree>,
+    /// What becomes the actor's `cut_off`.
+    cut_off: Vec<ProcId>,
+    report: Arc<Recovery>,
+    /// The highest procedure id the store has seen.
+    max_id: u64,
+}
+
+impl Recovered {
+    /// Loads `store`, plans the recovery of what it holds and decodes every tree the
+    /// plan carries on; reports what cannot be recovered.
+    fn load<E: Send + Sync + 'static>(
+        store: &mut dyn ProcedureStore,
+        registry: Registry<E>,
+    ) -> Result<Self, Error> {
+        let snapshot = store.load_parts()?;
+        // A drained stop's mark holds for one start: this engine may run a step (a
+        // recovered waiter's, say) before it first appends, so the mark goes first.
+        if snapshot.last_stop != LastStop::Unknown {
+            store.mark_running()?;
+        }
+        let registry = registry.into_types();
+        let names = |name: &str| registry.static_name(name);
+        let cut_off = recovery::may_be_cut_off(&snapshot.last_stop);
+        let mut plan = crate::actors::recover::plan(snapshot.parts, &names, &cut_off, now_ms());
+        // The procedures recovery takes as possibly cut off, for this engine's own
+        // drained stop to pass on if they have not run a step by then.
+        let cut_off: Vec<ProcId> = plan.each_tree().flat_map(|t| t.stack.cut_off()).collect();
+        let (trees, corrupt) = decode_trees(&registry, &mut plan);
+        for c in &corrupt {
+            tracing::error!(proc = %c.id, root = %c.root, reason = %c.reason, "cannot recover procedure");
+        }
+        let mut recovered_roots: Vec<ProcId> = trees.iter().map(|(t, _)| t.stack.root()).collect();
+        recovered_roots.sort_unstable();
+        let report = Arc::new(Recovery {
+            recovered_roots,
+            finished_roots: plan.finished.len(),
+            corrupt,
+            repairs: snapshot.repairs,
+        });
+        Ok(Recovered {
+            registry,
+            plan,
+            trees,
+            cut_off,
+            report,
+            max_id: snapshot.max_id,
+        })
+    }
+
+    /// Locks held for life when the engine stopped go back to their holders, roots
+    /// first, before any tree is started and can ask for anything.
+    fn regrant(&self, scheduler: &Addr<Scheduler>) {
+        let mut held: Vec<_> = self
+            .trees
+            .iter()
+            .flat_map(|(t, _)| t.stack.held_locks())
+            .collect();
+        held.sort_by_key(|r| (r.root, r.owner));
+        if !held.is_empty() {
+            scheduler.do_send(Regrant(held));
+        }
+    }
+
+    /// Results to evict, oldest first (recovered ones by when they finished).
+    fn finished_at(&self) -> Vec<(u64, ProcId)> {
+        let mut finished_at: Vec<(u64, ProcId)> = self
+            .plan
+            .finished
+            .iter()
+            .map(|r| (r.updated_ms, r.id))
+            .collect();
+        finished_at.sort_unstable();
+        finished_at
+    }
+
+    /// Every root record keeps its nonce, finished or not.
+    fn nonces(&self) -> HashMap<Nonce, NonceState> {
+        let plan = &self.plan;
+        plan.finished
+            .iter()
+            .chain(self.trees.iter().flat_map(|(t, _)| plan.records_of(t)))
+            .filter(|r| r.parent.is_none())
+            .filter_map(|r| Some((r.nonce?, NonceState::Known(r.id))))
+            .collect()
+    }
+}
+
+/// Decodes the trees `plan` carries on, taking them and its corrupt procedures out of
+/// it: the trees that decoded, and every procedure that cannot be recovered (those of
+/// a tree that does not decode included).
+fn decode_trees(registry: &Types, plan: &mut RecoveryPlan) -> (Vec<DecodedTree>, Vec<CorruptProc>) {
+    let mut corrupt = std::mem::take(&mut plan.corrupt);
+    // Decode every unfinished procedure before anything starts, so that hooks run
+    // in the plan's order (children before parents) and a tree that cannot be
+    // decoded is reported whole.
+    let mut trees = Vec::with_capacity(plan.tree_count());
+    for tree in std::mem::take(&mut plan.trees).into_iter().flatten() {
+        let records = plan.records_of(&tree);
+        match decode_tree(registry, records) {
+            Ok(decoded) => trees.push((tree, decoded)),
+            Err(reason) => corrupt.extend(records.iter().map(|r| CorruptProc {
+                id: r.id,
+                root: r.root,
+                reason: reason.clone(),
+            })),
+        }
+    }
+    (trees, corrupt)
+}
+
+/// Puts the recovered finished roots in the table, with their results.
+fn keep_results(shared: &Shared, finished: Vec<ProcRecord>) {
+    for record in finished {
+        // Finished roots keep their results across restarts.
+        shared.table.insert(
+            record.id,
+            Entry {
+                root: record.root,
+                parent: record.parent,
+                type_name: shared
+                    .registry
+                    .static_name(&record.type_name)
+                    .unwrap_or("?"),
+                state: record.state,
+                submitted_ms: record.submitted_ms,
+                updated_ms: record.updated_ms,
+                tree: None,
+                extra: EntryExtra {
+                    result: Some(record.failure.map_or(Ok(()), Err)),
+                    value: record.result,
+                    nonce: record.nonce,
+                }
+                .boxed(),
+                waiting: Waiting::Nothing,
+                state_name: None,
+                steering: None,
+            },
+        );
+    }
+}
+
+/// Publishes the recovered trees' records and starts each tree on its shard.
+fn start_recovered(shared: &Arc<Shared>, plan: &RecoveryPlan, trees: Vec<DecodedTree>) {
+    // The trees go to their shards a few thousand to a message, all of them
+    // before the executor handles any request. A large recovery builds them on
+    // every core.
+    let chunks = split_evenly(trees, crate::actors::recover::cores(), PARALLEL_START_MIN);
+    crate::actors::recover::on_threads(chunks, |chunk| {
+        let mut starts = Mail::default();
+        for (n, (tree, (objects, rerun))) in chunk.into_iter().enumerate() {
+            if n % RECOVERED_STARTS_PER_MESSAGE == 0 {
+                starts.send();
+            }
+            // Finished children stay out: nothing stops (and unlists) them later.
+            let records = plan
+                .records_of(&tree)
+                .iter()
+                .filter(|r| r.parent.is_none() || !r.state.is_finished());
+            let addr = shared.new_tree(tree.stack.root());
+            // In the table before the executor handles any request (it is not
+            // running yet): recovered records are durable by definition.
+            publish_recovered(shared, records, &addr);
+            let runner = TreeRunner::recover(
+                shared.clone(),
+                addr.clone(),
+                tree.stack,
+                tree.start,
+                objects,
+                rerun,
+            );
+            addr.start_by(&mut starts, runner);
+        }
+        starts.send();
+    });
+}
+
+/// Decodes the unfinished procedures of a recovered tree and runs their
+/// `before_recover` hooks, children first. Also returns the suspended procedures that
+/// run their next step at once rather than wait for their event again.
+fn decode_tree(registry: &Types, records: &[ProcRecord]) -> Result<(Objects, Vec<ProcId>), String> {
+    let mut objects = Vec::new();
+    let mut rerun = Vec::new();
+    for r in records.iter().filter(|r| !r.state.is_finished()) {
+        // The user's `Deserialize` runs here: a panic in it makes the tree corrupt,
+        // named, rather than ending the engine's start.
+        let mut proc = decode_guarded(registry, &r.type_name, &r.data)
+            .map_err(|e| format!("procedure {}: {e}", r.id))?;
+        if let Err(e) = guard("before_recover", || proc.before_recover()) {
+            tracing::error!(proc = %r.id, %e, "before_recover panicked");
+        }
+        // Paused while it waited (an operator's pause), it asks the same question:
+        // continued, does it run its next step or wait for the event again?
+        if let (ProcState::Waiting | ProcState::Paused, Some(event)) = (r.state, &r.event) {
+            match guard("rerun_after_recover", || proc.rerun_after_recover(event)) {
+                Ok(true) => rerun.push(r.id),
+                Ok(false) => {}
+                Err(e) => {
+                    tracing::error!(proc = %r.id, %e, "rerun_after_recover panicked; re-running");
+                    rerun.push(r.id);
+                }
+            }
+        }
+        objects.push((r.id, (proc, r.data.clone())));
+    }
+    Ok((objects.into_iter().collect(), rerun))
+}
+
+/// What the executor found in its store when it started.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Recovery {
+    /// Roots of the unfinished trees it carries on, by id.
+    pub recovered_roots: Vec<ProcId>,
+    /// Finished roots whose results it keeps.
+    pub finished_roots: usize,
+    /// Procedures it could not rebuild (left in the store for an operator).
+    pub corrupt: Vec<CorruptProc>,
+    /// What opening the store changed on disk (e.g. a torn WAL tail truncated), one line
+    /// each naming the file, the byte offset and what was done.
+    pub repairs: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::split_evenly;
+
+    /// (items, parts, min) → the runs' lengths.
+    #[test]
+    fn split_evenly_keeps_order_and_stays_whole_when_small() {
+        let cases: [(usize, usize, usize, &[usize]); 7] = [
+            (0, 2, 0, &[]),
+            (10, 2, 20, &[10]),
+            (10, 1, 0, &[10]),
+            (10, 2, 0, &[5, 5]),
+            (11, 2, 0, &[6, 5]),
+            (10, 3, 0, &[4, 4, 2]),
+            (2, 4, 0, &[1, 1]),
+        ];
+        for (n, parts, min, lengths) in cases {
+            let runs = split_evenly((0..n).collect(), parts, min);
+            let got: Vec<usize> = runs.iter().map(Vec::len).collect();
+            assert_eq!(got, lengths, "{n} items, {parts} parts, min {min}");
+            let flat: Vec<usize> = runs.into_iter().flatten().collect();
+            assert_eq!(flat, (0..n).collect::<Vec<_>>(), "order");
+        }
+    }
+}

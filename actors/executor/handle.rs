@@ -1,0 +1,430 @@
+//! [`Executor`], the handle on a running executor that users hold: cheap to clone and
+//! `Send`, with an async method per request, each a message to the executor actor, and
+//! [`Subscription`], the stream [`Executor::subscribe`] gives. The invariant it guards:
+//! an executor that started its own actix system stops that system's thread, on
+//! shutdown or when its last handle goes.
+
+use std::sync::Arc;
+
+use actix::prelude::*;
+use tokio::sync::oneshot;
+
+use crate::error::Error;
+use crate::procedure::{ProcId, Procedure};
+use crate::record::{Failure, Nonce};
+
+use crate::actors::scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
+
+use super::actor::ExecutorActor;
+use super::api::{
+    Abort, AckResult, Bypass, Continue, GetState, GetValue, List, Pause, ProcEvent, ProcInfo,
+    Rollback, Shutdown, Submit, SubscribeChannel, WaitFor,
+};
+use super::builder::{ExecutorBuilder, Recovery};
+
+impl From<MailboxError> for Error {
+    fn from(_: MailboxError) -> Self {
+        Error::Stopped
+    }
+}
+
+/// The actix system an executor started for itself, and how to see its thread end.
+pub(super) struct OwnedSystem {
+    pub(super) gone: std::sync::Mutex<Option<(oneshot::Receiver<()>, std::thread::JoinHandle<()>)>>,
+    /// Asks the executor to shut down (gracefully), for when the last handle goes.
+    pub(super) stop: Box<dyn Fn() + Send + Sync>,
+}
+
+impl Drop for OwnedSystem {
+    /// The last handle went without a shutdown: the engine shuts down on its own
+    /// threads (as `shutdown` does, without anyone waiting), and its system thread then
+    /// ends, releasing the store. Left running, nobody could reach it again, and it
+    /// would hold the store (a WAL directory's lock) until the process ended.
+    fn drop(&mut self) {
+        let running = self.gone.get_mut().map_or(true, |g| g.is_some());
+        if running {
+            (self.stop)();
+        }
+    }
+}
+
+/// A handle on a running executor. Cheap to clone and `Send`: use it from actors or
+/// from plain tokio tasks.
+///
+/// ```no_run
+/// # use proctor::{async_trait, Context, Flow, ProcError, Procedure, Registry, Executor};
+/// # use serde::{Deserialize, Serialize};
+/// # #[derive(Serialize, Deserialize)] struct Noop;
+/// # #[async_trait] impl Procedure for Noop {
+/// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+/// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) } }
+/// #[actix::main]
+/// async fn main() -> Result<(), proctor::Error> {
+///     let mut registry = Registry::new();
+///     registry.register::<Noop>("noop");
+///     let executor = Executor::builder().registry(registry).start().await?;
+///     let id = executor.submit(Noop).await?;
+///     assert!(executor.wait(id).await?.is_ok());
+///     Ok(())
+/// }
+/// ```
+///
+/// `E` is the environment its procedures get (see [`Procedure`](crate::Procedure)).
+pub struct Executor<E = ()>
+where
+    E: Send + Sync + 'static,
+{
+    pub(super) addr: Addr<ExecutorActor<E>>,
+    pub(super) report: Arc<Recovery>,
+    /// Set when the executor runs its own actix system (started outside one).
+    pub(super) system: Option<Arc<OwnedSystem>>,
+}
+
+impl<E: Send + Sync + 'static> Clone for Executor<E> {
+    fn clone(&self) -> Self {
+        Executor {
+            addr: self.addr.clone(),
+            report: self.report.clone(),
+            system: self.system.clone(),
+        }
+    }
+}
+
+impl<E: Send + Sync + 'static> std::fmt::Debug for Executor<E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Executor")
+            .field("connected", &self.addr.connected())
+            .field("own_system", &self.system.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Executor {
+    /// A builder with the defaults.
+    pub fn builder() -> ExecutorBuilder {
+        ExecutorBuilder::default()
+    }
+}
+
+impl<E: Send + Sync + 'static> Executor<E> {
+    /// What recovery found when the executor started.
+    pub fn recovery(&self) -> &Recovery {
+        &self.report
+    }
+
+    /// The executor actor, for sending the messages directly.
+    pub fn addr(&self) -> &Addr<ExecutorActor<E>> {
+        &self.addr
+    }
+
+    /// Submits a root procedure; answers with its id once its insert is durable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] once a shutdown has begun; [`Error::Store`] or
+    /// [`Error::Internal`] once the store has failed or the engine broke (this insert's
+    /// failure included); [`Error::Overloaded`] at
+    /// [`ExecutorBuilder::max_unfinished`] unfinished roots; [`Error::Registry`] if its
+    /// type is not registered or its state does not serialize; [`Error::Invalid`] for a
+    /// bad resource name in its locks or a panic in `locks`, `holds_lock` or
+    /// `timeout_ms`.
+    pub async fn submit(&self, proc: impl Procedure<E>) -> Result<ProcId, Error> {
+        self.addr.send(Submit::new(proc)).await?
+    }
+
+    /// Submits a root procedure at most once per `nonce`: a retry with the same nonce
+    /// (concurrent, or after a restart) answers the first submit's id and runs nothing.
+    ///
+    /// # Errors
+    ///
+    /// As [`submit`](Self::submit). A retry that comes while the first submit is on its
+    /// way gets that submit's answer, error included; a failed submit frees the nonce.
+    pub async fn submit_with_nonce(
+        &self,
+        proc: impl Procedure<E>,
+        nonce: Nonce,
+    ) -> Result<ProcId, Error> {
+        self.addr.send(Submit::new(proc).with_nonce(nonce)).await?
+    }
+
+    /// Asks a procedure to abort. `Ok(true)` once it has accepted and its failure is
+    /// durable (its tree then rolls back, even across a crash), `Ok(false)` if it
+    /// refused. If the store fails first, the answer is that error and the abort did not
+    /// happen.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
+    /// longer known; [`Error::Finished`] if it has finished; [`Error::Refused`] past
+    /// its tree's point of no return ([`Context::set_irreversible`](crate::Context::set_irreversible)),
+    /// also when the tree passes it while the abort waits for a running step: the
+    /// procedure is then paused instead, for an operator to continue; [`Error::Store`]
+    /// or [`Error::Internal`] once the store has failed or the engine broke;
+    /// [`Error::Stopped`] after shutdown.
+    pub async fn abort(&self, id: ProcId) -> Result<bool, Error> {
+        self.addr.send(Abort(id)).await?
+    }
+
+    /// Bypasses a stuck procedure (HBCK2's `bypass`): it is marked SUCCESS without
+    /// running further or rolling back, its locks are released, and its parent goes on
+    /// as if it had succeeded (bypassing a root ends its tree). With `recursive`, its
+    /// unfinished descendants are bypassed too; without, a procedure with unfinished
+    /// children is refused. Only a procedure that waits (for children, an event, a
+    /// deadline, or an operator: PAUSED) can be bypassed, not one queued or in a step,
+    /// and not in a tree that is rolling back (ROLLBACK_PAUSED included): each refusal
+    /// is [`Error::BypassRefused`] with the reason.
+    /// Answers once the bypass is durable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
+    /// longer known; [`Error::Finished`] if it has finished; [`Error::BypassRefused`] as
+    /// above; [`Error::Store`] or [`Error::Internal`] once the store has failed or the
+    /// engine broke; [`Error::Stopped`] after shutdown.
+    pub async fn bypass(&self, id: ProcId, recursive: bool) -> Result<(), Error> {
+        self.addr.send(Bypass { id, recursive }).await?
+    }
+
+    /// Pauses a procedure (PolarDB-X's `PAUSE DDL`) at its next step boundary: the
+    /// step it is running (or is queued for) ends as usual, and the next one does not
+    /// start; a waiting procedure pauses when it would run again. It is then PAUSED,
+    /// persisted and holding its locks, until [`resume`](Self::resume) or
+    /// [`rollback`](Self::rollback). Answers once PAUSED is durable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Refused`] for a procedure that is not runnable or waiting (already
+    /// paused, failed), in a tree rolling back, or that finished or whose tree failed
+    /// before the pause took effect; as [`resume`](Self::resume) for a procedure not
+    /// live, after shutdown or a store failure.
+    pub async fn pause(&self, id: ProcId) -> Result<(), Error> {
+        self.addr.send(Pause(id)).await?
+    }
+
+    /// Continues a paused procedure (PolarDB-X's `CONTINUE DDL`): a PAUSED one runs
+    /// the step that failed again, from its recorded state, with its retries reset; a
+    /// ROLLBACK_PAUSED one retries its rollback. Answers once that is durable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Refused`] for a procedure in any other state, or PAUSED in a tree that
+    /// has failed meanwhile (it is rolled back, not continued); [`Error::Finished`],
+    /// [`Error::UnknownProcedure`] or [`Error::Gone`] for one not live; [`Error::Stopped`]
+    /// after shutdown; the store's error once it has failed.
+    #[doc(alias = "continue")]
+    pub async fn resume(&self, id: ProcId) -> Result<(), Error> {
+        self.addr.send(Continue(id)).await?
+    }
+
+    /// Rolls a procedure's tree back on an operator's word (`ROLLBACK DDL`). A PAUSED
+    /// procedure fails ([`ProcError::Aborted`](crate::ProcError::Aborted)) and its tree
+    /// rolls back, starting with the step that failed, which may have left effects.
+    /// Any other live procedure is aborted as by [`abort`](Self::abort): a running
+    /// step is cancelled, and the abort hook may refuse. Answers once the failure is
+    /// durable.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Refused`] past the tree's point of no return
+    /// ([`Context::set_irreversible`](crate::Context::set_irreversible): continue
+    /// instead), for a procedure whose rollback is paused (continue it), in a tree
+    /// already rolling back, or when the abort hook refuses; as [`resume`](Self::resume)
+    /// for a procedure not live, after shutdown or a store failure.
+    pub async fn rollback(&self, id: ProcId) -> Result<(), Error> {
+        self.addr.send(Rollback(id)).await?
+    }
+
+    /// What the executor knows of a procedure now.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
+    /// longer known; [`Error::Stopped`] after shutdown.
+    pub async fn state(&self, id: ProcId) -> Result<ProcInfo, Error> {
+        self.addr.send(GetState(id)).await?
+    }
+
+    /// Waits until the root procedure `id` has finished; its result is `Ok(())` for
+    /// SUCCESS or the tree's original [`Failure`] for ROLLEDBACK.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
+    /// longer known; [`Error::NotRoot`] for a child; [`Error::Store`] or
+    /// [`Error::Internal`] if the store fails or the engine breaks before the tree
+    /// finishes; [`Error::Stopped`] if the executor stops first.
+    pub async fn wait(&self, id: ProcId) -> Result<Result<(), Failure>, Error> {
+        self.addr.send(WaitFor(id)).await?
+    }
+
+    /// Waits like [`wait`](Self::wait), and for a root that succeeded also returns the
+    /// value its last step set with [`Context::set_result`](crate::Context::set_result)
+    /// (`None` if it set none).
+    ///
+    /// ```no_run
+    /// # async fn f(executor: proctor::Executor, id: proctor::ProcId) -> Result<(), proctor::Error> {
+    /// if let Ok(Some(region_count)) = executor.wait_value::<u32>(id).await? {
+    ///     println!("created {region_count} regions");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`wait`](Self::wait); [`Error::Gone`] also if the result is evicted before its
+    /// value is read; [`Error::ValueType`] if the value does not decode as `T`.
+    pub async fn wait_value<T: serde::de::DeserializeOwned>(
+        &self,
+        id: ProcId,
+    ) -> Result<Result<Option<T>, Failure>, Error> {
+        if let Err(failure) = self.wait(id).await? {
+            return Ok(Err(failure));
+        }
+        let Some(bytes) = self.addr.send(GetValue(id)).await?? else {
+            return Ok(Ok(None));
+        };
+        rmp_serde::from_slice(&bytes)
+            .map(|v| Ok(Some(v)))
+            .map_err(|e| Error::ValueType {
+                id,
+                reason: e.to_string(),
+            })
+    }
+
+    /// Tells the executor the client has its result: it is evicted after the shorter
+    /// retention ([`ExecutorBuilder::retention_after_ack`]).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
+    /// longer known (evicted already); [`Error::NotRoot`] for a child;
+    /// [`Error::NotFinished`] before the tree finishes; [`Error::Stopped`] after
+    /// shutdown.
+    pub async fn ack_result(&self, id: ProcId) -> Result<(), Error> {
+        self.addr.send(AckResult(id)).await?
+    }
+
+    /// What the scheduler is doing: workers (with any extra), running and queued steps,
+    /// lock holders and waiters.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] after shutdown.
+    pub async fn scheduler_stats(&self) -> Result<SchedulerStats, Error> {
+        self.addr.send(GetSchedulerStats).await?
+    }
+
+    /// The procedures that pass `which` (see [`List`]), in id order: by default every
+    /// unfinished one.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] or [`Error::Internal`] once the store has failed or the engine
+    /// broke; [`Error::Stopped`] after shutdown.
+    pub async fn list(&self, which: List) -> Result<Vec<ProcInfo>, Error> {
+        self.addr.send(which).await?
+    }
+
+    /// Subscribes to [`ProcEvent`]s: every root submitted or finishing, and every
+    /// procedure pausing, from now on.
+    ///
+    /// ```no_run
+    /// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+    /// let mut events = executor.subscribe().await?;
+    /// while let Some(event) = events.next().await {
+    ///     if let proctor::ProcEvent::Finished { id, result, .. } = event {
+    ///         println!("{id}: {result:?}");
+    ///     }
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] or [`Error::Internal`] once the store has failed or the engine
+    /// broke; [`Error::Stopped`] after shutdown.
+    pub async fn subscribe(&self) -> Result<Subscription, Error> {
+        let (tx, events) = tokio::sync::mpsc::unbounded_channel();
+        self.addr.send(SubscribeChannel(tx)).await??;
+        Ok(Subscription { events })
+    }
+
+    /// Makes `event` ready and wakes the procedures suspended on it (see
+    /// [`Flow::Suspend`](crate::Flow)); it stays ready until [`reset_event`](Self::reset_event).
+    ///
+    /// The waiters are handed to their trees oldest first, and each tree queues its
+    /// procedure's next step. Trees on the same arbiter queue them in that order, so
+    /// under [`Scheduling::Fifo`](crate::Scheduling::Fifo) the oldest waiter's step is
+    /// queued first; trees on different arbiters (placed round robin, see
+    /// [`ExecutorBuilder::arbiters`]) queue theirs concurrently, and which of those
+    /// steps runs first is not promised. A service that needs its woken procedures to
+    /// run in order runs one arbiter, or orders them itself (one waiter that starts the
+    /// next).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] after shutdown.
+    pub async fn wake_event(&self, event: impl Into<String>) -> Result<(), Error> {
+        Ok(self.addr.send(WakeEvent(event.into())).await?)
+    }
+
+    /// Makes `event` not ready again: later suspensions on it wait for the next wake.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] after shutdown.
+    pub async fn reset_event(&self, event: impl Into<String>) -> Result<(), Error> {
+        Ok(self.addr.send(ResetEvent(event.into())).await?)
+    }
+
+    /// Stops the executor gracefully: new submits are refused, no new step or rollback
+    /// starts, the running ones end and their records become durable (within
+    /// [`ExecutorBuilder::drain_timeout`]); then the arbiters and the store writer stop
+    /// and the store (and its directory lock) is released. Unfinished procedures go on
+    /// from their last record when an executor starts on the store again.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] if the executor had already stopped.
+    pub async fn shutdown(self) -> Result<(), Error> {
+        self.stop(Shutdown::graceful()).await
+    }
+
+    /// Stops the executor at once: steps still running are cut off, exactly as by a
+    /// crash; what is durable is what the next executor recovers. For tests.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] if the executor had already stopped.
+    pub async fn shutdown_now(self) -> Result<(), Error> {
+        self.stop(Shutdown::now()).await
+    }
+
+    async fn stop(self, how: Shutdown) -> Result<(), Error> {
+        let stopped = self.addr.send(how).await;
+        // An executor started outside actix also ends the system thread it started.
+        let gone = self
+            .system
+            .as_ref()
+            .and_then(|s| s.gone.lock().ok()?.take());
+        if let Some((gone, thread)) = gone {
+            let _ = gone.await;
+            let _ = thread.join();
+        }
+        Ok(stopped?)
+    }
+}
+
+/// A stream of [`ProcEvent`]s from [`Executor::subscribe`]. Unbounded: read it, or
+/// drop it.
+#[derive(Debug)]
+pub struct Subscription {
+    events: tokio::sync::mpsc::UnboundedReceiver<ProcEvent>,
+}
+
+impl Subscription {
+    /// The next event; `None` once the executor has stopped.
+    pub async fn next(&mut self) -> Option<ProcEvent> {
+        self.events.recv().await
+    }
+}

@@ -1,0 +1,31 @@
+//! The executor: the engine's public address. [`ExecutorBuilder`] configures and starts
+//! it; [`Executor`] is a cheap, `Send` handle with async methods; [`ExecutorActor`] takes
+//! the same requests as messages ([`Submit`], [`Abort`], [`GetState`], [`WaitFor`],
+//! [`List`], [`WakeEvent`]) for code that talks to actors.
+//!
+//! The executor itself does little: it names and encodes a submitted procedure, starts
+//! its tree on one of the arbiters' shards, and answers once the tree's root stack has
+//! made the insert durable. It keeps the waiters for results.
+//!
+//! Users reach it through the crate's re-exports; `crash_test.rs` starts engines with
+//! the builder. It is in four parts: `builder.rs` (the options and the start, recovery
+//! included), `handle.rs` (the handle), `api.rs` (the messages the actor takes) and
+//! `actor.rs` (the actor and its handlers). The invariants they guard together: a
+//! submit is answered only once its insert is durable, the executor handles no request
+//! before every recovered tree is on its shard, and once a shutdown has answered nothing
+//! of the engine runs.
+//!
+//! [`WakeEvent`]: super::scheduler::WakeEvent
+
+mod actor;
+mod api;
+mod builder;
+mod handle;
+
+pub use actor::ExecutorActor;
+pub use api::{
+    Abort, AckResult, Bypass, Continue, GetState, GetValue, List, Pause, ProcEvent, ProcInfo,
+    Rollback, Shutdown, Submit, Subscribe, WaitFor, WaitingOn,
+};
+pub use builder::{ExecutorBuilder, Recovery};
+pub use handle::{Executor, Subscription};
