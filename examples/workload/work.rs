@@ -99,8 +99,9 @@ pub struct Work {
     #[serde(default)]
     pub lock: Option<u32>,
     /// The ledger effects the whole tree leaves when it succeeds, written with each
-    /// effect (0 in states written before it was kept).
-    #[serde(default)]
+    /// effect (0 in states written before it was kept). Stored under a short name:
+    /// the state is encoded at every step, field names included.
+    #[serde(default, rename = "of")]
     pub tree_effects: u32,
 }
 
