@@ -14,7 +14,7 @@
 //! ```
 //!
 //! Prints one JSON line. `benches/compare.sh` runs it beside `examples/workload` and
-//! prints the ratios (BENCHMARKS.md, "The cost of a step against a bare design").
+//! prints the ratios (BENCHMARKS.md, "The cost of a step against the bare design").
 
 #[path = "../examples/workload/rss.rs"]
 mod rss;
