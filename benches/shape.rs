@@ -65,6 +65,10 @@ struct Args {
     /// Stop a procedure's actor after each step and start a new one for the next.
     #[arg(long)]
     passivate: bool,
+    /// Batch the hops across threads: each shard's courier actor gathers its root
+    /// stacks' `Persist`s into one message, and gets their `Durable`s back as one.
+    #[arg(long)]
+    batch: bool,
     /// No file: the writer acknowledges at once.
     #[arg(long)]
     memory: bool,
@@ -135,7 +139,8 @@ struct RootStack {
     /// Its procedure's actor while it is active.
     proc: Option<Addr<Procedure>>,
     scheduler: Addr<Scheduler>,
-    persistence: Addr<Persistence>,
+    /// The persistence actor, or the shard's courier in front of it.
+    persistence: Recipient<Persist>,
     done: tokio::sync::mpsc::UnboundedSender<()>,
     passivate: bool,
     /// Its own address until it is done: an actix actor whose last address is dropped
@@ -288,6 +293,65 @@ impl Handler<StepFinished> for Scheduler {
 
 // ---- the persistence actor and what it receives ----
 
+// ---- the courier (one per shard, with `--batch`) and what it receives ----
+
+/// Gathers its shard's `Persist`s into one message to the persistence actor, and
+/// hands the batch's `Durable`s back to each root stack on its own thread.
+struct Courier {
+    persistence: Addr<Persistence>,
+    records: Vec<Vec<u8>>,
+    to: Vec<Addr<RootStack>>,
+}
+
+impl Actor for Courier {
+    type Context = Context<Self>;
+}
+
+impl Handler<Persist> for Courier {
+    type Result = ();
+
+    fn handle(&mut self, msg: Persist, ctx: &mut Context<Self>) {
+        if self.to.is_empty() {
+            // After what is already in the mailbox: those join this batch.
+            ctx.notify(Flush);
+        }
+        self.records.push(msg.record);
+        self.to.push(msg.to);
+    }
+}
+
+/// Send what has gathered (from the courier itself).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Flush;
+
+impl Handler<Flush> for Courier {
+    type Result = ();
+
+    fn handle(&mut self, _: Flush, ctx: &mut Context<Self>) {
+        self.persistence.do_send(PersistBatch {
+            records: std::mem::take(&mut self.records),
+            to: std::mem::take(&mut self.to),
+            courier: ctx.address(),
+        });
+    }
+}
+
+/// A batch's root stacks, whose records are durable (from the persistence actor).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct DurableBatch(Vec<Addr<RootStack>>);
+
+impl Handler<DurableBatch> for Courier {
+    type Result = ();
+
+    fn handle(&mut self, msg: DurableBatch, _: &mut Context<Self>) {
+        for root in msg.0 {
+            root.do_send(Durable);
+        }
+    }
+}
+
 /// A batch handed to the writer thread, answered once durable; `None` ends the writer.
 type Batch = Option<(Vec<Vec<u8>>, oneshot::Sender<Vec<Vec<u8>>>)>;
 
@@ -295,6 +359,8 @@ struct Persistence {
     writer: mpsc::Sender<Batch>,
     pending: Vec<Vec<u8>>,
     waiting: Vec<Addr<RootStack>>,
+    /// Batches from couriers, answered to each courier as one message.
+    waiting_batches: Vec<(Addr<Courier>, Vec<Addr<RootStack>>)>,
     in_flight: bool,
 }
 
@@ -306,12 +372,13 @@ impl Persistence {
     /// Hands what is pending to the writer as one batch, and answers its root stacks
     /// once it is durable.
     fn flush(&mut self, ctx: &mut Context<Self>) {
-        if self.in_flight || self.waiting.is_empty() {
+        if self.in_flight || (self.waiting.is_empty() && self.waiting_batches.is_empty()) {
             return;
         }
         let (tx, rx) = oneshot::channel();
         let records = std::mem::take(&mut self.pending);
         let acks = std::mem::take(&mut self.waiting);
+        let batches = std::mem::take(&mut self.waiting_batches);
         if self.writer.send(Some((records, tx))).is_err() {
             return;
         }
@@ -320,6 +387,9 @@ impl Persistence {
             act.in_flight = false;
             for root in acks {
                 root.do_send(Durable);
+            }
+            for (courier, roots) in batches {
+                courier.do_send(DurableBatch(roots));
             }
             if let Ok(mut buffer) = buffer {
                 buffer.clear();
@@ -344,6 +414,25 @@ impl Handler<Persist> for Persistence {
     fn handle(&mut self, msg: Persist, ctx: &mut Context<Self>) {
         self.pending.push(msg.record);
         self.waiting.push(msg.to);
+        self.flush(ctx);
+    }
+}
+
+/// Make these records durable, then tell their courier (from a courier).
+#[derive(Message)]
+#[rtype(result = "()")]
+struct PersistBatch {
+    records: Vec<Vec<u8>>,
+    to: Vec<Addr<RootStack>>,
+    courier: Addr<Courier>,
+}
+
+impl Handler<PersistBatch> for Persistence {
+    type Result = ();
+
+    fn handle(&mut self, msg: PersistBatch, ctx: &mut Context<Self>) {
+        self.pending.extend(msg.records);
+        self.waiting_batches.push((msg.courier, msg.to));
         self.flush(ctx);
     }
 }
@@ -389,6 +478,7 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
             writer: tx,
             pending: Vec::new(),
             waiting: Vec::new(),
+            waiting_batches: Vec::new(),
             in_flight: false,
         });
     let shards = args
@@ -408,6 +498,21 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
             })
         })
         .collect();
+    let persist_to: Vec<Recipient<Persist>> = arbiters
+        .iter()
+        .map(|arbiter| {
+            if !args.batch {
+                return persistence.clone().recipient();
+            }
+            let persistence = persistence.clone();
+            Courier::start_in_arbiter(&arbiter.handle(), move |_| Courier {
+                persistence,
+                records: Vec::new(),
+                to: Vec::new(),
+            })
+            .recipient()
+        })
+        .collect();
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel();
     let started = Instant::now();
     let cpu_started = rss::cpu_s();
@@ -423,7 +528,7 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
             steps: args.steps,
             proc: None,
             scheduler: schedulers[shard].clone(),
-            persistence: persistence.clone(),
+            persistence: persist_to[shard].clone(),
             done: done_tx.clone(),
             passivate: args.passivate,
             me: None,
@@ -457,6 +562,7 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
         "design": "shape",
         "store": if args.memory { "memory" } else { "file" },
         "passivate": args.passivate,
+        "batch": args.batch,
         "shards": shards,
         "procs": args.procs,
         "concurrency": args.concurrency,
