@@ -12,6 +12,10 @@
 //! root stack ──Enqueue──▶ scheduler (the next step, once the last one is durable)
 //! ```
 //!
+//! With `--batch`, a courier actor on each shard gathers its root stacks' `Persist`s
+//! into one message to the persistence actor and takes their `Durable`s back as one,
+//! so the hops across threads are one message per batch and shard, not per step.
+//!
 //! With `--passivate`, a procedure's actor stops after each step, handing its state to
 //! its root stack, which starts a new one (activation) for the next step: the cost of
 //! keeping no procedure actor alive between steps, against keeping it (the default).
@@ -22,7 +26,7 @@
 //! ```sh
 //! cargo bench --bench shape -- --procs 100000 --concurrency 1000             # durable
 //! cargo bench --bench shape -- --procs 100000 --concurrency 1000 --memory    # no file
-//! cargo bench --bench shape -- --procs 100000 --shards 1 --passivate
+//! cargo bench --bench shape -- --procs 100000 --shards 1 --batch --passivate
 //! ```
 //!
 //! Prints one JSON line, as `benches/bare.rs` does.
