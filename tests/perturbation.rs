@@ -8,7 +8,10 @@
 //! (their steps first, on system workers when the seed gives the executor one), time
 //! limits of a few ms on some procedures (a timeout fails the tree wherever the
 //! procedure is: in a step, queued, waiting for locks or children, paused), operator
-//! aborts at random moments, sometimes a crash through a failing store and a restart —
+//! aborts at random moments, sometimes a crash through a failing store and a restart,
+//! or (in a third of the seeds without one) a graceful shutdown mid-run and a restart
+//! after the drained stop (checked as strictly as a run without a restart, but for the
+//! user's lock hooks, whose holds end with the stopped process) —
 //! and runs it with the actor layer's perturbation points on (`proctor::perturb`), so
 //! rare interleavings happen often. Everything observable goes into one history: step
 //! and rollback calls, hook lock grants and releases, which procedure is inside which
@@ -653,6 +656,14 @@ impl<S: ProcedureStore> ProcedureStore for Recording<S> {
     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
         self.inner.load()
     }
+
+    fn mark_drained(&mut self, cut_off: &[ProcId]) -> Result<(), StoreError> {
+        self.inner.mark_drained(cut_off)
+    }
+
+    fn mark_running(&mut self) -> Result<(), StoreError> {
+        self.inner.mark_running()
+    }
 }
 
 /// The workload of one seed.
@@ -662,6 +673,10 @@ struct Plan {
     arbiters: usize,
     wal: bool,
     crash: Option<(usize, CrashPoint)>,
+    /// In a seed without a crash, a graceful shutdown after this many yields of the
+    /// test, and a restart: the drained stop, after which recovery takes no step as
+    /// cut off but those an earlier crash left.
+    drain: Option<u32>,
     aborts: usize,
     /// Operators' pauses of random live procedures, each continued a little later.
     pauses: usize,
@@ -868,12 +883,17 @@ fn gen_plan(seed: u64) -> Plan {
             }
         }
     }
+    // From a generator of its own too, so that every other part of a seed's plan is
+    // what it was before drained restarts.
+    let mut stops = fastrand::Rng::with_seed(seed ^ 0x5851_f42d_4c95_7f2d);
+    let drain = (crash.is_none() && stops.u8(0..3) == 0).then(|| stops.u32(0..400));
     Plan {
         trees,
         workers,
         arbiters,
         wal,
         crash,
+        drain,
         aborts,
         pauses,
         urgent,
@@ -953,9 +973,9 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     }
     eprintln!(
         "seed {seed}: {} trees ({} of a system type), {} workers (+{} for system steps), \
-         {} arbiters, {}, crash {:?}, {} aborts, {} pauses, {locking} procedures with \
-         engine locks ({for_life} for life, {counted} on {COUNTED} of {} permits), {marks} \
-         points of no return",
+         {} arbiters, {}, crash {:?}, drain {:?}, {} aborts, {} pauses, {locking} \
+         procedures with engine locks ({for_life} for life, {counted} on {COUNTED} of {} \
+         permits), {marks} points of no return",
         plan.trees.len(),
         plan.urgent.iter().filter(|&&u| u).count(),
         plan.workers,
@@ -963,6 +983,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
         plan.arbiters,
         if plan.wal { "wal" } else { "memory" },
         plan.crash,
+        plan.drain,
         plan.aborts,
         plan.pauses,
         plan.counted_permits
@@ -1079,13 +1100,28 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     }
     let going = Arc::new(AtomicBool::new(true));
     let continuer = spawn_continuer(executor.clone(), world.clone(), going.clone());
+    // A graceful shutdown in the middle of the run, then a restart below.
+    let drainer = plan.drain.map(|yields| {
+        let executor = executor.clone();
+        actix::spawn(async move {
+            for _ in 0..yields {
+                tokio::task::yield_now().await;
+            }
+            let _ = executor.addr().send(proctor::Shutdown::graceful()).await;
+        })
+    });
     let mut crashed = false;
+    let mut drained = false;
     for &root in trees.keys() {
         match executor.wait(root).await {
             Ok(result) => world.log(Ev::Result { root, result }),
             Err(Error::Store(_)) => crashed = true,
+            Err(Error::Stopped) if drainer.is_some() => drained = true,
             Err(e) => panic!("seed {seed}: wait for {root}: {e}"),
         }
+    }
+    if let Some(drainer) = drainer {
+        let _ = drainer.await;
     }
     for a in aborters {
         let _ = a.await;
@@ -1095,12 +1131,24 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
     stop.store(true, Ordering::SeqCst);
     let _ = observer.await;
     world.log(Ev::Stopping);
-    executor.shutdown_now().await.unwrap();
+    // Stopped already after a drain.
+    let stopped = executor.shutdown_now().await;
+    assert!(
+        stopped.is_ok() || plan.drain.is_some(),
+        "seed {seed}: {stopped:?}"
+    );
 
-    if crashed || plan.crash.is_some_and(|_| trees.len() < plan.trees.len()) {
-        // The process "died": its in-memory locks die with it.
+    if crashed || drained || plan.crash.is_some_and(|_| trees.len() < plan.trees.len()) {
+        // The process stopped: its in-memory locks end with it (the user's lock hooks
+        // are not asked to release what a tree cut off by the stop held).
         world.log(Ev::Restart);
-        crashed = true;
+        // What the store says of the stop (a drain that cut a step off marks nothing).
+        let marked = open().load().map(|s| s.last_stop);
+        eprintln!(
+            "seed {seed}: restart after a {} stop, the store says {marked:?}",
+            if drained { "drained" } else { "crashed" }
+        );
+        crashed |= !drained;
         world.locks.lock().unwrap().clear();
         let executor = start(open(), &plan, &world).await.unwrap();
         *EXECUTOR.lock().unwrap() = Some(executor.clone());
@@ -1677,6 +1725,8 @@ fn check(history: &[Ev], crashed: bool, serial: bool, permits: u32) {
                     "unlock of {resource}"
                 );
             }
+            // A drained stop: what the stopped process held ended with it.
+            Ev::Restart => held.clear(),
             _ => {}
         }
     }
