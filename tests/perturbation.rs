@@ -1328,6 +1328,11 @@ fn under(lower: &str, upper: &str) -> bool {
     lower.len() > upper.len() && lower.starts_with(upper) && lower[upper.len()..].starts_with('.')
 }
 
+/// A hold of engine locks as the check replays it: the procedure's id, its locks,
+/// whether for life, the index of the enter that began it, whether in a call, and
+/// which call.
+type Hold<'a> = (ProcId, &'a [Lock], bool, usize, bool, &'a str);
+
 /// Engine locks: replays who is inside which locks and asserts that no two procedures
 /// outside each other's ancestry are ever inside conflicting ones. A restart ends every
 /// call of the old engine; only life-long holders stay inside (their locks are durably
@@ -1346,9 +1351,8 @@ fn under(lower: &str, upper: &str) -> bool {
 /// tree, made while only that holder was inside, read as a third line in two permits
 /// once the rollback had entered in between: seed 107612, about one run in six.)
 fn check_engine_locks(history: &[Ev], permits: u32) {
-    // name -> (id, locks, for life, index of the enter that began the hold, in a call,
-    // the call)
-    let mut inside: BTreeMap<&str, (ProcId, &[Lock], bool, usize, bool, &str)> = BTreeMap::new();
+    // name -> its hold
+    let mut inside: BTreeMap<&str, Hold<'_>> = BTreeMap::new();
     let mut root_of: HashMap<ProcId, ProcId> = HashMap::new();
     let mut failed_trees: BTreeSet<ProcId> = BTreeSet::new();
     let mut irreversible_trees: BTreeSet<ProcId> = BTreeSet::new();
