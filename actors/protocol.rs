@@ -594,8 +594,12 @@ impl Message for TreeFinished {
 
 /// Answer once every transition the tree has made is durable and its actions are
 /// performed. Sent after the last call into user code ended (its report was sent
-/// before), so the answer covers every report of the tree.
-pub(crate) struct Quiesce(pub(crate) oneshot::Sender<()>);
+/// before), so the answer covers every report of the tree. The answer names the tree's
+/// procedures that may still have been cut off by an earlier crash (marked in memory
+/// by recovery, not run since: [`RootStack::cut_off`](crate::root_stack::RootStack::cut_off)),
+/// for the drained stop's mark; `None` from a halted tree, whose last transitions may
+/// never become durable (so the stop is not drained).
+pub(crate) struct Quiesce(pub(crate) oneshot::Sender<Option<Vec<ProcId>>>);
 
 // Subscriptions: root stack -> executor, in order with the tree's `TreeFinished`.
 

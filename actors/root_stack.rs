@@ -88,7 +88,7 @@ struct Rare {
     /// Recovered procedures suspended on an event that run their next step at once.
     rerun: Vec<ProcId>,
     /// A graceful shutdown waits for the pending transitions to become durable.
-    quiesce: Vec<oneshot::Sender<()>>,
+    quiesce: Vec<oneshot::Sender<Option<Vec<ProcId>>>>,
 }
 
 /// What a root stack starts with. Every tree holds a runner, so these few words live
@@ -372,8 +372,9 @@ impl TreeRunner {
             if self.rare.as_ref().is_some_and(|r| !r.quiesce.is_empty()) {
                 ctx.send_now();
             }
+            let cut_off: Vec<ProcId> = self.core.cut_off().collect();
             for ack in self.rare.iter_mut().flat_map(|r| r.quiesce.drain(..)) {
-                let _ = ack.send(());
+                let _ = ack.send(Some(cut_off.clone()));
             }
         }
         // The initial transition is durable and performed: the tree has started.
@@ -739,7 +740,7 @@ impl TreeRunner {
         // Nothing more becomes durable: a graceful shutdown waiting for that goes on
         // now, not when the tree has stopped.
         for ack in self.rare.iter_mut().flat_map(|r| r.quiesce.drain(..)) {
-            let _ = ack.send(());
+            let _ = ack.send(None);
         }
         self.unspawned = None;
         self.result = None;
@@ -1180,8 +1181,10 @@ impl Drop for TreeRunner {
 
 impl TreeRunner {
     fn on_quiesce(&mut self, msg: Quiesce) {
-        if self.pending.is_empty() || self.halted.is_some() {
-            let _ = msg.0.send(());
+        if self.halted.is_some() {
+            let _ = msg.0.send(None);
+        } else if self.pending.is_empty() {
+            let _ = msg.0.send(Some(self.core.cut_off().collect()));
         } else {
             self.rare().quiesce.push(msg.0);
         }

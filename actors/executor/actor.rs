@@ -93,10 +93,9 @@ pub struct ExecutorActor<E = ()> {
     pub(super) drain_timeout: Duration,
     /// A shutdown has begun: submits are refused.
     pub(super) stopping: bool,
-    /// The procedures recovery took as possibly cut off by the last engine's stop.
-    /// A drained stop marks those still unfinished as possibly cut off, since a
-    /// procedure that has not been recorded since keeps that in memory only.
-    pub(super) cut_off: Vec<ProcId>,
+    /// The procedures recovery left in the store, their trees corrupt: a drained stop
+    /// names them as possibly cut off, since this engine never knew whether they were.
+    pub(super) corrupt: Vec<ProcId>,
     /// Who receives procedure events.
     pub(super) subscribers: Vec<Subscriber>,
     /// The environment type of the procedures it takes.
@@ -767,7 +766,7 @@ impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
     fn handle(&mut self, msg: Shutdown, _ctx: &mut Context<Self>) -> Self::Result {
         if !msg.graceful || self.stopping || self.broken.is_some() {
             self.stopping = true;
-            return Box::pin(self.stop_now(false));
+            return Box::pin(self.stop_now(None));
         }
         self.stopping = true;
         tracing::info!(
@@ -786,8 +785,12 @@ impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
 
 /// A graceful shutdown's drain: waits until `deadline` for the running calls to end
 /// (past it, cancels them and waits [`CANCEL_GRACE`] more), then for every tree to make
-/// its records durable. `true` if all of it ended in time and no step was cut off.
-async fn graceful_drain(shared: Arc<Shared>, mut deadline: tokio::time::Instant) -> bool {
+/// its records durable. If all of it ended in time and no step was cut off, the
+/// procedures the trees say an earlier crash may still have cut off (see [`Quiesce`]).
+async fn graceful_drain(
+    shared: Arc<Shared>,
+    mut deadline: tokio::time::Instant,
+) -> Option<Vec<ProcId>> {
     // Whether a step was cut off (cancelled, or not made durable in time).
     let mut cut = false;
     if tokio::time::timeout_at(deadline, shared.drain.drain())
@@ -804,25 +807,22 @@ async fn graceful_drain(shared: Arc<Shared>, mut deadline: tokio::time::Instant)
             .is_err()
         {
             tracing::warn!("steps still running after their cancellation: stopping now");
-            return false;
+            return None;
         }
         // A cancelled step that returned reported a yield: it ran, unrecorded.
         cut = true;
     }
     // Every report is sent; wait until each tree has made its records durable.
-    if tokio::time::timeout_at(deadline, quiesced(&shared))
-        .await
-        .is_err()
-    {
+    let Ok(cut_off) = tokio::time::timeout_at(deadline, quiesced(&shared)).await else {
         tracing::warn!("drain deadline passed with records not yet durable: stopping now");
-        return false;
-    }
-    !cut
+        return None;
+    };
+    cut_off.filter(|_| !cut)
 }
 
 /// Asks every tree to make its records durable (`Quiesce`, sent now); the future ends
-/// once each has answered.
-fn quiesced(shared: &Shared) -> impl Future<Output = ()> {
+/// once each has answered, with what they answered together (`None` if one halted).
+fn quiesced(shared: &Shared) -> impl Future<Output = Option<Vec<ProcId>>> {
     let trees: Vec<_> = shared
         .table
         .iter()
@@ -838,10 +838,14 @@ fn quiesced(shared: &Shared) -> impl Future<Output = ()> {
         })
         .collect();
     async move {
+        let mut cut_off = Vec::new();
         for answer in answers {
             // A tree that ended meanwhile drops its sender: quiet too.
-            let _ = answer.await;
+            if let Ok(answer) = answer.await {
+                cut_off.extend(answer?);
+            }
         }
+        Some(cut_off)
     }
 }
 
@@ -849,12 +853,11 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
     /// Stops the arbiters (cutting off what runs) and the store writer. `drained`: a
     /// graceful shutdown ended every call and made every report durable, so the store
     /// is marked so ([`ProcedureStore::mark_drained`](crate::ProcedureStore::mark_drained))
-    /// after its last append.
-    fn stop_now(&mut self, drained: bool) -> impl ActorFuture<Self, Output = ()> {
-        let drained = drained.then(|| {
-            let table = &self.shared.table;
-            let mut cut_off = std::mem::take(&mut self.cut_off);
-            cut_off.retain(|id| table.get(id).is_some_and(|e| !e.state.is_finished()));
+    /// after its last append, naming these procedures (and the corrupt ones left in the
+    /// store) as possibly cut off by an earlier crash.
+    fn stop_now(&mut self, drained: Option<Vec<ProcId>>) -> impl ActorFuture<Self, Output = ()> {
+        let drained = drained.map(|mut cut_off| {
+            cut_off.extend_from_slice(&self.corrupt);
             cut_off
         });
         // Set first: the trees cut off below report nothing as an engine failure.

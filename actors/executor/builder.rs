@@ -512,7 +512,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             registry,
             mut plan,
             trees,
-            cut_off,
+            report,
             max_id,
             ..
         } = recovered;
@@ -552,7 +552,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 owned_system: owned,
                 drain_timeout,
                 stopping: false,
-                cut_off,
+                corrupt: report.corrupt.iter().map(|c| c.id).collect(),
                 subscribers: Vec::new(),
                 env: PhantomData,
             }
@@ -590,8 +590,6 @@ struct Recovered {
     plan: RecoveryPlan,
     /// The unfinished trees that decoded, in the plan's order.
     trees: Vec<DecodedTree>,
-    /// What becomes the actor's `cut_off`.
-    cut_off: Vec<ProcId>,
     report: Arc<Recovery>,
     /// The highest procedure id the store has seen.
     max_id: u64,
@@ -614,9 +612,6 @@ impl Recovered {
         let names = |name: &str| registry.static_name(name);
         let cut_off = recovery::may_be_cut_off(&snapshot.last_stop);
         let mut plan = crate::actors::recover::plan(snapshot.parts, &names, &cut_off, now_ms());
-        // The procedures recovery takes as possibly cut off, for this engine's own
-        // drained stop to pass on if they have not run a step by then.
-        let cut_off: Vec<ProcId> = plan.each_tree().flat_map(|t| t.stack.cut_off()).collect();
         let (trees, corrupt) = decode_trees(&registry, &mut plan);
         for c in &corrupt {
             tracing::error!(proc = %c.id, root = %c.root, reason = %c.reason, "cannot recover procedure");
@@ -633,7 +628,6 @@ impl Recovered {
             registry,
             plan,
             trees,
-            cut_off,
             report,
             max_id: snapshot.max_id,
         })
