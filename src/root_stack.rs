@@ -2048,13 +2048,7 @@ mod tests {
         assert_eq!(req.root, ProcId(1));
         assert!(rs.lock_request(ProcId(2), true).is_some_and(|r| r.rollback));
         // Rebuilt from its records, the tree hands back both holds, root first.
-        let mut records: Vec<ProcRecord> = Vec::new();
-        for op in t.persist {
-            if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
-                records.retain(|x| x.id != r.id);
-                records.push(r);
-            }
-        }
+        let mut records = latest_records(t.persist);
         for r in &mut records {
             if let Some(c) = r.locks.as_mut() {
                 c.held = true;
@@ -2156,13 +2150,7 @@ mod tests {
             StepOutcome::Children(vec![new(2, vec![], Some(life)), new(3, vec![], None)]);
         persisted.extend(rs.on_step(report(1, children), 1).persist);
         persisted.extend(rs.on_locks_held(ProcId(2), vec![2], 2).persist);
-        let mut records: Vec<ProcRecord> = Vec::new();
-        for op in persisted {
-            if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
-                records.retain(|x| x.id != r.id);
-                records.push(r);
-            }
-        }
+        let records = latest_records(persisted);
         // After it: both run again, and 3 fails before 2's step has run.
         let (mut rs, start) =
             RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
@@ -2213,17 +2201,11 @@ mod tests {
             StepOutcome::Suspend("e".into()),
         ] {
             let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
-            let mut records: Vec<ProcRecord> = Vec::new();
-            for op in t
-                .persist
-                .into_iter()
-                .chain(rs.on_step(report(1, outcome), 1).persist)
-            {
-                if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
-                    records.retain(|x| x.id != r.id);
-                    records.push(r);
-                }
-            }
+            let records = latest_records(
+                t.persist
+                    .into_iter()
+                    .chain(rs.on_step(report(1, outcome), 1).persist),
+            );
             let (mut rs, _) =
                 RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
             let t = rs.on_fail(ProcId(1), ProcError::Aborted, vec![], 11);
@@ -2238,7 +2220,6 @@ mod tests {
         // next step instead of waiting for a wake it may have missed while paused.
         for pause in [false, true] {
             let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
-            let mut records: Vec<ProcRecord> = Vec::new();
             let mut ops = t.persist;
             ops.extend(
                 rs.on_step(report(1, StepOutcome::Suspend("e".into())), 1)
@@ -2248,12 +2229,7 @@ mod tests {
                 let t = rs.on_pause_waiting(ProcId(1), vec![1], 2).expect("pauses");
                 ops.extend(t.persist);
             }
-            for op in ops {
-                if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
-                    records.retain(|x| x.id != r.id);
-                    records.push(r);
-                }
-            }
+            let records = latest_records(ops);
             let (mut rs, _) =
                 RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
             let t = rs.on_recovered_rerun(ProcId(1));
@@ -2397,14 +2373,10 @@ mod tests {
         }
     }
 
-    /// Records of a tree after `steps` (each a report), as the store would keep them.
-    fn recorded(steps: Vec<(u64, StepOutcome)>) -> Vec<ProcRecord> {
-        let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
+    /// The latest record of each procedure the ops write, as a store keeps them (the
+    /// tests here delete nothing).
+    fn latest_records(ops: impl IntoIterator<Item = StoreOp>) -> Vec<ProcRecord> {
         let mut records: Vec<ProcRecord> = Vec::new();
-        let mut ops = t.persist;
-        for (id, outcome) in steps {
-            ops.extend(rs.on_step(report(id, outcome), 1).persist);
-        }
         for op in ops {
             if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
                 records.retain(|x| x.id != r.id);
@@ -2412,6 +2384,16 @@ mod tests {
             }
         }
         records
+    }
+
+    /// Records of a tree after `steps` (each a report), as the store would keep them.
+    fn recorded(steps: Vec<(u64, StepOutcome)>) -> Vec<ProcRecord> {
+        let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
+        let mut ops = t.persist;
+        for (id, outcome) in steps {
+            ops.extend(rs.on_step(report(id, outcome), 1).persist);
+        }
+        latest_records(ops)
     }
 
     #[test]
@@ -2488,13 +2470,7 @@ mod tests {
             ops.extend(rs.on_step(report(1, outcome), 1).persist);
             ops.extend(rs.on_step(report(2, err("x")), 2).persist);
             ops.extend(rs.on_rolled_back(ProcId(2), Ok(vec![]), 3).persist);
-            let mut records: Vec<ProcRecord> = Vec::new();
-            for op in ops {
-                if let StoreOp::Insert(r) | StoreOp::Update(r) = op {
-                    records.retain(|x| x.id != r.id);
-                    records.push(r);
-                }
-            }
+            let records = latest_records(ops);
             let (_, t) = RootStack::recover(&records, |_| Some("t"), &|_| true, 10).unwrap();
             assert_eq!(
                 t.to_string(),
