@@ -817,13 +817,8 @@ struct Counted {
 /// Returns the segments whose frames count, oldest first.
 fn check_dir<F: WalFs>(fs: &F, dir: &Path) -> Result<(WalDirScan, Vec<Counted>), StoreError> {
     let mut out = WalDirScan::default();
-    let files = match segments_to_scan(fs, dir, &mut out) {
-        Ok(files) => files,
-        Err(damage @ StoreError::Corrupt { .. }) => {
-            out.damage = Some(damage);
-            return Ok((out, Vec::new()));
-        }
-        Err(e) => return Err(e),
+    let Some(files) = listed_segments(fs, dir, &mut out)? else {
+        return Ok((out, Vec::new()));
     };
     let last = files.len().saturating_sub(1);
     let mut scanned = Vec::with_capacity(files.len());
@@ -846,6 +841,23 @@ fn check_dir<F: WalFs>(fs: &F, dir: &Path) -> Result<(WalDirScan, Vec<Counted>),
         })
         .collect();
     Ok((out, counted))
+}
+
+/// [`segments_to_scan`] for a scan, which reports damage rather than failing on it:
+/// `None`, the damage in `out.damage`.
+fn listed_segments(
+    fs: &impl WalFs,
+    dir: &Path,
+    out: &mut WalDirScan,
+) -> Result<Option<Vec<(u64, PathBuf)>>, StoreError> {
+    match segments_to_scan(fs, dir, out) {
+        Ok(files) => Ok(Some(files)),
+        Err(damage @ StoreError::Corrupt { .. }) => {
+            out.damage = Some(damage);
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// The segment files of a log, oldest first: names checked, and the empty newest
@@ -1128,13 +1140,8 @@ fn scan_for_replay<F: WalFs>(
     dir: &Path,
 ) -> Result<(WalDirScan, SegmentFrames), StoreError> {
     let mut out = WalDirScan::default();
-    let files = match segments_to_scan(fs, dir, &mut out) {
-        Ok(files) => files,
-        Err(damage @ StoreError::Corrupt { .. }) => {
-            out.damage = Some(damage);
-            return Ok((out, Vec::new()));
-        }
-        Err(e) => return Err(e),
+    let Some(files) = listed_segments(fs, dir, &mut out)? else {
+        return Ok((out, Vec::new()));
     };
     let last = files.len().saturating_sub(1);
     let mut scanned = Vec::with_capacity(files.len());
