@@ -16,11 +16,12 @@
 //! Prints one JSON line. `benches/compare.sh` runs it beside `examples/workload` and
 //! prints the ratios (BENCHMARKS.md, "The cost of a step against the bare design").
 
+#[path = "common/framed_log.rs"]
+mod framed_log;
 #[path = "../examples/workload/rss.rs"]
 mod rss;
 
 use std::fs::File;
-use std::io::Write;
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -151,15 +152,7 @@ fn writer(jobs: mpsc::Receiver<Option<Job>>, mut file: Option<File>) -> std::io:
             }
         }
         if let Some(file) = file.as_mut() {
-            buf.clear();
-            for job in &batch {
-                let len = u32::try_from(job.record.len()).unwrap_or(u32::MAX);
-                buf.extend_from_slice(&len.to_le_bytes());
-                buf.extend_from_slice(&crc32c::crc32c(&job.record).to_le_bytes());
-                buf.extend_from_slice(&job.record);
-            }
-            file.write_all(&buf)?;
-            file.sync_data()?;
+            framed_log::append_batch(file, &mut buf, batch.iter().map(|job| &job.record[..]))?;
         }
         batches += 1;
         for job in batch.drain(..) {

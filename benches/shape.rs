@@ -31,12 +31,13 @@
 //!
 //! Prints one JSON line, as `benches/bare.rs` does.
 
+#[path = "common/framed_log.rs"]
+mod framed_log;
 #[path = "../examples/workload/rss.rs"]
 mod rss;
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::io::Write;
 use std::sync::mpsc;
 use std::time::Instant;
 
@@ -450,15 +451,7 @@ fn writer(batches: mpsc::Receiver<Batch>, mut file: Option<File>) -> std::io::Re
     // the run.
     while let Ok(Some((records, done))) = batches.recv() {
         if let Some(file) = file.as_mut() {
-            buf.clear();
-            for record in &records {
-                let len = u32::try_from(record.len()).unwrap_or(u32::MAX);
-                buf.extend_from_slice(&len.to_le_bytes());
-                buf.extend_from_slice(&crc32c::crc32c(record).to_le_bytes());
-                buf.extend_from_slice(record);
-            }
-            file.write_all(&buf)?;
-            file.sync_data()?;
+            framed_log::append_batch(file, &mut buf, records.iter().map(|r| &r[..]))?;
         }
         count += 1;
         let _ = done.send(records);
