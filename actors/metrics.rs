@@ -218,28 +218,55 @@ impl WalMetrics {
     }
 }
 
-/// The scheduler's gauges, registered once when it starts; each is set only when its
-/// value changed.
+/// A scheduler's gauges, registered once when it starts. Every shard's scheduler adds
+/// its changes to the same gauges (an increment or a decrement, only when its own value
+/// changed), so they show the sum over the shards.
 pub(crate) struct SchedulerGauges {
-    gauges: [Gauge; 4],
-    last: [usize; 4],
+    gauges: [Gauge; 2],
+    last: [usize; 2],
 }
 
 impl SchedulerGauges {
     pub(crate) fn new() -> Self {
         SchedulerGauges {
-            gauges: [
-                gauge!(READY_QUEUE_LENGTH),
-                gauge!(STEPS_RUNNING),
-                gauge!(LOCKS_HELD),
-                gauge!(LOCKS_WAITING),
-            ],
-            last: [0; 4],
+            gauges: [gauge!(READY_QUEUE_LENGTH), gauge!(STEPS_RUNNING)],
+            last: [0; 2],
         }
     }
 
-    /// The steps queued and running, and the procedures holding and waiting for locks.
-    pub(crate) fn set(&mut self, now: [usize; 4]) {
+    /// This shard's steps queued and running.
+    pub(crate) fn set(&mut self, now: [usize; 2]) {
+        for ((gauge, last), value) in self.gauges.iter().zip(&mut self.last).zip(now) {
+            if *last != value {
+                #[allow(clippy::cast_precision_loss)]
+                if value > *last {
+                    gauge.increment((value - *last) as f64);
+                } else {
+                    gauge.decrement((*last - value) as f64);
+                }
+                *last = value;
+            }
+        }
+    }
+}
+
+/// The lock actor's gauges, registered once when it starts; each is set only when its
+/// value changed.
+pub(crate) struct LockGauges {
+    gauges: [Gauge; 2],
+    last: [usize; 2],
+}
+
+impl LockGauges {
+    pub(crate) fn new() -> Self {
+        LockGauges {
+            gauges: [gauge!(LOCKS_HELD), gauge!(LOCKS_WAITING)],
+            last: [0; 2],
+        }
+    }
+
+    /// The procedures holding and waiting for locks.
+    pub(crate) fn set(&mut self, now: [usize; 2]) {
         for ((gauge, last), value) in self.gauges.iter().zip(&mut self.last).zip(now) {
             if *last != value {
                 *last = value;

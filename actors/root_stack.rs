@@ -43,9 +43,9 @@ use super::procedure::{CallEnd, ProcSpec, ProcedureCell};
 use super::protocol::{
     AbortAck, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Durable,
     DurableAck, Enqueue, FailRequest, LockForRollback, LocksHeld, Outbox, PauseNow, Persist,
-    ProcAddr, Quiesce, ReleaseLocks, Report, RolledBack, StepDone, StepFinished, SuspendOn, ToCell,
-    ToProc, TreeAck, TreeAddr, TreeEnded, TreeFailed, TreeFinished, TreeIrreversible, TreeNews,
-    Unsuspend, Wake, WithdrawStep,
+    ProcAddr, Quiesce, Release, ReleaseLocks, Report, RolledBack, StepDone, StepFinished,
+    SuspendOn, ToCell, ToProc, TreeAck, TreeAddr, TreeEnded, TreeFailed, TreeFinished,
+    TreeIrreversible, TreeNews, Unsuspend, Wake, WithdrawStep,
 };
 use super::shard::{Timer, TreeCtx, TreeMsg};
 use super::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
@@ -241,26 +241,23 @@ impl TreeRunner {
     /// Persists the transition's records, then (in order) publishes them, performs its
     /// actions and answers `ack`.
     fn apply(&mut self, t: Transition, ack: Option<AckWith>, ctx: &mut TreeCtx<'_>) {
-        self.apply_named(t, ack, None, None, ctx);
+        self.apply_named(t, ack, None, ctx);
     }
 
-    /// As `apply`, for the report of a step of `finished`, with its state name,
-    /// published on its procedure's row. If the transition has records to persist, the
-    /// step's end goes to the scheduler with them (one message, records first) and this
-    /// returns `true`; otherwise the caller sends `StepFinished` after it.
+    /// As `apply`, for the report of a step, with its procedure's state name after the
+    /// step, published on its procedure's row.
     fn apply_named(
         &mut self,
         t: Transition,
         ack: Option<AckWith>,
         state_name: Option<(ProcId, String)>,
-        finished: Option<ProcId>,
         ctx: &mut TreeCtx<'_>,
-    ) -> bool {
+    ) {
         if let Some(e) = &self.halted {
             if let Some((ack, _)) = ack {
                 let _ = ack.send(Err(e.duplicate()));
             }
-            return false;
+            return;
         }
         if self.core.is_failed() && !self.status.failed() {
             self.status.set_failed();
@@ -274,14 +271,6 @@ impl TreeRunner {
             ctx.tell(TreeFailed(self.core.root()));
         }
         let durable = t.persist.is_empty();
-        let mut t = t;
-        // Steps that need no locks go with the records: the scheduler queues them once
-        // the records are durable.
-        let steps = if durable {
-            Vec::new()
-        } else {
-            self.steps_to_queue(&mut t.actions)
-        };
         // Only inserts need the tree's address.
         let inserts = t.persist.iter().any(|op| matches!(op, StoreOp::Insert(_)));
         let tree = inserts.then(|| self.me.clone());
@@ -304,46 +293,13 @@ impl TreeRunner {
         });
         if durable {
             self.run_ready(ctx);
-            return false;
+            return;
         }
         let seq = self.performed + self.pending.len() - 1;
-        let ack = TreeAck::new(self.me.clone(), seq, steps);
-        if finished.is_some() {
-            perturb::point("root_stack::step_done::free_worker");
-        }
         ctx.tell(Persist {
             ops: t.persist,
-            ack: DurableAck::Tree(ack),
-            finished,
+            ack: DurableAck::Tree(TreeAck::new(self.me.clone(), seq)),
         });
-        finished.is_some()
-    }
-
-    /// Takes out of `actions` the steps they queue that need no locks, as the
-    /// scheduler's `Enqueue`s (see `TreeAck`): the scheduler queues them itself once
-    /// the transition is durable. A step that needs locks stays an action: its request
-    /// goes to the lock table when the action is performed.
-    fn steps_to_queue(&self, actions: &mut Vec<Action>) -> Vec<Enqueue> {
-        let mut steps = Vec::new();
-        if !actions.iter().any(|a| matches!(a, Action::Enqueue { .. })) {
-            return steps;
-        }
-        // As `enqueue_msg` decides: a failed tree's steps, and those of a procedure
-        // without engine locks, need none. Those that do are not built here.
-        let failed = self.core.is_failed();
-        actions.retain(|action| match *action {
-            Action::Enqueue { id, place } if failed || !self.core.claims_locks(id) => {
-                match self.enqueue_msg(id, place) {
-                    Some(step) => {
-                        steps.push(step);
-                        false
-                    }
-                    None => true,
-                }
-            }
-            _ => true,
-        });
-        steps
     }
 
     fn run_ready(&mut self, ctx: &mut TreeCtx<'_>) {
@@ -460,7 +416,7 @@ impl TreeRunner {
                 if self.core.lock_request(id, false).is_some() {
                     ctx.tell(ReleaseLocks {
                         id,
-                        step_only: false,
+                        what: Release::All,
                     });
                 }
             }
@@ -767,7 +723,7 @@ impl TreeRunner {
     pub(crate) fn started(&mut self, ctx: &mut TreeCtx<'_>) {
         if self.recovered && !self.core.is_failed() && self.core.is_irreversible() {
             // Before its steps ask for locks: a deadlock's victim is taken elsewhere.
-            ctx.tell(TreeIrreversible(self.core.root()));
+            self.tell_irreversible(ctx);
         }
         if let Some(t) = self.start.as_mut().and_then(|s| s.initial.take()) {
             self.apply(t, None, ctx);
@@ -836,9 +792,6 @@ impl TreeRunner {
 
 impl TreeRunner {
     fn on_durable(&mut self, msg: Durable, ctx: &mut TreeCtx<'_>) {
-        // Steps the scheduler queued for the transition: each owes a report, halted or
-        // not, and its `RunStep` follows this message.
-        self.dispatched += msg.enqueued;
         if self.halted.is_some() {
             return;
         }
@@ -899,7 +852,6 @@ impl TreeRunner {
         // Whether this step may make the tree irreversible (the core decides: not a
         // failed, yielded or skipped step, nor one in a tree that failed first).
         let marks = msg.report.irreversible && !self.core.is_irreversible();
-        let mut finished = false;
         if self.halted.is_none() {
             if !msg.children.is_empty() {
                 self.unspawned.get_or_insert_default().extend(
@@ -918,7 +870,7 @@ impl TreeRunner {
                     // neither fails nor lends to this tree's waiters as if it could
                     // roll back. Told before the record is durable; a crash resets
                     // it, and recovery tells it again if the record made it.
-                    ctx.tell(TreeIrreversible(self.core.root()));
+                    self.tell_irreversible(ctx);
                 }
                 // Children keep their encoded state for their cell's "last good" copy.
                 for op in &t.persist {
@@ -930,15 +882,14 @@ impl TreeRunner {
                     }
                 }
                 let state_name = msg.state_name.map(|name| (id, name));
-                finished = self.apply_named(t, None, state_name, Some(id), ctx);
+                self.apply_named(t, None, state_name, ctx);
             }
         }
-        // Only now, with the report recorded (and any enqueue it caused sent first), may
-        // the worker go to another step: with the report's records, or on its own.
-        if !finished {
-            perturb::point("root_stack::step_done::free_worker");
-            ctx.tell(StepFinished(id));
-        }
+        // Only now, with the report recorded (its records on their way to the
+        // persistence actor, and any enqueue it caused without a write sent first), may
+        // the worker go to another step.
+        perturb::point("root_stack::step_done::free_worker");
+        ctx.tell(StepFinished(id));
         self.stop_when_quiet(ctx);
     }
 }
@@ -1132,9 +1083,24 @@ impl TreeRunner {
     /// everything the tree queued there), and whether the tree was cut off before it
     /// finished (a panic in engine code: then the shard sends the outbox at once, as the
     /// drop reports the tree's failure to the executor).
-    pub(crate) fn ended(&mut self) -> (TreeEnded, bool) {
+    pub(crate) fn ended(&mut self) -> (TreeEnded, bool, bool) {
         self.ended_queued = true;
-        (self.ended_message(), self.cut_off())
+        (
+            self.ended_message(),
+            self.told_irreversible(),
+            self.cut_off(),
+        )
+    }
+
+    /// Tells the lock actor that the tree has passed its point of no return.
+    fn tell_irreversible(&self, ctx: &mut TreeCtx<'_>) {
+        ctx.tell(TreeIrreversible(self.core.root()));
+    }
+
+    /// Whether the lock actor may have been told the tree passed its point of no
+    /// return (then its `TreeEnded` goes there too, so the mark is dropped).
+    fn told_irreversible(&self) -> bool {
+        self.core.is_irreversible()
     }
 
     fn ended_message(&self) -> TreeEnded {
@@ -1161,7 +1127,10 @@ impl Drop for TreeRunner {
         if !self.ended_queued {
             // Every StepFinished this runner sent is ahead of this in the scheduler's
             // mailbox (its shard sends what it queued before it drops a tree).
-            self.shared.scheduler.do_send(self.ended_message());
+            self.me.scheduler().do_send(self.ended_message());
+            if self.told_irreversible() {
+                self.shared.locks.do_send(self.ended_message());
+            }
         }
         if self.cut_off() {
             // Cut the tree off like a crash. Its running calls died with it; the

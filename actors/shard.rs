@@ -31,20 +31,24 @@ use crate::fast_map::IdMap;
 use crate::procedure::ProcId;
 
 use super::guard::panic_message;
+use super::locks::LockActor;
+use super::persistence::PersistenceActor;
 use super::perturb;
 use super::procedure::CallEnd;
 use super::protocol::{
-    AbortRequest, BypassRequest, CommandRequest, Durable, FromShard, Quiesce, ToProc, ToScheduler,
-    TreeAddr, Wake,
+    AbortRequest, BypassRequest, CommandRequest, Durable, FromShard, LocksFromShard, Outgoing,
+    Persist, Quiesce, ToLocks, ToPersistence, ToProc, ToScheduler, TreeAddr, Wake,
 };
 use super::root_stack::TreeRunner;
-use super::scheduler::Scheduler;
+use super::scheduler::SchedulerActor;
 use super::shared::TreeStatus;
 
 /// Where a tree is reached: its shard and its root. Shared (`TreeAddr`), because every
 /// queued step and table entry of the tree holds it.
 pub(crate) struct TreeHandle {
     shard: Addr<Shard>,
+    /// The shard's scheduler (for the lock actor's grants).
+    scheduler: Addr<SchedulerActor>,
     /// The shard's place among the executor's shards, for [`Mail`].
     index: usize,
     root: ProcId,
@@ -53,14 +57,31 @@ pub(crate) struct TreeHandle {
 }
 
 impl TreeHandle {
-    /// The address of the tree of `root`, placed on `shard`, the `index`th shard.
-    pub(crate) fn new(shard: Addr<Shard>, index: usize, root: ProcId) -> TreeAddr {
+    /// The address of the tree of `root`, placed on `shard` (the `index`th shard, with
+    /// its `scheduler`).
+    pub(crate) fn new(
+        shard: Addr<Shard>,
+        scheduler: Addr<SchedulerActor>,
+        index: usize,
+        root: ProcId,
+    ) -> TreeAddr {
         Arc::new(TreeHandle {
             shard,
+            scheduler,
             index,
             root,
             ended: AtomicBool::new(false),
         })
+    }
+
+    /// The shard's place among the executor's shards.
+    pub(crate) fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The shard's scheduler.
+    pub(crate) fn scheduler(&self) -> &Addr<SchedulerActor> {
+        &self.scheduler
     }
 
     /// Sends `msg` to the tree, through its shard's mailbox.
@@ -303,48 +324,90 @@ fn poll_guarded<T>(
 /// A timer's place in the queue: when it fires, then the order it was started in.
 type TimerKey = (Instant, u64);
 
-/// The shard's calls, timers and messages to the scheduler: what a tree's context
-/// reaches.
+/// The shard's calls, timers and messages out: what a tree's context reaches.
 pub(crate) struct ShardIo {
-    scheduler: Addr<Scheduler>,
-    /// The trees' messages to the scheduler, in the order they were made: sent as one
-    /// message when the shard's handler or its poll of calls and timers returns, before
-    /// a tree is dropped (whose `TreeEnded` goes after them), and before anything leaves
-    /// a tree another way (`TreeCtx::send_now`).
-    outbox: Vec<ToScheduler>,
+    scheduler: Addr<SchedulerActor>,
+    locks: Addr<LockActor>,
+    persistence: Addr<PersistenceActor>,
+    /// The trees' messages to each of the three, in the order they were made: sent as
+    /// one message each when the shard's handler or its poll of calls and timers
+    /// returns, before a tree is dropped (whose `TreeEnded` goes after them), and before
+    /// anything leaves a tree another way (`TreeCtx::send_now`).
+    to_scheduler: Vec<ToScheduler>,
+    to_locks: Vec<ToLocks>,
+    to_persistence: Vec<Persist>,
     calls: Calls,
     timers: Timers,
     /// Set to the first timer's instant while there is one.
     sleep: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
+/// Where a shard's trees send what leaves the shard.
+#[derive(Clone)]
+pub(crate) struct ShardPeers {
+    pub(crate) scheduler: Addr<SchedulerActor>,
+    pub(crate) locks: Addr<LockActor>,
+    pub(crate) persistence: Addr<PersistenceActor>,
+}
+
 impl ShardIo {
-    fn new(scheduler: Addr<Scheduler>) -> Self {
+    fn new(peers: ShardPeers) -> Self {
         ShardIo {
-            scheduler,
-            outbox: Vec::new(),
+            scheduler: peers.scheduler,
+            locks: peers.locks,
+            persistence: peers.persistence,
+            to_scheduler: Vec::new(),
+            to_locks: Vec::new(),
+            to_persistence: Vec::new(),
             calls: Calls::default(),
             timers: Timers::default(),
             sleep: None,
         }
     }
 
-    /// Sends the scheduler what the trees have for it.
-    fn flush(&mut self) {
-        if self.outbox.is_empty() {
-            return;
+    fn push(&mut self, msg: Outgoing) {
+        match msg {
+            Outgoing::Scheduler(m) => self.to_scheduler.push(m),
+            Outgoing::Locks(m) => self.to_locks.push(m),
+            Outgoing::Persist(m) => self.to_persistence.push(m),
         }
-        perturb::point("shard::flush::to_scheduler");
-        match self.outbox.len() {
-            0 => {}
-            1 => {
-                if let Some(msg) = self.outbox.pop() {
+    }
+
+    /// Sends the scheduler, the lock actor and the persistence actor what the trees
+    /// have for them: one message each.
+    fn flush(&mut self) {
+        if !self.to_persistence.is_empty() {
+            perturb::point("shard::flush::to_persistence");
+            if self.to_persistence.len() == 1 {
+                if let Some(msg) = self.to_persistence.pop() {
+                    self.persistence.do_send(msg);
+                }
+            } else {
+                self.persistence
+                    .do_send(ToPersistence(take_sized(&mut self.to_persistence)));
+            }
+        }
+        if !self.to_locks.is_empty() {
+            perturb::point("shard::flush::to_locks");
+            if self.to_locks.len() == 1 {
+                if let Some(msg) = self.to_locks.pop() {
+                    msg.send_to(&self.locks);
+                }
+            } else {
+                self.locks
+                    .do_send(LocksFromShard(take_sized(&mut self.to_locks)));
+            }
+        }
+        if !self.to_scheduler.is_empty() {
+            perturb::point("shard::flush::to_scheduler");
+            if self.to_scheduler.len() == 1 {
+                if let Some(msg) = self.to_scheduler.pop() {
                     msg.send_to(&self.scheduler);
                 }
+            } else {
+                self.scheduler
+                    .do_send(FromShard(take_sized(&mut self.to_scheduler)));
             }
-            _ => self
-                .scheduler
-                .do_send(FromShard(take_sized(&mut self.outbox))),
         }
     }
 }
@@ -441,14 +504,15 @@ impl TreeCtx<'_> {
         self.stop = true;
     }
 
-    /// Queues `msg` for the scheduler, after everything the shard's trees queued before.
-    pub(crate) fn tell(&mut self, msg: impl Into<ToScheduler>) {
-        self.io.outbox.push(msg.into());
+    /// Queues `msg` for its actor (the shard's scheduler, the lock actor or the
+    /// persistence actor), after everything the shard's trees queued for it before.
+    pub(crate) fn tell(&mut self, msg: impl Into<Outgoing>) {
+        self.io.push(msg.into());
     }
 
-    /// Sends what is queued for the scheduler now: before anything that leaves the
-    /// shard another way and must not overtake it (an answer to a caller, a tree's
-    /// result, news for the executor).
+    /// Sends what is queued for the scheduler, the lock actor and the persistence actor
+    /// now: before anything that leaves the shard another way and must not overtake it
+    /// (an answer to a caller, a tree's result, news for the executor).
     pub(crate) fn send_now(&mut self) {
         self.io.flush();
     }
@@ -461,10 +525,10 @@ pub(crate) struct Shard {
 }
 
 impl Shard {
-    pub(crate) fn new(scheduler: Addr<Scheduler>) -> Self {
+    pub(crate) fn new(peers: ShardPeers) -> Self {
         Shard {
             trees: IdMap::default(),
-            io: ShardIo::new(scheduler),
+            io: ShardIo::new(peers),
         }
     }
 
@@ -501,9 +565,14 @@ impl Shard {
         let Some(mut tree) = self.trees.remove(&root) else {
             return;
         };
-        // Its `TreeEnded` goes after everything it sent, with the shard's next batch.
-        let (ended, cut_off) = tree.ended();
-        self.io.outbox.push(ended.into());
+        // Its `TreeEnded` goes after everything it sent, with the shard's next batch:
+        // to the scheduler, and to the lock actor if it told it the tree passed its
+        // point of no return.
+        let (ended, irreversible, cut_off) = tree.ended();
+        if irreversible {
+            self.io.to_locks.push(ToLocks::TreeEnded(ended.clone()));
+        }
+        self.io.to_scheduler.push(ToScheduler::TreeEnded(ended));
         if cut_off {
             // The drop tells the executor that the tree failed: the scheduler hears
             // first that it ended (and frees the workers of its steps).

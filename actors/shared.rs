@@ -16,8 +16,10 @@ use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Nonce, Steering};
 use crate::registry::Types;
 
+use super::locks::LockActor;
+use super::persistence::PersistenceActor;
 use super::protocol::{TreeAddr, TreeFinished, TreeNews};
-use super::scheduler::Scheduler;
+use super::scheduler::SchedulerActor;
 use super::shard::{Shard, TreeHandle};
 
 /// The engine's clock, in ms since the Unix epoch. The one place the actors read time;
@@ -167,22 +169,27 @@ pub(crate) struct SchedulerViews {
     pub(crate) fair: bool,
 }
 
+/// A shard and its scheduler, on one arbiter.
+pub(crate) type ShardAddr = (Addr<Shard>, Addr<SchedulerActor>);
+
 pub(crate) struct Shared {
     pub(crate) registry: Types,
     /// The executor's environment (an `E` for an `Executor<E>`).
     pub(crate) env: Arc<AnyEnv>,
     pub(crate) table: DashMap<ProcId, Entry, IdHasher>,
     pub(crate) views: Arc<SchedulerViews>,
-    /// The scheduler, which also holds the group commit in front of the store.
-    pub(crate) scheduler: Addr<Scheduler>,
+    /// The lock actor (locks and events).
+    pub(crate) locks: Addr<LockActor>,
+    /// The persistence actor (the group commit in front of the store).
+    pub(crate) persistence: Addr<PersistenceActor>,
     /// The executor, for finished trees.
     pub(crate) finished: Recipient<TreeFinished>,
     /// The executor, for submits and pauses to publish.
     pub(crate) news: Recipient<TreeNews>,
     /// The arbiters' threads, stopped at shutdown.
     pub(crate) arbiters: Vec<ArbiterHandle>,
-    /// One shard on each arbiter, holding the trees placed on it.
-    pub(crate) shards: Vec<Addr<Shard>>,
+    /// One shard on each arbiter, holding the trees placed on it, with its scheduler.
+    pub(crate) shards: Vec<ShardAddr>,
     next_shard: AtomicUsize,
     next_id: AtomicU64,
     /// A graceful shutdown in progress, and the calls into user code it waits for.
@@ -261,11 +268,12 @@ impl Shared {
         registry: Types,
         env: Arc<AnyEnv>,
         views: Arc<SchedulerViews>,
-        scheduler: Addr<Scheduler>,
+        locks: Addr<LockActor>,
+        persistence: Addr<PersistenceActor>,
         finished: Recipient<TreeFinished>,
         news: Recipient<TreeNews>,
         arbiters: Vec<ArbiterHandle>,
-        shards: Vec<Addr<Shard>>,
+        shards: Vec<ShardAddr>,
         max_id: u64,
         table_capacity: usize,
     ) -> Self {
@@ -276,7 +284,8 @@ impl Shared {
             // row once or twice more.
             table: DashMap::with_capacity_and_hasher(table_capacity, IdHasher::default()),
             views,
-            scheduler,
+            locks,
+            persistence,
             finished,
             news,
             arbiters,
@@ -312,6 +321,7 @@ impl Shared {
     /// spread over all cores.
     pub(crate) fn new_tree(&self, root: ProcId) -> TreeAddr {
         let i = self.next_shard.fetch_add(1, Ordering::Relaxed) % self.shards.len();
-        TreeHandle::new(self.shards[i].clone(), i, root)
+        let (shard, scheduler) = &self.shards[i];
+        TreeHandle::new(shard.clone(), scheduler.clone(), i, root)
     }
 }

@@ -5,7 +5,7 @@
 //! tree is on its shard, and every finished root's result in the table, before the
 //! executor handles any request.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,12 +25,15 @@ use crate::registry::{Registry, Types};
 use crate::store::{LastStop, MemoryStore, ProcedureStore};
 
 use crate::actors::guard::{decode_guarded, guard};
-use crate::actors::persistence::Persistence;
+use crate::actors::locks::LockActor;
+use crate::actors::persistence::PersistenceActor;
 use crate::actors::protocol::Regrant;
 use crate::actors::root_stack::{publish_recovered, Objects, TreeRunner};
-use crate::actors::scheduler::{Monitor, Queueing, Scheduler};
-use crate::actors::shard::{Mail, Shard};
-use crate::actors::shared::{now_ms, Entry, EntryExtra, SchedulerViews, Shared, Waiting};
+use crate::actors::scheduler::{share, Monitor, Queueing, SchedulerActor, SchedulerSetup};
+use crate::actors::shard::{Mail, Shard, ShardPeers};
+use crate::actors::shared::{
+    now_ms, Entry, EntryExtra, SchedulerViews, ShardAddr, Shared, Waiting,
+};
 
 use super::actor::{ExecutorActor, NonceState};
 use super::api::Shutdown;
@@ -405,16 +408,22 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         // options are still read below.
         let recovered = Recovered::load(&mut *store, std::mem::take(&mut self.registry))?;
         crate::actors::metrics::describe();
-        let persistence = Persistence::new(store)
-            .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?;
+        let persistence = PersistenceActor::new(store)
+            .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
+            .start();
         let views = Arc::new(SchedulerViews {
             fair: self.scheduling == Scheduling::Fair,
             ..SchedulerViews::default()
         });
-        let scheduler = self.start_scheduler(&recovered.registry, views.clone(), persistence);
-        recovered.regrant(&scheduler);
+        let locks = LockActor::new(std::mem::take(&mut self.permits), views.clone()).start();
+        recovered.regrant(&locks);
         let report = recovered.report.clone();
-        let addr = self.create_actor(recovered, env, views, scheduler, owned);
+        let peers = Peers {
+            locks,
+            persistence,
+            views,
+        };
+        let addr = self.create_actor(recovered, env, peers, owned);
         if !report.recovered_roots.is_empty() {
             tracing::info!(
                 recovered = report.recovered_roots.len(),
@@ -463,31 +472,66 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         Ok(env)
     }
 
-    /// Starts the scheduler, with the workers, the queueing and the counted resources
-    /// of the options, in front of the store's writer.
-    fn start_scheduler(
-        &mut self,
-        registry: &Types,
-        views: Arc<SchedulerViews>,
-        persistence: Persistence,
-    ) -> Addr<Scheduler> {
-        let reserved = self
-            .reserved_workers
-            .unwrap_or(usize::from(self.workers >= 4));
-        Scheduler::new(
-            self.workers,
-            Queueing {
+    /// How many shards the trees are spread over: one per arbiter, but no more than
+    /// the workers, each shard's scheduler taking its share of them.
+    fn shards(&self) -> usize {
+        self.arbiters.min(self.workers)
+    }
+
+    /// The `index`th shard's scheduler, with its share of the workers and the system
+    /// procedures' workers, and the queueing of the options.
+    fn scheduler_setup(
+        &self,
+        system: &Arc<HashSet<&'static str>>,
+        peers: &Peers,
+        index: usize,
+    ) -> SchedulerSetup {
+        let shards = self.shards();
+        let workers = share(self.workers, shards, index);
+        let reserved = self.reserved_workers.unwrap_or(usize::from(workers >= 4));
+        SchedulerSetup {
+            workers,
+            queueing: Queueing {
                 scheduling: self.scheduling,
                 reserved,
-                system_workers: self.system_workers,
-                system: registry.system(),
+                system_workers: share(self.system_workers, shards, index),
+                system: system.clone(),
             },
-            self.monitor,
-            std::mem::take(&mut self.permits),
-            views,
-            persistence,
-        )
-        .start()
+            monitor: self.monitor,
+            view: peers.views.clone(),
+            locks: peers.locks.clone(),
+        }
+    }
+
+    /// Starts the arbiters, each with its shard and the shard's scheduler: the arbiters
+    /// (joined at shutdown), their handles, and the shards with their schedulers.
+    fn start_arbiters(
+        &self,
+        registry: &Types,
+        peers: &Peers,
+    ) -> (Vec<Arbiter>, Vec<ArbiterHandle>, Vec<ShardAddr>) {
+        let system = Arc::new(registry.system());
+        let arbiters: Vec<Arbiter> = (0..self.shards()).map(|_| Arbiter::new()).collect();
+        let handles = arbiters.iter().map(Arbiter::handle).collect();
+        let shards = arbiters
+            .iter()
+            .enumerate()
+            .map(|(index, arbiter)| {
+                let setup = self.scheduler_setup(&system, peers, index);
+                let scheduler = SchedulerActor::start_in_arbiter(&arbiter.handle(), move |_| {
+                    SchedulerActor::new(setup)
+                });
+                let shard_peers = ShardPeers {
+                    scheduler: scheduler.clone(),
+                    locks: peers.locks.clone(),
+                    persistence: peers.persistence.clone(),
+                };
+                let shard =
+                    Shard::start_in_arbiter(&arbiter.handle(), move |_| Shard::new(shard_peers));
+                (shard, scheduler)
+            })
+            .collect();
+        (arbiters, handles, shards)
     }
 
     /// Starts the arbiters, each with its shard, and then the executor actor, which
@@ -497,8 +541,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         &self,
         recovered: Recovered,
         env: Arc<AnyEnv>,
-        views: Arc<SchedulerViews>,
-        scheduler: Addr<Scheduler>,
+        peers: Peers,
         owned: bool,
     ) -> Addr<ExecutorActor<E>> {
         let max_unfinished = self.max_unfinished;
@@ -507,7 +550,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         let unfinished = recovered.trees.len();
         let finished_at = recovered.finished_at();
         let nonces = recovered.nonces();
-        let (arbiters, handles, shards) = start_arbiters(self.arbiters, &scheduler);
+        let (arbiters, handles, shards) = self.start_arbiters(&recovered.registry, &peers);
         let Recovered {
             registry,
             mut plan,
@@ -526,8 +569,9 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             let shared = Arc::new(Shared::new(
                 registry,
                 env,
-                views,
-                scheduler,
+                peers.views,
+                peers.locks,
+                peers.persistence,
                 ctx.address().recipient(),
                 ctx.address().recipient(),
                 handles,
@@ -560,22 +604,11 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     }
 }
 
-/// Starts `n` arbiters, each with a shard of its own: the arbiters (joined at
-/// shutdown), their handles and their shards.
-fn start_arbiters(
-    n: usize,
-    scheduler: &Addr<Scheduler>,
-) -> (Vec<Arbiter>, Vec<ArbiterHandle>, Vec<Addr<Shard>>) {
-    let arbiters: Vec<Arbiter> = (0..n).map(|_| Arbiter::new()).collect();
-    let handles = arbiters.iter().map(Arbiter::handle).collect();
-    let shards = arbiters
-        .iter()
-        .map(|arbiter| {
-            let scheduler = scheduler.clone();
-            Shard::start_in_arbiter(&arbiter.handle(), |_| Shard::new(scheduler))
-        })
-        .collect();
-    (arbiters, handles, shards)
+/// The actors every shard talks to, started before the shards.
+struct Peers {
+    locks: Addr<LockActor>,
+    persistence: Addr<PersistenceActor>,
+    views: Arc<SchedulerViews>,
 }
 
 /// A recovered tree, decoded: its plan, its procedures, and the suspended ones that
@@ -635,7 +668,7 @@ impl Recovered {
 
     /// Locks held for life when the engine stopped go back to their holders, roots
     /// first, before any tree is started and can ask for anything.
-    fn regrant(&self, scheduler: &Addr<Scheduler>) {
+    fn regrant(&self, locks: &Addr<LockActor>) {
         let mut held: Vec<_> = self
             .trees
             .iter()
@@ -643,7 +676,7 @@ impl Recovered {
             .collect();
         held.sort_by_key(|r| (r.root, r.owner));
         if !held.is_empty() {
-            scheduler.do_send(Regrant(held));
+            locks.do_send(Regrant(held));
         }
     }
 

@@ -13,7 +13,8 @@ use crate::error::Error;
 use crate::procedure::{ProcId, Procedure};
 use crate::record::{Failure, Nonce};
 
-use crate::actors::scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
+use crate::actors::locks::{ResetEvent, WakeEvent};
+use crate::actors::scheduler::{GetSchedulerStats, SchedulerStats};
 
 use super::actor::ExecutorActor;
 use super::api::{
