@@ -1122,6 +1122,7 @@ impl Drop for TreeRunner {
     /// in engine code; the executor must not leave the tree's waiters hanging.
     fn drop(&mut self) {
         self.me.set_ended();
+        self.shared.tree_ended(self.me.index());
         // Its calls still in flight run no more user code.
         self.status.set_dropped();
         if !self.ended_queued {

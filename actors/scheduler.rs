@@ -97,6 +97,9 @@ pub(crate) struct Queueing {
 /// What the scheduler is doing, for operators and tests.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SchedulerStats {
+    /// Shards the trees are spread over, each with its own scheduler and its share of
+    /// the workers (the figures below are their sums).
+    pub shards: usize,
     /// Workers now: the configured ones plus any extra the stuck-worker monitor added.
     pub workers: usize,
     /// Workers, beside `workers`, that only system procedures' steps take
@@ -143,6 +146,7 @@ pub(crate) struct Monitor {
 impl SchedulerStats {
     /// Adds another shard's figures to these.
     pub(crate) fn add(&mut self, other: &SchedulerStats) {
+        self.shards += other.shards;
         self.workers += other.workers;
         self.system_workers += other.system_workers;
         self.running += other.running;
@@ -402,6 +406,7 @@ impl SchedulerActor {
 
     fn stats(&self) -> SchedulerStats {
         SchedulerStats {
+            shards: 1,
             workers: self.workers.current(),
             system_workers: self.ready.system_workers(),
             running: self.ready.busy(),

@@ -190,7 +190,9 @@ pub(crate) struct Shared {
     pub(crate) arbiters: Vec<ArbiterHandle>,
     /// One shard on each arbiter, holding the trees placed on it, with its scheduler.
     pub(crate) shards: Vec<ShardAddr>,
-    next_shard: AtomicUsize,
+    /// Live trees per shard (by the shard's index): a new tree goes to the shard with
+    /// the fewest.
+    live_trees: Box<[AtomicUsize]>,
     next_id: AtomicU64,
     /// A graceful shutdown in progress, and the calls into user code it waits for.
     pub(crate) drain: Drain,
@@ -289,8 +291,8 @@ impl Shared {
             finished,
             news,
             arbiters,
+            live_trees: shards.iter().map(|_| AtomicUsize::new(0)).collect(),
             shards,
-            next_shard: AtomicUsize::new(0),
             next_id: AtomicU64::new(max_id + 1),
             drain: Drain::default(),
             shutdown: Cancel::new(),
@@ -317,11 +319,25 @@ impl Shared {
         id.0 < self.next_id.load(Ordering::Relaxed)
     }
 
-    /// The address of a new tree of `root`, on the next shard: round robin, so trees
-    /// spread over all cores.
+    /// The address of a new tree of `root`, on the shard with the fewest live trees
+    /// (the first of them on a tie); a tree never moves. Its runner's drop hands the
+    /// place back ([`Shared::tree_ended`]).
     pub(crate) fn new_tree(&self, root: ProcId) -> TreeAddr {
-        let i = self.next_shard.fetch_add(1, Ordering::Relaxed) % self.shards.len();
+        let i = self
+            .live_trees
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, n)| n.load(Ordering::Relaxed))
+            .map_or(0, |(i, _)| i);
+        self.live_trees[i].fetch_add(1, Ordering::Relaxed);
         let (shard, scheduler) = &self.shards[i];
         TreeHandle::new(shard.clone(), scheduler.clone(), i, root)
+    }
+
+    /// A tree of the `index`th shard has ended.
+    pub(crate) fn tree_ended(&self, index: usize) {
+        if let Some(n) = self.live_trees.get(index) {
+            n.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }

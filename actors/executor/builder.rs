@@ -154,7 +154,8 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         self
     }
 
-    /// How many steps may run at once (default 16). Waiting procedures hold none.
+    /// How many steps may run at once (default 16), split as evenly as can be over the
+    /// shards ([`ExecutorBuilder::arbiters`]). Waiting procedures hold none.
     #[must_use]
     pub fn workers(mut self, workers: usize) -> Self {
         self.workers = workers;
@@ -215,8 +216,19 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         self
     }
 
-    /// How many arbiters (threads) the trees are spread over, round robin (default:
-    /// one per core). The procedures of one tree run on their tree's arbiter.
+    /// How many shards the trees are spread over (default: one per core), each an
+    /// arbiter (a thread) with its own scheduler, but never more than the workers. A new
+    /// tree goes to the shard with the fewest live trees and never moves: its
+    /// procedures run on their shard's thread, on its share of the workers. So the
+    /// worker bound, the fair queue's levels and the stuck-worker rule are per shard
+    /// (with 8 workers and 2 shards, one tree runs at most 4 steps at once), while lock
+    /// order (FIFO per resource) and deadlock detection stay global.
+    ///
+    /// ```
+    /// // Two shards of 4 workers each.
+    /// let builder = proctor::Executor::builder().workers(8).arbiters(2);
+    /// # let _ = builder;
+    /// ```
     #[must_use]
     pub fn arbiters(mut self, arbiters: usize) -> Self {
         self.arbiters = arbiters;
