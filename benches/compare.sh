@@ -19,7 +19,8 @@
 #    with a second core as much as the bare design does).
 #
 # Needs python3 for the tables; skips 2 without valgrind. Set INSTR_PROCS, IDLE or
-# RECOVERY_PROCS to 0, or SCALE to "", to skip that part. Honours CARGO_TARGET_DIR and CARGO_BUILD_JOBS.
+# RECOVERY_PROCS to 0, or SCALE to "", to skip that part. RAW=FILE keeps the runs' lines
+# there (appended to, so a rerun of the tables alone is `SCALE= ROUNDS=0 ... RAW=FILE`). Honours CARGO_TARGET_DIR and CARGO_BUILD_JOBS.
 #
 #   benches/compare.sh                 # 100 000 procedures, 3 rounds, 1 000 and 20 000 in flight
 #   PROCS=50000 ROUNDS=5 RECOVERY_PROCS=200000 benches/compare.sh
@@ -48,8 +49,8 @@ bare=$(exe bare)
 idle=$(exe idle)
 recovery=$(exe recovery)
 
-out=$(mktemp)
-trap 'rm -f "$out" callgrind.compare.*' EXIT
+out=${RAW:-$(mktemp)}
+trap 'rm -f callgrind.compare.*; [ -n "${RAW:-}" ] || rm -f "$out"' EXIT
 for c in $CONCURRENCY; do
   for round in $(seq "$ROUNDS"); do
     echo "concurrency $c, round $round" >&2
@@ -102,7 +103,7 @@ runs, cpu, instr, idle, recovery, scale = {}, {}, {}, None, None, {}
 for line in open(sys.argv[1]):
     kind, store, c, report = line.rstrip("\n").split(" ", 3)
     if kind.startswith("scale-"):
-        c, report = report.split(" ", 1)
+        # `store` is the number of shards (arbiters, for bare).
         scale.setdefault((int(c), kind[6:], int(store)), []).append(json.loads(report)["steps_per_s"])
     elif kind == "instr":
         instr[(store, int(c))] = int(report)
