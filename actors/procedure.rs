@@ -34,7 +34,7 @@ use super::protocol::{
     AbortAck, Deadline, FailRequest, LockFailed, LocksHeld, Outbox, PauseNow, Release,
     ReleaseLocks, Report, Rollback, RolledBack, RunStep, StepDone, ToCell,
 };
-use super::shard::{Timer, TreeCtx};
+use super::root_stack::{Timer, TreeCtx};
 use super::shared::{now_ms, Shared, TreeStatus};
 
 /// The largest encoding buffer a thread keeps between steps.

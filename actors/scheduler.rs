@@ -125,6 +125,12 @@ pub struct SchedulerStats {
     pub lock_waiters: usize,
     /// Events that take memory (ready ones, and ones with waiters).
     pub events: usize,
+    /// Trees with a root-stack actor running: those with work in flight.
+    pub trees_active: usize,
+    /// Trees passivated: nothing in flight (waiting for an event, an operator or
+    /// another tree), kept by their shard as values, with no actor, until a message
+    /// comes.
+    pub trees_passivated: usize,
 }
 
 /// Asks the scheduler for its [`SchedulerStats`]. Send it to the executor.

@@ -474,3 +474,43 @@ async fn a_tree_runs_on_its_shards_share_of_the_workers() {
         executor.shutdown_now().await.unwrap();
     }
 }
+
+/// A tree with nothing in flight is passivated: suspended on an event, it keeps no
+/// root-stack actor (its shard holds it as a value); the wake activates it again, and
+/// it runs on from where it was. Twice, so that a tree passivated, woken and
+/// passivated again is seen too.
+#[actix::test]
+async fn a_tree_waiting_for_an_event_is_passivated_and_woken_again() {
+    use std::time::Duration;
+    for (store_name, store, _dir) in stores() {
+        let (executor, rec) = start(store, 2).await;
+        let plan = vec![
+            Step::Suspend("first".into()),
+            Step::Suspend("second".into()),
+            Step::More,
+        ];
+        let id = executor.submit(Scripted::new("w", plan)).await.unwrap();
+        for (event, ran) in [("first", 1), ("second", 2)] {
+            // Waits on the engine's own account of its trees, not on time.
+            let passivated = async {
+                loop {
+                    let stats = executor.scheduler_stats().await.unwrap();
+                    if (stats.trees_active, stats.trees_passivated) == (0, 1) {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(30), passivated)
+                .await
+                .unwrap_or_else(|_| panic!("{store_name}: never passivated before {event}"));
+            assert_eq!(rec.count("w-exec"), ran, "{store_name}");
+            executor.wake_event(event).await.unwrap();
+        }
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
+        assert_eq!(rec.count("w-exec"), 3, "{store_name}");
+        let stats = executor.scheduler_stats().await.unwrap();
+        assert_eq!((stats.trees_active, stats.trees_passivated), (0, 0));
+        executor.shutdown_now().await.unwrap();
+    }
+}

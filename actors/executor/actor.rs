@@ -28,6 +28,7 @@ use crate::actors::protocol::{
 };
 use crate::actors::root_stack::TreeRunner;
 use crate::actors::scheduler::{GetSchedulerStats, GetShardStats, SchedulerStats};
+use crate::actors::shard::GetTreeCounts;
 use crate::actors::shared::{now_ms, Shared, Waiting};
 
 use super::api::{
@@ -658,11 +659,22 @@ impl<E: Send + Sync + 'static> Handler<GetSchedulerStats> for ExecutorActor<E> {
             .iter()
             .map(|(_, scheduler)| scheduler.send(GetShardStats))
             .collect();
+        let trees: Vec<_> = self
+            .shared
+            .shards
+            .iter()
+            .map(|(shard, _)| shard.send(GetTreeCounts))
+            .collect();
         let locks = self.shared.locks.send(GetLockStats);
         Box::pin(async move {
             let mut stats = SchedulerStats::default();
             for shard in shards {
                 stats.add(&shard.await?);
+            }
+            for counts in trees {
+                let (active, passivated) = counts.await?;
+                stats.trees_active += active;
+                stats.trees_passivated += passivated;
             }
             let locks = locks.await?;
             stats.lock_holders = locks.holders;

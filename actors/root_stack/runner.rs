@@ -36,19 +36,19 @@ use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, ProcRecord, Steering, StoreOp};
 use crate::root_stack::{Action, NewChild, Place, RootStack, Transition};
 
-use super::guard::panic_message;
-use super::lent::{lendable, Lent};
-use super::perturb;
-use super::procedure::{CallEnd, ProcSpec, ProcedureCell};
-use super::protocol::{
+use super::{Timer, TreeCtx, TreeMsg};
+use crate::actors::guard::panic_message;
+use crate::actors::lent::{lendable, Lent};
+use crate::actors::perturb;
+use crate::actors::procedure::{CallEnd, ProcSpec, ProcedureCell};
+use crate::actors::protocol::{
     AbortAck, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Durable,
     DurableAck, Enqueue, FailRequest, LockForRollback, LocksHeld, Outbox, PauseNow, Persist,
     ProcAddr, Quiesce, Release, ReleaseLocks, Report, RolledBack, StepDone, StepFinished,
     SuspendOn, ToCell, ToProc, TreeAck, TreeAddr, TreeEnded, TreeFailed, TreeFinished,
     TreeIrreversible, TreeNews, Unsuspend, Wake, WithdrawStep,
 };
-use super::shard::{Timer, TreeCtx, TreeMsg};
-use super::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
+use crate::actors::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
 
 /// Decoded procedures waiting for their cells, with their encoded state.
 pub(crate) type Objects = SortedMap<ProcId, (DynProc, Vec<u8>)>;
@@ -1090,6 +1090,19 @@ impl TreeRunner {
             self.told_irreversible(),
             self.cut_off(),
         )
+    }
+
+    /// Whether the tree has nothing in flight (nothing waiting to be durable, no step out,
+    /// no report to handle, started, not halted): its actor may hand it back to its
+    /// shard, which keeps it as a value until a message comes. Calls and timers are
+    /// counted by the actor.
+    pub(crate) fn quiet(&self) -> bool {
+        self.start.is_none()
+            && self.pending.is_empty()
+            && self.dispatched == 0
+            && self.outbox.is_empty()
+            && !self.flushing
+            && self.halted.is_none()
     }
 
     /// Tells the lock actor that the tree has passed its point of no return.
