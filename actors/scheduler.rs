@@ -3,8 +3,8 @@
 //!
 //! It owns its shard's [`ReadyQueue`] (at most its share of the executor's `workers`
 //! steps at once, in the order of the executor's [`Scheduling`]: the multilevel fair
-//! queue by default, or FIFO with a front for procedures that continue), its share of
-//! the system procedures' workers, and the stuck-worker monitor of its workers. It times
+//! queue by default, or FIFO with a front for procedures that continue), the system
+//! procedures' workers of its own, and the stuck-worker monitor of its workers. It times
 //! every step it dispatches (from `RunStep` to its `StepFinished`) and charges the time
 //! to the step's tree, whose accumulated time puts it on a level of the fair queue; a
 //! tree's time is dropped at its `TreeEnded`. A procedure waiting for children, an
@@ -102,8 +102,9 @@ pub struct SchedulerStats {
     pub shards: usize,
     /// Workers now: the configured ones plus any extra the stuck-worker monitor added.
     pub workers: usize,
-    /// Workers, beside `workers`, that only system procedures' steps take
-    /// ([`ExecutorBuilder::system_workers`](crate::ExecutorBuilder::system_workers)).
+    /// Workers, beside `workers`, that only system procedures' steps take, every
+    /// shard's ([`ExecutorBuilder::system_workers`](crate::ExecutorBuilder::system_workers)
+    /// on each).
     pub system_workers: usize,
     /// Steps running, system procedures' included.
     pub running: usize,
@@ -168,7 +169,7 @@ impl SchedulerStats {
     }
 }
 
-/// A shard's share of `total` (workers, or system workers) among `shards`: as even as
+/// A shard's share of `total` workers among `shards`: as even as
 /// can be, the first ones taking what does not divide.
 pub(crate) fn share(total: usize, shards: usize, index: usize) -> usize {
     total / shards + usize::from(index < total % shards)

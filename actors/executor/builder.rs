@@ -184,8 +184,10 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// `n` workers are free. Steps are not preempted, so a new tree's first step would
     /// otherwise wait for some running step to end when long-running trees fill every
     /// worker; with a reserved worker it starts at once. The price: trees that have run
-    /// a second or more use at most `workers - n` workers. Default: 1 with 4 workers or
-    /// more, else 0; always fewer than the workers. [`Scheduling::Fifo`] ignores it.
+    /// a second or more use at most `workers - n` workers. Per shard: each shard's
+    /// scheduler keeps `n` of its own share, always fewer than that share (with 4
+    /// workers on 2 shards and the default, one of each shard's two). Default: 1 with 4
+    /// workers or more, else 0. [`Scheduling::Fifo`] ignores it.
     ///
     /// ```
     /// let builder = proctor::Executor::builder().workers(8).reserved_workers(2);
@@ -204,7 +206,9 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// shared worker only when they are all busy; no other step takes them. Steps are
     /// not preempted, so without one a system step waits for some running step to end
     /// when long user steps fill every worker, even when it is first in the queue.
-    /// Default 1. An executor without system types never uses them.
+    /// Per shard: each shard's scheduler has `n` of them beside its share of the
+    /// workers, so a system procedure on any shard has one. Default 1. An executor
+    /// without system types never uses them.
     ///
     /// ```
     /// let builder = proctor::Executor::builder().workers(8).system_workers(2);
@@ -490,8 +494,8 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         self.arbiters.min(self.workers)
     }
 
-    /// The `index`th shard's scheduler, with its share of the workers and the system
-    /// procedures' workers, and the queueing of the options.
+    /// The `index`th shard's scheduler, with its share of the workers, and the system
+    /// procedures' workers, the reserved workers and the queueing of the options.
     fn scheduler_setup(
         &self,
         system: &Arc<HashSet<&'static str>>,
@@ -500,13 +504,16 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     ) -> SchedulerSetup {
         let shards = self.shards();
         let workers = share(self.workers, shards, index);
-        let reserved = self.reserved_workers.unwrap_or(usize::from(workers >= 4));
+        // Of the shard's share: the ready queue keeps it below that share.
+        let reserved = self
+            .reserved_workers
+            .unwrap_or(usize::from(self.workers >= 4));
         SchedulerSetup {
             workers,
             queueing: Queueing {
                 scheduling: self.scheduling,
                 reserved,
-                system_workers: share(self.system_workers, shards, index),
+                system_workers: self.system_workers,
                 system: system.clone(),
             },
             monitor: self.monitor,
