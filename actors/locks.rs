@@ -138,7 +138,7 @@ pub(crate) struct LockActor {
     /// Requests that arrived while the previous step still held its step locks.
     deferred: IdMap<ProcId, Deferred>,
     view: Arc<SchedulerViews>,
-    gauges: metrics::LockGauges,
+    gauges: metrics::Gauges,
     /// Steps to queue and messages for procedures, per shard (to its scheduler).
     grants: Grants,
     /// Wakes, per shard (to its trees).
@@ -158,7 +158,7 @@ impl LockActor {
             parked_by_root: IdMap::default(),
             deferred: IdMap::default(),
             view,
-            gauges: metrics::LockGauges::new(),
+            gauges: metrics::Gauges::locks(),
             grants: Grants::default(),
             mail: Mail::default(),
         }

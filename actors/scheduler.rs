@@ -190,7 +190,7 @@ pub(crate) struct SchedulerActor {
     workers: Workers,
     monitor_every: Duration,
     view: Arc<SchedulerViews>,
-    gauges: metrics::SchedulerGauges,
+    gauges: metrics::Gauges,
     /// The lock actor, told when a step that held locks for itself finishes.
     locks: Addr<LockActor>,
     /// Everything for the shard's trees (dispatched steps, what the lock actor
@@ -242,7 +242,7 @@ impl SchedulerActor {
             }),
             monitor_every: monitor.every,
             view,
-            gauges: metrics::SchedulerGauges::new(),
+            gauges: metrics::Gauges::scheduler(),
             locks,
             mail: Mail::default(),
         }

@@ -253,39 +253,47 @@ impl ShardIo {
     /// Sends the scheduler, the lock actor and the persistence actor what the trees
     /// have for them: one message each.
     pub(crate) fn flush(&mut self) {
-        if !self.to_persistence.is_empty() {
-            perturb::point("shard::flush::to_persistence");
-            if self.to_persistence.len() == 1 {
-                if let Some(msg) = self.to_persistence.pop() {
-                    self.persistence.do_send(msg);
-                }
-            } else {
-                self.persistence
-                    .do_send(ToPersistence(take_sized(&mut self.to_persistence)));
-            }
+        let persistence = &self.persistence;
+        send_batch(
+            &mut self.to_persistence,
+            "shard::flush::to_persistence",
+            |msg| persistence.do_send(msg),
+            |msgs| persistence.do_send(ToPersistence(msgs)),
+        );
+        let locks = &self.locks;
+        send_batch(
+            &mut self.to_locks,
+            "shard::flush::to_locks",
+            |msg| msg.send_to(locks),
+            |msgs| locks.do_send(LocksFromShard(msgs)),
+        );
+        let scheduler = &self.scheduler;
+        send_batch(
+            &mut self.to_scheduler,
+            "shard::flush::to_scheduler",
+            |msg| msg.send_to(scheduler),
+            |msgs| scheduler.do_send(FromShard(msgs)),
+        );
+    }
+}
+
+/// Sends what is queued in `queue`: a message alone as itself, more as one batch.
+fn send_batch<T>(
+    queue: &mut Vec<T>,
+    point: &'static str,
+    one: impl FnOnce(T),
+    many: impl FnOnce(Vec<T>),
+) {
+    if queue.is_empty() {
+        return;
+    }
+    perturb::point(point);
+    if queue.len() == 1 {
+        if let Some(msg) = queue.pop() {
+            one(msg);
         }
-        if !self.to_locks.is_empty() {
-            perturb::point("shard::flush::to_locks");
-            if self.to_locks.len() == 1 {
-                if let Some(msg) = self.to_locks.pop() {
-                    msg.send_to(&self.locks);
-                }
-            } else {
-                self.locks
-                    .do_send(LocksFromShard(take_sized(&mut self.to_locks)));
-            }
-        }
-        if !self.to_scheduler.is_empty() {
-            perturb::point("shard::flush::to_scheduler");
-            if self.to_scheduler.len() == 1 {
-                if let Some(msg) = self.to_scheduler.pop() {
-                    msg.send_to(&self.scheduler);
-                }
-            } else {
-                self.scheduler
-                    .do_send(FromShard(take_sized(&mut self.to_scheduler)));
-            }
-        }
+    } else {
+        many(take_sized(queue));
     }
 }
 

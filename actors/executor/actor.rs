@@ -652,27 +652,19 @@ impl<E: Send + Sync + 'static> Handler<GetSchedulerStats> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<SchedulerStats, Error>>;
 
     fn handle(&mut self, _msg: GetSchedulerStats, _ctx: &mut Context<Self>) -> Self::Result {
-        // Every shard's scheduler, then the lock actor: asked at once, added up.
+        // Every shard and its scheduler, and the lock actor: asked at once, added up.
         let shards: Vec<_> = self
             .shared
             .shards
             .iter()
-            .map(|(_, scheduler)| scheduler.send(GetShardStats))
-            .collect();
-        let trees: Vec<_> = self
-            .shared
-            .shards
-            .iter()
-            .map(|(shard, _)| shard.send(GetTreeCounts))
+            .map(|(shard, scheduler)| (scheduler.send(GetShardStats), shard.send(GetTreeCounts)))
             .collect();
         let locks = self.shared.locks.send(GetLockStats);
         Box::pin(async move {
             let mut stats = SchedulerStats::default();
-            for shard in shards {
-                stats.add(&shard.await?);
-            }
-            for counts in trees {
-                let (active, passivated) = counts.await?;
+            for (scheduler, trees) in shards {
+                stats.add(&scheduler.await?);
+                let (active, passivated) = trees.await?;
                 stats.trees_active += active;
                 stats.trees_passivated += passivated;
             }
