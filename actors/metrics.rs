@@ -218,34 +218,49 @@ impl WalMetrics {
     }
 }
 
-/// The scheduler's gauges, registered once when it starts; each is set only when its
-/// value changed.
-pub(crate) struct SchedulerGauges {
-    gauges: [Gauge; 4],
-    last: [usize; 4],
+/// Two gauges, registered once when their actor starts, changed only when a value
+/// changed. A scheduler's (steps queued and running) are shared by every shard's
+/// scheduler, each adding its changes (an increment or a decrement), so they show the
+/// sum over the shards; the lock actor's (procedures holding and waiting for locks)
+/// are set.
+pub(crate) struct Gauges {
+    gauges: [Gauge; 2],
+    last: [usize; 2],
+    /// Add changes rather than set values.
+    summed: bool,
 }
 
-impl SchedulerGauges {
-    pub(crate) fn new() -> Self {
-        SchedulerGauges {
-            gauges: [
-                gauge!(READY_QUEUE_LENGTH),
-                gauge!(STEPS_RUNNING),
-                gauge!(LOCKS_HELD),
-                gauge!(LOCKS_WAITING),
-            ],
-            last: [0; 4],
+impl Gauges {
+    /// A shard's scheduler's: steps queued and running.
+    pub(crate) fn scheduler() -> Self {
+        Gauges {
+            gauges: [gauge!(READY_QUEUE_LENGTH), gauge!(STEPS_RUNNING)],
+            last: [0; 2],
+            summed: true,
         }
     }
 
-    /// The steps queued and running, and the procedures holding and waiting for locks.
-    pub(crate) fn set(&mut self, now: [usize; 4]) {
+    /// The lock actor's: procedures holding and waiting for locks.
+    pub(crate) fn locks() -> Self {
+        Gauges {
+            gauges: [gauge!(LOCKS_HELD), gauge!(LOCKS_WAITING)],
+            last: [0; 2],
+            summed: false,
+        }
+    }
+
+    pub(crate) fn set(&mut self, now: [usize; 2]) {
         for ((gauge, last), value) in self.gauges.iter().zip(&mut self.last).zip(now) {
-            if *last != value {
-                *last = value;
-                #[allow(clippy::cast_precision_loss)]
-                gauge.set(value as f64);
+            if *last == value {
+                continue;
             }
+            #[allow(clippy::cast_precision_loss)]
+            match (self.summed, value > *last) {
+                (false, _) => gauge.set(value as f64),
+                (true, true) => gauge.increment((value - *last) as f64),
+                (true, false) => gauge.decrement((*last - value) as f64),
+            }
+            *last = value;
         }
     }
 }

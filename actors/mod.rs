@@ -7,6 +7,7 @@ mod crash_test;
 mod executor;
 mod guard;
 mod lent;
+mod locks;
 pub mod metrics;
 mod persistence;
 pub mod perturb;
@@ -25,7 +26,8 @@ pub use executor::{
     GetValue, List, Pause, ProcEvent, ProcInfo, Recovery, Rollback, Shutdown, Submit, Subscribe,
     Subscription, WaitFor, WaitingOn,
 };
-pub use scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
+pub use locks::{ResetEvent, WakeEvent};
+pub use scheduler::{GetSchedulerStats, SchedulerStats};
 pub use wal_store::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, view_wal_dir, view_wal_dir_on, DirView,
     Entry, LockProbe, Repair, SegmentReport, StdFs, WalDirScan, WalFs, WalOptions, WalStats,

@@ -1,16 +1,15 @@
-//! Group commit in front of the [`ProcedureStore`], owned by the scheduler actor.
+//! The persistence actor: group commit in front of the [`ProcedureStore`], one for the
+//! whole executor.
 //!
-//! Appends that arrive while a batch is being written wait in `pending` and go out
-//! together as the next batch: one `append` (one write and one sync, for the WAL) per
-//! batch, however many procedures stepped meanwhile. The store itself lives on a
-//! dedicated writer thread, so a slow disk never blocks an actor thread. Every waiter is
-//! answered only after its batch is durable, in the order the appends arrived.
-//!
-//! It is not an actor of its own: the scheduler holds it, so a root stack's append and
-//! the end of the step that caused it travel as one message (`Persist` with its
-//! `finished` step), and the scheduler's mailbox orders appends and scheduling alike.
-//! The scheduler polls each batch's completion as one of its futures and hands it back
-//! ([`Persistence::done`]).
+//! Appends (`Persist`, from every shard's root stacks, one batch per shard and turn)
+//! that arrive while a batch is being written wait in `pending` and go out together as
+//! the next batch: one `append` (one write and one sync, for the WAL) per batch, however
+//! many procedures of however many shards stepped meanwhile. The store itself lives on
+//! a dedicated writer thread, so a slow disk never blocks an actor thread; the actor
+//! polls each batch's answer as one of its futures. Every waiter is answered only after
+//! its batch is durable, in the order the appends arrived: a root stack with a
+//! `Durable` message naming its transition, gathered per shard ([`Mail`]) and sent as
+//! one message per shard when the batch is answered.
 //!
 //! After a failed append it fails every later append: the state of the storage is
 //! unknown, and acknowledging anything more could lose an acknowledged step.
@@ -19,6 +18,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::Instant;
 
+use actix::prelude::*;
 use tokio::sync::oneshot;
 
 use crate::error::Error;
@@ -28,7 +28,7 @@ use crate::store::{ProcedureStore, StoreError};
 
 use super::metrics;
 use super::perturb;
-use super::protocol::DurableAck;
+use super::protocol::{DurableAck, Persist, Refuse, StopWriter, ToPersistence};
 use super::shard::Mail;
 
 struct Batch {
@@ -47,18 +47,19 @@ enum Write {
 
 /// What the writer thread answers for a batch: the append's result and the batch's
 /// emptied buffer.
-pub(crate) type BatchResult = (Result<(), StoreError>, Vec<StoreOp>);
+type BatchResult = (Result<(), StoreError>, Vec<StoreOp>);
 
 /// A batch handed to the writer thread: its answer, and whom to tell.
-pub(crate) struct InFlight {
-    pub(crate) answer: oneshot::Receiver<BatchResult>,
-    pub(crate) acks: Vec<DurableAck>,
+struct InFlight {
+    answer: oneshot::Receiver<BatchResult>,
+    acks: Vec<DurableAck>,
 }
 
 /// The largest batch buffers kept for reuse, in ops and acks.
 const KEEP_CAPACITY: usize = 1 << 14;
 
-pub(crate) struct Persistence {
+/// The group commit: what is pending, the batch in flight, and the writer thread.
+struct Persistence {
     writer: Option<mpsc::Sender<Write>>,
     thread: Option<thread::JoinHandle<()>>,
     pending_ops: Vec<StoreOp>,
@@ -73,7 +74,7 @@ pub(crate) struct Persistence {
 
 impl Persistence {
     /// Moves the store onto its writer thread.
-    pub(crate) fn new(mut store: Box<dyn ProcedureStore>) -> std::io::Result<Self> {
+    fn new(mut store: Box<dyn ProcedureStore>) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Write>();
         let thread = thread::Builder::new()
             .name("proctor-store-writer".into())
@@ -120,12 +121,7 @@ impl Persistence {
     /// Queues `ops` for the next batch, answered on `ack` once durable (at once, with
     /// the error, after a failure). Returns the batch to wait for if the writer was
     /// idle and took it.
-    pub(crate) fn append(
-        &mut self,
-        ops: Vec<StoreOp>,
-        ack: DurableAck,
-        mail: &mut Mail,
-    ) -> Option<InFlight> {
+    fn append(&mut self, ops: Vec<StoreOp>, ack: DurableAck, mail: &mut Mail) -> Option<InFlight> {
         if let Some(reason) = &self.failed {
             ack.send(Err(Error::Store(reason.clone())), mail);
             return None;
@@ -166,7 +162,7 @@ impl Persistence {
     /// having panicked). On success, returns the batch's acks for the caller to answer
     /// (then to hand back with [`Persistence::recycle`]); on a failure, answers them
     /// with the error and fails everything after.
-    pub(crate) fn done(
+    fn done(
         &mut self,
         answer: Result<BatchResult, oneshot::error::RecvError>,
         acks: Vec<DurableAck>,
@@ -192,7 +188,7 @@ impl Persistence {
     }
 
     /// Takes back an answered batch's emptied `Vec` of acks, for a later batch.
-    pub(crate) fn recycle(&mut self, acks: Vec<DurableAck>) {
+    fn recycle(&mut self, acks: Vec<DurableAck>) {
         debug_assert!(acks.is_empty());
         if acks.capacity() <= KEEP_CAPACITY {
             self.spare_acks = acks;
@@ -200,7 +196,7 @@ impl Persistence {
     }
 
     /// Hands the writer what waited while a batch was in flight, if anything did.
-    pub(crate) fn next_batch(&mut self, mail: &mut Mail) -> Option<InFlight> {
+    fn next_batch(&mut self, mail: &mut Mail) -> Option<InFlight> {
         if self.in_flight {
             return None;
         }
@@ -208,7 +204,7 @@ impl Persistence {
     }
 
     /// Refuses every append from now on (the engine broke an invariant).
-    pub(crate) fn refuse(&mut self, reason: String, mail: &mut Mail) {
+    fn refuse(&mut self, reason: String, mail: &mut Mail) {
         if self.failed.is_none() {
             self.fail(reason, Vec::new(), mail);
         }
@@ -216,7 +212,7 @@ impl Persistence {
 
     /// Closes the channel, which ends the writer thread once it has written what it
     /// has, and waits for it (dropping the store and releasing its lock).
-    pub(crate) fn close_writer(&mut self) {
+    fn close_writer(&mut self) {
         self.writer = None;
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
@@ -227,7 +223,7 @@ impl Persistence {
     /// queued, quietly. `drained` (a drained shutdown's procedures possibly cut off by
     /// an earlier crash): the store is marked drained after the batches already handed
     /// over, unless an append failed.
-    pub(crate) fn stop(&mut self, drained: Option<Vec<ProcId>>, mail: &mut Mail) {
+    fn stop(&mut self, drained: Option<Vec<ProcId>>, mail: &mut Mail) {
         if let (Some(cut_off), None, Some(writer)) = (drained, &self.failed, &self.writer) {
             let _ = writer.send(Write::Drained(cut_off));
         }
@@ -247,5 +243,105 @@ impl Persistence {
         for ack in acks.into_iter().chain(later) {
             ack.send(Err(Error::Store(reason.clone())), mail);
         }
+    }
+}
+
+/// The persistence actor (see the module docs).
+pub(crate) struct PersistenceActor {
+    persistence: Persistence,
+    /// Answers for the root stacks, one message per shard: sent when a batch is
+    /// answered, and at the end of any handler that answered something.
+    mail: Mail,
+}
+
+impl PersistenceActor {
+    /// Moves the store onto its writer thread.
+    pub(crate) fn new(store: Box<dyn ProcedureStore>) -> std::io::Result<Self> {
+        Ok(PersistenceActor {
+            persistence: Persistence::new(store)?,
+            mail: Mail::default(),
+        })
+    }
+
+    fn persist(&mut self, msg: Persist, ctx: &mut Context<Self>) {
+        let batch = self.persistence.append(msg.ops, msg.ack, &mut self.mail);
+        self.wait_for(batch, ctx);
+    }
+
+    /// Waits for a batch handed to the writer thread; when it is answered, answers its
+    /// appends and hands the writer the next batch.
+    fn wait_for(&mut self, batch: Option<InFlight>, ctx: &mut Context<Self>) {
+        let Some(InFlight { answer, acks }) = batch else {
+            return;
+        };
+        ctx.spawn(answer.into_actor(self).map(move |answer, act, ctx| {
+            act.batch_done(answer, acks, ctx);
+        }));
+    }
+
+    /// A batch is durable (or failed): answers each append in order, hands the writer
+    /// the next batch, and sends the answers, one message per shard.
+    fn batch_done(
+        &mut self,
+        answer: Result<BatchResult, oneshot::error::RecvError>,
+        acks: Vec<DurableAck>,
+        ctx: &mut Context<Self>,
+    ) {
+        if let Some(mut acks) = self.persistence.done(answer, acks, &mut self.mail) {
+            for ack in acks.drain(..) {
+                ack.send(Ok(()), &mut self.mail);
+            }
+            self.persistence.recycle(acks);
+        }
+        let next = self.persistence.next_batch(&mut self.mail);
+        self.wait_for(next, ctx);
+        self.mail.send();
+    }
+}
+
+impl Actor for PersistenceActor {
+    type Context = Context<Self>;
+
+    fn stopped(&mut self, _ctx: &mut Context<Self>) {
+        self.persistence.close_writer();
+    }
+}
+
+impl Handler<Persist> for PersistenceActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Persist, ctx: &mut Context<Self>) {
+        self.persist(msg, ctx);
+        self.mail.send();
+    }
+}
+
+impl Handler<ToPersistence> for PersistenceActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: ToPersistence, ctx: &mut Context<Self>) {
+        for msg in msg.0 {
+            self.persist(msg, ctx);
+        }
+        self.mail.send();
+    }
+}
+
+impl Handler<Refuse> for PersistenceActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: Refuse, _ctx: &mut Context<Self>) {
+        self.persistence.refuse(msg.0, &mut self.mail);
+        self.mail.send();
+    }
+}
+
+impl Handler<StopWriter> for PersistenceActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: StopWriter, ctx: &mut Context<Self>) {
+        self.persistence.stop(msg.drained, &mut self.mail);
+        self.mail.send();
+        ctx.stop();
     }
 }

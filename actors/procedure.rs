@@ -31,10 +31,10 @@ use crate::root_stack::{NewChild, OnError, RollbackFailure, StepOutcome, StepRep
 use super::guard::{decode_guarded, guard, CatchUnwind};
 use super::perturb;
 use super::protocol::{
-    AbortAck, Deadline, FailRequest, LockFailed, LocksHeld, Outbox, PauseNow, ReleaseLocks, Report,
-    Rollback, RolledBack, RunStep, StepDone, ToCell,
+    AbortAck, Deadline, FailRequest, LockFailed, LocksHeld, Outbox, PauseNow, Release,
+    ReleaseLocks, Report, Rollback, RolledBack, RunStep, StepDone, ToCell,
 };
-use super::shard::{Timer, TreeCtx};
+use super::root_stack::{Timer, TreeCtx};
 use super::shared::{now_ms, Shared, TreeStatus};
 
 /// The largest encoding buffer a thread keeps between steps.
@@ -787,7 +787,7 @@ impl ProcedureCell {
                     // after a rollback call, or the retry waits for them for ever.
                     ctx.tell(ReleaseLocks {
                         id,
-                        step_only: true,
+                        what: Release::RollbackStep,
                     });
                 }
                 // The engine's own trouble: retried for ever, whatever the policy.
@@ -845,7 +845,7 @@ impl ProcedureCell {
         if self.has_locks && !self.status.halted() {
             ctx.tell(ReleaseLocks {
                 id: self.id,
-                step_only: true,
+                what: Release::RollbackStep,
             });
         }
         perturb::point("procedure::rollback::rolled_back");
@@ -880,7 +880,7 @@ impl ProcedureCell {
             // Before the tree's result, which is published only after this.
             ctx.tell(ReleaseLocks {
                 id: self.id,
-                step_only: false,
+                what: Release::All,
             });
         }
         if let Some(mut proc) = self.proc.take() {

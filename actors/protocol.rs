@@ -24,7 +24,8 @@ use crate::record::{Failure, Paused, StoreOp};
 use crate::root_stack::{Place, RollbackFailure, StepReport};
 
 use super::lent::{lendable, Lent};
-use super::scheduler::Scheduler;
+use super::locks::LockActor;
+use super::scheduler::SchedulerActor;
 use super::shard::{Mail, TreeHandle};
 
 /// A root stack's address as the engine keeps it (in the procedure table, the event
@@ -44,6 +45,11 @@ pub(crate) struct ProcAddr {
 impl ProcAddr {
     pub(crate) fn new(tree: TreeAddr, id: ProcId) -> Self {
         ProcAddr { tree, id }
+    }
+
+    /// Its tree's address.
+    pub(crate) fn tree(&self) -> &TreeAddr {
+        &self.tree
     }
 
     /// Whether its root stack still runs.
@@ -172,6 +178,7 @@ impl Message for StepFinished {
     type Result = ();
 }
 
+#[derive(Clone)]
 /// The tree rooted at `root` ended (its root stack stopped): the scheduler forgets its
 /// accumulated step time. A late `StepFinished` of the tree (from a procedure whose
 /// root stack died) charges nothing.
@@ -260,12 +267,25 @@ impl Message for LockForRollback {
     type Result = ();
 }
 
-/// Release the locks of `id` (from its procedure cell, or its root stack): those of
-/// one rollback step (`step_only`), or everything it holds (it finished, or will never
-/// run again).
+/// Release the locks of `id`: those of one step (from its scheduler, when the step
+/// finished), of one rollback step (from its procedure cell), or everything it holds
+/// (from its cell or root stack: it finished, or will never run again).
 pub(crate) struct ReleaseLocks {
     pub(crate) id: ProcId,
-    pub(crate) step_only: bool,
+    pub(crate) what: Release,
+}
+
+/// Which of a procedure's locks a [`ReleaseLocks`] ends: each release names what it
+/// ends, so that a step's end does not release locks granted meanwhile to the same
+/// procedure's rollback.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Release {
+    /// Those held for one step.
+    Step,
+    /// Those held for one rollback step.
+    RollbackStep,
+    /// Whatever it holds.
+    All,
 }
 
 impl Message for ReleaseLocks {
@@ -453,14 +473,11 @@ pub(crate) struct Wake(pub(crate) ProcId);
 // waiter.
 // ------------------------------------------------------------------------------------
 
-/// Makes `ops` durable, then answers on `ack`. If the scheduler is gone, `ack` is
-/// dropped and that is an answer too (`Error::Stopped`), so nothing waits for ever.
+/// Makes `ops` durable, then answers on `ack`. If the persistence actor is gone, `ack`
+/// is dropped and that is an answer too (`Error::Stopped`), so nothing waits for ever.
 pub(crate) struct Persist {
     pub(crate) ops: Vec<StoreOp>,
     pub(crate) ack: DurableAck,
-    /// The step of this procedure whose report made these records has ended: after
-    /// queueing them, the scheduler handles it as a `StepFinished`.
-    pub(crate) finished: Option<ProcId>,
 }
 
 /// Who is told that a `Persist` is durable (or failed).
@@ -473,86 +490,63 @@ pub(crate) enum DurableAck {
 }
 
 impl DurableAck {
-    /// Answers: a caller at once, a root stack through `mail` (the scheduler's, so the
-    /// answer keeps its place among the scheduler's other messages to the tree).
+    /// Answers: a caller at once, a root stack through `mail` (the persistence actor's,
+    /// one message per shard).
     pub(crate) fn send(self, result: Result<(), Error>, mail: &mut Mail) {
         match self {
             DurableAck::Caller(tx) => {
                 let _ = tx.send(result);
             }
-            DurableAck::Tree(ack) => ack.answer(result, 0, mail),
+            DurableAck::Tree(ack) => ack.answer(result, mail),
         }
     }
 }
 
-/// A root stack's transition number `seq`, to acknowledge once, with the steps to queue
-/// once it is durable. Dropped unanswered (the scheduler gone), it answers
-/// `Error::Stopped`, as a dropped channel did.
+/// A root stack's transition number `seq`, to acknowledge once. Dropped unanswered (the
+/// persistence actor gone), it answers `Error::Stopped`, as a dropped channel did.
 pub(crate) struct TreeAck {
     tree: TreeAddr,
     seq: usize,
     answered: bool,
-    /// Steps the transition queues that need no locks: the scheduler queues them itself
-    /// once the transition is durable, rather than wait for the root stack's `Enqueue`.
-    steps: Vec<Enqueue>,
 }
 
 impl TreeAck {
-    pub(crate) fn new(tree: TreeAddr, seq: usize, steps: Vec<Enqueue>) -> Self {
+    pub(crate) fn new(tree: TreeAddr, seq: usize) -> Self {
         TreeAck {
             tree,
             seq,
             answered: false,
-            steps,
         }
     }
 
-    /// The transition is durable: takes the steps to queue. Queue them, then answer with
-    /// [`TreeAck::durable`].
-    pub(crate) fn take_steps(&mut self) -> Vec<Enqueue> {
-        std::mem::take(&mut self.steps)
-    }
-
-    /// Tells the root stack, through `mail`, that the transition is durable and that
-    /// `enqueued` of its steps were queued.
-    pub(crate) fn durable(self, enqueued: usize, mail: &mut Mail) {
-        self.answer(Ok(()), enqueued, mail);
-    }
-
-    /// Answers through `mail`. Answered with an error, it queued nothing: its steps go.
-    fn answer(mut self, result: Result<(), Error>, enqueued: usize, mail: &mut Mail) {
+    /// Answers through `mail`.
+    fn answer(mut self, result: Result<(), Error>, mail: &mut Mail) {
         self.answered = true;
-        self.steps.clear();
-        mail.push(&self.tree, self.message(result, enqueued));
+        mail.push(&self.tree, self.message(result));
     }
 
-    fn message(&self, result: Result<(), Error>, enqueued: usize) -> Durable {
+    fn message(&self, result: Result<(), Error>) -> Durable {
         Durable {
             seq: self.seq,
             result,
-            enqueued: u32::try_from(enqueued).unwrap_or(u32::MAX),
         }
     }
 }
 
 impl Drop for TreeAck {
-    /// Unanswered, the scheduler is gone (and its mail with it): told directly.
+    /// Unanswered, the persistence actor is gone (and its mail with it): told directly.
     fn drop(&mut self) {
         if !self.answered {
-            self.steps.clear();
-            self.tree.do_send(self.message(Err(Error::Stopped), 0));
+            self.tree.do_send(self.message(Err(Error::Stopped)));
         }
     }
 }
 
 /// The root stack's transition `seq` (and every earlier one) is durable, or the store
-/// failed. From the scheduler's group commit, in the order the appends arrived.
+/// failed. From the persistence actor, in the order the appends arrived.
 pub(crate) struct Durable {
     pub(crate) seq: usize,
     pub(crate) result: Result<(), Error>,
-    /// Steps of the transition the scheduler queued itself (see [`TreeAck`]): each
-    /// owes the root stack a report, and its `RunStep` comes after this message.
-    pub(crate) enqueued: u32,
 }
 
 impl Message for Persist {
@@ -621,47 +615,54 @@ impl Message for TreeNews {
     type Result = ();
 }
 
-// Batches: a shard -> the scheduler, in the order its trees made them.
+// Batches: a shard -> its scheduler, the lock actor and the persistence actor, each in
+// the order its trees made them.
 
-macro_rules! to_scheduler {
-    ($($variant:ident),* $(,)?) => {
-        /// What a tree sends the scheduler. A shard queues its trees' messages in one
-        /// outbox and sends them as one [`FromShard`] (or the message itself, when it is
-        /// alone), so their order is the order they were made in, as if each had been
-        /// sent on its own.
-        pub(crate) enum ToScheduler {
+macro_rules! batch_of {
+    ($(#[$doc:meta])* $name:ident, $batch:ident, $actor:ty; $($variant:ident),* $(,)?) => {
+        $(#[$doc])*
+        pub(crate) enum $name {
             $($variant($variant),)*
         }
 
-        $(
-            impl From<$variant> for ToScheduler {
-                fn from(m: $variant) -> Self {
-                    ToScheduler::$variant(m)
-                }
-            }
-        )*
-
-        impl ToScheduler {
+        impl $name {
             /// Sends this one message on its own.
-            pub(crate) fn send_to(self, scheduler: &Addr<Scheduler>) {
+            pub(crate) fn send_to(self, actor: &Addr<$actor>) {
                 match self {
-                    $(ToScheduler::$variant(m) => scheduler.do_send(m),)*
+                    $($name::$variant(m) => actor.do_send(m),)*
                 }
             }
 
             /// Handles it as the message itself would be.
-            pub(crate) fn handle_in(self, scheduler: &mut Scheduler, ctx: &mut Context<Scheduler>) {
+            pub(crate) fn handle_in(self, actor: &mut $actor, ctx: &mut Context<$actor>) {
                 match self {
-                    $(ToScheduler::$variant(m) => Handler::handle(scheduler, m, ctx),)*
+                    $($name::$variant(m) => Handler::handle(actor, m, ctx),)*
                 }
             }
+        }
+
+        /// Messages of one shard's trees, handled in the order they were made, as if
+        /// each had been sent on its own.
+        pub(crate) struct $batch(pub(crate) Vec<$name>);
+
+        impl Message for $batch {
+            type Result = ();
         }
     };
 }
 
-to_scheduler!(
-    Persist,
+batch_of!(
+    /// What a tree sends its shard's scheduler.
+    ToScheduler, FromShard, SchedulerActor;
+    Enqueue,
     StepFinished,
+    TreeEnded,
+);
+
+batch_of!(
+    /// What a tree sends the lock actor: only trees whose procedures declare locks, or
+    /// suspend on events, or pass a point of no return.
+    ToLocks, LocksFromShard, LockActor;
     Enqueue,
     ReleaseLocks,
     Unsuspend,
@@ -673,9 +674,69 @@ to_scheduler!(
     TreeEnded,
 );
 
-/// A shard's messages to the scheduler, handled in order.
-pub(crate) struct FromShard(pub(crate) Vec<ToScheduler>);
+/// A shard's appends, for the persistence actor, in the order its trees made them.
+pub(crate) struct ToPersistence(pub(crate) Vec<Persist>);
 
-impl Message for FromShard {
+impl Message for ToPersistence {
     type Result = ();
+}
+
+/// Something a tree sends out of its shard: to whom it goes follows from what it is.
+pub(crate) enum Outgoing {
+    Scheduler(ToScheduler),
+    Locks(ToLocks),
+    Persist(Persist),
+}
+
+macro_rules! outgoing {
+    ($to:ident($batch:ident): $($variant:ident),*) => {
+        $(
+            impl From<$variant> for Outgoing {
+                fn from(m: $variant) -> Self {
+                    Outgoing::$to($batch::$variant(m))
+                }
+            }
+        )*
+    };
+}
+
+outgoing!(Scheduler(ToScheduler): StepFinished);
+outgoing!(
+    Locks(ToLocks): ReleaseLocks,
+    Unsuspend,
+    SuspendOn,
+    LockForRollback,
+    TreeFailed,
+    WithdrawStep,
+    TreeIrreversible
+);
+
+impl From<Persist> for Outgoing {
+    fn from(m: Persist) -> Self {
+        Outgoing::Persist(m)
+    }
+}
+
+impl From<Enqueue> for Outgoing {
+    /// A step that needs locks asks the lock actor, which queues it once granted; any
+    /// other goes to the scheduler at once.
+    fn from(m: Enqueue) -> Self {
+        if m.lock.is_some() {
+            Outgoing::Locks(ToLocks::Enqueue(m))
+        } else {
+            Outgoing::Scheduler(ToScheduler::Enqueue(m))
+        }
+    }
+}
+
+impl From<ToScheduler> for Outgoing {
+    fn from(m: ToScheduler) -> Self {
+        Outgoing::Scheduler(m)
+    }
+}
+
+impl From<ToLocks> for Outgoing {
+    fn from(m: ToLocks) -> Self {
+        Outgoing::Locks(m)
+    }
 }

@@ -16,8 +16,10 @@ use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Nonce, Steering};
 use crate::registry::Types;
 
+use super::locks::LockActor;
+use super::persistence::PersistenceActor;
 use super::protocol::{TreeAddr, TreeFinished, TreeNews};
-use super::scheduler::Scheduler;
+use super::scheduler::SchedulerActor;
 use super::shard::{Shard, TreeHandle};
 
 /// The engine's clock, in ms since the Unix epoch. The one place the actors read time;
@@ -167,23 +169,30 @@ pub(crate) struct SchedulerViews {
     pub(crate) fair: bool,
 }
 
+/// A shard and its scheduler, on one arbiter.
+pub(crate) type ShardAddr = (Addr<Shard>, Addr<SchedulerActor>);
+
 pub(crate) struct Shared {
     pub(crate) registry: Types,
     /// The executor's environment (an `E` for an `Executor<E>`).
     pub(crate) env: Arc<AnyEnv>,
     pub(crate) table: DashMap<ProcId, Entry, IdHasher>,
     pub(crate) views: Arc<SchedulerViews>,
-    /// The scheduler, which also holds the group commit in front of the store.
-    pub(crate) scheduler: Addr<Scheduler>,
+    /// The lock actor (locks and events).
+    pub(crate) locks: Addr<LockActor>,
+    /// The persistence actor (the group commit in front of the store).
+    pub(crate) persistence: Addr<PersistenceActor>,
     /// The executor, for finished trees.
     pub(crate) finished: Recipient<TreeFinished>,
     /// The executor, for submits and pauses to publish.
     pub(crate) news: Recipient<TreeNews>,
     /// The arbiters' threads, stopped at shutdown.
     pub(crate) arbiters: Vec<ArbiterHandle>,
-    /// One shard on each arbiter, holding the trees placed on it.
-    pub(crate) shards: Vec<Addr<Shard>>,
-    next_shard: AtomicUsize,
+    /// One shard on each arbiter, holding the trees placed on it, with its scheduler.
+    pub(crate) shards: Vec<ShardAddr>,
+    /// Live trees per shard (by the shard's index): a new tree goes to the shard with
+    /// the fewest.
+    live_trees: Box<[AtomicUsize]>,
     next_id: AtomicU64,
     /// A graceful shutdown in progress, and the calls into user code it waits for.
     pub(crate) drain: Drain,
@@ -261,11 +270,12 @@ impl Shared {
         registry: Types,
         env: Arc<AnyEnv>,
         views: Arc<SchedulerViews>,
-        scheduler: Addr<Scheduler>,
+        locks: Addr<LockActor>,
+        persistence: Addr<PersistenceActor>,
         finished: Recipient<TreeFinished>,
         news: Recipient<TreeNews>,
         arbiters: Vec<ArbiterHandle>,
-        shards: Vec<Addr<Shard>>,
+        shards: Vec<ShardAddr>,
         max_id: u64,
         table_capacity: usize,
     ) -> Self {
@@ -276,12 +286,13 @@ impl Shared {
             // row once or twice more.
             table: DashMap::with_capacity_and_hasher(table_capacity, IdHasher::default()),
             views,
-            scheduler,
+            locks,
+            persistence,
             finished,
             news,
             arbiters,
+            live_trees: shards.iter().map(|_| AtomicUsize::new(0)).collect(),
             shards,
-            next_shard: AtomicUsize::new(0),
             next_id: AtomicU64::new(max_id + 1),
             drain: Drain::default(),
             shutdown: Cancel::new(),
@@ -308,10 +319,25 @@ impl Shared {
         id.0 < self.next_id.load(Ordering::Relaxed)
     }
 
-    /// The address of a new tree of `root`, on the next shard: round robin, so trees
-    /// spread over all cores.
+    /// The address of a new tree of `root`, on the shard with the fewest live trees
+    /// (the first of them on a tie); a tree never moves. Its runner's drop hands the
+    /// place back ([`Shared::tree_ended`]).
     pub(crate) fn new_tree(&self, root: ProcId) -> TreeAddr {
-        let i = self.next_shard.fetch_add(1, Ordering::Relaxed) % self.shards.len();
-        TreeHandle::new(self.shards[i].clone(), i, root)
+        let i = self
+            .live_trees
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, n)| n.load(Ordering::Relaxed))
+            .map_or(0, |(i, _)| i);
+        self.live_trees[i].fetch_add(1, Ordering::Relaxed);
+        let (shard, scheduler) = &self.shards[i];
+        TreeHandle::new(shard.clone(), scheduler.clone(), i, root)
+    }
+
+    /// A tree of the `index`th shard has ended.
+    pub(crate) fn tree_ended(&self, index: usize) {
+        if let Some(n) = self.live_trees.get(index) {
+            n.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }

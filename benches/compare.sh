@@ -12,10 +12,15 @@
 # 3. bytes per idle procedure (`benches/idle.rs --procs IDLE`: each design, and proctor on
 #    each store, in a process of its own; live heap bytes and resident-set growth);
 # 4. recovery ÷ raw read (`benches/recovery.rs --start` with RECOVERY_PROCS procedures:
-#    open and plan, and an executor's whole start).
+#    open and plan, and an executor's whole start);
+# 5. scaling with cores: for each concurrency in SCALE (WAL store), ROUNDS rounds that
+#    alternate bare on 1 and 2 arbiters and proctor on 1 and 2 shards; each design's
+#    2 ÷ 1 ratio of median steps/s, and proctor's ratio ÷ bare's (1.0: proctor grows
+#    with a second core as much as the bare design does).
 #
 # Needs python3 for the tables; skips 2 without valgrind. Set INSTR_PROCS, IDLE or
-# RECOVERY_PROCS to 0 to skip that part. Honours CARGO_TARGET_DIR and CARGO_BUILD_JOBS.
+# RECOVERY_PROCS to 0, or SCALE to "", to skip that part. RAW=FILE keeps the runs' lines
+# there (appended to, so a rerun of the tables alone is `SCALE= ROUNDS=0 ... RAW=FILE`). Honours CARGO_TARGET_DIR and CARGO_BUILD_JOBS.
 #
 #   benches/compare.sh                 # 100 000 procedures, 3 rounds, 1 000 and 20 000 in flight
 #   PROCS=50000 ROUNDS=5 RECOVERY_PROCS=200000 benches/compare.sh
@@ -27,6 +32,7 @@ CONCURRENCY=${CONCURRENCY:-"1000 20000"}
 INSTR_PROCS=${INSTR_PROCS:-5000}
 IDLE=${IDLE:-100000}
 RECOVERY_PROCS=${RECOVERY_PROCS:-1000000}
+SCALE=${SCALE-"1000 20000"}
 
 # The executables, as cargo reports them (wherever the target directory is).
 executables=$(cargo build --release --example workload --bench bare --bench idle --bench recovery \
@@ -43,8 +49,8 @@ bare=$(exe bare)
 idle=$(exe idle)
 recovery=$(exe recovery)
 
-out=$(mktemp)
-trap 'rm -f "$out" callgrind.compare.*' EXIT
+out=${RAW:-$(mktemp)}
+trap 'rm -f callgrind.compare.*; [ -n "${RAW:-}" ] || rm -f "$out"' EXIT
 for c in $CONCURRENCY; do
   for round in $(seq "$ROUNDS"); do
     echo "concurrency $c, round $round" >&2
@@ -52,6 +58,16 @@ for c in $CONCURRENCY; do
     printf 'proctor wal %s %s\n' "$c" "$("$workload" --store wal --procs "$PROCS" --steps 3 --concurrency "$c" | tail -n 1)" >>"$out"
     printf 'bare memory %s %s\n' "$c" "$("$bare" --procs "$PROCS" --concurrency "$c" --memory | tail -n 1)" >>"$out"
     printf 'proctor memory %s %s\n' "$c" "$("$workload" --store memory --procs "$PROCS" --steps 3 --concurrency "$c" | tail -n 1)" >>"$out"
+  done
+done
+
+for c in $SCALE; do
+  for round in $(seq "$ROUNDS"); do
+    for n in 1 2; do
+      echo "scaling, concurrency $c, $n shards, round $round" >&2
+      printf 'scale-bare %s %s %s\n' "$n" "$c" "$("$bare" --procs "$PROCS" --concurrency "$c" --arbiters "$n" | tail -n 1)" >>"$out"
+      printf 'scale-proctor %s %s %s\n' "$n" "$c" "$("$workload" --store wal --procs "$PROCS" --steps 3 --concurrency "$c" --shards "$n" | tail -n 1)" >>"$out"
+    done
   done
 done
 
@@ -83,10 +99,13 @@ fi
 
 python3 - "$out" <<'EOF'
 import json, statistics, sys
-runs, cpu, instr, idle, recovery = {}, {}, {}, None, None
+runs, cpu, instr, idle, recovery, scale = {}, {}, {}, None, None, {}
 for line in open(sys.argv[1]):
     kind, store, c, report = line.rstrip("\n").split(" ", 3)
-    if kind == "instr":
+    if kind.startswith("scale-"):
+        # `store` is the number of shards (arbiters, for bare).
+        scale.setdefault((int(c), kind[6:], int(store)), []).append(json.loads(report)["steps_per_s"])
+    elif kind == "instr":
         instr[(store, int(c))] = int(report)
     elif kind == "idle":
         idle = json.loads(report)
@@ -137,6 +156,15 @@ if idle:
     for what, name in (("live", "live heap"), ("rss", "resident set")):
         b, p, w = (idle[f"{d}_{what}_bytes_per_idle_proc"] for d in ("bare", "proctor", "proctor_wal"))
         print(f"| {name} | {b:,.0f} | {p:,.0f} ({p / b:.1f}x) | {w:,.0f} ({w / b:.1f}x) |")
+
+if scale:
+    print()
+    print("| in flight (WAL) | bare steps/s, 1 → 2 arbiters (medians) | bare 2 ÷ 1 | proctor steps/s, 1 → 2 shards (medians) | proctor 2 ÷ 1 | proctor's ratio ÷ bare's |")
+    print("| ---: | --- | ---: | --- | ---: | ---: |")
+    for c in sorted({c for (c, _, _) in scale}):
+        m = {(d, n): statistics.median(scale[(c, d, n)]) for d in ("bare", "proctor") for n in (1, 2)}
+        rb, rp = m[("bare", 2)] / m[("bare", 1)], m[("proctor", 2)] / m[("proctor", 1)]
+        print(f"| {c:,} | {m[('bare', 1)]:,.0f} → {m[('bare', 2)]:,.0f} | {rb:.2f} | {m[('proctor', 1)]:,.0f} → {m[('proctor', 2)]:,.0f} | {rp:.2f} | {rp / rb:.2f} |")
 
 if recovery:
     print()

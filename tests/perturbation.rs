@@ -152,7 +152,7 @@ enum Ev {
     },
     /// The engine is being stopped at once (`shutdown_now`): its arbiters stop one by
     /// one, dropping the calls in flight on each, so a call that entered may never
-    /// leave; the scheduler frees a dropped tree's step locks, and a call of a tree on
+    /// leave; a dropped tree's scheduler has the lock actor free its step locks, and a call of a tree on
     /// an arbiter not yet stopped may start under them meanwhile (and be dropped in
     /// turn).
     Stopping,
@@ -178,7 +178,7 @@ impl World {
 /// Completion cleanup gets no context, so it finds the world here.
 static WORLD: Mutex<Option<Arc<World>>> = Mutex::new(None);
 
-/// Turns the scheduler's loan events into `Ev::Loan`s of the current seed's history.
+/// Turns the lock actor's loan events into `Ev::Loan`s of the current seed's history.
 struct LoanWitness;
 
 impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LoanWitness {
@@ -226,7 +226,7 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for LoanWitness {
     }
 }
 
-/// Installs the witness once, for the scheduler's WARN events only (no span of the
+/// Installs the witness once, for the lock actor's WARN events only (no span of the
 /// engine is enabled by it, so the runs pay nothing for it).
 fn witness_loans() {
     use tracing_subscriber::layer::SubscriberExt;
@@ -234,7 +234,7 @@ fn witness_loans() {
     let only_loans = tracing_subscriber::filter::filter_fn(|m| {
         m.is_event()
             && *m.level() == tracing::Level::WARN
-            && m.target().starts_with("proctor::actors::scheduler")
+            && m.target().starts_with("proctor::actors::locks")
     });
     let subscriber = tracing_subscriber::registry().with(LoanWitness.with_filter(only_loans));
     let _ = tracing::subscriber::set_global_default(subscriber);
@@ -1522,6 +1522,9 @@ fn excerpt(history: &[Ev], ids: &[ProcId], n: usize) -> String {
             | Ev::Continued { id }
             | Ev::AbortAnswer { id, .. } => ids.contains(id),
             Ev::Result { root, .. } => ids.contains(root),
+            Ev::Loan {
+                borrower, lender, ..
+            } => ids.contains(borrower) || ids.contains(lender),
             Ev::Stopping | Ev::Restart | Ev::Violation(_) => true,
             _ => false,
         })

@@ -576,14 +576,14 @@ async fn a_store_failure_under_load_leaves_nothing_hanging() {
     }
 }
 
-/// A step that needs no locks is queued by the scheduler itself once the record of the
-/// transition that queued it is durable (it rides on that record's append), and its
-/// `RunStep` reaches the root stack after the transition is performed: while the record
-/// of the root's first step (which starts a child) is on its way to disk, neither the
-/// child nor the root's next step runs and the child is not listed; once it is durable,
-/// the child's cell exists before its first step arrives, and everything runs in
-/// order. (Seen while building it: a step dispatched before its root stack had
-/// performed the transition found no cell and was dropped as a stopped procedure's.)
+/// A step is queued only once the transition that queued it is durable and performed,
+/// so its `RunStep` reaches the root stack after the transition's actions: while the
+/// record of the root's first step (which starts a child) is on its way to disk,
+/// neither the child nor the root's next step runs and the child is not listed; once it
+/// is durable, the child's cell exists before its first step arrives, and everything
+/// runs in order. (Seen when such steps rode on their record's append, queued by the
+/// scheduler: a step dispatched before its root stack had performed the transition
+/// found no cell and was dropped as a stopped procedure's.)
 #[actix::test]
 async fn a_step_queued_with_its_record_runs_only_once_the_record_is_durable() {
     for store_name in ["memory", "wal"] {

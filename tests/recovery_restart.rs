@@ -322,7 +322,8 @@ async fn after_a_restart_the_result_is_the_first_recorded_failure() {
             // Appends: insert, the root's step, the two failures; the first rollback
             // record crashes.
             let store = CrashingStore::new(open(), 4, CrashPoint::BeforeWrite);
-            let (first, rec) = common::start(Box::new(store), 2).await;
+            // Two workers on the tree's shard, for both children at once.
+            let (first, rec) = common::start(Box::new(store), 4).await;
             let root = first
                 .submit(Scripted::new(
                     "root",

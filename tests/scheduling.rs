@@ -426,3 +426,91 @@ async fn a_system_procedure_runs_on_its_own_worker_while_user_steps_fill_the_oth
         executor.shutdown().await.unwrap();
     }
 }
+
+/// The workers are split over the shards, and a tree's steps run on its own shard's
+/// share: with 4 workers on 2 shards, a root's 4 gated children run 2 at a time, and a
+/// second root, placed on the other shard (the one with fewer live trees), runs at once
+/// beside them.
+#[actix::test]
+async fn a_tree_runs_on_its_shards_share_of_the_workers() {
+    use std::time::Duration;
+    for (store_name, store, _dir) in stores() {
+        // Two shards (`common::start`), two workers each.
+        let (executor, rec) = start(store, 4).await;
+        let stats = executor.scheduler_stats().await.unwrap();
+        assert_eq!((stats.shards, stats.workers), (2, 4), "{store_name}");
+        let children: Vec<_> = (0..4)
+            .map(|i| Scripted::new(&format!("c{i}"), vec![Step::Gate]))
+            .collect();
+        let a = executor
+            .submit(Scripted::new("a", vec![Step::Children(children)]))
+            .await
+            .unwrap();
+        let inside =
+            |rec: &Recorder| -> usize { (0..4).map(|i| rec.count(&format!("c{i}-exec"))).sum() };
+        while inside(&rec) < 2 {
+            tokio::task::yield_now().await;
+        }
+        let b = common::start_gated(&executor, &rec, "b").await;
+        // The root's shard is full: its other two children wait, and `b` ran beside them.
+        let stats = executor.scheduler_stats().await.unwrap();
+        assert_eq!(inside(&rec), 2, "{store_name}: {stats:?}");
+        assert_eq!(
+            (stats.running, stats.queued),
+            (3, 2),
+            "{store_name}: {stats:?}"
+        );
+        for id in [a, b] {
+            loop {
+                rec.gate.notify_waiters();
+                let waited = tokio::time::timeout(Duration::from_millis(5), executor.wait(id));
+                if let Ok(result) = waited.await {
+                    assert_eq!(result.unwrap(), Ok(()), "{store_name}");
+                    break;
+                }
+            }
+        }
+        assert_eq!(inside(&rec), 4, "{store_name}");
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// A tree with nothing in flight is passivated: suspended on an event, it keeps no
+/// root-stack actor (its shard holds it as a value); the wake activates it again, and
+/// it runs on from where it was. Twice, so that a tree passivated, woken and
+/// passivated again is seen too.
+#[actix::test]
+async fn a_tree_waiting_for_an_event_is_passivated_and_woken_again() {
+    use std::time::Duration;
+    for (store_name, store, _dir) in stores() {
+        let (executor, rec) = start(store, 2).await;
+        let plan = vec![
+            Step::Suspend("first".into()),
+            Step::Suspend("second".into()),
+            Step::More,
+        ];
+        let id = executor.submit(Scripted::new("w", plan)).await.unwrap();
+        for (event, ran) in [("first", 1), ("second", 2)] {
+            // Waits on the engine's own account of its trees, not on time.
+            let passivated = async {
+                loop {
+                    let stats = executor.scheduler_stats().await.unwrap();
+                    if (stats.trees_active, stats.trees_passivated) == (0, 1) {
+                        break;
+                    }
+                    tokio::task::yield_now().await;
+                }
+            };
+            tokio::time::timeout(Duration::from_secs(30), passivated)
+                .await
+                .unwrap_or_else(|_| panic!("{store_name}: never passivated before {event}"));
+            assert_eq!(rec.count("w-exec"), ran, "{store_name}");
+            executor.wake_event(event).await.unwrap();
+        }
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{store_name}");
+        assert_eq!(rec.count("w-exec"), 3, "{store_name}");
+        let stats = executor.scheduler_stats().await.unwrap();
+        assert_eq!((stats.trees_active, stats.trees_passivated), (0, 0));
+        executor.shutdown_now().await.unwrap();
+    }
+}

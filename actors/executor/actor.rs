@@ -20,13 +20,15 @@ use crate::fast_map::IdMap;
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Nonce, StoreOp};
 
+use crate::actors::locks::{GetLockStats, ResetEvent, WakeEvent};
 use crate::actors::procedure::{declare, Undeclarable};
 use crate::actors::protocol::{
     AbortRequest, BypassRequest, Command, CommandRequest, DurableAck, Persist, Quiesce, Refuse,
     StopWriter, TreeAddr, TreeFinished, TreeNews,
 };
 use crate::actors::root_stack::TreeRunner;
-use crate::actors::scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
+use crate::actors::scheduler::{GetSchedulerStats, GetShardStats, SchedulerStats};
+use crate::actors::shard::GetTreeCounts;
 use crate::actors::shared::{now_ms, Shared, Waiting};
 
 use super::api::{
@@ -201,10 +203,9 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         let more = batch.len() == EVICT_BATCH;
         self.evicting = true;
         let (ack, durable) = oneshot::channel();
-        self.shared.scheduler.do_send(Persist {
+        self.shared.persistence.do_send(Persist {
             ops: batch.iter().map(|&id| StoreOp::Delete(id)).collect(),
             ack: DurableAck::Caller(ack),
-            finished: None,
         });
         let done = async move { durable.await.unwrap_or(Err(Error::Stopped)) };
         ctx.spawn(done.into_actor(self).map(move |result, act, ctx| {
@@ -284,7 +285,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
             tracing::error!(error = %e, "executor stopped accepting work");
             if matches!(e, Error::Internal(_)) {
                 // Stop every other tree at its next write, as a store failure does.
-                self.shared.scheduler.do_send(Refuse(e.to_string()));
+                self.shared.persistence.do_send(Refuse(e.to_string()));
             }
             let _ = self.shared.broken_error.set(e.duplicate());
             self.shared.broken.cancel();
@@ -643,16 +644,36 @@ impl<E: Send + Sync + 'static> Handler<WakeEvent> for ExecutorActor<E> {
     type Result = ();
 
     fn handle(&mut self, msg: WakeEvent, _ctx: &mut Context<Self>) {
-        self.shared.scheduler.do_send(msg);
+        self.shared.locks.do_send(msg);
     }
 }
 
 impl<E: Send + Sync + 'static> Handler<GetSchedulerStats> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<SchedulerStats, Error>>;
 
-    fn handle(&mut self, msg: GetSchedulerStats, _ctx: &mut Context<Self>) -> Self::Result {
-        let scheduler = self.shared.scheduler.clone();
-        Box::pin(async move { scheduler.send(msg).await? })
+    fn handle(&mut self, _msg: GetSchedulerStats, _ctx: &mut Context<Self>) -> Self::Result {
+        // Every shard and its scheduler, and the lock actor: asked at once, added up.
+        let shards: Vec<_> = self
+            .shared
+            .shards
+            .iter()
+            .map(|(shard, scheduler)| (scheduler.send(GetShardStats), shard.send(GetTreeCounts)))
+            .collect();
+        let locks = self.shared.locks.send(GetLockStats);
+        Box::pin(async move {
+            let mut stats = SchedulerStats::default();
+            for (scheduler, trees) in shards {
+                stats.add(&scheduler.await?);
+                let (active, passivated) = trees.await?;
+                stats.trees_active += active;
+                stats.trees_passivated += passivated;
+            }
+            let locks = locks.await?;
+            stats.lock_holders = locks.holders;
+            stats.lock_waiters = locks.waiters;
+            stats.events = locks.events;
+            Ok(stats)
+        })
     }
 }
 
@@ -660,7 +681,7 @@ impl<E: Send + Sync + 'static> Handler<ResetEvent> for ExecutorActor<E> {
     type Result = ();
 
     fn handle(&mut self, msg: ResetEvent, _ctx: &mut Context<Self>) {
-        self.shared.scheduler.do_send(msg);
+        self.shared.locks.do_send(msg);
     }
 }
 
@@ -875,7 +896,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         }
         // Their streams end.
         self.subscribers.clear();
-        let scheduler = self.shared.scheduler.clone();
+        let persistence = self.shared.persistence.clone();
         let owned_system = self.owned_system;
         // Joined off the actor threads: a call into user code that is in the middle of a
         // poll finishes it, and then nothing of this executor runs any more when
@@ -895,7 +916,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 let _ = threads_gone.await;
             }
             // Errors mean it has stopped already.
-            let _ = scheduler.send(StopWriter { drained }).await;
+            let _ = persistence.send(StopWriter { drained }).await;
             if owned_system {
                 System::current().stop();
             }

@@ -5,7 +5,7 @@
 //! tree is on its shard, and every finished root's result in the table, before the
 //! executor handles any request.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,12 +25,15 @@ use crate::registry::{Registry, Types};
 use crate::store::{LastStop, MemoryStore, ProcedureStore};
 
 use crate::actors::guard::{decode_guarded, guard};
-use crate::actors::persistence::Persistence;
+use crate::actors::locks::LockActor;
+use crate::actors::persistence::PersistenceActor;
 use crate::actors::protocol::Regrant;
 use crate::actors::root_stack::{publish_recovered, Objects, TreeRunner};
-use crate::actors::scheduler::{Monitor, Queueing, Scheduler};
-use crate::actors::shard::{Mail, Shard};
-use crate::actors::shared::{now_ms, Entry, EntryExtra, SchedulerViews, Shared, Waiting};
+use crate::actors::scheduler::{share, Monitor, Queueing, SchedulerActor, SchedulerSetup};
+use crate::actors::shard::{Mail, Shard, ShardPeers};
+use crate::actors::shared::{
+    now_ms, Entry, EntryExtra, SchedulerViews, ShardAddr, Shared, Waiting,
+};
 
 use super::actor::{ExecutorActor, NonceState};
 use super::api::Shutdown;
@@ -151,7 +154,8 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         self
     }
 
-    /// How many steps may run at once (default 16). Waiting procedures hold none.
+    /// How many steps may run at once (default 16), split as evenly as can be over the
+    /// shards ([`ExecutorBuilder::arbiters`]). Waiting procedures hold none.
     #[must_use]
     pub fn workers(mut self, workers: usize) -> Self {
         self.workers = workers;
@@ -180,8 +184,10 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// `n` workers are free. Steps are not preempted, so a new tree's first step would
     /// otherwise wait for some running step to end when long-running trees fill every
     /// worker; with a reserved worker it starts at once. The price: trees that have run
-    /// a second or more use at most `workers - n` workers. Default: 1 with 4 workers or
-    /// more, else 0; always fewer than the workers. [`Scheduling::Fifo`] ignores it.
+    /// a second or more use at most `workers - n` workers. Per shard: each shard's
+    /// scheduler keeps `n` of its own share, always fewer than that share (with 4
+    /// workers on 2 shards and the default, one of each shard's two). Default: 1 with 4
+    /// workers or more, else 0. [`Scheduling::Fifo`] ignores it.
     ///
     /// ```
     /// let builder = proctor::Executor::builder().workers(8).reserved_workers(2);
@@ -200,7 +206,9 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// shared worker only when they are all busy; no other step takes them. Steps are
     /// not preempted, so without one a system step waits for some running step to end
     /// when long user steps fill every worker, even when it is first in the queue.
-    /// Default 1. An executor without system types never uses them.
+    /// Per shard: each shard's scheduler has `n` of them beside its share of the
+    /// workers, so a system procedure on any shard has one. Default 1. An executor
+    /// without system types never uses them.
     ///
     /// ```
     /// let builder = proctor::Executor::builder().workers(8).system_workers(2);
@@ -212,8 +220,19 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         self
     }
 
-    /// How many arbiters (threads) the trees are spread over, round robin (default:
-    /// one per core). The procedures of one tree run on their tree's arbiter.
+    /// How many shards the trees are spread over (default: one per core), each an
+    /// arbiter (a thread) with its own scheduler, but never more than the workers. A new
+    /// tree goes to the shard with the fewest live trees and never moves: its
+    /// procedures run on their shard's thread, on its share of the workers. So the
+    /// worker bound, the fair queue's levels and the stuck-worker rule are per shard
+    /// (with 8 workers and 2 shards, one tree runs at most 4 steps at once), while lock
+    /// order (FIFO per resource) and deadlock detection stay global.
+    ///
+    /// ```
+    /// // Two shards of 4 workers each.
+    /// let builder = proctor::Executor::builder().workers(8).arbiters(2);
+    /// # let _ = builder;
+    /// ```
     #[must_use]
     pub fn arbiters(mut self, arbiters: usize) -> Self {
         self.arbiters = arbiters;
@@ -405,16 +424,22 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         // options are still read below.
         let recovered = Recovered::load(&mut *store, std::mem::take(&mut self.registry))?;
         crate::actors::metrics::describe();
-        let persistence = Persistence::new(store)
-            .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?;
+        let persistence = PersistenceActor::new(store)
+            .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
+            .start();
         let views = Arc::new(SchedulerViews {
             fair: self.scheduling == Scheduling::Fair,
             ..SchedulerViews::default()
         });
-        let scheduler = self.start_scheduler(&recovered.registry, views.clone(), persistence);
-        recovered.regrant(&scheduler);
+        let locks = LockActor::new(std::mem::take(&mut self.permits), views.clone()).start();
+        recovered.regrant(&locks);
         let report = recovered.report.clone();
-        let addr = self.create_actor(recovered, env, views, scheduler, owned);
+        let peers = Peers {
+            locks,
+            persistence,
+            views,
+        };
+        let addr = self.create_actor(recovered, env, peers, owned);
         if !report.recovered_roots.is_empty() {
             tracing::info!(
                 recovered = report.recovered_roots.len(),
@@ -463,31 +488,69 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         Ok(env)
     }
 
-    /// Starts the scheduler, with the workers, the queueing and the counted resources
-    /// of the options, in front of the store's writer.
-    fn start_scheduler(
-        &mut self,
-        registry: &Types,
-        views: Arc<SchedulerViews>,
-        persistence: Persistence,
-    ) -> Addr<Scheduler> {
+    /// How many shards the trees are spread over: one per arbiter, but no more than
+    /// the workers, each shard's scheduler taking its share of them.
+    fn shards(&self) -> usize {
+        self.arbiters.min(self.workers)
+    }
+
+    /// The `index`th shard's scheduler, with its share of the workers, and the system
+    /// procedures' workers, the reserved workers and the queueing of the options.
+    fn scheduler_setup(
+        &self,
+        system: &Arc<HashSet<&'static str>>,
+        peers: &Peers,
+        index: usize,
+    ) -> SchedulerSetup {
+        let shards = self.shards();
+        let workers = share(self.workers, shards, index);
+        // Of the shard's share: the ready queue keeps it below that share.
         let reserved = self
             .reserved_workers
             .unwrap_or(usize::from(self.workers >= 4));
-        Scheduler::new(
-            self.workers,
-            Queueing {
+        SchedulerSetup {
+            workers,
+            queueing: Queueing {
                 scheduling: self.scheduling,
                 reserved,
                 system_workers: self.system_workers,
-                system: registry.system(),
+                system: system.clone(),
             },
-            self.monitor,
-            std::mem::take(&mut self.permits),
-            views,
-            persistence,
-        )
-        .start()
+            monitor: self.monitor,
+            view: peers.views.clone(),
+            locks: peers.locks.clone(),
+        }
+    }
+
+    /// Starts the arbiters, each with its shard and the shard's scheduler: the arbiters
+    /// (joined at shutdown), their handles, and the shards with their schedulers.
+    fn start_arbiters(
+        &self,
+        registry: &Types,
+        peers: &Peers,
+    ) -> (Vec<Arbiter>, Vec<ArbiterHandle>, Vec<ShardAddr>) {
+        let system = Arc::new(registry.system());
+        let arbiters: Vec<Arbiter> = (0..self.shards()).map(|_| Arbiter::new()).collect();
+        let handles = arbiters.iter().map(Arbiter::handle).collect();
+        let shards = arbiters
+            .iter()
+            .enumerate()
+            .map(|(index, arbiter)| {
+                let setup = self.scheduler_setup(&system, peers, index);
+                let scheduler = SchedulerActor::start_in_arbiter(&arbiter.handle(), move |_| {
+                    SchedulerActor::new(setup)
+                });
+                let shard_peers = ShardPeers {
+                    scheduler: scheduler.clone(),
+                    locks: peers.locks.clone(),
+                    persistence: peers.persistence.clone(),
+                };
+                let shard =
+                    Shard::start_in_arbiter(&arbiter.handle(), move |_| Shard::new(shard_peers));
+                (shard, scheduler)
+            })
+            .collect();
+        (arbiters, handles, shards)
     }
 
     /// Starts the arbiters, each with its shard, and then the executor actor, which
@@ -497,8 +560,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         &self,
         recovered: Recovered,
         env: Arc<AnyEnv>,
-        views: Arc<SchedulerViews>,
-        scheduler: Addr<Scheduler>,
+        peers: Peers,
         owned: bool,
     ) -> Addr<ExecutorActor<E>> {
         let max_unfinished = self.max_unfinished;
@@ -507,7 +569,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         let unfinished = recovered.trees.len();
         let finished_at = recovered.finished_at();
         let nonces = recovered.nonces();
-        let (arbiters, handles, shards) = start_arbiters(self.arbiters, &scheduler);
+        let (arbiters, handles, shards) = self.start_arbiters(&recovered.registry, &peers);
         let Recovered {
             registry,
             mut plan,
@@ -526,8 +588,9 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             let shared = Arc::new(Shared::new(
                 registry,
                 env,
-                views,
-                scheduler,
+                peers.views,
+                peers.locks,
+                peers.persistence,
                 ctx.address().recipient(),
                 ctx.address().recipient(),
                 handles,
@@ -560,22 +623,11 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     }
 }
 
-/// Starts `n` arbiters, each with a shard of its own: the arbiters (joined at
-/// shutdown), their handles and their shards.
-fn start_arbiters(
-    n: usize,
-    scheduler: &Addr<Scheduler>,
-) -> (Vec<Arbiter>, Vec<ArbiterHandle>, Vec<Addr<Shard>>) {
-    let arbiters: Vec<Arbiter> = (0..n).map(|_| Arbiter::new()).collect();
-    let handles = arbiters.iter().map(Arbiter::handle).collect();
-    let shards = arbiters
-        .iter()
-        .map(|arbiter| {
-            let scheduler = scheduler.clone();
-            Shard::start_in_arbiter(&arbiter.handle(), |_| Shard::new(scheduler))
-        })
-        .collect();
-    (arbiters, handles, shards)
+/// The actors every shard talks to, started before the shards.
+struct Peers {
+    locks: Addr<LockActor>,
+    persistence: Addr<PersistenceActor>,
+    views: Arc<SchedulerViews>,
 }
 
 /// A recovered tree, decoded: its plan, its procedures, and the suspended ones that
@@ -635,7 +687,7 @@ impl Recovered {
 
     /// Locks held for life when the engine stopped go back to their holders, roots
     /// first, before any tree is started and can ask for anything.
-    fn regrant(&self, scheduler: &Addr<Scheduler>) {
+    fn regrant(&self, locks: &Addr<LockActor>) {
         let mut held: Vec<_> = self
             .trees
             .iter()
@@ -643,7 +695,7 @@ impl Recovered {
             .collect();
         held.sort_by_key(|r| (r.root, r.owner));
         if !held.is_empty() {
-            scheduler.do_send(Regrant(held));
+            locks.do_send(Regrant(held));
         }
     }
 

@@ -13,7 +13,8 @@ use crate::error::Error;
 use crate::procedure::{ProcId, Procedure};
 use crate::record::{Failure, Nonce};
 
-use crate::actors::scheduler::{GetSchedulerStats, ResetEvent, SchedulerStats, WakeEvent};
+use crate::actors::locks::{ResetEvent, WakeEvent};
+use crate::actors::scheduler::{GetSchedulerStats, SchedulerStats};
 
 use super::actor::ExecutorActor;
 use super::api::{
@@ -353,12 +354,12 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// [`Flow::Suspend`](crate::Flow)); it stays ready until [`reset_event`](Self::reset_event).
     ///
     /// The waiters are handed to their trees oldest first, and each tree queues its
-    /// procedure's next step. Trees on the same arbiter queue them in that order, so
-    /// under [`Scheduling::Fifo`](crate::Scheduling::Fifo) the oldest waiter's step is
-    /// queued first; trees on different arbiters (placed round robin, see
-    /// [`ExecutorBuilder::arbiters`]) queue theirs concurrently, and which of those
+    /// procedure's next step with its shard's scheduler. Trees on the same shard queue
+    /// them in that order, so under [`Scheduling::Fifo`](crate::Scheduling::Fifo) the
+    /// oldest waiter's step is queued first; trees on different shards (see
+    /// [`ExecutorBuilder::arbiters`]) run on different workers, and which of those
     /// steps runs first is not promised. A service that needs its woken procedures to
-    /// run in order runs one arbiter, or orders them itself (one waiter that starts the
+    /// run in order runs one shard, or orders them itself (one waiter that starts the
     /// next).
     ///
     /// # Errors

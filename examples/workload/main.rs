@@ -114,9 +114,10 @@ struct Args {
     /// Concurrent steps (the executor's workers).
     #[arg(long, default_value_t = 64)]
     workers: usize,
-    /// Threads the root stacks are spread over (default: the engine's, one per core).
-    #[arg(long)]
-    arbiters: Option<usize>,
+    /// Shards (arbiter threads, each with its scheduler and a share of the workers)
+    /// the trees are spread over (default: the engine's, one per core).
+    #[arg(long, alias = "arbiters")]
+    shards: Option<usize>,
     /// Each root (and its children) holds an exclusive lock on one of N resources
     /// (`res/<k>`); every step checks that no other tree is inside it (JSON:
     /// `lock_conflicts`, which must be 0).
@@ -275,7 +276,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         .registry(registry())
         .workers(args.workers)
         .env(env.clone());
-    if let Some(n) = args.arbiters {
+    if let Some(n) = args.shards {
         builder = builder.arbiters(n);
     }
     if let Some(ms) = args.retention_ms {
@@ -325,6 +326,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
     };
     let recovery = executor.recovery().clone();
+    let shards = executor.scheduler_stats().await?.shards;
     // The operator: continues every procedure that pauses (DAG tasks that failed past
     // a point of no return; their fault fires once per process).
     let continued = if args.dag.is_some() || args.resume {
@@ -460,6 +462,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
             StoreKind::Memory => "memory",
             StoreKind::FilePerProc => "file-per-proc",
         },
+        "shards": shards,
         "submitted": to_submit,
         "recovered": recovery.recovered_roots.len(),
         "corrupt": recovery.corrupt.len(),

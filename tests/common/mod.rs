@@ -301,10 +301,13 @@ pub async fn start(
     workers: usize,
 ) -> (Executor<Recorder>, Arc<Recorder>) {
     let rec = Arc::new(Recorder::default());
+    // Two shards whatever the machine (as many as the workers allow): each takes half
+    // of the workers, and a tree's steps run on its shard's half.
     let executor = Executor::builder()
         .registry(registry())
         .store(store)
         .workers(workers)
+        .arbiters(2)
         .env(rec.clone())
         .start()
         .await

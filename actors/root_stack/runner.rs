@@ -36,37 +36,30 @@ use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, ProcRecord, Steering, StoreOp};
 use crate::root_stack::{Action, NewChild, Place, RootStack, Transition};
 
-use super::guard::panic_message;
-use super::lent::{lendable, Lent};
-use super::perturb;
-use super::procedure::{CallEnd, ProcSpec, ProcedureCell};
-use super::protocol::{
+use super::{Timer, TreeCtx, TreeMsg};
+
+mod operator;
+mod reports;
+mod table;
+
+use crate::actors::guard::panic_message;
+use crate::actors::lent::{lendable, Lent};
+use crate::actors::perturb;
+use crate::actors::procedure::{CallEnd, ProcSpec, ProcedureCell};
+use crate::actors::protocol::{
     AbortAck, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Durable,
     DurableAck, Enqueue, FailRequest, LockForRollback, LocksHeld, Outbox, PauseNow, Persist,
-    ProcAddr, Quiesce, ReleaseLocks, Report, RolledBack, StepDone, StepFinished, SuspendOn, ToCell,
-    ToProc, TreeAck, TreeAddr, TreeEnded, TreeFailed, TreeFinished, TreeIrreversible, TreeNews,
-    Unsuspend, Wake, WithdrawStep,
+    ProcAddr, Quiesce, Release, ReleaseLocks, Report, RolledBack, StepDone, StepFinished,
+    SuspendOn, ToCell, ToProc, TreeAck, TreeAddr, TreeEnded, TreeFailed, TreeFinished,
+    TreeIrreversible, TreeNews, Unsuspend, Wake, WithdrawStep,
 };
-use super::shard::{Timer, TreeCtx, TreeMsg};
-use super::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
+use crate::actors::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
+use operator::refuse;
+pub(crate) use table::publish_recovered;
+use table::{apply_rows, rows, Row};
 
 /// Decoded procedures waiting for their cells, with their encoded state.
 pub(crate) type Objects = SortedMap<ProcId, (DynProc, Vec<u8>)>;
-
-/// What one persisted op changes in the procedure table; applied once the op is durable.
-enum Row {
-    /// Boxed: an entry is much larger than an update.
-    Insert(ProcId, Box<Entry>),
-    Update {
-        id: ProcId,
-        state: ProcState,
-        updated_ms: u64,
-        value: Option<Vec<u8>>,
-        waiting: Waiting,
-        state_name: Option<String>,
-        steering: Option<Box<Steering>>,
-    },
-}
 
 lendable!(Pending);
 
@@ -241,26 +234,23 @@ impl TreeRunner {
     /// Persists the transition's records, then (in order) publishes them, performs its
     /// actions and answers `ack`.
     fn apply(&mut self, t: Transition, ack: Option<AckWith>, ctx: &mut TreeCtx<'_>) {
-        self.apply_named(t, ack, None, None, ctx);
+        self.apply_named(t, ack, None, ctx);
     }
 
-    /// As `apply`, for the report of a step of `finished`, with its state name,
-    /// published on its procedure's row. If the transition has records to persist, the
-    /// step's end goes to the scheduler with them (one message, records first) and this
-    /// returns `true`; otherwise the caller sends `StepFinished` after it.
+    /// As `apply`, for the report of a step, with its procedure's state name after the
+    /// step, published on its procedure's row.
     fn apply_named(
         &mut self,
         t: Transition,
         ack: Option<AckWith>,
         state_name: Option<(ProcId, String)>,
-        finished: Option<ProcId>,
         ctx: &mut TreeCtx<'_>,
-    ) -> bool {
+    ) {
         if let Some(e) = &self.halted {
             if let Some((ack, _)) = ack {
                 let _ = ack.send(Err(e.duplicate()));
             }
-            return false;
+            return;
         }
         if self.core.is_failed() && !self.status.failed() {
             self.status.set_failed();
@@ -274,14 +264,6 @@ impl TreeRunner {
             ctx.tell(TreeFailed(self.core.root()));
         }
         let durable = t.persist.is_empty();
-        let mut t = t;
-        // Steps that need no locks go with the records: the scheduler queues them once
-        // the records are durable.
-        let steps = if durable {
-            Vec::new()
-        } else {
-            self.steps_to_queue(&mut t.actions)
-        };
         // Only inserts need the tree's address.
         let inserts = t.persist.iter().any(|op| matches!(op, StoreOp::Insert(_)));
         let tree = inserts.then(|| self.me.clone());
@@ -304,46 +286,13 @@ impl TreeRunner {
         });
         if durable {
             self.run_ready(ctx);
-            return false;
+            return;
         }
         let seq = self.performed + self.pending.len() - 1;
-        let ack = TreeAck::new(self.me.clone(), seq, steps);
-        if finished.is_some() {
-            perturb::point("root_stack::step_done::free_worker");
-        }
         ctx.tell(Persist {
             ops: t.persist,
-            ack: DurableAck::Tree(ack),
-            finished,
+            ack: DurableAck::Tree(TreeAck::new(self.me.clone(), seq)),
         });
-        finished.is_some()
-    }
-
-    /// Takes out of `actions` the steps they queue that need no locks, as the
-    /// scheduler's `Enqueue`s (see `TreeAck`): the scheduler queues them itself once
-    /// the transition is durable. A step that needs locks stays an action: its request
-    /// goes to the lock table when the action is performed.
-    fn steps_to_queue(&self, actions: &mut Vec<Action>) -> Vec<Enqueue> {
-        let mut steps = Vec::new();
-        if !actions.iter().any(|a| matches!(a, Action::Enqueue { .. })) {
-            return steps;
-        }
-        // As `enqueue_msg` decides: a failed tree's steps, and those of a procedure
-        // without engine locks, need none. Those that do are not built here.
-        let failed = self.core.is_failed();
-        actions.retain(|action| match *action {
-            Action::Enqueue { id, place } if failed || !self.core.claims_locks(id) => {
-                match self.enqueue_msg(id, place) {
-                    Some(step) => {
-                        steps.push(step);
-                        false
-                    }
-                    None => true,
-                }
-            }
-            _ => true,
-        });
-        steps
     }
 
     fn run_ready(&mut self, ctx: &mut TreeCtx<'_>) {
@@ -460,7 +409,7 @@ impl TreeRunner {
                 if self.core.lock_request(id, false).is_some() {
                     ctx.tell(ReleaseLocks {
                         id,
-                        step_only: false,
+                        what: Release::All,
                     });
                 }
             }
@@ -767,7 +716,7 @@ impl TreeRunner {
     pub(crate) fn started(&mut self, ctx: &mut TreeCtx<'_>) {
         if self.recovered && !self.core.is_failed() && self.core.is_irreversible() {
             // Before its steps ask for locks: a deadlock's victim is taken elsewhere.
-            ctx.tell(TreeIrreversible(self.core.root()));
+            self.tell_irreversible(ctx);
         }
         if let Some(t) = self.start.as_mut().and_then(|s| s.initial.take()) {
             self.apply(t, None, ctx);
@@ -836,9 +785,6 @@ impl TreeRunner {
 
 impl TreeRunner {
     fn on_durable(&mut self, msg: Durable, ctx: &mut TreeCtx<'_>) {
-        // Steps the scheduler queued for the transition: each owes a report, halted or
-        // not, and its `RunStep` follows this message.
-        self.dispatched += msg.enqueued;
         if self.halted.is_some() {
             return;
         }
@@ -893,230 +839,6 @@ impl TreeRunner {
 }
 
 impl TreeRunner {
-    fn on_step_done(&mut self, msg: StepDone, ctx: &mut TreeCtx<'_>) {
-        self.dispatched -= 1;
-        let id = msg.report.id;
-        // Whether this step may make the tree irreversible (the core decides: not a
-        // failed, yielded or skipped step, nor one in a tree that failed first).
-        let marks = msg.report.irreversible && !self.core.is_irreversible();
-        let mut finished = false;
-        if self.halted.is_none() {
-            if !msg.children.is_empty() {
-                self.unspawned.get_or_insert_default().extend(
-                    msg.children
-                        .into_iter()
-                        .map(|(id, proc)| (id, (proc, Vec::new()))),
-                );
-            }
-            if let Some(t) = self.core(
-                "step report",
-                |core| core.on_step(msg.report, now_ms()),
-                ctx,
-            ) {
-                if marks && self.core.is_irreversible() && !self.core.is_failed() {
-                    // Before the transition's lock requests: the deadlock detector
-                    // neither fails nor lends to this tree's waiters as if it could
-                    // roll back. Told before the record is durable; a crash resets
-                    // it, and recovery tells it again if the record made it.
-                    ctx.tell(TreeIrreversible(self.core.root()));
-                }
-                // Children keep their encoded state for their cell's "last good" copy.
-                for op in &t.persist {
-                    if let StoreOp::Insert(r) = op {
-                        let unspawned = self.unspawned.as_deref_mut();
-                        if let Some(entry) = unspawned.and_then(|u| u.get_mut(&r.id)) {
-                            entry.1.clone_from(&r.data);
-                        }
-                    }
-                }
-                let state_name = msg.state_name.map(|name| (id, name));
-                finished = self.apply_named(t, None, state_name, Some(id), ctx);
-            }
-        }
-        // Only now, with the report recorded (and any enqueue it caused sent first), may
-        // the worker go to another step: with the report's records, or on its own.
-        if !finished {
-            perturb::point("root_stack::step_done::free_worker");
-            ctx.tell(StepFinished(id));
-        }
-        self.stop_when_quiet(ctx);
-    }
-}
-
-impl TreeRunner {
-    fn on_pause_now(&mut self, msg: PauseNow, ctx: &mut TreeCtx<'_>) {
-        if self.halted.is_some() {
-            return;
-        }
-        let (id, data) = (msg.id, msg.data);
-        let t = self.core(
-            "pause",
-            |core| core.on_pause_waiting(id, data, now_ms()),
-            ctx,
-        );
-        match t {
-            Some(Some(t)) => self.apply(t, None, ctx),
-            // Woken meanwhile: it pauses at its next step (the waiting answers stay).
-            Some(None) => {
-                if let Some(cell) = self.procs.get_mut(&id) {
-                    cell.pause(false, &mut self.outbox);
-                }
-            }
-            None => {}
-        }
-    }
-}
-
-impl TreeRunner {
-    fn on_fail_request(&mut self, msg: FailRequest, ctx: &mut TreeCtx<'_>) {
-        let mut ack = msg.ack;
-        let id = msg.id;
-        let t = match msg.failure {
-            Some((error, data)) => {
-                self.core("abort", |core| core.on_fail(id, error, data, now_ms()), ctx)
-            }
-            // Already failing (an earlier abort, a timeout, a failed step): that
-            // failure's request came first and is applied.
-            None => Some(Transition::default()),
-        };
-        let Some(t) = t else {
-            if let (Some((ack, _)), Some(e)) = (ack, &self.halted) {
-                let _ = ack.send(Err(e.duplicate()));
-            }
-            return;
-        };
-        // An abort is answered accepted only if its tree now rolls back. It may not:
-        // the tree passed its point of no return after the abort reached the
-        // procedure (a sibling's step recorded it while the abort waited for a step,
-        // or for a failed step's policy), so the failure pauses the procedure instead;
-        // or the procedure finished meanwhile (an operator's bypass).
-        if let Some((_, answer @ Ok(true))) = &mut ack {
-            if !self.core.is_failed() {
-                *answer = Err(match self.core.state_of(id) {
-                    Some(state) if !state.is_finished() => Error::Refused {
-                        command: "abort",
-                        id,
-                        reason: format!(
-                            "tree {} passed its point of no return before the abort took \
-                             effect: procedure {id} pauses instead (at once, or when its \
-                             queued step comes back); continue it then",
-                            self.core.root()
-                        ),
-                    },
-                    state => Error::Finished {
-                        id,
-                        state: state.unwrap_or(ProcState::Success),
-                    },
-                });
-            }
-        }
-        self.apply(t, ack, ctx);
-    }
-}
-
-impl TreeRunner {
-    fn on_rolled_back(&mut self, msg: RolledBack, ctx: &mut TreeCtx<'_>) {
-        if self.halted.is_some() {
-            return;
-        }
-        let t = self.core(
-            "rollback report",
-            |core| core.on_rolled_back(msg.id, msg.result, now_ms()),
-            ctx,
-        );
-        if let Some(t) = t {
-            self.apply(t, None, ctx);
-        }
-    }
-}
-
-impl TreeRunner {
-    fn on_locks_held(&mut self, msg: LocksHeld, ctx: &mut TreeCtx<'_>) {
-        if self.halted.is_some() {
-            // Nothing is persisted any more; the step still owes its report (skipped),
-            // and this runner waits for it before it stops.
-            if self.procs.contains_key(&msg.id) {
-                let addr = self.proc_addr(msg.id);
-                ctx.tell(Enqueue {
-                    id: msg.id,
-                    root: self.core.root(),
-                    addr,
-                    place: Place::Front,
-                    what: (self.core.type_name_of(msg.id).unwrap_or("?"), 0),
-                    lock: None,
-                });
-            }
-            return;
-        }
-        let t = self.core(
-            "locks granted",
-            |core| core.on_locks_held(msg.id, msg.data, now_ms()),
-            ctx,
-        );
-        if let Some(t) = t {
-            self.apply(t, None, ctx);
-        }
-    }
-}
-
-impl TreeRunner {
-    fn on_bypass(&mut self, msg: BypassRequest, ctx: &mut TreeCtx<'_>) {
-        if let Some(e) = &self.halted {
-            let _ = msg.ack.send(Err(e.duplicate()));
-            return;
-        }
-        let (id, recursive) = (msg.id, msg.recursive);
-        // Each bypassed procedure's final record keeps its state as recorded (a copy
-        // of the tree's: an operator's command is rare).
-        let recorded: Vec<(ProcId, Vec<u8>)> = self
-            .procs
-            .iter()
-            .map(|(&p, cell)| (p, cell.data().to_vec()))
-            .collect();
-        let data_of = |p: ProcId| {
-            recorded
-                .iter()
-                .find(|(q, _)| *q == p)
-                .map(|(_, data)| data.clone())
-                .unwrap_or_default()
-        };
-        match self.core(
-            "bypass",
-            |core| core.on_bypass(id, recursive, false, &data_of, now_ms()),
-            ctx,
-        ) {
-            Some(Ok(t)) => self.apply(t, Some((msg.ack, Ok(true))), ctx),
-            Some(Err(reason)) => {
-                let _ = msg.ack.send(Err(Error::BypassRefused { id, reason }));
-            }
-            None => {
-                let e = self
-                    .halted
-                    .as_ref()
-                    .map_or(Error::Stopped, |e| e.duplicate());
-                let _ = msg.ack.send(Err(e));
-            }
-        }
-    }
-}
-
-impl TreeRunner {
-    fn on_deadline(&mut self, msg: Deadline, ctx: &mut TreeCtx<'_>) {
-        if self.halted.is_some() {
-            return;
-        }
-        let t = self.core(
-            "deadline",
-            |core| core.on_deadline(msg.id, msg.deadline_ms, msg.data, now_ms()),
-            ctx,
-        );
-        if let Some(t) = t {
-            self.apply(t, None, ctx);
-        }
-    }
-}
-
-impl TreeRunner {
     fn on_wake(&mut self, msg: Wake, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() {
             return;
@@ -1132,9 +854,37 @@ impl TreeRunner {
     /// everything the tree queued there), and whether the tree was cut off before it
     /// finished (a panic in engine code: then the shard sends the outbox at once, as the
     /// drop reports the tree's failure to the executor).
-    pub(crate) fn ended(&mut self) -> (TreeEnded, bool) {
+    pub(crate) fn ended(&mut self) -> (TreeEnded, bool, bool) {
         self.ended_queued = true;
-        (self.ended_message(), self.cut_off())
+        (
+            self.ended_message(),
+            self.told_irreversible(),
+            self.cut_off(),
+        )
+    }
+
+    /// Whether the tree has nothing in flight (nothing waiting to be durable, no step out,
+    /// no report to handle, started, not halted): its actor may hand it back to its
+    /// shard, which keeps it as a value until a message comes. Calls and timers are
+    /// counted by the actor.
+    pub(crate) fn quiet(&self) -> bool {
+        self.start.is_none()
+            && self.pending.is_empty()
+            && self.dispatched == 0
+            && self.outbox.is_empty()
+            && !self.flushing
+            && self.halted.is_none()
+    }
+
+    /// Tells the lock actor that the tree has passed its point of no return.
+    fn tell_irreversible(&self, ctx: &mut TreeCtx<'_>) {
+        ctx.tell(TreeIrreversible(self.core.root()));
+    }
+
+    /// Whether the lock actor may have been told the tree passed its point of no
+    /// return (then its `TreeEnded` goes there too, so the mark is dropped).
+    fn told_irreversible(&self) -> bool {
+        self.core.is_irreversible()
     }
 
     fn ended_message(&self) -> TreeEnded {
@@ -1156,12 +906,16 @@ impl Drop for TreeRunner {
     /// in engine code; the executor must not leave the tree's waiters hanging.
     fn drop(&mut self) {
         self.me.set_ended();
+        self.shared.tree_ended(self.me.index());
         // Its calls still in flight run no more user code.
         self.status.set_dropped();
         if !self.ended_queued {
             // Every StepFinished this runner sent is ahead of this in the scheduler's
             // mailbox (its shard sends what it queued before it drops a tree).
-            self.shared.scheduler.do_send(self.ended_message());
+            self.me.scheduler().do_send(self.ended_message());
+            if self.told_irreversible() {
+                self.shared.locks.do_send(self.ended_message());
+            }
         }
         if self.cut_off() {
             // Cut the tree off like a crash. Its running calls died with it; the
@@ -1176,210 +930,6 @@ impl Drop for TreeRunner {
                 ))),
             });
         }
-    }
-}
-
-impl TreeRunner {
-    fn on_quiesce(&mut self, msg: Quiesce) {
-        if self.halted.is_some() {
-            let _ = msg.0.send(None);
-        } else if self.pending.is_empty() {
-            let _ = msg.0.send(Some(self.core.cut_off().collect()));
-        } else {
-            self.rare().quiesce.push(msg.0);
-        }
-    }
-}
-
-impl TreeRunner {
-    fn on_command(&mut self, msg: CommandRequest, ctx: &mut TreeCtx<'_>) {
-        if let Some(e) = &self.halted {
-            let _ = msg.ack.send(Err(e.duplicate()));
-            return;
-        }
-        let (id, command) = (msg.id, msg.command);
-        if command == Command::Pause {
-            let refusal = self.core.pause_refusal(id);
-            match (refusal, self.procs.get_mut(&id)) {
-                (None, Some(cell)) => {
-                    let now = self.core.waits_for_wake(id);
-                    cell.pause(now, &mut self.outbox);
-                    self.rare()
-                        .pause_waiters
-                        .entry(id)
-                        .or_default()
-                        .push(msg.ack);
-                    self.flush(ctx);
-                }
-                (refusal, _) => {
-                    let reason = refusal.unwrap_or_else(|| format!("procedure {id} has finished"));
-                    refuse(msg.ack, command.name(), id, reason);
-                }
-            }
-            return;
-        }
-        let paused = self.core.state_of(id) == Some(ProcState::Paused);
-        if command == Command::Rollback && !paused {
-            // Not paused: a rollback is an abort (its hook decides, a running step is
-            // cancelled), refused where an operator's rollback is.
-            if let Some(reason) = self.core.rollback_refusal(id) {
-                refuse(msg.ack, command.name(), id, reason);
-                return;
-            }
-            self.on_abort(AbortRequest { id, ack: msg.ack }, ctx);
-            return;
-        }
-        let now = now_ms();
-        let changed = self.core(
-            command.name(),
-            |core| match command {
-                Command::Continue => core.on_continue(id, now),
-                Command::Rollback | Command::Pause => core.on_operator_rollback(id, now),
-            },
-            ctx,
-        );
-        match changed {
-            Some(Ok(t)) => {
-                tracing::info!(proc = %id, command = command.name(), "operator command");
-                self.apply(t, Some((msg.ack, Ok(true))), ctx);
-            }
-            Some(Err(reason)) => {
-                refuse(msg.ack, command.name(), id, reason);
-            }
-            None => {
-                let e = self
-                    .halted
-                    .as_ref()
-                    .map_or(Error::Stopped, |e| e.duplicate());
-                let _ = msg.ack.send(Err(e));
-            }
-        }
-    }
-}
-
-impl TreeRunner {
-    fn on_abort(&mut self, msg: AbortRequest, ctx: &mut TreeCtx<'_>) {
-        if let Some(e) = &self.halted {
-            let _ = msg.ack.send(Err(e.duplicate()));
-            return;
-        }
-        if self.core.is_irreversible() && !self.core.is_failed() {
-            let reason = format!(
-                "tree {} has passed its point of no return: continue instead",
-                self.core.root()
-            );
-            refuse(msg.ack, "abort", msg.id, reason);
-            return;
-        }
-        match self.procs.get_mut(&msg.id) {
-            Some(cell) => {
-                cell.abort(msg.ack, &mut self.outbox);
-                self.flush(ctx);
-            }
-            // Finished (its stop is on its way): nothing left to abort.
-            None => {
-                let state = self.core.state_of(msg.id).unwrap_or(ProcState::Success);
-                let _ = msg.ack.send(Err(Error::Finished { id: msg.id, state }));
-            }
-        }
-    }
-}
-
-/// Answers an operator's command with its refusal.
-fn refuse(ack: AbortAck, command: &'static str, id: ProcId, reason: impl Into<String>) {
-    let _ = ack.send(Err(Error::Refused {
-        command,
-        id,
-        reason: reason.into(),
-    }));
-}
-
-/// What `ops` will change in the procedure table once they are durable.
-fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&TreeAddr>) -> Vec<Row> {
-    ops.iter()
-        .filter_map(|op| match op {
-            StoreOp::Insert(r) => Some(Row::Insert(r.id, Box::new(entry(shared, r, tree)))),
-            StoreOp::Update(r) => Some(Row::Update {
-                id: r.id,
-                state: r.state,
-                updated_ms: r.updated_ms,
-                value: r.result.clone(),
-                waiting: Waiting::of(r),
-                state_name: None,
-                steering: steering_of(r),
-            }),
-            StoreOp::Delete(_) => None,
-        })
-        .collect()
-}
-
-/// The table's entry for a new procedure, from its record.
-fn entry(shared: &Shared, r: &ProcRecord, tree: Option<&TreeAddr>) -> Entry {
-    Entry {
-        root: r.root,
-        parent: r.parent,
-        type_name: shared.registry.static_name(&r.type_name).unwrap_or("?"),
-        state: r.state,
-        submitted_ms: r.submitted_ms,
-        updated_ms: r.updated_ms,
-        tree: tree.cloned(),
-        extra: EntryExtra {
-            nonce: r.nonce,
-            ..EntryExtra::default()
-        }
-        .boxed(),
-        waiting: Waiting::of(r),
-        state_name: None,
-        steering: steering_of(r),
-    }
-}
-
-/// A record's steering, boxed and only when there is any (most procedures never fail).
-fn steering_of(r: &ProcRecord) -> Option<Box<Steering>> {
-    (r.steering != Steering::default()).then(|| Box::new(r.steering.clone()))
-}
-
-fn apply_rows(shared: &Shared, rows: Vec<Row>) {
-    for row in rows {
-        match row {
-            Row::Insert(id, entry) => {
-                shared.table.insert(id, *entry);
-            }
-            Row::Update {
-                id,
-                state,
-                updated_ms,
-                value,
-                waiting,
-                state_name,
-                steering,
-            } => {
-                if let Some(mut e) = shared.table.get_mut(&id) {
-                    e.steering = steering;
-                    e.state = state;
-                    e.updated_ms = updated_ms;
-                    e.waiting = waiting;
-                    if state_name.is_some() {
-                        e.state_name = state_name;
-                    }
-                    if value.is_some() {
-                        e.extra_mut().value = value;
-                    }
-                }
-            }
-        }
-    }
-}
-
-/// Mirrors the recovered records of the tree `tree` into the procedure table (they are
-/// durable by definition), for `GetState`, `List` and `Abort`.
-pub(crate) fn publish_recovered<'a>(
-    shared: &Shared,
-    records: impl Iterator<Item = &'a ProcRecord>,
-    tree: &TreeAddr,
-) {
-    for r in records {
-        shared.table.insert(r.id, entry(shared, r, Some(tree)));
     }
 }
 

@@ -1,0 +1,160 @@
+//! A tree's operator requests (abort, bypass, pause, continue, rollback) and a graceful
+//! shutdown's `Quiesce`, as the runner handles them.
+
+use super::*;
+
+impl TreeRunner {
+    pub(super) fn on_bypass(&mut self, msg: BypassRequest, ctx: &mut TreeCtx<'_>) {
+        if let Some(e) = &self.halted {
+            let _ = msg.ack.send(Err(e.duplicate()));
+            return;
+        }
+        let (id, recursive) = (msg.id, msg.recursive);
+        // Each bypassed procedure's final record keeps its state as recorded (a copy
+        // of the tree's: an operator's command is rare).
+        let recorded: Vec<(ProcId, Vec<u8>)> = self
+            .procs
+            .iter()
+            .map(|(&p, cell)| (p, cell.data().to_vec()))
+            .collect();
+        let data_of = |p: ProcId| {
+            recorded
+                .iter()
+                .find(|(q, _)| *q == p)
+                .map(|(_, data)| data.clone())
+                .unwrap_or_default()
+        };
+        match self.core(
+            "bypass",
+            |core| core.on_bypass(id, recursive, false, &data_of, now_ms()),
+            ctx,
+        ) {
+            Some(Ok(t)) => self.apply(t, Some((msg.ack, Ok(true))), ctx),
+            Some(Err(reason)) => {
+                let _ = msg.ack.send(Err(Error::BypassRefused { id, reason }));
+            }
+            None => {
+                let e = self
+                    .halted
+                    .as_ref()
+                    .map_or(Error::Stopped, |e| e.duplicate());
+                let _ = msg.ack.send(Err(e));
+            }
+        }
+    }
+}
+
+impl TreeRunner {
+    pub(super) fn on_quiesce(&mut self, msg: Quiesce) {
+        if self.halted.is_some() {
+            let _ = msg.0.send(None);
+        } else if self.pending.is_empty() {
+            let _ = msg.0.send(Some(self.core.cut_off().collect()));
+        } else {
+            self.rare().quiesce.push(msg.0);
+        }
+    }
+}
+
+impl TreeRunner {
+    pub(super) fn on_command(&mut self, msg: CommandRequest, ctx: &mut TreeCtx<'_>) {
+        if let Some(e) = &self.halted {
+            let _ = msg.ack.send(Err(e.duplicate()));
+            return;
+        }
+        let (id, command) = (msg.id, msg.command);
+        if command == Command::Pause {
+            let refusal = self.core.pause_refusal(id);
+            match (refusal, self.procs.get_mut(&id)) {
+                (None, Some(cell)) => {
+                    let now = self.core.waits_for_wake(id);
+                    cell.pause(now, &mut self.outbox);
+                    self.rare()
+                        .pause_waiters
+                        .entry(id)
+                        .or_default()
+                        .push(msg.ack);
+                    self.flush(ctx);
+                }
+                (refusal, _) => {
+                    let reason = refusal.unwrap_or_else(|| format!("procedure {id} has finished"));
+                    refuse(msg.ack, command.name(), id, reason);
+                }
+            }
+            return;
+        }
+        let paused = self.core.state_of(id) == Some(ProcState::Paused);
+        if command == Command::Rollback && !paused {
+            // Not paused: a rollback is an abort (its hook decides, a running step is
+            // cancelled), refused where an operator's rollback is.
+            if let Some(reason) = self.core.rollback_refusal(id) {
+                refuse(msg.ack, command.name(), id, reason);
+                return;
+            }
+            self.on_abort(AbortRequest { id, ack: msg.ack }, ctx);
+            return;
+        }
+        let now = now_ms();
+        let changed = self.core(
+            command.name(),
+            |core| match command {
+                Command::Continue => core.on_continue(id, now),
+                Command::Rollback | Command::Pause => core.on_operator_rollback(id, now),
+            },
+            ctx,
+        );
+        match changed {
+            Some(Ok(t)) => {
+                tracing::info!(proc = %id, command = command.name(), "operator command");
+                self.apply(t, Some((msg.ack, Ok(true))), ctx);
+            }
+            Some(Err(reason)) => {
+                refuse(msg.ack, command.name(), id, reason);
+            }
+            None => {
+                let e = self
+                    .halted
+                    .as_ref()
+                    .map_or(Error::Stopped, |e| e.duplicate());
+                let _ = msg.ack.send(Err(e));
+            }
+        }
+    }
+}
+
+impl TreeRunner {
+    pub(super) fn on_abort(&mut self, msg: AbortRequest, ctx: &mut TreeCtx<'_>) {
+        if let Some(e) = &self.halted {
+            let _ = msg.ack.send(Err(e.duplicate()));
+            return;
+        }
+        if self.core.is_irreversible() && !self.core.is_failed() {
+            let reason = format!(
+                "tree {} has passed its point of no return: continue instead",
+                self.core.root()
+            );
+            refuse(msg.ack, "abort", msg.id, reason);
+            return;
+        }
+        match self.procs.get_mut(&msg.id) {
+            Some(cell) => {
+                cell.abort(msg.ack, &mut self.outbox);
+                self.flush(ctx);
+            }
+            // Finished (its stop is on its way): nothing left to abort.
+            None => {
+                let state = self.core.state_of(msg.id).unwrap_or(ProcState::Success);
+                let _ = msg.ack.send(Err(Error::Finished { id: msg.id, state }));
+            }
+        }
+    }
+}
+
+/// Answers an operator's command with its refusal.
+pub(super) fn refuse(ack: AbortAck, command: &'static str, id: ProcId, reason: impl Into<String>) {
+    let _ = ack.send(Err(Error::Refused {
+        command,
+        id,
+        reason: reason.into(),
+    }));
+}

@@ -1,0 +1,108 @@
+//! The procedure table's rows a transition publishes once durable, and what recovery
+//! publishes.
+
+use super::*;
+
+/// What one persisted op changes in the procedure table; applied once the op is durable.
+pub(super) enum Row {
+    /// Boxed: an entry is much larger than an update.
+    Insert(ProcId, Box<Entry>),
+    Update {
+        id: ProcId,
+        state: ProcState,
+        updated_ms: u64,
+        value: Option<Vec<u8>>,
+        waiting: Waiting,
+        state_name: Option<String>,
+        steering: Option<Box<Steering>>,
+    },
+}
+
+/// What `ops` will change in the procedure table once they are durable.
+pub(super) fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&TreeAddr>) -> Vec<Row> {
+    ops.iter()
+        .filter_map(|op| match op {
+            StoreOp::Insert(r) => Some(Row::Insert(r.id, Box::new(entry(shared, r, tree)))),
+            StoreOp::Update(r) => Some(Row::Update {
+                id: r.id,
+                state: r.state,
+                updated_ms: r.updated_ms,
+                value: r.result.clone(),
+                waiting: Waiting::of(r),
+                state_name: None,
+                steering: steering_of(r),
+            }),
+            StoreOp::Delete(_) => None,
+        })
+        .collect()
+}
+
+/// The table's entry for a new procedure, from its record.
+pub(super) fn entry(shared: &Shared, r: &ProcRecord, tree: Option<&TreeAddr>) -> Entry {
+    Entry {
+        root: r.root,
+        parent: r.parent,
+        type_name: shared.registry.static_name(&r.type_name).unwrap_or("?"),
+        state: r.state,
+        submitted_ms: r.submitted_ms,
+        updated_ms: r.updated_ms,
+        tree: tree.cloned(),
+        extra: EntryExtra {
+            nonce: r.nonce,
+            ..EntryExtra::default()
+        }
+        .boxed(),
+        waiting: Waiting::of(r),
+        state_name: None,
+        steering: steering_of(r),
+    }
+}
+
+/// A record's steering, boxed and only when there is any (most procedures never fail).
+pub(super) fn steering_of(r: &ProcRecord) -> Option<Box<Steering>> {
+    (r.steering != Steering::default()).then(|| Box::new(r.steering.clone()))
+}
+
+pub(super) fn apply_rows(shared: &Shared, rows: Vec<Row>) {
+    for row in rows {
+        match row {
+            Row::Insert(id, entry) => {
+                shared.table.insert(id, *entry);
+            }
+            Row::Update {
+                id,
+                state,
+                updated_ms,
+                value,
+                waiting,
+                state_name,
+                steering,
+            } => {
+                if let Some(mut e) = shared.table.get_mut(&id) {
+                    e.steering = steering;
+                    e.state = state;
+                    e.updated_ms = updated_ms;
+                    e.waiting = waiting;
+                    if state_name.is_some() {
+                        e.state_name = state_name;
+                    }
+                    if value.is_some() {
+                        e.extra_mut().value = value;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Mirrors the recovered records of the tree `tree` into the procedure table (they are
+/// durable by definition), for `GetState`, `List` and `Abort`.
+pub(crate) fn publish_recovered<'a>(
+    shared: &Shared,
+    records: impl Iterator<Item = &'a ProcRecord>,
+    tree: &TreeAddr,
+) {
+    for r in records {
+        shared.table.insert(r.id, entry(shared, r, Some(tree)));
+    }
+}
