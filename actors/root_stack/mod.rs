@@ -41,7 +41,8 @@ use crate::procedure::ProcId;
 use super::guard::panic_message;
 use super::procedure::CallEnd;
 use super::protocol::{
-    AbortRequest, BypassRequest, CommandRequest, Durable, Outgoing, Quiesce, ToProc, Wake,
+    AbortRequest, BypassRequest, CommandRequest, Durable, Outgoing, Quiesce, ToProc, TreeFinished,
+    Wake,
 };
 use super::shard::{Gone, Passivated, Quiet, Shard, ShardIo};
 use super::shared::TreeStatus;
@@ -162,6 +163,8 @@ pub(crate) struct TreeCtx<'a> {
     /// Calls and timers in flight: counted here, for passivation.
     in_flight: &'a mut u32,
     stop: bool,
+    /// The tree's result, sent to the executor once the actor has left its shard.
+    result: Option<TreeFinished>,
 }
 
 impl TreeCtx<'_> {
@@ -191,6 +194,12 @@ impl TreeCtx<'_> {
     /// The tree's work is done: its actor stops once this call returns.
     pub(crate) fn stop(&mut self) {
         self.stop = true;
+    }
+
+    /// The tree's result, for the executor: sent as the actor stops, after it told its
+    /// shard it is gone, so that whoever hears the result finds the tree gone.
+    pub(crate) fn publish(&mut self, result: TreeFinished) {
+        self.result = Some(result);
     }
 
     /// Queues `msg` for its actor (the shard's scheduler, the lock actor or the
@@ -257,13 +266,21 @@ impl RootStackActor {
             io: &self.io,
             in_flight: &mut self.in_flight,
             stop: false,
+            result: None,
         };
         let ran = catch_unwind(AssertUnwindSafe(|| f(runner, &mut tree_ctx)));
-        let stop = tree_ctx.stop;
+        let (stop, result) = (tree_ctx.stop, tree_ctx.result);
+        let executor = result
+            .as_ref()
+            .and_then(|_| Some(self.runner.as_ref()?.executor()));
         match ran {
             Err(payload) => self.cut_off(&panic_message(&*payload), ctx),
             Ok(()) if stop => self.end(ctx),
             Ok(()) => self.tell_if_quiet(),
+        }
+        if let (Some(result), Some(executor)) = (result, executor) {
+            // After `Gone`, which `end` sent.
+            executor.do_send(result);
         }
     }
 

@@ -652,9 +652,10 @@ impl TreeRunner {
         if let Some(mut e) = self.shared.table.get_mut(&root) {
             e.extra_mut().result = Some(result.clone().map_err(Box::new));
         }
-        // The locks its procedures released are free before anyone hears of the result.
+        // The locks its procedures released are free before anyone hears of the result,
+        // and the tree has left its shard (the actor sends it as it stops).
         ctx.send_now();
-        self.shared.finished.do_send(TreeFinished {
+        ctx.publish(TreeFinished {
             root,
             result: Ok(result),
         });
@@ -861,6 +862,11 @@ impl TreeRunner {
             self.told_irreversible(),
             self.cut_off(),
         )
+    }
+
+    /// Where the tree's result goes.
+    pub(crate) fn executor(&self) -> actix::Recipient<TreeFinished> {
+        self.shared.finished.clone()
     }
 
     /// Whether the tree has nothing in flight (nothing waiting to be durable, no step out,
