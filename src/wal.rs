@@ -1,6 +1,6 @@
 //! The write-ahead log's byte format: segment headers, frames, and the scan that tells
 //! a torn tail from corruption. Pure: bytes (or a reader) in, values out. The file
-//! handling lives in `actors/wal_store.rs`; the `proctor` command reads logs through it.
+//! handling lives in `actors/wal_store/`; the `proctor` command reads logs through it.
 //!
 //! # Format (version 4; versions 2 and 3 are read too)
 //!

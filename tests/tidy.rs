@@ -1,6 +1,7 @@
 //! Architecture checks that the compiler cannot make: the pure core in `src/` never
-//! touches actix, tokio, threads or the file system, and every source file opens with a
-//! `//!` paragraph saying what it is (rust-analyzer's tidy test, in small).
+//! touches actix, tokio, threads or the file system, in the actor layer only the WAL
+//! store (`actors/wal_store/`) touches files, and every source file opens with a `//!`
+//! paragraph saying what it is (rust-analyzer's tidy test, in small).
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -58,6 +59,29 @@ fn the_core_is_pure() {
     assert!(
         offences.is_empty(),
         "src/ must stay pure:\n{}",
+        offences.join("\n")
+    );
+}
+
+#[test]
+fn only_the_wal_store_touches_files() {
+    let store = Path::new(env!("CARGO_MANIFEST_DIR")).join("actors/wal_store");
+    let mut offences = Vec::new();
+    for path in files(&["actors"]) {
+        if path.starts_with(&store) {
+            continue;
+        }
+        let text = fs::read_to_string(&path).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if code.contains("std::fs") {
+                offences.push(format!("{}:{}", path.display(), n + 1));
+            }
+        }
+    }
+    assert!(
+        offences.is_empty(),
+        "only actors/wal_store/ may use std::fs:\n{}",
         offences.join("\n")
     );
 }

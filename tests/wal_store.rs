@@ -281,14 +281,14 @@ fn on_disk(dir: &Path) -> (usize, u64) {
     (files.len(), bytes)
 }
 
-/// The segment-count bound of `actors/wal_store.rs` for `M` segments, `L` live bytes,
+/// The segment-count bound of `actors/wal_store/mod.rs` for `M` segments, `L` live bytes,
 /// segments of `S` bytes and `F` the longest frame plus 61 bytes: every segment but
 /// the newest is at least `S − F` bytes, and at least 90 (a header, a frame, a seal).
 fn count_bound(m: u64, l: u64, s: u64, f: u64) -> usize {
     m.max(1 + (2 * l + m * s) / s.saturating_sub(f).max(90)) as usize
 }
 
-/// The size bound of `actors/wal_store.rs`, checked after every append of a workload
+/// The size bound of `actors/wal_store/mod.rs`, checked after every append of a workload
 /// that used to stall compaction: long-lived procedures written once at the start pin
 /// the oldest segments (more than half live, so the old rule never rewrote them), while
 /// thousands of procedures behind them insert, update and finish, half of them keeping

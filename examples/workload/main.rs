@@ -140,8 +140,8 @@ struct Args {
     /// WAL segment size in bytes (`--store wal`; default: `WalOptions`'s). A frame (one
     /// group commit) larger than this takes a segment of its own: the log's bytes stay
     /// within 2·L + M·(S + F), but its segment count is then bounded only by
-    /// 1 + (2·L + M·S)/90 (see `actors/wal_store.rs`), so keep it well above the largest
-    /// group commit.
+    /// 1 + (2·L + M·S)/90 (see `actors/wal_store/mod.rs`), so keep it well above the
+    /// largest group commit.
     #[arg(long)]
     segment_bytes: Option<u64>,
     /// WAL segments kept before compaction rewrites the oldest (`--store wal`; default:
