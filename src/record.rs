@@ -39,6 +39,38 @@ pub struct Nonce {
     pub nonce: u64,
 }
 
+impl Nonce {
+    /// The nonce of a client's string key (a request id, an idempotency key): the
+    /// 128-bit FNV-1a hash of the key's UTF-8 bytes, its high 64 bits as `group` and its
+    /// low 64 bits as `nonce`. The function is fixed: the same key gives the same nonce
+    /// in every version of proctor, on every platform, in every process (unlike
+    /// `std`'s `DefaultHasher`, whose output may change between Rust releases), so a
+    /// client that retries after a restart of either side, with the same key, is
+    /// recognised. Two different keys collide with a probability of about 2^-128 each;
+    /// FNV is not a cryptographic hash, so keys chosen by an adversary to collide
+    /// should be hashed by the client first.
+    ///
+    /// ```
+    /// use proctor::Nonce;
+    /// let a = Nonce::from_key("create-table:users:req-7");
+    /// assert_eq!(a, Nonce::from_key("create-table:users:req-7"));
+    /// assert_ne!(a, Nonce::from_key("create-table:users:req-8"));
+    /// ```
+    #[must_use]
+    pub fn from_key(key: &str) -> Nonce {
+        // FNV-1a, 128 bits: the offset basis and prime of the FNV specification.
+        const OFFSET: u128 = 0x6c62_272e_07bb_0142_62b8_2175_6295_c58d;
+        const PRIME: u128 = 0x0000_0000_0100_0000_0000_0000_0000_013b;
+        let hash = key
+            .bytes()
+            .fold(OFFSET, |h, b| (h ^ u128::from(b)).wrapping_mul(PRIME));
+        Nonce {
+            group: (hash >> 64) as u64,
+            nonce: hash as u64,
+        }
+    }
+}
+
 /// One procedure as the store keeps it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ProcRecord {
@@ -248,6 +280,25 @@ impl StoreOp {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `Nonce::from_key` is FNV-1a 128 and must never change: these are the FNV
+    /// specification's test vectors ("", "a", "foobar") and one key of our own.
+    #[test]
+    fn a_keys_nonce_is_the_same_in_every_version() {
+        let cases = [
+            ("", 0x6c62_272e_07bb_0142, 0x62b8_2175_6295_c58d),
+            ("a", 0xd228_cb69_6f1a_8caf, 0x7891_2b70_4e4a_8964),
+            ("foobar", 0x343e_1662_793c_64bf, 0x6f0d_3597_ba44_6f18),
+            (
+                "create-table:users:req-7",
+                0xb114_42e6_8257_a2af,
+                0xee8d_8141_613c_e550,
+            ),
+        ];
+        for (key, group, nonce) in cases {
+            assert_eq!(Nonce::from_key(key), Nonce { group, nonce }, "{key:?}");
+        }
+    }
 
     fn record(stack: Vec<u32>) -> ProcRecord {
         ProcRecord {
