@@ -4,14 +4,15 @@
 //! `ARCHITECTURE.md`, "Protocol"). `tests/protocol.rs` pins each rule with the race that
 //! broke it, and `tests/perturbation.rs` checks them all on random workloads.
 //!
-//! A tree has no mailbox of its own: its messages go through its shard's (`shard.rs`),
-//! and what the scheduler and a shard send each other is gathered and sent in batches
-//! that keep the order it was made in (`Mail`, `FromShard`), so every rule below holds
-//! per tree as it did when each tree was an actor.
+//! Every message to a tree goes through its shard (`shard.rs`), which forwards it to the
+//! tree's root-stack actor (starting one for a passivated tree), and what a shard's trees
+//! send the scheduler, the lock actor and the persistence actor is gathered and sent in
+//! batches that keep the order it was made in (`Mail`, `FromShard`, `LocksFromShard`,
+//! `ToPersistence`), so every rule below holds per tree, one sender at a time.
 //!
 //! Handlers live with their actors; the public messages a caller sends (`Submit`,
 //! `Abort`, `GetState`, `WaitFor`, `List`, `WakeEvent`) live in `executor/api.rs` and
-//! `scheduler.rs` beside the API they mirror.
+//! `locks.rs` beside the API they mirror.
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
@@ -130,25 +131,22 @@ lendable!(Report);
 // ------------------------------------------------------------------------------------
 // Scheduler <-> root stack (and its procedure cell): one step.
 //
-// Enqueue (root stack -> scheduler) is sent only once the records of the transition
-// that caused it are durable. A step that needs no locks, queued by a transition with
-// records, is not sent at all: it rides on the transition's Persist (in its TreeAck),
-// and the scheduler queues it when the batch is durable, before it sends that
-// transition's Durable (which counts it, `enqueued`) and before it dispatches anything;
-// so the step's RunStep reaches the root stack after the Durable, whose actions (the
-// step's cell started, for a new child) are performed first. RunStep (scheduler -> the
-// procedure, through its tree's shard as a ToProc) counts against a worker. Every RunStep is answered by
+// Enqueue (root stack -> its shard's scheduler, or the lock actor when the step needs
+// locks) is sent only once the transition that caused it is durable and performed, so
+// the step's RunStep reaches the root stack after the transition's actions (the step's
+// cell started, for a new child). RunStep (scheduler -> the procedure, through its
+// tree's shard as a ToProc) counts against a worker. Every RunStep is answered by
 // exactly one StepDone (the cell's report, queued in its root stack's outbox), and the
-// root stack frees the worker only after feeding that report to the core: with the
-// report's records (Persist with `finished`), or as StepFinished (-> scheduler) after
-// any Enqueue the report caused without a write. A worker is handed on only once its
-// step is recorded. The scheduler times each step from its RunStep to its
-// StepFinished and charges it to the step's tree (the Enqueue names the root); when the
-// shard drops a root stack it queues the tree's TreeEnded in its outbox, after every
-// StepFinished the tree sent (a root stack dropped another way sends it from its Drop),
-// and the scheduler then drops the tree's accumulated time, and, when the root stack
-// says steps may be out (it died of a panic in engine code, and the steps' calls with
-// it), frees the worker of any step of the tree still running.
+// root stack frees the worker (StepFinished -> scheduler) only after feeding that report
+// to the core and queueing its records (Persist) and any Enqueue it caused without a
+// write. A worker is handed on only once its step is recorded. The scheduler times each
+// step from its RunStep to its StepFinished and charges it to the step's tree (the
+// Enqueue names the root), and tells the lock actor when a step that held per-step
+// locks finished; when a tree ends its actor queues the tree's TreeEnded in the shard's
+// outbox, after every StepFinished the tree sent (a runner dropped another way sends it
+// from its Drop), and the scheduler then drops the tree's accumulated time, and, when
+// the root stack says steps may be out (it died of a panic in engine code, and the
+// steps' calls with it), frees the worker of any step of the tree still running.
 // ------------------------------------------------------------------------------------
 
 /// Queue a step of `id`; with `lock`, once its locks are granted.
@@ -236,17 +234,19 @@ pub(crate) struct StepDone {
 }
 
 // ------------------------------------------------------------------------------------
-// Locks: the scheduler owns the lock table.
+// Locks: the lock actor owns the lock table.
 //
-// A step's lock request rides on its Enqueue; the step goes to the ready queue only
-// once granted, so a waiting procedure holds no worker. Locks for one step are released
-// by that step's StepFinished; an Enqueue that arrives while the previous step still
-// holds them (a yield's Enqueue is sent before its StepFinished) waits for it. Locks
+// A step's lock request rides on its Enqueue, sent to the lock actor; the step goes to
+// its scheduler's ready queue (Granted) only once granted, so a waiting procedure holds
+// no worker. Locks for one step are released when that step's StepFinished reaches its
+// scheduler (ReleaseLocks with Release::Step, scheduler -> lock actor); an Enqueue that
+// arrives while the previous step still holds them (a yield's, the next step's) waits
+// for it. Locks
 // for a procedure's life are first granted to a step as LocksGranted (-> procedure),
 // answered with LocksHeld (its report), which persists the hold and only then
 // sends Resume's Enqueue: no step runs under a life-long lock before recovery would
-// grant it back. A rollback step's locks are asked with LockForRollback; the scheduler
-// sends the Rollback itself once granted, and the procedure releases them with
+// grant it back. A rollback step's locks are asked with LockForRollback; the lock actor
+// has the tree's scheduler post the Rollback once granted, and the procedure releases them with
 // ReleaseLocks after the call, or instead of it when its acquire_lock hook yields (and
 // everything when it stops, before the tree's result).
 // TreeFailed withdraws the tree's waiting step requests (those steps are skipped
@@ -318,7 +318,8 @@ impl Message for WithdrawStep {
     type Result = ();
 }
 
-/// The locks the procedure holds for its life were granted (from the scheduler):
+/// The locks the procedure holds for its life were granted (from the lock actor, through
+/// the tree's scheduler):
 /// answer with `LocksHeld` and its current state.
 pub(crate) struct LocksGranted;
 
@@ -329,7 +330,8 @@ pub(crate) struct LocksHeld {
 }
 
 /// The procedure's lock request was removed to break a wait-for cycle (from the
-/// scheduler): fail with this text. Its step follows, to be skipped.
+/// lock actor, through the tree's scheduler): fail with this text. Its step follows, to
+/// be skipped.
 pub(crate) struct LockFailed(pub(crate) String);
 
 /// Grant these recovered life-long holds before anything else is scheduled (from the
@@ -349,8 +351,9 @@ impl Message for Regrant {
 // stack does later, the tree's result included.
 // ------------------------------------------------------------------------------------
 
-/// Roll back the newest step (from the scheduler, once the rollback's locks are
-/// granted); `unrecorded` as in
+/// Roll back the newest step (from the lock actor through the tree's scheduler, once
+/// the rollback's locks are granted, or at once when it holds them for life);
+/// `unrecorded` as in
 /// [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step).
 pub(crate) struct Rollback {
     pub(crate) unrecorded: bool,
@@ -458,19 +461,16 @@ pub(crate) struct Deadline {
 pub(crate) struct Wake(pub(crate) ProcId);
 
 // ------------------------------------------------------------------------------------
-// Root stack -> scheduler (its group commit), root stack -> executor.
+// Root stack -> persistence actor (the group commit), root stack -> executor.
 //
-// The scheduler holds the group commit in front of the store, so appends and scheduling
-// share one mailbox. Persist is answered after its batch is durable, in the order the
-// appends arrived; after a failed append every later one fails too (Refuse forces that
-// state). A root stack's Persist is answered with a Durable message naming its
-// transition (so the answers reach it in the order it sent the appends), the cleaner's
-// on a channel; an answer dropped unsent is an Error::Stopped. A Persist made for a
-// step's report carries the step's StepFinished (`finished`): the scheduler queues the
-// records first, then frees the worker, as the two messages would in that order. A root
-// stack sends TreeFinished once: its result (after its finished procedures were
-// stopped), or the error that halted it; on the first error the executor answers every
-// waiter.
+// Persist is answered after its batch is durable, in the order the appends arrived;
+// after a failed append every later one fails too (Refuse forces that state). A root
+// stack's Persist is answered with a Durable message naming its transition (so the
+// answers reach it in the order it sent the appends), the cleaner's on a channel; an
+// answer dropped unsent is an Error::Stopped. A root stack sends TreeFinished once: its
+// result (after its finished procedures were stopped, and after its actor told its
+// shard it is gone), or the error that halted it; on the first error the executor
+// answers every waiter.
 // ------------------------------------------------------------------------------------
 
 /// Makes `ops` durable, then answers on `ack`. If the persistence actor is gone, `ack`
@@ -560,8 +560,8 @@ impl Message for Refuse {
     type Result = ();
 }
 
-/// Stops the scheduler once everything handed to the writer thread is written (the last
-/// message it gets, after every root stack's thread has ended); answers after the
+/// Stops the persistence actor once everything handed to the writer thread is written
+/// (the last message it gets, after every root stack's thread has ended); answers after the
 /// thread (and with it the store, and its lock) is gone. `drained`: the shutdown
 /// drained (no step was cut off), and the store is marked so after its last append,
 /// naming the procedures an earlier crash may still have cut off.

@@ -946,10 +946,10 @@ mod tests {
     #[test]
     #[cfg(target_pointer_width = "64")]
     fn an_idle_tree_is_its_root_stack_only() {
-        // A tree is a boxed root stack in its shard's map (no task, no mailbox): at 200
-        // bytes the box is in mimalloc's 224-byte class, where a tree used to cost a
-        // 640-byte task and a mailbox of its own (BENCHMARKS.md, "bytes per idle
-        // procedure").
+        // A passivated tree is a boxed root stack in its shard's map (no actor): at 200
+        // bytes the box is in mimalloc's 224-byte class, where an active tree costs a
+        // 640-byte task and a mailbox of its own besides (BENCHMARKS.md, "bytes per
+        // idle procedure").
         let tree = std::mem::size_of::<TreeRunner>();
         assert!(tree <= 200, "a root stack is {tree} bytes");
     }
