@@ -321,6 +321,22 @@ impl Actor for LockActor {
     type Context = Context<Self>;
 }
 
+/// Stops the lock actor: the executor's last word to it, once every shard has stopped
+/// and the store is closed.
+pub(crate) struct StopLocks;
+
+impl Message for StopLocks {
+    type Result = ();
+}
+
+impl Handler<StopLocks> for LockActor {
+    type Result = ();
+
+    fn handle(&mut self, _msg: StopLocks, ctx: &mut Context<Self>) {
+        ctx.stop();
+    }
+}
+
 impl Handler<LocksFromShard> for LockActor {
     type Result = ();
 

@@ -20,7 +20,7 @@ use crate::fast_map::IdMap;
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Nonce, StoreOp};
 
-use crate::actors::locks::{GetLockStats, ResetEvent, WakeEvent};
+use crate::actors::locks::{GetLockStats, ResetEvent, StopLocks, WakeEvent};
 use crate::actors::procedure::{declare, Undeclarable};
 use crate::actors::protocol::{
     AbortRequest, BypassRequest, Command, CommandRequest, DurableAck, Persist, Quiesce, Refuse,
@@ -897,6 +897,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         // Their streams end.
         self.subscribers.clear();
         let persistence = self.shared.persistence.clone();
+        let locks = self.shared.locks.clone();
         let owned_system = self.owned_system;
         // Joined off the actor threads: a call into user code that is in the middle of a
         // poll finishes it, and then nothing of this executor runs any more when
@@ -917,6 +918,8 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
             }
             // Errors mean it has stopped already.
             let _ = persistence.send(StopWriter { drained }).await;
+            // Nothing of this engine asks for locks or waits for events any more.
+            locks.do_send(StopLocks);
             if owned_system {
                 System::current().stop();
             }
