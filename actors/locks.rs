@@ -143,6 +143,8 @@ pub(crate) struct LockActor {
     grants: Grants,
     /// Wakes, per shard (to its trees).
     mail: Mail,
+    /// Handling a shard's batch: what its messages gather is sent once, at its end.
+    in_batch: bool,
 }
 
 impl LockActor {
@@ -161,11 +163,16 @@ impl LockActor {
             gauges: metrics::Gauges::locks(),
             grants: Grants::default(),
             mail: Mail::default(),
+            in_batch: false,
         }
     }
 
-    /// Sends what the handler gathered: grants to the schedulers, wakes to the trees.
+    /// Sends what the handler gathered: grants to the schedulers, wakes to the trees
+    /// (in a shard's batch, once, at its end).
     fn send(&mut self) {
+        if self.in_batch {
+            return;
+        }
         self.grants.send();
         self.mail.send();
         let (holders, waiters) = self.locks.len();
@@ -341,9 +348,11 @@ impl Handler<LocksFromShard> for LockActor {
     type Result = ();
 
     fn handle(&mut self, msg: LocksFromShard, ctx: &mut Context<Self>) {
+        self.in_batch = true;
         for msg in msg.0 {
             msg.handle_in(self, ctx);
         }
+        self.in_batch = false;
         self.send();
     }
 }

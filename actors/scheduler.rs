@@ -313,7 +313,7 @@ impl SchedulerActor {
                 );
             } else {
                 tracing::warn!(proc = %id, "queued procedure has no root stack");
-                self.free_worker(id, Some(lane), locked);
+                self.free_worker(id, lane, locked);
             }
         }
         self.gauges.set([self.ready.queued(), self.ready.busy()]);
@@ -363,20 +363,22 @@ impl SchedulerActor {
         self.dispatch();
     }
 
-    /// A dispatched step of `id` is over: its worker (in `lane`; `None` if none was
-    /// counted for it) is free, and the locks it held for this step (`locked`) are
-    /// released by the lock actor.
-    fn free_worker(&mut self, id: ProcId, lane: Option<Lane>, locked: bool) {
-        if let Some(lane) = lane {
-            self.ready.complete(lane);
-        }
+    /// A dispatched step of `id` is over: its worker (in `lane`) is free, and the
+    /// locks it held for this step (`locked`) are released by the lock actor.
+    fn free_worker(&mut self, id: ProcId, lane: Lane, locked: bool) {
+        self.ready.complete(lane);
         if locked {
-            perturb::point("scheduler::free_worker::release_locks");
-            self.locks.do_send(ReleaseLocks {
-                id,
-                what: Release::Step,
-            });
+            self.release_step_locks(id);
         }
+    }
+
+    /// Has the lock actor release the locks `id` holds for one step (and nothing else).
+    fn release_step_locks(&self, id: ProcId) {
+        perturb::point("scheduler::free_worker::release_locks");
+        self.locks.do_send(ReleaseLocks {
+            id,
+            what: Release::Step,
+        });
     }
 
     /// A dispatched step of `id` ended and its report is recorded: its time is charged
@@ -389,10 +391,14 @@ impl SchedulerActor {
                     let level = u8::try_from(level).unwrap_or(u8::MAX);
                     self.view.levels.insert(run.root, level);
                 }
-                self.free_worker(id, Some(run.lane), run.locked);
+                self.free_worker(id, run.lane, run.locked);
             }
-            // A bookkeeping bug: no worker is counted for it, so none is freed.
-            None => tracing::warn!(proc = %id, "a step finished that is not running"),
+            // A bookkeeping bug: no worker is counted for it, so none is freed (its
+            // step's locks still are, if it held any: releasing none is harmless).
+            None => {
+                tracing::warn!(proc = %id, "a step finished that is not running");
+                self.release_step_locks(id);
+            }
         }
         self.dispatch();
     }
@@ -543,7 +549,7 @@ impl Handler<TreeEnded> for SchedulerActor {
             for id in lost {
                 while let Some(run) = self.end_oldest(id) {
                     tracing::warn!(proc = %id, "a step's tree ended before the step reported");
-                    self.free_worker(id, Some(run.lane), run.locked);
+                    self.free_worker(id, run.lane, run.locked);
                 }
             }
         } else if perturb::checking() {

@@ -270,17 +270,10 @@ impl RootStackActor {
         };
         let ran = catch_unwind(AssertUnwindSafe(|| f(runner, &mut tree_ctx)));
         let (stop, result) = (tree_ctx.stop, tree_ctx.result);
-        let executor = result
-            .as_ref()
-            .and_then(|_| Some(self.runner.as_ref()?.executor()));
         match ran {
-            Err(payload) => self.cut_off(&panic_message(&*payload), ctx),
-            Ok(()) if stop => self.end(ctx),
+            Err(payload) => self.cut_off(&panic_message(&*payload), result, ctx),
+            Ok(()) if stop => self.end(result, ctx),
             Ok(()) => self.tell_if_quiet(),
-        }
-        if let (Some(result), Some(executor)) = (result, executor) {
-            // After `Gone`, which `end` sent.
-            executor.do_send(result);
         }
     }
 
@@ -296,18 +289,21 @@ impl RootStackActor {
         }
     }
 
-    /// Engine code panicked for this tree: it is cut off, the others go on.
-    fn cut_off(&mut self, message: &str, ctx: &mut Context<Self>) {
+    /// Engine code panicked for this tree: it is cut off, the others go on (a result
+    /// it published before the panic still goes out).
+    fn cut_off(&mut self, message: &str, result: Option<TreeFinished>, ctx: &mut Context<Self>) {
         tracing::error!(root = %self.root, %message, "engine code panicked: the tree is cut off");
-        self.end(ctx);
+        self.end(result, ctx);
     }
 
-    /// The tree ended: its `TreeEnded` goes after everything it sent, and the actor
-    /// stops (its calls in flight, if it was cut off, go with it).
-    fn end(&mut self, ctx: &mut Context<Self>) {
+    /// The tree ended: its `TreeEnded` goes after everything it sent, the shard hears
+    /// it is gone, then the executor gets its `result` (if it published one), and the
+    /// actor stops (its calls in flight, if it was cut off, go with it).
+    fn end(&mut self, result: Option<TreeFinished>, ctx: &mut Context<Self>) {
         let Some(mut runner) = self.runner.take() else {
             return;
         };
+        let executor = result.is_some().then(|| runner.executor());
         let (ended, irreversible, cut_off) = runner.ended();
         {
             let mut io = self.io.borrow_mut();
@@ -321,6 +317,9 @@ impl RootStackActor {
         drop(runner);
         ShardIo::ask_flush(&self.io);
         self.shard.do_send(Gone(self.root));
+        if let (Some(result), Some(executor)) = (result, executor) {
+            executor.do_send(result);
+        }
         ctx.stop();
     }
 
@@ -331,7 +330,7 @@ impl RootStackActor {
             Ended::Dropped => {}
             Ended::Panicked(message) => {
                 if self.runner.is_some() {
-                    self.cut_off(&message, ctx);
+                    self.cut_off(&message, None, ctx);
                 }
             }
         }

@@ -34,11 +34,7 @@ impl TreeRunner {
                 let _ = msg.ack.send(Err(Error::BypassRefused { id, reason }));
             }
             None => {
-                let e = self
-                    .halted
-                    .as_ref()
-                    .map_or(Error::Stopped, |e| e.duplicate());
-                let _ = msg.ack.send(Err(e));
+                let _ = msg.ack.send(Err(self.halted_error()));
             }
         }
     }
@@ -112,11 +108,7 @@ impl TreeRunner {
                 refuse(msg.ack, command.name(), id, reason);
             }
             None => {
-                let e = self
-                    .halted
-                    .as_ref()
-                    .map_or(Error::Stopped, |e| e.duplicate());
-                let _ = msg.ack.send(Err(e));
+                let _ = msg.ack.send(Err(self.halted_error()));
             }
         }
     }
@@ -147,6 +139,16 @@ impl TreeRunner {
                 let _ = msg.ack.send(Err(Error::Finished { id: msg.id, state }));
             }
         }
+    }
+}
+
+impl TreeRunner {
+    /// What an operator request that the core could not take is answered with: the
+    /// error that halted the tree, or `Stopped`.
+    fn halted_error(&self) -> Error {
+        self.halted
+            .as_ref()
+            .map_or(Error::Stopped, |e| e.duplicate())
     }
 }
 
