@@ -108,11 +108,10 @@ impl From<LockFailed> for ToCell {
     }
 }
 
-/// What a procedure's cell reports to its root stack. The cell lives inside the root
-/// stack, so it does not send these: it queues them in the root stack's outbox, which
-/// the root stack works through, in order, once the call that queued them has returned
-/// (never from inside one of its own actions, which would run a later transition's
-/// actions before an earlier one's were done).
+/// What a procedure reports to its root stack: its actor queues what its cell reported
+/// while handling one message and sends each, in order, once the handling has returned
+/// (`FromProc::Report`), so the root stack handles a procedure's reports in the order
+/// it made them, never from inside one of its own actions.
 pub(crate) enum Report {
     StepDone(StepDone),
     Fail(FailRequest),
@@ -122,21 +121,22 @@ pub(crate) enum Report {
     LocksHeld(LocksHeld),
 }
 
-/// A root stack's queue of its procedures' reports: empty between calls, so it lends
-/// its buffer to the thread while empty ([`Lent`]).
+/// A procedure actor's queue of its cell's reports: empty between messages, so it
+/// lends its buffer to the thread while empty ([`Lent`]).
 pub(crate) type Outbox = Lent<Report>;
 
 lendable!(Report);
 
 // ------------------------------------------------------------------------------------
-// Scheduler <-> root stack (and its procedure cell): one step.
+// Scheduler <-> root stack <-> procedure actor: one step.
 //
 // Enqueue (root stack -> its shard's scheduler, or the lock actor when the step needs
 // locks) is sent only once the transition that caused it is durable and performed, so
 // the step's RunStep reaches the root stack after the transition's actions (the step's
-// cell started, for a new child). RunStep (scheduler -> the procedure, through its
-// tree's shard as a ToProc) counts against a worker. Every RunStep is answered by
-// exactly one StepDone (the cell's report, queued in its root stack's outbox), and the
+// actor started, for a new child). RunStep (scheduler -> the procedure, through its
+// tree's shard as a ToProc and its root stack, which forwards it to the procedure's
+// actor, starting one if the procedure waited) counts against a worker. Every RunStep
+// is answered by exactly one StepDone (the procedure actor's report), and the
 // root stack frees the worker (StepFinished -> scheduler) only after feeding that report
 // to the core and queueing its records (Persist) and any Enqueue it caused without a
 // write. A worker is handed on only once its step is recorded. The scheduler times each
@@ -223,7 +223,7 @@ pub(crate) struct RunStep {
     pub(crate) children: Option<Box<[(ProcId, ProcState)]>>,
 }
 
-/// A step ended (the procedure cell's report), with the objects of any new children. Every
+/// A step ended (the procedure's report), with the objects of any new children. Every
 /// `RunStep` the scheduler dispatched is answered by exactly one `StepDone`.
 pub(crate) struct StepDone {
     pub(crate) report: StepReport,
@@ -374,9 +374,10 @@ pub(crate) struct RolledBack {
 // ------------------------------------------------------------------------------------
 // Aborts: executor -> root stack -> procedure -> root stack.
 //
-// AbortRequest goes to the tree's root stack, which hands it to the live procedure's
-// cell. The cell asks its abort hook between calls (settling aborts that arrive during
-// a call when the call ends) and reports FailRequest with the answer channel; the root stack answers only once the failure, and everything it did before,
+// AbortRequest goes to the tree's root stack, which sends it on to the live
+// procedure's actor. Its cell asks the abort hook between calls (settling aborts that
+// arrive during a call when the call ends) and reports FailRequest with the answer
+// channel; the root stack answers only once the failure, and everything it did before,
 // is durable. The answer never runs ahead of the log.
 // ------------------------------------------------------------------------------------
 
@@ -442,9 +443,11 @@ pub(crate) struct FailRequest {
 // ------------------------------------------------------------------------------------
 // Wake-ups and deadlines.
 //
-// A procedure's cell owns its timer (one `run_later` of its root stack per armed
-// deadline) and asks its timeout hook only between calls. A kept-going procedure sends Deadline with its new
-// deadline and state; the root stack persists it. A timer may fire before that record
+// A procedure's deadline timer is its root stack's (one `run_later` per armed
+// deadline, so a waiting procedure needs no actor for it); when it fires the root stack
+// sends the procedure a Timeout, and its cell asks the timeout hook only between calls.
+// A kept-going procedure sends Deadline with its new deadline and state; the root stack
+// persists it and arms the new deadline's timer. A timer may fire before that record
 // is durable: a crash then brings back the old deadline and the old state, which
 // expire again at once, so the hook runs again from the state it last saw durable.
 // ------------------------------------------------------------------------------------

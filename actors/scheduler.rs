@@ -132,6 +132,10 @@ pub struct SchedulerStats {
     /// another tree), kept by their shard as values, with no actor, until a message
     /// comes.
     pub trees_passivated: usize,
+    /// Procedure actors running: those of procedures with a step queued or running, a
+    /// rollback, or a hook to call. A procedure that waits (for children, an event, a
+    /// timer or an operator) has none: its root stack keeps its state.
+    pub procedures_active: usize,
 }
 
 /// Asks the scheduler for its [`SchedulerStats`]. Send it to the executor.

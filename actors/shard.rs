@@ -188,6 +188,8 @@ pub(crate) struct ShardIo {
     shard: Option<Addr<Shard>>,
     /// A `FlushOut` is on its way to the shard.
     flush_asked: bool,
+    /// Procedure actors running on this shard's arbiter.
+    pub(crate) procedure_actors: usize,
 }
 
 /// Where a shard's trees send what leaves the shard.
@@ -209,6 +211,7 @@ impl ShardIo {
             to_persistence: Vec::new(),
             shard: None,
             flush_asked: false,
+            procedure_actors: 0,
         }
     }
 
@@ -456,12 +459,19 @@ impl Handler<Gone> for Shard {
     }
 }
 
-/// Asks a shard how many of its trees are active (a root-stack actor runs) and how
-/// many are passivated.
+/// Asks a shard how many of its trees are active (a root-stack actor runs), how many
+/// are passivated, and how many procedure actors run.
 pub(crate) struct GetTreeCounts;
 
+/// A shard's answer to [`GetTreeCounts`].
+pub(crate) struct TreeCounts {
+    pub(crate) active: usize,
+    pub(crate) passivated: usize,
+    pub(crate) procedures_active: usize,
+}
+
 impl Message for GetTreeCounts {
-    type Result = (usize, usize);
+    type Result = TreeCounts;
 }
 
 impl Handler<GetTreeCounts> for Shard {
@@ -473,7 +483,11 @@ impl Handler<GetTreeCounts> for Shard {
             .values()
             .filter(|slot| matches!(slot, Slot::Idle(_)))
             .count();
-        MessageResult((self.trees.len() - idle, idle))
+        MessageResult(TreeCounts {
+            active: self.trees.len() - idle,
+            passivated: idle,
+            procedures_active: self.io.borrow().procedure_actors,
+        })
     }
 }
 

@@ -730,6 +730,18 @@ impl RootStack {
         t
     }
 
+    /// `id`'s step was cut off in this process (the actor running it stopped): like a
+    /// step a crash cut off, it may have done part of its work, so should the tree fail
+    /// before it runs again, it gets an unrecorded rollback first. In memory only: were
+    /// the process to crash too, recovery marks it again.
+    pub fn mark_cut_off(&mut self, id: ProcId) {
+        if let Some(node) = self.nodes.get_mut(&id) {
+            if !node.state.is_finished() {
+                node.steering.dirty = true;
+            }
+        }
+    }
+
     /// The unfinished procedures that may have been in a step nobody recorded (marked
     /// `Steering::dirty`, by recovery or by a failed step): should the tree fail before
     /// they run again, each gets an unrecorded rollback first.

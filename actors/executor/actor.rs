@@ -452,6 +452,22 @@ fn settle_nonce<E: Send + Sync + 'static>(
     })
 }
 
+#[cfg(feature = "perturb")]
+impl<E: Send + Sync + 'static> Handler<crate::actors::root_stack::KillProcedure>
+    for ExecutorActor<E>
+{
+    type Result = Result<(), Error>;
+
+    fn handle(
+        &mut self,
+        msg: crate::actors::root_stack::KillProcedure,
+        _ctx: &mut Context<Self>,
+    ) -> Self::Result {
+        self.live_tree(msg.id)?.do_send(msg);
+        Ok(())
+    }
+}
+
 impl<E: Send + Sync + 'static> Handler<Abort> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<bool, Error>>;
 
@@ -462,12 +478,14 @@ impl<E: Send + Sync + 'static> Handler<Abort> for ExecutorActor<E> {
         Box::pin(async move {
             let (ack, answer) = oneshot::channel();
             tree?.do_send(AbortRequest { id, ack });
-            // No answer: the tree finished (or halted) meanwhile.
+            // No answer: the tree finished (or halted) meanwhile, or the procedure's
+            // actor died holding the abort (it is started again; the abort was not
+            // taken).
             let answer = answer.await.ok();
             answer.unwrap_or_else(|| {
                 Err(match shared.table.get(&id) {
-                    Some(e) => Error::Finished { id, state: e.state },
-                    None => Error::Stopped,
+                    Some(e) if e.state.is_finished() => Error::Finished { id, state: e.state },
+                    _ => Error::Stopped,
                 })
             })
         })
@@ -664,9 +682,10 @@ impl<E: Send + Sync + 'static> Handler<GetSchedulerStats> for ExecutorActor<E> {
             let mut stats = SchedulerStats::default();
             for (scheduler, trees) in shards {
                 stats.add(&scheduler.await?);
-                let (active, passivated) = trees.await?;
-                stats.trees_active += active;
-                stats.trees_passivated += passivated;
+                let trees = trees.await?;
+                stats.trees_active += trees.active;
+                stats.trees_passivated += trees.passivated;
+                stats.procedures_active += trees.procedures_active;
             }
             let locks = locks.await?;
             stats.lock_holders = locks.holders;

@@ -166,6 +166,17 @@ impl<E: Send + Sync + 'static> Executor<E> {
         self.addr.send(Abort(id)).await?
     }
 
+    /// Stops live procedure `id`'s actor as a crash of that one actor would (with
+    /// `panic`, by a panic in its handler, else by stopping it), for tests of its
+    /// supervision: its root stack starts it again from the state it last reported,
+    /// and a step it was in runs again. Only with the `perturb` feature.
+    #[cfg(feature = "perturb")]
+    #[doc(hidden)]
+    pub async fn kill_procedure_actor(&self, id: ProcId, panic: bool) -> Result<(), Error> {
+        let kill = crate::actors::root_stack::KillProcedure { id, panic };
+        self.addr.send(kill).await?
+    }
+
     /// Bypasses a stuck procedure (HBCK2's `bypass`): it is marked SUCCESS without
     /// running further or rolling back, its locks are released, and its parent goes on
     /// as if it had succeeded (bypassing a root ends its tree). With `recursive`, its

@@ -1,7 +1,8 @@
 //! The root-stack actor: one per live tree, on its shard's arbiter, while the tree has
-//! work in flight. It holds the tree's runner ([`TreeRunner`]: the pure `RootStack`
-//! and the cells of the tree's procedures) and gives it an actor's context
-//! ([`TreeCtx`]): its calls into user code are futures of this actor, its timers this
+//! work in flight. It holds the tree's runner ([`TreeRunner`]: the pure `RootStack`,
+//! the addresses of its procedures' actors and the cells of those that wait) and gives
+//! it an actor's context ([`TreeCtx`]): the procedure actors it starts and supervises
+//! run on this arbiter and report to this actor ([`FromProc`]), its timers are this
 //! actor's `run_later`, and what it sends the scheduler, the lock actor and the
 //! persistence actor goes into its shard's outbox ([`ShardIo`]), sent as one message
 //! per actor when the shard flushes it.
@@ -9,8 +10,9 @@
 //! Every message to the tree comes through its shard ([`Shard`], the host), which
 //! forwards it ([`Deliver`]), so one sender's messages to a tree arrive in the order
 //! they were sent and the shard knows everything the actor has been sent. A tree with
-//! nothing in flight (no transition waiting for durability, no step out, no call
-//! running, no timer armed) is passivated: the actor asks its shard ([`Quiet`]), the
+//! nothing in flight (no transition waiting for durability, no step out, no timer
+//! armed, and no procedure actor: once the rest is quiet it passivates those first) is
+//! passivated: the actor asks its shard ([`Quiet`]), the
 //! shard holds the tree's later messages and sends [`Passivate`] behind everything it
 //! forwarded; the actor, still quiet, hands its runner back ([`Passivated`]) and stops,
 //! and the shard keeps the runner as a value until the next message activates it again
@@ -18,50 +20,45 @@
 //! or paused for an operator costs its runner only.
 //!
 //! A panic in engine code around a tree's handling cuts that tree off (its runner's
-//! `Drop` tells the executor); the shard and its other trees go on. A tree that stopped
-//! gets nothing more: its shard drops messages for it, and its calls in flight are not
-//! polled again (they watch its status) and go with the actor.
+//! `Drop` tells the executor, and halts its procedure actors); the shard and its other
+//! trees go on. A tree that stopped gets nothing more: its shard drops messages for it,
+//! and its calls in flight are not polled again (they watch its status).
 
 mod runner;
 
 use std::cell::RefCell;
-use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::pin::Pin;
 use std::rc::Rc;
-use std::sync::Arc;
-use std::task::{self, Poll};
 use std::time::{Duration, Instant};
 
-use actix::fut::wrap_future;
 use actix::prelude::*;
 
 use crate::procedure::ProcId;
 
 use super::guard::panic_message;
-use super::procedure::CallEnd;
+use super::procedure::{ProcedureActor, ProcedureCell};
 use super::protocol::{
-    AbortRequest, BypassRequest, CommandRequest, Durable, Outgoing, Quiesce, ToProc, TreeFinished,
-    Wake,
+    AbortRequest, BypassRequest, CommandRequest, Durable, Outgoing, Quiesce, Report, ToProc,
+    TreeFinished, Wake,
 };
 use super::shard::{Gone, Passivated, Quiet, Shard, ShardIo};
-use super::shared::TreeStatus;
 
 pub(crate) use runner::{publish_recovered, Objects, TreeRunner};
 
 /// Declares [`TreeMsg`]: `Start`, then one variant per message a tree is sent, each
 /// with its `From`.
 macro_rules! tree_msg {
-    ($($variant:ident($message:ty)),* $(,)?) => {
+    ($($(#[$cfg:meta])* $variant:ident($message:ty)),* $(,)?) => {
         /// What a tree is sent. Each variant's ordering rule is written beside its
         /// message in `protocol.rs`.
         pub(crate) enum TreeMsg {
             /// The tree joins the shard and starts (its first message).
             Start(Box<TreeRunner>),
-            $($variant($message),)*
+            $($(#[$cfg])* $variant($message),)*
         }
 
         $(
+            $(#[$cfg])*
             impl From<$message> for TreeMsg {
                 fn from(m: $message) -> Self {
                     TreeMsg::$variant(m)
@@ -79,12 +76,47 @@ tree_msg!(
     Quiesce(Quiesce),
     Command(CommandRequest),
     Abort(AbortRequest),
+    #[cfg(feature = "perturb")]
+    Kill(KillProcedure),
 );
+
+/// Stop procedure `id`'s actor as a crash of that actor would (with `panic`, by a panic
+/// in its handler), for tests of its supervision.
+#[cfg(feature = "perturb")]
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct KillProcedure {
+    pub(crate) id: ProcId,
+    pub(crate) panic: bool,
+}
+
+#[cfg(feature = "perturb")]
+impl Message for KillProcedure {
+    type Result = Result<(), crate::Error>;
+}
 
 /// A message for the tree, forwarded by its shard.
 pub(crate) struct Deliver(pub(crate) TreeMsg);
 
 impl Message for Deliver {
+    type Result = ();
+}
+
+/// What a procedure actor tells its root stack, in the order it happened. (Its size is
+/// a report's: each message is moved once, into actix's boxed envelope.)
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum FromProc {
+    /// What its cell reported: a step's end, a failure asked for, a rollback's end, ...
+    Report(Report),
+    /// Its answer to `Passivate`: the cell, or `None` if a call runs (it stays active).
+    Passivated(ProcId, Option<Box<ProcedureCell>>),
+    /// It ran its `Stop` (lock released, cleanup run) and stopped.
+    Stopped(ProcId),
+    /// The actor of this activation (its generation) stopped without being told: it is
+    /// started again.
+    Exited(ProcId, u32),
+}
+
+impl Message for FromProc {
     type Result = ();
 }
 
@@ -118,49 +150,12 @@ fn capped(delay: Duration) -> Duration {
     }
 }
 
-/// How a call of a tree ended.
-#[derive(Debug, PartialEq)]
-enum Ended<T = CallEnd> {
-    /// It returned: its tree handles what it reports.
-    Returned(T),
-    /// Its tree was dropped first: it was not polled again.
-    Dropped,
-    /// Engine code around the user's (which catches its own panics) panicked: the
-    /// tree is cut off, as for a panic in its handling.
-    Panicked(String),
-}
-
-/// `call` as one of the actor's futures: not polled again once `tree` is dropped, a
-/// panic out of it caught, the call (the user's future) dropped as soon as it ended
-/// either way. Boxed as it is, not awaited inside another future: the call moves into
-/// it once.
-async fn guarded_call<T>(tree: Arc<TreeStatus>, call: impl Future<Output = T>) -> Ended<T> {
-    let mut call = std::pin::pin!(call);
-    std::future::poll_fn(|cx| poll_guarded(&tree, call.as_mut(), cx)).await
-}
-
-/// Polls `call` unless `tree` was dropped, catching a panic out of it.
-fn poll_guarded<T>(
-    tree: &TreeStatus,
-    call: Pin<&mut impl Future<Output = T>>,
-    cx: &mut task::Context<'_>,
-) -> Poll<Ended<T>> {
-    if tree.dropped() {
-        return Poll::Ready(Ended::Dropped);
-    }
-    match catch_unwind(AssertUnwindSafe(|| call.poll(cx))) {
-        Ok(Poll::Ready(end)) => Poll::Ready(Ended::Returned(end)),
-        Ok(Poll::Pending) => Poll::Pending,
-        Err(payload) => Poll::Ready(Ended::Panicked(panic_message(&*payload))),
-    }
-}
-
 /// What a root stack may do beyond its own state: its actor's context and its shard's
 /// outbox.
 pub(crate) struct TreeCtx<'a> {
     actor: &'a mut Context<RootStackActor>,
-    io: &'a RefCell<ShardIo>,
-    /// Calls and timers in flight: counted here, for passivation.
+    io: &'a Rc<RefCell<ShardIo>>,
+    /// Timers in flight: counted here, for passivation.
     in_flight: &'a mut u32,
     stop: bool,
     /// The tree's result, sent to the executor once the actor has left its shard.
@@ -168,19 +163,14 @@ pub(crate) struct TreeCtx<'a> {
 }
 
 impl TreeCtx<'_> {
-    /// Runs `call` as one of the actor's futures; its end goes to the tree's
-    /// `call_ended`. If the tree (whose status is `tree`) is dropped first, the call is
-    /// not polled again: it ends, and drops the user's future, the next time it wakes,
-    /// or at once with the actor if a panic in engine code cut the tree off.
-    pub(crate) fn spawn(
+    /// Starts an actor for a procedure of the tree, holding `cell`, on this arbiter.
+    pub(crate) fn start_procedure(
         &mut self,
-        tree: Arc<TreeStatus>,
-        call: impl Future<Output = CallEnd> + 'static,
-    ) {
-        *self.in_flight += 1;
-        let call = wrap_future::<_, RootStackActor>(guarded_call(tree, call))
-            .map(|end, actor, ctx| actor.call_done(end, ctx));
-        self.actor.spawn(call);
+        cell: Box<ProcedureCell>,
+        generation: u32,
+    ) -> Addr<ProcedureActor> {
+        let root_stack = self.actor.address();
+        ProcedureActor::new(cell, generation, root_stack, self.io.clone()).start()
     }
 
     /// Fires `timer` after `delay` (dropped if the tree stops first).
@@ -223,7 +213,7 @@ pub(crate) struct RootStackActor {
     runner: Option<Box<TreeRunner>>,
     io: Rc<RefCell<ShardIo>>,
     shard: Addr<Shard>,
-    /// Calls into user code and timers in flight.
+    /// Timers in flight.
     in_flight: u32,
     /// The runner starts with this actor (a new or recovered tree), rather than being
     /// activated again.
@@ -282,10 +272,20 @@ impl RootStackActor {
         self.in_flight == 0 && self.runner.as_ref().is_some_and(|r| r.quiet())
     }
 
+    /// Tells the shard once the tree is quiet; once nothing but its procedures' actors
+    /// is in flight, asks those to hand their cells back first.
     fn tell_if_quiet(&mut self) {
-        if !self.quiet_told && self.quiet() {
+        if self.quiet_told || self.in_flight > 0 {
+            return;
+        }
+        let Some(runner) = self.runner.as_mut() else {
+            return;
+        };
+        if runner.quiet() {
             self.quiet_told = true;
             self.shard.do_send(Quiet(self.root));
+        } else {
+            runner.passivate_idle_procedures();
         }
     }
 
@@ -323,19 +323,6 @@ impl RootStackActor {
         ctx.stop();
     }
 
-    fn call_done(&mut self, end: Ended, ctx: &mut Context<Self>) {
-        self.in_flight -= 1;
-        match end {
-            Ended::Returned(end) => self.with_runner(ctx, |r, c| r.call_ended(end, c)),
-            Ended::Dropped => {}
-            Ended::Panicked(message) => {
-                if self.runner.is_some() {
-                    self.cut_off(&message, None, ctx);
-                }
-            }
-        }
-    }
-
     fn timer_fired(&mut self, timer: Timer, ctx: &mut Context<Self>) {
         self.in_flight -= 1;
         self.with_runner(ctx, |r, c| r.on_timer(timer, c));
@@ -360,6 +347,14 @@ impl Handler<Deliver> for RootStackActor {
     }
 }
 
+impl Handler<FromProc> for RootStackActor {
+    type Result = ();
+
+    fn handle(&mut self, msg: FromProc, ctx: &mut Context<Self>) {
+        self.with_runner(ctx, |r, c| r.on_procedure(msg, c));
+    }
+}
+
 impl Handler<Passivate> for RootStackActor {
     type Result = ();
 
@@ -379,77 +374,6 @@ impl Handler<Passivate> for RootStackActor {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-
-    /// A call that returns `7` at its `ready_at`th poll, or panics there; counts its
-    /// polls and says when it is dropped.
-    struct Probe {
-        polls: Arc<AtomicUsize>,
-        dropped: Arc<AtomicBool>,
-        ready_at: usize,
-        panics: bool,
-    }
-
-    impl Future for Probe {
-        type Output = u32;
-        fn poll(self: Pin<&mut Self>, _: &mut task::Context<'_>) -> Poll<u32> {
-            let n = self.polls.fetch_add(1, Ordering::SeqCst) + 1;
-            if n < self.ready_at {
-                Poll::Pending
-            } else if self.panics {
-                panic!("engine bug at poll {n}");
-            } else {
-                Poll::Ready(7)
-            }
-        }
-    }
-
-    impl Drop for Probe {
-        fn drop(&mut self) {
-            self.dropped.store(true, Ordering::SeqCst);
-        }
-    }
-
-    /// (ready at poll, panics, the tree is dropped after this many polls) → how it
-    /// ended, and how often the call was polled. The guard drops the call as soon as
-    /// it ends, while the guard itself is still held.
-    #[test]
-    fn a_call_is_guarded_against_engine_panics_and_its_dropped_tree() {
-        let panicked = |n: usize| Ended::Panicked(format!("engine bug at poll {n}"));
-        let cases = [
-            (1, false, None, Ended::Returned(7), 1),
-            (3, false, None, Ended::Returned(7), 3),
-            (2, true, None, panicked(2), 2),
-            (3, false, Some(1), Ended::Dropped, 1),
-            (1, false, Some(0), Ended::Dropped, 0),
-        ];
-        for (ready_at, panics, drop_after, expected, polls) in cases {
-            let probe = Probe {
-                polls: Arc::default(),
-                dropped: Arc::default(),
-                ready_at,
-                panics,
-            };
-            let (count, dropped) = (probe.polls.clone(), probe.dropped.clone());
-            let tree = Arc::new(TreeStatus::default());
-            let mut call = Box::pin(guarded_call(tree.clone(), probe));
-            let mut cx = task::Context::from_waker(task::Waker::noop());
-            let mut pass = 0;
-            let ended = loop {
-                if drop_after == Some(pass) {
-                    tree.set_dropped();
-                }
-                pass += 1;
-                if let Poll::Ready(end) = call.as_mut().poll(&mut cx) {
-                    break end;
-                }
-            };
-            assert_eq!(ended, expected, "ready at {ready_at}, panics {panics}");
-            assert_eq!(count.load(Ordering::SeqCst), polls);
-            assert!(dropped.load(Ordering::SeqCst), "the call went as it ended");
-        }
-    }
-
     #[test]
     fn a_timer_delay_is_capped_far_away_rather_than_overflowing() {
         assert_eq!(capped(Duration::from_secs(5)), Duration::from_secs(5));

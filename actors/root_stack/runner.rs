@@ -1,17 +1,18 @@
-//! The tree runner: one per procedure tree, a plain value in the shard of one arbiter
-//! (`shard.rs`), which hands it the tree's messages, the ends of its calls and its
-//! timers. It holds the cells of the tree's live procedures ([`ProcedureCell`]) and
-//! runs the pure [`RootStack`] bookkeeping: every event of the tree goes through it,
-//! its records are persisted, and only then are its actions performed, in the order the
-//! transitions were made.
+//! The tree runner: one per procedure tree, held by its root-stack actor (and, while
+//! the tree is passivated, by its shard as a value), which hands it the tree's
+//! messages, its procedures' reports and its timers. It starts and supervises the
+//! actors of the tree's live procedures (`procs.rs`), keeps the cells of those that
+//! wait, and runs the pure [`RootStack`] bookkeeping: every event of the tree goes
+//! through it, its records are persisted, and only then are its actions performed, in
+//! the order the transitions were made.
 //!
 //! The protocol rules it enforces (see `ARCHITECTURE.md`, "Protocol"):
 //! - it frees a step's worker (`StepFinished` to the scheduler) only after it has fed
 //!   the step's report to the core, so a step dispatched later is recorded later;
 //! - it publishes a transition's records to the procedure table, and answers aborts,
 //!   only once those records are durable;
-//! - it handles its procedures' reports in the order they were made, and never from
-//!   inside another report's handling (`flush`);
+//! - it handles its procedures' reports in the order each procedure made them (they
+//!   are messages from its procedures' actors);
 //! - it stops a finished procedure (lock released, cleanup run) once its final record
 //!   is durable, before it publishes the tree's result;
 //! - when nothing more can be made durable (the store failed) or the core broke an
@@ -39,22 +40,24 @@ use crate::root_stack::{Action, NewChild, Place, RootStack, Transition};
 use super::{Timer, TreeCtx, TreeMsg};
 
 mod operator;
+mod procs;
 mod reports;
 mod table;
 
 use crate::actors::guard::panic_message;
 use crate::actors::lent::{lendable, Lent};
 use crate::actors::perturb;
-use crate::actors::procedure::{CallEnd, ProcSpec, ProcedureCell};
+use crate::actors::procedure::{ProcMsg, ProcSpec, ProcedureCell};
 use crate::actors::protocol::{
     AbortAck, AbortRequest, AckWith, BypassRequest, Command, CommandRequest, Deadline, Durable,
-    DurableAck, Enqueue, FailRequest, LockForRollback, LocksHeld, Outbox, PauseNow, Persist,
-    ProcAddr, Quiesce, Release, ReleaseLocks, Report, RolledBack, StepDone, StepFinished,
+    DurableAck, Enqueue, FailRequest, LockForRollback, LocksHeld, PauseNow, Persist, ProcAddr,
+    Quiesce, Release, ReleaseLocks, Report, Rollback, RolledBack, StepDone, StepFinished,
     SuspendOn, ToCell, ToProc, TreeAck, TreeAddr, TreeEnded, TreeFailed, TreeFinished,
     TreeIrreversible, TreeNews, Unsuspend, Wake, WithdrawStep,
 };
 use crate::actors::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
 use operator::refuse;
+use procs::{Leaving, Slot};
 pub(crate) use table::publish_recovered;
 use table::{apply_rows, rows, Row};
 
@@ -96,12 +99,15 @@ struct Start {
 pub(crate) struct TreeRunner {
     core: RootStack,
     shared: Arc<Shared>,
-    /// The live procedures of this tree.
-    procs: SortedMap<ProcId, ProcedureCell>,
-    /// Reports of the procedures not handled yet, in the order they were made.
-    outbox: Outbox,
-    /// `flush` is working through the outbox.
-    flushing: bool,
+    /// The live procedures of this tree: each its actor, or its cell while it waits.
+    procs: SortedMap<ProcId, Slot>,
+    /// Finished procedures whose actors run their `Stop` (lock release, cleanup); the
+    /// tree's result waits for them. `None` while there are none.
+    leaving: Leaving,
+    /// Procedure actors running (those of `procs` and of `leaving`).
+    live: u32,
+    /// Activations so far, numbering each procedure actor.
+    generation: u32,
     /// The tree's address (its shard and root), shared by its procedures' addresses.
     me: TreeAddr,
     /// What few trees ever need: boxed, as every tree holds a runner.
@@ -187,8 +193,9 @@ impl TreeRunner {
             core,
             shared,
             procs: SortedMap::default(),
-            outbox: Outbox::default(),
-            flushing: false,
+            leaving: None,
+            live: 0,
+            generation: 0,
             me,
             rare: None,
             unspawned: (!unspawned.is_empty()).then(|| Box::new(unspawned)),
@@ -257,9 +264,7 @@ impl TreeRunner {
             // Pauses not in effect never will be: the tree rolls back.
             self.refuse_pauses("its tree failed before it paused");
             // Aborts that waited for a failed step's fate: it is failing.
-            for cell in self.procs.values_mut() {
-                cell.tree_failed(&mut self.outbox);
-            }
+            self.tell_tree_failed(ctx);
             // Its procedures waiting for locks would only be skipped once granted.
             ctx.tell(TreeFailed(self.core.root()));
         }
@@ -314,8 +319,6 @@ impl TreeRunner {
             }
             self.recovered = false;
         }
-        // What the actions made the procedures report.
-        self.flush(ctx);
         if self.pending.is_empty() {
             self.pending.release();
             if self.rare.as_ref().is_some_and(|r| !r.quiesce.is_empty()) {
@@ -340,43 +343,6 @@ impl TreeRunner {
                 }
             }
         }
-    }
-
-    /// Works through the procedures' reports, in order, including those that handling
-    /// them adds. Called once a call into a procedure has returned, never from inside
-    /// another report's handling (that one's loop takes the new reports).
-    fn flush(&mut self, ctx: &mut TreeCtx<'_>) {
-        if self.flushing {
-            return;
-        }
-        self.flushing = true;
-        while let Some(report) = self.outbox.pop_front() {
-            match report {
-                Report::StepDone(m) => self.on_step_done(m, ctx),
-                Report::Fail(m) => self.on_fail_request(m, ctx),
-                Report::RolledBack(m) => self.on_rolled_back(m, ctx),
-                Report::Deadline(m) => self.on_deadline(m, ctx),
-                Report::PauseNow(m) => self.on_pause_now(m, ctx),
-                Report::LocksHeld(m) => self.on_locks_held(m, ctx),
-            }
-        }
-        self.outbox.release();
-        self.flushing = false;
-    }
-
-    /// Calls `f` with procedure `id`'s cell, if it is live, then handles what it
-    /// reported. For the futures and timers of a procedure, which end after it may
-    /// have stopped.
-    pub(crate) fn with_cell(
-        &mut self,
-        id: ProcId,
-        ctx: &mut TreeCtx<'_>,
-        f: impl FnOnce(&mut ProcedureCell, &mut Outbox, &mut TreeCtx<'_>),
-    ) {
-        if let Some(cell) = self.procs.get_mut(&id) {
-            f(cell, &mut self.outbox, ctx);
-        }
-        self.flush(ctx);
     }
 
     /// Answers every pause not in effect with a refusal.
@@ -427,12 +393,11 @@ impl TreeRunner {
                         event: event.to_string(),
                     });
                 }
-                if let Some(cell) = self.procs.remove(&id) {
-                    // Its lock is released and its cleanup run before anything later,
-                    // the tree's result included.
-                    perturb::point("root_stack::perform::stop");
-                    cell.stop(self.core.state_of(id).unwrap_or(ProcState::Success), ctx);
-                }
+                // Its actor releases its lock and runs its cleanup before the tree's
+                // result is published.
+                perturb::point("root_stack::perform::stop");
+                let state = self.core.state_of(id).unwrap_or(ProcState::Success);
+                self.stop_procedure(id, state, ctx);
                 self.log_finished(id);
                 if id != self.core.root() {
                     self.shared.table.remove(&id);
@@ -448,9 +413,7 @@ impl TreeRunner {
                 for ack in acks {
                     let _ = ack.send(Ok(true));
                 }
-                if let Some(cell) = self.procs.get_mut(&id) {
-                    cell.forget_pause();
-                }
+                self.forget_pause(id, ctx);
                 // Paused while it waited for an event: the event must not wake it (a
                 // continue suspends it again).
                 if let Some(event) = self.core.event_of(id) {
@@ -473,10 +436,8 @@ impl TreeRunner {
             }
             Action::Reset { id, data } => {
                 // Before any later call of `id`: that call comes from a step queued (or
-                // a rollback sent) after this, through this runner.
-                if let Some(cell) = self.procs.get_mut(&id) {
-                    cell.reset(data, &mut self.outbox, ctx);
-                }
+                // a rollback sent) after this, through this runner, to the same mailbox.
+                let _ = self.send(id, ProcMsg::Reset(data), ctx);
             }
             Action::Rollback { id, unrecorded } => self.send_rollback(id, unrecorded, ctx),
             Action::RetryRollback {
@@ -520,12 +481,8 @@ impl TreeRunner {
         let Some((proc, data)) = object else {
             unreachable!("spawn of {id}, which has no object");
         };
-        let shared = self.shared.clone();
-        let status = self.status.clone();
-        let Some((parent, _)) = self.core.procedure(id) else {
-            unreachable!("spawn of {id}, which is not in the tree");
-        };
-        let type_name = self.core.type_name_of(id).unwrap_or("?");
+        let spec = self.spec(id, self.recovered);
+        let (parent, type_name) = (spec.parent, spec.type_name);
         if !self.recovered {
             // Its insert is durable: accepted (a recovered one was counted before).
             self.shared.metrics.submitted(type_name);
@@ -541,20 +498,11 @@ impl TreeRunner {
                 );
             }
         }
-        let spec = ProcSpec {
-            id,
-            parent,
-            root: self.core.root(),
-            type_name,
-            deadline_ms: self.core.deadline_of(id),
-            recovered: self.recovered,
-            has_locks: self.core.lock_request(id, false).is_some(),
-        };
-        // In this root stack: a step's report, and the root stack's calls to the
-        // procedure, are calls, never messages across tasks or threads.
-        let mut cell = ProcedureCell::new(spec, proc, data, shared, status);
-        cell.start(ctx);
-        self.procs.insert(id, cell);
+        let (shared, status) = (self.shared.clone(), self.status.clone());
+        let cell = ProcedureCell::new(spec, proc, data, shared, status);
+        let live = self.activate(Box::new(cell), ctx);
+        self.procs.insert(id, Slot::active(live));
+        self.arm_deadline(id, ctx);
     }
 
     /// A procedure's final record is durable: one INFO line and its metrics. The
@@ -632,17 +580,19 @@ impl TreeRunner {
                     unrecorded,
                 });
             }
-            None => match self.procs.get_mut(&id) {
-                Some(cell) => cell.rollback(unrecorded, &mut self.outbox, ctx),
-                None => unreachable!("rollback of {id}, which is not live"),
-            },
+            None => {
+                let rollback = ProcMsg::Cell(ToCell::Rollback(Rollback { unrecorded }));
+                if self.send(id, rollback, ctx).is_err() {
+                    unreachable!("rollback of {id}, which is not live");
+                }
+            }
         }
     }
 
     /// Publishes the tree's result once it is known and every finished procedure has
     /// released its lock and run its cleanup; then the runner's work is done.
     fn publish_result(&mut self, ctx: &mut TreeCtx<'_>) {
-        if self.halted.is_some() {
+        if self.halted.is_some() || self.leaving.is_some() {
             return;
         }
         let Some(result) = self.result.take().map(|r| *r) else {
@@ -703,10 +653,10 @@ impl TreeRunner {
     }
 
     /// A halted tree stops once every dispatched step has reported (and freed its
-    /// worker). Its procedures' cells go with it.
+    /// worker). Its procedures' actors stop, and their cells go with them.
     fn stop_when_quiet(&mut self, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() && self.dispatched == 0 {
-            self.procs.clear();
+            self.halt_procedures();
             ctx.stop();
         }
     }
@@ -743,17 +693,9 @@ impl TreeRunner {
             TreeMsg::Quiesce(m) => self.on_quiesce(m),
             TreeMsg::Command(m) => self.on_command(m, ctx),
             TreeMsg::Abort(m) => self.on_abort(m, ctx),
-        }
-    }
-
-    /// A call into a procedure's user code ended.
-    pub(crate) fn call_ended(&mut self, end: CallEnd, ctx: &mut TreeCtx<'_>) {
-        match end {
-            CallEnd::Step(id, end) => {
-                self.with_cell(id, ctx, |cell, out, ctx| cell.step_ended(end, out, ctx));
-            }
-            CallEnd::Rollback(id, end) => {
-                self.with_cell(id, ctx, |cell, out, ctx| cell.rollback_ended(end, out, ctx));
+            #[cfg(feature = "perturb")]
+            TreeMsg::Kill(m) => {
+                let _ = self.send(m.id, ProcMsg::Kill { panic: m.panic }, ctx);
             }
         }
     }
@@ -764,7 +706,6 @@ impl TreeRunner {
             Timer::RetryRollback { id, unrecorded } => {
                 if self.halted.is_none() {
                     self.send_rollback(id, unrecorded, ctx);
-                    self.flush(ctx);
                 }
             }
             Timer::WakeAt { id } => {
@@ -776,9 +717,11 @@ impl TreeRunner {
                 }
             }
             Timer::Deadline { id, deadline_ms } => {
-                self.with_cell(id, ctx, |cell, out, ctx| {
-                    cell.deadline_passed(deadline_ms, out, ctx)
-                });
+                // A later deadline replaced this one (its own timer runs), or it
+                // finished: its procedure need not wake for it.
+                if self.halted.is_none() && self.core.deadline_of(id) == Some(deadline_ms) {
+                    let _ = self.send(id, ProcMsg::Timeout { deadline_ms }, ctx);
+                }
             }
         }
     }
@@ -810,22 +753,12 @@ impl TreeRunner {
     fn on_to_proc(&mut self, msg: ToProc, ctx: &mut TreeCtx<'_>) {
         let ToProc { id, mut msg } = msg;
         if let ToCell::RunStep(step) = &mut msg {
-            step.children = self.core.children_of(id).map(|mut children| {
-                for (child, state) in children.iter_mut() {
-                    if *state == ProcState::Success && self.procs.contains_key(child) {
-                        // Its SUCCESS is not durable yet (its `Stop`, performed after the
-                        // record, drops its cell): the step sees it running. Its parent,
-                        // not waiting now, is woken again for it (`unseen_child`).
-                        *state = ProcState::Runnable;
-                    }
-                }
-                children
-            });
+            step.children = self.children_for(id);
         }
-        match self.procs.get_mut(&id) {
-            Some(cell) => cell.deliver(msg, &mut self.outbox, ctx),
-            None => {
-                if let ToCell::RunStep(_) = msg {
+        match self.send(id, ProcMsg::Cell(msg), ctx) {
+            Ok(()) => {}
+            Err(msg) => {
+                if let ProcMsg::Cell(ToCell::RunStep(_)) = msg {
                     // No step of a stopped procedure is queued; were one, its worker
                     // must not leak.
                     tracing::warn!(proc = %id, "a step dispatched to a stopped procedure");
@@ -834,12 +767,26 @@ impl TreeRunner {
                 }
             }
         }
-        self.flush(ctx);
         self.stop_when_quiet(ctx);
     }
 }
 
 impl TreeRunner {
+    /// `id`'s children as its next step sees them.
+    fn children_for(&self, id: ProcId) -> Option<Box<[(ProcId, ProcState)]>> {
+        self.core.children_of(id).map(|mut children| {
+            for (child, state) in children.iter_mut() {
+                if *state == ProcState::Success && self.procs.contains_key(child) {
+                    // Its SUCCESS is not durable yet (its `Stop`, performed after the
+                    // record, ends it): the step sees it running. Its parent, not
+                    // waiting now, is woken again for it (`unseen_child`).
+                    *state = ProcState::Runnable;
+                }
+            }
+            children
+        })
+    }
+
     fn on_wake(&mut self, msg: Wake, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() {
             return;
@@ -874,11 +821,14 @@ impl TreeRunner {
     /// shard, which keeps it as a value until a message comes. Calls and timers are
     /// counted by the actor.
     pub(crate) fn quiet(&self) -> bool {
+        self.quiet_but_for_procedures() && self.live == 0
+    }
+
+    /// As `quiet`, but for the actors of its procedures, which it may passivate.
+    fn quiet_but_for_procedures(&self) -> bool {
         self.start.is_none()
             && self.pending.is_empty()
             && self.dispatched == 0
-            && self.outbox.is_empty()
-            && !self.flushing
             && self.halted.is_none()
     }
 
@@ -913,8 +863,10 @@ impl Drop for TreeRunner {
     fn drop(&mut self) {
         self.me.set_ended();
         self.shared.tree_ended(self.me.index());
-        // Its calls still in flight run no more user code.
+        // Its calls still in flight run no more user code, and its procedures' actors
+        // stop.
         self.status.set_dropped();
+        self.halt_procedures();
         if !self.ended_queued {
             // Every StepFinished this runner sent is ahead of this in the scheduler's
             // mailbox (its shard sends what it queued before it drops a tree).
@@ -946,20 +898,20 @@ mod tests {
     #[test]
     #[cfg(target_pointer_width = "64")]
     fn an_idle_tree_is_its_root_stack_only() {
-        // A passivated tree is a boxed root stack in its shard's map (no actor): at 200
-        // bytes the box is in mimalloc's 224-byte class, where an active tree costs a
-        // 640-byte task and a mailbox of its own besides (BENCHMARKS.md, "bytes per
+        // A passivated tree is a boxed root stack in its shard's map (no actor): up to
+        // 224 bytes the box is in mimalloc's 224-byte class, where an active tree costs
+        // a 640-byte task and a mailbox of its own besides (BENCHMARKS.md, "bytes per
         // idle procedure").
         let tree = std::mem::size_of::<TreeRunner>();
-        assert!(tree <= 200, "a root stack is {tree} bytes");
+        assert!(tree <= 224, "a root stack is {tree} bytes");
     }
 
     #[test]
     #[cfg(target_pointer_width = "64")]
     fn a_procedure_cell_stays_small() {
-        // Every live procedure's cell sits in its tree's sorted map beside its id: at
-        // 216 bytes that entry is in mimalloc's 224-byte class (232 bytes before a
-        // cell's pending aborts, timeout and pause were boxed: the 256-byte class).
+        // A waiting procedure's cell is boxed in its tree's map: at 208 bytes the box
+        // is in mimalloc's 208-byte class (232 bytes before a cell's pending aborts,
+        // timeout and pause were boxed: the 256-byte class).
         let cell = std::mem::size_of::<ProcedureCell>();
         assert!(cell <= 208, "a cell is {cell} bytes");
     }

@@ -15,7 +15,7 @@ impl TreeRunner {
         let recorded: Vec<(ProcId, Vec<u8>)> = self
             .procs
             .iter()
-            .map(|(&p, cell)| (p, cell.data().to_vec()))
+            .map(|(&p, slot)| (p, slot.recorded().to_vec()))
             .collect();
         let data_of = |p: ProcId| {
             recorded
@@ -61,16 +61,15 @@ impl TreeRunner {
         let (id, command) = (msg.id, msg.command);
         if command == Command::Pause {
             let refusal = self.core.pause_refusal(id);
-            match (refusal, self.procs.get_mut(&id)) {
-                (None, Some(cell)) => {
+            match (refusal, self.procs.contains_key(&id)) {
+                (None, true) => {
                     let now = self.core.waits_for_wake(id);
-                    cell.pause(now, &mut self.outbox);
+                    let _ = self.send(id, ProcMsg::Pause { now }, ctx);
                     self.rare()
                         .pause_waiters
                         .entry(id)
                         .or_default()
                         .push(msg.ack);
-                    self.flush(ctx);
                 }
                 (refusal, _) => {
                     let reason = refusal.unwrap_or_else(|| format!("procedure {id} has finished"));
@@ -128,16 +127,11 @@ impl TreeRunner {
             refuse(msg.ack, "abort", msg.id, reason);
             return;
         }
-        match self.procs.get_mut(&msg.id) {
-            Some(cell) => {
-                cell.abort(msg.ack, &mut self.outbox);
-                self.flush(ctx);
-            }
-            // Finished (its stop is on its way): nothing left to abort.
-            None => {
-                let state = self.core.state_of(msg.id).unwrap_or(ProcState::Success);
-                let _ = msg.ack.send(Err(Error::Finished { id: msg.id, state }));
-            }
+        let id = msg.id;
+        // Finished (its stop is on its way): nothing left to abort.
+        if let Err(ProcMsg::Abort(ack)) = self.send(id, ProcMsg::Abort(msg.ack), ctx) {
+            let state = self.core.state_of(id).unwrap_or(ProcState::Success);
+            let _ = ack.send(Err(Error::Finished { id, state }));
         }
     }
 }

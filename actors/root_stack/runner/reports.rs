@@ -68,9 +68,7 @@ impl TreeRunner {
             Some(Some(t)) => self.apply(t, None, ctx),
             // Woken meanwhile: it pauses at its next step (the waiting answers stay).
             Some(None) => {
-                if let Some(cell) = self.procs.get_mut(&id) {
-                    cell.pause(false, &mut self.outbox);
-                }
+                let _ = self.send(id, ProcMsg::Pause { now: false }, ctx);
             }
             None => {}
         }
@@ -174,13 +172,16 @@ impl TreeRunner {
         if self.halted.is_some() {
             return;
         }
+        let id = msg.id;
         let t = self.core(
             "deadline",
-            |core| core.on_deadline(msg.id, msg.deadline_ms, msg.data, now_ms()),
+            |core| core.on_deadline(id, msg.deadline_ms, msg.data, now_ms()),
             ctx,
         );
         if let Some(t) = t {
             self.apply(t, None, ctx);
+            // The timer of the new deadline, if the timeout hook set one.
+            self.arm_deadline(id, ctx);
         }
     }
 }

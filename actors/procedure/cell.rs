@@ -1,24 +1,22 @@
-//! The procedure cell: one per live procedure, held by its tree's runner. It
-//! owns the user's object and is the only place that calls into it: a step when the
-//! scheduler says [`RunStep`], a rollback when its root stack (or, once the rollback's
-//! locks are granted, the scheduler) says so, the abort and timeout hooks between steps.
-//!
-//! A cell is not an actor of its own: the scheduler's messages reach it through its tree's
-//! shard ([`ToCell`]), its calls into user code run as futures of that shard (through
-//! the tree's `TreeCtx`), and its timers are the shard's. So a step's report crosses no
-//! mailbox, no task and no thread, and an idle procedure costs no task of its own.
+//! The procedure cell: the state of one live procedure: the user's object, its last
+//! good encoded state, and what it must settle between calls (aborts and a timeout that
+//! arrived during a call, an operator's pause, a failed step's fate being decided). Its
+//! procedure actor ([`ProcedureActor`](super::ProcedureActor)) holds it while the
+//! procedure is active, and only that actor calls into it, each call one message; while
+//! the procedure waits (for children, an event, a timer, an operator) its root stack
+//! keeps it as a value.
 //!
 //! It never decides what happens next; it reports what the user's code returned
-//! ([`StepDone`], [`FailRequest`], [`RolledBack`]) into its root stack's outbox, which the
-//! root stack works through in order once the call into the cell has returned; the step's
-//! worker is freed once its report is recorded. While a call is running the object is
-//! moved into the call's future; an abort that arrives meanwhile waits for the step to
-//! end, so user code never sees two calls at once. Once its tree is halted (the store
-//! failed) it calls no user code at all, exactly as if the process had died.
+//! ([`StepDone`], [`FailRequest`], [`RolledBack`]) to its root stack, which works through
+//! them in the order they were sent; the step's worker is freed once its report is
+//! recorded. While a call is running the object is moved into the call's future; an
+//! abort that arrives meanwhile waits for the step to end, so user code never sees two
+//! calls at once. Once its tree is halted (the store failed) it calls no user code at
+//! all, exactly as if the process had died.
 
 use std::cell::RefCell;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::cancel::{Cancel, CancelReason};
 use crate::erased::{Call, DynProc, ErasedProc, Next, StepResult};
@@ -28,14 +26,15 @@ use crate::procedure::{FailurePolicy, LockState, OnTimeout, ProcError, ProcId, P
 use crate::registry::RegistryError;
 use crate::root_stack::{NewChild, OnError, RollbackFailure, StepOutcome, StepReport};
 
-use super::guard::{decode_guarded, guard, CatchUnwind};
-use super::perturb;
-use super::protocol::{
+use crate::actors::guard::{decode_guarded, guard, CatchUnwind};
+use crate::actors::perturb;
+use crate::actors::protocol::{
     AbortAck, Deadline, FailRequest, LockFailed, LocksHeld, Outbox, PauseNow, Release,
     ReleaseLocks, Report, Rollback, RolledBack, RunStep, StepDone, ToCell,
 };
-use super::root_stack::{Timer, TreeCtx};
-use super::shared::{now_ms, Shared, TreeStatus};
+use crate::actors::shared::{now_ms, Shared, TreeStatus};
+
+use super::ProcCtx;
 
 /// The largest encoding buffer a thread keeps between steps.
 const SCRATCH_KEEP: usize = 1 << 20;
@@ -157,10 +156,10 @@ impl Drop for InCall {
     }
 }
 
-/// A call into user code that ended, for the cell of the procedure it names.
+/// A call into user code that ended.
 pub(crate) enum CallEnd {
-    Step(ProcId, StepEnd),
-    Rollback(ProcId, RollbackEnd),
+    Step(StepEnd),
+    Rollback(RollbackEnd),
 }
 
 /// What a step's future hands back to the cell.
@@ -213,17 +212,27 @@ impl ProcedureCell {
         }
     }
 
-    /// The procedure joins its tree: a recovered one's `after_recover` hook runs, and its
-    /// timeout's timer starts.
-    pub(crate) fn start(&mut self, ctx: &mut TreeCtx<'_>) {
-        if self.recovered {
-            if let Some(proc) = self.proc.as_mut() {
-                if let Err(e) = guard("after_recover", || proc.after_recover()) {
-                    tracing::error!(proc = %self.id, %e, "after_recover panicked");
-                }
+    /// Its actor started: a recovered procedure's `after_recover` hook runs, once (at
+    /// its first activation after recovery, or after its actor was restarted), unless
+    /// its tree halted meanwhile.
+    pub(crate) fn activated(&mut self) {
+        if !std::mem::take(&mut self.recovered) || self.status.halted() {
+            return;
+        }
+        if let Some(proc) = self.proc.as_mut() {
+            if let Err(e) = guard("after_recover", || proc.after_recover()) {
+                tracing::error!(proc = %self.id, %e, "after_recover panicked");
             }
         }
-        self.arm(ctx);
+    }
+
+    pub(crate) fn id(&self) -> ProcId {
+        self.id
+    }
+
+    /// Its failed step's fate is being decided (see `deciding`).
+    pub(crate) fn deciding(&self) -> bool {
+        self.deciding
     }
 
     fn context(&self) -> Call {
@@ -507,7 +516,7 @@ impl ProcedureCell {
 
     /// The deadline passed while the procedure was idle: asks its timeout hook, then
     /// fails it, or persists the new deadline (or none) and re-arms.
-    fn expire(&mut self, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+    fn expire(&mut self, out: &mut Outbox) {
         if self.status.halted() || self.status.failed() {
             return;
         }
@@ -550,37 +559,22 @@ impl ProcedureCell {
             }
         };
         self.deadline_ms = deadline_ms;
+        // Its root stack arms the timer of the new deadline as it records it.
         out.push_back(Report::Deadline(Deadline {
             id: self.id,
             deadline_ms,
             data,
         }));
-        self.arm(ctx);
     }
 
-    /// Starts the timer for the current deadline, if any (at once if it has passed).
-    fn arm(&mut self, ctx: &mut TreeCtx<'_>) {
-        let Some(deadline_ms) = self.deadline_ms else {
-            return;
-        };
-        let id = self.id;
-        let delay = Duration::from_millis(deadline_ms.saturating_sub(now_ms()));
-        ctx.run_later(delay, Timer::Deadline { id, deadline_ms });
-    }
-
-    /// The timer of `deadline_ms` fired.
-    pub(crate) fn deadline_passed(
-        &mut self,
-        deadline_ms: u64,
-        out: &mut Outbox,
-        ctx: &mut TreeCtx<'_>,
-    ) {
+    /// The timer of `deadline_ms` fired (its root stack keeps the timers).
+    pub(crate) fn deadline_passed(&mut self, deadline_ms: u64, out: &mut Outbox) {
         // A later re-arm replaced this deadline: its own timer is running.
         if self.deadline_ms != Some(deadline_ms) || self.status.halted() {
             return;
         }
         if self.proc.is_some() {
-            self.expire(out, ctx);
+            self.expire(out);
         } else {
             self.pending().timeout = true;
         }
@@ -606,7 +600,7 @@ impl ProcedureCell {
     }
 
     /// Answers aborts and a timeout that arrived while a step or rollback ran.
-    fn settle_pending(&mut self, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+    fn settle_pending(&mut self, out: &mut Outbox) {
         let (timeout, aborts) = match self.pending.as_deref_mut() {
             Some(p) => (
                 std::mem::take(&mut p.timeout),
@@ -622,7 +616,7 @@ impl ProcedureCell {
             return;
         }
         if timeout {
-            self.expire(out, ctx);
+            self.expire(out);
         }
         for ack in aborts {
             self.request_failure(Some(ack), out);
@@ -630,7 +624,7 @@ impl ProcedureCell {
     }
 
     /// Handles what the scheduler sent.
-    pub(crate) fn deliver(&mut self, msg: ToCell, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+    pub(crate) fn deliver(&mut self, msg: ToCell, out: &mut Outbox, ctx: &mut ProcCtx<'_>) {
         match msg {
             ToCell::RunStep(RunStep { step, children }) => self.run_step(step, children, out, ctx),
             ToCell::Rollback(Rollback { unrecorded }) => self.rollback(unrecorded, out, ctx),
@@ -663,9 +657,8 @@ impl ProcedureCell {
         step: usize,
         children: Option<Box<[(ProcId, ProcState)]>>,
         out: &mut Outbox,
-        ctx: &mut TreeCtx<'_>,
+        ctx: &mut ProcCtx<'_>,
     ) {
-        let id = self.id;
         if self.shared.drain.is_draining() {
             // A graceful shutdown: the step runs after the restart.
             return;
@@ -688,7 +681,7 @@ impl ProcedureCell {
             return;
         }
         let Some(mut proc) = self.proc.take() else {
-            unreachable!("procedure {id} dispatched while a call runs");
+            unreachable!("procedure {} dispatched while a call runs", self.id);
         };
         let cancel = self.cancel.get_or_insert_with(Cancel::new).clone();
         let mut pctx = self.context().with_cancel(cancel.clone());
@@ -705,7 +698,7 @@ impl ProcedureCell {
                 }
                 Err(panic) => {
                     self.finish_step(proc, &pctx, Err(panic), out);
-                    self.settle_pending(out, ctx);
+                    self.settle_pending(out);
                     return;
                 }
             }
@@ -740,26 +733,26 @@ impl ProcedureCell {
         let call = tracing::Instrument::instrument(call, span);
         ctx.spawn(
             self.status.clone(),
-            async move { CallEnd::Step(id, call.await) },
+            async move { CallEnd::Step(call.await) },
         );
     }
 
     /// A step's call ended: its report goes to the root stack.
-    pub(crate) fn step_ended(&mut self, end: StepEnd, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+    pub(crate) fn step_ended(&mut self, end: StepEnd, out: &mut Outbox) {
         let (proc, pctx, result, in_call) = end;
         if self.step_cancel.take().is_some_and(|c| c.is_cancelled()) {
             // Raised for this step: the next one gets a fresh signal.
             self.cancel = None;
         }
         self.finish_step(proc, &pctx, result, out);
-        self.settle_pending(out, ctx);
+        self.settle_pending(out);
         drop(in_call);
     }
 
     /// Rolls back the newest step (from the root stack, or from the scheduler once the
     /// rollback's locks are granted); `unrecorded` as in
     /// [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step).
-    pub(crate) fn rollback(&mut self, unrecorded: bool, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+    pub(crate) fn rollback(&mut self, unrecorded: bool, out: &mut Outbox, ctx: &mut ProcCtx<'_>) {
         let id = self.id;
         if self.status.halted() || self.shared.drain.is_draining() {
             // Cut off like in a crash (or not begun, in a graceful shutdown): recovery
@@ -817,9 +810,10 @@ impl ProcedureCell {
             (proc, pctx, result, in_call)
         };
         let call = tracing::Instrument::instrument(call, span);
-        ctx.spawn(self.status.clone(), async move {
-            CallEnd::Rollback(id, call.await)
-        });
+        ctx.spawn(
+            self.status.clone(),
+            async move { CallEnd::Rollback(call.await) },
+        );
     }
 
     /// A rollback's call ended: its result goes to the root stack.
@@ -827,7 +821,7 @@ impl ProcedureCell {
         &mut self,
         end: RollbackEnd,
         out: &mut Outbox,
-        ctx: &mut TreeCtx<'_>,
+        ctx: &mut ProcCtx<'_>,
     ) {
         let (mut proc, pctx, result, in_call) = end;
         if !proc.holds_lock() && !self.status.halted() {
@@ -849,7 +843,7 @@ impl ProcedureCell {
             });
         }
         perturb::point("procedure::rollback::rolled_back");
-        self.settle_pending(out, ctx);
+        self.settle_pending(out);
         out.push_back(Report::RolledBack(RolledBack {
             id: self.id,
             result,
@@ -875,14 +869,8 @@ impl ProcedureCell {
 
     /// The procedure is finished and its final record is durable: release its locks,
     /// run its completion cleanup, and answer late aborts with how it finished.
-    pub(crate) fn stop(mut self, state: ProcState, ctx: &mut TreeCtx<'_>) {
-        if self.has_locks && !self.status.halted() {
-            // Before the tree's result, which is published only after this.
-            ctx.tell(ReleaseLocks {
-                id: self.id,
-                what: Release::All,
-            });
-        }
+    pub(crate) fn stop(mut self, state: ProcState) {
+        // (Its engine locks were released by its root stack as it was stopped.)
         if let Some(mut proc) = self.proc.take() {
             let pctx = self.context();
             if self.lock_held {
@@ -932,7 +920,7 @@ impl ProcedureCell {
         &self.data
     }
 
-    pub(crate) fn reset(&mut self, data: Vec<u8>, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+    pub(crate) fn reset(&mut self, data: Vec<u8>, out: &mut Outbox) {
         // What its step returned was not taken: a `Done` the root stack refused (a
         // parent with children still running, a procedure at its most steps) failed
         // the step instead, so it is not done and its next step runs; what waited
@@ -950,7 +938,7 @@ impl ProcedureCell {
             // this is not expected; keep the object as the failed attempt left it.
             Err(e) => tracing::error!(proc = %self.id, %e, "cannot reload the recorded state"),
         }
-        self.went_on(out, ctx);
+        self.went_on(out);
     }
 
     /// Its tree failed: aborts that waited for its failed step's fate are answered
@@ -976,13 +964,13 @@ impl ProcedureCell {
     /// return it is paused (each comes with a `Reset` to the recorded state, which
     /// calls this). It is not failed, so its next step runs; a deadline that passed,
     /// aborts and an operator's pause that came meanwhile are handled now.
-    fn went_on(&mut self, out: &mut Outbox, ctx: &mut TreeCtx<'_>) {
+    fn went_on(&mut self, out: &mut Outbox) {
         self.deciding = false;
         if !std::mem::take(&mut self.failed) || self.proc.is_none() {
             return;
         }
         // A deadline that passed and aborts that came meanwhile.
-        self.settle_pending(out, ctx);
+        self.settle_pending(out);
         if self.pending.as_ref().is_some_and(|p| p.pause_next) {
             // An operator's pause that came meanwhile: now that it holds its recorded
             // state, at once if it waits (for its retry), else at its next step.

@@ -1,0 +1,510 @@
+//! The tree's procedure actors, as their root stack starts, feeds, passivates, stops
+//! and supervises them. Every message to a procedure goes through [`TreeRunner::send`]:
+//! to its actor's mailbox, held while the actor hands its cell back, or, to a waiting
+//! procedure, to a new actor started with its cell.
+
+use actix::Addr;
+
+use crate::actors::guard::decode_guarded;
+use crate::actors::procedure::ProcedureActor;
+use crate::actors::protocol::RunStep;
+use crate::actors::root_stack::FromProc;
+
+use super::*;
+
+/// A live procedure: its actor while it is active, its cell while it waits (exactly
+/// one of the two).
+pub(in crate::actors::root_stack) struct Slot {
+    cell: Option<Box<ProcedureCell>>,
+    live: Option<Box<Live>>,
+}
+
+/// Finished procedures whose actors run their `Stop`, by id.
+pub(in crate::actors::root_stack) type Leaving = Option<Box<SortedMap<ProcId, Box<Live>>>>;
+
+/// A procedure's running actor, as its root stack knows it.
+pub(in crate::actors::root_stack) struct Live {
+    addr: Addr<ProcedureActor>,
+    /// Which activation this is (an exit report names it).
+    generation: u32,
+    /// The state it last reported (or was reset to): where it starts again if its
+    /// actor dies, and what an operator's bypass records.
+    checkpoint: Vec<u8>,
+    /// A step or rollback sent to it and not reported yet.
+    busy: Busy,
+    /// `Passivate` was sent: messages wait here for its answer.
+    held: Option<Vec<ProcMsg>>,
+    /// It refused to passivate: not asked again until it reports.
+    refused: bool,
+}
+
+#[derive(Clone, Copy)]
+enum Busy {
+    No,
+    Step(usize),
+    Rollback { unrecorded: bool },
+}
+
+impl Slot {
+    pub(super) fn active(live: Box<Live>) -> Slot {
+        Slot {
+            cell: None,
+            live: Some(live),
+        }
+    }
+
+    /// Its state as last recorded (or reported), for an operator's bypass.
+    pub(super) fn recorded(&self) -> &[u8] {
+        match (&self.cell, &self.live) {
+            (Some(cell), _) => cell.data(),
+            (None, Some(live)) => &live.checkpoint,
+            (None, None) => &[],
+        }
+    }
+}
+
+impl Live {
+    /// Sends `msg` (or holds it while a passivation is answered), noting what it asks.
+    fn post(&mut self, msg: ProcMsg) {
+        match &msg {
+            ProcMsg::Cell(ToCell::RunStep(run)) => self.busy = Busy::Step(run.step),
+            ProcMsg::Cell(ToCell::Rollback(Rollback { unrecorded })) => {
+                self.busy = Busy::Rollback {
+                    unrecorded: *unrecorded,
+                }
+            }
+            ProcMsg::Reset(data) => self.checkpoint.clone_from(data),
+            _ => {}
+        }
+        match &mut self.held {
+            Some(held) => held.push(msg),
+            None => self.addr.do_send(msg),
+        }
+    }
+
+    /// Asks the actor to hand its cell back, unless it has a call out or refused.
+    fn ask_passivate(&mut self) {
+        if self.held.is_none() && matches!(self.busy, Busy::No) && !self.refused {
+            self.addr.do_send(ProcMsg::Passivate);
+            self.held = Some(Vec::new());
+        }
+    }
+
+    /// What it reported: a step or rollback it was sent has ended, and its state.
+    fn reported(&mut self, report: &Report) {
+        self.refused = false;
+        let data = match report {
+            Report::StepDone(m) => {
+                self.busy = Busy::No;
+                &m.report.data
+            }
+            Report::RolledBack(m) => {
+                self.busy = Busy::No;
+                match &m.result {
+                    Ok(data) => data,
+                    Err(failure) => &failure.data,
+                }
+            }
+            Report::Fail(m) => match &m.failure {
+                Some((_, data)) => data,
+                None => return,
+            },
+            Report::Deadline(m) => &m.data,
+            Report::PauseNow(m) => &m.data,
+            Report::LocksHeld(m) => &m.data,
+        };
+        // A yield reports no state.
+        if !data.is_empty() {
+            self.checkpoint.clone_from(data);
+        }
+    }
+}
+
+/// Starts an actor holding `cell` (fields of the runner, borrowed apart from its map).
+fn start(
+    generation: &mut u32,
+    live: &mut u32,
+    cell: Box<ProcedureCell>,
+    ctx: &mut TreeCtx<'_>,
+) -> Box<Live> {
+    *generation = generation.wrapping_add(1);
+    *live += 1;
+    let checkpoint = cell.data().to_vec();
+    let addr = ctx.start_procedure(cell, *generation);
+    Box::new(Live {
+        addr,
+        generation: *generation,
+        checkpoint,
+        busy: Busy::No,
+        held: None,
+        refused: false,
+    })
+}
+
+fn report_id(report: &Report) -> ProcId {
+    match report {
+        Report::StepDone(m) => m.report.id,
+        Report::Fail(m) => m.id,
+        Report::RolledBack(m) => m.id,
+        Report::Deadline(m) => m.id,
+        Report::PauseNow(m) => m.id,
+        Report::LocksHeld(m) => m.id,
+    }
+}
+
+impl TreeRunner {
+    /// Starts the actor of a procedure of this tree with `cell`.
+    pub(super) fn activate(
+        &mut self,
+        cell: Box<ProcedureCell>,
+        ctx: &mut TreeCtx<'_>,
+    ) -> Box<Live> {
+        start(&mut self.generation, &mut self.live, cell, ctx)
+    }
+
+    /// Sends `msg` to live procedure `id`, starting its actor if it waits; gives the
+    /// message back if `id` is not live.
+    pub(super) fn send(
+        &mut self,
+        id: ProcId,
+        msg: ProcMsg,
+        ctx: &mut TreeCtx<'_>,
+    ) -> Result<(), ProcMsg> {
+        let Some(slot) = self.procs.get_mut(&id) else {
+            return Err(msg);
+        };
+        if let Some(cell) = slot.cell.take() {
+            slot.live = Some(start(&mut self.generation, &mut self.live, cell, ctx));
+        }
+        match slot.live.as_mut() {
+            Some(live) => {
+                live.post(msg);
+                Ok(())
+            }
+            None => Err(msg),
+        }
+    }
+
+    /// A message from one of the tree's procedure actors.
+    pub(crate) fn on_procedure(&mut self, msg: FromProc, ctx: &mut TreeCtx<'_>) {
+        match msg {
+            FromProc::Report(report) => {
+                let id = report_id(&report);
+                if let Some(live) = self.procs.get_mut(&id).and_then(|s| s.live.as_mut()) {
+                    live.reported(&report);
+                }
+                self.on_report(report, ctx);
+                self.passivate_if_waiting(id);
+            }
+            FromProc::Passivated(id, cell) => self.on_passivated(id, cell, ctx),
+            FromProc::Stopped(id) => {
+                if self.leave(id).is_some() {
+                    self.publish_result(ctx);
+                }
+            }
+            FromProc::Exited(id, generation) => self.on_exited(id, generation, ctx),
+        }
+        self.stop_when_quiet(ctx);
+    }
+
+    fn on_report(&mut self, report: Report, ctx: &mut TreeCtx<'_>) {
+        match report {
+            Report::StepDone(m) => self.on_step_done(m, ctx),
+            Report::Fail(m) => self.on_fail_request(m, ctx),
+            Report::RolledBack(m) => self.on_rolled_back(m, ctx),
+            Report::Deadline(m) => self.on_deadline(m, ctx),
+            Report::PauseNow(m) => self.on_pause_now(m, ctx),
+            Report::LocksHeld(m) => self.on_locks_held(m, ctx),
+        }
+    }
+
+    /// After `id` reported: if it now waits for children, an event, a timer or an
+    /// operator, its actor hands its cell back.
+    fn passivate_if_waiting(&mut self, id: ProcId) {
+        let waits = matches!(
+            self.core.state_of(id),
+            Some(
+                ProcState::Waiting
+                    | ProcState::WaitingTimeout
+                    | ProcState::Paused
+                    | ProcState::RollbackPaused
+            )
+        );
+        if waits {
+            if let Some(live) = self.procs.get_mut(&id).and_then(|s| s.live.as_mut()) {
+                live.ask_passivate();
+            }
+        }
+    }
+
+    /// The tree has nothing in flight but its procedures' actors: each that has no
+    /// call out hands its cell back, so the tree can be passivated in turn.
+    pub(crate) fn passivate_idle_procedures(&mut self) {
+        if !self.quiet_but_for_procedures() {
+            return;
+        }
+        for (_, slot) in self.procs.iter_mut() {
+            if let Some(live) = slot.live.as_mut() {
+                live.ask_passivate();
+            }
+        }
+    }
+
+    fn on_passivated(
+        &mut self,
+        id: ProcId,
+        cell: Option<Box<ProcedureCell>>,
+        ctx: &mut TreeCtx<'_>,
+    ) {
+        let in_procs = self.procs.contains_key(&id);
+        let live = if in_procs {
+            self.procs.get_mut(&id).and_then(|s| s.live.take())
+        } else {
+            // It finished meanwhile: its `Stop` waits in `held`.
+            self.leaving.as_mut().and_then(|l| l.remove(&id))
+        };
+        let Some(mut live) = live else {
+            return;
+        };
+        let mut held = live.held.take().unwrap_or_default();
+        let live = match cell {
+            // A call was running: it stays, and gets what waited.
+            None => {
+                live.refused = true;
+                for msg in held {
+                    live.addr.do_send(msg);
+                }
+                Some(live)
+            }
+            Some(cell) => {
+                self.live -= 1;
+                if held.is_empty() {
+                    if let Some(slot) = self.procs.get_mut(&id) {
+                        slot.cell = Some(cell);
+                    }
+                    None
+                } else {
+                    // Messages came meanwhile: a new actor takes the cell, and them.
+                    let mut new = self.activate(cell, ctx);
+                    new.checkpoint = std::mem::take(&mut live.checkpoint);
+                    for msg in held.drain(..) {
+                        new.post(msg);
+                    }
+                    Some(new)
+                }
+            }
+        };
+        match (live, in_procs) {
+            (Some(live), true) => {
+                if let Some(slot) = self.procs.get_mut(&id) {
+                    slot.live = Some(live);
+                }
+            }
+            (Some(live), false) => {
+                self.leaving.get_or_insert_default().insert(id, live);
+            }
+            (None, _) => {}
+        }
+    }
+
+    /// `id` finished and its final record is durable: its actor (started again if it
+    /// waited) releases its lock and runs its cleanup; the tree's result waits for it.
+    pub(super) fn stop_procedure(&mut self, id: ProcId, state: ProcState, ctx: &mut TreeCtx<'_>) {
+        let Some(slot) = self.procs.remove(&id) else {
+            return;
+        };
+        if self.core.lock_request(id, false).is_some() && !self.status.halted() {
+            // The engine's locks, before anything later (another procedure's request,
+            // the tree's result).
+            ctx.tell(ReleaseLocks {
+                id,
+                what: Release::All,
+            });
+        }
+        let mut live = match (slot.cell, slot.live) {
+            (Some(cell), _) => self.activate(cell, ctx),
+            (None, Some(live)) => live,
+            (None, None) => return,
+        };
+        live.post(ProcMsg::Stop(state));
+        self.leaving.get_or_insert_default().insert(id, live);
+    }
+
+    /// `id`'s actor stopped after its `Stop` (or died in it): it has left.
+    fn leave(&mut self, id: ProcId) -> Option<Box<Live>> {
+        let leaving = self.leaving.as_mut()?;
+        let live = leaving.remove(&id)?;
+        if leaving.is_empty() {
+            self.leaving = None;
+        }
+        self.live -= 1;
+        Some(live)
+    }
+
+    /// Its procedures' actors stop without calling user code (the tree halted, or was
+    /// cut off); their cells go with them.
+    pub(super) fn halt_procedures(&mut self) {
+        for (_, slot) in self.procs.iter() {
+            if let Some(live) = &slot.live {
+                live.addr.do_send(ProcMsg::Halt);
+            }
+        }
+        for (_, live) in self.leaving.iter().flat_map(|l| l.iter()) {
+            live.addr.do_send(ProcMsg::Halt);
+        }
+        self.procs.clear();
+        self.leaving = None;
+        self.live = 0;
+    }
+
+    /// The tree failed: procedures whose failed step's fate was being decided answer
+    /// the aborts that waited for it.
+    pub(super) fn tell_tree_failed(&mut self, ctx: &mut TreeCtx<'_>) {
+        for (_, slot) in self.procs.iter_mut() {
+            if let Some(cell) = slot.cell.take_if(|cell| cell.deciding()) {
+                slot.live = Some(start(&mut self.generation, &mut self.live, cell, ctx));
+            }
+            if let Some(live) = slot.live.as_mut() {
+                live.post(ProcMsg::TreeFailed);
+            }
+        }
+    }
+
+    /// `id` paused: a pause asked meanwhile is answered (bookkeeping only: a waiting
+    /// procedure's cell is told without an actor).
+    pub(super) fn forget_pause(&mut self, id: ProcId, ctx: &mut TreeCtx<'_>) {
+        match self.procs.get_mut(&id) {
+            Some(Slot {
+                cell: Some(cell), ..
+            }) => cell.forget_pause(),
+            Some(_) => {
+                let _ = self.send(id, ProcMsg::ForgetPause, ctx);
+            }
+            None => {}
+        }
+    }
+
+    /// Arms the timer of `id`'s deadline, if it has one.
+    pub(super) fn arm_deadline(&self, id: ProcId, ctx: &mut TreeCtx<'_>) {
+        if let Some(deadline_ms) = self.core.deadline_of(id) {
+            let delay = Duration::from_millis(deadline_ms.saturating_sub(now_ms()));
+            ctx.run_later(delay, Timer::Deadline { id, deadline_ms });
+        }
+    }
+
+    /// What a procedure's cell is made with: who it is, from the tree's bookkeeping.
+    pub(super) fn spec(&self, id: ProcId, recovered: bool) -> ProcSpec {
+        let parent = self.core.procedure(id).and_then(|(parent, _)| parent);
+        ProcSpec {
+            id,
+            parent,
+            root: self.core.root(),
+            type_name: self.core.type_name_of(id).unwrap_or("?"),
+            deadline_ms: self.core.deadline_of(id),
+            recovered,
+            has_locks: self.core.lock_request(id, false).is_some(),
+        }
+    }
+
+    /// An actor stopped without being told. If it is the current actor of a live
+    /// procedure, the procedure starts again from the state it last reported, as
+    /// recovery would start it after a crash.
+    fn on_exited(&mut self, id: ProcId, generation: u32, ctx: &mut TreeCtx<'_>) {
+        if let Some(slot) = self.procs.get_mut(&id) {
+            if let Some(old) = slot.live.take_if(|live| live.generation == generation) {
+                self.live -= 1;
+                self.restart(id, *old, ctx);
+            }
+            return;
+        }
+        let leaving = self.leaving.as_ref().and_then(|l| l.get(&id));
+        if leaving.is_some_and(|live| live.generation == generation) {
+            tracing::error!(proc = %id, "a finished procedure's actor stopped before its cleanup ran");
+            self.leave(id);
+            self.publish_result(ctx);
+        }
+    }
+
+    fn restart(&mut self, id: ProcId, old: Live, ctx: &mut TreeCtx<'_>) {
+        let Live {
+            checkpoint,
+            busy,
+            held,
+            ..
+        } = old;
+        if self.halted.is_some() {
+            // It calls no user code any more; a step it owed still reports, so the
+            // scheduler's worker is freed and the tree can stop.
+            self.procs.remove(&id);
+            if let Busy::Step(_) = busy {
+                self.dispatched = self.dispatched.saturating_sub(1);
+                ctx.tell(StepFinished(id));
+            }
+            return;
+        }
+        tracing::warn!(proc = %id, ?busy, "a procedure's actor stopped unexpectedly: started again from its last reported state");
+        let spec = self.spec(id, true);
+        let proc = match decode_guarded(&self.shared.registry, spec.type_name, &checkpoint) {
+            Ok(proc) => proc,
+            Err(e) => {
+                let error = Error::Internal(format!(
+                    "procedure {id}'s actor stopped and its last state does not decode: {e}"
+                ));
+                return self.halt(error, ctx);
+            }
+        };
+        let cell = ProcedureCell::new(
+            spec,
+            proc,
+            checkpoint,
+            self.shared.clone(),
+            self.status.clone(),
+        );
+        let mut live = self.activate(Box::new(cell), ctx);
+        match busy {
+            Busy::No => {}
+            // Its step may have done part of its work: as after a crash, it runs
+            // again, and should its tree fail first, it is rolled back unrecorded.
+            Busy::Step(step) => {
+                self.core.mark_cut_off(id);
+                let children = self.children_for(id);
+                live.post(ProcMsg::Cell(ToCell::RunStep(RunStep { step, children })));
+            }
+            Busy::Rollback { unrecorded } => {
+                live.post(ProcMsg::Cell(ToCell::Rollback(Rollback { unrecorded })));
+            }
+        }
+        // What waited for a passivation it never answered.
+        for msg in held.into_iter().flatten() {
+            live.post(msg);
+        }
+        // An operator's pause not in effect yet, and a deadline whose timeout may
+        // have been lost with the mailbox.
+        if self
+            .rare
+            .as_ref()
+            .is_some_and(|r| r.pause_waiters.contains_key(&id))
+        {
+            let now = self.core.waits_for_wake(id);
+            live.post(ProcMsg::Pause { now });
+        }
+        if let Some(deadline_ms) = self.core.deadline_of(id) {
+            if deadline_ms <= now_ms() {
+                live.post(ProcMsg::Timeout { deadline_ms });
+            }
+        }
+        if let Some(slot) = self.procs.get_mut(&id) {
+            slot.live = Some(live);
+        }
+    }
+}
+
+impl std::fmt::Debug for Busy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Busy::No => f.write_str("idle"),
+            Busy::Step(step) => write!(f, "in step {step}"),
+            Busy::Rollback { .. } => f.write_str("in a rollback"),
+        }
+    }
+}
