@@ -461,51 +461,7 @@ impl RootStack {
         assert_eq!(self.phase, Phase::Executing, "step report for {id}");
         self.running -= 1;
         let mut t = Transition::default();
-        if !matches!(
-            report.outcome,
-            StepOutcome::Failed(_)
-                | StepOutcome::Yield
-                | StepOutcome::Skipped
-                | StepOutcome::Paused
-        ) {
-            let node = self.node_mut(id);
-            let recorded = node.stack_indexes.len();
-            if recorded + 1 >= MAX_RECORDED_STEPS {
-                // Past its last recordable step: the step fails instead (its failure
-                // is recorded as that last step, and rolled back), rather than write a
-                // record no engine could read back. A point of no return it declared
-                // still counts: then the failure pauses it.
-                node.steering.irreversible |= report.irreversible;
-                let error = ProcError::failed(format!(
-                    "procedure {id} has recorded {recorded} steps, the most a procedure may"
-                ));
-                report.outcome = StepOutcome::Failed(error);
-                report.on_error = None;
-            } else {
-                // A step that succeeded: its retries are over, it left nothing
-                // unrecorded, and a point of no return is recorded with it.
-                node.steering.retries = 0;
-                node.steering.dirty = false;
-                node.steering.irreversible |= report.irreversible;
-            }
-            let pending = node.pending_children;
-            let waits_for_children = || match &report.outcome {
-                StepOutcome::Spawn(_) | StepOutcome::Failed(_) => true,
-                StepOutcome::Children(children) => !children.is_empty(),
-                _ => false,
-            };
-            if pending > 0 && !waits_for_children() {
-                // Woken per child while others run: it may not finish, nor wait for
-                // anything but them, before they do.
-                let error = ProcError::failed(format!(
-                    "procedure {id} returned {} with {pending} children unfinished: until \
-                     they finish, a step may only return Flow::Spawn or Flow::Children",
-                    outcome_name(&report.outcome)
-                ));
-                report.outcome = StepOutcome::Failed(error);
-                report.on_error = None;
-            }
-        }
+        self.check_outcome(&mut report);
         let pause_at_step = match report.outcome {
             StepOutcome::Skipped if !self.is_failed() => self
                 .node_mut(id)
@@ -515,29 +471,7 @@ impl RootStack {
             _ => None,
         };
         match report.outcome {
-            StepOutcome::Skipped if pause_at_step.is_some() => {
-                if let Some(why) = pause_at_step {
-                    let data = report.data;
-                    self.pause(&mut t, id, ProcState::Paused, *why, data.clone(), now_ms);
-                    // Its failure was not taken: it goes on from `data` when continued.
-                    t.actions.push(Action::Reset { id, data });
-                }
-            }
-            StepOutcome::Skipped => {
-                // Never ran a step, in a failed tree: nothing of it to roll back, so
-                // locks it holds for its life go now — recorded first, so that
-                // recovery does not grant them back beside whoever takes them next.
-                let node = self.node_mut(id);
-                // Unless a step of it may have run unrecorded (a retry, or a crash): then
-                // it is rolled back, holding them.
-                let undone = node.stack_indexes.is_empty() && !node.steering.dirty;
-                let held = node.locks.as_mut().filter(|c| c.for_life && c.held);
-                if let (true, Some(claim)) = (undone, held) {
-                    claim.held = false;
-                    self.persist_update(&mut t, id, report.data, now_ms);
-                    t.actions.push(Action::Release(id));
-                }
-            }
+            StepOutcome::Skipped => self.on_skipped(&mut t, id, pause_at_step, report.data, now_ms),
             StepOutcome::Paused if !self.is_failed() => {
                 let why = Paused {
                     error: None,
@@ -554,53 +488,7 @@ impl RootStack {
                 }
             }
             StepOutcome::Failed(error) => {
-                let (policy, before) = match report.on_error {
-                    Some(OnError { policy, before }) => (policy, Some(before)),
-                    None => (FailurePolicy::Rollback, None),
-                };
-                let decision = if self.is_failed() {
-                    Decision::Rollback
-                } else {
-                    let retries = self.nodes[&id].steering.retries;
-                    decide(policy, retries, self.is_irreversible(), false)
-                };
-                match decision {
-                    Decision::Rollback => {
-                        // This attempt is recorded and rolled back; the attempts
-                        // retried before it were the same step.
-                        self.node_mut(id).steering.dirty = false;
-                        self.push_step(id);
-                        self.fail(id, error);
-                        self.persist_update(&mut t, id, report.data, now_ms);
-                    }
-                    Decision::Retry { delay_ms } => {
-                        let at_ms = now_ms.saturating_add(delay_ms);
-                        tracing::info!(proc = %id, %error, delay_ms, "step failed; retrying");
-                        let node = self.node_mut(id);
-                        node.steering.retries += 1;
-                        node.steering.dirty = true;
-                        node.state = ProcState::WaitingTimeout;
-                        node.wake_at_ms = Some(at_ms);
-                        let data = before.unwrap_or(report.data);
-                        self.persist_update(&mut t, id, data.clone(), now_ms);
-                        t.actions.push(Action::Reset { id, data });
-                        t.actions.push(Action::WakeAt { id, at_ms });
-                    }
-                    Decision::Pause => {
-                        tracing::warn!(proc = %id, %error, "step failed; procedure paused");
-                        let data = before.unwrap_or(report.data);
-                        let node = self.node_mut(id);
-                        let retries = std::mem::take(&mut node.steering.retries);
-                        node.steering.dirty = true;
-                        let why = Paused {
-                            error: Some(error),
-                            policy: Some(policy),
-                            retries,
-                        };
-                        self.pause(&mut t, id, ProcState::Paused, why, data.clone(), now_ms);
-                        t.actions.push(Action::Reset { id, data });
-                    }
-                }
+                self.on_step_failed(&mut t, id, error, report.on_error, report.data, now_ms)
             }
             StepOutcome::Children(children) if children.is_empty() => {
                 self.step_done(&mut t, id, report.data, now_ms);
@@ -668,6 +556,148 @@ impl RootStack {
         }
         self.maybe_start_rollback(&mut t, now_ms);
         t
+    }
+
+    /// A step that succeeded may still fail: past the most steps a procedure may record,
+    /// or ending (or waiting for something else) while children it started still run.
+    fn check_outcome(&mut self, report: &mut StepReport) {
+        let id = report.id;
+        if !matches!(
+            report.outcome,
+            StepOutcome::Failed(_)
+                | StepOutcome::Yield
+                | StepOutcome::Skipped
+                | StepOutcome::Paused
+        ) {
+            let node = self.node_mut(id);
+            let recorded = node.stack_indexes.len();
+            if recorded + 1 >= MAX_RECORDED_STEPS {
+                // Past its last recordable step: the step fails instead (its failure
+                // is recorded as that last step, and rolled back), rather than write a
+                // record no engine could read back. A point of no return it declared
+                // still counts: then the failure pauses it.
+                node.steering.irreversible |= report.irreversible;
+                let error = ProcError::failed(format!(
+                    "procedure {id} has recorded {recorded} steps, the most a procedure may"
+                ));
+                report.outcome = StepOutcome::Failed(error);
+                report.on_error = None;
+            } else {
+                // A step that succeeded: its retries are over, it left nothing
+                // unrecorded, and a point of no return is recorded with it.
+                node.steering.retries = 0;
+                node.steering.dirty = false;
+                node.steering.irreversible |= report.irreversible;
+            }
+            let pending = node.pending_children;
+            let waits_for_children = || match &report.outcome {
+                StepOutcome::Spawn(_) | StepOutcome::Failed(_) => true,
+                StepOutcome::Children(children) => !children.is_empty(),
+                _ => false,
+            };
+            if pending > 0 && !waits_for_children() {
+                // Woken per child while others run: it may not finish, nor wait for
+                // anything but them, before they do.
+                let error = ProcError::failed(format!(
+                    "procedure {id} returned {} with {pending} children unfinished: until \
+                     they finish, a step may only return Flow::Spawn or Flow::Children",
+                    outcome_name(&report.outcome)
+                ));
+                report.outcome = StepOutcome::Failed(error);
+                report.on_error = None;
+            }
+        }
+    }
+
+    /// `id`'s step was not run (its tree failed): a pause asked for it takes effect
+    /// instead, or a procedure that never ran a step gives up its life-long locks.
+    fn on_skipped(
+        &mut self,
+        t: &mut Transition,
+        id: ProcId,
+        pause_at_step: Option<Box<Paused>>,
+        data: Vec<u8>,
+        now_ms: u64,
+    ) {
+        if let Some(why) = pause_at_step {
+            self.pause(t, id, ProcState::Paused, *why, data.clone(), now_ms);
+            // Its failure was not taken: it goes on from `data` when continued.
+            t.actions.push(Action::Reset { id, data });
+            return;
+        }
+        // Never ran a step, in a failed tree: nothing of it to roll back, so locks it
+        // holds for its life go now — recorded first, so that recovery does not grant
+        // them back beside whoever takes them next.
+        let node = self.node_mut(id);
+        // Unless a step of it may have run unrecorded (a retry, or a crash): then it
+        // is rolled back, holding them.
+        let undone = node.stack_indexes.is_empty() && !node.steering.dirty;
+        let held = node.locks.as_mut().filter(|c| c.for_life && c.held);
+        if let (true, Some(claim)) = (undone, held) {
+            claim.held = false;
+            self.persist_update(t, id, data, now_ms);
+            t.actions.push(Action::Release(id));
+        }
+    }
+
+    /// `id`'s step failed: its policy (or its tree's failure) decides whether the
+    /// attempt is recorded and rolled back, retried after a delay, or paused.
+    fn on_step_failed(
+        &mut self,
+        t: &mut Transition,
+        id: ProcId,
+        error: ProcError,
+        on_error: Option<OnError>,
+        data: Vec<u8>,
+        now_ms: u64,
+    ) {
+        let (policy, before) = match on_error {
+            Some(OnError { policy, before }) => (policy, Some(before)),
+            None => (FailurePolicy::Rollback, None),
+        };
+        let decision = if self.is_failed() {
+            Decision::Rollback
+        } else {
+            let retries = self.nodes[&id].steering.retries;
+            decide(policy, retries, self.is_irreversible(), false)
+        };
+        match decision {
+            Decision::Rollback => {
+                // This attempt is recorded and rolled back; the attempts
+                // retried before it were the same step.
+                self.node_mut(id).steering.dirty = false;
+                self.push_step(id);
+                self.fail(id, error);
+                self.persist_update(t, id, data, now_ms);
+            }
+            Decision::Retry { delay_ms } => {
+                let at_ms = now_ms.saturating_add(delay_ms);
+                tracing::info!(proc = %id, %error, delay_ms, "step failed; retrying");
+                let node = self.node_mut(id);
+                node.steering.retries += 1;
+                node.steering.dirty = true;
+                node.state = ProcState::WaitingTimeout;
+                node.wake_at_ms = Some(at_ms);
+                let data = before.unwrap_or(data);
+                self.persist_update(t, id, data.clone(), now_ms);
+                t.actions.push(Action::Reset { id, data });
+                t.actions.push(Action::WakeAt { id, at_ms });
+            }
+            Decision::Pause => {
+                tracing::warn!(proc = %id, %error, "step failed; procedure paused");
+                let data = before.unwrap_or(data);
+                let node = self.node_mut(id);
+                let retries = std::mem::take(&mut node.steering.retries);
+                node.steering.dirty = true;
+                let why = Paused {
+                    error: Some(error),
+                    policy: Some(policy),
+                    retries,
+                };
+                self.pause(t, id, ProcState::Paused, why, data.clone(), now_ms);
+                t.actions.push(Action::Reset { id, data });
+            }
+        }
     }
 
     /// An abort (or timeout) was accepted by `id` between its steps: it fails with

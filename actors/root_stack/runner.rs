@@ -34,7 +34,7 @@ use crate::erased::DynProc;
 use crate::error::Error;
 use crate::fast_map::{IdMap, SortedMap};
 use crate::procedure::{ProcId, ProcState};
-use crate::record::{Failure, ProcRecord, Steering, StoreOp};
+use crate::record::{Failure, Paused, ProcRecord, Steering, StoreOp};
 use crate::root_stack::{Action, NewChild, Place, RootStack, Transition};
 
 use super::{Timer, TreeCtx, TreeMsg};
@@ -379,61 +379,8 @@ impl TreeRunner {
                     });
                 }
             }
-            Action::Stop(id) => {
-                if let Some(acks) = self.pause_waiters(id) {
-                    for ack in acks {
-                        refuse(ack, "pause", id, "it finished before it paused");
-                    }
-                }
-                // Stopped while suspended (its tree failed, or timed out): it no longer
-                // waits, so the event must not keep it.
-                if let Some(event) = self.core.event_of(id) {
-                    ctx.tell(Unsuspend {
-                        id,
-                        event: event.to_string(),
-                    });
-                }
-                // Its actor releases its lock and runs its cleanup before the tree's
-                // result is published.
-                perturb::point("root_stack::perform::stop");
-                let state = self.core.state_of(id).unwrap_or(ProcState::Success);
-                self.stop_procedure(id, state, ctx);
-                self.log_finished(id);
-                if id != self.core.root() {
-                    self.shared.table.remove(&id);
-                } else if let Some(mut e) = self.shared.table.get_mut(&id) {
-                    e.tree = None;
-                }
-            }
-            Action::Paused { id, state, why } => {
-                let acks = self.pause_waiters(id).unwrap_or_default();
-                if !acks.is_empty() {
-                    ctx.send_now();
-                }
-                for ack in acks {
-                    let _ = ack.send(Ok(true));
-                }
-                self.forget_pause(id, ctx);
-                // Paused while it waited for an event: the event must not wake it (a
-                // continue suspends it again).
-                if let Some(event) = self.core.event_of(id) {
-                    ctx.tell(Unsuspend {
-                        id,
-                        event: event.to_string(),
-                    });
-                }
-                if self.shared.has_subscribers() {
-                    let root = self.core.root();
-                    let news = TreeNews::Paused {
-                        id,
-                        root,
-                        state,
-                        why: *why,
-                    };
-                    ctx.send_now();
-                    self.shared.news.do_send(news);
-                }
-            }
+            Action::Stop(id) => self.on_stopped(id, ctx),
+            Action::Paused { id, state, why } => self.on_paused(id, state, *why, ctx),
             Action::Reset { id, data } => {
                 // Before any later call of `id`: that call comes from a step queued (or
                 // a rollback sent) after this, through this runner, to the same mailbox.
@@ -470,6 +417,66 @@ impl TreeRunner {
                 self.result = Some(Box::new(result.map_err(|f| *f)));
                 self.publish_result(ctx);
             }
+        }
+    }
+
+    /// `id` finished and its final record is durable.
+    fn on_stopped(&mut self, id: ProcId, ctx: &mut TreeCtx<'_>) {
+        if let Some(acks) = self.pause_waiters(id) {
+            for ack in acks {
+                refuse(ack, "pause", id, "it finished before it paused");
+            }
+        }
+        // Stopped while suspended (its tree failed, or timed out): it no longer
+        // waits, so the event must not keep it.
+        self.unsuspend(id, ctx);
+        // Its actor releases its lock and runs its cleanup before the tree's result
+        // is published.
+        perturb::point("root_stack::perform::stop");
+        let state = self.core.state_of(id).unwrap_or(ProcState::Success);
+        self.stop_procedure(id, state, ctx);
+        self.log_finished(id);
+        if id != self.core.root() {
+            self.shared.table.remove(&id);
+        } else if let Some(mut e) = self.shared.table.get_mut(&id) {
+            e.tree = None;
+        }
+    }
+
+    /// `id` paused (its pause is durable): the operators who asked hear, and so do
+    /// subscribers.
+    fn on_paused(&mut self, id: ProcId, state: ProcState, why: Paused, ctx: &mut TreeCtx<'_>) {
+        let acks = self.pause_waiters(id).unwrap_or_default();
+        if !acks.is_empty() {
+            ctx.send_now();
+        }
+        for ack in acks {
+            let _ = ack.send(Ok(true));
+        }
+        self.forget_pause(id, ctx);
+        // Paused while it waited for an event: the event must not wake it (a continue
+        // suspends it again).
+        self.unsuspend(id, ctx);
+        if self.shared.has_subscribers() {
+            let root = self.core.root();
+            let news = TreeNews::Paused {
+                id,
+                root,
+                state,
+                why,
+            };
+            ctx.send_now();
+            self.shared.news.do_send(news);
+        }
+    }
+
+    /// The event `id` waits for, if any, must no longer wake it.
+    fn unsuspend(&self, id: ProcId, ctx: &mut TreeCtx<'_>) {
+        if let Some(event) = self.core.event_of(id) {
+            ctx.tell(Unsuspend {
+                id,
+                event: event.to_string(),
+            });
         }
     }
 
