@@ -1,7 +1,9 @@
 //! The cancellation signal a step sees through its [`Context`](crate::Context): the
-//! engine raises it when the procedure is aborted while the step runs, so a long step
-//! can stop early (and the abort be answered without waiting for the step's end), and
-//! when a graceful shutdown's drain deadline passes ([`CancelReason`] tells which).
+//! engine raises it when the procedure is aborted while the step runs, or its tree
+//! fails (another procedure of it failed or was aborted), so a long step can stop early
+//! (and the abort be answered, and the tree's rollback begin, without waiting for the
+//! step's end), and when a graceful shutdown's drain deadline passes ([`CancelReason`]
+//! tells which).
 //!
 //! A plain flag with wakers (no runtime): [`Cancel::cancelled`] is a future that works
 //! under any executor, for use in `select!` against the step's own work.
@@ -72,7 +74,9 @@ impl Cancel {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum CancelReason {
-    /// An operator aborted the procedure while the step ran.
+    /// An operator aborted the procedure while the step ran, or its tree failed (a
+    /// procedure of it failed or was aborted): the tree rolls back, this step's work
+    /// included, once every running step of it has returned.
     Abort,
     /// The engine is shutting down and its drain deadline has passed.
     Shutdown,

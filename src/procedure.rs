@@ -476,7 +476,11 @@ impl<E: ?Sized> Context<E> {
     /// - [`CancelReason::Abort`]: the procedure was aborted while the step ran. An
     ///   error fails the procedure and its tree rolls back, this step included; `Ok`
     ///   leaves the decision to the abort hook, as between steps. The abort is answered
-    ///   once the step has returned.
+    ///   once the step has returned. Also raised when the step's tree fails while it
+    ///   runs (another procedure of the tree failed or was aborted): the tree rolls
+    ///   back, this step included whatever it returns, once every running step of the
+    ///   tree has returned, so a step that watches the signal lets the rollback begin
+    ///   at once.
     /// - [`CancelReason::Shutdown`]: a graceful shutdown's drain deadline
     ///   ([`ExecutorBuilder::drain_timeout`](crate::ExecutorBuilder::drain_timeout))
     ///   passed with the step still running. An error is *not* recorded: the step runs

@@ -186,3 +186,78 @@ async fn aborts_overtaken_by_a_siblings_point_of_no_return_are_refused_and_pause
         }
     }
 }
+
+/// An abort of a root whose children are in long steps cancels those steps: each sees
+/// its cancellation signal, returns, and the tree rolls back at once rather than after
+/// the steps' own end (here: never, as each step waits only for its signal).
+#[actix::test]
+async fn an_abort_cancels_the_running_steps_of_the_whole_tree() {
+    for (store_name, store, _dir) in stores() {
+        let (executor, rec) = start(store, 8).await;
+        let children = (1..=3)
+            .map(|i| Scripted::new(&format!("c{i}"), vec![Step::UntilCancelled]))
+            .collect();
+        let id = executor
+            .submit(Scripted::new("root", vec![Step::Children(children)]))
+            .await
+            .unwrap();
+        // Each child is in its step (a `Notify` keeps one signal, not three).
+        while (1..=3).any(|i| rec.count(&format!("c{i}-exec")) == 0) {
+            tokio::task::yield_now().await;
+        }
+        let asked = std::time::Instant::now();
+        assert!(executor.abort(id).await.unwrap(), "{store_name}: accepted");
+        // Without the cancellation the children would never return.
+        let failure = tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
+            .await
+            .expect("the tree rolled back")
+            .unwrap()
+            .unwrap_err();
+        let took = asked.elapsed();
+        assert_eq!(failure.error, ProcError::Aborted, "{store_name}");
+        for i in 1..=3 {
+            let child = format!("c{i}");
+            assert_eq!(rec.count(&format!("{child}-cancelled")), 1, "{store_name}");
+            assert_eq!(rec.count(&format!("{child}-rollback")), 1, "{store_name}");
+        }
+        assert_eq!(rec.count("root-rollback"), 1, "{store_name}");
+        eprintln!("{store_name}: abort to rolled back in {took:?}");
+    }
+}
+
+/// A step that fails cancels its siblings' running steps the same way: the tree rolls
+/// back as soon as they return.
+#[actix::test]
+async fn a_failed_step_cancels_its_siblings_running_steps() {
+    for (store_name, store, _dir) in stores() {
+        let (executor, rec) = start(store, 8).await;
+        let children = vec![
+            Scripted::new("c1", vec![Step::UntilCancelled]),
+            Scripted::new("c2", vec![Step::UntilCancelled]),
+            Scripted::new("f", vec![Step::GateFail("boom".into())]),
+        ];
+        let id = executor
+            .submit(Scripted::new("root", vec![Step::Children(children)]))
+            .await
+            .unwrap();
+        while ["c1", "c2"]
+            .iter()
+            .any(|c| rec.count(&format!("{c}-exec")) == 0)
+        {
+            tokio::task::yield_now().await;
+        }
+        // Now `f` fails, while both siblings are in their steps.
+        rec.permits.add_permits(1);
+        let failure = tokio::time::timeout(std::time::Duration::from_secs(30), executor.wait(id))
+            .await
+            .expect("the tree rolled back")
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(failure.error, ProcError::failed("boom"), "{store_name}");
+        for child in ["c1", "c2"] {
+            assert_eq!(rec.count(&format!("{child}-cancelled")), 1, "{store_name}");
+            assert_eq!(rec.count(&format!("{child}-rollback")), 1, "{store_name}");
+        }
+        assert_eq!(rec.count("f-rollback"), 1, "{store_name}");
+    }
+}

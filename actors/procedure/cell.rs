@@ -941,10 +941,16 @@ impl ProcedureCell {
         self.went_on(out);
     }
 
-    /// Its tree failed: aborts that waited for its failed step's fate are answered
-    /// now (accepted: it is failing), not when its own rollback starts, which other
-    /// rollbacks (paused, retried, waiting for locks) may hold back.
+    /// Its tree failed. A step it is running is asked to end early (its cancellation
+    /// signal is raised): whatever the step does will be rolled back, and the tree's
+    /// rollback starts once every running step has returned. Aborts that waited for
+    /// its failed step's fate are answered now (accepted: it is failing), not when its
+    /// own rollback starts, which other rollbacks (paused, retried, waiting for locks)
+    /// may hold back.
     pub(crate) fn tree_failed(&mut self, out: &mut Outbox) {
+        if let Some(cancel) = &self.step_cancel {
+            cancel.cancel();
+        }
         if !std::mem::take(&mut self.deciding) {
             return;
         }
