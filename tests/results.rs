@@ -130,6 +130,7 @@ async fn results_are_evicted_after_their_retention_and_the_log_forgets_them() {
         let executor = start(store.open(), |b| {
             b.retention(Duration::from_millis(30))
                 .cleaner_interval(Duration::from_millis(5))
+                .nonce_retention(Duration::from_millis(30))
         })
         .await;
         let nonce = Nonce { group: 1, nonce: 1 };
@@ -157,7 +158,8 @@ async fn results_are_evicted_after_their_retention_and_the_log_forgets_them() {
                 .unwrap(),
             Err(Error::NotFinished(_))
         ));
-        // The nonce went with the result: the same nonce is a new submission.
+        // The nonce, remembered no longer than the result, went with it: the same
+        // nonce is a new submission.
         let again = executor
             .submit_with_nonce(create("t1", false), nonce)
             .await

@@ -85,6 +85,9 @@ pub struct ExecutorActor<E = ()> {
     pub(super) retention: Retention,
     /// Finished roots whose results are kept, oldest first: when they finished.
     pub(super) finished: VecDeque<(u64, ProcId)>,
+    /// Roots whose results were evicted while their nonces are still remembered (their
+    /// records kept in the store for them): until when, roughly oldest first.
+    pub(super) nonce_only: VecDeque<(u64, ProcId, Nonce)>,
     /// Results the client acknowledged, and when.
     pub(super) acked: IdMap<ProcId, u64>,
     /// A batch of evictions is on its way to the store.
@@ -196,15 +199,17 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         if self.evicting || self.broken.is_some() {
             return;
         }
-        let batch = self.due_results();
+        let due = self.due_results();
+        let mut more = due.len() == EVICT_BATCH;
+        let batch = self.to_delete(due);
+        more |= batch.len() == EVICT_BATCH;
         if batch.is_empty() {
             return;
         }
-        let more = batch.len() == EVICT_BATCH;
         self.evicting = true;
         let (ack, durable) = oneshot::channel();
         self.shared.persistence.do_send(Persist {
-            ops: batch.iter().map(|&id| StoreOp::Delete(id)).collect(),
+            ops: batch.iter().map(|&(id, _)| StoreOp::Delete(id)).collect(),
             ack: DurableAck::Caller(ack),
         });
         let done = async move { durable.await.unwrap_or(Err(Error::Stopped)) };
@@ -220,6 +225,41 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 Err(e) => act.broke(e),
             }
         }));
+    }
+
+    /// Of the roots whose results are due, those whose records go (with their nonce, if
+    /// any), and then those whose nonce window has passed since: a root whose nonce is
+    /// still remembered loses its result now, and keeps its records (and its nonce)
+    /// until its window ends.
+    fn to_delete(&mut self, due: Vec<ProcId>) -> Vec<(ProcId, Option<Nonce>)> {
+        let now = now_ms();
+        let window = self.retention.nonces.max(self.retention.kept);
+        let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
+        let mut batch = Vec::with_capacity(due.len());
+        for id in due {
+            let nonce = self.shared.table.get(&id).and_then(|e| {
+                let nonce = e.nonce()?;
+                Some((nonce, e.updated_ms.saturating_add(window)))
+            });
+            match nonce {
+                Some((nonce, until)) if until > now => {
+                    self.shared.table.remove(&id);
+                    self.acked.remove(&id);
+                    self.nonce_only.push_back((until, id, nonce));
+                }
+                nonce => batch.push((id, nonce.map(|(nonce, _)| nonce))),
+            }
+        }
+        while batch.len() < EVICT_BATCH {
+            match self.nonce_only.front() {
+                Some(&(until, id, nonce)) if until <= now => {
+                    self.nonce_only.pop_front();
+                    batch.push((id, Some(nonce)));
+                }
+                _ => break,
+            }
+        }
+        batch
     }
 
     /// Up to a batch of results whose time is up, in id order, taken out of
@@ -264,14 +304,13 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         batch
     }
 
-    /// Forgets the results of `batch`, whose deletes are durable: their rows, their
+    /// Forgets the roots of `batch`, whose deletes are durable: their rows, their
     /// nonces and their acknowledgements.
-    fn evicted(&mut self, batch: &[ProcId]) {
-        for id in batch {
-            if let Some((_, e)) = self.shared.table.remove(id) {
-                if let Some(nonce) = e.nonce() {
-                    self.nonces.remove(&nonce);
-                }
+    fn evicted(&mut self, batch: &[(ProcId, Option<Nonce>)]) {
+        for (id, nonce) in batch {
+            self.shared.table.remove(id);
+            if let Some(nonce) = nonce {
+                self.nonces.remove(nonce);
             }
             self.acked.remove(id);
         }

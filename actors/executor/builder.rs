@@ -5,7 +5,7 @@
 //! tree is on its shard, and every finished root's result in the table, before the
 //! executor handles any request.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
@@ -112,6 +112,8 @@ pub(super) struct Retention {
     pub(super) kept: Duration,
     pub(super) after_ack: Duration,
     pub(super) every: Duration,
+    /// How long a root's nonce is remembered after it finished (at least `kept`).
+    pub(super) nonces: Duration,
 }
 
 impl<E> Default for ExecutorBuilder<E> {
@@ -131,6 +133,7 @@ impl<E> Default for ExecutorBuilder<E> {
                 kept: Duration::from_secs(15 * 60),
                 after_ack: Duration::from_secs(5 * 60),
                 every: Duration::from_secs(30),
+                nonces: Duration::from_secs(60 * 60),
             },
             monitor: Monitor {
                 every: Duration::from_secs(5),
@@ -336,6 +339,21 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     #[must_use]
     pub fn retention_after_ack(mut self, kept: Duration) -> Self {
         self.retention.after_ack = kept;
+        self
+    }
+
+    /// How long a root's nonce is remembered after the root finished (default 1 hour;
+    /// never less than [`retention`](Self::retention)): until then a submit with the
+    /// same nonce, before or after a restart, answers the root's id and runs nothing,
+    /// even once the result itself was evicted (asking for it then answers
+    /// [`Error::Gone`](crate::Error::Gone)). The root's records stay in the store as
+    /// long, so a restart still knows the nonce; then they are deleted with it. This is
+    /// the window HBase's nonces get from the result's time to live, made a setting of
+    /// its own: a client that retries for longer than it needs a nonce remembered for
+    /// longer.
+    #[must_use]
+    pub fn nonce_retention(mut self, kept: Duration) -> Self {
+        self.retention.nonces = kept;
         self
     }
 
@@ -610,6 +628,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 nonces,
                 retention,
                 finished: finished_at.into(),
+                nonce_only: VecDeque::new(),
                 acked: IdMap::default(),
                 evicting: false,
                 owned_system: owned,
