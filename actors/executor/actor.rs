@@ -201,7 +201,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         }
         let due = self.due_results();
         let mut more = due.len() == EVICT_BATCH;
-        let batch = self.to_delete(due);
+        let batch = self.deletions(due);
         more |= batch.len() == EVICT_BATCH;
         if batch.is_empty() {
             return;
@@ -231,7 +231,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
     /// any), and then those whose nonce window has passed since: a root whose nonce is
     /// still remembered loses its result now, and keeps its records (and its nonce)
     /// until its window ends.
-    fn to_delete(&mut self, due: Vec<ProcId>) -> Vec<(ProcId, Option<Nonce>)> {
+    fn deletions(&mut self, due: Vec<ProcId>) -> Vec<(ProcId, Option<Nonce>)> {
         let now = now_ms();
         let window = self.retention.nonces.max(self.retention.kept);
         let window = u64::try_from(window.as_millis()).unwrap_or(u64::MAX);
