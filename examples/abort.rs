@@ -15,6 +15,7 @@ use std::sync::Arc;
 
 use proctor::{
     async_trait, Abort, Context, Executor, Flow, ProcError, ProcState, Procedure, Registry,
+    WalStore,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
@@ -66,8 +67,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut registry = Registry::<Progress>::default();
     registry.register::<DrainServer>("drain_server");
     let progress = Arc::new(Progress(Notify::new()));
+    let dir = tempfile::tempdir()?;
     let executor = Executor::builder()
         .registry(registry)
+        .store(WalStore::open(dir.path())?)
         .env(progress.clone())
         .start()
         .await?;

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use clap::Parser;
 use metrics_exporter_prometheus::PrometheusBuilder;
-use proctor::{async_trait, Context, Executor, Flow, ProcError, Procedure, Registry};
+use proctor::{async_trait, Context, Executor, Flow, ProcError, Procedure, Registry, WalStore};
 use serde::{Deserialize, Serialize};
 
 #[derive(Parser)]
@@ -102,7 +102,14 @@ pub fn registry() -> Registry {
 }
 
 async fn run(serve: Option<Duration>) -> Result<(), Box<dyn std::error::Error>> {
-    let executor = Executor::builder().registry(registry()).start().await?;
+    // The WAL store, as a service runs it (its metrics are the WAL's): here in a
+    // directory of its own, removed at the end.
+    let dir = tempfile::tempdir()?;
+    let executor = Executor::builder()
+        .registry(registry())
+        .store(WalStore::open(dir.path())?)
+        .start()
+        .await?;
 
     let mut ids = Vec::new();
     for i in 0..6 {

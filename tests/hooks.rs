@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use proctor::{
-    async_trait, Context, Error, Executor, Flow, Lock, LockState, ProcError, ProcState, Procedure,
-    Registry,
+    async_trait, Context, Error, Executor, Flow, Lock, LockState, MemoryStore, ProcError,
+    ProcState, Procedure, Registry,
 };
 use serde::{Deserialize, Serialize};
 
@@ -129,6 +129,7 @@ async fn start() -> (Executor<Log>, Arc<Log>) {
     let log = Arc::new(Log::default());
     let executor = Executor::builder()
         .registry(registry)
+        .store(MemoryStore::new())
         .env(log.clone())
         .start()
         .await
@@ -259,7 +260,9 @@ async fn an_environment_given_by_value_or_shared_is_the_same_type() {
         let mut registry = Registry::<Log>::default();
         registry.register::<Hooked>("hooked");
         let log = Arc::new(Log::default());
-        let builder = Executor::builder().registry(registry);
+        let builder = Executor::builder()
+            .registry(registry)
+            .store(MemoryStore::new());
         let builder = if shared {
             builder.env(log.clone())
         } else {

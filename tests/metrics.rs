@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use metrics_exporter_prometheus::PrometheusBuilder;
-use proctor::Executor;
+use proctor::{Executor, WalStore};
 
 // The example's procedures (its `main` goes unused here).
 #[allow(dead_code)]
@@ -89,8 +89,10 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
         .unwrap();
 
     actix::System::new().block_on(async {
+        let dir = tempfile::tempdir().unwrap();
         let executor = Executor::builder()
             .registry(registry())
+            .store(WalStore::open(dir.path()).unwrap())
             .start()
             .await
             .unwrap();

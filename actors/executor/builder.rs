@@ -22,7 +22,7 @@ use crate::ready_queue::Scheduling;
 use crate::record::{Nonce, ProcRecord};
 use crate::recovery::{self, CorruptProc, RecoveryPlan, TreeRecovery};
 use crate::registry::{Registry, Types};
-use crate::store::{LastStop, MemoryStore, ProcedureStore};
+use crate::store::{LastStop, ProcedureStore};
 
 use crate::actors::guard::{decode_guarded, guard};
 use crate::actors::locks::LockActor;
@@ -242,7 +242,10 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         self
     }
 
-    /// Where records go (default: a fresh [`MemoryStore`], which survives nothing).
+    /// Where records go: required, so that no engine runs in memory by accident. A
+    /// [`WalStore`](crate::WalStore) keeps procedures across a crash; a [`MemoryStore`](crate::MemoryStore)
+    /// keeps nothing past the process (for tests and examples). Without one,
+    /// [`start`](Self::start) fails with [`Error::Config`].
     #[must_use]
     pub fn store(mut self, store: impl ProcedureStore) -> Self {
         self.store = Some(Box::new(store));
@@ -434,10 +437,13 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// executor's own, stopped by its shutdown.
     async fn start_here(mut self, owned: bool) -> Result<Executor<E>, Error> {
         let env = self.check()?;
-        let mut store = self
-            .store
-            .take()
-            .unwrap_or_else(|| Box::new(MemoryStore::new()));
+        let mut store = self.store.take().ok_or_else(|| {
+            Error::Config(
+                "no store: give the builder one with .store(..): a WalStore for procedures \
+                 that survive a crash, or a MemoryStore (for tests), which keeps nothing"
+                    .into(),
+            )
+        })?;
         // The registry's types go to the recovery, and on to the actors: the other
         // options are still read below.
         let recovered = Recovered::load(&mut *store, std::mem::take(&mut self.registry))?;

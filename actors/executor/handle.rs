@@ -53,7 +53,7 @@ impl Drop for OwnedSystem {
 /// from plain tokio tasks.
 ///
 /// ```no_run
-/// # use proctor::{async_trait, Context, Flow, ProcError, Procedure, Registry, Executor};
+/// # use proctor::{async_trait, Context, Flow, ProcError, Procedure, Registry, Executor, MemoryStore};
 /// # use serde::{Deserialize, Serialize};
 /// # #[derive(Serialize, Deserialize)] struct Noop;
 /// # #[async_trait] impl Procedure for Noop {
@@ -63,7 +63,11 @@ impl Drop for OwnedSystem {
 /// async fn main() -> Result<(), proctor::Error> {
 ///     let mut registry = Registry::new();
 ///     registry.register::<Noop>("noop");
-///     let executor = Executor::builder().registry(registry).start().await?;
+///     let executor = Executor::builder()
+///         .registry(registry)
+///         .store(MemoryStore::new())
+///         .start()
+///         .await?;
 ///     let id = executor.submit(Noop).await?;
 ///     assert!(executor.wait(id).await?.is_ok());
 ///     Ok(())
