@@ -629,13 +629,6 @@ macro_rules! batch_of {
         }
 
         impl $name {
-            /// Sends this one message on its own.
-            pub(crate) fn send_to(self, actor: &Addr<$actor>) {
-                match self {
-                    $($name::$variant(m) => actor.do_send(m),)*
-                }
-            }
-
             /// Handles it as the message itself would be.
             pub(crate) fn handle_in(self, actor: &mut $actor, ctx: &mut Context<$actor>) {
                 match self {

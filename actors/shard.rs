@@ -25,8 +25,6 @@ use actix::prelude::*;
 use crate::fast_map::IdMap;
 use crate::procedure::ProcId;
 
-use super::locks::LockActor;
-use super::persistence::PersistenceActor;
 use super::perturb;
 use super::protocol::{
     FromShard, LocksFromShard, Outgoing, Persist, ToLocks, ToPersistence, ToScheduler, TreeAddr,
@@ -178,9 +176,9 @@ const BATCH_CAPACITY_MAX: usize = 256;
 
 /// What a shard's trees send out of the shard, queued per actor in the order made.
 pub(crate) struct ShardIo {
-    scheduler: Addr<SchedulerActor>,
-    locks: Addr<LockActor>,
-    persistence: Addr<PersistenceActor>,
+    scheduler: Recipient<FromShard>,
+    locks: Recipient<LocksFromShard>,
+    persistence: Recipient<ToPersistence>,
     to_scheduler: Vec<ToScheduler>,
     to_locks: Vec<ToLocks>,
     to_persistence: Vec<Persist>,
@@ -192,12 +190,14 @@ pub(crate) struct ShardIo {
     pub(crate) procedure_actors: usize,
 }
 
-/// Where a shard's trees send what leaves the shard.
+/// Where a shard's trees send what leaves the shard: the shard's scheduler, the lock
+/// actor and the persistence actor, or whatever stands in for them (a test's actors),
+/// each as the recipient of a shard's batches.
 #[derive(Clone)]
 pub(crate) struct ShardPeers {
-    pub(crate) scheduler: Addr<SchedulerActor>,
-    pub(crate) locks: Addr<LockActor>,
-    pub(crate) persistence: Addr<PersistenceActor>,
+    pub(crate) scheduler: Recipient<FromShard>,
+    pub(crate) locks: Recipient<LocksFromShard>,
+    pub(crate) persistence: Recipient<ToPersistence>,
 }
 
 impl ShardIo {
@@ -254,50 +254,31 @@ impl ShardIo {
     }
 
     /// Sends the scheduler, the lock actor and the persistence actor what the trees
-    /// have for them: one message each.
+    /// have for them: one batch each.
     pub(crate) fn flush(&mut self) {
-        let persistence = &self.persistence;
         send_batch(
             &mut self.to_persistence,
             "shard::flush::to_persistence",
-            |msg| persistence.do_send(msg),
-            |msgs| persistence.do_send(ToPersistence(msgs)),
+            |msgs| self.persistence.do_send(ToPersistence(msgs)),
         );
-        let locks = &self.locks;
-        send_batch(
-            &mut self.to_locks,
-            "shard::flush::to_locks",
-            |msg| msg.send_to(locks),
-            |msgs| locks.do_send(LocksFromShard(msgs)),
-        );
-        let scheduler = &self.scheduler;
+        send_batch(&mut self.to_locks, "shard::flush::to_locks", |msgs| {
+            self.locks.do_send(LocksFromShard(msgs))
+        });
         send_batch(
             &mut self.to_scheduler,
             "shard::flush::to_scheduler",
-            |msg| msg.send_to(scheduler),
-            |msgs| scheduler.do_send(FromShard(msgs)),
+            |msgs| self.scheduler.do_send(FromShard(msgs)),
         );
     }
 }
 
-/// Sends what is queued in `queue`: a message alone as itself, more as one batch.
-fn send_batch<T>(
-    queue: &mut Vec<T>,
-    point: &'static str,
-    one: impl FnOnce(T),
-    many: impl FnOnce(Vec<T>),
-) {
+/// Sends what is queued in `queue` as one batch, if anything is.
+fn send_batch<T>(queue: &mut Vec<T>, point: &'static str, send: impl FnOnce(Vec<T>)) {
     if queue.is_empty() {
         return;
     }
     perturb::point(point);
-    if queue.len() == 1 {
-        if let Some(msg) = queue.pop() {
-            one(msg);
-        }
-    } else {
-        many(take_sized(queue));
-    }
+    send(take_sized(queue));
 }
 
 /// A tree on its shard.

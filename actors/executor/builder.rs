@@ -565,9 +565,9 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                     SchedulerActor::new(setup)
                 });
                 let shard_peers = ShardPeers {
-                    scheduler: scheduler.clone(),
-                    locks: peers.locks.clone(),
-                    persistence: peers.persistence.clone(),
+                    scheduler: scheduler.clone().recipient(),
+                    locks: peers.locks.clone().recipient(),
+                    persistence: peers.persistence.clone().recipient(),
                 };
                 let shard =
                     Shard::start_in_arbiter(&arbiter.handle(), move |_| Shard::new(shard_peers));

@@ -24,6 +24,8 @@
 //! trees go on. A tree that stopped gets nothing more: its shard drops messages for it,
 //! and its calls in flight are not polled again (they watch its status).
 
+#[cfg(test)]
+mod actor_tests;
 mod runner;
 
 use std::cell::RefCell;
