@@ -15,7 +15,7 @@
 //! handles [`FlushOut`] (asked for by the first message queued), or at once when a tree
 //! must send it before something else leaves it.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -187,7 +187,24 @@ pub(crate) struct ShardIo {
     /// A `FlushOut` is on its way to the shard.
     flush_asked: bool,
     /// Procedure actors running on this shard's arbiter.
-    pub(crate) procedure_actors: usize,
+    pub(crate) procedure_actors: Rc<Cell<usize>>,
+}
+
+/// One procedure actor of a shard, counted in its shard's `procedure_actors` while it
+/// lives (however it ends).
+pub(crate) struct Counted(Rc<Cell<usize>>);
+
+impl Counted {
+    pub(crate) fn new(count: &Rc<Cell<usize>>) -> Self {
+        count.set(count.get() + 1);
+        Counted(count.clone())
+    }
+}
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.set(self.0.get().saturating_sub(1));
+    }
 }
 
 /// Where a shard's trees send what leaves the shard: the shard's scheduler, the lock
@@ -211,7 +228,7 @@ impl ShardIo {
             to_persistence: Vec::new(),
             shard: None,
             flush_asked: false,
-            procedure_actors: 0,
+            procedure_actors: Rc::default(),
         }
     }
 
@@ -467,7 +484,7 @@ impl Handler<GetTreeCounts> for Shard {
         MessageResult(TreeCounts {
             active: self.trees.len() - idle,
             passivated: idle,
-            procedures_active: self.io.borrow().procedure_actors,
+            procedures_active: self.io.borrow().procedure_actors.get(),
         })
     }
 }

@@ -41,7 +41,7 @@ use crate::procedure::{ProcId, ProcState};
 use super::guard::panic_message;
 use super::protocol::{AbortAck, Outbox, Outgoing, ToCell};
 use super::root_stack::{FromProc, RootStackActor};
-use super::shard::ShardIo;
+use super::shard::{Counted, ShardIo};
 use super::shared::TreeStatus;
 
 pub(crate) use cell::{declare, CallEnd, ProcSpec, ProcedureCell, Undeclarable};
@@ -128,6 +128,8 @@ pub(crate) struct ProcedureActor {
     calls: u32,
     /// It stops as it was told (stopped, passivated, halted): its drop reports nothing.
     told: bool,
+    /// Counted among its shard's procedure actors while it lives.
+    _counted: Counted,
 }
 
 impl ProcedureActor {
@@ -137,7 +139,7 @@ impl ProcedureActor {
         root_stack: Addr<RootStackActor>,
         io: Rc<RefCell<ShardIo>>,
     ) -> Self {
-        io.borrow_mut().procedure_actors += 1;
+        let counted = Counted::new(&io.borrow().procedure_actors);
         ProcedureActor {
             id: cell.id(),
             generation,
@@ -147,6 +149,7 @@ impl ProcedureActor {
             out: Outbox::default(),
             calls: 0,
             told: false,
+            _counted: counted,
         }
     }
 
@@ -282,9 +285,6 @@ impl Drop for ProcedureActor {
     /// Stopped without being told (a panic, or stopped from outside): what it reported
     /// goes out, then its root stack hears that it exited and starts it again.
     fn drop(&mut self) {
-        if let Ok(mut io) = self.io.try_borrow_mut() {
-            io.procedure_actors = io.procedure_actors.saturating_sub(1);
-        }
         if !self.told {
             self.send_reports();
             self.root_stack
