@@ -27,9 +27,8 @@ use crate::procedure::ProcId;
 use super::metrics;
 use super::perturb;
 use super::protocol::{
-    Enqueue, LockFailed, LockForRollback, LocksFromShard, LocksGranted, ProcAddr, Regrant, Release,
-    ReleaseLocks, Rollback, SuspendOn, ToCell, TreeAddr, TreeEnded, TreeFailed, TreeIrreversible,
-    Unsuspend, Wake, WithdrawStep,
+    Enqueue, LockFailed, LocksFromShard, LocksGranted, ProcAddr, Rollback, ToCell, TreeAddr,
+    TreeEnded, Wake,
 };
 use super::scheduler::{Grant, Granted, SchedulerActor};
 use super::shard::Mail;
@@ -546,4 +545,101 @@ impl Handler<ResetEvent> for LockActor {
     fn handle(&mut self, msg: ResetEvent, _ctx: &mut Context<Self>) {
         self.events.reset(&msg.0);
     }
+}
+
+// ------------------------------------------------------------------------------------
+// The messages this actor receives (their ordering rules: `protocol.rs`).
+// ------------------------------------------------------------------------------------
+
+/// Wake `id` through its root stack once `event` is woken (at once if it already is).
+pub(crate) struct SuspendOn {
+    pub(crate) id: ProcId,
+    pub(crate) event: String,
+    pub(crate) root_stack: TreeAddr,
+}
+
+impl Message for SuspendOn {
+    type Result = ();
+}
+
+/// `id` stopped while suspended on `event`: drop it from the event's waiters (from its
+/// root stack, after the `SuspendOn` it sent before).
+pub(crate) struct Unsuspend {
+    pub(crate) id: ProcId,
+    pub(crate) event: String,
+}
+
+impl Message for Unsuspend {
+    type Result = ();
+}
+
+/// Roll back a step of `id` once its locks are granted (from the root stack).
+pub(crate) struct LockForRollback {
+    pub(crate) id: ProcId,
+    pub(crate) addr: ProcAddr,
+    pub(crate) lock: Request,
+    pub(crate) unrecorded: bool,
+}
+
+impl Message for LockForRollback {
+    type Result = ();
+}
+
+/// Release the locks of `id`: those of one step (from its scheduler, when the step
+/// finished), of one rollback step (from its procedure cell), or everything it holds
+/// (from its cell or root stack: it finished, or will never run again).
+pub(crate) struct ReleaseLocks {
+    pub(crate) id: ProcId,
+    pub(crate) what: Release,
+}
+
+/// Which of a procedure's locks a [`ReleaseLocks`] ends: each release names what it
+/// ends, so that a step's end does not release locks granted meanwhile to the same
+/// procedure's rollback.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Release {
+    /// Those held for one step.
+    Step,
+    /// Those held for one rollback step.
+    RollbackStep,
+    /// Whatever it holds.
+    All,
+}
+
+impl Message for ReleaseLocks {
+    type Result = ();
+}
+
+/// The tree rooted at `.0` failed: its waiting step requests are withdrawn and the
+/// steps queued, to be skipped (from the root stack).
+pub(crate) struct TreeFailed(pub(crate) ProcId);
+
+impl Message for TreeFailed {
+    type Result = ();
+}
+
+/// The tree rooted at `.0` has passed its point of no return (from its root stack, once
+/// a step marking it is reported, or at start for a recovered one): a deadlock's victim
+/// is taken from other trees while one can be (until its `TreeEnded`).
+pub(crate) struct TreeIrreversible(pub(crate) ProcId);
+
+impl Message for TreeIrreversible {
+    type Result = ();
+}
+
+/// The queued step of `.0` is to be skipped (its procedure failed past the point of no
+/// return, and pauses when the step comes back): if it waits for its locks, the request
+/// is withdrawn and the step queued (from the root stack).
+pub(crate) struct WithdrawStep(pub(crate) ProcId);
+
+impl Message for WithdrawStep {
+    type Result = ();
+}
+
+/// Grant these recovered life-long holds before anything else is scheduled (from the
+/// executor, before any root stack starts).
+pub(crate) struct Regrant(pub(crate) Vec<Request>);
+
+impl Message for Regrant {
+    type Result = ();
 }

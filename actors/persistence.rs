@@ -28,7 +28,8 @@ use crate::store::{ProcedureStore, StoreError};
 
 use super::metrics;
 use super::perturb;
-use super::protocol::{DurableAck, Persist, Refuse, StopWriter, ToPersistence};
+
+use super::protocol::{Durable, TreeAddr};
 use super::shard::Mail;
 
 struct Batch {
@@ -344,4 +345,108 @@ impl Handler<StopWriter> for PersistenceActor {
         self.mail.send();
         ctx.stop();
     }
+}
+
+// ------------------------------------------------------------------------------------
+// The messages this actor receives (their ordering rules: `protocol.rs`).
+// ------------------------------------------------------------------------------------
+
+/// Makes `ops` durable, then answers on `ack`. If the persistence actor is gone, `ack`
+/// is dropped and that is an answer too (`Error::Stopped`), so nothing waits for ever.
+pub(crate) struct Persist {
+    pub(crate) ops: Vec<StoreOp>,
+    pub(crate) ack: DurableAck,
+}
+
+/// Who is told that a `Persist` is durable (or failed).
+pub(crate) enum DurableAck {
+    /// A caller waiting on a channel (the executor's result cleaner).
+    Caller(oneshot::Sender<Result<(), Error>>),
+    /// A root stack, told with a `Durable` message naming its transition: no channel
+    /// and no future per transition.
+    Tree(TreeAck),
+}
+
+impl DurableAck {
+    /// Answers: a caller at once, a root stack through `mail` (the persistence actor's,
+    /// one message per shard).
+    pub(crate) fn send(self, result: Result<(), Error>, mail: &mut Mail) {
+        match self {
+            DurableAck::Caller(tx) => {
+                let _ = tx.send(result);
+            }
+            DurableAck::Tree(ack) => ack.answer(result, mail),
+        }
+    }
+}
+
+/// A root stack's transition number `seq`, to acknowledge once. Dropped unanswered (the
+/// persistence actor gone), it answers `Error::Stopped`, as a dropped channel did.
+pub(crate) struct TreeAck {
+    tree: TreeAddr,
+    seq: usize,
+    answered: bool,
+}
+
+impl TreeAck {
+    pub(crate) fn new(tree: TreeAddr, seq: usize) -> Self {
+        TreeAck {
+            tree,
+            seq,
+            answered: false,
+        }
+    }
+
+    /// Answers through `mail`.
+    fn answer(mut self, result: Result<(), Error>, mail: &mut Mail) {
+        self.answered = true;
+        mail.push(&self.tree, self.message(result));
+    }
+
+    fn message(&self, result: Result<(), Error>) -> Durable {
+        Durable {
+            seq: self.seq,
+            result,
+        }
+    }
+}
+
+impl Drop for TreeAck {
+    /// Unanswered, the persistence actor is gone (and its mail with it): told directly.
+    fn drop(&mut self) {
+        if !self.answered {
+            self.tree.do_send(self.message(Err(Error::Stopped)));
+        }
+    }
+}
+
+impl Message for Persist {
+    type Result = ();
+}
+
+/// Refuse every append from now on (the engine broke an invariant and is stopping).
+pub(crate) struct Refuse(pub(crate) String);
+
+impl Message for Refuse {
+    type Result = ();
+}
+
+/// Stops the persistence actor once everything handed to the writer thread is written
+/// (the last message it gets, after every root stack's thread has ended); answers after the
+/// thread (and with it the store, and its lock) is gone. `drained`: the shutdown
+/// drained (no step was cut off), and the store is marked so after its last append,
+/// naming the procedures an earlier crash may still have cut off.
+pub(crate) struct StopWriter {
+    pub(crate) drained: Option<Vec<ProcId>>,
+}
+
+impl Message for StopWriter {
+    type Result = ();
+}
+
+/// A shard's appends, for the persistence actor, in the order its trees made them.
+pub(crate) struct ToPersistence(pub(crate) Vec<Persist>);
+
+impl Message for ToPersistence {
+    type Result = ();
 }

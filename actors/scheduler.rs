@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 use actix::prelude::*;
 
 use crate::fast_map::IdMap;
+use crate::locks::Request;
 use crate::procedure::ProcId;
 use crate::ready_queue::{Lane, ReadyQueue, Scheduling};
 use crate::root_stack::Place;
@@ -31,9 +32,7 @@ use crate::workers::{Change, WorkerPolicy, Workers};
 use super::locks::LockActor;
 use super::metrics;
 use super::perturb;
-use super::protocol::{
-    Enqueue, FromShard, ProcAddr, Release, ReleaseLocks, RunStep, StepFinished, ToCell, TreeEnded,
-};
+use super::protocol::{FromShard, ProcAddr, Release, ReleaseLocks, RunStep, ToCell};
 use super::shard::Mail;
 use super::shared::{now_ms, SchedulerViews};
 
@@ -568,4 +567,51 @@ impl Handler<TreeEnded> for SchedulerActor {
         self.view.levels.remove(&root);
         self.dispatch();
     }
+}
+
+// ------------------------------------------------------------------------------------
+// The messages this actor receives (their ordering rules: `protocol.rs`).
+// ------------------------------------------------------------------------------------
+
+/// Queue a step of `id`; with `lock`, once its locks are granted.
+pub(crate) struct Enqueue {
+    pub(crate) id: ProcId,
+    /// The root of its tree: the fair queue ranks the step by the tree's step time.
+    pub(crate) root: ProcId,
+    pub(crate) addr: ProcAddr,
+    pub(crate) place: Place,
+    /// Its registered type name and which of its steps this is, counting from 1 (for
+    /// the stuck-worker monitor's warnings).
+    pub(crate) what: (&'static str, usize),
+    /// The locks the step needs (`None`: none, or its tree has failed and the step will
+    /// only be skipped).
+    pub(crate) lock: Option<Request>,
+}
+
+impl Message for Enqueue {
+    type Result = ();
+}
+
+/// A dispatched step of `.0` finished (or was skipped); its worker, and the locks it
+/// held for this step, are free.
+pub(crate) struct StepFinished(pub(crate) ProcId);
+
+impl Message for StepFinished {
+    type Result = ();
+}
+
+#[derive(Clone)]
+/// The tree rooted at `root` ended (its root stack stopped): the scheduler forgets its
+/// accumulated step time. A late `StepFinished` of the tree (from a procedure whose
+/// root stack died) charges nothing.
+pub(crate) struct TreeEnded {
+    pub(crate) root: ProcId,
+    /// Steps of the tree may still hold workers: its root stack was cut off (a panic
+    /// in engine code) or stopped with steps it had not heard back from. Otherwise
+    /// every step of it has finished, and the scheduler need not look for them.
+    pub(crate) steps_out: bool,
+}
+
+impl Message for TreeEnded {
+    type Result = ();
 }

@@ -24,7 +24,7 @@ use crate::actors::locks::{GetLockStats, ResetEvent, StopLocks, WakeEvent};
 use crate::actors::procedure::{declare, Undeclarable};
 use crate::actors::protocol::{
     AbortRequest, BypassRequest, Command, CommandRequest, DurableAck, Persist, Quiesce, Refuse,
-    StopWriter, TreeAddr, TreeFinished, TreeNews,
+    StopWriter, TreeAddr,
 };
 use crate::actors::root_stack::TreeRunner;
 use crate::actors::scheduler::{GetSchedulerStats, GetShardStats, SchedulerStats};
@@ -33,7 +33,8 @@ use crate::actors::shared::{now_ms, Shared, Waiting};
 
 use super::api::{
     Abort, AckResult, Bypass, Continue, GetState, GetValue, List, Pause, ProcEvent, ProcInfo,
-    Rollback, Shutdown, Submit, Subscribe, SubscribeChannel, WaitFor, WaitingOn,
+    Rollback, Shutdown, Submit, Subscribe, SubscribeChannel, TreeFinished, TreeNews, WaitFor,
+    WaitingOn,
 };
 use super::builder::Retention;
 

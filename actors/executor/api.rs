@@ -403,3 +403,36 @@ impl Message for SubscribeChannel {
 impl Message for Shutdown {
     type Result = ();
 }
+
+// ------------------------------------------------------------------------------------
+// The messages this actor receives from the engine's own actors (their ordering rules: `protocol.rs`).
+// ------------------------------------------------------------------------------------
+
+/// A tree finished (from its root stack), or halted because nothing more can be made
+/// durable (the store failed) or the engine broke an invariant.
+pub(crate) struct TreeFinished {
+    pub(crate) root: ProcId,
+    pub(crate) result: Result<Result<(), Failure>, Error>,
+}
+
+impl Message for TreeFinished {
+    type Result = ();
+}
+
+/// News of a tree for the subscribers (sent only while there are any). From the root
+/// stack, so it reaches the executor before the same tree's `TreeFinished`.
+pub(crate) enum TreeNews {
+    /// The root's insert is durable and its submitter answered.
+    Submitted(ProcId),
+    /// A procedure of the tree is durably paused.
+    Paused {
+        id: ProcId,
+        root: ProcId,
+        state: ProcState,
+        why: Paused,
+    },
+}
+
+impl Message for TreeNews {
+    type Result = ();
+}

@@ -27,5 +27,6 @@ pub use api::{
     Abort, AckResult, Bypass, Continue, GetState, GetValue, List, Pause, ProcEvent, ProcInfo,
     Rollback, Shutdown, Submit, Subscribe, WaitFor, WaitingOn,
 };
+pub(crate) use api::{TreeFinished, TreeNews};
 pub use builder::{ExecutorBuilder, Recovery};
 pub use handle::{Executor, Subscription};

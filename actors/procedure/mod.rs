@@ -39,7 +39,8 @@ use actix::prelude::*;
 use crate::procedure::{ProcId, ProcState};
 
 use super::guard::panic_message;
-use super::protocol::{AbortAck, Outbox, Outgoing, ToCell};
+use super::lent::Lent;
+use super::protocol::{AbortAck, Outgoing, Report};
 use super::root_stack::{FromProc, RootStackActor};
 use super::shard::{Counted, ShardIo};
 use super::shared::TreeStatus;
@@ -327,6 +328,73 @@ fn poll_guarded<T>(
         Ok(Poll::Pending) => Poll::Pending,
         Err(payload) => Poll::Ready(Ended::Panicked(panic_message(&*payload))),
     }
+}
+
+// ------------------------------------------------------------------------------------
+// The messages this actor receives (their ordering rules: `protocol.rs`).
+// ------------------------------------------------------------------------------------
+
+/// The scheduler's messages to a procedure.
+pub(crate) enum ToCell {
+    RunStep(RunStep),
+    Rollback(Rollback),
+    LocksGranted,
+    LockFailed(LockFailed),
+}
+
+impl From<RunStep> for ToCell {
+    fn from(m: RunStep) -> Self {
+        ToCell::RunStep(m)
+    }
+}
+
+impl From<Rollback> for ToCell {
+    fn from(m: Rollback) -> Self {
+        ToCell::Rollback(m)
+    }
+}
+
+impl From<LocksGranted> for ToCell {
+    fn from(_: LocksGranted) -> Self {
+        ToCell::LocksGranted
+    }
+}
+
+impl From<LockFailed> for ToCell {
+    fn from(m: LockFailed) -> Self {
+        ToCell::LockFailed(m)
+    }
+}
+
+/// A procedure actor's queue of its cell's reports: empty between messages, so it
+/// lends its buffer to the thread while empty ([`Lent`]).
+pub(crate) type Outbox = Lent<Report>;
+
+/// Run one step (from the scheduler, which counts it against a worker).
+pub(crate) struct RunStep {
+    /// Which of the procedure's steps this is, counting from 1 (for its span).
+    pub(crate) step: usize,
+    /// For a parent: its children as they are now (filled in by its root stack, whose
+    /// bookkeeping has them; see `Context::children`).
+    pub(crate) children: Option<Box<[(ProcId, ProcState)]>>,
+}
+
+/// The locks the procedure holds for its life were granted (from the lock actor, through
+/// the tree's scheduler):
+/// answer with `LocksHeld` and its current state.
+pub(crate) struct LocksGranted;
+
+/// The procedure's lock request was removed to break a wait-for cycle (from the
+/// lock actor, through the tree's scheduler): fail with this text. Its step follows, to
+/// be skipped.
+pub(crate) struct LockFailed(pub(crate) String);
+
+/// Roll back the newest step (from the lock actor through the tree's scheduler, once
+/// the rollback's locks are granted, or at once when it holds them for life);
+/// `unrecorded` as in
+/// [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step).
+pub(crate) struct Rollback {
+    pub(crate) unrecorded: bool,
 }
 
 #[cfg(test)]

@@ -34,15 +34,17 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
+use tokio::sync::oneshot;
 
-use crate::procedure::ProcId;
+use crate::erased::DynProc;
+use crate::error::Error;
+use crate::procedure::{ProcError, ProcId};
+use crate::root_stack::{RollbackFailure, StepReport};
 
 use super::guard::panic_message;
+use super::lent::lendable;
 use super::procedure::{ProcedureActor, ProcedureCell};
-use super::protocol::{
-    AbortRequest, BypassRequest, CommandRequest, Durable, Outgoing, Quiesce, Report, ToProc,
-    TreeFinished, Wake,
-};
+use super::protocol::{Outgoing, ToCell, TreeFinished};
 use super::shard::{Gone, Passivated, Quiet, Shard, ShardIo};
 
 pub(crate) use runner::{publish_recovered, Objects, TreeRunner};
@@ -372,6 +374,145 @@ impl Handler<Passivate> for RootStackActor {
         }
     }
 }
+
+// ------------------------------------------------------------------------------------
+// The messages this actor receives (their ordering rules: `protocol.rs`).
+// ------------------------------------------------------------------------------------
+
+/// What the scheduler sends a procedure, through its root stack.
+pub(crate) struct ToProc {
+    pub(crate) id: ProcId,
+    pub(crate) msg: ToCell,
+}
+
+/// What a procedure reports to its root stack: its actor queues what its cell reported
+/// while handling one message and sends each, in order, once the handling has returned
+/// (`FromProc::Report`), so the root stack handles a procedure's reports in the order
+/// it made them, never from inside one of its own actions.
+pub(crate) enum Report {
+    StepDone(StepDone),
+    Fail(FailRequest),
+    RolledBack(RolledBack),
+    Deadline(Deadline),
+    PauseNow(PauseNow),
+    LocksHeld(LocksHeld),
+}
+
+lendable!(Report);
+
+/// A step ended (the procedure's report), with the objects of any new children. Every
+/// `RunStep` the scheduler dispatched is answered by exactly one `StepDone`.
+pub(crate) struct StepDone {
+    pub(crate) report: StepReport,
+    pub(crate) children: Vec<(ProcId, DynProc)>,
+    /// The procedure's state name after the step (`Procedure::state_name`), published
+    /// with the step's record.
+    pub(crate) state_name: Option<String>,
+}
+
+/// Persist that `id` holds its life-long locks, then run its queued step.
+pub(crate) struct LocksHeld {
+    pub(crate) id: ProcId,
+    pub(crate) data: Vec<u8>,
+}
+
+/// A rollback step ended: the state after it, or its error.
+/// A procedure between calls asks to be paused now, with its recorded state.
+pub(crate) struct PauseNow {
+    pub(crate) id: ProcId,
+    pub(crate) data: Vec<u8>,
+}
+
+pub(crate) struct RolledBack {
+    pub(crate) id: ProcId,
+    pub(crate) result: Result<Vec<u8>, RollbackFailure>,
+}
+
+/// Answers an operator's abort: `Ok(true)` once the abort is durable.
+pub(crate) type AbortAck = oneshot::Sender<Result<bool, Error>>;
+
+/// An abort's answer channel with the answer to give once what it reports is durable.
+pub(crate) type AckWith = (AbortAck, Result<bool, Error>);
+
+/// An operator's abort of a procedure of this tree, from the executor.
+pub(crate) struct AbortRequest {
+    pub(crate) id: ProcId,
+    pub(crate) ack: AbortAck,
+}
+
+/// An operator's bypass of a procedure of this tree, from the executor: answered
+/// `Ok(true)` once the bypass is durable, or with why it was refused.
+pub(crate) struct BypassRequest {
+    pub(crate) id: ProcId,
+    pub(crate) recursive: bool,
+    pub(crate) ack: AbortAck,
+}
+
+/// An operator's command on a procedure of this tree, from the executor: answered
+/// `Ok(true)` once its effect is durable, or with why it was refused.
+pub(crate) struct CommandRequest {
+    pub(crate) id: ProcId,
+    pub(crate) command: Command,
+    pub(crate) ack: AbortAck,
+}
+
+/// What an operator asks of a procedure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Command {
+    /// PAUSED: run the step again; ROLLBACK_PAUSED: retry the rollback.
+    Continue,
+    /// PAUSED: fail and roll back the tree; otherwise as an abort.
+    Rollback,
+    /// Pause at the next step (answered once PAUSED is durable).
+    Pause,
+}
+
+impl Command {
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Command::Continue => "continue",
+            Command::Rollback => "rollback",
+            Command::Pause => "pause",
+        }
+    }
+}
+
+/// The procedure accepted an abort or timeout between steps (`failure`), or was asked
+/// to abort when there was nothing to accept (`None`: it had finished or was already
+/// failing). `ack`, if any, gets its answer once everything the root stack did before,
+/// and this failure, is durable.
+pub(crate) struct FailRequest {
+    pub(crate) id: ProcId,
+    pub(crate) failure: Option<(ProcError, Vec<u8>)>,
+    pub(crate) ack: Option<AckWith>,
+}
+
+/// The timeout hook of `id` kept it going with this deadline (or none): persist it
+/// with its state.
+pub(crate) struct Deadline {
+    pub(crate) id: ProcId,
+    pub(crate) deadline_ms: Option<u64>,
+    pub(crate) data: Vec<u8>,
+}
+
+/// A timer or event woke the procedure.
+pub(crate) struct Wake(pub(crate) ProcId);
+
+/// The root stack's transition `seq` (and every earlier one) is durable, or the store
+/// failed. From the persistence actor, in the order the appends arrived.
+pub(crate) struct Durable {
+    pub(crate) seq: usize,
+    pub(crate) result: Result<(), Error>,
+}
+
+/// Answer once every transition the tree has made is durable and its actions are
+/// performed. Sent after the last call into user code ended (its report was sent
+/// before), so the answer covers every report of the tree. The answer names the tree's
+/// procedures that may still have been cut off by an earlier crash (marked in memory
+/// by recovery, not run since: [`RootStack::cut_off`](crate::root_stack::RootStack::cut_off)),
+/// for the drained stop's mark; `None` from a halted tree, whose last transitions may
+/// never become durable (so the stop is not drained).
+pub(crate) struct Quiesce(pub(crate) oneshot::Sender<Option<Vec<ProcId>>>);
 
 #[cfg(test)]
 mod tests {
