@@ -344,3 +344,24 @@ async fn a_state_machine_shows_the_name_of_its_state() {
         executor.shutdown().await.unwrap();
     }
 }
+
+/// A subscription is a `futures` stream: `StreamExt`'s combinators work on it.
+#[actix::test]
+async fn a_subscription_is_a_stream() {
+    use futures_util::StreamExt;
+    for (name, store, _dir) in common::stores() {
+        let (executor, _) = start_on(store).await;
+        let events = executor.subscribe().await.expect("subscribe");
+        let id = executor.submit(Scripted::new("ok", vec![])).await.unwrap();
+        let finished: Vec<ProcEvent> = events
+            .filter(|e| std::future::ready(matches!(e, ProcEvent::Finished { .. })))
+            .take(1)
+            .collect()
+            .await;
+        assert!(
+            matches!(finished[..], [ProcEvent::Finished { id: i, .. }] if i == id),
+            "{name}: {finished:?}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}

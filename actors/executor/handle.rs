@@ -444,3 +444,28 @@ impl Subscription {
         self.events.recv().await
     }
 }
+
+/// A [`Subscription`] is a `futures` stream too, for `StreamExt`'s combinators:
+///
+/// ```no_run
+/// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+/// use futures_util::StreamExt;
+/// let finished = executor
+///     .subscribe()
+///     .await?
+///     .filter(|e| std::future::ready(matches!(e, proctor::ProcEvent::Finished { .. })))
+///     .take(10);
+/// # let _ = finished;
+/// # Ok(())
+/// # }
+/// ```
+impl futures_util::Stream for Subscription {
+    type Item = ProcEvent;
+
+    fn poll_next(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<ProcEvent>> {
+        self.events.poll_recv(cx)
+    }
+}
