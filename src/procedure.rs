@@ -553,10 +553,11 @@ impl<E: ?Sized> Context<E> {
     }
 
     /// Sets the value the caller receives with the result
-    /// ([`Executor::wait_value`](crate::Executor::wait_value)), when this is a root
-    /// procedure's last step (the one returning [`Flow::Done`]); persisted with the
-    /// finished root and kept as long as its result. Set in any other step, it is
-    /// ignored.
+    /// ([`Executor::wait_value`](crate::Executor::wait_value)), from any step of a root
+    /// procedure: the last value set wins. It is recorded with the step (so it survives
+    /// a restart) and kept with the finished root as long as its result. A step that
+    /// fails or yields records nothing, its value included; in a procedure that is not
+    /// a root it is ignored (a parent's steps see their children's states, not values).
     ///
     /// ```
     /// use proctor::{Context, ProcId};

@@ -462,6 +462,20 @@ impl RootStack {
         self.running -= 1;
         let mut t = Transition::default();
         self.check_outcome(&mut report);
+        // A root's value for the caller, from any recorded step (the last one set wins):
+        // kept with its records, so it survives a restart.
+        let recorded = !matches!(
+            report.outcome,
+            StepOutcome::Failed(_)
+                | StepOutcome::Yield
+                | StepOutcome::Skipped
+                | StepOutcome::Paused
+        );
+        if recorded && id == self.root {
+            if let Some(value) = report.result.take() {
+                self.node_mut(id).extra().result = Some(value);
+            }
+        }
         let pause_at_step = match report.outcome {
             StepOutcome::Skipped if !self.is_failed() => self
                 .node_mut(id)
@@ -493,14 +507,7 @@ impl RootStack {
             StepOutcome::Children(children) if children.is_empty() => {
                 self.step_done(&mut t, id, report.data, now_ms);
             }
-            StepOutcome::Done => {
-                if id == self.root {
-                    if let Some(value) = report.result {
-                        self.node_mut(id).extra().result = Some(value);
-                    }
-                }
-                self.step_done(&mut t, id, report.data, now_ms)
-            }
+            StepOutcome::Done => self.step_done(&mut t, id, report.data, now_ms),
             StepOutcome::MoreToDo { yield_after } => {
                 self.push_step(id);
                 self.node_mut(id).state = ProcState::Runnable;

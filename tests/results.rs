@@ -1,5 +1,6 @@
-//! Result values and their retention, through the executor on both stores: a value
-//! set by the last step reaches the caller and survives a restart; results are evicted
+//! Result values and their retention, through the executor on both stores: the last
+//! value a root's steps set reaches the caller, from its last step or an earlier one,
+//! and survives a restart; results are evicted
 //! after their retention (sooner once acknowledged), the log forgets them, an evicted
 //! id answers `Gone` (not `UnknownProcedure`, not "still running"), and its nonce is
 //! free again.
@@ -32,7 +33,7 @@ struct CreateTable {
 impl Procedure for CreateTable {
     async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
         self.step += 1;
-        // A value set before the last step is not the result.
+        // A value set before the last step is replaced by the last one set.
         ctx.set_result(&"not the result")?;
         match self.step {
             1 if self.hold => Ok(Flow::Suspend("go".into())),
@@ -87,6 +88,61 @@ async fn wait_until_gone(executor: &Executor, id: ProcId) {
         }
         assert!(std::time::Instant::now() < deadline, "{id} never evicted");
         tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+/// Sets its value in step 1 only, then waits for an event in step 2, then finishes.
+#[derive(Serialize, Deserialize)]
+struct EarlyValue {
+    step: u32,
+}
+
+#[async_trait]
+impl Procedure for EarlyValue {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+        self.step += 1;
+        Ok(match self.step {
+            1 => {
+                ctx.set_result(&"set in step 1")?;
+                Flow::MoreToDo
+            }
+            2 => Flow::Suspend("early-go".into()),
+            _ => Flow::Done,
+        })
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
+        Ok(())
+    }
+}
+
+/// A value set in an earlier step, not the last, reaches the caller: it is recorded
+/// with its step, so it survives a restart between that step and the root's end.
+#[actix::test]
+async fn a_value_set_before_the_last_step_reaches_the_caller_across_a_restart() {
+    for name in ["memory", "wal"] {
+        let store = common::Reopen::new(name);
+        let with_early = |b: ExecutorBuilder| {
+            let mut registry = Registry::new();
+            registry.register::<EarlyValue>("early_value");
+            b.registry(registry)
+        };
+        let executor = with_early(Executor::builder().store(store.open()))
+            .start()
+            .await
+            .unwrap();
+        let id = executor.submit(EarlyValue { step: 0 }).await.unwrap();
+        common::wait_for_state(&executor, id, proctor::ProcState::Waiting).await;
+        executor.shutdown_now().await.unwrap();
+
+        let executor = with_early(Executor::builder().store(store.open()))
+            .start()
+            .await
+            .unwrap();
+        executor.wake_event("early-go").await.unwrap();
+        let value = executor.wait_value::<String>(id).await.unwrap();
+        assert_eq!(value, Ok(Some("set in step 1".to_string())), "{name}");
+        executor.shutdown_now().await.unwrap();
     }
 }
 

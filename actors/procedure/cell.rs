@@ -399,8 +399,16 @@ impl ProcedureCell {
         // For operators: the state it is in now (published with the step's record).
         let state_name = guard("state_name", || proc.state_name()).ok().flatten();
         self.proc = Some(proc);
-        // The value for the caller counts only from the step that finishes.
-        let result = value.filter(|_| matches!(outcome, StepOutcome::Done));
+        // A value for the caller counts from a step that is recorded (the last one set
+        // wins); a failed or yielded step's is not taken.
+        let recorded = !matches!(
+            outcome,
+            StepOutcome::Failed(_)
+                | StepOutcome::Yield
+                | StepOutcome::Skipped
+                | StepOutcome::Paused
+        );
+        let result = value.filter(|_| recorded);
         self.send_report(
             StepReport {
                 id: self.id,
