@@ -958,6 +958,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         let persistence = self.shared.persistence.clone();
         let locks = self.shared.locks.clone();
         let owned_system = self.owned_system;
+        let was_drained = drained.is_some();
         // Joined off the actor threads: a call into user code that is in the middle of a
         // poll finishes it, and then nothing of this executor runs any more when
         // `shutdown` returns (a new executor on the same store must never overlap it).
@@ -979,6 +980,10 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
             let _ = persistence.send(StopWriter { drained }).await;
             // Nothing of this engine asks for locks or waits for events any more.
             locks.do_send(StopLocks);
+            tracing::info!(
+                drained = was_drained,
+                "executor stopped: its threads are joined and its store is closed"
+            );
             if owned_system {
                 System::current().stop();
             }

@@ -464,14 +464,14 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             views,
         };
         let addr = self.create_actor(recovered, env, peers, owned);
-        if !report.recovered_roots.is_empty() {
-            tracing::info!(
-                recovered = report.recovered_roots.len(),
-                finished = report.finished_roots,
-                corrupt = report.corrupt.len(),
-                "recovered procedures"
-            );
-        }
+        tracing::info!(
+            shards = self.shards(),
+            workers = self.workers,
+            recovered = report.recovered_roots.len(),
+            finished = report.finished_roots,
+            corrupt = report.corrupt.len(),
+            "executor started"
+        );
         Ok(Executor {
             addr,
             report,
