@@ -62,6 +62,20 @@ pub enum StepOutcome {
     Paused,
 }
 
+impl StepOutcome {
+    /// Whether the step is recorded as one of the procedure's steps (with its state,
+    /// and a root's value for the caller): not a failed, yielded, skipped or paused one.
+    pub fn is_recorded(&self) -> bool {
+        !matches!(
+            self,
+            StepOutcome::Failed(_)
+                | StepOutcome::Yield
+                | StepOutcome::Skipped
+                | StepOutcome::Paused
+        )
+    }
+}
+
 /// A child returned by a step, already named and encoded.
 #[derive(Debug, Clone)]
 pub struct NewChild {
@@ -464,14 +478,7 @@ impl RootStack {
         self.check_outcome(&mut report);
         // A root's value for the caller, from any recorded step (the last one set wins):
         // kept with its records, so it survives a restart.
-        let recorded = !matches!(
-            report.outcome,
-            StepOutcome::Failed(_)
-                | StepOutcome::Yield
-                | StepOutcome::Skipped
-                | StepOutcome::Paused
-        );
-        if recorded && id == self.root {
+        if report.outcome.is_recorded() && id == self.root {
             if let Some(value) = report.result.take() {
                 self.node_mut(id).extra().result = Some(value);
             }
@@ -569,13 +576,7 @@ impl RootStack {
     /// or ending (or waiting for something else) while children it started still run.
     fn check_outcome(&mut self, report: &mut StepReport) {
         let id = report.id;
-        if !matches!(
-            report.outcome,
-            StepOutcome::Failed(_)
-                | StepOutcome::Yield
-                | StepOutcome::Skipped
-                | StepOutcome::Paused
-        ) {
+        if report.outcome.is_recorded() {
             let node = self.node_mut(id);
             let recorded = node.stack_indexes.len();
             if recorded + 1 >= MAX_RECORDED_STEPS {

@@ -401,14 +401,7 @@ impl ProcedureCell {
         self.proc = Some(proc);
         // A value for the caller counts from a step that is recorded (the last one set
         // wins); a failed or yielded step's is not taken.
-        let recorded = !matches!(
-            outcome,
-            StepOutcome::Failed(_)
-                | StepOutcome::Yield
-                | StepOutcome::Skipped
-                | StepOutcome::Paused
-        );
-        let result = value.filter(|_| recorded);
+        let result = value.filter(|_| outcome.is_recorded());
         self.send_report(
             StepReport {
                 id: self.id,

@@ -238,6 +238,26 @@ impl TreeRunner {
         }
     }
 
+    /// Feeds an event to the core and applies the transition it makes; nothing once
+    /// the tree has halted (or the core broke on it). Whether a transition was applied.
+    fn feed(
+        &mut self,
+        event: &str,
+        f: impl FnOnce(&mut RootStack) -> Transition,
+        ctx: &mut TreeCtx<'_>,
+    ) -> bool {
+        if self.halted.is_some() {
+            return false;
+        }
+        match self.core(event, f, ctx) {
+            Some(t) => {
+                self.apply(t, None, ctx);
+                true
+            }
+            None => false,
+        }
+    }
+
     /// Persists the transition's records, then (in order) publishes them, performs its
     /// actions and answers `ack`.
     fn apply(&mut self, t: Transition, ack: Option<AckWith>, ctx: &mut TreeCtx<'_>) {
@@ -681,10 +701,11 @@ impl TreeRunner {
         }
         let rerun = self.rare.as_mut().map(|r| std::mem::take(&mut r.rerun));
         for id in rerun.unwrap_or_default() {
-            let rerun = |core: &mut RootStack| core.on_recovered_rerun(id);
-            if let Some(t) = self.core("rerun after recovery", rerun, ctx) {
-                self.apply(t, None, ctx);
-            }
+            self.feed(
+                "rerun after recovery",
+                |core| core.on_recovered_rerun(id),
+                ctx,
+            );
         }
     }
 
@@ -716,12 +737,7 @@ impl TreeRunner {
                 }
             }
             Timer::WakeAt { id } => {
-                if self.halted.is_some() {
-                    return;
-                }
-                if let Some(t) = self.core("wake", |core| core.on_wake(id), ctx) {
-                    self.apply(t, None, ctx);
-                }
+                self.feed("wake", |core| core.on_wake(id), ctx);
             }
             Timer::Deadline { id, deadline_ms } => {
                 // A later deadline replaced this one (its own timer runs), or it
@@ -795,12 +811,7 @@ impl TreeRunner {
     }
 
     fn on_wake(&mut self, msg: Wake, ctx: &mut TreeCtx<'_>) {
-        if self.halted.is_some() {
-            return;
-        }
-        if let Some(t) = self.core("wake", |core| core.on_wake(msg.0), ctx) {
-            self.apply(t, None, ctx);
-        }
+        self.feed("wake", |core| core.on_wake(msg.0), ctx);
     }
 }
 

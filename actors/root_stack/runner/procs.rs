@@ -286,7 +286,6 @@ impl TreeRunner {
                 } else {
                     // Messages came meanwhile: a new actor takes the cell, and them.
                     let mut new = self.activate(cell, ctx);
-                    new.checkpoint = std::mem::take(&mut live.checkpoint);
                     for msg in held.drain(..) {
                         new.post(msg);
                     }

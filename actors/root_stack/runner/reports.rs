@@ -124,17 +124,8 @@ impl TreeRunner {
 
 impl TreeRunner {
     pub(super) fn on_rolled_back(&mut self, msg: RolledBack, ctx: &mut TreeCtx<'_>) {
-        if self.halted.is_some() {
-            return;
-        }
-        let t = self.core(
-            "rollback report",
-            |core| core.on_rolled_back(msg.id, msg.result, now_ms()),
-            ctx,
-        );
-        if let Some(t) = t {
-            self.apply(t, None, ctx);
-        }
+        let rolled_back = |core: &mut RootStack| core.on_rolled_back(msg.id, msg.result, now_ms());
+        self.feed("rollback report", rolled_back, ctx);
     }
 }
 
@@ -156,30 +147,16 @@ impl TreeRunner {
             }
             return;
         }
-        let t = self.core(
-            "locks granted",
-            |core| core.on_locks_held(msg.id, msg.data, now_ms()),
-            ctx,
-        );
-        if let Some(t) = t {
-            self.apply(t, None, ctx);
-        }
+        let held = |core: &mut RootStack| core.on_locks_held(msg.id, msg.data, now_ms());
+        self.feed("locks granted", held, ctx);
     }
 }
 
 impl TreeRunner {
     pub(super) fn on_deadline(&mut self, msg: Deadline, ctx: &mut TreeCtx<'_>) {
-        if self.halted.is_some() {
-            return;
-        }
         let id = msg.id;
-        let t = self.core(
-            "deadline",
-            |core| core.on_deadline(id, msg.deadline_ms, msg.data, now_ms()),
-            ctx,
-        );
-        if let Some(t) = t {
-            self.apply(t, None, ctx);
+        let kept = |core: &mut RootStack| core.on_deadline(id, msg.deadline_ms, msg.data, now_ms());
+        if self.feed("deadline", kept, ctx) {
             // The timer of the new deadline, if the timeout hook set one.
             self.arm_deadline(id, ctx);
         }
