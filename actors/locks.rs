@@ -23,6 +23,7 @@ use crate::events::EventTable;
 use crate::fast_map::{IdMap, IdSet};
 use crate::locks::{Changes, Hold, LockTable, Request};
 use crate::procedure::ProcId;
+use crate::root_stack::RollbackOf;
 
 use super::metrics;
 use super::perturb;
@@ -92,7 +93,7 @@ enum Deferred {
 /// What to do for a procedure once its locks are granted.
 enum Then {
     Step(Enqueue),
-    Rollback { addr: ProcAddr, unrecorded: bool },
+    Rollback { addr: ProcAddr, of: RollbackOf },
 }
 
 struct Parked {
@@ -282,7 +283,7 @@ impl LockActor {
                         self.queue(step, true);
                     }
                 }
-                Then::Rollback { addr, unrecorded } => self.post(addr, Rollback { unrecorded }),
+                Then::Rollback { addr, of } => self.post(addr, Rollback { of }),
             }
         }
         for deadlock in changes.deadlocks {
@@ -398,12 +399,7 @@ impl Handler<LockForRollback> for LockActor {
     fn handle(&mut self, msg: LockForRollback, _ctx: &mut Context<Self>) {
         match self.locks.held_for(msg.id) {
             // Held for its life: through its rollback.
-            Some(Hold::Life) => self.post(
-                msg.addr,
-                Rollback {
-                    unrecorded: msg.unrecorded,
-                },
-            ),
+            Some(Hold::Life) => self.post(msg.addr, Rollback { of: msg.of }),
             // A skipped step's report can start the rollback before the step's end
             // frees the step's locks: ask once they are freed, or the rollback would
             // run under locks about to go.
@@ -413,7 +409,7 @@ impl Handler<LockForRollback> for LockActor {
             None => {
                 let then = Then::Rollback {
                     addr: msg.addr,
-                    unrecorded: msg.unrecorded,
+                    of: msg.of,
                 };
                 self.request(msg.lock, then);
             }
@@ -578,7 +574,7 @@ pub(crate) struct LockForRollback {
     pub(crate) id: ProcId,
     pub(crate) addr: ProcAddr,
     pub(crate) lock: Request,
-    pub(crate) unrecorded: bool,
+    pub(crate) of: RollbackOf,
 }
 
 impl Message for LockForRollback {

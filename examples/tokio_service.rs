@@ -14,6 +14,9 @@
 //!    typed result that the caller gets back with `wait_value::<TableInfo>`;
 //! 3. a request whose step fails through `?` on a std error (a region count that does
 //!    not parse): the tree rolls back and the caller gets the error's message and type;
+//!    and a second create of an existing table, which fails and rolls back without
+//!    touching the table that exists: a rollback undoes only what its step did
+//!    (`ctx.undoing()` says whether that step completed or failed);
 //! 4. `Compaction`, whose one long step races its work against `ctx.cancelled()`: an
 //!    abort sent while the step runs is answered at once, and the tree rolls back;
 //! 5. a graceful `shutdown`: running steps end, records become durable, the WAL
@@ -26,8 +29,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use proctor::{
-    async_trait, Context, Executor, Failure, Flow, ProcError, ProcEvent, ProcId, ProcState,
-    Procedure, Registry, StateContext, StateMachine, StateMachineProcedure, WalStore,
+    async_trait, Context, Executor, Failure, Flow, Lock, ProcError, ProcEvent, ProcId, ProcState,
+    Procedure, Registry, StateContext, StateMachine, StateMachineProcedure, Undo, WalStore,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
@@ -52,6 +55,7 @@ pub struct TableInfo {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 enum CreateTableState {
     Prepare,
+    CreateMeta,
     AssignRegions,
     Enable,
 }
@@ -87,12 +91,25 @@ impl StateMachineProcedure<Cluster> for CreateTable {
                 if count == 0 {
                     return Err(ProcError::failed("a table needs at least one region"));
                 }
-                cluster
-                    .tables
-                    .lock()
-                    .unwrap()
-                    .entry(self.table.clone())
-                    .or_default();
+                // Only checks, and changes nothing: its rollback has nothing to undo,
+                // whether it passed, failed ("exists") or was cut off by a crash.
+                if cluster.tables.lock().unwrap().contains_key(&self.table) {
+                    return Err(ProcError::failed(format!("table {} exists", self.table)));
+                }
+                ctx.set_next_state(CreateTableState::CreateMeta);
+                Ok(Flow::MoreToDo)
+            }
+            CreateTableState::CreateMeta => {
+                // The table's lock, held since Prepare, keeps other creates of it out;
+                // should one get in anyway, the step fails before changing anything
+                // (and its rollback is told so).
+                {
+                    let mut tables = cluster.tables.lock().unwrap();
+                    if tables.contains_key(&self.table) {
+                        return Err(ProcError::failed(format!("table {} exists", self.table)));
+                    }
+                    tables.insert(self.table.clone(), Vec::new());
+                }
                 ctx.set_next_state(CreateTableState::AssignRegions);
                 Ok(Flow::MoreToDo)
             }
@@ -122,14 +139,33 @@ impl StateMachineProcedure<Cluster> for CreateTable {
         }
     }
 
+    /// The table, exclusively, from the first step to the last (or the last rollback).
+    fn locks(&self) -> Vec<Lock> {
+        vec![Lock::exclusive(format!("table/{}", self.table))]
+    }
+
+    fn holds_lock(&self) -> bool {
+        true
+    }
+
     async fn rollback_state(
         &mut self,
         ctx: &mut Context<Cluster>,
         state: CreateTableState,
     ) -> Result<(), ProcError> {
-        println!("  [create_table {}] rollback {state:?}", ctx.id());
-        if state == CreateTableState::Prepare {
-            ctx.env().tables.lock().unwrap().remove(&self.table);
+        // The state that failed is rolled back too: undo only what its run did.
+        let undo = ctx.undoing();
+        println!("  [create_table {}] rollback {state:?} ({undo})", ctx.id());
+        match (state, undo) {
+            // It failed before creating anything: the table there is someone else's.
+            (CreateTableState::CreateMeta, Undo::Failed) => {}
+            // It created the table, or may have before a crash (Prepare found none,
+            // and the lock kept others out since): drop it.
+            (CreateTableState::CreateMeta, _) => {
+                ctx.env().tables.lock().unwrap().remove(&self.table);
+            }
+            // Prepare only checked; the regions are undone by their own procedures.
+            _ => {}
         }
         Ok(())
     }
@@ -201,14 +237,16 @@ impl Procedure<Cluster> for Compaction {
 pub struct Report {
     pub table: TableInfo,
     pub bad_request: Failure,
+    pub duplicate: Failure,
     pub compaction: ProcId,
     pub abort_accepted: bool,
     pub abort_took: Duration,
     pub compaction_failure: Failure,
     pub compaction_state: ProcState,
     pub events: Vec<ProcEvent>,
-    /// The tables that exist at the end: the failed request left nothing behind.
-    pub tables: Vec<String>,
+    /// The tables that exist at the end, with their regions: the failed requests left
+    /// nothing behind and took nothing away.
+    pub tables: BTreeMap<String, Vec<String>>,
 }
 
 /// Every type that can be persisted, under a name that never changes (the WAL keeps it).
@@ -292,6 +330,20 @@ pub async fn run(dir: &Path) -> Result<Report, Box<dyn Error>> {
         println!("  (the step's error was a {type_name})");
     }
 
+    //    The same table again: the create fails, and its rollback leaves the table.
+    let id = executor
+        .submit(StateMachine::new(CreateTable {
+            table: "users".into(),
+            regions: "1".into(),
+        }))
+        .await?;
+    println!("submitted create_table {id} of users again");
+    let duplicate = match executor.wait(id).await? {
+        Ok(()) => return Err(format!("create_table {id} should have failed").into()),
+        Err(failure) => failure,
+    };
+    println!("create_table {id} rolled back: {duplicate}");
+
     // 4. Abort a long step that cooperates: its work would take an hour, but it races
     //    `ctx.cancelled()`, so the abort is answered as soon as the step sees the signal.
     let compaction = executor
@@ -319,11 +371,12 @@ pub async fn run(dir: &Path) -> Result<Report, Box<dyn Error>> {
     executor.shutdown().await?;
     println!("engine shut down");
     let events = event_log.await?;
-    let tables = cluster.tables.lock().unwrap().keys().cloned().collect();
+    let tables = cluster.tables.lock().unwrap().clone();
 
     Ok(Report {
         table,
         bad_request,
+        duplicate,
         compaction,
         abort_accepted,
         abort_took,
@@ -376,7 +429,15 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(report.tables, ["users"]);
+        // The second create of users failed and left the first one's table whole.
+        assert_eq!(
+            report.duplicate.error,
+            ProcError::failed("table users exists")
+        );
+        let mut regions = report.tables["users"].clone();
+        regions.sort();
+        assert_eq!(report.tables.len(), 1, "{:?}", report.tables);
+        assert_eq!(regions, report.table.regions);
         // The abort: accepted while the hour-long step ran, answered promptly, rolled back.
         assert!(report.abort_accepted);
         assert!(
@@ -411,6 +472,8 @@ mod tests {
             ("finished", "create_table", "ok"),
             ("submitted", "create_table", ""),
             ("finished", "create_table", "invalid digit found in string"),
+            ("submitted", "create_table", ""),
+            ("finished", "create_table", "table users exists"),
             ("submitted", "compaction", ""),
             ("finished", "compaction", "aborted by operator"),
         ];
@@ -421,7 +484,7 @@ mod tests {
         assert_eq!(seen, expected);
 
         // The graceful shutdown released the directory and left every result durable:
-        // a new engine opens it and finds the three roots finished, nothing to carry on.
+        // a new engine opens it and finds the four roots finished, nothing to carry on.
         let again = Executor::builder()
             .registry(registry())
             .env(Cluster::default())
@@ -429,7 +492,7 @@ mod tests {
             .start()
             .await
             .unwrap();
-        assert_eq!(again.recovery().finished_roots, 3);
+        assert_eq!(again.recovery().finished_roots, 4);
         assert!(again.recovery().recovered_roots.is_empty());
         assert_eq!(
             again.state(report.compaction).await.unwrap().state,

@@ -79,7 +79,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::Lock;
-use crate::procedure::{Context, FailurePolicy, Flow, ProcError, ProcState, Procedure};
+use crate::procedure::{Context, FailurePolicy, Flow, ProcError, ProcState, Procedure, Undo};
 
 /// A task of a [`Dag`]: one idempotent action and its idempotent undo. Usually an enum
 /// of the kinds of work a DAG does. Its value is fixed when it is added to the
@@ -116,8 +116,12 @@ where
     /// child's context; an `Err` fails the DAG's tree.
     async fn execute(&self, ctx: &mut Context<E>) -> Result<(), ProcError>;
 
-    /// Undoes the task. Runs in a rollback step of the DAG, with the DAG's context. An
-    /// `Err` is retried with backoff, as any rollback.
+    /// Undoes the task. Runs in a rollback step of the DAG, with the DAG's context, whose
+    /// [`Context::undoing`] says [`Undo::Completed`] for a task the DAG saw succeed and
+    /// [`Undo::Interrupted`] for one that was still running when the tree failed (it
+    /// may have failed — perhaps the failure that rolls the DAG back — been cut off,
+    /// or finished): check what is there before undoing it. An `Err` is retried with
+    /// backoff, as any rollback.
     async fn rollback(&self, ctx: &mut Context<E>) -> Result<(), ProcError>;
 
     /// The engine locks the task's execution needs (see [`Procedure::locks`]). Tasks
@@ -873,9 +877,15 @@ where
         // One wave: no edge between its tasks, so they roll back at once (a wave is
         // never larger than the parallelism).
         let wave = self.to_roll_back();
-        let tasks = &self.tasks;
+        let (tasks, marks) = (&self.tasks, &self.marks);
         let undos = wave.iter().map(|&t| {
-            let mut ctx = ctx.clone();
+            // A task the DAG saw succeed completed; one still started when the tree
+            // failed may have failed, been cut off, or finished unseen.
+            let undo = match marks[t as usize] {
+                Mark::Done => Undo::Completed,
+                _ => Undo::Interrupted,
+            };
+            let mut ctx = ctx.clone().undoing_step(undo);
             async move { tasks[t as usize].rollback(&mut ctx).await }
         });
         let results = join_all(undos.collect()).await;

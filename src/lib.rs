@@ -69,7 +69,7 @@ pub use crate::error::Error;
 pub use crate::locks::{Lock, LockClaim, LockMode};
 pub use crate::procedure::{
     Context, EncodeState, FailurePolicy, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState,
-    Procedure,
+    Procedure, Undo,
 };
 pub use crate::ready_queue::Scheduling;
 pub use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp};

@@ -349,6 +349,84 @@ pub enum LockState {
     Yield,
 }
 
+/// What the step a rollback undoes did, as far as the engine knows
+/// ([`Context::undoing`]). A rollback undoes only what its step did: a step that failed
+/// because what it was to create already existed created nothing, and its rollback
+/// must not delete what someone else made.
+///
+/// ```
+/// use proctor::{async_trait, Context, Flow, ProcError, Procedure, Undo};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize)]
+/// struct CreateDir { path: String }
+///
+/// #[async_trait]
+/// impl Procedure for CreateDir {
+///     async fn execute(&mut self, _ctx: &mut Context) -> Result<Flow, ProcError> {
+///         // Fails with nothing created if the directory exists.
+///         Ok(Flow::Done)
+///     }
+///     async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
+///         match ctx.undoing() {
+///             // It failed before creating anything (it checks first): nothing to undo.
+///             Undo::Failed => Ok(()),
+///             // It created the directory, or may have before a crash: remove it if
+///             // it is there (idempotent).
+///             _ => Ok(()),
+///         }
+///     }
+/// }
+/// ```
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+#[repr(u8)]
+pub enum Undo {
+    /// The step returned `Ok` and was recorded: it did all it does.
+    #[default]
+    Completed = 0,
+    /// The step returned an error (or panicked): it did what it did before it failed,
+    /// and no more — often nothing, when it failed on a check before it changed
+    /// anything. The step whose failure rolls the tree back, or a failed attempt that
+    /// was to be retried (or was paused) when its tree failed.
+    Failed = 1,
+    /// The step may have run, wholly, partly or not at all, and nothing recorded how
+    /// far: the process died (or its actor was stopped) in the middle of it — of this
+    /// attempt or of an earlier one that was never recorded. Undo whatever it could
+    /// have done, checking what is there.
+    Interrupted = 2,
+}
+
+/// Stored as one byte (a record's steering keeps it for the step that failed).
+impl Serialize for Undo {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u8(*self as u8)
+    }
+}
+
+impl<'de> Deserialize<'de> for Undo {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        match u8::deserialize(d)? {
+            0 => Ok(Undo::Completed),
+            1 => Ok(Undo::Failed),
+            2 => Ok(Undo::Interrupted),
+            n => Err(serde::de::Error::custom(format!(
+                "{n} is not a step's undo (0 completed, 1 failed, 2 interrupted)"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for Undo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Undo::Completed => "completed",
+            Undo::Failed => "failed",
+            Undo::Interrupted => "interrupted",
+        })
+    }
+}
+
 /// What a step or rollback runs with: who the procedure is, the time, and the
 /// environment `E` the service gave the executor (see [`Context::env`]).
 ///
@@ -360,6 +438,7 @@ pub struct Context<E: ?Sized = ()> {
     root: ProcId,
     now_ms: u64,
     env: Arc<E>,
+    undo: Undo,
     unrecorded: bool,
     result: Option<Vec<u8>>,
     cancel: Option<Cancel>,
@@ -377,6 +456,7 @@ impl<E: ?Sized> Clone for Context<E> {
             root: self.root,
             now_ms: self.now_ms,
             env: Arc::clone(&self.env),
+            undo: self.undo,
             unrecorded: self.unrecorded,
             result: self.result.clone(),
             cancel: self.cancel.clone(),
@@ -394,6 +474,7 @@ impl<E: ?Sized> fmt::Debug for Context<E> {
             .field("parent", &self.parent)
             .field("root", &self.root)
             .field("now_ms", &self.now_ms)
+            .field("undo", &self.undo)
             .field("unrecorded", &self.unrecorded)
             .field("cancelled", &self.is_cancelled())
             .finish_non_exhaustive()
@@ -417,6 +498,7 @@ impl<E: ?Sized> Context<E> {
             root,
             now_ms,
             env,
+            undo: Undo::Completed,
             unrecorded: false,
             result: None,
             cancel: None,
@@ -534,6 +616,30 @@ impl<E: ?Sized> Context<E> {
         )
     }
 
+    /// Tells a rollback call what the step it undoes did (see [`Context::undoing`]).
+    /// The engine sets it; tests of a procedure's rollback set it themselves.
+    ///
+    /// ```
+    /// use proctor::{Context, ProcId, Undo};
+    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, std::sync::Arc::new(()))
+    ///     .undoing_step(Undo::Failed);
+    /// assert_eq!(ctx.undoing(), Undo::Failed);
+    /// ```
+    #[must_use]
+    pub fn undoing_step(mut self, undo: Undo) -> Self {
+        self.undo = undo;
+        self
+    }
+
+    /// In [`Procedure::rollback`]: what the step this call undoes did — it completed,
+    /// it failed (the failure that rolls the tree back), or it was interrupted with
+    /// nothing recorded (see [`Undo`]). Undo only what it did: the rollback of a step
+    /// that failed on a check before changing anything has nothing to undo.
+    /// [`Undo::Completed`] outside a rollback.
+    pub fn undoing(&self) -> Undo {
+        self.undo
+    }
+
     /// Marks a rollback call as undoing the unrecorded step (see
     /// [`Context::is_unrecorded_step`]).
     #[must_use]
@@ -542,12 +648,13 @@ impl<E: ?Sized> Context<E> {
         self
     }
 
-    /// In [`Procedure::rollback`]: `true` when this call undoes a step that may have
-    /// started before a crash but was never recorded (one such call for each procedure
-    /// that may have been mid-step at the crash, when its tree fails before that step
-    /// runs again), or a step that failed unrecorded and was retried or paused.
-    /// The procedure's state is the one from before that step. A procedure whose
-    /// rollback undoes "everything the next step could have done" can ignore this.
+    /// In [`Procedure::rollback`]: `true` when this call undoes a step that was never
+    /// recorded: one that may have started before a crash (one such call for each
+    /// procedure that may have been mid-step at the crash, when its tree fails before
+    /// that step runs again; [`Undo::Interrupted`]), or one that failed and was to be
+    /// retried, or paused ([`Undo::Failed`], or interrupted if a crash came first).
+    /// The procedure's state is the one from before that step: a state machine rolls
+    /// back the state it was about to run, not the one before.
     pub fn is_unrecorded_step(&self) -> bool {
         self.unrecorded
     }
@@ -659,6 +766,7 @@ impl Context<dyn Any + Send + Sync> {
             root: self.root,
             now_ms: self.now_ms,
             env,
+            undo: self.undo,
             unrecorded: self.unrecorded,
             result: None,
             cancel: self.cancel.clone(),
@@ -792,10 +900,13 @@ where
     /// caught and treated the same way.
     async fn execute(&mut self, ctx: &mut Context<E>) -> Result<Flow<E>, ProcError>;
 
-    /// Undoes one executed step. Called once per executed step, newest first, and after
-    /// a crash possibly once more first, for a step that may have started but was never
-    /// recorded ([`Context::is_unrecorded_step`]). An `Err` is retried with backoff
-    /// until it succeeds: rollback is never abandoned.
+    /// Undoes one executed step. Called once per executed step, newest first — the step
+    /// that failed included — and after a crash possibly once more first, for a step
+    /// that may have started but was never recorded. [`Context::undoing`] says which:
+    /// a step that [completed](Undo::Completed), the one that [failed](Undo::Failed)
+    /// (undo only what it did before failing), or one
+    /// [interrupted](Undo::Interrupted). An `Err` is retried with backoff until it
+    /// succeeds: rollback is never abandoned.
     async fn rollback(&mut self, ctx: &mut Context<E>) -> Result<(), ProcError>;
 
     /// An operator asks to abort. Return `true` to accept: the procedure then fails with

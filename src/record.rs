@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::LockClaim;
-use crate::procedure::{FailurePolicy, ProcError, ProcId, ProcState};
+use crate::procedure::{FailurePolicy, ProcError, ProcId, ProcState, Undo};
 
 /// Which procedure failed, and why: the result of a failed tree, kept as the root's
 /// result through the whole rollback.
@@ -163,6 +163,13 @@ pub struct Steering {
     /// the last. (Absent from records written before format 3.)
     #[serde(default)]
     pub wakes_per_child: bool,
+    /// When its newest recorded step is the one that failed and failed its tree, what
+    /// the rollback of that step is told ([`Undo::Failed`](crate::Undo::Failed), or
+    /// [`Undo::Interrupted`](crate::Undo::Interrupted) when a crash may have cut off an
+    /// earlier attempt); [`Undo::Completed`](crate::Undo::Completed) otherwise, and again
+    /// once that rollback succeeds. (Absent from records written before format 5.)
+    #[serde(default)]
+    pub failed_step: Undo,
 }
 
 /// Why a procedure is paused.

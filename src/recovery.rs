@@ -577,7 +577,7 @@ mod tests {
                 rec(2, Some(1), Runnable, &[1]),
                 rec(3, Some(1), Failed, &[2]),
             ],
-            &["tree [2 3 1]:  | spawn 1, spawn 2, spawn 3, rollback 2 unrecorded"],
+            &["tree [2 3 1]:  | spawn 1, spawn 2, spawn 3, rollback 2 interrupted unrecorded"],
         );
         check(
             vec![
@@ -590,7 +590,7 @@ mod tests {
                     ..rec(3, Some(1), RolledBack, &[])
                 },
             ],
-            &["tree [2 3 1]:  | spawn 1, spawn 2, rollback 2 unrecorded"],
+            &["tree [2 3 1]:  | spawn 1, spawn 2, rollback 2 interrupted unrecorded"],
         );
         check(
             vec![
@@ -774,7 +774,9 @@ mod tests {
         ];
         let (mut stack, start) = RootStack::recover(&records, names, &|_| true, 0).unwrap();
         assert!(
-            start.to_string().ends_with("rollback 3 unrecorded"),
+            start
+                .to_string()
+                .ends_with("rollback 3 interrupted unrecorded"),
             "{start}"
         );
         let refused = stack.on_continue(ProcId(2), 1).unwrap_err();
@@ -914,7 +916,7 @@ mod tests {
         let records: Vec<ProcRecord> = latest.into_values().collect();
         check(
             records.clone(),
-            &["tree [2 3 1]:  | spawn 1, spawn 2, spawn 3, rollback 3 unrecorded"],
+            &["tree [2 3 1]:  | spawn 1, spawn 2, spawn 3, rollback 3 interrupted unrecorded"],
         );
         let plan = plan(records.clone(), names, &|_| true, 100);
         let first = plan.trees[0][0].stack.first_failure().cloned().unwrap();

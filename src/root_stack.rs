@@ -22,7 +22,7 @@ use std::fmt;
 use crate::fast_map::SortedMap;
 use crate::locks::{LockClaim, Request};
 use crate::policy::{decide, Decision};
-use crate::procedure::FailurePolicy;
+use crate::procedure::{FailurePolicy, Undo};
 use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp, MAX_RECORDED_STEPS};
 
@@ -171,20 +171,19 @@ pub enum Action {
     /// return): if it waits for its locks, stop waiting and queue it, so that the
     /// pause does not wait for a holder that may never let go.
     Withdraw(ProcId),
-    /// Ask the procedure to roll back its newest step. `unrecorded` marks the step
-    /// that may have started before a crash but was never recorded.
+    /// Ask the procedure to roll back its newest step, telling it what that step did.
     Rollback {
         /// The procedure.
         id: ProcId,
-        /// Whether the step is one recovery added (see [`RootStack::recover`]).
-        unrecorded: bool,
+        /// The step.
+        of: RollbackOf,
     },
     /// Ask again after a failed rollback.
     RetryRollback {
         /// The procedure.
         id: ProcId,
         /// As in [`Action::Rollback`].
-        unrecorded: bool,
+        of: RollbackOf,
         /// How long to wait first.
         delay_ms: u64,
     },
@@ -226,6 +225,17 @@ pub enum Action {
     Finished(Result<(), Box<Failure>>),
 }
 
+/// The step a rollback undoes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RollbackOf {
+    /// What it did (see [`Context::undoing`](crate::Context::undoing)).
+    pub undo: Undo,
+    /// `false` for a step no record holds: one a crash may have cut off (recovery adds
+    /// it, see [`RootStack::recover`]) or a failed attempt that was to be retried or was
+    /// paused (see [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step)).
+    pub recorded: bool,
+}
+
 /// Records to persist, then actions to perform.
 #[derive(Debug, Default)]
 pub struct Transition {
@@ -244,6 +254,14 @@ pub enum Phase {
     RollingBack,
     /// The root is SUCCESS or ROLLEDBACK.
     Finished,
+}
+
+/// A step's failure, as [`RootStack::on_step`] hands it on.
+struct Failed {
+    error: ProcError,
+    on_error: Option<OnError>,
+    /// The step returned `Ok` and the engine refused its outcome: it did all it does.
+    ran_to_end: bool,
 }
 
 /// One entry of the execution stack.
@@ -280,6 +298,10 @@ struct Node {
     /// running a step, asleep for a retry, paused): its next wait for children ends at
     /// once, since the step may have looked before that child finished.
     unseen_child: bool,
+    /// A step of it may have been cut off (by a crash, or its actor stopped) since its
+    /// last recorded step: a rollback of its next failed or unrecorded step is told
+    /// [`Undo::Interrupted`]. In memory only: recovery marks it again.
+    cut_off: bool,
 }
 
 /// The parts of a node that few procedures use: a failure's order, retries of a
@@ -475,7 +497,7 @@ impl RootStack {
         assert_eq!(self.phase, Phase::Executing, "step report for {id}");
         self.running -= 1;
         let mut t = Transition::default();
-        self.check_outcome(&mut report);
+        let refused = self.check_outcome(&mut report);
         // A root's value for the caller, from any recorded step (the last one set wins):
         // kept with its records, so it survives a restart.
         if report.outcome.is_recorded() && id == self.root {
@@ -509,7 +531,13 @@ impl RootStack {
                 }
             }
             StepOutcome::Failed(error) => {
-                self.on_step_failed(&mut t, id, error, report.on_error, report.data, now_ms)
+                // A step the engine refused ran to its end: rolled back as completed.
+                let failed = Failed {
+                    error,
+                    on_error: report.on_error,
+                    ran_to_end: refused,
+                };
+                self.on_step_failed(&mut t, id, failed, report.data, now_ms)
             }
             StepOutcome::Children(children) if children.is_empty() => {
                 self.step_done(&mut t, id, report.data, now_ms);
@@ -574,8 +602,10 @@ impl RootStack {
 
     /// A step that succeeded may still fail: past the most steps a procedure may record,
     /// or ending (or waiting for something else) while children it started still run.
-    fn check_outcome(&mut self, report: &mut StepReport) {
+    /// `true` if it was refused so (its outcome is now a failure).
+    fn check_outcome(&mut self, report: &mut StepReport) -> bool {
         let id = report.id;
+        let mut refused = false;
         if report.outcome.is_recorded() {
             let node = self.node_mut(id);
             let recorded = node.stack_indexes.len();
@@ -590,11 +620,13 @@ impl RootStack {
                 ));
                 report.outcome = StepOutcome::Failed(error);
                 report.on_error = None;
+                refused = true;
             } else {
                 // A step that succeeded: its retries are over, it left nothing
                 // unrecorded, and a point of no return is recorded with it.
                 node.steering.retries = 0;
                 node.steering.dirty = false;
+                node.cut_off = false;
                 node.steering.irreversible |= report.irreversible;
             }
             let pending = node.pending_children;
@@ -613,8 +645,10 @@ impl RootStack {
                 ));
                 report.outcome = StepOutcome::Failed(error);
                 report.on_error = None;
+                refused = true;
             }
         }
+        refused
     }
 
     /// `id`'s step was not run (its tree failed): a pause asked for it takes effect
@@ -654,11 +688,15 @@ impl RootStack {
         &mut self,
         t: &mut Transition,
         id: ProcId,
-        error: ProcError,
-        on_error: Option<OnError>,
+        failed: Failed,
         data: Vec<u8>,
         now_ms: u64,
     ) {
+        let Failed {
+            error,
+            on_error,
+            ran_to_end,
+        } = failed;
         let (policy, before) = match on_error {
             Some(OnError { policy, before }) => (policy, Some(before)),
             None => (FailurePolicy::Rollback, None),
@@ -671,9 +709,18 @@ impl RootStack {
         };
         match decision {
             Decision::Rollback => {
-                // This attempt is recorded and rolled back; the attempts
-                // retried before it were the same step.
-                self.node_mut(id).steering.dirty = false;
+                // This attempt is recorded and rolled back, told that it failed; the
+                // attempts retried before it were the same step.
+                let node = self.node_mut(id);
+                node.steering.dirty = false;
+                node.steering.failed_step = if std::mem::take(&mut node.cut_off) {
+                    // An attempt before it may have done more than it did.
+                    Undo::Interrupted
+                } else if ran_to_end {
+                    Undo::Completed
+                } else {
+                    Undo::Failed
+                };
                 self.push_step(id);
                 self.fail(id, error);
                 self.persist_update(t, id, data, now_ms);
@@ -776,6 +823,7 @@ impl RootStack {
         if let Some(node) = self.nodes.get_mut(&id) {
             if !node.state.is_finished() {
                 node.steering.dirty = true;
+                node.cut_off = true;
             }
         }
     }
@@ -881,15 +929,19 @@ impl RootStack {
         let mut t = Transition::default();
         match result {
             Ok(data) => {
-                let unrecorded = self.stack.last().is_some_and(|e| !e.recorded);
+                let of = self.rollback_of_top();
                 self.pop_step(id);
                 let node = self.node_mut(id);
                 node.reset_rollback_attempts();
                 node.steering.retries = 0;
-                if unrecorded {
+                if of.recorded {
+                    // The step that failed the tree is undone: the next completed.
+                    node.steering.failed_step = Undo::Completed;
+                } else {
                     // The step that failed (or may have run) before is undone.
                     node.steering.dirty = false;
                 }
+                node.cut_off = false;
                 // The record says how far the rollback got, so a restart neither repeats
                 // an unrecorded step's rollback nor adds one to a procedure whose
                 // rollback has begun: FAILED while recorded steps remain, ROLLEDBACK
@@ -915,7 +967,7 @@ impl RootStack {
                 policy,
                 data,
             }) => {
-                let unrecorded = self.stack.last().is_some_and(|e| !e.recorded);
+                let of = self.rollback_of_top();
                 let node = self.node_mut(id);
                 // The default policy retries for ever and counts in memory; a declared
                 // policy's retries are recorded, so a restart does not reset them.
@@ -936,11 +988,7 @@ impl RootStack {
                             let attempts = node.rollback_attempts().saturating_add(1);
                             node.extra().rollback_attempts = attempts;
                         }
-                        t.actions.push(Action::RetryRollback {
-                            id,
-                            unrecorded,
-                            delay_ms,
-                        });
+                        t.actions.push(Action::RetryRollback { id, of, delay_ms });
                     }
                     Decision::Pause | Decision::Rollback => {
                         tracing::warn!(proc = %id, %error, "rollback failed; rollback paused");
@@ -1023,6 +1071,7 @@ impl RootStack {
             }
             .boxed(),
             unseen_child: false,
+            cut_off: false,
         };
         let old = self.nodes.insert(id, node);
         assert!(old.is_none(), "procedure {id} added twice");
@@ -1049,6 +1098,29 @@ impl RootStack {
         }
         self.stack.push(StackEntry { id, recorded: true });
         self.node_mut(id).stack_indexes.push(index);
+    }
+
+    /// The step on top of the stack, for its rollback. An unrecorded one (a failed
+    /// attempt to be retried or paused, or a step a crash may have cut off) failed,
+    /// unless it may have been cut off; a procedure's newest recorded step is the one
+    /// that failed its tree if its record says so; any other completed.
+    fn rollback_of_top(&self) -> RollbackOf {
+        let Some(top) = self.stack.last() else {
+            return RollbackOf {
+                undo: Undo::Completed,
+                recorded: true,
+            };
+        };
+        let node = &self.nodes[&top.id];
+        let undo = match (top.recorded, node.cut_off) {
+            (false, true) => Undo::Interrupted,
+            (false, false) => Undo::Failed,
+            (true, _) => node.steering.failed_step,
+        };
+        RollbackOf {
+            undo,
+            recorded: top.recorded,
+        }
     }
 
     /// Pops the top entry, which must be `id`'s.
@@ -1181,10 +1253,8 @@ impl RootStack {
                 // Recovered so: the rollback waits for an operator's continue.
                 return;
             }
-            t.actions.push(Action::Rollback {
-                id: top.id,
-                unrecorded: !top.recorded,
-            });
+            let of = self.rollback_of_top();
+            t.actions.push(Action::Rollback { id: top.id, of });
             return;
         }
         self.finish(t, now_ms);
@@ -1297,14 +1367,16 @@ impl fmt::Display for Transition {
                 Action::Reset { id, .. } => format!("reset {id}"),
                 Action::Paused { id, .. } => format!("paused {id}"),
                 Action::Stop(id) => format!("stop {id}"),
-                Action::Rollback {
-                    id,
-                    unrecorded: false,
-                } => format!("rollback {id}"),
-                Action::Rollback {
-                    id,
-                    unrecorded: true,
-                } => format!("rollback {id} unrecorded"),
+                Action::Rollback { id, of } => {
+                    let mut s = format!("rollback {id}");
+                    if of.undo != Undo::Completed {
+                        s = format!("{s} {}", of.undo);
+                    }
+                    if !of.recorded {
+                        s.push_str(" unrecorded");
+                    }
+                    s
+                }
                 Action::RetryRollback { id, delay_ms, .. } => format!("retry {id} in {delay_ms}"),
                 Action::WakeAt { id, at_ms } => format!("wake {id} at {at_ms}"),
                 Action::SuspendOn { id, event } => format!("suspend {id} on {event}"),
@@ -1449,7 +1521,7 @@ mod tests {
                 "I1 | spawn 1, run 1",
                 "U1:WAITING[0] I2 | spawn 2, run 2",
                 "U2:WAITING[1] I3 | spawn 3, run 3",
-                "U3:FAILED[2] | rollback 3",
+                "U3:FAILED[2] | rollback 3 failed",
                 "U3:ROLLEDBACK[] | stop 3, rollback 2",
                 "U2:ROLLEDBACK[] | stop 2, rollback 1",
                 "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 3:boom",
@@ -1471,7 +1543,7 @@ mod tests {
                 "I1 | spawn 1, run 1",
                 "U1:WAITING[0] I2 | spawn 2, run 2",
                 "U2:SUCCESS[1] | stop 2, run 1 now",
-                "U1:FAILED[0, 2] | rollback 1",
+                "U1:FAILED[0, 2] | rollback 1 failed",
                 // Entry 1 (the child's) is skipped.
                 "U1:FAILED[0] | rollback 1",
                 "U1:ROLLEDBACK[] D2 | stop 1, finished err 1:parent failed",
@@ -1497,7 +1569,7 @@ mod tests {
                 "U1:WAITING[0] I2 I3 | spawn 2, run 2, spawn 3, run 3",
                 "U3:FAILED[1] | ",
                 "U2:RUNNABLE[2] | rollback 2",
-                "U2:ROLLEDBACK[] | stop 2, rollback 3",
+                "U2:ROLLEDBACK[] | stop 2, rollback 3 failed",
                 "U3:ROLLEDBACK[] | stop 3, rollback 1",
                 "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 3:x",
             ],
@@ -1623,7 +1695,7 @@ mod tests {
         assert_eq!(rs.on_wake(ProcId(1)).to_string(), " | run 1");
         // Retries spent: this failure is recorded and rolled back, once.
         let t = rs.on_step(failed_with(1, policy), 2000);
-        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
+        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 failed");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 2001);
         assert_eq!(
             t.to_string(),
@@ -1658,7 +1730,7 @@ mod tests {
         rs.on_step(failed_with(1, FailurePolicy::Pause), 2);
         assert!(rs.on_continue(ProcId(2), 3).is_err());
         let t = rs.on_operator_rollback(ProcId(1), 3).unwrap();
-        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 unrecorded");
+        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 failed unrecorded");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 4);
         assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 5);
@@ -1683,7 +1755,7 @@ mod tests {
         let refusal = rs.rollback_refusal(ProcId(1)).unwrap();
         assert!(refusal.contains("continue it instead"), "{refusal}");
         let t = rs.on_continue(ProcId(1), 4).unwrap();
-        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
+        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 failed");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 5);
         assert_eq!(
             t.to_string(),
@@ -2032,7 +2104,7 @@ mod tests {
             ],
             &[
                 "I1 | spawn 1, run 1",
-                "U1:FAILED[0] | rollback 1",
+                "U1:FAILED[0] | rollback 1 failed",
                 " | retry 1 in 20",
                 " | retry 1 in 40",
                 "U1:ROLLEDBACK[] | stop 1, finished err 1:x",
@@ -2055,8 +2127,8 @@ mod tests {
                 "I1 | spawn 1, run 1",
                 "U1:WAITING[0] I2 I3 | spawn 2, run 2, spawn 3, run 3",
                 "U2:FAILED[1] | ",
-                "U3:FAILED[2] | rollback 3",
-                "U3:ROLLEDBACK[] | stop 3, rollback 2",
+                "U3:FAILED[2] | rollback 3 failed",
+                "U3:ROLLEDBACK[] | stop 3, rollback 2 failed",
                 "U2:ROLLEDBACK[] | stop 2, rollback 1",
                 "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 2:first",
             ],
@@ -2143,7 +2215,7 @@ mod tests {
             },
             1,
         );
-        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
+        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 failed");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![8]), 2);
         assert_eq!(t.persist.len(), 1, "{t}");
         assert_eq!(last(&t), (ProcState::RolledBack, vec![8]));
@@ -2219,8 +2291,8 @@ mod tests {
                 " | spawn 1, spawn 2, spawn 3, run 2, run 3",
                 "U3:FAILED[1] | ",
                 // 2 keeps the lock it holds for its life: its rollback runs inside it.
-                " | rollback 2 unrecorded",
-                "U2:ROLLEDBACK[] | stop 2, rollback 3",
+                " | rollback 2 interrupted unrecorded",
+                "U2:ROLLEDBACK[] | stop 2, rollback 3 interrupted",
                 "U3:ROLLEDBACK[] | stop 3, rollback 1",
                 "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 3:x",
             ]
@@ -2259,7 +2331,10 @@ mod tests {
             let (mut rs, _) =
                 RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
             let t = rs.on_fail(ProcId(1), ProcError::Aborted, vec![], 11);
-            assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 unrecorded");
+            assert_eq!(
+                t.to_string(),
+                "U1:FAILED[0] | rollback 1 interrupted unrecorded"
+            );
         }
     }
 
@@ -2314,7 +2389,7 @@ mod tests {
         // The retry is skipped, but the failed attempt may have left effects: 2 keeps
         // its lock and its rollback undoes that attempt first.
         let t = rs.on_step(report(2, StepOutcome::Skipped), 5);
-        assert_eq!(t.to_string(), " | rollback 2 unrecorded");
+        assert_eq!(t.to_string(), " | rollback 2 failed unrecorded");
     }
 
     fn spawn(ids: &[u64]) -> StepOutcome {
@@ -2397,6 +2472,47 @@ mod tests {
                 "U1:SUCCESS[] D2 D3 D4 | stop 1, finished ok",
             ],
         );
+    }
+
+    #[test]
+    fn a_rollback_is_told_whether_its_step_completed_or_failed_and_a_restart_keeps_it() {
+        // Root 1 starts 2 and 3 and is woken by 2; its second step fails (the user's
+        // error) or returns Done while 3 runs (the engine refuses it: it ran to its
+        // end). The rollback begins when 3 has finished.
+        for (failing, undo) in [
+            (err("table exists"), "rollback 1 failed"),
+            (StepOutcome::Done, "rollback 1"),
+        ] {
+            let (mut rs, t) = RootStack::submit(new(1, vec![], None), 0);
+            let mut persisted = t.persist;
+            persisted.extend(rs.on_step(report(1, spawn(&[2, 3])), 1).persist);
+            persisted.extend(rs.on_step(report(2, StepOutcome::Done), 2).persist);
+            let refused = matches!(failing, StepOutcome::Done);
+            persisted.extend(rs.on_step(report(1, failing), 2).persist);
+            let t = rs.on_step(report(3, StepOutcome::Done), 3);
+            assert!(t.to_string().ends_with(undo), "{t}");
+            persisted.extend(t.persist);
+            // A restart before that rollback finishes asks for it the same way.
+            let records = latest_records(persisted.clone());
+            let root = records.iter().find(|r| r.id == ProcId(1)).unwrap();
+            let told = if refused {
+                Undo::Completed
+            } else {
+                Undo::Failed
+            };
+            assert_eq!(root.steering.failed_step, told);
+            let (_, start) =
+                RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
+            assert!(start.to_string().ends_with(undo), "{start}");
+            // Once it is undone, the step below it completed: so says its record.
+            let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 4);
+            assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
+            persisted.extend(t.persist);
+            let records = latest_records(persisted);
+            let (_, start) =
+                RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
+            assert!(start.to_string().ends_with("rollback 1"), "{start}");
+        }
     }
 
     #[test]
@@ -2491,7 +2607,7 @@ mod tests {
                 t += &last;
             }
             let woken = i == 0;
-            assert_eq!(t.contains("rollback 1 unrecorded"), woken, "case {i}: {t}");
+            assert_eq!(t.contains("rollback 1 interrupted"), woken, "case {i}: {t}");
         }
     }
 
@@ -2506,7 +2622,7 @@ mod tests {
         ]);
         let (_, t) = RootStack::recover(&records, |_| Some("t"), &|_| true, 10).expect("recovers");
         let plan = t.to_string();
-        assert!(plan.contains("rollback 1 unrecorded"), "{plan}");
+        assert!(plan.contains("rollback 1 interrupted"), "{plan}");
     }
 
     #[test]

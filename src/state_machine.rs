@@ -72,8 +72,12 @@ where
         state: Self::State,
     ) -> Result<Flow<E>, ProcError>;
 
-    /// Undoes what running `state` did. Must be idempotent: it is also called for the
-    /// state that failed, and again after a crash.
+    /// Undoes what running `state` did, newest state first. It is also called for the
+    /// state that failed: [`Context::undoing`] then says [`Undo::Failed`](crate::Undo),
+    /// and only what that run did before failing may be undone — nothing, when it
+    /// failed on a check ("the table exists"), or it would undo someone else's work.
+    /// [`Undo::Interrupted`](crate::Undo) marks a run a crash may have cut off. Must be
+    /// idempotent: after a crash it may run again.
     async fn rollback_state(
         &mut self,
         ctx: &mut Context<E>,

@@ -34,6 +34,8 @@
 //! Version 3 added the fifth field of a record's steering, `wakes_per_child`; a
 //! version 2 record's steering has four, and reads as not woken per child. Version 4
 //! added the start frame; a start frame in a segment of an older version is corruption.
+//! Version 5 added the sixth field of a record's steering, `failed_step` (a step's
+//! undo as one byte: 0 completed, 1 failed, 2 interrupted); older records read as 0.
 //! A log may hold segments of several versions: a store appends only to a segment of
 //! its own version, so opening a log whose newest segment is older rolls to a new one
 //! first (and an older build refuses that segment by its header).
@@ -154,10 +156,11 @@ use crate::store::LastStop;
 /// The first eight bytes of every segment.
 pub const MAGIC: [u8; 8] = *b"PRCTRWAL";
 /// The format version this code writes. It reads this one down to [`OLDEST_READ`]:
-/// format 4 added the start frame ([`FrameKind::Start`]); format 3 added a field to a
-/// record's steering (`wakes_per_child`), which format 2 records lack and read as
-/// `false`.
-pub const VERSION: u16 = 4;
+/// format 5 added a field to a record's steering (`failed_step`), which older records
+/// lack and read as [`Undo::Completed`](crate::Undo::Completed); format 4 added the start frame ([`FrameKind::Start`]);
+/// format 3 added a field to a record's steering (`wakes_per_child`), which format 2
+/// records lack and read as `false`.
+pub const VERSION: u16 = 5;
 /// The oldest format version this code reads.
 pub const OLDEST_READ: u16 = 2;
 /// The first format version with start frames: a log whose oldest segment is older
@@ -939,8 +942,10 @@ fn index_op_fast(bytes: &[u8], at: usize) -> Option<(OpKind, ProcId, ProcId, usi
 const RECORD_FIELDS: u64 = 19;
 
 /// A [`Steering`] with nothing in it, as serde writes it: retries 0, not paused, not
-/// irreversible, not dirty, not woken per child.
-const DEFAULT_STEERING: [u8; 6] = [0x95, 0x00, 0xc0, 0xc2, 0xc2, 0xc2];
+/// irreversible, not dirty, not woken per child, no failed step.
+const DEFAULT_STEERING: [u8; 7] = [0x96, 0x00, 0xc0, 0xc2, 0xc2, 0xc2, 0x00];
+/// The same in formats 3 and 4, before `failed_step`.
+const DEFAULT_STEERING_3: [u8; 6] = [0x95, 0x00, 0xc0, 0xc2, 0xc2, 0xc2];
 /// The same in format 2, before `wakes_per_child`.
 const DEFAULT_STEERING_2: [u8; 5] = [0x94, 0x00, 0xc0, 0xc2, 0xc2];
 
@@ -1262,8 +1267,12 @@ impl MsgReader<'_> {
     }
 
     fn steering(&mut self) -> Option<Steering> {
-        // retries 0, not paused, not irreversible, not dirty.
-        for default in [&DEFAULT_STEERING[..], &DEFAULT_STEERING_2[..]] {
+        // retries 0, not paused, not irreversible, not dirty, ...
+        for default in [
+            &DEFAULT_STEERING[..],
+            &DEFAULT_STEERING_3[..],
+            &DEFAULT_STEERING_2[..],
+        ] {
             if self.bytes[self.at..].starts_with(default) {
                 self.at += default.len();
                 return Some(Steering::default());
@@ -2459,10 +2468,15 @@ mod tests {
     }
 
     proptest! {
-        /// A format 2 record (a steering of four fields) reads as it was, not woken
-        /// per child, through both decoders; so does a format 2 segment header.
+        /// A record of format 2 (a steering of four fields) or of formats 3 and 4 (five)
+        /// reads as it was, not woken per child and with no failed step, through both
+        /// decoders; so does a format 2 segment header.
         #[test]
-        fn format_2_records_and_headers_still_read(op in arb_rich_op(), retries in 0u32..3) {
+        fn format_2_to_4_records_and_headers_still_read(
+            op in arb_rich_op(),
+            retries in 0u32..3,
+            dropped in 1usize..=2,
+        ) {
             let mut op = op;
             let (StoreOp::Insert(r) | StoreOp::Update(r)) = &mut op else {
                 return Ok(());
@@ -2470,12 +2484,13 @@ mod tests {
             r.steering = Steering::default();
             r.steering.retries = retries;
             let mut bytes = rmp_serde::to_vec(&op).unwrap();
-            // The steering is the record's last field: [0x95, retries, nil, false,
-            // false, false] becomes format 2's [0x94, retries, nil, false, false].
-            let at = bytes.len() - 6;
-            prop_assert_eq!(bytes[at], 0x95);
-            bytes[at] = 0x94;
-            bytes.pop();
+            // The steering is the record's last field: [0x96, retries, nil, false,
+            // false, false, 0] becomes format 3's [0x95, retries, nil, false, false,
+            // false] and format 2's [0x94, retries, nil, false, false].
+            let at = bytes.len() - 7;
+            prop_assert_eq!(bytes[at], 0x96);
+            bytes[at] = 0x96 - dropped as u8;
+            bytes.truncate(bytes.len() - dropped);
             prop_assert_eq!(decode_op_fast(&bytes), Some(op.clone()));
             prop_assert_eq!(rmp_serde::from_slice::<StoreOp>(&bytes).ok(), Some(op));
 
@@ -2488,7 +2503,7 @@ mod tests {
             let crc = crc32c::crc32c(&h[0..36]);
             h[36..40].copy_from_slice(&crc.to_le_bytes());
             let e = parse_segment_header(&h).unwrap_err().to_string();
-            prop_assert!(e.contains("format version 5, this build reads 2 to 4"), "{}", e);
+            prop_assert!(e.contains("format version 6, this build reads 2 to 5"), "{}", e);
         }
 
         /// The direct decoder reads every op the writer writes, exactly as serde does;
@@ -2497,17 +2512,19 @@ mod tests {
         fn the_direct_decoder_agrees_with_serde(
             op in arb_rich_op(),
             state in 0usize..9,
-            flags in (any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>()),
+            flags in (any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>()),
             flip in any::<prop::sample::Index>(),
             bit in 0u8..8,
         ) {
             let mut op = op;
             if let StoreOp::Insert(r) | StoreOp::Update(r) = &mut op {
-                let (irreversible, dirty, paused, per_child) = flags;
+                let (irreversible, dirty, paused, per_child, failed) = flags;
+                let failed = if failed { crate::Undo::Failed } else { crate::Undo::Interrupted };
                 r.state = state_encodings()[state].1;
                 r.steering.irreversible = irreversible;
                 r.steering.dirty = dirty;
                 r.steering.wakes_per_child = per_child;
+                r.steering.failed_step = failed;
                 r.steering.paused = paused.then(|| {
                     Box::new(crate::record::Paused {
                         error: Some(ProcError::Aborted),
@@ -2535,18 +2552,20 @@ mod tests {
         fn the_direct_encoder_agrees_with_serde(
             op in arb_rich_op(),
             state in 0usize..9,
-            flags in (any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>()),
+            flags in (any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>()),
             type_len in prop_oneof![1usize..32, 32usize..300, 65_530usize..65_540],
             stack in prop::collection::vec((0u32..5, 1u32..4), 0..40),
             big in prop_oneof![Just(0usize), 250usize..260, 65_530usize..65_540],
         ) {
             let mut op = op;
             if let StoreOp::Insert(r) | StoreOp::Update(r) = &mut op {
-                let (irreversible, dirty, bypassed, per_child) = flags;
+                let (irreversible, dirty, bypassed, per_child, failed) = flags;
+                let failed = if failed { crate::Undo::Failed } else { crate::Undo::Completed };
                 r.state = state_encodings()[state].1;
                 r.steering.irreversible = irreversible;
                 r.steering.dirty = dirty;
                 r.steering.wakes_per_child = per_child;
+                r.steering.failed_step = failed;
                 r.bypassed = bypassed;
                 r.type_name = "t".repeat(type_len).into();
                 // Runs of consecutive positions with gaps between them, some past a

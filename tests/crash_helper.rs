@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use common::{registry, Recorder, Scripted, Step};
 use proctor::testing::{restart_at_every_write, CrashPoint};
-use proctor::{Executor, ProcError};
+use proctor::{Executor, ProcError, Undo};
 
 fn builder() -> proctor::ExecutorBuilder<Recorder> {
     Executor::builder()
@@ -66,4 +66,42 @@ async fn a_failing_procedure_rolls_back_whichever_write_the_crash_hits() {
         let failure = run.result.clone().expect("submitted").unwrap_err();
         assert_eq!(failure.error, ProcError::failed("boom"), "{run:?}");
     }
+}
+
+#[actix::test]
+async fn after_a_crash_the_failed_step_is_still_rolled_back_as_failed() {
+    // The engine of each run's second half, whose rollbacks the check reads.
+    let rec = Arc::new(std::sync::Mutex::new(Arc::new(Recorder::default())));
+    let builder = || {
+        let fresh = Arc::new(Recorder::default());
+        *rec.lock().unwrap() = fresh.clone();
+        Executor::builder().registry(registry()).env(fresh)
+    };
+    let plan = || Scripted::new("root", vec![Step::More, Step::Fail("boom".into())]);
+    let mut told = Vec::new();
+    restart_at_every_write(builder, plan, |run| {
+        let undos: Vec<Undo> = rec.lock().unwrap().undos().iter().map(|u| u.1).collect();
+        // What is left to undo after the crash: the failed step, if its rollback was
+        // not recorded, then the one that completed. The failed step is told it
+        // failed once its failure is recorded; a crash before that leaves it to run
+        // again after the restart (it fails again), and then the first attempt may
+        // have done anything: interrupted.
+        let whole = |first| [first, Undo::Completed];
+        assert!(
+            whole(Undo::Failed).ends_with(&undos) || whole(Undo::Interrupted).ends_with(&undos),
+            "{run:?}: {undos:?}"
+        );
+        told.push(undos);
+    })
+    .await
+    .expect("runs");
+    assert!(
+        told.contains(&vec![Undo::Failed, Undo::Completed]),
+        "{told:?}"
+    );
+    assert!(
+        told.contains(&vec![Undo::Interrupted, Undo::Completed]),
+        "{told:?}"
+    );
+    assert!(told.contains(&vec![Undo::Completed]), "{told:?}");
 }

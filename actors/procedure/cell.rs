@@ -24,7 +24,7 @@ use crate::error::Error;
 use crate::locks::LockClaim;
 use crate::procedure::{FailurePolicy, LockState, OnTimeout, ProcError, ProcId, ProcState};
 use crate::registry::RegistryError;
-use crate::root_stack::{NewChild, OnError, RollbackFailure, StepOutcome, StepReport};
+use crate::root_stack::{NewChild, OnError, RollbackFailure, RollbackOf, StepOutcome, StepReport};
 
 use crate::actors::guard::{decode_guarded, guard, CatchUnwind};
 use crate::actors::perturb;
@@ -628,7 +628,7 @@ impl ProcedureCell {
     pub(crate) fn deliver(&mut self, msg: ToCell, out: &mut Outbox, ctx: &mut ProcCtx<'_>) {
         match msg {
             ToCell::RunStep(RunStep { step, children }) => self.run_step(step, children, out, ctx),
-            ToCell::Rollback(Rollback { unrecorded }) => self.rollback(unrecorded, out, ctx),
+            ToCell::Rollback(Rollback { of }) => self.rollback(of, out, ctx),
             ToCell::LocksGranted => {
                 // Between steps: `data` is the state the last record holds.
                 out.push_back(Report::LocksHeld(LocksHeld {
@@ -751,9 +751,9 @@ impl ProcedureCell {
     }
 
     /// Rolls back the newest step (from the root stack, or from the scheduler once the
-    /// rollback's locks are granted); `unrecorded` as in
-    /// [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step).
-    pub(crate) fn rollback(&mut self, unrecorded: bool, out: &mut Outbox, ctx: &mut ProcCtx<'_>) {
+    /// rollback's locks are granted), telling it what the step did
+    /// ([`Context::undoing`](crate::Context::undoing)).
+    pub(crate) fn rollback(&mut self, of: RollbackOf, out: &mut Outbox, ctx: &mut ProcCtx<'_>) {
         let id = self.id;
         if self.status.halted() || self.shared.drain.is_draining() {
             // Cut off like in a crash (or not begun, in a graceful shutdown): recovery
@@ -763,8 +763,8 @@ impl ProcedureCell {
         let Some(mut proc) = self.proc.take() else {
             unreachable!("rollback of {id} while a call runs");
         };
-        let mut pctx = self.context();
-        if unrecorded {
+        let mut pctx = self.context().undoing_step(of.undo);
+        if !of.recorded {
             pctx = pctx.for_unrecorded_step();
         }
         // A rollback runs under the procedure's lock, like a step.
@@ -801,7 +801,8 @@ impl ProcedureCell {
             self.proc = Some(proc);
             return;
         };
-        let span = tracing::info_span!(parent: &self.span, "rollback", unrecorded);
+        let (undo, recorded) = (of.undo, of.recorded);
+        let span = tracing::info_span!(parent: &self.span, "rollback", %undo, recorded);
         let call = async move {
             let result = CatchUnwind {
                 hook: "rollback",

@@ -37,6 +37,7 @@ use actix::fut::wrap_future;
 use actix::prelude::*;
 
 use crate::procedure::{ProcId, ProcState};
+use crate::root_stack::RollbackOf;
 
 use super::guard::panic_message;
 use super::lent::Lent;
@@ -390,11 +391,10 @@ pub(crate) struct LocksGranted;
 pub(crate) struct LockFailed(pub(crate) String);
 
 /// Roll back the newest step (from the lock actor through the tree's scheduler, once
-/// the rollback's locks are granted, or at once when it holds them for life);
-/// `unrecorded` as in
-/// [`Context::is_unrecorded_step`](crate::Context::is_unrecorded_step).
+/// the rollback's locks are granted, or at once when it holds them for life), told
+/// what the step did ([`Context::undoing`](crate::Context::undoing)).
 pub(crate) struct Rollback {
-    pub(crate) unrecorded: bool,
+    pub(crate) of: RollbackOf,
 }
 
 #[cfg(test)]

@@ -39,7 +39,7 @@ use tokio::sync::oneshot;
 use crate::erased::DynProc;
 use crate::error::Error;
 use crate::procedure::{ProcError, ProcId};
-use crate::root_stack::{RollbackFailure, StepReport};
+use crate::root_stack::{RollbackFailure, RollbackOf, StepReport};
 
 use super::guard::panic_message;
 use super::lent::lendable;
@@ -136,7 +136,7 @@ impl Message for Passivate {
 #[derive(Clone, Copy, Debug)]
 pub(crate) enum Timer {
     /// Send a failed rollback of `id` again.
-    RetryRollback { id: ProcId, unrecorded: bool },
+    RetryRollback { id: ProcId, of: RollbackOf },
     /// `id`'s sleep is over.
     WakeAt { id: ProcId },
     /// `id`'s deadline (as armed then) has passed.

@@ -35,7 +35,7 @@ use crate::error::Error;
 use crate::fast_map::{IdMap, SortedMap};
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Paused, ProcRecord, Steering, StoreOp};
-use crate::root_stack::{Action, NewChild, Place, RootStack, Transition};
+use crate::root_stack::{Action, NewChild, Place, RollbackOf, RootStack, Transition};
 
 use super::{Timer, TreeCtx, TreeMsg};
 
@@ -406,13 +406,9 @@ impl TreeRunner {
                 // a rollback sent) after this, through this runner, to the same mailbox.
                 let _ = self.send(id, ProcMsg::Reset(data), ctx);
             }
-            Action::Rollback { id, unrecorded } => self.send_rollback(id, unrecorded, ctx),
-            Action::RetryRollback {
-                id,
-                unrecorded,
-                delay_ms,
-            } => {
-                let timer = Timer::RetryRollback { id, unrecorded };
+            Action::Rollback { id, of } => self.send_rollback(id, of, ctx),
+            Action::RetryRollback { id, of, delay_ms } => {
+                let timer = Timer::RetryRollback { id, of };
                 ctx.run_later(Duration::from_millis(delay_ms), timer);
             }
             Action::WakeAt { id, at_ms } => {
@@ -595,20 +591,15 @@ impl TreeRunner {
         })
     }
 
-    fn send_rollback(&mut self, id: ProcId, unrecorded: bool, ctx: &mut TreeCtx<'_>) {
+    fn send_rollback(&mut self, id: ProcId, of: RollbackOf, ctx: &mut TreeCtx<'_>) {
         match self.core.lock_request(id, true) {
             // A rollback step runs under the procedure's locks, like a step.
             Some(lock) => {
                 let addr = self.proc_addr(id);
-                ctx.tell(LockForRollback {
-                    id,
-                    addr,
-                    lock,
-                    unrecorded,
-                });
+                ctx.tell(LockForRollback { id, addr, lock, of });
             }
             None => {
-                let rollback = ProcMsg::Cell(ToCell::Rollback(Rollback { unrecorded }));
+                let rollback = ProcMsg::Cell(ToCell::Rollback(Rollback { of }));
                 if self.send(id, rollback, ctx).is_err() {
                     unreachable!("rollback of {id}, which is not live");
                 }
@@ -731,9 +722,9 @@ impl TreeRunner {
     /// One of the tree's timers fired.
     pub(crate) fn on_timer(&mut self, timer: Timer, ctx: &mut TreeCtx<'_>) {
         match timer {
-            Timer::RetryRollback { id, unrecorded } => {
+            Timer::RetryRollback { id, of } => {
                 if self.halted.is_none() {
-                    self.send_rollback(id, unrecorded, ctx);
+                    self.send_rollback(id, of, ctx);
                 }
             }
             Timer::WakeAt { id } => {

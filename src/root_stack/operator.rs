@@ -55,14 +55,14 @@ impl RootStack {
                 ))
             }
             ProcState::RollbackPaused => {
-                let unrecorded = self.stack.last().is_some_and(|e| !e.recorded);
+                let of = self.rollback_of_top();
                 let data = self.unpause(id);
                 let node = self.node_mut(id);
                 node.steering.retries = 0;
                 node.reset_rollback_attempts();
                 node.state = ProcState::Failed;
                 self.persist_update(&mut t, id, data, now_ms);
-                t.actions.push(Action::Rollback { id, unrecorded });
+                t.actions.push(Action::Rollback { id, of });
             }
             state => {
                 return Err(format!(

@@ -79,6 +79,7 @@ impl RootStack {
                     }
                     .boxed(),
                     unseen_child: false,
+                    cut_off: false,
                 },
             );
         }
@@ -230,14 +231,29 @@ impl RootStack {
                     // succeeded, whatever the others did.
                     let woken = (n.steering.wakes_per_child && n.unseen_child)
                         || (n.pending_children == 0 && !failed_child_of.contains(id));
-                    (!n.state.is_finished()
+                    !n.state.is_finished()
                         && n.state != ProcState::Failed
                         && n.state != ProcState::RollbackPaused
                         && woken
-                        && cut_off(**id))
-                        || (n.steering.dirty && !n.state.is_finished())
+                        && cut_off(**id)
                 })
                 .map(|(&id, _)| id)
+                .collect();
+            for &id in &maybe_mid_step {
+                tree.node_mut(id).cut_off = true;
+            }
+            // And those whose failed attempt, to be retried or paused, is unrecorded.
+            let failed_unrecorded = tree
+                .nodes
+                .iter()
+                .filter(|(_, n)| n.steering.dirty && !n.state.is_finished() && !n.cut_off)
+                .map(|(&id, _)| id);
+            let maybe_mid_step = maybe_mid_step
+                .iter()
+                .copied()
+                .chain(failed_unrecorded)
+                .collect::<std::collections::BTreeSet<_>>()
+                .into_iter()
                 .collect();
             tree.roll_back_from(maybe_mid_step, &mut t, now_ms);
             return Ok((tree, t));
@@ -263,7 +279,9 @@ impl RootStack {
                 // recorded. If the tree fails before that step runs again, its rollback
                 // undoes it first, as it would have had the tree failed before the crash
                 // (the step, run again and recorded or failed, clears this).
-                tree.node_mut(id).steering.dirty = true;
+                let node = tree.node_mut(id);
+                node.steering.dirty = true;
+                node.cut_off = true;
             }
             let node = &tree.nodes[&id];
             match node.state {

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 
 use proctor::{
     async_trait, CancelReason, Context, Executor, Flow, MemoryStore, ProcError, ProcId, Procedure,
-    ProcedureStore, Registry, StateContext, StateMachine, StateMachineProcedure, WalStore,
+    ProcedureStore, Registry, StateContext, StateMachine, StateMachineProcedure, Undo, WalStore,
 };
 use serde::{Deserialize, Serialize};
 use tempfile::TempDir;
@@ -21,6 +21,8 @@ use tokio::sync::Notify;
 /// What the tests observe: the calls in order, a counter, and gates.
 pub struct Recorder {
     calls: Mutex<Vec<String>>,
+    /// What each rollback of a `Scripted` was told its step did, in order.
+    undos: Mutex<Vec<(String, Undo)>>,
     pub counter: AtomicI64,
     /// Opened by the test; a `Step::Gate` waits for it.
     pub gate: Notify,
@@ -35,6 +37,7 @@ impl Default for Recorder {
     fn default() -> Self {
         Recorder {
             calls: Mutex::default(),
+            undos: Mutex::default(),
             counter: AtomicI64::default(),
             gate: Notify::new(),
             signal: Notify::new(),
@@ -50,6 +53,10 @@ impl Recorder {
 
     pub fn calls(&self) -> Vec<String> {
         self.calls.lock().unwrap().clone()
+    }
+
+    pub fn undos(&self) -> Vec<(String, Undo)> {
+        self.undos.lock().unwrap().clone()
     }
 
     pub fn count(&self, call: &str) -> usize {
@@ -187,6 +194,8 @@ impl Procedure<Recorder> for Scripted {
 
     async fn rollback(&mut self, ctx: &mut Context<Recorder>) -> Result<(), ProcError> {
         ctx.env().record(format!("{}-rollback", self.name));
+        let undo = (self.name.clone(), ctx.undoing());
+        ctx.env().undos.lock().unwrap().push(undo);
         Ok(())
     }
 

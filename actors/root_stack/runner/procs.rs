@@ -42,7 +42,7 @@ pub(in crate::actors::root_stack) struct Live {
 enum Busy {
     No,
     Step(usize),
-    Rollback { unrecorded: bool },
+    Rollback { of: RollbackOf },
 }
 
 impl Slot {
@@ -68,10 +68,8 @@ impl Live {
     fn post(&mut self, msg: ProcMsg) {
         match &msg {
             ProcMsg::Cell(ToCell::RunStep(run)) => self.busy = Busy::Step(run.step),
-            ProcMsg::Cell(ToCell::Rollback(Rollback { unrecorded })) => {
-                self.busy = Busy::Rollback {
-                    unrecorded: *unrecorded,
-                }
+            ProcMsg::Cell(ToCell::Rollback(Rollback { of })) => {
+                self.busy = Busy::Rollback { of: *of }
             }
             ProcMsg::Reset(data) => self.checkpoint.clone_from(data),
             _ => {}
@@ -463,14 +461,14 @@ impl TreeRunner {
         match busy {
             Busy::No => {}
             // Its step may have done part of its work: as after a crash, it runs
-            // again, and should its tree fail first, it is rolled back unrecorded.
+            // again, and should its tree fail first, it is rolled back as interrupted.
             Busy::Step(step) => {
                 self.core.mark_cut_off(id);
                 let children = self.children_for(id);
                 live.post(ProcMsg::Cell(ToCell::RunStep(RunStep { step, children })));
             }
-            Busy::Rollback { unrecorded } => {
-                live.post(ProcMsg::Cell(ToCell::Rollback(Rollback { unrecorded })));
+            Busy::Rollback { of } => {
+                live.post(ProcMsg::Cell(ToCell::Rollback(Rollback { of })));
             }
         }
         // What waited for a passivation it never answered.
