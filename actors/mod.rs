@@ -24,7 +24,7 @@ pub use crash_test::{restart_at_every_write, CrashRun};
 pub use executor::{
     Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder, GetState,
     GetValue, List, Pause, ProcEvent, ProcInfo, Recovery, Rollback, Shutdown, Submit, Subscribe,
-    Subscription, WaitFor, WaitingOn,
+    Subscription, WaitFor, WaitValue, WaitingOn,
 };
 pub use locks::{ResetEvent, WakeEvent};
 pub use scheduler::{GetSchedulerStats, SchedulerStats};

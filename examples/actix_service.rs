@@ -12,7 +12,7 @@
 //!
 //! | the manager's message | what it sends the engine |
 //! | --- | --- |
-//! | `CreateTableRequest` | `Submit`, then (on the `Finished` event) `GetValue`, decoded with `rmp_serde` |
+//! | `CreateTableRequest` | `Submit`, then (on the `Finished` event) `GetValue::<TableInfo>`, typed |
 //! | `StartCompaction` | `Submit` |
 //! | `AbortJob` | `Abort`: the compaction's long step sees `ctx.cancelled()` and stops |
 //! | `AwaitJob` | nothing: answered from the `Finished` event |
@@ -143,8 +143,6 @@ pub enum ServiceError {
     Failed(#[from] Failure),
     #[error("procedure {0} set no result")]
     NoValue(ProcId),
-    #[error("cannot decode the result: {0}")]
-    Decode(#[from] rmp_serde::decode::Error),
 }
 
 /// The service. It holds the engine's address and what it heard from the engine.
@@ -274,12 +272,9 @@ impl Handler<CreateTableRequest> for ClusterManager {
                         let (id, done) = submitted?;
                         println!("[manager] create_table {id} submitted; waiting for its event");
                         done.await.map_err(|_| proctor::Error::Stopped)??;
-                        // The value its last step set, as MessagePack.
-                        let bytes = engine
-                            .send(GetValue(id))
-                            .await??
-                            .ok_or(ServiceError::NoValue(id))?;
-                        Ok(rmp_serde::from_slice(&bytes)?)
+                        // The value its last step set, decoded as the type asked for.
+                        let value = engine.send(GetValue::<TableInfo>::new(id)).await??;
+                        value.ok_or(ServiceError::NoValue(id))
                     }
                     .into_actor(act)
                 }),

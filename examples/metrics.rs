@@ -76,15 +76,11 @@ impl Procedure for Batch {
             return Ok(Flow::Done);
         }
         self.started = true;
-        let children = (0..self.n)
-            .map(|_| {
-                Box::new(Transfer {
-                    done: 0,
-                    fail_at: None,
-                }) as Box<dyn Procedure>
-            })
-            .collect();
-        Ok(Flow::Children(children))
+        let children = (0..self.n).map(|_| Transfer {
+            done: 0,
+            fail_at: None,
+        });
+        Ok(Flow::children(children))
     }
 
     async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {

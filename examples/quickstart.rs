@@ -79,16 +79,12 @@ impl StateMachineProcedure<Cluster> for CreateTable {
             }
             CreateTableState::AssignRegions => {
                 ctx.set_next_state(CreateTableState::Enable);
-                let children = (0..self.regions)
-                    .map(|r| {
-                        Box::new(AssignRegion {
-                            table: self.table.clone(),
-                            region: format!("{}-r{r}", self.table),
-                        }) as Box<dyn Procedure<Cluster>>
-                    })
-                    .collect();
+                let children = (0..self.regions).map(|r| AssignRegion {
+                    table: self.table.clone(),
+                    region: format!("{}-r{r}", self.table),
+                });
                 // The parent now WAITs, holding no worker, until every child finishes.
-                Ok(Flow::Children(children))
+                Ok(Flow::children(children))
             }
             CreateTableState::Enable => Ok(Flow::Done),
         }
@@ -153,7 +149,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Every type that can be persisted is registered under a name that never changes.
     let mut registry = Registry::<Cluster>::default();
     registry
-        .register::<StateMachine<CreateTable, Cluster>>("create_table")
+        .register_state_machine::<CreateTable>("create_table")
         .register::<AssignRegion>("assign_region");
 
     let executor = Executor::builder()

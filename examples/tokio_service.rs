@@ -116,15 +116,11 @@ impl StateMachineProcedure<Cluster> for CreateTable {
             CreateTableState::AssignRegions => {
                 ctx.set_next_state(CreateTableState::Enable);
                 let count: u32 = self.regions.parse()?;
-                let children = (0..count)
-                    .map(|r| {
-                        Box::new(AssignRegion {
-                            table: self.table.clone(),
-                            region: format!("{}-r{r}", self.table),
-                        }) as Box<dyn Procedure<Cluster>>
-                    })
-                    .collect();
-                Ok(Flow::Children(children))
+                let children = (0..count).map(|r| AssignRegion {
+                    table: self.table.clone(),
+                    region: format!("{}-r{r}", self.table),
+                });
+                Ok(Flow::children(children))
             }
             CreateTableState::Enable => {
                 let mut regions = cluster.tables.lock().unwrap()[&self.table].clone();
@@ -253,7 +249,7 @@ pub struct Report {
 fn registry() -> Registry<Cluster> {
     let mut registry = Registry::<Cluster>::default();
     registry
-        .register::<StateMachine<CreateTable, Cluster>>("create_table")
+        .register_state_machine::<CreateTable>("create_table")
         .register::<AssignRegion>("assign_region")
         .register::<Compaction>("compaction");
     registry
@@ -306,11 +302,9 @@ pub async fn run(dir: &Path) -> Result<Report, Box<dyn Error>> {
         }))
         .await?;
     println!("submitted create_table {id}");
-    let table = match executor.wait_value::<TableInfo>(id).await? {
-        Ok(Some(table)) => table,
-        Ok(None) => return Err(format!("create_table {id} set no result").into()),
-        Err(failure) => return Err(format!("create_table {id} failed: {failure}").into()),
-    };
+    // The value, or why there is none: `WaitError` tells a rollback (with its
+    // `Failure`), no value set, an id no longer known and an engine error apart.
+    let table: TableInfo = executor.wait_value(id).await?;
     println!("create_table {id} returned {table:?}");
 
     // 3. A step that fails through `?`: the caller sees the std error's message.

@@ -73,19 +73,19 @@ pub(crate) struct StepResult {
 pub(crate) trait ErasedProc: Send + 'static {
     fn execute<'a>(&'a mut self, call: &Call) -> BoxFuture<'a, StepResult>;
     fn rollback<'a>(&'a mut self, call: &Call) -> BoxFuture<'a, Result<(), ProcError>>;
-    fn abort(&mut self) -> bool;
+    fn abort(&mut self, call: &Call) -> bool;
     fn locks(&self) -> Vec<Lock>;
     fn acquire_lock(&mut self, call: &Call) -> LockState;
     fn release_lock(&mut self, call: &Call);
     fn holds_lock(&self) -> bool;
-    fn before_recover(&mut self);
-    fn after_recover(&mut self);
+    fn before_recover(&mut self, call: &Call);
+    fn after_recover(&mut self, call: &Call);
     fn rerun_after_recover(&self, event: &str) -> bool;
-    fn completion_cleanup(&mut self);
+    fn completion_cleanup(&mut self, call: &Call);
     fn state_name(&self) -> Option<String>;
     fn is_yield_after_execution(&self) -> bool;
     fn timeout_ms(&self) -> Option<u64>;
-    fn on_timeout(&mut self) -> OnTimeout;
+    fn on_timeout(&mut self, call: &Call) -> OnTimeout;
     fn failure_policy(&self, error: &ProcError) -> FailurePolicy;
     fn encode_state_into(&self, out: &mut Vec<u8>) -> Result<(), rmp_serde::encode::Error>;
     /// The user's type, for the registry.
@@ -164,8 +164,8 @@ impl<E: Send + Sync + 'static, H: Holder<E>> ErasedProc for Typed<E, H> {
         Box::pin(async move { proc.rollback(&mut ctx).await })
     }
 
-    fn abort(&mut self) -> bool {
-        self.proc.get_mut().abort()
+    fn abort(&mut self, call: &Call) -> bool {
+        self.proc.get_mut().abort(&call.typed())
     }
 
     fn locks(&self) -> Vec<Lock> {
@@ -184,20 +184,20 @@ impl<E: Send + Sync + 'static, H: Holder<E>> ErasedProc for Typed<E, H> {
         self.proc.get().holds_lock()
     }
 
-    fn before_recover(&mut self) {
-        self.proc.get_mut().before_recover()
+    fn before_recover(&mut self, call: &Call) {
+        self.proc.get_mut().before_recover(&call.typed())
     }
 
-    fn after_recover(&mut self) {
-        self.proc.get_mut().after_recover()
+    fn after_recover(&mut self, call: &Call) {
+        self.proc.get_mut().after_recover(&call.typed())
     }
 
     fn rerun_after_recover(&self, event: &str) -> bool {
         self.proc.get().rerun_after_recover(event)
     }
 
-    fn completion_cleanup(&mut self) {
-        self.proc.get_mut().completion_cleanup()
+    fn completion_cleanup(&mut self, call: &Call) {
+        self.proc.get_mut().completion_cleanup(&call.typed())
     }
 
     fn state_name(&self) -> Option<String> {
@@ -212,8 +212,8 @@ impl<E: Send + Sync + 'static, H: Holder<E>> ErasedProc for Typed<E, H> {
         self.proc.get().timeout_ms()
     }
 
-    fn on_timeout(&mut self) -> OnTimeout {
-        self.proc.get_mut().on_timeout()
+    fn on_timeout(&mut self, call: &Call) -> OnTimeout {
+        self.proc.get_mut().on_timeout(&call.typed())
     }
 
     fn failure_policy(&self, error: &ProcError) -> FailurePolicy {

@@ -145,3 +145,48 @@ impl From<StoreError> for Error {
         Error::Store(e.to_string())
     }
 }
+
+/// Why [`Executor::wait_value`](crate::Executor::wait_value) (or the
+/// [`WaitValue`](crate::WaitValue) message) gives no value: the tree failed, the root
+/// set none, the procedure is gone, or the engine could not answer.
+///
+/// ```no_run
+/// # async fn f(executor: proctor::Executor, id: proctor::ProcId) {
+/// use proctor::WaitError;
+/// match executor.wait_value::<u32>(id).await {
+///     Ok(regions) => println!("created with {regions} regions"),
+///     Err(WaitError::Failed(failure)) => println!("rolled back: {failure}"),
+///     Err(WaitError::Gone(id)) => println!("{id} is no longer known"),
+///     Err(e) => println!("could not wait: {e}"),
+/// }
+/// # }
+/// ```
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WaitError {
+    /// The tree rolled back: its original failure.
+    #[error(transparent)]
+    Failed(crate::record::Failure),
+    /// The root succeeded without setting a value
+    /// ([`Context::set_result`](crate::Context::set_result)).
+    #[error("procedure {0} succeeded and set no value")]
+    NoValue(ProcId),
+    /// The procedure is not known any more: its result was evicted (see
+    /// [`ExecutorBuilder::retention`](crate::ExecutorBuilder::retention)), it was a
+    /// child of a finished tree, or its submit never became durable.
+    #[error("procedure {0} is gone: its result was evicted, it was a child of a finished tree, or its submit never became durable")]
+    Gone(ProcId),
+    /// The engine could not answer (an id never issued, a child's id, a value that
+    /// does not decode as the type asked for, a store failure, a stopped executor).
+    #[error(transparent)]
+    Engine(Error),
+}
+
+impl From<Error> for WaitError {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Gone(id) => WaitError::Gone(id),
+            e => WaitError::Engine(e),
+        }
+    }
+}

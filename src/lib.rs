@@ -60,12 +60,12 @@ pub use crate::actors::{
     AckResult, Bypass, Continue, DirView, Entry, Executor, ExecutorActor, ExecutorBuilder,
     GetSchedulerStats, GetState, GetValue, List, LockProbe, Pause, ProcEvent, ProcInfo, Recovery,
     Repair, ResetEvent, Rollback, SchedulerStats, SegmentReport, Shutdown, StdFs, Submit,
-    Subscribe, Subscription, WaitFor, WaitingOn, WakeEvent, WalDirScan, WalFs, WalOptions,
-    WalStats, WalStore, VIEW_ATTEMPTS,
+    Subscribe, Subscription, WaitFor, WaitValue, WaitingOn, WakeEvent, WalDirScan, WalFs,
+    WalOptions, WalStats, WalStore, VIEW_ATTEMPTS,
 };
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};
-pub use crate::error::Error;
+pub use crate::error::{Error, WaitError};
 pub use crate::locks::{Lock, LockClaim, LockMode};
 pub use crate::procedure::{
     Context, EncodeState, FailurePolicy, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState,

@@ -27,16 +27,34 @@ pub enum Decision {
 const POLICY_RETRY_MAX_MS: u64 = 600_000;
 
 /// What a failure comes to: `retries` already spent on this step, whether the tree has
-/// passed a point of no return, and whether it is a rollback step that failed.
+/// passed a point of no return, and whether it is a rollback step that failed; `seed`
+/// (the procedure's id) spreads retries.
 ///
 /// A step: a retry policy retries while retries remain; then, or for a plain policy, a
 /// tree past its point of no return pauses, and otherwise the policy decides. A
 /// rollback step is never abandoned: the default policy retries it for ever, a retry
 /// policy retries `times` and then, like [`FailurePolicy::Pause`], pauses it
 /// (ROLLBACK_PAUSED).
-pub fn decide(policy: FailurePolicy, retries: u32, irreversible: bool, rollback: bool) -> Decision {
+///
+/// A retry waits with "full jitter" (as the AWS Architecture Blog's "Exponential
+/// Backoff and Jitter" describes it): a time drawn evenly from zero to the backoff,
+/// which doubles with each retry up to its cap, so that procedures failing together
+/// (a node went down under a hundred of them) do not retry together. The draw is a
+/// hash of `seed` and `retries`: the same procedure and attempt wait the same, which
+/// keeps this rule a pure function.
+pub fn decide(
+    policy: FailurePolicy,
+    retries: u32,
+    irreversible: bool,
+    rollback: bool,
+    seed: u64,
+) -> Decision {
     let backoff = |base_ms: u64, max_ms: u64| Decision::Retry {
-        delay_ms: base_ms.saturating_mul(1 << retries.min(30)).min(max_ms),
+        delay_ms: full_jitter(
+            base_ms.saturating_mul(1 << retries.min(30)).min(max_ms),
+            seed,
+            retries,
+        ),
     };
     match policy {
         FailurePolicy::RetryThenRollback { times, backoff_ms }
@@ -54,9 +72,47 @@ pub fn decide(policy: FailurePolicy, retries: u32, irreversible: bool, rollback:
     }
 }
 
+/// A delay drawn evenly from `0..=ceiling_ms` by a hash of `seed` and `attempt`
+/// (SplitMix64's finalizer).
+fn full_jitter(ceiling_ms: u64, seed: u64, attempt: u32) -> u64 {
+    let mut z =
+        seed ^ (u64::from(attempt) << 32 | u64::from(attempt)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    match ceiling_ms.checked_add(1) {
+        Some(span) => z % span,
+        None => z,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn retries_wait_a_jittered_time_under_their_backoff() {
+        for (ceiling, attempt) in [(0, 0), (1, 3), (100, 0), (10_000, 7), (u64::MAX, 1)] {
+            let draws: Vec<u64> = (0..1000)
+                .map(|seed| full_jitter(ceiling, seed, attempt))
+                .collect();
+            assert!(draws.iter().all(|&d| d <= ceiling), "{ceiling}");
+            if ceiling >= 100 {
+                // Spread over the range: both halves are drawn, and many values.
+                let low = draws.iter().filter(|&&d| d <= ceiling / 2).count();
+                assert!(
+                    (350..650).contains(&low),
+                    "{ceiling}: {low} of 1000 in the lower half"
+                );
+                let distinct: std::collections::BTreeSet<_> = draws.iter().collect();
+                assert!(distinct.len() > 60, "{ceiling}: {}", distinct.len());
+            }
+        }
+        // The same procedure and attempt wait the same; the next attempt differs.
+        assert_eq!(full_jitter(1000, 7, 2), full_jitter(1000, 7, 2));
+        let next: Vec<u64> = (0..8).map(|a| full_jitter(1_000_000, 7, a)).collect();
+        assert!(next.windows(2).all(|w| w[0] != w[1]), "{next:?}");
+    }
 
     #[test]
     fn failure_policies_decide() {
@@ -69,7 +125,10 @@ mod tests {
             times: 2,
             backoff_ms: 100,
         };
-        let retry = |delay_ms| Decision::Retry { delay_ms };
+        // The backoff a retry's jitter draws under.
+        let retry = |ceiling_ms| Decision::Retry {
+            delay_ms: ceiling_ms,
+        };
         // (policy, retries spent, irreversible, rollback step, decision)
         let cases = [
             (Rollback, 0, false, false, Decision::Rollback),
@@ -103,9 +162,15 @@ mod tests {
             ),
         ];
         for (policy, retries, irreversible, rollback, expected) in cases {
+            let decided = decide(policy, retries, irreversible, rollback, 42);
+            let expected = match expected {
+                Decision::Retry { delay_ms } => Decision::Retry {
+                    delay_ms: full_jitter(delay_ms, 42, retries),
+                },
+                other => other,
+            };
             assert_eq!(
-                decide(policy, retries, irreversible, rollback),
-                expected,
+                decided, expected,
                 "{policy:?} retries={retries} irreversible={irreversible} rollback={rollback}"
             );
         }

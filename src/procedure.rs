@@ -11,6 +11,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::cancel::{Cancel, CancelReason, Cancelled};
@@ -184,8 +185,10 @@ impl ProcError {
 /// What a failed step (or rollback) of a procedure leads to; see
 /// [`Procedure::failure_policy`].
 ///
-/// Retries wait `backoff_ms`, doubling per retry (up to ten minutes), and are counted in
-/// the procedure's record, so a restart does not reset them. A retried step runs again
+/// A retry waits a time drawn evenly between zero and its backoff ("full jitter", so
+/// that procedures that failed together do not retry together); the backoff is
+/// `backoff_ms`, doubling per retry (up to ten minutes). Retries are counted in the
+/// procedure's record, so a restart does not reset them. A retried step runs again
 /// from the state recorded before it, as after a crash: what the failed attempt changed
 /// in the procedure's fields is discarded.
 ///
@@ -286,12 +289,10 @@ pub enum Flow<E = ()> {
     ///         if self.started == self.nodes && running == 0 {
     ///             return Ok(Flow::Done);
     ///         }
-    ///         let mut next: Vec<Box<dyn Procedure>> = Vec::new();
-    ///         while self.started < self.nodes && running + next.len() < 2 {
-    ///             next.push(Box::new(Restart { node: self.started }));
-    ///             self.started += 1;
-    ///         }
-    ///         Ok(Flow::Spawn(next))
+    ///         let room = 2usize.saturating_sub(running).min((self.nodes - self.started) as usize);
+    ///         let next = (self.started..).take(room).map(|node| Restart { node });
+    ///         self.started += room as u32;
+    ///         Ok(Flow::spawn(next))
     ///     }
     ///     async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> {
     ///         Ok(())
@@ -324,6 +325,46 @@ pub enum Flow<E = ()> {
     /// Persist, then sleep (WAITING_TIMEOUT) until this absolute time in milliseconds
     /// since the Unix epoch (compare [`Context::now_ms`]); then run the next step.
     SleepUntil(u64),
+}
+
+impl<E: Send + Sync + 'static> Flow<E> {
+    /// [`Flow::Children`] of procedures of one type, boxed here: no
+    /// `as Box<dyn Procedure<E>>` at the call. Children of several types go in
+    /// `Flow::Children` boxed, or as an enum of them that implements [`Procedure`].
+    ///
+    /// ```
+    /// use proctor::{async_trait, Context, Flow, ProcError, Procedure};
+    /// use serde::{Deserialize, Serialize};
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct Assign { region: u32 }
+    ///
+    /// #[async_trait]
+    /// impl Procedure for Assign {
+    ///     async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+    ///     async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+    /// }
+    ///
+    /// let flow: Flow = Flow::children((0..3).map(|region| Assign { region }));
+    /// assert!(matches!(flow, Flow::Children(c) if c.len() == 3));
+    /// ```
+    pub fn children<P: Procedure<E>>(children: impl IntoIterator<Item = P>) -> Self {
+        Flow::Children(boxed(children))
+    }
+
+    /// [`Flow::Spawn`] of procedures of one type, boxed here (see [`Flow::children`]).
+    pub fn spawn<P: Procedure<E>>(children: impl IntoIterator<Item = P>) -> Self {
+        Flow::Spawn(boxed(children))
+    }
+}
+
+fn boxed<E: Send + Sync + 'static, P: Procedure<E>>(
+    children: impl IntoIterator<Item = P>,
+) -> Vec<Box<dyn Procedure<E>>> {
+    children
+        .into_iter()
+        .map(|c| Box::new(c) as Box<dyn Procedure<E>>)
+        .collect()
 }
 
 impl<E> fmt::Debug for Flow<E> {
@@ -446,6 +487,8 @@ pub struct Context<E: ?Sized = ()> {
     irreversible: bool,
     /// Boxed, and only for a parent's steps: every call carries a context.
     children: Option<Box<[(ProcId, ProcState)]>>,
+    /// The values its children that succeeded set; only for a parent's steps.
+    child_values: Option<ChildValues>,
 }
 
 impl<E: ?Sized> Clone for Context<E> {
@@ -463,6 +506,7 @@ impl<E: ?Sized> Clone for Context<E> {
             shutdown: self.shutdown.clone(),
             irreversible: self.irreversible,
             children: self.children.clone(),
+            child_values: self.child_values.clone(),
         }
     }
 }
@@ -505,6 +549,7 @@ impl<E: ?Sized> Context<E> {
             shutdown: None,
             irreversible: false,
             children: None,
+            child_values: None,
         }
     }
 
@@ -533,6 +578,56 @@ impl<E: ?Sized> Context<E> {
     /// ```
     pub fn children(&self) -> &[(ProcId, ProcState)] {
         self.children.as_deref().unwrap_or(&[])
+    }
+
+    /// Gives the call the values its children that succeeded set (see
+    /// [`Context::child_results`]), each as MessagePack (as
+    /// `rmp_serde::to_vec_named` writes it). For tests of a parent's steps.
+    #[must_use]
+    pub fn with_child_values(mut self, values: Vec<(ProcId, Vec<u8>)>) -> Self {
+        self.child_values = (!values.is_empty()).then(|| values.into_boxed_slice());
+        self
+    }
+
+    /// The values this procedure's children set with [`Context::set_result`], decoded
+    /// as `T`: one for each child whose success was durable when this step was
+    /// dispatched and that set one, in the order the children were started. A
+    /// parent's step after [`Flow::Children`] sees every child's; after
+    /// [`Flow::Spawn`], those that have succeeded so far. Empty in a rollback.
+    ///
+    /// ```
+    /// use proctor::{Context, ProcId};
+    /// let region = |id: u64, name: &str| (ProcId(id), rmp_serde::to_vec_named(name).unwrap());
+    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, std::sync::Arc::new(()))
+    ///     .with_child_values(vec![region(2, "r-0"), region(3, "r-1")]);
+    /// let regions: Vec<(ProcId, String)> = ctx.child_results().unwrap();
+    /// assert_eq!(regions[1], (ProcId(3), "r-1".to_string()));
+    /// ```
+    ///
+    /// # Errors
+    /// [`ProcError::Failed`] naming the child whose value does not decode as `T` (`?`
+    /// in a step fails the step with it).
+    pub fn child_results<T: DeserializeOwned>(&self) -> Result<Vec<(ProcId, T)>, ProcError> {
+        self.child_values
+            .iter()
+            .flat_map(|values| values.iter())
+            .map(|(id, bytes)| Ok((*id, decode_child_value(*id, bytes)?)))
+            .collect()
+    }
+
+    /// The value child `child` set with [`Context::set_result`], decoded as `T`;
+    /// `None` if it has not succeeded (durably) by this step's dispatch, set none, or
+    /// is not a child of this procedure.
+    ///
+    /// # Errors
+    /// As [`Context::child_results`].
+    pub fn child_result<T: DeserializeOwned>(&self, child: ProcId) -> Result<Option<T>, ProcError> {
+        self.child_values
+            .iter()
+            .flat_map(|values| values.iter())
+            .find(|(id, _)| *id == child)
+            .map(|(id, bytes)| decode_child_value(*id, bytes))
+            .transpose()
     }
 
     /// Gives the call a cancellation signal (the engine gives each step one; see
@@ -659,12 +754,13 @@ impl<E: ?Sized> Context<E> {
         self.unrecorded
     }
 
-    /// Sets the value the caller receives with the result
-    /// ([`Executor::wait_value`](crate::Executor::wait_value)), from any step of a root
-    /// procedure: the last value set wins. It is recorded with the step (so it survives
-    /// a restart) and kept with the finished root as long as its result. A step that
-    /// fails or yields records nothing, its value included; in a procedure that is not
-    /// a root it is ignored (a parent's steps see their children's states, not values).
+    /// Sets the procedure's value, from any of its steps: the last value set wins. A
+    /// root's goes to the caller with the result
+    /// ([`Executor::wait_value`](crate::Executor::wait_value)) and is kept with the
+    /// finished root as long as its result; a child's goes to its parent's next steps
+    /// ([`Context::child_results`]) once the child has succeeded. It is recorded with
+    /// the step (so it survives a restart). A step that fails or yields records
+    /// nothing, its value included.
     ///
     /// ```
     /// use proctor::{Context, ProcId};
@@ -773,8 +869,22 @@ impl Context<dyn Any + Send + Sync> {
             shutdown: self.shutdown.clone(),
             irreversible: false,
             children: self.children.clone(),
+            child_values: self.child_values.clone(),
         }
     }
+}
+
+/// Each child that set a value, with the value (MessagePack).
+type ChildValues = Box<[(ProcId, Vec<u8>)]>;
+
+/// A child's value as the type its parent asked for.
+fn decode_child_value<T: DeserializeOwned>(child: ProcId, bytes: &[u8]) -> Result<T, ProcError> {
+    rmp_serde::from_slice(bytes).map_err(|e| {
+        ProcError::failed(format!(
+            "the value of child {child} does not decode as {}: {e}",
+            std::any::type_name::<T>()
+        ))
+    })
 }
 
 /// Encodes a procedure's state for the store. Implemented for every `Serialize` type, so
@@ -911,8 +1021,9 @@ where
 
     /// An operator asks to abort. Return `true` to accept: the procedure then fails with
     /// [`ProcError::Aborted`] before its next step and its tree rolls back. Called only
-    /// between steps. The default accepts.
-    fn abort(&mut self) -> bool {
+    /// between steps, with the procedure's context (its id, its tree, the time, the
+    /// environment). The default accepts.
+    fn abort(&mut self, _ctx: &Context<E>) -> bool {
         true
     }
 
@@ -970,11 +1081,13 @@ where
         false
     }
 
-    /// Called on a recovered procedure before the engine resumes it after a restart.
-    fn before_recover(&mut self) {}
+    /// Called on a recovered procedure before the engine resumes it after a restart
+    /// (children before parents, while the store is being loaded), with its context.
+    fn before_recover(&mut self, _ctx: &Context<E>) {}
 
-    /// Called on a recovered procedure once the whole store is loaded.
-    fn after_recover(&mut self) {}
+    /// Called on a recovered procedure once the whole store is loaded, with its
+    /// context, before its first call after the restart.
+    fn after_recover(&mut self, _ctx: &Context<E>) {}
 
     /// For a procedure that was suspended on `event` when the engine stopped. Whether
     /// an event was woken is not persisted (events live in the service's memory), so by
@@ -1011,8 +1124,8 @@ where
     }
 
     /// Called once when the procedure has finished (SUCCESS or ROLLEDBACK) and its final
-    /// state is durable.
-    fn completion_cleanup(&mut self) {}
+    /// state is durable, with its context.
+    fn completion_cleanup(&mut self, _ctx: &Context<E>) {}
 
     /// The name of the state the procedure is in, for operators (HBase's
     /// `toStringState`): shown by [`Executor::state`](crate::Executor::state) and
@@ -1047,10 +1160,11 @@ where
     /// procedure's state after the call is persisted with the new deadline.
     ///
     /// ```
-    /// use proctor::OnTimeout;
+    /// use proctor::{Context, OnTimeout};
     /// # struct Probe { attempts: u32 }
     /// # impl Probe {
-    /// fn on_timeout(&mut self) -> OnTimeout {
+    /// fn on_timeout(&mut self, ctx: &Context) -> OnTimeout {
+    ///     tracing::info!(proc = %ctx.id(), attempts = self.attempts, "probe timed out");
     ///     self.attempts += 1;
     ///     if self.attempts <= 5 {
     ///         OnTimeout::Rearm(100 << self.attempts) // back off, then look again
@@ -1060,7 +1174,7 @@ where
     /// }
     /// # }
     /// ```
-    fn on_timeout(&mut self) -> OnTimeout {
+    fn on_timeout(&mut self, _ctx: &Context<E>) -> OnTimeout {
         OnTimeout::Fail
     }
 

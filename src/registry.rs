@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 use crate::erased::{erase, DynProc, ErasedProc};
 use crate::fast_map::IdMap;
 use crate::procedure::{type_id_of, Procedure};
+use crate::state_machine::{StateMachine, StateMachineProcedure};
 
 type Decoder<T> = fn(&[u8]) -> Result<T, rmp_serde::decode::Error>;
 type DecodeFn<E> = Decoder<Box<dyn Procedure<E>>>;
@@ -155,6 +156,34 @@ impl<E: Send + Sync + 'static> Registry<E> {
         );
         self.types.decoders.insert(name, decode_erased::<E, P>);
         self
+    }
+
+    /// Registers the state machine `T` under `name`: the same as
+    /// `register::<StateMachine<T, E>>(name)`, with `E` the registry's.
+    ///
+    /// ```
+    /// # use proctor::{async_trait, Context, Flow, ProcError, Registry, StateContext, StateMachineProcedure};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct CreateTable;
+    /// # #[async_trait] impl StateMachineProcedure<Cluster> for CreateTable {
+    /// #   type State = u8;
+    /// #   fn initial_state(&self) -> u8 { 0 }
+    /// #   async fn execute_from_state(&mut self, _: &mut StateContext<'_, u8, Cluster>, _: u8)
+    /// #       -> Result<Flow<Cluster>, ProcError> { Ok(Flow::Done) }
+    /// #   async fn rollback_state(&mut self, _: &mut Context<Cluster>, _: u8)
+    /// #       -> Result<(), ProcError> { Ok(()) }
+    /// # }
+    /// struct Cluster;
+    /// let mut registry = Registry::<Cluster>::default();
+    /// registry.register_state_machine::<CreateTable>("create_table");
+    /// ```
+    ///
+    /// # Panics
+    /// As [`register`](Self::register).
+    pub fn register_state_machine<T: StateMachineProcedure<E>>(
+        &mut self,
+        name: &'static str,
+    ) -> &mut Self {
+        self.register::<StateMachine<T, E>>(name)
     }
 
     /// Registers `P` under `name` as a system procedure: its steps go before every

@@ -225,6 +225,15 @@ pub enum Action {
     Finished(Result<(), Box<Failure>>),
 }
 
+/// What a parent's step sees of its children.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ChildrenSeen {
+    /// Each child, in the order it was started, with its state.
+    pub states: Box<[(ProcId, ProcState)]>,
+    /// The value each child that succeeded set, if it set one, in the same order.
+    pub values: Box<[(ProcId, Vec<u8>)]>,
+}
+
 /// The step a rollback undoes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RollbackOf {
@@ -424,10 +433,12 @@ impl RootStack {
         self.nodes.get(&id).map_or(0, |n| n.stack_indexes.len())
     }
 
-    /// `id`'s children, in the order they were started, each with its state; `None`
-    /// for a procedure that never started one. What a parent's step sees of them
-    /// ([`Context::children`](crate::Context::children)).
-    pub fn children_of(&self, id: ProcId) -> Option<Box<[(ProcId, ProcState)]>> {
+    /// `id`'s children, in the order they were started, each with its state, and the
+    /// values those that succeeded set; `None` for a procedure that never started one.
+    /// What a parent's step sees of them
+    /// ([`Context::children`](crate::Context::children),
+    /// [`Context::child_results`](crate::Context::child_results)).
+    pub fn children_of(&self, id: ProcId) -> Option<Box<ChildrenSeen>> {
         let children = &self.nodes.get(&id)?.extra.as_ref()?.children;
         if children.is_empty() {
             return None;
@@ -437,7 +448,16 @@ impl RootStack {
                 .get(child)
                 .map_or(ProcState::Success, |n| n.state)
         };
-        Some(children.iter().map(|c| (*c, state(c))).collect())
+        let states = children.iter().map(|c| (*c, state(c))).collect();
+        let values = children
+            .iter()
+            .filter_map(|c| {
+                let node = self.nodes.get(c)?;
+                let value = node.extra.as_ref()?.result.as_ref()?;
+                (node.state == ProcState::Success).then(|| (*c, value.clone()))
+            })
+            .collect();
+        Some(Box::new(ChildrenSeen { states, values }))
     }
 
     /// The registered type name of `id`.
@@ -498,9 +518,9 @@ impl RootStack {
         self.running -= 1;
         let mut t = Transition::default();
         let refused = self.check_outcome(&mut report);
-        // A root's value for the caller, from any recorded step (the last one set wins):
-        // kept with its records, so it survives a restart.
-        if report.outcome.is_recorded() && id == self.root {
+        // A root's value for the caller, a child's for its parent, from any recorded
+        // step (the last one set wins): kept with its records, so it survives a restart.
+        if report.outcome.is_recorded() {
             if let Some(value) = report.result.take() {
                 self.node_mut(id).extra().result = Some(value);
             }
@@ -705,7 +725,7 @@ impl RootStack {
             Decision::Rollback
         } else {
             let retries = self.nodes[&id].steering.retries;
-            decide(policy, retries, self.is_irreversible(), false)
+            decide(policy, retries, self.is_irreversible(), false, id.0)
         };
         match decision {
             Decision::Rollback => {
@@ -978,7 +998,7 @@ impl RootStack {
                     // The first retry waits twice the base, as it always has.
                     node.rollback_attempts().saturating_add(1)
                 };
-                match decide(policy, retries, false, true) {
+                match decide(policy, retries, false, true, id.0) {
                     Decision::Retry { delay_ms } => {
                         tracing::warn!(proc = %id, %error, delay_ms, "rollback failed; retrying");
                         if counted {
@@ -1683,7 +1703,7 @@ mod tests {
         let t = rs.on_step(failed_with(1, policy), 1000);
         assert_eq!(
             t.to_string(),
-            "U1:WAITING_TIMEOUT[] | reset 1, wake 1 at 1100"
+            "U1:WAITING_TIMEOUT[] | reset 1, wake 1 at 1033"
         );
         let StoreOp::Update(r) = &t.persist[0] else {
             panic!("{t}")
@@ -1749,7 +1769,7 @@ mod tests {
         let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
         rs.on_step(failed_with(1, FailurePolicy::Rollback), 1);
         let t = rs.on_rolled_back(ProcId(1), rollback_failed(policy), 2);
-        assert_eq!(t.to_string(), "U1:FAILED[0] | retry 1 in 50");
+        assert_eq!(t.to_string(), "U1:FAILED[0] | retry 1 in 34");
         let t = rs.on_rolled_back(ProcId(1), rollback_failed(policy), 3);
         assert_eq!(t.to_string(), "U1:ROLLBACK_PAUSED[0] | paused 1");
         let refusal = rs.rollback_refusal(ProcId(1)).unwrap();
@@ -2105,8 +2125,9 @@ mod tests {
             &[
                 "I1 | spawn 1, run 1",
                 "U1:FAILED[0] | rollback 1 failed",
-                " | retry 1 in 20",
-                " | retry 1 in 40",
+                // Full jitter under backoffs of 20 and 40 ms (see `policy::decide`).
+                " | retry 1 in 4",
+                " | retry 1 in 7",
                 "U1:ROLLEDBACK[] | stop 1, finished err 1:x",
             ],
         );

@@ -108,7 +108,7 @@ where
     }
 
     /// See [`Procedure::before_recover`].
-    fn before_recover(&mut self) {}
+    fn before_recover(&mut self, _ctx: &Context<E>) {}
 
     /// See [`Procedure::rerun_after_recover`].
     fn rerun_after_recover(&self, _event: &str) -> bool {
@@ -116,10 +116,10 @@ where
     }
 
     /// See [`Procedure::after_recover`].
-    fn after_recover(&mut self) {}
+    fn after_recover(&mut self, _ctx: &Context<E>) {}
 
     /// See [`Procedure::completion_cleanup`].
-    fn completion_cleanup(&mut self) {}
+    fn completion_cleanup(&mut self, _ctx: &Context<E>) {}
 
     /// See [`Procedure::is_yield_after_execution`].
     fn is_yield_after_execution(&self) -> bool {
@@ -138,7 +138,7 @@ where
     }
 
     /// See [`Procedure::on_timeout`].
-    fn on_timeout(&mut self) -> OnTimeout {
+    fn on_timeout(&mut self, _ctx: &Context<E>) -> OnTimeout {
         OnTimeout::Fail
     }
 }
@@ -180,8 +180,7 @@ impl<S, E> DerefMut for StateContext<'_, S, E> {
 
 /// A [`StateMachineProcedure`] as a [`Procedure`]: keeps the state to run next, the
 /// states visited (for rollback in reverse), and the cycle count. Register it as
-/// `registry.register::<StateMachine<MyProc>>("my_proc")` (for an environment `E`,
-/// `StateMachine<MyProc, E>`).
+/// `registry.register_state_machine::<MyProc>("my_proc")`.
 ///
 /// Stored as a MessagePack array of its own four fields (the machine, the next state,
 /// the history, the cycle count), the machine inside with its field names as any
@@ -399,7 +398,7 @@ where
         }
     }
 
-    fn abort(&mut self) -> bool {
+    fn abort(&mut self, _ctx: &Context<E>) -> bool {
         self.machine.is_rollback_supported(self.current_state())
     }
 
@@ -423,16 +422,16 @@ where
         self.machine.rerun_after_recover(event)
     }
 
-    fn before_recover(&mut self) {
-        self.machine.before_recover()
+    fn before_recover(&mut self, ctx: &Context<E>) {
+        self.machine.before_recover(ctx)
     }
 
-    fn after_recover(&mut self) {
-        self.machine.after_recover()
+    fn after_recover(&mut self, ctx: &Context<E>) {
+        self.machine.after_recover(ctx)
     }
 
-    fn completion_cleanup(&mut self) {
-        self.machine.completion_cleanup()
+    fn completion_cleanup(&mut self, ctx: &Context<E>) {
+        self.machine.completion_cleanup(ctx)
     }
 
     fn is_yield_after_execution(&self) -> bool {
@@ -447,8 +446,8 @@ where
         self.machine.timeout_ms()
     }
 
-    fn on_timeout(&mut self) -> OnTimeout {
-        self.machine.on_timeout()
+    fn on_timeout(&mut self, ctx: &Context<E>) -> OnTimeout {
+        self.machine.on_timeout(ctx)
     }
 
     fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
@@ -629,11 +628,11 @@ mod tests {
     #[test]
     fn abort_follows_is_rollback_supported() {
         let mut sm = StateMachine::new(Machine::default());
-        assert!(sm.abort(), "A supports rollback");
+        assert!(sm.abort(&ctx()), "A supports rollback");
         now(sm.execute(&mut ctx())).unwrap();
         now(sm.execute(&mut ctx())).unwrap();
         assert_eq!(sm.current_state(), S::C);
-        assert!(!sm.abort(), "C does not");
+        assert!(!sm.abort(&ctx()), "C does not");
     }
 
     #[test]

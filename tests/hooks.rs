@@ -1,5 +1,6 @@
 //! The optional hooks as the engine calls them: lock acquire/release around steps, a
-//! procedure timeout, completion cleanup, and the environment.
+//! procedure timeout, completion cleanup, the recovery hooks, each with the
+//! procedure's context, and the environment.
 
 mod common;
 
@@ -8,15 +9,29 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use proctor::{
-    async_trait, Context, Error, Executor, Flow, Lock, LockState, MemoryStore, ProcError,
-    ProcState, Procedure, Registry,
+    async_trait, Context, Error, Executor, Flow, Lock, LockState, MemoryStore, OnTimeout,
+    ProcError, ProcState, Procedure, Registry,
 };
 use serde::{Deserialize, Serialize};
 
+/// The calls around steps, a count of busy locks to answer, the calls of the hooks
+/// that get a context (each with the id it was given), and a signal of cleanups.
 #[derive(Default)]
-struct Log(Mutex<Vec<String>>, AtomicU32);
+struct Log(
+    Mutex<Vec<String>>,
+    AtomicU32,
+    Mutex<Vec<String>>,
+    tokio::sync::Notify,
+);
 
 impl Log {
+    fn hook(&self, ctx: &Context<Log>, hook: &str) {
+        let entry = format!("{hook} {}", ctx.id());
+        self.2.lock().unwrap().push(entry);
+    }
+    fn hooks(&self) -> Vec<String> {
+        self.2.lock().unwrap().clone()
+    }
     fn push(&self, s: impl Into<String>) {
         self.0.lock().unwrap().push(s.into());
     }
@@ -39,9 +54,6 @@ struct Hooked {
     /// An engine lock beside the hooks.
     resource: Option<String>,
 }
-
-/// Signalled by the completion cleanup of a procedure with `signal_cleanup`.
-static CLEANED_UP: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
 fn log(ctx: &Context<Log>, entry: &str) {
     ctx.env().push(entry);
@@ -116,10 +128,29 @@ impl Procedure<Log> for Hooked {
         self.timeout_ms
     }
 
-    fn completion_cleanup(&mut self) {
+    fn completion_cleanup(&mut self, ctx: &Context<Log>) {
+        ctx.env().hook(ctx, "cleanup");
         if self.signal_cleanup {
-            CLEANED_UP.notify_one();
+            ctx.env().3.notify_one();
         }
+    }
+
+    fn abort(&mut self, ctx: &Context<Log>) -> bool {
+        ctx.env().hook(ctx, "abort");
+        true
+    }
+
+    fn on_timeout(&mut self, ctx: &Context<Log>) -> OnTimeout {
+        ctx.env().hook(ctx, "timeout");
+        OnTimeout::Fail
+    }
+
+    fn before_recover(&mut self, ctx: &Context<Log>) {
+        ctx.env().hook(ctx, "before_recover");
+    }
+
+    fn after_recover(&mut self, ctx: &Context<Log>) {
+        ctx.env().hook(ctx, "after_recover");
     }
 }
 
@@ -291,13 +322,67 @@ async fn an_unregistered_type_is_refused_at_submit() {
 
 #[actix::test]
 async fn completion_cleanup_runs_once_finished() {
-    let (executor, _log) = start().await;
+    let (executor, log) = start().await;
     let mut proc = Hooked::new(1);
     proc.signal_cleanup = true;
     let id = executor.submit(proc).await.unwrap();
     assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
     // The cleanup runs when the actor stops, which may be just after the result.
-    tokio::time::timeout(Duration::from_secs(10), CLEANED_UP.notified())
+    tokio::time::timeout(Duration::from_secs(10), log.3.notified())
         .await
         .expect("completion_cleanup ran");
+    assert_eq!(log.hooks(), [format!("cleanup {id}")]);
+}
+
+#[actix::test]
+async fn the_abort_timeout_and_recovery_hooks_get_their_procedures_context() {
+    let store = common::Reopen::new("memory");
+    let log = Arc::new(Log::default());
+    let start = || {
+        let mut registry = Registry::<Log>::default();
+        registry.register::<Hooked>("hooked");
+        Executor::builder()
+            .registry(registry)
+            .store(store.open())
+            .env(log.clone())
+            .start()
+    };
+    let executor = start().await.unwrap();
+    let mut sleeper = Hooked::new(1);
+    sleeper.sleep_forever = true;
+    let aborted = executor.submit(sleeper).await.unwrap();
+    common::wait_for_state(&executor, aborted, ProcState::WaitingTimeout).await;
+    assert!(executor.abort(aborted).await.unwrap());
+    assert!(executor.wait(aborted).await.unwrap().is_err());
+
+    let mut timed = Hooked::new(1);
+    timed.sleep_forever = true;
+    timed.timeout_ms = Some(20);
+    let timed = executor.submit(timed).await.unwrap();
+    assert!(executor.wait(timed).await.unwrap().is_err());
+
+    let mut kept = Hooked::new(1);
+    kept.sleep_forever = true;
+    let kept = executor.submit(kept).await.unwrap();
+    common::wait_for_state(&executor, kept, ProcState::WaitingTimeout).await;
+    executor.shutdown_now().await.unwrap();
+    let executor = start().await.unwrap();
+    // after_recover runs when the recovered procedure is next called: abort it.
+    assert!(executor.abort(kept).await.unwrap());
+    assert!(executor.wait(kept).await.unwrap().is_err());
+    executor.shutdown_now().await.unwrap();
+
+    let hooks = log.hooks();
+    let expected = [
+        format!("abort {aborted}"),
+        format!("timeout {timed}"),
+        format!("before_recover {kept}"),
+        format!("after_recover {kept}"),
+        format!("abort {kept}"),
+    ];
+    let seen: Vec<&String> = hooks.iter().filter(|h| !h.starts_with("cleanup")).collect();
+    assert_eq!(seen, expected.iter().collect::<Vec<_>>());
+    for id in [aborted, timed, kept] {
+        assert!(hooks.contains(&format!("cleanup {id}")), "{hooks:?}");
+    }
 }

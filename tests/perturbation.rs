@@ -574,12 +574,10 @@ impl Procedure<World> for Traced {
         }
     }
 
-    fn completion_cleanup(&mut self) {
-        if let Some(world) = WORLD.lock().unwrap().clone() {
-            world.log(Ev::Cleanup {
-                name: self.name.clone(),
-            });
-        }
+    fn completion_cleanup(&mut self, ctx: &Context<World>) {
+        ctx.env().log(Ev::Cleanup {
+            name: self.name.clone(),
+        });
     }
 }
 
@@ -623,8 +621,8 @@ impl Procedure<World> for Urgent {
         self.0.failure_policy(error)
     }
 
-    fn completion_cleanup(&mut self) {
-        self.0.completion_cleanup();
+    fn completion_cleanup(&mut self, ctx: &Context<World>) {
+        self.0.completion_cleanup(ctx);
     }
 }
 

@@ -270,7 +270,7 @@ impl Procedure<World> for Timed {
         self.timeout_ms
     }
 
-    fn on_timeout(&mut self) -> OnTimeout {
+    fn on_timeout(&mut self, _ctx: &Context<World>) -> OnTimeout {
         if self.wait_for_step_1 && self.at == 0 {
             OnTimeout::Rearm(20)
         } else if self.time_out_when_told {

@@ -161,12 +161,12 @@ impl Procedure<Locks> for Locker {
         self.hold
     }
 
-    fn completion_cleanup(&mut self) {
+    fn completion_cleanup(&mut self, _ctx: &Context<Locks>) {
         CLEANUPS.lock().unwrap().push(self.name.clone());
     }
 }
 
-/// Completion cleanup has no context; it reports here.
+/// Where completion cleanups report.
 static CLEANUPS: Mutex<Vec<String>> = Mutex::new(Vec::new());
 
 fn cleanups_of(name: &str) -> usize {

@@ -10,8 +10,8 @@ mod common;
 use std::time::Duration;
 
 use proctor::{
-    async_trait, Context, Error, Executor, ExecutorBuilder, Flow, Nonce, ProcError, ProcId,
-    Procedure, ProcedureStore, Registry,
+    async_trait, Context, Error, Executor, ExecutorBuilder, Flow, GetValue, Nonce, ProcError,
+    ProcId, Procedure, ProcedureStore, Registry, WaitError, WaitValue,
 };
 use serde::{Deserialize, Serialize};
 
@@ -70,7 +70,9 @@ async fn start(
     configure: impl FnOnce(ExecutorBuilder) -> ExecutorBuilder,
 ) -> Executor {
     let mut registry = Registry::new();
-    registry.register::<CreateTable>("create_table");
+    registry
+        .register::<CreateTable>("create_table")
+        .register::<Quiet>("quiet");
     configure(Executor::builder().registry(registry).store(store))
         .start()
         .await
@@ -141,7 +143,7 @@ async fn a_value_set_before_the_last_step_reaches_the_caller_across_a_restart() 
             .unwrap();
         executor.wake_event("early-go").await.unwrap();
         let value = executor.wait_value::<String>(id).await.unwrap();
-        assert_eq!(value, Ok(Some("set in step 1".to_string())), "{name}");
+        assert_eq!(value, "set in step 1", "{name}");
         executor.shutdown_now().await.unwrap();
     }
 }
@@ -157,10 +159,10 @@ async fn the_last_steps_value_reaches_the_caller_and_survives_a_restart() {
             regions: 3,
         };
         let value = executor.wait_value::<Created>(id).await.unwrap();
-        assert_eq!(value, Ok(Some(expected)), "{name}");
+        assert_eq!(value, expected, "{name}");
         // The wrong type is a typed error, not a panic.
         match executor.wait_value::<Vec<u64>>(id).await {
-            Err(Error::ValueType { id: got, .. }) => assert_eq!(got, id),
+            Err(WaitError::Engine(Error::ValueType { id: got, .. })) => assert_eq!(got, id),
             other => panic!("{name}: {other:?}"),
         }
         executor.shutdown_now().await.unwrap();
@@ -169,10 +171,10 @@ async fn the_last_steps_value_reaches_the_caller_and_survives_a_restart() {
         let value = executor.wait_value::<Created>(id).await.unwrap();
         assert_eq!(
             value,
-            Ok(Some(Created {
+            Created {
                 table: "t1".into(),
                 regions: 3
-            })),
+            },
             "{name}"
         );
         executor.shutdown_now().await.unwrap();
@@ -209,7 +211,7 @@ async fn results_are_evicted_after_their_retention_and_the_log_forgets_them() {
         assert!(matches!(
             executor
                 .addr()
-                .send(proctor::GetValue(running))
+                .send(proctor::GetValue::<Created>::new(running))
                 .await
                 .unwrap(),
             Err(Error::NotFinished(_))
@@ -253,6 +255,186 @@ async fn an_acknowledged_result_goes_sooner() {
         executor.ack_result(acked).await.unwrap();
         wait_until_gone(&executor, acked).await;
         assert!(executor.state(kept).await.is_ok(), "{name}");
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// One step that sets no value; it fails when asked to.
+#[derive(Serialize, Deserialize)]
+struct Quiet {
+    fail: bool,
+}
+
+#[async_trait]
+impl Procedure for Quiet {
+    async fn execute(&mut self, _ctx: &mut Context) -> Result<Flow, ProcError> {
+        if self.fail {
+            return Err(ProcError::failed("quietly broke"));
+        }
+        Ok(Flow::Done)
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
+        Ok(())
+    }
+}
+
+#[actix::test]
+async fn wait_value_tells_a_failure_no_value_a_gone_id_and_an_engine_error_apart() {
+    for (name, store, _dir) in common::stores() {
+        let executor = start(store, |b| {
+            b.retention(Duration::from_millis(30))
+                .cleaner_interval(Duration::from_millis(5))
+        })
+        .await;
+        let failed = executor.submit(Quiet { fail: true }).await.unwrap();
+        match executor.wait_value::<u32>(failed).await {
+            Err(WaitError::Failed(failure)) => {
+                assert_eq!(failure.proc, failed);
+                assert_eq!(failure.error, ProcError::failed("quietly broke"), "{name}");
+            }
+            other => panic!("{name}: {other:?}"),
+        }
+        let quiet = executor.submit(Quiet { fail: false }).await.unwrap();
+        assert!(
+            matches!(executor.wait_value::<u32>(quiet).await, Err(WaitError::NoValue(id)) if id == quiet),
+            "{name}"
+        );
+        wait_until_gone(&executor, quiet).await;
+        assert!(
+            matches!(executor.wait_value::<u32>(quiet).await, Err(WaitError::Gone(id)) if id == quiet),
+            "{name}"
+        );
+        assert!(
+            matches!(
+                executor.wait_value::<u32>(ProcId(1 << 40)).await,
+                Err(WaitError::Engine(Error::UnknownProcedure(_)))
+            ),
+            "{name}"
+        );
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn an_actor_reads_a_typed_value_with_wait_value_and_get_value() {
+    for (name, store, _dir) in common::stores() {
+        let executor = start(store, |b| b).await;
+        let id = executor.submit(create("t9", false)).await.unwrap();
+        let addr = executor.addr();
+        let waited: Created = addr.send(WaitValue::new(id)).await.unwrap().unwrap();
+        assert_eq!(waited.table, "t9", "{name}");
+        let got: Option<Created> = addr.send(GetValue::new(id)).await.unwrap().unwrap();
+        assert_eq!(got, Some(waited), "{name}");
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// Sets its name as its value; with `hold`, waits for the event "region-go" first.
+#[derive(Serialize, Deserialize)]
+struct Region {
+    name: String,
+    hold: bool,
+    step: u32,
+}
+
+#[async_trait]
+impl Procedure for Region {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+        self.step += 1;
+        ctx.set_result(&self.name)?;
+        if self.hold && self.step == 1 {
+            return Ok(Flow::Suspend("region-go".into()));
+        }
+        Ok(Flow::Done)
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
+        Ok(())
+    }
+
+    fn rerun_after_recover(&self, _event: &str) -> bool {
+        false
+    }
+}
+
+/// Starts its regions, then answers the names they set, in order.
+#[derive(Serialize, Deserialize)]
+struct Regions {
+    names: Vec<String>,
+    started: bool,
+}
+
+#[async_trait]
+impl Procedure for Regions {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+        if !self.started {
+            self.started = true;
+            let children = self.names.iter().enumerate().map(|(i, name)| Region {
+                name: name.clone(),
+                hold: i == 0,
+                step: 0,
+            });
+            return Ok(Flow::children(children));
+        }
+        let names: Vec<String> = ctx
+            .child_results::<String>()?
+            .into_iter()
+            .map(|(_, name)| name)
+            .collect();
+        // One child's, by id, agrees.
+        let first = ctx.children()[0].0;
+        assert_eq!(ctx.child_result::<String>(first)?.as_ref(), names.first());
+        ctx.set_result(&names)?;
+        Ok(Flow::Done)
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context) -> Result<(), ProcError> {
+        Ok(())
+    }
+}
+
+#[actix::test]
+async fn a_parent_reads_its_childrens_values_even_across_a_restart() {
+    for name in ["memory", "wal"] {
+        let store = common::Reopen::new(name);
+        let with_regions = |b: ExecutorBuilder| {
+            let mut registry = Registry::new();
+            registry
+                .register::<Region>("region")
+                .register::<Regions>("regions");
+            b.registry(registry)
+        };
+        let executor = with_regions(Executor::builder().store(store.open()))
+            .start()
+            .await
+            .unwrap();
+        let names = vec!["r-0".to_string(), "r-1".to_string(), "r-2".to_string()];
+        let id = executor
+            .submit(Regions {
+                names: names.clone(),
+                started: false,
+            })
+            .await
+            .unwrap();
+        // r-1 and r-2 finish; r-0 waits for its event. Then the engine stops.
+        common::waiting_children(&executor, id, 1).await;
+        // (A child that has finished leaves the executor's table.)
+        for child in [ProcId(id.0 + 2), ProcId(id.0 + 3)] {
+            while !matches!(executor.state(child).await, Err(Error::Gone(_))) {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        }
+        executor.shutdown_now().await.unwrap();
+
+        // The values r-1 and r-2 set were recorded with them.
+        let executor = with_regions(Executor::builder().store(store.open()))
+            .start()
+            .await
+            .unwrap();
+        executor.wake_event("region-go").await.unwrap();
+        let got: Vec<String> = executor.wait_value(id).await.unwrap();
+        assert_eq!(got, names, "{name}");
         executor.shutdown_now().await.unwrap();
     }
 }

@@ -94,7 +94,7 @@ impl Procedure<Calls> for Timer {
         self.timeout
     }
 
-    fn on_timeout(&mut self) -> OnTimeout {
+    fn on_timeout(&mut self, _ctx: &Context<Calls>) -> OnTimeout {
         if !self.started {
             // Not in its wait yet (a loaded machine): what the tests time out is the
             // wait, so the deadline is pushed back until the step has run.

@@ -15,7 +15,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use crate::error::Error;
+use crate::error::{Error, WaitError};
 use crate::fast_map::IdMap;
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Nonce, StoreOp};
@@ -34,7 +34,7 @@ use crate::actors::shared::{now_ms, Shared, Waiting};
 use super::api::{
     Abort, AckResult, Bypass, Continue, GetState, GetValue, List, Pause, ProcEvent, ProcInfo,
     Rollback, Shutdown, Submit, Subscribe, SubscribeChannel, TreeFinished, TreeNews, WaitFor,
-    WaitingOn,
+    WaitValue, WaitingOn,
 };
 use super::builder::Retention;
 
@@ -643,17 +643,56 @@ impl<E: Send + Sync + 'static> Handler<WaitFor> for ExecutorActor<E> {
     }
 }
 
-impl<E: Send + Sync + 'static> Handler<GetValue> for ExecutorActor<E> {
-    type Result = Result<Option<Vec<u8>>, Error>;
+impl<E, T> Handler<GetValue<T>> for ExecutorActor<E>
+where
+    E: Send + Sync + 'static,
+    T: serde::de::DeserializeOwned + 'static,
+{
+    type Result = Result<Option<T>, Error>;
 
-    fn handle(&mut self, msg: GetValue, _ctx: &mut Context<Self>) -> Self::Result {
-        let id = msg.0;
-        match self.shared.table.get(&id) {
-            None => Err(self.missing(id)),
-            Some(e) if e.result().is_none() => Err(Error::NotFinished(id)),
-            Some(e) => Ok(e.caller_value().cloned()),
-        }
+    fn handle(&mut self, msg: GetValue<T>, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.id;
+        let bytes = match self.shared.table.get(&id) {
+            None => return Err(self.missing(id)),
+            Some(e) if e.result().is_none() => return Err(Error::NotFinished(id)),
+            Some(e) => e.caller_value().cloned(),
+        };
+        bytes.map(|b| decode_value(id, &b)).transpose()
     }
+}
+
+impl<E, T> Handler<WaitValue<T>> for ExecutorActor<E>
+where
+    E: Send + Sync + 'static,
+    T: serde::de::DeserializeOwned + 'static,
+{
+    type Result = ResponseFuture<Result<T, WaitError>>;
+
+    fn handle(&mut self, msg: WaitValue<T>, ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.id;
+        let finished = self.handle(WaitFor(id), ctx);
+        let shared = Arc::clone(&self.shared);
+        Box::pin(async move {
+            finished.await?.map_err(WaitError::Failed)?;
+            // Read as the result was published: kept at least until its retention ends.
+            let bytes = shared
+                .table
+                .get(&id)
+                .ok_or(WaitError::Gone(id))?
+                .caller_value()
+                .cloned()
+                .ok_or(WaitError::NoValue(id))?;
+            Ok(decode_value(id, &bytes)?)
+        })
+    }
+}
+
+/// A root's value as the type its caller asked for.
+fn decode_value<T: serde::de::DeserializeOwned>(id: ProcId, bytes: &[u8]) -> Result<T, Error> {
+    rmp_serde::from_slice(bytes).map_err(|e| Error::ValueType {
+        id,
+        reason: e.to_string(),
+    })
 }
 
 impl<E: Send + Sync + 'static> Handler<AckResult> for ExecutorActor<E> {

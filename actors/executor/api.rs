@@ -1,5 +1,5 @@
 //! The public messages the executor actor takes ([`Submit`], [`Abort`], [`Bypass`],
-//! [`Pause`], [`Continue`], [`Rollback`], [`GetState`], [`WaitFor`], [`GetValue`],
+//! [`Pause`], [`Continue`], [`Rollback`], [`GetState`], [`WaitFor`], [`WaitValue`], [`GetValue`],
 //! [`AckResult`], [`List`], [`Shutdown`], [`Subscribe`]) and what it answers or sends
 //! with them ([`ProcInfo`], [`WaitingOn`], [`ProcEvent`]), for code that talks to
 //! actors; [`Executor`]'s methods send the same messages. Each message's `Result` is
@@ -10,7 +10,7 @@ use std::marker::PhantomData;
 use actix::prelude::*;
 
 use crate::erased::{erase, erase_boxed, DynProc};
-use crate::error::Error;
+use crate::error::{Error, WaitError};
 use crate::locks::Lock;
 use crate::procedure::{ProcId, ProcState, Procedure};
 use crate::record::{Failure, Nonce, Paused, Steering};
@@ -197,12 +197,86 @@ impl Message for WaitFor {
     type Result = Result<Result<(), Failure>, Error>;
 }
 
-/// A finished root's value (MessagePack), if its last step set one.
-#[derive(Clone, Copy, Debug)]
-pub struct GetValue(pub ProcId);
+/// A finished root's value, decoded as a `T`, if a step of it set one
+/// ([`Context::set_result`](crate::Context::set_result)); answered at once
+/// ([`Error::NotFinished`] before the tree finishes). [`WaitValue`] waits for it.
+///
+/// ```no_run
+/// # async fn f(addr: actix::Addr<proctor::ExecutorActor>, id: proctor::ProcId)
+/// #     -> Result<(), Box<dyn std::error::Error>> {
+/// use proctor::GetValue;
+/// let regions: Option<u32> = addr.send(GetValue::new(id)).await??;
+/// # Ok(()) }
+/// ```
+pub struct GetValue<T> {
+    /// The root.
+    pub id: ProcId,
+    value: PhantomData<fn() -> T>,
+}
 
-impl Message for GetValue {
-    type Result = Result<Option<Vec<u8>>, Error>;
+impl<T> Clone for GetValue<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for GetValue<T> {}
+
+impl<T> std::fmt::Debug for GetValue<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("GetValue").field(&self.id).finish()
+    }
+}
+
+impl<T> GetValue<T> {
+    /// The value of root `id`.
+    pub fn new(id: ProcId) -> Self {
+        GetValue {
+            id,
+            value: PhantomData,
+        }
+    }
+}
+
+impl<T: serde::de::DeserializeOwned + 'static> Message for GetValue<T> {
+    type Result = Result<Option<T>, Error>;
+}
+
+/// Wait for a root procedure to finish, and answer with the value a step of it set
+/// ([`Context::set_result`](crate::Context::set_result)), decoded as a `T`, or why
+/// there is none ([`WaitError`]). [`Executor::wait_value`] sends it.
+pub struct WaitValue<T> {
+    /// The root.
+    pub id: ProcId,
+    value: PhantomData<fn() -> T>,
+}
+
+impl<T> Clone for WaitValue<T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for WaitValue<T> {}
+
+impl<T> std::fmt::Debug for WaitValue<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("WaitValue").field(&self.id).finish()
+    }
+}
+
+impl<T> WaitValue<T> {
+    /// Waits for root `id`.
+    pub fn new(id: ProcId) -> Self {
+        WaitValue {
+            id,
+            value: PhantomData,
+        }
+    }
+}
+
+impl<T: serde::de::DeserializeOwned + 'static> Message for WaitValue<T> {
+    type Result = Result<T, WaitError>;
 }
 
 /// The client has a finished root's result: keep it only for the shorter retention.

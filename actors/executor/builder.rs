@@ -13,7 +13,7 @@ use std::time::Duration;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use crate::erased::AnyEnv;
+use crate::erased::{AnyEnv, Call};
 use crate::error::Error;
 use crate::fast_map::IdMap;
 use crate::locks::Lock;
@@ -173,7 +173,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     ///
     /// ```
     /// use proctor::{Executor, Scheduling};
-    /// let builder = Executor::builder().scheduling(Scheduling::Fifo);
+    /// let builder: proctor::ExecutorBuilder = Executor::builder().scheduling(Scheduling::Fifo);
     /// # let _ = builder;
     /// ```
     #[must_use]
@@ -193,7 +193,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// workers or more, else 0. [`Scheduling::Fifo`] ignores it.
     ///
     /// ```
-    /// let builder = proctor::Executor::builder().workers(8).reserved_workers(2);
+    /// let builder: proctor::ExecutorBuilder = proctor::Executor::builder().workers(8).reserved_workers(2);
     /// # let _ = builder;
     /// ```
     #[must_use]
@@ -214,7 +214,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// without system types never uses them.
     ///
     /// ```
-    /// let builder = proctor::Executor::builder().workers(8).system_workers(2);
+    /// let builder: proctor::ExecutorBuilder = proctor::Executor::builder().workers(8).system_workers(2);
     /// # let _ = builder;
     /// ```
     #[must_use]
@@ -233,7 +233,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     ///
     /// ```
     /// // Two shards of 4 workers each.
-    /// let builder = proctor::Executor::builder().workers(8).arbiters(2);
+    /// let builder: proctor::ExecutorBuilder = proctor::Executor::builder().workers(8).arbiters(2);
     /// # let _ = builder;
     /// ```
     #[must_use]
@@ -252,29 +252,13 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         self
     }
 
-    /// The procedure types this executor can persist and recover. Their environment
-    /// type `F` becomes the executor's: give the registry first, then
-    /// [`env`](Self::env). An environment given before, of another type, is dropped.
+    /// The procedure types this executor can persist and recover, all of the
+    /// executor's environment type `E` (which the registry's type fixes, in whatever
+    /// order the builder's calls come).
     #[must_use]
-    pub fn registry<F: Send + Sync + 'static>(self, registry: Registry<F>) -> ExecutorBuilder<F> {
-        let env = self
-            .env
-            .and_then(|env| (env as Arc<AnyEnv>).downcast::<F>().ok());
-        ExecutorBuilder {
-            workers: self.workers,
-            scheduling: self.scheduling,
-            reserved_workers: self.reserved_workers,
-            system_workers: self.system_workers,
-            arbiters: self.arbiters,
-            store: self.store,
-            registry,
-            env,
-            permits: self.permits,
-            max_unfinished: self.max_unfinished,
-            retention: self.retention,
-            monitor: self.monitor,
-            drain_timeout: self.drain_timeout,
-        }
+    pub fn registry(mut self, registry: Registry<E>) -> Self {
+        self.registry = registry;
+        self
     }
 
     /// The value every call borrows through [`Context::env`](crate::Context::env): the
@@ -309,7 +293,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// it still excludes everyone.
     ///
     /// ```
-    /// let builder = proctor::Executor::builder().permits("ddl/db1", 4);
+    /// let builder: proctor::ExecutorBuilder = proctor::Executor::builder().permits("ddl/db1", 4);
     /// # let _ = builder;
     /// ```
     #[must_use]
@@ -446,7 +430,8 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         })?;
         // The registry's types go to the recovery, and on to the actors: the other
         // options are still read below.
-        let recovered = Recovered::load(&mut *store, std::mem::take(&mut self.registry))?;
+        let registry = std::mem::take(&mut self.registry);
+        let recovered = Recovered::load(&mut *store, registry, &env)?;
         crate::actors::metrics::describe();
         let persistence = PersistenceActor::new(store)
             .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
@@ -678,6 +663,7 @@ impl Recovered {
     fn load<E: Send + Sync + 'static>(
         store: &mut dyn ProcedureStore,
         registry: Registry<E>,
+        env: &Arc<AnyEnv>,
     ) -> Result<Self, Error> {
         let snapshot = store.load_parts()?;
         // A drained stop's mark holds for one start: this engine may run a step (a
@@ -689,7 +675,7 @@ impl Recovered {
         let names = |name: &str| registry.static_name(name);
         let cut_off = recovery::may_be_cut_off(&snapshot.last_stop);
         let mut plan = crate::actors::recover::plan(snapshot.parts, &names, &cut_off, now_ms());
-        let (trees, corrupt) = decode_trees(&registry, &mut plan);
+        let (trees, corrupt) = decode_trees(&registry, &mut plan, env);
         for c in &corrupt {
             tracing::error!(proc = %c.id, root = %c.root, reason = %c.reason, "cannot recover procedure");
         }
@@ -751,7 +737,11 @@ impl Recovered {
 /// Decodes the trees `plan` carries on, taking them and its corrupt procedures out of
 /// it: the trees that decoded, and every procedure that cannot be recovered (those of
 /// a tree that does not decode included).
-fn decode_trees(registry: &Types, plan: &mut RecoveryPlan) -> (Vec<DecodedTree>, Vec<CorruptProc>) {
+fn decode_trees(
+    registry: &Types,
+    plan: &mut RecoveryPlan,
+    env: &Arc<AnyEnv>,
+) -> (Vec<DecodedTree>, Vec<CorruptProc>) {
     let mut corrupt = std::mem::take(&mut plan.corrupt);
     // Decode every unfinished procedure before anything starts, so that hooks run
     // in the plan's order (children before parents) and a tree that cannot be
@@ -759,7 +749,7 @@ fn decode_trees(registry: &Types, plan: &mut RecoveryPlan) -> (Vec<DecodedTree>,
     let mut trees = Vec::with_capacity(plan.tree_count());
     for tree in std::mem::take(&mut plan.trees).into_iter().flatten() {
         let records = plan.records_of(&tree);
-        match decode_tree(registry, records) {
+        match decode_tree(registry, records, env) {
             Ok(decoded) => trees.push((tree, decoded)),
             Err(reason) => corrupt.extend(records.iter().map(|r| CorruptProc {
                 id: r.id,
@@ -840,7 +830,11 @@ fn start_recovered(shared: &Arc<Shared>, plan: &RecoveryPlan, trees: Vec<Decoded
 /// Decodes the unfinished procedures of a recovered tree and runs their
 /// `before_recover` hooks, children first. Also returns the suspended procedures that
 /// run their next step at once rather than wait for their event again.
-fn decode_tree(registry: &Types, records: &[ProcRecord]) -> Result<(Objects, Vec<ProcId>), String> {
+fn decode_tree(
+    registry: &Types,
+    records: &[ProcRecord],
+    env: &Arc<AnyEnv>,
+) -> Result<(Objects, Vec<ProcId>), String> {
     let mut objects = Vec::new();
     let mut rerun = Vec::new();
     for r in records.iter().filter(|r| !r.state.is_finished()) {
@@ -848,7 +842,8 @@ fn decode_tree(registry: &Types, records: &[ProcRecord]) -> Result<(Objects, Vec
         // named, rather than ending the engine's start.
         let mut proc = decode_guarded(registry, &r.type_name, &r.data)
             .map_err(|e| format!("procedure {}: {e}", r.id))?;
-        if let Err(e) = guard("before_recover", || proc.before_recover()) {
+        let call = Call::new(r.id, r.parent, r.root, now_ms(), Arc::clone(env));
+        if let Err(e) = guard("before_recover", || proc.before_recover(&call)) {
             tracing::error!(proc = %r.id, %e, "before_recover panicked");
         }
         // Paused while it waited (an operator's pause), it asks the same question:

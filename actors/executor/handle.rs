@@ -9,7 +9,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use crate::error::Error;
+use crate::error::{Error, WaitError};
 use crate::procedure::{ProcId, Procedure};
 use crate::record::{Failure, Nonce};
 
@@ -18,8 +18,8 @@ use crate::actors::scheduler::{GetSchedulerStats, SchedulerStats};
 
 use super::actor::ExecutorActor;
 use super::api::{
-    Abort, AckResult, Bypass, Continue, GetState, GetValue, List, Pause, ProcEvent, ProcInfo,
-    Rollback, Shutdown, Submit, SubscribeChannel, WaitFor,
+    Abort, AckResult, Bypass, Continue, GetState, List, Pause, ProcEvent, ProcInfo, Rollback,
+    Shutdown, Submit, SubscribeChannel, WaitFor, WaitValue,
 };
 use super::builder::{ExecutorBuilder, Recovery};
 
@@ -104,14 +104,26 @@ impl<E: Send + Sync + 'static> std::fmt::Debug for Executor<E> {
     }
 }
 
-impl Executor {
-    /// A builder with the defaults.
-    pub fn builder() -> ExecutorBuilder {
+impl<E: Send + Sync + 'static> Executor<E> {
+    /// A builder with the defaults, for an executor whose procedures take an
+    /// environment of type `E` (see [`Procedure`]). `E` is fixed by the registry
+    /// ([`ExecutorBuilder::registry`]) or the environment ([`ExecutorBuilder::env`]),
+    /// whichever comes first, or named here: `Executor::<Cluster>::builder()`; an
+    /// executor without an environment is an `Executor<()>`.
+    ///
+    /// ```
+    /// use proctor::{Executor, MemoryStore, Registry};
+    /// struct Cluster;
+    /// // The environment first, then the registry: the registry's type fixes `E`.
+    /// let builder = Executor::builder()
+    ///     .env(Cluster)
+    ///     .registry(Registry::<Cluster>::default())
+    ///     .store(MemoryStore::new());
+    /// # let _ = builder;
+    /// ```
+    pub fn builder() -> ExecutorBuilder<E> {
         ExecutorBuilder::default()
     }
-}
-
-impl<E: Send + Sync + 'static> Executor<E> {
     /// What recovery found when the executor started.
     pub fn recovery(&self) -> &Recovery {
         &self.report
@@ -273,38 +285,32 @@ impl<E: Send + Sync + 'static> Executor<E> {
         self.addr.send(WaitFor(id)).await?
     }
 
-    /// Waits like [`wait`](Self::wait), and for a root that succeeded also returns the
-    /// value its last step set with [`Context::set_result`](crate::Context::set_result)
-    /// (`None` if it set none).
+    /// Waits like [`wait`](Self::wait) and returns the value a step of the root set
+    /// with [`Context::set_result`](crate::Context::set_result) (the last one set),
+    /// decoded as a `T`.
     ///
     /// ```no_run
-    /// # async fn f(executor: proctor::Executor, id: proctor::ProcId) -> Result<(), proctor::Error> {
-    /// if let Ok(Some(region_count)) = executor.wait_value::<u32>(id).await? {
-    ///     println!("created {region_count} regions");
-    /// }
+    /// # async fn f(executor: proctor::Executor, id: proctor::ProcId) -> Result<(), proctor::WaitError> {
+    /// let region_count: u32 = executor.wait_value(id).await?;
+    /// println!("created {region_count} regions");
     /// # Ok(()) }
     /// ```
     ///
     /// # Errors
     ///
-    /// As [`wait`](Self::wait); [`Error::Gone`] also if the result is evicted before its
-    /// value is read; [`Error::ValueType`] if the value does not decode as `T`.
-    pub async fn wait_value<T: serde::de::DeserializeOwned>(
+    /// [`WaitError::Failed`] with the tree's failure if it rolled back;
+    /// [`WaitError::NoValue`] if it succeeded without setting one; [`WaitError::Gone`]
+    /// for a procedure no longer known (also if its result is evicted before the value
+    /// is read); [`WaitError::Engine`] with the error [`wait`](Self::wait) gives
+    /// otherwise, or [`Error::ValueType`] if the value does not decode as `T`.
+    pub async fn wait_value<T: serde::de::DeserializeOwned + Send + 'static>(
         &self,
         id: ProcId,
-    ) -> Result<Result<Option<T>, Failure>, Error> {
-        if let Err(failure) = self.wait(id).await? {
-            return Ok(Err(failure));
-        }
-        let Some(bytes) = self.addr.send(GetValue(id)).await?? else {
-            return Ok(Ok(None));
-        };
-        rmp_serde::from_slice(&bytes)
-            .map(|v| Ok(Some(v)))
-            .map_err(|e| Error::ValueType {
-                id,
-                reason: e.to_string(),
-            })
+    ) -> Result<T, WaitError> {
+        self.addr
+            .send(WaitValue::new(id))
+            .await
+            .map_err(Error::from)?
     }
 
     /// Tells the executor the client has its result: it is evicted after the shorter

@@ -25,7 +25,7 @@ mod handle;
 pub use actor::ExecutorActor;
 pub use api::{
     Abort, AckResult, Bypass, Continue, GetState, GetValue, List, Pause, ProcEvent, ProcInfo,
-    Rollback, Shutdown, Submit, Subscribe, WaitFor, WaitingOn,
+    Rollback, Shutdown, Submit, Subscribe, WaitFor, WaitValue, WaitingOn,
 };
 pub(crate) use api::{TreeFinished, TreeNews};
 pub use builder::{ExecutorBuilder, Recovery};

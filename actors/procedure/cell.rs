@@ -24,7 +24,9 @@ use crate::error::Error;
 use crate::locks::LockClaim;
 use crate::procedure::{FailurePolicy, LockState, OnTimeout, ProcError, ProcId, ProcState};
 use crate::registry::RegistryError;
-use crate::root_stack::{NewChild, OnError, RollbackFailure, RollbackOf, StepOutcome, StepReport};
+use crate::root_stack::{
+    ChildrenSeen, NewChild, OnError, RollbackFailure, RollbackOf, StepOutcome, StepReport,
+};
 
 use crate::actors::guard::{decode_guarded, guard, CatchUnwind};
 use crate::actors::perturb;
@@ -219,8 +221,9 @@ impl ProcedureCell {
         if !std::mem::take(&mut self.recovered) || self.status.halted() {
             return;
         }
+        let call = self.context();
         if let Some(proc) = self.proc.as_mut() {
-            if let Err(e) = guard("after_recover", || proc.after_recover()) {
+            if let Err(e) = guard("after_recover", || proc.after_recover(&call)) {
                 tracing::error!(proc = %self.id, %e, "after_recover panicked");
             }
         }
@@ -492,7 +495,8 @@ impl ProcedureCell {
         let Some(mut proc) = self.proc.take() else {
             unreachable!("request_failure while a call runs");
         };
-        let (accepted, error) = match guard("abort", || proc.abort()) {
+        let call = self.context();
+        let (accepted, error) = match guard("abort", || proc.abort(&call)) {
             Ok(accepted) => (accepted, ProcError::Aborted),
             // A panicking hook fails the procedure like any other panic in user code.
             Err(panic) => (true, panic),
@@ -537,7 +541,8 @@ impl ProcedureCell {
             .ok()
             .flatten()
             .unwrap_or(0);
-        let choice = guard("on_timeout", || proc.on_timeout());
+        let call = self.context();
+        let choice = guard("on_timeout", || proc.on_timeout(&call));
         let data = self.encode(&*proc).unwrap_or_else(|_| self.data.clone());
         self.proc = Some(proc);
         let deadline_ms = match choice {
@@ -656,7 +661,7 @@ impl ProcedureCell {
     fn run_step(
         &mut self,
         step: usize,
-        children: Option<Box<[(ProcId, ProcState)]>>,
+        children: Option<Box<ChildrenSeen>>,
         out: &mut Outbox,
         ctx: &mut ProcCtx<'_>,
     ) {
@@ -687,7 +692,10 @@ impl ProcedureCell {
         let cancel = self.cancel.get_or_insert_with(Cancel::new).clone();
         let mut pctx = self.context().with_cancel(cancel.clone());
         if let Some(children) = children {
-            pctx = pctx.with_children(children.into_vec());
+            let ChildrenSeen { states, values } = *children;
+            pctx = pctx
+                .with_children(states.into_vec())
+                .with_child_values(values.into_vec());
         }
         if !self.lock_held {
             match guard("acquire_lock", || proc.acquire_lock(&pctx)) {
@@ -879,7 +887,7 @@ impl ProcedureCell {
                 self.release_lock(&mut *proc, &pctx);
             }
             perturb::point("procedure::stop::cleanup");
-            if let Err(e) = guard("completion_cleanup", || proc.completion_cleanup()) {
+            if let Err(e) = guard("completion_cleanup", || proc.completion_cleanup(&pctx)) {
                 tracing::error!(proc = %self.id, %e, "completion_cleanup panicked");
             }
         }

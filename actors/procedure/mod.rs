@@ -37,7 +37,7 @@ use actix::fut::wrap_future;
 use actix::prelude::*;
 
 use crate::procedure::{ProcId, ProcState};
-use crate::root_stack::RollbackOf;
+use crate::root_stack::{ChildrenSeen, RollbackOf};
 
 use super::guard::panic_message;
 use super::lent::Lent;
@@ -377,7 +377,7 @@ pub(crate) struct RunStep {
     pub(crate) step: usize,
     /// For a parent: its children as they are now (filled in by its root stack, whose
     /// bookkeeping has them; see `Context::children`).
-    pub(crate) children: Option<Box<[(ProcId, ProcState)]>>,
+    pub(crate) children: Option<Box<ChildrenSeen>>,
 }
 
 /// The locks the procedure holds for its life were granted (from the lock actor, through

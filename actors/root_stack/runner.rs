@@ -35,7 +35,7 @@ use crate::error::Error;
 use crate::fast_map::{IdMap, SortedMap};
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Paused, ProcRecord, Steering, StoreOp};
-use crate::root_stack::{Action, NewChild, Place, RollbackOf, RootStack, Transition};
+use crate::root_stack::{Action, ChildrenSeen, NewChild, Place, RollbackOf, RootStack, Transition};
 
 use super::{Timer, TreeCtx, TreeMsg};
 
@@ -787,15 +787,25 @@ impl TreeRunner {
 
 impl TreeRunner {
     /// `id`'s children as its next step sees them.
-    fn children_for(&self, id: ProcId) -> Option<Box<[(ProcId, ProcState)]>> {
+    fn children_for(&self, id: ProcId) -> Option<Box<ChildrenSeen>> {
         self.core.children_of(id).map(|mut children| {
-            for (child, state) in children.iter_mut() {
+            let mut unseen = false;
+            for (child, state) in children.states.iter_mut() {
                 if *state == ProcState::Success && self.procs.contains_key(child) {
                     // Its SUCCESS is not durable yet (its `Stop`, performed after the
-                    // record, ends it): the step sees it running. Its parent, not
-                    // waiting now, is woken again for it (`unseen_child`).
+                    // record, ends it): the step sees it running, and not its value.
+                    // Its parent, not waiting now, is woken again for it
+                    // (`unseen_child`).
                     *state = ProcState::Runnable;
+                    unseen = true;
                 }
+            }
+            if unseen {
+                let values = std::mem::take(&mut children.values).into_vec();
+                children.values = values
+                    .into_iter()
+                    .filter(|(child, _)| !self.procs.contains_key(child))
+                    .collect();
             }
             children
         })

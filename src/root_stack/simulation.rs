@@ -198,6 +198,7 @@ fn run(seed: u64) {
                         .rs
                         .children_of(ProcId(id))
                         .unwrap_or_default()
+                        .states
                         .iter()
                         .filter(|(_, s)| *s == ProcState::Success)
                         .map(|(c, _)| c.0)
