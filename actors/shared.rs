@@ -79,12 +79,15 @@ pub(crate) struct EntryExtra {
     pub(crate) value: Option<Vec<u8>>,
     /// The nonce a root was submitted with.
     pub(crate) nonce: Option<Nonce>,
+    /// An operator bypassed it.
+    pub(crate) bypassed: bool,
 }
 
 impl EntryExtra {
     /// `None` when there is nothing to keep.
     pub(crate) fn boxed(self) -> Option<Box<EntryExtra>> {
-        let empty = self.result.is_none() && self.value.is_none() && self.nonce.is_none();
+        let empty =
+            self.result.is_none() && self.value.is_none() && self.nonce.is_none() && !self.bypassed;
         (!empty).then(|| Box::new(self))
     }
 }

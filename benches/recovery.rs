@@ -27,10 +27,11 @@ mod rss;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use proctor::internals::plan_recovery;
+use proctor::ops::plan_recovery;
+use proctor::store::{ProcRecord, StoreOp};
 use proctor::{
-    async_trait, Context, Executor, Flow, ProcError, ProcId, ProcRecord, ProcState, Procedure,
-    ProcedureStore, Registry, StoreOp, WalStats, WalStore,
+    async_trait, Context, Executor, Flow, ProcError, ProcId, ProcState, Procedure, ProcedureStore,
+    Registry, WalStats, WalStore,
 };
 use serde::{Deserialize, Serialize};
 

@@ -11,9 +11,9 @@
 //! stopped).
 //!
 //! ```sh
-//! proctor wal verify DIR   # checks the log as the engine would open it
-//! proctor wal dump DIR     # one line per record
-//! proctor procs DIR [--state S,..] [--type NAME] [--tree ID] [--json]
+//! proctor wal verify DIR [--json]   # checks the log as the engine would open it
+//! proctor wal dump DIR [--json]     # one line per record
+//! proctor procs DIR [--state S,..] [--type NAME] [--tree ID] [--json | --json-document]
 //! proctor bypass DIR ID [--recursive]   # mark a stuck procedure finished (HBCK2)
 //! proctor abort DIR ID                  # fail it; its tree rolls back at next start
 //! proctor pause DIR ID                  # it stays paused at next start
@@ -32,11 +32,10 @@ use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::{Parser, Subcommand};
-use proctor::internals::recovery::{self, Steer};
-use proctor::{
-    scan_wal_dir, scan_wal_dir_with, view_wal_dir, DirView, ProcId, ProcRecord, ProcState,
-    ProcedureStore, Repair, StoreError, StoreOp, WalDirScan, WalStore,
-};
+use proctor::ops::recovery::{self, Steer};
+use proctor::ops::{scan_wal_dir, scan_wal_dir_with, view_wal_dir, DirView, Repair, WalDirScan};
+use proctor::store::{ProcRecord, StoreOp};
+use proctor::{ProcId, ProcState, ProcedureStore, StoreError, WalStore};
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde::Serialize;
 use serde_json::{json, Map, Value};
@@ -93,9 +92,13 @@ enum Command {
         /// Only the tree of this procedure (its root's whole tree), indented by parent.
         #[arg(long, value_name = "ID")]
         tree: Option<u64>,
+        /// JSON Lines: one object per procedure, then one {"summary": {...}} line (so
+        /// `| head -1` is a record).
+        #[arg(long, conflicts_with = "json_document")]
+        json: bool,
         /// One JSON document: {"procedures": [...], "summary": {...}}.
         #[arg(long)]
-        json: bool,
+        json_document: bool,
     },
     /// Mark a stuck procedure finished (SUCCESS) without running further or rolling
     /// back, on a stopped engine's directory; its parent goes on as if it had succeeded
@@ -166,12 +169,21 @@ enum WalCommand {
     Verify {
         /// The WAL directory.
         dir: PathBuf,
+        /// One JSON object: {"verdict", "segments": [...], "repairs", "damage",
+        /// "in_use", "frames"}.
+        #[arg(long)]
+        json: bool,
     },
     /// Print one line per record.
     #[command(after_help = EXIT_CODES)]
     Dump {
         /// The WAL directory.
         dir: PathBuf,
+        /// JSON Lines: one object per op ({"segment", "offset", "lsn", "frame", "op",
+        /// "record"} or {"op": "delete", "id"}), then a {"repair"} or {"damage"} line
+        /// for each.
+        #[arg(long)]
+        json: bool,
     },
 }
 
@@ -225,24 +237,30 @@ fn main() -> ExitCode {
     let mut out = BufWriter::new(io::stdout().lock());
     let result = match cli.command {
         Command::Wal {
-            command: WalCommand::Verify { dir },
-        } => verify(&mut out, &dir),
+            command: WalCommand::Verify { dir, json },
+        } => verify(&mut out, &dir, json),
         Command::Wal {
-            command: WalCommand::Dump { dir },
-        } => dump(&mut out, &dir),
+            command: WalCommand::Dump { dir, json },
+        } => dump(&mut out, &dir, json),
         Command::Procs {
             dir,
             states,
             type_name,
             tree,
             json,
+            json_document,
         } => parse_states(&states).and_then(|states| {
             let filter = Filter {
                 states,
                 type_name,
                 tree: tree.map(ProcId),
             };
-            procs(&mut out, &dir, &filter, json)
+            let form = match (json, json_document) {
+                (true, _) => Form::JsonLines,
+                (_, true) => Form::JsonDocument,
+                _ => Form::Table,
+            };
+            procs(&mut out, &dir, &filter, form)
         }),
         Command::Bypass { dir, id, recursive } => bypass(&mut out, &dir, ProcId(id), recursive),
         Command::Abort { dir, id } => abort(&mut out, &dir, ProcId(id)),
@@ -326,22 +344,70 @@ fn segment_name(seq: u64) -> String {
 /// crash leaves and holds nothing that was acknowledged, so it has its own exit code.
 /// Beside a running engine, what a crash would leave is the engine's work in flight:
 /// the view is sound if nothing else is wrong.
-fn verify(out: &mut Out, dir: &Path) -> Outcome {
+fn verify(out: &mut Out, dir: &Path, as_json: bool) -> Outcome {
     let lock = dir.join("LOCK");
     let (scan, in_use) = match view_wal_dir(dir)? {
         DirView::Stable { scan, in_use, .. } => (scan, in_use),
         DirView::Unstable { attempts } => {
-            writeln!(
-                out,
-                "no consistent view of {} in {attempts} scans: its segments changed during \
-                 every one (a running engine rolling or compacting); no verdict, try again",
-                dir.display()
-            )?;
+            if as_json {
+                json_line(out, &json!({ "verdict": "no_view", "attempts": attempts }))?;
+            } else {
+                writeln!(
+                    out,
+                    "no consistent view of {} in {attempts} scans: its segments changed \
+                     during every one (a running engine rolling or compacting); no \
+                     verdict, try again",
+                    dir.display()
+                )?;
+            }
             return Ok(Exit::NoView);
         }
     };
     if let Some(stop) = no_wal(dir, &scan) {
         return Err(stop);
+    }
+    let frames: u64 = scan.segments.iter().map(|s| s.frames).sum();
+    let exit = match (&scan.damage, in_use, scan.repairs.is_empty()) {
+        (Some(_), _, _) => Exit::Failed,
+        // Beside a running engine, what looks torn is its append in flight.
+        (None, true, _) | (None, false, true) => Exit::Done,
+        (None, false, false) => Exit::TornTail,
+    };
+    if as_json {
+        let segments: Vec<Value> = scan
+            .segments
+            .iter()
+            .map(|s| {
+                json!({
+                    "path": s.path.display().to_string(),
+                    "frames": s.frames,
+                    "next_lsn": s.next_lsn,
+                    "sealed": s.sealed,
+                })
+            })
+            .collect();
+        let verdict = match exit {
+            Exit::Failed => "damaged",
+            Exit::TornTail => "torn_tail",
+            _ => "sound",
+        };
+        let repairs: Vec<String> = if in_use {
+            Vec::new()
+        } else {
+            scan.repairs.iter().map(describe_repair).collect()
+        };
+        json_line(
+            out,
+            &json!({
+                "verdict": verdict,
+                "in_use": in_use,
+                "segments": segments,
+                "frames": frames,
+                "repairs": repairs,
+                "damage": scan.damage.as_ref().map(describe),
+            }),
+        )?;
+        return Ok(exit);
     }
     let in_use = in_use.then(|| {
         format!(
@@ -352,9 +418,7 @@ fn verify(out: &mut Out, dir: &Path) -> Outcome {
             scan.segments.len()
         )
     });
-    let mut frames = 0;
     for segment in &scan.segments {
-        frames += segment.frames;
         writeln!(
             out,
             "ok {}: {} frames, next LSN {}{}",
@@ -370,31 +434,30 @@ fn verify(out: &mut Out, dir: &Path) -> Outcome {
             writeln!(out, "{in_use}")?;
         }
         writeln!(out, "NOT sound: the engine refuses to start on this log")?;
-        return Ok(Exit::Failed);
+        return Ok(exit);
     }
     let summary = format!("{} segments, {frames} frames", scan.segments.len());
     if let Some(in_use) = &in_use {
         writeln!(out, "{in_use}")?;
         writeln!(out, "sound: {summary}")?;
-        return Ok(Exit::Done);
+        return Ok(exit);
     }
     for repair in &scan.repairs {
         writeln!(out, "{}", describe_repair(repair))?;
     }
     if scan.repairs.is_empty() {
         writeln!(out, "sound: {summary}")?;
-        Ok(Exit::Done)
     } else {
         writeln!(
             out,
             "sound after {} repairs on open: {summary}",
             scan.repairs.len()
         )?;
-        Ok(Exit::TornTail)
     }
+    Ok(exit)
 }
 
-fn dump(out: &mut Out, dir: &Path) -> Outcome {
+fn dump(out: &mut Out, dir: &Path, as_json: bool) -> Outcome {
     let mut failed: Option<io::Error> = None;
     let scan = scan_wal_dir_with(dir, &mut |seq, frame| {
         if failed.is_some() {
@@ -404,10 +467,29 @@ fn dump(out: &mut Out, dir: &Path) -> Outcome {
         let kind = format!("{:?}", frame.kind).to_lowercase();
         let at = format!("{file}@{} lsn={}", frame.offset, frame.lsn);
         for op in &frame.ops {
-            let written = match op {
-                StoreOp::Insert(r) => writeln!(out, "{at} {kind} insert {}", line(r)),
-                StoreOp::Update(r) => writeln!(out, "{at} {kind} update {}", line(r)),
-                StoreOp::Delete(id) => writeln!(out, "{at} {kind} delete id={id}"),
+            let written = if as_json {
+                let (name, body) = match op {
+                    StoreOp::Insert(r) => ("insert", json!({ "record": record_json(r) })),
+                    StoreOp::Update(r) => ("update", json!({ "record": record_json(r) })),
+                    StoreOp::Delete(id) => ("delete", json!({ "id": id.0 })),
+                };
+                let mut line = json!({
+                    "segment": file,
+                    "offset": frame.offset,
+                    "lsn": frame.lsn,
+                    "frame": kind,
+                    "op": name,
+                });
+                if let (Value::Object(line), Value::Object(body)) = (&mut line, body) {
+                    line.extend(body);
+                }
+                json_line(out, &line)
+            } else {
+                match op {
+                    StoreOp::Insert(r) => writeln!(out, "{at} {kind} insert {}", line(r)),
+                    StoreOp::Update(r) => writeln!(out, "{at} {kind} update {}", line(r)),
+                    StoreOp::Delete(id) => writeln!(out, "{at} {kind} delete id={id}"),
+                }
             };
             if let Err(e) = written {
                 failed = Some(e);
@@ -422,15 +504,49 @@ fn dump(out: &mut Out, dir: &Path) -> Outcome {
         return Err(stop);
     }
     for repair in &scan.repairs {
-        writeln!(out, "{}", describe_repair(repair))?;
+        if as_json {
+            json_line(out, &json!({ "repair": describe_repair(repair) }))?;
+        } else {
+            writeln!(out, "{}", describe_repair(repair))?;
+        }
     }
     match &scan.damage {
         Some(damage) => {
-            writeln!(out, "{}", describe(damage))?;
+            if as_json {
+                json_line(out, &json!({ "damage": describe(damage) }))?;
+            } else {
+                writeln!(out, "{}", describe(damage))?;
+            }
             Ok(Exit::Failed)
         }
         None => Ok(Exit::Done),
     }
+}
+
+/// One JSON value on a line of its own (JSON Lines).
+fn json_line(out: &mut Out, value: &impl Serialize) -> io::Result<()> {
+    serde_json::to_writer(&mut *out, value).map_err(io::Error::from)?;
+    writeln!(out)
+}
+
+/// A record as `wal dump --json` shows it: its fields, its state decoded.
+fn record_json(r: &ProcRecord) -> Value {
+    json!({
+        "id": r.id.0,
+        "root": r.root.0,
+        "parent": r.parent.map(|p| p.0),
+        "type": &*r.type_name,
+        "state": r.state.to_string(),
+        "stack": &r.stack_indexes,
+        "bytes": r.data.len(),
+        "failure": r.failure.as_ref().map(ToString::to_string),
+        "bypassed": r.bypassed,
+        "data": match decode_state(&r.data) {
+            None => Value::Null,
+            Some(Ok(value)) => value,
+            Some(Err(reason)) => json!({ "undecodable": reason }),
+        },
+    })
 }
 
 fn line(r: &ProcRecord) -> String {
@@ -824,7 +940,15 @@ fn select(
     Ok(order)
 }
 
-fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
+/// How `procs` prints.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Form {
+    Table,
+    JsonLines,
+    JsonDocument,
+}
+
+fn procs(out: &mut Out, dir: &Path, filter: &Filter, form: Form) -> Outcome {
     let Loaded { latest, scan } = load(dir)?;
     let now = now_ms();
     // Any stored name will do here: the command checks histories, not types.
@@ -868,7 +992,7 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
         Exit::Failed
     };
 
-    if as_json {
+    if form != Form::Table {
         let procedures: Vec<ProcJson> = shown
             .iter()
             .map(|&(id, _)| {
@@ -907,17 +1031,25 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, as_json: bool) -> Outcome {
                 }
             })
             .collect();
+        let summary = SummaryJson {
+            procedures: latest.len(),
+            shown: shown.len(),
+            by_state,
+            corrupt: corrupt.len(),
+            log,
+            repairs: scan.repairs.iter().map(describe_repair).collect(),
+            damage: scan.damage.as_ref().map(describe),
+        };
+        if form == Form::JsonLines {
+            for procedure in &procedures {
+                json_line(out, procedure)?;
+            }
+            json_line(out, &json!({ "summary": summary }))?;
+            return Ok(exit);
+        }
         let document = ProcsJson {
             procedures,
-            summary: SummaryJson {
-                procedures: latest.len(),
-                shown: shown.len(),
-                by_state,
-                corrupt: corrupt.len(),
-                log,
-                repairs: scan.repairs.iter().map(describe_repair).collect(),
-                damage: scan.damage.as_ref().map(describe),
-            },
+            summary,
         };
         serde_json::to_writer_pretty(&mut *out, &document).map_err(io::Error::from)?;
         writeln!(out)?;
@@ -1032,7 +1164,7 @@ struct ProcJson<'a> {
     failure: Option<FailureJson<'a>>,
     bypassed: bool,
     /// Retries spent, why it is paused, its point of no return (see `Steering`).
-    steering: &'a proctor::Steering,
+    steering: &'a proctor::store::Steering,
     /// Why recovery cannot rebuild its tree, if it cannot.
     corrupt: Option<&'a str>,
     /// A DAG's progress, task by task (`Dag::summary`); null for any other state.

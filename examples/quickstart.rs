@@ -16,7 +16,7 @@ use std::io::IsTerminal;
 use std::sync::Mutex;
 
 use proctor::{
-    async_trait, Context, Executor, Flow, MemoryStore, ProcError, Procedure, Registry,
+    async_trait, ChildType, Context, Executor, Flow, MemoryStore, ProcError, Procedure, Registry,
     StateContext, StateMachine, StateMachineProcedure,
 };
 use serde::{Deserialize, Serialize};
@@ -49,6 +49,11 @@ impl StateMachineProcedure<Cluster> for CreateTable {
 
     fn initial_state(&self) -> CreateTableState {
         CreateTableState::Prepare
+    }
+
+    /// Its children: an executor whose registry lacks their type refuses to start.
+    fn child_types() -> Vec<ChildType> {
+        vec![ChildType::of::<AssignRegion>()]
     }
 
     async fn execute_from_state(

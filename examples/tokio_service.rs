@@ -29,8 +29,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use proctor::{
-    async_trait, Context, Executor, Failure, Flow, Lock, ProcError, ProcEvent, ProcId, ProcState,
-    Procedure, Registry, StateContext, StateMachine, StateMachineProcedure, Undo, WalStore,
+    async_trait, ChildType, Context, Executor, Failure, Flow, Lock, ProcError, ProcEvent, ProcId,
+    ProcState, Procedure, Registry, StateContext, StateMachine, StateMachineProcedure, Undo,
+    WalStore,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
@@ -74,6 +75,11 @@ impl StateMachineProcedure<Cluster> for CreateTable {
 
     fn initial_state(&self) -> CreateTableState {
         CreateTableState::Prepare
+    }
+
+    /// Its children: an executor whose registry lacks their type refuses to start.
+    fn child_types() -> Vec<ChildType> {
+        vec![ChildType::of::<AssignRegion>()]
     }
 
     async fn execute_from_state(

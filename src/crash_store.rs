@@ -31,7 +31,7 @@ pub enum CrashPoint {
 ///
 /// let inner = MemoryStore::new();
 /// let mut store = CrashingStore::new(inner.clone(), 0, CrashPoint::AfterWrite);
-/// assert!(store.append(&[proctor::StoreOp::Delete(proctor::ProcId(1))]).is_err());
+/// assert!(store.append(&[proctor::store::StoreOp::Delete(proctor::ProcId(1))]).is_err());
 /// assert!(store.crashed());
 /// // The write happened; a restarted engine would find it in `inner`.
 /// assert_eq!(inner.clone().load().unwrap().max_id, 1);

@@ -79,7 +79,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::Lock;
-use crate::procedure::{Context, FailurePolicy, Flow, ProcError, ProcState, Procedure, Undo};
+use crate::procedure::{
+    ChildType, Context, FailurePolicy, Flow, ProcError, ProcState, Procedure, Undo,
+};
 
 /// A task of a [`Dag`]: one idempotent action and its idempotent undo. Usually an enum
 /// of the kinds of work a DAG does. Its value is fixed when it is added to the
@@ -901,6 +903,10 @@ where
             }
         }
         first_error.map_or(Ok(()), Err)
+    }
+
+    fn child_types() -> Vec<ChildType> {
+        vec![ChildType::of::<DagTask<T>>()]
     }
 
     fn failure_policy(&self, error: &ProcError) -> FailurePolicy {

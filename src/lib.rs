@@ -25,7 +25,7 @@ mod record;
 mod registry;
 mod root_stack;
 mod state_machine;
-mod store;
+pub mod store;
 mod workers;
 
 #[path = "../actors/mod.rs"]
@@ -38,8 +38,8 @@ pub use crate::actors::perturb;
 
 pub use async_trait::async_trait;
 
-pub mod internals;
-pub(crate) use internals::{recovery, wal};
+pub mod ops;
+pub(crate) use ops::{recovery, wal};
 
 /// Tools for testing your procedures against crashes, as HBase's
 /// `ProcedureTestingUtility` does for its users: [`testing::CrashingStore`] wraps any
@@ -56,29 +56,25 @@ pub mod testing {
 pub use crate::actors::metrics;
 
 pub use crate::actors::{
-    scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, view_wal_dir, view_wal_dir_on, Abort,
-    AckResult, Bypass, Continue, DirView, Entry, Executor, ExecutorActor, ExecutorBuilder,
-    GetSchedulerStats, GetState, GetValue, List, LockProbe, Pause, ProcEvent, ProcInfo, Recovery,
-    Repair, ResetEvent, Rollback, SchedulerStats, SegmentReport, Shutdown, StdFs, Submit,
-    Subscribe, Subscription, WaitFor, WaitValue, WaitingOn, WakeEvent, WalDirScan, WalFs,
-    WalOptions, WalStats, WalStore, VIEW_ATTEMPTS,
+    Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder,
+    GetSchedulerStats, GetState, GetValue, List, Pause, ProcEvent, ProcInfo, Recovery, ResetEvent,
+    Rollback, SchedulerStats, Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitValue,
+    WaitingOn, WakeEvent, WalOptions, WalStats, WalStore,
 };
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};
 pub use crate::error::{Error, WaitError};
 pub use crate::locks::{Lock, LockClaim, LockMode};
 pub use crate::procedure::{
-    Context, EncodeState, FailurePolicy, Flow, LockState, OnTimeout, ProcError, ProcId, ProcState,
-    Procedure, Undo,
+    ChildType, Context, EncodeState, FailurePolicy, Flow, LockState, OnTimeout, ProcError, ProcId,
+    ProcState, Procedure, Undo,
 };
 pub use crate::ready_queue::Scheduling;
-pub use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp};
+pub use crate::record::{Failure, Nonce, Paused};
 pub use crate::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};
-pub use crate::store::{
-    LastStop, MemoryStore, ProcedureStore, StoreError, StoreParts, StoreSnapshot,
-};
+pub use crate::store::{MemoryStore, ProcedureStore, StoreError};
 
 /// The README's examples compile and run as doc tests too.
 #[cfg(doctest)]

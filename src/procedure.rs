@@ -887,6 +887,28 @@ fn decode_child_value<T: DeserializeOwned>(child: ProcId, bytes: &[u8]) -> Resul
     })
 }
 
+/// A procedure type another one may start as a child (see [`Procedure::child_types`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ChildType {
+    pub(crate) type_id: TypeId,
+    pub(crate) rust_type: &'static str,
+}
+
+impl ChildType {
+    /// The procedure type `P`.
+    pub fn of<P: Any>() -> Self {
+        ChildType {
+            type_id: TypeId::of::<P>(),
+            rust_type: std::any::type_name::<P>(),
+        }
+    }
+
+    /// Its Rust type name.
+    pub fn rust_type(&self) -> &'static str {
+        self.rust_type
+    }
+}
+
 /// Encodes a procedure's state for the store. Implemented for every `Serialize` type, so
 /// a procedure only derives `Serialize`; it exists so that `dyn Procedure` can encode.
 pub trait EncodeState {
@@ -1176,6 +1198,35 @@ where
     /// ```
     fn on_timeout(&mut self, _ctx: &Context<E>) -> OnTimeout {
         OnTimeout::Fail
+    }
+
+    /// The types of the children this procedure may start ([`ChildType::of`]). An
+    /// executor whose registry lacks one of them refuses to start, naming it, rather
+    /// than fail a tree the first time a step returns such a child. Optional: a child
+    /// of an unregistered type fails its tree either way. [`Dag`](crate::Dag) declares
+    /// its tasks' type.
+    ///
+    /// ```
+    /// # use proctor::{async_trait, ChildType, Context, Flow, ProcError, Procedure};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct AssignRegion;
+    /// # #[async_trait] impl Procedure for AssignRegion {
+    /// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+    /// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) } }
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct CreateTable;
+    /// # #[async_trait] impl Procedure for CreateTable {
+    /// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> {
+    /// #       Ok(Flow::children([AssignRegion])) }
+    /// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+    /// fn child_types() -> Vec<ChildType> {
+    ///     vec![ChildType::of::<AssignRegion>()]
+    /// }
+    /// # }
+    /// ```
+    fn child_types() -> Vec<ChildType>
+    where
+        Self: Sized,
+    {
+        Vec::new()
     }
 
     /// The Rust type name, for error messages. Do not override.

@@ -13,7 +13,7 @@ use serde::de::DeserializeOwned;
 
 use crate::erased::{erase, DynProc, ErasedProc};
 use crate::fast_map::IdMap;
-use crate::procedure::{type_id_of, Procedure};
+use crate::procedure::{type_id_of, ChildType, Procedure};
 use crate::state_machine::{StateMachine, StateMachineProcedure};
 
 type Decoder<T> = fn(&[u8]) -> Result<T, rmp_serde::decode::Error>;
@@ -87,6 +87,8 @@ pub(crate) struct Types {
     decoders: HashMap<&'static str, ErasedDecodeFn>,
     /// Names registered with [`Registry::register_system`].
     system: HashSet<&'static str>,
+    /// The child types each registered type declares ([`Procedure::child_types`]).
+    children: Vec<(&'static str, ChildType)>,
 }
 
 impl<E> Clone for Registry<E> {
@@ -155,7 +157,26 @@ impl<E: Send + Sync + 'static> Registry<E> {
             "procedure name {name:?} registered twice"
         );
         self.types.decoders.insert(name, decode_erased::<E, P>);
+        for child in P::child_types() {
+            self.types.children.push((name, child));
+        }
         self
+    }
+
+    /// A child type some registered type declares ([`Procedure::child_types`]) that is
+    /// not registered, as an error naming both; `None` when all are.
+    pub(crate) fn missing_child_type(&self) -> Option<String> {
+        self.types
+            .children
+            .iter()
+            .find(|(_, child)| !self.types.names.contains_key(&child.type_id))
+            .map(|(parent, child)| {
+                format!(
+                    "procedure type {parent:?} starts children of type {}, which is not \
+                     registered: register it with Registry::register::<{}>(\"a name\")",
+                    child.rust_type, child.rust_type
+                )
+            })
     }
 
     /// Registers the state machine `T` under `name`: the same as

@@ -16,7 +16,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::Lock;
-use crate::procedure::{Context, FailurePolicy, Flow, LockState, OnTimeout, ProcError, Procedure};
+use crate::procedure::{
+    ChildType, Context, FailurePolicy, Flow, LockState, OnTimeout, ProcError, Procedure,
+};
 
 /// A procedure written as a state machine over `Self::State` (HBase's
 /// `StateMachineProcedure`). Wrap it in [`StateMachine`] to submit it.
@@ -140,6 +142,14 @@ where
     /// See [`Procedure::on_timeout`].
     fn on_timeout(&mut self, _ctx: &Context<E>) -> OnTimeout {
         OnTimeout::Fail
+    }
+
+    /// See [`Procedure::child_types`].
+    fn child_types() -> Vec<ChildType>
+    where
+        Self: Sized,
+    {
+        Vec::new()
     }
 }
 
@@ -459,6 +469,10 @@ where
             .copied()
             .unwrap_or_else(|| self.current_state());
         self.machine.failure_policy(state, error)
+    }
+
+    fn child_types() -> Vec<ChildType> {
+        T::child_types()
     }
 
     fn rust_type_name(&self) -> &'static str {

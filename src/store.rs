@@ -1,5 +1,8 @@
-//! The storage trait, [`ProcedureStore`], and its in-memory implementation,
-//! [`MemoryStore`].
+//! The storage trait, [`ProcedureStore`], its in-memory implementation,
+//! [`MemoryStore`], and what a store exchanges with the engine: the records it keeps
+//! ([`ProcRecord`], with its [`Steering`]), the writes it applies ([`StoreOp`]) and what
+//! it loads ([`StoreParts`], [`StoreSnapshot`], [`LastStop`]). For writing a store of
+//! your own; [`WalStore`](crate::WalStore) is the one a service uses.
 //!
 //! The engine talks to storage only through this trait, from one place (the group
 //! commit's writer thread), so implementations need no internal concurrency.
@@ -8,7 +11,7 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::procedure::ProcId;
-use crate::record::{ProcRecord, StoreOp};
+pub use crate::record::{Paused, ProcRecord, Steering, StoreOp};
 
 /// Why the store failed. Once an append has failed, a store accepts no more appends:
 /// after a failed fsync the state of the file is unknown, so carrying on could lose
@@ -69,7 +72,7 @@ pub struct StoreSnapshot {
 /// the step runs again).
 ///
 /// ```
-/// use proctor::{LastStop, MemoryStore, ProcedureStore};
+/// use proctor::store::{LastStop, MemoryStore, ProcedureStore};
 /// let mut store = MemoryStore::new();
 /// store.mark_drained(&[]).unwrap(); // a graceful shutdown's last write
 /// assert_eq!(store.load().unwrap().last_stop, LastStop::Drained { cut_off: vec![] });

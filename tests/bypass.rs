@@ -106,6 +106,7 @@ async fn a_paused_procedure_can_be_bypassed() {
         assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{name}");
         let info = executor.state(root).await.unwrap();
         assert!(info.steering.paused.is_none(), "{name}: no longer paused");
+        assert!(info.bypassed, "{name}: marked bypassed");
         assert_eq!(rec.count("p-exec"), 1, "{name}: ran no further");
         executor.shutdown_now().await.unwrap();
     }
@@ -130,6 +131,10 @@ async fn a_bypass_is_persisted() {
         assert!(executor.recovery().recovered_roots.is_empty(), "{name}");
         assert_eq!(executor.wait(root).await.unwrap(), Ok(()), "{name}");
         assert_eq!(rec.count("root-exec"), 0, "{name}");
+        assert!(
+            executor.state(root).await.unwrap().bypassed,
+            "{name}: after a restart too"
+        );
         executor.shutdown_now().await.unwrap();
     }
 }
@@ -173,7 +178,7 @@ async fn a_bypassed_procedure_keeps_its_state_in_its_final_record() {
             if how == "offline" {
                 let mut s = store.open();
                 let records = s.load().unwrap().records;
-                let ops = proctor::internals::recovery::bypass(&records, root, false, 0).unwrap();
+                let ops = proctor::ops::recovery::bypass(&records, root, false, 0).unwrap();
                 s.append(&ops).unwrap();
             }
 

@@ -694,3 +694,23 @@ async fn a_task_starts_once_its_predecessors_are_done_while_a_slower_one_runs() 
         executor.shutdown().await.unwrap();
     }
 }
+
+#[actix::test]
+async fn an_executor_whose_registry_lacks_a_dags_task_type_refuses_to_start() {
+    let mut registry = Registry::<Env>::default();
+    registry.register::<Dag<Job>>("dag");
+    let refused = Executor::builder()
+        .registry(registry)
+        .store(proctor::MemoryStore::new())
+        .env(Env::new(false))
+        .start()
+        .await
+        .expect_err("refused");
+    let text = refused.to_string();
+    assert!(matches!(refused, proctor::Error::Config(_)), "{text}");
+    assert!(
+        text.contains("\"dag\" starts children of type proctor::dag::DagTask<dag::Job>")
+            && text.contains("Registry::register::<proctor::dag::DagTask<dag::Job>>"),
+        "{text}"
+    );
+}

@@ -168,7 +168,7 @@ async fn result_of(
 /// engine's store.
 fn offline(
     store: &common::Reopen,
-    plan: impl FnOnce(&[proctor::ProcRecord]) -> Vec<proctor::StoreOp>,
+    plan: impl FnOnce(&[proctor::store::ProcRecord]) -> Vec<proctor::store::StoreOp>,
 ) {
     let mut s = store.open();
     let records = s.load().unwrap().records;
@@ -230,13 +230,8 @@ async fn an_offline_pause_of_a_suspended_procedure_reruns_when_continued() {
         executor.shutdown().await.unwrap();
 
         offline(&store, |records| {
-            proctor::internals::recovery::steer(
-                records,
-                w,
-                proctor::internals::recovery::Steer::Pause,
-                0,
-            )
-            .unwrap()
+            proctor::ops::recovery::steer(records, w, proctor::ops::recovery::Steer::Pause, 0)
+                .unwrap()
         });
         let (executor, calls) = start(store.open()).await;
         assert_eq!(
@@ -270,7 +265,7 @@ async fn an_offline_abort_of_a_suspended_procedure_rolls_it_back_at_the_next_sta
             executor.shutdown().await.unwrap();
 
             offline(&store, |records| {
-                proctor::internals::recovery::abort(records, w, 0).unwrap()
+                proctor::ops::recovery::abort(records, w, 0).unwrap()
             });
             let (executor, calls) = start(store.open()).await;
             let failure = result_of(&executor, w).await.expect_err("rolled back");

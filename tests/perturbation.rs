@@ -54,11 +54,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use proctor::store::{StoreOp, StoreSnapshot};
 use proctor::testing::{CrashPoint, CrashingStore};
 use proctor::{
     async_trait, perturb, Context, Error, Executor, Failure, FailurePolicy, Flow, Lock, LockMode,
     LockState, MemoryStore, ProcError, ProcId, ProcState, Procedure, ProcedureStore, Registry,
-    StoreError, StoreOp, StoreSnapshot, WalStore,
+    StoreError, WalStore,
 };
 use serde::{Deserialize, Serialize};
 

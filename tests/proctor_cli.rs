@@ -15,9 +15,10 @@ use std::process::{Command, Output, Stdio};
 use std::sync::{Mutex, PoisonError};
 
 use common::{Scripted, Step};
+use proctor::store::{ProcRecord, StoreOp};
 use proctor::{
-    Failure, Lock, LockClaim, ProcError, ProcId, ProcRecord, ProcState, ProcedureStore, StoreError,
-    StoreOp, WalOptions, WalStore,
+    Failure, Lock, LockClaim, ProcError, ProcId, ProcState, ProcedureStore, StoreError, WalOptions,
+    WalStore,
 };
 use serde::Serialize;
 
@@ -575,13 +576,28 @@ fn procs_filters_by_state_and_type_and_draws_one_tree() {
     assert!(String::from_utf8_lossy(&missing.stderr).contains("procedure 99 is not in the log"));
 }
 
+/// `procs --json` output (JSON Lines: a procedure per line, then the summary) as the
+/// document `--json-document` prints, checking that every line parses alone.
+fn json_doc(stdout: &[u8]) -> serde_json::Value {
+    let mut procedures = Vec::new();
+    let mut summary = None;
+    for line in String::from_utf8_lossy(stdout).lines() {
+        let value: serde_json::Value = serde_json::from_str(line).expect("one JSON value a line");
+        match value.get("summary") {
+            Some(s) => summary = Some(s.clone()),
+            None => procedures.push(value),
+        }
+    }
+    serde_json::json!({ "procedures": procedures, "summary": summary.expect("a summary line") })
+}
+
 #[test]
 fn procs_speaks_json() {
     let dir = tempfile::tempdir().unwrap();
     write_trees(dir.path());
     let out = proctor(&["procs", "--json", "--tree", "1"], dir.path());
     assert!(out.status.success(), "{}", text(&out));
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let doc = json_doc(&out.stdout);
     let procs = doc["procedures"].as_array().unwrap();
     let by_id = |id: u64| procs.iter().find(|p| p["id"] == id).unwrap();
     assert_eq!(procs.len(), 4);
@@ -610,8 +626,14 @@ fn procs_speaks_json() {
     assert_eq!(summary["corrupt"], 0);
     assert_eq!(summary["log"], "sound");
 
+    // The document form says the same.
+    let lines = json_doc(&out.stdout);
+    let out = proctor(&["procs", "--json-document", "--tree", "1"], dir.path());
+    let document: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(document, lines);
+
     let out = proctor(&["procs", "--json", "--state", "failed"], dir.path());
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let doc = json_doc(&out.stdout);
     assert_eq!(
         doc["procedures"][0]["failure"],
         serde_json::json!({"proc": 31, "type": "assign_region", "error": "boom"})
@@ -644,7 +666,7 @@ fn procs_shows_a_dags_tasks() {
     );
     assert!(!row(&procs, 2).contains("DAG"), "{procs}");
     let out = proctor(&["procs", "--json"], dir.path());
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let doc = json_doc(&out.stdout);
     let procs = doc["procedures"].as_array().unwrap();
     assert_eq!(procs[0]["dag"], "0/3 done, 0 running; tasks rwr");
     assert_eq!(
@@ -695,7 +717,7 @@ async fn procs_says_why_a_policy_paused_a_procedure() {
         "{procs}"
     );
     let out = proctor(&["procs", "--json"], dir.path());
-    let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let doc = json_doc(&out.stdout);
     let paused = &doc["procedures"][0]["steering"]["paused"];
     assert_eq!(paused["retries"], 2, "{doc}");
     assert!(paused["error"].to_string().contains("disk full"), "{doc}");
@@ -977,7 +999,7 @@ fn procs_shows_what_precedes_a_missing_middle_segment() {
     let mut expected = std::collections::BTreeMap::new();
     for file in &segments[..2] {
         let bytes = fs::read(file).unwrap();
-        for frame in proctor::internals::wal::scan_segment(&bytes, false).frames {
+        for frame in proctor::ops::wal::scan_segment(&bytes, false).frames {
             for op in frame.ops {
                 op.apply_to(&mut expected);
             }
@@ -1088,4 +1110,41 @@ fn verify_beside_a_running_engine_reports_no_false_damage() {
         out.contains("checked a consistent view of") && out.contains("segments as of the scan"),
         "{out}"
     );
+}
+
+/// `wal dump --json` and `wal verify --json`: one JSON value a line, the records with
+/// their states decoded, the verdict as a word.
+#[test]
+fn wal_dump_and_verify_speak_json() {
+    let dir = tempfile::tempdir().unwrap();
+    write_trees(dir.path());
+    let out = proctor(&["wal", "dump", "--json"], dir.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let ops: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON value a line"))
+        .collect();
+    let leaf = ops
+        .iter()
+        .find(|op| op["record"]["id"] == 5)
+        .expect("procedure 5's record");
+    assert_eq!(leaf["op"], "insert");
+    assert_eq!(leaf["frame"], "batch");
+    assert!(leaf["lsn"].is_u64() && leaf["offset"].is_u64());
+    assert_eq!(leaf["record"]["type"], "assign_region");
+    assert_eq!(
+        leaf["record"]["data"],
+        serde_json::json!({"table": "t5", "regions": [1, 2], "token": [222, 173]})
+    );
+
+    let out = proctor(&["wal", "verify", "--json"], dir.path());
+    assert!(out.status.success(), "{}", text(&out));
+    let verdict: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(verdict["verdict"], "sound");
+    assert_eq!(verdict["in_use"], false);
+    assert!(
+        verdict["segments"][0]["frames"].as_u64().unwrap() > 0,
+        "{verdict}"
+    );
+    assert_eq!(verdict["damage"], serde_json::Value::Null);
 }

@@ -11,10 +11,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{run, start, stores, wait_for_state, GatedStore, Reopen, Scripted, Step};
+use proctor::store::{ProcRecord, StoreOp};
 use proctor::testing::{CrashPoint, CrashingStore};
 use proctor::{
     async_trait, Context, Error, Executor, Flow, LockState, MemoryStore, ProcError, ProcId,
-    ProcRecord, ProcState, Procedure, ProcedureStore, Registry, StoreOp,
+    ProcState, Procedure, ProcedureStore, Registry,
 };
 use serde::{Deserialize, Serialize};
 

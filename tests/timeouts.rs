@@ -6,9 +6,11 @@ mod common;
 use std::sync::{Arc, Mutex};
 
 use proctor::{
-    async_trait, Context, Executor, Flow, MemoryStore, OnTimeout, ProcError, ProcId, ProcRecord,
-    ProcState, Procedure, ProcedureStore, Registry, StoreOp,
+    async_trait, Context, Executor, Flow, MemoryStore, OnTimeout, ProcError, ProcId, ProcState,
+    Procedure, ProcedureStore, Registry,
 };
+
+use proctor::store::{ProcRecord, StoreOp};
 use serde::{Deserialize, Serialize};
 
 #[derive(Default)]

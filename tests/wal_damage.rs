@@ -12,8 +12,9 @@ use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use proctor::internals::wal::{scan_segment, Frame, FRAME_HEADER_LEN, SEGMENT_HEADER_LEN};
-use proctor::{MemoryStore, ProcRecord, ProcedureStore, StoreError, StoreOp, WalOptions, WalStore};
+use proctor::ops::wal::{scan_segment, Frame, FRAME_HEADER_LEN, SEGMENT_HEADER_LEN};
+use proctor::store::{ProcRecord, StoreOp};
+use proctor::{MemoryStore, ProcedureStore, StoreError, WalOptions, WalStore};
 
 fn record(id: u64, version: u8) -> ProcRecord {
     common::wal::record(id, id, version, 60)

@@ -12,9 +12,11 @@ use std::io::{self, Cursor, Write};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use proctor::{
-    Entry, MemoryStore, ProcId, ProcRecord, ProcedureStore, StoreOp, WalFs, WalOptions, WalStore,
-};
+use proctor::{MemoryStore, ProcId, ProcedureStore, WalOptions, WalStore};
+
+use proctor::store::{ProcRecord, StoreOp};
+
+use proctor::ops::{Entry, WalFs};
 
 const SECTOR: usize = 512;
 

@@ -7,9 +7,9 @@ mod common;
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use proctor::{
-    MemoryStore, ProcId, ProcRecord, ProcedureStore, StoreError, StoreOp, WalOptions, WalStore,
-};
+use proctor::{MemoryStore, ProcId, ProcedureStore, StoreError, WalOptions, WalStore};
+
+use proctor::store::{ProcRecord, StoreOp};
 
 fn record(id: u64, root: u64, version: u8) -> ProcRecord {
     common::wal::record(id, root, version, 40)
@@ -406,8 +406,7 @@ fn an_interrupted_roll_recovers() {
         let files = segments(dir.path());
         let (prev, newest) = (&files[files.len() - 2], &files[files.len() - 1]);
         // The new segment's only frame was never written.
-        let header =
-            fs::read(newest).unwrap()[..proctor::internals::wal::SEGMENT_HEADER_LEN].to_vec();
+        let header = fs::read(newest).unwrap()[..proctor::ops::wal::SEGMENT_HEADER_LEN].to_vec();
         fs::write(newest, header).unwrap();
         cut(prev, newest);
         let mut wal =
@@ -526,7 +525,7 @@ fn a_huge_sparse_segment_costs_no_memory() {
 /// the loss of that segment is seen.
 #[test]
 fn a_segment_of_an_older_format_is_read_and_not_appended_to() {
-    use proctor::internals::wal::{scan_segment, FrameKind, VERSION};
+    use proctor::ops::wal::{scan_segment, FrameKind, VERSION};
 
     let dir = tempfile::tempdir().unwrap();
     let mut model = MemoryStore::new();
@@ -705,7 +704,7 @@ fn the_log_stays_within_its_size_bound_when_frames_outgrow_segments() {
 /// torn mark is truncated like any torn tail and says nothing.
 #[test]
 fn a_drained_stop_is_reported_until_the_next_write() {
-    use proctor::LastStop;
+    use proctor::store::LastStop;
     let drained = LastStop::Drained {
         cut_off: vec![ProcId(3), ProcId(7)],
     };

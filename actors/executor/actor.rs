@@ -165,6 +165,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 steering: e.steering.as_deref().cloned().unwrap_or_default(),
                 queue_level: (views.fair && e.state == ProcState::Runnable)
                     .then(|| views.levels.get(&e.root).map_or(0, |l| *l)),
+                bypassed: e.extra.as_ref().is_some_and(|x| x.bypassed),
             }
         })
     }

@@ -76,6 +76,9 @@ pub struct ProcInfo {
     /// its steps are queued on (0 to 4, by its tree's accumulated step time: from 0, 1,
     /// 10, 60 and 300 s); `None` otherwise.
     pub queue_level: Option<u8>,
+    /// An operator bypassed it ([`Executor::bypass`], or `proctor bypass` on a stopped
+    /// engine): it was marked finished without running to its end.
+    pub bypassed: bool,
 }
 
 /// Submit a root procedure; answers its id once the insert is durable.

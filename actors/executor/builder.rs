@@ -484,6 +484,9 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 "workers and arbiters must be at least 1".into(),
             ));
         }
+        if let Some(missing) = self.registry.missing_child_type() {
+            return Err(Error::Config(missing));
+        }
         for (resource, permits) in &self.permits {
             Lock::shared(resource.as_str())
                 .check()
@@ -782,6 +785,7 @@ fn keep_results(shared: &Shared, finished: Vec<ProcRecord>) {
                     result: Some(record.failure.map_or(Ok(()), Err)),
                     value: record.result,
                     nonce: record.nonce,
+                    bypassed: record.bypassed,
                 }
                 .boxed(),
                 waiting: Waiting::Nothing,

@@ -8,7 +8,9 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::PathBuf;
 
-use proctor::{ProcRecord, ProcedureStore, StoreError, StoreOp, StoreSnapshot};
+use proctor::{ProcedureStore, StoreError};
+
+use proctor::store::{ProcRecord, StoreOp, StoreSnapshot};
 
 pub struct FilePerProcStore {
     dir: PathBuf,
@@ -74,7 +76,7 @@ impl ProcedureStore for FilePerProcStore {
             max_id,
             repairs: Vec::new(),
             // The baseline keeps no mark: a restart assumes any step may have been cut off.
-            last_stop: proctor::LastStop::Unknown,
+            last_stop: proctor::store::LastStop::Unknown,
         })
     }
 }

@@ -30,9 +30,10 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use hdrhistogram::Histogram;
+use proctor::store::{StoreOp, StoreParts, StoreSnapshot};
 use proctor::{
-    Executor, MemoryStore, ProcId, ProcState, ProcedureStore, StateMachine, StoreError, StoreOp,
-    StoreParts, StoreSnapshot, WalOptions, WalStats, WalStore,
+    Executor, MemoryStore, ProcId, ProcState, ProcedureStore, StateMachine, StoreError, WalOptions,
+    WalStats, WalStore,
 };
 use tokio::sync::Semaphore;
 

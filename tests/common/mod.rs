@@ -396,7 +396,7 @@ impl Gate {
 }
 
 impl<S: ProcedureStore> ProcedureStore for GatedStore<S> {
-    fn append(&mut self, ops: &[proctor::StoreOp]) -> Result<(), proctor::StoreError> {
+    fn append(&mut self, ops: &[proctor::store::StoreOp]) -> Result<(), proctor::StoreError> {
         self.appends += 1;
         if self.appends == self.gate_at {
             let _ = self.reached.send(());
@@ -405,7 +405,7 @@ impl<S: ProcedureStore> ProcedureStore for GatedStore<S> {
         self.inner.append(ops)
     }
 
-    fn load(&mut self) -> Result<proctor::StoreSnapshot, proctor::StoreError> {
+    fn load(&mut self) -> Result<proctor::store::StoreSnapshot, proctor::StoreError> {
         self.inner.load()
     }
 }

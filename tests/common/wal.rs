@@ -4,7 +4,9 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use proctor::{ProcId, ProcRecord, ProcState};
+use proctor::{ProcId, ProcState};
+
+use proctor::store::ProcRecord;
 
 /// A RUNNABLE record of procedure `id` in root `root`'s tree, at `version`, with
 /// `data_len` bytes of state (the tests size their segments by it).

@@ -12,6 +12,7 @@ pub(super) enum Row {
         state: ProcState,
         updated_ms: u64,
         value: Option<Vec<u8>>,
+        bypassed: bool,
         waiting: Waiting,
         state_name: Option<String>,
         steering: Option<Box<Steering>>,
@@ -28,6 +29,7 @@ pub(super) fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&TreeAddr>) ->
                 state: r.state,
                 updated_ms: r.updated_ms,
                 value: r.result.clone(),
+                bypassed: r.bypassed,
                 waiting: Waiting::of(r),
                 state_name: None,
                 steering: steering_of(r),
@@ -49,6 +51,7 @@ pub(super) fn entry(shared: &Shared, r: &ProcRecord, tree: Option<&TreeAddr>) ->
         tree: tree.cloned(),
         extra: EntryExtra {
             nonce: r.nonce,
+            bypassed: r.bypassed,
             ..EntryExtra::default()
         }
         .boxed(),
@@ -74,6 +77,7 @@ pub(super) fn apply_rows(shared: &Shared, rows: Vec<Row>) {
                 state,
                 updated_ms,
                 value,
+                bypassed,
                 waiting,
                 state_name,
                 steering,
@@ -88,6 +92,9 @@ pub(super) fn apply_rows(shared: &Shared, rows: Vec<Row>) {
                     }
                     if value.is_some() {
                         e.extra_mut().value = value;
+                    }
+                    if bypassed {
+                        e.extra_mut().bypassed = true;
                     }
                 }
             }
