@@ -1004,7 +1004,7 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, form: Form) -> Outcome {
                     root: r.root.0,
                     type_name: &r.type_name,
                     state: r.state.to_string(),
-                    steps: r.stack_indexes.len(),
+                    steps: (!r.state.is_finished()).then_some(r.stack_indexes.len()),
                     submitted_ms: r.submitted_ms,
                     updated_ms: r.updated_ms,
                     waiting_for: wait_of(r, children, failed_trees.contains(&r.root)),
@@ -1096,12 +1096,19 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, form: Form) -> Outcome {
             r.root.to_string(),
             r.type_name.to_string(),
             state,
-            r.stack_indexes.len().to_string(),
-            // A record without a time (written by a tool or a test) has no age.
-            if r.updated_ms == 0 {
+            // A finished procedure's final record keeps no steps (its stack is undone
+            // or done): their number is not known.
+            if r.state.is_finished() {
                 "-".to_string()
             } else {
-                format!("{}s", now.saturating_sub(r.updated_ms) / 1000)
+                r.stack_indexes.len().to_string()
+            },
+            // Since it was submitted; a record without a time (written by a tool or a
+            // test) has no age.
+            if r.submitted_ms == 0 {
+                "-".to_string()
+            } else {
+                format!("{}s", now.saturating_sub(r.submitted_ms) / 1000)
             },
             waits_for(r, wait_of(r, children, failed_trees.contains(&r.root)), now),
             locks_of(r).unwrap_or_else(|| "-".into()),
@@ -1150,8 +1157,9 @@ struct ProcJson<'a> {
     #[serde(rename = "type")]
     type_name: &'a str,
     state: String,
-    /// Recorded steps not rolled back.
-    steps: usize,
+    /// Recorded steps not rolled back; `null` for a finished procedure (its final
+    /// record keeps none).
+    steps: Option<usize>,
     submitted_ms: u64,
     updated_ms: u64,
     /// `{"operator": why}` (PAUSED or ROLLBACK_PAUSED), `"rollback"` (its tree has

@@ -24,6 +24,7 @@ mod ready_queue;
 mod record;
 mod registry;
 mod root_stack;
+mod saga;
 mod state_machine;
 pub mod store;
 mod workers;
@@ -73,6 +74,7 @@ pub use crate::ready_queue::Scheduling;
 pub use crate::record::{Failure, Nonce, Paused};
 pub use crate::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
+pub use crate::saga::{Saga, SagaContext, SagaProcedure, Undoing};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};
 pub use crate::store::{MemoryStore, ProcedureStore, StoreError};
 

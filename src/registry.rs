@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 use crate::erased::{erase, DynProc, ErasedProc};
 use crate::fast_map::IdMap;
 use crate::procedure::{type_id_of, ChildType, Procedure};
+use crate::saga::{Saga, SagaProcedure};
 use crate::state_machine::{StateMachine, StateMachineProcedure};
 
 type Decoder<T> = fn(&[u8]) -> Result<T, rmp_serde::decode::Error>;
@@ -205,6 +206,15 @@ impl<E: Send + Sync + 'static> Registry<E> {
         name: &'static str,
     ) -> &mut Self {
         self.register::<StateMachine<T, E>>(name)
+    }
+
+    /// Registers the saga `S` under `name`: the same as
+    /// `register::<Saga<S, E>>(name)`, with `E` the registry's.
+    ///
+    /// # Panics
+    /// As [`register`](Self::register).
+    pub fn register_saga<S: SagaProcedure<E>>(&mut self, name: &'static str) -> &mut Self {
+        self.register::<Saga<S, E>>(name)
     }
 
     /// Registers `P` under `name` as a system procedure: its steps go before every

@@ -449,7 +449,12 @@ where
     }
 
     fn state_name(&self) -> Option<String> {
-        Some(format!("{:?}", self.current_state()))
+        // Between steps, the state that ran last is the one it is in (waiting for the
+        // children it started, say), and the next one is where it goes.
+        Some(match (self.history.last(), self.next) {
+            (Some(last), Some(next)) if *last != next => format!("{last:?} (next {next:?})"),
+            _ => format!("{:?}", self.current_state()),
+        })
     }
 
     fn timeout_ms(&self) -> Option<u64> {
@@ -637,6 +642,19 @@ mod tests {
             seen.push(sm.cycles());
         }
         assert_eq!(seen, [0, 0, 1, 2]);
+    }
+
+    #[test]
+    fn the_state_name_is_the_state_it_is_in_and_where_it_goes() {
+        let mut sm = StateMachine::new(Machine::default());
+        assert_eq!(
+            sm.state_name().as_deref(),
+            Some("A"),
+            "before its first step"
+        );
+        now(sm.execute(&mut ctx())).unwrap();
+        // Between steps (waiting for children, say): in A, going to B.
+        assert_eq!(sm.state_name().as_deref(), Some("A (next B)"));
     }
 
     #[test]

@@ -426,6 +426,7 @@ fn write_trees(dir: &Path) {
         ProcRecord {
             type_name: "assign_region".into(),
             wake_at_ms: Some(now + 30_000),
+            submitted_ms: now - 5_000,
             updated_ms: now - 5_000,
             ..node(3, Some(1), 1, ProcState::WaitingTimeout, 2)
         },
@@ -495,7 +496,7 @@ fn procs_lines_up_and_says_what_each_procedure_waits_for() {
         }
     }
     assert!(row(&out, 1).contains(" 2 children "), "{out}");
-    // AGE: time since the record was written; a record without a time has none.
+    // AGE: time since the procedure was submitted; a record without a time has none.
     let age = header.find("AGE").unwrap();
     assert_eq!(&row(&out, 1)[age..age + 2], "- ", "{out}");
     let age_of_3: u64 = row(&out, 3)[age..]
@@ -505,6 +506,10 @@ fn procs_lines_up_and_says_what_each_procedure_waits_for() {
     assert!((5..300).contains(&age_of_3), "{out}");
     assert!(row(&out, 2).contains(" 1 child "), "{out}");
     assert!(row(&out, 3).contains(" timer, in 30s "), "{out}");
+    // A finished procedure's steps are not known: its final record keeps none.
+    let steps = header.find("STEPS").unwrap();
+    assert_eq!(&row(&out, 20)[steps..steps + 2], "- ", "{out}");
+    assert_eq!(&row(&out, 3)[steps..steps + 2], "1 ", "{out}");
     assert!(
         row(&out, 5).contains(" event \"region-open\"; deadline in 60s "),
         "{out}"

@@ -426,9 +426,11 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
             match self.nonces.get_mut(&nonce) {
                 Some(NonceState::Known(id)) => {
                     let id = *id;
+                    tracing::debug!(proc = %id, group = nonce.group, nonce = nonce.nonce, "submit with a known nonce: answered with its procedure");
                     return Some(Box::pin(std::future::ready(Ok(id))));
                 }
                 Some(NonceState::Submitting(waiting)) => {
+                    tracing::debug!(group = nonce.group, nonce = nonce.nonce, "submit with a nonce being submitted: answered with its procedure once durable");
                     let (tx, rx) = oneshot::channel();
                     waiting.push(tx);
                     let answer = async move { rx.await.unwrap_or(Err(Error::Stopped)) };

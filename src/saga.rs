@@ -1,0 +1,383 @@
+//! Straight-line procedures with automatic undo: a [`SagaProcedure`] is one async
+//! function, [`SagaProcedure::run`], whose steps ([`SagaContext::step`]) are each given
+//! with their undo. [`Saga`] turns it into a [`Procedure`]: every step is one step of the
+//! engine, its value journaled in the procedure's state (so durable before the next
+//! step begins), and a restart replays `run` from the top, handing each journaled step
+//! its value without running it again. When the tree fails (or the saga is aborted),
+//! the engine's rollbacks run the undos of the steps, newest first, each told what its
+//! step did ([`Undoing`]).
+//!
+//! Invariant: the journal holds one entry per recorded step of the saga but its last
+//! (the one that returned the output), in order; each rollback of a recorded step pops
+//! one entry after its undo succeeds, and the rollback of the step that failed (or was
+//! cut off) undoes the step after the journal's end.
+//!
+//! # The determinism rule
+//!
+//! `run` runs again from the top at every engine step and after every restart, with the
+//! journaled steps answered from the journal. So outside [`SagaContext::step`], `run`
+//! must do the same thing every time: no effects on the world (they would repeat), and
+//! no decision on anything but its own fields and the values its steps returned (not on
+//! the clock, randomness, or what a service answers now). Put anything like that inside
+//! a step. A step whose name differs from the journal's at its position fails the saga
+//! with an error naming both.
+
+use std::future::Future;
+use std::sync::{Arc, Mutex};
+use std::task::Poll;
+
+use async_trait::async_trait;
+use futures_util::future::BoxFuture;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::locks::Lock;
+use crate::procedure::{Context, Flow, ProcError, Procedure, Undo};
+
+/// A procedure written as one async function of steps, each with its undo (see the
+/// module docs, and the guide's "Straight-line procedures"). Wrap it in [`Saga`] to
+/// submit it; register it with
+/// [`Registry::register_saga`](crate::Registry::register_saga).
+///
+/// ```
+/// use proctor::{async_trait, ProcError, SagaContext, SagaProcedure, Undoing};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize)]
+/// struct AddNode { node: String }
+///
+/// #[async_trait]
+/// impl SagaProcedure for AddNode {
+///     type Output = u32;
+///     async fn run(&self, ctx: &mut SagaContext<'_>) -> Result<u32, ProcError> {
+///         let slot: u32 = ctx
+///             .step("reserve a slot", || async { Ok(7) }, |undoing: Undoing<u32>| async move {
+///                 if let Undoing::Completed(slot) = undoing {
+///                     let _ = slot; // free it
+///                 }
+///                 Ok(())
+///             })
+///             .await?;
+///         Ok(slot)
+///     }
+/// }
+/// ```
+#[async_trait]
+pub trait SagaProcedure<E = ()>: Serialize + DeserializeOwned + Send + Sync + 'static
+where
+    E: Send + Sync + 'static,
+{
+    /// What the saga ends with: the procedure's value
+    /// ([`Executor::wait_value`](crate::Executor::wait_value), or its parent's
+    /// [`Context::child_results`]).
+    type Output: Serialize + Send;
+
+    /// The saga, from the top. Runs again at every step and after a restart: follow
+    /// the determinism rule (module docs).
+    async fn run(&self, ctx: &mut SagaContext<'_, E>) -> Result<Self::Output, ProcError>;
+
+    /// See [`Procedure::locks`].
+    fn locks(&self) -> Vec<Lock> {
+        Vec::new()
+    }
+
+    /// See [`Procedure::holds_lock`].
+    fn holds_lock(&self) -> bool {
+        false
+    }
+}
+
+/// What a saga step's undo is told its step did (see [`Undo`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Undoing<T> {
+    /// The step completed and returned this value.
+    Completed(T),
+    /// The step failed (returned an error): it did what it did before failing, often
+    /// nothing.
+    Failed,
+    /// The step may have run, wholly, partly or not at all, and its value was not
+    /// recorded (a crash cut it off): check what is there.
+    Interrupted,
+}
+
+/// One journaled step: its name and its value (MessagePack).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Entry {
+    name: String,
+    #[serde(with = "serde_bytes")]
+    value: Vec<u8>,
+}
+
+type BoxedUndo =
+    Box<dyn FnOnce(Undoing<Vec<u8>>) -> BoxFuture<'static, Result<(), ProcError>> + Send>;
+
+/// What one pass of `run` is for.
+enum Pass {
+    /// A step of the engine: run the first step past the journal, then stop.
+    Execute {
+        /// That step's entry, once it has a value.
+        new: Arc<Mutex<Option<Entry>>>,
+    },
+    /// A rollback: collect every step's undo up to the first past the journal, then
+    /// stop there.
+    Collect { undos: Arc<Mutex<Vec<BoxedUndo>>> },
+}
+
+/// What a saga's `run` gets: the procedure's [`Context`] (through `Deref`: its id, the
+/// environment, the time) and its steps.
+pub struct SagaContext<'c, E = ()> {
+    ctx: &'c Context<E>,
+    journal: &'c [Entry],
+    at: usize,
+    pass: Pass,
+}
+
+impl<E> std::fmt::Debug for SagaContext<'_, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SagaContext")
+            .field("ctx", &self.ctx)
+            .field("journaled", &self.journal.len())
+            .field("at", &self.at)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E> std::ops::Deref for SagaContext<'_, E> {
+    type Target = Context<E>;
+    fn deref(&self) -> &Context<E> {
+        self.ctx
+    }
+}
+
+impl<E: Send + Sync + 'static> SagaContext<'_, E> {
+    /// One step of the saga: `run` does it and returns its value, which is journaled
+    /// (durably, before the next step begins); `undo` undoes it when the saga rolls
+    /// back, told what the step did ([`Undoing`]: its value if it completed). A step
+    /// already journaled (before a restart, or in an earlier step of the engine)
+    /// returns its journaled value without running again. An `Err` from `run` fails the
+    /// saga (its tree rolls back, this step's undo first, told it failed); an `Err`
+    /// from `undo` is retried with backoff, as any rollback.
+    ///
+    /// `undo` is `'static`: give it what it needs by value (`move`), the environment
+    /// through [`Context::env_arc`].
+    ///
+    /// # Errors
+    /// The step's own error; [`ProcError::Failed`] if the journal's step at this
+    /// position has another name (the saga is not deterministic), or its value does not
+    /// decode as `T`; [`ProcError::Persist`] if the value does not encode.
+    pub async fn step<T, R, RF, U, UF>(
+        &mut self,
+        name: &str,
+        run: R,
+        undo: U,
+    ) -> Result<T, ProcError>
+    where
+        T: Serialize + DeserializeOwned + Send + 'static,
+        R: FnOnce() -> RF + Send,
+        RF: Future<Output = Result<T, ProcError>> + Send,
+        U: FnOnce(Undoing<T>) -> UF + Send + 'static,
+        UF: Future<Output = Result<(), ProcError>> + Send + 'static,
+    {
+        let at = self.at;
+        self.at += 1;
+        if let Pass::Collect { undos } = &self.pass {
+            let typed: BoxedUndo = Box::new(move |undoing: Undoing<Vec<u8>>| {
+                Box::pin(async move {
+                    let undoing = match undoing {
+                        Undoing::Completed(bytes) => Undoing::Completed(decode::<T>(&bytes)?),
+                        Undoing::Failed => Undoing::Failed,
+                        Undoing::Interrupted => Undoing::Interrupted,
+                    };
+                    undo(undoing).await
+                }) as BoxFuture<'static, Result<(), ProcError>>
+            });
+            lock(undos).push(typed);
+        }
+        if let Some(entry) = self.journal.get(at) {
+            if entry.name != name {
+                return Err(ProcError::failed(format!(
+                    "saga step {at} is {name:?}, but the journal has {:?} there: the saga \
+                     does not run its steps the same way every time",
+                    entry.name
+                )));
+            }
+            return decode(&entry.value);
+        }
+        match &self.pass {
+            // Past the journal: the step this rollback undoes (or none) is reached.
+            Pass::Collect { .. } => std::future::pending().await,
+            Pass::Execute { new } => {
+                let value = run().await?;
+                let value = rmp_serde::to_vec_named(&value)
+                    .map_err(|e| ProcError::Persist(format!("saga step {name:?}: {e}")))?;
+                *lock(new) = Some(Entry {
+                    name: name.to_string(),
+                    value,
+                });
+                // The engine records it; the next step of the engine goes on from here.
+                std::future::pending().await
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn decode<T: DeserializeOwned>(bytes: &[u8]) -> Result<T, ProcError> {
+    rmp_serde::from_slice(bytes).map_err(|e| {
+        ProcError::failed(format!(
+            "a saga step's journaled value does not decode as {}: {e}",
+            std::any::type_name::<T>()
+        ))
+    })
+}
+
+/// Polls `fut` until it ends (`Some`) or, pending, `stop` says so (`None`).
+async fn drive<F: Future>(fut: F, stop: impl Fn() -> bool) -> Option<F::Output> {
+    let mut fut = std::pin::pin!(fut);
+    std::future::poll_fn(|cx| match fut.as_mut().poll(cx) {
+        Poll::Ready(output) => Poll::Ready(Some(output)),
+        Poll::Pending if stop() => Poll::Ready(None),
+        Poll::Pending => Poll::Pending,
+    })
+    .await
+}
+
+/// A [`SagaProcedure`] as a [`Procedure`]: the saga and its journal. Register it with
+/// [`Registry::register_saga`](crate::Registry::register_saga).
+#[derive(Serialize, Deserialize)]
+#[serde(bound = "S: Serialize + DeserializeOwned")]
+pub struct Saga<S, E = ()> {
+    saga: S,
+    journal: Vec<Entry>,
+    #[serde(skip)]
+    env: std::marker::PhantomData<fn() -> E>,
+}
+
+impl<S: std::fmt::Debug, E> std::fmt::Debug for Saga<S, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Saga")
+            .field("saga", &self.saga)
+            .field("journaled", &self.journaled().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+impl<S, E> Saga<S, E> {
+    /// Wraps a saga that has not run yet.
+    pub fn new(saga: S) -> Self {
+        Saga {
+            saga,
+            journal: Vec::new(),
+            env: std::marker::PhantomData,
+        }
+    }
+
+    /// The user's saga.
+    pub fn saga(&self) -> &S {
+        &self.saga
+    }
+
+    /// The names of the steps journaled so far, oldest first.
+    pub fn journaled(&self) -> impl Iterator<Item = &str> {
+        self.journal.iter().map(|e| e.name.as_str())
+    }
+}
+
+#[async_trait]
+impl<S, E> Procedure<E> for Saga<S, E>
+where
+    S: SagaProcedure<E>,
+    E: Send + Sync + 'static,
+{
+    async fn execute(&mut self, ctx: &mut Context<E>) -> Result<Flow<E>, ProcError> {
+        let new = Arc::new(Mutex::new(None));
+        let ended = {
+            let mut sctx = SagaContext {
+                ctx: &*ctx,
+                journal: &self.journal,
+                at: 0,
+                pass: Pass::Execute { new: new.clone() },
+            };
+            drive(self.saga.run(&mut sctx), || lock(&new).is_some()).await
+        };
+        match ended {
+            Some(Ok(output)) => {
+                ctx.set_result(&output)?;
+                Ok(Flow::Done)
+            }
+            Some(Err(e)) => Err(e),
+            None => {
+                let entry = lock(&new).take().expect("a step's entry stopped the pass");
+                self.journal.push(entry);
+                Ok(Flow::MoreToDo)
+            }
+        }
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context<E>) -> Result<(), ProcError> {
+        // A completed step is the newest journaled one; the step that failed (or may
+        // have run unrecorded) is the one after the journal.
+        let undo = ctx.undoing();
+        let target = match undo {
+            Undo::Completed => match self.journal.len().checked_sub(1) {
+                Some(newest) => newest,
+                None => return Ok(()),
+            },
+            _ => self.journal.len(),
+        };
+        let undos = Arc::new(Mutex::new(Vec::new()));
+        {
+            let mut sctx = SagaContext {
+                ctx: &*ctx,
+                journal: &self.journal,
+                at: 0,
+                pass: Pass::Collect {
+                    undos: undos.clone(),
+                },
+            };
+            // Ends where the target's undo is collected (the pass stops past the
+            // journal), or earlier if `run` ends before another step.
+            drive(self.saga.run(&mut sctx), || lock(&undos).len() > target).await;
+        }
+        let undo_fn = {
+            let mut undos = lock(&undos);
+            if undos.len() <= target {
+                // `run` failed (or ended) before another step: nothing of it to undo.
+                return Ok(());
+            }
+            undos.swap_remove(target)
+        };
+        let undoing = match undo {
+            Undo::Completed => Undoing::Completed(self.journal[target].value.clone()),
+            Undo::Failed => Undoing::Failed,
+            _ => Undoing::Interrupted,
+        };
+        undo_fn(undoing).await?;
+        if undo == Undo::Completed {
+            self.journal.pop();
+        }
+        Ok(())
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        self.saga.locks()
+    }
+
+    fn holds_lock(&self) -> bool {
+        self.saga.holds_lock()
+    }
+
+    fn state_name(&self) -> Option<String> {
+        Some(match self.journal.last() {
+            Some(last) => format!("after {:?} ({} steps)", last.name, self.journal.len()),
+            None => "start".to_string(),
+        })
+    }
+
+    fn rust_type_name(&self) -> &'static str {
+        std::any::type_name::<S>()
+    }
+}

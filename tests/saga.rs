@@ -1,0 +1,340 @@
+//! Straight-line procedures (`SagaProcedure`): each step journaled and run once, its
+//! value replayed; on failure or abort the undos run newest first, told what their
+//! steps did; an undo that fails is retried; a crash at any write leaves the world as
+//! the result says. On both stores.
+
+mod common;
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
+
+use common::stores;
+use proctor::testing::restart_at_every_write;
+use proctor::{
+    async_trait, Executor, ExecutorBuilder, ProcError, ProcState, ProcedureStore, Registry, Saga,
+    SagaContext, SagaProcedure, Undoing, WaitError,
+};
+use serde::{Deserialize, Serialize};
+
+/// The world a saga changes, and what it saw.
+#[derive(Default)]
+struct Cluster {
+    tables: Mutex<BTreeSet<String>>,
+    regions: Mutex<BTreeSet<String>>,
+    calls: Mutex<Vec<String>>,
+    /// Undos of this name fail this many times first.
+    flaky_undo: Mutex<(String, u32)>,
+    in_step: tokio::sync::Notify,
+    /// Steps told to wait do so only while this is set.
+    hold: std::sync::atomic::AtomicBool,
+}
+
+impl Cluster {
+    fn call(&self, call: String) {
+        self.calls.lock().unwrap().push(call);
+    }
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+    fn state(&self) -> (Vec<String>, Vec<String>) {
+        (
+            self.tables.lock().unwrap().iter().cloned().collect(),
+            self.regions.lock().unwrap().iter().cloned().collect(),
+        )
+    }
+}
+
+/// Create a table: the table, then its regions (one step each), then enable it. It can
+/// fail in a step, or wait in one for the test.
+#[derive(Clone, Serialize, Deserialize)]
+struct CreateTable {
+    name: String,
+    regions: u32,
+    fail_at: Option<String>,
+    wait_at: Option<String>,
+}
+
+impl CreateTable {
+    fn new(name: &str, regions: u32) -> Self {
+        CreateTable {
+            name: name.into(),
+            regions,
+            fail_at: None,
+            wait_at: None,
+        }
+    }
+}
+
+#[async_trait]
+impl SagaProcedure<Cluster> for CreateTable {
+    type Output = Vec<String>;
+
+    async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<Vec<String>, ProcError> {
+        let env = ctx.env_arc().clone();
+        let (fail_at, wait_at) = (self.fail_at.clone(), self.wait_at.clone());
+        // A step's work: it records itself, waits (for an abort) if told to, fails if
+        // told to (before changing anything).
+        let gate = |step: &str, cancelled: proctor::Cancelled| {
+            let (env, fail, wait, step) = (
+                env.clone(),
+                fail_at.as_deref() == Some(step),
+                wait_at.as_deref() == Some(step),
+                step.to_string(),
+            );
+            async move {
+                env.call(format!("do {step}"));
+                if wait && env.hold.load(std::sync::atomic::Ordering::SeqCst) {
+                    env.in_step.notify_one();
+                    cancelled.await;
+                    return Err(ProcError::Aborted);
+                }
+                if fail {
+                    return Err(ProcError::failed(format!("{step} broke")));
+                }
+                Ok(())
+            }
+        };
+        let undo_of = |step: String| {
+            let env = env.clone();
+            move |undoing: Undoing<String>| async move {
+                let told = match &undoing {
+                    Undoing::Completed(v) => format!("completed {v}"),
+                    Undoing::Failed => "failed".to_string(),
+                    Undoing::Interrupted => "interrupted".to_string(),
+                };
+                env.call(format!("undo {step} ({told})"));
+                {
+                    let mut flaky = env.flaky_undo.lock().unwrap();
+                    if flaky.0 == step && flaky.1 > 0 {
+                        flaky.1 -= 1;
+                        return Err(ProcError::failed("undo broke"));
+                    }
+                }
+                // A failed step made nothing (it fails before changing anything).
+                if matches!(undoing, Undoing::Completed(_) | Undoing::Interrupted) {
+                    env.tables.lock().unwrap().remove(&step);
+                    env.regions.lock().unwrap().remove(&step);
+                }
+                Ok(())
+            }
+        };
+
+        let table = self.name.clone();
+        let cancelled = ctx.cancelled();
+        let made = ctx
+            .step(
+                "table",
+                || async {
+                    gate("table", cancelled).await?;
+                    env.tables.lock().unwrap().insert(table.clone());
+                    Ok(table.clone())
+                },
+                undo_of(table.clone()),
+            )
+            .await?;
+        let mut regions = Vec::new();
+        for r in 0..self.regions {
+            let step = format!("region {r}");
+            let region = format!("{made}-r{r}");
+            let cancelled = ctx.cancelled();
+            let done = ctx
+                .step(
+                    &step,
+                    || async {
+                        gate(&step, cancelled).await?;
+                        env.regions.lock().unwrap().insert(region.clone());
+                        Ok(region.clone())
+                    },
+                    undo_of(region.clone()),
+                )
+                .await?;
+            regions.push(done);
+        }
+        let cancelled = ctx.cancelled();
+        ctx.step(
+            "enable",
+            || gate("enable", cancelled),
+            |_: Undoing<()>| async { Ok(()) },
+        )
+        .await?;
+        Ok(regions)
+    }
+}
+
+fn builder(cluster: &Arc<Cluster>) -> ExecutorBuilder<Cluster> {
+    let mut registry = Registry::<Cluster>::default();
+    registry.register_saga::<CreateTable>("create_table");
+    Executor::builder().registry(registry).env(cluster.clone())
+}
+
+async fn start(store: Box<dyn ProcedureStore>, cluster: &Arc<Cluster>) -> Executor<Cluster> {
+    builder(cluster).store(store).start().await.expect("starts")
+}
+
+#[actix::test]
+async fn a_saga_runs_each_step_once_and_answers_its_output() {
+    for (name, store, _dir) in stores() {
+        let cluster = Arc::new(Cluster::default());
+        let executor = start(store, &cluster).await;
+        let id = executor
+            .submit(Saga::new(CreateTable::new("t1", 2)))
+            .await
+            .unwrap();
+        let regions: Vec<String> = executor.wait_value(id).await.unwrap();
+        assert_eq!(regions, ["t1-r0", "t1-r1"], "{name}");
+        // Replayed at every step, but each step ran once.
+        assert_eq!(
+            cluster.calls(),
+            ["do table", "do region 0", "do region 1", "do enable"],
+            "{name}"
+        );
+        assert_eq!(
+            cluster.state(),
+            (vec!["t1".into()], vec!["t1-r0".into(), "t1-r1".into()])
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_failed_step_rolls_the_saga_back_newest_first() {
+    for (name, store, _dir) in stores() {
+        let cluster = Arc::new(Cluster::default());
+        let executor = start(store, &cluster).await;
+        let mut create = CreateTable::new("t1", 2);
+        create.fail_at = Some("region 1".into());
+        let id = executor.submit(Saga::new(create)).await.unwrap();
+        match executor.wait_value::<Vec<String>>(id).await {
+            Err(WaitError::Failed(f)) => assert_eq!(f.error, ProcError::failed("region 1 broke")),
+            other => panic!("{name}: {other:?}"),
+        }
+        assert_eq!(
+            cluster.calls(),
+            [
+                "do table",
+                "do region 0",
+                "do region 1",
+                "undo t1-r1 (failed)",
+                "undo t1-r0 (completed t1-r0)",
+                "undo t1 (completed t1)",
+            ],
+            "{name}"
+        );
+        assert_eq!(cluster.state(), (vec![], vec![]), "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn an_abort_mid_saga_undoes_what_was_done_and_a_failing_undo_is_retried() {
+    for (name, store, _dir) in stores() {
+        let cluster = Arc::new(Cluster::default());
+        cluster
+            .hold
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        *cluster.flaky_undo.lock().unwrap() = ("t1".into(), 2);
+        let executor = start(store, &cluster).await;
+        let mut create = CreateTable::new("t1", 1);
+        create.wait_at = Some("region 0".into());
+        let id = executor.submit(Saga::new(create)).await.unwrap();
+        cluster.in_step.notified().await;
+        // The step runs: the abort cancels it, and it fails.
+        assert!(executor.abort(id).await.unwrap(), "{name}");
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::Aborted, "{name}");
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::RolledBack
+        );
+        assert_eq!(
+            cluster.calls(),
+            [
+                "do table",
+                "do region 0",
+                "undo t1-r0 (failed)",
+                // Fails twice, then succeeds: retried with backoff.
+                "undo t1 (completed t1)",
+                "undo t1 (completed t1)",
+                "undo t1 (completed t1)",
+            ],
+            "{name}"
+        );
+        assert_eq!(cluster.state(), (vec![], vec![]), "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn after_a_crash_at_any_write_the_world_matches_the_result() {
+    for fail_at in [None, Some("region 1")] {
+        let cluster = Arc::new(Cluster::default());
+        let runs = restart_at_every_write(
+            // The world lives through each run's crash and restart.
+            || builder(&cluster),
+            || {
+                let mut create = CreateTable::new("t1", 2);
+                create.fail_at = fail_at.map(str::to_string);
+                Saga::new(create)
+            },
+            |run| {
+                let state = cluster.state();
+                match &run.result {
+                    Some(Ok(())) => assert_eq!(
+                        state,
+                        (vec!["t1".into()], vec!["t1-r0".into(), "t1-r1".into()]),
+                        "{run:?}"
+                    ),
+                    Some(Err(_)) | None => assert_eq!(state, (vec![], vec![]), "{run:?}"),
+                }
+                assert_eq!(
+                    run.result.as_ref().map(Result::is_ok),
+                    run.root.map(|_| fail_at.is_none())
+                );
+                // A new world for the next run.
+                *cluster.tables.lock().unwrap() = BTreeSet::new();
+                *cluster.regions.lock().unwrap() = BTreeSet::new();
+            },
+        )
+        .await
+        .expect("runs");
+        assert!(runs.len() >= 10, "{fail_at:?}: {} runs", runs.len());
+    }
+}
+
+#[actix::test]
+async fn after_a_restart_journaled_steps_answer_from_the_journal_without_running() {
+    for name in ["memory", "wal"] {
+        let store = common::Reopen::new(name);
+        let cluster = Arc::new(Cluster::default());
+        cluster
+            .hold
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let executor = start(store.open(), &cluster).await;
+        let mut create = CreateTable::new("t1", 2);
+        create.wait_at = Some("region 1".into());
+        let id = executor.submit(Saga::new(create)).await.unwrap();
+        cluster.in_step.notified().await;
+        // Stopped in region 1's step: the step is cut off, not recorded.
+        executor.shutdown_now().await.unwrap();
+        cluster
+            .hold
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+
+        let executor = start(store.open(), &cluster).await;
+        let regions: Vec<String> = executor.wait_value(id).await.unwrap();
+        assert_eq!(regions, ["t1-r0", "t1-r1"], "{name}");
+        // The table and region 0 came from the journal: they ran once.
+        assert_eq!(
+            cluster.calls(),
+            [
+                "do table",
+                "do region 0",
+                "do region 1",
+                "do region 1",
+                "do enable"
+            ],
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
