@@ -235,7 +235,7 @@ fn witness_loans() {
     let only_loans = tracing_subscriber::filter::filter_fn(|m| {
         m.is_event()
             && *m.level() == tracing::Level::WARN
-            && m.target().starts_with("proctor::actors::locks")
+            && m.target().starts_with("proctor::locks")
     });
     let subscriber = tracing_subscriber::registry().with(LoanWitness.with_filter(only_loans));
     let _ = tracing::subscriber::set_global_default(subscriber);
