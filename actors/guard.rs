@@ -60,7 +60,7 @@ pub(crate) fn panic_message(payload: &(dyn Any + Send)) -> String {
 
 fn panicked(hook: &str, payload: Box<dyn Any + Send>) -> ProcError {
     let message = panic_message(&*payload);
-    tracing::error!(target: "proctor::procedure", hook, %message, "procedure panicked");
+    tracing::error!(target: crate::targets::PROCEDURE, hook, %message, "procedure panicked");
     ProcError::Panicked {
         hook: hook.to_string(),
         message,

@@ -222,7 +222,7 @@ impl LockActor {
         let changes = self.locks.request(req);
         if self.parked.contains_key(&id) && self.locks.waited_by(id).is_some() {
             let (holders, waiters) = self.locks.len();
-            tracing::debug!(target: "proctor::locks", proc = %id, holders, waiters, "waiting for locks");
+            tracing::debug!(target: crate::targets::LOCKS, proc = %id, holders, waiters, "waiting for locks");
             self.view.locks.insert(id, LockView { locks, held: false });
         }
         self.apply(changes);
@@ -259,7 +259,7 @@ impl LockActor {
         // Logged before the grants go out (the perturbation test orders a borrower's
         // calls after its loan by this event).
         for loan in &changes.loans {
-            tracing::warn!(target: "proctor::locks", proc = %loan.borrower, lender = %loan.lender, %loan, "deadlock no failure can break: the waiter borrows the locks of a tree that rolls back");
+            tracing::warn!(target: crate::targets::LOCKS, proc = %loan.borrower, lender = %loan.lender, %loan, "deadlock no failure can break: the waiter borrows the locks of a tree that rolls back");
         }
         for id in changes.granted {
             let Some(parked) = self.unpark(id) else {
@@ -288,7 +288,7 @@ impl LockActor {
         }
         for deadlock in changes.deadlocks {
             let id = deadlock.victim;
-            tracing::warn!(target: "proctor::locks", proc = %id, %deadlock, "deadlock: failing a waiter");
+            tracing::warn!(target: crate::targets::LOCKS, proc = %id, %deadlock, "deadlock: failing a waiter");
             self.view.locks.remove(&id);
             match self.unpark(id).map(|p| p.then) {
                 Some(Then::Step(step)) => {
@@ -297,7 +297,7 @@ impl LockActor {
                     self.queue(step, false);
                 }
                 Some(Then::Rollback { .. }) | None => {
-                    tracing::error!(target: "proctor::locks", proc = %id, "deadlock victim is not a waiting step");
+                    tracing::error!(target: crate::targets::LOCKS, proc = %id, "deadlock victim is not a waiting step");
                 }
             }
         }
@@ -497,7 +497,7 @@ impl Handler<Regrant> for LockActor {
         for req in msg.0 {
             let (id, locks) = (req.owner, req.locks.clone());
             if self.locks.force_grant(req) {
-                tracing::debug!(target: "proctor::locks", proc = %id, "locks granted back after recovery");
+                tracing::debug!(target: crate::targets::LOCKS, proc = %id, "locks granted back after recovery");
                 self.view.locks.insert(id, LockView { locks, held: true });
             }
         }

@@ -90,7 +90,7 @@ impl Persistence {
                         Write::Drained(cut_off) => {
                             if !failed {
                                 if let Err(e) = store.mark_drained(&cut_off) {
-                                    tracing::warn!(target: "proctor::store", %e, "cannot mark the store drained; the next start assumes steps were cut off");
+                                    tracing::warn!(target: crate::targets::STORE, %e, "cannot mark the store drained; the next start assumes steps were cut off");
                                 }
                             }
                             continue;
@@ -237,7 +237,7 @@ impl Persistence {
     }
 
     fn fail(&mut self, reason: String, acks: Vec<DurableAck>, mail: &mut Mail) {
-        tracing::error!(target: "proctor::store", %reason, "store failed; refusing further appends");
+        tracing::error!(target: crate::targets::STORE, %reason, "store failed; refusing further appends");
         self.failed = Some(reason.clone());
         let later = std::mem::take(&mut self.pending_acks);
         self.pending_ops.clear();

@@ -290,7 +290,7 @@ impl SchedulerActor {
             // A finished tree queues nothing; a step of one whose root stack is gone
             // would leak its worker, so free it.
             if addr.connected() {
-                tracing::trace!(target: "proctor::scheduler", proc = %id, "dispatch");
+                tracing::trace!(target: crate::targets::SCHEDULER, proc = %id, "dispatch");
                 perturb::point("scheduler::dispatch::run_step");
                 let running = Running {
                     started: Instant::now(),
@@ -315,7 +315,7 @@ impl SchedulerActor {
                     },
                 );
             } else {
-                tracing::warn!(target: "proctor::scheduler", proc = %id, "queued procedure has no root stack");
+                tracing::warn!(target: crate::targets::SCHEDULER, proc = %id, "queued procedure has no root stack");
                 self.free_worker(id, lane, locked);
             }
         }
@@ -338,7 +338,7 @@ impl SchedulerActor {
                     Lane::Shared => stuck += 1,
                     Lane::System => stuck_system += 1,
                 }
-                tracing::warn!(target: "proctor::scheduler",
+                tracing::warn!(target: crate::targets::SCHEDULER,
                     proc = %id,
                     r#type = type_name,
                     step,
@@ -353,13 +353,13 @@ impl SchedulerActor {
             .check(now, stuck, self.ready.busy_shared(), self.ready.queued());
         match change {
             Change::None => return,
-            Change::Added => tracing::warn!(target: "proctor::scheduler",
+            Change::Added => tracing::warn!(target: crate::targets::SCHEDULER,
                 workers = self.workers.current(),
                 stuck,
                 "stuck workers: allowing an extra worker"
             ),
             Change::Retired => {
-                tracing::info!(target: "proctor::scheduler", workers = self.workers.current(), "an extra worker retired")
+                tracing::info!(target: crate::targets::SCHEDULER, workers = self.workers.current(), "an extra worker retired")
             }
         }
         self.ready.set_workers(self.workers.current());
@@ -399,7 +399,7 @@ impl SchedulerActor {
             // A bookkeeping bug: no worker is counted for it, so none is freed (its
             // step's locks still are, if it held any: releasing none is harmless).
             None => {
-                tracing::warn!(target: "proctor::scheduler", proc = %id, "a step finished that is not running");
+                tracing::warn!(target: crate::targets::SCHEDULER, proc = %id, "a step finished that is not running");
                 self.release_step_locks(id);
             }
         }
@@ -551,7 +551,7 @@ impl Handler<TreeEnded> for SchedulerActor {
                 .collect();
             for id in lost {
                 while let Some(run) = self.end_oldest(id) {
-                    tracing::warn!(target: "proctor::scheduler", proc = %id, "a step's tree ended before the step reported");
+                    tracing::warn!(target: crate::targets::SCHEDULER, proc = %id, "a step's tree ended before the step reported");
                     self.free_worker(id, run.lane, run.locked);
                 }
             }

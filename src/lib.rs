@@ -27,6 +27,7 @@ mod root_stack;
 mod saga;
 mod state_machine;
 pub mod store;
+mod targets;
 mod workers;
 
 #[path = "../actors/mod.rs"]

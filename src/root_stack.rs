@@ -443,21 +443,21 @@ impl RootStack {
         if children.is_empty() {
             return None;
         }
-        let state = |child: &ProcId| {
-            self.nodes
-                .get(child)
-                .map_or(ProcState::Success, |n| n.state)
-        };
-        let states = children.iter().map(|c| (*c, state(c))).collect();
-        let values = children
-            .iter()
-            .filter_map(|c| {
-                let node = self.nodes.get(c)?;
-                let value = node.extra.as_ref()?.result.as_ref()?;
-                (node.state == ProcState::Success).then(|| (*c, value.clone()))
-            })
-            .collect();
-        Some(Box::new(ChildrenSeen { states, values }))
+        let mut states = Vec::with_capacity(children.len());
+        let mut values = Vec::new();
+        for &child in children {
+            let node = self.nodes.get(&child);
+            let state = node.map_or(ProcState::Success, |n| n.state);
+            states.push((child, state));
+            let value = node.and_then(|n| n.extra.as_ref()?.result.as_ref());
+            if let (ProcState::Success, Some(value)) = (state, value) {
+                values.push((child, value.clone()));
+            }
+        }
+        Some(Box::new(ChildrenSeen {
+            states: states.into_boxed_slice(),
+            values: values.into_boxed_slice(),
+        }))
     }
 
     /// The registered type name of `id`.
@@ -747,7 +747,7 @@ impl RootStack {
             }
             Decision::Retry { delay_ms } => {
                 let at_ms = now_ms.saturating_add(delay_ms);
-                tracing::info!(target: "proctor::tree", proc = %id, %error, delay_ms, "step failed; retrying");
+                tracing::info!(target: crate::targets::TREE, proc = %id, %error, delay_ms, "step failed; retrying");
                 let node = self.node_mut(id);
                 node.steering.retries += 1;
                 node.steering.dirty = true;
@@ -759,7 +759,7 @@ impl RootStack {
                 t.actions.push(Action::WakeAt { id, at_ms });
             }
             Decision::Pause => {
-                tracing::warn!(target: "proctor::tree", proc = %id, %error, "step failed; procedure paused");
+                tracing::warn!(target: crate::targets::TREE, proc = %id, %error, "step failed; procedure paused");
                 let data = before.unwrap_or(data);
                 let node = self.node_mut(id);
                 let retries = std::mem::take(&mut node.steering.retries);
@@ -788,7 +788,7 @@ impl RootStack {
         let live = self.nodes.get(&id).is_some_and(|n| !n.state.is_finished());
         if self.phase == Phase::Executing && live && self.is_irreversible() {
             // Past the point of no return a timeout cannot roll the tree back either.
-            tracing::warn!(target: "proctor::tree", proc = %id, %error, "failure past the point of no return; procedure paused");
+            tracing::warn!(target: crate::targets::TREE, proc = %id, %error, "failure past the point of no return; procedure paused");
             let why = Paused {
                 error: Some(error),
                 policy: None,
@@ -1000,7 +1000,7 @@ impl RootStack {
                 };
                 match decide(policy, retries, false, true, id.0) {
                     Decision::Retry { delay_ms } => {
-                        tracing::warn!(target: "proctor::tree", proc = %id, %error, delay_ms, "rollback failed; retrying");
+                        tracing::warn!(target: crate::targets::TREE, proc = %id, %error, delay_ms, "rollback failed; retrying");
                         if counted {
                             node.steering.retries += 1;
                             self.persist_update(&mut t, id, data, now_ms);
@@ -1011,7 +1011,7 @@ impl RootStack {
                         t.actions.push(Action::RetryRollback { id, of, delay_ms });
                     }
                     Decision::Pause | Decision::Rollback => {
-                        tracing::warn!(target: "proctor::tree", proc = %id, %error, "rollback failed; rollback paused");
+                        tracing::warn!(target: crate::targets::TREE, proc = %id, %error, "rollback failed; rollback paused");
                         let retries = std::mem::take(&mut node.steering.retries);
                         let why = Paused {
                             error: Some(error),
@@ -1166,7 +1166,7 @@ impl RootStack {
         node.failure = Some(Box::new(failure.clone()));
         node.extra().failure_seq = Some(seq);
         if self.failure.is_none() {
-            tracing::debug!(target: "proctor::tree", root = %self.root, %failure, "tree failed");
+            tracing::debug!(target: crate::targets::TREE, root = %self.root, %failure, "tree failed");
             self.failure = Some(Box::new(failure));
         }
     }
@@ -1236,7 +1236,7 @@ impl RootStack {
 
     fn maybe_start_rollback(&mut self, t: &mut Transition, now_ms: u64) {
         if self.is_failed() && self.phase == Phase::Executing && self.running == 0 {
-            tracing::debug!(target: "proctor::tree", root = %self.root, steps = self.stack.len(), "rolling back tree");
+            tracing::debug!(target: crate::targets::TREE, root = %self.root, steps = self.stack.len(), "rolling back tree");
             // A step that failed and was not recorded (retried or paused) may have left
             // effects: undo it first, as recovery does for a step cut off by a crash.
             let dirty: Vec<ProcId> = self

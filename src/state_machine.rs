@@ -366,7 +366,7 @@ where
             _ => 0,
         };
         if self.cycles > 0 && self.cycles.is_power_of_two() && self.cycles >= 64 {
-            tracing::warn!(target: "proctor::procedure", proc = %ctx.id(), ?state, cycles = self.cycles, "state machine loops in one state");
+            tracing::warn!(target: crate::targets::PROCEDURE, proc = %ctx.id(), ?state, cycles = self.cycles, "state machine loops in one state");
         }
         // Recorded before running so that a state that fails half-way is rolled back too.
         self.history.push(state);

@@ -316,14 +316,14 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
             }
             self.acked.remove(id);
         }
-        tracing::debug!(target: "proctor::executor", evicted = batch.len(), "evicted finished results");
+        tracing::debug!(target: crate::targets::EXECUTOR, evicted = batch.len(), "evicted finished results");
     }
 
     /// The store failed (or the engine broke): accept nothing more and answer every
     /// waiter with the error.
     fn broke(&mut self, e: Error) {
         if self.broken.is_none() {
-            tracing::error!(target: "proctor::executor", error = %e, "executor stopped accepting work");
+            tracing::error!(target: crate::targets::EXECUTOR, error = %e, "executor stopped accepting work");
             if matches!(e, Error::Internal(_)) {
                 // Stop every other tree at its next write, as a store failure does.
                 self.shared.persistence.do_send(Refuse(e.to_string()));
@@ -426,11 +426,11 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
             match self.nonces.get_mut(&nonce) {
                 Some(NonceState::Known(id)) => {
                     let id = *id;
-                    tracing::debug!(target: "proctor::executor", proc = %id, group = nonce.group, nonce = nonce.nonce, "submit with a known nonce: answered with its procedure");
+                    tracing::debug!(target: crate::targets::EXECUTOR, proc = %id, group = nonce.group, nonce = nonce.nonce, "submit with a known nonce: answered with its procedure");
                     return Some(Box::pin(std::future::ready(Ok(id))));
                 }
                 Some(NonceState::Submitting(waiting)) => {
-                    tracing::debug!(target: "proctor::executor", group = nonce.group, nonce = nonce.nonce, "submit with a nonce being submitted: answered with its procedure once durable");
+                    tracing::debug!(target: crate::targets::EXECUTOR, group = nonce.group, nonce = nonce.nonce, "submit with a nonce being submitted: answered with its procedure once durable");
                     let (tx, rx) = oneshot::channel();
                     waiting.push(tx);
                     let answer = async move { rx.await.unwrap_or(Err(Error::Stopped)) };
@@ -891,7 +891,7 @@ impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
             return Box::pin(self.stop_now(None));
         }
         self.stopping = true;
-        tracing::info!(target: "proctor::executor",
+        tracing::info!(target: crate::targets::EXECUTOR,
             timeout_ms = self.drain_timeout.as_millis() as u64,
             "draining"
         );
@@ -921,14 +921,14 @@ async fn graceful_drain(
     {
         // Ask the running calls to stop (`CancelReason::Shutdown`), and give
         // those that watch the signal a moment to return.
-        tracing::warn!(target: "proctor::executor", "drain deadline passed with steps still running: cancelling them");
+        tracing::warn!(target: crate::targets::EXECUTOR, "drain deadline passed with steps still running: cancelling them");
         shared.shutdown.cancel();
         deadline = tokio::time::Instant::now() + CANCEL_GRACE;
         if tokio::time::timeout_at(deadline, shared.drain.drain())
             .await
             .is_err()
         {
-            tracing::warn!(target: "proctor::executor", "steps still running after their cancellation: stopping now");
+            tracing::warn!(target: crate::targets::EXECUTOR, "steps still running after their cancellation: stopping now");
             return None;
         }
         // A cancelled step that returned reported a yield: it ran, unrecorded.
@@ -936,7 +936,7 @@ async fn graceful_drain(
     }
     // Every report is sent; wait until each tree has made its records durable.
     let Ok(cut_off) = tokio::time::timeout_at(deadline, quiesced(&shared)).await else {
-        tracing::warn!(target: "proctor::executor", "drain deadline passed with records not yet durable: stopping now");
+        tracing::warn!(target: crate::targets::EXECUTOR, "drain deadline passed with records not yet durable: stopping now");
         return None;
     };
     cut_off.filter(|_| !cut)
@@ -1022,7 +1022,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
             let _ = persistence.send(StopWriter { drained }).await;
             // Nothing of this engine asks for locks or waits for events any more.
             locks.do_send(StopLocks);
-            tracing::info!(target: "proctor::executor",
+            tracing::info!(target: crate::targets::EXECUTOR,
                 drained = was_drained,
                 "executor stopped: its threads are joined and its store is closed"
             );

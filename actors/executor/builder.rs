@@ -449,7 +449,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             views,
         };
         let addr = self.create_actor(recovered, env, peers, owned);
-        tracing::info!(target: "proctor::executor",
+        tracing::info!(target: crate::targets::EXECUTOR,
             shards = self.shards(),
             workers = self.workers,
             recovered = report.recovered_roots.len(),
@@ -680,7 +680,7 @@ impl Recovered {
         let mut plan = crate::actors::recover::plan(snapshot.parts, &names, &cut_off, now_ms());
         let (trees, corrupt) = decode_trees(&registry, &mut plan, env);
         for c in &corrupt {
-            tracing::error!(target: "proctor::executor", proc = %c.id, root = %c.root, reason = %c.reason, "cannot recover procedure");
+            tracing::error!(target: crate::targets::EXECUTOR, proc = %c.id, root = %c.root, reason = %c.reason, "cannot recover procedure");
         }
         let mut recovered_roots: Vec<ProcId> = trees.iter().map(|(t, _)| t.stack.root()).collect();
         recovered_roots.sort_unstable();
@@ -848,7 +848,7 @@ fn decode_tree(
             .map_err(|e| format!("procedure {}: {e}", r.id))?;
         let call = Call::new(r.id, r.parent, r.root, now_ms(), Arc::clone(env));
         if let Err(e) = guard("before_recover", || proc.before_recover(&call)) {
-            tracing::error!(target: "proctor::executor", proc = %r.id, %e, "before_recover panicked");
+            tracing::error!(target: crate::targets::EXECUTOR, proc = %r.id, %e, "before_recover panicked");
         }
         // Paused while it waited (an operator's pause), it asks the same question:
         // continued, does it run its next step or wait for the event again?
@@ -857,7 +857,7 @@ fn decode_tree(
                 Ok(true) => rerun.push(r.id),
                 Ok(false) => {}
                 Err(e) => {
-                    tracing::error!(target: "proctor::executor", proc = %r.id, %e, "rerun_after_recover panicked; re-running");
+                    tracing::error!(target: crate::targets::EXECUTOR, proc = %r.id, %e, "rerun_after_recover panicked; re-running");
                     rerun.push(r.id);
                 }
             }

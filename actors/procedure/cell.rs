@@ -183,7 +183,7 @@ impl ProcedureCell {
         shared: Arc<Shared>,
         status: Arc<TreeStatus>,
     ) -> Self {
-        let span = tracing::info_span!(target: "proctor::procedure",
+        let span = tracing::info_span!(target: crate::targets::PROCEDURE,
             "procedure",
             id = spec.id.0,
             root = spec.root.0,
@@ -224,7 +224,7 @@ impl ProcedureCell {
         let call = self.context();
         if let Some(proc) = self.proc.as_mut() {
             if let Err(e) = guard("after_recover", || proc.after_recover(&call)) {
-                tracing::error!(target: "proctor::procedure", proc = %self.id, %e, "after_recover panicked");
+                tracing::error!(target: crate::targets::PROCEDURE, proc = %self.id, %e, "after_recover panicked");
             }
         }
     }
@@ -327,7 +327,7 @@ impl ProcedureCell {
         if next.is_err() && ctx.cancel_reason() == Some(CancelReason::Shutdown) {
             // Stopped by the shutdown, not failed: as a yield, nothing is recorded, and
             // like a step cut off by a crash it runs again after the restart.
-            tracing::info!(target: "proctor::procedure", parent: &self.span, "step stopped by the shutdown; it runs again after the restart");
+            tracing::info!(target: crate::targets::PROCEDURE, parent: &self.span, "step stopped by the shutdown; it runs again after the restart");
             next = Ok(Next::Yield);
         }
         let mut outcome = match next {
@@ -391,7 +391,7 @@ impl ProcedureCell {
         match &outcome {
             StepOutcome::Done => self.done = true,
             StepOutcome::Failed(error) => {
-                tracing::info!(target: "proctor::procedure", parent: &self.span, %error, "step failed");
+                tracing::info!(target: crate::targets::PROCEDURE, parent: &self.span, %error, "step failed");
                 self.failed = true;
             }
             // Idle for a while: the next step gets a new cancellation signal, and the
@@ -455,7 +455,7 @@ impl ProcedureCell {
     fn release_lock(&mut self, proc: &mut dyn ErasedProc, ctx: &Call) {
         self.lock_held = false;
         if let Err(e) = guard("release_lock", || proc.release_lock(ctx)) {
-            tracing::error!(target: "proctor::procedure", proc = %self.id, %e, "release_lock panicked; the lock may leak");
+            tracing::error!(target: crate::targets::PROCEDURE, proc = %self.id, %e, "release_lock panicked; the lock may leak");
         }
     }
 
@@ -503,7 +503,7 @@ impl ProcedureCell {
         };
         if accepted {
             if ack.is_some() {
-                tracing::info!(target: "proctor::procedure", parent: &self.span, %error, "abort accepted");
+                tracing::info!(target: crate::targets::PROCEDURE, parent: &self.span, %error, "abort accepted");
             }
             self.failed = true;
             let data = self.encode(&*proc).unwrap_or_else(|_| self.data.clone());
@@ -554,7 +554,7 @@ impl ProcedureCell {
                     Err(panic) => panic,
                     _ => ProcError::TimedOut { timeout_ms },
                 };
-                tracing::info!(target: "proctor::procedure", parent: &self.span, %error, "timed out");
+                tracing::info!(target: crate::targets::PROCEDURE, parent: &self.span, %error, "timed out");
                 self.failed = true;
                 out.push_back(Report::Fail(FailRequest {
                     id: self.id,
@@ -646,7 +646,7 @@ impl ProcedureCell {
                     return;
                 }
                 self.failed = true;
-                tracing::warn!(target: "proctor::procedure", proc = %self.id, %reason, "procedure failed on a deadlock");
+                tracing::warn!(target: crate::targets::PROCEDURE, proc = %self.id, %reason, "procedure failed on a deadlock");
                 out.push_back(Report::Fail(FailRequest {
                     id: self.id,
                     failure: Some((ProcError::Deadlock(reason), self.data.clone())),
@@ -717,7 +717,7 @@ impl ProcedureCell {
             return;
         };
         self.step_cancel = Some(cancel);
-        let span = tracing::info_span!(target: "proctor::procedure",
+        let span = tracing::info_span!(target: crate::targets::PROCEDURE,
             parent: &self.span,
             "step",
             step,
@@ -810,7 +810,7 @@ impl ProcedureCell {
             return;
         };
         let (undo, recorded) = (of.undo, of.recorded);
-        let span = tracing::info_span!(target: "proctor::procedure", parent: &self.span, "rollback", %undo, recorded);
+        let span = tracing::info_span!(target: crate::targets::PROCEDURE, parent: &self.span, "rollback", %undo, recorded);
         let call = async move {
             let result = CatchUnwind {
                 hook: "rollback",
@@ -888,7 +888,7 @@ impl ProcedureCell {
             }
             perturb::point("procedure::stop::cleanup");
             if let Err(e) = guard("completion_cleanup", || proc.completion_cleanup(&pctx)) {
-                tracing::error!(target: "proctor::procedure", proc = %self.id, %e, "completion_cleanup panicked");
+                tracing::error!(target: crate::targets::PROCEDURE, proc = %self.id, %e, "completion_cleanup panicked");
             }
         }
         let aborts = self.pending.take().map(|p| p.aborts).unwrap_or_default();
@@ -947,7 +947,7 @@ impl ProcedureCell {
             // Its recorded state decoded at least once (or it was just encoded), so
             // this is not expected; keep the object as the failed attempt left it.
             Err(e) => {
-                tracing::error!(target: "proctor::procedure", proc = %self.id, %e, "cannot reload the recorded state")
+                tracing::error!(target: crate::targets::PROCEDURE, proc = %self.id, %e, "cannot reload the recorded state")
             }
         }
         self.went_on(out);

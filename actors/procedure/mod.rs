@@ -191,7 +191,7 @@ impl ProcedureActor {
             // Engine code around the user's panicked, and the user's object went with
             // the call: the actor dies, and its root stack starts the procedure again.
             Ended::Panicked(message) => {
-                tracing::error!(target: "proctor::procedure", proc = %self.id, %message, "engine code panicked in a call: the procedure is restarted");
+                tracing::error!(target: crate::targets::PROCEDURE, proc = %self.id, %message, "engine code panicked in a call: the procedure is restarted");
                 ctx.stop();
             }
         }

@@ -296,7 +296,7 @@ impl RootStackActor {
     /// Engine code panicked for this tree: it is cut off, the others go on (a result
     /// it published before the panic still goes out).
     fn cut_off(&mut self, message: &str, result: Option<TreeFinished>, ctx: &mut Context<Self>) {
-        tracing::error!(target: "proctor::tree", root = %self.root, %message, "engine code panicked: the tree is cut off");
+        tracing::error!(target: crate::targets::TREE, root = %self.root, %message, "engine code panicked: the tree is cut off");
         self.end(result, ctx);
     }
 

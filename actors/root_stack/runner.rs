@@ -426,10 +426,10 @@ impl TreeRunner {
             Action::Finished(result) => {
                 match &result {
                     Ok(()) => {
-                        tracing::debug!(target: "proctor::tree", root = self.core.root().0, "tree succeeded")
+                        tracing::debug!(target: crate::targets::TREE, root = self.core.root().0, "tree succeeded")
                     }
                     Err(failure) => {
-                        tracing::warn!(target: "proctor::tree", root = self.core.root().0, %failure, "tree rolled back")
+                        tracing::warn!(target: crate::targets::TREE, root = self.core.root().0, %failure, "tree rolled back")
                     }
                 }
                 self.result = Some(Box::new(result.map_err(|f| *f)));
@@ -512,9 +512,9 @@ impl TreeRunner {
             // Its insert is durable: accepted (a recovered one was counted before).
             self.shared.metrics.submitted(type_name);
             if id == self.core.root() {
-                tracing::info!(target: "proctor::tree", id = id.0, r#type = %type_name, "procedure submitted");
+                tracing::info!(target: crate::targets::TREE, id = id.0, r#type = %type_name, "procedure submitted");
             } else {
-                tracing::debug!(target: "proctor::tree",
+                tracing::debug!(target: crate::targets::TREE,
                     id = id.0,
                     parent = parent.map(|p| p.0),
                     root = self.core.root().0,
@@ -539,7 +539,7 @@ impl TreeRunner {
         let (type_name, state) = (e.type_name, e.state);
         let duration_ms = now_ms().saturating_sub(e.submitted_ms);
         self.shared.metrics.finished(type_name, state, duration_ms);
-        tracing::info!(target: "proctor::tree",
+        tracing::info!(target: crate::targets::TREE,
             id = id.0,
             parent = e.parent.map(|p| p.0),
             root = e.root.0,
@@ -640,7 +640,7 @@ impl TreeRunner {
             return;
         }
         let root = self.core.root();
-        tracing::error!(target: "proctor::tree", root = %root, error = %e, "tree halted: its records cannot be made durable");
+        tracing::error!(target: crate::targets::TREE, root = %root, error = %e, "tree halted: its records cannot be made durable");
         self.status.set_halted();
         // Steps waiting for locks are queued to report themselves skipped.
         ctx.tell(TreeFailed(root));
@@ -777,7 +777,7 @@ impl TreeRunner {
                 if let ProcMsg::Cell(ToCell::RunStep(_)) = msg {
                     // No step of a stopped procedure is queued; were one, its worker
                     // must not leak.
-                    tracing::warn!(target: "proctor::tree", proc = %id, "a step dispatched to a stopped procedure");
+                    tracing::warn!(target: crate::targets::TREE, proc = %id, "a step dispatched to a stopped procedure");
                     self.dispatched = self.dispatched.saturating_sub(1);
                     ctx.tell(StepFinished(id));
                 }

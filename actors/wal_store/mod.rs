@@ -324,7 +324,7 @@ impl<F: WalFs> WalStore<F> {
                     sync_dir(&fs, &dir)?;
                 }
             }
-            tracing::warn!(target: "proctor::wal", %repair, "repaired the WAL");
+            tracing::warn!(target: crate::targets::WAL, %repair, "repaired the WAL");
             repairs.push(repair.to_string());
         }
 

@@ -298,7 +298,7 @@ impl RootStack {
                 root_data = data;
             }
         }
-        tracing::warn!(target: "proctor::tree", root = %self.root, proc = %id, recursive, "procedure bypassed");
+        tracing::warn!(target: crate::targets::TREE, root = %self.root, proc = %id, recursive, "procedure bypassed");
         if id == self.root {
             self.persist_update(&mut t, id, root_data, now_ms);
             self.finish(&mut t, now_ms);

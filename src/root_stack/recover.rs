@@ -223,6 +223,10 @@ impl RootStack {
                 .filter(|r| r.state != ProcState::Success)
                 .filter_map(|r| r.parent)
                 .collect();
+            // Those that may have been mid-step at the crash, and those whose failed
+            // attempt, to be retried or paused, is unrecorded: each gets an unrecorded
+            // rollback, the first kind told it was interrupted (`cut_off`).
+            let mut cut = Vec::new();
             let maybe_mid_step: Vec<ProcId> = tree
                 .nodes
                 .iter()
@@ -231,30 +235,21 @@ impl RootStack {
                     // succeeded, whatever the others did.
                     let woken = (n.steering.wakes_per_child && n.unseen_child)
                         || (n.pending_children == 0 && !failed_child_of.contains(id));
-                    !n.state.is_finished()
+                    let mid_step = !n.state.is_finished()
                         && n.state != ProcState::Failed
                         && n.state != ProcState::RollbackPaused
                         && woken
-                        && cut_off(**id)
+                        && cut_off(**id);
+                    if mid_step {
+                        cut.push(**id);
+                    }
+                    mid_step || (n.steering.dirty && !n.state.is_finished())
                 })
                 .map(|(&id, _)| id)
                 .collect();
-            for &id in &maybe_mid_step {
+            for id in cut {
                 tree.node_mut(id).cut_off = true;
             }
-            // And those whose failed attempt, to be retried or paused, is unrecorded.
-            let failed_unrecorded = tree
-                .nodes
-                .iter()
-                .filter(|(_, n)| n.steering.dirty && !n.state.is_finished() && !n.cut_off)
-                .map(|(&id, _)| id);
-            let maybe_mid_step = maybe_mid_step
-                .iter()
-                .copied()
-                .chain(failed_unrecorded)
-                .collect::<std::collections::BTreeSet<_>>()
-                .into_iter()
-                .collect();
             tree.roll_back_from(maybe_mid_step, &mut t, now_ms);
             return Ok((tree, t));
         }

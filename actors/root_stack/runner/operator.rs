@@ -100,7 +100,7 @@ impl TreeRunner {
         );
         match changed {
             Some(Ok(t)) => {
-                tracing::info!(target: "proctor::tree", proc = %id, command = command.name(), "operator command");
+                tracing::info!(target: crate::targets::TREE, proc = %id, command = command.name(), "operator command");
                 self.apply(t, Some((msg.ack, Ok(true))), ctx);
             }
             Some(Err(reason)) => {

@@ -416,7 +416,7 @@ impl TreeRunner {
         }
         let leaving = self.leaving.as_ref().and_then(|l| l.get(&id));
         if leaving.is_some_and(|live| live.generation == generation) {
-            tracing::error!(target: "proctor::tree", proc = %id, "a finished procedure's actor stopped before its cleanup ran");
+            tracing::error!(target: crate::targets::TREE, proc = %id, "a finished procedure's actor stopped before its cleanup ran");
             self.leave(id);
             self.publish_result(ctx);
         }
@@ -439,7 +439,7 @@ impl TreeRunner {
             }
             return;
         }
-        tracing::warn!(target: "proctor::tree", proc = %id, ?busy, "a procedure's actor stopped unexpectedly: started again from its last reported state");
+        tracing::warn!(target: crate::targets::TREE, proc = %id, ?busy, "a procedure's actor stopped unexpectedly: started again from its last reported state");
         let spec = self.spec(id, true);
         let proc = match decode_guarded(&self.shared.registry, spec.type_name, &checkpoint) {
             Ok(proc) => proc,
