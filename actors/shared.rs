@@ -211,6 +211,8 @@ pub(crate) struct Shared {
     pub(crate) subscribed: AtomicBool,
     /// Each procedure type's metric handles.
     pub(crate) metrics: super::metrics::TypeMetrics,
+    /// The gauges of unfinished, paused and waiting procedures, moved with `table`.
+    pub(crate) proc_gauges: super::metrics::ProcGauges,
 }
 
 /// Calls into user code (steps and rollbacks) in progress, for a graceful shutdown:
@@ -303,6 +305,7 @@ impl Shared {
             broken_error: std::sync::OnceLock::new(),
             subscribed: AtomicBool::new(false),
             metrics: super::metrics::TypeMetrics::default(),
+            proc_gauges: super::metrics::ProcGauges::new(),
         }
     }
 

@@ -223,6 +223,26 @@ pub enum Action {
     },
     /// The tree is finished with this result.
     Finished(Result<(), Box<Failure>>),
+    /// Something for the metrics, durable now.
+    Count(Count),
+}
+
+/// What [`Action::Count`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Count {
+    /// The procedure failed: its step's error (or a panic, or a timeout that failed it),
+    /// or an abort (`aborted`), was recorded on it. Not the procedures its tree's
+    /// rollback undoes because of it.
+    Failed {
+        /// The procedure.
+        id: ProcId,
+        /// An operator's abort (or rollback of a paused procedure) failed it.
+        aborted: bool,
+    },
+    /// A failed step is retried by its failure policy.
+    StepRetry(ProcId),
+    /// A failed rollback is retried.
+    RollbackRetry(ProcId),
 }
 
 /// What a parent's step sees of its children.
@@ -742,7 +762,7 @@ impl RootStack {
                     Undo::Failed
                 };
                 self.push_step(id);
-                self.fail(id, error);
+                self.fail(t, id, error);
                 self.persist_update(t, id, data, now_ms);
             }
             Decision::Retry { delay_ms } => {
@@ -752,6 +772,7 @@ impl RootStack {
                 node.steering.retries += 1;
                 node.steering.dirty = true;
                 node.state = ProcState::WaitingTimeout;
+                t.actions.push(Action::Count(Count::StepRetry(id)));
                 node.wake_at_ms = Some(at_ms);
                 let data = before.unwrap_or(data);
                 self.persist_update(t, id, data.clone(), now_ms);
@@ -810,7 +831,7 @@ impl RootStack {
                 t.actions.push(Action::Reset { id, data });
             }
         } else if self.phase == Phase::Executing && live {
-            self.fail(id, error);
+            self.fail(&mut t, id, error);
             self.persist_update(&mut t, id, data, now_ms);
             self.maybe_start_rollback(&mut t, now_ms);
         }
@@ -1001,6 +1022,7 @@ impl RootStack {
                 match decide(policy, retries, false, true, id.0) {
                     Decision::Retry { delay_ms } => {
                         tracing::warn!(target: crate::targets::TREE, proc = %id, %error, delay_ms, "rollback failed; retrying");
+                        t.actions.push(Action::Count(Count::RollbackRetry(id)));
                         if counted {
                             node.steering.retries += 1;
                             self.persist_update(&mut t, id, data, now_ms);
@@ -1153,7 +1175,9 @@ impl RootStack {
         }
     }
 
-    fn fail(&mut self, id: ProcId, error: ProcError) {
+    fn fail(&mut self, t: &mut Transition, id: ProcId, error: ProcError) {
+        let aborted = matches!(error, ProcError::Aborted);
+        t.actions.push(Action::Count(Count::Failed { id, aborted }));
         let failure = Failure {
             proc: id,
             type_name: self.node_mut(id).type_name.to_string(),
@@ -1402,6 +1426,10 @@ impl fmt::Display for Transition {
                 Action::SuspendOn { id, event } => format!("suspend {id} on {event}"),
                 Action::Finished(Ok(())) => "finished ok".to_string(),
                 Action::Finished(Err(e)) => format!("finished err {}:{}", e.proc, e.error),
+                Action::Count(Count::Failed { id, aborted: false }) => format!("failed {id}"),
+                Action::Count(Count::Failed { id, aborted: true }) => format!("aborted {id}"),
+                Action::Count(Count::StepRetry(id)) => format!("retried {id}"),
+                Action::Count(Count::RollbackRetry(id)) => format!("rollback retried {id}"),
             });
         }
         write!(f, "{} | {}", ops.join(" "), acts.join(", "))
@@ -1541,7 +1569,7 @@ mod tests {
                 "I1 | spawn 1, run 1",
                 "U1:WAITING[0] I2 | spawn 2, run 2",
                 "U2:WAITING[1] I3 | spawn 3, run 3",
-                "U3:FAILED[2] | rollback 3 failed",
+                "U3:FAILED[2] | failed 3, rollback 3 failed",
                 "U3:ROLLEDBACK[] | stop 3, rollback 2",
                 "U2:ROLLEDBACK[] | stop 2, rollback 1",
                 "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 3:boom",
@@ -1563,7 +1591,7 @@ mod tests {
                 "I1 | spawn 1, run 1",
                 "U1:WAITING[0] I2 | spawn 2, run 2",
                 "U2:SUCCESS[1] | stop 2, run 1 now",
-                "U1:FAILED[0, 2] | rollback 1 failed",
+                "U1:FAILED[0, 2] | failed 1, rollback 1 failed",
                 // Entry 1 (the child's) is skipped.
                 "U1:FAILED[0] | rollback 1",
                 "U1:ROLLEDBACK[] D2 | stop 1, finished err 1:parent failed",
@@ -1587,7 +1615,7 @@ mod tests {
             &[
                 "I1 | spawn 1, run 1",
                 "U1:WAITING[0] I2 I3 | spawn 2, run 2, spawn 3, run 3",
-                "U3:FAILED[1] | ",
+                "U3:FAILED[1] | failed 3",
                 "U2:RUNNABLE[2] | rollback 2",
                 "U2:ROLLEDBACK[] | stop 2, rollback 3 failed",
                 "U3:ROLLEDBACK[] | stop 3, rollback 1",
@@ -1608,7 +1636,7 @@ mod tests {
             &[
                 "I1 | spawn 1, run 1",
                 "U1:WAITING[0] I2 | spawn 2, run 2",
-                "U1:FAILED[0] | ",
+                "U1:FAILED[0] | aborted 1",
                 " | rollback 1",
                 "U1:ROLLEDBACK[] D2 | stop 1, stop 2, finished err 1:aborted by operator",
             ],
@@ -1703,7 +1731,7 @@ mod tests {
         let t = rs.on_step(failed_with(1, policy), 1000);
         assert_eq!(
             t.to_string(),
-            "U1:WAITING_TIMEOUT[] | reset 1, wake 1 at 1033"
+            "U1:WAITING_TIMEOUT[] | retried 1, reset 1, wake 1 at 1033"
         );
         let StoreOp::Update(r) = &t.persist[0] else {
             panic!("{t}")
@@ -1715,7 +1743,7 @@ mod tests {
         assert_eq!(rs.on_wake(ProcId(1)).to_string(), " | run 1");
         // Retries spent: this failure is recorded and rolled back, once.
         let t = rs.on_step(failed_with(1, policy), 2000);
-        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 failed");
+        assert_eq!(t.to_string(), "U1:FAILED[0] | failed 1, rollback 1 failed");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 2001);
         assert_eq!(
             t.to_string(),
@@ -1750,7 +1778,7 @@ mod tests {
         rs.on_step(failed_with(1, FailurePolicy::Pause), 2);
         assert!(rs.on_continue(ProcId(2), 3).is_err());
         let t = rs.on_operator_rollback(ProcId(1), 3).unwrap();
-        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 failed unrecorded");
+        assert_eq!(t.to_string(), "U1:FAILED[0] | aborted 1, rollback 1 failed unrecorded");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 4);
         assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 5);
@@ -1769,7 +1797,7 @@ mod tests {
         let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
         rs.on_step(failed_with(1, FailurePolicy::Rollback), 1);
         let t = rs.on_rolled_back(ProcId(1), rollback_failed(policy), 2);
-        assert_eq!(t.to_string(), "U1:FAILED[0] | retry 1 in 34");
+        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback retried 1, retry 1 in 34");
         let t = rs.on_rolled_back(ProcId(1), rollback_failed(policy), 3);
         assert_eq!(t.to_string(), "U1:ROLLBACK_PAUSED[0] | paused 1");
         let refusal = rs.rollback_refusal(ProcId(1)).unwrap();
@@ -2124,10 +2152,10 @@ mod tests {
             ],
             &[
                 "I1 | spawn 1, run 1",
-                "U1:FAILED[0] | rollback 1 failed",
+                "U1:FAILED[0] | failed 1, rollback 1 failed",
                 // Full jitter under backoffs of 20 and 40 ms (see `policy::decide`).
-                " | retry 1 in 4",
-                " | retry 1 in 7",
+                " | rollback retried 1, retry 1 in 4",
+                " | rollback retried 1, retry 1 in 7",
                 "U1:ROLLEDBACK[] | stop 1, finished err 1:x",
             ],
         );
@@ -2147,8 +2175,8 @@ mod tests {
             &[
                 "I1 | spawn 1, run 1",
                 "U1:WAITING[0] I2 I3 | spawn 2, run 2, spawn 3, run 3",
-                "U2:FAILED[1] | ",
-                "U3:FAILED[2] | rollback 3 failed",
+                "U2:FAILED[1] | failed 2",
+                "U3:FAILED[2] | failed 3, rollback 3 failed",
                 "U3:ROLLEDBACK[] | stop 3, rollback 2 failed",
                 "U2:ROLLEDBACK[] | stop 2, rollback 1",
                 "U1:ROLLEDBACK[] D2 D3 | stop 1, finished err 2:first",
@@ -2236,7 +2264,7 @@ mod tests {
             },
             1,
         );
-        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1 failed");
+        assert_eq!(t.to_string(), "U1:FAILED[0] | failed 1, rollback 1 failed");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![8]), 2);
         assert_eq!(t.persist.len(), 1, "{t}");
         assert_eq!(last(&t), (ProcState::RolledBack, vec![8]));
@@ -2310,7 +2338,7 @@ mod tests {
             seen,
             [
                 " | spawn 1, spawn 2, spawn 3, run 2, run 3",
-                "U3:FAILED[1] | ",
+                "U3:FAILED[1] | failed 3",
                 // 2 keeps the lock it holds for its life: its rollback runs inside it.
                 " | rollback 2 interrupted unrecorded",
                 "U2:ROLLEDBACK[] | stop 2, rollback 3 interrupted",
@@ -2354,7 +2382,7 @@ mod tests {
             let t = rs.on_fail(ProcId(1), ProcError::Aborted, vec![], 11);
             assert_eq!(
                 t.to_string(),
-                "U1:FAILED[0] | rollback 1 interrupted unrecorded"
+                "U1:FAILED[0] | aborted 1, rollback 1 interrupted unrecorded"
             );
         }
     }
@@ -2549,7 +2577,7 @@ mod tests {
             rs.on_step(report(2, StepOutcome::Done), 2);
             let t = rs.on_step(report(1, outcome), 3);
             // Failed and recorded; the rollback waits for 3, still running.
-            assert_eq!(t.to_string(), "U1:FAILED[0, 2] | ", "{name}");
+            assert_eq!(t.to_string(), "U1:FAILED[0, 2] | failed 1", "{name}");
             let failure = rs.first_failure().expect("failed").to_string();
             assert!(
                 failure.contains(&format!(

@@ -9,14 +9,13 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use metrics_exporter_prometheus::PrometheusBuilder;
 use proctor::{Executor, WalStore};
 
 // The example's procedures (its `main` goes unused here).
 #[allow(dead_code)]
 #[path = "../examples/metrics.rs"]
 mod example;
-use example::{registry, Batch, Transfer};
+use example::{exporter, registry, transfers, Ledger};
 
 /// What the fmt subscriber wrote.
 #[derive(Clone, Default)]
@@ -83,47 +82,21 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
         .init();
     let addr = free_addr();
     // Outside any runtime: the exporter serves from a thread of its own.
-    PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .install()
-        .unwrap();
+    exporter(addr).unwrap().install().unwrap();
 
     actix::System::new().block_on(async {
         let dir = tempfile::tempdir().unwrap();
+        let ledger = Arc::new(Ledger::default());
         let executor = Executor::builder()
             .registry(registry())
+            .env(ledger.clone())
             .store(WalStore::open(dir.path()).unwrap())
             .start()
             .await
             .unwrap();
-        let mut ids = Vec::new();
-        // Four succeed (3 steps each), two fail at their second step.
-        for i in 0..6 {
-            let fail_at = (i >= 4).then_some(2);
-            ids.push(
-                executor
-                    .submit(Transfer { done: 0, fail_at })
-                    .await
-                    .unwrap(),
-            );
-        }
-        // A root with three children (3 steps each); the root runs 2 steps.
-        ids.push(
-            executor
-                .submit(Batch {
-                    n: 3,
-                    started: false,
-                })
-                .await
-                .unwrap(),
-        );
-        let mut rolled_back = 0;
-        for id in ids {
-            if executor.wait(id).await.unwrap().is_err() {
-                rolled_back += 1;
-            }
-        }
-        assert_eq!(rolled_back, 2);
+        let outcomes = transfers(&executor, &ledger).await.unwrap();
+        let rolled_back = outcomes.iter().filter(|(_, ok)| !ok).count();
+        assert_eq!(rolled_back, 3, "{outcomes:?}");
         // The last steps' workers are freed by messages of their own: wait until the
         // scheduler has seen them (it sets its gauges in the same handler).
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -135,6 +108,10 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
             assert!(Instant::now() < deadline, "{stats:?}");
             actix::clock::sleep(Duration::from_millis(10)).await;
         }
+        // Still running: its share of the procedure gauges is not taken back yet.
+        let text = scrape(addr);
+        assert_eq!(sample(&text, "proctor_procedures_unfinished"), Some(0.0));
+        executor.shutdown().await.unwrap();
     });
 
     let text = scrape(addr);
@@ -142,46 +119,46 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
         |series: &str| sample(&text, series).unwrap_or_else(|| panic!("no {series} in:\n{text}"));
     let t = r#"{type="transfer"}"#;
     let b = r#"{type="batch"}"#;
+    // Eight transfers and three of the batch's children; one batch.
+    assert_eq!(value(&format!("proctor_procedures_submitted_total{t}")), 11.0);
+    assert_eq!(value(&format!("proctor_procedures_submitted_total{b}")), 1.0);
+    // Four, the retried one and the batch's three.
+    assert_eq!(value(&format!("proctor_procedures_succeeded_total{t}")), 8.0);
+    assert_eq!(value(&format!("proctor_procedures_succeeded_total{b}")), 1.0);
+    // Two failed steps and one abort, each rolled back.
+    assert_eq!(value(&format!("proctor_procedures_failed_total{t}")), 3.0);
+    assert_eq!(value(&format!("proctor_procedures_aborted_total{t}")), 1.0);
+    assert_eq!(value(&format!("proctor_procedures_rolled_back_total{t}")), 3.0);
+    assert_eq!(value(&format!("proctor_step_retries_total{t}")), 1.0);
+    for never in [
+        format!("proctor_procedures_failed_total{b}"),
+        format!("proctor_procedures_rolled_back_total{b}"),
+        format!("proctor_rollback_retries_total{t}"),
+    ] {
+        assert_eq!(sample(&text, &never), None, "{never}");
+    }
+    assert_eq!(value(&format!("proctor_procedure_duration_seconds_count{t}")), 11.0);
+    // Histograms with buckets (not summaries): every duration is under 300 s.
     assert_eq!(
-        value(&format!("proctor_procedures_submitted_total{t}")),
-        9.0
+        value(r#"proctor_procedure_duration_seconds_bucket{type="transfer",le="300"}"#),
+        11.0
     );
-    assert_eq!(
-        value(&format!("proctor_procedures_submitted_total{b}")),
-        1.0
-    );
-    assert_eq!(
-        value(&format!("proctor_procedures_succeeded_total{t}")),
-        7.0
-    );
-    assert_eq!(
-        value(&format!("proctor_procedures_succeeded_total{b}")),
-        1.0
-    );
-    assert_eq!(value(&format!("proctor_procedures_failed_total{t}")), 2.0);
-    assert_eq!(
-        sample(&text, &format!("proctor_procedures_failed_total{b}")),
-        None
-    );
-    assert_eq!(
-        value(&format!("proctor_procedure_duration_seconds_count{t}")),
-        9.0
-    );
-    // Every call of execute: 7 × 3, and 2 for each failed transfer.
-    assert_eq!(
-        value(&format!("proctor_step_duration_seconds_count{t}")),
-        25.0
-    );
-    assert_eq!(
-        value(&format!("proctor_step_duration_seconds_count{b}")),
-        2.0
-    );
+    assert!(text.contains("# TYPE proctor_step_duration_seconds histogram"));
+    assert!(text.contains("# TYPE proctor_wal_batch_records histogram"));
+    // Every call of execute: 3 for each of the 4 + 3 that succeeded at once, 1 failed
+    // and 3 successful for the retried one, 2 for each failed transfer, and 1 for the
+    // aborted one (it was aborted once its first step had asked for the approval).
+    assert_eq!(value(&format!("proctor_step_duration_seconds_count{t}")), 30.0);
+    assert_eq!(value(&format!("proctor_step_duration_seconds_count{b}")), 2.0);
     // Group commit: at least one append, at most one per record.
     let appends = value("proctor_wal_sync_seconds_count");
     let records = value("proctor_wal_batch_records_sum");
     assert!(appends >= 1.0 && appends <= records, "{appends} {records}");
-    // All done: nothing queued, running, holding or waiting.
+    // All done, and the executor gone: nothing queued, running, holding or waiting.
     for gauge in [
+        "proctor_procedures_unfinished",
+        "proctor_procedures_paused",
+        "proctor_procedures_waiting",
         "proctor_ready_queue_length",
         "proctor_steps_running",
         "proctor_locks_held",
@@ -196,18 +173,19 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
     let log = String::from_utf8(log.0.lock().unwrap().clone()).unwrap();
     let lines = |what: &str| log.lines().filter(|l| l.contains(what)).count();
     // One line per finished procedure, with its id and type.
-    assert_eq!(lines("procedure finished"), 10, "{log}");
-    assert_eq!(lines("outcome=ROLLEDBACK"), 2, "{log}");
+    assert_eq!(lines("procedure finished"), 12, "{log}");
+    assert_eq!(lines("outcome=ROLLEDBACK"), 3, "{log}");
     assert!(
         log.contains("procedure finished id=1 root=1 type=transfer outcome=SUCCESS"),
         "{log}"
     );
-    assert_eq!(lines("procedure submitted"), 7, "{log}");
+    assert_eq!(lines("procedure submitted"), 9, "{log}");
     // The user's line inside a step carries the procedure's and the step's spans.
     assert!(
         log.contains("procedure{id=1 root=1 type=transfer}:step{step=2}: metrics::example: transfer step step=2"),
         "{log}"
     );
-    assert_eq!(lines("transfer step"), 25, "{log}");
-    assert_eq!(lines("parent=7 type=transfer}:step{step=3}"), 3, "{log}");
+    // Every call that got past the ledger: all but the one that found it busy.
+    assert_eq!(lines("transfer step"), 29, "{log}");
+    assert_eq!(lines("parent=9 type=transfer}:step{step=3}"), 3, "{log}");
 }

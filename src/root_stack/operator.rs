@@ -209,7 +209,7 @@ impl RootStack {
         }
         let mut t = Transition::default();
         let data = self.unpause(id);
-        self.fail(id, ProcError::Aborted);
+        self.fail(&mut t, id, ProcError::Aborted);
         self.persist_update(&mut t, id, data, now_ms);
         self.maybe_start_rollback(&mut t, now_ms);
         Ok(t)

@@ -70,7 +70,9 @@ pub(super) fn apply_rows(shared: &Shared, rows: Vec<Row>) {
     for row in rows {
         match row {
             Row::Insert(id, entry) => {
-                shared.table.insert(id, *entry);
+                let state = entry.state;
+                let old = shared.table.insert(id, *entry).map(|e| e.state);
+                shared.proc_gauges.moved(old, Some(state));
             }
             Row::Update {
                 id,
@@ -83,6 +85,7 @@ pub(super) fn apply_rows(shared: &Shared, rows: Vec<Row>) {
                 steering,
             } => {
                 if let Some(mut e) = shared.table.get_mut(&id) {
+                    shared.proc_gauges.moved(Some(e.state), Some(state));
                     e.steering = steering;
                     e.state = state;
                     e.updated_ms = updated_ms;
@@ -110,6 +113,7 @@ pub(crate) fn publish_recovered<'a>(
     tree: &TreeAddr,
 ) {
     for r in records {
-        shared.table.insert(r.id, entry(shared, r, Some(tree)));
+        let old = shared.table.insert(r.id, entry(shared, r, Some(tree)));
+        shared.proc_gauges.moved(old.map(|e| e.state), Some(r.state));
     }
 }
