@@ -23,8 +23,8 @@ mod wal_store;
 pub use crash_test::{restart_at_every_write, CrashRun};
 pub use executor::{
     Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder, GetState,
-    GetValue, List, Pause, ProcEvent, ProcInfo, Recovery, Rollback, Shutdown, Submit, Subscribe,
-    Subscription, WaitFor, WaitValue, WaitingOn,
+    GetValue, List, NonceRegistration, NonceReservation, Pause, ProcEvent, ProcInfo, Recovery,
+    Rollback, Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitValue, WaitingOn,
 };
 pub use locks::{ResetEvent, WakeEvent};
 pub use scheduler::{GetSchedulerStats, SchedulerStats};

@@ -25,7 +25,6 @@
 //! command quietly with exit 0.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -36,9 +35,9 @@ use proctor::ops::recovery::{self, Steer};
 use proctor::ops::{scan_wal_dir, scan_wal_dir_with, view_wal_dir, DirView, Repair, WalDirScan};
 use proctor::store::{ProcRecord, StoreOp};
 use proctor::{ProcId, ProcState, ProcedureStore, StoreError, WalStore};
-use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::de;
 use serde::Serialize;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 const EXIT_CODES: &str = "\
 Exit codes:
@@ -763,19 +762,46 @@ fn failure_of(r: &ProcRecord) -> Option<String> {
 }
 
 /// A procedure's state (MessagePack, as `rmp_serde` wrote it) as JSON, without the
-/// registry: maps by field name (`to_vec_named`) or arrays in field order (`to_vec`),
-/// binaries as arrays of bytes, extension types as `[type, bytes]`, map keys that are
-/// not strings as their JSON text. `None` for no bytes (a bypassed procedure's record).
+/// registry (transcoded value by value): maps by field name (`to_vec_named`) or arrays
+/// in field order (`to_vec`), binaries as arrays of bytes, extension types as
+/// `[type, bytes]`, integer map keys as strings. A state machine's state (the
+/// [`proctor::StateMachine`] wrapper: an array of the machine, its next state, its
+/// history as `[state, times]` runs and its cycles) gets those four names. `None` for
+/// no bytes (a bypassed procedure's record, or a failure recorded for a nonce).
 fn decode_state(data: &[u8]) -> Option<Result<Value, String>> {
     if data.is_empty() {
         return None;
     }
     let mut de = rmp_serde::Deserializer::from_read_ref(data);
-    Some(
-        Json::deserialize(&mut de)
-            .map(|j| j.0)
-            .map_err(|e| format!("undecodable ({} bytes): {e}", data.len())),
-    )
+    let value = serde_transcode::transcode(&mut de, serde_json::value::Serializer)
+        .map_err(|e| format!("undecodable ({} bytes): {e}", data.len()));
+    Some(value.map(name_state_machine))
+}
+
+/// `value` with the state machine wrapper's fields named, if it has that wrapper's
+/// shape: `[{machine}, next, [[state, times], ...], cycles]`.
+fn name_state_machine(value: Value) -> Value {
+    match value {
+        Value::Array(fields) if is_state_machine(&fields) => {
+            let mut fields = fields.into_iter();
+            let mut field = || fields.next().unwrap_or(Value::Null);
+            json!({ "machine": field(), "next": field(), "history": field(), "cycles": field() })
+        }
+        other => other,
+    }
+}
+
+fn is_state_machine(fields: &[Value]) -> bool {
+    let is_run = |run: &Value| {
+        run.as_array()
+            .is_some_and(|r| r.len() == 2 && r[1].is_u64())
+    };
+    fields.len() == 4
+        && fields[0].is_object()
+        && fields[2]
+            .as_array()
+            .is_some_and(|runs| runs.iter().all(is_run))
+        && fields[3].is_u64()
 }
 
 /// A DAG's progress (see [`proctor::Dag::summary`]), when the state is a [`proctor::Dag`]'s,
@@ -785,86 +811,6 @@ fn dag_summary(data: &[u8]) -> Option<String> {
     rmp_serde::from_slice::<proctor::Dag<de::IgnoredAny>>(data)
         .ok()
         .map(|dag| dag.summary())
-}
-
-/// Any self-describing value, read into JSON.
-struct Json(Value);
-
-impl<'de> Deserialize<'de> for Json {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        d.deserialize_any(JsonVisitor).map(Json)
-    }
-}
-
-struct JsonVisitor;
-
-impl<'de> Visitor<'de> for JsonVisitor {
-    type Value = Value;
-
-    fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("any MessagePack value")
-    }
-
-    fn visit_bool<E: de::Error>(self, v: bool) -> Result<Value, E> {
-        Ok(Value::Bool(v))
-    }
-
-    fn visit_i64<E: de::Error>(self, v: i64) -> Result<Value, E> {
-        Ok(Value::from(v))
-    }
-
-    fn visit_u64<E: de::Error>(self, v: u64) -> Result<Value, E> {
-        Ok(Value::from(v))
-    }
-
-    fn visit_f64<E: de::Error>(self, v: f64) -> Result<Value, E> {
-        // NaN and infinities have no JSON form.
-        Ok(serde_json::Number::from_f64(v).map_or(Value::Null, Value::Number))
-    }
-
-    fn visit_str<E: de::Error>(self, v: &str) -> Result<Value, E> {
-        Ok(Value::String(v.to_string()))
-    }
-
-    fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Value, E> {
-        Ok(Value::Array(v.iter().map(|&b| Value::from(b)).collect()))
-    }
-
-    fn visit_none<E: de::Error>(self) -> Result<Value, E> {
-        Ok(Value::Null)
-    }
-
-    fn visit_unit<E: de::Error>(self) -> Result<Value, E> {
-        Ok(Value::Null)
-    }
-
-    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
-        d.deserialize_any(self)
-    }
-
-    fn visit_newtype_struct<D: Deserializer<'de>>(self, d: D) -> Result<Value, D::Error> {
-        d.deserialize_any(self)
-    }
-
-    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Value, A::Error> {
-        let mut items = Vec::new();
-        while let Some(Json(item)) = seq.next_element()? {
-            items.push(item);
-        }
-        Ok(Value::Array(items))
-    }
-
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Value, A::Error> {
-        let mut object = Map::new();
-        while let Some((Json(key), Json(value))) = map.next_entry()? {
-            let key = match key {
-                Value::String(s) => s,
-                other => other.to_string(),
-            };
-            object.insert(key, value);
-        }
-        Ok(Value::Object(object))
-    }
 }
 
 /// The latest record of every procedure, and what the scan found.
@@ -1332,5 +1278,55 @@ mod tests {
             "{cut:?}"
         );
         assert_eq!(decode_state(&[]), None);
+    }
+
+    /// A state machine's stored wrapper shows its fields by name, the machine inside
+    /// with its own.
+    #[test]
+    fn a_state_machine_state_shows_named_fields() {
+        use serde::Deserialize;
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+        enum Step {
+            Prepare,
+            Assign,
+        }
+        #[derive(Serialize, Deserialize)]
+        struct Create {
+            table: String,
+        }
+        #[proctor::async_trait]
+        impl proctor::StateMachineProcedure for Create {
+            type State = Step;
+            fn initial_state(&self) -> Step {
+                Step::Prepare
+            }
+            async fn execute_from_state(
+                &mut self,
+                _: &mut proctor::StateContext<'_, Step>,
+                _: Step,
+            ) -> Result<proctor::Flow, proctor::ProcError> {
+                Ok(proctor::Flow::Done)
+            }
+            async fn rollback_state(
+                &mut self,
+                _: &mut proctor::Context,
+                _: Step,
+            ) -> Result<(), proctor::ProcError> {
+                Ok(())
+            }
+        }
+        let machine = proctor::StateMachine::new(Create {
+            table: "users".into(),
+        });
+        // As the engine writes it.
+        let data = rmp_serde::to_vec_named(&machine).unwrap();
+        let value = decode_state(&data).unwrap().unwrap();
+        assert_eq!(
+            value,
+            json!({ "machine": { "table": "users" }, "next": null, "history": [], "cycles": 0 })
+        );
+        // Another array of four is left as it is.
+        let other = rmp_serde::to_vec(&(1u8, 2u8, 3u8, 4u8)).unwrap();
+        assert_eq!(decode_state(&other), Some(Ok(json!([1, 2, 3, 4]))));
     }
 }

@@ -21,14 +21,14 @@ use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use tokio::sync::Notify;
 use std::time::Duration;
+use tokio::sync::Notify;
 
 use clap::Parser;
 use metrics_exporter_prometheus::{BuildError, Matcher, PrometheusBuilder};
 use proctor::{
-    async_trait, Context, Executor, FailurePolicy, Flow, ProcError, ProcId, Procedure,
-    Registry, WalStore,
+    async_trait, Context, Executor, FailurePolicy, Flow, ProcError, ProcId, Procedure, Registry,
+    WalStore,
 };
 use serde::{Deserialize, Serialize};
 
@@ -182,7 +182,14 @@ pub async fn transfers(
     };
     let waiting = executor.submit(waiting).await?;
     ids.push(waiting);
-    ids.push(executor.submit(Batch { n: 3, started: false }).await?);
+    ids.push(
+        executor
+            .submit(Batch {
+                n: 3,
+                started: false,
+            })
+            .await?,
+    );
     // No approval comes: once it asked, an operator aborts it (it rolls back).
     ledger.approval_asked.notified().await;
     executor.abort(waiting).await?;

@@ -59,9 +59,10 @@ pub use crate::actors::metrics;
 
 pub use crate::actors::{
     Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder,
-    GetSchedulerStats, GetState, GetValue, List, Pause, ProcEvent, ProcInfo, Recovery, ResetEvent,
-    Rollback, SchedulerStats, Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitValue,
-    WaitingOn, WakeEvent, WalOptions, WalStats, WalStore,
+    GetSchedulerStats, GetState, GetValue, List, NonceRegistration, NonceReservation, Pause,
+    ProcEvent, ProcInfo, Recovery, ResetEvent, Rollback, SchedulerStats, Shutdown, Submit,
+    Subscribe, Subscription, WaitFor, WaitValue, WaitingOn, WakeEvent, WalOptions, WalStats,
+    WalStore,
 };
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};

@@ -1778,7 +1778,10 @@ mod tests {
         rs.on_step(failed_with(1, FailurePolicy::Pause), 2);
         assert!(rs.on_continue(ProcId(2), 3).is_err());
         let t = rs.on_operator_rollback(ProcId(1), 3).unwrap();
-        assert_eq!(t.to_string(), "U1:FAILED[0] | aborted 1, rollback 1 failed unrecorded");
+        assert_eq!(
+            t.to_string(),
+            "U1:FAILED[0] | aborted 1, rollback 1 failed unrecorded"
+        );
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 4);
         assert_eq!(t.to_string(), "U1:FAILED[0] | rollback 1");
         let t = rs.on_rolled_back(ProcId(1), Ok(vec![1]), 5);
@@ -1797,7 +1800,10 @@ mod tests {
         let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
         rs.on_step(failed_with(1, FailurePolicy::Rollback), 1);
         let t = rs.on_rolled_back(ProcId(1), rollback_failed(policy), 2);
-        assert_eq!(t.to_string(), "U1:FAILED[0] | rollback retried 1, retry 1 in 34");
+        assert_eq!(
+            t.to_string(),
+            "U1:FAILED[0] | rollback retried 1, retry 1 in 34"
+        );
         let t = rs.on_rolled_back(ProcId(1), rollback_failed(policy), 3);
         assert_eq!(t.to_string(), "U1:ROLLBACK_PAUSED[0] | paused 1");
         let refusal = rs.rollback_refusal(ProcId(1)).unwrap();

@@ -120,15 +120,30 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
     let t = r#"{type="transfer"}"#;
     let b = r#"{type="batch"}"#;
     // Eight transfers and three of the batch's children; one batch.
-    assert_eq!(value(&format!("proctor_procedures_submitted_total{t}")), 11.0);
-    assert_eq!(value(&format!("proctor_procedures_submitted_total{b}")), 1.0);
+    assert_eq!(
+        value(&format!("proctor_procedures_submitted_total{t}")),
+        11.0
+    );
+    assert_eq!(
+        value(&format!("proctor_procedures_submitted_total{b}")),
+        1.0
+    );
     // Four, the retried one and the batch's three.
-    assert_eq!(value(&format!("proctor_procedures_succeeded_total{t}")), 8.0);
-    assert_eq!(value(&format!("proctor_procedures_succeeded_total{b}")), 1.0);
+    assert_eq!(
+        value(&format!("proctor_procedures_succeeded_total{t}")),
+        8.0
+    );
+    assert_eq!(
+        value(&format!("proctor_procedures_succeeded_total{b}")),
+        1.0
+    );
     // Two failed steps and one abort, each rolled back.
     assert_eq!(value(&format!("proctor_procedures_failed_total{t}")), 3.0);
     assert_eq!(value(&format!("proctor_procedures_aborted_total{t}")), 1.0);
-    assert_eq!(value(&format!("proctor_procedures_rolled_back_total{t}")), 3.0);
+    assert_eq!(
+        value(&format!("proctor_procedures_rolled_back_total{t}")),
+        3.0
+    );
     assert_eq!(value(&format!("proctor_step_retries_total{t}")), 1.0);
     for never in [
         format!("proctor_procedures_failed_total{b}"),
@@ -137,7 +152,10 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
     ] {
         assert_eq!(sample(&text, &never), None, "{never}");
     }
-    assert_eq!(value(&format!("proctor_procedure_duration_seconds_count{t}")), 11.0);
+    assert_eq!(
+        value(&format!("proctor_procedure_duration_seconds_count{t}")),
+        11.0
+    );
     // Histograms with buckets (not summaries): every duration is under 300 s.
     assert_eq!(
         value(r#"proctor_procedure_duration_seconds_bucket{type="transfer",le="300"}"#),
@@ -148,8 +166,14 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
     // Every call of execute: 3 for each of the 4 + 3 that succeeded at once, 1 failed
     // and 3 successful for the retried one, 2 for each failed transfer, and 1 for the
     // aborted one (it was aborted once its first step had asked for the approval).
-    assert_eq!(value(&format!("proctor_step_duration_seconds_count{t}")), 30.0);
-    assert_eq!(value(&format!("proctor_step_duration_seconds_count{b}")), 2.0);
+    assert_eq!(
+        value(&format!("proctor_step_duration_seconds_count{t}")),
+        30.0
+    );
+    assert_eq!(
+        value(&format!("proctor_step_duration_seconds_count{b}")),
+        2.0
+    );
     // Group commit: at least one append, at most one per record.
     let appends = value("proctor_wal_sync_seconds_count");
     let records = value("proctor_wal_batch_records_sum");

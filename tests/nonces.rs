@@ -1,11 +1,13 @@
 //! Nonces through the executor, on both stores: two submits with the same nonce at the
 //! same moment get one id and run once; after a restart a retry finds the procedure,
-//! finished or not; another group's nonce is another submission.
+//! finished or not; another group's nonce is another submission; a nonce reserved
+//! before its procedure is built makes retries wait for its submit, its recorded
+//! failure, or its release.
 
 mod common;
 
 use common::{Scripted, Step};
-use proctor::{Nonce, ProcState};
+use proctor::{Error, Nonce, NonceRegistration, ProcError, ProcState};
 
 #[actix::test]
 async fn the_same_nonce_at_the_same_moment_runs_once() {
@@ -160,5 +162,124 @@ async fn a_nonce_is_remembered_for_its_own_window_after_the_result_is_evicted() 
             snapshot.records.iter().all(|r| r.id != first),
             "{name}: the first root's records were deleted with its nonce"
         );
+    }
+}
+
+/// A reservation held while a retry comes: the retry waits, then gets the reserved
+/// submit's id; a registration after that finds the procedure.
+#[actix::test]
+async fn a_reserved_nonce_makes_retries_wait_for_its_submit() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, rec) = common::start(store, 4).await;
+        let nonce = Nonce::from_key("create users");
+        let NonceRegistration::Reserved(reservation) =
+            executor.register_nonce(nonce).await.unwrap()
+        else {
+            panic!("{name}: a fresh nonce is reserved");
+        };
+        // A retry while it is held: waits (it has not answered once the reservation
+        // submits), then answers the same id.
+        let retry = executor.submit_with_nonce(Scripted::new("p", vec![Step::More]), nonce);
+        let registration = executor.register_nonce(nonce);
+        let submit = reservation.submit(Scripted::new("p", vec![Step::More]));
+        let (retry, registration, submit) = tokio::join!(retry, registration, submit);
+        let id = submit.unwrap();
+        assert_eq!(retry.unwrap(), id, "{name}");
+        match registration.unwrap() {
+            NonceRegistration::Known(known) => assert_eq!(known, id, "{name}"),
+            NonceRegistration::Reserved(_) => panic!("{name}: reserved twice"),
+        }
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+        assert_eq!(rec.count("p-exec"), 1, "{name}: {:?}", rec.calls());
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// A failure recorded for a reserved nonce is its result, durably: retries before and
+/// after a restart get its id, and waiting on it gives the failure; nothing ran.
+#[actix::test]
+async fn a_failure_recorded_for_a_reserved_nonce_answers_every_retry() {
+    for name in ["memory", "wal"] {
+        let store = common::Reopen::new(name);
+        let (executor, rec) = common::start(store.open(), 4).await;
+        let nonce = Nonce::from_key("create ''");
+        let NonceRegistration::Reserved(reservation) =
+            executor.register_nonce(nonce).await.unwrap()
+        else {
+            panic!("{name}: a fresh nonce is reserved");
+        };
+        let retry = executor.submit_with_nonce(Scripted::new("p", vec![Step::More]), nonce);
+        let failed = reservation.fail("scripted", ProcError::failed("a table needs a name"));
+        let (retry, failed) = tokio::join!(retry, failed);
+        let id = failed.unwrap();
+        assert_eq!(retry.unwrap(), id, "{name}");
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.proc, id);
+        assert_eq!(failure.type_name, "scripted");
+        assert_eq!(failure.error, ProcError::failed("a table needs a name"));
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::RolledBack
+        );
+        executor.shutdown_now().await.unwrap();
+
+        let (executor, _) = common::start(store.open(), 4).await;
+        match executor.register_nonce(nonce).await.unwrap() {
+            NonceRegistration::Known(known) => assert_eq!(known, id, "{name}"),
+            NonceRegistration::Reserved(_) => panic!("{name}: the failure was forgotten"),
+        }
+        let again = executor
+            .submit_with_nonce(Scripted::new("p", vec![Step::More]), nonce)
+            .await
+            .unwrap();
+        assert_eq!(again, id, "{name}");
+        assert!(executor.wait(id).await.unwrap().is_err(), "{name}");
+        assert_eq!(rec.count("p-exec"), 0, "{name}: {:?}", rec.calls());
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// A reservation let go (dropped, or released) frees the nonce: a retry waiting on it
+/// submits itself, and runs once; a failure for an unregistered type lets it go too.
+#[actix::test]
+async fn a_reservation_let_go_hands_the_nonce_to_the_next_request() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, rec) = common::start(store, 4).await;
+        let nonce = Nonce { group: 3, nonce: 1 };
+        let NonceRegistration::Reserved(reservation) =
+            executor.register_nonce(nonce).await.unwrap()
+        else {
+            panic!("{name}: a fresh nonce is reserved");
+        };
+        let retry = executor.submit_with_nonce(Scripted::new("p", vec![Step::More]), nonce);
+        let let_go = async move {
+            let error = reservation
+                .fail("no such type", ProcError::failed("x"))
+                .await
+                .unwrap_err();
+            assert!(matches!(error, Error::Registry(_)), "{error}");
+        };
+        let (retry, ()) = tokio::join!(retry, let_go);
+        let id = retry.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+        assert_eq!(rec.count("p-exec"), 1, "{name}: {:?}", rec.calls());
+
+        // Released by hand, then reserved again by the next registration.
+        let other = Nonce { group: 3, nonce: 2 };
+        let NonceRegistration::Reserved(first) = executor.register_nonce(other).await.unwrap()
+        else {
+            panic!("{name}: a fresh nonce is reserved");
+        };
+        first.release();
+        let NonceRegistration::Reserved(second) = executor.register_nonce(other).await.unwrap()
+        else {
+            panic!("{name}: a released nonce is free");
+        };
+        let id = second
+            .submit(Scripted::new("q", vec![Step::More]))
+            .await
+            .unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+        executor.shutdown_now().await.unwrap();
     }
 }

@@ -104,6 +104,8 @@ pub struct ExecutorActor<E = ()> {
     pub(super) corrupt: Vec<ProcId>,
     /// Who receives procedure events.
     pub(super) subscribers: Vec<Subscriber>,
+    /// The token of the latest nonce reservation.
+    pub(super) next_token: u64,
     /// The environment type of the procedures it takes.
     pub(super) env: PhantomData<fn() -> E>,
 }
@@ -123,10 +125,31 @@ impl<E> std::fmt::Debug for ExecutorActor<E> {
 
 /// Where a nonce's submit is.
 pub(super) enum NonceState {
-    /// Its insert is on its way to the store: later submits wait for the answer.
-    Submitting(Vec<oneshot::Sender<Result<ProcId, Error>>>),
+    /// Its insert is on its way to the store: later submits (and registrations) wait
+    /// for the answer.
+    Submitting(Vec<NonceWaiter>),
+    /// Reserved by the holder of the reservation `token`, who will submit, record a
+    /// failure, or let go; later submits and registrations wait for which.
+    Reserved {
+        token: u64,
+        waiting: Vec<NonceWaiter>,
+    },
     /// The procedure exists (durably).
     Known(ProcId),
+}
+
+/// A submit or registration waiting on a nonce: told the answer, or `None` to try
+/// again (the nonce's reservation was let go).
+pub(super) type NonceWaiter = oneshot::Sender<Option<Result<ProcId, Error>>>;
+
+/// Where a nonce stands for a request that names it.
+pub(super) enum Turn {
+    /// Its procedure exists.
+    Known(ProcId),
+    /// Another request holds it: wait for this answer.
+    Wait(oneshot::Receiver<Option<Result<ProcId, Error>>>),
+    /// This request may go on (the nonce is free, or it holds the reservation).
+    Go,
 }
 
 impl<E: Send + Sync + 'static> ExecutorActor<E> {
@@ -321,7 +344,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
 
     /// The store failed (or the engine broke): accept nothing more and answer every
     /// waiter with the error.
-    fn broke(&mut self, e: Error) {
+    pub(super) fn broke(&mut self, e: Error) {
         if self.broken.is_none() {
             tracing::error!(target: crate::targets::EXECUTOR, error = %e, "executor stopped accepting work");
             if matches!(e, Error::Internal(_)) {
@@ -373,15 +396,47 @@ impl<E: Send + Sync + 'static> Handler<NonceSettled> for ExecutorActor<E> {
     type Result = ();
 
     fn handle(&mut self, msg: NonceSettled, _ctx: &mut Context<Self>) {
-        let NonceSettled { nonce, result } = msg;
+        self.settle_nonce(msg.nonce, msg.result);
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    /// The submit (or failure) of `nonce` is answered with `result`: the requests
+    /// waiting on it hear the same, and a successful one makes the nonce known; a
+    /// failed one frees it.
+    pub(super) fn settle_nonce(&mut self, nonce: Nonce, result: Result<ProcId, Error>) {
         if let Some(NonceState::Submitting(waiting)) = self.nonces.remove(&nonce) {
             for tx in waiting {
-                let _ = tx.send(result.as_ref().map(|id| *id).map_err(Error::duplicate));
+                let answer = result.as_ref().map(|id| *id).map_err(Error::duplicate);
+                let _ = tx.send(Some(answer));
             }
         }
         if let Ok(id) = result {
             self.nonces.insert(nonce, NonceState::Known(id));
         }
+    }
+
+    /// Where `nonce` stands for a request holding the reservation `token` (if any).
+    pub(super) fn nonce_turn(&mut self, nonce: Nonce, token: Option<u64>) -> Turn {
+        let waiting = match self.nonces.get_mut(&nonce) {
+            None => return Turn::Go,
+            Some(NonceState::Known(id)) => return Turn::Known(*id),
+            Some(NonceState::Reserved { token: held, .. }) if Some(*held) == token => {
+                return Turn::Go
+            }
+            Some(NonceState::Reserved { waiting, .. } | NonceState::Submitting(waiting)) => waiting,
+        };
+        let (tx, rx) = oneshot::channel();
+        waiting.push(tx);
+        Turn::Wait(rx)
+    }
+
+    /// Why no request is taken now: the engine broke, or a shutdown began.
+    pub(super) fn refusal(&self) -> Option<Error> {
+        if let Some(broken) = &self.broken {
+            return Some(broken.duplicate());
+        }
+        self.stopping.then_some(Error::Stopped)
     }
 }
 
@@ -392,8 +447,34 @@ impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<ProcId, Error>>;
 
     fn handle(&mut self, msg: Submit<E>, ctx: &mut Context<Self>) -> Self::Result {
-        if let Some(answer) = self.answer_at_once(msg.nonce) {
-            return answer;
+        if let Some(refusal) = self.refusal() {
+            return Box::pin(std::future::ready(Err(refusal)));
+        }
+        if let Some(nonce) = msg.nonce {
+            match self.nonce_turn(nonce, msg.reservation) {
+                Turn::Known(id) => {
+                    tracing::debug!(target: crate::targets::EXECUTOR, proc = %id, group = nonce.group, nonce = nonce.nonce, "submit with a known nonce: answered with its procedure");
+                    return Box::pin(std::future::ready(Ok(id)));
+                }
+                Turn::Wait(answer) => {
+                    tracing::debug!(target: crate::targets::EXECUTOR, group = nonce.group, nonce = nonce.nonce, "submit with a nonce being submitted: answered with its procedure once durable");
+                    let executor = ctx.address();
+                    return Box::pin(async move {
+                        match answer.await {
+                            Ok(Some(answer)) => answer,
+                            // Let go by its reservation: this submit tries again, as
+                            // if it had come just now.
+                            Ok(None) => executor.send(msg).await?,
+                            Err(_) => Err(Error::Stopped),
+                        }
+                    });
+                }
+                Turn::Go => {}
+            }
+        }
+        if self.unfinished >= self.max_unfinished {
+            let limit = self.max_unfinished;
+            return Box::pin(std::future::ready(Err(Error::Overloaded { limit })));
         }
         let nonce = msg.nonce;
         let answer = match self.start_root(msg) {
@@ -408,45 +489,6 @@ impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
 }
 
 impl<E: Send + Sync + 'static> ExecutorActor<E> {
-    /// The answer to a submit that starts no tree: a refusal (the engine broke or is
-    /// stopping, or too many roots are unfinished), or a retry of a nonce's submit,
-    /// which gets that submit's answer.
-    fn answer_at_once(
-        &mut self,
-        nonce: Option<Nonce>,
-    ) -> Option<ResponseFuture<Result<ProcId, Error>>> {
-        if let Some(broken) = &self.broken {
-            let e = broken.duplicate();
-            return Some(Box::pin(std::future::ready(Err(e))));
-        }
-        if self.stopping {
-            return Some(Box::pin(std::future::ready(Err(Error::Stopped))));
-        }
-        if let Some(nonce) = nonce {
-            match self.nonces.get_mut(&nonce) {
-                Some(NonceState::Known(id)) => {
-                    let id = *id;
-                    tracing::debug!(target: crate::targets::EXECUTOR, proc = %id, group = nonce.group, nonce = nonce.nonce, "submit with a known nonce: answered with its procedure");
-                    return Some(Box::pin(std::future::ready(Ok(id))));
-                }
-                Some(NonceState::Submitting(waiting)) => {
-                    tracing::debug!(target: crate::targets::EXECUTOR, group = nonce.group, nonce = nonce.nonce, "submit with a nonce being submitted: answered with its procedure once durable");
-                    let (tx, rx) = oneshot::channel();
-                    waiting.push(tx);
-                    let answer = async move { rx.await.unwrap_or(Err(Error::Stopped)) };
-                    return Some(Box::pin(answer));
-                }
-                None => {}
-            }
-        }
-        if self.unfinished >= self.max_unfinished {
-            let limit = self.max_unfinished;
-            let e = Error::Overloaded { limit };
-            return Some(Box::pin(std::future::ready(Err(e))));
-        }
-        None
-    }
-
     /// Names and encodes the submitted root (its nonce, if any, now submitting) and
     /// starts its tree; the answer comes once its insert is durable.
     fn start_root(
@@ -459,8 +501,12 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         })?;
         root.nonce = msg.nonce;
         if let Some(nonce) = msg.nonce {
-            self.nonces
-                .insert(nonce, NonceState::Submitting(Vec::new()));
+            // The requests waiting on its reservation, if it had one, now wait on it.
+            let waiting = match self.nonces.remove(&nonce) {
+                Some(NonceState::Reserved { waiting, .. }) => waiting,
+                _ => Vec::new(),
+            };
+            self.nonces.insert(nonce, NonceState::Submitting(waiting));
         }
         let shared = self.shared.clone();
         let (ack, rx) = oneshot::channel();
@@ -817,7 +863,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
     }
 
     /// Sends `event` to every subscriber, forgetting those that are gone.
-    fn publish(&mut self, event: ProcEvent) {
+    pub(super) fn publish(&mut self, event: ProcEvent) {
         self.subscribers.retain(|s| s.deliver(event.clone()));
         if self.subscribers.is_empty() {
             self.shared

@@ -95,6 +95,8 @@ pub struct ProcInfo {
 pub struct Submit<E = ()> {
     pub(super) proc: DynProc,
     pub(super) nonce: Option<Nonce>,
+    /// The token of the nonce's reservation this submit holds, if it holds one.
+    pub(super) reservation: Option<u64>,
     env: PhantomData<fn() -> E>,
 }
 
@@ -112,6 +114,7 @@ impl<E: Send + Sync + 'static> Submit<E> {
         Submit {
             proc: erase(proc),
             nonce: None,
+            reservation: None,
             env: PhantomData,
         }
     }
@@ -121,6 +124,7 @@ impl<E: Send + Sync + 'static> Submit<E> {
         Submit {
             proc: erase_boxed(proc),
             nonce: None,
+            reservation: None,
             env: PhantomData,
         }
     }

@@ -630,6 +630,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 stopping: false,
                 corrupt: report.corrupt.iter().map(|c| c.id).collect(),
                 subscribers: Vec::new(),
+                next_token: 0,
                 env: PhantomData,
             }
         })
@@ -768,31 +769,35 @@ fn decode_trees(
 fn keep_results(shared: &Shared, finished: Vec<ProcRecord>) {
     for record in finished {
         // Finished roots keep their results across restarts.
-        shared.table.insert(
-            record.id,
-            Entry {
-                root: record.root,
-                parent: record.parent,
-                type_name: shared
-                    .registry
-                    .static_name(&record.type_name)
-                    .unwrap_or("?"),
-                state: record.state,
-                submitted_ms: record.submitted_ms,
-                updated_ms: record.updated_ms,
-                tree: None,
-                extra: EntryExtra {
-                    result: Some(record.failure.map_or(Ok(()), Err)),
-                    value: record.result,
-                    nonce: record.nonce,
-                    bypassed: record.bypassed,
-                }
-                .boxed(),
-                waiting: Waiting::Nothing,
-                state_name: None,
-                steering: None,
-            },
-        );
+        shared
+            .table
+            .insert(record.id, finished_entry(shared, record));
+    }
+}
+
+/// The table's entry of a finished root, from its record: with its result.
+pub(super) fn finished_entry(shared: &Shared, record: ProcRecord) -> Entry {
+    Entry {
+        root: record.root,
+        parent: record.parent,
+        type_name: shared
+            .registry
+            .static_name(&record.type_name)
+            .unwrap_or("?"),
+        state: record.state,
+        submitted_ms: record.submitted_ms,
+        updated_ms: record.updated_ms,
+        tree: None,
+        extra: EntryExtra {
+            result: Some(record.failure.map_or(Ok(()), Err)),
+            value: record.result,
+            nonce: record.nonce,
+            bypassed: record.bypassed,
+        }
+        .boxed(),
+        waiting: Waiting::Nothing,
+        state_name: None,
+        steering: None,
     }
 }
 

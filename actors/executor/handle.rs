@@ -22,6 +22,7 @@ use super::api::{
     Shutdown, Submit, SubscribeChannel, WaitFor, WaitValue,
 };
 use super::builder::{ExecutorBuilder, Recovery};
+use super::nonces::{NonceRegistration, NonceReservation, RegisterNonce, Registered};
 
 impl From<MailboxError> for Error {
     fn from(_: MailboxError) -> Self {
@@ -162,6 +163,26 @@ impl<E: Send + Sync + 'static> Executor<E> {
         nonce: Nonce,
     ) -> Result<ProcId, Error> {
         self.addr.send(Submit::new(proc).with_nonce(nonce)).await?
+    }
+
+    /// Reserves `nonce` before the procedure is built (HBase's `registerNonce`):
+    /// [`NonceRegistration::Known`] with the procedure a request with this nonce
+    /// created (submitted, or a failure recorded for it), or
+    /// [`NonceRegistration::Reserved`] — the caller holds the nonce, and every other
+    /// request with it waits until the caller submits, records a failure or lets go
+    /// (see [`NonceReservation`]). Waits itself while another request holds the nonce.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] after shutdown; [`Error::Store`] or [`Error::Internal`] once
+    /// the store has failed or the engine broke; the error of the submit it waited for.
+    pub async fn register_nonce(&self, nonce: Nonce) -> Result<NonceRegistration<E>, Error> {
+        Ok(match self.addr.send(RegisterNonce(nonce)).await?? {
+            Registered::Known(id) => NonceRegistration::Known(id),
+            Registered::Reserved(token) => {
+                NonceRegistration::Reserved(NonceReservation::new(nonce, token, self.clone()))
+            }
+        })
     }
 
     /// Asks a procedure to abort. `Ok(true)` once it has accepted and its failure is

@@ -8,9 +8,10 @@
 //! made the insert durable. It keeps the waiters for results.
 //!
 //! Users reach it through the crate's re-exports; `crash_test.rs` starts engines with
-//! the builder. It is in four parts: `builder.rs` (the options and the start, recovery
-//! included), `handle.rs` (the handle), `api.rs` (the messages the actor takes) and
-//! `actor.rs` (the actor and its handlers). The invariants they guard together: a
+//! the builder. It is in five parts: `builder.rs` (the options and the start, recovery
+//! included), `handle.rs` (the handle), `api.rs` (the messages the actor takes),
+//! `actor.rs` (the actor and its handlers) and `nonces.rs` (nonce reservations: their
+//! messages and handlers). The invariants they guard together: a
 //! submit is answered only once its insert is durable, the executor handles no request
 //! before every recovered tree is on its shard, and once a shutdown has answered nothing
 //! of the engine runs.
@@ -21,6 +22,7 @@ mod actor;
 mod api;
 mod builder;
 mod handle;
+mod nonces;
 
 pub use actor::ExecutorActor;
 pub use api::{
@@ -30,3 +32,4 @@ pub use api::{
 pub(crate) use api::{TreeFinished, TreeNews};
 pub use builder::{ExecutorBuilder, Recovery};
 pub use handle::{Executor, Subscription};
+pub use nonces::{NonceRegistration, NonceReservation};

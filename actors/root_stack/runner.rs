@@ -439,7 +439,9 @@ impl TreeRunner {
             }
             Action::Count(count) => {
                 let id = match count {
-                    Count::Failed { id, .. } | Count::StepRetry(id) | Count::RollbackRetry(id) => id,
+                    Count::Failed { id, .. } | Count::StepRetry(id) | Count::RollbackRetry(id) => {
+                        id
+                    }
                 };
                 if let Some(type_name) = self.core.type_name_of(id) {
                     self.shared.metrics.count(type_name, count);

@@ -114,6 +114,8 @@ pub(crate) fn publish_recovered<'a>(
 ) {
     for r in records {
         let old = shared.table.insert(r.id, entry(shared, r, Some(tree)));
-        shared.proc_gauges.moved(old.map(|e| e.state), Some(r.state));
+        shared
+            .proc_gauges
+            .moved(old.map(|e| e.state), Some(r.state));
     }
 }
