@@ -615,6 +615,14 @@ impl<E: ?Sized> Context<E> {
             .collect()
     }
 
+    /// The children's values as they were set (MessagePack), for the saga's journal.
+    pub(crate) fn child_values(&self) -> impl Iterator<Item = (ProcId, &[u8])> {
+        self.child_values
+            .iter()
+            .flat_map(|values| values.iter())
+            .map(|(id, bytes)| (*id, &bytes[..]))
+    }
+
     /// The value child `child` set with [`Context::set_result`], decoded as `T`;
     /// `None` if it has not succeeded (durably) by this step's dispatch, set none, or
     /// is not a child of this procedure.

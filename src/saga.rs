@@ -7,10 +7,19 @@
 //! the engine's rollbacks run the undos of the steps, newest first, each told what its
 //! step did ([`Undoing`]).
 //!
+//! Child procedures: [`SagaContext::children`] starts children and, once all of them
+//! have succeeded, returns their values. It takes two steps of the engine: one that
+//! journals the step and returns [`Flow::Children`], and, once the children have
+//! succeeded, one that copies their values into the journal entry and runs nothing of
+//! the user's (so no step of the user's ever runs with a children entry still
+//! unfilled, and a rollback's replay always finds the values it needs). The children
+//! roll themselves back by the engine's rules; the step has no undo of its own.
+//!
 //! Invariant: the journal holds one entry per recorded step of the saga but its last
 //! (the one that returned the output), in order; each rollback of a recorded step pops
 //! one entry after its undo succeeds, and the rollback of the step that failed (or was
-//! cut off) undoes the step after the journal's end.
+//! cut off) undoes the step after the journal's end. A children entry is unfilled only
+//! while it is the journal's last.
 //!
 //! # The determinism rule
 //!
@@ -32,7 +41,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::Lock;
-use crate::procedure::{Context, Flow, ProcError, Procedure, Undo};
+use crate::procedure::{ChildType, Context, Flow, ProcError, Procedure, Undo};
 
 /// A procedure written as one async function of steps, each with its undo (see the
 /// module docs, and the guide's "Straight-line procedures"). Wrap it in [`Saga`] to
@@ -85,6 +94,15 @@ where
     fn holds_lock(&self) -> bool {
         false
     }
+
+    /// The procedure types [`SagaContext::children`] may start: see
+    /// [`Procedure::child_types`].
+    fn child_types() -> Vec<ChildType>
+    where
+        Self: Sized,
+    {
+        Vec::new()
+    }
 }
 
 /// What a saga step's undo is told its step did (see [`Undo`]).
@@ -106,17 +124,48 @@ struct Entry {
     name: String,
     #[serde(with = "serde_bytes")]
     value: Vec<u8>,
+    /// For a [`SagaContext::children`] step: which of the procedure's children it
+    /// started. Its `value` is the children's values (a MessagePack array, each the
+    /// child's value or nil) once `filled`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    children: Option<ChildrenStep>,
+}
+
+impl Entry {
+    /// Whether its value is the step's whole value: not an unfilled children step.
+    fn is_complete(&self) -> bool {
+        self.children.is_none_or(|c| c.filled)
+    }
+}
+
+/// The children a saga step started: `count` of them, after the `first` it had started
+/// before (in the order [`Context::children`] lists them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct ChildrenStep {
+    first: u32,
+    count: u32,
+    filled: bool,
+}
+
+/// What stops an execute pass: the step it journals, and the children it starts.
+struct NewStep<E> {
+    entry: Entry,
+    /// `Some` for a children step that starts them now.
+    children: Option<Vec<Box<dyn Procedure<E>>>>,
+    /// `Some((at, values))`: the children entry at `at` is filled with `values`.
+    filled: Option<(usize, Vec<u8>)>,
 }
 
 type BoxedUndo =
     Box<dyn FnOnce(Undoing<Vec<u8>>) -> BoxFuture<'static, Result<(), ProcError>> + Send>;
 
 /// What one pass of `run` is for.
-enum Pass {
-    /// A step of the engine: run the first step past the journal, then stop.
+enum Pass<E> {
+    /// A step of the engine: run the first step past the journal (or fill the
+    /// children entry at its end), then stop.
     Execute {
-        /// That step's entry, once it has a value.
-        new: Arc<Mutex<Option<Entry>>>,
+        /// That step, once it has a value.
+        new: Arc<Mutex<Option<NewStep<E>>>>,
     },
     /// A rollback: collect every step's undo up to the first past the journal, then
     /// stop there.
@@ -129,7 +178,7 @@ pub struct SagaContext<'c, E = ()> {
     ctx: &'c Context<E>,
     journal: &'c [Entry],
     at: usize,
-    pass: Pass,
+    pass: Pass<E>,
 }
 
 impl<E> std::fmt::Debug for SagaContext<'_, E> {
@@ -193,14 +242,7 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
             });
             lock(undos).push(typed);
         }
-        if let Some(entry) = self.journal.get(at) {
-            if entry.name != name {
-                return Err(ProcError::failed(format!(
-                    "saga step {at} is {name:?}, but the journal has {:?} there: the saga \
-                     does not run its steps the same way every time",
-                    entry.name
-                )));
-            }
+        if let Some(entry) = self.journaled(at, name, false)? {
             return decode(&entry.value);
         }
         match &self.pass {
@@ -210,15 +252,250 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
                 let value = run().await?;
                 let value = rmp_serde::to_vec_named(&value)
                     .map_err(|e| ProcError::Persist(format!("saga step {name:?}: {e}")))?;
-                *lock(new) = Some(Entry {
-                    name: name.to_string(),
-                    value,
+                *lock(new) = Some(NewStep {
+                    entry: Entry {
+                        name: name.to_string(),
+                        value,
+                        children: None,
+                    },
+                    children: None,
+                    filled: None,
                 });
                 // The engine records it; the next step of the engine goes on from here.
                 std::future::pending().await
             }
         }
     }
+
+    /// A step that starts the procedures `start` returns as children of this one and,
+    /// once every one of them has succeeded, returns the value each set
+    /// ([`Context::set_result`]), decoded as `T`, in the order they were started (a
+    /// child that set none decodes from nil: fine for `()` and `Option`). Journaled as
+    /// any step: after a restart it neither starts the children again nor waits for
+    /// them again. A child that fails fails the saga, which rolls back.
+    ///
+    /// `undo` undoes what the children did. The engine rolls back a child that failed
+    /// or was still running when its tree failed, but not one that had succeeded (as in
+    /// HBase, a finished procedure is not rolled back): that is `undo`'s, told
+    /// [`Undoing::Completed`] with every child's value when all of them had succeeded,
+    /// or [`Undoing::Interrupted`] when some may have (check what is there; the ones
+    /// the engine rolled back may be among them). Declare the children's types in
+    /// [`SagaProcedure::child_types`].
+    ///
+    /// ```
+    /// use proctor::{async_trait, Context, Flow, ProcError, Procedure, SagaContext, SagaProcedure, Undoing};
+    /// use serde::{Deserialize, Serialize};
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct AssignRegion { region: u32 }
+    ///
+    /// #[async_trait]
+    /// impl Procedure for AssignRegion {
+    ///     async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+    ///         ctx.set_result(&format!("server-{}", self.region % 3))?;
+    ///         Ok(Flow::Done)
+    ///     }
+    ///     async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> {
+    ///         Ok(()) // unassign self.region, if it was
+    ///     }
+    /// }
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct CreateTable { regions: u32 }
+    ///
+    /// #[async_trait]
+    /// impl SagaProcedure for CreateTable {
+    ///     type Output = Vec<String>;
+    ///     async fn run(&self, ctx: &mut SagaContext<'_>) -> Result<Vec<String>, ProcError> {
+    ///         let n = self.regions;
+    ///         let servers: Vec<String> = ctx
+    ///             .children(
+    ///                 "assign regions",
+    ///                 || (0..n).map(|region| AssignRegion { region }),
+    ///                 move |undoing: Undoing<Vec<String>>| async move {
+    ///                     let _ = (n, undoing); // unassign the regions that are assigned
+    ///                     Ok(())
+    ///                 },
+    ///             )
+    ///             .await?;
+    ///         Ok(servers)
+    ///     }
+    ///     fn child_types() -> Vec<proctor::ChildType> {
+    ///         vec![proctor::ChildType::of::<AssignRegion>()]
+    ///     }
+    /// }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`step`](Self::step); [`ProcError::Failed`] naming the child whose value does
+    /// not decode as `T`.
+    pub async fn children<T, S, I, P, U, UF>(
+        &mut self,
+        name: &str,
+        start: S,
+        undo: U,
+    ) -> Result<Vec<T>, ProcError>
+    where
+        T: DeserializeOwned + Send + 'static,
+        S: FnOnce() -> I + Send,
+        I: IntoIterator<Item = P>,
+        P: Procedure<E>,
+        U: FnOnce(Undoing<Vec<T>>) -> UF + Send + 'static,
+        UF: Future<Output = Result<(), ProcError>> + Send + 'static,
+    {
+        let at = self.at;
+        self.at += 1;
+        if let Pass::Collect { undos } = &self.pass {
+            let step = name.to_string();
+            let typed: BoxedUndo = Box::new(move |undoing: Undoing<Vec<u8>>| {
+                Box::pin(async move {
+                    let undoing = match undoing {
+                        Undoing::Completed(bytes) => {
+                            Undoing::Completed(decode_children::<T>(&step, &bytes)?)
+                        }
+                        Undoing::Failed => Undoing::Failed,
+                        Undoing::Interrupted => Undoing::Interrupted,
+                    };
+                    undo(undoing).await
+                }) as BoxFuture<'static, Result<(), ProcError>>
+            });
+            lock(undos).push(typed);
+        }
+        if let Some(entry) = self.journaled(at, name, true)? {
+            let step = entry.children.unwrap_or(ChildrenStep {
+                first: 0,
+                count: 0,
+                filled: true,
+            });
+            if step.filled {
+                return decode_children(name, &entry.value);
+            }
+            return match &self.pass {
+                // Unfilled, so the newest entry: the step after it is the one that
+                // fills it, which did nothing of the user's; its undo is none.
+                Pass::Collect { undos } => {
+                    let none: BoxedUndo = Box::new(|_| Box::pin(async { Ok(()) }));
+                    lock(undos).push(none);
+                    std::future::pending().await
+                }
+                Pass::Execute { new } => {
+                    // Woken: every child has succeeded. Their values go into the
+                    // entry, recorded by this step of the engine alone.
+                    let values = self.fill_values(name, step)?;
+                    *lock(new) = Some(NewStep {
+                        entry: entry.clone(),
+                        children: None,
+                        filled: Some((at, values)),
+                    });
+                    std::future::pending().await
+                }
+            };
+        }
+        let Pass::Execute { new } = &self.pass else {
+            // Past the journal: the step this rollback undoes (or none) is reached.
+            return std::future::pending().await;
+        };
+        let children: Vec<Box<dyn Procedure<E>>> = start()
+            .into_iter()
+            .map(|c| Box::new(c) as Box<dyn Procedure<E>>)
+            .collect();
+        let too_many = |_| ProcError::failed(format!("saga step {name:?}: too many children"));
+        let first = u32::try_from(self.ctx.children().len()).map_err(too_many)?;
+        let count = u32::try_from(children.len()).map_err(too_many)?;
+        let empty = children.is_empty();
+        let entry = Entry {
+            name: name.to_string(),
+            // No children: no values, and nothing to wait for.
+            value: if empty {
+                encode_values(&[])?
+            } else {
+                Vec::new()
+            },
+            children: Some(ChildrenStep {
+                first,
+                count,
+                filled: empty,
+            }),
+        };
+        *lock(new) = Some(NewStep {
+            entry,
+            children: (!empty).then_some(children),
+            filled: None,
+        });
+        std::future::pending().await
+    }
+
+    /// The journal's entry at `at`, if the journal reaches it, checked to be the step
+    /// `name` of the same kind.
+    fn journaled(
+        &self,
+        at: usize,
+        name: &str,
+        children: bool,
+    ) -> Result<Option<&Entry>, ProcError> {
+        let Some(entry) = self.journal.get(at) else {
+            return Ok(None);
+        };
+        if entry.name != name || entry.children.is_some() != children {
+            return Err(ProcError::failed(format!(
+                "saga step {at} is {name:?}, but the journal has {:?} there: the saga \
+                 does not run its steps the same way every time",
+                entry.name
+            )));
+        }
+        Ok(Some(entry))
+    }
+
+    /// The values of the children `step` started, as a children entry keeps them.
+    fn fill_values(&self, name: &str, step: ChildrenStep) -> Result<Vec<u8>, ProcError> {
+        let children = self.ctx.children();
+        let (first, count) = (step.first as usize, step.count as usize);
+        let Some(started) = children.get(first..first + count) else {
+            return Err(ProcError::failed(format!(
+                "saga step {name:?} started {count} children, but the procedure has {}",
+                children.len()
+            )));
+        };
+        let mut values = Vec::with_capacity(count);
+        for &(child, state) in started {
+            if state != crate::procedure::ProcState::Success {
+                return Err(ProcError::failed(format!(
+                    "saga step {name:?}: child {child} is {state}, not SUCCESS"
+                )));
+            }
+            let value = self
+                .ctx
+                .child_values()
+                .find(|(id, _)| *id == child)
+                .map(|(_, bytes)| bytes.to_vec());
+            values.push(value);
+        }
+        encode_values(&values)
+    }
+}
+
+/// A children entry's value: each child's value, or nil.
+fn encode_values(values: &[Option<Vec<u8>>]) -> Result<Vec<u8>, ProcError> {
+    let values: Vec<Option<&serde_bytes::Bytes>> = values
+        .iter()
+        .map(|v| v.as_deref().map(serde_bytes::Bytes::new))
+        .collect();
+    rmp_serde::to_vec(&values).map_err(|e| ProcError::Persist(format!("saga children: {e}")))
+}
+
+/// A filled children entry's values, each decoded as `T` (a child that set none from
+/// nil).
+fn decode_children<T: DeserializeOwned>(name: &str, bytes: &[u8]) -> Result<Vec<T>, ProcError> {
+    let values: Vec<Option<serde_bytes::ByteBuf>> = rmp_serde::from_slice(bytes).map_err(|e| {
+        ProcError::failed(format!(
+            "saga step {name:?}: journaled children's values: {e}"
+        ))
+    })?;
+    const NIL: &[u8] = &[0xc0];
+    values
+        .iter()
+        .map(|v| decode(v.as_deref().map_or(NIL, |b| &b[..])))
+        .collect()
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -310,9 +587,22 @@ where
             }
             Some(Err(e)) => Err(e),
             None => {
-                let entry = lock(&new).take().expect("a step's entry stopped the pass");
-                self.journal.push(entry);
-                Ok(Flow::MoreToDo)
+                let Some(step) = lock(&new).take() else {
+                    unreachable!("only a new step stops the pass");
+                };
+                if let Some((at, values)) = step.filled {
+                    let entry = &mut self.journal[at];
+                    entry.value = values;
+                    if let Some(children) = &mut entry.children {
+                        children.filled = true;
+                    }
+                    return Ok(Flow::MoreToDo);
+                }
+                self.journal.push(step.entry);
+                Ok(match step.children {
+                    Some(children) => Flow::Children(children),
+                    None => Flow::MoreToDo,
+                })
             }
         }
     }
@@ -351,6 +641,9 @@ where
             undos.swap_remove(target)
         };
         let undoing = match undo {
+            // A children step whose children did not all succeed (or whose values were
+            // not copied yet): some of them may have.
+            Undo::Completed if !self.journal[target].is_complete() => Undoing::Interrupted,
             Undo::Completed => Undoing::Completed(self.journal[target].value.clone()),
             Undo::Failed => Undoing::Failed,
             _ => Undoing::Interrupted,
@@ -368,6 +661,10 @@ where
 
     fn holds_lock(&self) -> bool {
         self.saga.holds_lock()
+    }
+
+    fn child_types() -> Vec<ChildType> {
+        S::child_types()
     }
 
     fn state_name(&self) -> Option<String> {

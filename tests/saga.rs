@@ -1,7 +1,8 @@
 //! Straight-line procedures (`SagaProcedure`): each step journaled and run once, its
 //! value replayed; on failure or abort the undos run newest first, told what their
 //! steps did; an undo that fails is retried; a crash at any write leaves the world as
-//! the result says. On both stores.
+//! the result says; children started from a saga give it their values, and a failing
+//! one rolls it back. On both stores.
 
 mod common;
 
@@ -11,8 +12,9 @@ use std::sync::{Arc, Mutex};
 use common::stores;
 use proctor::testing::restart_at_every_write;
 use proctor::{
-    async_trait, Executor, ExecutorBuilder, ProcError, ProcState, ProcedureStore, Registry, Saga,
-    SagaContext, SagaProcedure, Undoing, WaitError,
+    async_trait, ChildType, Context, Executor, ExecutorBuilder, Flow, ProcError, ProcState,
+    Procedure, ProcedureStore, Registry, Saga, SagaContext, SagaProcedure, Undo, Undoing,
+    WaitError,
 };
 use serde::{Deserialize, Serialize};
 
@@ -336,5 +338,233 @@ async fn after_a_restart_journaled_steps_answer_from_the_journal_without_running
             "{name}"
         );
         executor.shutdown().await.unwrap();
+    }
+}
+
+/// Assigns one region (a child of a saga): it adds the region and answers its server.
+#[derive(Serialize, Deserialize)]
+struct Assign {
+    region: String,
+    fail: bool,
+}
+
+#[async_trait]
+impl Procedure<Cluster> for Assign {
+    async fn execute(&mut self, ctx: &mut Context<Cluster>) -> Result<Flow<Cluster>, ProcError> {
+        ctx.env().call(format!("assign {}", self.region));
+        if self.fail {
+            return Err(ProcError::failed(format!("{} broke", self.region)));
+        }
+        ctx.env()
+            .regions
+            .lock()
+            .unwrap()
+            .insert(self.region.clone());
+        ctx.set_result(&format!("server of {}", self.region))?;
+        Ok(Flow::Done)
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context<Cluster>) -> Result<(), ProcError> {
+        if ctx.undoing() != Undo::Failed {
+            ctx.env().call(format!("unassign {}", self.region));
+            ctx.env().regions.lock().unwrap().remove(&self.region);
+        }
+        Ok(())
+    }
+}
+
+/// Create a table, assign its regions as children, then enable it with their servers.
+#[derive(Serialize, Deserialize)]
+struct CreateWithChildren {
+    name: String,
+    regions: u32,
+    fail_region: Option<u32>,
+}
+
+#[async_trait]
+impl SagaProcedure<Cluster> for CreateWithChildren {
+    type Output = Vec<String>;
+
+    async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<Vec<String>, ProcError> {
+        let env = ctx.env_arc().clone();
+        let table = self.name.clone();
+        ctx.step(
+            "table",
+            || async {
+                env.call("do table".into());
+                env.tables.lock().unwrap().insert(table.clone());
+                Ok(())
+            },
+            {
+                let (env, table) = (env.clone(), table.clone());
+                move |undoing: Undoing<()>| async move {
+                    env.call(format!("undo table ({undoing:?})"));
+                    if undoing != Undoing::Failed {
+                        env.tables.lock().unwrap().remove(&table);
+                    }
+                    Ok(())
+                }
+            },
+        )
+        .await?;
+        let (regions, fail) = (self.regions, self.fail_region);
+        let names: Vec<String> = (0..regions).map(|r| format!("{table}-r{r}")).collect();
+        let (undo_env, undo_names) = (env.clone(), names.clone());
+        let servers: Vec<String> = ctx
+            .children(
+                "assign",
+                || {
+                    names.iter().enumerate().map(move |(r, region)| Assign {
+                        region: region.clone(),
+                        fail: fail == u32::try_from(r).ok(),
+                    })
+                },
+                // The regions of the children that had succeeded (the engine rolls back
+                // the others): all of them, or, not knowing which, whichever are there.
+                move |undoing: Undoing<Vec<String>>| async move {
+                    let how = match &undoing {
+                        Undoing::Completed(_) => "completed",
+                        Undoing::Failed => "failed",
+                        Undoing::Interrupted => "interrupted",
+                    };
+                    undo_env.call(format!("undo assign ({how})"));
+                    let mut assigned = undo_env.regions.lock().unwrap();
+                    for region in &undo_names {
+                        assigned.remove(region);
+                    }
+                    Ok(())
+                },
+            )
+            .await?;
+        let seen = servers.clone();
+        ctx.step(
+            "enable",
+            || async move {
+                env.call(format!("enable with {}", seen.join(", ")));
+                Ok(())
+            },
+            |_: Undoing<()>| async { Ok(()) },
+        )
+        .await?;
+        Ok(servers)
+    }
+
+    fn child_types() -> Vec<ChildType> {
+        vec![ChildType::of::<Assign>()]
+    }
+}
+
+fn builder_with_children(cluster: &Arc<Cluster>) -> ExecutorBuilder<Cluster> {
+    let mut registry = Registry::<Cluster>::default();
+    registry
+        .register_saga::<CreateWithChildren>("create_with_children")
+        .register::<Assign>("assign");
+    Executor::builder().registry(registry).env(cluster.clone())
+}
+
+#[actix::test]
+async fn a_saga_starts_children_and_gets_their_values_in_order() {
+    for (name, store, _dir) in stores() {
+        let cluster = Arc::new(Cluster::default());
+        let executor = builder_with_children(&cluster)
+            .store(store)
+            .start()
+            .await
+            .unwrap();
+        let create = CreateWithChildren {
+            name: "t1".into(),
+            regions: 3,
+            fail_region: None,
+        };
+        let id = executor.submit(Saga::new(create)).await.unwrap();
+        let servers: Vec<String> = executor.wait_value(id).await.unwrap();
+        let expected = ["server of t1-r0", "server of t1-r1", "server of t1-r2"];
+        assert_eq!(servers, expected, "{name}");
+        let calls = cluster.calls();
+        assert_eq!(
+            calls.first().map(String::as_str),
+            Some("do table"),
+            "{name}"
+        );
+        assert_eq!(
+            calls.last().map(String::as_str),
+            Some("enable with server of t1-r0, server of t1-r1, server of t1-r2"),
+            "{name}"
+        );
+        // Each child ran once (in any order), and once only.
+        assert_eq!(calls.len(), 5, "{name}: {calls:?}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_failing_child_rolls_the_saga_back() {
+    for (name, store, _dir) in stores() {
+        let cluster = Arc::new(Cluster::default());
+        let executor = builder_with_children(&cluster)
+            .store(store)
+            .start()
+            .await
+            .unwrap();
+        let create = CreateWithChildren {
+            name: "t1".into(),
+            regions: 2,
+            fail_region: Some(1),
+        };
+        let id = executor.submit(Saga::new(create)).await.unwrap();
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::failed("t1-r1 broke"), "{name}");
+        assert_eq!(cluster.state(), (vec![], vec![]), "{name}");
+        let calls = cluster.calls();
+        // The children's step was undone not knowing which succeeded, then the
+        // table's, told it completed; enable never ran.
+        let undo_assign = calls.iter().position(|c| c == "undo assign (interrupted)");
+        let undo_table = calls.iter().position(|c| c == "undo table (Completed(()))");
+        assert!(
+            undo_assign.is_some() && undo_assign < undo_table,
+            "{name}: {calls:?}"
+        );
+        assert!(
+            !calls.iter().any(|c| c.starts_with("enable")),
+            "{name}: {calls:?}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_saga_with_children_survives_a_crash_at_any_write() {
+    for fail_region in [None, Some(1)] {
+        let cluster = Arc::new(Cluster::default());
+        let runs = restart_at_every_write(
+            || builder_with_children(&cluster),
+            || {
+                Saga::new(CreateWithChildren {
+                    name: "t1".into(),
+                    regions: 2,
+                    fail_region,
+                })
+            },
+            |run| {
+                let state = cluster.state();
+                match &run.result {
+                    Some(Ok(())) => assert_eq!(
+                        state,
+                        (vec!["t1".into()], vec!["t1-r0".into(), "t1-r1".into()]),
+                        "{run:?}"
+                    ),
+                    Some(Err(_)) | None => assert_eq!(state, (vec![], vec![]), "{run:?}"),
+                }
+                assert_eq!(
+                    run.result.as_ref().map(Result::is_ok),
+                    run.root.map(|_| fail_region.is_none())
+                );
+                *cluster.tables.lock().unwrap() = BTreeSet::new();
+                *cluster.regions.lock().unwrap() = BTreeSet::new();
+            },
+        )
+        .await
+        .expect("runs");
+        assert!(runs.len() >= 8, "{fail_region:?}: {} runs", runs.len());
     }
 }
