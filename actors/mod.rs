@@ -11,6 +11,8 @@ mod locks;
 pub mod metrics;
 mod persistence;
 pub mod perturb;
+#[cfg(feature = "postgres")]
+mod pg_store;
 mod procedure;
 mod protocol;
 pub(crate) mod recover;
@@ -27,6 +29,8 @@ pub use executor::{
     Rollback, Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitValue, WaitingOn,
 };
 pub use locks::{ResetEvent, WakeEvent};
+#[cfg(feature = "postgres")]
+pub use pg_store::{PgOptions, PgStore};
 pub use scheduler::{GetSchedulerStats, SchedulerStats};
 pub use wal_store::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, view_wal_dir, view_wal_dir_on, DirView,

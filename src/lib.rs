@@ -64,6 +64,8 @@ pub use crate::actors::{
     Subscribe, Subscription, WaitFor, WaitValue, WaitingOn, WakeEvent, WalOptions, WalStats,
     WalStore,
 };
+#[cfg(feature = "postgres")]
+pub use crate::actors::{PgOptions, PgStore};
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};
 pub use crate::error::{Error, WaitError};

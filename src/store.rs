@@ -46,6 +46,32 @@ pub enum StoreError {
     /// An earlier append failed; the store refuses further appends.
     #[error("store refuses appends after an earlier failure: {0}")]
     Failed(String),
+    /// The database refused or failed a request (the PostgreSQL store): it cannot be
+    /// reached, the credentials are wrong, a statement failed, a record does not decode.
+    #[error("{context}: {reason}")]
+    Database {
+        /// What the store was doing.
+        context: String,
+        /// The database's (or the client's) message.
+        reason: String,
+    },
+    /// A newer leader took the lease: this engine's writes are refused (the PostgreSQL
+    /// store's fencing).
+    #[error("fenced: the leader lease is at epoch {current}, this engine holds epoch {granted}")]
+    Fenced {
+        /// The epoch this engine was granted.
+        granted: i64,
+        /// The lease's epoch now.
+        current: i64,
+    },
+    /// The store's tables were made by a newer version of proctor.
+    #[error("the store's schema is version {found}; this proctor reads up to version {supported}")]
+    Schema {
+        /// The version found.
+        found: i32,
+        /// The newest version this build knows.
+        supported: i32,
+    },
 }
 
 /// What a store holds: the latest record of every procedure not deleted, and the

@@ -114,7 +114,7 @@ async fn a_paused_procedure_can_be_bypassed() {
 
 #[actix::test]
 async fn a_bypass_is_persisted() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let (executor, _) = common::start(store.open(), 4).await;
         let root = executor.submit(suspended("root")).await.unwrap();
@@ -145,7 +145,7 @@ async fn a_bypass_is_persisted() {
 /// its result is evicted. The records used to carry no state at all.
 #[actix::test]
 async fn a_bypassed_procedure_keeps_its_state_in_its_final_record() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         for how in ["online", "paused", "offline", "recursive"] {
             let store = common::Reopen::new(name);
             let (executor, _) = common::start(store.open(), 4).await;

@@ -327,7 +327,7 @@ async fn a_failure_mid_dag_rolls_back_exactly_the_started_tasks_against_the_edge
 
 #[actix::test]
 async fn a_dag_stopped_mid_wave_resumes_after_a_restart() {
-    for store_name in ["memory", "wal"] {
+    for store_name in common::STORES {
         let store = Reopen::new(store_name);
         // a → {b, c, d} → e → f, two at a time: b and c are cut off by the stop.
         let names = ["a", "b", "c", "d", "e", "f"];
@@ -571,7 +571,7 @@ async fn a_task_runs_under_its_own_locks() {
 
 #[actix::test]
 async fn past_an_irreversible_task_a_failure_pauses_until_continued() {
-    for store_name in ["memory", "wal"] {
+    for store_name in common::STORES {
         let store = Reopen::new(store_name);
         let env = Env::new(false);
         let executor = start(store.open(), env.clone(), 4).await;

@@ -48,7 +48,7 @@ async fn start(store: Box<dyn proctor::ProcedureStore>) -> Executor {
 
 #[actix::test]
 async fn a_step_error_returned_with_question_mark_keeps_its_type_and_sources() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let executor = start(store.open()).await;
         let id = executor.submit(MoveRegion).await.unwrap();

@@ -123,7 +123,7 @@ async fn a_woken_event_stays_ready_until_it_is_reset() {
 /// when its hook says so, waits for the event again.
 #[actix::test]
 async fn a_suspended_procedure_reruns_or_waits_after_a_restart_as_its_hook_says() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let (executor, _) = start(store.open()).await;
         let rerun = executor
@@ -183,7 +183,7 @@ fn offline(
 /// cases, and the wake it had missed never came again.
 #[actix::test]
 async fn a_paused_suspended_procedure_reruns_when_continued_after_a_restart() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let (executor, _) = start(store.open()).await;
         let rerun = executor
@@ -222,7 +222,7 @@ async fn a_paused_suspended_procedure_reruns_when_continued_after_a_restart() {
 /// the next start it is PAUSED, and once continued it runs its next step.
 #[actix::test]
 async fn an_offline_pause_of_a_suspended_procedure_reruns_when_continued() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let (executor, _) = start(store.open()).await;
         let w = executor.submit(Waiter::new("w", "e", false)).await.unwrap();
@@ -251,7 +251,7 @@ async fn an_offline_pause_of_a_suspended_procedure_reruns_when_continued() {
 /// at the next start: its result comes, no step runs.
 #[actix::test]
 async fn an_offline_abort_of_a_suspended_procedure_rolls_it_back_at_the_next_start() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         for paused in [false, true] {
             let store = common::Reopen::new(name);
             let (executor, _) = start(store.open()).await;

@@ -804,7 +804,7 @@ async fn a_failed_step_that_marked_the_point_of_no_return_leaves_its_tree_the_vi
 /// new engine waits (and `List` says for what) until the holder finishes.
 #[actix::test]
 async fn life_long_locks_are_granted_back_after_a_restart() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let (executor, _) = start(store.open(), 4, |b| b).await;
         let mut holder = Locker::new(
@@ -881,7 +881,7 @@ async fn holder_and_waiter(executor: &Executor<World>) -> (ProcId, ProcId) {
 /// waiting for them wait until it is continued and finishes.
 #[actix::test]
 async fn a_paused_holder_keeps_its_locks_until_continued_and_done() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let (executor, world) = start(store.open(), 4, |b| b).await;
         let holder = Locker::new(

@@ -40,7 +40,7 @@ async fn the_same_nonce_at_the_same_moment_runs_once() {
 
 #[actix::test]
 async fn a_retry_after_a_restart_finds_the_procedure() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let (executor, _) = common::start(store.open(), 4).await;
         let done = Nonce { group: 1, nonce: 1 };
@@ -118,7 +118,7 @@ async fn until_gone(executor: &proctor::Executor<common::Recorder>, id: proctor:
 #[actix::test]
 async fn a_nonce_is_remembered_for_its_own_window_after_the_result_is_evicted() {
     use std::time::Duration;
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let nonce = Nonce { group: 3, nonce: 9 };
         let (executor, rec) = start_evicting(store.open(), Duration::from_secs(3600)).await;
@@ -199,7 +199,7 @@ async fn a_reserved_nonce_makes_retries_wait_for_its_submit() {
 /// after a restart get its id, and waiting on it gives the failure; nothing ran.
 #[actix::test]
 async fn a_failure_recorded_for_a_reserved_nonce_answers_every_retry() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let (executor, rec) = common::start(store.open(), 4).await;
         let nonce = Nonce::from_key("create ''");

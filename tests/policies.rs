@@ -329,7 +329,7 @@ fn retry_then_rollback(times: u32) -> FailurePolicy {
 
 #[actix::test]
 async fn a_retried_step_runs_again_until_it_succeeds_or_its_retries_run_out() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         // Two failures, three retries: it succeeds, and its retries are spent.
         let w = world(2, 0);
         let executor = start(Reopen::new(name).open(), w.clone()).await;
@@ -367,7 +367,7 @@ async fn a_retried_step_runs_again_until_it_succeeds_or_its_retries_run_out() {
 
 #[actix::test]
 async fn retries_are_counted_across_a_restart() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = Reopen::new(name);
         let policy = FailurePolicy::RetryThenPause {
             times: 3,
@@ -396,7 +396,7 @@ async fn retries_are_counted_across_a_restart() {
 
 #[actix::test]
 async fn a_paused_procedure_stays_paused_across_a_restart_and_continues() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = Reopen::new(name);
         let w = world(1, 0);
         let executor = start(store.open(), w.clone()).await;
@@ -438,7 +438,7 @@ async fn a_paused_procedure_stays_paused_across_a_restart_and_continues() {
 
 #[actix::test]
 async fn an_operators_rollback_of_a_paused_procedure_undoes_the_failed_step_first() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let w = world(100, 0);
         let executor = start(Reopen::new(name).open(), w.clone()).await;
         let id = executor
@@ -464,7 +464,7 @@ async fn an_operators_rollback_of_a_paused_procedure_undoes_the_failed_step_firs
 #[actix::test]
 async fn an_operators_rollback_of_a_running_procedure_cancels_its_step() {
     use common::{Scripted, Step};
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let (executor, rec) = common::start(Reopen::new(name).open(), 2).await;
         let plan = vec![Step::More, Step::UntilCancelled, Step::More];
         let id = executor.submit(Scripted::new("p", plan)).await.unwrap();
@@ -505,7 +505,7 @@ async fn an_operators_rollback_of_a_running_procedure_cancels_its_step() {
 
 #[actix::test]
 async fn a_rollback_that_gives_up_is_rollback_paused_until_continued() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = Reopen::new(name);
         let w = world(100, 100);
         let executor = start(store.open(), w.clone()).await;
@@ -555,7 +555,7 @@ async fn a_rollback_that_gives_up_is_rollback_paused_until_continued() {
 
 #[actix::test]
 async fn past_the_point_of_no_return_a_failure_pauses_and_only_continue_is_allowed() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let w = world(1, 0);
         let executor = start(Reopen::new(name).open(), w.clone()).await;
         let mut events = executor.subscribe().await.unwrap();
@@ -606,7 +606,7 @@ async fn past_the_point_of_no_return_a_failure_pauses_and_only_continue_is_allow
 #[actix::test]
 async fn an_operator_pauses_a_running_procedure_at_its_next_step_and_continues_it() {
     use common::{Scripted, Step};
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = Reopen::new(name);
         let (executor, rec) = common::start(store.open(), 2).await;
         let plan = vec![Step::Hold, Step::More, Step::More];
@@ -662,7 +662,7 @@ async fn a_waiting_procedure_pauses_at_once_and_waits_again_when_continued() {
         .unwrap()
         .as_millis() as u64
         + 3_600_000;
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = Reopen::new(name);
         let w = world(0, 0);
         let executor = start(store.open(), w.clone()).await;
@@ -729,7 +729,7 @@ async fn a_waiting_procedure_pauses_at_once_and_waits_again_when_continued() {
 /// continue (the pause asked for is spent).
 #[actix::test]
 async fn a_pause_answered_by_a_failure_policy_is_spent() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let w = world(1, 0);
         let executor = start(Reopen::new(name).open(), w.clone()).await;
         let id = executor.submit(Gated { at: 0 }).await.unwrap();
@@ -775,7 +775,7 @@ async fn a_pause_answered_by_a_failure_policy_is_spent() {
 /// and end: the failure the timeout asked for must not stay with it.
 #[actix::test]
 async fn a_procedure_a_timeout_paused_past_the_point_of_no_return_runs_when_continued() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let w = world(0, 0);
         let executor = start(Reopen::new(name).open(), w.clone()).await;
         let mut proc = Timed::new(First::IrreversibleSuspend);
@@ -813,7 +813,7 @@ async fn a_procedure_a_timeout_paused_past_the_point_of_no_return_runs_when_cont
 /// set up (here it ends the retries, which wait for an event nobody wakes).
 #[actix::test]
 async fn a_deadline_passed_during_a_failing_step_still_times_out_its_retries() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let w = world(1, 0);
         let executor = start(Reopen::new(name).open(), w.clone()).await;
         let mut proc = Timed::new(First::SlowFailThenSuspend(300));
@@ -843,7 +843,7 @@ async fn a_deadline_passed_during_a_failing_step_still_times_out_its_retries() {
 /// at soon, so it pauses at once, as a pause of a waiting procedure does.
 #[actix::test]
 async fn a_pause_asked_during_a_step_that_then_waits_takes_effect_at_once() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let w = world(0, 0);
         let executor = start(Reopen::new(name).open(), w.clone()).await;
         let id = executor
@@ -882,7 +882,7 @@ async fn a_pause_asked_during_a_step_that_then_waits_takes_effect_at_once() {
 /// runs the step and ends.
 #[actix::test]
 async fn a_timeout_past_the_point_of_no_return_pauses_a_procedure_waiting_for_its_locks() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         TIME_OUT.store(false, Ordering::SeqCst);
         let w = world(0, 0);
         let executor = start(Reopen::new(name).open(), w.clone()).await;
@@ -964,7 +964,7 @@ async fn a_timeout_past_the_point_of_no_return_pauses_a_procedure_waiting_for_it
 #[actix::test]
 async fn an_abort_during_a_step_that_fails_waits_for_its_policy_then_aborts() {
     for policy in [retry_then_rollback(3), FailurePolicy::Pause] {
-        for name in ["memory", "wal"] {
+        for name in common::STORES {
             let w = world(1, 0);
             let executor = start(Reopen::new(name).open(), w.clone()).await;
             let mut proc = Timed::new(First::GatedFail);
@@ -1058,7 +1058,7 @@ impl Procedure<World> for Parent {
 /// the perturbation test: a tree SUCCESS without the children of its failed step.)
 #[actix::test]
 async fn a_pause_while_a_retry_is_being_recorded_keeps_the_recorded_state() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let w = world(1, 0);
         // Appends: 1 the parent's insert, 2 its step and the child's insert, 3 the
         // child's step 1, 4 the retry of its step 2.
@@ -1119,7 +1119,7 @@ async fn a_pause_while_a_retry_is_being_recorded_keeps_the_recorded_state() {
 /// starts, which may wait (here for its lock, which another tree took in between).
 #[actix::test]
 async fn an_abort_that_waited_for_a_failing_step_is_answered_when_the_tree_fails() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let w = world(1, 0);
         let executor = start(Reopen::new(name).open(), w.clone()).await;
         let mut failing = Timed::new(First::GatedFail);

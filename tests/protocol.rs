@@ -280,7 +280,7 @@ async fn a_held_lock_covers_the_rollback() {
 /// after the restart.)
 #[actix::test]
 async fn a_store_failure_runs_no_cleanup_on_unfinished_procedures() {
-    for store_name in ["memory", "wal"] {
+    for store_name in common::STORES {
         let stores = Reopen::new(store_name);
         let cut = format!("{store_name}-cut");
         // Append 1 is the submit's insert; the record of step 1 crashes.
@@ -322,7 +322,7 @@ async fn a_store_failure_runs_no_cleanup_on_unfinished_procedures() {
 /// again.)
 #[actix::test]
 async fn state_is_reported_only_once_durable() {
-    for store_name in ["memory", "wal"] {
+    for store_name in common::STORES {
         let stores = Reopen::new(store_name);
         // Append 1 is the insert; append 2, the record of the one step, waits at the gate.
         let (store, mut gate) = GatedStore::new(stores.open(), 2);
@@ -349,7 +349,7 @@ async fn state_is_reported_only_once_durable() {
 /// restart.)
 #[actix::test]
 async fn an_accepted_abort_is_durable_before_it_is_answered() {
-    for store_name in ["memory", "wal"] {
+    for store_name in common::STORES {
         let stores = Reopen::new(store_name);
         // Appends: 1 the insert, 2 the sleep; the abort's FAILED record crashes.
         let store = CrashingStore::new(stores.open(), 2, CrashPoint::BeforeWrite);
@@ -544,7 +544,7 @@ async fn a_panic_decoding_a_recovered_state_is_reported_not_fatal() {
 /// a result or the store error, and the executor shuts down.
 #[actix::test]
 async fn a_store_failure_under_load_leaves_nothing_hanging() {
-    for store_name in ["memory", "wal"] {
+    for store_name in common::STORES {
         for crash_at in [40, 150] {
             let stores = Reopen::new(store_name);
             let store = CrashingStore::new(stores.open(), crash_at, CrashPoint::AfterWrite);
@@ -587,7 +587,7 @@ async fn a_store_failure_under_load_leaves_nothing_hanging() {
 /// found no cell and was dropped as a stopped procedure's.)
 #[actix::test]
 async fn a_step_queued_with_its_record_runs_only_once_the_record_is_durable() {
-    for store_name in ["memory", "wal"] {
+    for store_name in common::STORES {
         let stores = Reopen::new(store_name);
         // Append 1 is the root's insert; append 2, the record of its first step (the
         // child's insert with it), waits at the gate.

@@ -197,7 +197,7 @@ async fn killed_anywhere_in_a_failing_run_still_rolls_back_to_0() {
 
 #[actix::test]
 async fn suspended_and_waiting_procedures_survive_a_restart() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let stores = common::Reopen::new(name);
         let open = || stores.open();
         let (first, rec) = common::start(open(), 4).await;
@@ -238,7 +238,7 @@ async fn suspended_and_waiting_procedures_survive_a_restart() {
 /// RUNNABLE, so the next recovery did the same again.)
 #[actix::test]
 async fn stepped_restarts_make_progress_through_a_failed_tree() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let stores = common::Reopen::new(name);
         let open = || stores.open();
         let tree = || {
@@ -315,7 +315,7 @@ async fn a_torn_tail_repair_is_in_the_recovery_report() {
 /// failure reported after a restart.)
 #[actix::test]
 async fn after_a_restart_the_result_is_the_first_recorded_failure() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         for _round in 0..5 {
             let stores = common::Reopen::new(name);
             let open = || stores.open();

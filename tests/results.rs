@@ -122,7 +122,7 @@ impl Procedure for EarlyValue {
 /// with its step, so it survives a restart between that step and the root's end.
 #[actix::test]
 async fn a_value_set_before_the_last_step_reaches_the_caller_across_a_restart() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let with_early = |b: ExecutorBuilder| {
             let mut registry = Registry::new();
@@ -150,7 +150,7 @@ async fn a_value_set_before_the_last_step_reaches_the_caller_across_a_restart() 
 
 #[actix::test]
 async fn the_last_steps_value_reaches_the_caller_and_survives_a_restart() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let executor = start(store.open(), |b| b).await;
         let id = executor.submit(create("t1", false)).await.unwrap();
@@ -183,7 +183,7 @@ async fn the_last_steps_value_reaches_the_caller_and_survives_a_restart() {
 
 #[actix::test]
 async fn results_are_evicted_after_their_retention_and_the_log_forgets_them() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let executor = start(store.open(), |b| {
             b.retention(Duration::from_millis(30))
@@ -396,7 +396,7 @@ impl Procedure for Regions {
 
 #[actix::test]
 async fn a_parent_reads_its_childrens_values_even_across_a_restart() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let with_regions = |b: ExecutorBuilder| {
             let mut registry = Registry::new();

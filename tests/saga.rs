@@ -305,7 +305,7 @@ async fn after_a_crash_at_any_write_the_world_matches_the_result() {
 
 #[actix::test]
 async fn after_a_restart_journaled_steps_answer_from_the_journal_without_running() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let cluster = Arc::new(Cluster::default());
         cluster

@@ -30,7 +30,7 @@ async fn start_on(
 
 #[actix::test]
 async fn a_graceful_shutdown_lets_the_running_step_finish_and_persist() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = Reopen::new(name);
         let (executor, rec) = start_on(store.open(), Duration::from_secs(60)).await;
         let id = executor
@@ -68,7 +68,7 @@ async fn a_graceful_shutdown_lets_the_running_step_finish_and_persist() {
 
 #[actix::test]
 async fn past_the_drain_timeout_the_engine_stops_like_a_crash() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = Reopen::new(name);
         let (executor, rec) = start_on(store.open(), Duration::from_millis(20)).await;
         let id = executor
@@ -90,7 +90,7 @@ async fn past_the_drain_timeout_the_engine_stops_like_a_crash() {
 
 #[actix::test]
 async fn at_the_drain_deadline_a_running_step_is_cancelled_and_runs_again_after_the_restart() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = Reopen::new(name);
         let (executor, rec) = start_on(store.open(), Duration::from_millis(50)).await;
         let id = executor
@@ -137,7 +137,7 @@ async fn after_a_graceful_shutdown_no_step_is_rolled_back_as_cut_off() {
             vec![Step::More, Step::Sleep(600_000), Step::More],
         )
     };
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = Reopen::new(name);
         let (executor, _) = start_on(store.open(), Duration::from_secs(60)).await;
         let id = executor.submit(sleeper()).await.unwrap();
@@ -178,7 +178,7 @@ async fn after_a_graceful_shutdown_no_step_is_rolled_back_as_cut_off() {
 #[actix::test]
 async fn a_drained_stop_keeps_what_an_earlier_crash_may_have_cut_off() {
     use proctor::ProcState;
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = Reopen::new(name);
         let (executor, _) = start_on(store.open(), Duration::from_secs(60)).await;
         let id = executor

@@ -182,7 +182,7 @@ fn handled_in_store(store: &common::Reopen, id: ProcId) -> u32 {
 /// with the timeout error after exactly 6 calls.
 #[actix::test]
 async fn a_timeout_handled_five_times_fails_at_the_sixth() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let (executor, _) = start(store.open()).await;
         let id = executor
@@ -256,7 +256,7 @@ async fn an_overdue_deadline_fires_at_once_after_a_restart() {
 /// goes on where the log left it, and the procedure still fails at its 6th timeout.
 #[actix::test]
 async fn a_re_armed_deadline_survives_a_restart() {
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let store = common::Reopen::new(name);
         let (executor, _) = start(store.open()).await;
         let id = executor

@@ -708,7 +708,7 @@ fn a_drained_stop_is_reported_until_the_next_write() {
     let drained = LastStop::Drained {
         cut_off: vec![ProcId(3), ProcId(7)],
     };
-    for name in ["memory", "wal"] {
+    for name in common::STORES {
         let reopen = common::Reopen::new(name);
         let mut store = reopen.open();
         store.append(&[StoreOp::Insert(record(1, 1, 0))]).unwrap();

@@ -158,11 +158,19 @@ impl WalFs for StdFs {
             .truncate(false)
             .write(true)
             .open(path)?;
-        match file.try_lock() {
-            Ok(()) => Ok(Some(Box::new(file))),
-            Err(fs::TryLockError::WouldBlock) => Ok(None),
-            Err(fs::TryLockError::Error(e)) => Err(e),
+        // A child this process is spawning holds a copy of every descriptor, the lock's
+        // of a store just dropped included, until its `exec` closes them: a lock held
+        // only so lets go within moments. One held by another engine is still held
+        // after the last try.
+        for pause_ms in [0, 1, 5, 20, 50, 100] {
+            std::thread::sleep(std::time::Duration::from_millis(pause_ms));
+            match file.try_lock() {
+                Ok(()) => return Ok(Some(Box::new(file))),
+                Err(fs::TryLockError::WouldBlock) => {}
+                Err(fs::TryLockError::Error(e)) => return Err(e),
+            }
         }
+        Ok(None)
     }
 
     fn probe_lock(&self, path: &Path) -> io::Result<LockProbe> {

@@ -71,6 +71,8 @@ enum StoreKind {
     Memory,
     /// One file per procedure, rewritten on every update (the baseline).
     FilePerProc,
+    /// The PostgreSQL store (`--pg URL`).
+    Postgres,
 }
 
 #[derive(Parser, Debug)]
@@ -82,6 +84,12 @@ struct Args {
     /// Store directory (default: a fresh temp dir).
     #[arg(long)]
     dir: Option<PathBuf>,
+    /// The database of `--store postgres` (a `postgresql://` URL or libpq key-values).
+    #[arg(long)]
+    pg: Option<String>,
+    /// The PostgreSQL schema of `--store postgres`'s tables.
+    #[arg(long, default_value = "proctor")]
+    pg_schema: String,
     /// Root procedures to submit.
     #[arg(long, default_value_t = 10_000)]
     procs: u64,
@@ -244,6 +252,9 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if args.steps == 0 {
         return Err("--steps must be at least 1".into());
     }
+    if (args.store == StoreKind::Postgres) != args.pg.is_some() {
+        return Err("--pg URL goes with --store postgres, and only with it".into());
+    }
     if args.resume && args.store == StoreKind::Memory {
         return Err("--resume needs a persistent store; the memory store keeps nothing".into());
     }
@@ -299,7 +310,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     // What to expect of the roots already in the store comes from their own records.
     let shapes: Rc<RefCell<HashMap<ProcId, Shape>>> = Rc::default();
     if args.verify && args.store != StoreKind::Memory {
-        *shapes.borrow_mut() = stored_shapes(args.store, &dir)?;
+        *shapes.borrow_mut() = stored_shapes(&args, &dir)?;
     }
     let executor = match args.store {
         StoreKind::Memory => builder.store(MemoryStore::new()).start().await?,
@@ -325,6 +336,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 .start()
                 .await?
         }
+        StoreKind::Postgres => builder.store(pg_store(&args)?).start().await?,
     };
     let recovery = executor.recovery().clone();
     let shards = executor.scheduler_stats().await?.shards;
@@ -462,6 +474,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
             StoreKind::Wal => "wal",
             StoreKind::Memory => "memory",
             StoreKind::FilePerProc => "file-per-proc",
+            StoreKind::Postgres => "postgres",
         },
         "shards": shards,
         "submitted": to_submit,
@@ -546,16 +559,24 @@ impl Shape {
     }
 }
 
+/// The PostgreSQL store of `--pg` and `--pg-schema`.
+fn pg_store(args: &Args) -> Result<proctor::PgStore, proctor::store::StoreError> {
+    let url = args.pg.as_deref().unwrap_or_default();
+    let options = proctor::PgOptions::default().schema(&args.pg_schema);
+    proctor::PgStore::connect_with(url, options)
+}
+
 /// The shapes of the roots already in the store, from their persisted state, read
 /// before the engine opens the store.
 fn stored_shapes(
-    kind: StoreKind,
+    args: &Args,
     dir: &std::path::Path,
 ) -> Result<HashMap<ProcId, Shape>, Box<dyn std::error::Error>> {
-    let snapshot = match kind {
+    let snapshot = match args.store {
         StoreKind::Memory => return Ok(HashMap::new()),
         StoreKind::Wal => WalStore::open(dir)?.load()?,
         StoreKind::FilePerProc => FilePerProcStore::open(dir.to_path_buf())?.load()?,
+        StoreKind::Postgres => pg_store(args)?.load()?,
     };
     let mut shapes = HashMap::new();
     for record in snapshot.records.into_iter().filter(|r| r.parent.is_none()) {

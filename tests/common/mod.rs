@@ -5,6 +5,7 @@
 //! environment, so a test can assert the exact order of calls.
 #![allow(dead_code)]
 
+pub mod pg;
 pub mod wal;
 
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -301,8 +302,12 @@ pub fn stores() -> Vec<(&'static str, Box<dyn ProcedureStore>, Option<TempDir>)>
     vec![
         ("memory", Box::new(MemoryStore::new()), None),
         ("wal", Box::new(wal), Some(dir)),
+        ("pg", Box::new(pg::store()), None),
     ]
 }
+
+/// The stores every scenario runs on, by name (see [`Reopen`]).
+pub const STORES: [&str; 3] = ["memory", "wal", "pg"];
 
 /// An executor on `store` with a fresh recorder.
 pub async fn start(
@@ -460,6 +465,8 @@ pub struct Reopen {
     name: &'static str,
     dir: tempfile::TempDir,
     memory: MemoryStore,
+    /// The PostgreSQL store's schema.
+    schema: String,
 }
 
 impl Reopen {
@@ -473,12 +480,14 @@ impl Reopen {
             name,
             dir: tempfile::tempdir().unwrap(),
             memory: MemoryStore::new(),
+            schema: pg::fresh_schema(),
         }
     }
 
     pub fn open(&self) -> Box<dyn ProcedureStore> {
         match self.name {
             "memory" => Box::new(self.memory.clone()),
+            "pg" => Box::new(pg::store_in(&self.schema)),
             _ => Box::new(WalStore::open(self.dir.path()).unwrap()),
         }
     }
