@@ -20,6 +20,8 @@
 //! | `proctor_procedures_unfinished` | gauge | | procedures neither SUCCESS nor ROLLEDBACK, as their durable records say |
 //! | `proctor_procedures_paused` | gauge | | of those, PAUSED or ROLLBACK_PAUSED (waiting for an operator) |
 //! | `proctor_procedures_waiting` | gauge | | of those, WAITING or WAITING_TIMEOUT (for children, an event, a timer or a retry's backoff) |
+//! | `proctor_is_leader` | gauge | | 1 while the executor holds the leader lease (PostgreSQL store with a lease), 0 once it lost it or stopped |
+//! | `proctor_lease_renew_seconds` | histogram | | one renewal of the leader lease (a round trip to the database) |
 //! | `proctor_ready_queue_length` | gauge | | steps queued for a worker (not those running, nor those waiting for locks) |
 //! | `proctor_steps_running` | gauge | | steps dispatched and not finished |
 //! | `proctor_locks_held` | gauge | | procedures holding engine locks |
@@ -104,6 +106,12 @@ pub const LOCKS_HELD: &str = "proctor_locks_held";
 /// Gauge: procedures waiting for engine locks.
 pub const LOCKS_WAITING: &str = "proctor_locks_waiting";
 
+/// Gauge: 1 while this process's executor holds the leader lease, 0 once it lost it or
+/// stopped (absent without a lease).
+pub const IS_LEADER: &str = "proctor_is_leader";
+/// Histogram: seconds one renewal of the leader lease took.
+pub const LEASE_RENEW: &str = "proctor_lease_renew_seconds";
+
 /// The label that carries a procedure's registered type name.
 pub const TYPE_LABEL: &str = "type";
 
@@ -121,11 +129,12 @@ const RECORDS: &[f64] = &[
 
 /// Each histogram's name with bucket bounds that suit it, for an exporter that exports
 /// histograms with fixed buckets (see the module's docs for Prometheus).
-pub const BUCKETS: [(&str, &[f64]); 4] = [
+pub const BUCKETS: [(&str, &[f64]); 5] = [
     (PROCEDURE_DURATION, SECONDS),
     (STEP_DURATION, SECONDS),
     (WAL_SYNC, SECONDS),
     (WAL_BATCH_RECORDS, RECORDS),
+    (LEASE_RENEW, SECONDS),
 ];
 
 /// Gives every metric its help text and unit in the installed recorder (a no-op without
@@ -203,6 +212,16 @@ pub(crate) fn describe() {
         "Steps queued for a worker."
     );
     describe_gauge!(STEPS_RUNNING, Unit::Count, "Steps running.");
+    describe_gauge!(
+        IS_LEADER,
+        Unit::Count,
+        "1 while this executor holds the leader lease."
+    );
+    describe_histogram!(
+        LEASE_RENEW,
+        Unit::Seconds,
+        "Time of one renewal of the leader lease."
+    );
     describe_gauge!(LOCKS_HELD, Unit::Count, "Procedures holding engine locks.");
     describe_gauge!(
         LOCKS_WAITING,

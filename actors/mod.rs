@@ -12,7 +12,7 @@ pub mod metrics;
 mod persistence;
 pub mod perturb;
 #[cfg(feature = "postgres")]
-mod pg_store;
+pub(crate) mod pg_store;
 mod procedure;
 mod protocol;
 pub(crate) mod recover;
@@ -26,11 +26,11 @@ pub use crash_test::{restart_at_every_write, CrashRun};
 pub use executor::{
     Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder, GetState,
     GetValue, List, NonceRegistration, NonceReservation, Pause, ProcEvent, ProcInfo, Recovery,
-    Rollback, Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitValue, WaitingOn,
+    Role, Rollback, Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitValue, WaitingOn,
 };
 pub use locks::{ResetEvent, WakeEvent};
 #[cfg(feature = "postgres")]
-pub use pg_store::{PgOptions, PgStore};
+pub use pg_store::{Leadership, LeaseState, PgLease, PgOptions, PgStore};
 pub use scheduler::{GetSchedulerStats, SchedulerStats};
 pub use wal_store::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, view_wal_dir, view_wal_dir_on, DirView,

@@ -196,6 +196,9 @@ pub(crate) struct SchedulerActor {
     gauges: metrics::Gauges,
     /// The lock actor, told when a step that held locks for itself finishes.
     locks: Addr<LockActor>,
+    /// Raised when the executor broke or stepped down: no step is dispatched then
+    /// (it would run user code whose record could never be durable).
+    broken: crate::cancel::Cancel,
     /// Everything for the shard's trees (dispatched steps, what the lock actor
     /// granted), one message: sent after a monitor tick and whenever the mailbox is
     /// empty (`SendMail`).
@@ -210,6 +213,7 @@ pub(crate) struct SchedulerSetup {
     pub(crate) monitor: Monitor,
     pub(crate) view: Arc<SchedulerViews>,
     pub(crate) locks: Addr<LockActor>,
+    pub(crate) broken: crate::cancel::Cancel,
 }
 
 impl SchedulerActor {
@@ -226,6 +230,7 @@ impl SchedulerActor {
             monitor,
             view,
             locks,
+            broken,
         }: SchedulerSetup,
     ) -> Self {
         let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
@@ -247,6 +252,7 @@ impl SchedulerActor {
             view,
             gauges: metrics::Gauges::scheduler(),
             locks,
+            broken,
             mail: Mail::default(),
         }
     }
@@ -279,6 +285,10 @@ impl SchedulerActor {
     }
 
     fn dispatch(&mut self) {
+        if self.broken.is_cancelled() {
+            // Queued steps stay queued: a restart (or a standby) runs them.
+            return;
+        }
         while let Some((step, lane)) = self.ready.pop() {
             let Ready {
                 id,

@@ -283,6 +283,7 @@ impl Shared {
         shards: Vec<ShardAddr>,
         max_id: u64,
         table_capacity: usize,
+        broken: Cancel,
     ) -> Self {
         Shared {
             registry,
@@ -301,7 +302,7 @@ impl Shared {
             next_id: AtomicU64::new(max_id + 1),
             drain: Drain::default(),
             shutdown: Cancel::new(),
-            broken: Cancel::new(),
+            broken,
             broken_error: std::sync::OnceLock::new(),
             subscribed: AtomicBool::new(false),
             metrics: super::metrics::TypeMetrics::default(),

@@ -94,6 +94,15 @@ pub enum Error {
         /// The configured bound.
         limit: usize,
     },
+    /// This executor is not (or no longer) the leader: it lost the leader lease (a
+    /// renewal found a newer holder, or none succeeded in time) and stepped down, so it
+    /// runs and acknowledges nothing more. Send the request to the leader (the lease
+    /// names it).
+    #[error("not the leader: {reason}")]
+    NotLeader {
+        /// Why it is not.
+        reason: String,
+    },
 }
 
 impl Error {
@@ -135,6 +144,9 @@ impl Error {
             Error::Config(s) => Error::Config(s.clone()),
             Error::Invalid(s) => Error::Invalid(s.clone()),
             Error::Overloaded { limit } => Error::Overloaded { limit: *limit },
+            Error::NotLeader { reason } => Error::NotLeader {
+                reason: reason.clone(),
+            },
             Error::Registry(e) => Error::Config(e.to_string()),
         }
     }

@@ -60,12 +60,12 @@ pub use crate::actors::metrics;
 pub use crate::actors::{
     Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder,
     GetSchedulerStats, GetState, GetValue, List, NonceRegistration, NonceReservation, Pause,
-    ProcEvent, ProcInfo, Recovery, ResetEvent, Rollback, SchedulerStats, Shutdown, Submit,
+    ProcEvent, ProcInfo, Recovery, ResetEvent, Role, Rollback, SchedulerStats, Shutdown, Submit,
     Subscribe, Subscription, WaitFor, WaitValue, WaitingOn, WakeEvent, WalOptions, WalStats,
     WalStore,
 };
 #[cfg(feature = "postgres")]
-pub use crate::actors::{PgOptions, PgStore};
+pub use crate::actors::{Leadership, LeaseState, PgLease, PgOptions, PgStore};
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};
 pub use crate::error::{Error, WaitError};

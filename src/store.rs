@@ -254,6 +254,24 @@ pub trait ProcedureStore: Send + 'static {
     fn mark_running(&mut self) -> Result<(), StoreError> {
         Ok(())
     }
+
+    /// Fences the store's writes with the leader lease's epoch `epoch`: from now on a
+    /// write is applied only while the lease still carries it, and is refused
+    /// ([`StoreError::Fenced`]) once a newer leader took the lease. `None` writes
+    /// unfenced. The executor calls it when it starts as the lease's holder
+    /// (`ExecutorBuilder::leadership`). The default refuses: only a store shared by
+    /// several engines (the PostgreSQL store) can be fenced.
+    ///
+    /// # Errors
+    /// [`StoreError::Failed`] for a store that cannot be fenced.
+    fn fence(&mut self, epoch: Option<i64>) -> Result<(), StoreError> {
+        let _ = epoch;
+        Err(StoreError::Failed(
+            "this store cannot be fenced: leadership needs a store shared by the engines \
+             (the PostgreSQL store)"
+                .to_string(),
+        ))
+    }
 }
 
 impl ProcedureStore for Box<dyn ProcedureStore> {
@@ -279,6 +297,10 @@ impl ProcedureStore for Box<dyn ProcedureStore> {
 
     fn mark_running(&mut self) -> Result<(), StoreError> {
         (**self).mark_running()
+    }
+
+    fn fence(&mut self, epoch: Option<i64>) -> Result<(), StoreError> {
+        (**self).fence(epoch)
     }
 }
 

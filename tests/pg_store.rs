@@ -150,7 +150,7 @@ fn a_write_fenced_by_a_newer_epoch_is_refused_and_not_applied() {
         .get(0)
     };
     let granted = epoch(&mut client);
-    store.fence(Some(granted));
+    store.fence(Some(granted)).unwrap();
     store.append(&[StoreOp::Insert(record(1, 1, 1))]).unwrap();
     // A standby takes the lease.
     client

@@ -106,6 +106,12 @@ pub struct ExecutorActor<E = ()> {
     pub(super) subscribers: Vec<Subscriber>,
     /// The token of the latest nonce reservation.
     pub(super) next_token: u64,
+    /// What this executor is: alone on its store, the lease's holder, or stepped down.
+    pub(super) role: Role,
+    /// The lease it holds (renewed from its own thread; dropped with the actor, which
+    /// lets the lease go).
+    #[cfg(feature = "postgres")]
+    pub(super) leadership: Option<crate::actors::Leadership>,
     /// The environment type of the procedures it takes.
     pub(super) env: PhantomData<fn() -> E>,
 }
@@ -347,7 +353,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
     pub(super) fn broke(&mut self, e: Error) {
         if self.broken.is_none() {
             tracing::error!(target: crate::targets::EXECUTOR, error = %e, "executor stopped accepting work");
-            if matches!(e, Error::Internal(_)) {
+            if matches!(e, Error::Internal(_) | Error::NotLeader { .. }) {
                 // Stop every other tree at its next write, as a store failure does.
                 self.shared.persistence.do_send(Refuse(e.to_string()));
             }
@@ -1080,5 +1086,107 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         // Stopped last: an actor's pending futures end with it. Meanwhile `broken`
         // answers every request.
         .map(|(), _act, ctx| ctx.stop())
+    }
+}
+
+/// What an executor is to its store ([`Executor::role`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Role {
+    /// It runs without a leader lease (one engine on its store).
+    Alone,
+    /// It holds the leader lease ([`ExecutorBuilder::leadership`](super::ExecutorBuilder)).
+    Leader {
+        /// Its name in the lease.
+        holder: String,
+        /// The lease's epoch, which its writes are fenced with.
+        epoch: i64,
+    },
+    /// It lost the lease and stepped down: it runs and acknowledges nothing more.
+    SteppedDown {
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Ask the executor what it is.
+pub(super) struct GetRole;
+
+impl Message for GetRole {
+    type Result = Role;
+}
+
+impl<E: Send + Sync + 'static> Handler<GetRole> for ExecutorActor<E> {
+    type Result = MessageResult<GetRole>;
+
+    fn handle(&mut self, _: GetRole, _ctx: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.role.clone())
+    }
+}
+
+/// The lease is lost: step down.
+#[cfg(feature = "postgres")]
+struct LeaseLost(String);
+
+#[cfg(feature = "postgres")]
+impl Message for LeaseLost {
+    type Result = ();
+}
+
+#[cfg(feature = "postgres")]
+impl<E: Send + Sync + 'static> Handler<LeaseLost> for ExecutorActor<E> {
+    type Result = ();
+
+    fn handle(&mut self, msg: LeaseLost, _ctx: &mut Context<Self>) {
+        if !matches!(self.role, Role::Leader { .. }) {
+            return;
+        }
+        tracing::error!(target: crate::targets::EXECUTOR, reason = %msg.0, "lost the leader lease: stepping down");
+        ::metrics::gauge!(crate::actors::metrics::IS_LEADER).set(0.0);
+        self.role = Role::SteppedDown {
+            reason: msg.0.clone(),
+        };
+        self.broke(Error::NotLeader { reason: msg.0 });
+    }
+}
+
+/// Hands the executor at `addr` the lease it holds: it keeps it, and steps down when
+/// the lease is lost.
+#[cfg(feature = "postgres")]
+pub(super) fn lead<E: Send + Sync + 'static>(
+    addr: &Addr<ExecutorActor<E>>,
+    leadership: crate::actors::Leadership,
+) {
+    let lost = leadership.signal();
+    addr.do_send(Lead(Some(leadership)));
+    let addr = addr.clone();
+    actix::spawn(async move {
+        let reason = crate::actors::pg_store::lost_reason(lost).await;
+        addr.do_send(LeaseLost(reason));
+    });
+}
+
+/// The lease this executor holds.
+#[cfg(feature = "postgres")]
+struct Lead(Option<crate::actors::Leadership>);
+
+#[cfg(feature = "postgres")]
+impl Message for Lead {
+    type Result = ();
+}
+
+#[cfg(feature = "postgres")]
+impl<E: Send + Sync + 'static> Handler<Lead> for ExecutorActor<E> {
+    type Result = ();
+
+    fn handle(&mut self, mut msg: Lead, _ctx: &mut Context<Self>) {
+        if let Some(leadership) = msg.0.take() {
+            self.role = Role::Leader {
+                holder: leadership.holder().to_string(),
+                epoch: leadership.epoch(),
+            };
+            tracing::info!(target: crate::targets::EXECUTOR, holder = leadership.holder(), epoch = leadership.epoch(), "leading");
+            self.leadership = Some(leadership);
+        }
     }
 }

@@ -84,6 +84,9 @@ pub struct ExecutorBuilder<E = ()> {
     retention: Retention,
     monitor: Monitor,
     drain_timeout: Duration,
+    /// The leader lease to hold, on the PostgreSQL store.
+    #[cfg(feature = "postgres")]
+    lease: Option<crate::actors::PgLease>,
 }
 
 impl<E> std::fmt::Debug for ExecutorBuilder<E> {
@@ -102,7 +105,7 @@ impl<E> std::fmt::Debug for ExecutorBuilder<E> {
             .field("retention", &self.retention)
             .field("monitor", &self.monitor)
             .field("drain_timeout", &self.drain_timeout)
-            .finish()
+            .finish_non_exhaustive()
     }
 }
 
@@ -125,6 +128,8 @@ impl<E> Default for ExecutorBuilder<E> {
             system_workers: 1,
             arbiters: std::thread::available_parallelism().map_or(2, |n| n.get()),
             store: None,
+            #[cfg(feature = "postgres")]
+            lease: None,
             registry: Registry::default(),
             env: None,
             permits: Vec::new(),
@@ -249,6 +254,38 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     #[must_use]
     pub fn store(mut self, store: impl ProcedureStore) -> Self {
         self.store = Some(Box::new(store));
+        self
+    }
+
+    /// Runs the executor only while it holds the leader lease `lease` (HBase's active
+    /// master, PolarDB-X's DDL leader): [`start`](Self::start) waits as a standby
+    /// until the lease is free or has expired, takes it, fences the store with its
+    /// epoch, and only then loads the store and recovers every tree. The lease is
+    /// renewed every third of its period; once it is lost (another engine took it, or
+    /// no renewal succeeded for two thirds of the period), the executor steps down
+    /// before the lease can expire: no step starts, nothing more is acknowledged, and
+    /// every request is answered [`Error::NotLeader`]. A graceful shutdown lets the
+    /// lease go at once for a standby. The store must be the lease's (the same
+    /// database and schema): a [`PgStore`](crate::PgStore).
+    ///
+    /// ```no_run
+    /// # async fn f(registry: proctor::Registry) -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use proctor::{Executor, PgLease, PgStore};
+    ///
+    /// let url = "postgresql://proctor@db.internal/control";
+    /// let executor = Executor::builder()
+    ///     .registry(registry)
+    ///     .store(PgStore::connect(url)?)
+    ///     .leadership(PgLease::new(url, "master-a").period(Duration::from_secs(15)))
+    ///     .start() // returns once this engine leads
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    #[must_use]
+    pub fn leadership(mut self, lease: crate::actors::PgLease) -> Self {
+        self.lease = Some(lease);
         self
     }
 
@@ -428,6 +465,17 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                     .into(),
             )
         })?;
+        // A standby waits here for the lease; the store is read only once it leads.
+        #[cfg(feature = "postgres")]
+        let leadership = match self.lease.take() {
+            Some(lease) => {
+                let leadership = lease.acquire().await?;
+                store.fence(Some(leadership.epoch()))?;
+                ::metrics::gauge!(crate::actors::metrics::IS_LEADER).set(1.0);
+                Some(leadership)
+            }
+            None => None,
+        };
         // The registry's types go to the recovery, and on to the actors: the other
         // options are still read below.
         let registry = std::mem::take(&mut self.registry);
@@ -447,8 +495,13 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             locks,
             persistence,
             views,
+            broken: crate::cancel::Cancel::new(),
         };
         let addr = self.create_actor(recovered, env, peers, owned);
+        #[cfg(feature = "postgres")]
+        if let Some(leadership) = leadership {
+            super::actor::lead(&addr, leadership);
+        }
         tracing::info!(target: crate::targets::EXECUTOR,
             shards = self.shards(),
             workers = self.workers,
@@ -531,6 +584,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             monitor: self.monitor,
             view: peers.views.clone(),
             locks: peers.locks.clone(),
+            broken: peers.broken.clone(),
         }
     }
 
@@ -609,6 +663,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 shards,
                 max_id,
                 table_capacity,
+                peers.broken,
             ));
             keep_results(&shared, finished);
             start_recovered(&shared, &plan, trees);
@@ -631,6 +686,9 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 corrupt: report.corrupt.iter().map(|c| c.id).collect(),
                 subscribers: Vec::new(),
                 next_token: 0,
+                role: super::actor::Role::Alone,
+                #[cfg(feature = "postgres")]
+                leadership: None,
                 env: PhantomData,
             }
         })
@@ -642,6 +700,9 @@ struct Peers {
     locks: Addr<LockActor>,
     persistence: Addr<PersistenceActor>,
     views: Arc<SchedulerViews>,
+    /// Raised when the executor breaks (or steps down): the schedulers dispatch no
+    /// step from then on.
+    broken: crate::cancel::Cancel,
 }
 
 /// A recovered tree, decoded: its plan, its procedures, and the suspended ones that

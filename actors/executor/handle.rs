@@ -16,7 +16,7 @@ use crate::record::{Failure, Nonce};
 use crate::actors::locks::{ResetEvent, WakeEvent};
 use crate::actors::scheduler::{GetSchedulerStats, SchedulerStats};
 
-use super::actor::ExecutorActor;
+use super::actor::{ExecutorActor, GetRole, Role};
 use super::api::{
     Abort, AckResult, Bypass, Continue, GetState, List, Pause, ProcEvent, ProcInfo, Rollback,
     Shutdown, Submit, SubscribeChannel, WaitFor, WaitValue,
@@ -163,6 +163,16 @@ impl<E: Send + Sync + 'static> Executor<E> {
         nonce: Nonce,
     ) -> Result<ProcId, Error> {
         self.addr.send(Submit::new(proc).with_nonce(nonce)).await?
+    }
+
+    /// What this executor is to its store: [`Role::Alone`] without a leader lease,
+    /// [`Role::Leader`] while it holds one, [`Role::SteppedDown`] once it lost it
+    /// (see [`ExecutorBuilder::leadership`](crate::ExecutorBuilder)).
+    ///
+    /// # Errors
+    /// [`Error::Stopped`] after shutdown.
+    pub async fn role(&self) -> Result<Role, Error> {
+        Ok(self.addr.send(GetRole).await?)
     }
 
     /// Reserves `nonce` before the procedure is built (HBase's `registerNonce`):

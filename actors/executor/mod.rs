@@ -24,7 +24,7 @@ mod builder;
 mod handle;
 mod nonces;
 
-pub use actor::ExecutorActor;
+pub use actor::{ExecutorActor, Role};
 pub use api::{
     Abort, AckResult, Bypass, Continue, GetState, GetValue, List, Pause, ProcEvent, ProcInfo,
     Rollback, Shutdown, Submit, Subscribe, WaitFor, WaitValue, WaitingOn,

@@ -12,7 +12,7 @@
 //! of every written record and one delete of every removed one, so PostgreSQL sees
 //! batches, not records.
 //!
-//! **Fencing**: a store given a lease epoch ([`PgStore::fence`]) checks, inside each
+//! **Fencing**: a store given a lease epoch ([`ProcedureStore::fence`]) checks, inside each
 //! write transaction, that the lease row still carries that epoch, holding the row
 //! (`FOR SHARE`) until the commit: a standby that takes the lease bumps the epoch with
 //! an `UPDATE` of that row, which waits for the commit, so every write of a deposed
@@ -36,6 +36,10 @@ use std::time::{Duration, Instant};
 use postgres::error::SqlState;
 use postgres::{Client, NoTls, Transaction};
 
+mod lease;
+pub(crate) use lease::lost_reason;
+pub use lease::{Leadership, LeaseState, PgLease};
+
 use crate::procedure::ProcId;
 use crate::record::{ProcRecord, StoreOp};
 use crate::store::{LastStop, ProcedureStore, StoreError, StoreSnapshot};
@@ -57,6 +61,11 @@ impl Default for PgOptions {
 }
 
 impl PgOptions {
+    /// The schema's name.
+    pub(crate) fn schema_name(&self) -> &str {
+        &self.schema
+    }
+
     /// The PostgreSQL schema (namespace) of the store's tables: `proctor` by default.
     /// Letters, digits and `_`, starting with a letter or `_`, at most 63 bytes.
     #[must_use]
@@ -173,16 +182,6 @@ impl PgStore {
         }
     }
 
-    /// Fences the store's writes with the lease epoch `epoch`: from now on each write
-    /// transaction first checks that the lease row carries it, and fails with
-    /// [`StoreError::Fenced`] (the store then refuses appends) once a newer leader has
-    /// bumped it. `None` writes unfenced (one engine, no standby).
-    pub fn fence(&mut self, epoch: Option<i64>) {
-        if let Some(requests) = &self.requests {
-            let _ = requests.send(Request::Fence(epoch));
-        }
-    }
-
     /// The PostgreSQL schema its tables are in.
     pub fn schema(&self) -> &str {
         &self.schema
@@ -231,6 +230,14 @@ impl ProcedureStore for PgStore {
 
     fn mark_running(&mut self) -> Result<(), StoreError> {
         self.ask(|tx| Request::Mark(None, tx))?
+    }
+
+    /// Fences every later write with `epoch` (see the module docs): a write after a
+    /// newer leader took the lease fails with [`StoreError::Fenced`], and the store
+    /// refuses appends from then on.
+    fn fence(&mut self, epoch: Option<i64>) -> Result<(), StoreError> {
+        let requests = self.requests.as_ref().ok_or_else(gone)?;
+        requests.send(Request::Fence(epoch)).map_err(|_| gone())
     }
 }
 
@@ -316,7 +323,9 @@ impl Conn {
                     let _ = tx.send((result, ops));
                 }
                 Request::Load(tx) => {
-                    let _ = tx.send(self.with_retry("loading the store", |s, c, _| load(c, s)));
+                    let fence = self.fence;
+                    let _ =
+                        tx.send(self.with_retry("loading the store", |s, c, _| load(c, s, fence)));
                 }
                 Request::Mark(cut_off, tx) => {
                     let result = match &self.failed {
@@ -583,21 +592,23 @@ fn as_i64(n: u64) -> Result<i64, StoreError> {
 /// Checks, in `tx`, that the lease still carries `epoch`, holding its row until the
 /// transaction ends (the stop mark's fence; a batch's is in its statement).
 fn check_fence(tx: &mut Transaction<'_>, schema: &str, epoch: Option<i64>) -> Result<(), Failure> {
-    let Some(granted) = epoch else {
-        return Ok(());
-    };
     let context = "checking the leader lease";
     let row = tx
         .query_one(
-            &format!("SELECT epoch FROM {schema}.proctor_lease WHERE id = 1 FOR SHARE"),
+            &format!(
+                "SELECT holder, epoch, expires_at IS NOT NULL AND expires_at > now()
+                 FROM {schema}.proctor_lease WHERE id = 1 FOR SHARE"
+            ),
             &[],
         )
         .map_err(|e| failure(context, &e))?;
-    let current: i64 = row.get(0);
-    if current == granted {
-        Ok(())
-    } else {
-        Err(not_retried(StoreError::Fenced { granted, current }))
+    let (holder, current, live): (Option<String>, i64, bool) = (row.get(0), row.get(1), row.get(2));
+    match epoch {
+        Some(granted) if current != granted => {
+            Err(not_retried(StoreError::Fenced { granted, current }))
+        }
+        None if live => Err(not_retried(led_by(holder, current))),
+        _ => Ok(()),
     }
 }
 
@@ -606,12 +617,15 @@ fn check_fence(tx: &mut Transaction<'_>, schema: &str, epoch: Option<i64>) -> Re
 /// implicit transaction. The fence's `FOR SHARE` holds the lease row to the end, and a
 /// takeover's committed bump makes the row fail `epoch = $9` (PostgreSQL re-checks a
 /// locked row's newest version), leaving `fence` empty: then nothing is written and no
-/// row returns.
+/// row returns. An unfenced store (`$9` null: an engine without the lease) writes only
+/// while no engine holds a live lease, so it never writes beside a leader.
 fn write_sql(schema: &str) -> String {
     format!(
         "WITH fence AS (
              SELECT epoch FROM {schema}.proctor_lease
-             WHERE id = 1 AND ($9::bigint IS NULL OR epoch = $9)
+             WHERE id = 1 AND CASE WHEN $9::bigint IS NULL
+                                   THEN expires_at IS NULL OR expires_at <= now()
+                                   ELSE epoch = $9 END
              FOR SHARE
          ),
          up AS (
@@ -667,17 +681,36 @@ fn write_batch(
         return Ok(());
     }
     // Fenced: nothing was written.
-    let current: i64 = client
-        .query_one(
-            &format!("SELECT epoch FROM {schema}.proctor_lease WHERE id = 1"),
-            &[],
-        )
-        .map_err(|e| failure(context, &e))?
-        .get(0);
-    Err(not_retried(StoreError::Fenced {
-        granted: fence.unwrap_or_default(),
-        current,
-    }))
+    Err(fenced(client, schema, fence, context))
+}
+
+/// Why a write found no lease row to hold: a newer epoch than this store's, or, for an
+/// unfenced store, a live leader.
+fn fenced(client: &mut Client, schema: &str, fence: Option<i64>, context: &str) -> Failure {
+    let row = client.query_one(
+        &format!("SELECT holder, epoch FROM {schema}.proctor_lease WHERE id = 1"),
+        &[],
+    );
+    let (holder, current): (Option<String>, i64) = match row {
+        Ok(row) => (row.get(0), row.get(1)),
+        Err(e) => return failure(context, &e),
+    };
+    not_retried(match fence {
+        Some(granted) => StoreError::Fenced { granted, current },
+        None => led_by(holder, current),
+    })
+}
+
+/// The error of an engine without the lease on a store a leader holds.
+fn led_by(holder: Option<String>, epoch: i64) -> StoreError {
+    StoreError::Database {
+        context: "using the store without the leader lease".to_string(),
+        reason: format!(
+            "{} holds the store's leader lease (epoch {epoch}): start this engine with \
+             ExecutorBuilder::leadership, as a standby, or wait until the lease expires",
+            holder.as_deref().unwrap_or("another engine")
+        ),
+    }
 }
 
 /// Sets (`Some`: drained, with the procedures an earlier crash may have cut off) or
@@ -705,7 +738,7 @@ fn mark(
     tx.commit().map_err(|e| failure(context, &e))
 }
 
-fn load(client: &mut Client, schema: &str) -> Result<StoreSnapshot, Failure> {
+fn load(client: &mut Client, schema: &str, fence: Option<i64>) -> Result<StoreSnapshot, Failure> {
     let context = "loading the store";
     // One snapshot of both tables.
     let mut tx = client
@@ -714,6 +747,21 @@ fn load(client: &mut Client, schema: &str) -> Result<StoreSnapshot, Failure> {
         .read_only(true)
         .start()
         .map_err(|e| failure(context, &e))?;
+    if fence.is_none() {
+        // An engine without the lease does not start beside a leader.
+        let lease = tx
+            .query_opt(
+                &format!(
+                    "SELECT holder, epoch FROM {schema}.proctor_lease
+                     WHERE id = 1 AND expires_at > now()"
+                ),
+                &[],
+            )
+            .map_err(|e| failure(context, &e))?;
+        if let Some(row) = lease {
+            return Err(not_retried(led_by(row.get(0), row.get(1))));
+        }
+    }
     let meta = tx
         .query_one(
             &format!("SELECT max_id, drained, cut_off FROM {schema}.proctor_meta WHERE id = 1"),

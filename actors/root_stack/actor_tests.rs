@@ -245,6 +245,7 @@ impl Harness {
             },
             view: views.clone(),
             locks: locks.clone(),
+            broken: crate::cancel::Cancel::new(),
         })
         .start();
         let held = Arc::new(Mutex::new(Vec::new()));
@@ -283,6 +284,7 @@ impl Harness {
             vec![(shard, scheduler)],
             0,
             16,
+            crate::cancel::Cancel::new(),
         ));
         let proc = erase::<Log, P>(root);
         let root = declare(&shared, &*proc, now_ms()).unwrap_or_else(|_| panic!("declared"));

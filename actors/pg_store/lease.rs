@@ -1,0 +1,418 @@
+//! The leader lease on PostgreSQL: one row (`proctor_lease`: holder, epoch, expiry),
+//! read and changed only by single statements whose times come from the database's
+//! clock (`now()`), never an engine's. Taking the lease bumps the epoch, which fences
+//! every write of the previous holder (see the store's module docs).
+//!
+//! [`PgLease::acquire`] waits as a standby until the lease is free or expired, takes
+//! it, and from then on renews it from a thread of its own every third of the period.
+//! The holder learns it lost the lease ([`Leadership::lost`]) when a renewal finds
+//! another epoch, or when no renewal has succeeded for two thirds of the period
+//! (the connection broke, the database is away): it must stop acting then, before the
+//! lease can expire and a standby take it.
+
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use postgres::{Client, NoTls};
+use tokio::sync::{oneshot, watch};
+
+use super::{describe, PgOptions};
+use crate::store::StoreError;
+
+/// The leader lease as the database has it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LeaseState {
+    /// Who holds (or last held) it; `None` if no engine ever took it.
+    pub holder: Option<String>,
+    /// Bumped by every take; a store fenced with an older one is refused.
+    pub epoch: i64,
+    /// How long it has to run, by the database's clock; `None` once it has expired
+    /// (or was never taken).
+    pub remaining: Option<Duration>,
+}
+
+/// The leader lease of the store in a PostgreSQL schema, for one engine (`holder`).
+///
+/// ```no_run
+/// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use proctor::store::ProcedureStore;
+/// use proctor::{PgLease, PgStore};
+///
+/// let url = "postgresql://proctor@db.internal/control";
+/// let lease = PgLease::new(url, "master-a").period(Duration::from_secs(30));
+/// // Waits as a standby while another engine holds it.
+/// let leadership = lease.acquire().await?;
+/// let mut store = PgStore::connect(url)?;
+/// store.fence(Some(leadership.epoch()))?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct PgLease {
+    url: String,
+    options: PgOptions,
+    holder: String,
+    period: Duration,
+}
+
+impl PgLease {
+    /// The lease of the store at `url` (in the `proctor` schema), for the engine named
+    /// `holder` (shown to operators and to standbys), with a period of 30 s.
+    pub fn new(url: impl Into<String>, holder: impl Into<String>) -> Self {
+        PgLease {
+            url: url.into(),
+            options: PgOptions::default(),
+            holder: holder.into(),
+            period: Duration::from_secs(30),
+        }
+    }
+
+    /// The store's options (its schema), as given to [`PgStore`](super::PgStore).
+    #[must_use]
+    pub fn options(mut self, options: PgOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// How long a take or renewal holds the lease (30 s by default, at least 300 ms):
+    /// a standby takes over at most this long after the leader stopped renewing.
+    #[must_use]
+    pub fn period(mut self, period: Duration) -> Self {
+        self.period = period.max(Duration::from_millis(300));
+        self
+    }
+
+    /// The lease's period.
+    pub fn period_of(&self) -> Duration {
+        self.period
+    }
+
+    /// The engine's name.
+    pub fn holder(&self) -> &str {
+        &self.holder
+    }
+
+    /// Reads the lease (blocking: from a runtime, through `spawn_blocking`).
+    ///
+    /// # Errors
+    /// [`StoreError::Database`] if the database cannot be reached or has no store's
+    /// tables in the schema.
+    pub fn state(&self) -> Result<LeaseState, StoreError> {
+        let mut client = self.connect()?;
+        read(&mut client, self.schema())
+    }
+
+    /// Waits, as a standby, until the lease is free or has expired, takes it (the
+    /// epoch bumped), and renews it from a thread of its own until the returned
+    /// [`Leadership`] is dropped or the lease is lost.
+    ///
+    /// # Errors
+    /// [`StoreError::Database`] if the database cannot be reached when it starts (later
+    /// failures while it waits are retried).
+    pub async fn acquire(self) -> Result<Leadership, StoreError> {
+        let (taken_tx, taken_rx) = oneshot::channel();
+        let (lost_tx, lost_rx) = watch::channel(None);
+        let (stop_tx, stop_rx) = mpsc::channel::<()>();
+        let lease = self.clone();
+        let thread = thread::Builder::new()
+            .name("proctor-lease".to_string())
+            .spawn(move || lease.run(taken_tx, &lost_tx, &stop_rx))
+            .map_err(|e| StoreError::Io {
+                context: "starting the lease's thread".to_string(),
+                source: e,
+            })?;
+        match taken_rx.await {
+            Ok(Ok(epoch)) => Ok(Leadership {
+                epoch,
+                holder: self.holder,
+                lost: lost_rx,
+                stop: Some(stop_tx),
+                thread: Some(thread),
+            }),
+            Ok(Err(e)) => {
+                let _ = thread.join();
+                Err(e)
+            }
+            Err(_) => {
+                let _ = thread.join();
+                Err(StoreError::Failed("the lease's thread stopped".to_string()))
+            }
+        }
+    }
+
+    fn schema(&self) -> &str {
+        self.options.schema_name()
+    }
+
+    fn connect(&self) -> Result<Client, StoreError> {
+        Client::connect(&self.url, NoTls).map_err(|e| StoreError::Database {
+            context: "connecting to PostgreSQL for the leader lease".to_string(),
+            reason: describe(&e),
+        })
+    }
+
+    /// The lease's thread: wait and take, then renew until stopped or lost.
+    fn run(
+        &self,
+        taken: oneshot::Sender<Result<i64, StoreError>>,
+        lost: &watch::Sender<Option<String>>,
+        stop: &mpsc::Receiver<()>,
+    ) {
+        let tick = self.period / 3;
+        // The lease's row is the store's: made with its tables if a standby comes first.
+        let connected = self.connect().and_then(|mut client| {
+            super::create_schema(&mut client, self.schema()).map_err(|f| f.error)?;
+            Ok(client)
+        });
+        let mut client = match connected {
+            Ok(client) => Some(client),
+            Err(e) => {
+                let _ = taken.send(Err(e));
+                return;
+            }
+        };
+        let mut waiting_logged = None;
+        let epoch = loop {
+            let attempt = match client.as_mut() {
+                Some(c) => try_take(c, self.schema(), &self.holder, self.period),
+                None => self.connect().and_then(|mut c| {
+                    let result = try_take(&mut c, self.schema(), &self.holder, self.period);
+                    client = Some(c);
+                    result
+                }),
+            };
+            match attempt {
+                Ok(Taken::Yes(epoch)) => break epoch,
+                Ok(Taken::No(state)) => {
+                    if waiting_logged.as_ref() != Some(&state.holder) {
+                        tracing::info!(target: crate::targets::STORE, holder = ?state.holder, epoch = state.epoch, "standby: the leader lease is held; waiting");
+                        waiting_logged = Some(state.holder);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(target: crate::targets::STORE, error = %e, "standby: cannot read the leader lease; trying again");
+                    client = None;
+                }
+            }
+            // A standby that nobody waits for any more stops.
+            if taken.is_closed() || stop.recv_timeout(tick) != Err(mpsc::RecvTimeoutError::Timeout)
+            {
+                return;
+            }
+        };
+        tracing::info!(target: crate::targets::STORE, holder = %self.holder, epoch, period_ms = self.period.as_millis() as u64, "took the leader lease");
+        if taken.send(Ok(epoch)).is_err() {
+            return;
+        }
+        // Renew until stopped; give up (lost) when another epoch is found, or when no
+        // renewal has succeeded for two thirds of the period, which leaves the last
+        // third for the holder to stop before the lease can expire.
+        let mut renewed_at = Instant::now();
+        let deadline = self.period * 2 / 3;
+        loop {
+            match stop.recv_timeout(tick.min(deadline.saturating_sub(renewed_at.elapsed()))) {
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                // Stopped (the leadership dropped): let the lease go for a standby.
+                _ => {
+                    if let Some(c) = client.as_mut() {
+                        let _ = release(c, self.schema(), &self.holder, epoch);
+                    }
+                    return;
+                }
+            }
+            let started = Instant::now();
+            let attempt = match client.as_mut() {
+                Some(c) => renew(c, self.schema(), &self.holder, epoch, self.period),
+                None => self.connect().and_then(|mut c| {
+                    let result = renew(&mut c, self.schema(), &self.holder, epoch, self.period);
+                    client = Some(c);
+                    result
+                }),
+            };
+            match attempt {
+                Ok(true) => {
+                    // The lease runs from when the renewal was sent, at the latest.
+                    renewed_at = started;
+                    ::metrics::histogram!(crate::actors::metrics::LEASE_RENEW)
+                        .record(started.elapsed());
+                }
+                Ok(false) => {
+                    let _ = lost.send(Some(format!(
+                        "the leader lease is no longer at epoch {epoch}: another engine took it"
+                    )));
+                    return;
+                }
+                Err(e) => {
+                    tracing::warn!(target: crate::targets::STORE, error = %e, "cannot renew the leader lease; trying again");
+                    client = None;
+                }
+            }
+            if renewed_at.elapsed() >= deadline {
+                let _ = lost.send(Some(format!(
+                    "the leader lease was not renewed for {} ms (two thirds of its period)",
+                    renewed_at.elapsed().as_millis()
+                )));
+                return;
+            }
+        }
+    }
+}
+
+/// Leadership through a taken lease: its epoch (fence the store with it), and whether
+/// it was lost. Dropping it stops the renewals and releases the lease.
+#[derive(Debug)]
+pub struct Leadership {
+    epoch: i64,
+    holder: String,
+    lost: watch::Receiver<Option<String>>,
+    stop: Option<mpsc::Sender<()>>,
+    thread: Option<thread::JoinHandle<()>>,
+}
+
+impl Leadership {
+    /// The lease's epoch, which this engine's writes are fenced with.
+    pub fn epoch(&self) -> i64 {
+        self.epoch
+    }
+
+    /// The engine's name in the lease.
+    pub fn holder(&self) -> &str {
+        &self.holder
+    }
+
+    /// Resolves, with the reason, once the lease is lost: the holder must stop acting
+    /// at once (the lease may expire within the third of its period left).
+    pub async fn lost(&self) -> String {
+        lost_reason(self.lost.clone()).await
+    }
+
+    /// What tells of the loss, for a task that outlives no leadership.
+    pub(crate) fn signal(&self) -> watch::Receiver<Option<String>> {
+        self.lost.clone()
+    }
+
+    /// Whether the lease was lost.
+    pub fn is_lost(&self) -> bool {
+        self.lost.borrow().is_some()
+    }
+}
+
+impl Drop for Leadership {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Waits on `lost` until the lease is lost; the reason.
+pub(crate) async fn lost_reason(mut lost: watch::Receiver<Option<String>>) -> String {
+    let reason = match lost.wait_for(Option::is_some).await {
+        Ok(reason) => reason.clone().unwrap_or_default(),
+        Err(_) => "the lease's thread stopped".to_string(),
+    };
+    reason
+}
+
+enum Taken {
+    Yes(i64),
+    No(LeaseState),
+}
+
+fn db_error(context: &str, e: &postgres::Error) -> StoreError {
+    StoreError::Database {
+        context: context.to_string(),
+        reason: describe(e),
+    }
+}
+
+fn read(client: &mut Client, schema: &str) -> Result<LeaseState, StoreError> {
+    let context = "reading the leader lease";
+    let row = client
+        .query_one(
+            &format!(
+                "SELECT holder, epoch,
+                        CASE WHEN expires_at > now()
+                             THEN (EXTRACT(EPOCH FROM expires_at - now()) * 1000)::bigint
+                        END
+                 FROM {schema}.proctor_lease WHERE id = 1"
+            ),
+            &[],
+        )
+        .map_err(|e| db_error(context, &e))?;
+    let remaining: Option<i64> = row.get(2);
+    Ok(LeaseState {
+        holder: row.get(0),
+        epoch: row.get(1),
+        remaining: remaining.map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
+    })
+}
+
+/// Takes the lease if it is free or expired: one statement, the database's clock.
+fn try_take(
+    client: &mut Client,
+    schema: &str,
+    holder: &str,
+    period: Duration,
+) -> Result<Taken, StoreError> {
+    let context = "taking the leader lease";
+    let period_ms = i64::try_from(period.as_millis()).unwrap_or(i64::MAX);
+    let taken = client
+        .query_opt(
+            &format!(
+                "UPDATE {schema}.proctor_lease
+                 SET holder = $1, epoch = epoch + 1,
+                     expires_at = now() + $2::float8 * interval '1 millisecond'
+                 WHERE id = 1 AND (expires_at IS NULL OR expires_at <= now())
+                 RETURNING epoch"
+            ),
+            &[&holder, &(period_ms as f64)],
+        )
+        .map_err(|e| db_error(context, &e))?;
+    match taken {
+        Some(row) => Ok(Taken::Yes(row.get(0))),
+        None => read(client, schema).map(Taken::No),
+    }
+}
+
+/// Extends the lease held at `epoch`: `false` if it is another's now.
+fn renew(
+    client: &mut Client,
+    schema: &str,
+    holder: &str,
+    epoch: i64,
+    period: Duration,
+) -> Result<bool, StoreError> {
+    let context = "renewing the leader lease";
+    let period_ms = i64::try_from(period.as_millis()).unwrap_or(i64::MAX);
+    let renewed = client
+        .execute(
+            &format!(
+                "UPDATE {schema}.proctor_lease
+                 SET expires_at = now() + $3::float8 * interval '1 millisecond'
+                 WHERE id = 1 AND holder = $1 AND epoch = $2"
+            ),
+            &[&holder, &epoch, &(period_ms as f64)],
+        )
+        .map_err(|e| db_error(context, &e))?;
+    Ok(renewed == 1)
+}
+
+/// Lets the lease go at once (it expires now), if it is still held at `epoch`.
+fn release(client: &mut Client, schema: &str, holder: &str, epoch: i64) -> Result<(), StoreError> {
+    client
+        .execute(
+            &format!(
+                "UPDATE {schema}.proctor_lease SET expires_at = now()
+                 WHERE id = 1 AND holder = $1 AND epoch = $2"
+            ),
+            &[&holder, &epoch],
+        )
+        .map(|_| ())
+        .map_err(|e| db_error("releasing the leader lease", &e))
+}

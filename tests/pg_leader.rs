@@ -1,0 +1,175 @@
+//! Leadership on the PostgreSQL store: a standby waits for the lease and, once the
+//! leader lets it go, takes it and carries on what the leader left; a leader whose
+//! lease was taken steps down (no step starts, nothing more is acknowledged, requests
+//! are answered `NotLeader`); an engine without the lease does not start beside a
+//! leader.
+
+mod common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{Recorder, Scripted, Step};
+use proctor::store::ProcedureStore;
+use proctor::{Error, Executor, PgLease, PgOptions, ProcState, Role};
+
+const PERIOD: Duration = Duration::from_millis(900);
+
+fn lease(schema: &str, holder: &str) -> PgLease {
+    PgLease::new(common::pg::server().url(), holder)
+        .options(PgOptions::default().schema(schema))
+        .period(PERIOD)
+}
+
+async fn start_leading(schema: &str, holder: &str) -> (Executor<Recorder>, Arc<Recorder>) {
+    let rec = Arc::new(Recorder::default());
+    let executor = Executor::builder()
+        .registry(common::registry())
+        .store(common::pg::store_in(schema))
+        .leadership(lease(schema, holder))
+        .workers(4)
+        .env(rec.clone())
+        .start()
+        .await
+        .expect("leads");
+    (executor, rec)
+}
+
+/// Runs `f` on a thread of its own: the synchronous PostgreSQL client runs a tokio
+/// runtime, which may not start on a runtime's thread.
+fn off_runtime<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| s.spawn(f).join().unwrap())
+}
+
+/// Polls `executor`'s role until `done` says so (the lease's renewals run on a thread
+/// of their own, at a third of the period), for at most 10 periods.
+async fn until_role(executor: &Executor<Recorder>, done: impl Fn(&Role) -> bool) -> Role {
+    let deadline = Instant::now() + PERIOD * 10;
+    loop {
+        let role = executor.role().await.unwrap();
+        if done(&role) {
+            return role;
+        }
+        assert!(Instant::now() < deadline, "still {role:?}");
+        actix::clock::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[actix::test]
+async fn a_standby_takes_over_what_the_leader_left() {
+    let schema = common::pg::fresh_schema();
+    let (a, _) = start_leading(&schema, "a").await;
+    assert_eq!(
+        a.role().await.unwrap(),
+        Role::Leader {
+            holder: "a".into(),
+            epoch: 1
+        }
+    );
+    let done = a
+        .submit(Scripted::new("done", vec![Step::More]))
+        .await
+        .unwrap();
+    assert_eq!(a.wait(done).await.unwrap(), Ok(()));
+    let left = a
+        .submit(Scripted::new(
+            "left",
+            vec![Step::Suspend("go".into()), Step::More],
+        ))
+        .await
+        .unwrap();
+    common::wait_for_state(&a, left, ProcState::Waiting).await;
+
+    // The standby waits while "a" leads.
+    let standby = actix::spawn({
+        let schema = schema.clone();
+        async move { start_leading(&schema, "b").await }
+    });
+    let state = off_runtime(|| lease(&schema, "observer").state().unwrap());
+    assert_eq!(state.holder.as_deref(), Some("a"));
+    assert!(!standby.is_finished());
+
+    // "a" stops and lets the lease go: "b" takes it and recovers the tree.
+    a.shutdown().await.unwrap();
+    let (b, rec) = standby.await.unwrap();
+    assert_eq!(
+        b.role().await.unwrap(),
+        Role::Leader {
+            holder: "b".into(),
+            epoch: 2
+        }
+    );
+    assert_eq!(b.wait(done).await.unwrap(), Ok(()), "a's result is b's");
+    b.wake_event("go").await.unwrap();
+    assert_eq!(b.wait(left).await.unwrap(), Ok(()));
+    assert_eq!(rec.count("left-exec"), 1, "only the step a had not run");
+    b.shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn a_leader_whose_lease_was_taken_steps_down() {
+    let schema = common::pg::fresh_schema();
+    let (a, rec) = start_leading(&schema, "a").await;
+    let left = a
+        .submit(Scripted::new(
+            "left",
+            vec![Step::Suspend("go".into()), Step::More],
+        ))
+        .await
+        .unwrap();
+    common::wait_for_state(&a, left, ProcState::Waiting).await;
+
+    // Another engine takes the lease (as a standby would after "a" went silent).
+    off_runtime(|| {
+        let mut sql =
+            postgres::Client::connect(&common::pg::server().url(), postgres::NoTls).unwrap();
+        sql.execute(
+            &format!(
+                "UPDATE {schema}.proctor_lease
+                 SET holder = 'b', epoch = epoch + 1, expires_at = now() + interval '1 hour'"
+            ),
+            &[],
+        )
+        .unwrap();
+    });
+
+    let role = until_role(&a, |r| matches!(r, Role::SteppedDown { .. })).await;
+    let Role::SteppedDown { reason } = role else {
+        unreachable!()
+    };
+    assert!(reason.contains("another engine took it"), "{reason}");
+    // It acts on nothing more: submits are refused, the woken procedure does not run.
+    let refused = a
+        .submit(Scripted::new("late", vec![Step::More]))
+        .await
+        .unwrap_err();
+    assert!(matches!(refused, Error::NotLeader { .. }), "{refused}");
+    let _ = a.wake_event("go").await;
+    let waited = a.wait(left).await.unwrap_err();
+    assert!(matches!(waited, Error::NotLeader { .. }), "{waited}");
+    assert_eq!(rec.count("left-exec"), 1, "{:?}", rec.calls());
+    assert_eq!(rec.count("late-exec"), 0);
+    let _ = a.shutdown_now().await;
+}
+
+#[test]
+fn an_engine_without_the_lease_does_not_start_beside_a_leader() {
+    let schema = common::pg::fresh_schema();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let leadership = runtime.block_on(lease(&schema, "a").acquire()).unwrap();
+    let mut store = common::pg::store_in(&schema);
+    let error = store.load().unwrap_err().to_string();
+    assert!(
+        error.contains("a holds the store's leader lease"),
+        "{error}"
+    );
+    // Nor does it write.
+    let error = store.append(&[proctor::store::StoreOp::Delete(proctor::ProcId(1))]);
+    assert!(error.is_err());
+    drop(leadership);
+    // Once the leader let it go, it may.
+    store.load().unwrap();
+}
