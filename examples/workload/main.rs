@@ -90,6 +90,17 @@ struct Args {
     /// The PostgreSQL schema of `--store postgres`'s tables.
     #[arg(long, default_value = "proctor")]
     pg_schema: String,
+    /// With `--store postgres`: wait as a standby for the leader lease, take over, and
+    /// run what the leader left to completion (as --resume does; submits nothing).
+    #[arg(long)]
+    standby: bool,
+    /// With `--store postgres`: the leader lease's period, in ms.
+    #[arg(long, default_value_t = 3000)]
+    lease_ms: u64,
+    /// With `--store postgres`: this engine's name in the lease (default
+    /// `workload-<pid>`).
+    #[arg(long)]
+    holder: Option<String>,
     /// Root procedures to submit.
     #[arg(long, default_value_t = 10_000)]
     procs: u64,
@@ -255,6 +266,11 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if (args.store == StoreKind::Postgres) != args.pg.is_some() {
         return Err("--pg URL goes with --store postgres, and only with it".into());
     }
+    if args.standby && args.store != StoreKind::Postgres {
+        return Err("--standby needs --store postgres (the leader lease lives there)".into());
+    }
+    // A standby submits nothing: it runs what the leader left.
+    let resume = args.resume || args.standby;
     if args.resume && args.store == StoreKind::Memory {
         return Err("--resume needs a persistent store; the memory store keeps nothing".into());
     }
@@ -309,8 +325,9 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     let wal_stats = Arc::new(Mutex::new(WalStats::default()));
     // What to expect of the roots already in the store comes from their own records.
     let shapes: Rc<RefCell<HashMap<ProcId, Shape>>> = Rc::default();
-    if args.verify && args.store != StoreKind::Memory {
-        *shapes.borrow_mut() = stored_shapes(&args, &dir)?;
+    // (The PostgreSQL store is read once this engine leads, below.)
+    if args.verify && !matches!(args.store, StoreKind::Memory | StoreKind::Postgres) {
+        *shapes.borrow_mut() = stored_shapes(&args, &dir, None)?;
     }
     let executor = match args.store {
         StoreKind::Memory => builder.store(MemoryStore::new()).start().await?,
@@ -336,13 +353,36 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 .start()
                 .await?
         }
-        StoreKind::Postgres => builder.store(pg_store(&args)?).start().await?,
+        StoreKind::Postgres => {
+            let url = args.pg.clone().unwrap_or_default();
+            let holder = args
+                .holder
+                .clone()
+                .unwrap_or_else(|| format!("workload-{}", std::process::id()));
+            let options = proctor::PgOptions::default().schema(&args.pg_schema);
+            let lease = proctor::PgLease::new(url, holder)
+                .options(options)
+                .period(Duration::from_millis(args.lease_ms));
+            let executor = builder
+                .store(pg_store(&args)?)
+                .leadership(lease)
+                .start()
+                .await?;
+            if args.verify {
+                let epoch = match executor.role().await? {
+                    proctor::Role::Leader { epoch, .. } => Some(epoch),
+                    _ => None,
+                };
+                *shapes.borrow_mut() = stored_shapes(&args, &dir, epoch)?;
+            }
+            executor
+        }
     };
     let recovery = executor.recovery().clone();
     let shards = executor.scheduler_stats().await?.shards;
     // The operator: continues every procedure that pauses (DAG tasks that failed past
     // a point of no return; their fault fires once per process).
-    let continued = if args.dag.is_some() || args.resume {
+    let continued = if args.dag.is_some() || resume {
         dag::continue_every_pause(&executor).await?
     } else {
         Rc::default()
@@ -376,7 +416,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
             done.finish();
         });
     }
-    let to_submit = if args.resume { 0 } else { args.procs };
+    let to_submit = if resume { 0 } else { args.procs };
     for _ in 0..to_submit {
         let (proc, shape): (Box<dyn proctor::Procedure<Env>>, Shape) = match args.dag {
             Some(width) => {
@@ -567,16 +607,23 @@ fn pg_store(args: &Args) -> Result<proctor::PgStore, proctor::store::StoreError>
 }
 
 /// The shapes of the roots already in the store, from their persisted state, read
-/// before the engine opens the store.
+/// before the engine opens the store (the PostgreSQL store: once it leads, under the
+/// lease's `epoch`).
 fn stored_shapes(
     args: &Args,
     dir: &std::path::Path,
+    epoch: Option<i64>,
 ) -> Result<HashMap<ProcId, Shape>, Box<dyn std::error::Error>> {
     let snapshot = match args.store {
         StoreKind::Memory => return Ok(HashMap::new()),
         StoreKind::Wal => WalStore::open(dir)?.load()?,
         StoreKind::FilePerProc => FilePerProcStore::open(dir.to_path_buf())?.load()?,
-        StoreKind::Postgres => pg_store(args)?.load()?,
+        StoreKind::Postgres => {
+            // Read as the lease's holder: the engine's own store is fenced the same.
+            let mut store = pg_store(args)?;
+            store.fence(epoch)?;
+            store.load()?
+        }
     };
     let mut shapes = HashMap::new();
     for record in snapshot.records.into_iter().filter(|r| r.parent.is_none()) {
