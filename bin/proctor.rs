@@ -78,8 +78,21 @@ enum Command {
     /// ready, started, done, undone).
     #[command(after_help = EXIT_CODES)]
     Procs {
-        /// The WAL directory.
-        dir: PathBuf,
+        /// The WAL directory (or `--pg`).
+        #[arg(required_unless_present = "pg")]
+        dir: Option<PathBuf>,
+        /// Read a PostgreSQL store instead (a `postgresql://` URL or libpq key-values):
+        /// its procedures and its leader lease, beside a running leader or not.
+        #[arg(long, value_name = "URL", conflicts_with = "dir")]
+        pg: Option<String>,
+        /// The schema of the PostgreSQL store's tables.
+        #[arg(
+            long,
+            value_name = "SCHEMA",
+            default_value = "proctor",
+            requires = "pg"
+        )]
+        pg_schema: String,
         /// Only procedures in these states (repeat, or separate with commas; any case):
         /// INITIALIZING, RUNNABLE, WAITING, WAITING_TIMEOUT, PAUSED, ROLLBACK_PAUSED,
         /// FAILED, SUCCESS, ROLLEDBACK.
@@ -243,6 +256,8 @@ fn main() -> ExitCode {
         } => dump(&mut out, &dir, json),
         Command::Procs {
             dir,
+            pg,
+            pg_schema,
             states,
             type_name,
             tree,
@@ -259,7 +274,15 @@ fn main() -> ExitCode {
                 (_, true) => Form::JsonDocument,
                 _ => Form::Table,
             };
-            procs(&mut out, &dir, &filter, form)
+            let source = match (dir, pg) {
+                (_, Some(url)) => Source::Pg {
+                    url,
+                    schema: pg_schema,
+                },
+                (Some(dir), None) => Source::Wal(dir),
+                (None, None) => return Err(Stop::Error("give a WAL directory or --pg URL".into())),
+            };
+            procs(&mut out, &source, &filter, form)
         }),
         Command::Bypass { dir, id, recursive } => bypass(&mut out, &dir, ProcId(id), recursive),
         Command::Abort { dir, id } => abort(&mut out, &dir, ProcId(id)),
@@ -894,8 +917,65 @@ enum Form {
     JsonDocument,
 }
 
-fn procs(out: &mut Out, dir: &Path, filter: &Filter, form: Form) -> Outcome {
-    let Loaded { latest, scan } = load(dir)?;
+/// Where `procs` reads procedures from.
+enum Source {
+    Wal(PathBuf),
+    Pg { url: String, schema: String },
+}
+
+/// A PostgreSQL store's procedures (as a WAL's load gives them, with no scan to
+/// report) and its lease, described.
+fn load_pg(url: &str, schema: &str) -> Result<(Loaded, LeaseJson), Stop> {
+    let options = proctor::PgOptions::default().schema(schema);
+    let (snapshot, lease) = proctor::PgStore::inspect(url, &options)?;
+    let latest = snapshot.records.into_iter().map(|r| (r.id, r)).collect();
+    let lease = LeaseJson {
+        holder: lease.holder,
+        epoch: lease.epoch,
+        remaining_ms: lease
+            .remaining
+            .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+    };
+    Ok((
+        Loaded {
+            latest,
+            scan: WalDirScan::default(),
+        },
+        lease,
+    ))
+}
+
+/// The leader lease of a PostgreSQL store.
+#[derive(Serialize)]
+struct LeaseJson {
+    holder: Option<String>,
+    epoch: i64,
+    /// `None` once it has expired (or was never taken).
+    remaining_ms: Option<u64>,
+}
+
+impl std::fmt::Display for LeaseJson {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match (&self.holder, self.remaining_ms) {
+            (Some(holder), Some(ms)) => {
+                write!(f, "held by {holder} (epoch {}, {ms} ms left)", self.epoch)
+            }
+            (Some(holder), None) => {
+                write!(f, "expired (last held by {holder}, epoch {})", self.epoch)
+            }
+            (None, _) => write!(f, "never taken"),
+        }
+    }
+}
+
+fn procs(out: &mut Out, source: &Source, filter: &Filter, form: Form) -> Outcome {
+    let (Loaded { latest, scan }, lease) = match source {
+        Source::Wal(dir) => (load(dir)?, None),
+        Source::Pg { url, schema } => {
+            let (loaded, lease) = load_pg(url, schema)?;
+            (loaded, Some(lease))
+        }
+    };
     let now = now_ms();
     // Any stored name will do here: the command checks histories, not types.
     let names = |name: &str| Some(&*Box::leak(name.to_string().into_boxed_str()));
@@ -930,7 +1010,12 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, form: Form) -> Outcome {
             describe(damage)
         ),
         (None, Some(repair)) => describe_repair(repair),
-        (None, None) => "sound".to_string(),
+        (None, None) => match (&lease, source) {
+            (Some(lease), Source::Pg { schema, .. }) => {
+                format!("PostgreSQL schema {schema}; leader lease {lease}")
+            }
+            _ => "sound".to_string(),
+        },
     };
     let exit = if scan.damage.is_none() && corrupt.is_empty() {
         Exit::Done
@@ -985,6 +1070,7 @@ fn procs(out: &mut Out, dir: &Path, filter: &Filter, form: Form) -> Outcome {
             log,
             repairs: scan.repairs.iter().map(describe_repair).collect(),
             damage: scan.damage.as_ref().map(describe),
+            lease,
         };
         if form == Form::JsonLines {
             for procedure in &procedures {
@@ -1153,6 +1239,9 @@ struct SummaryJson {
     log: String,
     repairs: Vec<String>,
     damage: Option<String>,
+    /// A PostgreSQL store's leader lease.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lease: Option<LeaseJson>,
 }
 
 /// Opens a stopped engine's log for writing, as the engine would: its lock taken, a

@@ -1153,3 +1153,76 @@ fn wal_dump_and_verify_speak_json() {
     );
     assert_eq!(verdict["damage"], serde_json::Value::Null);
 }
+
+/// `procs --pg` reads a PostgreSQL store beside its running leader: its procedures,
+/// and the lease in the summary.
+#[actix::test]
+async fn procs_reads_a_postgresql_store_and_its_lease_beside_the_leader() {
+    let schema = common::pg::fresh_schema();
+    let url = common::pg::server().url();
+    let lease = proctor::PgLease::new(url.clone(), "master-a")
+        .options(proctor::PgOptions::default().schema(&schema))
+        .period(std::time::Duration::from_secs(30));
+    let rec = std::sync::Arc::new(common::Recorder::default());
+    let executor = proctor::Executor::builder()
+        .registry(common::registry())
+        .store(common::pg::store_in(&schema))
+        .leadership(lease)
+        .env(rec)
+        .start()
+        .await
+        .unwrap();
+    let id = executor
+        .submit(Scripted::new(
+            "waits",
+            vec![Step::Suspend("never".into()), Step::More],
+        ))
+        .await
+        .unwrap();
+    common::wait_for_state(&executor, id, ProcState::Waiting).await;
+
+    let args = ["procs", "--pg", &url, "--pg-schema", &schema, "--json"].map(String::from);
+    let out = tokio::task::spawn_blocking(move || {
+        output(Command::new(env!("CARGO_BIN_EXE_proctor")).args(&args))
+    })
+    .await
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lines: Vec<serde_json::Value> = text(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert_eq!(lines[0]["id"], id.0);
+    assert_eq!(lines[0]["state"], "WAITING");
+    let lease = &lines[1]["summary"]["lease"];
+    assert_eq!(lease["holder"], "master-a");
+    assert_eq!(lease["epoch"], 1);
+    assert!(
+        lease["remaining_ms"].as_u64().is_some_and(|ms| ms > 0),
+        "{lease}"
+    );
+    let log = lines[1]["summary"]["log"].as_str().unwrap();
+    assert!(log.contains("leader lease held by master-a"), "{log}");
+    executor.shutdown().await.unwrap();
+
+    // A schema without a store is a clear error.
+    let out = tokio::task::spawn_blocking(move || {
+        output(Command::new(env!("CARGO_BIN_EXE_proctor")).args([
+            "procs",
+            "--pg",
+            &common::pg::server().url(),
+            "--pg-schema",
+            "nothing_here",
+        ]))
+    })
+    .await
+    .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("holds no proctor store"), "{err}");
+}

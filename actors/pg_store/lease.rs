@@ -331,7 +331,7 @@ fn db_error(context: &str, e: &postgres::Error) -> StoreError {
     }
 }
 
-fn read(client: &mut Client, schema: &str) -> Result<LeaseState, StoreError> {
+pub(super) fn read(client: &mut Client, schema: &str) -> Result<LeaseState, StoreError> {
     let context = "reading the leader lease";
     let row = client
         .query_one(

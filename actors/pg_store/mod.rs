@@ -182,6 +182,70 @@ impl PgStore {
         }
     }
 
+    /// Reads a store without opening it (an operator's view, beside a running leader
+    /// or not): its procedures as [`load`](ProcedureStore::load) gives them, and its
+    /// lease. Makes no table and takes no lease; blocking (from a runtime, through
+    /// `spawn_blocking`).
+    ///
+    /// # Errors
+    /// [`StoreError::Database`] if the database cannot be reached or the schema holds
+    /// no store; [`StoreError::Schema`] for a store of a newer proctor.
+    pub fn inspect(
+        url: &str,
+        options: &PgOptions,
+    ) -> Result<(StoreSnapshot, LeaseState), StoreError> {
+        check_identifier(&options.schema)?;
+        let schema = options.schema.as_str();
+        let read = || -> Result<(StoreSnapshot, LeaseState), Failure> {
+            let mut client =
+                Client::connect(url, NoTls).map_err(|e| failure("connecting to PostgreSQL", &e))?;
+            let context = "reading the store's version";
+            let version: Option<i32> = client
+                .query_opt(
+                    "SELECT to_regclass($1)::text",
+                    &[&format!("{schema}.proctor_schema")],
+                )
+                .map_err(|e| failure(context, &e))?
+                .and_then(|row| row.get::<_, Option<String>>(0))
+                .map(|_| {
+                    client
+                        .query_one(
+                            &format!("SELECT version FROM {schema}.proctor_schema WHERE id = 1"),
+                            &[],
+                        )
+                        .map(|row| row.get(0))
+                        .map_err(|e| failure(context, &e))
+                })
+                .transpose()?;
+            match version {
+                None => {
+                    return Err(not_retried(StoreError::Database {
+                        context: "inspecting the store".to_string(),
+                        reason: format!("schema {schema:?} holds no proctor store"),
+                    }))
+                }
+                Some(found) if found > PgStore::SCHEMA_VERSION => {
+                    return Err(not_retried(StoreError::Schema {
+                        found,
+                        supported: PgStore::SCHEMA_VERSION,
+                    }))
+                }
+                Some(_) => {}
+            }
+            // Read as if fenced (no leader check): inspection writes nothing.
+            let snapshot = load(&mut client, schema, Some(0))?;
+            let lease = lease::read(&mut client, schema).map_err(not_retried)?;
+            Ok((snapshot, lease))
+        };
+        std::thread::scope(|s| s.spawn(|| read().map_err(|f| f.error)).join()).unwrap_or_else(
+            |_| {
+                Err(StoreError::Failed(
+                    "the inspection's thread panicked".into(),
+                ))
+            },
+        )
+    }
+
     /// The PostgreSQL schema its tables are in.
     pub fn schema(&self) -> &str {
         &self.schema
