@@ -137,7 +137,7 @@ async fn a_leader_whose_lease_was_taken_steps_down() {
     let Role::SteppedDown { reason } = role else {
         unreachable!()
     };
-    assert!(reason.contains("another engine took it"), "{reason}");
+    assert!(reason.contains("b took it (epoch 2)"), "{reason}");
     // It acts on nothing more: submits are refused, the woken procedure does not run.
     let refused = a
         .submit(Scripted::new("late", vec![Step::More]))

@@ -239,8 +239,16 @@ impl PgLease {
                         .record(started.elapsed());
                 }
                 Ok(false) => {
+                    let taker = client
+                        .as_mut()
+                        .and_then(|c| read(c, self.schema()).ok())
+                        .and_then(|state| Some((state.holder?, state.epoch)));
+                    let by = match taker {
+                        Some((holder, now)) => format!("{holder} took it (epoch {now})"),
+                        None => "another engine took it".to_string(),
+                    };
                     let _ = lost.send(Some(format!(
-                        "the leader lease is no longer at epoch {epoch}: another engine took it"
+                        "the leader lease is no longer at epoch {epoch}: {by}"
                     )));
                     return;
                 }
