@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use common::{Recorder, Scripted, Step};
 use proctor::store::ProcedureStore;
-use proctor::{Error, Executor, PgLease, PgOptions, ProcState, Role};
+use proctor::{Error, Executor, PgLease, PgOptions, ProcEvent, ProcState, Role};
 
 const PERIOD: Duration = Duration::from_millis(900);
 
@@ -118,6 +118,7 @@ async fn a_leader_whose_lease_was_taken_steps_down() {
         .await
         .unwrap();
     common::wait_for_state(&a, left, ProcState::Waiting).await;
+    let mut events = a.subscribe().await.unwrap();
 
     // Another engine takes the lease (as a standby would after "a" went silent).
     off_runtime(|| {
@@ -133,6 +134,17 @@ async fn a_leader_whose_lease_was_taken_steps_down() {
         .unwrap();
     });
 
+    // Subscribers hear it.
+    loop {
+        match events.next().await {
+            Some(ProcEvent::SteppedDown { reason }) => {
+                assert!(reason.contains("b took it"), "{reason}");
+                break;
+            }
+            Some(_) => {}
+            None => panic!("the subscription ended without a step-down"),
+        }
+    }
     let role = until_role(&a, |r| matches!(r, Role::SteppedDown { .. })).await;
     let Role::SteppedDown { reason } = role else {
         unreachable!()

@@ -1146,6 +1146,11 @@ impl<E: Send + Sync + 'static> Handler<LeaseLost> for ExecutorActor<E> {
         self.role = Role::SteppedDown {
             reason: msg.0.clone(),
         };
+        if !self.subscribers.is_empty() {
+            self.publish(ProcEvent::SteppedDown {
+                reason: msg.0.clone(),
+            });
+        }
         self.broke(Error::NotLeader { reason: msg.0 });
     }
 }

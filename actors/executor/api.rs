@@ -439,6 +439,14 @@ pub enum ProcEvent {
         /// Its result, as [`Executor::wait`] gives it.
         result: Result<(), Failure>,
     },
+    /// This executor lost the leader lease and stepped down (see
+    /// [`ExecutorBuilder::leadership`](crate::ExecutorBuilder)): it runs and
+    /// acknowledges nothing more, and every request is answered
+    /// [`Error::NotLeader`](crate::Error::NotLeader). The last event of a subscription.
+    SteppedDown {
+        /// Why: who took the lease, or how long no renewal succeeded.
+        reason: String,
+    },
 }
 
 impl Message for ProcEvent {
