@@ -213,6 +213,9 @@ pub(crate) struct Shared {
     pub(crate) metrics: super::metrics::TypeMetrics,
     /// The gauges of unfinished, paused and waiting procedures, moved with `table`.
     pub(crate) proc_gauges: super::metrics::ProcGauges,
+    /// The leader lease's epoch the executor runs under, given to every call
+    /// (`Context::fencing_token`).
+    pub(crate) fencing_token: Option<i64>,
 }
 
 /// Calls into user code (steps and rollbacks) in progress, for a graceful shutdown:
@@ -284,6 +287,7 @@ impl Shared {
         max_id: u64,
         table_capacity: usize,
         broken: Cancel,
+        fencing_token: Option<i64>,
     ) -> Self {
         Shared {
             registry,
@@ -307,6 +311,7 @@ impl Shared {
             subscribed: AtomicBool::new(false),
             metrics: super::metrics::TypeMetrics::default(),
             proc_gauges: super::metrics::ProcGauges::new(),
+            fencing_token,
         }
     }
 

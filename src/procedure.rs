@@ -489,6 +489,8 @@ pub struct Context<E: ?Sized = ()> {
     children: Option<Box<[(ProcId, ProcState)]>>,
     /// The values its children that succeeded set; only for a parent's steps.
     child_values: Option<ChildValues>,
+    /// The leader lease's epoch, when the executor leads through one.
+    fencing_token: Option<i64>,
 }
 
 impl<E: ?Sized> Clone for Context<E> {
@@ -507,6 +509,7 @@ impl<E: ?Sized> Clone for Context<E> {
             irreversible: self.irreversible,
             children: self.children.clone(),
             child_values: self.child_values.clone(),
+            fencing_token: self.fencing_token,
         }
     }
 }
@@ -550,7 +553,35 @@ impl<E: ?Sized> Context<E> {
             irreversible: false,
             children: None,
             child_values: None,
+            fencing_token: None,
         }
+    }
+
+    /// Gives the call the executor's fencing token (see [`Context::fencing_token`]).
+    /// For tests of a step's own handling.
+    #[must_use]
+    pub fn with_fencing_token(mut self, token: Option<i64>) -> Self {
+        self.fencing_token = token;
+        self
+    }
+
+    /// The epoch of the leader lease this executor runs under
+    /// ([`ExecutorBuilder::leadership`](crate::ExecutorBuilder)), `None` without one:
+    /// a fencing token for the resources a step changes. The engine's own writes are
+    /// fenced by the store; a step's effects on the world are not, and a leader that
+    /// was stopped (a pause, a long GC, a SIGSTOP) inside a step may finish that step
+    /// after a standby took over. Pass the token along with the change, and have the
+    /// resource refuse a token lower than the highest it has seen: then a deposed
+    /// leader's late effect is refused there too.
+    ///
+    /// ```
+    /// use proctor::{Context, ProcId};
+    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, std::sync::Arc::new(()))
+    ///     .with_fencing_token(Some(7));
+    /// assert_eq!(ctx.fencing_token(), Some(7));
+    /// ```
+    pub fn fencing_token(&self) -> Option<i64> {
+        self.fencing_token
     }
 
     /// Gives the call the procedure's children as they were when it was dispatched
@@ -878,6 +909,7 @@ impl Context<dyn Any + Send + Sync> {
             irreversible: false,
             children: self.children.clone(),
             child_values: self.child_values.clone(),
+            fencing_token: self.fencing_token,
         }
     }
 }

@@ -21,10 +21,33 @@ fn lease(schema: &str, holder: &str) -> PgLease {
         .period(PERIOD)
 }
 
+/// Records the fencing token its step runs under.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Token;
+
+#[proctor::async_trait]
+impl proctor::Procedure<Recorder> for Token {
+    async fn execute(
+        &mut self,
+        ctx: &mut proctor::Context<Recorder>,
+    ) -> Result<proctor::Flow<Recorder>, proctor::ProcError> {
+        ctx.env().record(format!("token {:?}", ctx.fencing_token()));
+        Ok(proctor::Flow::Done)
+    }
+    async fn rollback(
+        &mut self,
+        _: &mut proctor::Context<Recorder>,
+    ) -> Result<(), proctor::ProcError> {
+        Ok(())
+    }
+}
+
 async fn start_leading(schema: &str, holder: &str) -> (Executor<Recorder>, Arc<Recorder>) {
     let rec = Arc::new(Recorder::default());
+    let mut registry = common::registry();
+    registry.register::<Token>("token");
     let executor = Executor::builder()
-        .registry(common::registry())
+        .registry(registry)
         .store(common::pg::store_in(schema))
         .leadership(lease(schema, holder))
         .workers(4)
@@ -58,7 +81,7 @@ async fn until_role(executor: &Executor<Recorder>, done: impl Fn(&Role) -> bool)
 #[actix::test]
 async fn a_standby_takes_over_what_the_leader_left() {
     let schema = common::pg::fresh_schema();
-    let (a, _) = start_leading(&schema, "a").await;
+    let (a, a_rec) = start_leading(&schema, "a").await;
     assert_eq!(
         a.role().await.unwrap(),
         Role::Leader {
@@ -66,6 +89,10 @@ async fn a_standby_takes_over_what_the_leader_left() {
             epoch: 1
         }
     );
+    // Steps carry the lease's epoch, for the resources they change.
+    let token = a.submit(Token).await.unwrap();
+    assert_eq!(a.wait(token).await.unwrap(), Ok(()));
+    assert_eq!(a_rec.count("token Some(1)"), 1, "{:?}", a_rec.calls());
     let done = a
         .submit(Scripted::new("done", vec![Step::More]))
         .await
@@ -103,6 +130,9 @@ async fn a_standby_takes_over_what_the_leader_left() {
     b.wake_event("go").await.unwrap();
     assert_eq!(b.wait(left).await.unwrap(), Ok(()));
     assert_eq!(rec.count("left-exec"), 1, "only the step a had not run");
+    let token = b.submit(Token).await.unwrap();
+    assert_eq!(b.wait(token).await.unwrap(), Ok(()));
+    assert_eq!(rec.count("token Some(2)"), 1, "{:?}", rec.calls());
     b.shutdown().await.unwrap();
 }
 

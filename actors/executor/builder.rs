@@ -496,6 +496,10 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             persistence,
             views,
             broken: crate::cancel::Cancel::new(),
+            #[cfg(feature = "postgres")]
+            fencing_token: leadership.as_ref().map(crate::actors::Leadership::epoch),
+            #[cfg(not(feature = "postgres"))]
+            fencing_token: None,
         };
         let addr = self.create_actor(recovered, env, peers, owned);
         #[cfg(feature = "postgres")]
@@ -664,6 +668,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 max_id,
                 table_capacity,
                 peers.broken,
+                peers.fencing_token,
             ));
             keep_results(&shared, finished);
             start_recovered(&shared, &plan, trees);
@@ -703,6 +708,8 @@ struct Peers {
     /// Raised when the executor breaks (or steps down): the schedulers dispatch no
     /// step from then on.
     broken: crate::cancel::Cancel,
+    /// The leader lease's epoch, for every call's context.
+    fencing_token: Option<i64>,
 }
 
 /// A recovered tree, decoded: its plan, its procedures, and the suspended ones that

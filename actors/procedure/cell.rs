@@ -247,6 +247,7 @@ impl ProcedureCell {
             self.shared.env.clone(),
         )
         .with_shutdown(self.shared.shutdown.clone())
+        .with_fencing_token(self.shared.fencing_token)
     }
 
     /// Reports a step that did not run (skipped, yielded).

@@ -285,6 +285,7 @@ impl Harness {
             0,
             16,
             crate::cancel::Cancel::new(),
+            None,
         ));
         let proc = erase::<Log, P>(root);
         let root = declare(&shared, &*proc, now_ms()).unwrap_or_else(|_| panic!("declared"));
