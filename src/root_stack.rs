@@ -245,6 +245,15 @@ pub enum Count {
     RollbackRetry(ProcId),
 }
 
+impl Count {
+    /// The procedure counted.
+    pub fn id(self) -> ProcId {
+        match self {
+            Count::Failed { id, .. } | Count::StepRetry(id) | Count::RollbackRetry(id) => id,
+        }
+    }
+}
+
 /// What a parent's step sees of its children.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct ChildrenSeen {

@@ -230,17 +230,7 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
         let at = self.at;
         self.at += 1;
         if let Pass::Collect { undos } = &self.pass {
-            let typed: BoxedUndo = Box::new(move |undoing: Undoing<Vec<u8>>| {
-                Box::pin(async move {
-                    let undoing = match undoing {
-                        Undoing::Completed(bytes) => Undoing::Completed(decode::<T>(&bytes)?),
-                        Undoing::Failed => Undoing::Failed,
-                        Undoing::Interrupted => Undoing::Interrupted,
-                    };
-                    undo(undoing).await
-                }) as BoxFuture<'static, Result<(), ProcError>>
-            });
-            lock(undos).push(typed);
+            lock(undos).push(typed_undo(|bytes| decode::<T>(bytes), undo));
         }
         if let Some(entry) = self.journaled(at, name, false)? {
             return decode(&entry.value);
@@ -347,19 +337,8 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
         self.at += 1;
         if let Pass::Collect { undos } = &self.pass {
             let step = name.to_string();
-            let typed: BoxedUndo = Box::new(move |undoing: Undoing<Vec<u8>>| {
-                Box::pin(async move {
-                    let undoing = match undoing {
-                        Undoing::Completed(bytes) => {
-                            Undoing::Completed(decode_children::<T>(&step, &bytes)?)
-                        }
-                        Undoing::Failed => Undoing::Failed,
-                        Undoing::Interrupted => Undoing::Interrupted,
-                    };
-                    undo(undoing).await
-                }) as BoxFuture<'static, Result<(), ProcError>>
-            });
-            lock(undos).push(typed);
+            let values = move |bytes: &[u8]| decode_children::<T>(&step, bytes);
+            lock(undos).push(typed_undo(values, undo));
         }
         if let Some(entry) = self.journaled(at, name, true)? {
             let step = entry.children.unwrap_or(ChildrenStep {
@@ -496,6 +475,26 @@ fn decode_children<T: DeserializeOwned>(name: &str, bytes: &[u8]) -> Result<Vec<
         .iter()
         .map(|v| decode(v.as_deref().map_or(NIL, |b| &b[..])))
         .collect()
+}
+
+/// A step's undo as the rollback calls it: told what the step did, its value (as
+/// journaled) decoded by `decode`.
+fn typed_undo<T, D, U, UF>(decode: D, undo: U) -> BoxedUndo
+where
+    D: FnOnce(&[u8]) -> Result<T, ProcError> + Send + 'static,
+    U: FnOnce(Undoing<T>) -> UF + Send + 'static,
+    UF: Future<Output = Result<(), ProcError>> + Send + 'static,
+{
+    Box::new(move |undoing: Undoing<Vec<u8>>| {
+        Box::pin(async move {
+            let undoing = match undoing {
+                Undoing::Completed(bytes) => Undoing::Completed(decode(&bytes)?),
+                Undoing::Failed => Undoing::Failed,
+                Undoing::Interrupted => Undoing::Interrupted,
+            };
+            undo(undoing).await
+        }) as BoxFuture<'static, Result<(), ProcError>>
+    })
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -64,6 +64,15 @@ fn off_runtime<T: Send>(f: impl FnOnce() -> T + Send) -> T {
     std::thread::scope(|s| s.spawn(f).join().unwrap())
 }
 
+/// Submits "left", which waits for the event `go` after its first step, and returns
+/// once it waits.
+async fn submit_waiting(executor: &Executor<Recorder>) -> proctor::ProcId {
+    let steps = vec![Step::Suspend("go".into()), Step::More];
+    let left = executor.submit(Scripted::new("left", steps)).await.unwrap();
+    common::wait_for_state(executor, left, ProcState::Waiting).await;
+    left
+}
+
 /// Polls `executor`'s role until `done` says so (the lease's renewals run on a thread
 /// of their own, at a third of the period), for at most 10 periods.
 async fn until_role(executor: &Executor<Recorder>, done: impl Fn(&Role) -> bool) -> Role {
@@ -98,14 +107,7 @@ async fn a_standby_takes_over_what_the_leader_left() {
         .await
         .unwrap();
     assert_eq!(a.wait(done).await.unwrap(), Ok(()));
-    let left = a
-        .submit(Scripted::new(
-            "left",
-            vec![Step::Suspend("go".into()), Step::More],
-        ))
-        .await
-        .unwrap();
-    common::wait_for_state(&a, left, ProcState::Waiting).await;
+    let left = submit_waiting(&a).await;
 
     // The standby waits while "a" leads.
     let standby = actix::spawn({
@@ -140,14 +142,7 @@ async fn a_standby_takes_over_what_the_leader_left() {
 async fn a_leader_whose_lease_was_taken_steps_down() {
     let schema = common::pg::fresh_schema();
     let (a, rec) = start_leading(&schema, "a").await;
-    let left = a
-        .submit(Scripted::new(
-            "left",
-            vec![Step::Suspend("go".into()), Step::More],
-        ))
-        .await
-        .unwrap();
-    common::wait_for_state(&a, left, ProcState::Waiting).await;
+    let left = submit_waiting(&a).await;
     let mut events = a.subscribe().await.unwrap();
 
     // Another engine takes the lease (as a standby would after "a" went silent).

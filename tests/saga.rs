@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use common::stores;
-use proctor::testing::restart_at_every_write;
+use proctor::testing::{restart_at_every_write, CrashRun};
 use proctor::{
     async_trait, ChildType, Context, Executor, ExecutorBuilder, Flow, ProcError, ProcState,
     Procedure, ProcedureStore, Registry, Saga, SagaContext, SagaProcedure, Undo, Undoing,
@@ -266,6 +266,28 @@ async fn an_abort_mid_saga_undoes_what_was_done_and_a_failing_undo_is_retried() 
     }
 }
 
+/// After a crash run of creating table `t1` with two regions: the world is the table
+/// and its regions if the run succeeded, nothing otherwise, and the run succeeded
+/// exactly when it `succeeds` (if its root was submitted at all). Then a new world for
+/// the next run.
+fn check_world(cluster: &Cluster, run: &CrashRun, succeeds: bool) {
+    let state = cluster.state();
+    match &run.result {
+        Some(Ok(())) => assert_eq!(
+            state,
+            (vec!["t1".into()], vec!["t1-r0".into(), "t1-r1".into()]),
+            "{run:?}"
+        ),
+        Some(Err(_)) | None => assert_eq!(state, (vec![], vec![]), "{run:?}"),
+    }
+    assert_eq!(
+        run.result.as_ref().map(Result::is_ok),
+        run.root.map(|_| succeeds)
+    );
+    *cluster.tables.lock().unwrap() = BTreeSet::new();
+    *cluster.regions.lock().unwrap() = BTreeSet::new();
+}
+
 #[actix::test]
 async fn after_a_crash_at_any_write_the_world_matches_the_result() {
     for fail_at in [None, Some("region 1")] {
@@ -278,24 +300,7 @@ async fn after_a_crash_at_any_write_the_world_matches_the_result() {
                 create.fail_at = fail_at.map(str::to_string);
                 Saga::new(create)
             },
-            |run| {
-                let state = cluster.state();
-                match &run.result {
-                    Some(Ok(())) => assert_eq!(
-                        state,
-                        (vec!["t1".into()], vec!["t1-r0".into(), "t1-r1".into()]),
-                        "{run:?}"
-                    ),
-                    Some(Err(_)) | None => assert_eq!(state, (vec![], vec![]), "{run:?}"),
-                }
-                assert_eq!(
-                    run.result.as_ref().map(Result::is_ok),
-                    run.root.map(|_| fail_at.is_none())
-                );
-                // A new world for the next run.
-                *cluster.tables.lock().unwrap() = BTreeSet::new();
-                *cluster.regions.lock().unwrap() = BTreeSet::new();
-            },
+            |run| check_world(&cluster, run, fail_at.is_none()),
         )
         .await
         .expect("runs");
@@ -545,23 +550,7 @@ async fn a_saga_with_children_survives_a_crash_at_any_write() {
                     fail_region,
                 })
             },
-            |run| {
-                let state = cluster.state();
-                match &run.result {
-                    Some(Ok(())) => assert_eq!(
-                        state,
-                        (vec!["t1".into()], vec!["t1-r0".into(), "t1-r1".into()]),
-                        "{run:?}"
-                    ),
-                    Some(Err(_)) | None => assert_eq!(state, (vec![], vec![]), "{run:?}"),
-                }
-                assert_eq!(
-                    run.result.as_ref().map(Result::is_ok),
-                    run.root.map(|_| fail_region.is_none())
-                );
-                *cluster.tables.lock().unwrap() = BTreeSet::new();
-                *cluster.regions.lock().unwrap() = BTreeSet::new();
-            },
+            |run| check_world(&cluster, run, fail_region.is_none()),
         )
         .await
         .expect("runs");

@@ -153,6 +153,19 @@ impl PgLease {
         })
     }
 
+    /// Runs `call` on `client`, connecting first if it has none (a failure dropped it).
+    fn on<T>(
+        &self,
+        client: &mut Option<Client>,
+        call: impl FnOnce(&mut Client) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let connected = match client.take() {
+            Some(connected) => connected,
+            None => self.connect()?,
+        };
+        call(client.insert(connected))
+    }
+
     /// The lease's thread: wait and take, then renew until stopped or lost.
     fn run(
         &self,
@@ -175,14 +188,9 @@ impl PgLease {
         };
         let mut waiting_logged = None;
         let epoch = loop {
-            let attempt = match client.as_mut() {
-                Some(c) => try_take(c, self.schema(), &self.holder, self.period),
-                None => self.connect().and_then(|mut c| {
-                    let result = try_take(&mut c, self.schema(), &self.holder, self.period);
-                    client = Some(c);
-                    result
-                }),
-            };
+            let attempt = self.on(&mut client, |c| {
+                try_take(c, self.schema(), &self.holder, self.period)
+            });
             match attempt {
                 Ok(Taken::Yes(epoch)) => break epoch,
                 Ok(Taken::No(state)) => {
@@ -223,14 +231,9 @@ impl PgLease {
                 }
             }
             let started = Instant::now();
-            let attempt = match client.as_mut() {
-                Some(c) => renew(c, self.schema(), &self.holder, epoch, self.period),
-                None => self.connect().and_then(|mut c| {
-                    let result = renew(&mut c, self.schema(), &self.holder, epoch, self.period);
-                    client = Some(c);
-                    result
-                }),
-            };
+            let attempt = self.on(&mut client, |c| {
+                renew(c, self.schema(), &self.holder, epoch, self.period)
+            });
             match attempt {
                 Ok(true) => {
                     // The lease runs from when the renewal was sent, at the latest.

@@ -40,6 +40,7 @@ mod lease;
 pub(crate) use lease::lost_reason;
 pub use lease::{Leadership, LeaseState, PgLease};
 
+use crate::fast_map::IdMap;
 use crate::procedure::ProcId;
 use crate::record::{ProcRecord, StoreOp};
 use crate::store::{LastStop, ProcedureStore, StoreError, StoreSnapshot};
@@ -217,23 +218,15 @@ impl PgStore {
                         .map_err(|e| failure(context, &e))
                 })
                 .transpose()?;
-            match version {
-                None => {
-                    return Err(not_retried(StoreError::Database {
-                        context: "inspecting the store".to_string(),
-                        reason: format!("schema {schema:?} holds no proctor store"),
-                    }))
-                }
-                Some(found) if found > PgStore::SCHEMA_VERSION => {
-                    return Err(not_retried(StoreError::Schema {
-                        found,
-                        supported: PgStore::SCHEMA_VERSION,
-                    }))
-                }
-                Some(_) => {}
-            }
-            // Read as if fenced (no leader check): inspection writes nothing.
-            let snapshot = load(&mut client, schema, Some(0))?;
+            let Some(version) = version else {
+                return Err(not_retried(StoreError::Database {
+                    context: "inspecting the store".to_string(),
+                    reason: format!("schema {schema:?} holds no proctor store"),
+                }));
+            };
+            check_version(version)?;
+            // Beside a leader too: inspection writes nothing.
+            let snapshot = load(&mut client, schema, false)?;
             let lease = lease::read(&mut client, schema).map_err(not_retried)?;
             Ok((snapshot, lease))
         };
@@ -358,15 +351,19 @@ impl Conn {
         let mut client = Client::connect(&conn.url, NoTls)
             .map_err(|e| failure("connecting to PostgreSQL", &e).error)?;
         create_schema(&mut client, &conn.options.schema).map_err(|f| f.error)?;
-        drop(client);
-        conn.client = Some(conn.connect().map_err(|f| f.error)?);
+        conn.client = Some(conn.prepared(client).map_err(|f| f.error)?);
         Ok(conn)
     }
 
     /// A new connection, with the write statement prepared.
     fn connect(&self) -> Result<(Client, postgres::Statement), Failure> {
-        let mut client = Client::connect(&self.url, NoTls)
+        let client = Client::connect(&self.url, NoTls)
             .map_err(|e| failure("connecting to PostgreSQL", &e))?;
+        self.prepared(client)
+    }
+
+    /// `client`, its session named and the write statement prepared on it.
+    fn prepared(&self, mut client: Client) -> Result<(Client, postgres::Statement), Failure> {
         // Every statement names the store's schema; a session setting would be lost
         // with the connection.
         client
@@ -378,6 +375,14 @@ impl Conn {
         Ok((client, write))
     }
 
+    /// The refusal of a store whose append failed.
+    fn refusal(&self) -> Result<(), StoreError> {
+        match &self.failed {
+            Some(reason) => Err(StoreError::Failed(reason.clone())),
+            None => Ok(()),
+        }
+    }
+
     fn serve(&mut self, inbox: &mpsc::Receiver<Request>) {
         while let Ok(request) = inbox.recv() {
             match request {
@@ -387,20 +392,19 @@ impl Conn {
                     let _ = tx.send((result, ops));
                 }
                 Request::Load(tx) => {
-                    let fence = self.fence;
-                    let _ =
-                        tx.send(self.with_retry("loading the store", |s, c, _| load(c, s, fence)));
+                    // An engine without the lease does not start beside a leader.
+                    let refuse_beside_leader = self.fence.is_none();
+                    let _ = tx.send(self.with_retry("loading the store", |s, c, _| {
+                        load(c, s, refuse_beside_leader)
+                    }));
                 }
                 Request::Mark(cut_off, tx) => {
-                    let result = match &self.failed {
-                        Some(reason) => Err(StoreError::Failed(reason.clone())),
-                        None => {
-                            let fence = self.fence;
-                            self.with_retry("marking the store's stop", |s, c, _| {
-                                mark(c, s, fence, cut_off.as_deref())
-                            })
-                        }
-                    };
+                    let fence = self.fence;
+                    let result = self.refusal().and_then(|()| {
+                        self.with_retry("marking the store's stop", |s, c, _| {
+                            mark(c, s, fence, cut_off.as_deref())
+                        })
+                    });
                     let _ = tx.send(result);
                 }
                 Request::Fence(epoch) => self.fence = epoch,
@@ -409,9 +413,7 @@ impl Conn {
     }
 
     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
-        if let Some(reason) = &self.failed {
-            return Err(StoreError::Failed(reason.clone()));
-        }
+        self.refusal()?;
         if ops.is_empty() {
             return Ok(());
         }
@@ -436,25 +438,7 @@ impl Conn {
         let started = Instant::now();
         let mut delay = Duration::from_millis(50);
         loop {
-            if self.client.is_none() {
-                match self.connect() {
-                    Ok(connected) => self.client = Some(connected),
-                    Err(Failure { error, retry }) => {
-                        if !retry || started.elapsed() + delay > self.options.retry_for {
-                            return Err(error);
-                        }
-                        tracing::warn!(target: crate::targets::STORE, %error, "{what}: cannot reach PostgreSQL; trying again");
-                        thread::sleep(delay);
-                        delay = (delay * 2).min(Duration::from_secs(2));
-                        continue;
-                    }
-                }
-            }
-            let Some((client, write)) = self.client.as_mut() else {
-                continue;
-            };
-            let attempt = call(&self.options.schema, client, write);
-            match attempt {
+            match self.attempt(&mut call) {
                 Ok(value) => return Ok(value),
                 Err(Failure { error, retry }) => {
                     if !retry || started.elapsed() + delay > self.options.retry_for {
@@ -467,6 +451,19 @@ impl Conn {
                 }
             }
         }
+    }
+
+    /// One try of `call`, on the connection or, after a failed one, a new connection.
+    fn attempt<T>(
+        &mut self,
+        call: &mut impl FnMut(&str, &mut Client, &postgres::Statement) -> Result<T, Failure>,
+    ) -> Result<T, Failure> {
+        let connected = match self.client.take() {
+            Some(connected) => connected,
+            None => self.connect()?,
+        };
+        let (client, write) = self.client.insert(connected);
+        call(&self.options.schema, client, write)
     }
 }
 
@@ -567,15 +564,20 @@ fn create_schema(client: &mut Client, schema: &str) -> Result<(), Failure> {
             )
             .map_err(|e| failure(context, &e))?;
         }
-        Some(version) if version > PgStore::SCHEMA_VERSION => {
-            return Err(not_retried(StoreError::Schema {
-                found: version,
-                supported: PgStore::SCHEMA_VERSION,
-            }));
-        }
-        Some(_) => {}
+        Some(version) => check_version(version)?,
     }
     tx.commit().map_err(|e| failure(context, &e))
+}
+
+/// Refuses tables made by a newer proctor.
+fn check_version(found: i32) -> Result<(), Failure> {
+    if found > PgStore::SCHEMA_VERSION {
+        return Err(not_retried(StoreError::Schema {
+            found,
+            supported: PgStore::SCHEMA_VERSION,
+        }));
+    }
+    Ok(())
 }
 
 /// A batch folded to what it leaves: the newest record of each procedure it writes and
@@ -594,8 +596,8 @@ struct Batch {
 
 impl Batch {
     fn fold(ops: &[StoreOp]) -> Result<Batch, StoreError> {
-        let mut last: std::collections::HashMap<ProcId, &StoreOp> =
-            std::collections::HashMap::with_capacity(ops.len());
+        let mut last: IdMap<ProcId, &StoreOp> = IdMap::default();
+        last.reserve(ops.len());
         let mut order = Vec::with_capacity(ops.len());
         let mut max_id = 0;
         for op in ops {
@@ -802,7 +804,13 @@ fn mark(
     tx.commit().map_err(|e| failure(context, &e))
 }
 
-fn load(client: &mut Client, schema: &str, fence: Option<i64>) -> Result<StoreSnapshot, Failure> {
+/// The store's procedures and marks, in one snapshot; refused while a live leader holds
+/// the lease if `refuse_beside_leader`.
+fn load(
+    client: &mut Client,
+    schema: &str,
+    refuse_beside_leader: bool,
+) -> Result<StoreSnapshot, Failure> {
     let context = "loading the store";
     // One snapshot of both tables.
     let mut tx = client
@@ -811,8 +819,7 @@ fn load(client: &mut Client, schema: &str, fence: Option<i64>) -> Result<StoreSn
         .read_only(true)
         .start()
         .map_err(|e| failure(context, &e))?;
-    if fence.is_none() {
-        // An engine without the lease does not start beside a leader.
+    if refuse_beside_leader {
         let lease = tx
             .query_opt(
                 &format!(

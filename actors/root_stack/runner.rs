@@ -35,9 +35,7 @@ use crate::error::Error;
 use crate::fast_map::{IdMap, SortedMap};
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Paused, ProcRecord, Steering, StoreOp};
-use crate::root_stack::{
-    Action, ChildrenSeen, Count, NewChild, Place, RollbackOf, RootStack, Transition,
-};
+use crate::root_stack::{Action, ChildrenSeen, NewChild, Place, RollbackOf, RootStack, Transition};
 
 use super::{Timer, TreeCtx, TreeMsg};
 
@@ -438,12 +436,7 @@ impl TreeRunner {
                 self.publish_result(ctx);
             }
             Action::Count(count) => {
-                let id = match count {
-                    Count::Failed { id, .. } | Count::StepRetry(id) | Count::RollbackRetry(id) => {
-                        id
-                    }
-                };
-                if let Some(type_name) = self.core.type_name_of(id) {
+                if let Some(type_name) = self.core.type_name_of(count.id()) {
                     self.shared.metrics.count(type_name, count);
                 }
             }
