@@ -84,7 +84,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     progress.0.notified().await;
 
     // The abort is a message to the executor actor, like any other.
-    let accepted = executor.addr().send(Abort(id)).await??;
+    let accepted = executor.addr()?.send(Abort(id)).await??;
     println!("abort of procedure {id} accepted: {accepted}");
 
     let result = executor.wait(id).await?;

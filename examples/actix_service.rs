@@ -393,7 +393,7 @@ pub async fn run(dir: &Path) -> Result<Report, ServiceError> {
         .await?;
     println!("engine started on {}", dir.display());
     // From here on everything goes through the manager, which holds only the address.
-    let manager = ClusterManager::new(executor.addr().clone()).start();
+    let manager = ClusterManager::new(executor.addr()?.clone()).start();
 
     let table = manager
         .send(CreateTableRequest {

@@ -94,15 +94,22 @@ pub enum Error {
         /// The configured bound.
         limit: usize,
     },
-    /// This executor is not (or no longer) the leader: it lost the leader lease (a
-    /// renewal found a newer holder, or none succeeded in time) and stepped down, so it
-    /// runs and acknowledges nothing more. Send the request to the leader (the lease
-    /// names it).
-    #[error("not the leader: {reason}")]
+    /// This executor is not (or no longer) the leader: a standby waiting for the leader
+    /// lease, or a leader that lost it (a renewal found a newer holder, or none
+    /// succeeded in time) and stepped down, so it runs and acknowledges nothing more.
+    /// Send the request to the leader, `leader` when the lease names one.
+    #[error("not the leader: {reason}{}", leader_named(leader.as_deref()))]
     NotLeader {
         /// Why it is not.
         reason: String,
+        /// The lease's holder as this executor last saw it, if any.
+        leader: Option<String>,
     },
+}
+
+/// `NotLeader`'s pointer to the leader.
+fn leader_named(leader: Option<&str>) -> String {
+    leader.map_or_else(String::new, |l| format!(" (the leader is {l})"))
 }
 
 impl Error {
@@ -144,8 +151,9 @@ impl Error {
             Error::Config(s) => Error::Config(s.clone()),
             Error::Invalid(s) => Error::Invalid(s.clone()),
             Error::Overloaded { limit } => Error::Overloaded { limit: *limit },
-            Error::NotLeader { reason } => Error::NotLeader {
+            Error::NotLeader { reason, leader } => Error::NotLeader {
                 reason: reason.clone(),
+                leader: leader.clone(),
             },
             Error::Registry(e) => Error::Config(e.to_string()),
         }

@@ -11,6 +11,7 @@
 #[path = "../examples/workload/dag.rs"]
 mod dag;
 #[path = "../examples/workload/ledger.rs"]
+#[allow(dead_code)]
 mod ledger;
 #[path = "../examples/workload/work.rs"]
 #[allow(dead_code)]
@@ -103,7 +104,7 @@ fn crash_child() {
             let executor = executor.clone();
             actix::spawn(async move {
                 let submit = proctor::Submit::boxed(proc);
-                if let Ok(Ok(id)) = executor.addr().send(submit).await {
+                if let Ok(Ok(id)) = executor.addr().unwrap().send(submit).await {
                     let _ = executor.wait(id).await;
                 }
                 drop(permit);

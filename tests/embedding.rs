@@ -135,6 +135,7 @@ async fn inside_actix_it_joins_the_system_and_stops_by_message() {
         // Only the address: the shutdown message.
         executor
             .addr()
+            .unwrap()
             .send(Shutdown::now())
             .await
             .expect("shutdown");
@@ -311,12 +312,14 @@ async fn an_actor_subscribes_with_its_recipient() {
     let listener = Listener { finished: tx }.start();
     executor
         .addr()
+        .unwrap()
         .send(Subscribe(listener.recipient()))
         .await
         .unwrap()
         .unwrap();
     let id = executor
         .addr()
+        .unwrap()
         .send(proctor::Submit::new(Scripted::new("a", vec![])))
         .await
         .unwrap()

@@ -1106,7 +1106,9 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
             for _ in 0..yields {
                 tokio::task::yield_now().await;
             }
-            let _ = executor.addr().send(proctor::Shutdown::graceful()).await;
+            if let Ok(addr) = executor.addr() {
+                let _ = addr.send(proctor::Shutdown::graceful()).await;
+            }
         })
     });
     let mut crashed = false;

@@ -5,6 +5,13 @@
 //! takes the lease once it expires, recovers every tree and runs it to its end. The
 //! ledger then shows every root SUCCESS or ROLLEDBACK, all effects of the successful
 //! ones, none of the rolled-back ones, none of unknown procedures.
+//!
+//! Fencing across processes: the parent SIGSTOPs the leader past its lease instead,
+//! the standby takes over and runs, and the parent SIGCONTs the old leader, whose steps
+//! then finish late. The ledger takes every effect with the leader's fencing token and
+//! refuses a lower one than it has taken: the old leader's late effects are refused,
+//! its writes fenced, it steps down and exits, and the ledger shows no effect made by
+//! it after the standby acted.
 
 mod common;
 
@@ -20,7 +27,7 @@ mod work;
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -37,6 +44,8 @@ const PERIOD: Duration = Duration::from_millis(600);
 const STEPS: u16 = 3;
 const CHILDREN: u16 = 2;
 const LOCKS: u32 = 8;
+/// The leader child's exit code once its submits are refused.
+const STEPPED_DOWN: i32 = 3;
 
 async fn executor(
     url: &str,
@@ -81,8 +90,15 @@ fn failover_leader_child() {
             let permit = window.clone().acquire_owned().await.unwrap();
             let executor = executor.clone();
             actix::spawn(async move {
-                if let Ok(id) = executor.submit(root).await {
-                    let _ = executor.wait(id).await;
+                match executor.submit(root).await {
+                    Ok(id) => {
+                        let _ = executor.wait(id).await;
+                    }
+                    // Deposed (or broken): it exits, as a service would stop serving.
+                    Err(e) => {
+                        eprintln!("leader: submit refused, exiting: {e}");
+                        std::process::exit(STEPPED_DOWN);
+                    }
                 }
                 drop(permit);
             });
@@ -90,12 +106,8 @@ fn failover_leader_child() {
     });
 }
 
-#[test]
-fn sigkill_of_the_leader_hands_its_work_to_the_standby() {
-    let url = common::pg::server().url();
-    let schema = common::pg::fresh_schema();
-    let dir = tempfile::tempdir().unwrap();
-    let ledger = dir.path().join("ledger");
+/// Starts the leader child on `schema`, writing to `ledger`; returns once it leads.
+fn spawn_leader(url: &str, schema: &str, ledger: &Path) -> Child {
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([
             "failover_leader_child",
@@ -103,9 +115,9 @@ fn sigkill_of_the_leader_hands_its_work_to_the_standby() {
             "--nocapture",
             "--test-threads=1",
         ])
-        .env(URL_VAR, &url)
-        .env(SCHEMA_VAR, &schema)
-        .env(LEDGER_VAR, &ledger)
+        .env(URL_VAR, url)
+        .env(SCHEMA_VAR, schema)
+        .env(LEDGER_VAR, ledger)
         .stdout(Stdio::piped())
         .spawn()
         .expect("spawn the leader");
@@ -115,13 +127,88 @@ fn sigkill_of_the_leader_hands_its_work_to_the_standby() {
         .map_while(Result::ok)
         .any(|line| line.ends_with("ready"));
     assert!(ready, "the leader failed before it was ready");
+    child
+}
+
+/// Starts the standby, which waits for the lease while the leader works.
+fn standby_beside(
+    url: &str,
+    schema: &str,
+    ledger: &Path,
+) -> tokio::task::JoinHandle<(Executor<Env>, Arc<Env>)> {
+    let (url, schema, ledger) = (url.to_string(), schema.to_string(), ledger.to_path_buf());
+    actix::spawn(async move { executor(&url, &schema, &ledger, "standby").await })
+}
+
+/// Sends `signal` (`-STOP`, `-CONT`) to `child`.
+fn signal(child: &Child, signal: &str) {
+    let status = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill {signal}");
+}
+
+/// Runs every tree the standby `executor` recovered to its end and checks the ledger:
+/// every root SUCCESS or ROLLEDBACK with all or none of its effects, no lock conflict,
+/// and no effect made under an older fencing token after a newer one.
+async fn check_the_standbys_run(executor: &Executor<Env>, env: &Env, takeover: Duration) {
+    let role = executor.role().await.unwrap();
+    assert!(
+        matches!(role, Role::Leader { ref holder, epoch: 2 } if holder == "standby"),
+        "{role:?}"
+    );
+    let recovery = executor.recovery().clone();
+    assert!(recovery.corrupt.is_empty(), "{:?}", recovery.corrupt);
+    assert!(
+        !recovery.recovered_roots.is_empty(),
+        "a leader stopped mid-run leaves work to recover"
+    );
+    for id in &recovery.recovered_roots {
+        let _ = executor.wait(*id).await.expect("recovered root finishes");
+    }
+    let roots: HashMap<proctor::ProcId, ProcState> = executor
+        .list(proctor::List::new().with_finished())
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|p| p.parent.is_none())
+        .map(|p| (p.id, p.state))
+        .collect();
+    eprintln!(
+        "takeover {takeover:?}; {} roots, {} recovered",
+        roots.len(),
+        recovery.recovered_roots.len()
+    );
+    let ledger = env.ledger.as_ref().unwrap();
+    let effects = ledger.effects_per_root().unwrap();
+    let per_root = usize::from(STEPS) * (1 + usize::from(CHILDREN));
+    let mut violations = work::ledger_violations(&roots, &effects, |_| per_root);
+    violations.extend(ledger.fence_violations().unwrap());
+    assert_eq!(
+        env.lock_conflicts.load(Ordering::Relaxed),
+        0,
+        "lock conflicts"
+    );
+    assert!(
+        violations.is_empty(),
+        "{} violations over {} roots, first: {:?}",
+        violations.len(),
+        roots.len(),
+        &violations[..violations.len().min(5)]
+    );
+}
+
+#[test]
+fn sigkill_of_the_leader_hands_its_work_to_the_standby() {
+    let url = common::pg::server().url();
+    let schema = common::pg::fresh_schema();
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = dir.path().join("ledger");
+    let mut child = spawn_leader(&url, &schema, &ledger);
 
     actix::System::new().block_on(async {
-        // The standby waits for the lease while the leader works.
-        let standby = actix::spawn({
-            let (url, schema, ledger) = (url.clone(), schema.clone(), ledger.clone());
-            async move { executor(&url, &schema, &ledger, "standby").await }
-        });
+        let standby = standby_beside(&url, &schema, &ledger);
         // The random moment is the point of the test.
         let mut rng = fastrand::Rng::with_seed(std::process::id().into());
         actix::clock::sleep(Duration::from_millis(rng.u64(200..800))).await;
@@ -135,51 +222,49 @@ fn sigkill_of_the_leader_hands_its_work_to_the_standby() {
 
         let (executor, env) = standby.await.unwrap();
         let takeover = killed.elapsed();
-        let role = executor.role().await.unwrap();
-        assert!(
-            matches!(role, Role::Leader { ref holder, epoch: 2 } if holder == "standby"),
-            "{role:?}"
-        );
         // A hang guard, not the measure (BENCHMARKS.md has that): the lease expires at
         // most a period after the kill, and the standby looks every third of one.
         assert!(takeover < PERIOD * 50, "takeover took {takeover:?}");
-        let recovery = executor.recovery().clone();
-        assert!(recovery.corrupt.is_empty(), "{:?}", recovery.corrupt);
-        assert!(
-            !recovery.recovered_roots.is_empty(),
-            "a kill mid-run leaves work to recover"
-        );
-        for id in &recovery.recovered_roots {
-            let _ = executor.wait(*id).await.expect("recovered root finishes");
-        }
-        let roots: HashMap<proctor::ProcId, ProcState> = executor
-            .list(proctor::List::new().with_finished())
-            .await
-            .unwrap()
-            .into_iter()
-            .filter(|p| p.parent.is_none())
-            .map(|p| (p.id, p.state))
-            .collect();
-        eprintln!(
-            "takeover {takeover:?} after the kill; {} roots, {} recovered",
-            roots.len(),
-            recovery.recovered_roots.len()
-        );
-        let effects = env.ledger.as_ref().unwrap().effects_per_root().unwrap();
-        let per_root = usize::from(STEPS) * (1 + usize::from(CHILDREN));
-        let violations = work::ledger_violations(&roots, &effects, |_| per_root);
-        assert_eq!(
-            env.lock_conflicts.load(Ordering::Relaxed),
-            0,
-            "lock conflicts"
-        );
-        assert!(
-            violations.is_empty(),
-            "{} violations over {} roots, first: {:?}",
-            violations.len(),
-            roots.len(),
-            &violations[..violations.len().min(5)]
-        );
+        check_the_standbys_run(&executor, &env, takeover).await;
+        executor.shutdown_now().await.unwrap();
+    });
+}
+
+#[test]
+fn a_leader_stopped_past_its_lease_and_continued_acts_on_nothing() {
+    let url = common::pg::server().url();
+    let schema = common::pg::fresh_schema();
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = dir.path().join("ledger");
+    let mut child = spawn_leader(&url, &schema, &ledger);
+
+    actix::System::new().block_on(async {
+        let standby = standby_beside(&url, &schema, &ledger);
+        let mut rng = fastrand::Rng::with_seed(std::process::id().into());
+        actix::clock::sleep(Duration::from_millis(rng.u64(200..800))).await;
+        // Stopped mid-run: steps inside user code, more queued, a renewal due.
+        signal(&child, "-STOP");
+        let stopped = Instant::now();
+        let (executor, env) = standby.await.unwrap();
+        let takeover = stopped.elapsed();
+        // Continued while the standby runs what it recovered: the old leader's steps
+        // finish late, against a ledger the standby already changed.
+        actix::clock::sleep(Duration::from_millis(rng.u64(0..50))).await;
+        signal(&child, "-CONT");
+        // It steps down (its writes fenced, its lease another's) and exits.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                child.kill().unwrap();
+                panic!("the old leader did not step down");
+            }
+            actix::clock::sleep(Duration::from_millis(10)).await;
+        };
+        assert_eq!(status.code(), Some(STEPPED_DOWN), "{status}");
+        check_the_standbys_run(&executor, &env, takeover).await;
         executor.shutdown_now().await.unwrap();
     });
 }

@@ -1,8 +1,8 @@
 //! Leadership on the PostgreSQL store: a standby waits for the lease and, once the
 //! leader lets it go, takes it and carries on what the leader left; a leader whose
 //! lease was taken steps down (no step starts, nothing more is acknowledged, requests
-//! are answered `NotLeader`); an engine without the lease does not start beside a
-//! leader.
+//! are answered `NotLeader`); a standby started at once answers `NotLeader` naming the
+//! leader until it leads; an engine without the lease does not start beside a leader.
 
 mod common;
 
@@ -180,13 +180,110 @@ async fn a_leader_whose_lease_was_taken_steps_down() {
         .submit(Scripted::new("late", vec![Step::More]))
         .await
         .unwrap_err();
-    assert!(matches!(refused, Error::NotLeader { .. }), "{refused}");
+    assert!(
+        matches!(&refused, Error::NotLeader { leader: Some(b), .. } if b == "b"),
+        "{refused}"
+    );
     let _ = a.wake_event("go").await;
     let waited = a.wait(left).await.unwrap_err();
     assert!(matches!(waited, Error::NotLeader { .. }), "{waited}");
     assert_eq!(rec.count("left-exec"), 1, "{:?}", rec.calls());
     assert_eq!(rec.count("late-exec"), 0);
     let _ = a.shutdown_now().await;
+}
+
+#[actix::test]
+async fn a_standby_answers_with_the_leaders_name_until_it_leads() {
+    let schema = common::pg::fresh_schema();
+    let (a, _) = start_leading(&schema, "a").await;
+    let left = submit_waiting(&a).await;
+    let rec = Arc::new(Recorder::default());
+    let b = Executor::builder()
+        .registry(common::registry())
+        .store(common::pg::store_in(&schema))
+        .leadership(lease(&schema, "b"))
+        .env(rec.clone())
+        .start_standby()
+        .expect("a standby starts at once");
+    let mut events = b.subscribe().await.expect("a standby takes subscribers");
+
+    // While "a" leads, "b" runs nothing and points at "a".
+    let role = until_role(&b, |r| matches!(r, Role::Standby { leader: Some(_) })).await;
+    assert_eq!(
+        role,
+        Role::Standby {
+            leader: Some("a".into())
+        }
+    );
+    let refused = b
+        .submit(Scripted::new("early", vec![Step::More]))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&refused, Error::NotLeader { leader: Some(l), .. } if l == "a"),
+        "{refused}"
+    );
+    assert!(
+        refused.to_string().contains("(the leader is a)"),
+        "{refused}"
+    );
+    assert!(matches!(b.state(left).await, Err(Error::NotLeader { .. })));
+    assert!(b.recovery().recovered_roots.is_empty());
+
+    // "a" goes: "b" leads, its subscribers hear it first, and it carries "left" on.
+    a.shutdown().await.unwrap();
+    b.leading().await.expect("b leads");
+    assert_eq!(
+        events.next().await,
+        Some(ProcEvent::Leading {
+            holder: "b".into(),
+            epoch: 2
+        })
+    );
+    assert_eq!(
+        b.role().await.unwrap(),
+        Role::Leader {
+            holder: "b".into(),
+            epoch: 2
+        }
+    );
+    assert_eq!(b.recovery().recovered_roots, vec![left]);
+    b.wake_event("go").await.unwrap();
+    assert_eq!(b.wait(left).await.unwrap(), Ok(()));
+    // Its subscription goes on as any other.
+    let id = b
+        .submit(Scripted::new("late", vec![Step::More]))
+        .await
+        .unwrap();
+    loop {
+        match events.next().await {
+            Some(ProcEvent::Finished { id: done, .. }) if done == id => break,
+            Some(_) => {}
+            None => panic!("the subscription ended"),
+        }
+    }
+    b.shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn a_standby_stopped_while_it_waits_never_leads() {
+    let schema = common::pg::fresh_schema();
+    let (a, _) = start_leading(&schema, "a").await;
+    let b = Executor::builder()
+        .registry(common::registry())
+        .store(common::pg::store_in(&schema))
+        .leadership(lease(&schema, "b"))
+        .env(Arc::new(Recorder::default()))
+        .start_standby()
+        .unwrap();
+    until_role(&b, |r| matches!(r, Role::Standby { leader: Some(_) })).await;
+    b.clone().shutdown().await.unwrap();
+    assert!(matches!(b.leading().await, Err(Error::Stopped)));
+    assert!(matches!(b.role().await, Err(Error::Stopped)));
+    // The lease stays with "a", whose epoch is still the first.
+    a.shutdown().await.unwrap();
+    let state = off_runtime(|| lease(&schema, "observer").state().unwrap());
+    assert_eq!((state.holder.as_deref(), state.epoch), (Some("a"), 1));
 }
 
 #[test]

@@ -137,6 +137,41 @@ fn bad_addresses_and_names_are_clear_errors() {
 }
 
 #[test]
+fn wrong_credentials_are_a_clear_error_and_nothing_is_written() {
+    let server = common::pg::server();
+    let schema = common::pg::fresh_schema();
+    let options = PgOptions::default().schema(&schema);
+    let wrong = server.password_url("wrong");
+    let error = PgStore::connect_with(&wrong, options.clone())
+        .unwrap_err()
+        .to_string();
+    assert!(error.starts_with("connecting to PostgreSQL"), "{error}");
+    assert!(error.contains("password authentication failed"), "{error}");
+    let lease = proctor::PgLease::new(&wrong, "a").options(options.clone());
+    let error = std::thread::spawn(move || lease.state())
+        .join()
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        error.to_string().contains("password authentication failed"),
+        "{error}"
+    );
+    // Nothing was made: the schema does not exist.
+    let made: i64 = sql()
+        .query_one(
+            "SELECT count(*) FROM information_schema.schemata WHERE schema_name = $1",
+            &[&schema],
+        )
+        .unwrap()
+        .get(0);
+    assert_eq!(made, 0);
+    // The right password opens it.
+    let right = server.password_url(common::pg::PASSWORD);
+    let mut store = PgStore::connect_with(&right, options).expect("the right password");
+    assert!(store.load().unwrap().records.is_empty());
+}
+
+#[test]
 fn a_write_fenced_by_a_newer_epoch_is_refused_and_not_applied() {
     let schema = common::pg::fresh_schema();
     let mut store = common::pg::store_in(&schema);

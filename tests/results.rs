@@ -211,6 +211,7 @@ async fn results_are_evicted_after_their_retention_and_the_log_forgets_them() {
         assert!(matches!(
             executor
                 .addr()
+                .unwrap()
                 .send(proctor::GetValue::<Created>::new(running))
                 .await
                 .unwrap(),
@@ -321,7 +322,7 @@ async fn an_actor_reads_a_typed_value_with_wait_value_and_get_value() {
     for (name, store, _dir) in common::stores() {
         let executor = start(store, |b| b).await;
         let id = executor.submit(create("t9", false)).await.unwrap();
-        let addr = executor.addr();
+        let addr = executor.addr().unwrap();
         let waited: Created = addr.send(WaitValue::new(id)).await.unwrap().unwrap();
         assert_eq!(waited.table, "t9", "{name}");
         let got: Option<Created> = addr.send(GetValue::new(id)).await.unwrap().unwrap();

@@ -39,7 +39,7 @@ async fn a_graceful_shutdown_lets_the_running_step_finish_and_persist() {
             .unwrap();
         rec.signal.notified().await; // step 1 is running
                                      // Queued now, before the submit below: the drain has begun when that is handled.
-        let stop = executor.addr().send(Shutdown::graceful());
+        let stop = executor.addr().unwrap().send(Shutdown::graceful());
         assert!(
             matches!(
                 executor.submit(Scripted::new("late", vec![])).await,

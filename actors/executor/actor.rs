@@ -1102,6 +1102,13 @@ pub enum Role {
         /// The lease's epoch, which its writes are fenced with.
         epoch: i64,
     },
+    /// It waits for the lease as a standby
+    /// ([`ExecutorBuilder::start_standby`](super::ExecutorBuilder)): it runs nothing,
+    /// and answers every request [`Error::NotLeader`] naming `leader`.
+    Standby {
+        /// The lease's holder as it last saw it, if any.
+        leader: Option<String>,
+    },
     /// It lost the lease and stepped down: it runs and acknowledges nothing more.
     SteppedDown {
         /// Why.
@@ -1126,7 +1133,7 @@ impl<E: Send + Sync + 'static> Handler<GetRole> for ExecutorActor<E> {
 
 /// The lease is lost: step down.
 #[cfg(feature = "postgres")]
-struct LeaseLost(String);
+struct LeaseLost(crate::actors::pg_store::Loss);
 
 #[cfg(feature = "postgres")]
 impl Message for LeaseLost {
@@ -1141,17 +1148,21 @@ impl<E: Send + Sync + 'static> Handler<LeaseLost> for ExecutorActor<E> {
         if !matches!(self.role, Role::Leader { .. }) {
             return;
         }
-        tracing::error!(target: crate::targets::EXECUTOR, reason = %msg.0, "lost the leader lease: stepping down");
+        let crate::actors::pg_store::Loss { reason, taker } = msg.0;
+        tracing::error!(target: crate::targets::EXECUTOR, reason = %reason, "lost the leader lease: stepping down");
         ::metrics::gauge!(crate::actors::metrics::IS_LEADER).set(0.0);
         self.role = Role::SteppedDown {
-            reason: msg.0.clone(),
+            reason: reason.clone(),
         };
         if !self.subscribers.is_empty() {
             self.publish(ProcEvent::SteppedDown {
-                reason: msg.0.clone(),
+                reason: reason.clone(),
             });
         }
-        self.broke(Error::NotLeader { reason: msg.0 });
+        self.broke(Error::NotLeader {
+            reason,
+            leader: taker,
+        });
     }
 }
 
@@ -1166,8 +1177,8 @@ pub(super) fn lead<E: Send + Sync + 'static>(
     addr.do_send(Lead(Some(leadership)));
     let addr = addr.clone();
     actix::spawn(async move {
-        let reason = crate::actors::pg_store::lost_reason(lost).await;
-        addr.do_send(LeaseLost(reason));
+        let loss = crate::actors::pg_store::lost_reason(lost).await;
+        addr.do_send(LeaseLost(loss));
     });
 }
 

@@ -439,6 +439,16 @@ pub enum ProcEvent {
         /// Its result, as [`Executor::wait`] gives it.
         result: Result<(), Failure>,
     },
+    /// A standby took the leader lease, loaded the store and recovered its trees: it
+    /// leads from now on (see
+    /// [`ExecutorBuilder::start_standby`](crate::ExecutorBuilder::start_standby)). The
+    /// first event of a subscription made while it waited.
+    Leading {
+        /// Its name in the lease.
+        holder: String,
+        /// The lease's epoch.
+        epoch: i64,
+    },
     /// This executor lost the leader lease and stepped down (see
     /// [`ExecutorBuilder::leadership`](crate::ExecutorBuilder)): it runs and
     /// acknowledges nothing more, and every request is answered

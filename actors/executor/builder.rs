@@ -37,6 +37,7 @@ use crate::actors::shared::{
 
 use super::actor::{ExecutorActor, NonceState};
 use super::api::Shutdown;
+use super::front::Front;
 use super::handle::{Executor, OwnedSystem};
 
 /// How many recovered trees are gathered before they go to their shards (one message
@@ -87,6 +88,9 @@ pub struct ExecutorBuilder<E = ()> {
     /// The leader lease to hold, on the PostgreSQL store.
     #[cfg(feature = "postgres")]
     lease: Option<crate::actors::PgLease>,
+    /// A standby's wait: told of the holders it sees, and ended by a stop.
+    #[cfg(feature = "postgres")]
+    standby: Option<Arc<dyn StandbyWait>>,
 }
 
 impl<E> std::fmt::Debug for ExecutorBuilder<E> {
@@ -130,6 +134,8 @@ impl<E> Default for ExecutorBuilder<E> {
             store: None,
             #[cfg(feature = "postgres")]
             lease: None,
+            #[cfg(feature = "postgres")]
+            standby: None,
             registry: Registry::default(),
             env: None,
             permits: Vec::new(),
@@ -426,7 +432,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// locked by another engine).
     pub async fn start(self) -> Result<Executor<E>, Error> {
         if actix::Arbiter::try_current().is_some() {
-            return self.start_here(false).await;
+            return Ok(self.start_here(false).await?.0);
         }
         let (started, answer) = oneshot::channel();
         let (gone, system_gone) = oneshot::channel();
@@ -434,7 +440,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             .name("proctor-system".into())
             .spawn(move || {
                 let system = actix::System::new();
-                let result = system.block_on(self.start_here(true));
+                let result = system.block_on(self.start_here(true)).map(|(e, _)| e);
                 let ok = result.is_ok();
                 // The starter may have given up waiting: then nothing should run.
                 if started.send(result).is_ok() && ok {
@@ -446,17 +452,99 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         let mut executor = answer.await.map_err(|_| {
             Error::Internal("the engine's system thread ended while starting".into())
         })??;
-        let addr = executor.addr.clone();
-        executor.system = Some(Arc::new(OwnedSystem {
-            gone: std::sync::Mutex::new(Some((system_gone, thread))),
-            stop: Box::new(move || addr.do_send(Shutdown::graceful())),
-        }));
+        executor.system = Some(owned_system(&executor.front, system_gone, thread));
         Ok(executor)
+    }
+
+    /// Starts a standby: an executor that answers every request at once with
+    /// [`Error::NotLeader`] (naming the lease's holder as it last saw it) while it
+    /// waits for the leader lease ([`leadership`](Self::leadership), which it needs),
+    /// and then — in the background — takes it, loads the store, recovers every tree
+    /// and takes requests as [`start`](Self::start)'s executor does. A service holds
+    /// this one handle from its start and routes each request by its answer;
+    /// [`Executor::leading`] waits for the lease, [`Executor::role`] tells
+    /// [`Role::Standby`](crate::Role::Standby) from a leader, and a subscription made
+    /// while it waits hears [`ProcEvent::Leading`](crate::ProcEvent::Leading) first. A
+    /// shutdown while it waits ends the wait (a lease it had just taken is let go).
+    ///
+    /// ```no_run
+    /// # use proctor::{async_trait, Context, Flow, ProcError, Procedure};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct CreateTable;
+    /// # #[async_trait] impl Procedure for CreateTable {
+    /// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+    /// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) } }
+    /// # async fn f(registry: proctor::Registry) -> Result<(), proctor::Error> {
+    /// use proctor::{Error, Executor, PgLease, PgStore};
+    /// let url = "host=db.internal user=proctor dbname=control";
+    /// let executor = Executor::builder()
+    ///     .registry(registry)
+    ///     .store(PgStore::connect(url)?)
+    ///     .leadership(PgLease::new(url, "master-b"))
+    ///     .start_standby()?;
+    /// match executor.submit(CreateTable).await {
+    ///     Ok(id) => println!("submitted {id}"),
+    ///     Err(Error::NotLeader { leader, .. }) => println!("ask the leader: {leader:?}"),
+    ///     Err(e) => return Err(e),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Config`] without a lease or a store, or when its thread cannot start.
+    /// Errors of the start itself (the database, the store) come later, as the
+    /// answers to requests and from [`Executor::leading`].
+    #[cfg(feature = "postgres")]
+    pub fn start_standby(mut self) -> Result<Executor<E>, Error> {
+        if self.lease.is_none() || self.store.is_none() {
+            return Err(Error::Config(
+                "a standby needs a store and a leader lease: give the builder .store(..) \
+                 and .leadership(PgLease::new(..))"
+                    .into(),
+            ));
+        }
+        let front = Arc::new(Front::standby());
+        self.standby = Some(front.clone());
+        let started = front.clone();
+        let run = move |result: Result<Started<E>, Error>| match result {
+            Ok((executor, leading)) => {
+                if let Some((holder, epoch)) = leading {
+                    started.started(&executor.front, &holder, epoch);
+                }
+                true
+            }
+            Err(e) => {
+                started.failed(e);
+                false
+            }
+        };
+        if actix::Arbiter::try_current().is_some() {
+            actix::spawn(async move {
+                run(self.start_here(false).await);
+            });
+            return Ok(Executor {
+                front,
+                system: None,
+            });
+        }
+        let (gone, system_gone) = oneshot::channel();
+        let thread = std::thread::Builder::new()
+            .name("proctor-system".into())
+            .spawn(move || {
+                let system = actix::System::new();
+                if run(system.block_on(self.start_here(true))) {
+                    let _ = system.run();
+                }
+                let _ = gone.send(());
+            })
+            .map_err(|e| Error::Config(format!("cannot start the engine's system thread: {e}")))?;
+        let system = Some(owned_system(&front, system_gone, thread));
+        Ok(Executor { front, system })
     }
 
     /// Starts the actors in the current actix system; `owned`: the system is the
     /// executor's own, stopped by its shutdown.
-    async fn start_here(mut self, owned: bool) -> Result<Executor<E>, Error> {
+    async fn start_here(mut self, owned: bool) -> Result<Started<E>, Error> {
         let env = self.check()?;
         let mut store = self.store.take().ok_or_else(|| {
             Error::Config(
@@ -469,7 +557,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         #[cfg(feature = "postgres")]
         let leadership = match self.lease.take() {
             Some(lease) => {
-                let leadership = lease.acquire().await?;
+                let leadership = self.acquire(lease).await?;
                 store.fence(Some(leadership.epoch()))?;
                 ::metrics::gauge!(crate::actors::metrics::IS_LEADER).set(1.0);
                 Some(leadership)
@@ -502,8 +590,11 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             fencing_token: None,
         };
         let addr = self.create_actor(recovered, env, peers, owned);
+        #[cfg_attr(not(feature = "postgres"), allow(unused_mut))]
+        let mut leading = None;
         #[cfg(feature = "postgres")]
         if let Some(leadership) = leadership {
+            leading = Some((leadership.holder().to_string(), leadership.epoch()));
             super::actor::lead(&addr, leadership);
         }
         tracing::info!(target: crate::targets::EXECUTOR,
@@ -514,11 +605,30 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             corrupt = report.corrupt.len(),
             "executor started"
         );
-        Ok(Executor {
-            addr,
-            report,
-            system: None,
-        })
+        Ok((
+            Executor {
+                front: Arc::new(Front::running(addr, report)),
+                system: None,
+            },
+            leading,
+        ))
+    }
+
+    /// Waits for `lease` and takes it; a standby's wait ends early when it is stopped,
+    /// and tells its front who holds the lease meanwhile.
+    #[cfg(feature = "postgres")]
+    async fn acquire(
+        &self,
+        lease: crate::actors::PgLease,
+    ) -> Result<crate::actors::Leadership, Error> {
+        let Some(standby) = self.standby.clone() else {
+            return Ok(lease.acquire().await?);
+        };
+        let stopped = standby.stopped();
+        tokio::select! {
+            taken = lease.acquire_watching(move |holder| standby.seen(holder)) => Ok(taken?),
+            () = stopped.cancelled() => Err(Error::Stopped),
+        }
     }
 
     /// The environment the procedures get, once the options are checked: nothing
@@ -698,6 +808,36 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             }
         })
     }
+}
+
+/// A started executor, and the lease's holder and epoch if it leads.
+type Started<E> = (Executor<E>, Option<(String, i64)>);
+
+/// A standby's wait for the lease, as the start sees it.
+#[cfg(feature = "postgres")]
+pub(super) trait StandbyWait: Send + Sync {
+    /// The lease's holder it found, while it waits.
+    fn seen(&self, holder: Option<String>);
+    /// Raised when the standby is stopped while it waits.
+    fn stopped(&self) -> crate::cancel::Cancel;
+}
+
+/// The system thread an executor started for itself, ended with it: `stop` asks the
+/// executor behind `front` to shut down when the last handle goes.
+fn owned_system<E: Send + Sync + 'static>(
+    front: &Arc<Front<E>>,
+    gone: oneshot::Receiver<()>,
+    thread: std::thread::JoinHandle<()>,
+) -> Arc<OwnedSystem> {
+    let front = front.clone();
+    Arc::new(OwnedSystem {
+        gone: std::sync::Mutex::new(Some((gone, thread))),
+        stop: Box::new(move || {
+            if let Some(addr) = front.stop() {
+                addr.do_send(Shutdown::graceful());
+            }
+        }),
+    })
 }
 
 /// The actors every shard talks to, started before the shards.

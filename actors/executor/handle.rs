@@ -22,6 +22,7 @@ use super::api::{
     Shutdown, Submit, SubscribeChannel, WaitFor, WaitValue,
 };
 use super::builder::{ExecutorBuilder, Recovery};
+use super::front::Front;
 use super::nonces::{NonceRegistration, NonceReservation, RegisterNonce, Registered};
 
 impl From<MailboxError> for Error {
@@ -80,8 +81,8 @@ pub struct Executor<E = ()>
 where
     E: Send + Sync + 'static,
 {
-    pub(super) addr: Addr<ExecutorActor<E>>,
-    pub(super) report: Arc<Recovery>,
+    /// The running actor, or a standby's wait for the lease.
+    pub(super) front: Arc<Front<E>>,
     /// Set when the executor runs its own actix system (started outside one).
     pub(super) system: Option<Arc<OwnedSystem>>,
 }
@@ -89,8 +90,7 @@ where
 impl<E: Send + Sync + 'static> Clone for Executor<E> {
     fn clone(&self) -> Self {
         Executor {
-            addr: self.addr.clone(),
-            report: self.report.clone(),
+            front: self.front.clone(),
             system: self.system.clone(),
         }
     }
@@ -99,7 +99,10 @@ impl<E: Send + Sync + 'static> Clone for Executor<E> {
 impl<E: Send + Sync + 'static> std::fmt::Debug for Executor<E> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Executor")
-            .field("connected", &self.addr.connected())
+            .field(
+                "connected",
+                &self.front.actor().is_ok_and(actix::Addr::connected),
+            )
             .field("own_system", &self.system.is_some())
             .finish_non_exhaustive()
     }
@@ -125,14 +128,32 @@ impl<E: Send + Sync + 'static> Executor<E> {
     pub fn builder() -> ExecutorBuilder<E> {
         ExecutorBuilder::default()
     }
-    /// What recovery found when the executor started.
+    /// What recovery found when the executor started (nothing, on a standby that
+    /// does not lead yet).
     pub fn recovery(&self) -> &Recovery {
-        &self.report
+        self.front.report()
     }
 
     /// The executor actor, for sending the messages directly.
-    pub fn addr(&self) -> &Addr<ExecutorActor<E>> {
-        &self.addr
+    ///
+    /// # Errors
+    /// [`Error::NotLeader`] on a standby that does not lead yet (see
+    /// [`ExecutorBuilder::start_standby`]), or its start's error if it failed.
+    pub fn addr(&self) -> Result<&Addr<ExecutorActor<E>>, Error> {
+        self.front.actor()
+    }
+
+    /// Waits until this executor leads: at once for one that [`start`]ed; for a
+    /// standby ([`ExecutorBuilder::start_standby`]), until it has taken the lease,
+    /// loaded the store and recovered every tree.
+    ///
+    /// [`start`]: ExecutorBuilder::start
+    ///
+    /// # Errors
+    /// The standby's start error (the database, the store), or [`Error::Stopped`] if it
+    /// was shut down while it waited.
+    pub async fn leading(&self) -> Result<(), Error> {
+        self.front.leading().await
     }
 
     /// Submits a root procedure; answers with its id once its insert is durable.
@@ -147,7 +168,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// bad resource name in its locks or a panic in `locks`, `holds_lock` or
     /// `timeout_ms`.
     pub async fn submit(&self, proc: impl Procedure<E>) -> Result<ProcId, Error> {
-        self.addr.send(Submit::new(proc)).await?
+        self.front.actor()?.send(Submit::new(proc)).await?
     }
 
     /// Submits a root procedure at most once per `nonce`: a retry with the same nonce
@@ -162,17 +183,24 @@ impl<E: Send + Sync + 'static> Executor<E> {
         proc: impl Procedure<E>,
         nonce: Nonce,
     ) -> Result<ProcId, Error> {
-        self.addr.send(Submit::new(proc).with_nonce(nonce)).await?
+        self.front
+            .actor()?
+            .send(Submit::new(proc).with_nonce(nonce))
+            .await?
     }
 
     /// What this executor is to its store: [`Role::Alone`] without a leader lease,
-    /// [`Role::Leader`] while it holds one, [`Role::SteppedDown`] once it lost it
-    /// (see [`ExecutorBuilder::leadership`](crate::ExecutorBuilder)).
+    /// [`Role::Standby`] while it waits for one, [`Role::Leader`] while it holds one,
+    /// [`Role::SteppedDown`] once it lost it (see
+    /// [`ExecutorBuilder::leadership`](crate::ExecutorBuilder)).
     ///
     /// # Errors
     /// [`Error::Stopped`] after shutdown.
     pub async fn role(&self) -> Result<Role, Error> {
-        Ok(self.addr.send(GetRole).await?)
+        if let Some(standby) = self.front.standby_role() {
+            return standby;
+        }
+        Ok(self.front.actor()?.send(GetRole).await?)
     }
 
     /// Reserves `nonce` before the procedure is built (HBase's `registerNonce`):
@@ -187,12 +215,14 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// [`Error::Stopped`] after shutdown; [`Error::Store`] or [`Error::Internal`] once
     /// the store has failed or the engine broke; the error of the submit it waited for.
     pub async fn register_nonce(&self, nonce: Nonce) -> Result<NonceRegistration<E>, Error> {
-        Ok(match self.addr.send(RegisterNonce(nonce)).await?? {
-            Registered::Known(id) => NonceRegistration::Known(id),
-            Registered::Reserved(token) => {
-                NonceRegistration::Reserved(NonceReservation::new(nonce, token, self.clone()))
-            }
-        })
+        Ok(
+            match self.front.actor()?.send(RegisterNonce(nonce)).await?? {
+                Registered::Known(id) => NonceRegistration::Known(id),
+                Registered::Reserved(token) => {
+                    NonceRegistration::Reserved(NonceReservation::new(nonce, token, self.clone()))
+                }
+            },
+        )
     }
 
     /// Asks a procedure to abort. `Ok(true)` once it has accepted and its failure is
@@ -210,7 +240,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// or [`Error::Internal`] once the store has failed or the engine broke;
     /// [`Error::Stopped`] after shutdown.
     pub async fn abort(&self, id: ProcId) -> Result<bool, Error> {
-        self.addr.send(Abort(id)).await?
+        self.front.actor()?.send(Abort(id)).await?
     }
 
     /// Stops live procedure `id`'s actor as a crash of that one actor would (with
@@ -221,7 +251,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     #[doc(hidden)]
     pub async fn kill_procedure_actor(&self, id: ProcId, panic: bool) -> Result<(), Error> {
         let kill = crate::actors::root_stack::KillProcedure { id, panic };
-        self.addr.send(kill).await?
+        self.front.actor()?.send(kill).await?
     }
 
     /// Bypasses a stuck procedure (HBCK2's `bypass`): it is marked SUCCESS without
@@ -241,7 +271,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// above; [`Error::Store`] or [`Error::Internal`] once the store has failed or the
     /// engine broke; [`Error::Stopped`] after shutdown.
     pub async fn bypass(&self, id: ProcId, recursive: bool) -> Result<(), Error> {
-        self.addr.send(Bypass { id, recursive }).await?
+        self.front.actor()?.send(Bypass { id, recursive }).await?
     }
 
     /// Pauses a procedure (PolarDB-X's `PAUSE DDL`) at its next step boundary: the
@@ -257,7 +287,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// before the pause took effect; as [`resume`](Self::resume) for a procedure not
     /// live, after shutdown or a store failure.
     pub async fn pause(&self, id: ProcId) -> Result<(), Error> {
-        self.addr.send(Pause(id)).await?
+        self.front.actor()?.send(Pause(id)).await?
     }
 
     /// Continues a paused procedure (PolarDB-X's `CONTINUE DDL`): a PAUSED one runs
@@ -272,7 +302,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// after shutdown; the store's error once it has failed.
     #[doc(alias = "continue")]
     pub async fn resume(&self, id: ProcId) -> Result<(), Error> {
-        self.addr.send(Continue(id)).await?
+        self.front.actor()?.send(Continue(id)).await?
     }
 
     /// Rolls a procedure's tree back on an operator's word (`ROLLBACK DDL`). A PAUSED
@@ -290,7 +320,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// already rolling back, or when the abort hook refuses; as [`resume`](Self::resume)
     /// for a procedure not live, after shutdown or a store failure.
     pub async fn rollback(&self, id: ProcId) -> Result<(), Error> {
-        self.addr.send(Rollback(id)).await?
+        self.front.actor()?.send(Rollback(id)).await?
     }
 
     /// What the executor knows of a procedure now.
@@ -300,7 +330,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// [`Error::UnknownProcedure`] for an id never issued, [`Error::Gone`] for one no
     /// longer known; [`Error::Stopped`] after shutdown.
     pub async fn state(&self, id: ProcId) -> Result<ProcInfo, Error> {
-        self.addr.send(GetState(id)).await?
+        self.front.actor()?.send(GetState(id)).await?
     }
 
     /// Waits until the root procedure `id` has finished; its result is `Ok(())` for
@@ -313,7 +343,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// [`Error::Internal`] if the store fails or the engine breaks before the tree
     /// finishes; [`Error::Stopped`] if the executor stops first.
     pub async fn wait(&self, id: ProcId) -> Result<Result<(), Failure>, Error> {
-        self.addr.send(WaitFor(id)).await?
+        self.front.actor()?.send(WaitFor(id)).await?
     }
 
     /// Waits like [`wait`](Self::wait) and returns the value a step of the root set
@@ -338,7 +368,8 @@ impl<E: Send + Sync + 'static> Executor<E> {
         &self,
         id: ProcId,
     ) -> Result<T, WaitError> {
-        self.addr
+        self.front
+            .actor()?
             .send(WaitValue::new(id))
             .await
             .map_err(Error::from)?
@@ -354,7 +385,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// [`Error::NotFinished`] before the tree finishes; [`Error::Stopped`] after
     /// shutdown.
     pub async fn ack_result(&self, id: ProcId) -> Result<(), Error> {
-        self.addr.send(AckResult(id)).await?
+        self.front.actor()?.send(AckResult(id)).await?
     }
 
     /// What the scheduler is doing: workers (with any extra), running and queued steps,
@@ -364,7 +395,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     ///
     /// [`Error::Stopped`] after shutdown.
     pub async fn scheduler_stats(&self) -> Result<SchedulerStats, Error> {
-        self.addr.send(GetSchedulerStats).await?
+        self.front.actor()?.send(GetSchedulerStats).await?
     }
 
     /// The procedures that pass `which` (see [`List`]), in id order: by default every
@@ -375,7 +406,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// [`Error::Store`] or [`Error::Internal`] once the store has failed or the engine
     /// broke; [`Error::Stopped`] after shutdown.
     pub async fn list(&self, which: List) -> Result<Vec<ProcInfo>, Error> {
-        self.addr.send(which).await?
+        self.front.actor()?.send(which).await?
     }
 
     /// Subscribes to [`ProcEvent`]s: every root submitted or finishing, and every
@@ -398,7 +429,9 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// broke; [`Error::Stopped`] after shutdown.
     pub async fn subscribe(&self) -> Result<Subscription, Error> {
         let (tx, events) = tokio::sync::mpsc::unbounded_channel();
-        self.addr.send(SubscribeChannel(tx)).await??;
+        if let Some(tx) = self.front.hold_subscriber(tx) {
+            self.front.actor()?.send(SubscribeChannel(tx)).await??;
+        }
         Ok(Subscription { events })
     }
 
@@ -418,7 +451,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     ///
     /// [`Error::Stopped`] after shutdown.
     pub async fn wake_event(&self, event: impl Into<String>) -> Result<(), Error> {
-        Ok(self.addr.send(WakeEvent(event.into())).await?)
+        Ok(self.front.actor()?.send(WakeEvent(event.into())).await?)
     }
 
     /// Makes `event` not ready again: later suspensions on it wait for the next wake.
@@ -427,7 +460,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     ///
     /// [`Error::Stopped`] after shutdown.
     pub async fn reset_event(&self, event: impl Into<String>) -> Result<(), Error> {
-        Ok(self.addr.send(ResetEvent(event.into())).await?)
+        Ok(self.front.actor()?.send(ResetEvent(event.into())).await?)
     }
 
     /// Stops the executor gracefully: new submits are refused, no new step or rollback
@@ -454,7 +487,11 @@ impl<E: Send + Sync + 'static> Executor<E> {
     }
 
     async fn stop(self, how: Shutdown) -> Result<(), Error> {
-        let stopped = self.addr.send(how).await;
+        let stopped = match self.front.stop() {
+            Some(addr) => addr.send(how).await,
+            // A standby stops waiting.
+            None => Ok(()),
+        };
         // An executor started outside actix also ends the system thread it started.
         let gone = self
             .system

@@ -8,8 +8,9 @@
 //! made the insert durable. It keeps the waiters for results.
 //!
 //! Users reach it through the crate's re-exports; `crash_test.rs` starts engines with
-//! the builder. It is in five parts: `builder.rs` (the options and the start, recovery
-//! included), `handle.rs` (the handle), `api.rs` (the messages the actor takes),
+//! the builder. It is in six parts: `builder.rs` (the options and the start, recovery
+//! included), `handle.rs` (the handle), `front.rs` (what the handle sends to: the
+//! actor, or a standby's wait for the lease), `api.rs` (the messages the actor takes),
 //! `actor.rs` (the actor and its handlers) and `nonces.rs` (nonce reservations: their
 //! messages and handlers). The invariants they guard together: a
 //! submit is answered only once its insert is durable, the executor handles no request
@@ -21,6 +22,7 @@
 mod actor;
 mod api;
 mod builder;
+mod front;
 mod handle;
 mod nonces;
 

@@ -338,7 +338,7 @@ impl<E: Send + Sync + 'static> NonceReservation<E> {
     pub async fn submit(self, proc: impl Procedure<E>) -> Result<ProcId, Error> {
         let mut submit = Submit::new(proc).with_nonce(self.nonce);
         submit.reservation = Some(self.token);
-        self.executor.addr.send(submit).await?
+        self.executor.addr()?.send(submit).await?
     }
 
     /// Records `error` as the result of the nonce, without submitting anything
@@ -359,7 +359,7 @@ impl<E: Send + Sync + 'static> NonceReservation<E> {
             type_name: type_name.to_string(),
             error,
         };
-        self.executor.addr.send(fail).await?
+        self.executor.addr()?.send(fail).await?
     }
 
     /// Lets the nonce go unused: the requests waiting on it try again. Dropping the
@@ -370,9 +370,11 @@ impl<E: Send + Sync + 'static> NonceReservation<E> {
 impl<E: Send + Sync + 'static> Drop for NonceReservation<E> {
     fn drop(&mut self) {
         // A no-op once the nonce was submitted or failed with this token.
-        self.executor.addr.do_send(ReleaseNonce {
-            nonce: self.nonce,
-            token: self.token,
-        });
+        if let Ok(addr) = self.executor.addr() {
+            addr.do_send(ReleaseNonce {
+                nonce: self.nonce,
+                token: self.token,
+            });
+        }
     }
 }

@@ -112,13 +112,22 @@ impl PgLease {
     /// [`StoreError::Database`] if the database cannot be reached when it starts (later
     /// failures while it waits are retried).
     pub async fn acquire(self) -> Result<Leadership, StoreError> {
+        self.acquire_watching(|_| {}).await
+    }
+
+    /// As [`acquire`](Self::acquire), telling `seen` who holds the lease whenever a
+    /// standby finds another holder than it last did.
+    pub(crate) async fn acquire_watching(
+        self,
+        seen: impl Fn(Option<String>) + Send + 'static,
+    ) -> Result<Leadership, StoreError> {
         let (taken_tx, taken_rx) = oneshot::channel();
         let (lost_tx, lost_rx) = watch::channel(None);
         let (stop_tx, stop_rx) = mpsc::channel::<()>();
         let lease = self.clone();
         let thread = thread::Builder::new()
             .name("proctor-lease".to_string())
-            .spawn(move || lease.run(taken_tx, &lost_tx, &stop_rx))
+            .spawn(move || lease.run(taken_tx, &lost_tx, &stop_rx, &seen))
             .map_err(|e| StoreError::Io {
                 context: "starting the lease's thread".to_string(),
                 source: e,
@@ -170,8 +179,9 @@ impl PgLease {
     fn run(
         &self,
         taken: oneshot::Sender<Result<i64, StoreError>>,
-        lost: &watch::Sender<Option<String>>,
+        lost: &watch::Sender<Option<Loss>>,
         stop: &mpsc::Receiver<()>,
+        seen: &dyn Fn(Option<String>),
     ) {
         let tick = self.period / 3;
         // The lease's row is the store's: made with its tables if a standby comes first.
@@ -196,6 +206,7 @@ impl PgLease {
                 Ok(Taken::No(state)) => {
                     if waiting_logged.as_ref() != Some(&state.holder) {
                         tracing::info!(target: crate::targets::STORE, holder = ?state.holder, epoch = state.epoch, "standby: the leader lease is held; waiting");
+                        seen(state.holder.clone());
                         waiting_logged = Some(state.holder);
                     }
                 }
@@ -212,6 +223,10 @@ impl PgLease {
         };
         tracing::info!(target: crate::targets::STORE, holder = %self.holder, epoch, period_ms = self.period.as_millis() as u64, "took the leader lease");
         if taken.send(Ok(epoch)).is_err() {
+            // Nobody waits for it any more (the standby was stopped): let it go.
+            if let Some(c) = client.as_mut() {
+                let _ = release(c, self.schema(), &self.holder, epoch);
+            }
             return;
         }
         // Renew until stopped; give up (lost) when another epoch is found, or when no
@@ -230,6 +245,16 @@ impl PgLease {
                     return;
                 }
             }
+            // Woken past the deadline (the process was stopped, or starved): lost
+            // without asking the database, which takes a round trip the holder must
+            // not spend acting.
+            if renewed_at.elapsed() >= deadline {
+                let _ = lost.send(Some(Loss {
+                    reason: not_renewed(renewed_at),
+                    taker: None,
+                }));
+                return;
+            }
             let started = Instant::now();
             let attempt = self.on(&mut client, |c| {
                 renew(c, self.schema(), &self.holder, epoch, self.period)
@@ -246,13 +271,14 @@ impl PgLease {
                         .as_mut()
                         .and_then(|c| read(c, self.schema()).ok())
                         .and_then(|state| Some((state.holder?, state.epoch)));
-                    let by = match taker {
+                    let by = match &taker {
                         Some((holder, now)) => format!("{holder} took it (epoch {now})"),
                         None => "another engine took it".to_string(),
                     };
-                    let _ = lost.send(Some(format!(
-                        "the leader lease is no longer at epoch {epoch}: {by}"
-                    )));
+                    let _ = lost.send(Some(Loss {
+                        reason: format!("the leader lease is no longer at epoch {epoch}: {by}"),
+                        taker: taker.map(|(holder, _)| holder),
+                    }));
                     return;
                 }
                 Err(e) => {
@@ -261,10 +287,10 @@ impl PgLease {
                 }
             }
             if renewed_at.elapsed() >= deadline {
-                let _ = lost.send(Some(format!(
-                    "the leader lease was not renewed for {} ms (two thirds of its period)",
-                    renewed_at.elapsed().as_millis()
-                )));
+                let _ = lost.send(Some(Loss {
+                    reason: not_renewed(renewed_at),
+                    taker: None,
+                }));
                 return;
             }
         }
@@ -277,7 +303,7 @@ impl PgLease {
 pub struct Leadership {
     epoch: i64,
     holder: String,
-    lost: watch::Receiver<Option<String>>,
+    lost: watch::Receiver<Option<Loss>>,
     stop: Option<mpsc::Sender<()>>,
     thread: Option<thread::JoinHandle<()>>,
 }
@@ -296,11 +322,11 @@ impl Leadership {
     /// Resolves, with the reason, once the lease is lost: the holder must stop acting
     /// at once (the lease may expire within the third of its period left).
     pub async fn lost(&self) -> String {
-        lost_reason(self.lost.clone()).await
+        lost_reason(self.lost.clone()).await.reason
     }
 
     /// What tells of the loss, for a task that outlives no leadership.
-    pub(crate) fn signal(&self) -> watch::Receiver<Option<String>> {
+    pub(crate) fn signal(&self) -> watch::Receiver<Option<Loss>> {
         self.lost.clone()
     }
 
@@ -321,13 +347,35 @@ impl Drop for Leadership {
     }
 }
 
-/// Waits on `lost` until the lease is lost; the reason.
-pub(crate) async fn lost_reason(mut lost: watch::Receiver<Option<String>>) -> String {
-    let reason = match lost.wait_for(Option::is_some).await {
-        Ok(reason) => reason.clone().unwrap_or_default(),
-        Err(_) => "the lease's thread stopped".to_string(),
-    };
-    reason
+/// Why a holder whose last renewal succeeded at `renewed_at` gave up the lease.
+fn not_renewed(renewed_at: Instant) -> String {
+    format!(
+        "the leader lease was not renewed for {} ms (two thirds of its period)",
+        renewed_at.elapsed().as_millis()
+    )
+}
+
+/// How a holder lost the lease.
+#[derive(Clone, Debug)]
+pub(crate) struct Loss {
+    /// Who took it, or how long no renewal succeeded.
+    pub(crate) reason: String,
+    /// The new holder, if the lease names one.
+    pub(crate) taker: Option<String>,
+}
+
+/// Waits on `lost` until the lease is lost.
+pub(crate) async fn lost_reason(mut lost: watch::Receiver<Option<Loss>>) -> Loss {
+    match lost.wait_for(Option::is_some).await {
+        Ok(loss) => loss.clone().unwrap_or_else(|| Loss {
+            reason: String::new(),
+            taker: None,
+        }),
+        Err(_) => Loss {
+            reason: "the lease's thread stopped".to_string(),
+            taker: None,
+        },
+    }
 }
 
 enum Taken {

@@ -37,7 +37,7 @@ use postgres::error::SqlState;
 use postgres::{Client, NoTls, Transaction};
 
 mod lease;
-pub(crate) use lease::lost_reason;
+pub(crate) use lease::{lost_reason, Loss};
 pub use lease::{Leadership, LeaseState, PgLease};
 
 use crate::fast_map::IdMap;

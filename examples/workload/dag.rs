@@ -54,7 +54,11 @@ impl Task<Env> for Step {
         let env = ctx.env();
         env.steps.fetch_add(1, Ordering::Relaxed);
         let root = ctx.root().0;
-        env.add_effect((root, self.index, 0), u32::from(self.of))?;
+        env.add_effect(
+            (root, self.index, 0),
+            u32::from(self.of),
+            ctx.fencing_token(),
+        )?;
         if self.fail && env.fire(root, self.index) {
             return Err(ProcError::failed(format!(
                 "injected failure in task {}",
@@ -65,7 +69,8 @@ impl Task<Env> for Step {
     }
 
     async fn rollback(&self, ctx: &mut Context<Env>) -> Result<(), ProcError> {
-        ctx.env().remove_effect((ctx.root().0, self.index, 0))
+        ctx.env()
+            .remove_effect((ctx.root().0, self.index, 0), ctx.fencing_token())
     }
 
     fn irreversible(&self) -> bool {

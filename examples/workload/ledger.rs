@@ -3,17 +3,26 @@
 //! engine.
 //!
 //! Format: one line per call, `+ ROOT PATH STEP TOTAL` or `- ROOT PATH STEP`, appended
-//! with one `write` each, before the step returns. `TOTAL` is the number of effects
+//! with one `write` each, before the step returns, and ending in ` @TOKEN` when the
+//! step ran under a leader lease (its [`fencing token`](proctor::Context::fencing_token)). `TOTAL` is the number of effects
 //! the root's whole tree leaves when it succeeds, so a root whose result the engine
 //! has evicted (`--retention-ms`) can still be checked: its effects in force are none
 //! or all of them. (A line without it, from before it was written, checks nothing.) A write reaches the kernel before the
 //! engine persists the step, so a process crash (SIGKILL) loses no effect the store
 //! knows of. Replaying the lines in order gives the set of effects in force; adding an
 //! effect twice (a step re-run after a crash) is harmless.
+//!
+//! Fencing: the ledger is a resource that knows of leases, as the resources a
+//! control plane changes must be. It refuses a change whose token is lower than the
+//! highest it has taken, so a deposed leader's step that finishes late (the process was
+//! stopped past its lease and continued) cannot act after its successor did. The
+//! check and the append are one step across processes: both happen under an exclusive
+//! lock on the ledger file, with the highest token kept in `<ledger>.fence`.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
 use std::io::{BufRead, BufReader, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -23,31 +32,89 @@ pub type Effect = (u64, u16, u16);
 
 pub struct Ledger {
     path: PathBuf,
-    file: Mutex<File>,
+    /// The ledger and its fence (the highest token taken, 8 bytes).
+    files: Mutex<(File, File)>,
 }
+
+/// One line: added or removed, the effect, the total an added effect names, the token.
+type Line = (bool, Effect, Option<u64>, Option<i64>);
 
 impl Ledger {
     pub fn open(path: &Path) -> std::io::Result<Ledger> {
         let file = OpenOptions::new().create(true).append(true).open(path)?;
+        let mut fence_path = path.as_os_str().to_owned();
+        fence_path.push(".fence");
+        let fence = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(fence_path)?;
         Ok(Ledger {
             path: path.to_path_buf(),
-            file: Mutex::new(file),
+            files: Mutex::new((file, fence)),
         })
     }
 
-    /// Records `effect`, of a tree that leaves `total` effects when it succeeds.
-    pub fn add(&self, effect: Effect, total: u32) -> std::io::Result<()> {
+    /// Records `effect`, of a tree that leaves `total` effects when it succeeds, made
+    /// under fencing token `token` if any.
+    pub fn add(&self, effect: Effect, total: u32, token: Option<i64>) -> std::io::Result<()> {
         let (root, path, step) = effect;
-        self.write(format!("+ {root} {path} {step} {total}\n"))
+        self.write(format!("+ {root} {path} {step} {total}"), token)
     }
 
-    pub fn remove(&self, (root, path, step): Effect) -> std::io::Result<()> {
-        self.write(format!("- {root} {path} {step}\n"))
+    pub fn remove(&self, (root, path, step): Effect, token: Option<i64>) -> std::io::Result<()> {
+        self.write(format!("- {root} {path} {step}"), token)
     }
 
-    fn write(&self, line: String) -> std::io::Result<()> {
-        let mut file = self.file.lock().unwrap_or_else(|e| e.into_inner());
-        file.write_all(line.as_bytes())
+    fn write(&self, mut line: String, token: Option<i64>) -> std::io::Result<()> {
+        let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
+        let (file, fence) = &*files;
+        let Some(token) = token else {
+            line.push('\n');
+            return (&*file).write_all(line.as_bytes());
+        };
+        line.push_str(&format!(" @{token}\n"));
+        // Other processes append to the same ledger: check and append under its lock.
+        file.lock()?;
+        let appended = (|| {
+            let mut highest = [0u8; 8];
+            let read = fence.read_at(&mut highest, 0)?;
+            let highest = if read == 8 {
+                i64::from_le_bytes(highest)
+            } else {
+                i64::MIN
+            };
+            if token < highest {
+                return Err(std::io::Error::other(format!(
+                    "fenced: token {token} is older than {highest}, which the ledger has taken"
+                )));
+            }
+            if token > highest {
+                fence.write_all_at(&token.to_le_bytes(), 0)?;
+            }
+            (&*file).write_all(line.as_bytes())
+        })();
+        file.unlock()?;
+        appended
+    }
+
+    /// Changes that came after a change with a higher token: a deposed leader acting
+    /// after its successor. None while the ledger checks tokens as it takes them.
+    pub fn fence_violations(&self) -> std::io::Result<Vec<String>> {
+        let mut highest = i64::MIN;
+        let mut violations = Vec::new();
+        for (n, (_, effect, _, token)) in self.lines()?.into_iter().enumerate() {
+            let Some(token) = token else { continue };
+            if token < highest {
+                violations.push(format!(
+                    "ledger line {}: effect {effect:?} made under token {token} after token {highest}",
+                    n + 1
+                ));
+            }
+            highest = highest.max(token);
+        }
+        Ok(violations)
     }
 
     /// The effects in force, counted per root.
@@ -72,14 +139,14 @@ impl Ledger {
         Ok(self
             .lines()?
             .into_iter()
-            .map(|(add, effect, _)| (add, effect))
+            .map(|(add, effect, _, _)| (add, effect))
             .collect())
     }
 
     /// The effects each root's tree leaves when it succeeds, as its lines say.
     pub fn totals(&self) -> std::io::Result<HashMap<u64, usize>> {
         let mut totals = HashMap::new();
-        for (_, (root, _, _), total) in self.lines()? {
+        for (_, (root, _, _), total, _) in self.lines()? {
             if let Some(total) = total.filter(|&t| t > 0) {
                 totals.insert(root, total as usize);
             }
@@ -87,8 +154,8 @@ impl Ledger {
         Ok(totals)
     }
 
-    /// Every line in order, with the total an added effect names.
-    fn lines(&self) -> std::io::Result<Vec<(bool, Effect, Option<u64>)>> {
+    /// Every line in order, with the total an added effect names and the token.
+    fn lines(&self) -> std::io::Result<Vec<Line>> {
         let mut history = Vec::new();
         let reader = BufReader::new(File::open(&self.path)?);
         for (n, line) in reader.lines().enumerate() {
@@ -117,12 +184,20 @@ impl Ledger {
                 "-" => false,
                 _ => return Err(bad()),
             };
-            let total = match parts.next() {
-                Some(t) if add => Some(t.parse::<u64>().map_err(|_| bad())?),
-                Some(_) => return Err(bad()),
-                None => None,
-            };
-            history.push((add, effect, total));
+            let mut total = None;
+            let mut token = None;
+            for part in parts {
+                match part.strip_prefix('@') {
+                    Some(t) if token.is_none() => {
+                        token = Some(t.parse::<i64>().map_err(|_| bad())?);
+                    }
+                    None if add && total.is_none() && token.is_none() => {
+                        total = Some(part.parse::<u64>().map_err(|_| bad())?);
+                    }
+                    _ => return Err(bad()),
+                }
+            }
+            history.push((add, effect, total, token));
         }
         Ok(history)
     }

@@ -368,11 +368,14 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 .leadership(lease)
                 .start()
                 .await?;
+            let epoch = match executor.role().await? {
+                proctor::Role::Leader { epoch, holder } => {
+                    eprintln!("workload: {holder} leads (lease epoch {epoch})");
+                    Some(epoch)
+                }
+                _ => None,
+            };
             if args.verify {
-                let epoch = match executor.role().await? {
-                    proctor::Role::Leader { epoch, .. } => Some(epoch),
-                    _ => None,
-                };
                 *shapes.borrow_mut() = stored_shapes(&args, &dir, epoch)?;
             }
             executor
@@ -441,9 +444,12 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         let done = running.start();
         actix::spawn(async move {
             let t0 = Instant::now();
-            let submitted = match executor.addr().send(proctor::Submit::boxed(proc)).await {
-                Ok(answer) => answer,
-                Err(e) => Err(e.into()),
+            let submitted = match executor.addr() {
+                Ok(addr) => match addr.send(proctor::Submit::boxed(proc)).await {
+                    Ok(answer) => answer,
+                    Err(e) => Err(e.into()),
+                },
+                Err(e) => Err(e),
             };
             let outcome = match submitted {
                 Ok(id) => {
@@ -676,6 +682,9 @@ async fn verify(
                 .violations
                 .push(format!("root {id} ({state}) {problem}"));
         }
+    }
+    if let Some(ledger) = &env.ledger {
+        tally.violations.extend(ledger.fence_violations()?);
     }
     let mut effects = match &env.ledger {
         Some(ledger) => ledger.effects_per_root()?,

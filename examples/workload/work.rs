@@ -66,23 +66,32 @@ impl Env {
     }
 
     /// Records `effect` in the ledger, of a tree that leaves `total` effects when it
-    /// succeeds.
-    pub fn add_effect(&self, effect: ledger::Effect, total: u32) -> Result<(), ProcError> {
+    /// succeeds, made under the leader lease's fencing token `token` if any.
+    pub fn add_effect(
+        &self,
+        effect: ledger::Effect,
+        total: u32,
+        token: Option<i64>,
+    ) -> Result<(), ProcError> {
         let Some(ledger) = &self.ledger else {
             return Ok(());
         };
         ledger
-            .add(effect, total)
+            .add(effect, total, token)
             .map_err(|e| ProcError::failed(format!("ledger: {e}")))
     }
 
-    /// Removes `effect` from the ledger.
-    pub fn remove_effect(&self, effect: ledger::Effect) -> Result<(), ProcError> {
+    /// Removes `effect` from the ledger, under fencing token `token` if any.
+    pub fn remove_effect(
+        &self,
+        effect: ledger::Effect,
+        token: Option<i64>,
+    ) -> Result<(), ProcError> {
         let Some(ledger) = &self.ledger else {
             return Ok(());
         };
         ledger
-            .remove(effect)
+            .remove(effect, token)
             .map_err(|e| ProcError::failed(format!("ledger: {e}")))
     }
 }
@@ -153,18 +162,19 @@ impl StateMachineProcedure<Env> for Work {
     async fn rollback_state(&mut self, ctx: &mut Context<Env>, step: u16) -> Result<(), ProcError> {
         let env = ctx.env();
         let root = ctx.root().0;
+        let token = ctx.fencing_token();
         env.enter(self.lock, root);
         if step >= self.steps {
             return Ok(());
         }
-        env.remove_effect((root, self.path, step))?;
+        env.remove_effect((root, self.path, step), token)?;
         if self.path == 0 && step == 0 {
             // The root's first step started the children: undo what they did. A child
             // that succeeded is not rolled back itself (its parent's rollback undoes
             // what the parent caused).
             for path in 1..=self.children {
                 for child_step in 0..self.steps {
-                    env.remove_effect((root, path, child_step))?;
+                    env.remove_effect((root, path, child_step), token)?;
                 }
             }
             // The root's last rollback: the tree leaves its resource.
@@ -195,7 +205,8 @@ impl Work {
             // Only reached by a one-step root with children: the step after them.
             return Ok(Flow::Done);
         }
-        env.add_effect((ctx.root().0, self.path, step), self.tree_effects)?;
+        let token = ctx.fencing_token();
+        env.add_effect((ctx.root().0, self.path, step), self.tree_effects, token)?;
         if self.fail == Some((self.path, step)) {
             return Err(ProcError::failed(format!(
                 "injected failure at path {} step {step}",

@@ -52,7 +52,31 @@ pub fn fresh_schema() -> String {
     format!("t{}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
+/// The role that must sign in with a password (`PASSWORD`), for tests of credentials.
+pub const PASSWORD_ROLE: &str = "proctor_password";
+/// Its password, once a test has created it ([`Postgres::password_url`]).
+pub const PASSWORD: &str = "right horse battery staple";
+
 impl Postgres {
+    /// Creates [`PASSWORD_ROLE`] (once), allowed to create schemas in the database: a
+    /// connection string for it with `password`.
+    pub fn password_url(&self, password: &str) -> String {
+        let mut sql = postgres::Client::connect(&self.url(), postgres::NoTls).expect("connect");
+        sql.batch_execute(&format!(
+            "DO $$ BEGIN
+               IF NOT EXISTS (SELECT FROM pg_roles WHERE rolname = '{PASSWORD_ROLE}') THEN
+                 CREATE ROLE {PASSWORD_ROLE} LOGIN PASSWORD '{PASSWORD}';
+                 GRANT CREATE ON DATABASE postgres TO {PASSWORD_ROLE};
+               END IF;
+             END $$"
+        ))
+        .expect("create the password role");
+        format!(
+            "host=127.0.0.1 port={} user={PASSWORD_ROLE} password='{password}' dbname=postgres connect_timeout=10",
+            self.port
+        )
+    }
+
     /// The connection string of its `postgres` database, as its superuser.
     pub fn url(&self) -> String {
         format!(
@@ -97,6 +121,16 @@ impl Postgres {
                 "--no-sync",
             ],
         )?;
+        // One role signs in with a password (first match wins): the tests of wrong
+        // credentials use it; every other connection is trusted.
+        let hba = pgdata.join("pg_hba.conf");
+        let trusted =
+            std::fs::read_to_string(&hba).map_err(|e| format!("{}: {e}", hba.display()))?;
+        std::fs::write(
+            &hba,
+            format!("host all {PASSWORD_ROLE} 127.0.0.1/32 scram-sha-256\n{trusted}"),
+        )
+        .map_err(|e| format!("{}: {e}", hba.display()))?;
         server.pg_ctl(&["start", "-w", "-t", "60"])?;
         Ok(server)
     }
