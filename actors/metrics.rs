@@ -112,6 +112,22 @@ pub const IS_LEADER: &str = "proctor_is_leader";
 /// Histogram: seconds one renewal of the leader lease took.
 pub const LEASE_RENEW: &str = "proctor_lease_renew_seconds";
 
+/// Gauge, by `target`: remote operations queued for the target.
+pub const REMOTE_QUEUED: &str = "proctor_remote_queued";
+/// Gauge, by `target`: requests to the target being sent.
+pub const REMOTE_IN_FLIGHT: &str = "proctor_remote_in_flight";
+/// Histogram, by `target`: operations in one request.
+pub const REMOTE_BATCH_OPS: &str = "proctor_remote_batch_ops";
+/// Histogram, by `target`: seconds one request's send took.
+pub const REMOTE_SEND: &str = "proctor_remote_send_seconds";
+/// Counter, by `target`: requests whose send failed (their operations retried).
+pub const REMOTE_SEND_FAILURES: &str = "proctor_remote_send_failures_total";
+/// Counter, by `target`: operations that ended without a value (failed on the target,
+/// sends failed past the deadline, target removed, no report in time, not sent again).
+pub const REMOTE_FAILURES: &str = "proctor_remote_failures_total";
+/// Counter: reports for operations unknown or already reported, ignored.
+pub const REMOTE_REPORTS_IGNORED: &str = "proctor_remote_reports_ignored_total";
+
 /// The label that carries a procedure's registered type name.
 pub const TYPE_LABEL: &str = "type";
 
@@ -129,13 +145,50 @@ const RECORDS: &[f64] = &[
 
 /// Each histogram's name with bucket bounds that suit it, for an exporter that exports
 /// histograms with fixed buckets (see the module's docs for Prometheus).
-pub const BUCKETS: [(&str, &[f64]); 5] = [
+pub const BUCKETS: [(&str, &[f64]); 7] = [
     (PROCEDURE_DURATION, SECONDS),
     (STEP_DURATION, SECONDS),
     (WAL_SYNC, SECONDS),
     (WAL_BATCH_RECORDS, RECORDS),
     (LEASE_RENEW, SECONDS),
+    (REMOTE_BATCH_OPS, RECORDS),
+    (REMOTE_SEND, SECONDS),
 ];
+
+/// The remote dispatcher's metrics' help texts (when a dispatcher starts).
+pub(crate) fn describe_remote() {
+    describe_gauge!(
+        REMOTE_QUEUED,
+        Unit::Count,
+        "Remote operations queued for a target."
+    );
+    describe_gauge!(
+        REMOTE_IN_FLIGHT,
+        Unit::Count,
+        "Requests to a target being sent."
+    );
+    describe_histogram!(
+        REMOTE_BATCH_OPS,
+        Unit::Count,
+        "Remote operations in one request."
+    );
+    describe_histogram!(REMOTE_SEND, Unit::Seconds, "Time one request's send took.");
+    describe_counter!(
+        REMOTE_SEND_FAILURES,
+        Unit::Count,
+        "Requests whose send failed (their operations are retried)."
+    );
+    describe_counter!(
+        REMOTE_FAILURES,
+        Unit::Count,
+        "Remote operations that ended without a value."
+    );
+    describe_counter!(
+        REMOTE_REPORTS_IGNORED,
+        Unit::Count,
+        "Reports for unknown or already reported operations, ignored."
+    );
+}
 
 /// Gives every metric its help text and unit in the installed recorder (a no-op without
 /// one). Called when an executor starts; calling it again is harmless.

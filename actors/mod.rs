@@ -16,6 +16,7 @@ pub(crate) mod pg_store;
 mod procedure;
 mod protocol;
 pub(crate) mod recover;
+pub(crate) mod remote;
 mod root_stack;
 mod scheduler;
 mod shard;
@@ -31,6 +32,7 @@ pub use executor::{
 pub use locks::{ResetEvent, WakeEvent};
 #[cfg(feature = "postgres")]
 pub use pg_store::{Leadership, LeaseState, PgLease, PgOptions, PgStore};
+pub use remote::{RemoteOptions, RemoveTarget, Report, Transport, TransportError};
 pub use scheduler::{GetSchedulerStats, SchedulerStats};
 pub use wal_store::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, view_wal_dir, view_wal_dir_on, DirView,

@@ -216,6 +216,8 @@ pub(crate) struct Shared {
     /// The leader lease's epoch the executor runs under, given to every call
     /// (`Context::fencing_token`).
     pub(crate) fencing_token: Option<i64>,
+    /// The remote dispatcher, and what a call's context reaches it through.
+    pub(crate) remote: Option<(crate::remote::Sink, Addr<super::remote::RemoteDispatcher>)>,
 }
 
 /// Calls into user code (steps and rollbacks) in progress, for a graceful shutdown:
@@ -288,6 +290,7 @@ impl Shared {
         table_capacity: usize,
         broken: Cancel,
         fencing_token: Option<i64>,
+        remote: Option<(crate::remote::Sink, Addr<super::remote::RemoteDispatcher>)>,
     ) -> Self {
         Shared {
             registry,
@@ -312,6 +315,7 @@ impl Shared {
             metrics: super::metrics::TypeMetrics::default(),
             proc_gauges: super::metrics::ProcGauges::new(),
             fencing_token,
+            remote,
         }
     }
 

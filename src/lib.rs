@@ -23,6 +23,7 @@ mod procedure;
 mod ready_queue;
 mod record;
 mod registry;
+mod remote;
 mod root_stack;
 mod saga;
 mod state_machine;
@@ -66,6 +67,7 @@ pub use crate::actors::{
 };
 #[cfg(feature = "postgres")]
 pub use crate::actors::{Leadership, LeaseState, PgLease, PgOptions, PgStore};
+pub use crate::actors::{RemoteOptions, RemoveTarget, Report, Transport, TransportError};
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};
 pub use crate::error::{Error, WaitError};
@@ -78,6 +80,7 @@ pub use crate::ready_queue::Scheduling;
 pub use crate::record::{Failure, Nonce, Paused};
 pub use crate::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
+pub use crate::remote::{BatchRules, OpId, RemoteError, RemoteResult, REMOTE_CALL};
 pub use crate::saga::{Saga, SagaContext, SagaProcedure, Undoing};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};
 pub use crate::store::{MemoryStore, ProcedureStore, StoreError};

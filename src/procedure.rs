@@ -491,6 +491,10 @@ pub struct Context<E: ?Sized = ()> {
     child_values: Option<ChildValues>,
     /// The leader lease's epoch, when the executor leads through one.
     fencing_token: Option<i64>,
+    /// The engine's remote dispatcher, when it has one.
+    remote: Option<crate::remote::Sink>,
+    /// Operations this step dispatched, for [`Context::await_remote`].
+    dispatched: Vec<crate::remote::RemoteCall>,
 }
 
 impl<E: ?Sized> Clone for Context<E> {
@@ -510,6 +514,8 @@ impl<E: ?Sized> Clone for Context<E> {
             children: self.children.clone(),
             child_values: self.child_values.clone(),
             fencing_token: self.fencing_token,
+            remote: self.remote.clone(),
+            dispatched: self.dispatched.clone(),
         }
     }
 }
@@ -554,6 +560,8 @@ impl<E: ?Sized> Context<E> {
             children: None,
             child_values: None,
             fencing_token: None,
+            remote: None,
+            dispatched: Vec::new(),
         }
     }
 
@@ -652,6 +660,69 @@ impl<E: ?Sized> Context<E> {
             .iter()
             .flat_map(|values| values.iter())
             .map(|(id, bytes)| (*id, &bytes[..]))
+    }
+
+    /// Queues a remote operation `op` for `target`, for this step to wait on: return
+    /// [`Context::await_remote`] at the end of the step. The operation is recorded with
+    /// the step (a child procedure of its own, whose id is the operation's [`OpId`])
+    /// before it is handed to the engine's dispatcher, which batches it with others for
+    /// the same target and sends it through the executor's transport
+    /// ([`ExecutorBuilder::remote`](crate::ExecutorBuilder::remote)). Operations
+    /// dispatched in a step that does not return `await_remote` are dropped.
+    ///
+    /// [`OpId`]: crate::OpId
+    ///
+    /// # Errors
+    /// [`ProcError::Persist`] if `op` does not serialize.
+    pub fn dispatch<T: Serialize>(
+        &mut self,
+        target: impl Into<String>,
+        op: &T,
+    ) -> Result<(), ProcError> {
+        let op = rmp_serde::to_vec_named(op)
+            .map_err(|e| ProcError::Persist(format!("remote operation: {e}")))?;
+        self.dispatched.push(crate::remote::RemoteCall {
+            target: target.into(),
+            op,
+            sent: false,
+        });
+        Ok(())
+    }
+
+    /// The outcomes of the remote operations this procedure waited for (see
+    /// [`Context::dispatch`]), in the order its steps dispatched them: each reported
+    /// value, or why there is none ([`RemoteError`](crate::RemoteError): the send kept
+    /// failing until the deadline, the operation failed on its target, the target was
+    /// removed, no report came in time). The step decides what a failure means: go
+    /// on, dispatch again, or return an error (its tree rolls back).
+    ///
+    /// ```
+    /// # use proctor::{Context, Flow, ProcError};
+    /// # fn step(ctx: &mut Context) -> Result<Flow, ProcError> {
+    /// for result in ctx.remote_results() {
+    ///     let opened: bool = result.value()?; // a failed operation fails the step
+    ///     assert!(opened, "{} on {}", result.op, result.target);
+    /// }
+    /// # Ok(Flow::Done) }
+    /// ```
+    pub fn remote_results(&self) -> Vec<crate::remote::RemoteResult> {
+        self.child_values
+            .iter()
+            .flat_map(|values| values.iter())
+            .filter_map(|(id, bytes)| crate::remote::Reported::decode((*id).into(), bytes))
+            .collect()
+    }
+
+    /// The engine's remote dispatcher, for the remote operations' children.
+    pub(crate) fn remote_sink(&self) -> Option<crate::remote::Sink> {
+        self.remote.clone()
+    }
+
+    /// Gives the call the engine's remote dispatcher.
+    #[must_use]
+    pub(crate) fn with_remote(mut self, remote: Option<crate::remote::Sink>) -> Self {
+        self.remote = remote;
+        self
     }
 
     /// The value child `child` set with [`Context::set_result`], decoded as `T`;
@@ -879,6 +950,31 @@ impl<E: ?Sized> Context<E> {
     }
 }
 
+impl<E: Send + Sync + 'static> Context<E> {
+    /// Ends a step that dispatched remote operations ([`Context::dispatch`]): the
+    /// procedure waits until every one has an outcome, and its next step reads them
+    /// ([`Context::remote_results`]). With none dispatched the procedure is done (as
+    /// an empty [`Flow::Children`]).
+    ///
+    /// ```
+    /// # use proctor::{Context, Flow, ProcError};
+    /// # #[derive(serde::Serialize)] struct OpenRegion { region: u32 }
+    /// # fn step(ctx: &mut Context) -> Result<Flow, ProcError> {
+    /// ctx.dispatch("rs-1", &OpenRegion { region: 1 })?;
+    /// ctx.dispatch("rs-2", &OpenRegion { region: 2 })?;
+    /// Ok(ctx.await_remote())
+    /// # }
+    /// ```
+    pub fn await_remote(&mut self) -> Flow<E> {
+        Flow::Children(
+            std::mem::take(&mut self.dispatched)
+                .into_iter()
+                .map(|call| Box::new(call) as Box<dyn Procedure<E>>)
+                .collect(),
+        )
+    }
+}
+
 impl Context<dyn Any + Send + Sync> {
     /// The engine's type-erased context as the typed one a procedure of environment `E`
     /// receives.
@@ -910,6 +1006,8 @@ impl Context<dyn Any + Send + Sync> {
             children: self.children.clone(),
             child_values: self.child_values.clone(),
             fencing_token: self.fencing_token,
+            remote: self.remote.clone(),
+            dispatched: Vec::new(),
         }
     }
 }

@@ -15,3 +15,5 @@ pub(crate) const LOCKS: &str = "proctor::locks";
 pub(crate) const STORE: &str = "proctor::store";
 /// The write-ahead log.
 pub(crate) const WAL: &str = "proctor::wal";
+/// The remote dispatcher: requests, failures, reports.
+pub(crate) const REMOTE: &str = "proctor::remote";

@@ -6,13 +6,18 @@
 //! of the successful ones, none of the rolled-back ones, none of unknown procedures.
 //! The same with DAG roots (failures, points of no return, the child and the last
 //! recovery continuing what pauses): rolled-back DAGs undid their tasks against the
-//! edges and never past a point of no return.
+//! edges and never past a point of no return. The trees' roots also send one remote
+//! operation per step to in-process nodes, which apply each operation once (they
+//! deduplicate by op id, remembering in the ledger): after the kills no operation was
+//! applied twice, though operations a kill left unreported were sent again.
 
 #[path = "../examples/workload/dag.rs"]
 mod dag;
 #[path = "../examples/workload/ledger.rs"]
 #[allow(dead_code)]
 mod ledger;
+#[path = "../examples/workload/nodes.rs"]
+mod nodes;
 #[path = "../examples/workload/work.rs"]
 #[allow(dead_code)]
 mod work;
@@ -40,6 +45,8 @@ const STEPS: u16 = 3;
 const CHILDREN: u16 = 2;
 /// Each tree locks one of these resources for its life (`res/<k>`).
 const LOCKS: u32 = 8;
+/// Each step of a tree's root sends an operation to one of these remote nodes.
+const REMOTE_TARGETS: u16 = 4;
 
 /// The two tests here run side by side: one spawns children while the other opens a
 /// WAL. A child holds a copy of this process's descriptors, a WAL's lock included, until
@@ -67,7 +74,11 @@ async fn executor(dir: &Path, retention: Option<Duration>) -> (Executor<Env>, Ar
             .retention(kept)
             .cleaner_interval(Duration::from_millis(20));
     }
+    let nodes = nodes::Nodes::new(env.clone(), 2, 0.05, 1).expect("nodes");
+    let remote = proctor::RemoteOptions::default().max_age(Duration::from_millis(5));
+    let builder = builder.remote(nodes::ToNodes(nodes.clone()), remote);
     let executor = builder.start().await.expect("recovery succeeds");
+    let _ = nodes.executor.set(executor.clone());
     (executor, env)
 }
 
@@ -97,7 +108,8 @@ fn crash_child() {
                     let fail =
                         (rng.f64() < 0.2).then(|| (rng.u16(0..=CHILDREN), rng.u16(0..STEPS)));
                     let lock = Some(rng.u32(0..LOCKS));
-                    Box::new(StateMachine::new(Work::root(STEPS, CHILDREN, fail, lock)))
+                    let work = Work::root(STEPS, CHILDREN, fail, lock).with_remote(REMOTE_TARGETS);
+                    Box::new(StateMachine::new(work))
                 }
             };
             let permit = window.clone().acquire_owned().await.unwrap();
@@ -207,6 +219,13 @@ fn sigkill_at_random_moments_loses_nothing() {
             roots.len(),
             &violations[..violations.len().min(5)]
         );
+        let applied = env.ledger.as_ref().unwrap().applied_ops().unwrap();
+        assert!(
+            applied.len() > roots.len(),
+            "the roots' steps sent operations"
+        );
+        let twice: Vec<_> = applied.iter().filter(|(_, n)| **n > 1).collect();
+        assert!(twice.is_empty(), "applied more than once: {twice:?}");
         executor.shutdown_now().await.unwrap();
     });
 }

@@ -19,6 +19,7 @@ mod common;
 #[allow(dead_code)]
 mod dag;
 #[path = "../examples/workload/ledger.rs"]
+#[allow(dead_code)]
 mod ledger;
 #[path = "../examples/workload/work.rs"]
 #[allow(dead_code)]

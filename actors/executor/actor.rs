@@ -1089,6 +1089,48 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
     }
 }
 
+impl<E: Send + Sync + 'static> Handler<crate::actors::remote::Report> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<bool, Error>>;
+
+    fn handle(
+        &mut self,
+        msg: crate::actors::remote::Report,
+        _ctx: &mut Context<Self>,
+    ) -> Self::Result {
+        let dispatcher = self.dispatcher();
+        Box::pin(async move { dispatcher?.send(msg).await? })
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<crate::actors::remote::RemoveTarget> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<usize, Error>>;
+
+    fn handle(
+        &mut self,
+        msg: crate::actors::remote::RemoveTarget,
+        _ctx: &mut Context<Self>,
+    ) -> Self::Result {
+        let dispatcher = self.dispatcher();
+        Box::pin(async move { dispatcher?.send(msg).await? })
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    /// The remote dispatcher, or why there is none.
+    fn dispatcher(&self) -> Result<Addr<crate::actors::remote::RemoteDispatcher>, Error> {
+        self.shared
+            .remote
+            .as_ref()
+            .map(|(_, addr)| addr.clone())
+            .ok_or_else(|| {
+                Error::Config(
+                    "this executor has no remote dispatcher: give its builder .remote(transport)"
+                        .into(),
+                )
+            })
+    }
+}
+
 /// What an executor is to its store ([`Executor::role`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -39,6 +39,7 @@ use super::actor::{ExecutorActor, NonceState};
 use super::api::Shutdown;
 use super::front::Front;
 use super::handle::{Executor, OwnedSystem};
+use crate::actors::remote::{AnyTransport, RemoteDispatcher, RemoteOptions, Transport, Typed};
 
 /// How many recovered trees are gathered before they go to their shards (one message
 /// per shard).
@@ -85,6 +86,8 @@ pub struct ExecutorBuilder<E = ()> {
     retention: Retention,
     monitor: Monitor,
     drain_timeout: Duration,
+    /// The transport of remote operations, and how they are batched.
+    remote: Option<(Arc<dyn AnyTransport>, RemoteOptions)>,
     /// The leader lease to hold, on the PostgreSQL store.
     #[cfg(feature = "postgres")]
     lease: Option<crate::actors::PgLease>,
@@ -109,6 +112,7 @@ impl<E> std::fmt::Debug for ExecutorBuilder<E> {
             .field("retention", &self.retention)
             .field("monitor", &self.monitor)
             .field("drain_timeout", &self.drain_timeout)
+            .field("remote", &self.remote.as_ref().map(|(_, options)| options))
             .finish_non_exhaustive()
     }
 }
@@ -132,6 +136,7 @@ impl<E> Default for ExecutorBuilder<E> {
             system_workers: 1,
             arbiters: std::thread::available_parallelism().map_or(2, |n| n.get()),
             store: None,
+            remote: None,
             #[cfg(feature = "postgres")]
             lease: None,
             #[cfg(feature = "postgres")]
@@ -260,6 +265,28 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     #[must_use]
     pub fn store(mut self, store: impl ProcedureStore) -> Self {
         self.store = Some(Box::new(store));
+        self
+    }
+
+    /// Sends remote operations ([`Context::dispatch`](crate::Context::dispatch))
+    /// through `transport`, batched per target as `options` say
+    /// ([`RemoteOptions::default`]: 32 operations or 150 ms, HBase's). Their targets
+    /// report through [`Executor::report`]. Without a transport, a step that dispatches
+    /// fails its operations' procedures with an error that says so.
+    ///
+    /// ```
+    /// # use proctor::{async_trait, OpId, Report, Transport, TransportError};
+    /// # struct Rpc;
+    /// # #[async_trait] impl Transport for Rpc { type Op = u32;
+    /// #   async fn send(&self, _: &str, _: Vec<(OpId, u32)>) -> Result<Vec<Report>, TransportError> { Ok(vec![]) } }
+    /// let builder = proctor::Executor::<()>::builder()
+    ///     .store(proctor::MemoryStore::new())
+    ///     .remote(Rpc, proctor::RemoteOptions::default());
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn remote<T: Transport>(mut self, transport: T, options: RemoteOptions) -> Self {
+        self.remote = Some((Arc::new(Typed(Arc::new(transport))), options));
         self
     }
 
@@ -566,7 +593,11 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         };
         // The registry's types go to the recovery, and on to the actors: the other
         // options are still read below.
-        let registry = std::mem::take(&mut self.registry);
+        let mut registry = std::mem::take(&mut self.registry);
+        // Remote operations' children are every registry's: they may be in the store.
+        if registry.static_name(crate::remote::REMOTE_CALL).is_none() {
+            registry.register::<crate::remote::RemoteCall>(crate::remote::REMOTE_CALL);
+        }
         let recovered = Recovered::load(&mut *store, registry, &env)?;
         crate::actors::metrics::describe();
         let persistence = PersistenceActor::new(store)
@@ -577,6 +608,15 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             ..SchedulerViews::default()
         });
         let locks = LockActor::new(std::mem::take(&mut self.permits), views.clone()).start();
+        let remote = self.remote.take().map(|(transport, options)| {
+            let dispatcher = RemoteDispatcher::new(transport, options, locks.clone());
+            let outcomes = dispatcher.outcomes();
+            let addr = dispatcher.start();
+            (
+                RemoteDispatcher::sink(addr.clone(), outcomes, locks.clone()),
+                addr,
+            )
+        });
         recovered.regrant(&locks);
         let report = recovered.report.clone();
         let peers = Peers {
@@ -588,6 +628,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             fencing_token: leadership.as_ref().map(crate::actors::Leadership::epoch),
             #[cfg(not(feature = "postgres"))]
             fencing_token: None,
+            remote,
         };
         let addr = self.create_actor(recovered, env, peers, owned);
         #[cfg_attr(not(feature = "postgres"), allow(unused_mut))]
@@ -779,6 +820,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 table_capacity,
                 peers.broken,
                 peers.fencing_token,
+                peers.remote,
             ));
             keep_results(&shared, finished);
             start_recovered(&shared, &plan, trees);
@@ -850,6 +892,8 @@ struct Peers {
     broken: crate::cancel::Cancel,
     /// The leader lease's epoch, for every call's context.
     fencing_token: Option<i64>,
+    /// The remote dispatcher, and what procedures reach it through.
+    remote: Option<(crate::remote::Sink, Addr<RemoteDispatcher>)>,
 }
 
 /// A recovered tree, decoded: its plan, its procedures, and the suspended ones that

@@ -435,6 +435,39 @@ impl<E: Send + Sync + 'static> Executor<E> {
         Ok(Subscription { events })
     }
 
+    /// Hands the dispatcher a target's report of a remote operation (see
+    /// [`Context::dispatch`](crate::Context::dispatch)): [`Report::ok`] with its value,
+    /// or [`Report::failed`] with why it failed on the target. `Ok(true)` if it was
+    /// taken; `Ok(false)` if it was ignored — the operation is unknown, already has an
+    /// outcome, or was rolled back (targets may report twice).
+    ///
+    /// ```no_run
+    /// # async fn f(executor: proctor::Executor, op: proctor::OpId) -> Result<(), proctor::Error> {
+    /// executor.report(proctor::Report::ok(op, &"opened")?).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`Error::Config`] if the executor has no remote dispatcher
+    /// ([`ExecutorBuilder::remote`]); [`Error::Stopped`] after shutdown.
+    pub async fn report(&self, report: crate::Report) -> Result<bool, Error> {
+        self.front.actor()?.send(report).await?
+    }
+
+    /// Declares `target` gone (HBase's `removeNode`): every remote operation queued
+    /// for it or awaiting its report fails with
+    /// [`RemoteError::TargetGone`](crate::RemoteError::TargetGone), and its
+    /// procedure's next step decides (another target, or fail). Answers how many.
+    ///
+    /// # Errors
+    /// As [`report`](Self::report).
+    pub async fn remove_target(&self, target: impl Into<String>) -> Result<usize, Error> {
+        self.front
+            .actor()?
+            .send(crate::RemoveTarget(target.into()))
+            .await?
+    }
+
     /// Makes `event` ready and wakes the procedures suspended on it (see
     /// [`Flow::Suspend`](crate::Flow)); it stays ready until [`reset_event`](Self::reset_event).
     ///

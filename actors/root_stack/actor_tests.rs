@@ -286,6 +286,7 @@ impl Harness {
             16,
             crate::cancel::Cancel::new(),
             None,
+            None,
         ));
         let proc = erase::<Log, P>(root);
         let root = declare(&shared, &*proc, now_ms()).unwrap_or_else(|_| panic!("declared"));

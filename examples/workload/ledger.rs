@@ -12,6 +12,10 @@
 //! knows of. Replaying the lines in order gives the set of effects in force; adding an
 //! effect twice (a step re-run after a crash) is harmless.
 //!
+//! Remote targets (`--remote T`) write `= OP ROOT` when they apply operation `OP` (of
+//! root `ROOT`'s tree), once: they deduplicate by op id, with the ledger as their
+//! durable memory, so no op id may appear on two such lines.
+//!
 //! Fencing: the ledger is a resource that knows of leases, as the resources a
 //! control plane changes must be. It refuses a change whose token is lower than the
 //! highest it has taken, so a deposed leader's step that finishes late (the process was
@@ -99,6 +103,27 @@ impl Ledger {
         appended
     }
 
+    /// Records that a remote target applied operation `op` of `root`'s tree.
+    pub fn applied(&self, op: u64, root: u64) -> std::io::Result<()> {
+        self.write(format!("= {op} {root}"), None)
+    }
+
+    /// How many times each operation was applied by the remote targets.
+    pub fn applied_ops(&self) -> std::io::Result<HashMap<u64, usize>> {
+        let mut applied = HashMap::new();
+        let reader = BufReader::new(File::open(&self.path)?);
+        for line in reader.lines() {
+            let line = line?;
+            if let Some(rest) = line.strip_prefix("= ") {
+                let op = rest.split(' ').next().and_then(|o| o.parse::<u64>().ok());
+                if let Some(op) = op {
+                    *applied.entry(op).or_default() += 1;
+                }
+            }
+        }
+        Ok(applied)
+    }
+
     /// Changes that came after a change with a higher token: a deposed leader acting
     /// after its successor. None while the ledger checks tokens as it takes them.
     pub fn fence_violations(&self) -> std::io::Result<Vec<String>> {
@@ -108,7 +133,7 @@ impl Ledger {
             let Some(token) = token else { continue };
             if token < highest {
                 violations.push(format!(
-                    "ledger line {}: effect {effect:?} made under token {token} after token {highest}",
+                    "ledger change {}: effect {effect:?} made under token {token} after token {highest}",
                     n + 1
                 ));
             }
@@ -160,6 +185,10 @@ impl Ledger {
         let reader = BufReader::new(File::open(&self.path)?);
         for (n, line) in reader.lines().enumerate() {
             let line = line?;
+            // A remote target's application (see `applied`), not an effect.
+            if line.starts_with("= ") {
+                continue;
+            }
             let bad = || {
                 std::io::Error::new(
                     std::io::ErrorKind::InvalidData,

@@ -16,6 +16,7 @@
 mod dag;
 mod file_store;
 mod ledger;
+mod nodes;
 mod rss;
 mod work;
 
@@ -39,6 +40,7 @@ use tokio::sync::Semaphore;
 
 use file_store::FilePerProcStore;
 use ledger::Ledger;
+use nodes::{Nodes, ToNodes};
 use work::{registry, Env, Work};
 
 /// The WAL store, with its counters copied out after every append for the report.
@@ -101,6 +103,21 @@ struct Args {
     /// `workload-<pid>`).
     #[arg(long)]
     holder: Option<String>,
+    /// Remote targets: each step of a root also sends one operation to one of T
+    /// in-process nodes through the engine's dispatcher and waits for its report.
+    #[arg(long, default_value_t = 0)]
+    remote: u16,
+    /// The nodes' latency: each operation is applied and reported after a random
+    /// delay up to this many ms.
+    #[arg(long, default_value_t = 5)]
+    remote_latency_ms: u64,
+    /// Share of requests that fail (retried by the dispatcher) plus share of operations
+    /// that fail on a node (sent again by their step), half each.
+    #[arg(long, default_value_t = 0.05)]
+    remote_fail_rate: f64,
+    /// The dispatcher's batching age, in ms (requests of 32 operations or this old).
+    #[arg(long, default_value_t = 150)]
+    remote_batch_ms: u64,
     /// Root procedures to submit.
     #[arg(long, default_value_t = 10_000)]
     procs: u64,
@@ -300,10 +317,22 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         None => None,
     };
     let env = Arc::new(Env::new(ledger));
+    // The remote nodes serve any run: a resumed one carries on the operations its
+    // recovered procedures sent.
+    let nodes = Nodes::new(
+        env.clone(),
+        args.remote_latency_ms,
+        args.remote_fail_rate,
+        args.seed,
+    )?;
     let mut builder = Executor::builder()
         .registry(registry())
         .workers(args.workers)
-        .env(env.clone());
+        .env(env.clone())
+        .remote(
+            ToNodes(nodes.clone()),
+            proctor::RemoteOptions::default().max_age(Duration::from_millis(args.remote_batch_ms)),
+        );
     if let Some(n) = args.shards {
         builder = builder.arbiters(n);
     }
@@ -381,6 +410,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
             executor
         }
     };
+    let _ = nodes.executor.set(executor.clone());
     let recovery = executor.recovery().clone();
     let shards = executor.scheduler_stats().await?.shards;
     // The operator: continues every procedure that pauses (DAG tasks that failed past
@@ -431,7 +461,8 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
                 let fail = (rng.f64() < args.fail_rate)
                     .then(|| (rng.u16(0..=args.children), rng.u16(0..args.steps)));
                 let lock = args.locks.map(|n| rng.u32(0..n));
-                let work = Work::root(args.steps, args.children, fail, lock);
+                let work =
+                    Work::root(args.steps, args.children, fail, lock).with_remote(args.remote);
                 let shape = Shape::of(&work);
                 (Box::new(StateMachine::new(work)), shape)
             }
@@ -548,6 +579,11 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         "lock_conflicts": lock_conflicts,
         "evicted": evicted,
         "continued": continued.get(),
+        "remote_requests": nodes.stats.requests.load(Ordering::Relaxed),
+        "remote_failed_requests": nodes.stats.failed_requests.load(Ordering::Relaxed),
+        "remote_applied": nodes.stats.applied.load(Ordering::Relaxed),
+        "remote_repeats": nodes.stats.repeats.load(Ordering::Relaxed),
+        "remote_failed_ops": nodes.stats.failed_ops.load(Ordering::Relaxed),
         "violations": tally.violations.len(),
     });
     println!("{report}");
@@ -685,6 +721,13 @@ async fn verify(
     }
     if let Some(ledger) = &env.ledger {
         tally.violations.extend(ledger.fence_violations()?);
+        for (op, times) in ledger.applied_ops()? {
+            if times > 1 {
+                tally
+                    .violations
+                    .push(format!("remote op {op} applied {times} times by the nodes"));
+            }
+        }
     }
     let mut effects = match &env.ledger {
         Some(ledger) => ledger.effects_per_root()?,

@@ -112,6 +112,21 @@ pub struct Work {
     /// the state is encoded at every step, field names included.
     #[serde(default, rename = "of")]
     pub tree_effects: u32,
+    /// With remote targets (`--remote T`): each step of the root also sends one
+    /// operation to one of `remote` targets and waits for it (sent again until it
+    /// succeeds: a failed operation is retried by the step).
+    #[serde(default, rename = "rt")]
+    pub remote: u16,
+    /// The root waits for the outcome of the operation its current step sent.
+    #[serde(default, rename = "ra")]
+    pub awaiting: bool,
+}
+
+/// A remote operation of the workload: which root's step sent it.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+pub struct RemoteOp {
+    pub root: u64,
+    pub step: u16,
 }
 
 impl Work {
@@ -124,9 +139,41 @@ impl Work {
             fail,
             lock,
             tree_effects: 0,
+            remote: 0,
+            awaiting: false,
         };
         work.tree_effects = work.effects() as u32;
         work
+    }
+
+    /// The same root, each of its steps also sending an operation to one of `targets`.
+    pub fn with_remote(mut self, targets: u16) -> Self {
+        self.remote = targets;
+        self
+    }
+
+    /// A root's step with remote targets: sends its operation and waits (`Some`), or —
+    /// its operation's outcome in — goes on (`None`), or sends it again if it failed.
+    fn remote_step(
+        &mut self,
+        ctx: &mut StateContext<'_, u16, Env>,
+        step: u16,
+    ) -> Result<Option<Flow<Env>>, ProcError> {
+        if self.remote == 0 || self.path != 0 {
+            return Ok(None);
+        }
+        if self.awaiting {
+            let results = ctx.remote_results();
+            if results.last().is_some_and(|r| r.outcome.is_ok()) {
+                self.awaiting = false;
+                return Ok(None);
+            }
+        }
+        let root = ctx.root().0;
+        let target = format!("node-{}", (root + u64::from(step)) % u64::from(self.remote));
+        ctx.dispatch(target, &RemoteOp { root, step })?;
+        self.awaiting = true;
+        Ok(Some(ctx.await_remote()))
     }
 
     /// The ledger effects a successful tree of this root leaves.
@@ -196,7 +243,7 @@ impl StateMachineProcedure<Env> for Work {
 
 impl Work {
     fn step(
-        &self,
+        &mut self,
         ctx: &mut StateContext<'_, u16, Env>,
         env: &Env,
         step: u16,
@@ -212,6 +259,9 @@ impl Work {
                 "injected failure at path {} step {step}",
                 self.path
             )));
+        }
+        if let Some(flow) = self.remote_step(ctx, step)? {
+            return Ok(flow);
         }
         ctx.set_next_state(step + 1);
         if self.path == 0 && step == 0 && self.children > 0 {

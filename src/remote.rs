@@ -1,0 +1,605 @@
+//! Remote operations (HBase's `RemoteProcedureDispatcher`): work a step sends to other
+//! nodes, batched per node, completed by the node's report.
+//!
+//! A step calls [`Context::dispatch`](crate::Context::dispatch) for each operation and
+//! returns [`Context::await_remote`](crate::Context::await_remote). Each operation
+//! becomes a child procedure of its own (a `RemoteCall`, as HBase's region procedures
+//! are children of the procedure that moves a region), inserted durably with the step
+//! — target, operation and id are on disk before anything is sent — and its id
+//! ([`OpId`], the child's procedure id) is what the node deduplicates by and reports
+//! with. The child hands its operation to the engine's dispatcher and suspends on an
+//! event of its own; the dispatcher buffers operations per target and sends them as
+//! one request when [`BatchRules::max_ops`] are queued or the oldest has waited
+//! [`BatchRules::max_age_ms`], with at most [`BatchRules::max_in_flight`] requests per
+//! target at once. A report (or a failure: the send failed until the operation's
+//! deadline, the operation failed on the node, the node was removed, no report came
+//! in time) wakes the child, which records the outcome as its value and finishes. The
+//! parent's next step reads every outcome ([`Context::remote_results`]) and decides:
+//! go on, dispatch again (a retry, or another node), or fail (its tree rolls back).
+//!
+//! After a restart a child that waited runs again: it has no outcome in memory, so it
+//! dispatches its operation again, under the same id (the node answers a duplicate
+//! with its first outcome), unless the transport's `rebuild` says it no longer needs
+//! sending. An outcome is recorded once, so the parent sees each operation's outcome
+//! exactly once.
+//!
+//! This module is the pure part: the batching rules ([`Batcher`], driven by a clock
+//! the caller gives), the outcome types, and the child procedure. The dispatcher actor
+//! and the transport are in the actix layer.
+//!
+//! [`Context::remote_results`]: crate::Context::remote_results
+
+use std::collections::{HashMap, VecDeque};
+use std::fmt;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+
+use crate::procedure::{Context, Flow, ProcError, ProcId, Procedure};
+
+/// The id of a remote operation: unique and stable across restarts (it is the id of
+/// the child procedure that carries it), so a node deduplicates by it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct OpId(pub u64);
+
+impl fmt::Display for OpId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "op-{}", self.0)
+    }
+}
+
+impl From<ProcId> for OpId {
+    fn from(id: ProcId) -> Self {
+        OpId(id.0)
+    }
+}
+
+/// Why a remote operation did not succeed, with HBase's meanings.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
+pub enum RemoteError {
+    /// Sending to the target failed, and kept failing until the operation's deadline
+    /// (HBase's `remoteCallFailed`; the dispatcher retried with backoff until then).
+    #[error("sending to {target} failed until the operation's deadline: {reason}")]
+    CallFailed {
+        /// The target.
+        target: String,
+        /// The transport's last error.
+        reason: String,
+    },
+    /// The target ran the operation and reported a failure (`remoteOperationFailed`).
+    #[error("the operation failed on {target}: {reason}")]
+    Operation {
+        /// The target.
+        target: String,
+        /// What the target reported.
+        reason: String,
+    },
+    /// The target was declared gone ([`Executor::remove_target`]) while the operation
+    /// was queued for it or awaited its report (HBase's `removeNode`).
+    ///
+    /// [`Executor::remove_target`]: crate::Executor::remove_target
+    #[error("{target} was removed before it reported")]
+    TargetGone {
+        /// The target.
+        target: String,
+    },
+    /// No report came within the operation's deadline.
+    #[error("no report from {target} within {deadline_ms} ms")]
+    Timeout {
+        /// The target.
+        target: String,
+        /// The deadline it had.
+        deadline_ms: u64,
+    },
+    /// After a restart, the transport's `rebuild` said the operation no longer needs
+    /// sending (HBase's `remoteCallBuild` returning nothing): it was not sent again.
+    #[error("not sent again to {target} after the restart: the transport no longer needs it")]
+    NotSent {
+        /// The target.
+        target: String,
+    },
+}
+
+/// One remote operation's outcome, as the step after [`Context::await_remote`] sees
+/// it ([`Context::remote_results`]).
+///
+/// [`Context::await_remote`]: crate::Context::await_remote
+/// [`Context::remote_results`]: crate::Context::remote_results
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RemoteResult {
+    /// The operation.
+    pub op: OpId,
+    /// Where it was sent.
+    pub target: String,
+    /// The value the target reported (MessagePack), or why there is none.
+    pub outcome: Result<Vec<u8>, RemoteError>,
+}
+
+impl RemoteResult {
+    /// The reported value as `T`.
+    ///
+    /// # Errors
+    /// The operation's [`RemoteError`] (as a step failure), or a value that is not a
+    /// `T`.
+    pub fn value<T: DeserializeOwned>(&self) -> Result<T, ProcError> {
+        match &self.outcome {
+            Ok(bytes) => rmp_serde::from_slice(bytes).map_err(|e| {
+                ProcError::failed(format!(
+                    "the value {} reported for {} is not a {}: {e}",
+                    self.target,
+                    self.op,
+                    std::any::type_name::<T>()
+                ))
+            }),
+            Err(e) => Err(ProcError::failed(format!("{}: {e}", self.op))),
+        }
+    }
+}
+
+/// A remote operation's outcome as its child records it (its value): marked so that
+/// [`Context::remote_results`](crate::Context::remote_results) tells it from other
+/// children's values.
+#[derive(Serialize, Deserialize)]
+pub(crate) struct Reported {
+    proctor_remote: u8,
+    target: String,
+    outcome: Result<serde_bytes::ByteBuf, RemoteError>,
+}
+
+impl Reported {
+    /// The outcome of `op`, from a child's value; `None` if the value is not one.
+    pub(crate) fn decode(op: OpId, bytes: &[u8]) -> Option<RemoteResult> {
+        let reported: Reported = rmp_serde::from_slice(bytes).ok()?;
+        (reported.proctor_remote == 1).then(|| RemoteResult {
+            op,
+            target: reported.target,
+            outcome: reported.outcome.map(serde_bytes::ByteBuf::into_vec),
+        })
+    }
+}
+
+/// The event a remote operation's child suspends on; the `proctor.remote/` prefix is
+/// the engine's.
+pub(crate) fn event_of(op: OpId) -> String {
+    format!("proctor.remote/{}", op.0)
+}
+
+/// What a `RemoteCall` child asks of the engine's dispatcher (implemented in the actix
+/// layer).
+pub(crate) trait RemoteSink: Send + Sync {
+    /// Hands `op` to the dispatcher, unless it already has it; `resend`: the op was
+    /// sent before a restart (the transport may decide it no longer needs sending).
+    fn dispatch(&self, op: OpId, target: &str, payload: &[u8], resend: bool);
+    /// Takes `op`'s outcome, if it has come; the op is then forgotten.
+    fn take(&self, op: OpId) -> Option<Result<Vec<u8>, RemoteError>>;
+    /// The op's procedure is rolled back: forget the op and any outcome.
+    fn cancel(&self, op: OpId);
+}
+
+/// The dispatcher a call's context reaches.
+pub(crate) type Sink = Arc<dyn RemoteSink>;
+
+/// The child procedure that carries one remote operation (registered as
+/// [`REMOTE_CALL`]): dispatches it, waits for its outcome, records it as its value.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub(crate) struct RemoteCall {
+    pub(crate) target: String,
+    #[serde(with = "serde_bytes")]
+    pub(crate) op: Vec<u8>,
+    /// It was handed to the dispatcher before (recorded with its suspension): a run
+    /// without an outcome is then a run after a restart.
+    #[serde(default)]
+    pub(crate) sent: bool,
+}
+
+/// The registered name of the remote operations' child procedures.
+pub const REMOTE_CALL: &str = "proctor.remote";
+
+#[async_trait::async_trait]
+impl<E: Send + Sync + 'static> Procedure<E> for RemoteCall {
+    async fn execute(&mut self, ctx: &mut Context<E>) -> Result<Flow<E>, ProcError> {
+        let op = OpId::from(ctx.id());
+        let sink = ctx.remote_sink().ok_or_else(|| {
+            ProcError::failed(
+                "remote operations need a dispatcher: give the executor's builder \
+                 .remote(transport)",
+            )
+        })?;
+        if let Some(outcome) = sink.take(op) {
+            ctx.set_result(&Reported {
+                proctor_remote: 1,
+                target: self.target.clone(),
+                outcome: outcome.map(serde_bytes::ByteBuf::from),
+            })?;
+            return Ok(Flow::Done);
+        }
+        sink.dispatch(op, &self.target, &self.op, self.sent);
+        self.sent = true;
+        Ok(Flow::Suspend(event_of(op)))
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context<E>) -> Result<(), ProcError> {
+        if let Some(sink) = ctx.remote_sink() {
+            sink.cancel(OpId::from(ctx.id()));
+        }
+        Ok(())
+    }
+
+    fn state_name(&self) -> Option<String> {
+        Some(format!("remote to {}", self.target))
+    }
+}
+
+/// How the dispatcher batches: a target's request goes out when `max_ops` operations
+/// are queued for it or its oldest has waited `max_age_ms`, with at most
+/// `max_in_flight` requests to one target at once (the rest wait their turn).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BatchRules {
+    /// Operations per request, at most (HBase: 32).
+    pub max_ops: usize,
+    /// How long an operation waits for others before its request goes (HBase: 150 ms).
+    pub max_age_ms: u64,
+    /// Requests to one target at once.
+    pub max_in_flight: usize,
+}
+
+impl Default for BatchRules {
+    fn default() -> Self {
+        BatchRules {
+            max_ops: 32,
+            max_age_ms: 150,
+            max_in_flight: 4,
+        }
+    }
+}
+
+/// One request: operations for one target.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) struct Batch<T> {
+    /// Where it goes.
+    pub target: String,
+    /// What it carries, oldest first.
+    pub ops: Vec<(OpId, T)>,
+}
+
+#[derive(Debug)]
+struct Queue<T> {
+    /// Queued operations, oldest first, with when each was queued.
+    ops: VecDeque<(OpId, T, u64)>,
+    in_flight: usize,
+}
+
+/// The dispatcher's buffers: per target, the queued operations and the requests in
+/// flight. Pure: the caller gives the time, sends the batches it is handed, and says
+/// when each request has finished ([`Batcher::finished`]).
+#[derive(Debug)]
+pub(crate) struct Batcher<T> {
+    rules: BatchRules,
+    targets: HashMap<String, Queue<T>>,
+}
+
+impl<T> Batcher<T> {
+    /// Empty buffers batching by `rules` (a zero is taken as 1).
+    pub fn new(rules: BatchRules) -> Self {
+        Batcher {
+            rules: BatchRules {
+                max_ops: rules.max_ops.max(1),
+                max_in_flight: rules.max_in_flight.max(1),
+                ..rules
+            },
+            targets: HashMap::new(),
+        }
+    }
+
+    /// Queues `op` for `target` at `now_ms`: the requests that may go now (a full one,
+    /// if a slot is free).
+    pub fn push(&mut self, target: &str, op: OpId, item: T, now_ms: u64) -> Vec<Batch<T>> {
+        self.queue(target).ops.push_back((op, item, now_ms));
+        self.ready(target, now_ms, false)
+    }
+
+    /// Queues again, at the front, operations whose request failed (to be retried
+    /// first): the requests that may go now.
+    pub fn push_front(&mut self, target: &str, ops: Vec<(OpId, T)>, now_ms: u64) -> Vec<Batch<T>> {
+        let aged = now_ms.saturating_sub(self.rules.max_age_ms);
+        let queue = self.queue(target);
+        for (op, item) in ops.into_iter().rev() {
+            // Already old: they go with the next request.
+            queue.ops.push_front((op, item, aged));
+        }
+        self.ready(target, now_ms, false)
+    }
+
+    /// A request to `target` finished (sent, or failed): its slot is free. The requests
+    /// that may go now.
+    pub fn finished(&mut self, target: &str, now_ms: u64) -> Vec<Batch<T>> {
+        if let Some(queue) = self.targets.get_mut(target) {
+            queue.in_flight = queue.in_flight.saturating_sub(1);
+        }
+        let batches = self.ready(target, now_ms, false);
+        self.drop_if_idle(target);
+        batches
+    }
+
+    /// The requests whose oldest operation has waited long enough, at `now_ms`.
+    pub fn due(&mut self, now_ms: u64) -> Vec<Batch<T>> {
+        let aged: Vec<String> = self
+            .targets
+            .iter()
+            .filter(|(_, q)| q.ops.front().is_some_and(|o| self.aged(o.2, now_ms)))
+            .map(|(t, _)| t.clone())
+            .collect();
+        aged.iter()
+            .flat_map(|target| self.ready(target, now_ms, true))
+            .collect()
+    }
+
+    /// Drops what is queued for `target` (it is gone): the dropped operations.
+    pub fn remove(&mut self, target: &str) -> Vec<(OpId, T)> {
+        let Some(queue) = self.targets.get_mut(target) else {
+            return Vec::new();
+        };
+        let dropped = queue
+            .ops
+            .drain(..)
+            .map(|(op, item, _)| (op, item))
+            .collect();
+        self.drop_if_idle(target);
+        dropped
+    }
+
+    /// Drops `op` if it is queued for `target`.
+    pub fn cancel(&mut self, target: &str, op: OpId) -> Option<T> {
+        let queue = self.targets.get_mut(target)?;
+        let at = queue.ops.iter().position(|o| o.0 == op)?;
+        let item = queue.ops.remove(at).map(|(_, item, _)| item);
+        self.drop_if_idle(target);
+        item
+    }
+
+    /// Operations queued for `target`, and its requests in flight.
+    pub fn load(&self, target: &str) -> (usize, usize) {
+        self.targets
+            .get(target)
+            .map_or((0, 0), |q| (q.ops.len(), q.in_flight))
+    }
+
+    fn queue(&mut self, target: &str) -> &mut Queue<T> {
+        self.targets
+            .entry(target.to_string())
+            .or_insert_with(|| Queue {
+                ops: VecDeque::new(),
+                in_flight: 0,
+            })
+    }
+
+    fn aged(&self, queued_ms: u64, now_ms: u64) -> bool {
+        now_ms.saturating_sub(queued_ms) >= self.rules.max_age_ms
+    }
+
+    /// The requests `target` may send now: full ones, and (`flush`, or its oldest has
+    /// aged) the rest, while it has free slots.
+    fn ready(&mut self, target: &str, now_ms: u64, flush: bool) -> Vec<Batch<T>> {
+        let (max_ops, max_in_flight, max_age) = (
+            self.rules.max_ops,
+            self.rules.max_in_flight,
+            self.rules.max_age_ms,
+        );
+        let Some(queue) = self.targets.get_mut(target) else {
+            return Vec::new();
+        };
+        let mut batches = Vec::new();
+        while queue.in_flight < max_in_flight {
+            let aged = queue
+                .ops
+                .front()
+                .is_some_and(|o| now_ms.saturating_sub(o.2) >= max_age);
+            let goes = queue.ops.len() >= max_ops || (!queue.ops.is_empty() && (flush || aged));
+            if !goes {
+                break;
+            }
+            let n = queue.ops.len().min(max_ops);
+            let ops = queue
+                .ops
+                .drain(..n)
+                .map(|(op, item, _)| (op, item))
+                .collect();
+            queue.in_flight += 1;
+            batches.push(Batch {
+                target: target.to_string(),
+                ops,
+            });
+        }
+        batches
+    }
+
+    fn drop_if_idle(&mut self, target: &str) {
+        if self
+            .targets
+            .get(target)
+            .is_some_and(|q| q.ops.is_empty() && q.in_flight == 0)
+        {
+            self.targets.remove(target);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules(max_ops: usize, max_age_ms: u64, max_in_flight: usize) -> BatchRules {
+        BatchRules {
+            max_ops,
+            max_age_ms,
+            max_in_flight,
+        }
+    }
+
+    /// What a batch carries, by op number.
+    fn ids(batches: &[Batch<()>]) -> Vec<(String, Vec<u64>)> {
+        batches
+            .iter()
+            .map(|b| {
+                (
+                    b.target.clone(),
+                    b.ops.iter().map(|(op, ())| op.0).collect(),
+                )
+            })
+            .collect()
+    }
+
+    /// One event against the batcher, and the requests it must hand out.
+    enum Ev {
+        Push(&'static str, u64, u64),
+        Due(u64),
+        Finished(&'static str, u64),
+        Remove(&'static str),
+    }
+
+    /// The requests an event must hand out: target and op numbers.
+    type Want<'a> = &'a [(&'a str, &'a [u64])];
+
+    fn run(rules: BatchRules, events: &[(Ev, Want<'_>)]) {
+        let mut b = Batcher::new(rules);
+        for (n, (ev, want)) in events.iter().enumerate() {
+            let got = match ev {
+                Ev::Push(t, op, now) => ids(&b.push(t, OpId(*op), (), *now)),
+                Ev::Due(now) => {
+                    let mut got = ids(&b.due(*now));
+                    got.sort();
+                    got
+                }
+                Ev::Finished(t, now) => ids(&b.finished(t, *now)),
+                Ev::Remove(t) => vec![(
+                    (*t).to_string(),
+                    b.remove(t)
+                        .into_iter()
+                        .map(|(op, ())| op.0)
+                        .collect::<Vec<u64>>(),
+                )]
+                .into_iter()
+                .filter(|(_, ops)| !ops.is_empty())
+                .collect(),
+            };
+            let want: Vec<(String, Vec<u64>)> = want
+                .iter()
+                .map(|(t, ops)| ((*t).to_string(), ops.to_vec()))
+                .collect();
+            assert_eq!(got, want, "event {n}");
+        }
+    }
+
+    #[test]
+    fn a_full_buffer_goes_at_once_and_a_partial_one_when_its_oldest_has_aged() {
+        run(
+            rules(3, 100, 4),
+            &[
+                (Ev::Push("a", 1, 0), &[]),
+                (Ev::Push("a", 2, 10), &[]),
+                (Ev::Push("b", 3, 20), &[]),
+                (Ev::Push("a", 4, 30), &[("a", &[1, 2, 4])]),
+                (Ev::Due(99), &[]),
+                (Ev::Due(120), &[("b", &[3])]),
+                (Ev::Push("a", 5, 130), &[]),
+                (Ev::Due(229), &[]),
+                (Ev::Due(230), &[("a", &[5])]),
+            ],
+        );
+    }
+
+    #[test]
+    fn requests_in_flight_are_bounded_per_target_and_a_finish_lets_the_next_go() {
+        run(
+            rules(2, 100, 1),
+            &[
+                (Ev::Push("a", 1, 0), &[]),
+                (Ev::Push("a", 2, 0), &[("a", &[1, 2])]),
+                (Ev::Push("a", 3, 1), &[]),
+                (Ev::Push("a", 4, 2), &[]),
+                // Full, but the one slot is taken; another target is not held back.
+                (Ev::Push("b", 5, 3), &[]),
+                (Ev::Push("b", 6, 3), &[("b", &[5, 6])]),
+                (Ev::Due(500), &[]),
+                (Ev::Finished("a", 501), &[("a", &[3, 4])]),
+                (Ev::Finished("a", 502), &[]),
+            ],
+        );
+    }
+
+    #[test]
+    fn a_removed_target_drops_what_is_queued_for_it() {
+        run(
+            rules(10, 100, 1),
+            &[
+                (Ev::Push("a", 1, 0), &[]),
+                (Ev::Push("b", 2, 0), &[]),
+                (Ev::Remove("a"), &[("a", &[1])]),
+                (Ev::Remove("a"), &[]),
+                (Ev::Due(100), &[("b", &[2])]),
+            ],
+        );
+    }
+
+    #[test]
+    fn failed_ops_go_first_in_the_next_request_and_a_cancelled_one_not_at_all() {
+        let mut b = Batcher::new(rules(3, 100, 1));
+        assert!(b.push("a", OpId(3), (), 0).is_empty());
+        let sent = b.push_front("a", vec![(OpId(1), ()), (OpId(2), ())], 10);
+        assert_eq!(ids(&sent), vec![("a".to_string(), vec![1, 2, 3])]);
+        assert!(b.push("a", OpId(4), (), 20).is_empty());
+        assert!(b.push("a", OpId(5), (), 20).is_empty());
+        assert_eq!(b.cancel("a", OpId(4)), Some(()));
+        assert_eq!(b.cancel("a", OpId(4)), None);
+        assert_eq!(b.load("a"), (1, 1));
+        assert!(b.due(500).is_empty(), "its slot is taken");
+        assert_eq!(ids(&b.finished("a", 50)), Vec::<(String, Vec<u64>)>::new());
+        assert!(b.due(119).is_empty());
+        assert_eq!(ids(&b.due(120)), vec![("a".to_string(), vec![5])]);
+        assert_eq!(ids(&b.finished("a", 130)), Vec::<(String, Vec<u64>)>::new());
+        assert_eq!(b.load("a"), (0, 0));
+        assert!(b.targets.is_empty(), "idle targets are not kept");
+    }
+
+    #[test]
+    fn a_hundred_ops_to_three_targets_go_in_requests_of_at_most_32() {
+        let mut b = Batcher::new(BatchRules::default());
+        let mut sent = Vec::new();
+        for op in 0..100u64 {
+            let target = ["a", "b", "c"][(op % 3) as usize];
+            sent.extend(b.push(target, OpId(op), (), op));
+        }
+        sent.extend(b.due(1000));
+        assert!(sent.iter().all(|batch| batch.ops.len() <= 32));
+        assert_eq!(sent.iter().map(|b| b.ops.len()).sum::<usize>(), 100);
+        assert_eq!(sent.len(), 6, "two requests per target: 32 and the rest");
+    }
+
+    #[test]
+    fn reported_values_are_told_from_other_childrens_values() {
+        let reported = Reported {
+            proctor_remote: 1,
+            target: "rs-1".into(),
+            outcome: Ok(serde_bytes::ByteBuf::from(
+                rmp_serde::to_vec(&7u32).unwrap(),
+            )),
+        };
+        let bytes = rmp_serde::to_vec_named(&reported).unwrap();
+        let result = Reported::decode(OpId(9), &bytes).unwrap();
+        assert_eq!(result.value::<u32>().unwrap(), 7);
+        assert_eq!(result.target, "rs-1");
+        let other = rmp_serde::to_vec_named(&("a table", 3)).unwrap();
+        assert!(Reported::decode(OpId(9), &other).is_none());
+        let failed = RemoteResult {
+            op: OpId(9),
+            target: "rs-1".into(),
+            outcome: Err(RemoteError::TargetGone {
+                target: "rs-1".into(),
+            }),
+        };
+        let error = failed.value::<u32>().unwrap_err().to_string();
+        assert!(error.contains("op-9: rs-1 was removed"), "{error}");
+    }
+}
