@@ -64,6 +64,11 @@ struct Fake(Arc<Nodes>);
 impl Transport for Fake {
     type Op = OpenRegion;
 
+    /// A region whose number is 0 no longer needs opening after a restart.
+    fn rebuild(&self, _target: &str, op: OpenRegion) -> Option<OpenRegion> {
+        (op.region != 0).then_some(op)
+    }
+
     async fn send(
         &self,
         target: &str,
@@ -164,6 +169,11 @@ impl Procedure<Log> for Open {
                     let (node, opened): (String, u32) = result.value()?;
                     assert_eq!(opened, *region);
                     ctx.env().push(format!("opened {region} on {node}"));
+                }
+                Err(e @ (RemoteError::NotSent { .. } | RemoteError::Timeout { .. }))
+                    if *region == 0 =>
+                {
+                    ctx.env().push(format!("region 0: {e}"));
                 }
                 Err(RemoteError::TargetGone { target }) if self.spare.is_some() => {
                     ctx.env().push(format!("{target} gone, moving {region}"));
@@ -384,4 +394,58 @@ async fn a_crash_at_every_write_reports_each_operation_once_to_its_procedure() {
         resent > 0,
         "some crash fell between a send and its recorded outcome"
     );
+}
+
+#[actix::test]
+async fn an_operation_not_reported_in_time_fails_its_step() {
+    let nodes = Arc::new(Nodes::default());
+    nodes.silent.lock().unwrap().insert("a".into());
+    let log = Arc::new(Log::default());
+    let options = RemoteOptions::default()
+        .max_age(Duration::from_millis(5))
+        .deadline(Duration::from_millis(200));
+    let executor = start(&nodes, &log, options).await;
+    let id = executor.submit(Open::new(&[("a", 1)])).await.unwrap();
+    let failure = executor.wait(id).await.unwrap().unwrap_err().to_string();
+    assert!(
+        failure.contains("no report from a within 200 ms"),
+        "{failure}"
+    );
+    assert_eq!(nodes.requests_to("a").len(), 1, "sent once, never reported");
+    executor.shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn after_a_restart_an_operation_the_transport_no_longer_needs_is_not_sent_again() {
+    // Region 0 is silent, and no longer needed once the engine restarts: a crash
+    // after it was sent ends it `NotSent` (without one, its deadline passes).
+    let nodes = Arc::new(Nodes::default());
+    nodes.silent.lock().unwrap().insert("a".into());
+    let log = Arc::new(Log::default());
+    let options = RemoteOptions::default()
+        .max_age(Duration::from_millis(1))
+        .deadline(Duration::from_millis(300));
+    let mut not_sent = 0;
+    proctor::testing::restart_at_every_write(
+        || builder(&nodes, &log, options),
+        || Open::new(&[("a", 0)]),
+        |run| {
+            let lines = std::mem::take(&mut *log.0.lock().unwrap());
+            let received = std::mem::take(&mut *nodes.received.lock().unwrap());
+            let Some(result) = &run.result else { return };
+            assert_eq!(*result, Ok(()), "{run:?}");
+            if lines.iter().any(|l| l.contains("not sent again to a")) {
+                not_sent += 1;
+                assert!(received.values().all(|&n| n == 1), "{run:?}: {received:?}");
+            } else {
+                assert!(
+                    lines.iter().any(|l| l.contains("no report from a")),
+                    "{run:?}: {lines:?}"
+                );
+            }
+        },
+    )
+    .await
+    .unwrap();
+    assert!(not_sent > 0, "a crash fell after the send");
 }
