@@ -26,8 +26,9 @@ mod wal_store;
 pub use crash_test::{restart_at_every_write, CrashRun};
 pub use executor::{
     Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder, GetState,
-    GetValue, List, NonceRegistration, NonceReservation, Pause, ProcEvent, ProcInfo, Recovery,
-    Role, Rollback, Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitValue, WaitingOn,
+    GetValue, List, ListPage, NonceRegistration, NonceReservation, Pause, ProcEvent, ProcInfo,
+    ProcPage, Recovery, Role, Rollback, Shutdown, Submit, Subscribe, Subscription, WaitFor,
+    WaitValue, WaitingOn,
 };
 pub use locks::{ResetEvent, WakeEvent};
 #[cfg(feature = "postgres")]

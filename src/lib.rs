@@ -34,6 +34,11 @@ mod workers;
 #[path = "../actors/mod.rs"]
 mod actors;
 
+/// The operator's web page: see its module docs.
+#[cfg(feature = "admin")]
+#[path = "../admin/mod.rs"]
+pub mod admin;
+
 /// Seeded perturbation of the actor protocol for randomized tests (the `perturb`
 /// feature): [`perturb::set_seed`] makes rare interleavings common.
 #[cfg(feature = "perturb")]
@@ -60,10 +65,10 @@ pub use crate::actors::metrics;
 
 pub use crate::actors::{
     Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder,
-    GetSchedulerStats, GetState, GetValue, List, NonceRegistration, NonceReservation, Pause,
-    ProcEvent, ProcInfo, Recovery, ResetEvent, Role, Rollback, SchedulerStats, Shutdown, Submit,
-    Subscribe, Subscription, WaitFor, WaitValue, WaitingOn, WakeEvent, WalOptions, WalStats,
-    WalStore,
+    GetSchedulerStats, GetState, GetValue, List, ListPage, NonceRegistration, NonceReservation,
+    Pause, ProcEvent, ProcInfo, ProcPage, Recovery, ResetEvent, Role, Rollback, SchedulerStats,
+    Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitValue, WaitingOn, WakeEvent,
+    WalOptions, WalStats, WalStore,
 };
 #[cfg(feature = "postgres")]
 pub use crate::actors::{Leadership, LeaseState, PgLease, PgOptions, PgStore};

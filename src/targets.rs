@@ -17,3 +17,6 @@ pub(crate) const STORE: &str = "proctor::store";
 pub(crate) const WAL: &str = "proctor::wal";
 /// The remote dispatcher: requests, failures, reports.
 pub(crate) const REMOTE: &str = "proctor::remote";
+/// The admin page: operators' actions.
+#[cfg_attr(not(feature = "admin"), allow(dead_code))]
+pub(crate) const ADMIN: &str = "proctor::admin";

@@ -792,6 +792,33 @@ impl<E: Send + Sync + 'static> Handler<List> for ExecutorActor<E> {
     }
 }
 
+impl<E: Send + Sync + 'static> Handler<super::api::ListPage> for ExecutorActor<E> {
+    type Result = Result<super::api::ProcPage, Error>;
+
+    fn handle(&mut self, msg: super::api::ListPage, _ctx: &mut Context<Self>) -> Self::Result {
+        if let Some(broken) = &self.broken {
+            return Err(broken.duplicate());
+        }
+        // Matched on the table's own fields: only the page is described.
+        let mut ids: Vec<ProcId> = self
+            .shared
+            .table
+            .iter()
+            .filter(|e| msg.list.matches_fields(e.state, e.type_name, e.root))
+            .map(|e| *e.key())
+            .collect();
+        let total = ids.len();
+        ids.sort_unstable_by(|a, b| b.cmp(a));
+        let procedures = ids
+            .into_iter()
+            .skip(msg.offset)
+            .take(msg.limit)
+            .filter_map(|id| self.info(id))
+            .collect();
+        Ok(super::api::ProcPage { procedures, total })
+    }
+}
+
 impl<E: Send + Sync + 'static> Handler<WakeEvent> for ExecutorActor<E> {
     type Result = ();
 

@@ -351,18 +351,55 @@ impl List {
     }
 
     pub(super) fn matches(&self, info: &ProcInfo) -> bool {
-        (self.finished || !info.state.is_finished())
-            && (self.states.is_empty() || self.states.contains(&info.state))
-            && self
-                .type_name
-                .as_deref()
-                .is_none_or(|t| t == info.type_name)
-            && self.root.is_none_or(|r| r == info.root)
+        self.matches_fields(info.state, info.type_name, info.root)
+    }
+
+    /// [`matches`](Self::matches) on the fields it looks at.
+    pub(super) fn matches_fields(&self, state: ProcState, type_name: &str, root: ProcId) -> bool {
+        (self.finished || !state.is_finished())
+            && (self.states.is_empty() || self.states.contains(&state))
+            && self.type_name.as_deref().is_none_or(|t| t == type_name)
+            && self.root.is_none_or(|r| r == root)
     }
 }
 
 impl Message for List {
     type Result = Result<Vec<ProcInfo>, Error>;
+}
+
+/// One page of what a [`List`] matches, newest first (highest id first): `limit`
+/// procedures after skipping `offset`, with how many match in all. Only the page's
+/// procedures are described, so a page of a hundred thousand costs a page.
+#[derive(Clone, Debug)]
+pub struct ListPage {
+    pub(super) list: List,
+    pub(super) offset: usize,
+    pub(super) limit: usize,
+}
+
+impl ListPage {
+    /// The page of `list` that starts after `offset` matches and holds `limit`.
+    pub fn new(list: List, offset: usize, limit: usize) -> Self {
+        ListPage {
+            list,
+            offset,
+            limit,
+        }
+    }
+}
+
+/// A page of procedures ([`ListPage`]).
+#[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
+pub struct ProcPage {
+    /// The page, newest first.
+    pub procedures: Vec<ProcInfo>,
+    /// How many procedures match in all.
+    pub total: usize,
+}
+
+impl Message for ListPage {
+    type Result = Result<ProcPage, Error>;
 }
 
 /// Stops the executor, as [`Executor::shutdown`] (graceful, the default) or

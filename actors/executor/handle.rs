@@ -409,6 +409,31 @@ impl<E: Send + Sync + 'static> Executor<E> {
         self.front.actor()?.send(which).await?
     }
 
+    /// One page of the procedures `which` matches, newest first (see [`ListPage`]):
+    /// only the page's procedures are described, however many match.
+    ///
+    /// ```no_run
+    /// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+    /// let waiting = proctor::List::new().state(proctor::ProcState::Waiting);
+    /// let page = executor.list_page(waiting, 0, 100).await?;
+    /// println!("{} of {}", page.procedures.len(), page.total);
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`list`](Self::list).
+    pub async fn list_page(
+        &self,
+        which: List,
+        offset: usize,
+        limit: usize,
+    ) -> Result<crate::ProcPage, Error> {
+        self.front
+            .actor()?
+            .send(crate::ListPage::new(which, offset, limit))
+            .await?
+    }
+
     /// Subscribes to [`ProcEvent`]s: every root submitted or finishing, and every
     /// procedure pausing, from now on.
     ///

@@ -28,8 +28,8 @@ mod nonces;
 
 pub use actor::{ExecutorActor, Role};
 pub use api::{
-    Abort, AckResult, Bypass, Continue, GetState, GetValue, List, Pause, ProcEvent, ProcInfo,
-    Rollback, Shutdown, Submit, Subscribe, WaitFor, WaitValue, WaitingOn,
+    Abort, AckResult, Bypass, Continue, GetState, GetValue, List, ListPage, Pause, ProcEvent,
+    ProcInfo, ProcPage, Rollback, Shutdown, Submit, Subscribe, WaitFor, WaitValue, WaitingOn,
 };
 pub(crate) use api::{TreeFinished, TreeNews};
 pub use builder::{ExecutorBuilder, Recovery};

@@ -118,6 +118,9 @@ struct Args {
     /// The dispatcher's batching age, in ms (requests of 32 operations or this old).
     #[arg(long, default_value_t = 150)]
     remote_batch_ms: u64,
+    /// Serve the admin page on this address during the run (read-only).
+    #[arg(long)]
+    admin: Option<std::net::SocketAddr>,
     /// Root procedures to submit.
     #[arg(long, default_value_t = 10_000)]
     procs: u64,
@@ -411,6 +414,14 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         }
     };
     let _ = nodes.executor.set(executor.clone());
+    if let Some(addr) = args.admin {
+        let listener = tokio::net::TcpListener::bind(addr).await?;
+        eprintln!(
+            "workload: the admin page on http://{}/procedures",
+            listener.local_addr()?
+        );
+        actix::spawn(proctor::admin::AdminConfig::default().serve_on(listener, executor.clone()));
+    }
     let recovery = executor.recovery().clone();
     let shards = executor.scheduler_stats().await?.shards;
     // The operator: continues every procedure that pauses (DAG tasks that failed past

@@ -1,0 +1,601 @@
+//! The operator's web page (the `admin` feature): a small axum server over a running
+//! executor's handle. HBase's Procedures & Locks page, for proctor.
+//!
+//! Pages (server-rendered HTML with a little JavaScript, every asset served from here)
+//! and the same routes as JSON with `Accept: application/json`:
+//!
+//! - `/procedures` — every procedure, newest first, filtered by `state`, `type` and
+//!   `tree`, a page at a time (`page`, `per_page`), live through `/events`;
+//! - `/procedures/{id}` — the tree `id` is in, parent above children;
+//! - `/locks` — each resource with its holders and waiters;
+//! - `/engine` — workers and queues, the executor's role (leadership);
+//! - `/events` — the engine's procedure events as Server-Sent Events.
+//!
+//! Actions (`POST /procedures/{id}/abort`, `pause`, `continue`, `rollback`, `bypass`)
+//! need the bearer token the embedding service set ([`AdminConfig::token`]; without
+//! one the page is read-only) and the page's CSRF token (`x-csrf-token`). A request
+//! without a token is answered 401, a wrong token 403; the engine's refusal comes back
+//! as it says it (409). Every action is logged at INFO with who asked and what.
+//!
+//! ```no_run
+//! # async fn f(executor: proctor::Executor) -> std::io::Result<()> {
+//! use proctor::admin::AdminConfig;
+//! // Stand-alone on 127.0.0.1:9092, actions allowed with the token:
+//! AdminConfig::default().token("s3cret").serve(executor).await?;
+//! # Ok(()) }
+//! ```
+
+mod pages;
+
+use std::collections::BTreeMap;
+use std::hash::{BuildHasher, Hasher};
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::extract::{ConnectInfo, Path, Query, Request, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Redirect, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::{Executor, List, ProcId, ProcInfo, ProcState, Role, WaitingOn};
+
+/// How the admin page runs: where it listens stand-alone, and the token actions need.
+#[derive(Clone, Debug)]
+pub struct AdminConfig {
+    addr: SocketAddr,
+    token: Option<String>,
+}
+
+impl Default for AdminConfig {
+    /// Loopback port 9092, read-only.
+    fn default() -> Self {
+        AdminConfig {
+            addr: SocketAddr::from(([127, 0, 0, 1], 9092)),
+            token: None,
+        }
+    }
+}
+
+impl AdminConfig {
+    /// Where [`serve`](Self::serve) listens (127.0.0.1:9092 by default).
+    #[must_use]
+    pub fn addr(mut self, addr: SocketAddr) -> Self {
+        self.addr = addr;
+        self
+    }
+
+    /// The bearer token actions need; without one the page is read-only.
+    #[must_use]
+    pub fn token(mut self, token: impl Into<String>) -> Self {
+        self.token = Some(token.into());
+        self
+    }
+
+    /// Serves [`router`] on the configured address until the process ends.
+    ///
+    /// # Errors
+    /// The address cannot be bound.
+    pub async fn serve<E: Send + Sync + 'static>(
+        self,
+        executor: Executor<E>,
+    ) -> std::io::Result<()> {
+        let listener = tokio::net::TcpListener::bind(self.addr).await?;
+        self.serve_on(listener, executor).await
+    }
+
+    /// Serves [`router`] on `listener` (one bound to port 0, say) until the process
+    /// ends; the configured address is not used.
+    ///
+    /// # Errors
+    /// The listener fails.
+    pub async fn serve_on<E: Send + Sync + 'static>(
+        self,
+        listener: tokio::net::TcpListener,
+        executor: Executor<E>,
+    ) -> std::io::Result<()> {
+        let app = router(executor, self);
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+    }
+}
+
+/// What every handler shares.
+struct Admin<E: Send + Sync + 'static> {
+    executor: Executor<E>,
+    token: Option<String>,
+    /// The pages' CSRF token, made when the router is.
+    csrf: String,
+}
+
+type Shared<E> = State<Arc<Admin<E>>>;
+
+/// The admin routes over `executor`, to nest under a service's own router (or to
+/// [`serve`](AdminConfig::serve) alone).
+pub fn router<E: Send + Sync + 'static>(executor: Executor<E>, config: AdminConfig) -> Router {
+    let admin = Arc::new(Admin {
+        executor,
+        token: config.token,
+        csrf: random_token(),
+    });
+    Router::new()
+        .route("/", get(|| async { Redirect::to("procedures") }))
+        .route("/procedures", get(procedures::<E>))
+        .route("/procedures/{id}", get(tree::<E>))
+        .route("/procedures/{id}/{action}", post(action::<E>))
+        .route("/locks", get(locks::<E>))
+        .route("/engine", get(engine::<E>))
+        .route("/events", get(events::<E>))
+        .route(
+            "/assets/admin.css",
+            get(|| async { asset("text/css", pages::CSS) }),
+        )
+        .route(
+            "/assets/admin.js",
+            get(|| async { asset("text/javascript", pages::JS) }),
+        )
+        .with_state(admin)
+}
+
+fn asset(content_type: &'static str, body: &'static str) -> Response {
+    ([(header::CONTENT_TYPE, content_type)], body).into_response()
+}
+
+/// 128 random bits, hex (from the standard library's per-process random keys).
+fn random_token() -> String {
+    let half = || {
+        std::collections::hash_map::RandomState::new()
+            .build_hasher()
+            .finish()
+    };
+    format!("{:016x}{:016x}", half(), half())
+}
+
+/// An error answered with its status and message (never a 500 for bad input).
+struct Refusal(StatusCode, String);
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+fn bad_request(message: impl Into<String>) -> Refusal {
+    Refusal(StatusCode::BAD_REQUEST, message.into())
+}
+
+fn engine_error(e: &crate::Error) -> Refusal {
+    let status = match e {
+        crate::Error::UnknownProcedure(_) | crate::Error::Gone(_) => StatusCode::NOT_FOUND,
+        crate::Error::NotLeader { .. } | crate::Error::Stopped => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::CONFLICT,
+    };
+    Refusal(status, e.to_string())
+}
+
+fn wants_json(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::ACCEPT)
+        .and_then(|a| a.to_str().ok())
+        .is_some_and(|a| a.contains("application/json"))
+}
+
+/// A procedure as JSON (the shape of `proctor procs --json`'s lines, for what a
+/// running engine knows).
+fn proc_json(p: &ProcInfo) -> Value {
+    json!({
+        "id": p.id.0,
+        "parent": p.parent.map(|id| id.0),
+        "root": p.root.0,
+        "type": p.type_name,
+        "state": p.state.to_string(),
+        "state_name": p.state_name,
+        "submitted_ms": p.submitted_ms,
+        "updated_ms": p.updated_ms,
+        "waiting_for": waiting_json(p),
+        "locks_held": p.locks_held.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "locks_waiting": p.locks_waiting.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "queue_level": p.queue_level,
+        "failure": p.result.as_ref().and_then(|r| r.as_ref().err()).map(ToString::to_string),
+        "bypassed": p.bypassed,
+        "steering": p.steering,
+    })
+}
+
+fn waiting_json(p: &ProcInfo) -> Value {
+    match &p.waiting_on {
+        None => Value::Null,
+        Some(WaitingOn::Children) => json!("children"),
+        Some(WaitingOn::Event(event)) => json!({ "event": event }),
+        Some(WaitingOn::Timer { at_ms }) => json!({ "timer_ms": at_ms }),
+        Some(WaitingOn::Locks) => json!("locks"),
+    }
+}
+
+const STATES: [ProcState; 9] = [
+    ProcState::Initializing,
+    ProcState::Runnable,
+    ProcState::Waiting,
+    ProcState::WaitingTimeout,
+    ProcState::Paused,
+    ProcState::Failed,
+    ProcState::RollbackPaused,
+    ProcState::Success,
+    ProcState::RolledBack,
+];
+
+#[derive(Deserialize, Default)]
+struct Filters {
+    state: Option<String>,
+    #[serde(rename = "type")]
+    type_name: Option<String>,
+    tree: Option<String>,
+    page: Option<String>,
+    per_page: Option<String>,
+}
+
+/// The filters, checked: a bad one is a 400 that says what was wrong.
+struct Checked {
+    state: Option<ProcState>,
+    type_name: Option<String>,
+    tree: Option<ProcId>,
+    page: usize,
+    per_page: usize,
+}
+
+fn check(filters: Filters) -> Result<Checked, Refusal> {
+    let blank = |s: Option<String>| s.filter(|s| !s.trim().is_empty());
+    let state = match blank(filters.state) {
+        None => None,
+        Some(name) => Some(
+            STATES
+                .into_iter()
+                .find(|s| s.to_string().eq_ignore_ascii_case(name.trim()))
+                .ok_or_else(|| {
+                    let known: Vec<String> = STATES.iter().map(ToString::to_string).collect();
+                    bad_request(format!(
+                        "unknown state {name:?}: one of {}",
+                        known.join(", ")
+                    ))
+                })?,
+        ),
+    };
+    let number = |name: &str, value: Option<String>, default: u64, max: u64| match blank(value) {
+        None => Ok(default),
+        Some(v) => v
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|n| (1..=max).contains(n))
+            .ok_or_else(|| {
+                bad_request(format!(
+                    "{name} must be a number from 1 to {max}, not {v:?}"
+                ))
+            }),
+    };
+    let tree = match blank(filters.tree) {
+        None => None,
+        Some(t) => Some(ProcId(number("tree", Some(t), 1, u64::MAX)?)),
+    };
+    Ok(Checked {
+        state,
+        type_name: blank(filters.type_name),
+        tree,
+        page: usize::try_from(number("page", filters.page, 1, 1_000_000)?).unwrap_or(1),
+        per_page: usize::try_from(number("per_page", filters.per_page, 100, 1000)?).unwrap_or(100),
+    })
+}
+
+async fn procedures<E: Send + Sync + 'static>(
+    State(admin): Shared<E>,
+    Query(filters): Query<Filters>,
+    headers: HeaderMap,
+) -> Result<Response, Refusal> {
+    let checked = check(filters)?;
+    let mut list = List::new().with_finished();
+    if let Some(state) = checked.state {
+        list = list.state(state);
+    }
+    if let Some(name) = &checked.type_name {
+        list = list.type_name(name.clone());
+    }
+    if let Some(tree) = checked.tree {
+        list = list.root(tree);
+    }
+    let offset = (checked.page - 1).saturating_mul(checked.per_page);
+    let page = admin
+        .executor
+        .list_page(list, offset, checked.per_page)
+        .await
+        .map_err(|e| engine_error(&e))?;
+    let (total, shown) = (page.total, &page.procedures);
+    if wants_json(&headers) {
+        let procedures: Vec<Value> = shown.iter().map(proc_json).collect();
+        return Ok(Json(json!({
+            "procedures": procedures,
+            "total": total,
+            "page": checked.page,
+            "per_page": checked.per_page,
+        }))
+        .into_response());
+    }
+    let view = pages::ProcView {
+        state: checked.state.map(|s| s.to_string()).unwrap_or_default(),
+        type_name: checked.type_name.unwrap_or_default(),
+        tree: checked.tree.map(|t| t.0.to_string()).unwrap_or_default(),
+        page: checked.page,
+        per_page: checked.per_page,
+        total,
+    };
+    Ok(pages::html(
+        &admin.csrf,
+        "Procedures",
+        &pages::procedures(&view, shown, &STATES),
+    )
+    .into_response())
+}
+
+fn parse_id(id: &str) -> Result<ProcId, Refusal> {
+    id.parse::<u64>()
+        .map(ProcId)
+        .map_err(|_| bad_request(format!("not a procedure id: {id:?}")))
+}
+
+async fn tree<E: Send + Sync + 'static>(
+    State(admin): Shared<E>,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+) -> Result<Response, Refusal> {
+    let id = parse_id(&id)?;
+    let info = admin
+        .executor
+        .state(id)
+        .await
+        .map_err(|e| engine_error(&e))?;
+    let mut procs = admin
+        .executor
+        .list(List::new().with_finished().root(info.root))
+        .await
+        .map_err(|e| engine_error(&e))?;
+    procs.sort_unstable_by_key(|p| p.id);
+    if wants_json(&headers) {
+        let procedures: Vec<Value> = procs.iter().map(proc_json).collect();
+        return Ok(Json(json!({ "root": info.root.0, "procedures": procedures })).into_response());
+    }
+    let title = format!("Tree {}", info.root);
+    Ok(pages::html(&admin.csrf, &title, &pages::tree(info.root, &procs, id)).into_response())
+}
+
+/// Each resource with its holders and its waiters (oldest first).
+async fn locks<E: Send + Sync + 'static>(
+    State(admin): Shared<E>,
+    headers: HeaderMap,
+) -> Result<Response, Refusal> {
+    let procs = admin
+        .executor
+        .list(List::new())
+        .await
+        .map_err(|e| engine_error(&e))?;
+    let mut resources: BTreeMap<String, (Vec<&ProcInfo>, Vec<&ProcInfo>)> = BTreeMap::new();
+    for p in &procs {
+        for lock in &p.locks_held {
+            resources.entry(lock.to_string()).or_default().0.push(p);
+        }
+        for lock in &p.locks_waiting {
+            resources.entry(lock.to_string()).or_default().1.push(p);
+        }
+    }
+    for (_, waiters) in resources.values_mut() {
+        waiters.sort_by_key(|p| (p.updated_ms, p.id));
+    }
+    if wants_json(&headers) {
+        let ids = |ps: &Vec<&ProcInfo>| ps.iter().map(|p| p.id.0).collect::<Vec<_>>();
+        let body: Vec<Value> = resources
+            .iter()
+            .map(|(lock, (holders, waiters))| {
+                json!({ "lock": lock, "holders": ids(holders), "waiters": ids(waiters) })
+            })
+            .collect();
+        return Ok(Json(json!({ "locks": body })).into_response());
+    }
+    Ok(pages::html(&admin.csrf, "Locks", &pages::locks(&resources)).into_response())
+}
+
+async fn engine<E: Send + Sync + 'static>(
+    State(admin): Shared<E>,
+    headers: HeaderMap,
+) -> Result<Response, Refusal> {
+    let stats = admin
+        .executor
+        .scheduler_stats()
+        .await
+        .map_err(|e| engine_error(&e))?;
+    let role = match admin.executor.role().await {
+        Ok(Role::Alone) => json!({ "role": "alone" }),
+        Ok(Role::Leader { holder, epoch }) => {
+            json!({ "role": "leader", "holder": holder, "epoch": epoch })
+        }
+        Ok(Role::Standby { leader }) => json!({ "role": "standby", "leader": leader }),
+        Ok(Role::SteppedDown { reason }) => json!({ "role": "stepped_down", "reason": reason }),
+        Err(e) => json!({ "role": "unknown", "error": e.to_string() }),
+    };
+    let recovery = admin.executor.recovery();
+    let body = json!({
+        "shards": stats.shards,
+        "workers": stats.workers,
+        "running": stats.running,
+        "queued": stats.queued,
+        "queued_by_level": stats.queued_by_level,
+        "system_workers": stats.system_workers,
+        "running_system": stats.running_system,
+        "queued_system": stats.queued_system,
+        "lock_holders": stats.lock_holders,
+        "lock_waiters": stats.lock_waiters,
+        "events": stats.events,
+        "leadership": role,
+        "recovered_roots": recovery.recovered_roots.len(),
+        "corrupt": recovery.corrupt.len(),
+    });
+    if wants_json(&headers) {
+        return Ok(Json(body).into_response());
+    }
+    Ok(pages::html(&admin.csrf, "Engine", &pages::engine(&body)).into_response())
+}
+
+/// The engine's procedure events, as Server-Sent Events: one `data:` line of JSON each.
+async fn events<E: Send + Sync + 'static>(State(admin): Shared<E>) -> Result<Response, Refusal> {
+    use futures_util::StreamExt;
+    let events = admin
+        .executor
+        .subscribe()
+        .await
+        .map_err(|e| engine_error(&e))?;
+    // Whatever events are ready go out as one chunk: one write for a burst, not one
+    // per event.
+    let stream = events.ready_chunks(512).map(|burst| {
+        let mut chunk = String::with_capacity(burst.len() * 64);
+        for event in &burst {
+            write_event(&mut chunk, event);
+        }
+        Ok::<_, std::convert::Infallible>(chunk)
+    });
+    Ok((
+        [
+            (header::CONTENT_TYPE, "text/event-stream"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        axum::body::Body::from_stream(stream),
+    )
+        .into_response())
+}
+
+/// One procedure event as the page reads it: a `data:` line of JSON (type names are
+/// registered identifiers, written as JSON strings).
+fn write_event(out: &mut String, event: &crate::ProcEvent) {
+    use std::fmt::Write as _;
+    let name = |n: &str| Value::from(n).to_string();
+    let _ = match event {
+        crate::ProcEvent::Submitted { id, type_name, .. } => writeln!(
+            out,
+            r#"data: {{"event":"submitted","id":{},"type":{}}}"#,
+            id.0,
+            name(type_name)
+        ),
+        crate::ProcEvent::Finished {
+            id,
+            type_name,
+            result,
+        } => writeln!(
+            out,
+            r#"data: {{"event":"finished","id":{},"type":{},"state":"{}"}}"#,
+            id.0,
+            name(type_name),
+            if result.is_ok() {
+                "SUCCESS"
+            } else {
+                "ROLLEDBACK"
+            }
+        ),
+        crate::ProcEvent::Paused {
+            id, root, state, ..
+        } => writeln!(
+            out,
+            r#"data: {{"event":"paused","id":{},"root":{},"state":"{state}"}}"#,
+            id.0, root.0
+        ),
+        other => writeln!(out, "data: {}", json!({ "event": format!("{other:?}") })),
+    };
+    out.push('\n');
+}
+
+#[derive(Deserialize, Default)]
+struct ActionForm {
+    recursive: Option<bool>,
+}
+
+/// An operator's action on a procedure: bearer token, CSRF token, then the engine.
+async fn action<E: Send + Sync + 'static>(
+    State(admin): Shared<E>,
+    Path((id, action)): Path<(String, String)>,
+    Query(form): Query<ActionForm>,
+    request: Request,
+) -> Result<Response, Refusal> {
+    let headers = request.headers();
+    let who = request
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map_or_else(|| "unknown peer".to_string(), |c| c.0.to_string());
+    let Some(expected) = &admin.token else {
+        return Err(Refusal(
+            StatusCode::FORBIDDEN,
+            "the admin page is read-only: the service set no token".into(),
+        ));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|h| h.to_str().ok())
+        .and_then(|h| h.strip_prefix("Bearer "));
+    match given {
+        None => {
+            return Err(Refusal(
+                StatusCode::UNAUTHORIZED,
+                "actions need `Authorization: Bearer <token>`".into(),
+            ))
+        }
+        Some(token) if !same(token, expected) => {
+            tracing::warn!(target: crate::targets::ADMIN, who = %who, action, id, "admin action with a wrong token refused");
+            return Err(Refusal(StatusCode::FORBIDDEN, "wrong token".into()));
+        }
+        Some(_) => {}
+    }
+    let csrf = headers.get("x-csrf-token").and_then(|h| h.to_str().ok());
+    if !csrf.is_some_and(|c| same(c, &admin.csrf)) {
+        return Err(Refusal(
+            StatusCode::FORBIDDEN,
+            "missing or stale CSRF token (x-csrf-token): reload the page".into(),
+        ));
+    }
+    let id = parse_id(&id)?;
+    tracing::info!(target: crate::targets::ADMIN, who = %who, action, %id, "admin action");
+    let executor = &admin.executor;
+    let done = match action.as_str() {
+        "abort" => executor
+            .abort(id)
+            .await
+            .map(|accepted| json!({ "accepted": accepted })),
+        "pause" => executor.pause(id).await.map(|()| json!({ "paused": true })),
+        "continue" => executor
+            .resume(id)
+            .await
+            .map(|()| json!({ "continued": true })),
+        "rollback" => executor
+            .rollback(id)
+            .await
+            .map(|()| json!({ "rolling_back": true })),
+        "bypass" => executor
+            .bypass(id, form.recursive.unwrap_or(false))
+            .await
+            .map(|()| json!({ "bypassed": true })),
+        other => {
+            return Err(bad_request(format!(
+                "unknown action {other:?}: abort, pause, continue, rollback or bypass"
+            )))
+        }
+    };
+    done.map(|body| Json(body).into_response())
+        .map_err(|e| engine_error(&e))
+}
+
+/// Compares tokens without stopping at the first difference.
+fn same(a: &str, b: &str) -> bool {
+    a.len() == b.len()
+        && a.bytes()
+            .zip(b.bytes())
+            .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+            == 0
+}
