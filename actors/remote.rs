@@ -377,14 +377,19 @@ impl RemoteDispatcher {
         if p.stage == Stage::Queued {
             self.batcher.cancel(&p.target, op);
         }
+        self.settle(op, &p.target, outcome);
+    }
+
+    /// Puts `op`'s outcome where its procedure takes it, then wakes the procedure.
+    fn settle(&mut self, op: OpId, target: &str, outcome: Result<Vec<u8>, RemoteError>) {
         if let Err(e) = &outcome {
-            ::metrics::counter!(super::metrics::REMOTE_FAILURES, "target" => p.target.clone())
+            ::metrics::counter!(super::metrics::REMOTE_FAILURES, "target" => target.to_string())
                 .increment(1);
             tracing::debug!(target: crate::targets::REMOTE, %op, error = %e, "remote operation failed");
         }
         lock(&self.outcomes).insert(op, outcome);
         self.locks.do_send(WakeEvent(event_of(op)));
-        self.gauges(&p.target);
+        self.gauges(target);
     }
 
     /// A target's report: the operation's outcome, unless it is unknown or has one
@@ -496,18 +501,10 @@ impl Handler<Dispatch> for RemoteDispatcher {
             match self.transport.rebuild(&msg.target, &msg.payload) {
                 Some(payload) => payload,
                 None => {
-                    self.pending.insert(
-                        msg.op,
-                        Pending {
-                            target: msg.target.clone(),
-                            payload: Vec::new(),
-                            deadline_ms: 0,
-                            failed_sends: 0,
-                            last_error: None,
-                            stage: Stage::Sent,
-                        },
-                    );
-                    self.complete(msg.op, Err(RemoteError::NotSent { target: msg.target }));
+                    let not_sent = RemoteError::NotSent {
+                        target: msg.target.clone(),
+                    };
+                    self.settle(msg.op, &msg.target, Err(not_sent));
                     return;
                 }
             }

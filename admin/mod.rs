@@ -217,18 +217,6 @@ fn waiting_json(p: &ProcInfo) -> Value {
     }
 }
 
-const STATES: [ProcState; 9] = [
-    ProcState::Initializing,
-    ProcState::Runnable,
-    ProcState::Waiting,
-    ProcState::WaitingTimeout,
-    ProcState::Paused,
-    ProcState::Failed,
-    ProcState::RollbackPaused,
-    ProcState::Success,
-    ProcState::RolledBack,
-];
-
 #[derive(Deserialize, Default)]
 struct Filters {
     state: Option<String>,
@@ -250,21 +238,10 @@ struct Checked {
 
 fn check(filters: Filters) -> Result<Checked, Refusal> {
     let blank = |s: Option<String>| s.filter(|s| !s.trim().is_empty());
-    let state = match blank(filters.state) {
-        None => None,
-        Some(name) => Some(
-            STATES
-                .into_iter()
-                .find(|s| s.to_string().eq_ignore_ascii_case(name.trim()))
-                .ok_or_else(|| {
-                    let known: Vec<String> = STATES.iter().map(ToString::to_string).collect();
-                    bad_request(format!(
-                        "unknown state {name:?}: one of {}",
-                        known.join(", ")
-                    ))
-                })?,
-        ),
-    };
+    let state = blank(filters.state)
+        .map(|name| name.parse::<ProcState>())
+        .transpose()
+        .map_err(|e| bad_request(e.to_string()))?;
     let number = |name: &str, value: Option<String>, default: u64, max: u64| match blank(value) {
         None => Ok(default),
         Some(v) => v
@@ -334,8 +311,9 @@ async fn procedures<E: Send + Sync + 'static>(
     };
     Ok(pages::html(
         &admin.csrf,
+        "",
         "Procedures",
-        &pages::procedures(&view, shown, &STATES),
+        &pages::procedures(&view, shown, &ProcState::ALL),
     )
     .into_response())
 }
@@ -368,7 +346,8 @@ async fn tree<E: Send + Sync + 'static>(
         return Ok(Json(json!({ "root": info.root.0, "procedures": procedures })).into_response());
     }
     let title = format!("Tree {}", info.root);
-    Ok(pages::html(&admin.csrf, &title, &pages::tree(info.root, &procs, id)).into_response())
+    let body = pages::tree(info.root, &procs, id);
+    Ok(pages::html(&admin.csrf, "../", &title, &body).into_response())
 }
 
 /// Each resource with its holders and its waiters (oldest first).
@@ -403,7 +382,7 @@ async fn locks<E: Send + Sync + 'static>(
             .collect();
         return Ok(Json(json!({ "locks": body })).into_response());
     }
-    Ok(pages::html(&admin.csrf, "Locks", &pages::locks(&resources)).into_response())
+    Ok(pages::html(&admin.csrf, "", "Locks", &pages::locks(&resources)).into_response())
 }
 
 async fn engine<E: Send + Sync + 'static>(
@@ -444,7 +423,7 @@ async fn engine<E: Send + Sync + 'static>(
     if wants_json(&headers) {
         return Ok(Json(body).into_response());
     }
-    Ok(pages::html(&admin.csrf, "Engine", &pages::engine(&body)).into_response())
+    Ok(pages::html(&admin.csrf, "", "Engine", &pages::engine(&body)).into_response())
 }
 
 /// The engine's procedure events, as Server-Sent Events: one `data:` line of JSON each.

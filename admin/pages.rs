@@ -22,6 +22,7 @@ table { border-collapse: collapse; width: 100%; }
 th, td { text-align: left; padding: 4px 8px; border-bottom: 1px solid #e3e6ee; vertical-align: top; }
 th { background: #f3f5fa; }
 tr.new { background: #fffbe0; }
+tr.updated { background: #eef6ff; }
 .state-SUCCESS { color: #1f7a33; } .state-ROLLEDBACK, .state-FAILED { color: #b02a2a; }
 .state-PAUSED, .state-ROLLBACK_PAUSED { color: #a36500; }
 form.filters { display: flex; gap: 8px; margin-bottom: 10px; align-items: end; }
@@ -45,7 +46,7 @@ pub(super) const JS: &str = r#"
     live.textContent = 'live · ' + seen + ' events';
     const event = JSON.parse(m.data);
     const body = document.getElementById('procs');
-    if (body && event.event === 'submitted' && document.body.dataset.firstPage === 'yes') {
+    if (body && event.event === 'submitted' && body.hasAttribute('data-new-rows')) {
       const row = document.createElement('tr');
       row.className = 'new';
       row.dataset.id = event.id;
@@ -58,7 +59,11 @@ pub(super) const JS: &str = r#"
     }
     if (body && event.event === 'finished') {
       const row = body.querySelector('tr[data-id="' + event.id + '"]');
-      if (row) { row.children[3].textContent = event.state; row.children[3].className = 'state-' + event.state; }
+      if (row) {
+        row.classList.add('updated');
+        row.children[3].textContent = event.state;
+        row.children[3].className = 'state-' + event.state;
+      }
     }
   };
 })();
@@ -100,29 +105,20 @@ pub(super) fn esc(text: &str) -> String {
 }
 
 /// The layout around a page's body. Links are relative to the admin root, wherever it
-/// is nested (`base` is how deep the page is).
-pub(super) fn html(csrf: &str, title: &str, body: &str) -> Html<String> {
-    let depth = if title.starts_with("Tree ") {
-        "../"
-    } else {
-        ""
-    };
-    let first_page = if body.contains("data-first-page") {
-        "yes"
-    } else {
-        "no"
-    };
+/// is nested: `base` leads from the page back to it (`""` for a page at the root,
+/// `"../"` one level below).
+pub(super) fn html(csrf: &str, base: &str, title: &str, body: &str) -> Html<String> {
     Html(format!(
         r#"<!doctype html>
 <html><head><meta charset="utf-8"><title>proctor · {title}</title>
 <meta name="csrf-token" content="{csrf}">
-<link rel="stylesheet" href="{depth}assets/admin.css"></head>
-<body data-base="{depth}" data-first-page="{first_page}">
+<link rel="stylesheet" href="{base}assets/admin.css"></head>
+<body data-base="{base}">
 <header><strong>proctor</strong>
-<a href="{depth}procedures">Procedures</a><a href="{depth}locks">Locks</a><a href="{depth}engine">Engine</a>
+<a href="{base}procedures">Procedures</a><a href="{base}locks">Locks</a><a href="{base}engine">Engine</a>
 <span id="live" class="live off">connecting</span></header>
 <main><h2>{title}</h2><div id="msg"></div>{body}</main>
-<script src="{depth}assets/admin.js"></script></body></html>"#,
+<script src="{base}assets/admin.js"></script></body></html>"#,
         title = esc(title),
         csrf = esc(csrf),
     ))
@@ -250,14 +246,17 @@ pub(super) fn procedures(view: &ProcView, shown: &[ProcInfo], states: &[ProcStat
     if view.page < pages {
         let _ = write!(out, r#" · <a href="{}">next</a>"#, query(view.page + 1));
     }
-    let first = if view.page == 1 {
-        " data-first-page"
+    // New roots are added live only to the first page of the unfiltered list: a
+    // filtered page would show rows its filter does not match.
+    let unfiltered = view.state.is_empty() && view.type_name.is_empty() && view.tree.is_empty();
+    let new_rows = if view.page == 1 && unfiltered {
+        " data-new-rows"
     } else {
         ""
     };
     let _ = write!(
         out,
-        r#"</p><table><thead>{HEAD}</thead><tbody id="procs"{first}>"#
+        r#"</p><table><thead>{HEAD}</thead><tbody id="procs"{new_rows}>"#
     );
     for p in shown {
         out.push_str(&row(p, "procedures/"));

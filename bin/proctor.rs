@@ -595,35 +595,14 @@ struct Filter {
     tree: Option<ProcId>,
 }
 
-const STATES: [ProcState; 9] = [
-    ProcState::Initializing,
-    ProcState::Runnable,
-    ProcState::Waiting,
-    ProcState::WaitingTimeout,
-    ProcState::Paused,
-    ProcState::RollbackPaused,
-    ProcState::Failed,
-    ProcState::Success,
-    ProcState::RolledBack,
-];
-
 /// State names as `ProcState` displays them, in any case, `-` for `_`.
 fn parse_states(names: &[String]) -> Result<Vec<ProcState>, Stop> {
     names
         .iter()
         .filter(|n| !n.trim().is_empty())
         .map(|name| {
-            let wanted = name.trim().to_uppercase().replace('-', "_");
-            STATES
-                .into_iter()
-                .find(|s| s.to_string() == wanted)
-                .ok_or_else(|| {
-                    let known: Vec<String> = STATES.iter().map(ToString::to_string).collect();
-                    Stop::Error(format!(
-                        "unknown state {name:?}: expected one of {}",
-                        known.join(", ")
-                    ))
-                })
+            name.parse::<ProcState>()
+                .map_err(|e| Stop::Error(e.to_string()))
         })
         .collect()
 }

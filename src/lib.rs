@@ -79,7 +79,7 @@ pub use crate::error::{Error, WaitError};
 pub use crate::locks::{Lock, LockClaim, LockMode};
 pub use crate::procedure::{
     ChildType, Context, EncodeState, FailurePolicy, Flow, LockState, OnTimeout, ProcError, ProcId,
-    ProcState, Procedure, Undo,
+    ProcState, Procedure, Undo, UnknownState,
 };
 pub use crate::ready_queue::Scheduling;
 pub use crate::record::{Failure, Nonce, Paused};

@@ -56,6 +56,19 @@ pub enum ProcState {
 }
 
 impl ProcState {
+    /// Every state, in the order of a procedure's life.
+    pub const ALL: [ProcState; 9] = [
+        ProcState::Initializing,
+        ProcState::Runnable,
+        ProcState::Waiting,
+        ProcState::WaitingTimeout,
+        ProcState::Paused,
+        ProcState::RollbackPaused,
+        ProcState::Failed,
+        ProcState::Success,
+        ProcState::RolledBack,
+    ];
+
     /// `true` for the two terminal states, [`ProcState::Success`] and
     /// [`ProcState::RolledBack`].
     pub fn is_finished(self) -> bool {
@@ -78,6 +91,44 @@ impl fmt::Display for ProcState {
         })
     }
 }
+
+/// A state's name as [`ProcState`] displays it, in any case, `-` for `_`:
+///
+/// ```
+/// use proctor::ProcState;
+/// assert_eq!("rollback-paused".parse(), Ok(ProcState::RollbackPaused));
+/// assert!("done".parse::<ProcState>().unwrap_err().to_string().contains("expected one of"));
+/// ```
+impl std::str::FromStr for ProcState {
+    type Err = UnknownState;
+
+    fn from_str(name: &str) -> Result<Self, UnknownState> {
+        let wanted = name.trim().to_uppercase().replace('-', "_");
+        ProcState::ALL
+            .into_iter()
+            .find(|s| s.to_string() == wanted)
+            .ok_or_else(|| UnknownState(name.to_string()))
+    }
+}
+
+/// A name that is no [`ProcState`]'s (from its `FromStr`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownState(pub String);
+
+impl fmt::Display for UnknownState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "unknown state {:?}: expected one of ", self.0)?;
+        for (n, state) in ProcState::ALL.iter().enumerate() {
+            if n > 0 {
+                f.write_str(", ")?;
+            }
+            write!(f, "{state}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for UnknownState {}
 
 /// Why a procedure failed. Persisted with the procedure, and kept as its root's result
 /// through the whole rollback, so it must be plain data.

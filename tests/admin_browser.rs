@@ -105,6 +105,16 @@ async fn shot(client: &Client, name: &str) {
     std::fs::write(shots().join(format!("{name}.png")), png).unwrap();
 }
 
+/// Clicks the element `css` finds.
+async fn click(client: &Client, css: &str) {
+    let element = client.find(Locator::Css(css)).await;
+    element
+        .unwrap_or_else(|e| panic!("no {css}: {e}"))
+        .click()
+        .await
+        .unwrap();
+}
+
 /// Polls `check` (a page's state) until it holds, for at most 20 s.
 async fn until<F, Fut>(what: &str, mut check: F)
 where
@@ -172,13 +182,7 @@ async fn an_operator_watches_filters_opens_a_tree_and_aborts_it() {
         .await
         .unwrap();
     select.select_by_label("WAITING").await.unwrap();
-    client
-        .find(Locator::Css("form.filters button"))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(&client, "form.filters button").await;
     until("the filter is applied", || async {
         client
             .current_url()
@@ -188,27 +192,30 @@ async fn an_operator_watches_filters_opens_a_tree_and_aborts_it() {
             .contains("state=WAITING")
     })
     .await;
+    // The page stays live: a listed procedure that finishes since is marked updated,
+    // with its new state. Every row as the server rendered it is WAITING, and a
+    // filtered page takes no new rows.
     let states = client
-        .find_all(Locator::Css("#procs td:nth-child(4)"))
+        .find_all(Locator::Css("#procs tr:not(.updated) td:nth-child(4)"))
         .await
         .unwrap();
     assert!(!states.is_empty());
     for state in states {
         assert_eq!(state.text().await.unwrap(), "WAITING");
     }
+    assert!(client
+        .find_all(Locator::Css("#procs tr.new"))
+        .await
+        .unwrap()
+        .is_empty());
     shot(&client, "2-filtered").await;
 
     // Open the tree of a deployment waiting for approval.
-    client
-        .find(Locator::Css(&format!(
-            "#procs a[href=\"procedures/{}\"]",
-            approval.0
-        )))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    click(
+        &client,
+        &format!("#procs a[href=\"procedures/{}\"]", approval.0),
+    )
+    .await;
     until("the tree page", || async {
         client
             .title()
@@ -221,16 +228,8 @@ async fn an_operator_watches_filters_opens_a_tree_and_aborts_it() {
     shot(&client, "3-tree").await;
 
     // Abort it: confirm, give the token, and see the answer.
-    client
-        .find(Locator::Css(&format!(
-            "button.act[data-action=abort][data-id=\"{}\"]",
-            approval.0
-        )))
-        .await
-        .unwrap()
-        .click()
-        .await
-        .unwrap();
+    let abort = format!("button.act[data-action=abort][data-id=\"{}\"]", approval.0);
+    click(&client, &abort).await;
     client.accept_alert().await.expect("the confirmation");
     client
         .send_alert_text(TOKEN)
