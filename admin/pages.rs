@@ -189,7 +189,7 @@ fn row(p: &ProcInfo, link: &str) -> String {
         .map(ToString::to_string)
         .unwrap_or_default();
     format!(
-        r#"<tr data-id="{id}"><td><a href="{link}{id}">{id}</a></td><td>{ty}</td><td>{root}</td><td class="state-{state}">{state}</td><td>{name}</td><td>{age}</td><td>{waits}</td><td>{level}</td><td>{failure}</td><td>{actions}</td></tr>"#,
+        r#"<tr data-id="{id}" data-state="{state}"><td><a href="{link}{id}">{id}</a></td><td>{ty}</td><td>{root}</td><td class="state-{state}">{state}</td><td>{name}</td><td>{age}</td><td>{waits}</td><td>{level}</td><td>{failure}</td><td>{actions}</td></tr>"#,
         id = p.id.0,
         ty = esc(p.type_name),
         root = p.root.0,
