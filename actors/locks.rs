@@ -21,7 +21,7 @@ use actix::prelude::*;
 
 use crate::events::EventTable;
 use crate::fast_map::{IdMap, IdSet};
-use crate::locks::{Changes, Hold, LockTable, Request};
+use crate::locks::{Changes, Hold, LockCycle, LockReport, LockTable, Request};
 use crate::procedure::ProcId;
 use crate::root_stack::RollbackOf;
 
@@ -33,7 +33,7 @@ use super::protocol::{
 };
 use super::scheduler::{Grant, Granted, SchedulerActor};
 use super::shard::Mail;
-use super::shared::{LockView, SchedulerViews};
+use super::shared::{now_ms, LockView, SchedulerViews};
 
 /// Makes the named event ready and wakes the procedures suspended on it, oldest first;
 /// until it is reset ([`ResetEvent`]), procedures that suspend on it go on at once.
@@ -145,7 +145,12 @@ pub(crate) struct LockActor {
     mail: Mail,
     /// Handling a shard's batch: what its messages gather is sent once, at its end.
     in_batch: bool,
+    /// The latest wait-for cycles it broke or lent through, for operators.
+    cycles: std::collections::VecDeque<LockCycle>,
 }
+
+/// How many handled cycles the lock actor keeps for operators.
+const CYCLES_KEPT: usize = 32;
 
 impl LockActor {
     pub(crate) fn new(permits: Vec<(String, u32)>, view: Arc<SchedulerViews>) -> Self {
@@ -164,6 +169,7 @@ impl LockActor {
             grants: Grants::default(),
             mail: Mail::default(),
             in_batch: false,
+            cycles: std::collections::VecDeque::new(),
         }
     }
 
@@ -243,6 +249,13 @@ impl LockActor {
         }
     }
 
+    fn remember(&mut self, cycle: LockCycle) {
+        if self.cycles.len() == CYCLES_KEPT {
+            self.cycles.pop_front();
+        }
+        self.cycles.push_back(cycle);
+    }
+
     fn unpark(&mut self, id: ProcId) -> Option<Parked> {
         let parked = self.parked.remove(&id)?;
         if let Some(set) = self.parked_by_root.get_mut(&parked.root) {
@@ -260,6 +273,7 @@ impl LockActor {
         // calls after its loan by this event).
         for loan in &changes.loans {
             tracing::warn!(target: crate::targets::LOCKS, proc = %loan.borrower, lender = %loan.lender, %loan, "deadlock no failure can break: the waiter borrows the locks of a tree that rolls back");
+            self.remember(LockCycle::lent(now_ms(), loan));
         }
         for id in changes.granted {
             let Some(parked) = self.unpark(id) else {
@@ -289,6 +303,7 @@ impl LockActor {
         for deadlock in changes.deadlocks {
             let id = deadlock.victim;
             tracing::warn!(target: crate::targets::LOCKS, proc = %id, %deadlock, "deadlock: failing a waiter");
+            self.remember(LockCycle::broken(now_ms(), &deadlock));
             self.view.locks.remove(&id);
             match self.unpark(id).map(|p| p.then) {
                 Some(Then::Step(step)) => {
@@ -354,6 +369,26 @@ impl Handler<LocksFromShard> for LockActor {
         }
         self.in_batch = false;
         self.send();
+    }
+}
+
+/// The locks as an operator sees them: resources with holders and queues, standing
+/// cycles, the latest cycles handled (for `Executor::locks`).
+pub(crate) struct GetLockReport;
+
+impl Message for GetLockReport {
+    type Result = LockReport;
+}
+
+impl Handler<GetLockReport> for LockActor {
+    type Result = MessageResult<GetLockReport>;
+
+    fn handle(&mut self, _msg: GetLockReport, _ctx: &mut Context<Self>) -> Self::Result {
+        MessageResult(LockReport {
+            resources: self.locks.resources(),
+            standing: self.locks.standing(),
+            cycles: self.cycles.iter().cloned().collect(),
+        })
     }
 }
 

@@ -10,6 +10,7 @@ mod lent;
 mod locks;
 pub mod metrics;
 mod persistence;
+pub use persistence::CommitStats;
 pub mod perturb;
 #[cfg(feature = "postgres")]
 pub(crate) mod pg_store;
@@ -25,16 +26,16 @@ mod wal_store;
 
 pub use crash_test::{restart_at_every_write, CrashRun};
 pub use executor::{
-    Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder, GetState,
-    GetValue, List, ListPage, NonceRegistration, NonceReservation, Pause, ProcEvent, ProcInfo,
-    ProcPage, Recovery, Role, Rollback, Shutdown, Submit, Subscribe, Subscription, WaitFor,
-    WaitValue, WaitingOn,
+    Abort, AckResult, Bypass, Continue, EngineStatus, Executor, ExecutorActor, ExecutorBuilder,
+    GetEngineStatus, GetLocks, GetState, GetTree, GetValue, List, ListPage, NonceRegistration,
+    NonceReservation, Pause, ProcEvent, ProcInfo, ProcPage, RecentFailure, Recovery, Role,
+    Rollback, Shutdown, Submit, Subscribe, Subscription, TreeInfo, WaitFor, WaitValue, WaitingOn,
 };
 pub use locks::{ResetEvent, WakeEvent};
 #[cfg(feature = "postgres")]
 pub use pg_store::{Leadership, LeaseState, PgLease, PgOptions, PgStore};
 pub use remote::{RemoteOptions, RemoveTarget, Report, Transport, TransportError};
-pub use scheduler::{GetSchedulerStats, SchedulerStats};
+pub use scheduler::{GetSchedulerStats, SchedulerStats, ShardLoad};
 pub use wal_store::{
     scan_wal_dir, scan_wal_dir_on, scan_wal_dir_with, view_wal_dir, view_wal_dir_on, DirView,
     Entry, LockProbe, Repair, SegmentReport, StdFs, WalDirScan, WalFs, WalOptions, WalStats,

@@ -16,7 +16,7 @@
 
 use std::sync::mpsc;
 use std::thread;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use tokio::sync::oneshot;
@@ -24,13 +24,58 @@ use tokio::sync::oneshot;
 use crate::error::Error;
 use crate::procedure::ProcId;
 use crate::record::StoreOp;
-use crate::store::{ProcedureStore, StoreError};
+use crate::store::{ProcedureStore, StoreError, StoreStatus};
 
 use super::metrics;
 use super::perturb;
 
 use super::protocol::{Durable, TreeAddr};
 use super::shard::Mail;
+
+/// The group commit as the store's writer saw it since the engine started
+/// ([`EngineStatus::commits`](crate::EngineStatus)): how many batches, how large.
+///
+/// ```
+/// let stats = proctor::CommitStats::default();
+/// assert_eq!(stats.mean_records(), 0.0);
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CommitStats {
+    /// Appends to the store: one per batch.
+    pub batches: u64,
+    /// Records (procedure writes) in them.
+    pub records: u64,
+    /// The most records one batch held.
+    pub largest: usize,
+    /// Batches by their records, in powers of two: index `i` counts the batches of
+    /// `2^i` to `2^(i+1) − 1` records (`[1]`, `[2, 3]`, `[4, 7]`, …).
+    pub by_size: Vec<u64>,
+    /// Time spent in appends (for the WAL: its writes and syncs).
+    pub append_time: Duration,
+}
+
+impl CommitStats {
+    /// Records per batch, on average.
+    pub fn mean_records(&self) -> f64 {
+        if self.batches == 0 {
+            0.0
+        } else {
+            self.records as f64 / self.batches as f64
+        }
+    }
+
+    fn add(&mut self, records: usize, took: Duration) {
+        self.batches += 1;
+        self.records += records as u64;
+        self.largest = self.largest.max(records);
+        let bucket = records.max(1).ilog2() as usize;
+        if self.by_size.len() <= bucket {
+            self.by_size.resize(bucket + 1, 0);
+        }
+        self.by_size[bucket] += 1;
+        self.append_time += took;
+    }
+}
 
 struct Batch {
     ops: Vec<StoreOp>,
@@ -44,6 +89,9 @@ enum Write {
     /// The last write of a drained shutdown (after every batch handed over before it):
     /// [`ProcedureStore::mark_drained`].
     Drained(Vec<ProcId>),
+    /// An operator's question, answered between batches: the store's status and the
+    /// group commit's figures.
+    Status(oneshot::Sender<(StoreStatus, CommitStats)>),
 }
 
 /// What the writer thread answers for a batch: the append's result and the batch's
@@ -81,6 +129,7 @@ impl Persistence {
             .name("proctor-store-writer".into())
             .spawn(move || {
                 let metrics = metrics::WalMetrics::new();
+                let mut commits = CommitStats::default();
                 // The store refuses every append after a failed one, and then a
                 // drained mark would be a lie: it is written only after successes.
                 let mut failed = false;
@@ -95,6 +144,10 @@ impl Persistence {
                             }
                             continue;
                         }
+                        Write::Status(answer) => {
+                            let _ = answer.send((store.status(), commits.clone()));
+                            continue;
+                        }
                     };
                     perturb::point("persistence::writer::append");
                     let started = Instant::now();
@@ -102,7 +155,9 @@ impl Persistence {
                     let records = ops.len();
                     let result = store.append_owned(&mut ops);
                     failed |= result.is_err();
-                    metrics.append(started.elapsed(), records);
+                    let took = started.elapsed();
+                    metrics.append(took, records);
+                    commits.add(records, took);
                     // The scheduler may be gone at shutdown; nothing is waiting then.
                     let _ = batch.done.send((result, ops));
                 }
@@ -337,6 +392,25 @@ impl Handler<Refuse> for PersistenceActor {
     }
 }
 
+impl Handler<GetStoreStatus> for PersistenceActor {
+    type Result = ResponseFuture<Result<(StoreStatus, CommitStats), Error>>;
+
+    fn handle(&mut self, _msg: GetStoreStatus, _ctx: &mut Context<Self>) -> Self::Result {
+        let (tx, answer) = oneshot::channel();
+        let sent = self
+            .persistence
+            .writer
+            .as_ref()
+            .is_some_and(|w| w.send(Write::Status(tx)).is_ok());
+        Box::pin(async move {
+            if !sent {
+                return Err(Error::Stopped);
+            }
+            answer.await.map_err(|_| Error::Stopped)
+        })
+    }
+}
+
 impl Handler<StopWriter> for PersistenceActor {
     type Result = ();
 
@@ -350,6 +424,14 @@ impl Handler<StopWriter> for PersistenceActor {
 // ------------------------------------------------------------------------------------
 // The messages this actor receives (their ordering rules: `protocol.rs`).
 // ------------------------------------------------------------------------------------
+
+/// The store's status and the group commit's figures, for operators (asked by the
+/// executor; answered by the writer thread between batches).
+pub(crate) struct GetStoreStatus;
+
+impl Message for GetStoreStatus {
+    type Result = Result<(StoreStatus, CommitStats), Error>;
+}
 
 /// Makes `ops` durable, then answers on `ack`. If the persistence actor is gone, `ack`
 /// is dropped and that is an answer too (`Error::Stopped`), so nothing waits for ever.

@@ -121,6 +121,20 @@
 //!
 //! Root stack -> executor (`TreeNews`), in order with the tree's `TreeFinished`.
 //!
+//! ## Operators' questions
+//!
+//! Read-only, answered at once from the receiver's own state, and never ordered with
+//! anything else: executor -> root stack (`Describe`: the execution stack and the
+//! rollback so far, as the core holds them when the message is handled); executor ->
+//! lock actor (`GetLockReport`: resources, queues, cycles); executor -> persistence
+//! actor (`GetStoreStatus`), which hands it to the writer thread behind the batches
+//! already handed over, so the store is asked between appends and a slow append delays
+//! the answer, never a batch. A tree that finishes before its `Describe` is handled
+//! drops the answer (the caller hears `Finished`, as if it had asked later).
+//!
+//! Messages: `Describe` (`root_stack/`), `GetLockReport` (`locks.rs`),
+//! `GetStoreStatus` (`persistence.rs`).
+//!
 
 use actix::prelude::*;
 

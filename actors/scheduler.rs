@@ -135,6 +135,19 @@ pub struct SchedulerStats {
     /// rollback, or a hook to call. A procedure that waits (for children, an event, a
     /// timer or an operator) has none: its root stack keeps its state.
     pub procedures_active: usize,
+    /// Each shard's own workers, running and queued steps, shard 0 first.
+    pub per_shard: Vec<ShardLoad>,
+}
+
+/// One shard's share of [`SchedulerStats`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ShardLoad {
+    /// Its workers.
+    pub workers: usize,
+    /// Its steps running.
+    pub running: usize,
+    /// Its steps queued for a worker.
+    pub queued: usize,
 }
 
 /// Asks the scheduler for its [`SchedulerStats`]. Send it to the executor.
@@ -156,6 +169,11 @@ pub(crate) struct Monitor {
 impl SchedulerStats {
     /// Adds another shard's figures to these.
     pub(crate) fn add(&mut self, other: &SchedulerStats) {
+        self.per_shard.push(ShardLoad {
+            workers: other.workers + other.system_workers,
+            running: other.running,
+            queued: other.queued,
+        });
         self.shards += other.shards;
         self.workers += other.workers;
         self.system_workers += other.system_workers;

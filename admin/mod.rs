@@ -9,7 +9,8 @@
 //! - `/procedures/{id}` — the tree `id` is in, parent above children;
 //! - `/locks` — each resource with its holders and waiters;
 //! - `/engine` — workers and queues, the executor's role (leadership);
-//! - `/events` — the engine's procedure events as Server-Sent Events.
+//! - `/events` — the live feed as Server-Sent Events: once a tick, what the engine
+//!   published since (counts, the newest roots, the watched rows that changed).
 //!
 //! Actions (`POST /procedures/{id}/abort`, `pause`, `continue`, `rollback`, `bypass`)
 //! need the bearer token the embedding service set ([`AdminConfig::token`]; without
@@ -25,9 +26,9 @@
 //! # Ok(()) }
 //! ```
 
+mod live;
 mod pages;
 
-use std::collections::BTreeMap;
 use std::hash::{BuildHasher, Hasher};
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -47,6 +48,7 @@ use crate::{Executor, List, ProcId, ProcInfo, ProcState, Role, WaitingOn};
 pub struct AdminConfig {
     addr: SocketAddr,
     token: Option<String>,
+    live_every: std::time::Duration,
 }
 
 impl Default for AdminConfig {
@@ -55,6 +57,7 @@ impl Default for AdminConfig {
         AdminConfig {
             addr: SocketAddr::from(([127, 0, 0, 1], 9092)),
             token: None,
+            live_every: std::time::Duration::from_millis(500),
         }
     }
 }
@@ -71,6 +74,14 @@ impl AdminConfig {
     #[must_use]
     pub fn token(mut self, token: impl Into<String>) -> Self {
         self.token = Some(token.into());
+        self
+    }
+
+    /// How often the live feed writes a line (500 ms by default; at least 10 ms).
+    /// Each line folds everything the engine published since the last.
+    #[must_use]
+    pub fn live_every(mut self, every: std::time::Duration) -> Self {
+        self.live_every = every.max(std::time::Duration::from_millis(10));
         self
     }
 
@@ -111,6 +122,7 @@ struct Admin<E: Send + Sync + 'static> {
     token: Option<String>,
     /// The pages' CSRF token, made when the router is.
     csrf: String,
+    live_every: std::time::Duration,
 }
 
 type Shared<E> = State<Arc<Admin<E>>>;
@@ -122,6 +134,7 @@ pub fn router<E: Send + Sync + 'static>(executor: Executor<E>, config: AdminConf
         executor,
         token: config.token,
         csrf: random_token(),
+        live_every: config.live_every,
     });
     Router::new()
         .route("/", get(|| async { Redirect::to("procedures") }))
@@ -341,48 +354,48 @@ async fn tree<E: Send + Sync + 'static>(
         .await
         .map_err(|e| engine_error(&e))?;
     procs.sort_unstable_by_key(|p| p.id);
+    // A finished tree has no stack left; a live one answers with its own.
+    let stack = match admin.executor.tree(info.root).await {
+        Ok(stack) => Some(stack),
+        Err(crate::Error::Finished { .. }) => None,
+        Err(e) => return Err(engine_error(&e)),
+    };
+    let dags = pages::dags(&procs);
     if wants_json(&headers) {
         let procedures: Vec<Value> = procs.iter().map(proc_json).collect();
-        return Ok(Json(json!({ "root": info.root.0, "procedures": procedures })).into_response());
+        let ids = |ids: &[ProcId]| ids.iter().map(|p| p.0).collect::<Vec<_>>();
+        let stack_json = stack.as_ref().map(|t| {
+            json!({
+                "stack": ids(&t.stack),
+                "rolling_back": t.rolling_back,
+                "rolled_back": ids(&t.rolled_back),
+            })
+        });
+        let dags_json: Vec<Value> = dags.iter().map(pages::Dag::json).collect();
+        return Ok(Json(json!({
+            "root": info.root.0,
+            "procedures": procedures,
+            "execution": stack_json,
+            "dags": dags_json,
+        }))
+        .into_response());
     }
     let title = format!("Tree {}", info.root);
-    let body = pages::tree(info.root, &procs, id);
+    let body = pages::tree(info.root, &procs, id, stack.as_ref(), &dags);
     Ok(pages::html(&admin.csrf, "../", &title, &body).into_response())
 }
 
-/// Each resource with its holders and its waiters (oldest first).
+/// Each resource with its holders and its queue, the standing cycles and the latest
+/// cycles the engine handled.
 async fn locks<E: Send + Sync + 'static>(
     State(admin): Shared<E>,
     headers: HeaderMap,
 ) -> Result<Response, Refusal> {
-    let procs = admin
-        .executor
-        .list(List::new())
-        .await
-        .map_err(|e| engine_error(&e))?;
-    let mut resources: BTreeMap<String, (Vec<&ProcInfo>, Vec<&ProcInfo>)> = BTreeMap::new();
-    for p in &procs {
-        for lock in &p.locks_held {
-            resources.entry(lock.to_string()).or_default().0.push(p);
-        }
-        for lock in &p.locks_waiting {
-            resources.entry(lock.to_string()).or_default().1.push(p);
-        }
-    }
-    for (_, waiters) in resources.values_mut() {
-        waiters.sort_by_key(|p| (p.updated_ms, p.id));
-    }
+    let report = admin.executor.locks().await.map_err(|e| engine_error(&e))?;
     if wants_json(&headers) {
-        let ids = |ps: &Vec<&ProcInfo>| ps.iter().map(|p| p.id.0).collect::<Vec<_>>();
-        let body: Vec<Value> = resources
-            .iter()
-            .map(|(lock, (holders, waiters))| {
-                json!({ "lock": lock, "holders": ids(holders), "waiters": ids(waiters) })
-            })
-            .collect();
-        return Ok(Json(json!({ "locks": body })).into_response());
+        return Ok(Json(pages::locks_json(&report)).into_response());
     }
-    Ok(pages::html(&admin.csrf, "", "Locks", &pages::locks(&resources)).into_response())
+    Ok(pages::html(&admin.csrf, "", "Locks", &pages::locks(&report)).into_response())
 }
 
 async fn engine<E: Send + Sync + 'static>(
@@ -392,6 +405,11 @@ async fn engine<E: Send + Sync + 'static>(
     let stats = admin
         .executor
         .scheduler_stats()
+        .await
+        .map_err(|e| engine_error(&e))?;
+    let status = admin
+        .executor
+        .engine_status()
         .await
         .map_err(|e| engine_error(&e))?;
     let role = match admin.executor.role().await {
@@ -404,6 +422,32 @@ async fn engine<E: Send + Sync + 'static>(
         Err(e) => json!({ "role": "unknown", "error": e.to_string() }),
     };
     let recovery = admin.executor.recovery();
+    let per_shard: Vec<Value> = stats
+        .per_shard
+        .iter()
+        .map(|s| json!({ "workers": s.workers, "running": s.running, "queued": s.queued }))
+        .collect();
+    let store: serde_json::Map<String, Value> = status
+        .store
+        .facts
+        .iter()
+        .map(|(k, v)| ((*k).to_string(), Value::from(v.as_str())))
+        .collect();
+    let commits = &status.commits;
+    let failures: Vec<Value> = status
+        .recent_failures
+        .iter()
+        .map(|f| {
+            json!({
+                "at_ms": f.at_ms,
+                "root": f.root.0,
+                "type": f.type_name,
+                "failed": f.failure.proc.0,
+                "failed_type": f.failure.type_name,
+                "error": f.failure.error.to_string(),
+            })
+        })
+        .collect();
     let body = json!({
         "shards": stats.shards,
         "workers": stats.workers,
@@ -413,12 +457,25 @@ async fn engine<E: Send + Sync + 'static>(
         "system_workers": stats.system_workers,
         "running_system": stats.running_system,
         "queued_system": stats.queued_system,
+        "per_shard": per_shard,
         "lock_holders": stats.lock_holders,
         "lock_waiters": stats.lock_waiters,
         "events": stats.events,
+        "trees_active": stats.trees_active,
+        "trees_passivated": stats.trees_passivated,
         "leadership": role,
         "recovered_roots": recovery.recovered_roots.len(),
         "corrupt": recovery.corrupt.len(),
+        "store": { "kind": status.store.kind, "facts": store },
+        "commits": {
+            "batches": commits.batches,
+            "records": commits.records,
+            "mean_records": commits.mean_records(),
+            "largest": commits.largest,
+            "by_size": commits.by_size,
+            "append_ms": commits.append_time.as_secs_f64() * 1e3,
+        },
+        "recent_failures": failures,
     });
     if wants_json(&headers) {
         return Ok(Json(body).into_response());
@@ -426,23 +483,52 @@ async fn engine<E: Send + Sync + 'static>(
     Ok(pages::html(&admin.csrf, "", "Engine", &pages::engine(&body)).into_response())
 }
 
-/// The engine's procedure events, as Server-Sent Events: one `data:` line of JSON each.
-async fn events<E: Send + Sync + 'static>(State(admin): Shared<E>) -> Result<Response, Refusal> {
+#[derive(Deserialize, Default)]
+struct EventsQuery {
+    watch: Option<String>,
+    new: Option<bool>,
+}
+
+/// The live feed, as Server-Sent Events: the engine's subscription folded into one
+/// `data:` line per tick (see [`live`]). `watch` names the rows the page shows,
+/// `new=true` asks for the newest roots.
+async fn events<E: Send + Sync + 'static>(
+    State(admin): Shared<E>,
+    Query(query): Query<EventsQuery>,
+) -> Result<Response, Refusal> {
     use futures_util::StreamExt;
+    let interest = live::Interest::parse(query.watch.as_deref(), query.new).map_err(bad_request)?;
     let events = admin
         .executor
         .subscribe()
         .await
         .map_err(|e| engine_error(&e))?;
-    // Whatever events are ready go out as one chunk: one write for a burst, not one
-    // per event.
-    let stream = events.ready_chunks(512).map(|burst| {
-        let mut chunk = String::with_capacity(burst.len() * 64);
-        for event in &burst {
-            write_event(&mut chunk, event);
-        }
-        Ok::<_, std::convert::Infallible>(chunk)
-    });
+    let every = admin.live_every;
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Whatever events are ready are folded in as one burst.
+    let events = events.ready_chunks(512);
+    let feed = live::Feed::new(interest);
+    let stream = futures_util::stream::unfold(
+        Some((events, feed, ticks)),
+        move |state| async move {
+            let (mut events, mut feed, mut ticks) = state?;
+            loop {
+                tokio::select! {
+                    _ = ticks.tick() => {
+                        if let Some(line) = feed.flush(every, false) {
+                            return Some((Ok::<_, std::convert::Infallible>(line), Some((events, feed, ticks))));
+                        }
+                    }
+                    burst = events.next() => match burst {
+                        Some(burst) => burst.iter().for_each(|e| feed.take(e)),
+                        // The engine stopped: the last line says so.
+                        None => return feed.flush(every, true).map(|line| (Ok(line), None)),
+                    },
+                }
+            }
+        },
+    );
     Ok((
         [
             (header::CONTENT_TYPE, "text/event-stream"),
@@ -451,45 +537,6 @@ async fn events<E: Send + Sync + 'static>(State(admin): Shared<E>) -> Result<Res
         axum::body::Body::from_stream(stream),
     )
         .into_response())
-}
-
-/// One procedure event as the page reads it: a `data:` line of JSON (type names are
-/// registered identifiers, written as JSON strings).
-fn write_event(out: &mut String, event: &crate::ProcEvent) {
-    use std::fmt::Write as _;
-    let name = |n: &str| Value::from(n).to_string();
-    let _ = match event {
-        crate::ProcEvent::Submitted { id, type_name, .. } => writeln!(
-            out,
-            r#"data: {{"event":"submitted","id":{},"type":{}}}"#,
-            id.0,
-            name(type_name)
-        ),
-        crate::ProcEvent::Finished {
-            id,
-            type_name,
-            result,
-        } => writeln!(
-            out,
-            r#"data: {{"event":"finished","id":{},"type":{},"state":"{}"}}"#,
-            id.0,
-            name(type_name),
-            if result.is_ok() {
-                "SUCCESS"
-            } else {
-                "ROLLEDBACK"
-            }
-        ),
-        crate::ProcEvent::Paused {
-            id, root, state, ..
-        } => writeln!(
-            out,
-            r#"data: {{"event":"paused","id":{},"root":{},"state":"{state}"}}"#,
-            id.0, root.0
-        ),
-        other => writeln!(out, "data: {}", json!({ "event": format!("{other:?}") })),
-    };
-    out.push('\n');
 }
 
 #[derive(Deserialize, Default)]

@@ -1,14 +1,14 @@
 //! The admin page's HTML: one layout, a renderer per page, the stylesheet and the
 //! script. Everything a page shows is escaped; nothing comes from a CDN.
 
-use std::collections::BTreeMap;
 use std::fmt::Write;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use axum::response::Html;
-use serde_json::Value;
+use serde_json::{json, Value};
 
-use crate::{ProcId, ProcInfo, ProcState};
+use crate::dag::SummaryView;
+use crate::{LockMode, LockReport, ProcId, ProcInfo, ProcState, TaskStatus, TreeInfo};
 
 pub(super) const CSS: &str = r#"
 body { font: 14px/1.4 system-ui, sans-serif; margin: 0; color: #1d2330; }
@@ -34,36 +34,53 @@ button.act { font-size: 12px; }
 "#;
 
 pub(super) const JS: &str = r#"
-// Live: count the events since the page loaded, and say whether the stream is up.
+// Live: one line a tick from the feed, folding what the engine published since. The
+// page names the rows it shows (their finish or pause comes back) and, on the first
+// page of the whole list, asks for the newest roots as rows.
 (function () {
   const live = document.getElementById('live');
-  let seen = 0;
-  const source = new EventSource(document.body.dataset.base + 'events');
+  const body = document.getElementById('procs');
+  const params = [];
+  if (body) {
+    const ids = Array.from(body.querySelectorAll('tr[data-id]'), (r) => r.dataset.id);
+    if (ids.length) params.push('watch=' + ids.slice(0, 1000).join(','));
+    if (body.hasAttribute('data-new-rows')) params.push('new=true');
+  }
+  let submitted = 0, finished = 0;
+  const source = new EventSource(document.body.dataset.base + 'events' + (params.length ? '?' + params.join('&') : ''));
   source.onopen = () => { live.className = 'live on'; live.textContent = 'live'; };
   source.onerror = () => { live.className = 'live off'; live.textContent = 'reconnecting'; };
+  const mark = (row, state) => {
+    row.classList.add('updated');
+    row.children[3].textContent = state;
+    row.children[3].className = 'state-' + state;
+  };
   source.onmessage = (m) => {
-    seen += 1;
-    live.textContent = 'live · ' + seen + ' events';
-    const event = JSON.parse(m.data);
-    const body = document.getElementById('procs');
-    if (body && event.event === 'submitted' && body.hasAttribute('data-new-rows')) {
+    const tick = JSON.parse(m.data);
+    submitted += tick.submitted;
+    finished += tick.succeeded + tick.rolled_back;
+    live.className = 'live on';
+    live.textContent = 'live · ' + submitted + ' submitted · ' + finished + ' finished';
+    if (tick.leadership) live.title = tick.leadership;
+    if (tick.stopped) { live.className = 'live off'; live.textContent = 'the engine stopped'; source.close(); }
+    if (!body) return;
+    for (const p of tick.new) {
       const row = document.createElement('tr');
       row.className = 'new';
-      row.dataset.id = event.id;
+      row.dataset.id = p.id;
       row.innerHTML = '<td><a></a></td><td></td><td></td><td>RUNNABLE</td><td colspan="6">new</td>';
-      row.querySelector('a').textContent = event.id;
-      row.querySelector('a').href = 'procedures/' + event.id;
-      row.children[1].textContent = event.type;
-      row.children[2].textContent = event.id;
+      row.querySelector('a').textContent = p.id;
+      row.querySelector('a').href = 'procedures/' + p.id;
+      row.children[1].textContent = p.type;
+      row.children[2].textContent = p.id;
+      if (p.state) mark(row, p.state);
       body.prepend(row);
     }
-    if (body && event.event === 'finished') {
-      const row = body.querySelector('tr[data-id="' + event.id + '"]');
-      if (row) {
-        row.classList.add('updated');
-        row.children[3].textContent = event.state;
-        row.children[3].className = 'state-' + event.state;
-      }
+    const added = body.querySelectorAll('tr.new');
+    for (let i = 100; i < added.length; i++) added[i].remove();
+    for (const p of tick.changed) {
+      const row = body.querySelector('tr[data-id="' + p.id + '"]');
+      if (row) mark(row, p.state);
     }
   };
 })();
@@ -150,10 +167,16 @@ fn age(submitted_ms: u64) -> String {
 }
 
 fn waits(p: &ProcInfo) -> String {
+    if matches!(p.state, ProcState::Paused | ProcState::RollbackPaused) {
+        return "an operator".into();
+    }
     match &p.waiting_on {
         None => String::new(),
         Some(crate::WaitingOn::Children) => "children".into(),
-        Some(crate::WaitingOn::Event(e)) => format!("event {e}"),
+        Some(crate::WaitingOn::Event(e)) => match e.strip_prefix("proctor.remote/") {
+            Some(op) => format!("remote operation {op}"),
+            None => format!("event {e}"),
+        },
         Some(crate::WaitingOn::Timer { at_ms }) => {
             format!("timer in {}s", at_ms.saturating_sub(now_ms()) / 1000)
         }
@@ -265,7 +288,13 @@ pub(super) fn procedures(view: &ProcView, shown: &[ProcInfo], states: &[ProcStat
     out
 }
 
-pub(super) fn tree(root: ProcId, procs: &[ProcInfo], current: ProcId) -> String {
+pub(super) fn tree(
+    root: ProcId,
+    procs: &[ProcInfo],
+    current: ProcId,
+    execution: Option<&TreeInfo>,
+    dags: &[Dag],
+) -> String {
     fn node(out: &mut String, procs: &[ProcInfo], id: ProcId, current: ProcId) {
         let Some(p) = procs.iter().find(|p| p.id == id) else {
             return;
@@ -310,47 +339,355 @@ pub(super) fn tree(root: ProcId, procs: &[ProcInfo], current: ProcId) -> String 
         out.push_str(&row(p, ""));
     }
     out.push_str("</tbody></table>");
+    if let Some(t) = execution {
+        execution_section(&mut out, t);
+    }
+    for dag in dags {
+        dag.section(&mut out);
+    }
     out
 }
 
-pub(super) fn locks(resources: &BTreeMap<String, (Vec<&ProcInfo>, Vec<&ProcInfo>)>) -> String {
-    let mut out = String::from(
-        "<table><thead><tr><th>lock</th><th>holders</th><th>waiters (first come, first served)</th></tr></thead><tbody>",
+fn links(ids: &[ProcId], base: &str) -> String {
+    ids.iter()
+        .map(|id| format!(r#"<a href="{base}{0}">{0}</a>"#, id.0))
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+/// The execution stack (newest on top, as a rollback walks it) and the rollback so far.
+fn execution_section(out: &mut String, t: &TreeInfo) {
+    let _ = write!(
+        out,
+        r#"<h3>Execution stack</h3><p>{} steps, oldest first{}: <span id="stack">{}</span></p>"#,
+        t.stack.len(),
+        if t.rolling_back {
+            "; the tree is rolling back, newest first"
+        } else {
+            ""
+        },
+        links(&t.stack, "")
     );
-    let links = |ps: &Vec<&ProcInfo>| {
-        ps.iter()
-            .map(|p| format!(r#"<a href="procedures/{0}">{0}</a>"#, p.id.0))
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    for (lock, (holders, waiters)) in resources {
+    if t.rolling_back || !t.rolled_back.is_empty() {
         let _ = write!(
             out,
-            "<tr><td>{}</td><td>{}</td><td>{}</td></tr>",
-            esc(lock),
-            links(holders),
-            links(waiters)
+            r#"<h3>Rollback so far</h3><p>{} steps undone, in order: <span id="rolled-back">{}</span></p>"#,
+            t.rolled_back.len(),
+            links(&t.rolled_back, "")
         );
     }
-    if resources.is_empty() {
-        out.push_str(r#"<tr><td colspan="3">no lock held or awaited</td></tr>"#);
+}
+
+/// A DAG procedure of the tree, read from its state name, with its tasks' children.
+pub(super) struct Dag {
+    id: ProcId,
+    view: SummaryView,
+    /// The child procedure running each task, by task index, where one is listed.
+    children: Vec<Option<(ProcId, ProcState)>>,
+}
+
+/// The DAG procedures among `procs` (those whose state name is a DAG's summary).
+pub(super) fn dags(procs: &[ProcInfo]) -> Vec<Dag> {
+    procs
+        .iter()
+        .filter_map(|p| {
+            let view = SummaryView::parse(p.state_name.as_deref()?)?;
+            let mut children = vec![None; view.statuses.len()];
+            for c in procs.iter().filter(|c| c.parent == Some(p.id)) {
+                // A task's child names itself `task #N …`.
+                let task = c
+                    .state_name
+                    .as_deref()
+                    .and_then(|n| n.strip_prefix("task #"))
+                    .and_then(|n| n.split(' ').next())
+                    .and_then(|n| n.parse::<usize>().ok());
+                if let Some(slot) = task.and_then(|t| children.get_mut(t)) {
+                    *slot = Some((c.id, c.state));
+                }
+            }
+            Some(Dag {
+                id: p.id,
+                view,
+                children,
+            })
+        })
+        .collect()
+}
+
+fn status_name(status: TaskStatus) -> &'static str {
+    match status {
+        TaskStatus::Waiting => "waiting",
+        TaskStatus::Ready => "ready",
+        TaskStatus::Started => "started",
+        TaskStatus::Done => "done",
+        TaskStatus::RolledBack => "rolled back",
+    }
+}
+
+impl Dag {
+    pub(super) fn json(&self) -> Value {
+        let tasks: Vec<Value> = self
+            .view
+            .statuses
+            .iter()
+            .zip(&self.children)
+            .enumerate()
+            .map(|(i, (status, child))| {
+                json!({
+                    "task": i,
+                    "status": status_name(*status),
+                    "procedure": child.map(|(id, _)| id.0),
+                    "state": child.map(|(_, s)| s.to_string()),
+                })
+            })
+            .collect();
+        json!({
+            "id": self.id.0,
+            "tasks": tasks,
+            "edges": self.view.edges.as_ref().map(|e| e.iter().map(|(a, b)| [a, b]).collect::<Vec<_>>()),
+        })
+    }
+
+    fn section(&self, out: &mut String) {
+        let _ = write!(
+            out,
+            r#"<h3>DAG {0}</h3><table class="dag" data-dag="{0}"><thead><tr><th>task</th><th>status</th><th>procedure</th><th>after</th></tr></thead><tbody>"#,
+            self.id.0
+        );
+        for (i, (status, child)) in self.view.statuses.iter().zip(&self.children).enumerate() {
+            let after = self.view.edges.as_ref().map_or_else(
+                || "(edges not listed)".to_string(),
+                |edges| {
+                    edges
+                        .iter()
+                        .filter(|(_, b)| *b as usize == i)
+                        .map(|(a, _)| format!("#{a}"))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                },
+            );
+            let child = child.map_or_else(String::new, |(id, state)| {
+                format!(
+                    r#"<a href="{0}">{0}</a> <span class="state-{state}">{state}</span>"#,
+                    id.0
+                )
+            });
+            let _ = write!(
+                out,
+                "<tr><td>#{i}</td><td>{}</td><td>{child}</td><td>{after}</td></tr>",
+                status_name(*status)
+            );
+        }
+        out.push_str("</tbody></table>");
+    }
+}
+
+fn mode(m: LockMode) -> &'static str {
+    match m {
+        LockMode::Shared => "shared",
+        LockMode::Exclusive => "exclusive",
+    }
+}
+
+pub(super) fn locks_json(report: &LockReport) -> Value {
+    let who = |v: &[(ProcId, LockMode)]| -> Vec<Value> {
+        v.iter()
+            .map(|(id, m)| json!({ "id": id.0, "mode": mode(*m) }))
+            .collect()
+    };
+    let resources: Vec<Value> = report
+        .resources
+        .iter()
+        .map(|r| {
+            json!({
+                "resource": r.resource,
+                "permits": r.permits,
+                "holders": who(&r.holders),
+                "waiters": who(&r.waiters),
+            })
+        })
+        .collect();
+    let standing: Vec<Value> = report
+        .standing
+        .iter()
+        .map(|(waiter, procs)| {
+            json!({ "waiter": waiter.0, "cycle": procs.iter().map(|p| p.0).collect::<Vec<_>>() })
+        })
+        .collect();
+    let cycles: Vec<Value> = report
+        .cycles
+        .iter()
+        .map(|c| {
+            let edges: Vec<Value> = c
+                .edges
+                .iter()
+                .map(|e| {
+                    json!({
+                        "waiter": e.waiter.0,
+                        "waiter_root": e.waiter_root.0,
+                        "wants": e.wants.iter().map(ToString::to_string).collect::<Vec<_>>(),
+                        "blocker": e.blocker.0,
+                        "blocker_root": e.blocker_root.0,
+                        "held": e.held,
+                    })
+                })
+                .collect();
+            json!({ "at_ms": c.at_ms, "edges": edges, "resolution": c.resolution })
+        })
+        .collect();
+    json!({ "resources": resources, "standing": standing, "cycles": cycles })
+}
+
+pub(super) fn locks(report: &LockReport) -> String {
+    let who = |v: &[(ProcId, LockMode)]| {
+        v.iter()
+            .map(|(id, m)| format!(r#"<a href="procedures/{0}">{0}</a> ({1})"#, id.0, mode(*m)))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let mut out = String::from(
+        r#"<table id="resources"><thead><tr><th>resource</th><th>permits</th><th>holders</th><th>queue (first served first)</th></tr></thead><tbody>"#,
+    );
+    for r in &report.resources {
+        let permits = r.permits.map_or_else(String::new, |n| {
+            let shared = r
+                .holders
+                .iter()
+                .filter(|(_, m)| *m == LockMode::Shared)
+                .count();
+            format!("{shared} of {n} in use")
+        });
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{permits}</td><td>{}</td><td>{}</td></tr>",
+            esc(&r.resource),
+            who(&r.holders),
+            who(&r.waiters)
+        );
+    }
+    if report.resources.is_empty() {
+        out.push_str(r#"<tr><td colspan="4">no lock held or awaited</td></tr>"#);
     }
     out.push_str("</tbody></table>");
+    out.push_str("<h3>Wait-for cycles</h3>");
+    if report.standing.is_empty() && report.cycles.is_empty() {
+        out.push_str("<p>none found</p>");
+    }
+    for (waiter, procs) in &report.standing {
+        let _ = write!(
+            out,
+            r#"<p class="cycle">standing (may end by itself): the wait of <a href="procedures/{0}">{0}</a> closes a cycle through {1}</p>"#,
+            waiter.0,
+            links(procs, "procedures/")
+        );
+    }
+    if !report.cycles.is_empty() {
+        out.push_str(r#"<table id="cycles"><thead><tr><th>when</th><th>waits</th><th>what the engine did</th></tr></thead><tbody>"#);
+        for c in report.cycles.iter().rev() {
+            let waits: Vec<String> = c
+                .edges
+                .iter()
+                .map(|e| {
+                    let wants: Vec<String> = e.wants.iter().map(ToString::to_string).collect();
+                    format!(
+                        r#"<a href="procedures/{0}">{0}</a> waits for [{1}] {2} <a href="procedures/{3}">{3}</a>"#,
+                        e.waiter.0,
+                        esc(&wants.join(", ")),
+                        if e.held { "held by" } else { "queued behind" },
+                        e.blocker.0
+                    )
+                })
+                .collect();
+            let _ = write!(
+                out,
+                "<tr><td>{} ago</td><td>{}</td><td>{}</td></tr>",
+                age(c.at_ms),
+                waits.join("<br>"),
+                esc(&c.resolution)
+            );
+        }
+        out.push_str("</tbody></table>");
+    }
     out
+}
+
+/// A table of a JSON object's scalar fields.
+fn facts(out: &mut String, id: &str, map: &serde_json::Map<String, Value>) {
+    let _ = write!(out, r#"<table id="{id}"><tbody>"#);
+    for (key, value) in map {
+        if value.is_object() || (value.is_array() && key != "queued_by_level" && key != "by_size") {
+            continue;
+        }
+        let text = match value {
+            Value::String(s) => s.clone(),
+            other => other.to_string(),
+        };
+        let _ = write!(out, "<tr><th>{}</th><td>{}</td></tr>", esc(key), esc(&text));
+    }
+    out.push_str("</tbody></table>");
 }
 
 pub(super) fn engine(body: &Value) -> String {
-    let mut out = String::from("<table><tbody>");
-    if let Some(map) = body.as_object() {
-        for (key, value) in map {
-            let _ = write!(
-                out,
-                "<tr><th>{}</th><td>{}</td></tr>",
-                esc(key),
-                esc(&value.to_string())
-            );
-        }
+    let mut out = String::from("<h3>Workers and queues</h3>");
+    let empty = serde_json::Map::new();
+    facts(&mut out, "workers", body.as_object().unwrap_or(&empty));
+    out.push_str(r#"<table id="shards"><thead><tr><th>shard</th><th>workers</th><th>busy</th><th>queued</th></tr></thead><tbody>"#);
+    for (i, s) in body["per_shard"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let _ = write!(
+            out,
+            "<tr><td>{i}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            s["workers"], s["running"], s["queued"]
+        );
     }
     out.push_str("</tbody></table>");
+    out.push_str("<h3>Leadership</h3>");
+    facts(
+        &mut out,
+        "leadership",
+        body["leadership"].as_object().unwrap_or(&empty),
+    );
+    let _ = write!(
+        out,
+        "<h3>Store ({})</h3>",
+        esc(body["store"]["kind"].as_str().unwrap_or("?"))
+    );
+    facts(
+        &mut out,
+        "store",
+        body["store"]["facts"].as_object().unwrap_or(&empty),
+    );
+    out.push_str("<h3>Group commit</h3>");
+    facts(
+        &mut out,
+        "commits",
+        body["commits"].as_object().unwrap_or(&empty),
+    );
+    out.push_str("<h3>Recent failures</h3>");
+    let failures = body["recent_failures"]
+        .as_array()
+        .map_or(&[][..], Vec::as_slice);
+    if failures.is_empty() {
+        out.push_str("<p>none since the start</p>");
+    } else {
+        out.push_str(r#"<table id="failures"><thead><tr><th>when</th><th>tree</th><th>type</th><th>failed</th><th>error</th></tr></thead><tbody>"#);
+        for f in failures.iter().rev() {
+            let _ = write!(
+                out,
+                r#"<tr><td>{} ago</td><td><a href="procedures/{1}">{1}</a></td><td>{2}</td><td><a href="procedures/{3}">{3}</a> {4}</td><td class="error">{5}</td></tr>"#,
+                age(f["at_ms"].as_u64().unwrap_or(0)),
+                f["root"],
+                esc(f["type"].as_str().unwrap_or("")),
+                f["failed"],
+                esc(f["failed_type"].as_str().unwrap_or("")),
+                esc(f["error"].as_str().unwrap_or(""))
+            );
+        }
+        out.push_str("</tbody></table>");
+    }
     out
 }

@@ -115,6 +115,10 @@ impl<S: ProcedureStore> ProcedureStore for CrashingStore<S> {
     fn mark_running(&mut self) -> Result<(), StoreError> {
         self.inner.mark_running()
     }
+
+    fn status(&self) -> crate::store::StoreStatus {
+        self.inner.status()
+    }
 }
 
 #[cfg(test)]

@@ -183,6 +183,68 @@ pub enum TaskStatus {
     RolledBack,
 }
 
+/// The most edges [`Dag::summary`] lists.
+const SUMMARY_EDGES: usize = 256;
+
+/// A DAG's progress read back from its [`Dag::summary`] (a procedure's state name),
+/// for pages that know only that: each task's status, and its edges when listed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[cfg_attr(not(feature = "admin"), allow(dead_code))]
+pub(crate) struct SummaryView {
+    pub(crate) statuses: Vec<TaskStatus>,
+    /// `None` when there were too many to list.
+    pub(crate) edges: Option<Vec<(u32, u32)>>,
+}
+
+#[cfg_attr(not(feature = "admin"), allow(dead_code))]
+impl SummaryView {
+    /// `None` unless `text` is a summary.
+    pub(crate) fn parse(text: &str) -> Option<SummaryView> {
+        let mut parts = text.split("; ");
+        let counts = parts.next()?;
+        if !counts.contains(" done, ") || !counts.contains(" running") {
+            return None;
+        }
+        let statuses = parts
+            .next()?
+            .strip_prefix("tasks ")?
+            .chars()
+            .map(|c| match c {
+                'w' => Some(TaskStatus::Waiting),
+                'r' => Some(TaskStatus::Ready),
+                's' => Some(TaskStatus::Started),
+                'd' => Some(TaskStatus::Done),
+                'u' => Some(TaskStatus::RolledBack),
+                _ => None,
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let edges = match parts.next() {
+            None => Some(Vec::new()),
+            Some(list) => {
+                let list = list.strip_prefix("edges ")?;
+                if list.ends_with(" not listed") {
+                    None
+                } else {
+                    let n = statuses.len() as u32;
+                    let edges = list
+                        .split(' ')
+                        .map(|e| {
+                            let (a, b) = e.split_once('>')?;
+                            let (a, b) = (a.parse().ok()?, b.parse().ok()?);
+                            (a < n && b < n).then_some((a, b))
+                        })
+                        .collect::<Option<Vec<_>>>()?;
+                    Some(edges)
+                }
+            }
+        };
+        if parts.next().is_some() {
+            return None;
+        }
+        Some(SummaryView { statuses, edges })
+    }
+}
+
 /// What a [`Dag`] persists per task: one byte each (see [`stored_marks`], which also
 /// reads the names earlier records held; `Serialize` writes those names, for its test).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -591,7 +653,7 @@ impl<T> Dag<T> {
     /// dag.edge(a, b);
     /// let dag = dag.build().unwrap();
     /// assert_eq!(dag.statuses(), [(a, TaskStatus::Ready), (b, TaskStatus::Waiting)]);
-    /// assert_eq!(dag.summary(), "0/2 done, 0 running; tasks rw");
+    /// assert_eq!(dag.summary(), "0/2 done, 0 running; tasks rw; edges 0>1");
     /// ```
     pub fn statuses(&self) -> Vec<(TaskId, TaskStatus)> {
         (0..self.tasks.len())
@@ -641,10 +703,12 @@ impl<T> Dag<T> {
             .collect()
     }
 
-    /// How far the DAG is, as its state name (and `proctor procs`) shows it:
-    /// `3/6 done, 2 running; tasks dddssw` — the tasks done, started and, once there
-    /// are some, rolled back, then each task's status in id order: `w` waiting, `r`
-    /// ready, `s` started, `d` done, `u` rolled back (undone).
+    /// How far the DAG is, as its state name (and `proctor procs`, and the admin
+    /// page) shows it: `3/6 done, 2 running; tasks dddssw; edges 0>1 1>2` — the tasks
+    /// done, started and, once there are some, rolled back, then each task's status
+    /// in id order: `w` waiting, `r` ready, `s` started, `d` done, `u` rolled back
+    /// (undone); then, if there are any, the edges `before>after` (up to
+    /// 256; beyond, only their number: `edges 300 not listed`).
     ///
     /// ```
     /// use proctor::DagBuilder;
@@ -653,7 +717,7 @@ impl<T> Dag<T> {
     /// let (a, b) = (dag.add("create"), dag.add("fill"));
     /// dag.add("index");
     /// dag.edge(a, b);
-    /// assert_eq!(dag.build().unwrap().summary(), "0/3 done, 0 running; tasks rwr");
+    /// assert_eq!(dag.build().unwrap().summary(), "0/3 done, 0 running; tasks rwr; edges 0>1");
     /// ```
     pub fn summary(&self) -> String {
         let count = |mark| self.marks.iter().filter(|&&m| m == mark).count();
@@ -676,6 +740,15 @@ impl<T> Dag<T> {
             TaskStatus::Done => 'd',
             TaskStatus::RolledBack => 'u',
         }));
+        let edges: usize = self.preds.iter().map(Vec::len).sum();
+        if edges > SUMMARY_EDGES {
+            text.push_str(&format!("; edges {edges} not listed"));
+        } else if edges > 0 {
+            text.push_str("; edges");
+            for (before, after) in self.edges() {
+                text.push_str(&format!(" {}>{}", before.0, after.0));
+            }
+        }
         text
     }
 
@@ -1244,6 +1317,39 @@ mod tests {
     }
 
     #[test]
+    fn a_summary_reads_back_as_statuses_and_edges() {
+        let dag = fan();
+        let view = SummaryView::parse(&dag.summary()).unwrap();
+        let statuses: Vec<TaskStatus> = dag.statuses().into_iter().map(|(_, s)| s).collect();
+        assert_eq!(view.statuses, statuses);
+        let edges: Vec<(u32, u32)> = dag.edges().into_iter().map(|(a, b)| (a.0, b.0)).collect();
+        assert_eq!(view.edges, Some(edges));
+        // (summary, Some((tasks, edges listed))) or None where it is not a summary.
+        type Want = Option<(usize, Option<usize>)>;
+        let cases: &[(&str, Want)] = &[
+            ("0/2 done, 0 running; tasks rr", Some((2, Some(0)))),
+            (
+                "0/2 done, 1 running, 1 rolled back; tasks us; edges 0>1",
+                Some((2, Some(1))),
+            ),
+            (
+                "0/2 done, 0 running; tasks rw; edges 300 not listed",
+                Some((2, None)),
+            ),
+            ("step 3 of 4", None),
+            ("0/2 done, 0 running; tasks rx", None),
+            ("0/2 done, 0 running; tasks rw; edges 0>2", None),
+            ("0/2 done, 0 running; tasks rw; edges 0-1", None),
+            ("0/2 done, 0 running; tasks rw; edges 0>1; more", None),
+        ];
+        for (text, want) in cases {
+            let got =
+                SummaryView::parse(text).map(|v| (v.statuses.len(), v.edges.map(|e| e.len())));
+            assert_eq!(got, *want, "{text}");
+        }
+    }
+
+    #[test]
     fn steps_start_waves_of_at_most_parallelism_ready_tasks() {
         let log = Arc::new(Log::default());
         let mut dag = fan();
@@ -1258,12 +1364,12 @@ mod tests {
         assert_eq!(
             names,
             [
-                "0/5 done, 0 running; tasks rwwww",
-                "0/5 done, 1 running; tasks swwww",
-                "1/5 done, 2 running; tasks dssrw",
-                "3/5 done, 1 running; tasks dddsw",
-                "4/5 done, 1 running; tasks dddds",
-                "5/5 done, 0 running; tasks ddddd",
+                "0/5 done, 0 running; tasks rwwww; edges 0>1 0>2 0>3 1>4 2>4 3>4",
+                "0/5 done, 1 running; tasks swwww; edges 0>1 0>2 0>3 1>4 2>4 3>4",
+                "1/5 done, 2 running; tasks dssrw; edges 0>1 0>2 0>3 1>4 2>4 3>4",
+                "3/5 done, 1 running; tasks dddsw; edges 0>1 0>2 0>3 1>4 2>4 3>4",
+                "4/5 done, 1 running; tasks dddds; edges 0>1 0>2 0>3 1>4 2>4 3>4",
+                "5/5 done, 0 running; tasks ddddd; edges 0>1 0>2 0>3 1>4 2>4 3>4",
             ]
         );
         assert!(
@@ -1436,7 +1542,7 @@ mod tests {
         );
         assert_eq!(
             dag.summary(),
-            "0/5 done, 0 running, 3 rolled back; tasks uuuww"
+            "0/5 done, 0 running, 3 rolled back; tasks uuuww; edges 0>1 0>2 0>3 1>4 2>4 3>4"
         );
     }
 

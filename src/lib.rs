@@ -64,10 +64,11 @@ pub mod testing {
 pub use crate::actors::metrics;
 
 pub use crate::actors::{
-    Abort, AckResult, Bypass, Continue, Executor, ExecutorActor, ExecutorBuilder,
-    GetSchedulerStats, GetState, GetValue, List, ListPage, NonceRegistration, NonceReservation,
-    Pause, ProcEvent, ProcInfo, ProcPage, Recovery, ResetEvent, Role, Rollback, SchedulerStats,
-    Shutdown, Submit, Subscribe, Subscription, WaitFor, WaitValue, WaitingOn, WakeEvent,
+    Abort, AckResult, Bypass, CommitStats, Continue, EngineStatus, Executor, ExecutorActor,
+    ExecutorBuilder, GetEngineStatus, GetLocks, GetSchedulerStats, GetState, GetTree, GetValue,
+    List, ListPage, NonceRegistration, NonceReservation, Pause, ProcEvent, ProcInfo, ProcPage,
+    RecentFailure, Recovery, ResetEvent, Role, Rollback, SchedulerStats, ShardLoad, Shutdown,
+    Submit, Subscribe, Subscription, TreeInfo, WaitFor, WaitValue, WaitingOn, WakeEvent,
     WalOptions, WalStats, WalStore,
 };
 #[cfg(feature = "postgres")]
@@ -76,7 +77,7 @@ pub use crate::actors::{RemoteOptions, RemoveTarget, Report, Transport, Transpor
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};
 pub use crate::error::{Error, WaitError};
-pub use crate::locks::{Lock, LockClaim, LockMode};
+pub use crate::locks::{Lock, LockClaim, LockCycle, LockMode, LockReport, ResourceLocks, WaitEdge};
 pub use crate::procedure::{
     ChildType, Context, EncodeState, FailurePolicy, Flow, LockState, OnTimeout, ProcError, ProcId,
     ProcState, Procedure, Undo, UnknownState,
@@ -88,7 +89,7 @@ pub use crate::registry::{Registry, RegistryError};
 pub use crate::remote::{BatchRules, OpId, RemoteError, RemoteResult, REMOTE_CALL};
 pub use crate::saga::{Saga, SagaContext, SagaProcedure, Undoing};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};
-pub use crate::store::{MemoryStore, ProcedureStore, StoreError};
+pub use crate::store::{MemoryStore, ProcedureStore, StoreError, StoreStatus};
 
 /// The README's examples compile and run as doc tests too.
 #[cfg(doctest)]

@@ -500,6 +500,70 @@ impl Default for LockTable {
     }
 }
 
+/// One resource as an operator sees it ([`LockTable::resources`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ResourceLocks {
+    /// The resource's name.
+    pub resource: String,
+    /// For a counted resource: how many shared holders it lets in at once.
+    pub permits: Option<u32>,
+    /// Who holds a lock on exactly this resource, and how.
+    pub holders: Vec<(ProcId, LockMode)>,
+    /// Who waits for a lock on exactly this resource, first served first (rollbacks
+    /// ahead of the others, then in the order they asked).
+    pub waiters: Vec<(ProcId, LockMode)>,
+}
+
+/// A wait-for cycle the engine found and how it ended it, for operators.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct LockCycle {
+    /// When, in ms since the Unix epoch.
+    pub at_ms: u64,
+    /// The waits of the cycle, starting with the one the engine acted on.
+    pub edges: Vec<WaitEdge>,
+    /// What the engine did: failed a waiter, or let a waiter borrow the locks of a tree
+    /// that rolls back.
+    pub resolution: String,
+}
+
+impl LockCycle {
+    /// A deadlock broken by failing its victim.
+    pub fn broken(at_ms: u64, deadlock: &Deadlock) -> Self {
+        LockCycle {
+            at_ms,
+            edges: deadlock.cycle.clone(),
+            resolution: format!(
+                "failed procedure {} (tree {})",
+                deadlock.victim, deadlock.victim_root
+            ),
+        }
+    }
+
+    /// A cycle no failure can break, ended by a loan.
+    pub fn lent(at_ms: u64, loan: &Loan) -> Self {
+        LockCycle {
+            at_ms,
+            edges: loan.cycle.clone(),
+            resolution: format!(
+                "procedure {} borrows the locks of procedure {} (tree {}, rolling back)",
+                loan.borrower, loan.lender, loan.lender_root
+            ),
+        }
+    }
+}
+
+/// The engine's locks as an operator sees them ([`Executor::locks`](crate::Executor::locks)).
+#[derive(Clone, Debug, Default)]
+pub struct LockReport {
+    /// Every resource held, waited for or counted, by name.
+    pub resources: Vec<ResourceLocks>,
+    /// Cycles left standing, which may end by themselves: each wait that closed one,
+    /// with the procedures of its cycle.
+    pub standing: Vec<(ProcId, Vec<ProcId>)>,
+    /// The latest cycles the engine broke or lent through, oldest first (at most 32).
+    pub cycles: Vec<LockCycle>,
+}
+
 /// The proper ancestors of a resource name, nearest last: `a/b/c` gives `a`, `a/b`.
 fn ancestors_of(resource: &str) -> impl Iterator<Item = &str> {
     resource
@@ -539,6 +603,55 @@ impl LockTable {
     pub fn waited_by(&self, owner: ProcId) -> Option<&[Lock]> {
         let seq = self.waiting_seq.get(&owner)?;
         self.waiters.get(seq).map(|w| &w.req.locks[..])
+    }
+
+    /// Every resource held, waited for or counted, by name: its holders and its queue.
+    pub fn resources(&self) -> Vec<ResourceLocks> {
+        let mut out: Vec<ResourceLocks> = self
+            .nodes
+            .iter()
+            .filter(|(name, n)| {
+                !(n.exclusive.is_empty() && n.shared.is_empty() && n.waiting.is_empty())
+                    || self.permits.contains_key(*name)
+            })
+            .map(|(name, n)| ResourceLocks {
+                resource: name.clone(),
+                permits: self.permits.get(name).copied(),
+                holders: (n.exclusive.iter().map(|&p| (p, LockMode::Exclusive)))
+                    .chain(n.shared.iter().map(|&p| (p, LockMode::Shared)))
+                    .collect(),
+                waiters: n
+                    .waiting
+                    .iter()
+                    .filter_map(|(seq, &mode)| Some((self.waiters.get(seq)?.req.owner, mode)))
+                    .collect(),
+            })
+            .collect();
+        for (name, &permits) in &self.permits {
+            if !self.nodes.contains_key(name) {
+                out.push(ResourceLocks {
+                    resource: name.clone(),
+                    permits: Some(permits),
+                    holders: Vec::new(),
+                    waiters: Vec::new(),
+                });
+            }
+        }
+        out.sort_by(|a, b| a.resource.cmp(&b.resource));
+        out
+    }
+
+    /// The waits that closed a cycle the table left standing (it may end by itself,
+    /// see the module docs), each with the procedures of its cycle: searched again
+    /// when one of them leaves.
+    pub fn standing(&self) -> Vec<(ProcId, Vec<ProcId>)> {
+        let mut out: Vec<(ProcId, Vec<ProcId>)> = self
+            .standing
+            .iter()
+            .map(|(&waiter, procs)| (waiter, procs.clone()))
+            .collect();
+        out.sort_by_key(|(waiter, _)| *waiter);
+        out
     }
 
     /// How many procedures hold locks, and how many wait.
@@ -1548,6 +1661,36 @@ mod tests {
             let got = t.request(req(2, &[], asked)).granted == ids(&[2]);
             assert_eq!(got, *expect, "held {held:?}, asked {asked:?}");
         }
+    }
+
+    #[test]
+    fn resources_show_holders_and_the_queue_in_the_order_it_is_served() {
+        let mut t = LockTable::new();
+        t.set_permits("pool", 2);
+        t.set_permits("idle", 3);
+        t.request(req(1, &[], &["X ns/t1"]));
+        t.request(req(2, &[], &["S ns/t1"])); // waits behind 1's exclusive lock below
+        t.request(req(3, &[], &["X ns/t1"]));
+        t.request(req(4, &[], &["S pool"]));
+        t.request(req(5, &[], &["S pool"]));
+        t.request(req(6, &[], &["S pool"])); // the pool is full
+        t.request(rollback(7, &[], &["X ns/t1"])); // a rollback goes first
+        let r = t.resources();
+        let names: Vec<&str> = r.iter().map(|r| r.resource.as_str()).collect();
+        assert_eq!(names, ["idle", "ns/t1", "pool"]);
+        assert_eq!(r[0].permits, Some(3));
+        assert!(r[0].holders.is_empty() && r[0].waiters.is_empty());
+        let (x, s) = (LockMode::Exclusive, LockMode::Shared);
+        assert_eq!(r[1].permits, None);
+        assert_eq!(r[1].holders, [(ProcId(1), x)]);
+        assert_eq!(
+            r[1].waiters,
+            [(ProcId(7), x), (ProcId(2), s), (ProcId(3), x)]
+        );
+        assert_eq!(r[2].permits, Some(2));
+        assert_eq!(r[2].holders, [(ProcId(4), s), (ProcId(5), s)]);
+        assert_eq!(r[2].waiters, [(ProcId(6), s)]);
+        assert!(t.standing().is_empty());
     }
 
     #[test]

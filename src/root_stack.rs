@@ -417,6 +417,12 @@ pub struct RootStack {
     /// How many procedures of the tree have failed: the next failure's `failure_seq`.
     failures: u64,
     phase: Phase,
+    /// The steps rolled back so far, in the order they were (since this tree was
+    /// loaded: a restart begins it again). `None` until a rollback step is done;
+    /// boxed, as most trees never roll back (an idle tree's size is its memory: 8
+    /// bytes here, where a `Vec` would take 24).
+    #[allow(clippy::box_collection)]
+    undone: Option<Box<Vec<ProcId>>>,
 }
 
 impl RootStack {
@@ -430,10 +436,28 @@ impl RootStack {
             failure: None,
             failures: 0,
             phase: Phase::Executing,
+            undone: None,
         };
         let mut t = Transition::default();
         stack.add_node(&mut t, None, root, now_ms);
         (stack, t)
+    }
+
+    /// The execution stack, oldest step first: the procedure of each step the tree
+    /// ran (a procedure once per step), which its rollback undoes newest first.
+    pub fn stack(&self) -> impl Iterator<Item = ProcId> + '_ {
+        self.stack.iter().map(|e| e.id)
+    }
+
+    /// Whether the tree is rolling back.
+    pub fn is_rolling_back(&self) -> bool {
+        self.phase == Phase::RollingBack
+    }
+
+    /// The steps rolled back so far, in the order they were, since this tree was
+    /// loaded.
+    pub fn undone(&self) -> &[ProcId] {
+        self.undone.as_deref().map_or(&[], Vec::as_slice)
     }
 
     /// The root's id.
@@ -981,6 +1005,7 @@ impl RootStack {
             Ok(data) => {
                 let of = self.rollback_of_top();
                 self.pop_step(id);
+                self.undone.get_or_insert_with(Box::default).push(id);
                 let node = self.node_mut(id);
                 node.reset_rollback_attempts();
                 node.steering.retries = 0;

@@ -272,6 +272,32 @@ pub trait ProcedureStore: Send + 'static {
                 .to_string(),
         ))
     }
+
+    /// What the store tells operators about itself now (the admin page's engine view):
+    /// its kind and named figures. Asked between appends; must not block on IO. The
+    /// default names no figures.
+    fn status(&self) -> StoreStatus {
+        StoreStatus {
+            kind: "custom",
+            facts: Vec::new(),
+        }
+    }
+}
+
+/// What a store tells operators about itself ([`ProcedureStore::status`]).
+///
+/// ```
+/// use proctor::ProcedureStore;
+/// let status = proctor::MemoryStore::new().status();
+/// assert_eq!(status.kind, "memory");
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StoreStatus {
+    /// `wal`, `memory`, `postgres`, or a custom store's word for itself.
+    pub kind: &'static str,
+    /// Named figures, in the order to show them (the WAL's: its segments, their
+    /// bytes, the live bytes and the bound on the segments' bytes).
+    pub facts: Vec<(&'static str, String)>,
 }
 
 impl ProcedureStore for Box<dyn ProcedureStore> {
@@ -301,6 +327,10 @@ impl ProcedureStore for Box<dyn ProcedureStore> {
 
     fn fence(&mut self, epoch: Option<i64>) -> Result<(), StoreError> {
         (**self).fence(epoch)
+    }
+
+    fn status(&self) -> StoreStatus {
+        (**self).status()
     }
 }
 
@@ -406,6 +436,18 @@ impl ProcedureStore for MemoryStore {
     fn mark_running(&mut self) -> Result<(), StoreError> {
         self.lock().last_stop = LastStop::Unknown;
         Ok(())
+    }
+
+    fn status(&self) -> StoreStatus {
+        let inner = self.lock();
+        let bytes: usize = inner.records.values().map(|r| r.len()).sum();
+        StoreStatus {
+            kind: "memory",
+            facts: vec![
+                ("records", inner.records.len().to_string()),
+                ("live_bytes", bytes.to_string()),
+            ],
+        }
     }
 
     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {

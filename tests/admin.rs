@@ -1,15 +1,20 @@
 //! The admin page over HTTP: every page and its JSON, filters and paging, bad input
 //! answered 400 with a message, actions refused without a token (401), with a wrong
 //! one (403) or without the CSRF token (403), an abort through the endpoint rolling a
-//! tree back, and the live event stream.
+//! tree back, a tree's execution stack and rollback order, a DAG's tasks and edges, the
+//! lock queues, the engine's store, group commit and failures, and the live feed.
 
 mod common;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::{Recorder, Scripted, Step};
 use proctor::admin::AdminConfig;
-use proctor::{Executor, ProcId, ProcState};
+use proctor::{
+    async_trait, Context, Executor, Flow, Lock, ProcError, ProcId, ProcState, Procedure, Registry,
+};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 const TOKEN: &str = "the-operators-token";
@@ -71,6 +76,10 @@ async fn page(config: AdminConfig) -> Page {
         .start()
         .await
         .unwrap();
+    serve(executor, config).await
+}
+
+async fn serve(executor: Executor<Recorder>, config: AdminConfig) -> Page {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}/", listener.local_addr().unwrap());
     actix::spawn(config.serve_on(listener, executor.clone()));
@@ -161,7 +170,8 @@ async fn pages_and_their_json_filter_and_page() {
     assert!(engine["workers"].as_u64().unwrap() > 0);
     let (status, locks) = page.json("locks").await;
     assert_eq!(status, 200);
-    assert!(locks["locks"].as_array().unwrap().is_empty());
+    assert!(locks["resources"].as_array().unwrap().is_empty());
+    assert!(locks["cycles"].as_array().unwrap().is_empty());
     for asset in ["assets/admin.css", "assets/admin.js", "locks", "engine"] {
         assert_eq!(page.get(asset).await.0, 200, "{asset}");
     }
@@ -228,30 +238,413 @@ async fn actions_need_the_token_and_the_csrf_token_and_an_abort_rolls_the_tree_b
     page.executor.clone().shutdown().await.unwrap();
 }
 
+/// Reads the stream's `data:` lines until one satisfies `done`; answers them all.
+async fn lines_until(
+    stream: &mut reqwest::Response,
+    mut done: impl FnMut(&serde_json::Value) -> bool,
+) -> Vec<serde_json::Value> {
+    let mut text = String::new();
+    let mut lines = Vec::new();
+    loop {
+        let chunk = stream.chunk().await.unwrap().expect("the stream goes on");
+        text.push_str(&String::from_utf8_lossy(&chunk));
+        while let Some(end) = text.find("\n\n") {
+            let event: String = text.drain(..end + 2).collect();
+            if let Some(data) = event.trim().strip_prefix("data: ") {
+                let line: serde_json::Value = serde_json::from_str(data).unwrap();
+                let stop = done(&line);
+                lines.push(line);
+                if stop {
+                    return lines;
+                }
+            }
+        }
+    }
+}
+
 #[actix::test]
-async fn the_event_stream_carries_submits_and_finishes() {
-    let page = page(AdminConfig::default()).await;
+async fn the_live_feed_folds_events_into_ticks_with_new_and_watched_rows() {
+    let page = page(AdminConfig::default().live_every(Duration::from_millis(20))).await;
+    let waiting = page
+        .executor
+        .submit(Scripted::new("watched", vec![Step::Suspend("go".into())]))
+        .await
+        .unwrap();
+    common::wait_for_state(&page.executor, waiting, ProcState::Waiting).await;
     let mut stream = page
         .http
-        .get(format!("{}events", page.base))
+        .get(format!("{}events?new=true&watch={}", page.base, waiting.0))
         .send()
         .await
         .unwrap();
+    assert_eq!(stream.status(), 200);
     assert_eq!(stream.headers()["content-type"], "text/event-stream");
+    // The first tick greets.
+    let first = lines_until(&mut stream, |_| true).await;
+    assert_eq!(first[0]["event"], "tick");
+
     let id = page
         .executor
         .submit(Scripted::new("seen", vec![Step::More]))
         .await
         .unwrap();
-    let mut text = String::new();
-    while !text.contains("\"event\":\"finished\"") {
-        let chunk = stream.chunk().await.unwrap().expect("the stream goes on");
-        text.push_str(&String::from_utf8_lossy(&chunk));
-    }
+    let lines = lines_until(&mut stream, |l| {
+        l["new"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["id"] == id.0 && n["state"] == "SUCCESS")
+            || l["changed"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|c| c["id"] == id.0)
+    })
+    .await;
+    let submitted: u64 = lines.iter().map(|l| l["submitted"].as_u64().unwrap()).sum();
+    let succeeded: u64 = lines.iter().map(|l| l["succeeded"].as_u64().unwrap()).sum();
+    assert_eq!((submitted, succeeded), (1, 1), "{lines:?}");
     assert!(
-        text.contains(&format!("\"event\":\"submitted\",\"id\":{}", id.0)),
-        "{text}"
+        lines.iter().any(|l| l["new"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["id"] == id.0 && n["type"] == "scripted")),
+        "{lines:?}"
     );
-    assert!(text.contains("\"state\":\"SUCCESS\""), "{text}");
+
+    // A watched row that finishes comes back with its state.
+    page.executor.abort(waiting).await.unwrap();
+    let lines = lines_until(&mut stream, |l| {
+        !l["changed"].as_array().unwrap().is_empty()
+    })
+    .await;
+    let last = lines.last().unwrap();
+    assert_eq!(
+        last["changed"],
+        serde_json::json!([{ "id": waiting.0, "state": "ROLLEDBACK" }])
+    );
+
+    // Bad interest is a 400 that says why.
+    for bad in ["watch=1,x", "watch=-3", "new=maybe"] {
+        let answer = page
+            .http
+            .get(format!("{}events?{bad}", page.base))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(answer.status(), 400, "{bad}");
+    }
     page.executor.clone().shutdown().await.unwrap();
+}
+
+/// A procedure of these tests: `Unwind` runs two steps, the second starting a child
+/// that runs two steps and fails; its rollback holds at the root's second rollback step
+/// until the test opens the gate. `Hold` takes its lock for life and waits for the
+/// event `release`.
+#[derive(Serialize, Deserialize)]
+enum Own {
+    Unwind { child: bool, step: u32 },
+    Hold { resource: String, step: u32 },
+}
+
+#[async_trait]
+impl Procedure<Recorder> for Own {
+    async fn execute(&mut self, ctx: &mut Context<Recorder>) -> Result<Flow<Recorder>, ProcError> {
+        let id = ctx.id();
+        match self {
+            Own::Unwind { child, step } => {
+                *step += 1;
+                ctx.env().record(format!("exec {id}"));
+                match (*child, *step) {
+                    (false, 1) | (true, 1) => Ok(Flow::MoreToDo),
+                    (false, _) => Ok(Flow::Children(vec![Box::new(Own::Unwind {
+                        child: true,
+                        step: 0,
+                    })])),
+                    (true, _) => Err(ProcError::failed("the child fails")),
+                }
+            }
+            Own::Hold { step, .. } => {
+                *step += 1;
+                Ok(if *step == 1 {
+                    Flow::Suspend("release".into())
+                } else {
+                    Flow::Done
+                })
+            }
+        }
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context<Recorder>) -> Result<(), ProcError> {
+        let id = ctx.id();
+        let rec = ctx.env_arc().clone();
+        rec.record(format!("rollback {id}"));
+        if matches!(self, Own::Unwind { child: false, .. })
+            && rec.count(&format!("rollback {id}")) == 2
+        {
+            rec.signal.notify_one();
+            rec.gate.notified().await;
+        }
+        Ok(())
+    }
+
+    fn locks(&self) -> Vec<Lock> {
+        match self {
+            Own::Hold { resource, .. } => vec![Lock::exclusive(resource.clone())],
+            Own::Unwind { .. } => Vec::new(),
+        }
+    }
+
+    fn holds_lock(&self) -> bool {
+        true
+    }
+}
+
+async fn own_page() -> (Page, Arc<Recorder>) {
+    let mut registry: Registry<Recorder> = common::registry();
+    registry.register::<Own>("own");
+    let rec = Arc::new(Recorder::default());
+    let executor = Executor::builder()
+        .registry(registry)
+        .store(proctor::MemoryStore::new())
+        .env(rec.clone())
+        .permits("pool", 2)
+        .start()
+        .await
+        .unwrap();
+    (serve(executor, AdminConfig::default()).await, rec)
+}
+
+/// The ids named in the recorder's calls that start with `prefix`, in order.
+fn recorded(rec: &Recorder, prefix: &str) -> Vec<u64> {
+    rec.calls()
+        .iter()
+        .filter_map(|c| c.strip_prefix(prefix)?.parse().ok())
+        .collect()
+}
+
+#[actix::test]
+async fn a_tree_shows_its_execution_stack_and_its_rollback_so_far_in_order() {
+    let (page, rec) = own_page().await;
+    let root = page
+        .executor
+        .submit(Own::Unwind {
+            child: false,
+            step: 0,
+        })
+        .await
+        .unwrap();
+    // The root's second rollback step holds: the child's two steps and the root's
+    // last are undone.
+    rec.signal.notified().await;
+    let (status, tree) = page.json(&format!("procedures/{}", root.0)).await;
+    assert_eq!(status, 200, "{tree}");
+    let execution = &tree["execution"];
+    assert_eq!(execution["rolling_back"], true, "{tree}");
+    let executed = recorded(&rec, "exec ");
+    let undone = recorded(&rec, "rollback ");
+    let ids = |v: &Value| -> Vec<u64> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i.as_u64().unwrap())
+            .collect()
+    };
+    // The stack holds what is left to undo, oldest first: the root's first step.
+    assert_eq!(ids(&execution["stack"]), [root.0], "{tree}");
+    // The steps undone so far, in the order their rollbacks ran (the held one is
+    // still on the stack), newest step first: the child's two, the root's second.
+    let child = executed[2];
+    assert_eq!(executed, [root.0, root.0, child, child]);
+    assert_eq!(undone, [child, child, root.0, root.0][..undone.len()]);
+    assert_eq!(
+        ids(&execution["rolled_back"]),
+        [child, child, root.0],
+        "{tree}"
+    );
+    let (_, html) = page.get(&format!("procedures/{}", root.0)).await;
+    assert!(html.contains("Rollback so far"), "{html}");
+    assert!(
+        html.contains(&format!(
+            r#"<span id="rolled-back"><a href="{child}">{child}</a> <a href="{child}">{child}</a> <a href="{r}">{r}</a></span>"#,
+            r = root.0
+        )),
+        "{html}"
+    );
+
+    rec.gate.notify_one();
+    assert!(page.executor.wait(root).await.unwrap().is_err());
+    // Finished: no stack left, the procedures still listed.
+    let (_, tree) = page.json(&format!("procedures/{}", root.0)).await;
+    assert!(tree["execution"].is_null(), "{tree}");
+    assert_eq!(tree["procedures"][0]["id"], root.0, "{tree}");
+    page.executor.clone().shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn locks_show_holders_the_queue_in_order_and_counted_resources() {
+    let (page, _rec) = own_page().await;
+    let hold = |resource: &str| Own::Hold {
+        resource: resource.into(),
+        step: 0,
+    };
+    let first = page.executor.submit(hold("db/t1")).await.unwrap();
+    common::wait_for_state(&page.executor, first, ProcState::Waiting).await;
+    let second = page.executor.submit(hold("db/t1")).await.unwrap();
+    let third = page.executor.submit(hold("db/t1")).await.unwrap();
+    let both_wait = || async {
+        let (_, locks) = page.json("locks").await;
+        let queue = locks["resources"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["resource"] == "db/t1")
+            .map_or(0, |r| r["waiters"].as_array().unwrap().len());
+        (queue == 2).then_some(locks)
+    };
+    let locks = loop {
+        if let Some(locks) = both_wait().await {
+            break locks;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    let resources = locks["resources"].as_array().unwrap();
+    let names: Vec<&str> = resources
+        .iter()
+        .map(|r| r["resource"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["db/t1", "pool"], "{locks}");
+    assert_eq!(
+        resources[0]["holders"],
+        serde_json::json!([{ "id": first.0, "mode": "exclusive" }])
+    );
+    assert_eq!(
+        resources[0]["waiters"],
+        serde_json::json!([
+            { "id": second.0, "mode": "exclusive" },
+            { "id": third.0, "mode": "exclusive" }
+        ]),
+        "first come, first served"
+    );
+    assert_eq!(resources[1]["permits"], 2);
+    let (_, html) = page.get("locks").await;
+    assert!(html.contains("0 of 2 in use"), "{html}");
+    assert!(html.contains("Wait-for cycles"), "{html}");
+    page.executor.wake_event("release").await.unwrap();
+    for id in [first, second, third] {
+        page.executor.wait(id).await.unwrap().unwrap();
+    }
+    page.executor.clone().shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn the_engine_page_shows_the_store_the_group_commit_and_recent_failures() {
+    let page = page(AdminConfig::default()).await;
+    let failed = page
+        .executor
+        .submit(Scripted::new(
+            "doomed",
+            vec![Step::More, Step::Fail("no disk".into())],
+        ))
+        .await
+        .unwrap();
+    assert!(page.executor.wait(failed).await.unwrap().is_err());
+    let (status, engine) = page.json("engine").await;
+    assert_eq!(status, 200, "{engine}");
+    assert_eq!(engine["store"]["kind"], "memory");
+    assert!(engine["store"]["facts"]["records"].is_string(), "{engine}");
+    assert!(
+        engine["commits"]["batches"].as_u64().unwrap() >= 1,
+        "{engine}"
+    );
+    assert!(
+        engine["commits"]["records"].as_u64().unwrap() >= 3,
+        "{engine}"
+    );
+    let per_shard = engine["per_shard"].as_array().unwrap();
+    assert_eq!(per_shard.len() as u64, engine["shards"].as_u64().unwrap());
+    let failures = engine["recent_failures"].as_array().unwrap();
+    assert_eq!(failures.len(), 1, "{engine}");
+    assert_eq!(failures[0]["root"], failed.0);
+    assert!(failures[0]["error"].as_str().unwrap().contains("no disk"));
+    let (_, html) = page.get("engine").await;
+    for part in [
+        "Group commit",
+        "Store (memory)",
+        "Recent failures",
+        "no disk",
+        "id=\"shards\"",
+    ] {
+        assert!(html.contains(part), "{part} in {html}");
+    }
+    page.executor.clone().shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn a_dags_tasks_and_edges_show_with_their_states() {
+    let mut registry: Registry<Recorder> = common::registry();
+    registry
+        .register::<proctor::Dag<Waits>>("dag")
+        .register::<proctor::DagTask<Waits>>("dag-task");
+    let rec = Arc::new(Recorder::default());
+    let executor = Executor::builder()
+        .registry(registry)
+        .store(proctor::MemoryStore::new())
+        .env(rec.clone())
+        .start()
+        .await
+        .unwrap();
+    let page = serve(executor, AdminConfig::default()).await;
+    let mut b = proctor::DagBuilder::new();
+    let (x, y, z) = (b.add(Waits(false)), b.add(Waits(true)), b.add(Waits(false)));
+    b.edge(x, y).edge(x, z);
+    let dag = page.executor.submit(b.build().unwrap()).await.unwrap();
+    // x done, y held in its step, z done.
+    let dag_json = loop {
+        let (_, tree) = page.json(&format!("procedures/{}", dag.0)).await;
+        let statuses: Vec<String> = tree["dags"][0]["tasks"]
+            .as_array()
+            .map(|t| {
+                t.iter()
+                    .map(|t| t["status"].as_str().unwrap().to_string())
+                    .collect()
+            })
+            .unwrap_or_default();
+        if statuses == ["done", "started", "done"] {
+            break tree["dags"][0].clone();
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    };
+    assert_eq!(dag_json["id"], dag.0);
+    assert_eq!(dag_json["edges"], serde_json::json!([[0, 1], [0, 2]]));
+    // The running task's child procedure, named by its state name from its start
+    // (finished ones have left the table).
+    assert!(dag_json["tasks"][1]["procedure"].is_u64(), "{dag_json}");
+    assert_eq!(dag_json["tasks"][1]["state"], "RUNNABLE", "{dag_json}");
+    assert!(dag_json["tasks"][0]["procedure"].is_null(), "{dag_json}");
+    let (_, html) = page.get(&format!("procedures/{}", dag.0)).await;
+    assert!(html.contains(&format!("DAG {}", dag.0)), "{html}");
+    assert!(html.contains("<td>#1</td><td>started</td>"), "{html}");
+    rec.gate.notify_one();
+    page.executor.wait(dag).await.unwrap().unwrap();
+    page.executor.clone().shutdown().await.unwrap();
+}
+
+/// A DAG task: done at once, or holding its worker until the test opens the gate.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Waits(bool);
+
+#[async_trait]
+impl proctor::Task<Recorder> for Waits {
+    async fn execute(&self, ctx: &mut Context<Recorder>) -> Result<(), ProcError> {
+        if self.0 {
+            ctx.env().gate.notified().await;
+        }
+        Ok(())
+    }
+
+    async fn rollback(&self, _ctx: &mut Context<Recorder>) -> Result<(), ProcError> {
+        Ok(())
+    }
 }

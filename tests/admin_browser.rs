@@ -158,7 +158,7 @@ async fn an_operator_watches_filters_opens_a_tree_and_aborts_it() {
             .await
             .unwrap();
         let new_rows = client.find_all(Locator::Css("tr.new")).await.unwrap().len();
-        live.contains("events") && new_rows >= 2
+        live.contains("submitted") && new_rows >= 2
     })
     .await;
     shot(&client, "1-procedures-live").await;

@@ -366,7 +366,7 @@ async fn a_dag_stopped_mid_wave_resumes_after_a_restart() {
         let info = first.state(id).await.unwrap();
         assert_eq!(
             info.state_name.as_deref(),
-            Some("1/6 done, 2 running; tasks dssrww"),
+            Some("1/6 done, 2 running; tasks dssrww; edges 0>1 0>2 0>3 1>4 2>4 3>4 4>5"),
             "{store_name}: the DAG's progress is its state name"
         );
         assert_eq!(

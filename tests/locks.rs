@@ -473,6 +473,20 @@ async fn a_deadlock_between_two_trees_fails_the_younger() {
         assert!(world.first("b-rollback").is_some(), "{name}: b rolled back");
         assert!(world.first("b-child-exec").is_none(), "{name}");
         assert!(world.conflicts.lock().unwrap().is_empty());
+        // Operators see the cycle and what the engine did about it.
+        let report = executor.locks().await.unwrap();
+        assert_eq!(report.cycles.len(), 1, "{name}: {report:?}");
+        let cycle = &report.cycles[0];
+        assert_eq!(
+            cycle.resolution,
+            format!("failed procedure {} (tree {b})", cycle.edges[0].waiter),
+            "{name}"
+        );
+        let mut blockers: Vec<ProcId> = cycle.edges.iter().map(|e| e.blocker).collect();
+        blockers.sort();
+        assert_eq!(blockers, [a, b], "{name}: {cycle:?}");
+        assert!(cycle.edges.iter().all(|e| e.held), "{name}");
+        assert!(report.resources.is_empty(), "{name}: all released");
         executor.shutdown_now().await.unwrap();
     }
 }

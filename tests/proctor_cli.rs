@@ -666,14 +666,14 @@ fn procs_shows_a_dags_tasks() {
     drop(wal);
     let procs = text(&proctor(&["procs"], dir.path()));
     assert!(
-        row(&procs, 1).contains("DAG 0/3 done, 0 running; tasks rwr"),
+        row(&procs, 1).contains("DAG 0/3 done, 0 running; tasks rwr; edges 0>1"),
         "{procs}"
     );
     assert!(!row(&procs, 2).contains("DAG"), "{procs}");
     let out = proctor(&["procs", "--json"], dir.path());
     let doc = json_doc(&out.stdout);
     let procs = doc["procedures"].as_array().unwrap();
-    assert_eq!(procs[0]["dag"], "0/3 done, 0 running; tasks rwr");
+    assert_eq!(procs[0]["dag"], "0/3 done, 0 running; tasks rwr; edges 0>1");
     assert_eq!(
         procs[0]["data"]["tasks"],
         serde_json::json!(["create", "fill", "index"])

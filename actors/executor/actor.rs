@@ -20,21 +20,23 @@ use crate::fast_map::IdMap;
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Nonce, StoreOp};
 
-use crate::actors::locks::{GetLockStats, ResetEvent, StopLocks, WakeEvent};
+use crate::actors::locks::{GetLockReport, GetLockStats, ResetEvent, StopLocks, WakeEvent};
+use crate::actors::persistence::GetStoreStatus;
 use crate::actors::procedure::{declare, Undeclarable};
 use crate::actors::protocol::{
     AbortRequest, BypassRequest, Command, CommandRequest, DurableAck, Persist, Quiesce, Refuse,
     StopWriter, TreeAddr,
 };
+use crate::actors::root_stack::Describe;
 use crate::actors::root_stack::TreeRunner;
 use crate::actors::scheduler::{GetSchedulerStats, GetShardStats, SchedulerStats};
 use crate::actors::shard::GetTreeCounts;
 use crate::actors::shared::{now_ms, Shared, Waiting};
 
 use super::api::{
-    Abort, AckResult, Bypass, Continue, GetState, GetValue, List, Pause, ProcEvent, ProcInfo,
-    Rollback, Shutdown, Submit, Subscribe, SubscribeChannel, TreeFinished, TreeNews, WaitFor,
-    WaitValue, WaitingOn,
+    Abort, AckResult, Bypass, Continue, EngineStatus, GetEngineStatus, GetLocks, GetState, GetTree,
+    GetValue, List, Pause, ProcEvent, ProcInfo, RecentFailure, Rollback, Shutdown, Submit,
+    Subscribe, SubscribeChannel, TreeFinished, TreeInfo, TreeNews, WaitFor, WaitValue, WaitingOn,
 };
 use super::builder::Retention;
 
@@ -104,6 +106,8 @@ pub struct ExecutorActor<E = ()> {
     pub(super) corrupt: Vec<ProcId>,
     /// Who receives procedure events.
     pub(super) subscribers: Vec<Subscriber>,
+    /// The latest trees that rolled back, for operators.
+    pub(super) recent_failures: VecDeque<RecentFailure>,
     /// The token of the latest nonce reservation.
     pub(super) next_token: u64,
     /// What this executor is: alone on its store, the lease's holder, or stepped down.
@@ -857,6 +861,53 @@ impl<E: Send + Sync + 'static> Handler<GetSchedulerStats> for ExecutorActor<E> {
     }
 }
 
+impl<E: Send + Sync + 'static> Handler<GetTree> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<TreeInfo, Error>>;
+
+    fn handle(&mut self, msg: GetTree, _ctx: &mut Context<Self>) -> Self::Result {
+        let id = msg.0;
+        let tree = self.live_tree(id);
+        let shared = self.shared.clone();
+        Box::pin(async move {
+            let (ack, answer) = oneshot::channel();
+            tree?.do_send(Describe(ack));
+            // Unanswered: the tree finished before it was asked, or the engine stopped.
+            answer
+                .await
+                .map_err(|_| match shared.table.get(&id).map(|e| e.state) {
+                    Some(state) if state.is_finished() => Error::Finished { id, state },
+                    _ => Error::Stopped,
+                })
+        })
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<GetLocks> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<crate::LockReport, Error>>;
+
+    fn handle(&mut self, _msg: GetLocks, _ctx: &mut Context<Self>) -> Self::Result {
+        let report = self.shared.locks.send(GetLockReport);
+        Box::pin(async move { Ok(report.await?) })
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<GetEngineStatus> for ExecutorActor<E> {
+    type Result = ResponseFuture<Result<EngineStatus, Error>>;
+
+    fn handle(&mut self, _msg: GetEngineStatus, _ctx: &mut Context<Self>) -> Self::Result {
+        let store = self.shared.persistence.send(GetStoreStatus);
+        let recent_failures = self.recent_failures.iter().cloned().collect();
+        Box::pin(async move {
+            let (store, commits) = store.await??;
+            Ok(EngineStatus {
+                store,
+                commits,
+                recent_failures,
+            })
+        })
+    }
+}
+
 impl<E: Send + Sync + 'static> Handler<ResetEvent> for ExecutorActor<E> {
     type Result = ();
 
@@ -873,6 +924,17 @@ impl<E: Send + Sync + 'static> Handler<TreeFinished> for ExecutorActor<E> {
             Ok(result) => {
                 self.unfinished = self.unfinished.saturating_sub(1);
                 self.finished.push_back((now_ms(), msg.root));
+                if let Err(failure) = &result {
+                    if self.recent_failures.len() == RECENT_FAILURES {
+                        self.recent_failures.pop_front();
+                    }
+                    self.recent_failures.push_back(RecentFailure {
+                        at_ms: now_ms(),
+                        root: msg.root,
+                        type_name: self.type_name_of(msg.root),
+                        failure: failure.clone(),
+                    });
+                }
                 if !self.subscribers.is_empty() {
                     let event = ProcEvent::Finished {
                         id: msg.root,
@@ -889,6 +951,9 @@ impl<E: Send + Sync + 'static> Handler<TreeFinished> for ExecutorActor<E> {
         }
     }
 }
+
+/// How many rolled-back trees the executor keeps for operators.
+const RECENT_FAILURES: usize = 32;
 
 impl<E: Send + Sync + 'static> ExecutorActor<E> {
     fn type_name_of(&self, id: ProcId) -> &'static str {

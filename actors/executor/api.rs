@@ -196,6 +196,71 @@ impl Message for GetState {
     type Result = Result<ProcInfo, Error>;
 }
 
+/// A live tree's execution as an operator sees it ([`Executor::tree`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TreeInfo {
+    /// The tree's root.
+    pub root: ProcId,
+    /// The execution stack, oldest step first: the procedure of each step the tree
+    /// ran (a procedure once per step), which a rollback undoes newest first.
+    pub stack: Vec<ProcId>,
+    /// Whether the tree is rolling back.
+    pub rolling_back: bool,
+    /// The steps rolled back so far, in the order they were, since this engine loaded
+    /// the tree.
+    pub rolled_back: Vec<ProcId>,
+}
+
+/// The execution stack of the live tree a procedure is in.
+#[derive(Clone, Copy, Debug)]
+pub struct GetTree(pub ProcId);
+
+impl Message for GetTree {
+    type Result = Result<TreeInfo, Error>;
+}
+
+/// The engine's locks: each resource's holders and queue, and the cycles it handled.
+#[derive(Clone, Copy, Debug)]
+pub struct GetLocks;
+
+impl Message for GetLocks {
+    type Result = Result<crate::LockReport, Error>;
+}
+
+/// The engine's state for operators ([`Executor::engine_status`]): its store, its
+/// group commit and its latest failures.
+#[derive(Clone, Debug)]
+pub struct EngineStatus {
+    /// What the store says of itself (for the WAL: segments, bytes, live bytes and the
+    /// size bound).
+    pub store: crate::StoreStatus,
+    /// The group commit since the engine started.
+    pub commits: crate::CommitStats,
+    /// The latest trees that rolled back, oldest first (at most 32).
+    pub recent_failures: Vec<RecentFailure>,
+}
+
+/// A tree that rolled back, as [`EngineStatus::recent_failures`] keeps it.
+#[derive(Clone, Debug)]
+pub struct RecentFailure {
+    /// When it finished, in ms since the Unix epoch.
+    pub at_ms: u64,
+    /// Its root.
+    pub root: ProcId,
+    /// The root's registered type name.
+    pub type_name: &'static str,
+    /// The failure it rolled back for.
+    pub failure: Failure,
+}
+
+/// The engine's store, group commit and latest failures.
+#[derive(Clone, Copy, Debug)]
+pub struct GetEngineStatus;
+
+impl Message for GetEngineStatus {
+    type Result = Result<EngineStatus, Error>;
+}
+
 /// Wait for a root procedure to finish.
 #[derive(Clone, Copy, Debug)]
 pub struct WaitFor(pub ProcId);

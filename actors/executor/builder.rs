@@ -842,6 +842,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 stopping: false,
                 corrupt: report.corrupt.iter().map(|c| c.id).collect(),
                 subscribers: Vec::new(),
+                recent_failures: VecDeque::new(),
                 next_token: 0,
                 role: super::actor::Role::Alone,
                 #[cfg(feature = "postgres")]

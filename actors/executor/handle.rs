@@ -398,6 +398,63 @@ impl<E: Send + Sync + 'static> Executor<E> {
         self.front.actor()?.send(GetSchedulerStats).await?
     }
 
+    /// The execution stack of the live tree `id` is in (any of its procedures), and
+    /// for a tree that rolls back, the steps undone so far, in order.
+    ///
+    /// ```no_run
+    /// # async fn f(executor: proctor::Executor, id: proctor::ProcId) -> Result<(), proctor::Error> {
+    /// let tree = executor.tree(id).await?;
+    /// if tree.rolling_back {
+    ///     println!("{} undone so far: {:?}", tree.root, tree.rolled_back);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Finished`] once the tree has finished; [`Error::UnknownProcedure`],
+    /// [`Error::Gone`] as [`state`](Self::state); [`Error::Stopped`] after shutdown.
+    pub async fn tree(&self, id: ProcId) -> Result<crate::TreeInfo, Error> {
+        self.front.actor()?.send(crate::GetTree(id)).await?
+    }
+
+    /// The engine's locks: each resource held, waited for or counted, with its holders
+    /// and its queue in the order it is served; the wait-for cycles left standing;
+    /// and the latest cycles the engine broke (failing a waiter) or lent through.
+    ///
+    /// ```no_run
+    /// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+    /// for r in executor.locks().await?.resources {
+    ///     println!("{}: held by {:?}, queue {:?}", r.resource, r.holders, r.waiters);
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] after shutdown.
+    pub async fn locks(&self) -> Result<crate::LockReport, Error> {
+        self.front.actor()?.send(crate::GetLocks).await?
+    }
+
+    /// The engine for operators: what its store says of itself (for the WAL: its
+    /// segments, their bytes, the live bytes and the size bound), the group commit's
+    /// batches since the start, and the latest trees that rolled back.
+    ///
+    /// ```no_run
+    /// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+    /// let status = executor.engine_status().await?;
+    /// println!("{} records per batch", status.commits.mean_records());
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Stopped`] after shutdown or once the store's writer has stopped.
+    pub async fn engine_status(&self) -> Result<crate::EngineStatus, Error> {
+        self.front.actor()?.send(crate::GetEngineStatus).await?
+    }
+
     /// The procedures that pass `which` (see [`List`]), in id order: by default every
     /// unfinished one.
     ///

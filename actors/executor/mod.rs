@@ -28,8 +28,9 @@ mod nonces;
 
 pub use actor::{ExecutorActor, Role};
 pub use api::{
-    Abort, AckResult, Bypass, Continue, GetState, GetValue, List, ListPage, Pause, ProcEvent,
-    ProcInfo, ProcPage, Rollback, Shutdown, Submit, Subscribe, WaitFor, WaitValue, WaitingOn,
+    Abort, AckResult, Bypass, Continue, EngineStatus, GetEngineStatus, GetLocks, GetState, GetTree,
+    GetValue, List, ListPage, Pause, ProcEvent, ProcInfo, ProcPage, RecentFailure, Rollback,
+    Shutdown, Submit, Subscribe, TreeInfo, WaitFor, WaitValue, WaitingOn,
 };
 pub(crate) use api::{TreeFinished, TreeNews};
 pub use builder::{ExecutorBuilder, Recovery};

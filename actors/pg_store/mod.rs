@@ -296,6 +296,13 @@ impl ProcedureStore for PgStore {
         let requests = self.requests.as_ref().ok_or_else(gone)?;
         requests.send(Request::Fence(epoch)).map_err(|_| gone())
     }
+
+    fn status(&self) -> crate::store::StoreStatus {
+        crate::store::StoreStatus {
+            kind: "postgres",
+            facts: vec![("schema", self.schema.clone())],
+        }
+    }
 }
 
 fn gone() -> StoreError {

@@ -78,6 +78,7 @@ tree_msg!(
     Bypass(BypassRequest),
     Wake(Wake),
     Quiesce(Quiesce),
+    Describe(Describe),
     Command(CommandRequest),
     Abort(AbortRequest),
     #[cfg(feature = "perturb")]
@@ -513,6 +514,10 @@ pub(crate) struct Durable {
 /// for the drained stop's mark; `None` from a halted tree, whose last transitions may
 /// never become durable (so the stop is not drained).
 pub(crate) struct Quiesce(pub(crate) oneshot::Sender<Option<Vec<ProcId>>>);
+
+/// An operator's look at the tree ([`Executor::tree`](crate::Executor::tree)): its
+/// execution stack and its rollback so far, answered at once.
+pub(crate) struct Describe(pub(crate) oneshot::Sender<crate::TreeInfo>);
 
 #[cfg(test)]
 mod tests {

@@ -44,7 +44,7 @@ mod procs;
 mod reports;
 mod table;
 
-use crate::actors::guard::panic_message;
+use crate::actors::guard::{guard, panic_message};
 use crate::actors::lent::{lendable, Lent};
 use crate::actors::perturb;
 use crate::actors::procedure::{ProcMsg, ProcSpec, ProcedureCell};
@@ -261,16 +261,16 @@ impl TreeRunner {
     /// Persists the transition's records, then (in order) publishes them, performs its
     /// actions and answers `ack`.
     fn apply(&mut self, t: Transition, ack: Option<AckWith>, ctx: &mut TreeCtx<'_>) {
-        self.apply_named(t, ack, None, ctx);
+        self.apply_named(t, ack, Vec::new(), ctx);
     }
 
-    /// As `apply`, for the report of a step, with its procedure's state name after the
-    /// step, published on its procedure's row.
+    /// As `apply`, for the report of a step, with state names to publish on the rows
+    /// the transition writes: its procedure's after the step, its new children's.
     fn apply_named(
         &mut self,
         t: Transition,
         ack: Option<AckWith>,
-        state_name: Option<(ProcId, String)>,
+        names: Vec<(ProcId, String)>,
         ctx: &mut TreeCtx<'_>,
     ) {
         if let Some(e) = &self.halted {
@@ -293,13 +293,15 @@ impl TreeRunner {
         let inserts = t.persist.iter().any(|op| matches!(op, StoreOp::Insert(_)));
         let tree = inserts.then(|| self.me.clone());
         let mut rows = rows(&self.shared, &t.persist, tree.as_ref());
-        if let Some((named, name)) = state_name {
+        for (named, name) in names {
             for row in &mut rows {
-                if let Row::Update { id, state_name, .. } = row {
-                    if *id == named {
-                        *state_name = Some(name);
-                        break;
-                    }
+                let (id, state_name) = match row {
+                    Row::Update { id, state_name, .. } => (*id, state_name),
+                    Row::Insert(id, entry) => (*id, &mut entry.state_name),
+                };
+                if id == named {
+                    *state_name = Some(name);
+                    break;
                 }
             }
         }
@@ -717,6 +719,14 @@ impl TreeRunner {
             TreeMsg::Bypass(m) => self.on_bypass(m, ctx),
             TreeMsg::Wake(m) => self.on_wake(m, ctx),
             TreeMsg::Quiesce(m) => self.on_quiesce(m),
+            TreeMsg::Describe(m) => {
+                let _ = m.0.send(crate::TreeInfo {
+                    root: self.core.root(),
+                    stack: self.core.stack().collect(),
+                    rolling_back: self.core.is_rolling_back(),
+                    rolled_back: self.core.undone().to_vec(),
+                });
+            }
             TreeMsg::Command(m) => self.on_command(m, ctx),
             TreeMsg::Abort(m) => self.on_abort(m, ctx),
             #[cfg(feature = "perturb")]

@@ -104,7 +104,7 @@ use std::path::{Path, PathBuf};
 use crate::fast_map::IdMap;
 use crate::procedure::ProcId;
 use crate::record::StoreOp;
-use crate::store::{LastStop, ProcedureStore, StoreError, StoreParts, StoreSnapshot};
+use crate::store::{LastStop, ProcedureStore, StoreError, StoreParts, StoreSnapshot, StoreStatus};
 use crate::wal::{self, FrameKind, OpKind, RawOp, ScanEnd};
 
 mod dir;
@@ -804,5 +804,26 @@ impl<F: WalFs> ProcedureStore for WalStore<F> {
             repairs: Vec::new(),
             last_stop: scan.last_stop,
         })
+    }
+
+    fn status(&self) -> StoreStatus {
+        let stats = self.stats();
+        let (s, m) = (self.options.segment_bytes, self.options.max_segments as u64);
+        // The size bound of the module docs: 2·L + M·(S + F), F the longest frame + 61.
+        let f = stats.largest_frame + 61;
+        let bound = 2 * stats.live_bytes + m * (s + f);
+        StoreStatus {
+            kind: "wal",
+            facts: vec![
+                ("dir", self.dir.display().to_string()),
+                ("segments", stats.segments.to_string()),
+                ("segment_bytes", stats.segment_bytes.to_string()),
+                ("live_bytes", stats.live_bytes.to_string()),
+                ("bound_bytes", bound.to_string()),
+                ("largest_frame", stats.largest_frame.to_string()),
+                ("segments_deleted", stats.segments_deleted.to_string()),
+                ("records_rewritten", stats.records_rewritten.to_string()),
+            ],
+        }
     }
 }

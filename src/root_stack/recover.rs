@@ -200,6 +200,7 @@ impl RootStack {
             failure: first.map(|(_, f)| f.clone()),
             failures,
             phase: Phase::Executing,
+            undone: None,
         };
         // Each unfinished procedure is spawned and, at most, queued, suspended or
         // put to sleep: sized for that, as every recovered tree's plan holds this

@@ -31,17 +31,24 @@ impl TreeRunner {
                     // it, and recovery tells it again if the record made it.
                     self.tell_irreversible(ctx);
                 }
-                // Children keep their encoded state for their cell's "last good" copy.
+                // Children keep their encoded state for their cell's "last good" copy,
+                // and show their state name from the start (a DAG's task names its
+                // task before it has run).
+                let mut names: Vec<(ProcId, String)> =
+                    msg.state_name.map(|name| (id, name)).into_iter().collect();
                 for op in &t.persist {
                     if let StoreOp::Insert(r) = op {
                         let unspawned = self.unspawned.as_deref_mut();
                         if let Some(entry) = unspawned.and_then(|u| u.get_mut(&r.id)) {
                             entry.1.clone_from(&r.data);
+                            let proc = &entry.0;
+                            if let Ok(Some(name)) = guard("state_name", || proc.state_name()) {
+                                names.push((r.id, name));
+                            }
                         }
                     }
                 }
-                let state_name = msg.state_name.map(|name| (id, name));
-                self.apply_named(t, None, state_name, ctx);
+                self.apply_named(t, None, names, ctx);
             }
         }
         // Only now, with the report recorded (its records on their way to the
