@@ -27,6 +27,9 @@ struct Args {
     /// Requests per kind.
     #[arg(long, default_value_t = 200)]
     requests: u32,
+    /// `cargo bench` passes `--bench`.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 #[derive(Serialize, Deserialize)]

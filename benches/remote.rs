@@ -43,6 +43,9 @@ struct Args {
     /// The short batching age of the second dispatched run, in ms.
     #[arg(long, default_value_t = 5)]
     short_age_ms: u64,
+    /// `cargo bench` passes `--bench`.
+    #[arg(long, hide = true)]
+    bench: bool,
 }
 
 /// The fake targets: count requests, answer each with its operations' reports.
