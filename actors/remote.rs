@@ -25,6 +25,7 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::actors::locks::{LockActor, ResetEvent, WakeEvent};
+use crate::actors::perturb;
 use crate::remote::{event_of, Batch, BatchRules, Batcher, OpId, RemoteError, RemoteSink};
 
 /// A send that failed: the transport's words.
@@ -297,6 +298,7 @@ impl RemoteDispatcher {
                 .record(ids.len() as f64);
             self.gauges(&target);
             let started = Instant::now();
+            perturb::point("remote::send_all::send");
             let send = self.transport.send(target.clone(), batch.ops);
             ctx.spawn(
                 actix::fut::wrap_future(send).map(move |result, act: &mut Self, ctx| {
@@ -388,6 +390,7 @@ impl RemoteDispatcher {
             tracing::debug!(target: crate::targets::REMOTE, %op, error = %e, "remote operation failed");
         }
         lock(&self.outcomes).insert(op, outcome);
+        perturb::point("remote::settle::wake");
         self.locks.do_send(WakeEvent(event_of(op)));
         self.gauges(target);
     }
@@ -640,6 +643,7 @@ struct DispatcherSink {
 
 impl RemoteSink for DispatcherSink {
     fn dispatch(&self, op: OpId, target: &str, payload: &[u8], resend: bool) {
+        perturb::point("remote::sink::dispatch");
         self.addr.do_send(Dispatch {
             op,
             target: target.to_string(),
@@ -650,6 +654,7 @@ impl RemoteSink for DispatcherSink {
 
     fn take(&self, op: OpId) -> Option<Result<Vec<u8>, RemoteError>> {
         let outcome = lock(&self.outcomes).remove(&op)?;
+        perturb::point("remote::sink::take");
         // Its event was woken once and is used no more: its entry goes.
         self.locks.do_send(ResetEvent(event_of(op)));
         Some(outcome)

@@ -1,7 +1,8 @@
 //! The engine's metrics as Prometheus scrapes them, and its INFO log: the procedures and setup of
 //! `examples/metrics.rs` (the `metrics-exporter-prometheus` HTTP listener, a `tracing`
 //! fmt subscriber at INFO, here writing to a buffer), procedures of two types, some
-//! failing, and a plain HTTP/1.0 GET of the endpoint. One test: a process has one global
+//! failing, then a second executor's remote operations (the dispatcher's series), and a
+//! plain HTTP/1.0 GET of the endpoint. One test: a process has one global
 //! recorder and one global subscriber.
 
 use std::io::{Read, Write};
@@ -212,4 +213,97 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
     // Every call that got past the ledger: all but the one that found it busy.
     assert_eq!(lines("transfer step"), 29, "{log}");
     assert_eq!(lines("parent=9 type=transfer}:step{step=3}"), 3, "{log}");
+
+    remote_series(addr);
+}
+
+/// A node that refuses the first request, then fails one of the two operations.
+struct Flaky(std::sync::atomic::AtomicBool);
+
+#[proctor::async_trait]
+impl proctor::Transport for Flaky {
+    type Op = u32;
+
+    async fn send(
+        &self,
+        target: &str,
+        ops: Vec<(proctor::OpId, u32)>,
+    ) -> Result<Vec<proctor::Report>, proctor::TransportError> {
+        if !self.0.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            return Err(proctor::TransportError(format!("{target} is starting")));
+        }
+        Ok(ops
+            .into_iter()
+            .map(|(id, op)| match op {
+                0 => proctor::Report::failed(id, "no such region"),
+                _ => proctor::Report::ok(id, &op).unwrap(),
+            })
+            .collect())
+    }
+}
+
+/// Dispatches two operations to `dn-a` and reads them.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Open(bool);
+
+#[proctor::async_trait]
+impl proctor::Procedure for Open {
+    async fn execute(
+        &mut self,
+        ctx: &mut proctor::Context,
+    ) -> Result<proctor::Flow, proctor::ProcError> {
+        if self.0 {
+            return Ok(proctor::Flow::Done);
+        }
+        self.0 = true;
+        ctx.dispatch("dn-a", &0u32)?;
+        ctx.dispatch("dn-a", &1u32)?;
+        Ok(ctx.await_remote())
+    }
+
+    async fn rollback(&mut self, _ctx: &mut proctor::Context) -> Result<(), proctor::ProcError> {
+        Ok(())
+    }
+}
+
+/// The remote dispatcher's series, from a second executor in the same process: one
+/// failed send, one request of two operations, one failed on the node, one report
+/// ignored.
+fn remote_series(addr: SocketAddr) {
+    actix::System::new().block_on(async {
+        let mut registry = proctor::Registry::new();
+        registry.register::<Open>("open");
+        // Both operations go in one request (two of them, never by age).
+        let options = proctor::RemoteOptions::default()
+            .max_ops(2)
+            .max_age(Duration::from_secs(60))
+            .retry_backoff(Duration::from_millis(1), Duration::from_millis(5));
+        let executor = Executor::builder()
+            .registry(registry)
+            .store(proctor::MemoryStore::new())
+            .remote(Flaky(Default::default()), options)
+            .start()
+            .await
+            .unwrap();
+        let id = executor.submit(Open(false)).await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+        let unknown = proctor::Report::failed(proctor::OpId(1 << 40), "late");
+        assert!(!executor.report(unknown).await.unwrap());
+        executor.shutdown().await.unwrap();
+    });
+    let text = scrape(addr);
+    let value =
+        |series: &str| sample(&text, series).unwrap_or_else(|| panic!("no {series} in:\n{text}"));
+    let a = r#"{target="dn-a"}"#;
+    assert_eq!(
+        value(&format!("proctor_remote_send_failures_total{a}")),
+        1.0
+    );
+    assert_eq!(value(&format!("proctor_remote_send_seconds_count{a}")), 2.0);
+    assert_eq!(value(&format!("proctor_remote_batch_ops_sum{a}")), 4.0);
+    assert_eq!(value(&format!("proctor_remote_failures_total{a}")), 1.0);
+    assert_eq!(value("proctor_remote_reports_ignored_total"), 1.0);
+    assert_eq!(value(&format!("proctor_remote_queued{a}")), 0.0);
+    assert_eq!(value(&format!("proctor_remote_in_flight{a}")), 0.0);
+    assert!(text.contains("# TYPE proctor_remote_send_seconds histogram"));
 }
