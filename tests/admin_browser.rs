@@ -223,6 +223,9 @@ async fn an_operator_watches_filters_opens_a_tree_and_aborts_it() {
     })
     .await;
     assert!(client.find(Locator::Css(".tree li.current")).await.is_ok());
+    // A live tree shows its execution stack: the root's steps and its child's.
+    let stack = client.find(Locator::Id("stack")).await.unwrap();
+    assert!(!stack.text().await.unwrap().is_empty());
     shot(&client, "3-tree").await;
 
     // Abort it: confirm, give the token, and see the answer.
