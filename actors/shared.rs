@@ -119,6 +119,8 @@ pub(crate) struct Entry {
     pub(crate) parent: Option<ProcId>,
     pub(crate) type_name: &'static str,
     pub(crate) state: ProcState,
+    /// Its recorded steps not rolled back (its record's stack indexes).
+    pub(crate) steps: u32,
     pub(crate) submitted_ms: u64,
     pub(crate) updated_ms: u64,
     /// The root stack of its tree, which answers aborts; `None` once it has finished.

@@ -207,6 +207,7 @@ fn proc_json(p: &ProcInfo) -> Value {
         "root": p.root.0,
         "type": p.type_name,
         "state": p.state.to_string(),
+        "steps": p.steps,
         "state_name": p.state_name,
         "submitted_ms": p.submitted_ms,
         "updated_ms": p.updated_ms,

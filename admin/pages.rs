@@ -68,7 +68,7 @@ pub(super) const JS: &str = r#"
       const row = document.createElement('tr');
       row.className = 'new';
       row.dataset.id = p.id;
-      row.innerHTML = '<td><a></a></td><td></td><td></td><td>RUNNABLE</td><td colspan="6">new</td>';
+      row.innerHTML = '<td><a></a></td><td></td><td></td><td>RUNNABLE</td><td colspan="7">new</td>';
       row.querySelector('a').textContent = p.id;
       row.querySelector('a').href = 'procedures/' + p.id;
       row.children[1].textContent = p.type;
@@ -212,12 +212,13 @@ fn row(p: &ProcInfo, link: &str) -> String {
         .map(ToString::to_string)
         .unwrap_or_default();
     format!(
-        r#"<tr data-id="{id}" data-state="{state}"><td><a href="{link}{id}">{id}</a></td><td>{ty}</td><td>{root}</td><td class="state-{state}">{state}</td><td>{name}</td><td>{age}</td><td>{waits}</td><td>{level}</td><td>{failure}</td><td>{actions}</td></tr>"#,
+        r#"<tr data-id="{id}" data-state="{state}"><td><a href="{link}{id}">{id}</a></td><td>{ty}</td><td>{root}</td><td class="state-{state}">{state}</td><td>{name}</td><td>{steps}</td><td>{age}</td><td>{waits}</td><td>{level}</td><td>{failure}</td><td>{actions}</td></tr>"#,
         id = p.id.0,
         ty = esc(p.type_name),
         root = p.root.0,
         state = p.state,
         name = esc(p.state_name.as_deref().unwrap_or("")),
+        steps = p.steps.map(|n| n.to_string()).unwrap_or_default(),
         age = age(p.submitted_ms),
         waits = esc(&waits(p)),
         level = p.queue_level.map(|l| l.to_string()).unwrap_or_default(),
@@ -226,7 +227,7 @@ fn row(p: &ProcInfo, link: &str) -> String {
     )
 }
 
-const HEAD: &str = "<tr><th>id</th><th>type</th><th>tree</th><th>state</th><th>step</th><th>age</th><th>waits for</th><th>level</th><th>failure</th><th>actions</th></tr>";
+const HEAD: &str = "<tr><th>id</th><th>type</th><th>tree</th><th>state</th><th>step</th><th>steps</th><th>age</th><th>waits for</th><th>level</th><th>failure</th><th>actions</th></tr>";
 
 pub(super) fn procedures(view: &ProcView, shown: &[ProcInfo], states: &[ProcState]) -> String {
     let mut out = String::new();

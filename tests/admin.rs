@@ -133,6 +133,16 @@ async fn pages_and_their_json_filter_and_page() {
     assert_eq!(waits["procedures"][0]["parent"], waiting.0);
     assert_eq!(waits["procedures"][0]["waiting_for"]["event"], "go");
     assert_eq!(waits["procedures"][1]["waiting_for"], "children");
+    // Each ran one step (recorded, not rolled back); a finished one keeps none.
+    assert_eq!(waits["procedures"][0]["steps"], 1, "{waits}");
+    assert_eq!(waits["procedures"][1]["steps"], 1, "{waits}");
+    let finished = all["procedures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["id"] == done.0)
+        .unwrap();
+    assert!(finished["steps"].is_null(), "{finished}");
     let (_, typed) = page.json("procedures?state=&type=scripted").await;
     assert_eq!(typed["total"], 3, "{typed}");
     let (_, tree) = page.json(&format!("procedures?tree={}", waiting.0)).await;

@@ -188,6 +188,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 parent: e.parent,
                 type_name: e.type_name,
                 state: e.state,
+                steps: (!e.state.is_finished()).then_some(e.steps),
                 submitted_ms: e.submitted_ms,
                 updated_ms: e.updated_ms,
                 result: e.result().cloned().map(|r| r.map_err(|f| *f)),

@@ -52,6 +52,9 @@ pub struct ProcInfo {
     pub type_name: &'static str,
     /// Its state.
     pub state: ProcState,
+    /// Its recorded steps not rolled back (as `proctor procs` shows them); `None` once
+    /// it has finished (its final record keeps no steps).
+    pub steps: Option<u32>,
     /// When it was submitted, ms since the Unix epoch.
     pub submitted_ms: u64,
     /// When its state last changed, ms since the Unix epoch.

@@ -1038,6 +1038,7 @@ pub(super) fn finished_entry(shared: &Shared, record: ProcRecord) -> Entry {
             .static_name(&record.type_name)
             .unwrap_or("?"),
         state: record.state,
+        steps: 0,
         submitted_ms: record.submitted_ms,
         updated_ms: record.updated_ms,
         tree: None,

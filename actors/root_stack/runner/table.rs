@@ -10,6 +10,7 @@ pub(super) enum Row {
     Update {
         id: ProcId,
         state: ProcState,
+        steps: u32,
         updated_ms: u64,
         value: Option<Vec<u8>>,
         bypassed: bool,
@@ -27,6 +28,7 @@ pub(super) fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&TreeAddr>) ->
             StoreOp::Update(r) => Some(Row::Update {
                 id: r.id,
                 state: r.state,
+                steps: steps_of(r),
                 updated_ms: r.updated_ms,
                 value: r.result.clone(),
                 bypassed: r.bypassed,
@@ -46,6 +48,7 @@ pub(super) fn entry(shared: &Shared, r: &ProcRecord, tree: Option<&TreeAddr>) ->
         parent: r.parent,
         type_name: shared.registry.static_name(&r.type_name).unwrap_or("?"),
         state: r.state,
+        steps: steps_of(r),
         submitted_ms: r.submitted_ms,
         updated_ms: r.updated_ms,
         tree: tree.cloned(),
@@ -59,6 +62,11 @@ pub(super) fn entry(shared: &Shared, r: &ProcRecord, tree: Option<&TreeAddr>) ->
         state_name: None,
         steering: steering_of(r),
     }
+}
+
+/// A record's steps not rolled back.
+fn steps_of(r: &ProcRecord) -> u32 {
+    u32::try_from(r.stack_indexes.len()).unwrap_or(u32::MAX)
 }
 
 /// A record's steering, boxed and only when there is any (most procedures never fail).
@@ -77,6 +85,7 @@ pub(super) fn apply_rows(shared: &Shared, rows: Vec<Row>) {
             Row::Update {
                 id,
                 state,
+                steps,
                 updated_ms,
                 value,
                 bypassed,
@@ -88,6 +97,7 @@ pub(super) fn apply_rows(shared: &Shared, rows: Vec<Row>) {
                     shared.proc_gauges.moved(Some(e.state), Some(state));
                     e.steering = steering;
                     e.state = state;
+                    e.steps = steps;
                     e.updated_ms = updated_ms;
                     e.waiting = waiting;
                     if state_name.is_some() {
