@@ -52,7 +52,9 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+mod common;
+
+use std::time::Duration;
 
 use proctor::store::{StoreOp, StoreSnapshot};
 use proctor::testing::{CrashPoint, CrashingStore};
@@ -1837,43 +1839,13 @@ fn check(history: &[Ev], crashed: bool, serial: bool, permits: u32) {
     }
 }
 
-fn seeds() -> Vec<u64> {
-    if let Ok(seed) = std::env::var("PROCTOR_SEED") {
-        return vec![seed.parse().expect("PROCTOR_SEED is a number")];
-    }
-    let n: u64 = std::env::var("PROCTOR_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(24);
-    let base = std::env::var("PROCTOR_SEED_BASE")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1);
-    (base..base + n).collect()
-}
-
 #[actix::test]
 async fn random_workloads_keep_every_promise_under_perturbation() {
     witness_loans();
-    let budget = std::env::var("PROCTOR_PERTURB_SECS")
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .map(Duration::from_secs);
-    let started = Instant::now();
-    let listed = seeds();
-    let mut next_seed = listed.iter().max().copied().unwrap_or(0);
-    let mut seeds = listed.into_iter();
+    let mut seeds = common::seeds::Seeds::from_env(24);
     let mut runs = 0;
     let (mut enters, mut deadlocks, mut timeouts, mut loans) = ([0, 0], 0, 0, [0, 0]);
-    loop {
-        let seed = match (seeds.next(), budget) {
-            (Some(seed), _) => seed,
-            (None, Some(budget)) if started.elapsed() < budget => {
-                next_seed += 1;
-                next_seed
-            }
-            _ => break,
-        };
+    for seed in seeds.by_ref() {
         let run = async {
             let (history, crashed) = run_seed(seed).await;
             let plan = gen_plan(seed);
@@ -1902,7 +1874,7 @@ async fn random_workloads_keep_every_promise_under_perturbation() {
         "{runs} seeds checked in {:?}: {} calls inside engine locks ({} inside {COUNTED}), \
          {deadlocks} trees failed on a deadlock, {} loans ({} past a point of no return), \
          {timeouts} trees failed on a timeout",
-        started.elapsed(),
+        seeds.elapsed(),
         enters[0],
         enters[1],
         loans[0],

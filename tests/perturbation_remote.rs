@@ -29,10 +29,12 @@
 //! `PROCTOR_SEEDS` (default 16), `PROCTOR_SEED`, `PROCTOR_SEED_BASE` and
 //! `PROCTOR_PERTURB_SECS` work as for `tests/perturbation.rs`.
 
+mod common;
+
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use proctor::testing::{CrashPoint, CrashingStore};
 use proctor::{
@@ -498,42 +500,12 @@ fn check(seed: u64, world: &World) {
     }
 }
 
-fn seeds() -> Vec<u64> {
-    if let Ok(seed) = std::env::var("PROCTOR_SEED") {
-        return vec![seed.parse().expect("PROCTOR_SEED is a number")];
-    }
-    let n: u64 = std::env::var("PROCTOR_SEEDS")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(16);
-    let base = std::env::var("PROCTOR_SEED_BASE")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(1);
-    (base..base + n).collect()
-}
-
 #[actix::test]
 async fn remote_operations_keep_every_promise_under_perturbation() {
-    let budget = std::env::var("PROCTOR_PERTURB_SECS")
-        .ok()
-        .and_then(|s| s.parse::<u64>().ok())
-        .map(Duration::from_secs);
-    let started = Instant::now();
-    let listed = seeds();
-    let mut next_seed = listed.iter().max().copied().unwrap_or(0);
-    let mut seeds = listed.into_iter();
+    let mut seeds = common::seeds::Seeds::from_env(16);
     let (mut runs, mut outcomes, mut failed, mut gone) = (0, 0, 0, 0);
     let (mut restarts, mut resent, mut taken) = (0, 0, 0);
-    loop {
-        let seed = match (seeds.next(), budget) {
-            (Some(seed), _) => seed,
-            (None, Some(budget)) if started.elapsed() < budget => {
-                next_seed += 1;
-                next_seed
-            }
-            _ => break,
-        };
+    for seed in seeds.by_ref() {
         // A guard against a hang (which is itself the failure), not a sequencer: shorter
         // than the operations' deadline.
         let world = match tokio::time::timeout(Duration::from_secs(20), run_seed(seed)).await {
@@ -562,6 +534,6 @@ async fn remote_operations_keep_every_promise_under_perturbation() {
         "{runs} seeds checked in {:?}: {outcomes} outcomes read ({failed} failed, {gone} \
          of a removed node), {taken} reports taken from the reporter, {resent} ops sent \
          again, {restarts} restarts after a crash",
-        started.elapsed()
+        seeds.elapsed()
     );
 }

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod pg;
+pub mod seeds;
 pub mod wal;
 
 use std::sync::atomic::{AtomicI64, Ordering};
