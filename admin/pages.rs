@@ -632,7 +632,7 @@ pub(super) fn engine(body: &Value) -> String {
     let mut out = String::from("<h3>Workers and queues</h3>");
     let empty = serde_json::Map::new();
     facts(&mut out, "workers", body.as_object().unwrap_or(&empty));
-    out.push_str(r#"<table id="shards"><thead><tr><th>shard</th><th>workers</th><th>busy</th><th>queued</th></tr></thead><tbody>"#);
+    out.push_str(r#"<table id="shards"><thead><tr><th>shard</th><th>workers (system ones included)</th><th>busy</th><th>queued</th></tr></thead><tbody>"#);
     for (i, s) in body["per_shard"]
         .as_array()
         .into_iter()

@@ -2,8 +2,8 @@
 //! (WebDriver). The `admin` example's engine keeps deploying; the test opens the
 //! procedures page, sees rows arrive live, filters by state, opens a tree, aborts a
 //! deployment that waits for approval with the token (confirming, and giving the token
-//! when the page asks), and sees its tree roll back. Screenshots of each stage go to
-//! `target/admin-screenshots/`. If Chromium or chromedriver cannot start, the test
+//! when the page asks), sees its tree roll back, and opens the engine and locks pages.
+//! Screenshots of each stage go to `target/admin-screenshots/`. If Chromium or chromedriver cannot start, the test
 //! fails and says why (`.ci/run` installs Debian's `chromium` and `chromium-driver`).
 
 #[path = "../examples/admin.rs"]
@@ -256,6 +256,25 @@ async fn an_operator_watches_filters_opens_a_tree_and_aborts_it() {
     })
     .await;
     shot(&client, "4-rolled-back").await;
+
+    // The engine and the locks, as a browser renders them.
+    client.goto(&format!("{base}engine")).await.unwrap();
+    for table in ["workers", "shards", "store", "commits"] {
+        assert!(
+            client.find(Locator::Id(table)).await.is_ok(),
+            "the engine page's {table}"
+        );
+    }
+    // The aborted tree is among the recent failures.
+    let source = client.source().await.unwrap();
+    assert!(
+        source.contains(&format!("href=\"procedures/{}\"", approval.0)),
+        "{source}"
+    );
+    shot(&client, "5-engine").await;
+    client.goto(&format!("{base}locks")).await.unwrap();
+    assert!(client.find(Locator::Id("resources")).await.is_ok());
+    shot(&client, "6-locks").await;
 
     load.abort();
     client.close().await.unwrap();
