@@ -2,7 +2,7 @@
 //! spirit). Compiled only with the `perturb` feature; without it every point is an empty
 //! inline function.
 //!
-//! A [`point`] sits where a message is about to cross actors or a worker is handed on
+//! A `point` sits where a message is about to cross actors or a worker is handed on
 //! (names follow `module::function::what`). When a seed is set, each point draws from a
 //! per-thread stream derived from the seed and, now and then, yields the thread or
 //! stalls it for a few microseconds to a millisecond. Stalling the sending thread never

@@ -6,14 +6,19 @@
 //!
 //! - `/procedures` — every procedure, newest first, filtered by `state`, `type` and
 //!   `tree`, a page at a time (`page`, `per_page`), live through `/events`;
-//! - `/procedures/{id}` — the tree `id` is in, parent above children;
-//! - `/locks` — each resource with its holders and waiters;
-//! - `/engine` — workers and queues, the executor's role (leadership);
+//! - `/procedures/{id}` — the tree `id` is in, parent above children, with its
+//!   execution stack and the steps its rollback undid so far ([`Executor::tree`]), and
+//!   each DAG's tasks and edges;
+//! - `/locks` — each resource with its holders, its queue in the order it is served
+//!   and its permits, and the wait-for cycles the engine handled ([`Executor::locks`]);
+//! - `/engine` — workers and queues per shard, the executor's role (leadership), the
+//!   store's figures, the group commit's batch sizes and the latest failures
+//!   ([`Executor::engine_status`]);
 //! - `/events` — the live feed as Server-Sent Events: once a tick, what the engine
 //!   published since (counts, the newest roots, the watched rows that changed).
 //!
 //! Actions (`POST /procedures/{id}/abort`, `pause`, `continue`, `rollback`, `bypass`)
-//! need the bearer token the embedding service set ([`AdminConfig::token`]; without
+//! need the bearer token the embedding service set ([`AdminConfig::token`](crate::admin::AdminConfig::token); without
 //! one the page is read-only) and the page's CSRF token (`x-csrf-token`). A request
 //! without a token is answered 401, a wrong token 403; the engine's refusal comes back
 //! as it says it (409). Every action is logged at INFO with who asked and what.

@@ -500,7 +500,7 @@ impl Default for LockTable {
     }
 }
 
-/// One resource as an operator sees it ([`LockTable::resources`]).
+/// One resource as an operator sees it ([`Executor::locks`](crate::Executor::locks)).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ResourceLocks {
     /// The resource's name.

@@ -466,7 +466,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
         self.front.actor()?.send(which).await?
     }
 
-    /// One page of the procedures `which` matches, newest first (see [`ListPage`]):
+    /// One page of the procedures `which` matches, newest first (see [`ListPage`](crate::ListPage)):
     /// only the page's procedures are described, however many match.
     ///
     /// ```no_run
@@ -518,8 +518,8 @@ impl<E: Send + Sync + 'static> Executor<E> {
     }
 
     /// Hands the dispatcher a target's report of a remote operation (see
-    /// [`Context::dispatch`](crate::Context::dispatch)): [`Report::ok`] with its value,
-    /// or [`Report::failed`] with why it failed on the target. `Ok(true)` if it was
+    /// [`Context::dispatch`](crate::Context::dispatch)): [`Report::ok`](crate::Report::ok) with its value,
+    /// or [`Report::failed`](crate::Report::failed) with why it failed on the target. `Ok(true)` if it was
     /// taken; `Ok(false)` if it was ignored — the operation is unknown, already has an
     /// outcome, or was rolled back (targets may report twice).
     ///
