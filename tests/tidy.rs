@@ -88,11 +88,20 @@ fn only_the_wal_store_touches_files() {
 
 #[test]
 fn every_file_says_what_it_is() {
-    let missing: Vec<String> = files(&["src", "actors", "tests", "examples", "benches", "bin"])
-        .into_iter()
-        .filter(|p| !fs::read_to_string(p).unwrap().starts_with("//!"))
-        .map(|p| p.display().to_string())
-        .collect();
+    let missing: Vec<String> = files(&[
+        "src",
+        "actors",
+        "tests",
+        "examples",
+        "benches",
+        "bin",
+        "admin",
+        "quickstart",
+    ])
+    .into_iter()
+    .filter(|p| !fs::read_to_string(p).unwrap().starts_with("//!"))
+    .map(|p| p.display().to_string())
+    .collect();
     assert!(
         missing.is_empty(),
         "files without a //! header:\n{}",
