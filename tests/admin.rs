@@ -348,62 +348,30 @@ async fn the_live_feed_folds_events_into_ticks_with_new_and_watched_rows() {
     page.executor.clone().shutdown().await.unwrap();
 }
 
-/// A procedure of these tests: `Unwind` runs two steps, the second starting a child
-/// that runs two steps and fails; its rollback holds at the root's second rollback step
-/// until the test opens the gate. `Hold` takes its lock for life and waits for the
-/// event `release`.
+/// Takes its lock for life and waits for the event `release`.
 #[derive(Serialize, Deserialize)]
-enum Own {
-    Unwind { child: bool, step: u32 },
-    Hold { resource: String, step: u32 },
+struct Hold {
+    resource: String,
+    step: u32,
 }
 
 #[async_trait]
-impl Procedure<Recorder> for Own {
-    async fn execute(&mut self, ctx: &mut Context<Recorder>) -> Result<Flow<Recorder>, ProcError> {
-        let id = ctx.id();
-        match self {
-            Own::Unwind { child, step } => {
-                *step += 1;
-                ctx.env().record(format!("exec {id}"));
-                match (*child, *step) {
-                    (false, 1) | (true, 1) => Ok(Flow::MoreToDo),
-                    (false, _) => Ok(Flow::Children(vec![Box::new(Own::Unwind {
-                        child: true,
-                        step: 0,
-                    })])),
-                    (true, _) => Err(ProcError::failed("the child fails")),
-                }
-            }
-            Own::Hold { step, .. } => {
-                *step += 1;
-                Ok(if *step == 1 {
-                    Flow::Suspend("release".into())
-                } else {
-                    Flow::Done
-                })
-            }
-        }
+impl Procedure<Recorder> for Hold {
+    async fn execute(&mut self, _ctx: &mut Context<Recorder>) -> Result<Flow<Recorder>, ProcError> {
+        self.step += 1;
+        Ok(if self.step == 1 {
+            Flow::Suspend("release".into())
+        } else {
+            Flow::Done
+        })
     }
 
-    async fn rollback(&mut self, ctx: &mut Context<Recorder>) -> Result<(), ProcError> {
-        let id = ctx.id();
-        let rec = ctx.env_arc().clone();
-        rec.record(format!("rollback {id}"));
-        if matches!(self, Own::Unwind { child: false, .. })
-            && rec.count(&format!("rollback {id}")) == 2
-        {
-            rec.signal.notify_one();
-            rec.gate.notified().await;
-        }
+    async fn rollback(&mut self, _ctx: &mut Context<Recorder>) -> Result<(), ProcError> {
         Ok(())
     }
 
     fn locks(&self) -> Vec<Lock> {
-        match self {
-            Own::Hold { resource, .. } => vec![Lock::exclusive(resource.clone())],
-            Own::Unwind { .. } => Vec::new(),
-        }
+        vec![Lock::exclusive(self.resource.clone())]
     }
 
     fn holds_lock(&self) -> bool {
@@ -413,7 +381,7 @@ impl Procedure<Recorder> for Own {
 
 async fn own_page() -> (Page, Arc<Recorder>) {
     let mut registry: Registry<Recorder> = common::registry();
-    registry.register::<Own>("own");
+    registry.register::<Hold>("hold");
     let rec = Arc::new(Recorder::default());
     let executor = Executor::builder()
         .registry(registry)
@@ -426,25 +394,10 @@ async fn own_page() -> (Page, Arc<Recorder>) {
     (serve(executor, AdminConfig::default()).await, rec)
 }
 
-/// The ids named in the recorder's calls that start with `prefix`, in order.
-fn recorded(rec: &Recorder, prefix: &str) -> Vec<u64> {
-    rec.calls()
-        .iter()
-        .filter_map(|c| c.strip_prefix(prefix)?.parse().ok())
-        .collect()
-}
-
 #[actix::test]
 async fn a_tree_shows_its_execution_stack_and_its_rollback_so_far_in_order() {
     let (page, rec) = own_page().await;
-    let root = page
-        .executor
-        .submit(Own::Unwind {
-            child: false,
-            step: 0,
-        })
-        .await
-        .unwrap();
+    let root = page.executor.submit(common::Unwind::root()).await.unwrap();
     // The root's second rollback step holds: the child's two steps and the root's
     // last are undone.
     rec.signal.notified().await;
@@ -452,8 +405,8 @@ async fn a_tree_shows_its_execution_stack_and_its_rollback_so_far_in_order() {
     assert_eq!(status, 200, "{tree}");
     let execution = &tree["execution"];
     assert_eq!(execution["rolling_back"], true, "{tree}");
-    let executed = recorded(&rec, "exec ");
-    let undone = recorded(&rec, "rollback ");
+    let executed = common::recorded(&rec, "exec ");
+    let undone = common::recorded(&rec, "rollback ");
     let ids = |v: &Value| -> Vec<u64> {
         v.as_array()
             .unwrap()
@@ -495,7 +448,7 @@ async fn a_tree_shows_its_execution_stack_and_its_rollback_so_far_in_order() {
 #[actix::test]
 async fn locks_show_holders_the_queue_in_order_and_counted_resources() {
     let (page, _rec) = own_page().await;
-    let hold = |resource: &str| Own::Hold {
+    let hold = |resource: &str| Hold {
         resource: resource.into(),
         step: 0,
     };

@@ -304,3 +304,50 @@ async fn a_crash_at_any_write_of_a_failing_create_never_drops_a_table_it_did_not
         assert!(runs.len() >= 6, "{name}: {} runs", runs.len());
     }
 }
+
+/// What an operator sees of a tree while it rolls back (`Executor::tree`): the steps
+/// left on its execution stack, and the steps undone so far in the order their
+/// rollbacks ran, as the recorder saw them; once finished, the tree has no stack.
+#[actix::test]
+async fn the_tree_view_shows_the_stack_left_and_the_rollback_so_far() {
+    for (store_name, store, _dir) in stores() {
+        let (executor, rec) = start(store, 4).await;
+        let root = executor.submit(common::Unwind::root()).await.unwrap();
+        // The root's second rollback call holds.
+        rec.signal.notified().await;
+        let tree = executor.tree(root).await.unwrap();
+        let executed = common::recorded(&rec, "exec ");
+        let undone = common::recorded(&rec, "rollback ");
+        let child = proctor::ProcId(executed[2]);
+        assert_eq!(executed, [root.0, root.0, child.0, child.0], "{store_name}");
+        assert_eq!(tree.root, root, "{store_name}");
+        assert!(tree.rolling_back, "{store_name}");
+        assert_eq!(tree.stack, [root], "{store_name}: what is left to undo");
+        assert_eq!(
+            tree.rolled_back,
+            [child, child, root],
+            "{store_name}: newest step first"
+        );
+        assert_eq!(
+            undone,
+            [child.0, child.0, root.0, root.0],
+            "{store_name}: the held call is the next"
+        );
+        // A child rolled back to its end has left the table.
+        assert!(
+            matches!(executor.tree(child).await, Err(proctor::Error::Gone(_))),
+            "{store_name}"
+        );
+
+        rec.gate.notify_one();
+        assert!(executor.wait(root).await.unwrap().is_err(), "{store_name}");
+        assert!(
+            matches!(
+                executor.tree(root).await,
+                Err(proctor::Error::Finished { .. })
+            ),
+            "{store_name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}

@@ -138,6 +138,23 @@ fn churn_leaves_a_few_segments_and_long_waiters_survive() {
     );
     let live_segments = segments(dir.path()).len();
     assert!(live_segments <= 5, "{live_segments} segments");
+    // What it tells operators agrees with its counters and the files, and its bytes
+    // are within the bound it states.
+    let status = wal.status();
+    assert_eq!(status.kind, "wal");
+    let fact = |name: &str| -> u64 {
+        let (_, value) = status.facts.iter().find(|(n, _)| *n == name).unwrap();
+        value.parse().unwrap()
+    };
+    let stats = wal.stats();
+    assert_eq!(fact("segments"), live_segments as u64);
+    assert_eq!(fact("live_bytes"), stats.live_bytes);
+    assert_eq!(fact("segment_bytes"), stats.segment_bytes);
+    assert!(
+        fact("segment_bytes") <= fact("bound_bytes"),
+        "{:?}",
+        status.facts
+    );
     drop(wal);
     let mut reopened = WalStore::open_with(dir.path(), small()).unwrap();
     let snapshot = reopened.load().unwrap();

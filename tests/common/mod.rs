@@ -292,8 +292,63 @@ pub fn registry() -> Registry<Recorder> {
     let mut registry = Registry::default();
     registry
         .register::<Scripted>("scripted")
-        .register::<StateMachine<Adder, Recorder>>("adder");
+        .register::<StateMachine<Adder, Recorder>>("adder")
+        .register::<Unwind>("unwind");
     registry
+}
+
+/// A tree that rolls back and holds in the middle of it: the root runs two steps, the
+/// second starting a child that runs two steps and fails; each call is recorded as
+/// `exec ID` or `rollback ID`, and the root's second rollback call signals
+/// `rec.signal` and waits at `rec.gate`.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Unwind {
+    pub child: bool,
+    pub step: u32,
+}
+
+impl Unwind {
+    pub fn root() -> Self {
+        Unwind {
+            child: false,
+            step: 0,
+        }
+    }
+}
+
+#[async_trait]
+impl Procedure<Recorder> for Unwind {
+    async fn execute(&mut self, ctx: &mut Context<Recorder>) -> Result<Flow<Recorder>, ProcError> {
+        self.step += 1;
+        ctx.env().record(format!("exec {}", ctx.id()));
+        match (self.child, self.step) {
+            (_, 1) => Ok(Flow::MoreToDo),
+            (false, _) => Ok(Flow::Children(vec![Box::new(Unwind {
+                child: true,
+                step: 0,
+            })])),
+            (true, _) => Err(ProcError::failed("the child fails")),
+        }
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context<Recorder>) -> Result<(), ProcError> {
+        let call = format!("rollback {}", ctx.id());
+        let rec = ctx.env_arc().clone();
+        rec.record(call.clone());
+        if !self.child && rec.count(&call) == 2 {
+            rec.signal.notify_one();
+            rec.gate.notified().await;
+        }
+        Ok(())
+    }
+}
+
+/// The ids named in the recorder's calls that start with `prefix`, in order.
+pub fn recorded(rec: &Recorder, prefix: &str) -> Vec<u64> {
+    rec.calls()
+        .iter()
+        .filter_map(|c| c.strip_prefix(prefix)?.parse().ok())
+        .collect()
 }
 
 /// The stores every scenario runs on: (name, store, the directory to keep alive).
