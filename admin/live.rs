@@ -123,19 +123,12 @@ impl Feed {
                     self.rolled_back += 1;
                     ProcState::RolledBack
                 };
-                if let Some(new) = self.newest.iter_mut().find(|n| n.id == id.0) {
-                    new.state = Some(state);
-                } else if self.interest.watch.remove(&id.0) {
-                    self.changed.push((id.0, state));
-                }
+                // A root finishes once: it is watched no more.
+                self.note(id.0, state, true);
             }
             ProcEvent::Paused { id, state, .. } => {
                 self.paused += 1;
-                if let Some(new) = self.newest.iter_mut().find(|n| n.id == id.0) {
-                    new.state = Some(*state);
-                } else if self.interest.watch.contains(&id.0) {
-                    self.changed.push((id.0, *state));
-                }
+                self.note(id.0, *state, false);
             }
             ProcEvent::Leading { holder, epoch } => {
                 self.leadership = Some(format!("{holder} leads (lease epoch {epoch})"));
@@ -143,6 +136,23 @@ impl Feed {
             ProcEvent::SteppedDown { reason } => {
                 self.leadership = Some(format!("stepped down: {reason}"));
             }
+        }
+    }
+
+    /// `id` is now in `state`: a new root of this tick carries it, a watched row is
+    /// changed (and, if `last`, watched no more).
+    fn note(&mut self, id: u64, state: ProcState, last: bool) {
+        if let Some(new) = self.newest.iter_mut().find(|n| n.id == id) {
+            new.state = Some(state);
+            return;
+        }
+        let watched = if last {
+            self.interest.watch.remove(&id)
+        } else {
+            self.interest.watch.contains(&id)
+        };
+        if watched {
+            self.changed.push((id, state));
         }
     }
 

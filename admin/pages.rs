@@ -395,13 +395,7 @@ pub(super) fn dags(procs: &[ProcInfo]) -> Vec<Dag> {
             let view = SummaryView::parse(p.state_name.as_deref()?)?;
             let mut children = vec![None; view.statuses.len()];
             for c in procs.iter().filter(|c| c.parent == Some(p.id)) {
-                // A task's child names itself `task #N …`.
-                let task = c
-                    .state_name
-                    .as_deref()
-                    .and_then(|n| n.strip_prefix("task #"))
-                    .and_then(|n| n.split(' ').next())
-                    .and_then(|n| n.parse::<usize>().ok());
+                let task = c.state_name.as_deref().and_then(crate::dag::task_named);
                 if let Some(slot) = task.and_then(|t| children.get_mut(t)) {
                     *slot = Some((c.id, c.state));
                 }

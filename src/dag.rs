@@ -1079,6 +1079,18 @@ where
     }
 }
 
+/// The task index a [`DagTask`]'s state name (`task #N …`) names, for pages that know
+/// only the name.
+#[cfg_attr(not(feature = "admin"), allow(dead_code))]
+pub(crate) fn task_named(state_name: &str) -> Option<usize> {
+    state_name
+        .strip_prefix("task #")?
+        .split(' ')
+        .next()?
+        .parse()
+        .ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1314,6 +1326,18 @@ mod tests {
         }
         b.parallelism(2);
         b.build().unwrap()
+    }
+
+    #[test]
+    fn a_task_child_names_its_task() {
+        let child = DagTask {
+            id: TaskId(3),
+            task: job("c"),
+        };
+        assert_eq!(task_named(&child.state_name().unwrap()), Some(3));
+        for other in ["step 3 of 4", "task #x y", "task 3"] {
+            assert_eq!(task_named(other), None, "{other}");
+        }
     }
 
     #[test]

@@ -59,6 +59,23 @@ impl Page {
         (answer.status().as_u16(), answer.json().await.unwrap())
     }
 
+    /// The JSON of `path` once `ready` holds for it, asked again until then (for at
+    /// most 20 s).
+    async fn json_when(&self, path: &str, ready: impl Fn(&Value) -> bool) -> Value {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let (_, json) = self.json(path).await;
+            if ready(&json) {
+                return json;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "never ready: {path}: {json}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
     /// The CSRF token the pages carry.
     async fn csrf(&self) -> String {
         let (_, html) = self.get("procedures").await;
@@ -456,22 +473,17 @@ async fn locks_show_holders_the_queue_in_order_and_counted_resources() {
     common::wait_for_state(&page.executor, first, ProcState::Waiting).await;
     let second = page.executor.submit(hold("db/t1")).await.unwrap();
     let third = page.executor.submit(hold("db/t1")).await.unwrap();
-    let both_wait = || async {
-        let (_, locks) = page.json("locks").await;
-        let queue = locks["resources"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|r| r["resource"] == "db/t1")
-            .map_or(0, |r| r["waiters"].as_array().unwrap().len());
-        (queue == 2).then_some(locks)
-    };
-    let locks = loop {
-        if let Some(locks) = both_wait().await {
-            break locks;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let locks = page
+        .json_when("locks", |locks| {
+            let queue = locks["resources"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .find(|r| r["resource"] == "db/t1")
+                .map_or(0, |r| r["waiters"].as_array().unwrap().len());
+            queue == 2
+        })
+        .await;
     let resources = locks["resources"].as_array().unwrap();
     let names: Vec<&str> = resources
         .iter()
@@ -564,21 +576,16 @@ async fn a_dags_tasks_and_edges_show_with_their_states() {
     b.edge(x, y).edge(x, z);
     let dag = page.executor.submit(b.build().unwrap()).await.unwrap();
     // x done, y held in its step, z done.
-    let dag_json = loop {
-        let (_, tree) = page.json(&format!("procedures/{}", dag.0)).await;
-        let statuses: Vec<String> = tree["dags"][0]["tasks"]
-            .as_array()
-            .map(|t| {
-                t.iter()
-                    .map(|t| t["status"].as_str().unwrap().to_string())
-                    .collect()
-            })
-            .unwrap_or_default();
-        if statuses == ["done", "started", "done"] {
-            break tree["dags"][0].clone();
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    };
+    let tree = page
+        .json_when(&format!("procedures/{}", dag.0), |tree| {
+            let statuses: Vec<&str> = tree["dags"][0]["tasks"]
+                .as_array()
+                .map(|t| t.iter().map(|t| t["status"].as_str().unwrap()).collect())
+                .unwrap_or_default();
+            statuses == ["done", "started", "done"]
+        })
+        .await;
+    let dag_json = &tree["dags"][0];
     assert_eq!(dag_json["id"], dag.0);
     assert_eq!(dag_json["edges"], serde_json::json!([[0, 1], [0, 2]]));
     // The running task's child procedure, named by its state name from its start

@@ -115,6 +115,16 @@ async fn click(client: &Client, css: &str) {
         .unwrap();
 }
 
+/// The text of the element with id `id`.
+async fn text_of(client: &Client, id: &str) -> String {
+    let element = client.find(Locator::Id(id)).await;
+    element
+        .unwrap_or_else(|e| panic!("no #{id}: {e}"))
+        .text()
+        .await
+        .unwrap()
+}
+
 /// Polls `check` (a page's state) until it holds, for at most 20 s.
 async fn until<F, Fut>(what: &str, mut check: F)
 where
@@ -150,13 +160,7 @@ async fn an_operator_watches_filters_opens_a_tree_and_aborts_it() {
     // Rows arrive live.
     client.goto(&format!("{base}procedures")).await.unwrap();
     until("the page is live and new rows arrive", || async {
-        let live = client
-            .find(Locator::Id("live"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let live = text_of(&client, "live").await;
         let new_rows = client.find_all(Locator::Css("tr.new")).await.unwrap().len();
         live.contains("submitted") && new_rows >= 2
     })
@@ -224,8 +228,7 @@ async fn an_operator_watches_filters_opens_a_tree_and_aborts_it() {
     .await;
     assert!(client.find(Locator::Css(".tree li.current")).await.is_ok());
     // A live tree shows its execution stack: the root's steps and its child's.
-    let stack = client.find(Locator::Id("stack")).await.unwrap();
-    assert!(!stack.text().await.unwrap().is_empty());
+    assert!(!text_of(&client, "stack").await.is_empty());
     shot(&client, "3-tree").await;
 
     // Abort it: confirm, give the token, and see the answer.
@@ -238,14 +241,7 @@ async fn an_operator_watches_filters_opens_a_tree_and_aborts_it() {
         .expect("the token prompt");
     client.accept_alert().await.unwrap();
     until("the abort is answered", || async {
-        let msg = client
-            .find(Locator::Id("msg"))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
-        msg.contains("accepted")
+        text_of(&client, "msg").await.contains("accepted")
     })
     .await;
     let result = executor.wait(approval).await.unwrap();

@@ -924,13 +924,14 @@ impl<E: Send + Sync + 'static> Handler<TreeFinished> for ExecutorActor<E> {
         match msg.result {
             Ok(result) => {
                 self.unfinished = self.unfinished.saturating_sub(1);
-                self.finished.push_back((now_ms(), msg.root));
+                let now = now_ms();
+                self.finished.push_back((now, msg.root));
                 if let Err(failure) = &result {
                     if self.recent_failures.len() == RECENT_FAILURES {
                         self.recent_failures.pop_front();
                     }
                     self.recent_failures.push_back(RecentFailure {
-                        at_ms: now_ms(),
+                        at_ms: now,
                         root: msg.root,
                         type_name: self.type_name_of(msg.root),
                         failure: failure.clone(),
