@@ -13,6 +13,7 @@
 //! | `proctor_procedures_rolled_back_total` | counter | `type` | procedures that finished ROLLEDBACK: the one that failed and every one its tree's rollback undid |
 //! | `proctor_step_retries_total` | counter | `type` | failed steps retried by their failure policy |
 //! | `proctor_rollback_retries_total` | counter | `type` | failed rollbacks retried |
+//! | `proctor_procedure_restarts_total` | counter | `type` | procedure actors started again by their root stack after they stopped unasked (a panic in engine code); past the restart limit the step fails, or the tree halts |
 //! | `proctor_procedure_duration_seconds` | histogram | `type` | from submit to the durable final record (SUCCESS or ROLLEDBACK), from the persisted submit time: milliseconds apart, and across restarts |
 //! | `proctor_step_duration_seconds` | histogram | `type` | one call of `execute` (the user's step only: not the wait for a worker, for locks, or for the step's record) |
 //! | `proctor_wal_sync_seconds` | histogram | | one group-commit `append` to the store (for the WAL: the write and its `fdatasync`) |
@@ -83,6 +84,8 @@ pub const PROCEDURES_ROLLED_BACK: &str = "proctor_procedures_rolled_back_total";
 pub const STEP_RETRIES: &str = "proctor_step_retries_total";
 /// Counter, by `type`: failed rollbacks retried.
 pub const ROLLBACK_RETRIES: &str = "proctor_rollback_retries_total";
+/// Counter, by `type`: procedure actors started again by supervision.
+pub const PROCEDURE_RESTARTS: &str = "proctor_procedure_restarts_total";
 /// Histogram, by `type`: seconds from submit to the final record.
 pub const PROCEDURE_DURATION: &str = "proctor_procedure_duration_seconds";
 /// Histogram, by `type`: seconds in one `execute` call.
@@ -224,6 +227,11 @@ pub(crate) fn describe() {
         "Failed steps retried by their failure policy."
     );
     describe_counter!(ROLLBACK_RETRIES, Unit::Count, "Failed rollbacks retried.");
+    describe_counter!(
+        PROCEDURE_RESTARTS,
+        Unit::Count,
+        "Procedure actors started again after they stopped unasked."
+    );
     describe_gauge!(
         PROCEDURES_UNFINISHED,
         Unit::Count,
@@ -519,4 +527,10 @@ impl Drop for ProcGauges {
             gauge.decrement(mine.load(Ordering::Relaxed) as f64);
         }
     }
+}
+
+/// Supervision started a procedure actor of type `type_name` again (rare: not through
+/// the per-type handles).
+pub(crate) fn procedure_restarted(type_name: &'static str) {
+    counter!(PROCEDURE_RESTARTS, TYPE_LABEL => type_name).increment(1);
 }

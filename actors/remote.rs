@@ -26,6 +26,7 @@ use serde::Serialize;
 
 use crate::actors::locks::{LockActor, ResetEvent, WakeEvent};
 use crate::actors::perturb;
+use crate::actors::shared::Mandate;
 use crate::remote::{event_of, Batch, BatchRules, Batcher, OpId, RemoteError, RemoteSink};
 
 /// A send that failed: the transport's words.
@@ -242,6 +243,8 @@ pub struct RemoteDispatcher {
     outcomes: Arc<Outcomes>,
     locks: Addr<LockActor>,
     epoch: Instant,
+    /// Whether the user's transport may be called: not once the engine stepped down.
+    mandate: Arc<Mandate>,
 }
 
 impl RemoteDispatcher {
@@ -249,8 +252,10 @@ impl RemoteDispatcher {
         transport: Arc<dyn AnyTransport>,
         options: RemoteOptions,
         locks: Addr<LockActor>,
+        mandate: Arc<Mandate>,
     ) -> Self {
         RemoteDispatcher {
+            mandate,
             transport,
             options,
             batcher: Batcher::new(options.rules),
@@ -284,8 +289,13 @@ impl RemoteDispatcher {
         u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// Sends each batch as a request of its own.
+    /// Sends each batch as a request of its own. A deposed engine sends nothing, and a
+    /// request in progress is not polled again (its operations are the lease's new
+    /// holder's to send).
     fn send_all(&mut self, batches: Vec<Batch<Vec<u8>>>, ctx: &mut Context<Self>) {
+        if !self.mandate.holds() {
+            return;
+        }
         for batch in batches {
             let ids: Vec<OpId> = batch.ops.iter().map(|(id, _)| *id).collect();
             for id in &ids {
@@ -300,9 +310,23 @@ impl RemoteDispatcher {
             let started = Instant::now();
             perturb::point("remote::send_all::send");
             let send = self.transport.send(target.clone(), batch.ops);
+            let mandate = self.mandate.clone();
+            let send = async move {
+                let mut send = std::pin::pin!(send);
+                std::future::poll_fn(|cx| {
+                    if mandate.holds() {
+                        send.as_mut().poll(cx).map(Some)
+                    } else {
+                        std::task::Poll::Ready(None)
+                    }
+                })
+                .await
+            };
             ctx.spawn(
                 actix::fut::wrap_future(send).map(move |result, act: &mut Self, ctx| {
-                    act.sent(&target, ids, result, started, ctx);
+                    if let Some(result) = result {
+                        act.sent(&target, ids, result, started, ctx);
+                    }
                 }),
             );
         }
@@ -497,7 +521,10 @@ impl Handler<Dispatch> for RemoteDispatcher {
     type Result = ();
 
     fn handle(&mut self, msg: Dispatch, ctx: &mut Context<Self>) {
-        if self.pending.contains_key(&msg.op) || lock(&self.outcomes).contains_key(&msg.op) {
+        if self.pending.contains_key(&msg.op)
+            || lock(&self.outcomes).contains_key(&msg.op)
+            || !self.mandate.holds()
+        {
             return;
         }
         let payload = if msg.resend {

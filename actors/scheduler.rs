@@ -214,9 +214,10 @@ pub(crate) struct SchedulerActor {
     gauges: metrics::Gauges,
     /// The lock actor, told when a step that held locks for itself finishes.
     locks: Addr<LockActor>,
-    /// Raised when the executor broke or stepped down: no step is dispatched then
-    /// (it would run user code whose record could never be durable).
-    broken: crate::cancel::Cancel,
+    /// Ended when the executor broke or stepped down, or its lease ran out: no step
+    /// is dispatched then (it would run user code whose record could never be
+    /// durable, or act after a successor did).
+    mandate: Arc<crate::actors::shared::Mandate>,
     /// Everything for the shard's trees (dispatched steps, what the lock actor
     /// granted), one message: sent after a monitor tick and whenever the mailbox is
     /// empty (`SendMail`).
@@ -231,7 +232,7 @@ pub(crate) struct SchedulerSetup {
     pub(crate) monitor: Monitor,
     pub(crate) view: Arc<SchedulerViews>,
     pub(crate) locks: Addr<LockActor>,
-    pub(crate) broken: crate::cancel::Cancel,
+    pub(crate) mandate: Arc<crate::actors::shared::Mandate>,
 }
 
 impl SchedulerActor {
@@ -248,7 +249,7 @@ impl SchedulerActor {
             monitor,
             view,
             locks,
-            broken,
+            mandate,
         }: SchedulerSetup,
     ) -> Self {
         let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
@@ -270,7 +271,7 @@ impl SchedulerActor {
             view,
             gauges: metrics::Gauges::scheduler(),
             locks,
-            broken,
+            mandate,
             mail: Mail::default(),
         }
     }
@@ -303,7 +304,7 @@ impl SchedulerActor {
     }
 
     fn dispatch(&mut self) {
-        if self.broken.is_cancelled() {
+        if !self.mandate.dispatches() {
             // Queued steps stay queued: a restart (or a standby) runs them.
             return;
         }

@@ -30,17 +30,173 @@ pub(crate) fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// Whether this engine may call user code: from its start until it breaks or steps
+/// down, and, under a leader lease, only while the lease surely holds by this
+/// process's own clock ([`Term`]). Read before every call into user code (steps,
+/// rollbacks, hooks, lock hooks, cleanups, a transport's sends) and at every poll of a
+/// running call, so a call in progress is not polled again once it ends: after the
+/// lease is lost (or the process was stopped past it) no user code starts, and a
+/// running step or rollback is dropped at its next await. What a call does between two
+/// awaits cannot be stopped: the resources a step changes check its fencing token.
+pub(crate) struct Mandate {
+    ended: AtomicBool,
+    /// The executor broke (its store failed, engine code panicked) or stepped down:
+    /// no step is dispatched. User code may still run where a halted tree allows.
+    broken: AtomicBool,
+    term: Option<Arc<Term>>,
+}
+
+impl Mandate {
+    /// A mandate that holds until [`end`](Self::end), and while `term` does.
+    pub(crate) fn new(term: Option<Arc<Term>>) -> Arc<Mandate> {
+        Arc::new(Mandate {
+            ended: AtomicBool::new(false),
+            broken: AtomicBool::new(false),
+            term,
+        })
+    }
+
+    /// Whether user code may be called now.
+    #[inline]
+    pub(crate) fn holds(&self) -> bool {
+        !self.ended.load(Ordering::Acquire) && self.term.as_ref().is_none_or(|t| t.holds())
+    }
+
+    /// Whether steps may be dispatched: the mandate holds and the executor did not
+    /// break.
+    #[inline]
+    pub(crate) fn dispatches(&self) -> bool {
+        !self.broken.load(Ordering::Acquire) && self.holds()
+    }
+
+    /// The executor broke: dispatch no step from now on.
+    pub(crate) fn broke(&self) {
+        self.broken.store(true, Ordering::Release);
+    }
+
+    /// The engine stepped down: no user code from now on.
+    pub(crate) fn end(&self) {
+        self.broke();
+        self.ended.store(true, Ordering::Release);
+    }
+}
+
+/// How long a leader lease surely holds, by this process's monotonic clock: the lease
+/// thread extends it after each renewal to the renewal's start plus the part of the
+/// period the holder may act in, and ends it when the lease is lost. A process stopped
+/// (SIGSTOP, a long pause) past that instant finds the term over at its first look,
+/// before the lease thread has even woken: the monotonic clock ran meanwhile.
+///
+/// Once anyone has seen the term over, it stays over: the reader that sees it lapse
+/// ends it (a compare-and-swap against the renewal's), so a renewal that lands just
+/// after cannot revive a term someone already acted on as over; the lease thread then
+/// gives the lease up.
+#[derive(Debug)]
+pub(crate) struct Term {
+    base: std::time::Instant,
+    /// Microseconds after `base` until which the lease holds; 0 once it ended.
+    until_us: AtomicU64,
+}
+
+impl Term {
+    /// A term that holds until `until`.
+    pub(crate) fn until(until: std::time::Instant) -> Term {
+        let base = std::time::Instant::now().min(until);
+        let us = Self::micros(base, until);
+        Term {
+            base,
+            until_us: AtomicU64::new(us),
+        }
+    }
+
+    fn micros(base: std::time::Instant, until: std::time::Instant) -> u64 {
+        let us = until.saturating_duration_since(base).as_micros();
+        u64::try_from(us).unwrap_or(u64::MAX).max(1)
+    }
+
+    /// The lease was renewed: it holds until `until`. `false` (and nothing changed)
+    /// if the term is over: someone saw it lapse, or it was ended.
+    pub(crate) fn extend(&self, until: std::time::Instant) -> bool {
+        let us = Self::micros(self.base, until);
+        self.until_us
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
+                (now != 0).then_some(us)
+            })
+            .is_ok()
+    }
+
+    /// The lease is lost.
+    pub(crate) fn end(&self) {
+        self.until_us.store(0, Ordering::Release);
+    }
+
+    /// Whether the lease holds now.
+    pub(crate) fn holds(&self) -> bool {
+        loop {
+            let until = self.until_us.load(Ordering::Acquire);
+            if until == 0 {
+                return false;
+            }
+            let now = u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX);
+            if now < until {
+                return true;
+            }
+            // Lapsed: over for good, unless a renewal extended it meanwhile.
+            if self
+                .until_us
+                .compare_exchange(until, 0, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                return false;
+            }
+        }
+    }
+
+    /// How long it holds from now (zero once over).
+    pub(crate) fn left(&self) -> std::time::Duration {
+        let until = self.until_us.load(Ordering::Acquire);
+        std::time::Duration::from_micros(until).saturating_sub(self.base.elapsed())
+    }
+}
+
+/// Supervision's restart limit: more than `max` restarts of one procedure's actor
+/// within `within` and its root stack gives up on it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RestartLimit {
+    pub(crate) max: u32,
+    pub(crate) within: std::time::Duration,
+}
+
+impl Default for RestartLimit {
+    fn default() -> Self {
+        RestartLimit {
+            max: 3,
+            within: std::time::Duration::from_secs(60),
+        }
+    }
+}
+
 /// What the procedures of one tree read before each call into user code, written
 /// only by the tree's root stack. Monotonic: healthy, then failed, then halted, then
-/// dropped.
-#[derive(Default)]
-pub(crate) struct TreeStatus(AtomicU8);
+/// dropped. Beside it, the engine's [`Mandate`], which every tree reads.
+pub(crate) struct TreeStatus(AtomicU8, Arc<Mandate>);
 
 const FAILED: u8 = 1;
 const HALTED: u8 = 2;
 const DROPPED: u8 = 3;
 
 impl TreeStatus {
+    /// A healthy tree's status, under the engine's `mandate`.
+    pub(crate) fn new(mandate: Arc<Mandate>) -> Self {
+        TreeStatus(AtomicU8::new(0), mandate)
+    }
+
+    /// The engine lost its mandate: call no user code at all, as after a crash (and
+    /// unlike `halted`, report nothing: the lease's new holder runs the tree).
+    pub(crate) fn deposed(&self) -> bool {
+        !self.1.holds()
+    }
+
     /// The tree has failed: run no more steps (report them skipped).
     pub(crate) fn failed(&self) -> bool {
         self.0.load(Ordering::Acquire) >= FAILED
@@ -209,6 +365,10 @@ pub(crate) struct Shared {
     /// are answered with it.
     pub(crate) broken: Cancel,
     pub(crate) broken_error: std::sync::OnceLock<crate::Error>,
+    /// Whether user code may be called (see [`Mandate`]).
+    pub(crate) mandate: Arc<Mandate>,
+    /// How often a procedure's actor may be started again by supervision.
+    pub(crate) restart_limit: RestartLimit,
     /// Someone subscribed to procedure events (root stacks then report submits).
     pub(crate) subscribed: AtomicBool,
     /// Each procedure type's metric handles.
@@ -291,6 +451,8 @@ impl Shared {
         max_id: u64,
         table_capacity: usize,
         broken: Cancel,
+        mandate: Arc<Mandate>,
+        restart_limit: RestartLimit,
         fencing_token: Option<i64>,
         remote: Option<(crate::remote::Sink, Addr<super::remote::RemoteDispatcher>)>,
     ) -> Self {
@@ -313,6 +475,8 @@ impl Shared {
             shutdown: Cancel::new(),
             broken,
             broken_error: std::sync::OnceLock::new(),
+            mandate,
+            restart_limit,
             subscribed: AtomicBool::new(false),
             metrics: super::metrics::TypeMetrics::default(),
             proc_gauges: super::metrics::ProcGauges::new(),
@@ -356,6 +520,76 @@ impl Shared {
     pub(crate) fn tree_ended(&self, index: usize) {
         if let Some(n) = self.live_trees.get(index) {
             n.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::*;
+
+    #[test]
+    fn a_term_holds_until_its_instant_and_a_renewal_moves_it() {
+        let now = Instant::now();
+        let term = Term::until(now + Duration::from_secs(60));
+        assert!(term.holds());
+        assert!(term.left() > Duration::from_secs(59));
+        assert!(term.extend(now + Duration::from_secs(120)));
+        assert!(term.left() > Duration::from_secs(119));
+        term.end();
+        assert!(!term.holds());
+        assert_eq!(term.left(), Duration::ZERO);
+        assert!(
+            !term.extend(now + Duration::from_secs(180)),
+            "an ended term stays over"
+        );
+        assert!(!term.holds());
+    }
+
+    #[test]
+    fn a_term_seen_over_cannot_be_revived_by_a_late_renewal() {
+        // Over already (its instant is the past): a reader sees it lapse first.
+        let past = Instant::now() - Duration::from_millis(5);
+        let term = Term::until(past);
+        assert!(!term.holds());
+        assert!(!term.extend(Instant::now() + Duration::from_secs(60)));
+        assert!(!term.holds());
+        // A renewal that lands before anyone looked revives nothing anyone acted on.
+        let term = Term::until(past);
+        assert!(term.extend(Instant::now() + Duration::from_secs(60)));
+        assert!(term.holds());
+    }
+
+    #[test]
+    fn a_mandate_holds_until_it_ends_or_its_term_does() {
+        // (term, broke, ended) -> (holds, dispatches)
+        let cases = [
+            (None, false, false, true, true),
+            (None, true, false, true, false),
+            (None, false, true, false, false),
+            (Some(60), false, false, true, true),
+            (Some(0), false, false, false, false),
+            (Some(60), true, false, true, false),
+            (Some(60), false, true, false, false),
+        ];
+        for (term_s, broke, ended, holds, dispatches) in cases {
+            let until = |s| match s {
+                0 => Instant::now() - Duration::from_millis(5),
+                s => Instant::now() + Duration::from_secs(s),
+            };
+            let term = term_s.map(|s| Arc::new(Term::until(until(s))));
+            let mandate = Mandate::new(term);
+            if broke {
+                mandate.broke();
+            }
+            if ended {
+                mandate.end();
+            }
+            let case = (term_s, broke, ended);
+            assert_eq!(mandate.holds(), holds, "{case:?}");
+            assert_eq!(mandate.dispatches(), dispatches, "{case:?}");
         }
     }
 }

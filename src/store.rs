@@ -188,6 +188,62 @@ impl From<StoreSnapshot> for StoreParts {
 /// - A failed append leaves the store refusing appends ([`StoreError::Failed`]); the
 ///   engine stops and reports the error rather than acknowledge anything more.
 /// - [`load`](ProcedureStore::load) returns the state as of the last successful append.
+/// - [`mark_drained`](ProcedureStore::mark_drained) and
+///   [`mark_running`](ProcedureStore::mark_running) keep (or knowingly do not keep) the
+///   mark of a graceful stop; they have no defaults, so a wrapper cannot drop them.
+///
+/// A store that wraps another forwards every required method, and the optional ones
+/// whose inner behaviour it wants (`load_parts`, `append_owned`, `fence`, `status`):
+///
+/// ```
+/// use proctor::store::{ProcedureStore, StoreError, StoreOp, StoreParts, StoreSnapshot};
+/// use proctor::ProcId;
+///
+/// /// Counts appends, otherwise the inner store's.
+/// struct Counting<S> { inner: S, appends: u64 }
+///
+/// impl<S: ProcedureStore> ProcedureStore for Counting<S> {
+///     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
+///         self.appends += 1;
+///         self.inner.append(ops)
+///     }
+///     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
+///         self.inner.load()
+///     }
+///     fn mark_drained(&mut self, cut_off: &[ProcId]) -> Result<(), StoreError> {
+///         self.inner.mark_drained(cut_off)
+///     }
+///     fn mark_running(&mut self) -> Result<(), StoreError> {
+///         self.inner.mark_running()
+///     }
+///     fn load_parts(&mut self) -> Result<StoreParts, StoreError> {
+///         self.inner.load_parts()
+///     }
+///     fn fence(&mut self, epoch: Option<i64>) -> Result<(), StoreError> {
+///         self.inner.fence(epoch)
+///     }
+/// }
+/// # let mut store = Counting { inner: proctor::MemoryStore::new(), appends: 0 };
+/// # store.mark_drained(&[]).unwrap();
+/// # assert!(matches!(store.load().unwrap().last_stop, proctor::store::LastStop::Drained { .. }));
+/// ```
+///
+/// A wrapper that forwards only `append` and `load` does not compile:
+///
+/// ```compile_fail,E0046
+/// use proctor::store::{ProcedureStore, StoreError, StoreOp, StoreSnapshot};
+///
+/// struct Forgetful(proctor::MemoryStore);
+///
+/// impl ProcedureStore for Forgetful {
+///     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
+///         self.0.append(ops)
+///     }
+///     fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
+///         self.0.load()
+///     }
+/// }
+/// ```
 pub trait ProcedureStore: Send + 'static {
     /// Applies `ops` in order, durably and atomically.
     ///
@@ -233,27 +289,28 @@ pub trait ProcedureStore: Send + 'static {
     /// into user code and made every report durable, so no step was cut off but maybe
     /// those of `cut_off` (left by an earlier crash). Until the next append or
     /// [`mark_running`](ProcedureStore::mark_running), [`load`](ProcedureStore::load)
-    /// reports [`LastStop::Drained`]. Durable when it returns. The default keeps no
-    /// mark: recovery then assumes any waiting or runnable procedure may have been in a
-    /// step, which is always safe.
+    /// reports [`LastStop::Drained`]. Durable when it returns.
+    ///
+    /// Required, with [`mark_running`](ProcedureStore::mark_running), so that a store
+    /// wrapping another (to inject faults, count, trace) cannot forget them: a wrapper
+    /// forwards both to its inner store, as the example on the trait shows. A store
+    /// that keeps no mark returns `Ok(())` from both and has its `load` report
+    /// [`LastStop::Unknown`]: recovery then assumes any waiting or runnable procedure
+    /// may have been in a step, which is always safe, and rolls back as after a crash.
     ///
     /// # Errors
     /// As [`append`](ProcedureStore::append); the engine is stopping anyway, and the
     /// next start assumes the worst.
-    fn mark_drained(&mut self, cut_off: &[ProcId]) -> Result<(), StoreError> {
-        let _ = cut_off;
-        Ok(())
-    }
+    fn mark_drained(&mut self, cut_off: &[ProcId]) -> Result<(), StoreError>;
 
     /// Ends a [`LastStop::Drained`] mark: an engine starts on the store and may run
     /// steps before its first append. The engine calls it, durably, before anything
-    /// runs, when its `load` reported a drained stop. The default does nothing.
+    /// runs, when its `load` reported a drained stop. (A store whose mark outlived
+    /// this call would tell the start after a crash that nothing was cut off.)
     ///
     /// # Errors
     /// As [`append`](ProcedureStore::append); the engine does not start then.
-    fn mark_running(&mut self) -> Result<(), StoreError> {
-        Ok(())
-    }
+    fn mark_running(&mut self) -> Result<(), StoreError>;
 
     /// Fences the store's writes with the leader lease's epoch `epoch`: from now on a
     /// write is applied only while the lease still carries it, and is refused
@@ -545,6 +602,12 @@ mod tests {
             }
             fn load(&mut self) -> Result<StoreSnapshot, StoreError> {
                 self.0.load()
+            }
+            fn mark_drained(&mut self, cut_off: &[ProcId]) -> Result<(), StoreError> {
+                self.0.mark_drained(cut_off)
+            }
+            fn mark_running(&mut self) -> Result<(), StoreError> {
+                self.0.mark_running()
             }
         }
         let mut boxed: Box<dyn ProcedureStore> = Box::new(Plain(MemoryStore::new()));

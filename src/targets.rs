@@ -7,6 +7,9 @@ pub(crate) const EXECUTOR: &str = "proctor::executor";
 pub(crate) const PROCEDURE: &str = "proctor::procedure";
 /// A tree: its steps, rollbacks, retries and result.
 pub(crate) const TREE: &str = "proctor::tree";
+/// Supervision: procedure actors started again after they stopped unasked, and those
+/// given up past the restart limit.
+pub(crate) const SUPERVISION: &str = "proctor::supervision";
 /// The schedulers: workers, stuck steps.
 pub(crate) const SCHEDULER: &str = "proctor::scheduler";
 /// The lock actor: grants, deadlocks, loans.

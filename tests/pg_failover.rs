@@ -12,6 +12,13 @@
 //! refuses a lower one than it has taken: the old leader's late effects are refused,
 //! its writes fenced, it steps down and exits, and the ledger shows no effect made by
 //! it after the standby acted.
+//!
+//! The same with a ledger that ignores fencing tokens (as most resources do): it only
+//! records them. Continued past its lease, the old leader must call no user code —
+//! no step, rollback or retry starts, and a step or rollback waiting at an await is
+//! not polled again — so the only changes it may still make after the standby's first
+//! are those of calls that were between two awaits when it was stopped: at most one
+//! per thread that runs procedures.
 
 mod common;
 
@@ -41,6 +48,10 @@ use work::{Env, Work};
 const URL_VAR: &str = "PROCTOR_FAILOVER_URL";
 const SCHEMA_VAR: &str = "PROCTOR_FAILOVER_SCHEMA";
 const LEDGER_VAR: &str = "PROCTOR_FAILOVER_LEDGER";
+/// Set: the ledger records tokens without refusing older ones.
+const UNFENCED_VAR: &str = "PROCTOR_FAILOVER_UNFENCED";
+/// The threads that run procedures (the executors' arbiters).
+const ARBITERS: usize = 2;
 const PERIOD: Duration = Duration::from_millis(600);
 const STEPS: u16 = 3;
 const CHILDREN: u16 = 2;
@@ -53,8 +64,14 @@ async fn executor(
     schema: &str,
     ledger: &Path,
     holder: &str,
+    unfenced: bool,
 ) -> (Executor<Env>, Arc<Env>) {
-    let env = Arc::new(Env::new(Some(Ledger::open(ledger).expect("ledger"))));
+    let ledger = if unfenced {
+        Ledger::open_unfenced(ledger)
+    } else {
+        Ledger::open(ledger)
+    };
+    let env = Arc::new(Env::new(Some(ledger.expect("ledger"))));
     let options = PgOptions::default().schema(schema);
     let store = PgStore::connect_with(url, options.clone()).expect("store");
     let executor = Executor::builder()
@@ -63,6 +80,7 @@ async fn executor(
         .leadership(PgLease::new(url, holder).options(options).period(PERIOD))
         .env(env.clone())
         .workers(32)
+        .arbiters(ARBITERS)
         .start()
         .await
         .expect("leads and recovers");
@@ -80,7 +98,9 @@ fn failover_leader_child() {
         return;
     };
     actix::System::new().block_on(async move {
-        let (executor, _env) = executor(&url, &schema, Path::new(&ledger), "leader").await;
+        let unfenced = std::env::var_os(UNFENCED_VAR).is_some();
+        let (executor, _env) =
+            executor(&url, &schema, Path::new(&ledger), "leader", unfenced).await;
         println!("ready");
         let mut rng = fastrand::Rng::with_seed(1);
         let window = Arc::new(tokio::sync::Semaphore::new(200));
@@ -108,8 +128,12 @@ fn failover_leader_child() {
 }
 
 /// Starts the leader child on `schema`, writing to `ledger`; returns once it leads.
-fn spawn_leader(url: &str, schema: &str, ledger: &Path) -> Child {
-    let mut child = Command::new(std::env::current_exe().unwrap())
+fn spawn_leader(url: &str, schema: &str, ledger: &Path, unfenced: bool) -> Child {
+    let mut command = Command::new(std::env::current_exe().unwrap());
+    if unfenced {
+        command.env(UNFENCED_VAR, "1");
+    }
+    let mut child = command
         .args([
             "failover_leader_child",
             "--exact",
@@ -136,9 +160,10 @@ fn standby_beside(
     url: &str,
     schema: &str,
     ledger: &Path,
+    unfenced: bool,
 ) -> tokio::task::JoinHandle<(Executor<Env>, Arc<Env>)> {
     let (url, schema, ledger) = (url.to_string(), schema.to_string(), ledger.to_path_buf());
-    actix::spawn(async move { executor(&url, &schema, &ledger, "standby").await })
+    actix::spawn(async move { executor(&url, &schema, &ledger, "standby", unfenced).await })
 }
 
 /// Sends `signal` (`-STOP`, `-CONT`) to `child`.
@@ -206,10 +231,10 @@ fn sigkill_of_the_leader_hands_its_work_to_the_standby() {
     let schema = common::pg::fresh_schema();
     let dir = tempfile::tempdir().unwrap();
     let ledger = dir.path().join("ledger");
-    let mut child = spawn_leader(&url, &schema, &ledger);
+    let mut child = spawn_leader(&url, &schema, &ledger, false);
 
     actix::System::new().block_on(async {
-        let standby = standby_beside(&url, &schema, &ledger);
+        let standby = standby_beside(&url, &schema, &ledger, false);
         // The random moment is the point of the test.
         let mut rng = fastrand::Rng::with_seed(std::process::id().into());
         actix::clock::sleep(Duration::from_millis(rng.u64(200..800))).await;
@@ -237,10 +262,10 @@ fn a_leader_stopped_past_its_lease_and_continued_acts_on_nothing() {
     let schema = common::pg::fresh_schema();
     let dir = tempfile::tempdir().unwrap();
     let ledger = dir.path().join("ledger");
-    let mut child = spawn_leader(&url, &schema, &ledger);
+    let mut child = spawn_leader(&url, &schema, &ledger, false);
 
     actix::System::new().block_on(async {
-        let standby = standby_beside(&url, &schema, &ledger);
+        let standby = standby_beside(&url, &schema, &ledger, false);
         let mut rng = fastrand::Rng::with_seed(std::process::id().into());
         actix::clock::sleep(Duration::from_millis(rng.u64(200..800))).await;
         // Stopped mid-run: steps inside user code, more queued, a renewal due.
@@ -266,6 +291,71 @@ fn a_leader_stopped_past_its_lease_and_continued_acts_on_nothing() {
         };
         assert_eq!(status.code(), Some(STEPPED_DOWN), "{status}");
         check_the_standbys_run(&executor, &env, takeover).await;
+        executor.shutdown_now().await.unwrap();
+    });
+}
+
+/// Waits until `ledger` holds a change made under fencing token `token`.
+async fn first_change_under(ledger: &Path, token: i64) {
+    let mark = format!(" @{token}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = std::fs::read_to_string(ledger).unwrap_or_default();
+        if text.lines().any(|line| line.ends_with(&mark)) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "no change under token {token}");
+        actix::clock::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[test]
+fn a_leader_continued_past_its_lease_calls_no_user_code() {
+    let url = common::pg::server().url();
+    let schema = common::pg::fresh_schema();
+    let dir = tempfile::tempdir().unwrap();
+    let ledger = dir.path().join("ledger");
+    let mut child = spawn_leader(&url, &schema, &ledger, true);
+
+    actix::System::new().block_on(async {
+        let standby = standby_beside(&url, &schema, &ledger, true);
+        let mut rng = fastrand::Rng::with_seed(std::process::id().into());
+        actix::clock::sleep(Duration::from_millis(rng.u64(200..800))).await;
+        // Stopped mid-run: steps and rollbacks inside user code, more queued, retries
+        // of failed rollbacks due.
+        signal(&child, "-STOP");
+        let (executor, env) = standby.await.unwrap();
+        // Continued once the new leader has acted: what the old one does from here on
+        // lands after the new leader's first change.
+        first_change_under(&ledger, 2).await;
+        signal(&child, "-CONT");
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let status = loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                break status;
+            }
+            if Instant::now() > deadline {
+                child.kill().unwrap();
+                panic!("the old leader did not step down");
+            }
+            actix::clock::sleep(Duration::from_millis(10)).await;
+        };
+        assert_eq!(status.code(), Some(STEPPED_DOWN), "{status}");
+        for id in &executor.recovery().recovered_roots {
+            let _ = executor.wait(*id).await.expect("recovered root finishes");
+        }
+        let late = env.ledger.as_ref().unwrap().fence_violations().unwrap();
+        eprintln!(
+            "changes made by the old leader after the new one's first: {}",
+            late.len()
+        );
+        assert!(
+            late.len() <= ARBITERS,
+            "the old leader called user code after it lost its lease: {} late changes, \
+             first: {:?}",
+            late.len(),
+            &late[..late.len().min(5)]
+        );
         executor.shutdown_now().await.unwrap();
     });
 }

@@ -131,3 +131,146 @@ async fn a_procedure_actor_stopped_while_it_waits_goes_on_when_woken() {
         executor.shutdown_now().await.unwrap();
     }
 }
+
+/// An executor on `store` whose supervision gives up past `max` restarts in a minute.
+async fn start_limited(
+    store: Box<dyn proctor::ProcedureStore>,
+    max: u32,
+) -> (Executor<Recorder>, std::sync::Arc<Recorder>) {
+    let rec = std::sync::Arc::new(Recorder::default());
+    let mut registry = common::registry();
+    registry.register::<HeldRollback>("held_rollback");
+    let executor = Executor::builder()
+        .registry(registry)
+        .store(store)
+        .workers(2)
+        .arbiters(2)
+        .restart_limit(max, Duration::from_secs(60))
+        .env(rec.clone())
+        .start()
+        .await
+        .expect("executor starts");
+    (executor, rec)
+}
+
+/// A procedure whose actor keeps stopping in the same step is started again up to the
+/// restart limit, the step running again each time; past it, the step is not run
+/// again but fails with an error that names the count and the last reason, and the
+/// tree rolls back as after any failed step.
+#[actix::test]
+async fn an_actor_that_keeps_stopping_in_a_step_fails_it_past_the_restart_limit() {
+    for (store_name, store, _dir) in stores() {
+        let (executor, rec) = start_limited(store, 3).await;
+        let plan = vec![Step::More, Step::Hold, Step::More];
+        let id = executor.submit(Scripted::new("s", plan)).await.unwrap();
+        rec.signal.notified().await;
+        for restart in 1..=3 {
+            executor.kill_procedure_actor(id, true).await.unwrap();
+            // Within the limit: started again, and the step runs again.
+            rec.signal.notified().await;
+            assert_eq!(rec.count("s-exec"), 2 + restart, "{store_name}");
+        }
+        // The fourth stop within the minute is past the limit.
+        executor.kill_procedure_actor(id, true).await.unwrap();
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        match &failure.error {
+            proctor::ProcError::Panicked { hook, message } => {
+                assert_eq!(hook, "the procedure's actor", "{store_name}");
+                assert!(
+                    message.contains("stopped 4 times within 60000 ms")
+                        && message.contains("restart limit of 3")
+                        && message.contains("killed by a test"),
+                    "{store_name}: {message}"
+                );
+            }
+            other => panic!("{store_name}: {other:?}"),
+        }
+        assert_eq!(rec.count("s-exec"), 5, "{store_name}: not run a sixth time");
+        // Both steps are undone, newest first: the one given up (it may have done part
+        // of its work), then the first, completed.
+        let undos = rec.undos();
+        assert_eq!(undos.len(), 2, "{store_name}: {undos:?}");
+        assert_eq!(
+            undos[0].1,
+            proctor::Undo::Interrupted,
+            "{store_name}: {undos:?}"
+        );
+        assert_eq!(
+            undos[1].1,
+            proctor::Undo::Completed,
+            "{store_name}: {undos:?}"
+        );
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// A rollback is never abandoned: an actor that keeps stopping in one halts its tree,
+/// whose waiters hear why; a restart of the engine carries the rollback on.
+#[actix::test]
+async fn an_actor_that_keeps_stopping_in_a_rollback_halts_its_tree() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = proctor::WalStore::open(dir.path()).unwrap();
+    let (executor, rec) = start_limited(Box::new(store), 2).await;
+    let id = executor.submit(HeldRollback::default()).await.unwrap();
+    rec.signal.notified().await;
+    for _ in 0..2 {
+        executor.kill_procedure_actor(id, false).await.unwrap();
+        rec.signal.notified().await;
+    }
+    executor.kill_procedure_actor(id, false).await.unwrap();
+    let error = executor.wait(id).await.unwrap_err();
+    assert!(
+        matches!(&error, proctor::Error::Internal(m) if m.contains("stopped 3 times") && m.contains("restart limit of 2") && m.contains("stopped by a test")),
+        "{error}"
+    );
+    assert_eq!(rec.count("held-rollback"), 3);
+    executor.shutdown_now().await.unwrap();
+
+    // The next engine on the directory rolls it back to its end.
+    let store = proctor::WalStore::open(dir.path()).unwrap();
+    let (executor, rec) = start_limited(Box::new(store), 2).await;
+    rec.gate.notify_one();
+    let failure = executor.wait(id).await.unwrap().unwrap_err();
+    assert_eq!(
+        failure.error,
+        proctor::ProcError::failed("the second step fails")
+    );
+    // The failed step's rollback, done this time, then the first step's.
+    assert_eq!(rec.count("held-rollback"), 2);
+    executor.shutdown_now().await.unwrap();
+}
+
+/// Fails its second step; the rollback of that step signals and waits at the gate
+/// each time it is called.
+#[derive(Default, serde::Serialize, serde::Deserialize)]
+struct HeldRollback {
+    step: u32,
+}
+
+#[proctor::async_trait]
+impl proctor::Procedure<Recorder> for HeldRollback {
+    async fn execute(
+        &mut self,
+        _ctx: &mut proctor::Context<Recorder>,
+    ) -> Result<proctor::Flow<Recorder>, proctor::ProcError> {
+        self.step += 1;
+        if self.step == 1 {
+            return Ok(proctor::Flow::MoreToDo);
+        }
+        Err(proctor::ProcError::failed("the second step fails"))
+    }
+
+    async fn rollback(
+        &mut self,
+        ctx: &mut proctor::Context<Recorder>,
+    ) -> Result<(), proctor::ProcError> {
+        let rec = ctx.env_arc().clone();
+        rec.record("held-rollback".to_string());
+        if self.step == 2 {
+            rec.signal.notify_one();
+            rec.gate.notified().await;
+        }
+        self.step -= 1;
+        Ok(())
+    }
+}

@@ -363,6 +363,13 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                 self.shared.persistence.do_send(Refuse(e.to_string()));
             }
             let _ = self.shared.broken_error.set(e.duplicate());
+            if matches!(e, Error::NotLeader { .. }) {
+                // Stepped down: no user code from here on, not a step, a rollback, a
+                // retry or a hook; the lease's new holder carries every tree on.
+                self.shared.mandate.end();
+            } else {
+                self.shared.mandate.broke();
+            }
             self.shared.broken.cancel();
             self.broken = Some(e);
         }
@@ -1310,10 +1317,29 @@ pub(super) fn lead<E: Send + Sync + 'static>(
     leadership: crate::actors::Leadership,
 ) {
     let lost = leadership.signal();
+    let term = leadership.term();
     addr.do_send(Lead(Some(leadership)));
     let addr = addr.clone();
     actix::spawn(async move {
-        let loss = crate::actors::pg_store::lost_reason(lost).await;
+        // The lease's thread tells of a loss; a term that ran out by this process's
+        // clock is one too, should that thread be held up (a connection that hangs).
+        let loss = tokio::select! {
+            loss = crate::actors::pg_store::lost_reason(lost) => loss,
+            () = async {
+                loop {
+                    let left = term.left();
+                    if left.is_zero() {
+                        break;
+                    }
+                    actix::clock::sleep(left).await;
+                }
+            } => crate::actors::pg_store::Loss {
+                reason: "the leader lease's term ran out: no renewal succeeded within two \
+                         thirds of its period"
+                    .to_string(),
+                taker: None,
+            },
+        };
         addr.do_send(LeaseLost(loss));
     });
 }

@@ -32,7 +32,7 @@ use crate::actors::root_stack::{publish_recovered, Objects, TreeRunner};
 use crate::actors::scheduler::{share, Monitor, Queueing, SchedulerActor, SchedulerSetup};
 use crate::actors::shard::{Mail, Shard, ShardPeers};
 use crate::actors::shared::{
-    now_ms, Entry, EntryExtra, SchedulerViews, ShardAddr, Shared, Waiting,
+    now_ms, Entry, EntryExtra, Mandate, RestartLimit, SchedulerViews, ShardAddr, Shared, Waiting,
 };
 
 use super::actor::{ExecutorActor, NonceState};
@@ -86,6 +86,7 @@ pub struct ExecutorBuilder<E = ()> {
     retention: Retention,
     monitor: Monitor,
     drain_timeout: Duration,
+    restart_limit: RestartLimit,
     /// The transport of remote operations, and how they are batched.
     remote: Option<(Arc<dyn AnyTransport>, RemoteOptions)>,
     /// The leader lease to hold, on the PostgreSQL store.
@@ -112,6 +113,7 @@ impl<E> std::fmt::Debug for ExecutorBuilder<E> {
             .field("retention", &self.retention)
             .field("monitor", &self.monitor)
             .field("drain_timeout", &self.drain_timeout)
+            .field("restart_limit", &self.restart_limit)
             .field("remote", &self.remote.as_ref().map(|(_, options)| options))
             .finish_non_exhaustive()
     }
@@ -157,6 +159,7 @@ impl<E> Default for ExecutorBuilder<E> {
                 retire_after: Duration::from_secs(60),
             },
             drain_timeout: Duration::from_secs(30),
+            restart_limit: RestartLimit::default(),
         }
     }
 }
@@ -170,6 +173,36 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     #[must_use]
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         self.drain_timeout = timeout;
+        self
+    }
+
+    /// The supervision's restart limit (default 3 restarts within 60 s), as Erlang/OTP
+    /// supervisors have. A procedure's actor that stops unasked (a panic in engine
+    /// code around a call: a bug, not the user's panic, which fails the step) is
+    /// started again by its root stack from the state it last reported, and the step it
+    /// was in runs again. Past `max_restarts` within `within`, the step is not run
+    /// again but fails with [`ProcError::Panicked`](crate::ProcError::Panicked) (hook
+    /// `the procedure's actor`, the message naming the count and the last reason),
+    /// which its failure policy and the tree's rollback take as any failure; an actor
+    /// that keeps stopping in a rollback, or between calls, halts its tree instead (a
+    /// rollback is never abandoned): its waiters get
+    /// [`Error::Internal`](crate::Error::Internal) naming the reason, and a restart of
+    /// the engine carries the tree on. Each restart is logged under
+    /// `proctor::supervision` with its reason and counted in
+    /// `proctor_procedure_restarts_total`.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let builder: proctor::ExecutorBuilder =
+    ///     proctor::Executor::builder().restart_limit(5, Duration::from_secs(10));
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn restart_limit(mut self, max_restarts: u32, within: Duration) -> Self {
+        self.restart_limit = RestartLimit {
+            max: max_restarts,
+            within,
+        };
         self
     }
 
@@ -608,8 +641,14 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             ..SchedulerViews::default()
         });
         let locks = LockActor::new(std::mem::take(&mut self.permits), views.clone()).start();
+        #[cfg(feature = "postgres")]
+        let lease_term = leadership.as_ref().map(crate::actors::Leadership::term);
+        #[cfg(not(feature = "postgres"))]
+        let lease_term = None;
+        let mandate = Mandate::new(lease_term);
         let remote = self.remote.take().map(|(transport, options)| {
-            let dispatcher = RemoteDispatcher::new(transport, options, locks.clone());
+            let dispatcher =
+                RemoteDispatcher::new(transport, options, locks.clone(), mandate.clone());
             let outcomes = dispatcher.outcomes();
             let addr = dispatcher.start();
             (
@@ -624,6 +663,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             persistence,
             views,
             broken: crate::cancel::Cancel::new(),
+            mandate,
             #[cfg(feature = "postgres")]
             fencing_token: leadership.as_ref().map(crate::actors::Leadership::epoch),
             #[cfg(not(feature = "postgres"))]
@@ -739,7 +779,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             monitor: self.monitor,
             view: peers.views.clone(),
             locks: peers.locks.clone(),
-            broken: peers.broken.clone(),
+            mandate: peers.mandate.clone(),
         }
     }
 
@@ -819,6 +859,8 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 max_id,
                 table_capacity,
                 peers.broken,
+                peers.mandate,
+                self.restart_limit,
                 peers.fencing_token,
                 peers.remote,
             ));
@@ -891,6 +933,9 @@ struct Peers {
     /// Raised when the executor breaks (or steps down): the schedulers dispatch no
     /// step from then on.
     broken: crate::cancel::Cancel,
+    /// Whether user code may be called: until the executor breaks or steps down, and
+    /// while the leader lease holds.
+    mandate: Arc<Mandate>,
     /// The leader lease's epoch, for every call's context.
     fencing_token: Option<i64>,
     /// The remote dispatcher, and what procedures reach it through.

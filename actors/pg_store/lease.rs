@@ -5,12 +5,19 @@
 //!
 //! [`PgLease::acquire`] waits as a standby until the lease is free or expired, takes
 //! it, and from then on renews it from a thread of its own every third of the period.
-//! The holder learns it lost the lease ([`Leadership::lost`]) when a renewal finds
-//! another epoch, or when no renewal has succeeded for two thirds of the period
-//! (the connection broke, the database is away): it must stop acting then, before the
-//! lease can expire and a standby take it.
+//! A renewal that fails (a dropped connection, a restarted database) is tried again at
+//! once on a new connection, then with a short backoff (25 ms doubling, at most a
+//! tenth of the period), so one dropped connection costs one round trip, not the
+//! lease. The holder learns it lost the lease ([`Leadership::lost`]) when a renewal
+//! finds another epoch, or when no renewal has succeeded for two thirds of the period
+//! (the database is away): it must stop acting then, before the lease can expire and
+//! a standby take it. Beside that signal the holder reads the lease's *term* by its
+//! own monotonic clock (the last renewal's start plus two thirds of the period) before
+//! every call into user code, so a process stopped past its lease acts on nothing when
+//! it is continued, even before the lease's thread has woken to notice.
 
 use std::sync::mpsc;
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -18,6 +25,7 @@ use postgres::{Client, NoTls};
 use tokio::sync::{oneshot, watch};
 
 use super::{describe, PgOptions};
+use crate::actors::shared::Term;
 use crate::store::StoreError;
 
 /// The leader lease as the database has it.
@@ -121,7 +129,7 @@ impl PgLease {
         self,
         seen: impl Fn(Option<String>) + Send + 'static,
     ) -> Result<Leadership, StoreError> {
-        let (taken_tx, taken_rx) = oneshot::channel();
+        let (taken_tx, taken_rx) = oneshot::channel::<Result<(i64, Arc<Term>), StoreError>>();
         let (lost_tx, lost_rx) = watch::channel(None);
         let (stop_tx, stop_rx) = mpsc::channel::<()>();
         let lease = self.clone();
@@ -133,8 +141,9 @@ impl PgLease {
                 source: e,
             })?;
         match taken_rx.await {
-            Ok(Ok(epoch)) => Ok(Leadership {
+            Ok(Ok((epoch, term))) => Ok(Leadership {
                 epoch,
+                term,
                 holder: self.holder,
                 lost: lost_rx,
                 stop: Some(stop_tx),
@@ -155,11 +164,27 @@ impl PgLease {
         self.options.schema_name()
     }
 
+    /// A new connection for the lease. Unless the URL sets them, connecting gives up
+    /// after a third of the period, and a connection whose sent data goes unanswered
+    /// that long is closed, so a database that went away is noticed within the
+    /// period rather than after the system's TCP timeouts.
     fn connect(&self) -> Result<Client, StoreError> {
-        Client::connect(&self.url, NoTls).map_err(|e| StoreError::Database {
+        let failed = |reason: String| StoreError::Database {
             context: "connecting to PostgreSQL for the leader lease".to_string(),
-            reason: describe(&e),
-        })
+            reason,
+        };
+        let mut config: postgres::Config = self
+            .url
+            .parse()
+            .map_err(|e: postgres::Error| failed(describe(&e)))?;
+        let bound = (self.period / 3).max(Duration::from_millis(100));
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(bound);
+        }
+        if config.get_tcp_user_timeout().is_none() {
+            config.tcp_user_timeout(bound);
+        }
+        config.connect(NoTls).map_err(|e| failed(describe(&e)))
     }
 
     /// Runs `call` on `client`, connecting first if it has none (a failure dropped it).
@@ -178,7 +203,7 @@ impl PgLease {
     /// The lease's thread: wait and take, then renew until stopped or lost.
     fn run(
         &self,
-        taken: oneshot::Sender<Result<i64, StoreError>>,
+        taken: oneshot::Sender<Result<(i64, Arc<Term>), StoreError>>,
         lost: &watch::Sender<Option<Loss>>,
         stop: &mpsc::Receiver<()>,
         seen: &dyn Fn(Option<String>),
@@ -197,12 +222,15 @@ impl PgLease {
             }
         };
         let mut waiting_logged = None;
-        let epoch = loop {
+        // The lease runs from when the statement that took it was sent, at the latest.
+        let deadline = self.period * 2 / 3;
+        let (epoch, mut renewed_at) = loop {
+            let started = Instant::now();
             let attempt = self.on(&mut client, |c| {
                 try_take(c, self.schema(), &self.holder, self.period)
             });
             match attempt {
-                Ok(Taken::Yes(epoch)) => break epoch,
+                Ok(Taken::Yes(epoch)) => break (epoch, started),
                 Ok(Taken::No(state)) => {
                     if waiting_logged.as_ref() != Some(&state.holder) {
                         tracing::info!(target: crate::targets::STORE, holder = ?state.holder, epoch = state.epoch, "standby: the leader lease is held; waiting");
@@ -222,7 +250,8 @@ impl PgLease {
             }
         };
         tracing::info!(target: crate::targets::STORE, holder = %self.holder, epoch, period_ms = self.period.as_millis() as u64, "took the leader lease");
-        if taken.send(Ok(epoch)).is_err() {
+        let term = Arc::new(Term::until(renewed_at + deadline));
+        if taken.send(Ok((epoch, term.clone()))).is_err() {
             // Nobody waits for it any more (the standby was stopped): let it go.
             if let Some(c) = client.as_mut() {
                 let _ = release(c, self.schema(), &self.holder, epoch);
@@ -231,11 +260,16 @@ impl PgLease {
         }
         // Renew until stopped; give up (lost) when another epoch is found, or when no
         // renewal has succeeded for two thirds of the period, which leaves the last
-        // third for the holder to stop before the lease can expire.
-        let mut renewed_at = Instant::now();
-        let deadline = self.period * 2 / 3;
+        // third for the holder to stop before the lease can expire. A failed renewal
+        // is tried again at once, then after `retry` (doubling, bounded).
+        let lose = |loss: Loss| {
+            term.end();
+            let _ = lost.send(Some(loss));
+        };
+        let mut retry: Option<Duration> = None;
         loop {
-            match stop.recv_timeout(tick.min(deadline.saturating_sub(renewed_at.elapsed()))) {
+            let wait = retry.unwrap_or(tick);
+            match stop.recv_timeout(wait.min(deadline.saturating_sub(renewed_at.elapsed()))) {
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 // Stopped (the leadership dropped): let the lease go for a standby.
                 _ => {
@@ -249,10 +283,10 @@ impl PgLease {
             // without asking the database, which takes a round trip the holder must
             // not spend acting.
             if renewed_at.elapsed() >= deadline {
-                let _ = lost.send(Some(Loss {
+                lose(Loss {
                     reason: not_renewed(renewed_at),
                     taker: None,
-                }));
+                });
                 return;
             }
             let started = Instant::now();
@@ -261,8 +295,20 @@ impl PgLease {
             });
             match attempt {
                 Ok(true) => {
-                    // The lease runs from when the renewal was sent, at the latest.
+                    // The lease runs from when the renewal was sent, at the latest. A
+                    // term that ran out is over, even if this renewal then took: the
+                    // executor may have stopped calling user code by its clock.
+                    if renewed_at.elapsed() >= deadline || !term.extend(started + deadline) {
+                        lose(Loss {
+                            reason: not_renewed(renewed_at),
+                            taker: None,
+                        });
+                        return;
+                    }
                     renewed_at = started;
+                    if retry.take().is_some() {
+                        tracing::info!(target: crate::targets::STORE, "renewed the leader lease after a failure");
+                    }
                     ::metrics::histogram!(crate::actors::metrics::LEASE_RENEW)
                         .record(started.elapsed());
                 }
@@ -275,22 +321,29 @@ impl PgLease {
                         Some((holder, now)) => format!("{holder} took it (epoch {now})"),
                         None => "another engine took it".to_string(),
                     };
-                    let _ = lost.send(Some(Loss {
+                    lose(Loss {
                         reason: format!("the leader lease is no longer at epoch {epoch}: {by}"),
                         taker: taker.map(|(holder, _)| holder),
-                    }));
+                    });
                     return;
                 }
                 Err(e) => {
-                    tracing::warn!(target: crate::targets::STORE, error = %e, "cannot renew the leader lease; trying again");
+                    // At once on a new connection the first time (the usual cause is a
+                    // dropped connection), then backing off within the period.
+                    let next = match retry {
+                        None => Duration::ZERO,
+                        Some(d) => (d * 2).clamp(RETRY_FIRST, (self.period / 10).max(RETRY_FIRST)),
+                    };
+                    tracing::warn!(target: crate::targets::STORE, error = %e, retry_in_ms = next.as_millis() as u64, "cannot renew the leader lease; trying again");
+                    retry = Some(next);
                     client = None;
                 }
             }
             if renewed_at.elapsed() >= deadline {
-                let _ = lost.send(Some(Loss {
+                lose(Loss {
                     reason: not_renewed(renewed_at),
                     taker: None,
-                }));
+                });
                 return;
             }
         }
@@ -302,6 +355,7 @@ impl PgLease {
 #[derive(Debug)]
 pub struct Leadership {
     epoch: i64,
+    term: Arc<Term>,
     holder: String,
     lost: watch::Receiver<Option<Loss>>,
     stop: Option<mpsc::Sender<()>>,
@@ -334,6 +388,12 @@ impl Leadership {
     pub fn is_lost(&self) -> bool {
         self.lost.borrow().is_some()
     }
+
+    /// How long the lease surely holds, by this process's clock: the executor reads
+    /// it before every call into user code.
+    pub(crate) fn term(&self) -> Arc<Term> {
+        self.term.clone()
+    }
 }
 
 impl Drop for Leadership {
@@ -346,6 +406,9 @@ impl Drop for Leadership {
         }
     }
 }
+
+/// The wait before the second retry of a failed renewal (the first is at once).
+const RETRY_FIRST: Duration = Duration::from_millis(25);
 
 /// Why a holder whose last renewal succeeded at `renewed_at` gave up the lease.
 fn not_renewed(renewed_at: Instant) -> String {

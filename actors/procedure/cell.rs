@@ -218,7 +218,7 @@ impl ProcedureCell {
     /// its first activation after recovery, or after its actor was restarted), unless
     /// its tree halted meanwhile.
     pub(crate) fn activated(&mut self) {
-        if !std::mem::take(&mut self.recovered) || self.status.halted() {
+        if !std::mem::take(&mut self.recovered) || self.cut_off() {
             return;
         }
         let call = self.context();
@@ -231,6 +231,14 @@ impl ProcedureCell {
 
     pub(crate) fn id(&self) -> ProcId {
         self.id
+    }
+
+    /// Whether the procedure may call no user code, as after a crash: its tree halted
+    /// (nothing it does can be made durable), or the engine lost its mandate (it
+    /// stepped down, or its leader lease ran out by its own clock). Read before every
+    /// call into the user's object.
+    fn cut_off(&self) -> bool {
+        self.status.halted() || self.status.deposed()
     }
 
     /// Its failed step's fate is being decided (see `deciding`).
@@ -353,7 +361,7 @@ impl ProcedureCell {
         // A lock held for the procedure's life is released by `stop`, after the final
         // record (and any rollback) — never between a failed step and its rollback.
         // A halted tree is a crashed process: nothing is released.
-        if self.lock_held && !proc.holds_lock() && !self.status.halted() {
+        if self.lock_held && !proc.holds_lock() && !self.cut_off() {
             self.release_lock(&mut *proc, ctx);
         }
         let mut on_error = None;
@@ -464,7 +472,7 @@ impl ProcedureCell {
     /// Asks the idle procedure to accept an abort; if it does, fails it with its root
     /// stack, which answers `ack` once that is durable. A refusal is answered at once.
     fn request_failure(&mut self, ack: Option<AbortAck>, out: &mut Outbox) {
-        if self.status.halted() {
+        if self.cut_off() {
             if let Some(ack) = ack {
                 let _ = ack.send(Err(Error::Stopped));
             }
@@ -524,7 +532,7 @@ impl ProcedureCell {
     /// The deadline passed while the procedure was idle: asks its timeout hook, then
     /// fails it, or persists the new deadline (or none) and re-arms.
     fn expire(&mut self, out: &mut Outbox) {
-        if self.status.halted() || self.status.failed() {
+        if self.cut_off() || self.status.failed() {
             return;
         }
         if self.failed || self.done {
@@ -578,7 +586,7 @@ impl ProcedureCell {
     /// The timer of `deadline_ms` fired (its root stack keeps the timers).
     pub(crate) fn deadline_passed(&mut self, deadline_ms: u64, out: &mut Outbox) {
         // A later re-arm replaced this deadline: its own timer is running.
-        if self.deadline_ms != Some(deadline_ms) || self.status.halted() {
+        if self.deadline_ms != Some(deadline_ms) || self.cut_off() {
             return;
         }
         if self.proc.is_some() {
@@ -617,7 +625,7 @@ impl ProcedureCell {
             None => return,
         };
         self.tidy_pending();
-        if self.status.halted() {
+        if self.cut_off() {
             for ack in aborts {
                 let _ = ack.send(Err(Error::Stopped));
             }
@@ -667,8 +675,9 @@ impl ProcedureCell {
         out: &mut Outbox,
         ctx: &mut ProcCtx<'_>,
     ) {
-        if self.shared.drain.is_draining() {
-            // A graceful shutdown: the step runs after the restart.
+        if self.shared.drain.is_draining() || self.status.deposed() {
+            // A graceful shutdown: the step runs after the restart. A deposed engine:
+            // the lease's new holder runs it.
             return;
         }
         if self.failed || self.done || self.status.failed() {
@@ -748,6 +757,22 @@ impl ProcedureCell {
         );
     }
 
+    /// The step it was sent is not run: its actor kept stopping past the restart
+    /// limit, so the step fails with `error` (its failure policy and the tree's
+    /// rollback take it from there, as for a failure the step returned).
+    pub(crate) fn fail_step(&mut self, error: ProcError, out: &mut Outbox) {
+        if self.cut_off() {
+            return;
+        }
+        let Some(proc) = self.proc.take() else {
+            unreachable!("procedure {} failed while a call runs", self.id);
+        };
+        tracing::error!(target: crate::targets::PROCEDURE, parent: &self.span, %error, "step given up by supervision");
+        let pctx = self.context();
+        self.finish_step(proc, &pctx, Err(error), out);
+        self.settle_pending(out);
+    }
+
     /// A step's call ended: its report goes to the root stack.
     pub(crate) fn step_ended(&mut self, end: StepEnd, out: &mut Outbox) {
         let (proc, pctx, result, in_call) = end;
@@ -765,7 +790,7 @@ impl ProcedureCell {
     /// ([`Context::undoing`](crate::Context::undoing)).
     pub(crate) fn rollback(&mut self, of: RollbackOf, out: &mut Outbox, ctx: &mut ProcCtx<'_>) {
         let id = self.id;
-        if self.status.halted() || self.shared.drain.is_draining() {
+        if self.cut_off() || self.shared.drain.is_draining() {
             // Cut off like in a crash (or not begun, in a graceful shutdown): recovery
             // rolls back from the durable state.
             return;
@@ -836,7 +861,7 @@ impl ProcedureCell {
         ctx: &mut ProcCtx<'_>,
     ) {
         let (mut proc, pctx, result, in_call) = end;
-        if !proc.holds_lock() && !self.status.halted() {
+        if !proc.holds_lock() && !self.cut_off() {
             self.release_lock(&mut *proc, &pctx);
         }
         let result = result
@@ -848,7 +873,7 @@ impl ProcedureCell {
                 data: self.data.clone(),
             });
         self.proc = Some(proc);
-        if self.has_locks && !self.status.halted() {
+        if self.has_locks && !self.cut_off() {
             ctx.tell(ReleaseLocks {
                 id: self.id,
                 what: Release::RollbackStep,
@@ -866,7 +891,7 @@ impl ProcedureCell {
     /// An operator's abort: answers on `ack` whether the procedure accepted it, once
     /// the acceptance is durable.
     pub(crate) fn abort(&mut self, ack: AbortAck, out: &mut Outbox) {
-        if self.status.halted() {
+        if self.cut_off() {
             let _ = ack.send(Err(Error::Stopped));
         } else if self.proc.is_none() {
             // In a call: answered when it ends; a step is asked to end early.
@@ -883,7 +908,7 @@ impl ProcedureCell {
     /// run its completion cleanup, and answer late aborts with how it finished.
     pub(crate) fn stop(mut self, state: ProcState) {
         // (Its engine locks were released by its root stack as it was stopped.)
-        if let Some(mut proc) = self.proc.take() {
+        if let Some(mut proc) = self.proc.take().filter(|_| !self.cut_off()) {
             let pctx = self.context();
             if self.lock_held {
                 self.release_lock(&mut *proc, &pctx);
@@ -916,7 +941,7 @@ impl ProcedureCell {
         // Not while its failure is being decided: until a retry's `Reset`, the
         // object (and `data`) is the failed attempt's, not the recorded state, and
         // the pause would record it. `went_on` asks again.
-        if now && self.proc.is_some() && !self.status.halted() && !self.failed {
+        if now && self.proc.is_some() && !self.cut_off() && !self.failed {
             let data = self.data.clone();
             out.push_back(Report::PauseNow(PauseNow { id: self.id, data }));
             return;
@@ -939,6 +964,9 @@ impl ProcedureCell {
         // meanwhile (a deadline) is settled as after any failure not taken.
         if std::mem::take(&mut self.done) {
             self.failed = true;
+        }
+        if self.cut_off() {
+            return;
         }
         // The user's `Deserialize` runs here: a panic in it is an error like any other.
         match decode_guarded(&self.shared.registry, self.type_name, &data) {

@@ -76,6 +76,10 @@ pub(crate) enum ProcMsg {
     Passivate,
     /// Its tree halted or was cut off: stop, calling no more user code.
     Halt,
+    /// Its actor stopped, unasked, more often than the restart limit allows while in
+    /// the step it was sent again: report that step failed with this error, without
+    /// running it.
+    FailStep(Box<crate::procedure::ProcError>),
     /// Stop at once without reporting, as a crash of this actor would (for tests of
     /// its supervision): with `panic`, by a panic in the handler.
     #[cfg(feature = "perturb")]
@@ -96,7 +100,8 @@ pub(crate) struct ProcCtx<'a> {
 
 impl ProcCtx<'_> {
     /// Runs `call` as one of the actor's futures; its end goes to the cell. If the tree
-    /// (whose status is `tree`) is dropped first, the call is not polled again.
+    /// (whose status is `tree`) is dropped first, or the engine loses its mandate, the
+    /// call is not polled again.
     pub(crate) fn spawn(
         &mut self,
         tree: Arc<TreeStatus>,
@@ -130,6 +135,8 @@ pub(crate) struct ProcedureActor {
     calls: u32,
     /// It stops as it was told (stopped, passivated, halted): its drop reports nothing.
     told: bool,
+    /// Why it stops untold, if it knows (a panic out of engine code).
+    exit_reason: Option<String>,
     /// Counted among its shard's procedure actors while it lives.
     _counted: Counted,
 }
@@ -151,6 +158,7 @@ impl ProcedureActor {
             out: Outbox::default(),
             calls: 0,
             told: false,
+            exit_reason: None,
             _counted: counted,
         }
     }
@@ -183,6 +191,12 @@ impl ProcedureActor {
                 }
                 self.send_reports();
             }
+            // The engine stepped down: the call is dropped, nothing is reported (the
+            // lease's new holder runs the procedure from its record), and the
+            // procedure calls nothing more (its cell has no object left).
+            Ended::Deposed => {
+                tracing::warn!(target: crate::targets::PROCEDURE, proc = %self.id, "a call in progress was dropped: the engine lost its leader lease");
+            }
             // Its tree is gone: so is this actor.
             Ended::Dropped => {
                 self.told = true;
@@ -192,6 +206,7 @@ impl ProcedureActor {
             // the call: the actor dies, and its root stack starts the procedure again.
             Ended::Panicked(message) => {
                 tracing::error!(target: crate::targets::PROCEDURE, proc = %self.id, %message, "engine code panicked in a call: the procedure is restarted");
+                self.exit_reason = Some(format!("engine code panicked in a call: {message}"));
                 ctx.stop();
             }
         }
@@ -223,8 +238,11 @@ impl Handler<ProcMsg> for ProcedureActor {
             #[cfg(feature = "perturb")]
             ProcMsg::Kill { panic } => {
                 if panic {
-                    panic!("procedure {}'s actor killed by a test", self.id);
+                    let message = format!("procedure {}'s actor killed by a test", self.id);
+                    self.exit_reason = Some(format!("its handler panicked: {message}"));
+                    panic!("{message}");
                 }
+                self.exit_reason = Some("stopped by a test".to_string());
                 ctx.stop();
             }
             msg => self.deliver(msg, ctx),
@@ -254,6 +272,7 @@ impl ProcedureActor {
             ProcMsg::ForgetPause => cell.forget_pause(),
             ProcMsg::Reset(data) => cell.reset(data, out),
             ProcMsg::TreeFailed => cell.tree_failed(out),
+            ProcMsg::FailStep(error) => cell.fail_step(*error, out),
             _ => unreachable!("handled by the actor"),
         }
         self.send_reports();
@@ -289,8 +308,15 @@ impl Drop for ProcedureActor {
     fn drop(&mut self) {
         if !self.told {
             self.send_reports();
-            self.root_stack
-                .do_send(FromProc::Exited(self.id, self.generation));
+            let reason = self
+                .exit_reason
+                .take()
+                .unwrap_or_else(|| "stopped without being told".to_string());
+            self.root_stack.do_send(FromProc::Exited(
+                self.id,
+                self.generation,
+                reason.into_boxed_str(),
+            ));
         }
     }
 }
@@ -302,6 +328,9 @@ enum Ended<T = CallEnd> {
     Returned(T),
     /// Its tree was dropped first: it was not polled again.
     Dropped,
+    /// The engine lost its mandate (stepped down, or its lease ran out) first: it was
+    /// not polled again, and the user's object went with it.
+    Deposed,
     /// Engine code around the user's (which catches its own panics) panicked.
     Panicked(String),
 }
@@ -315,7 +344,8 @@ async fn guarded_call<T>(tree: Arc<TreeStatus>, call: impl Future<Output = T>) -
     std::future::poll_fn(|cx| poll_guarded(&tree, call.as_mut(), cx)).await
 }
 
-/// Polls `call` unless `tree` was dropped, catching a panic out of it.
+/// Polls `call` unless `tree` was dropped or the engine lost its mandate, catching a
+/// panic out of it.
 fn poll_guarded<T>(
     tree: &TreeStatus,
     call: Pin<&mut impl Future<Output = T>>,
@@ -323,6 +353,9 @@ fn poll_guarded<T>(
 ) -> Poll<Ended<T>> {
     if tree.dropped() {
         return Poll::Ready(Ended::Dropped);
+    }
+    if tree.deposed() {
+        return Poll::Ready(Ended::Deposed);
     }
     match catch_unwind(AssertUnwindSafe(|| call.poll(cx))) {
         Ok(Poll::Ready(end)) => Poll::Ready(Ended::Returned(end)),
@@ -452,7 +485,7 @@ mod tests {
                 panics,
             };
             let (count, dropped) = (probe.polls.clone(), probe.dropped.clone());
-            let tree = Arc::new(TreeStatus::default());
+            let tree = Arc::new(TreeStatus::new(crate::actors::shared::Mandate::new(None)));
             let mut call = Box::pin(guarded_call(tree.clone(), probe));
             let mut cx = task::Context::from_waker(task::Waker::noop());
             let mut pass = 0;

@@ -245,7 +245,7 @@ impl Harness {
             },
             view: views.clone(),
             locks: locks.clone(),
-            broken: crate::cancel::Cancel::new(),
+            mandate: crate::actors::shared::Mandate::new(None),
         })
         .start();
         let held = Arc::new(Mutex::new(Vec::new()));
@@ -285,6 +285,8 @@ impl Harness {
             0,
             16,
             crate::cancel::Cancel::new(),
+            crate::actors::shared::Mandate::new(None),
+            crate::actors::shared::RestartLimit::default(),
             None,
             None,
         ));

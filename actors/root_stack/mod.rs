@@ -116,9 +116,9 @@ pub(crate) enum FromProc {
     Passivated(ProcId, Option<Box<ProcedureCell>>),
     /// It ran its `Stop` (lock released, cleanup run) and stopped.
     Stopped(ProcId),
-    /// The actor of this activation (its generation) stopped without being told: it is
-    /// started again.
-    Exited(ProcId, u32),
+    /// The actor of this activation (its generation) stopped without being told, for
+    /// the reason given: it is started again, within the restart limit.
+    Exited(ProcId, u32, Box<str>),
 }
 
 impl Message for FromProc {

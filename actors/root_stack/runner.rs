@@ -26,14 +26,14 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
 use crate::erased::DynProc;
 use crate::error::Error;
 use crate::fast_map::{IdMap, SortedMap};
-use crate::procedure::{ProcId, ProcState};
+use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, Paused, ProcRecord, Steering, StoreOp};
 use crate::root_stack::{Action, ChildrenSeen, NewChild, Place, RollbackOf, RootStack, Transition};
 
@@ -85,6 +85,23 @@ struct Rare {
     rerun: Vec<ProcId>,
     /// A graceful shutdown waits for the pending transitions to become durable.
     quiesce: Vec<oneshot::Sender<Option<Vec<ProcId>>>>,
+    /// When each procedure's actor was last started again (supervision's restarts).
+    restarts: Restarts,
+}
+
+/// The recent restarts of a tree's procedure actors, for the restart limit.
+#[derive(Default)]
+pub(super) struct Restarts(IdMap<ProcId, Vec<Instant>>);
+
+impl Restarts {
+    /// Notes a restart of `id` at `now`, and says how many it had within `within`
+    /// up to now, this one included.
+    pub(super) fn note(&mut self, id: ProcId, now: Instant, within: Duration) -> u32 {
+        let times = self.0.entry(id).or_default();
+        times.retain(|t| now.saturating_duration_since(*t) < within);
+        times.push(now);
+        u32::try_from(times.len()).unwrap_or(u32::MAX)
+    }
 }
 
 /// What a root stack starts with. Every tree holds a runner, so these few words live
@@ -185,7 +202,7 @@ impl TreeRunner {
         t: Transition,
         unspawned: Objects,
     ) -> Self {
-        let status = Arc::new(TreeStatus::default());
+        let status = Arc::new(TreeStatus::new(shared.mandate.clone()));
         if core.is_failed() {
             status.set_failed();
         }

@@ -36,6 +36,16 @@ impl FilePerProcStore {
 }
 
 impl ProcedureStore for FilePerProcStore {
+    // The naive baseline keeps no mark of a graceful stop: `load` reports
+    // `LastStop::Unknown`, and a start assumes a crash.
+    fn mark_drained(&mut self, _cut_off: &[proctor::ProcId]) -> Result<(), StoreError> {
+        Ok(())
+    }
+
+    fn mark_running(&mut self) -> Result<(), StoreError> {
+        Ok(())
+    }
+
     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
         for op in ops {
             let result = match op {

@@ -63,6 +63,14 @@ impl ProcedureStore for ProbedWal {
     fn load_parts(&mut self) -> Result<StoreParts, StoreError> {
         self.wal.load_parts()
     }
+
+    fn mark_drained(&mut self, cut_off: &[proctor::ProcId]) -> Result<(), StoreError> {
+        self.wal.mark_drained(cut_off)
+    }
+
+    fn mark_running(&mut self) -> Result<(), StoreError> {
+        self.wal.mark_running()
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]

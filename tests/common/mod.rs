@@ -469,6 +469,14 @@ impl<S: ProcedureStore> ProcedureStore for GatedStore<S> {
     fn load(&mut self) -> Result<proctor::store::StoreSnapshot, proctor::StoreError> {
         self.inner.load()
     }
+
+    fn mark_drained(&mut self, cut_off: &[ProcId]) -> Result<(), proctor::StoreError> {
+        self.inner.mark_drained(cut_off)
+    }
+
+    fn mark_running(&mut self) -> Result<(), proctor::StoreError> {
+        self.inner.mark_running()
+    }
 }
 
 /// Waits until the executor reports `state` for `id` (it polls: the state is what the

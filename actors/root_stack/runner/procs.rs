@@ -200,7 +200,9 @@ impl TreeRunner {
                     self.publish_result(ctx);
                 }
             }
-            FromProc::Exited(id, generation) => self.on_exited(id, generation, ctx),
+            FromProc::Exited(id, generation, reason) => {
+                self.on_exited(id, generation, &reason, ctx);
+            }
         }
         self.stop_when_quiet(ctx);
     }
@@ -406,11 +408,11 @@ impl TreeRunner {
     /// An actor stopped without being told. If it is the current actor of a live
     /// procedure, the procedure starts again from the state it last reported, as
     /// recovery would start it after a crash.
-    fn on_exited(&mut self, id: ProcId, generation: u32, ctx: &mut TreeCtx<'_>) {
+    fn on_exited(&mut self, id: ProcId, generation: u32, reason: &str, ctx: &mut TreeCtx<'_>) {
         if let Some(slot) = self.procs.get_mut(&id) {
             if let Some(old) = slot.live.take_if(|live| live.generation == generation) {
                 self.live -= 1;
-                self.restart(id, *old, ctx);
+                self.restart(id, *old, reason, ctx);
             }
             return;
         }
@@ -422,14 +424,14 @@ impl TreeRunner {
         }
     }
 
-    fn restart(&mut self, id: ProcId, old: Live, ctx: &mut TreeCtx<'_>) {
+    fn restart(&mut self, id: ProcId, old: Live, reason: &str, ctx: &mut TreeCtx<'_>) {
         let Live {
             checkpoint,
             busy,
             held,
             ..
         } = old;
-        if self.halted.is_some() {
+        if self.halted.is_some() || self.status.deposed() {
             // It calls no user code any more; a step it owed still reports, so the
             // scheduler's worker is freed and the tree can stop.
             self.procs.remove(&id);
@@ -439,7 +441,32 @@ impl TreeRunner {
             }
             return;
         }
-        tracing::warn!(target: crate::targets::TREE, proc = %id, ?busy, "a procedure's actor stopped unexpectedly: started again from its last reported state");
+        let limit = self.shared.restart_limit;
+        let restarts = self.rare().restarts.note(id, Instant::now(), limit.within);
+        crate::actors::metrics::procedure_restarted(self.core.type_name_of(id).unwrap_or("?"));
+        let over = restarts > limit.max;
+        if over {
+            tracing::error!(target: crate::targets::SUPERVISION, proc = %id, %reason, ?busy, restarts, within_ms = limit.within.as_millis() as u64, max = limit.max, "procedure actor stopped past the restart limit");
+        } else {
+            tracing::warn!(target: crate::targets::SUPERVISION, proc = %id, %reason, ?busy, restarts, "procedure restarted: its actor stopped unexpectedly, started again from its last reported state");
+        }
+        let given_up = || {
+            format!(
+                "its actor stopped {restarts} times within {} ms, past the restart limit \
+                 of {} (last: {reason})",
+                limit.within.as_millis(),
+                limit.max
+            )
+        };
+        if over && !matches!(busy, Busy::Step(_)) {
+            // A rollback is never abandoned, and an idle procedure has no step to
+            // fail: the tree halts, as when its records cannot be made durable, and a
+            // restart of the engine carries it on.
+            return self.halt(
+                Error::Internal(format!("procedure {id}: {}", given_up())),
+                ctx,
+            );
+        }
         let spec = self.spec(id, true);
         let proc = match decode_guarded(&self.shared.registry, spec.type_name, &checkpoint) {
             Ok(proc) => proc,
@@ -464,8 +491,19 @@ impl TreeRunner {
             // again, and should its tree fail first, it is rolled back as interrupted.
             Busy::Step(step) => {
                 self.core.mark_cut_off(id);
-                let children = self.children_for(id);
-                live.post(ProcMsg::Cell(ToCell::RunStep(RunStep { step, children })));
+                if over {
+                    // The step fails without running again; its worker is freed by
+                    // its report, as for any step's end.
+                    let error = ProcError::Panicked {
+                        hook: "the procedure's actor".to_string(),
+                        message: given_up(),
+                    };
+                    live.busy = Busy::Step(step);
+                    live.post(ProcMsg::FailStep(Box::new(error)));
+                } else {
+                    let children = self.children_for(id);
+                    live.post(ProcMsg::Cell(ToCell::RunStep(RunStep { step, children })));
+                }
             }
             Busy::Rollback { of } => {
                 live.post(ProcMsg::Cell(ToCell::Rollback(Rollback { of })));
