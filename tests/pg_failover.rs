@@ -56,6 +56,8 @@ const PERIOD: Duration = Duration::from_millis(600);
 const STEPS: u16 = 3;
 const CHILDREN: u16 = 2;
 const LOCKS: u32 = 8;
+/// How long the leader child goes on once its submits are refused.
+const LINGER: Duration = Duration::from_millis(500);
 /// The leader child's exit code once its submits are refused.
 const STEPPED_DOWN: i32 = 3;
 
@@ -71,7 +73,13 @@ async fn executor(
     } else {
         Ledger::open(ledger)
     };
-    let env = Arc::new(Env::new(Some(ledger.expect("ledger"))));
+    // With a ledger that takes every change, calls await a moment before they change
+    // it, as calls that wait on the network do: a stopped process is caught with
+    // calls parked there.
+    let env = Arc::new(Env {
+        think: unfenced.then_some(Duration::from_millis(2)),
+        ..Env::new(Some(ledger.expect("ledger")))
+    });
     let options = PgOptions::default().schema(schema);
     let store = PgStore::connect_with(url, options.clone()).expect("store");
     let executor = Executor::builder()
@@ -115,9 +123,12 @@ fn failover_leader_child() {
                     Ok(id) => {
                         let _ = executor.wait(id).await;
                     }
-                    // Deposed (or broken): it exits, as a service would stop serving.
+                    // Deposed (or broken): it exits, as a service would stop serving,
+                    // after a while in which its engine is still there to do (wrongly)
+                    // what it still had in hand.
                     Err(e) => {
                         eprintln!("leader: submit refused, exiting: {e}");
+                        actix::clock::sleep(LINGER).await;
                         std::process::exit(STEPPED_DOWN);
                     }
                 }

@@ -29,6 +29,10 @@ pub struct Env {
     pub lock_conflicts: AtomicU64,
     /// DAG tasks (root, index) whose injected fault has fired in this process.
     pub fired: Mutex<HashSet<(u64, u16)>>,
+    /// How long each step and rollback awaits before it changes the ledger (none by
+    /// default): the failover test's calls are caught at an await when the process
+    /// is stopped, as calls that wait on the network are.
+    pub think: Option<std::time::Duration>,
 }
 
 impl Env {
@@ -196,6 +200,9 @@ impl StateMachineProcedure<Env> for Work {
         step: u16,
     ) -> Result<Flow<Env>, ProcError> {
         let env = ctx.env_arc().clone();
+        if let Some(think) = env.think {
+            tokio::time::sleep(think).await;
+        }
         env.steps.fetch_add(1, Ordering::Relaxed);
         let root = ctx.root().0;
         env.enter(self.lock, root);
@@ -207,6 +214,9 @@ impl StateMachineProcedure<Env> for Work {
     }
 
     async fn rollback_state(&mut self, ctx: &mut Context<Env>, step: u16) -> Result<(), ProcError> {
+        if let Some(think) = ctx.env().think {
+            tokio::time::sleep(think).await;
+        }
         let env = ctx.env();
         let root = ctx.root().0;
         let token = ctx.fencing_token();
