@@ -307,3 +307,84 @@ fn an_engine_without_the_lease_does_not_start_beside_a_leader() {
     // Once the leader let it go, it may.
     store.load().unwrap();
 }
+
+/// The backend pid of the lease's connection, once there is one other than `not`.
+async fn lease_backend(not: Option<i32>) -> i32 {
+    let deadline = Instant::now() + PERIOD * 10;
+    loop {
+        let pid: Option<i32> = off_runtime(|| {
+            let mut sql =
+                postgres::Client::connect(&common::pg::server().url(), postgres::NoTls).unwrap();
+            sql.query_opt(
+                "SELECT pid FROM pg_stat_activity WHERE application_name = 'proctor lease'
+                 AND pid <> $1 LIMIT 1",
+                &[&not.unwrap_or(0)],
+            )
+            .unwrap()
+            .map(|row| row.get(0))
+        });
+        if let Some(pid) = pid {
+            return pid;
+        }
+        assert!(Instant::now() < deadline, "no lease connection");
+        actix::clock::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// One dropped connection costs the leader a round trip, not its lease: the renewal
+/// that finds it gone is tried again at once on a new connection, and the leader goes
+/// on renewing (the lease's expiry moves on) and leading.
+#[actix::test]
+async fn a_dropped_lease_connection_does_not_depose_the_leader() {
+    let schema = common::pg::fresh_schema();
+    let (a, rec) = start_leading(&schema, "a").await;
+    let lease = lease(&schema, "observer");
+    let expiry = |lease: &PgLease| {
+        let state = off_runtime(|| lease.state().unwrap());
+        assert_eq!(state.epoch, 1, "{state:?}");
+        Instant::now() + state.remaining.unwrap_or_default()
+    };
+    for round in 0..3 {
+        let pid = lease_backend(None).await;
+        off_runtime(|| {
+            let mut sql =
+                postgres::Client::connect(&common::pg::server().url(), postgres::NoTls).unwrap();
+            sql.execute("SELECT pg_terminate_backend($1)", &[&pid])
+                .unwrap();
+        });
+        // Renewed twice since: the expiry moved on past where it stood, twice.
+        let mut seen = expiry(&lease);
+        for _ in 0..2 {
+            let deadline = Instant::now() + PERIOD * 2;
+            loop {
+                let now = expiry(&lease);
+                if now > seen + PERIOD / 10 {
+                    seen = now;
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "round {round}: the lease was not renewed after its connection dropped"
+                );
+                actix::clock::sleep(Duration::from_millis(10)).await;
+            }
+        }
+        assert_ne!(
+            lease_backend(None).await,
+            pid,
+            "round {round}: a new connection"
+        );
+        assert_eq!(
+            a.role().await.unwrap(),
+            Role::Leader {
+                holder: "a".into(),
+                epoch: 1
+            },
+            "round {round}"
+        );
+    }
+    let id = a.submit(Token).await.unwrap();
+    assert_eq!(a.wait(id).await.unwrap(), Ok(()));
+    assert_eq!(rec.calls(), vec!["token Some(1)".to_string()]);
+    let _ = a.shutdown_now().await;
+}

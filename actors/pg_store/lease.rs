@@ -184,6 +184,10 @@ impl PgLease {
         if config.get_tcp_user_timeout().is_none() {
             config.tcp_user_timeout(bound);
         }
+        // So operators (and tests) tell the lease's connection from the store's.
+        if config.get_application_name().is_none() {
+            config.application_name(LEASE_APPLICATION);
+        }
         config.connect(NoTls).map_err(|e| failed(describe(&e)))
     }
 
@@ -406,6 +410,9 @@ impl Drop for Leadership {
         }
     }
 }
+
+/// The lease connection's `application_name`, unless the URL gives one.
+pub const LEASE_APPLICATION: &str = "proctor lease";
 
 /// The wait before the second retry of a failed renewal (the first is at once).
 const RETRY_FIRST: Duration = Duration::from_millis(25);
