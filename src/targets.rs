@@ -1,11 +1,12 @@
 //! The log targets the engine's lines and spans go to, named for what logs rather than
 //! for the module that logs it (`RUST_LOG=proctor::tree=debug`, say).
 
-/// The executor: start, stop, submits, aborts, evictions.
+/// The executor: start, drain and stop, leading and stepping down, nonces, evictions.
 pub(crate) const EXECUTOR: &str = "proctor::executor";
-/// A procedure: its spans and the calls into user code.
+/// A procedure: its spans and the calls into user code (failed steps, accepted aborts,
+/// timeouts, panics).
 pub(crate) const PROCEDURE: &str = "proctor::procedure";
-/// A tree: its steps, rollbacks, retries and result.
+/// A tree: submits, its steps, rollbacks, retries, operator commands and result.
 pub(crate) const TREE: &str = "proctor::tree";
 /// Supervision: procedure actors started again after they stopped unasked, and those
 /// given up past the restart limit.
@@ -14,7 +15,7 @@ pub(crate) const SUPERVISION: &str = "proctor::supervision";
 pub(crate) const SCHEDULER: &str = "proctor::scheduler";
 /// The lock actor: grants, deadlocks, loans.
 pub(crate) const LOCKS: &str = "proctor::locks";
-/// The persistence actor's group commit.
+/// The persistence actor's group commit, the PostgreSQL connection and the leader lease.
 pub(crate) const STORE: &str = "proctor::store";
 /// The write-ahead log.
 pub(crate) const WAL: &str = "proctor::wal";
