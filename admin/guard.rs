@@ -1,4 +1,4 @@
-//! What every request passes before a handler.
+//! What every request passes before a handler, and what every answer carries.
 //!
 //! The page answers only a request whose `Host` names an address it serves on or a
 //! name the service allowed ([`AdminConfig::allow_host`](super::AdminConfig::allow_host)):
@@ -12,6 +12,12 @@
 //! carries an `Origin` must come from an origin whose host is allowed the same way,
 //! else it is answered 403 before its tokens are looked at. A request without an
 //! `Origin` is a client that is no browser (browsers send one with every POST).
+//!
+//! Every answer, a refusal too, carries headers that keep it out of other pages'
+//! frames and keep browsers from guessing types or sending the page's address on:
+//! `X-Frame-Options`, `X-Content-Type-Options`, `Referrer-Policy` and a
+//! `Content-Security-Policy` that loads scripts, styles and the live feed from the
+//! page's own origin only (the pages have no inline script, style or handler).
 
 use std::net::{IpAddr, SocketAddr};
 use std::str::FromStr;
@@ -20,11 +26,16 @@ use std::sync::Arc;
 use axum::extract::connect_info::Connected;
 use axum::extract::{ConnectInfo, Request, State};
 use axum::http::uri::Authority;
-use axum::http::{header, Method, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 
 use super::Refusal;
+
+/// The policy: this origin's scripts, styles, images and connections only; no
+/// plugins, no `<base>`, forms posted here only, in no other page's frame.
+pub(super) const CONTENT_SECURITY_POLICY: &str = "default-src 'self'; object-src 'none'; \
+     base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
 
 /// A connection [`serve_on`](super::AdminConfig::serve_on) accepted: the address it
 /// came to (the one the page serves on, even when the listener is bound to every
@@ -194,7 +205,8 @@ fn cross_origin(guard: &Guard, request: &Request, local: Option<SocketAddr>) -> 
     ))
 }
 
-/// The middleware: the Host (421), an action's Origin (403), then the handler.
+/// The middleware: the Host (421), an action's Origin (403), then the handler; the
+/// security headers on whatever answers.
 pub(super) async fn check(
     State(guard): State<Arc<Guard>>,
     request: Request,
@@ -213,7 +225,7 @@ pub(super) async fn check(
                 .map(|c| c.0)
         })
     };
-    if let Some(why) = misdirected(&guard, &request, local) {
+    let mut response = if let Some(why) = misdirected(&guard, &request, local) {
         tracing::warn!(target: crate::targets::ADMIN, peer = ?peer(), path = request.uri().path(), "{why}");
         (
             StatusCode::MISDIRECTED_REQUEST,
@@ -226,7 +238,17 @@ pub(super) async fn check(
         Refusal(StatusCode::FORBIDDEN, why).into_response()
     } else {
         next.run(request).await
+    };
+    let headers = response.headers_mut();
+    for (name, value) in [
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::REFERRER_POLICY, "no-referrer"),
+        (header::CONTENT_SECURITY_POLICY, CONTENT_SECURITY_POLICY),
+    ] {
+        headers.insert(name, HeaderValue::from_static(value));
     }
+    response
 }
 
 #[cfg(test)]

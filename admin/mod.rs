@@ -177,7 +177,7 @@ type Shared<E> = State<Arc<Admin<E>>>;
 /// answers only the hosts the config names ([`AdminConfig::allow_host`]) — every
 /// `host:port` and name the operators' browsers reach the service by — and refuses
 /// every other request with 421 (with none named, every request, which is logged
-/// here).
+/// here). Each answer carries the security headers the module docs list.
 ///
 /// ```no_run
 /// # fn f(executor: proctor::Executor) {

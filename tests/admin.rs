@@ -5,7 +5,7 @@
 //! lock queues, the engine's store, group commit and failures, and the live feed.
 //! Only a request naming the page's own address or a configured host name is
 //! answered (421 otherwise, as a DNS-rebinding page would be), an action from another
-//! origin is refused (403).
+//! origin is refused (403), and every answer carries the security headers.
 
 mod common;
 
@@ -522,6 +522,43 @@ async fn an_action_from_another_origin_is_refused() {
     let (status, body) = post(Some(format!("http://127.0.0.1:{port}")), "abort").await;
     assert_eq!(status, 200, "{body}");
     assert!(page.executor.wait(waiting).await.unwrap().is_err());
+    page.executor.clone().shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn every_answer_carries_the_security_headers() {
+    let page = page(AdminConfig::default()).await;
+    let own = page.authority().to_string();
+    for (path, accept, host, status) in [
+        ("procedures", "text/html", own.as_str(), 200),
+        ("engine", "application/json", &own, 200),
+        ("assets/admin.css", "*/*", &own, 200),
+        ("procedures?page=0", "application/json", &own, 400),
+        ("no-such-page", "text/html", &own, 404),
+        ("procedures", "text/html", "evil.example", 421),
+    ] {
+        let answer = page.get_with_host(path, host, accept).await;
+        assert_eq!(answer.status(), status, "{path} {host}");
+        let headers = answer.headers();
+        assert_eq!(headers["x-frame-options"], "DENY", "{path}");
+        assert_eq!(headers["x-content-type-options"], "nosniff", "{path}");
+        assert_eq!(headers["referrer-policy"], "no-referrer", "{path}");
+        let csp = headers["content-security-policy"].to_str().unwrap();
+        for part in ["default-src 'self'", "frame-ancestors 'none'"] {
+            assert!(csp.contains(part), "{path}: {csp}");
+        }
+        assert!(!csp.contains("unsafe-inline"), "{csp}");
+    }
+    // The pages hold no inline script, style or event handler for the policy to block.
+    let (_, html) = page.get("procedures").await;
+    assert!(
+        !html.contains("<script>") && !html.contains("<style"),
+        "{html}"
+    );
+    assert!(
+        !html.contains(" style=") && !html.contains(" onclick="),
+        "{html}"
+    );
     page.executor.clone().shutdown().await.unwrap();
 }
 
