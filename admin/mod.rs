@@ -23,10 +23,34 @@
 //! without a token is answered 401, a wrong token 403; the engine's refusal comes back
 //! as it says it (409). Every action is logged at INFO with who asked and what.
 //!
+//! What every request is checked for, first (so that a page elsewhere on the web, one
+//! that rebinds its own DNS name to this address, can neither read the page nor act):
+//!
+//! - its `Host` names the address the page serves on (`127.0.0.1:9092`; on a loopback
+//!   address `localhost:9092` too; behind a listener bound to every interface, the
+//!   interface's address the connection came to) or a host the service allowed
+//!   ([`AdminConfig::allow_host`](crate::admin::AdminConfig::allow_host): a name on
+//!   any port, or `name:port`). Anything else, or no Host, is answered 421 Misdirected
+//!   Request with a line saying why: the request names a server this is not (a 403
+//!   would say it was understood and refused), and it is logged at WARN. A
+//!   [`router`](crate::admin::router) nested in a service's own server does not know
+//!   that server's address:
+//!   it answers only the hosts its config allows, so the service names every
+//!   `host:port` and name its operators use;
+//! - an action's `Origin`, if it has one (a browser sends one), is an allowed host's:
+//!   else 403, before its tokens are looked at.
+//!
+//! Every answer carries `X-Frame-Options: DENY`, `X-Content-Type-Options: nosniff`,
+//! `Referrer-Policy: no-referrer` and `Content-Security-Policy: default-src 'self';
+//! object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'`:
+//! the page loads its script, stylesheet and live feed from its own routes, has no
+//! inline script, style or handler, and shows in no other page's frame.
+//!
 //! ```no_run
 //! # async fn f(executor: proctor::Executor) -> std::io::Result<()> {
 //! use proctor::admin::AdminConfig;
-//! // Stand-alone on 127.0.0.1:9092, actions allowed with the token:
+//! // Stand-alone on 127.0.0.1:9092 (answering 127.0.0.1:9092 and localhost:9092),
+//! // actions allowed with the token:
 //! AdminConfig::default().token("s3cret").serve(executor).await?;
 //! # Ok(()) }
 //! ```
