@@ -34,9 +34,8 @@
 //!   Request with a line saying why: the request names a server this is not (a 403
 //!   would say it was understood and refused), and it is logged at WARN. A
 //!   [`router`](crate::admin::router) nested in a service's own server does not know
-//!   that server's address:
-//!   it answers only the hosts its config allows, so the service names every
-//!   `host:port` and name its operators use;
+//!   that server's address: it answers only the hosts its config allows, so the
+//!   service names every `host:port` and name its operators use;
 //! - an action's `Origin`, if it has one (a browser sends one), is an allowed host's:
 //!   else 403, before its tokens are looked at.
 //!
