@@ -23,14 +23,38 @@
 //! without a token is answered 401, a wrong token 403; the engine's refusal comes back
 //! as it says it (409). Every action is logged at INFO with who asked and what.
 //!
+//! What every request is checked for, first (so that a page elsewhere on the web, one
+//! that rebinds its own DNS name to this address, can neither read the page nor act):
+//!
+//! - its `Host` names the address the page serves on (`127.0.0.1:9092`; on a loopback
+//!   address `localhost:9092` too; behind a listener bound to every interface, the
+//!   interface's address the connection came to) or a host the service allowed
+//!   ([`AdminConfig::allow_host`](crate::admin::AdminConfig::allow_host): a name on
+//!   any port, or `name:port`). Anything else, or no Host, is answered 421 Misdirected
+//!   Request with a line saying why: the request names a server this is not (a 403
+//!   would say it was understood and refused), and it is logged at WARN. A
+//!   [`router`](crate::admin::router) nested in a service's own server does not know
+//!   that server's address: it answers only the hosts its config allows, so the
+//!   service names every `host:port` and name its operators use;
+//! - an action's `Origin`, if it has one (a browser sends one), is an allowed host's:
+//!   else 403, before its tokens are looked at.
+//!
+//! Every answer carries `X-Frame-Options: DENY`, `X-Content-Type-Options: nosniff`,
+//! `Referrer-Policy: no-referrer` and `Content-Security-Policy: default-src 'self';
+//! object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'`:
+//! the page loads its script, stylesheet and live feed from its own routes, has no
+//! inline script, style or handler, and shows in no other page's frame.
+//!
 //! ```no_run
 //! # async fn f(executor: proctor::Executor) -> std::io::Result<()> {
 //! use proctor::admin::AdminConfig;
-//! // Stand-alone on 127.0.0.1:9092, actions allowed with the token:
+//! // Stand-alone on 127.0.0.1:9092 (answering 127.0.0.1:9092 and localhost:9092),
+//! // actions allowed with the token:
 //! AdminConfig::default().token("s3cret").serve(executor).await?;
 //! # Ok(()) }
 //! ```
 
+mod guard;
 mod live;
 mod pages;
 
@@ -48,12 +72,14 @@ use serde_json::{json, Value};
 
 use crate::{Executor, List, ProcId, ProcInfo, ProcState, Role, WaitingOn};
 
-/// How the admin page runs: where it listens stand-alone, and the token actions need.
+/// How the admin page runs: where it listens stand-alone, the token actions need, and
+/// the host names it answers for besides its own address.
 #[derive(Clone, Debug)]
 pub struct AdminConfig {
     addr: SocketAddr,
     token: Option<String>,
     live_every: std::time::Duration,
+    hosts: Vec<String>,
 }
 
 impl Default for AdminConfig {
@@ -63,6 +89,7 @@ impl Default for AdminConfig {
             addr: SocketAddr::from(([127, 0, 0, 1], 9092)),
             token: None,
             live_every: std::time::Duration::from_millis(500),
+            hosts: Vec::new(),
         }
     }
 }
@@ -90,6 +117,35 @@ impl AdminConfig {
         self
     }
 
+    /// A `Host` the page answers for, besides the address it serves on: the name (or
+    /// address) its operators reach it by through a proxy, a DNS name, or, for a
+    /// [`router`] nested in a service's own server, the service's address. Call it once
+    /// per host.
+    ///
+    /// `host` is `name` or `name:port` (`[v6]:port` for IPv6), compared without case.
+    /// A name without a port is answered on any port — what keeps a page elsewhere from
+    /// reading this one is the name its browser sends, never the port — and one with a
+    /// port on that port only (a request without a port names port 80; an `Origin`,
+    /// its scheme's). A `host` that is no such thing allows nothing and is logged.
+    ///
+    /// ```no_run
+    /// # async fn f(executor: proctor::Executor) -> std::io::Result<()> {
+    /// use proctor::admin::AdminConfig;
+    /// // On every interface, reached as http://ops.example.com:9092 or through a
+    /// // TLS proxy as https://ops.example.com:
+    /// AdminConfig::default()
+    ///     .addr("0.0.0.0:9092".parse().unwrap())
+    ///     .allow_host("ops.example.com")
+    ///     .serve(executor)
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    #[must_use]
+    pub fn allow_host(mut self, host: impl Into<String>) -> Self {
+        self.hosts.push(host.into());
+        self
+    }
+
     /// Serves [`router`] on the configured address until the process ends.
     ///
     /// # Errors
@@ -105,6 +161,11 @@ impl AdminConfig {
     /// Serves [`router`] on `listener` (one bound to port 0, say) until the process
     /// ends; the configured address is not used.
     ///
+    /// Besides the hosts [`allow_host`](Self::allow_host) named, it answers a request
+    /// whose `Host` is the address its connection came to (`127.0.0.1:9092`, say; on a
+    /// listener bound to every interface, the interface's address), and on a loopback
+    /// address `localhost` on its port.
+    ///
     /// # Errors
     /// The listener fails.
     pub async fn serve_on<E: Send + Sync + 'static>(
@@ -112,10 +173,10 @@ impl AdminConfig {
         listener: tokio::net::TcpListener,
         executor: Executor<E>,
     ) -> std::io::Result<()> {
-        let app = router(executor, self);
+        let app = build(executor, self);
         axum::serve(
             listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
+            app.into_make_service_with_connect_info::<guard::Served>(),
         )
         .await
     }
@@ -134,7 +195,31 @@ type Shared<E> = State<Arc<Admin<E>>>;
 
 /// The admin routes over `executor`, to nest under a service's own router (or to
 /// [`serve`](AdminConfig::serve) alone).
+///
+/// Nested, the router cannot know the address the service's server listens on: it
+/// answers only the hosts the config names ([`AdminConfig::allow_host`]) — every
+/// `host:port` and name the operators' browsers reach the service by — and refuses
+/// every other request with 421 (with none named, every request, which is logged
+/// here). Each answer carries the security headers the module docs list.
+///
+/// ```no_run
+/// # fn f(executor: proctor::Executor) {
+/// use proctor::admin::{router, AdminConfig};
+/// let admin = router(executor, AdminConfig::default().allow_host("10.0.0.5:8080"));
+/// let app: axum::Router = axum::Router::new().nest("/admin", admin);
+/// # }
+/// ```
 pub fn router<E: Send + Sync + 'static>(executor: Executor<E>, config: AdminConfig) -> Router {
+    if config.hosts.is_empty() {
+        tracing::warn!(target: crate::targets::ADMIN, "the admin router allows no host and refuses every request: name the service's hosts with AdminConfig::allow_host");
+    }
+    build(executor, config)
+}
+
+/// The routes behind the guard: the hosts the config names, and (through
+/// [`serve_on`](AdminConfig::serve_on)'s connections) the address each request came to.
+fn build<E: Send + Sync + 'static>(executor: Executor<E>, config: AdminConfig) -> Router {
+    let guard = Arc::new(guard::Guard::new(&config.hosts));
     let admin = Arc::new(Admin {
         executor,
         token: config.token,
@@ -158,6 +243,7 @@ pub fn router<E: Send + Sync + 'static>(executor: Executor<E>, config: AdminConf
             get(|| async { asset("text/javascript", pages::JS) }),
         )
         .with_state(admin)
+        .layer(axum::middleware::from_fn_with_state(guard, guard::check))
 }
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {
@@ -558,10 +644,12 @@ async fn action<E: Send + Sync + 'static>(
     request: Request,
 ) -> Result<Response, Refusal> {
     let headers = request.headers();
-    let who = request
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map_or_else(|| "unknown peer".to_string(), |c| c.0.to_string());
+    let extensions = request.extensions();
+    let who = extensions
+        .get::<ConnectInfo<guard::Served>>()
+        .map(|c| c.0.peer)
+        .or_else(|| extensions.get::<ConnectInfo<SocketAddr>>().map(|c| c.0))
+        .map_or_else(|| "unknown peer".to_string(), |peer| peer.to_string());
     let Some(expected) = &admin.token else {
         return Err(Refusal(
             StatusCode::FORBIDDEN,

@@ -3,6 +3,9 @@
 //! one (403) or without the CSRF token (403), an abort through the endpoint rolling a
 //! tree back, a tree's execution stack and rollback order, a DAG's tasks and edges, the
 //! lock queues, the engine's store, group commit and failures, and the live feed.
+//! Only a request naming the page's own address or a configured host name is
+//! answered (421 otherwise, as a DNS-rebinding page would be), an action from another
+//! origin is refused (403), and every answer carries the security headers.
 
 mod common;
 
@@ -57,6 +60,33 @@ impl Page {
         }
         let answer = request.send().await.unwrap();
         (answer.status().as_u16(), answer.json().await.unwrap())
+    }
+
+    /// The answer to a GET of `path` with the `Host` header `host`.
+    async fn get_with_host(&self, path: &str, host: &str, accept: &str) -> reqwest::Response {
+        self.http
+            .get(format!("{}{path}", self.base))
+            .header("host", host)
+            .header("accept", accept)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// `host:port` of the page's own address.
+    fn authority(&self) -> &str {
+        self.base
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+    }
+
+    fn port(&self) -> u16 {
+        self.authority()
+            .rsplit(':')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
     }
 
     /// The JSON of `path` once `ready` holds for it, asked again until then (for at
@@ -262,6 +292,273 @@ async fn actions_need_the_token_and_the_csrf_token_and_an_abort_rolls_the_tree_b
         .await;
     assert_eq!(status, 409, "{body}");
     assert!(!body["error"].as_str().unwrap().is_empty());
+    page.executor.clone().shutdown().await.unwrap();
+}
+
+/// The routes a foreign page would read: HTML, JSON, the live feed, the assets.
+const READS: [(&str, &str); 8] = [
+    ("procedures", "text/html"),
+    ("procedures", "application/json"),
+    ("procedures/1", "application/json"),
+    ("locks", "application/json"),
+    ("engine", "text/html"),
+    ("events?new=true", "text/event-stream"),
+    ("assets/admin.js", "*/*"),
+    ("", "text/html"),
+];
+
+#[actix::test]
+async fn a_foreign_host_is_refused_on_pages_json_and_the_live_feed() {
+    let page = page(AdminConfig::default().token(TOKEN)).await;
+    let (_, waiting) = two_trees(&page.executor).await;
+    let foreign = format!("evil.example:{}", page.port());
+    for host in [
+        foreign.as_str(),
+        "evil.example",
+        // The page's port under another name or address.
+        &format!("127.0.0.2:{}", page.port()),
+        &format!("localhost.evil.example:{}", page.port()),
+        // Its address on another port.
+        "127.0.0.1:1",
+        "localhost:1",
+        "user@127.0.0.1",
+        "",
+    ] {
+        for (path, accept) in READS {
+            let answer = page.get_with_host(path, host, accept).await;
+            assert_eq!(answer.status(), 421, "{host:?} {path} {accept}");
+            assert_eq!(
+                answer.headers()["content-type"],
+                "text/plain; charset=utf-8"
+            );
+            let body = answer.text().await.unwrap();
+            assert!(body.contains("Host"), "{host:?} {path}: {body}");
+            // Nothing of the engine's.
+            assert!(
+                !body.contains("scripted") && !body.contains("WAITING"),
+                "{body}"
+            );
+        }
+    }
+    // No Host at all (HTTP/1.0 needs none).
+    let mut raw = tokio::net::TcpStream::connect(page.authority())
+        .await
+        .unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut raw, b"GET /procedures HTTP/1.0\r\n\r\n")
+        .await
+        .unwrap();
+    let mut answer = String::new();
+    tokio::io::AsyncReadExt::read_to_string(&mut raw, &mut answer)
+        .await
+        .unwrap();
+    assert!(answer.starts_with("HTTP/1.0 421"), "{answer}");
+    assert!(answer.contains("no Host"), "{answer}");
+    // An action under a foreign Host is refused before its tokens are looked at.
+    let csrf = page.csrf().await;
+    let answer = page
+        .http
+        .post(format!("{}procedures/{}/abort", page.base, waiting.0))
+        .header("host", &foreign)
+        .bearer_auth(TOKEN)
+        .header("x-csrf-token", &csrf)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 421);
+    assert_eq!(
+        page.executor.state(waiting).await.unwrap().state,
+        ProcState::Waiting
+    );
+    page.executor.clone().shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn the_bound_address_localhost_and_configured_hosts_are_answered() {
+    let page = page(
+        AdminConfig::default()
+            .allow_host("Ops.Example.com")
+            .allow_host("proxy.example:8443")
+            .allow_host("10.1.2.3"),
+    )
+    .await;
+    let port = page.port();
+    let own = page.authority().to_string();
+    for host in [
+        own.as_str(),
+        &format!("localhost:{port}"),
+        &format!("LocalHost:{port}"),
+        // A name without a port is allowed on any port, and without one.
+        "ops.example.com",
+        "ops.example.com:443",
+        &format!("OPS.EXAMPLE.COM:{port}"),
+        "proxy.example:8443",
+        "10.1.2.3:8080",
+    ] {
+        for (path, accept) in READS {
+            let answer = page.get_with_host(path, host, accept).await;
+            let status = answer.status().as_u16();
+            // `procedures/1` is no procedure here.
+            let expected = if path == "procedures/1" { 404 } else { 200 };
+            assert_eq!(status, expected, "{host} {path}");
+        }
+    }
+    for host in [
+        // A name with a port is allowed on that port only.
+        "proxy.example",
+        "proxy.example:8444",
+        "sub.ops.example.com",
+        "ops.example.com.evil.example",
+        "10.1.2.4",
+    ] {
+        let answer = page.get_with_host("procedures", host, "text/html").await;
+        assert_eq!(answer.status(), 421, "{host}");
+    }
+    page.executor.clone().shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn a_nested_router_answers_only_the_hosts_it_is_configured_with() {
+    let executor = Executor::builder()
+        .registry(common::registry())
+        .store(proctor::MemoryStore::new())
+        .env(Arc::new(Recorder::default()))
+        .start()
+        .await
+        .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let own = listener.local_addr().unwrap().to_string();
+    let nested = |config: AdminConfig| {
+        axum::Router::new().nest("/admin", proctor::admin::router(executor.clone(), config))
+    };
+    let app = axum::Router::new()
+        .merge(nested(AdminConfig::default().allow_host(own.clone())))
+        .nest("/bare", nested(AdminConfig::default()));
+    actix::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let http = reqwest::Client::new();
+    let get = |path: String, host: &'static str| {
+        let mut request = http.get(format!("http://{own}/{path}"));
+        if !host.is_empty() {
+            request = request.header("host", host);
+        }
+        async move { request.send().await.unwrap() }
+    };
+    // The service named its address: that Host is answered, another is not.
+    assert_eq!(get("admin/procedures".into(), "").await.status(), 200);
+    assert_eq!(get("admin/engine".into(), "").await.status(), 200);
+    assert_eq!(
+        get("admin/procedures".into(), "evil.example")
+            .await
+            .status(),
+        421
+    );
+    // It named none: nothing is answered, and the refusal says what to configure.
+    let answer = get("bare/admin/procedures".into(), "").await;
+    assert_eq!(answer.status(), 421);
+    let body = answer.text().await.unwrap();
+    assert!(body.contains("allow_host"), "{body}");
+    executor.shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn an_action_from_another_origin_is_refused() {
+    let page = page(
+        AdminConfig::default()
+            .token(TOKEN)
+            .allow_host("ops.example"),
+    )
+    .await;
+    let (_, waiting) = two_trees(&page.executor).await;
+    let csrf = page.csrf().await;
+    let post = |origin: Option<String>, action: &str| {
+        let mut request = page
+            .http
+            .post(format!("{}procedures/{}/{action}", page.base, waiting.0))
+            .bearer_auth(TOKEN)
+            .header("x-csrf-token", &csrf);
+        if let Some(origin) = origin {
+            request = request.header("origin", origin);
+        }
+        async move {
+            let answer = request.send().await.unwrap();
+            let status = answer.status().as_u16();
+            (status, answer.json::<Value>().await.unwrap())
+        }
+    };
+    let port = page.port();
+    for origin in [
+        "http://evil.example".to_string(),
+        format!("http://evil.example:{port}"),
+        format!("http://127.0.0.1:{}", port.wrapping_add(1)),
+        // The port a scheme implies is the one compared.
+        "http://127.0.0.1".to_string(),
+        "null".to_string(),
+        "not an origin".to_string(),
+        format!("http://127.0.0.1:{port}/path"),
+    ] {
+        let (status, body) = post(Some(origin.clone()), "pause").await;
+        assert_eq!(status, 403, "{origin}: {body}");
+        assert!(
+            body["error"].as_str().unwrap().contains("Origin"),
+            "{origin}: {body}"
+        );
+    }
+    assert_eq!(
+        page.executor.state(waiting).await.unwrap().state,
+        ProcState::Waiting
+    );
+    // The page's own origin, a configured one, and none (a client that is no browser)
+    // pass: an unknown action is then the handler's 400.
+    for origin in [
+        Some(format!("http://127.0.0.1:{port}")),
+        Some(format!("http://localhost:{port}")),
+        Some("https://ops.example".into()),
+        None,
+    ] {
+        let (status, body) = post(origin.clone(), "explode").await;
+        assert_eq!(status, 400, "{origin:?}: {body}");
+    }
+    let (status, body) = post(Some(format!("http://127.0.0.1:{port}")), "abort").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(page.executor.wait(waiting).await.unwrap().is_err());
+    page.executor.clone().shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn every_answer_carries_the_security_headers() {
+    let page = page(AdminConfig::default()).await;
+    let own = page.authority().to_string();
+    for (path, accept, host, status) in [
+        ("procedures", "text/html", own.as_str(), 200),
+        ("engine", "application/json", &own, 200),
+        ("assets/admin.css", "*/*", &own, 200),
+        ("procedures?page=0", "application/json", &own, 400),
+        ("no-such-page", "text/html", &own, 404),
+        ("procedures", "text/html", "evil.example", 421),
+    ] {
+        let answer = page.get_with_host(path, host, accept).await;
+        assert_eq!(answer.status(), status, "{path} {host}");
+        let headers = answer.headers();
+        assert_eq!(headers["x-frame-options"], "DENY", "{path}");
+        assert_eq!(headers["x-content-type-options"], "nosniff", "{path}");
+        assert_eq!(headers["referrer-policy"], "no-referrer", "{path}");
+        let csp = headers["content-security-policy"].to_str().unwrap();
+        for part in ["default-src 'self'", "frame-ancestors 'none'"] {
+            assert!(csp.contains(part), "{path}: {csp}");
+        }
+        assert!(!csp.contains("unsafe-inline"), "{csp}");
+    }
+    // The pages hold no inline script, style or event handler for the policy to block.
+    let (_, html) = page.get("procedures").await;
+    assert!(
+        !html.contains("<script>") && !html.contains("<style"),
+        "{html}"
+    );
+    assert!(
+        !html.contains(" style=") && !html.contains(" onclick="),
+        "{html}"
+    );
     page.executor.clone().shutdown().await.unwrap();
 }
 

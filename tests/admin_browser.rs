@@ -2,7 +2,8 @@
 //! (WebDriver). The `admin` example's engine keeps deploying; the test opens the
 //! procedures page, sees rows arrive live, filters by state, opens a tree, aborts a
 //! deployment that waits for approval with the token (confirming, and giving the token
-//! when the page asks), sees its tree roll back, and opens the engine and locks pages.
+//! when the page asks), sees its tree roll back, and opens the engine and locks pages,
+//! all under the page's Content-Security-Policy (which blocks an inline script).
 //! Screenshots of each stage go to `target/admin-screenshots/`. If Chromium or chromedriver cannot start, the test
 //! fails and says why (`.ci/run` installs Debian's `chromium` and `chromium-driver`).
 
@@ -166,6 +167,28 @@ async fn an_operator_watches_filters_opens_a_tree_and_aborts_it() {
     })
     .await;
     shot(&client, "1-procedures-live").await;
+
+    // The page works under its Content-Security-Policy: its script runs (the rows above
+    // came through it and its live feed), its stylesheet applies, and a script put
+    // inline into the page does not run.
+    let header = client
+        .execute(
+            "return getComputedStyle(document.querySelector('header')).backgroundColor",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(header, json!("rgb(29, 35, 48)"), "the stylesheet applies");
+    let inline = client
+        .execute(
+            "const s = document.createElement('script'); \
+             s.textContent = 'window.inlineRan = true'; document.body.append(s); \
+             return window.inlineRan === true",
+            vec![],
+        )
+        .await
+        .unwrap();
+    assert_eq!(inline, json!(false), "the policy blocks inline scripts");
 
     // Filter: the deployments waiting (for approval, or for their child).
     let approval = loop {
