@@ -100,6 +100,9 @@ fn crash_child() {
             dag::continue_every_pause(&executor).await.unwrap();
         }
         println!("ready");
+        // With a retention: the first root seen to succeed, and whether its eviction
+        // was told (once, on stdout, when `state` answers `Gone`: its delete is durable).
+        let evicted = Arc::new(Mutex::new((None, retention.is_none())));
         let mut rng = fastrand::Rng::with_seed(seed);
         let window = Arc::new(tokio::sync::Semaphore::new(200));
         loop {
@@ -115,10 +118,12 @@ fn crash_child() {
             };
             let permit = window.clone().acquire_owned().await.unwrap();
             let executor = executor.clone();
+            let evicted = evicted.clone();
             actix::spawn(async move {
                 let submit = proctor::Submit::boxed(proc);
                 if let Ok(Ok(id)) = executor.addr().unwrap().send(submit).await {
-                    let _ = executor.wait(id).await;
+                    let succeeded = matches!(executor.wait(id).await, Ok(Ok(())));
+                    tell_eviction(&executor, &evicted, succeeded.then_some(id)).await;
                 }
                 drop(permit);
             });
@@ -126,8 +131,37 @@ fn crash_child() {
     });
 }
 
+/// The child's evidence of an eviction, looked for each time one of its roots finishes
+/// (`succeeded`: that root, if it succeeded): prints `evicted ID` once the first root
+/// seen to succeed is gone, so its effects are in the ledger and its records out of the
+/// store. `evicted` holds that root and whether it was told (or need not be).
+async fn tell_eviction(
+    executor: &Executor<Env>,
+    evicted: &Mutex<(Option<proctor::ProcId>, bool)>,
+    succeeded: Option<proctor::ProcId>,
+) {
+    let first = {
+        let mut evicted = evicted.lock().unwrap_or_else(PoisonError::into_inner);
+        let (first, told) = &mut *evicted;
+        if *told {
+            return;
+        }
+        match first.or(succeeded) {
+            Some(id) => *first.insert(id),
+            None => return,
+        }
+    };
+    if matches!(executor.state(first).await, Err(proctor::Error::Gone(_))) {
+        let mut evicted = evicted.lock().unwrap_or_else(PoisonError::into_inner);
+        if !evicted.1 {
+            evicted.1 = true;
+            println!("evicted {first}");
+        }
+    }
+}
+
 /// Runs the child over `dir` `rounds` times, each killed with SIGKILL at a random
-/// moment once it is ready.
+/// moment once it is ready (and, with a retention, once it has evicted a result).
 fn kill_repeatedly(dir: &Path, rounds: u32, dag_width: Option<u16>) {
     kill_repeatedly_with(dir, rounds, dag_width, None);
 }
@@ -158,11 +192,14 @@ fn kill_repeatedly_with(
         let mut child = command.spawn().expect("spawn the child");
         // Wait for the child to have recovered and started submitting.
         let stdout = child.stdout.take().unwrap();
-        let ready = BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .any(|line| line.ends_with("ready"));
+        let mut lines = BufReader::new(stdout).lines().map_while(Result::ok);
+        let ready = lines.any(|line| line.ends_with("ready"));
         assert!(ready, "round {round}: the child failed before it was ready");
+        if retention_ms.is_some() {
+            // The evidence the test needs of the child, however slow the machine.
+            let evicted = lines.any(|line| line.starts_with("evicted "));
+            assert!(evicted, "round {round}: the child ended before it evicted");
+        }
         // The random moment is the point of the test.
         std::thread::sleep(Duration::from_millis(rng.u64(20..400)));
         child.kill().expect("SIGKILL");
