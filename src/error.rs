@@ -15,8 +15,9 @@ pub enum Error {
     /// The id was handed out, but the procedure is no longer known: its tree finished
     /// and its result was evicted (see
     /// [`ExecutorBuilder::retention`](crate::ExecutorBuilder::retention)), or it was a
-    /// child of a finished tree, or its submit never became durable.
-    #[error("procedure {0} is gone: its result was evicted, it was a child of a finished tree, or its submit never became durable")]
+    /// child procedure and has finished (a child is forgotten as it finishes, whether
+    /// its tree still runs or has finished too), or its submit never became durable.
+    #[error("procedure {0} is gone: its result was evicted, it was a child procedure and has finished (its tree may still be running), or its submit never became durable")]
     Gone(ProcId),
     /// The procedure's value does not decode as the type asked for.
     #[error("the value of procedure {id} does not decode as the type asked for: {reason}")]
@@ -193,8 +194,9 @@ pub enum WaitError {
     NoValue(ProcId),
     /// The procedure is not known any more: its result was evicted (see
     /// [`ExecutorBuilder::retention`](crate::ExecutorBuilder::retention)), it was a
-    /// child of a finished tree, or its submit never became durable.
-    #[error("procedure {0} is gone: its result was evicted, it was a child of a finished tree, or its submit never became durable")]
+    /// child procedure and has finished (its tree still running or finished too), or
+    /// its submit never became durable.
+    #[error("procedure {0} is gone: its result was evicted, it was a child procedure and has finished (its tree may still be running), or its submit never became durable")]
     Gone(ProcId),
     /// The engine could not answer (an id never issued, a child's id, a value that
     /// does not decode as the type asked for, a store failure, a stopped executor).

@@ -9,7 +9,8 @@
 //! edges and never past a point of no return. The trees' roots also send one remote
 //! operation per step to in-process nodes, which apply each operation once (they
 //! deduplicate by op id, remembering in the ledger): after the kills no operation was
-//! applied twice, though operations a kill left unreported were sent again.
+//! applied twice, though operations a kill left unreported were sent again, and no
+//! step's operation was applied under two op ids.
 
 #[path = "../examples/workload/dag.rs"]
 mod dag;
@@ -99,6 +100,9 @@ fn crash_child() {
             dag::continue_every_pause(&executor).await.unwrap();
         }
         println!("ready");
+        // With a retention: the first root seen to succeed, and whether its eviction
+        // was told (once, on stdout, when `state` answers `Gone`: its delete is durable).
+        let evicted = Arc::new(Mutex::new((None, retention.is_none())));
         let mut rng = fastrand::Rng::with_seed(seed);
         let window = Arc::new(tokio::sync::Semaphore::new(200));
         loop {
@@ -114,10 +118,12 @@ fn crash_child() {
             };
             let permit = window.clone().acquire_owned().await.unwrap();
             let executor = executor.clone();
+            let evicted = evicted.clone();
             actix::spawn(async move {
                 let submit = proctor::Submit::boxed(proc);
                 if let Ok(Ok(id)) = executor.addr().unwrap().send(submit).await {
-                    let _ = executor.wait(id).await;
+                    let succeeded = matches!(executor.wait(id).await, Ok(Ok(())));
+                    tell_eviction(&executor, &evicted, succeeded.then_some(id)).await;
                 }
                 drop(permit);
             });
@@ -125,8 +131,37 @@ fn crash_child() {
     });
 }
 
+/// The child's evidence of an eviction, looked for each time one of its roots finishes
+/// (`succeeded`: that root, if it succeeded): prints `evicted ID` once the first root
+/// seen to succeed is gone, so its effects are in the ledger and its records out of the
+/// store. `evicted` holds that root and whether it was told (or need not be).
+async fn tell_eviction(
+    executor: &Executor<Env>,
+    evicted: &Mutex<(Option<proctor::ProcId>, bool)>,
+    succeeded: Option<proctor::ProcId>,
+) {
+    let first = {
+        let mut evicted = evicted.lock().unwrap_or_else(PoisonError::into_inner);
+        let (first, told) = &mut *evicted;
+        if *told {
+            return;
+        }
+        match first.or(succeeded) {
+            Some(id) => *first.insert(id),
+            None => return,
+        }
+    };
+    if matches!(executor.state(first).await, Err(proctor::Error::Gone(_))) {
+        let mut evicted = evicted.lock().unwrap_or_else(PoisonError::into_inner);
+        if !evicted.1 {
+            evicted.1 = true;
+            println!("evicted {first}");
+        }
+    }
+}
+
 /// Runs the child over `dir` `rounds` times, each killed with SIGKILL at a random
-/// moment once it is ready.
+/// moment once it is ready (and, with a retention, once it has evicted a result).
 fn kill_repeatedly(dir: &Path, rounds: u32, dag_width: Option<u16>) {
     kill_repeatedly_with(dir, rounds, dag_width, None);
 }
@@ -157,11 +192,14 @@ fn kill_repeatedly_with(
         let mut child = command.spawn().expect("spawn the child");
         // Wait for the child to have recovered and started submitting.
         let stdout = child.stdout.take().unwrap();
-        let ready = BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-            .any(|line| line.ends_with("ready"));
+        let mut lines = BufReader::new(stdout).lines().map_while(Result::ok);
+        let ready = lines.any(|line| line.ends_with("ready"));
         assert!(ready, "round {round}: the child failed before it was ready");
+        if retention_ms.is_some() {
+            // The evidence the test needs of the child, however slow the machine.
+            let evicted = lines.any(|line| line.starts_with("evicted "));
+            assert!(evicted, "round {round}: the child ended before it evicted");
+        }
         // The random moment is the point of the test.
         std::thread::sleep(Duration::from_millis(rng.u64(20..400)));
         child.kill().expect("SIGKILL");
@@ -219,12 +257,12 @@ fn sigkill_at_random_moments_loses_nothing() {
             roots.len(),
             &violations[..violations.len().min(5)]
         );
-        let applied = env.ledger.as_ref().unwrap().applied_ops().unwrap();
+        let applied = env.ledger.as_ref().unwrap().applications().unwrap();
         assert!(
             applied.len() > roots.len(),
             "the roots' steps sent operations"
         );
-        let twice: Vec<_> = applied.iter().filter(|(_, n)| **n > 1).collect();
+        let twice = work::remote_violations(&applied);
         assert!(twice.is_empty(), "applied more than once: {twice:?}");
         executor.shutdown_now().await.unwrap();
     });
@@ -343,4 +381,47 @@ fn sigkill_with_results_evicted_loses_nothing_and_tells_evicted_from_unknown() {
         );
         executor.shutdown_now().await.unwrap();
     });
+}
+
+/// The check of what the remote nodes applied, over a hand-made ledger: an op applied
+/// twice, and a root step applied under two op ids (a node that reported "could not
+/// apply" for an op it had applied, and the step sent it again), are both violations;
+/// lines of the older form, `= OP ROOT`, are read and checked by op id alone.
+#[test]
+fn remote_check_flags_an_op_applied_twice_and_a_step_applied_under_two_ops() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("ledger");
+    std::fs::write(&path, "= 5 1\n= 6 1\n+ 1 0 0 3\n").unwrap();
+    let ledger = Ledger::open(&path).unwrap();
+    // Root 1: step 0 sent op 10, step 1 op 11, step 2 op 12 — each applied once.
+    for (op, step) in [(10, 0), (11, 1), (12, 2)] {
+        ledger.applied(op, 1, step).unwrap();
+    }
+    // Root 2: step 0 applied as op 20 and again as op 21.
+    ledger.applied(20, 2, 0).unwrap();
+    ledger.applied(21, 2, 0).unwrap();
+    // Root 3: op 30 applied twice, for its step 1.
+    ledger.applied(30, 3, 1).unwrap();
+    ledger.applied(30, 3, 1).unwrap();
+    let applied = ledger.applications().unwrap();
+    assert_eq!(applied.len(), 9);
+    assert_eq!(
+        applied[0],
+        ledger::Applied {
+            op: 5,
+            root: 1,
+            step: None
+        }
+    );
+    assert_eq!(ledger.applied_ops().unwrap()[&30], 2);
+    assert_eq!(
+        work::remote_violations(&applied),
+        vec![
+            "remote op 30 applied 2 times by the nodes".to_string(),
+            "root 2 step 0: its operation applied under op ids [20, 21]".to_string(),
+        ]
+    );
+    // The same ledger without them: nothing to report.
+    let clean: Vec<_> = applied.into_iter().filter(|a| a.root == 1).collect();
+    assert!(work::remote_violations(&clean).is_empty());
 }

@@ -439,3 +439,58 @@ async fn a_parent_reads_its_childrens_values_even_across_a_restart() {
         executor.shutdown_now().await.unwrap();
     }
 }
+
+/// A child that finished while its tree still runs is forgotten as it finishes: asking
+/// for it answers `Gone`, whose text says a finished child may belong to a running tree
+/// (it spoke only of "a child of a finished tree").
+#[actix::test]
+async fn a_finished_child_of_a_running_tree_is_gone_and_the_error_says_so() {
+    use common::{Scripted, Step};
+    let (executor, rec) = common::start(Box::new(proctor::MemoryStore::new()), 4).await;
+    let child_plan = Scripted::new("child", vec![Step::Gate]);
+    let root = executor
+        .submit(Scripted::new(
+            "root",
+            vec![Step::Children(vec![child_plan]), Step::Hold],
+        ))
+        .await
+        .unwrap();
+    // The child, while it runs (held at its gate).
+    let child = loop {
+        let list = executor
+            .list(proctor::List::new().root(root))
+            .await
+            .unwrap();
+        if let Some(child) = list.iter().find(|p| p.parent == Some(root)) {
+            break child.id;
+        }
+        tokio::task::yield_now().await;
+    };
+    rec.gate.notify_one();
+    // The root's next step runs, and holds: its child has finished.
+    rec.signal.notified().await;
+    let gone = loop {
+        match executor.state(child).await {
+            Ok(_) => tokio::task::yield_now().await,
+            Err(e) => break e,
+        }
+    };
+    assert!(matches!(gone, Error::Gone(id) if id == child), "{gone:?}");
+    let tree = executor.state(root).await.unwrap();
+    assert!(
+        !tree.state.is_finished(),
+        "the tree still runs: {}",
+        tree.state
+    );
+    assert_eq!(
+        gone.to_string(),
+        format!(
+            "procedure {child} is gone: its result was evicted, it was a child procedure \
+             and has finished (its tree may still be running), or its submit never became \
+             durable"
+        )
+    );
+    rec.gate.notify_one();
+    executor.wait(root).await.unwrap().unwrap();
+    executor.shutdown().await.unwrap();
+}

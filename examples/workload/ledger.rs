@@ -12,9 +12,12 @@
 //! knows of. Replaying the lines in order gives the set of effects in force; adding an
 //! effect twice (a step re-run after a crash) is harmless.
 //!
-//! Remote targets (`--remote T`) write `= OP ROOT` when they apply operation `OP` (of
-//! root `ROOT`'s tree), once: they deduplicate by op id, with the ledger as their
-//! durable memory, so no op id may appear on two such lines.
+//! Remote targets (`--remote T`) write `= OP ROOT STEP` when they apply operation `OP`
+//! (sent by step `STEP` of root `ROOT`), once: they deduplicate by op id, with the
+//! ledger as their durable memory, so no op id may appear on two such lines. A step
+//! sends its operation again, under a new op id, only when the node could not apply
+//! it, so no root step may appear on two such lines either. (Lines written before the
+//! step was, `= OP ROOT`, are read; they name no step.)
 //!
 //! Fencing: the ledger is a resource that knows of leases, as the resources a
 //! control plane changes must be. It refuses a change whose token is lower than the
@@ -120,23 +123,40 @@ impl Ledger {
         appended
     }
 
-    /// Records that a remote target applied operation `op` of `root`'s tree.
-    pub fn applied(&self, op: u64, root: u64) -> std::io::Result<()> {
-        self.write(format!("= {op} {root}"), None)
+    /// Records that a remote target applied operation `op`, which step `step` of
+    /// `root` sent.
+    pub fn applied(&self, op: u64, root: u64, step: u16) -> std::io::Result<()> {
+        self.write(format!("= {op} {root} {step}"), None)
     }
 
     /// How many times each operation was applied by the remote targets.
     pub fn applied_ops(&self) -> std::io::Result<HashMap<u64, usize>> {
         let mut applied = HashMap::new();
+        for a in self.applications()? {
+            *applied.entry(a.op).or_default() += 1;
+        }
+        Ok(applied)
+    }
+
+    /// Every operation the remote targets applied, in order, one per `=` line.
+    pub fn applications(&self) -> std::io::Result<Vec<Applied>> {
+        let mut applied = Vec::new();
         let reader = BufReader::new(File::open(&self.path)?);
-        for line in reader.lines() {
+        for (n, line) in reader.lines().enumerate() {
             let line = line?;
-            if let Some(rest) = line.strip_prefix("= ") {
-                let op = rest.split(' ').next().and_then(|o| o.parse::<u64>().ok());
-                if let Some(op) = op {
-                    *applied.entry(op).or_default() += 1;
-                }
-            }
+            let Some(rest) = line.strip_prefix("= ") else {
+                continue;
+            };
+            applied.push(Applied::parse(rest).ok_or_else(|| {
+                std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!(
+                        "{}:{}: bad ledger line {line:?}",
+                        self.path.display(),
+                        n + 1
+                    ),
+                )
+            })?);
         }
         Ok(applied)
     }
@@ -246,5 +266,31 @@ impl Ledger {
             history.push((add, effect, total, token));
         }
         Ok(history)
+    }
+}
+
+/// A remote target applied operation `op`, which `step` of `root` sent (`None` in a
+/// line written before the step was).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Applied {
+    pub op: u64,
+    pub root: u64,
+    pub step: Option<u16>,
+}
+
+impl Applied {
+    /// Reads what follows a line's `= `: `OP ROOT STEP` or `OP ROOT`.
+    pub fn parse(rest: &str) -> Option<Applied> {
+        let mut parts = rest.split(' ');
+        let op = parts.next()?.parse().ok()?;
+        let root = parts.next()?.parse().ok()?;
+        let step = match parts.next() {
+            Some(step) => Some(step.parse().ok()?),
+            None => None,
+        };
+        if parts.next().is_some() {
+            return None;
+        }
+        Some(Applied { op, root, step })
     }
 }

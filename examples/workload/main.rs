@@ -740,13 +740,9 @@ async fn verify(
     }
     if let Some(ledger) = &env.ledger {
         tally.violations.extend(ledger.fence_violations()?);
-        for (op, times) in ledger.applied_ops()? {
-            if times > 1 {
-                tally
-                    .violations
-                    .push(format!("remote op {op} applied {times} times by the nodes"));
-            }
-        }
+        tally
+            .violations
+            .extend(work::remote_violations(&ledger.applications()?));
     }
     let mut effects = match &env.ledger {
         Some(ledger) => ledger.effects_per_root()?,

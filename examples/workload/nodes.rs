@@ -2,9 +2,10 @@
 //! `Transport`. A request is taken at once; each operation is applied after a random
 //! latency and reported through `Executor::report`. A share of requests fails (the
 //! dispatcher retries them) and a share of operations fails on the node (the step
-//! sends them again). A node applies an operation once: it deduplicates by op id, with
-//! the ledger (`= OP ROOT` lines) as its durable memory, so a SIGKILLed run resumed
-//! later still never applies an op twice; a repeat is reported again, not applied.
+//! sends them again, under a new op id). A node applies an operation once: it
+//! deduplicates by op id, with the ledger (`= OP ROOT STEP` lines) as its durable
+//! memory, so a SIGKILLed run resumed later still never applies an op twice; a repeat
+//! is reported ok again, neither applied nor failed.
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -72,32 +73,43 @@ impl Nodes {
         Duration::from_millis(ms)
     }
 
-    /// Applies `op` (once) and reports it, or reports that it failed.
+    /// Applies `op` (once) and reports it, or reports that it failed. A repeat of an
+    /// op already applied (in this run, or in an earlier one as the ledger says) is
+    /// reported ok again, before any failure is drawn: a failure reported for an op
+    /// that was applied would have its step send it again, under a new op id.
     async fn run(self: Arc<Self>, id: OpId, op: RemoteOp) {
         tokio::time::sleep(self.latency()).await;
-        let report = if self.chance(self.fail_rate / 2.0) {
-            self.stats.failed_ops.fetch_add(1, Ordering::Relaxed);
-            Report::failed(id, "the node could not apply it")
-        } else {
-            let fresh = self
-                .applied
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .insert(id.0);
-            if fresh {
-                if let Some(ledger) = &self.env.ledger {
-                    if let Err(e) = ledger.applied(id.0, op.root) {
-                        eprintln!("node: ledger: {e}");
-                        return;
-                    }
-                }
-                self.stats.applied.fetch_add(1, Ordering::Relaxed);
+        let fresh = {
+            let mut applied = self.applied.lock().unwrap_or_else(|e| e.into_inner());
+            if applied.contains(&id.0) {
+                Some(false)
+            } else if self.chance(self.fail_rate / 2.0) {
+                None
             } else {
-                self.stats.repeats.fetch_add(1, Ordering::Relaxed);
+                Some(applied.insert(id.0))
             }
-            match Report::ok(id, &op.step) {
-                Ok(report) => report,
-                Err(_) => return,
+        };
+        let report = match fresh {
+            None => {
+                self.stats.failed_ops.fetch_add(1, Ordering::Relaxed);
+                Report::failed(id, "the node could not apply it")
+            }
+            Some(fresh) => {
+                if fresh {
+                    if let Some(ledger) = &self.env.ledger {
+                        if let Err(e) = ledger.applied(id.0, op.root, op.step) {
+                            eprintln!("node: ledger: {e}");
+                            return;
+                        }
+                    }
+                    self.stats.applied.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    self.stats.repeats.fetch_add(1, Ordering::Relaxed);
+                }
+                match Report::ok(id, &op.step) {
+                    Ok(report) => report,
+                    Err(_) => return,
+                }
             }
         };
         if let Some(executor) = self.executor.get() {

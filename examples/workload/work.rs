@@ -335,6 +335,40 @@ pub fn ledger_violations(
     violations
 }
 
+/// Checks what the remote targets applied (`--remote T`, the ledger's `=` lines): each
+/// operation once, and each root step's operation under one op id. A step sends its
+/// operation again under a new id only after the node reported that it could not apply
+/// it, so two ids applied for one step is a step's effect made twice. (Lines that name
+/// no step are checked by op id alone.)
+pub fn remote_violations(applied: &[ledger::Applied]) -> Vec<String> {
+    let mut times: HashMap<u64, usize> = HashMap::new();
+    let mut ops_of_step: HashMap<(u64, u16), Vec<u64>> = HashMap::new();
+    for a in applied {
+        *times.entry(a.op).or_default() += 1;
+        if let Some(step) = a.step {
+            let ops = ops_of_step.entry((a.root, step)).or_default();
+            if !ops.contains(&a.op) {
+                ops.push(a.op);
+            }
+        }
+    }
+    let mut violations: Vec<String> = times
+        .into_iter()
+        .filter(|&(_, n)| n > 1)
+        .map(|(op, n)| format!("remote op {op} applied {n} times by the nodes"))
+        .collect();
+    violations.extend(
+        ops_of_step
+            .into_iter()
+            .filter(|(_, ops)| ops.len() > 1)
+            .map(|((root, step), ops)| {
+                format!("root {root} step {step}: its operation applied under op ids {ops:?}")
+            }),
+    );
+    violations.sort();
+    violations
+}
+
 /// What [`check_evicted`] found.
 pub struct Evicted {
     /// Roots the engine had evicted.
