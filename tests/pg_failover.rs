@@ -289,21 +289,26 @@ fn a_leader_stopped_past_its_lease_and_continued_acts_on_nothing() {
         actix::clock::sleep(Duration::from_millis(rng.u64(0..50))).await;
         signal(&child, "-CONT");
         // It steps down (its writes fenced, its lease another's) and exits.
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                child.kill().unwrap();
-                panic!("the old leader did not step down");
-            }
-            actix::clock::sleep(Duration::from_millis(10)).await;
-        };
-        assert_eq!(status.code(), Some(STEPPED_DOWN), "{status}");
+        steps_down_and_exits(&mut child).await;
         check_the_standbys_run(&executor, &env, takeover).await;
         executor.shutdown_now().await.unwrap();
     });
+}
+
+/// Waits until the old leader `child` has stepped down and exited as it does then.
+async fn steps_down_and_exits(child: &mut Child) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if Instant::now() > deadline {
+            child.kill().unwrap();
+            panic!("the old leader did not step down");
+        }
+        actix::clock::sleep(Duration::from_millis(10)).await;
+    };
+    assert_eq!(status.code(), Some(STEPPED_DOWN), "{status}");
 }
 
 /// Waits until `ledger` holds a change made under fencing token `token`.
@@ -340,18 +345,7 @@ fn a_leader_continued_past_its_lease_calls_no_user_code() {
         // lands after the new leader's first change.
         first_change_under(&ledger, 2).await;
         signal(&child, "-CONT");
-        let deadline = Instant::now() + Duration::from_secs(60);
-        let status = loop {
-            if let Some(status) = child.try_wait().unwrap() {
-                break status;
-            }
-            if Instant::now() > deadline {
-                child.kill().unwrap();
-                panic!("the old leader did not step down");
-            }
-            actix::clock::sleep(Duration::from_millis(10)).await;
-        };
-        assert_eq!(status.code(), Some(STEPPED_DOWN), "{status}");
+        steps_down_and_exits(&mut child).await;
         for id in &executor.recovery().recovered_roots {
             let _ = executor.wait(*id).await.expect("recovered root finishes");
         }
