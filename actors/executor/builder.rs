@@ -641,10 +641,12 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             ..SchedulerViews::default()
         });
         let locks = LockActor::new(std::mem::take(&mut self.permits), views.clone()).start();
+        // The lease's epoch (every call's fencing token) and its term (the mandate's).
         #[cfg(feature = "postgres")]
-        let lease_term = leadership.as_ref().map(crate::actors::Leadership::term);
+        let (fencing_token, lease_term) =
+            leadership.as_ref().map(|l| (l.epoch(), l.term())).unzip();
         #[cfg(not(feature = "postgres"))]
-        let lease_term = None;
+        let (fencing_token, lease_term) = (None, None);
         let mandate = Mandate::new(lease_term);
         let remote = self.remote.take().map(|(transport, options)| {
             let dispatcher =
@@ -664,10 +666,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             views,
             broken: crate::cancel::Cancel::new(),
             mandate,
-            #[cfg(feature = "postgres")]
-            fencing_token: leadership.as_ref().map(crate::actors::Leadership::epoch),
-            #[cfg(not(feature = "postgres"))]
-            fencing_token: None,
+            fencing_token,
             remote,
         };
         let addr = self.create_actor(recovered, env, peers, owned);
@@ -930,8 +929,8 @@ struct Peers {
     locks: Addr<LockActor>,
     persistence: Addr<PersistenceActor>,
     views: Arc<SchedulerViews>,
-    /// Raised when the executor breaks (or steps down): the schedulers dispatch no
-    /// step from then on.
+    /// Raised when the executor breaks (or steps down): operator commands waiting on a
+    /// tree that will never write again are answered (the schedulers read `mandate`).
     broken: crate::cancel::Cancel,
     /// Whether user code may be called: until the executor breaks or steps down, and
     /// while the leader lease holds.

@@ -262,10 +262,12 @@ impl PgLease {
             }
             return;
         }
-        // Renew until stopped; give up (lost) when another epoch is found, or when no
-        // renewal has succeeded for two thirds of the period, which leaves the last
-        // third for the holder to stop before the lease can expire. A failed renewal
-        // is tried again at once, then after `retry` (doubling, bounded).
+        // Renew until stopped; give up (lost) when another epoch is found, or when the
+        // term is over (no renewal has succeeded for two thirds of the period), which
+        // leaves the last third for the holder to stop before the lease can expire.
+        // The term decides, as it does for the actors that read it, so the two never
+        // disagree. A failed renewal is tried again at once, then after `retry`
+        // (doubling, bounded). `renewed_at` only words the loss.
         let lose = |loss: Loss| {
             term.end();
             let _ = lost.send(Some(loss));
@@ -273,7 +275,7 @@ impl PgLease {
         let mut retry: Option<Duration> = None;
         loop {
             let wait = retry.unwrap_or(tick);
-            match stop.recv_timeout(wait.min(deadline.saturating_sub(renewed_at.elapsed()))) {
+            match stop.recv_timeout(wait.min(term.left())) {
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 // Stopped (the leadership dropped): let the lease go for a standby.
                 _ => {
@@ -286,7 +288,7 @@ impl PgLease {
             // Woken past the deadline (the process was stopped, or starved): lost
             // without asking the database, which takes a round trip the holder must
             // not spend acting.
-            if renewed_at.elapsed() >= deadline {
+            if !term.holds() {
                 lose(Loss {
                     reason: not_renewed(renewed_at),
                     taker: None,
@@ -302,7 +304,7 @@ impl PgLease {
                     // The lease runs from when the renewal was sent, at the latest. A
                     // term that ran out is over, even if this renewal then took: the
                     // executor may have stopped calling user code by its clock.
-                    if renewed_at.elapsed() >= deadline || !term.extend(started + deadline) {
+                    if !term.holds() || !term.extend(started + deadline) {
                         lose(Loss {
                             reason: not_renewed(renewed_at),
                             taker: None,
@@ -343,7 +345,7 @@ impl PgLease {
                     client = None;
                 }
             }
-            if renewed_at.elapsed() >= deadline {
+            if !term.holds() {
                 lose(Loss {
                     reason: not_renewed(renewed_at),
                     taker: None,
