@@ -1340,9 +1340,12 @@ where
 
     /// The name of the state the procedure is in, for operators (HBase's
     /// `toStringState`): shown by [`Executor::state`](crate::Executor::state) and
-    /// `list` as [`ProcInfo::state_name`](crate::ProcInfo::state_name). Asked before
-    /// each step; keep it cheap. [`StateMachine`](crate::StateMachine) gives the
-    /// current state's `Debug` name.
+    /// `list` as [`ProcInfo::state_name`](crate::ProcInfo::state_name). Asked when a
+    /// child is inserted, after a step that leaves the procedure waiting (for children,
+    /// an event or a timer), yielding, failed or done, and once a second while it runs
+    /// on from step to step (at its first step in each second), so what operators see
+    /// of a running procedure is at most a second old; keep it cheap.
+    /// [`StateMachine`](crate::StateMachine) gives the current state's `Debug` name.
     fn state_name(&self) -> Option<String> {
         None
     }

@@ -66,7 +66,9 @@ pub struct ProcInfo {
     /// The engine locks it is waiting for (all granted together).
     pub locks_waiting: Vec<Lock>,
     /// The name of the state it is in ([`Procedure::state_name`]; for a
-    /// [`StateMachine`](crate::StateMachine), its current state), as of its latest step.
+    /// [`StateMachine`](crate::StateMachine), its current state), as of its latest step
+    /// that left it waiting, paused, failed or finished; while it runs on from step to
+    /// step, at most a second old. `None` for a root before any of those.
     pub state_name: Option<String>,
     /// What it waits for, when it is not queued or running: children, an event, its
     /// timer, or engine locks.

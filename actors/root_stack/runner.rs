@@ -59,7 +59,7 @@ use crate::actors::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiti
 use operator::refuse;
 use procs::{Leaving, Slot};
 pub(crate) use table::publish_recovered;
-use table::{apply_rows, rows, Row};
+use table::{apply_rows, rows, Row, Rows};
 
 /// Decoded procedures waiting for their cells, with their encoded state.
 pub(crate) type Objects = SortedMap<ProcId, (DynProc, Vec<u8>)>;
@@ -69,7 +69,7 @@ lendable!(Pending);
 /// A transition waiting for its records to be durable: then its rows are published, its
 /// actions performed and its acks answered, in that order.
 struct Pending {
-    rows: Vec<Row>,
+    rows: Rows,
     actions: Vec<Action>,
     acks: Vec<AckWith>,
     durable: bool,
@@ -311,7 +311,7 @@ impl TreeRunner {
         let tree = inserts.then(|| self.me.clone());
         let mut rows = rows(&self.shared, &t.persist, tree.as_ref());
         for (named, name) in names {
-            for row in &mut rows {
+            for row in rows.as_mut_slice() {
                 let (id, state_name) = match row {
                     Row::Update { id, state_name, .. } => (*id, state_name),
                     Row::Insert(id, entry) => (*id, &mut entry.state_name),

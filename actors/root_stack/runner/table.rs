@@ -20,12 +20,44 @@ pub(super) enum Row {
     },
 }
 
+/// The rows one transition changes: most transitions write one record, whose row is
+/// kept inline (no allocation per step).
+#[derive(Default)]
+pub(super) enum Rows {
+    #[default]
+    None,
+    One(Row),
+    Many(Vec<Row>),
+}
+
+impl Rows {
+    fn push(&mut self, row: Row) {
+        *self = match std::mem::take(self) {
+            Rows::None => Rows::One(row),
+            Rows::One(first) => Rows::Many(vec![first, row]),
+            Rows::Many(mut rows) => {
+                rows.push(row);
+                Rows::Many(rows)
+            }
+        };
+    }
+
+    pub(super) fn as_mut_slice(&mut self) -> &mut [Row] {
+        match self {
+            Rows::None => &mut [],
+            Rows::One(row) => std::slice::from_mut(row),
+            Rows::Many(rows) => rows,
+        }
+    }
+}
+
 /// What `ops` will change in the procedure table once they are durable.
-pub(super) fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&TreeAddr>) -> Vec<Row> {
-    ops.iter()
-        .filter_map(|op| match op {
-            StoreOp::Insert(r) => Some(Row::Insert(r.id, Box::new(entry(shared, r, tree)))),
-            StoreOp::Update(r) => Some(Row::Update {
+pub(super) fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&TreeAddr>) -> Rows {
+    let mut rows = Rows::None;
+    for op in ops {
+        rows.push(match op {
+            StoreOp::Insert(r) => Row::Insert(r.id, Box::new(entry(shared, r, tree))),
+            StoreOp::Update(r) => Row::Update {
                 id: r.id,
                 state: r.state,
                 steps: steps_of(r),
@@ -35,10 +67,11 @@ pub(super) fn rows(shared: &Shared, ops: &[StoreOp], tree: Option<&TreeAddr>) ->
                 waiting: Waiting::of(r),
                 state_name: None,
                 steering: steering_of(r),
-            }),
-            StoreOp::Delete(_) => None,
-        })
-        .collect()
+            },
+            StoreOp::Delete(_) => continue,
+        });
+    }
+    rows
 }
 
 /// The table's entry for a new procedure, from its record.
@@ -74,41 +107,47 @@ pub(super) fn steering_of(r: &ProcRecord) -> Option<Box<Steering>> {
     (r.steering != Steering::default()).then(|| Box::new(r.steering.clone()))
 }
 
-pub(super) fn apply_rows(shared: &Shared, rows: Vec<Row>) {
-    for row in rows {
-        match row {
-            Row::Insert(id, entry) => {
-                let state = entry.state;
-                let old = shared.table.insert(id, *entry).map(|e| e.state);
-                shared.proc_gauges.moved(old, Some(state));
-            }
-            Row::Update {
-                id,
-                state,
-                steps,
-                updated_ms,
-                value,
-                bypassed,
-                waiting,
-                state_name,
-                steering,
-            } => {
-                if let Some(mut e) = shared.table.get_mut(&id) {
-                    shared.proc_gauges.moved(Some(e.state), Some(state));
-                    e.steering = steering;
-                    e.state = state;
-                    e.steps = steps;
-                    e.updated_ms = updated_ms;
-                    e.waiting = waiting;
-                    if state_name.is_some() {
-                        e.state_name = state_name;
-                    }
-                    if value.is_some() {
-                        e.extra_mut().value = value;
-                    }
-                    if bypassed {
-                        e.extra_mut().bypassed = true;
-                    }
+pub(super) fn apply_rows(shared: &Shared, rows: Rows) {
+    match rows {
+        Rows::None => {}
+        Rows::One(row) => apply_row(shared, row),
+        Rows::Many(rows) => rows.into_iter().for_each(|row| apply_row(shared, row)),
+    }
+}
+
+fn apply_row(shared: &Shared, row: Row) {
+    match row {
+        Row::Insert(id, entry) => {
+            let state = entry.state;
+            let old = shared.table.insert(id, *entry).map(|e| e.state);
+            shared.proc_gauges.moved(old, Some(state));
+        }
+        Row::Update {
+            id,
+            state,
+            steps,
+            updated_ms,
+            value,
+            bypassed,
+            waiting,
+            state_name,
+            steering,
+        } => {
+            if let Some(mut e) = shared.table.get_mut(&id) {
+                shared.proc_gauges.moved(Some(e.state), Some(state));
+                e.steering = steering;
+                e.state = state;
+                e.steps = steps;
+                e.updated_ms = updated_ms;
+                e.waiting = waiting;
+                if state_name.is_some() {
+                    e.state_name = state_name;
+                }
+                if value.is_some() {
+                    e.extra_mut().value = value;
+                }
+                if bypassed {
+                    e.extra_mut().bypassed = true;
                 }
             }
         }
