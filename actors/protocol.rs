@@ -20,9 +20,13 @@
 //! Enqueue (root stack -> its shard's scheduler, or the lock actor when the step needs
 //! locks) is sent only once the transition that caused it is durable and performed, so
 //! the step's RunStep reaches the root stack after the transition's actions (the step's
-//! actor started, for a new child). RunStep (scheduler -> the procedure, through its
-//! tree's shard as a ToProc and its root stack, which forwards it to the procedure's
-//! actor, starting one if the procedure waited) counts against a worker. Every RunStep
+//! actor started, for a new child). RunStep (scheduler -> the procedure) counts against
+//! a worker. It goes straight to the procedure's actor (DirectStep) when the root stack
+//! named the actor in the Enqueue (the actor runs, the procedure declares no locks, its
+//! step sees no children); a straight step the actor does not take goes back through
+//! the tree as it drops, and one it took is named in its Exited. Otherwise it goes
+//! through the tree's shard as a ToProc and its root stack, which forwards it to the
+//! procedure's actor, starting one if the procedure waited. Every RunStep
 //! is answered by exactly one StepDone (the procedure actor's report), and the root
 //! stack frees the worker (StepFinished -> scheduler) only after feeding that report to
 //! the core and queueing its records (Persist) and any Enqueue it caused without a
@@ -36,8 +40,8 @@
 //! code, and the steps' calls with it), frees the worker of any step of the tree still
 //! running.
 //!
-//! Messages: `Enqueue`, `StepFinished`, `TreeEnded` (`scheduler.rs`); `RunStep`
-//! (`procedure/`); `ToProc`, `StepDone` (`root_stack/`).
+//! Messages: `Enqueue`, `StepFinished`, `TreeEnded` (`scheduler.rs`); `RunStep`,
+//! `DirectStep` (`procedure/`); `ToProc`, `StepDone` (`root_stack/`).
 //!
 //! ## Locks: the lock actor owns the lock table
 //!
@@ -141,6 +145,8 @@ use actix::prelude::*;
 use crate::procedure::ProcId;
 
 use super::locks::LockActor;
+use super::perturb;
+use super::procedure::{DirectStep, ProcMsg, ProcedureActor};
 use super::scheduler::SchedulerActor;
 use super::shard::{Mail, TreeHandle};
 
@@ -171,11 +177,48 @@ pub(crate) type TreeAddr = std::sync::Arc<TreeHandle>;
 pub(crate) struct ProcAddr {
     tree: TreeAddr,
     id: ProcId,
+    /// The procedure's actor, when its root stack queued a step it may be sent
+    /// straight ([`ProcAddr::run`]).
+    actor: Option<std::sync::Arc<Addr<ProcedureActor>>>,
 }
 
 impl ProcAddr {
     pub(crate) fn new(tree: TreeAddr, id: ProcId) -> Self {
-        ProcAddr { tree, id }
+        ProcAddr {
+            tree,
+            id,
+            actor: None,
+        }
+    }
+
+    /// The same, with the actor its queued step goes straight to.
+    pub(crate) fn with_actor(mut self, actor: std::sync::Arc<Addr<ProcedureActor>>) -> Self {
+        self.actor = Some(actor);
+        self
+    }
+
+    /// Whether its step goes straight to the procedure's actor.
+    #[cfg(test)]
+    pub(crate) fn straight(&self) -> bool {
+        self.actor.is_some()
+    }
+
+    /// Sends the procedure its `step`: straight to its actor if its root stack named
+    /// one, else through its tree, in `mail`.
+    pub(crate) fn run(self, mail: &mut Mail, step: usize) {
+        match self.actor {
+            Some(actor) => {
+                perturb::point("protocol::run::direct");
+                actor.do_send(ProcMsg::Direct(DirectStep::new(self.tree, self.id, step)));
+            }
+            None => self.post(
+                mail,
+                RunStep {
+                    step,
+                    children: None,
+                },
+            ),
+        }
     }
 
     /// Its tree's address.

@@ -32,7 +32,7 @@ use crate::workers::{Change, WorkerPolicy, Workers};
 use super::locks::LockActor;
 use super::metrics;
 use super::perturb;
-use super::protocol::{FromShard, ProcAddr, Release, ReleaseLocks, RunStep, ToCell};
+use super::protocol::{FromShard, ProcAddr, Release, ReleaseLocks, ToCell};
 use super::shard::Mail;
 use super::shared::{now_ms, SchedulerViews};
 
@@ -336,13 +336,7 @@ impl SchedulerActor {
                         self.overlapped.entry(id).or_default().push_back(running);
                     }
                 }
-                addr.post(
-                    &mut self.mail,
-                    RunStep {
-                        step: what.1,
-                        children: None,
-                    },
-                );
+                addr.run(&mut self.mail, what.1);
             } else {
                 tracing::warn!(target: crate::targets::SCHEDULER, proc = %id, "queued procedure has no root stack");
                 self.free_worker(id, lane, locked);

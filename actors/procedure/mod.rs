@@ -41,7 +41,7 @@ use crate::root_stack::{ChildrenSeen, RollbackOf};
 
 use super::guard::panic_message;
 use super::lent::Lent;
-use super::protocol::{AbortAck, Outgoing, Report};
+use super::protocol::{AbortAck, Outgoing, Report, ToProc, TreeAddr};
 use super::root_stack::{FromProc, RootStackActor};
 use super::shard::{Counted, ShardIo};
 use super::shared::TreeStatus;
@@ -56,6 +56,9 @@ pub(crate) enum ProcMsg {
     /// From the scheduler or the lock actor: run a step, roll one back, locks granted
     /// or failed.
     Cell(ToCell),
+    /// From the scheduler, straight to this actor (its root stack named it when it
+    /// queued the step): run a step.
+    Direct(DirectStep),
     /// An operator's abort.
     Abort(AbortAck),
     /// Its deadline (as it was when the timer was armed) has passed.
@@ -137,6 +140,10 @@ pub(crate) struct ProcedureActor {
     told: bool,
     /// Why it stops untold, if it knows (a panic out of engine code).
     exit_reason: Option<String>,
+    /// The step it was sent and has not reported yet: its exit tells its root stack
+    /// it took the step (one sent straight from the scheduler is otherwise unknown
+    /// to the root stack until it reports).
+    in_step: Option<usize>,
     /// Counted among its shard's procedure actors while it lives.
     _counted: Counted,
 }
@@ -159,6 +166,7 @@ impl ProcedureActor {
             calls: 0,
             told: false,
             exit_reason: None,
+            in_step: None,
             _counted: counted,
         }
     }
@@ -166,6 +174,9 @@ impl ProcedureActor {
     /// Sends what the cell reported, in order.
     fn send_reports(&mut self) {
         while let Some(report) = self.out.pop_front() {
+            if let Report::StepDone(_) = report {
+                self.in_step = None;
+            }
             self.root_stack.do_send(FromProc::Report(report));
         }
         self.out.release();
@@ -254,8 +265,16 @@ impl ProcedureActor {
     /// Hands a message to the cell and sends what it reported.
     fn deliver(&mut self, msg: ProcMsg, ctx: &mut Context<Self>) {
         let Some(cell) = self.cell.as_mut() else {
+            // A step sent straight here goes back through the tree as it drops.
             return;
         };
+        let msg = match msg {
+            ProcMsg::Direct(run) => ProcMsg::Cell(ToCell::RunStep(run.take())),
+            msg => msg,
+        };
+        if let ProcMsg::Cell(ToCell::RunStep(run)) = &msg {
+            self.in_step = Some(run.step);
+        }
         let out = &mut self.out;
         match msg {
             ProcMsg::Cell(msg) => {
@@ -312,11 +331,12 @@ impl Drop for ProcedureActor {
                 .exit_reason
                 .take()
                 .unwrap_or_else(|| "stopped without being told".to_string());
-            self.root_stack.do_send(FromProc::Exited(
-                self.id,
-                self.generation,
-                reason.into_boxed_str(),
-            ));
+            self.root_stack.do_send(FromProc::Exited {
+                id: self.id,
+                generation: self.generation,
+                reason: reason.into_boxed_str(),
+                in_step: self.in_step,
+            });
         }
     }
 }
@@ -411,6 +431,51 @@ pub(crate) struct RunStep {
     /// For a parent: its children as they are now (filled in by its root stack, whose
     /// bookkeeping has them; see `Context::children`).
     pub(crate) children: Option<Box<ChildrenSeen>>,
+}
+
+/// A step the scheduler sends straight to the procedure's actor, which its root stack
+/// named when it queued the step. If the actor does not take it (it stopped before
+/// handling it, or has no cell any more), dropping it sends it through the tree as a
+/// [`RunStep`], which the root stack forwards to the procedure's current actor: a
+/// dispatched step is never lost, and it goes back once only.
+pub(crate) struct DirectStep {
+    id: ProcId,
+    step: usize,
+    /// The tree it goes back through; `None` once taken.
+    back: Option<TreeAddr>,
+}
+
+impl DirectStep {
+    pub(crate) fn new(tree: TreeAddr, id: ProcId, step: usize) -> Self {
+        DirectStep {
+            id,
+            step,
+            back: Some(tree),
+        }
+    }
+
+    /// The actor takes it: it goes back no more.
+    fn take(mut self) -> RunStep {
+        self.back = None;
+        RunStep {
+            step: self.step,
+            children: None,
+        }
+    }
+}
+
+impl Drop for DirectStep {
+    fn drop(&mut self) {
+        if let Some(tree) = self.back.take() {
+            tree.do_send(ToProc {
+                id: self.id,
+                msg: ToCell::RunStep(RunStep {
+                    step: self.step,
+                    children: None,
+                }),
+            });
+        }
+    }
 }
 
 /// The locks the procedure holds for its life were granted (from the lock actor, through

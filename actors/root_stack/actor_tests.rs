@@ -16,7 +16,7 @@ use crate::actors::locks::LockActor;
 use crate::actors::persistence::PersistenceActor;
 use crate::actors::procedure::declare;
 use crate::actors::protocol::{
-    AbortRequest, FromShard, LocksFromShard, Persist, RunStep, ToPersistence, ToScheduler,
+    AbortRequest, Enqueue, FromShard, LocksFromShard, Persist, ToPersistence, ToScheduler,
     TreeAddr, TreeFinished, TreeNews,
 };
 use crate::actors::scheduler::{Monitor, Queueing, SchedulerActor, SchedulerSetup};
@@ -137,10 +137,13 @@ fn answer(persists: Vec<Persist>) {
     mail.send();
 }
 
-/// Stands in for the shard's scheduler: runs every queued step at once, and counts the
-/// steps that finished.
+/// Stands in for the shard's scheduler: runs every queued step at once (or, while
+/// `hold` is set, keeps it in `queued` for the test to run), and counts the steps that
+/// finished.
 struct TestScheduler {
     finished: Arc<Mutex<Vec<ProcId>>>,
+    hold: Arc<std::sync::atomic::AtomicBool>,
+    queued: Arc<Mutex<Vec<Enqueue>>>,
 }
 
 impl Actor for TestScheduler {
@@ -155,11 +158,11 @@ impl Handler<FromShard> for TestScheduler {
         for m in msg.0 {
             match m {
                 ToScheduler::Enqueue(e) => {
-                    let run = RunStep {
-                        step: e.what.1,
-                        children: None,
-                    };
-                    e.addr.post(&mut mail, run);
+                    if self.hold.load(std::sync::atomic::Ordering::SeqCst) {
+                        self.queued.lock().unwrap().push(e);
+                    } else {
+                        e.addr.run(&mut mail, e.what.1);
+                    }
                 }
                 ToScheduler::StepFinished(f) => self.finished.lock().unwrap().push(f.0),
                 ToScheduler::TreeEnded(_) => {}
@@ -214,6 +217,8 @@ struct Harness {
     auto: Arc<std::sync::atomic::AtomicBool>,
     results: Arc<Mutex<Vec<TreeFinished>>>,
     steps_finished: Arc<Mutex<Vec<ProcId>>>,
+    hold_steps: Arc<std::sync::atomic::AtomicBool>,
+    queued_steps: Arc<Mutex<Vec<Enqueue>>>,
     submitted: oneshot::Receiver<Result<ProcId, Error>>,
 }
 
@@ -256,8 +261,12 @@ impl Harness {
         }
         .start();
         let steps_finished = Arc::new(Mutex::new(Vec::new()));
+        let hold_steps = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let queued_steps = Arc::new(Mutex::new(Vec::new()));
         let test_scheduler = TestScheduler {
             finished: steps_finished.clone(),
+            hold: hold_steps.clone(),
+            queued: queued_steps.clone(),
         }
         .start();
         let results = Arc::new(Mutex::new(Vec::new()));
@@ -304,7 +313,19 @@ impl Harness {
             auto,
             results,
             steps_finished,
+            hold_steps,
+            queued_steps,
             submitted,
+        }
+    }
+
+    /// Waits until a step is queued (while steps are held) and takes it.
+    async fn queued_step(&self) -> Enqueue {
+        loop {
+            if let Some(step) = self.queued_steps.lock().unwrap().pop() {
+                return step;
+            }
+            tokio::task::yield_now().await;
         }
     }
 
@@ -483,6 +504,50 @@ async fn a_procedure_actor_that_dies_in_a_step_is_started_again_by_its_root_stac
         h.log.calls(),
         ["a exec 1", "a exec 2", "a exec 2", "a exec 3"],
         "the cut-off step ran again from the state before it"
+    );
+    assert_eq!(
+        h.steps_finished.lock().unwrap().len(),
+        3,
+        "one worker a step"
+    );
+}
+
+/// A step the scheduler sends straight to the procedure's actor, whose actor stopped
+/// after the step was queued: the message goes back through the tree as it drops, and
+/// the root stack hands it to the procedure's new actor, where it runs once.
+#[cfg(feature = "perturb")]
+#[actix::test]
+async fn a_step_sent_straight_to_an_actor_that_stopped_comes_back_through_its_tree() {
+    use super::KillProcedure;
+    let mut h = Harness::start(p("a", 3), true);
+    h.hold_steps.store(true, std::sync::atomic::Ordering::SeqCst);
+    assert_eq!((&mut h.submitted).await.unwrap().unwrap(), h.root);
+    // The first step, straight to the actor its submit started.
+    let first = h.queued_step().await;
+    assert!(first.addr.straight(), "queued with its actor");
+    let mut mail = Mail::default();
+    first.addr.run(&mut mail, first.what.1);
+    mail.send();
+    // The second, queued straight to the actor that ran the first; which then stops.
+    let second = h.queued_step().await;
+    assert!(second.addr.straight(), "queued with its actor");
+    h.tree.do_send(KillProcedure {
+        id: h.root,
+        panic: false,
+    });
+    h.settle().await;
+    h.hold_steps.store(false, std::sync::atomic::Ordering::SeqCst);
+    let mut mail = Mail::default();
+    second.addr.run(&mut mail, second.what.1);
+    mail.send();
+    let result = tokio::time::timeout(Duration::from_secs(60), h.finish())
+        .await
+        .expect("the step sent to the stopped actor came back and ran");
+    assert!(matches!(result.result, Ok(Ok(()))));
+    assert_eq!(
+        h.log.calls(),
+        ["a exec 1", "a exec 2", "a exec 3"],
+        "each step ran once"
     );
     assert_eq!(
         h.steps_finished.lock().unwrap().len(),

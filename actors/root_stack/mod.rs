@@ -117,8 +117,14 @@ pub(crate) enum FromProc {
     /// It ran its `Stop` (lock released, cleanup run) and stopped.
     Stopped(ProcId),
     /// The actor of this activation (its generation) stopped without being told, for
-    /// the reason given: it is started again, within the restart limit.
-    Exited(ProcId, u32, Box<str>),
+    /// the reason given, in the step it names if it had taken one and not reported
+    /// it: it is started again, within the restart limit.
+    Exited {
+        id: ProcId,
+        generation: u32,
+        reason: Box<str>,
+        in_step: Option<usize>,
+    },
 }
 
 impl Message for FromProc {

@@ -588,11 +588,25 @@ impl TreeRunner {
         ProcAddr::new(self.me.clone(), id)
     }
 
-    fn enqueue(&self, id: ProcId, place: Place, ctx: &mut TreeCtx<'_>) {
+    fn enqueue(&mut self, id: ProcId, place: Place, ctx: &mut TreeCtx<'_>) {
         if !self.procs.contains_key(&id) {
             unreachable!("enqueue of {id}, which is not live");
         }
-        if let Some(step) = self.enqueue_msg(id, place) {
+        if let Some(mut step) = self.enqueue_msg(id, place) {
+            // The scheduler sends the step straight to the procedure's actor when it
+            // runs, declares no locks (their grants and failures come through the
+            // tree, in order with its steps) and its step sees no children (their
+            // states are the root stack's, as they are at dispatch); otherwise through
+            // the tree.
+            let straight = step.lock.is_none()
+                && self.core.lock_request(id, false).is_none()
+                && self.core.children_of(id).is_none();
+            if let Some(actor) = straight
+                .then(|| self.straight_to(id, step.what.1))
+                .flatten()
+            {
+                step.addr = step.addr.with_actor(actor);
+            }
             ctx.tell(step);
         }
     }

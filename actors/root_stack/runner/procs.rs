@@ -24,7 +24,9 @@ pub(in crate::actors::root_stack) type Leaving = Option<Box<SortedMap<ProcId, Bo
 
 /// A procedure's running actor, as its root stack knows it.
 pub(in crate::actors::root_stack) struct Live {
-    addr: Addr<ProcedureActor>,
+    /// Shared with the steps queued for it ([`Live::queue_step`]): cloning an actix
+    /// `Addr` allocates.
+    addr: Arc<Addr<ProcedureActor>>,
     /// Which activation this is (an exit report names it).
     generation: u32,
     /// The state it last reported (or was reset to): where it starts again if its
@@ -41,8 +43,14 @@ pub(in crate::actors::root_stack) struct Live {
 #[derive(Clone, Copy)]
 enum Busy {
     No,
+    /// A step queued with the scheduler, which sends it straight to this actor: it is
+    /// the actor's once it takes it (its exit says so), and comes back through the
+    /// tree if the actor stops first.
+    Queued(usize),
     Step(usize),
-    Rollback { of: RollbackOf },
+    Rollback {
+        of: RollbackOf,
+    },
 }
 
 impl Slot {
@@ -64,6 +72,17 @@ impl Slot {
 }
 
 impl Live {
+    /// The actor a step of it just queued may be sent to straight (and it is then
+    /// not passivated until it reports that step), if it runs and is not handing its
+    /// cell back.
+    fn queue_step(&mut self, step: usize) -> Option<Arc<Addr<ProcedureActor>>> {
+        if self.held.is_some() || !matches!(self.busy, Busy::No) {
+            return None;
+        }
+        self.busy = Busy::Queued(step);
+        Some(self.addr.clone())
+    }
+
     /// Sends `msg` (or holds it while a passivation is answered), noting what it asks.
     fn post(&mut self, msg: ProcMsg) {
         match &msg {
@@ -128,7 +147,7 @@ fn start(
     *generation = generation.wrapping_add(1);
     *live += 1;
     let checkpoint = cell.data().to_vec();
-    let addr = ctx.start_procedure(cell, *generation);
+    let addr = Arc::new(ctx.start_procedure(cell, *generation));
     Box::new(Live {
         addr,
         generation: *generation,
@@ -158,6 +177,16 @@ impl TreeRunner {
         ctx: &mut TreeCtx<'_>,
     ) -> Box<Live> {
         start(&mut self.generation, &mut self.live, cell, ctx)
+    }
+
+    /// The actor a step of `id` just queued may be sent straight to, if it has one
+    /// that may take it (see [`Live::queue_step`]).
+    pub(super) fn straight_to(
+        &mut self,
+        id: ProcId,
+        step: usize,
+    ) -> Option<Arc<Addr<ProcedureActor>>> {
+        self.procs.get_mut(&id)?.live.as_mut()?.queue_step(step)
     }
 
     /// Sends `msg` to live procedure `id`, starting its actor if it waits; gives the
@@ -200,8 +229,13 @@ impl TreeRunner {
                     self.publish_result(ctx);
                 }
             }
-            FromProc::Exited(id, generation, reason) => {
-                self.on_exited(id, generation, &reason, ctx);
+            FromProc::Exited {
+                id,
+                generation,
+                reason,
+                in_step,
+            } => {
+                self.on_exited(id, generation, &reason, in_step, ctx);
             }
         }
         self.stop_when_quiet(ctx);
@@ -408,10 +442,23 @@ impl TreeRunner {
     /// An actor stopped without being told. If it is the current actor of a live
     /// procedure, the procedure starts again from the state it last reported, as
     /// recovery would start it after a crash.
-    fn on_exited(&mut self, id: ProcId, generation: u32, reason: &str, ctx: &mut TreeCtx<'_>) {
+    fn on_exited(
+        &mut self,
+        id: ProcId,
+        generation: u32,
+        reason: &str,
+        in_step: Option<usize>,
+        ctx: &mut TreeCtx<'_>,
+    ) {
         if let Some(slot) = self.procs.get_mut(&id) {
-            if let Some(old) = slot.live.take_if(|live| live.generation == generation) {
+            if let Some(mut old) = slot.live.take_if(|live| live.generation == generation) {
                 self.live -= 1;
+                // A step sent straight from the scheduler was the actor's if it took
+                // it; if not, it comes back through the tree, to the new actor.
+                if let (Busy::Queued(queued), Some(taken)) = (old.busy, in_step) {
+                    debug_assert_eq!(queued, taken, "procedure {id} took another step");
+                    old.busy = Busy::Step(taken);
+                }
                 self.restart(id, *old, reason, ctx);
             }
             return;
@@ -487,6 +534,9 @@ impl TreeRunner {
         let mut live = self.activate(Box::new(cell), ctx);
         match busy {
             Busy::No => {}
+            // Its step comes back through the tree (the scheduler's message to the
+            // old actor goes back as it drops); until then it is not passivated.
+            Busy::Queued(step) => live.busy = Busy::Queued(step),
             // Its step may have done part of its work: as after a crash, it runs
             // again, and should its tree fail first, it is rolled back as interrupted.
             Busy::Step(step) => {
@@ -538,6 +588,7 @@ impl std::fmt::Debug for Busy {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             Busy::No => f.write_str("idle"),
+            Busy::Queued(step) => write!(f, "with step {step} queued"),
             Busy::Step(step) => write!(f, "in step {step}"),
             Busy::Rollback { .. } => f.write_str("in a rollback"),
         }
