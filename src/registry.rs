@@ -339,7 +339,7 @@ impl Types {
     ) -> Result<&'static str, RegistryError> {
         let name = self
             .name(proc.proc_type_id())
-            .ok_or(RegistryError::Unregistered {
+            .ok_or_else(|| RegistryError::Unregistered {
                 rust_type: proc.rust_type_name(),
             })?;
         proc.encode_state_into(out)

@@ -283,6 +283,18 @@ pub struct Transition {
     pub actions: Vec<Action>,
 }
 
+impl Transition {
+    /// Adds a record to persist. Most transitions persist one: the list starts with
+    /// room for exactly one (a `Vec`'s first growth, to four records of some 300 bytes,
+    /// is past the allocator's small sizes, on its slow path).
+    fn push_op(&mut self, op: StoreOp) {
+        if self.persist.capacity() == 0 {
+            self.persist.reserve_exact(1);
+        }
+        self.persist.push(op);
+    }
+}
+
 /// Where the tree is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -1151,8 +1163,7 @@ impl RootStack {
         };
         let old = self.nodes.insert(id, node);
         assert!(old.is_none(), "procedure {id} added twice");
-        t.persist
-            .push(StoreOp::Insert(self.record(id, data, now_ms)));
+        t.push_op(StoreOp::Insert(self.record(id, data, now_ms)));
         t.actions.push(Action::Spawn(id));
         self.enqueue(t, id, Place::Back);
     }
@@ -1364,11 +1375,10 @@ impl RootStack {
             _ => true,
         });
         self.node_mut(root).stack_indexes.clear();
-        t.persist
-            .push(StoreOp::Update(self.record(root, data, now_ms)));
+        t.push_op(StoreOp::Update(self.record(root, data, now_ms)));
         for (&id, node) in self.nodes.iter_mut() {
             if id != root {
-                t.persist.push(StoreOp::Delete(id));
+                t.push_op(StoreOp::Delete(id));
             }
             if !node.stopped {
                 node.stopped = true;
@@ -1382,8 +1392,7 @@ impl RootStack {
     }
 
     fn persist_update(&self, t: &mut Transition, id: ProcId, data: Vec<u8>, now_ms: u64) {
-        t.persist
-            .push(StoreOp::Update(self.record(id, data, now_ms)));
+        t.push_op(StoreOp::Update(self.record(id, data, now_ms)));
     }
 
     fn record(&self, id: ProcId, data: Vec<u8>, now_ms: u64) -> ProcRecord {

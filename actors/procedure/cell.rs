@@ -310,14 +310,22 @@ impl ProcedureCell {
         }
         SCRATCH.with_borrow_mut(|buf| {
             buf.clear();
-            let encoded = self.shared.registry.encode_into(proc, buf);
+            // Its type is registered under `type_name` (it was encoded before, at its
+            // insert): no lookup of the name again.
+            let encoded = proc.encode_state_into(buf);
             let result = match encoded {
-                Ok(_) => {
+                Ok(()) => {
                     self.data.clear();
                     self.data.extend_from_slice(buf);
                     Ok(buf.to_vec())
                 }
-                Err(e) => Err(ProcError::Persist(e.to_string())),
+                Err(source) => Err(ProcError::Persist(
+                    RegistryError::Encode {
+                        name: self.type_name,
+                        source,
+                    }
+                    .to_string(),
+                )),
             };
             // One huge state must not pin its buffer for the thread's life.
             if buf.capacity() > SCRATCH_KEEP {
