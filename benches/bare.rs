@@ -29,9 +29,9 @@ use actix::prelude::*;
 use clap::Parser;
 use serde::Serialize;
 
-/// Like the workload, the benchmark uses mimalloc.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+/// Like the workload, the benchmark uses mimalloc, with the same options.
+#[path = "common/allocator.rs"]
+mod allocator;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -237,6 +237,7 @@ fn round3(x: f64) -> f64 {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    allocator::keep_freed_memory();
     let args = Args::parse();
     let report = actix::System::new().block_on(run(&args))?;
     println!("{report}");

@@ -8,7 +8,10 @@
 #    with bare's ÷ proctor's (a throughput-like ratio: 0.5 is half bare's efficiency);
 # 2. instructions per step (valgrind's callgrind, memory stores, 3 steps each): the
 #    total of a run of INSTR_PROCS procedures ÷ its steps, and the marginal cost between
-#    INSTR_PROCS and 2·INSTR_PROCS procedures (which leaves out start-up);
+#    INSTR_PROCS and 2·INSTR_PROCS procedures (which leaves out start-up); with the same
+#    runs' allocations (calls into the allocator), memcpy calls and actix messages
+#    handled, per step, for the bare design, the design's empty shape
+#    (`benches/shape.rs --batch`) and proctor;
 # 3. bytes per idle procedure (`benches/idle.rs --procs IDLE`: each design, and proctor on
 #    each store, in a process of its own; live heap bytes and resident-set growth);
 # 4. recovery ÷ raw read (`benches/recovery.rs --start` with RECOVERY_PROCS procedures:
@@ -35,7 +38,7 @@ RECOVERY_PROCS=${RECOVERY_PROCS:-1000000}
 SCALE=${SCALE-"1000 20000"}
 
 # The executables, as cargo reports them (wherever the target directory is).
-executables=$(cargo build --release --example workload --bench bare --bench idle --bench recovery \
+executables=$(cargo build --release --example workload --bench bare --bench shape --bench idle --bench recovery \
   --message-format=json-render-diagnostics | python3 -c '
 import json, sys
 for line in sys.stdin:
@@ -46,6 +49,7 @@ for line in sys.stdin:
 exe() { awk -v n="$1" '$1 == n { print $2 }' <<<"$executables"; }
 workload=$(exe workload)
 bare=$(exe bare)
+shape=$(exe shape)
 idle=$(exe idle)
 recovery=$(exe recovery)
 
@@ -71,19 +75,44 @@ for c in $SCALE; do
   done
 done
 
-# Total instructions of one run under callgrind.
-instructions() {
+# Counts of one run under callgrind: total instructions, calls into the allocator
+# (malloc, zeroed, realloc), memcpy calls and actix messages handled (envelopes).
+counts() {
   local file
   file=$(mktemp callgrind.compare.XXXXXX)
   valgrind --tool=callgrind --callgrind-out-file="$file" "$@" >/dev/null 2>&1
-  awk '/^summary:/ { print $2 }' "$file"
+  python3 - "$file" <<'PY'
+import re, sys
+names, cfn, calls = {}, None, {"alloc": 0, "memcpy": 0, "messages": 0}
+kinds = [
+    ("alloc", re.compile(r"^(mi_malloc_aligned|mi_zalloc_aligned|mi_realloc_aligned|malloc|calloc|realloc)$")),
+    ("memcpy", re.compile(r"^__memcpy")),
+    ("messages", re.compile(r"SyncEnvelopeProxy<M> as actix::address::envelope::EnvelopeProxy<A>>::handle$")),
+]
+total = 0
+for line in open(sys.argv[1], errors="replace"):
+    if line.startswith("summary:"):
+        total = int(line.split()[1])
+    m = re.match(r"c?fn=\((\d+)\)(?: (.*))?", line)
+    if m:
+        if m.group(2):
+            names[m.group(1)] = m.group(2).strip()
+        cfn = names.get(m.group(1)) if line.startswith("cfn=") else None
+    elif line.startswith("calls=") and cfn:
+        for kind, rx in kinds:
+            if rx.search(cfn):
+                calls[kind] += int(line.split("=")[1].split()[0])
+        cfn = None
+print(total, calls["alloc"], calls["memcpy"], calls["messages"])
+PY
   rm -f "$file"
 }
 if [ "$INSTR_PROCS" -gt 0 ] && command -v valgrind >/dev/null; then
   for n in "$INSTR_PROCS" $((2 * INSTR_PROCS)); do
     echo "callgrind, $n procedures" >&2
-    printf 'instr bare %s %s\n' "$n" "$(instructions "$bare" --procs "$n" --steps 3 --concurrency 1000 --memory)" >>"$out"
-    printf 'instr proctor %s %s\n' "$n" "$(instructions "$workload" --store memory --procs "$n" --steps 3)" >>"$out"
+    printf 'instr bare %s %s\n' "$n" "$(counts "$bare" --procs "$n" --steps 3 --concurrency 1000 --memory)" >>"$out"
+    printf 'instr shape %s %s\n' "$n" "$(counts "$shape" --procs "$n" --steps 3 --concurrency 1000 --memory --batch)" >>"$out"
+    printf 'instr proctor %s %s\n' "$n" "$(counts "$workload" --store memory --procs "$n" --steps 3 --concurrency 1000)" >>"$out"
   done
 fi
 
@@ -106,7 +135,7 @@ for line in open(sys.argv[1]):
         # `store` is the number of shards (arbiters, for bare).
         scale.setdefault((int(c), kind[6:], int(store)), []).append(json.loads(report)["steps_per_s"])
     elif kind == "instr":
-        instr[(store, int(c))] = int(report)
+        instr[(store, int(c))] = [int(x) for x in report.split()]
     elif kind == "idle":
         idle = json.loads(report)
     elif kind == "recovery":
@@ -138,16 +167,23 @@ if cpu:
 
 if instr:
     print()
-    print("| instructions per step (callgrind, memory) | bare | proctor | proctor / bare |")
-    print("| --- | ---: | ---: | ---: |")
+    designs = ("bare", "shape", "proctor")
     sizes = sorted({n for (_, n) in instr})
-    per = {d: {n: instr[(d, n)] / (3 * n) for n in sizes} for d in ("bare", "proctor")}
-    for n in sizes:
-        print(f"| total ÷ steps, {n:,} procedures | {per['bare'][n]:,.0f} | {per['proctor'][n]:,.0f} | {per['proctor'][n] / per['bare'][n]:.1f} |")
-    if len(sizes) == 2:
-        lo, hi = sizes
-        m = {d: (instr[(d, hi)] - instr[(d, lo)]) / (3 * (hi - lo)) for d in ("bare", "proctor")}
-        print(f"| marginal, {lo:,} → {hi:,} procedures | {m['bare']:,.0f} | {m['proctor']:,.0f} | {m['proctor'] / m['bare']:.1f} |")
+    what = ("instructions", "allocations", "memcpy calls", "actix messages")
+    print("| per step (callgrind, memory stores, 3 steps a procedure) | bare | shape --batch | proctor | proctor / shape |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for i, name in enumerate(what):
+        for n in sizes:
+            per = {d: instr[(d, n)][i] / (3 * n) for d in designs}
+            fmt = "{:,.0f}" if i == 0 else "{:,.1f}"
+            cells = " | ".join(fmt.format(per[d]) for d in designs)
+            print(f"| {name}, total ÷ steps, {n:,} procedures | {cells} | {per['proctor'] / per['shape']:.2f} |")
+        if len(sizes) == 2:
+            lo, hi = sizes
+            m = {d: (instr[(d, hi)][i] - instr[(d, lo)][i]) / (3 * (hi - lo)) for d in designs}
+            fmt = "{:,.0f}" if i == 0 else "{:,.1f}"
+            cells = " | ".join(fmt.format(m[d]) for d in designs)
+            print(f"| {name}, marginal {lo:,} → {hi:,} procedures | {cells} | {m['proctor'] / m['shape']:.2f} |")
 
 if idle:
     print()

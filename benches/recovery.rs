@@ -80,9 +80,9 @@ fn record(id: u64, version: u8) -> ProcRecord {
 }
 
 /// Decoding a million records allocates a lot; like the workload, the benchmark uses
-/// mimalloc (the library leaves the allocator to the program).
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+/// mimalloc, with the same options (the library leaves the allocator to the program).
+#[path = "common/allocator.rs"]
+mod allocator;
 
 fn dir_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir)
@@ -112,6 +112,7 @@ fn raw_read_s(dir: &Path) -> std::io::Result<f64> {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    allocator::keep_freed_memory();
     // `cargo bench` passes `--bench`; the first number is the procedure count.
     let args: Vec<String> = std::env::args().skip(1).collect();
     let procs: u64 = args

@@ -46,9 +46,9 @@ use clap::Parser;
 use serde::Serialize;
 use tokio::sync::oneshot;
 
-/// Like the workload and the bare benchmark, mimalloc.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+/// Like the workload and the bare benchmark, mimalloc, with the same options.
+#[path = "common/allocator.rs"]
+mod allocator;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -579,6 +579,7 @@ fn round3(x: f64) -> f64 {
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    allocator::keep_freed_memory();
     let args = Args::parse();
     let report = actix::System::new().block_on(run(&args))?;
     println!("{report}");

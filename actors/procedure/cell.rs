@@ -781,7 +781,7 @@ impl ProcedureCell {
         let call = tracing::Instrument::instrument(call, span);
         ctx.spawn(
             self.status.clone(),
-            async move { CallEnd::Step(call.await) },
+            futures_util::FutureExt::map(call, CallEnd::Step),
         );
     }
 
@@ -877,7 +877,7 @@ impl ProcedureCell {
         let call = tracing::Instrument::instrument(call, span);
         ctx.spawn(
             self.status.clone(),
-            async move { CallEnd::Rollback(call.await) },
+            futures_util::FutureExt::map(call, CallEnd::Rollback),
         );
     }
 

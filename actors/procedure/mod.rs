@@ -357,11 +357,39 @@ enum Ended<T = CallEnd> {
 
 /// `call` as one of the actor's futures: not polled again once `tree` is dropped, a
 /// panic out of it caught, the call (the user's future) dropped as soon as it ended
-/// either way. Boxed as it is, not awaited inside another future: the call moves into
-/// it once.
-async fn guarded_call<T>(tree: Arc<TreeStatus>, call: impl Future<Output = T>) -> Ended<T> {
-    let mut call = std::pin::pin!(call);
-    std::future::poll_fn(|cx| poll_guarded(&tree, call.as_mut(), cx)).await
+/// either way.
+fn guarded_call<F: Future>(tree: Arc<TreeStatus>, call: F) -> Guarded<F> {
+    Guarded {
+        tree,
+        call: Some(call),
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The future of [`guarded_call`]: the call is held in place, not moved into a
+    /// future of its own (an `async fn` would hold its argument and the pinned local
+    /// both, twice the call's size in every step's allocation).
+    struct Guarded<F> {
+        tree: Arc<TreeStatus>,
+        #[pin]
+        call: Option<F>,
+    }
+}
+
+impl<F: Future> Future for Guarded<F> {
+    type Output = Ended<F::Output>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut task::Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        let Some(call) = this.call.as_mut().as_pin_mut() else {
+            unreachable!("a guarded call polled after it ended");
+        };
+        let polled = poll_guarded(this.tree, call, cx);
+        if polled.is_ready() {
+            this.call.set(None);
+        }
+        polled
+    }
 }
 
 /// Polls `call` unless `tree` was dropped or the engine lost its mandate, catching a

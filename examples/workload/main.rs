@@ -268,12 +268,14 @@ impl Tally {
 }
 
 /// The engine allocates a few small objects per step; mimalloc makes that cheaper than
-/// the system allocator. The library leaves this choice to the program that uses it.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+/// the system allocator, kept from giving freed memory back to the system. The library
+/// leaves this choice to the program that uses it.
+#[path = "../../benches/common/allocator.rs"]
+mod allocator;
 
 #[actix::main]
 async fn main() -> ExitCode {
+    allocator::keep_freed_memory();
     let args = Args::parse();
     match run(args).await {
         Ok(ok) => ok,
