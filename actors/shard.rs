@@ -32,13 +32,14 @@ use super::protocol::{
 };
 use super::root_stack::{Deliver, Passivate, RootStackActor, TreeMsg, TreeRunner};
 use super::scheduler::SchedulerActor;
+use super::shared::ShardAddr;
 
 /// Where a tree is reached: its shard and its root. Shared (`TreeAddr`), because every
 /// queued step and table entry of the tree holds it.
 pub(crate) struct TreeHandle {
-    shard: Addr<Shard>,
-    /// The shard's scheduler (for the lock actor's grants).
-    scheduler: Addr<SchedulerActor>,
+    /// Its shard and the shard's scheduler (for the lock actor's grants), shared by the
+    /// shard's trees: cloning an actix `Addr` allocates.
+    at: Arc<ShardAddr>,
     /// The shard's place among the executor's shards, for [`Mail`].
     index: usize,
     root: ProcId,
@@ -47,17 +48,11 @@ pub(crate) struct TreeHandle {
 }
 
 impl TreeHandle {
-    /// The address of the tree of `root`, placed on `shard` (the `index`th shard, with
-    /// its `scheduler`).
-    pub(crate) fn new(
-        shard: Addr<Shard>,
-        scheduler: Addr<SchedulerActor>,
-        index: usize,
-        root: ProcId,
-    ) -> TreeAddr {
+    /// The address of the tree of `root`, placed on the `index`th shard (`at`: its
+    /// address and its scheduler's).
+    pub(crate) fn new(at: Arc<ShardAddr>, index: usize, root: ProcId) -> TreeAddr {
         Arc::new(TreeHandle {
-            shard,
-            scheduler,
+            at,
             index,
             root,
             ended: AtomicBool::new(false),
@@ -71,12 +66,17 @@ impl TreeHandle {
 
     /// The shard's scheduler.
     pub(crate) fn scheduler(&self) -> &Addr<SchedulerActor> {
-        &self.scheduler
+        &self.at.1
+    }
+
+    /// The shard.
+    fn shard(&self) -> &Addr<Shard> {
+        &self.at.0
     }
 
     /// Sends `msg` to the tree, through its shard's mailbox.
     pub(crate) fn do_send(&self, msg: impl Into<TreeMsg>) {
-        self.shard.do_send(ToTree {
+        self.shard().do_send(ToTree {
             root: self.root,
             msg: msg.into(),
         });
@@ -94,7 +94,7 @@ impl TreeHandle {
 
     /// Whether the tree's root stack still runs.
     pub(crate) fn connected(&self) -> bool {
-        !self.ended.load(Ordering::Acquire) && self.shard.connected()
+        !self.ended.load(Ordering::Acquire) && self.shard().connected()
     }
 
     /// The tree's root stack is gone.
@@ -140,7 +140,7 @@ impl Mail {
             self.shards.resize_with(tree.index + 1, || None);
         }
         let (_, msgs) =
-            self.shards[tree.index].get_or_insert_with(|| (tree.shard.clone(), Vec::new()));
+            self.shards[tree.index].get_or_insert_with(|| (tree.shard().clone(), Vec::new()));
         msgs.push((tree.root, msg.into()));
     }
 
@@ -312,6 +312,9 @@ enum Slot {
 pub(crate) struct Shard {
     trees: IdMap<ProcId, Slot>,
     io: Rc<RefCell<ShardIo>>,
+    /// Its own address, shared with its trees' actors (making an actix `Addr`
+    /// allocates); set when it starts.
+    me: Option<Rc<Addr<Shard>>>,
 }
 
 impl Shard {
@@ -319,6 +322,7 @@ impl Shard {
         Shard {
             trees: IdMap::default(),
             io: Rc::new(RefCell::new(ShardIo::new(peers))),
+            me: None,
         }
     }
 
@@ -332,7 +336,11 @@ impl Shard {
         msgs: Vec<TreeMsg>,
         ctx: &mut Context<Self>,
     ) {
-        let actor = RootStackActor::new(root, runner, self.io.clone(), ctx.address(), starts);
+        let me = match &self.me {
+            Some(me) => me.clone(),
+            None => Rc::new(ctx.address()),
+        };
+        let actor = RootStackActor::new(root, runner, self.io.clone(), me, starts);
         let addr = actor.start();
         for msg in msgs {
             addr.do_send(Deliver(msg));
@@ -368,6 +376,7 @@ impl Actor for Shard {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.io.borrow_mut().shard = Some(ctx.address());
+        self.me = Some(Rc::new(ctx.address()));
     }
 }
 

@@ -349,8 +349,9 @@ pub(crate) struct Shared {
     pub(crate) news: Recipient<TreeNews>,
     /// The arbiters' threads, stopped at shutdown.
     pub(crate) arbiters: Vec<ArbiterHandle>,
-    /// One shard on each arbiter, holding the trees placed on it, with its scheduler.
-    pub(crate) shards: Vec<ShardAddr>,
+    /// One shard on each arbiter, holding the trees placed on it, with its scheduler
+    /// (shared with the addresses of its trees).
+    pub(crate) shards: Vec<Arc<ShardAddr>>,
     /// Live trees per shard (by the shard's index): a new tree goes to the shard with
     /// the fewest.
     live_trees: Box<[AtomicUsize]>,
@@ -469,7 +470,7 @@ impl Shared {
             news,
             arbiters,
             live_trees: shards.iter().map(|_| AtomicUsize::new(0)).collect(),
-            shards,
+            shards: shards.into_iter().map(Arc::new).collect(),
             next_id: AtomicU64::new(max_id + 1),
             drain: Drain::default(),
             shutdown: Cancel::new(),
@@ -512,8 +513,7 @@ impl Shared {
             .min_by_key(|(_, n)| n.load(Ordering::Relaxed))
             .map_or(0, |(i, _)| i);
         self.live_trees[i].fetch_add(1, Ordering::Relaxed);
-        let (shard, scheduler) = &self.shards[i];
-        TreeHandle::new(shard.clone(), scheduler.clone(), i, root)
+        TreeHandle::new(self.shards[i].clone(), i, root)
     }
 
     /// A tree of the `index`th shard has ended.

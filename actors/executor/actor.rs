@@ -848,7 +848,7 @@ impl<E: Send + Sync + 'static> Handler<GetSchedulerStats> for ExecutorActor<E> {
             .shared
             .shards
             .iter()
-            .map(|(shard, scheduler)| (scheduler.send(GetShardStats), shard.send(GetTreeCounts)))
+            .map(|at| (at.1.send(GetShardStats), at.0.send(GetTreeCounts)))
             .collect();
         let locks = self.shared.locks.send(GetLockStats);
         Box::pin(async move {

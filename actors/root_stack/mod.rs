@@ -223,7 +223,7 @@ pub(crate) struct RootStackActor {
     /// `None` once handed back to the shard, or once the tree ended.
     runner: Option<Box<TreeRunner>>,
     io: Rc<RefCell<ShardIo>>,
-    shard: Addr<Shard>,
+    shard: Rc<Addr<Shard>>,
     /// Timers in flight.
     in_flight: u32,
     /// The runner starts with this actor (a new or recovered tree), rather than being
@@ -238,7 +238,7 @@ impl RootStackActor {
         root: ProcId,
         runner: Box<TreeRunner>,
         io: Rc<RefCell<ShardIo>>,
-        shard: Addr<Shard>,
+        shard: Rc<Addr<Shard>>,
         starts: bool,
     ) -> Self {
         RootStackActor {
