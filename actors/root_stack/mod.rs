@@ -314,7 +314,7 @@ impl RootStackActor {
         let Some(mut runner) = self.runner.take() else {
             return;
         };
-        let executor = result.is_some().then(|| runner.executor());
+        let shared = result.is_some().then(|| runner.shared());
         let (ended, irreversible, cut_off) = runner.ended();
         {
             let mut io = self.io.borrow_mut();
@@ -328,8 +328,8 @@ impl RootStackActor {
         drop(runner);
         ShardIo::ask_flush(&self.io);
         self.shard.do_send(Gone(self.root));
-        if let (Some(result), Some(executor)) = (result, executor) {
-            executor.do_send(result);
+        if let (Some(result), Some(shared)) = (result, shared) {
+            shared.finished.do_send(result);
         }
         ctx.stop();
     }

@@ -878,9 +878,10 @@ impl TreeRunner {
         )
     }
 
-    /// Where the tree's result goes.
-    pub(crate) fn executor(&self) -> actix::Recipient<TreeFinished> {
-        self.shared.finished.clone()
+    /// What the tree's executor shares (where its result goes: cloning the recipient
+    /// itself would allocate).
+    pub(crate) fn shared(&self) -> Arc<Shared> {
+        self.shared.clone()
     }
 
     /// Whether the tree has nothing in flight (nothing waiting to be durable, no step out,
