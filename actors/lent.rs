@@ -51,7 +51,10 @@ impl<T: Lendable> Lent<T> {
                 .try_with(|spares| spares.borrow_mut().pop())
                 .ok()
                 .flatten()
-                .unwrap_or_default()
+                // Room for two: a tree rarely has more waiting at once, and a
+                // `VecDeque`'s first growth would make room for four (some 640 bytes
+                // of transitions for every busy tree once the spares run out).
+                .unwrap_or_else(|| Box::new(VecDeque::with_capacity(2)))
         });
         queue.push_back(item);
     }

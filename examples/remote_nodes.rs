@@ -31,6 +31,7 @@ use proctor::{
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
 
 /// What the coordinator knows of its nodes: where each listens.
 struct Nodes {
@@ -74,14 +75,20 @@ impl Transport for Tcp {
 }
 
 /// One data node: listens on `listener`, opens regions after `delay`, reports to
-/// `coordinator`.
-async fn data_node(name: String, listener: TcpListener, delay: Duration, coordinator: SocketAddr) {
+/// `coordinator`; counts the operations it was sent in `received`.
+async fn data_node(
+    name: String,
+    listener: TcpListener,
+    delay: Duration,
+    coordinator: SocketAddr,
+    received: Arc<watch::Sender<usize>>,
+) {
     let opened: Arc<Mutex<HashSet<u64>>> = Arc::default();
     loop {
         let Ok((stream, _)) = listener.accept().await else {
             return;
         };
-        let (name, opened) = (name.clone(), opened.clone());
+        let (name, opened, received) = (name.clone(), opened.clone(), received.clone());
         tokio::spawn(async move {
             let (read, mut write) = stream.into_split();
             let mut line = String::new();
@@ -92,6 +99,7 @@ async fn data_node(name: String, listener: TcpListener, delay: Duration, coordin
                 return;
             };
             let _ = write.write_all(b"ok\n").await;
+            received.send_modify(|n| *n += ops.len());
             for (op, region) in ops {
                 let (name, opened) = (name.clone(), opened.clone());
                 tokio::spawn(async move {
@@ -215,14 +223,18 @@ async fn run() -> Result<serde_json::Value, Box<dyn std::error::Error>> {
     let coordinator = reports.local_addr()?;
     let mut addrs = HashMap::new();
     let mut nodes = HashMap::new();
+    let mut received = HashMap::new();
     for (name, delay_ms) in [("dn-1", 20), ("dn-2", 20), ("dn-3", 60_000)] {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         addrs.insert(name.to_string(), listener.local_addr()?);
+        let (count, seen) = watch::channel(0);
+        received.insert(name, seen);
         let node = data_node(
             name.to_string(),
             listener,
             Duration::from_millis(delay_ms),
             coordinator,
+            Arc::new(count),
         );
         nodes.insert(name, tokio::spawn(node));
     }
@@ -254,15 +266,11 @@ async fn run() -> Result<serde_json::Value, Box<dyn std::error::Error>> {
         })
         .await?;
 
-    // dn-3 dies while it holds regions: once its port is closed, the failure detector
-    // declares it gone.
+    // dn-3 dies while it holds regions (once it was sent its two, regions 2 and 5):
+    // once its port is closed, the failure detector declares it gone.
     let dn3 = known.addrs["dn-3"];
-    loop {
-        if executor.state(id).await?.state == proctor::ProcState::Waiting {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let mut dn3_received = received["dn-3"].clone();
+    dn3_received.wait_for(|n| *n >= 2).await?;
     nodes["dn-3"].abort();
     while TcpStream::connect(dn3).await.is_ok() {
         tokio::time::sleep(Duration::from_millis(10)).await;
