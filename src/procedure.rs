@@ -1297,7 +1297,11 @@ where
     fn before_recover(&mut self, _ctx: &Context<E>) {}
 
     /// Called on a recovered procedure once the whole store is loaded, with its
-    /// context, before its first call after the restart.
+    /// context, before its first call after the restart: when the engine first has
+    /// work for it (its step is dispatched, a rollback, an abort, a timeout, an
+    /// operator's command), not for every recovered procedure at the start, so a
+    /// procedure that waits on after a restart (for an event, its children, a timer)
+    /// is not called until it is woken.
     fn after_recover(&mut self, _ctx: &Context<E>) {}
 
     /// For a procedure that was suspended on `event` when the engine stopped. Whether

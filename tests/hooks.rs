@@ -386,3 +386,48 @@ async fn the_abort_timeout_and_recovery_hooks_get_their_procedures_context() {
         assert!(hooks.contains(&format!("cleanup {id}")), "{hooks:?}");
     }
 }
+
+/// A recovered procedure that waits (a sleep of an hour) starts no actor at the restart,
+/// and its `after_recover` runs only once the engine has work for it (here: an abort).
+#[actix::test]
+async fn a_recovered_procedure_that_waits_has_no_actor_until_it_has_work() {
+    let store = common::Reopen::new("memory");
+    let log = Arc::new(Log::default());
+    let start = || {
+        let mut registry = Registry::<Log>::default();
+        registry.register::<Hooked>("hooked");
+        Executor::builder()
+            .registry(registry)
+            .store(store.open())
+            .env(log.clone())
+            .start()
+    };
+    let executor = start().await.unwrap();
+    let mut sleeper = Hooked::new(1);
+    sleeper.sleep_forever = true;
+    let id = executor.submit(sleeper).await.unwrap();
+    common::wait_for_state(&executor, id, ProcState::WaitingTimeout).await;
+    executor.shutdown_now().await.unwrap();
+
+    let executor = start().await.unwrap();
+    // Answered by its root stack: the tree has started, and made its procedures.
+    let tree = executor.tree(id).await.unwrap();
+    assert_eq!(tree.root, id);
+    let stats = executor.scheduler_stats().await.unwrap();
+    assert_eq!(
+        stats.procedures_active, 0,
+        "no actor for a waiting procedure"
+    );
+    let after = format!("after_recover {id}");
+    assert!(!log.hooks().contains(&after), "{:?}", log.hooks());
+    assert!(executor.abort(id).await.unwrap());
+    assert!(executor.wait(id).await.unwrap().is_err());
+    executor.shutdown_now().await.unwrap();
+    let hooks = log.hooks();
+    let at = |h: &str| hooks.iter().position(|x| x == h);
+    let (recovered, aborted) = (at(&after), at(&format!("abort {id}")));
+    assert!(
+        recovered.is_some() && recovered < aborted,
+        "after_recover before the abort hook: {hooks:?}"
+    );
+}

@@ -548,9 +548,19 @@ impl TreeRunner {
             }
         }
         let (shared, status) = (self.shared.clone(), self.status.clone());
-        let cell = ProcedureCell::new(spec, proc, data, shared, status);
-        let live = self.activate(Box::new(cell), ctx);
-        self.procs.insert(id, Slot::active(live));
+        let cell = Box::new(ProcedureCell::new(spec, proc, data, shared, status));
+        let slot = if self.recovered {
+            // A recovered procedure starts no actor until it first has work (its
+            // step is dispatched, an operator asks, a timer fires): a restart with
+            // many waiting procedures starts only those that run. Its
+            // `after_recover` runs when its actor starts.
+            Slot::waiting(cell)
+        } else {
+            // Its first step is queued at once: the scheduler sends it straight to
+            // the actor.
+            Slot::active(self.activate(cell, ctx))
+        };
+        self.procs.insert(id, slot);
         self.arm_deadline(id, ctx);
     }
 

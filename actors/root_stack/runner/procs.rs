@@ -61,6 +61,14 @@ impl Slot {
         }
     }
 
+    /// A procedure with no actor yet: its actor starts with its first message.
+    pub(super) fn waiting(cell: Box<ProcedureCell>) -> Slot {
+        Slot {
+            cell: Some(cell),
+            live: None,
+        }
+    }
+
     /// Its state as last recorded (or reported), for an operator's bypass.
     pub(super) fn recorded(&self) -> &[u8] {
         match (&self.cell, &self.live) {
