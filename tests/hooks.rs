@@ -334,24 +334,35 @@ async fn completion_cleanup_runs_once_finished() {
     assert_eq!(log.hooks(), [format!("cleanup {id}")]);
 }
 
+/// An executor of `Hooked` procedures on `store` (again, after a stop), with `log`.
+async fn start_on(store: &common::Reopen, log: &Arc<Log>) -> Executor<Log> {
+    let mut registry = Registry::<Log>::default();
+    registry.register::<Hooked>("hooked");
+    Executor::builder()
+        .registry(registry)
+        .store(store.open())
+        .env(log.clone())
+        .start()
+        .await
+        .unwrap()
+}
+
+/// Submits a procedure that sleeps for an hour, once it sleeps.
+async fn submit_sleeper(executor: &Executor<Log>) -> proctor::ProcId {
+    let mut sleeper = Hooked::new(1);
+    sleeper.sleep_forever = true;
+    let id = executor.submit(sleeper).await.unwrap();
+    common::wait_for_state(executor, id, ProcState::WaitingTimeout).await;
+    id
+}
+
 #[actix::test]
 async fn the_abort_timeout_and_recovery_hooks_get_their_procedures_context() {
     let store = common::Reopen::new("memory");
     let log = Arc::new(Log::default());
-    let start = || {
-        let mut registry = Registry::<Log>::default();
-        registry.register::<Hooked>("hooked");
-        Executor::builder()
-            .registry(registry)
-            .store(store.open())
-            .env(log.clone())
-            .start()
-    };
-    let executor = start().await.unwrap();
-    let mut sleeper = Hooked::new(1);
-    sleeper.sleep_forever = true;
-    let aborted = executor.submit(sleeper).await.unwrap();
-    common::wait_for_state(&executor, aborted, ProcState::WaitingTimeout).await;
+    let start = || start_on(&store, &log);
+    let executor = start().await;
+    let aborted = submit_sleeper(&executor).await;
     assert!(executor.abort(aborted).await.unwrap());
     assert!(executor.wait(aborted).await.unwrap().is_err());
 
@@ -361,12 +372,9 @@ async fn the_abort_timeout_and_recovery_hooks_get_their_procedures_context() {
     let timed = executor.submit(timed).await.unwrap();
     assert!(executor.wait(timed).await.unwrap().is_err());
 
-    let mut kept = Hooked::new(1);
-    kept.sleep_forever = true;
-    let kept = executor.submit(kept).await.unwrap();
-    common::wait_for_state(&executor, kept, ProcState::WaitingTimeout).await;
+    let kept = submit_sleeper(&executor).await;
     executor.shutdown_now().await.unwrap();
-    let executor = start().await.unwrap();
+    let executor = start().await;
     // after_recover runs when the recovered procedure is next called: abort it.
     assert!(executor.abort(kept).await.unwrap());
     assert!(executor.wait(kept).await.unwrap().is_err());
@@ -393,23 +401,12 @@ async fn the_abort_timeout_and_recovery_hooks_get_their_procedures_context() {
 async fn a_recovered_procedure_that_waits_has_no_actor_until_it_has_work() {
     let store = common::Reopen::new("memory");
     let log = Arc::new(Log::default());
-    let start = || {
-        let mut registry = Registry::<Log>::default();
-        registry.register::<Hooked>("hooked");
-        Executor::builder()
-            .registry(registry)
-            .store(store.open())
-            .env(log.clone())
-            .start()
-    };
-    let executor = start().await.unwrap();
-    let mut sleeper = Hooked::new(1);
-    sleeper.sleep_forever = true;
-    let id = executor.submit(sleeper).await.unwrap();
-    common::wait_for_state(&executor, id, ProcState::WaitingTimeout).await;
+    let start = || start_on(&store, &log);
+    let executor = start().await;
+    let id = submit_sleeper(&executor).await;
     executor.shutdown_now().await.unwrap();
 
-    let executor = start().await.unwrap();
+    let executor = start().await;
     // Answered by its root stack: the tree has started, and made its procedures.
     let tree = executor.tree(id).await.unwrap();
     assert_eq!(tree.root, id);
