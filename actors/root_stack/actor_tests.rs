@@ -520,7 +520,8 @@ async fn a_procedure_actor_that_dies_in_a_step_is_started_again_by_its_root_stac
 async fn a_step_sent_straight_to_an_actor_that_stopped_comes_back_through_its_tree() {
     use super::KillProcedure;
     let mut h = Harness::start(p("a", 3), true);
-    h.hold_steps.store(true, std::sync::atomic::Ordering::SeqCst);
+    h.hold_steps
+        .store(true, std::sync::atomic::Ordering::SeqCst);
     assert_eq!((&mut h.submitted).await.unwrap().unwrap(), h.root);
     // The first step, straight to the actor its submit started.
     let first = h.queued_step().await;
@@ -536,7 +537,8 @@ async fn a_step_sent_straight_to_an_actor_that_stopped_comes_back_through_its_tr
         panic: false,
     });
     h.settle().await;
-    h.hold_steps.store(false, std::sync::atomic::Ordering::SeqCst);
+    h.hold_steps
+        .store(false, std::sync::atomic::Ordering::SeqCst);
     let mut mail = Mail::default();
     second.addr.run(&mut mail, second.what.1);
     mail.send();
