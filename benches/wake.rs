@@ -12,7 +12,9 @@
 //! showing them all WAITING), and takes the growth of the resident set over the
 //! submits ÷ `--procs` as `rss_bytes_per_idle_proc`. Then it asks to be told when each
 //! root finishes (`Executor::wait`, which only notes a waiter), wakes every event, and
-//! times from the first wake until every root has finished: `wake_all_s`.
+//! times from the first wake until every root has finished: `wake_all_s`, and the CPU
+//! time every thread of the process used meanwhile: `wake_cpu_s` (on a machine whose
+//! cores are busy with other work, the wall time follows the CPU time).
 //!
 //! Prints one JSON line.
 
@@ -179,6 +181,7 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
     executor.scheduler_stats().await?;
 
     let start = Instant::now();
+    let cpu_start = rss::cpu_s();
     let mut next = 0;
     while next < n {
         let end = (next + args.wave.max(1)).min(n);
@@ -199,6 +202,7 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
         }
     }
     let wake_all_s = start.elapsed().as_secs_f64();
+    let wake_cpu_s = rss::cpu_s() - cpu_start;
     let resumed = counts.resumed.load(Ordering::Relaxed);
     if resumed != n {
         return Err(format!("{resumed} of {n} roots ran their second step").into());
@@ -208,6 +212,7 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
         "procs": n,
         "rss_bytes_per_idle_proc": rss_per_proc.round(),
         "wake_all_s": (wake_all_s * 1000.0).round() / 1000.0,
+        "wake_cpu_s": (wake_cpu_s * 100.0).round() / 100.0,
         "store": if args.wal { "wal" } else { "memory" },
     }))
 }
