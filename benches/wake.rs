@@ -33,9 +33,9 @@ use proctor::{
 };
 use serde::{Deserialize, Serialize};
 
-/// Like the other benchmarks, mimalloc.
-#[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+/// Like the other benchmarks, mimalloc, with the same options.
+#[path = "common/allocator.rs"]
+mod allocator;
 
 #[derive(Parser, Debug)]
 struct Args {
@@ -218,6 +218,7 @@ async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    allocator::keep_freed_memory();
     let args = Args::parse();
     let report = actix::System::new().block_on(run(&args))?;
     println!("{report}");
