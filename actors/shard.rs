@@ -182,8 +182,9 @@ pub(crate) struct ShardIo {
     to_scheduler: Vec<ToScheduler>,
     to_locks: Vec<ToLocks>,
     to_persistence: Vec<Persist>,
-    /// The shard, asked to flush when the first message is queued.
-    shard: Option<Addr<Shard>>,
+    /// The shard, asked to flush when the first message is queued; its trees' actors
+    /// share it (making an actix `Addr` allocates). Set when the shard starts.
+    shard: Option<Rc<Addr<Shard>>>,
     /// A `FlushOut` is on its way to the shard.
     flush_asked: bool,
     /// Procedure actors running on this shard's arbiter.
@@ -312,9 +313,6 @@ enum Slot {
 pub(crate) struct Shard {
     trees: IdMap<ProcId, Slot>,
     io: Rc<RefCell<ShardIo>>,
-    /// Its own address, shared with its trees' actors (making an actix `Addr`
-    /// allocates); set when it starts.
-    me: Option<Rc<Addr<Shard>>>,
 }
 
 impl Shard {
@@ -322,7 +320,6 @@ impl Shard {
         Shard {
             trees: IdMap::default(),
             io: Rc::new(RefCell::new(ShardIo::new(peers))),
-            me: None,
         }
     }
 
@@ -336,10 +333,8 @@ impl Shard {
         msgs: Vec<TreeMsg>,
         ctx: &mut Context<Self>,
     ) {
-        let me = match &self.me {
-            Some(me) => me.clone(),
-            None => Rc::new(ctx.address()),
-        };
+        let me = self.io.borrow().shard.clone();
+        let me = me.unwrap_or_else(|| Rc::new(ctx.address()));
         let actor = RootStackActor::new(root, runner, self.io.clone(), me, starts);
         let addr = actor.start();
         for msg in msgs {
@@ -375,8 +370,7 @@ impl Actor for Shard {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        self.io.borrow_mut().shard = Some(ctx.address());
-        self.me = Some(Rc::new(ctx.address()));
+        self.io.borrow_mut().shard = Some(Rc::new(ctx.address()));
     }
 }
 

@@ -498,6 +498,15 @@ impl RootStack {
         self.nodes.get(&id).map_or(0, |n| n.stack_indexes.len())
     }
 
+    /// Whether `id` has children its steps see ([`RootStack::children_of`] is then
+    /// `Some`), without building their view.
+    pub fn has_children(&self, id: ProcId) -> bool {
+        self.nodes
+            .get(&id)
+            .and_then(|n| n.extra.as_ref())
+            .is_some_and(|extra| !extra.children.is_empty())
+    }
+
     /// `id`'s children, in the order they were started, each with its state, and the
     /// values those that succeeded set; `None` for a procedure that never started one.
     /// What a parent's step sees of them

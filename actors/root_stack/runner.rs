@@ -608,9 +608,9 @@ impl TreeRunner {
             // tree, in order with its steps) and its step sees no children (their
             // states are the root stack's, as they are at dispatch); otherwise through
             // the tree.
-            let straight = step.lock.is_none()
-                && self.core.lock_request(id, false).is_none()
-                && self.core.children_of(id).is_none();
+            // (Without a lock request the step's `lock` is `None` too.)
+            let straight =
+                self.core.lock_request(id, false).is_none() && !self.core.has_children(id);
             if let Some(actor) = straight
                 .then(|| self.straight_to(id, step.what.1))
                 .flatten()

@@ -194,6 +194,11 @@ fn run(seed: u64) {
                     );
                     sim.apply(format!("{id} paused at step"), t);
                 } else {
+                    assert_eq!(
+                        sim.rs.has_children(ProcId(id)),
+                        sim.rs.children_of(ProcId(id)).is_some(),
+                        "has_children of {id} agrees with children_of"
+                    );
                     let snap: BTreeSet<u64> = sim
                         .rs
                         .children_of(ProcId(id))
