@@ -115,15 +115,19 @@ impl Page {
     }
 }
 
-async fn page(config: AdminConfig) -> Page {
-    let executor = Executor::builder()
+/// An executor of the common procedures on a memory store.
+async fn executor() -> Executor<Recorder> {
+    Executor::builder()
         .registry(common::registry())
         .store(proctor::MemoryStore::new())
         .env(Arc::new(Recorder::default()))
         .start()
         .await
-        .unwrap();
-    serve(executor, config).await
+        .unwrap()
+}
+
+async fn page(config: AdminConfig) -> Page {
+    serve(executor().await, config).await
 }
 
 async fn serve(executor: Executor<Recorder>, config: AdminConfig) -> Page {
@@ -418,13 +422,7 @@ async fn the_bound_address_localhost_and_configured_hosts_are_answered() {
 
 #[actix::test]
 async fn a_nested_router_answers_only_the_hosts_it_is_configured_with() {
-    let executor = Executor::builder()
-        .registry(common::registry())
-        .store(proctor::MemoryStore::new())
-        .env(Arc::new(Recorder::default()))
-        .start()
-        .await
-        .unwrap();
+    let executor = executor().await;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let own = listener.local_addr().unwrap().to_string();
     let nested = |config: AdminConfig| {

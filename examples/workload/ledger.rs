@@ -138,6 +138,18 @@ impl Ledger {
         Ok(applied)
     }
 
+    /// The error for the `n`th line (from 0) of the ledger, which does not parse.
+    fn bad_line(&self, n: usize, line: &str) -> std::io::Error {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "{}:{}: bad ledger line {line:?}",
+                self.path.display(),
+                n + 1
+            ),
+        )
+    }
+
     /// Every operation the remote targets applied, in order, one per `=` line.
     pub fn applications(&self) -> std::io::Result<Vec<Applied>> {
         let mut applied = Vec::new();
@@ -147,16 +159,7 @@ impl Ledger {
             let Some(rest) = line.strip_prefix("= ") else {
                 continue;
             };
-            applied.push(Applied::parse(rest).ok_or_else(|| {
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!(
-                        "{}:{}: bad ledger line {line:?}",
-                        self.path.display(),
-                        n + 1
-                    ),
-                )
-            })?);
+            applied.push(Applied::parse(rest).ok_or_else(|| self.bad_line(n, &line))?);
         }
         Ok(applied)
     }
@@ -226,16 +229,7 @@ impl Ledger {
             if line.starts_with("= ") {
                 continue;
             }
-            let bad = || {
-                std::io::Error::new(
-                    std::io::ErrorKind::InvalidData,
-                    format!(
-                        "{}:{}: bad ledger line {line:?}",
-                        self.path.display(),
-                        n + 1
-                    ),
-                )
-            };
+            let bad = || self.bad_line(n, &line);
             let mut parts = line.split(' ');
             let sign = parts.next().ok_or_else(bad)?;
             let mut num = || {
