@@ -15,30 +15,25 @@ use std::time::Duration;
 use actix::prelude::*;
 use tokio::sync::oneshot;
 
-use crate::error::{Error, WaitError};
+use crate::error::Error;
 use crate::fast_map::IdMap;
 use crate::procedure::{ProcId, ProcState};
 use crate::record::{Failure, Nonce, StoreOp};
 
-use crate::actors::locks::{GetLockReport, GetLockStats, ResetEvent, StopLocks, WakeEvent};
-use crate::actors::persistence::GetStoreStatus;
+use crate::actors::locks::ResetEvent;
 use crate::actors::procedure::{declare, Undeclarable};
 use crate::actors::protocol::{
-    AbortRequest, BypassRequest, Command, CommandRequest, DurableAck, Persist, Quiesce, Refuse,
-    StopWriter, TreeAddr,
+    AbortRequest, BypassRequest, Command, CommandRequest, DurableAck, Persist, Refuse, TreeAddr,
 };
-use crate::actors::root_stack::Describe;
 use crate::actors::root_stack::TreeRunner;
-use crate::actors::scheduler::{GetSchedulerStats, GetShardStats, SchedulerStats};
-use crate::actors::shard::GetTreeCounts;
 use crate::actors::shared::{now_ms, Shared, Waiting};
 
 use super::api::{
-    Abort, AckResult, Bypass, Continue, EngineStatus, GetEngineStatus, GetLocks, GetState, GetTree,
-    GetValue, List, Pause, ProcEvent, ProcInfo, RecentFailure, Rollback, Shutdown, Submit,
-    Subscribe, SubscribeChannel, TreeFinished, TreeInfo, TreeNews, WaitFor, WaitValue, WaitingOn,
+    Abort, Bypass, Continue, Pause, ProcEvent, ProcInfo, RecentFailure, Rollback, Submit,
+    Subscribe, SubscribeChannel, TreeFinished, TreeNews, WaitingOn,
 };
 use super::builder::Retention;
+use super::leader::Role;
 
 // For the docs' links only.
 #[cfg(doc)]
@@ -65,11 +60,7 @@ impl Subscriber {
     }
 }
 
-/// How long a graceful shutdown waits, past its drain deadline, for the calls it
-/// cancelled to return.
-const CANCEL_GRACE: Duration = Duration::from_secs(1);
-
-type Waiter = oneshot::Sender<Result<Result<(), Failure>, Error>>;
+pub(super) type Waiter = oneshot::Sender<Result<Result<(), Failure>, Error>>;
 
 /// The executor's actor. Talk to it through [`Executor`] or with the messages.
 pub struct ExecutorActor<E = ()> {
@@ -163,7 +154,7 @@ pub(super) enum Turn {
 }
 
 impl<E: Send + Sync + 'static> ExecutorActor<E> {
-    fn info(&self, id: ProcId) -> Option<ProcInfo> {
+    pub(super) fn info(&self, id: ProcId) -> Option<ProcInfo> {
         let (locks_held, locks_waiting) = match self.shared.views.locks.get(&id) {
             Some(v) if v.held => (v.locks.clone(), Vec::new()),
             Some(v) => (Vec::new(), v.locks.clone()),
@@ -207,7 +198,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
 
 impl<E: Send + Sync + 'static> ExecutorActor<E> {
     /// The root stack of `id`'s tree while `id` is unfinished, or why there is none.
-    fn live_tree(&self, id: ProcId) -> Result<TreeAddr, Error> {
+    pub(super) fn live_tree(&self, id: ProcId) -> Result<TreeAddr, Error> {
         if let Some(broken) = &self.broken {
             return Err(broken.duplicate());
         }
@@ -221,7 +212,7 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
     }
 
     /// The error for an id the table does not have.
-    fn missing(&self, id: ProcId) -> Error {
+    pub(super) fn missing(&self, id: ProcId) -> Error {
         if self.shared.issued(id) {
             Error::Gone(id)
         } else {
@@ -621,7 +612,11 @@ impl<E: Send + Sync + 'static> Handler<Bypass> for ExecutorActor<E> {
 impl<E: Send + Sync + 'static> ExecutorActor<E> {
     /// Sends an operator's command to the procedure's tree; the answer comes once its
     /// effect is durable.
-    fn command(&self, id: ProcId, command: Command) -> ResponseFuture<Result<(), Error>> {
+    pub(super) fn command(
+        &self,
+        id: ProcId,
+        command: Command,
+    ) -> ResponseFuture<Result<(), Error>> {
         let tree = self.live_tree(id);
         let shared = self.shared.clone();
         Box::pin(async move {
@@ -672,247 +667,6 @@ impl<E: Send + Sync + 'static> Handler<Rollback> for ExecutorActor<E> {
 
     fn handle(&mut self, msg: Rollback, _ctx: &mut Context<Self>) -> Self::Result {
         self.command(msg.0, Command::Rollback)
-    }
-}
-
-impl<E: Send + Sync + 'static> Handler<GetState> for ExecutorActor<E> {
-    type Result = Result<ProcInfo, Error>;
-
-    fn handle(&mut self, msg: GetState, _ctx: &mut Context<Self>) -> Self::Result {
-        self.info(msg.0).ok_or_else(|| self.missing(msg.0))
-    }
-}
-
-impl<E: Send + Sync + 'static> Handler<WaitFor> for ExecutorActor<E> {
-    type Result = ResponseFuture<Result<Result<(), Failure>, Error>>;
-
-    fn handle(&mut self, msg: WaitFor, _ctx: &mut Context<Self>) -> Self::Result {
-        let id = msg.0;
-        // The row's root and result only (the table's guard released before anything
-        // else is looked up), not the whole `ProcInfo`.
-        let row = self
-            .shared
-            .table
-            .get(&id)
-            .map(|e| (e.root, e.result().cloned()));
-        let ready = match row {
-            None => Some(Err(self.missing(id))),
-            Some((root, _)) if root != id => Some(Err(Error::NotRoot { id, root })),
-            Some((_, Some(result))) => Some(Ok(result.map_err(|f| *f))),
-            Some((_, None)) => self.broken.as_ref().map(|e| Err(e.duplicate())),
-        };
-        if let Some(ready) = ready {
-            return Box::pin(async move { ready });
-        }
-        let (tx, rx) = oneshot::channel();
-        self.waiters.entry(id).or_default().push(tx);
-        Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
-    }
-}
-
-impl<E, T> Handler<GetValue<T>> for ExecutorActor<E>
-where
-    E: Send + Sync + 'static,
-    T: serde::de::DeserializeOwned + 'static,
-{
-    type Result = Result<Option<T>, Error>;
-
-    fn handle(&mut self, msg: GetValue<T>, _ctx: &mut Context<Self>) -> Self::Result {
-        let id = msg.id;
-        let bytes = match self.shared.table.get(&id) {
-            None => return Err(self.missing(id)),
-            Some(e) if e.result().is_none() => return Err(Error::NotFinished(id)),
-            Some(e) => e.caller_value().cloned(),
-        };
-        bytes.map(|b| decode_value(id, &b)).transpose()
-    }
-}
-
-impl<E, T> Handler<WaitValue<T>> for ExecutorActor<E>
-where
-    E: Send + Sync + 'static,
-    T: serde::de::DeserializeOwned + 'static,
-{
-    type Result = ResponseFuture<Result<T, WaitError>>;
-
-    fn handle(&mut self, msg: WaitValue<T>, ctx: &mut Context<Self>) -> Self::Result {
-        let id = msg.id;
-        let finished = self.handle(WaitFor(id), ctx);
-        let shared = Arc::clone(&self.shared);
-        Box::pin(async move {
-            finished.await?.map_err(WaitError::Failed)?;
-            // Read as the result was published: kept at least until its retention ends.
-            let bytes = shared
-                .table
-                .get(&id)
-                .ok_or(WaitError::Gone(id))?
-                .caller_value()
-                .cloned()
-                .ok_or(WaitError::NoValue(id))?;
-            Ok(decode_value(id, &bytes)?)
-        })
-    }
-}
-
-/// A root's value as the type its caller asked for.
-fn decode_value<T: serde::de::DeserializeOwned>(id: ProcId, bytes: &[u8]) -> Result<T, Error> {
-    rmp_serde::from_slice(bytes).map_err(|e| Error::ValueType {
-        id,
-        reason: e.to_string(),
-    })
-}
-
-impl<E: Send + Sync + 'static> Handler<AckResult> for ExecutorActor<E> {
-    type Result = Result<(), Error>;
-
-    fn handle(&mut self, msg: AckResult, _ctx: &mut Context<Self>) -> Self::Result {
-        let id = msg.0;
-        match self.shared.table.get(&id) {
-            None => return Err(self.missing(id)),
-            Some(e) if e.root != id => return Err(Error::NotRoot { id, root: e.root }),
-            Some(e) if e.result().is_none() => return Err(Error::NotFinished(id)),
-            Some(_) => {}
-        }
-        self.acked.entry(id).or_insert_with(now_ms);
-        Ok(())
-    }
-}
-
-impl<E: Send + Sync + 'static> Handler<List> for ExecutorActor<E> {
-    type Result = Result<Vec<ProcInfo>, Error>;
-
-    fn handle(&mut self, msg: List, _ctx: &mut Context<Self>) -> Self::Result {
-        if let Some(broken) = &self.broken {
-            return Err(broken.duplicate());
-        }
-        let mut ids: Vec<ProcId> = match msg.root {
-            Some(root) => self
-                .shared
-                .table
-                .iter()
-                .filter(|e| e.root == root)
-                .map(|e| *e.key())
-                .collect(),
-            None => self.shared.table.iter().map(|e| *e.key()).collect(),
-        };
-        ids.sort_unstable();
-        Ok(ids
-            .into_iter()
-            .filter_map(|id| self.info(id))
-            .filter(|info| msg.matches(info))
-            .collect())
-    }
-}
-
-impl<E: Send + Sync + 'static> Handler<super::api::ListPage> for ExecutorActor<E> {
-    type Result = Result<super::api::ProcPage, Error>;
-
-    fn handle(&mut self, msg: super::api::ListPage, _ctx: &mut Context<Self>) -> Self::Result {
-        if let Some(broken) = &self.broken {
-            return Err(broken.duplicate());
-        }
-        // Matched on the table's own fields: only the page is described.
-        let mut ids: Vec<ProcId> = self
-            .shared
-            .table
-            .iter()
-            .filter(|e| msg.list.matches_fields(e.state, e.type_name, e.root))
-            .map(|e| *e.key())
-            .collect();
-        let total = ids.len();
-        ids.sort_unstable_by(|a, b| b.cmp(a));
-        let procedures = ids
-            .into_iter()
-            .skip(msg.offset)
-            .take(msg.limit)
-            .filter_map(|id| self.info(id))
-            .collect();
-        Ok(super::api::ProcPage { procedures, total })
-    }
-}
-
-impl<E: Send + Sync + 'static> Handler<WakeEvent> for ExecutorActor<E> {
-    type Result = ();
-
-    fn handle(&mut self, msg: WakeEvent, _ctx: &mut Context<Self>) {
-        self.shared.locks.do_send(msg);
-    }
-}
-
-impl<E: Send + Sync + 'static> Handler<GetSchedulerStats> for ExecutorActor<E> {
-    type Result = ResponseFuture<Result<SchedulerStats, Error>>;
-
-    fn handle(&mut self, _msg: GetSchedulerStats, _ctx: &mut Context<Self>) -> Self::Result {
-        // Every shard and its scheduler, and the lock actor: asked at once, added up.
-        let shards: Vec<_> = self
-            .shared
-            .shards
-            .iter()
-            .map(|at| (at.1.send(GetShardStats), at.0.send(GetTreeCounts)))
-            .collect();
-        let locks = self.shared.locks.send(GetLockStats);
-        Box::pin(async move {
-            let mut stats = SchedulerStats::default();
-            for (scheduler, trees) in shards {
-                stats.add(&scheduler.await?);
-                let trees = trees.await?;
-                stats.trees_active += trees.active;
-                stats.trees_passivated += trees.passivated;
-                stats.procedures_active += trees.procedures_active;
-            }
-            let locks = locks.await?;
-            stats.lock_holders = locks.holders;
-            stats.lock_waiters = locks.waiters;
-            stats.events = locks.events;
-            Ok(stats)
-        })
-    }
-}
-
-impl<E: Send + Sync + 'static> Handler<GetTree> for ExecutorActor<E> {
-    type Result = ResponseFuture<Result<TreeInfo, Error>>;
-
-    fn handle(&mut self, msg: GetTree, _ctx: &mut Context<Self>) -> Self::Result {
-        let id = msg.0;
-        let tree = self.live_tree(id);
-        let shared = self.shared.clone();
-        Box::pin(async move {
-            let (ack, answer) = oneshot::channel();
-            tree?.do_send(Describe(ack));
-            // Unanswered: the tree finished before it was asked, or the engine stopped.
-            answer
-                .await
-                .map_err(|_| match shared.table.get(&id).map(|e| e.state) {
-                    Some(state) if state.is_finished() => Error::Finished { id, state },
-                    _ => Error::Stopped,
-                })
-        })
-    }
-}
-
-impl<E: Send + Sync + 'static> Handler<GetLocks> for ExecutorActor<E> {
-    type Result = ResponseFuture<Result<crate::LockReport, Error>>;
-
-    fn handle(&mut self, _msg: GetLocks, _ctx: &mut Context<Self>) -> Self::Result {
-        let report = self.shared.locks.send(GetLockReport);
-        Box::pin(async move { Ok(report.await?) })
-    }
-}
-
-impl<E: Send + Sync + 'static> Handler<GetEngineStatus> for ExecutorActor<E> {
-    type Result = ResponseFuture<Result<EngineStatus, Error>>;
-
-    fn handle(&mut self, _msg: GetEngineStatus, _ctx: &mut Context<Self>) -> Self::Result {
-        let store = self.shared.persistence.send(GetStoreStatus);
-        let recent_failures = self.recent_failures.iter().cloned().collect();
-        Box::pin(async move {
-            let (store, commits) = store.await??;
-            Ok(EngineStatus {
-                store,
-                commits,
-                recent_failures,
-            })
-        })
     }
 }
 
@@ -1035,161 +789,6 @@ impl<E: Send + Sync + 'static> Handler<TreeNews> for ExecutorActor<E> {
     }
 }
 
-impl<E: Send + Sync + 'static> Handler<Shutdown> for ExecutorActor<E> {
-    type Result = ResponseActFuture<Self, ()>;
-
-    fn handle(&mut self, msg: Shutdown, _ctx: &mut Context<Self>) -> Self::Result {
-        if !msg.graceful || self.stopping || self.broken.is_some() {
-            self.stopping = true;
-            return Box::pin(self.stop_now(None));
-        }
-        self.stopping = true;
-        tracing::info!(target: crate::targets::EXECUTOR,
-            timeout_ms = self.drain_timeout.as_millis() as u64,
-            "draining"
-        );
-        let shared = self.shared.clone();
-        let deadline = tokio::time::Instant::now() + self.drain_timeout;
-        Box::pin(
-            graceful_drain(shared, deadline)
-                .into_actor(self)
-                .then(|drained, act: &mut Self, _ctx| act.stop_now(drained)),
-        )
-    }
-}
-
-/// A graceful shutdown's drain: waits until `deadline` for the running calls to end
-/// (past it, cancels them and waits [`CANCEL_GRACE`] more), then for every tree to make
-/// its records durable. If all of it ended in time and no step was cut off, the
-/// procedures the trees say an earlier crash may still have cut off (see [`Quiesce`]).
-async fn graceful_drain(
-    shared: Arc<Shared>,
-    mut deadline: tokio::time::Instant,
-) -> Option<Vec<ProcId>> {
-    // Whether a step was cut off (cancelled, or not made durable in time).
-    let mut cut = false;
-    if tokio::time::timeout_at(deadline, shared.drain.drain())
-        .await
-        .is_err()
-    {
-        // Ask the running calls to stop (`CancelReason::Shutdown`), and give
-        // those that watch the signal a moment to return.
-        tracing::warn!(target: crate::targets::EXECUTOR, "drain deadline passed with steps still running: cancelling them");
-        shared.shutdown.cancel();
-        deadline = tokio::time::Instant::now() + CANCEL_GRACE;
-        if tokio::time::timeout_at(deadline, shared.drain.drain())
-            .await
-            .is_err()
-        {
-            tracing::warn!(target: crate::targets::EXECUTOR, "steps still running after their cancellation: stopping now");
-            return None;
-        }
-        // A cancelled step that returned reported a yield: it ran, unrecorded.
-        cut = true;
-    }
-    // Every report is sent; wait until each tree has made its records durable.
-    let Ok(cut_off) = tokio::time::timeout_at(deadline, quiesced(&shared)).await else {
-        tracing::warn!(target: crate::targets::EXECUTOR, "drain deadline passed with records not yet durable: stopping now");
-        return None;
-    };
-    cut_off.filter(|_| !cut)
-}
-
-/// Asks every tree to make its records durable (`Quiesce`, sent now); the future ends
-/// once each has answered, with what they answered together (`None` if one halted).
-fn quiesced(shared: &Shared) -> impl Future<Output = Option<Vec<ProcId>>> {
-    let trees: Vec<_> = shared
-        .table
-        .iter()
-        .filter(|e| e.parent.is_none())
-        .filter_map(|e| e.tree.clone())
-        .collect();
-    let answers: Vec<_> = trees
-        .into_iter()
-        .map(|tree| {
-            let (tx, rx) = oneshot::channel();
-            tree.do_send(Quiesce(tx));
-            rx
-        })
-        .collect();
-    async move {
-        let mut cut_off = Vec::new();
-        for answer in answers {
-            // A tree that ended meanwhile drops its sender: quiet too.
-            if let Ok(answer) = answer.await {
-                cut_off.extend(answer?);
-            }
-        }
-        Some(cut_off)
-    }
-}
-
-impl<E: Send + Sync + 'static> ExecutorActor<E> {
-    /// Stops the arbiters (cutting off what runs) and the store writer. `drained`: a
-    /// graceful shutdown ended every call and made every report durable, so the store
-    /// is marked so ([`ProcedureStore::mark_drained`](crate::ProcedureStore::mark_drained))
-    /// after its last append, naming these procedures (and the corrupt ones left in the
-    /// store) as possibly cut off by an earlier crash.
-    fn stop_now(&mut self, drained: Option<Vec<ProcId>>) -> impl ActorFuture<Self, Output = ()> {
-        let drained = drained.map(|mut cut_off| {
-            cut_off.extend_from_slice(&self.corrupt);
-            cut_off
-        });
-        // Set first: the trees cut off below report nothing as an engine failure.
-        self.broken = Some(Error::Stopped);
-        // The arbiters stop one by one, and a tree cut off on one frees its locks:
-        // a procedure on another must not start a call under them meanwhile.
-        self.shared.drain.close();
-        for arbiter in &self.shared.arbiters {
-            arbiter.stop();
-        }
-        for (_, waiters) in self.waiters.drain() {
-            for waiter in waiters {
-                let _ = waiter.send(Err(Error::Stopped));
-            }
-        }
-        // Their streams end.
-        self.subscribers.clear();
-        let persistence = self.shared.persistence.clone();
-        let locks = self.shared.locks.clone();
-        let owned_system = self.owned_system;
-        let was_drained = drained.is_some();
-        // Joined off the actor threads: a call into user code that is in the middle of a
-        // poll finishes it, and then nothing of this executor runs any more when
-        // `shutdown` returns (a new executor on the same store must never overlap it).
-        let (joined, threads_gone) = oneshot::channel();
-        let arbiters = std::mem::take(&mut self.arbiters);
-        let joiner = std::thread::Builder::new()
-            .name("proctor-shutdown".into())
-            .spawn(move || {
-                for arbiter in arbiters {
-                    let _ = arbiter.join();
-                }
-                let _ = joined.send(());
-            });
-        async move {
-            if joiner.is_ok() {
-                let _ = threads_gone.await;
-            }
-            // Errors mean it has stopped already.
-            let _ = persistence.send(StopWriter { drained }).await;
-            // Nothing of this engine asks for locks or waits for events any more.
-            locks.do_send(StopLocks);
-            tracing::info!(target: crate::targets::EXECUTOR,
-                drained = was_drained,
-                "executor stopped: its threads are joined and its store is closed"
-            );
-            if owned_system {
-                System::current().stop();
-            }
-        }
-        .into_actor(self)
-        // Stopped last: an actor's pending futures end with it. Meanwhile `broken`
-        // answers every request.
-        .map(|(), _act, ctx| ctx.stop())
-    }
-}
-
 impl<E: Send + Sync + 'static> Handler<crate::actors::remote::Report> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<bool, Error>>;
 
@@ -1218,7 +817,9 @@ impl<E: Send + Sync + 'static> Handler<crate::actors::remote::RemoveTarget> for 
 
 impl<E: Send + Sync + 'static> ExecutorActor<E> {
     /// The remote dispatcher, or why there is none.
-    fn dispatcher(&self) -> Result<Addr<crate::actors::remote::RemoteDispatcher>, Error> {
+    pub(super) fn dispatcher(
+        &self,
+    ) -> Result<Addr<crate::actors::remote::RemoteDispatcher>, Error> {
         self.shared
             .remote
             .as_ref()
@@ -1229,142 +830,5 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
                         .into(),
                 )
             })
-    }
-}
-
-/// What an executor is to its store ([`Executor::role`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum Role {
-    /// It runs without a leader lease (one engine on its store).
-    Alone,
-    /// It holds the leader lease ([`ExecutorBuilder::leadership`](super::ExecutorBuilder)).
-    Leader {
-        /// Its name in the lease.
-        holder: String,
-        /// The lease's epoch, which its writes are fenced with.
-        epoch: i64,
-    },
-    /// It waits for the lease as a standby
-    /// ([`ExecutorBuilder::start_standby`](super::ExecutorBuilder)): it runs nothing,
-    /// and answers every request [`Error::NotLeader`] naming `leader`.
-    Standby {
-        /// The lease's holder as it last saw it, if any.
-        leader: Option<String>,
-    },
-    /// It lost the lease and stepped down: it runs and acknowledges nothing more.
-    SteppedDown {
-        /// Why.
-        reason: String,
-    },
-}
-
-/// Ask the executor what it is.
-pub(super) struct GetRole;
-
-impl Message for GetRole {
-    type Result = Role;
-}
-
-impl<E: Send + Sync + 'static> Handler<GetRole> for ExecutorActor<E> {
-    type Result = MessageResult<GetRole>;
-
-    fn handle(&mut self, _: GetRole, _ctx: &mut Context<Self>) -> Self::Result {
-        MessageResult(self.role.clone())
-    }
-}
-
-/// The lease is lost: step down.
-#[cfg(feature = "postgres")]
-struct LeaseLost(crate::actors::pg_store::Loss);
-
-#[cfg(feature = "postgres")]
-impl Message for LeaseLost {
-    type Result = ();
-}
-
-#[cfg(feature = "postgres")]
-impl<E: Send + Sync + 'static> Handler<LeaseLost> for ExecutorActor<E> {
-    type Result = ();
-
-    fn handle(&mut self, msg: LeaseLost, _ctx: &mut Context<Self>) {
-        if !matches!(self.role, Role::Leader { .. }) {
-            return;
-        }
-        let crate::actors::pg_store::Loss { reason, taker } = msg.0;
-        tracing::error!(target: crate::targets::EXECUTOR, reason = %reason, "lost the leader lease: stepping down");
-        ::metrics::gauge!(crate::actors::metrics::IS_LEADER).set(0.0);
-        self.role = Role::SteppedDown {
-            reason: reason.clone(),
-        };
-        if !self.subscribers.is_empty() {
-            self.publish(ProcEvent::SteppedDown {
-                reason: reason.clone(),
-            });
-        }
-        self.broke(Error::NotLeader {
-            reason,
-            leader: taker,
-        });
-    }
-}
-
-/// Hands the executor at `addr` the lease it holds: it keeps it, and steps down when
-/// the lease is lost.
-#[cfg(feature = "postgres")]
-pub(super) fn lead<E: Send + Sync + 'static>(
-    addr: &Addr<ExecutorActor<E>>,
-    leadership: crate::actors::Leadership,
-) {
-    let lost = leadership.signal();
-    let term = leadership.term();
-    addr.do_send(Lead(Some(leadership)));
-    let addr = addr.clone();
-    actix::spawn(async move {
-        // The lease's thread tells of a loss; a term that ran out by this process's
-        // clock is one too, should that thread be held up (a connection that hangs).
-        let loss = tokio::select! {
-            loss = crate::actors::pg_store::lost_reason(lost) => loss,
-            () = async {
-                loop {
-                    let left = term.left();
-                    if left.is_zero() {
-                        break;
-                    }
-                    actix::clock::sleep(left).await;
-                }
-            } => crate::actors::pg_store::Loss {
-                reason: "the leader lease's term ran out: no renewal succeeded within two \
-                         thirds of its period"
-                    .to_string(),
-                taker: None,
-            },
-        };
-        addr.do_send(LeaseLost(loss));
-    });
-}
-
-/// The lease this executor holds.
-#[cfg(feature = "postgres")]
-struct Lead(Option<crate::actors::Leadership>);
-
-#[cfg(feature = "postgres")]
-impl Message for Lead {
-    type Result = ();
-}
-
-#[cfg(feature = "postgres")]
-impl<E: Send + Sync + 'static> Handler<Lead> for ExecutorActor<E> {
-    type Result = ();
-
-    fn handle(&mut self, mut msg: Lead, _ctx: &mut Context<Self>) {
-        if let Some(leadership) = msg.0.take() {
-            self.role = Role::Leader {
-                holder: leadership.holder().to_string(),
-                epoch: leadership.epoch(),
-            };
-            tracing::info!(target: crate::targets::EXECUTOR, holder = leadership.holder(), epoch = leadership.epoch(), "leading");
-            self.leadership = Some(leadership);
-        }
     }
 }

@@ -19,9 +19,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 use actix::Addr;
 use tokio::sync::{mpsc::UnboundedSender, watch};
 
-use super::actor::{ExecutorActor, Role};
+use super::actor::ExecutorActor;
 use super::api::{ProcEvent, Shutdown, SubscribeChannel};
-use super::builder::Recovery;
+use super::leader::Role;
+use super::recovered::Recovery;
 use crate::cancel::Cancel;
 use crate::error::Error;
 

@@ -16,14 +16,16 @@ use crate::record::{Failure, Nonce};
 use crate::actors::locks::{ResetEvent, WakeEvent};
 use crate::actors::scheduler::{GetSchedulerStats, SchedulerStats};
 
-use super::actor::{ExecutorActor, GetRole, Role};
+use super::actor::ExecutorActor;
 use super::api::{
     Abort, AckResult, Bypass, Continue, GetState, List, Pause, ProcEvent, ProcInfo, Rollback,
     Shutdown, Submit, SubscribeChannel, WaitFor, WaitValue,
 };
-use super::builder::{ExecutorBuilder, Recovery};
+use super::builder::ExecutorBuilder;
 use super::front::Front;
+use super::leader::{GetRole, Role};
 use super::nonces::{NonceRegistration, NonceReservation, RegisterNonce, Registered};
+use super::recovered::Recovery;
 
 impl From<MailboxError> for Error {
     fn from(_: MailboxError) -> Self {

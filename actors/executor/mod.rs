@@ -8,11 +8,12 @@
 //! made the insert durable. It keeps the waiters for results.
 //!
 //! Users reach it through the crate's re-exports; `crash_test.rs` starts engines with
-//! the builder. It is in six parts: `builder.rs` (the options and the start, recovery
-//! included), `handle.rs` (the handle), `front.rs` (what the handle sends to: the
-//! actor, or a standby's wait for the lease), `api.rs` (the messages the actor takes),
-//! `actor.rs` (the actor and its handlers) and `nonces.rs` (nonce reservations: their
-//! messages and handlers). The invariants they guard together: a
+//! the builder. Its parts: `builder.rs` (the options and the start) with `recovered.rs`
+//! (what the start makes of the store), `handle.rs` (the handle), `front.rs` (what the
+//! handle sends to: the actor, or a standby's wait for the lease), `api.rs` (the
+//! messages the actor takes), `actor.rs` (the actor, submits, commands, the cleaner)
+//! with `queries.rs`, `shutdown.rs` and `leader.rs` (its other handlers), and
+//! `nonces.rs` (nonce reservations: their messages and handlers). The invariants they guard together: a
 //! submit is answered only once its insert is durable, the executor handles no request
 //! before every recovered tree is on its shard, and once a shutdown has answered nothing
 //! of the engine runs.
@@ -24,15 +25,21 @@ mod api;
 mod builder;
 mod front;
 mod handle;
+mod leader;
 mod nonces;
+mod queries;
+mod recovered;
+mod shutdown;
 
-pub use actor::{ExecutorActor, Role};
+pub use actor::ExecutorActor;
 pub use api::{
     Abort, AckResult, Bypass, Continue, EngineStatus, GetEngineStatus, GetLocks, GetState, GetTree,
     GetValue, List, ListPage, Pause, ProcEvent, ProcInfo, ProcPage, RecentFailure, Rollback,
     Shutdown, Submit, Subscribe, TreeInfo, WaitFor, WaitValue, WaitingOn,
 };
 pub(crate) use api::{TreeFinished, TreeNews};
-pub use builder::{ExecutorBuilder, Recovery};
+pub use builder::ExecutorBuilder;
 pub use handle::{Executor, Subscription};
+pub use leader::Role;
 pub use nonces::{NonceRegistration, NonceReservation};
+pub use recovered::Recovery;

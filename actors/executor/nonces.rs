@@ -23,8 +23,8 @@ use crate::actors::shared::{now_ms, Entry};
 
 use super::actor::{ExecutorActor, NonceState, Turn};
 use super::api::{ProcEvent, Submit};
-use super::builder::finished_entry;
 use super::handle::Executor;
+use super::recovered::finished_entry;
 
 /// Reserve a nonce for the sender, unless it is known.
 pub(super) struct RegisterNonce(pub(super) Nonce);
