@@ -29,8 +29,8 @@ use crate::actors::root_stack::TreeRunner;
 use crate::actors::shared::{now_ms, Shared, Waiting};
 
 use super::api::{
-    Abort, Bypass, Continue, Pause, ProcEvent, ProcInfo, RecentFailure, Rollback, Submit,
-    Subscribe, SubscribeChannel, TreeFinished, TreeNews, WaitingOn,
+    Abort, Answer, Answered, Bypass, Continue, Pause, ProcEvent, ProcInfo, RecentFailure, Rollback,
+    Submit, Subscribe, SubscribeChannel, TreeFinished, TreeNews, WaitingOn,
 };
 use super::builder::Retention;
 use super::leader::Role;
@@ -456,24 +456,40 @@ impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<ProcId, Error>>;
 
     fn handle(&mut self, msg: Submit<E>, ctx: &mut Context<Self>) -> Self::Result {
+        self.submit(msg, ctx).into_response()
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Answered<Submit<E>>> for ExecutorActor<E> {
+    type Result = MessageResult<Answered<Submit<E>>>;
+
+    fn handle(&mut self, msg: Answered<Submit<E>>, ctx: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.submit(msg.0, ctx))
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    /// Takes a submit: answered once the root's insert is durable, or at once when it
+    /// is refused or its nonce is known.
+    fn submit(&mut self, msg: Submit<E>, ctx: &mut Context<Self>) -> Answer<ProcId> {
         if let Some(refusal) = self.refusal() {
-            return Box::pin(std::future::ready(Err(refusal)));
+            return Answer::Now(Err(refusal));
         }
         if let Some(nonce) = msg.nonce {
             match self.nonce_turn(nonce, msg.reservation) {
                 Turn::Known(id) => {
                     tracing::debug!(target: crate::targets::EXECUTOR, proc = %id, group = nonce.group, nonce = nonce.nonce, "submit with a known nonce: answered with its procedure");
-                    return Box::pin(std::future::ready(Ok(id)));
+                    return Answer::Now(Ok(id));
                 }
                 Turn::Wait(answer) => {
                     tracing::debug!(target: crate::targets::EXECUTOR, group = nonce.group, nonce = nonce.nonce, "submit with a nonce being submitted: answered with its procedure once durable");
                     let executor = ctx.address();
-                    return Box::pin(async move {
+                    return Answer::spawned(async move {
                         match answer.await {
                             Ok(Some(answer)) => answer,
                             // Let go by its reservation: this submit tries again, as
                             // if it had come just now.
-                            Ok(None) => executor.send(msg).await?,
+                            Ok(None) => executor.send(Answered(msg)).await?.get().await,
                             Err(_) => Err(Error::Stopped),
                         }
                     });
@@ -483,27 +499,30 @@ impl<E: Send + Sync + 'static> Handler<Submit<E>> for ExecutorActor<E> {
         }
         if self.unfinished >= self.max_unfinished {
             let limit = self.max_unfinished;
-            return Box::pin(std::future::ready(Err(Error::Overloaded { limit })));
+            return Answer::Now(Err(Error::Overloaded { limit }));
         }
         let nonce = msg.nonce;
         let answer = match self.start_root(msg) {
             Ok(answer) => answer,
-            Err(e) => return Box::pin(std::future::ready(Err(e))),
+            Err(e) => return Answer::Now(Err(e)),
         };
         let Some(nonce) = nonce else {
-            return Box::pin(answer);
+            return Answer::Later(answer);
         };
-        settle_nonce(ctx.address(), nonce, answer)
+        // Settled before the caller hears, even if the caller stops waiting.
+        Answer::spawned(settle_nonce(
+            ctx.address(),
+            nonce,
+            Answer::Later(answer).get(),
+        ))
     }
-}
 
-impl<E: Send + Sync + 'static> ExecutorActor<E> {
     /// Names and encodes the submitted root (its nonce, if any, now submitting) and
     /// starts its tree; the answer comes once its insert is durable.
     fn start_root(
         &mut self,
         msg: Submit<E>,
-    ) -> Result<impl Future<Output = Result<ProcId, Error>> + 'static, Error> {
+    ) -> Result<oneshot::Receiver<Result<ProcId, Error>>, Error> {
         let mut root = declare(&self.shared, &*msg.proc, now_ms()).map_err(|e| match e {
             Undeclarable::Registry(e) => Error::Registry(e),
             Undeclarable::Invalid(e) => Error::Invalid(e.to_string()),
@@ -523,31 +542,28 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
         self.unfinished += 1;
         let tree = self.shared.new_tree(root.id);
         tree.start(TreeRunner::submit(shared, tree.clone(), root, proc, ack));
-        Ok(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
+        Ok(rx)
     }
 }
 
 /// The answer to a submit with a nonce: `answer`, once the executor has settled the
 /// nonce with it ([`NonceSettled`]).
-fn settle_nonce<E: Send + Sync + 'static>(
+async fn settle_nonce<E: Send + Sync + 'static>(
     executor: Addr<ExecutorActor<E>>,
     nonce: Nonce,
     answer: impl Future<Output = Result<ProcId, Error>> + 'static,
-) -> ResponseFuture<Result<ProcId, Error>> {
-    Box::pin(async move {
-        let result = answer.await;
-        let settled = result.as_ref().map(|id| *id).map_err(Error::duplicate);
-        // Settled before the caller hears, so a retry after the answer finds the
-        // nonce known. A stopped executor answers the waiting retries by dropping
-        // them.
-        let _ = executor
-            .send(NonceSettled {
-                nonce,
-                result: settled,
-            })
-            .await;
-        result
-    })
+) -> Result<ProcId, Error> {
+    let result = answer.await;
+    let settled = result.as_ref().map(|id| *id).map_err(Error::duplicate);
+    // Settled before the caller hears, so a retry after the answer finds the nonce
+    // known. A stopped executor answers the waiting retries by dropping them.
+    let _ = executor
+        .send(NonceSettled {
+            nonce,
+            result: settled,
+        })
+        .await;
+    result
 }
 
 #[cfg(feature = "perturb")]

@@ -266,6 +266,54 @@ impl Message for GetEngineStatus {
     type Result = Result<EngineStatus, Error>;
 }
 
+/// A request the executor's handle sends, answered with an [`Answer`] that the
+/// handle's own task awaits. The public messages are answered with a
+/// `ResponseFuture`, which actix runs as a task of its own on the executor's arbiter
+/// only to pass the answer on: two more tasks for every root submitted and waited for.
+pub(crate) struct Answered<M>(pub(crate) M);
+
+impl<E: Send + Sync + 'static> Message for Answered<Submit<E>> {
+    type Result = Answer<ProcId>;
+}
+
+impl Message for Answered<WaitFor> {
+    type Result = Answer<Result<(), Failure>>;
+}
+
+/// The executor's answer: given at once, or to come on a channel (a dropped channel is
+/// [`Error::Stopped`]).
+pub(crate) enum Answer<T> {
+    Now(Result<T, Error>),
+    Later(tokio::sync::oneshot::Receiver<Result<T, Error>>),
+}
+
+impl<T: Send + 'static> Answer<T> {
+    /// The answer `future` gives, from a task of its own on the current arbiter: for
+    /// an answer that must be worked out even if its caller stops waiting.
+    pub(crate) fn spawned(
+        future: impl std::future::Future<Output = Result<T, Error>> + 'static,
+    ) -> Self {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        actix::spawn(async move {
+            let _ = tx.send(future.await);
+        });
+        Answer::Later(rx)
+    }
+
+    /// Waits for it.
+    pub(crate) async fn get(self) -> Result<T, Error> {
+        match self {
+            Answer::Now(answer) => answer,
+            Answer::Later(rx) => rx.await.unwrap_or(Err(Error::Stopped)),
+        }
+    }
+
+    /// As a public message's answer.
+    pub(crate) fn into_response(self) -> ResponseFuture<Result<T, Error>> {
+        Box::pin(self.get())
+    }
+}
+
 /// Wait for a root procedure to finish.
 #[derive(Clone, Copy, Debug)]
 pub struct WaitFor(pub ProcId);

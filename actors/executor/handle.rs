@@ -18,8 +18,8 @@ use crate::actors::scheduler::{GetSchedulerStats, SchedulerStats};
 
 use super::actor::ExecutorActor;
 use super::api::{
-    Abort, AckResult, Bypass, Continue, GetState, List, Pause, ProcEvent, ProcInfo, Rollback,
-    Shutdown, Submit, SubscribeChannel, WaitFor, WaitValue,
+    Abort, AckResult, Answered, Bypass, Continue, GetState, List, Pause, ProcEvent, ProcInfo,
+    Rollback, Shutdown, Submit, SubscribeChannel, WaitFor, WaitValue,
 };
 use super::builder::ExecutorBuilder;
 use super::front::Front;
@@ -170,7 +170,39 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// bad resource name in its locks or a panic in `locks`, `holds_lock` or
     /// `timeout_ms`.
     pub async fn submit(&self, proc: impl Procedure<E>) -> Result<ProcId, Error> {
-        self.front.actor()?.send(Submit::new(proc)).await?
+        self.front
+            .actor()?
+            .send(Answered(Submit::new(proc)))
+            .await?
+            .get()
+            .await
+    }
+
+    /// Submits a boxed root procedure, as [`submit`](Self::submit) does: for code that
+    /// picks the procedure's type at run time.
+    ///
+    /// ```no_run
+    /// # use proctor::{Context, Flow, ProcError, Procedure};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct Noop;
+    /// # #[async_trait::async_trait] impl Procedure for Noop {
+    /// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+    /// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) } }
+    /// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+    /// let proc: Box<dyn Procedure> = Box::new(Noop);
+    /// let id = executor.submit_boxed(proc).await?;
+    /// # let _ = id; Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`submit`](Self::submit).
+    pub async fn submit_boxed(&self, proc: Box<dyn Procedure<E>>) -> Result<ProcId, Error> {
+        self.front
+            .actor()?
+            .send(Answered(Submit::boxed(proc)))
+            .await?
+            .get()
+            .await
     }
 
     /// Submits a root procedure at most once per `nonce`: a retry with the same nonce
@@ -187,8 +219,10 @@ impl<E: Send + Sync + 'static> Executor<E> {
     ) -> Result<ProcId, Error> {
         self.front
             .actor()?
-            .send(Submit::new(proc).with_nonce(nonce))
+            .send(Answered(Submit::new(proc).with_nonce(nonce)))
             .await?
+            .get()
+            .await
     }
 
     /// What this executor is to its store: [`Role::Alone`] without a leader lease,
@@ -345,7 +379,12 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// [`Error::Internal`] if the store fails or the engine breaks before the tree
     /// finishes; [`Error::Stopped`] if the executor stops first.
     pub async fn wait(&self, id: ProcId) -> Result<Result<(), Failure>, Error> {
-        self.front.actor()?.send(WaitFor(id)).await?
+        self.front
+            .actor()?
+            .send(Answered(WaitFor(id)))
+            .await?
+            .get()
+            .await
     }
 
     /// Waits like [`wait`](Self::wait) and returns the value a step of the root set

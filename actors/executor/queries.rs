@@ -21,8 +21,8 @@ use crate::record::Failure;
 
 use super::actor::ExecutorActor;
 use super::api::{
-    AckResult, EngineStatus, GetEngineStatus, GetLocks, GetState, GetTree, GetValue, List,
-    ProcInfo, TreeInfo, WaitFor, WaitValue,
+    AckResult, Answer, Answered, EngineStatus, GetEngineStatus, GetLocks, GetState, GetTree,
+    GetValue, List, ProcInfo, TreeInfo, WaitFor, WaitValue,
 };
 
 impl<E: Send + Sync + 'static> Handler<GetState> for ExecutorActor<E> {
@@ -37,7 +37,21 @@ impl<E: Send + Sync + 'static> Handler<WaitFor> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<Result<(), Failure>, Error>>;
 
     fn handle(&mut self, msg: WaitFor, _ctx: &mut Context<Self>) -> Self::Result {
-        let id = msg.0;
+        self.wait_for(msg.0).into_response()
+    }
+}
+
+impl<E: Send + Sync + 'static> Handler<Answered<WaitFor>> for ExecutorActor<E> {
+    type Result = MessageResult<Answered<WaitFor>>;
+
+    fn handle(&mut self, msg: Answered<WaitFor>, _ctx: &mut Context<Self>) -> Self::Result {
+        MessageResult(self.wait_for(msg.0 .0))
+    }
+}
+
+impl<E: Send + Sync + 'static> ExecutorActor<E> {
+    /// The result of root `id`: at once if it finished, else once it does.
+    fn wait_for(&mut self, id: ProcId) -> Answer<Result<(), Failure>> {
         // The row's root and result only (the table's guard released before anything
         // else is looked up), not the whole `ProcInfo`.
         let row = self
@@ -52,11 +66,11 @@ impl<E: Send + Sync + 'static> Handler<WaitFor> for ExecutorActor<E> {
             Some((_, None)) => self.broken.as_ref().map(|e| Err(e.duplicate())),
         };
         if let Some(ready) = ready {
-            return Box::pin(async move { ready });
+            return Answer::Now(ready);
         }
         let (tx, rx) = oneshot::channel();
         self.waiters.entry(id).or_default().push(tx);
-        Box::pin(async move { rx.await.unwrap_or(Err(Error::Stopped)) })
+        Answer::Later(rx)
     }
 }
 

@@ -496,13 +496,7 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         let done = running.start();
         actix::spawn(async move {
             let t0 = Instant::now();
-            let submitted = match executor.addr() {
-                Ok(addr) => match addr.send(proctor::Submit::boxed(proc)).await {
-                    Ok(answer) => answer,
-                    Err(e) => Err(e.into()),
-                },
-                Err(e) => Err(e),
-            };
+            let submitted = executor.submit_boxed(proc).await;
             let outcome = match submitted {
                 Ok(id) => {
                     if verify {
