@@ -579,7 +579,7 @@ impl Handler<ResetEvent> for LockActor {
 }
 
 // ------------------------------------------------------------------------------------
-// The messages this actor receives (their ordering rules: `protocol.rs`).
+// The messages this actor receives (ordering rules: `ARCHITECTURE.md`, "Protocol").
 // ------------------------------------------------------------------------------------
 
 /// Wake `id` through its root stack once `event` is woken (at once if it already is).
@@ -618,7 +618,7 @@ impl Message for LockForRollback {
 
 /// Release the locks of `id`: those of one step (from its scheduler, when the step
 /// finished), of one rollback step (from its procedure cell), or everything it holds
-/// (from its cell or root stack: it finished, or will never run again).
+/// (from its root stack: it finished, or will never run again).
 pub(crate) struct ReleaseLocks {
     pub(crate) id: ProcId,
     pub(crate) what: Release,

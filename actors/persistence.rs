@@ -422,7 +422,7 @@ impl Handler<StopWriter> for PersistenceActor {
 }
 
 // ------------------------------------------------------------------------------------
-// The messages this actor receives (their ordering rules: `protocol.rs`).
+// The messages this actor receives (ordering rules: `ARCHITECTURE.md`, "Protocol").
 // ------------------------------------------------------------------------------------
 
 /// The store's status and the group commit's figures, for operators (asked by the

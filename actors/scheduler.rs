@@ -593,7 +593,7 @@ impl Handler<TreeEnded> for SchedulerActor {
 }
 
 // ------------------------------------------------------------------------------------
-// The messages this actor receives (their ordering rules: `protocol.rs`).
+// The messages this actor receives (ordering rules: `ARCHITECTURE.md`, "Protocol").
 // ------------------------------------------------------------------------------------
 
 /// Queue a step of `id`; with `lock`, once its locks are granted.

@@ -659,7 +659,8 @@ impl Message for Shutdown {
 }
 
 // ------------------------------------------------------------------------------------
-// The messages this actor receives from the engine's own actors (their ordering rules: `protocol.rs`).
+// The messages this actor receives from the engine's own actors (ordering rules:
+// `ARCHITECTURE.md`, "Protocol").
 // ------------------------------------------------------------------------------------
 
 /// A tree finished (from its root stack), or halted because nothing more can be made

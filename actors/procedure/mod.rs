@@ -413,7 +413,7 @@ fn poll_guarded<T>(
 }
 
 // ------------------------------------------------------------------------------------
-// The messages this actor receives (their ordering rules: `protocol.rs`).
+// The messages this actor receives (ordering rules: `ARCHITECTURE.md`, "Protocol").
 // ------------------------------------------------------------------------------------
 
 /// The scheduler's messages to a procedure.

@@ -53,8 +53,7 @@ pub(crate) use runner::{publish_recovered, Objects, TreeRunner};
 /// with its `From`.
 macro_rules! tree_msg {
     ($($(#[$cfg:meta])* $variant:ident($message:ty)),* $(,)?) => {
-        /// What a tree is sent. Each variant's ordering rule is written beside its
-        /// message in `protocol.rs`.
+        /// What a tree is sent (the ordering rules: `ARCHITECTURE.md`, "Protocol").
         pub(crate) enum TreeMsg {
             /// The tree joins the shard and starts (its first message).
             Start(Box<TreeRunner>),
@@ -383,7 +382,7 @@ impl Handler<Passivate> for RootStackActor {
 }
 
 // ------------------------------------------------------------------------------------
-// The messages this actor receives (their ordering rules: `protocol.rs`).
+// The messages this actor receives (ordering rules: `ARCHITECTURE.md`, "Protocol").
 // ------------------------------------------------------------------------------------
 
 /// What the scheduler sends a procedure, through its root stack.
@@ -423,13 +422,13 @@ pub(crate) struct LocksHeld {
     pub(crate) data: Vec<u8>,
 }
 
-/// A rollback step ended: the state after it, or its error.
 /// A procedure between calls asks to be paused now, with its recorded state.
 pub(crate) struct PauseNow {
     pub(crate) id: ProcId,
     pub(crate) data: Vec<u8>,
 }
 
+/// A rollback step ended: the state after it, or its error.
 pub(crate) struct RolledBack {
     pub(crate) id: ProcId,
     pub(crate) result: Result<Vec<u8>, RollbackFailure>,
