@@ -26,6 +26,7 @@
 
 #[cfg(test)]
 mod actor_tests;
+mod effects;
 mod runner;
 
 use std::cell::RefCell;
@@ -46,6 +47,10 @@ use super::lent::lendable;
 use super::procedure::{ProcedureActor, ProcedureCell};
 use super::protocol::{Outgoing, ToCell, TreeFinished};
 use super::shard::{Gone, Passivated, Quiet, Shard, ShardIo};
+use super::shared::Shared;
+
+pub(crate) use effects::Leave;
+use effects::{carry_out, Sink};
 
 pub(crate) use runner::{publish_recovered, Objects, TreeRunner};
 
@@ -160,13 +165,16 @@ fn capped(delay: Duration) -> Duration {
     }
 }
 
-/// What a root stack may do beyond its own state: its actor's context and its shard's
-/// outbox.
+/// What a root stack may do beyond its own state: start its procedures' actors and
+/// its timers with its actor's context, tell the shard's peers through its outbox, and
+/// record what leaves the shard otherwise ([`Leave`]), carried out in order, behind the
+/// outbox, when the handling returns (see `effects.rs`).
 pub(crate) struct TreeCtx<'a> {
     actor: &'a mut Context<RootStackActor>,
     io: &'a Rc<RefCell<ShardIo>>,
     /// Timers in flight: counted here, for passivation.
     in_flight: &'a mut u32,
+    leaves: &'a mut Vec<Leave>,
     stop: bool,
     /// The tree's result, sent to the executor once the actor has left its shard.
     result: Option<TreeFinished>,
@@ -197,23 +205,51 @@ impl TreeCtx<'_> {
     }
 
     /// The tree's result, for the executor: sent as the actor stops, after it told its
-    /// shard it is gone, so that whoever hears the result finds the tree gone.
+    /// shard it is gone and after everything the tree told, so that whoever hears the
+    /// result finds the tree gone and the locks it released free.
     pub(crate) fn publish(&mut self, result: TreeFinished) {
         self.result = Some(result);
     }
 
-    /// Queues `msg` for its actor (the shard's scheduler, the lock actor or the
-    /// persistence actor), after everything the shard's trees queued for it before.
+    /// Tells `msg` to its actor (the shard's scheduler, the lock actor or the
+    /// persistence actor), behind everything the shard's trees told it before.
     pub(crate) fn tell(&mut self, msg: impl Into<Outgoing>) {
         ShardIo::push(self.io, msg.into());
     }
 
-    /// Sends what is queued for the scheduler, the lock actor and the persistence actor
-    /// now: before anything that leaves the shard another way and must not overtake it
-    /// (an answer to a caller, a tree's result, news for the executor).
-    pub(crate) fn send_now(&mut self) {
+    /// Sends `leave` out of the shard when the handling returns, behind everything
+    /// told by then.
+    pub(crate) fn leave(&mut self, leave: Leave) {
+        self.leaves.push(leave);
+    }
+
+    /// Answers `ack` with `answer`, behind everything told before.
+    pub(crate) fn answer(&mut self, ack: AbortAck, answer: Result<bool, Error>) {
+        self.leave(Leave::Answered(ack, answer));
+    }
+}
+
+/// The actor's side of [`carry_out`]: the shard's outbox and the executor.
+struct ShardSink<'a> {
+    io: &'a RefCell<ShardIo>,
+    shared: &'a Shared,
+}
+
+impl Sink for ShardSink<'_> {
+    fn send_outbox(&mut self) {
         self.io.borrow_mut().flush();
     }
+
+    fn leave(&mut self, leave: Leave) {
+        leave.send(&self.shared.news, &self.shared.finished);
+    }
+}
+
+thread_local! {
+    /// What leaves the shard in the handling under way on this thread (root stacks
+    /// handle one message at a time per arbiter), kept between handlings so that
+    /// recording it allocates nothing.
+    static LEAVES: RefCell<Vec<Leave>> = const { RefCell::new(Vec::new()) };
 }
 
 /// The root-stack actor (see the module docs).
@@ -261,15 +297,34 @@ impl RootStackActor {
         let Some(runner) = self.runner.as_mut() else {
             return;
         };
+        let mut leaves = LEAVES.with_borrow_mut(std::mem::take);
         let mut tree_ctx = TreeCtx {
             actor: ctx,
             io: &self.io,
             in_flight: &mut self.in_flight,
+            leaves: &mut leaves,
             stop: false,
             result: None,
         };
         let ran = catch_unwind(AssertUnwindSafe(|| f(runner, &mut tree_ctx)));
         let (stop, result) = (tree_ctx.stop, tree_ctx.result);
+        // Carried out whether or not the handling finished: what it decided before a
+        // panic in engine code happens, as it did when each effect was immediate.
+        let mut sink = ShardSink {
+            io: &self.io,
+            shared: runner.shared_ref(),
+        };
+        carry_out(leaves.drain(..), &mut sink);
+        if result.is_some() {
+            // The result goes after everything the tree told (the locks its
+            // procedures released are free before anyone hears of it).
+            sink.send_outbox();
+        }
+        LEAVES.with_borrow_mut(|spare| {
+            if spare.capacity() < leaves.capacity() {
+                *spare = leaves;
+            }
+        });
         match ran {
             Err(payload) => self.cut_off(&panic_message(&*payload), result, ctx),
             Ok(()) if stop => self.end(result, ctx),

@@ -37,7 +37,7 @@ use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{Failure, Paused, ProcRecord, Steering, StoreOp};
 use crate::root_stack::{Action, ChildrenSeen, NewChild, Place, RollbackOf, RootStack, Transition};
 
-use super::{Timer, TreeCtx, TreeMsg};
+use super::{Leave, Timer, TreeCtx, TreeMsg};
 
 mod operator;
 mod procs;
@@ -56,7 +56,7 @@ use crate::actors::protocol::{
     TreeIrreversible, TreeNews, Unsuspend, Wake, WithdrawStep,
 };
 use crate::actors::shared::{now_ms, Entry, EntryExtra, Shared, TreeStatus, Waiting};
-use operator::refuse;
+use operator::refusal;
 use procs::{Leaving, Slot};
 pub(crate) use table::publish_recovered;
 use table::{apply_rows, rows, Row, Rows};
@@ -292,14 +292,14 @@ impl TreeRunner {
     ) {
         if let Some(e) = &self.halted {
             if let Some((ack, _)) = ack {
-                let _ = ack.send(Err(e.duplicate()));
+                ctx.answer(ack, Err(e.duplicate()));
             }
             return;
         }
         if self.core.is_failed() && !self.status.failed() {
             self.status.set_failed();
             // Pauses not in effect never will be: the tree rolls back.
-            self.refuse_pauses("its tree failed before it paused");
+            self.refuse_pauses("its tree failed before it paused", ctx);
             // Aborts that waited for a failed step's fate: it is failing.
             self.tell_tree_failed(ctx);
             // Its procedures waiting for locks would only be skipped once granted.
@@ -349,23 +349,16 @@ impl TreeRunner {
             for action in p.actions {
                 self.perform(action, ctx);
             }
-            if !p.acks.is_empty() {
-                // What the actions told the scheduler goes before the callers hear.
-                ctx.send_now();
-            }
             for (ack, answer) in p.acks {
-                let _ = ack.send(answer);
+                ctx.answer(ack, answer);
             }
             self.recovered = false;
         }
         if self.pending.is_empty() {
             self.pending.release();
-            if self.rare.as_ref().is_some_and(|r| !r.quiesce.is_empty()) {
-                ctx.send_now();
-            }
             let cut_off: Vec<ProcId> = self.core.cut_off().collect();
             for ack in self.rare.iter_mut().flat_map(|r| r.quiesce.drain(..)) {
-                let _ = ack.send(Some(cut_off.clone()));
+                ctx.leave(Leave::Quiesced(ack, Some(cut_off.clone())));
             }
         }
         // The initial transition is durable and performed: the tree has started.
@@ -373,25 +366,22 @@ impl TreeRunner {
             if let Some(ack) = self.start.take().and_then(|s| s.submit_ack) {
                 // Its first step's request reaches the scheduler before the submitter
                 // hears (and submits the next, perhaps through another shard).
-                ctx.send_now();
-                let _ = ack.send(Ok(self.core.root()));
+                ctx.leave(Leave::Submitted(ack, Ok(self.core.root())));
                 if self.shared.has_subscribers() {
-                    self.shared
-                        .news
-                        .do_send(TreeNews::Submitted(self.core.root()));
+                    ctx.leave(Leave::News(TreeNews::Submitted(self.core.root())));
                 }
             }
         }
     }
 
     /// Answers every pause not in effect with a refusal.
-    fn refuse_pauses(&mut self, reason: &str) {
+    fn refuse_pauses(&mut self, reason: &str, ctx: &mut TreeCtx<'_>) {
         let Some(rare) = &mut self.rare else {
             return;
         };
         for (id, acks) in rare.pause_waiters.drain() {
             for ack in acks {
-                refuse(ack, "pause", id, reason);
+                ctx.leave(refusal(ack, "pause", id, reason));
             }
         }
     }
@@ -466,7 +456,7 @@ impl TreeRunner {
     fn on_stopped(&mut self, id: ProcId, ctx: &mut TreeCtx<'_>) {
         if let Some(acks) = self.pause_waiters(id) {
             for ack in acks {
-                refuse(ack, "pause", id, "it finished before it paused");
+                ctx.leave(refusal(ack, "pause", id, "it finished before it paused"));
             }
         }
         // Stopped while suspended (its tree failed, or timed out): it no longer
@@ -488,12 +478,8 @@ impl TreeRunner {
     /// `id` paused (its pause is durable): the operators who asked hear, and so do
     /// subscribers.
     fn on_paused(&mut self, id: ProcId, state: ProcState, why: Paused, ctx: &mut TreeCtx<'_>) {
-        let acks = self.pause_waiters(id).unwrap_or_default();
-        if !acks.is_empty() {
-            ctx.send_now();
-        }
-        for ack in acks {
-            let _ = ack.send(Ok(true));
+        for ack in self.pause_waiters(id).unwrap_or_default() {
+            ctx.answer(ack, Ok(true));
         }
         self.forget_pause(id, ctx);
         // Paused while it waited for an event: the event must not wake it (a continue
@@ -507,8 +493,7 @@ impl TreeRunner {
                 state,
                 why,
             };
-            ctx.send_now();
-            self.shared.news.do_send(news);
+            ctx.leave(Leave::News(news));
         }
     }
 
@@ -670,9 +655,8 @@ impl TreeRunner {
         if let Some(mut e) = self.shared.table.get_mut(&root) {
             e.extra_mut().result = Some(result.clone().map_err(Box::new));
         }
-        // The locks its procedures released are free before anyone hears of the result,
-        // and the tree has left its shard (the actor sends it as it stops).
-        ctx.send_now();
+        // The actor sends it as it stops, once the tree has left its shard and after
+        // everything the tree told (the locks its procedures released are free).
         ctx.publish(TreeFinished {
             root,
             result: Ok(result),
@@ -692,30 +676,29 @@ impl TreeRunner {
         self.status.set_halted();
         // Steps waiting for locks are queued to report themselves skipped.
         ctx.tell(TreeFailed(root));
-        ctx.send_now();
         if let Some(ack) = self.start.take().and_then(|s| s.submit_ack) {
-            let _ = ack.send(Err(e.duplicate()));
+            ctx.leave(Leave::Submitted(ack, Err(e.duplicate())));
         }
         for p in self.pending.take_all() {
             for (ack, _) in p.acks {
-                let _ = ack.send(Err(e.duplicate()));
+                ctx.answer(ack, Err(e.duplicate()));
             }
         }
         let waiters = self.rare.iter_mut().flat_map(|r| r.pause_waiters.drain());
         for ack in waiters.flat_map(|(_, acks)| acks) {
-            let _ = ack.send(Err(e.duplicate()));
+            ctx.answer(ack, Err(e.duplicate()));
         }
         // Nothing more becomes durable: a graceful shutdown waiting for that goes on
         // now, not when the tree has stopped.
         for ack in self.rare.iter_mut().flat_map(|r| r.quiesce.drain(..)) {
-            let _ = ack.send(None);
+            ctx.leave(Leave::Quiesced(ack, None));
         }
         self.unspawned = None;
         self.result = None;
-        self.shared.finished.do_send(TreeFinished {
+        ctx.leave(Leave::Halted(TreeFinished {
             root,
             result: Err(e.duplicate()),
-        });
+        }));
         self.halted = Some(Box::new(e));
         self.stop_when_quiet(ctx);
     }
@@ -759,7 +742,7 @@ impl TreeRunner {
             TreeMsg::ToProc(m) => self.on_to_proc(m, ctx),
             TreeMsg::Bypass(m) => self.on_bypass(m, ctx),
             TreeMsg::Wake(m) => self.on_wake(m, ctx),
-            TreeMsg::Quiesce(m) => self.on_quiesce(m),
+            TreeMsg::Quiesce(m) => self.on_quiesce(m, ctx),
             TreeMsg::Describe(m) => {
                 let _ = m.0.send(crate::TreeInfo {
                     root: self.core.root(),
@@ -892,6 +875,11 @@ impl TreeRunner {
     /// itself would allocate).
     pub(crate) fn shared(&self) -> Arc<Shared> {
         self.shared.clone()
+    }
+
+    /// The engine's shared state, borrowed.
+    pub(crate) fn shared_ref(&self) -> &Shared {
+        &self.shared
     }
 
     /// Whether the tree has nothing in flight (nothing waiting to be durable, no step out,

@@ -6,7 +6,7 @@ use super::*;
 impl TreeRunner {
     pub(super) fn on_bypass(&mut self, msg: BypassRequest, ctx: &mut TreeCtx<'_>) {
         if let Some(e) = &self.halted {
-            let _ = msg.ack.send(Err(e.duplicate()));
+            ctx.answer(msg.ack, Err(e.duplicate()));
             return;
         }
         let (id, recursive) = (msg.id, msg.recursive);
@@ -31,21 +31,21 @@ impl TreeRunner {
         ) {
             Some(Ok(t)) => self.apply(t, Some((msg.ack, Ok(true))), ctx),
             Some(Err(reason)) => {
-                let _ = msg.ack.send(Err(Error::BypassRefused { id, reason }));
+                ctx.answer(msg.ack, Err(Error::BypassRefused { id, reason }));
             }
             None => {
-                let _ = msg.ack.send(Err(self.halted_error()));
+                ctx.answer(msg.ack, Err(self.halted_error()));
             }
         }
     }
 }
 
 impl TreeRunner {
-    pub(super) fn on_quiesce(&mut self, msg: Quiesce) {
+    pub(super) fn on_quiesce(&mut self, msg: Quiesce, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() {
-            let _ = msg.0.send(None);
+            ctx.leave(Leave::Quiesced(msg.0, None));
         } else if self.pending.is_empty() {
-            let _ = msg.0.send(Some(self.core.cut_off().collect()));
+            ctx.leave(Leave::Quiesced(msg.0, Some(self.core.cut_off().collect())));
         } else {
             self.rare().quiesce.push(msg.0);
         }
@@ -55,13 +55,13 @@ impl TreeRunner {
 impl TreeRunner {
     pub(super) fn on_command(&mut self, msg: CommandRequest, ctx: &mut TreeCtx<'_>) {
         if let Some(e) = &self.halted {
-            let _ = msg.ack.send(Err(e.duplicate()));
+            ctx.answer(msg.ack, Err(e.duplicate()));
             return;
         }
         let (id, command) = (msg.id, msg.command);
         if command == Command::Pause {
-            let refusal = self.core.pause_refusal(id);
-            match (refusal, self.procs.contains_key(&id)) {
+            let refused = self.core.pause_refusal(id);
+            match (refused, self.procs.contains_key(&id)) {
                 (None, true) => {
                     let now = self.core.waits_for_wake(id);
                     let _ = self.send(id, ProcMsg::Pause { now }, ctx);
@@ -71,9 +71,9 @@ impl TreeRunner {
                         .or_default()
                         .push(msg.ack);
                 }
-                (refusal, _) => {
-                    let reason = refusal.unwrap_or_else(|| format!("procedure {id} has finished"));
-                    refuse(msg.ack, command.name(), id, reason);
+                (refused, _) => {
+                    let reason = refused.unwrap_or_else(|| format!("procedure {id} has finished"));
+                    ctx.leave(refusal(msg.ack, command.name(), id, reason));
                 }
             }
             return;
@@ -83,7 +83,7 @@ impl TreeRunner {
             // Not paused: a rollback is an abort (its hook decides, a running step is
             // cancelled), refused where an operator's rollback is.
             if let Some(reason) = self.core.rollback_refusal(id) {
-                refuse(msg.ack, command.name(), id, reason);
+                ctx.leave(refusal(msg.ack, command.name(), id, reason));
                 return;
             }
             self.on_abort(AbortRequest { id, ack: msg.ack }, ctx);
@@ -104,10 +104,10 @@ impl TreeRunner {
                 self.apply(t, Some((msg.ack, Ok(true))), ctx);
             }
             Some(Err(reason)) => {
-                refuse(msg.ack, command.name(), id, reason);
+                ctx.leave(refusal(msg.ack, command.name(), id, reason));
             }
             None => {
-                let _ = msg.ack.send(Err(self.halted_error()));
+                ctx.answer(msg.ack, Err(self.halted_error()));
             }
         }
     }
@@ -116,7 +116,7 @@ impl TreeRunner {
 impl TreeRunner {
     pub(super) fn on_abort(&mut self, msg: AbortRequest, ctx: &mut TreeCtx<'_>) {
         if let Some(e) = &self.halted {
-            let _ = msg.ack.send(Err(e.duplicate()));
+            ctx.answer(msg.ack, Err(e.duplicate()));
             return;
         }
         if self.core.is_irreversible() && !self.core.is_failed() {
@@ -124,14 +124,14 @@ impl TreeRunner {
                 "tree {} has passed its point of no return: continue instead",
                 self.core.root()
             );
-            refuse(msg.ack, "abort", msg.id, reason);
+            ctx.leave(refusal(msg.ack, "abort", msg.id, reason));
             return;
         }
         let id = msg.id;
         // Finished (its stop is on its way): nothing left to abort.
         if let Err(ProcMsg::Abort(ack)) = self.send(id, ProcMsg::Abort(msg.ack), ctx) {
             let state = self.core.state_of(id).unwrap_or(ProcState::Success);
-            let _ = ack.send(Err(Error::Finished { id, state }));
+            ctx.answer(ack, Err(Error::Finished { id, state }));
         }
     }
 }
@@ -146,11 +146,19 @@ impl TreeRunner {
     }
 }
 
-/// Answers an operator's command with its refusal.
-pub(super) fn refuse(ack: AbortAck, command: &'static str, id: ProcId, reason: impl Into<String>) {
-    let _ = ack.send(Err(Error::Refused {
-        command,
-        id,
-        reason: reason.into(),
-    }));
+/// The answer to an operator's command that is refused.
+pub(super) fn refusal(
+    ack: AbortAck,
+    command: &'static str,
+    id: ProcId,
+    reason: impl Into<String>,
+) -> Leave {
+    Leave::Answered(
+        ack,
+        Err(Error::Refused {
+            command,
+            id,
+            reason: reason.into(),
+        }),
+    )
 }

@@ -96,7 +96,7 @@ impl TreeRunner {
         };
         let Some(t) = t else {
             if let (Some((ack, _)), Some(e)) = (ack, &self.halted) {
-                let _ = ack.send(Err(e.duplicate()));
+                ctx.answer(ack, Err(e.duplicate()));
             }
             return;
         };
