@@ -427,19 +427,24 @@ struct MemoryInner {
     records: BTreeMap<ProcId, Box<[u8]>>,
     max_id: u64,
     last_stop: LastStop,
+    /// Where a record is encoded before it is stored.
+    scratch: Vec<u8>,
 }
 
 impl MemoryInner {
     /// Applies `ops` in order, all or none (an op that does not encode stops the batch
     /// before anything is applied).
     fn append(&mut self, ops: &[StoreOp]) -> Result<(), StoreError> {
+        let scratch = &mut self.scratch;
         let encoded = ops
             .iter()
             .map(|op| match op {
                 StoreOp::Insert(r) | StoreOp::Update(r) => {
-                    let mut bytes = Vec::with_capacity(128);
-                    crate::wal::encode_op(op, &mut bytes)
-                        .map(|()| Some(bytes.into_boxed_slice()))
+                    // Encoded into a buffer kept between records, then copied out at
+                    // its size: one allocation a record, no growth.
+                    scratch.clear();
+                    crate::wal::encode_op(op, scratch)
+                        .map(|()| Some(Box::<[u8]>::from(scratch.as_slice())))
                         .map_err(|e| StoreError::Io {
                             context: format!("encoding the record of procedure {}", r.id),
                             source: std::io::Error::new(std::io::ErrorKind::InvalidData, e),
