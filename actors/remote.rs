@@ -94,6 +94,8 @@ type SendFuture = Pin<Box<dyn Future<Output = Result<Vec<Report>, TransportError
 pub(crate) trait AnyTransport: Send + Sync {
     fn send(&self, target: String, ops: Vec<(OpId, Vec<u8>)>) -> SendFuture;
     fn rebuild(&self, target: &str, op: &[u8]) -> Option<Vec<u8>>;
+    /// Whether `op` decodes as the transport's operation type; if not, why.
+    fn check(&self, op: &[u8]) -> Result<(), String>;
 }
 
 /// A typed [`Transport`] behind [`AnyTransport`].
@@ -114,6 +116,15 @@ impl<T: Transport> AnyTransport for Typed<T> {
                 typed.push((id, op));
             }
             transport.send(&target, typed).await
+        })
+    }
+
+    fn check(&self, op: &[u8]) -> Result<(), String> {
+        rmp_serde::from_slice::<T::Op>(op).map(drop).map_err(|e| {
+            format!(
+                "it does not decode as a {}: {e}",
+                std::any::type_name::<T::Op>()
+            )
         })
     }
 
@@ -539,6 +550,17 @@ impl Handler<Dispatch> for RemoteDispatcher {
                 }
             }
         } else {
+            // A value of another type than the transport's would fail every send
+            // until its deadline: it fails at once.
+            if let Err(reason) = self.transport.check(&msg.payload) {
+                let target = msg.target.clone();
+                self.settle(
+                    msg.op,
+                    &msg.target,
+                    Err(RemoteError::BadOp { target, reason }),
+                );
+                return;
+            }
             msg.payload
         };
         let now = self.now_ms();

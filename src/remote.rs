@@ -93,6 +93,16 @@ pub enum RemoteError {
         /// The deadline it had.
         deadline_ms: u64,
     },
+    /// The operation does not decode as the transport's operation type
+    /// ([`Transport::Op`](crate::Transport::Op)): the step dispatched a value of another
+    /// type. It was never sent.
+    #[error("the operation for {target} was not sent: {reason}")]
+    BadOp {
+        /// The target.
+        target: String,
+        /// What the decoding said, with the type it expected.
+        reason: String,
+    },
     /// After a restart, the transport's `rebuild` said the operation no longer needs
     /// sending (HBase's `remoteCallBuild` returning nothing): it was not sent again.
     #[error("not sent again to {target} after the restart: the transport no longer needs it")]

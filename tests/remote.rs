@@ -1,6 +1,7 @@
 //! Remote operations end to end, through a fake in-process transport: batching, reports
 //! in any order and twice, reports for unknown operations, failed sends retried, a
-//! target that keeps failing, a target removed mid-flight, and a crash at every write.
+//! target that keeps failing, a target removed mid-flight, an operation of the wrong
+//! type, and a crash at every write.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
@@ -448,4 +449,64 @@ async fn after_a_restart_an_operation_the_transport_no_longer_needs_is_not_sent_
     .await
     .unwrap();
     assert!(not_sent > 0, "a crash fell after the send");
+}
+
+/// Dispatches a value that is not the transport's operation type, then fails with
+/// what came back.
+#[derive(Serialize, Deserialize)]
+struct Misdispatch {
+    dispatched: bool,
+}
+
+#[async_trait]
+impl Procedure<Log> for Misdispatch {
+    async fn execute(&mut self, ctx: &mut Context<Log>) -> Result<Flow<Log>, ProcError> {
+        if !self.dispatched {
+            self.dispatched = true;
+            ctx.dispatch("a", &"open region 7")?;
+            return Ok(ctx.await_remote());
+        }
+        match &ctx.remote_results()[0].outcome {
+            Err(e) => Err(ProcError::failed(e.to_string())),
+            Ok(_) => Ok(Flow::Done),
+        }
+    }
+
+    async fn rollback(&mut self, _: &mut Context<Log>) -> Result<(), ProcError> {
+        Ok(())
+    }
+}
+
+#[actix::test]
+async fn an_operation_of_another_type_than_the_transports_fails_at_once_unsent() {
+    let nodes = Arc::new(Nodes::default());
+    let log = Arc::new(Log::default());
+    let mut registry = Registry::<Log>::default();
+    registry.register::<Misdispatch>("misdispatch");
+    // The default deadline (60 s): an operation that cannot be sent must not wait
+    // for it.
+    let executor = Executor::builder()
+        .registry(registry)
+        .env(log.clone())
+        .remote(Fake(nodes.clone()), RemoteOptions::default())
+        .store(proctor::MemoryStore::new())
+        .start()
+        .await
+        .unwrap();
+    let id = executor
+        .submit(Misdispatch { dispatched: false })
+        .await
+        .unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(10), executor.wait(id))
+        .await
+        .expect("failed well before the operation's deadline");
+    let failure = ended.unwrap().unwrap_err().to_string();
+    assert!(
+        failure.contains("the operation for a was not sent")
+            && failure.contains("does not decode as a")
+            && failure.contains("OpenRegion"),
+        "{failure}"
+    );
+    assert!(nodes.requests_to("a").is_empty(), "nothing was sent");
+    executor.shutdown().await.unwrap();
 }
