@@ -57,6 +57,7 @@ Exit codes:
 #[derive(Parser)]
 #[command(
     name = "proctor",
+    version,
     about = "Inspect, verify and repair proctor WAL directories",
     after_help = EXIT_CODES
 )]

@@ -205,6 +205,17 @@ fn prometheus_scrape_and_info_log_show_each_procedure_by_type() {
         "{log}"
     );
     assert_eq!(lines("procedure submitted"), 9, "{log}");
+    // The start names the engine's version and its store, with where it is.
+    let started = log
+        .lines()
+        .find(|l| l.contains("executor started"))
+        .unwrap_or_else(|| panic!("no start line in {log}"));
+    assert!(
+        started.contains(&format!("version=\"{}\"", env!("CARGO_PKG_VERSION")))
+            && started.contains("store=\"wal\"")
+            && started.contains("store_at="),
+        "{started}"
+    );
     // The user's line inside a step carries the procedure's and the step's spans.
     assert!(
         log.contains("procedure{id=1 root=1 type=transfer}:step{step=2}: metrics::example: transfer step step=2"),

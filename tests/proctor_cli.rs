@@ -165,6 +165,16 @@ fn verify_finds_a_flipped_byte() {
 }
 
 #[test]
+fn version_prints_the_packages_version() {
+    let out = output(Command::new(env!("CARGO_BIN_EXE_proctor")).arg("--version"));
+    assert!(out.status.success());
+    assert_eq!(
+        text(&out).trim(),
+        format!("proctor {}", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+#[test]
 fn a_missing_directory_is_a_clear_error() {
     let out = proctor(&["wal", "verify"], Path::new("/nonexistent/proctor-wal"));
     assert_eq!(out.status.code(), Some(2));

@@ -604,6 +604,14 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             registry.register::<crate::remote::RemoteCall>(crate::remote::REMOTE_CALL);
         }
         let recovered = Recovered::load(&mut *store, registry, &env)?;
+        // Which store, for the start's log line: its kind and where it is (the WAL's
+        // directory, the PostgreSQL store's schema).
+        let store_status = store.status();
+        let store_at = store_status
+            .facts
+            .iter()
+            .find(|(name, _)| matches!(*name, "dir" | "schema"))
+            .map(|(_, at)| at.clone());
         crate::actors::metrics::describe();
         let persistence = PersistenceActor::new(store)
             .map_err(|e| Error::Config(format!("cannot start the store writer thread: {e}")))?
@@ -650,6 +658,9 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             super::leader::lead(&addr, leadership);
         }
         tracing::info!(target: crate::targets::EXECUTOR,
+            version = env!("CARGO_PKG_VERSION"),
+            store = store_status.kind,
+            store_at = store_at.as_deref(),
             shards = self.shards(),
             workers = self.workers,
             recovered = report.recovered_roots.len(),
