@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex};
 use common::{wait_for_state, Reopen};
 use proctor::{
     async_trait, Context, Error, Executor, FailurePolicy, Flow, OnTimeout, ProcError, ProcEvent,
-    ProcId, ProcState, Procedure, ProcedureStore, Registry,
+    ProcId, ProcState, Procedure, ProcedureStore, Registry, StateContext, StateMachine,
+    StateMachineProcedure,
 };
 use serde::{Deserialize, Serialize};
 
@@ -294,6 +295,70 @@ impl Procedure<World> for Timed {
     }
 }
 
+/// A state machine of three phases whose last fails its step; its rollback of a phase
+/// fails while the world has rollback failures, by a panic or an error as `panics`
+/// says. Each call is recorded.
+#[derive(Clone, Serialize, Deserialize)]
+struct Machine {
+    panics: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum Phase {
+    Prepare,
+    Write,
+    Assign,
+}
+
+#[async_trait]
+impl StateMachineProcedure<World> for Machine {
+    type State = Phase;
+
+    fn initial_state(&self) -> Phase {
+        Phase::Prepare
+    }
+
+    async fn execute_from_state(
+        &mut self,
+        ctx: &mut StateContext<'_, Phase, World>,
+        state: Phase,
+    ) -> Result<Flow<World>, ProcError> {
+        ctx.env().record(format!("exec {state:?}"));
+        match state {
+            Phase::Prepare => ctx.set_next_state(Phase::Write),
+            Phase::Write => ctx.set_next_state(Phase::Assign),
+            Phase::Assign => return Err(ProcError::failed("assign failed")),
+        }
+        Ok(Flow::MoreToDo)
+    }
+
+    async fn rollback_state(
+        &mut self,
+        ctx: &mut Context<World>,
+        state: Phase,
+    ) -> Result<(), ProcError> {
+        let world = ctx.env();
+        let fails = world
+            .rollback_failures
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        match (fails, self.panics) {
+            (false, _) => {
+                world.record(format!("rollback {state:?}"));
+                Ok(())
+            }
+            (true, true) => {
+                world.record(format!("rollback {state:?} panicked"));
+                panic!("cannot undo {state:?}");
+            }
+            (true, false) => {
+                world.record(format!("rollback {state:?} failed"));
+                Err(ProcError::failed(format!("cannot undo {state:?}")))
+            }
+        }
+    }
+}
+
 async fn start(store: Box<dyn ProcedureStore>, world: Arc<World>) -> Executor<World> {
     let mut registry = Registry::<World>::default();
     registry
@@ -301,7 +366,8 @@ async fn start(store: Box<dyn ProcedureStore>, world: Arc<World>) -> Executor<Wo
         .register::<Waiter>("waiter")
         .register::<Gated>("gated")
         .register::<Timed>("timed")
-        .register::<Parent>("parent");
+        .register::<Parent>("parent")
+        .register_state_machine::<Machine>("machine");
     Executor::builder()
         .registry(registry)
         .store(store)
@@ -550,6 +616,43 @@ async fn a_rollback_that_gives_up_is_rollback_paused_until_continued() {
             "{name}"
         );
         executor.shutdown().await.unwrap();
+    }
+}
+
+/// A rollback that fails (a panic, or an error) and is retried undoes the same step
+/// again, from the state recorded before it: each phase is undone once it succeeds,
+/// in reverse, and none is passed over.
+#[actix::test]
+async fn a_rollback_that_fails_twice_then_succeeds_undoes_each_step_once() {
+    for name in common::STORES {
+        for panics in [true, false] {
+            let w = world(0, 2);
+            let executor = start(Reopen::new(name).open(), w.clone()).await;
+            let id = executor
+                .submit(StateMachine::new(Machine { panics }))
+                .await
+                .unwrap();
+            let failure = executor.wait(id).await.unwrap().unwrap_err();
+            assert_eq!(failure.error, ProcError::failed("assign failed"), "{name}");
+            let state = executor.state(id).await.unwrap().state;
+            assert_eq!(state, ProcState::RolledBack, "{name}");
+            let failed = if panics { "panicked" } else { "failed" };
+            assert_eq!(
+                w.calls(),
+                [
+                    "exec Prepare",
+                    "exec Write",
+                    "exec Assign",
+                    &format!("rollback Assign {failed}"),
+                    &format!("rollback Assign {failed}"),
+                    "rollback Assign",
+                    "rollback Write",
+                    "rollback Prepare",
+                ],
+                "{name}, panics: {panics}"
+            );
+            executor.shutdown().await.unwrap();
+        }
     }
 }
 

@@ -27,7 +27,7 @@ use crate::root_stack::{
     ChildrenSeen, NewChild, OnError, RollbackFailure, RollbackOf, StepOutcome, StepReport,
 };
 
-use crate::actors::guard::{guard, CatchUnwind};
+use crate::actors::guard::{decode_guarded, guard, CatchUnwind};
 use crate::actors::perturb;
 use crate::actors::protocol::{
     AbortAck, FailRequest, LockFailed, LocksHeld, Outbox, Release, ReleaseLocks, Report, Rollback,
@@ -723,14 +723,30 @@ impl ProcedureCell {
         if !proc.holds_lock() && !self.cut_off() {
             self.release_lock(&mut *proc, &pctx);
         }
-        let result = result
-            .and_then(|r| r)
-            .and_then(|()| self.encode(&*proc))
-            .map_err(|error| RollbackFailure {
-                policy: guard("failure_policy", || proc.failure_policy(&error)).unwrap_or_default(),
-                error,
-                data: self.data.clone(),
-            });
+        // An `Err` the procedure returned leaves its object as the procedure chose (a
+        // state machine keeps the state it could not undo, a DAG which of its tasks
+        // it undid and which one failed). A panic leaves it anywhere (half a step
+        // undone, or forgotten), and a state that does not encode after a rollback
+        // that succeeded leaves it a step ahead of its record: either attempt is
+        // discarded, as a failed step's is, so that the retry (or an operator's
+        // continue) undoes the same step again from the state recorded before it,
+        // which is what the failure records.
+        let (result, discard) = match result {
+            Err(panic) => (Err(panic), true),
+            Ok(Err(error)) => (Err(error), false),
+            Ok(Ok(())) => match self.encode(&*proc) {
+                Ok(data) => (Ok(data), false),
+                Err(error) => (Err(error), true),
+            },
+        };
+        if discard && !self.cut_off() {
+            proc = self.reloaded(proc);
+        }
+        let result = result.map_err(|error| RollbackFailure {
+            policy: guard("failure_policy", || proc.failure_policy(&error)).unwrap_or_default(),
+            error,
+            data: self.data.clone(),
+        });
         self.proc = Some(proc);
         if self.has_locks && !self.cut_off() {
             ctx.tell(ReleaseLocks {
@@ -745,6 +761,19 @@ impl ProcedureCell {
             result,
         }));
         drop(in_call);
+    }
+
+    /// The object decoded again from its recorded state (`data`); `proc` itself if that
+    /// fails, which is not expected: the state decoded (or was encoded) before.
+    fn reloaded(&self, proc: DynProc) -> DynProc {
+        // The user's `Deserialize` runs here: a panic in it is caught like any other.
+        match decode_guarded(&self.shared.registry, self.type_name, &self.data) {
+            Ok(reloaded) => reloaded,
+            Err(e) => {
+                tracing::error!(target: crate::targets::PROCEDURE, proc = %self.id, %e, "cannot reload the recorded state");
+                proc
+            }
+        }
     }
 
     /// The procedure is finished and its final record is durable: release its locks,
