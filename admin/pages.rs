@@ -168,7 +168,21 @@ fn age(submitted_ms: u64) -> String {
 
 fn waits(p: &ProcInfo) -> String {
     if matches!(p.state, ProcState::Paused | ProcState::RollbackPaused) {
-        return "an operator".into();
+        // Why, as `proctor procs` says it: the error that paused it, its policy and the
+        // retries it spent.
+        return match &p.steering.paused {
+            Some(paused) => match (&paused.error, &paused.policy) {
+                (None, _) => "an operator (paused by an operator)".into(),
+                (Some(error), Some(policy)) => format!(
+                    "an operator: {error} (policy {policy:?}, {} retries)",
+                    paused.retries
+                ),
+                (Some(error), None) => {
+                    format!("an operator: {error} (past its point of no return)")
+                }
+            },
+            None => "an operator".into(),
+        };
     }
     match &p.waiting_on {
         None => String::new(),

@@ -253,7 +253,9 @@ impl ProcError {
 #[non_exhaustive]
 pub enum FailurePolicy {
     /// Fail the procedure; its tree rolls back. For a failed rollback: retry it with
-    /// backoff for ever (rollback is never abandoned).
+    /// backoff, up to [`ExecutorBuilder::rollback_retries`](crate::ExecutorBuilder::rollback_retries)
+    /// times (20 by default), then stop in [`ProcState::RollbackPaused`] for an operator
+    /// (rollback is never abandoned, nor taken as done).
     #[default]
     Rollback,
     /// Stop in [`ProcState::Paused`] (a failed rollback: [`ProcState::RollbackPaused`])
@@ -1226,12 +1228,13 @@ where
     /// that may have started but was never recorded. [`Context::undoing`] says which:
     /// a step that [completed](Undo::Completed), the one that [failed](Undo::Failed)
     /// (undo only what it did before failing), or one
-    /// [interrupted](Undo::Interrupted). An `Err` (or a panic) is retried with backoff
-    /// until it succeeds: rollback is never abandoned, and a step counts as undone only
-    /// once a call returns `Ok`. After an `Err` the retry is called on the procedure as
-    /// the failed call left it (keep in its fields what the retry must know); after a
-    /// panic, on the procedure as recorded before that call (whatever the call changed
-    /// is discarded).
+    /// [interrupted](Undo::Interrupted). An `Err` (or a panic) is retried with backoff,
+    /// and past the limit ([`FailurePolicy::Rollback`]) the procedure waits in
+    /// [`ProcState::RollbackPaused`] for an operator: rollback is never abandoned, and a
+    /// step counts as undone only once a call returns `Ok`. After an `Err` the retry is
+    /// called on the procedure as the failed call left it (keep in its fields what the
+    /// retry must know); after a panic, on the procedure as recorded before that call
+    /// (whatever the call changed is discarded).
     async fn rollback(&mut self, ctx: &mut Context<E>) -> Result<(), ProcError>;
 
     /// An operator asks to abort. Return `true` to accept: the procedure then fails with

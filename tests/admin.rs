@@ -691,19 +691,71 @@ impl Procedure<Recorder> for Hold {
     }
 }
 
+/// Fails its one step; its rollback panics every time.
+#[derive(Serialize, Deserialize)]
+struct Unrollable;
+
+#[async_trait]
+impl Procedure<Recorder> for Unrollable {
+    async fn execute(&mut self, _ctx: &mut Context<Recorder>) -> Result<Flow<Recorder>, ProcError> {
+        Err(ProcError::failed("the step fails"))
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context<Recorder>) -> Result<(), ProcError> {
+        panic!("cannot undo");
+    }
+}
+
+/// A page of its own executor: the common procedures, `Hold` and `Unrollable`, a
+/// resource `pool` of two permits, and a failed rollback retried once.
 async fn own_page() -> (Page, Arc<Recorder>) {
     let mut registry: Registry<Recorder> = common::registry();
-    registry.register::<Hold>("hold");
+    registry
+        .register::<Hold>("hold")
+        .register::<Unrollable>("unrollable");
     let rec = Arc::new(Recorder::default());
     let executor = Executor::builder()
         .registry(registry)
         .store(proctor::MemoryStore::new())
         .env(rec.clone())
         .permits("pool", 2)
+        .rollback_retries(1)
         .start()
         .await
         .unwrap();
     (serve(executor, AdminConfig::default()).await, rec)
+}
+
+/// A rollback that keeps failing pauses its procedure, and its row says why: the
+/// error, its policy and the retries spent, as `proctor procs` says it.
+#[actix::test]
+async fn a_rollback_paused_procedure_shows_why_it_waits_for_an_operator() {
+    let (page, _rec) = own_page().await;
+    let mut events = page.executor.subscribe().await.unwrap();
+    let id = page.executor.submit(Unrollable).await.unwrap();
+    loop {
+        match events.next().await.expect("an event") {
+            proctor::ProcEvent::Paused { id: p, state, .. } if p == id => {
+                assert_eq!(state, ProcState::RollbackPaused);
+                break;
+            }
+            proctor::ProcEvent::Finished { result, .. } => panic!("finished: {result:?}"),
+            _ => {}
+        }
+    }
+    let (status, html) = page.get("procedures?state=ROLLBACK_PAUSED").await;
+    assert_eq!(status, 200);
+    assert!(html.contains(&format!("data-id=\"{}\"", id.0)), "{html}");
+    let why = "an operator: panicked in rollback: cannot undo (policy Rollback, 1 retries)";
+    assert!(html.contains(why), "{html}");
+    let (_, json) = page.json("procedures?state=ROLLBACK_PAUSED").await;
+    let paused = &json["procedures"][0]["steering"]["paused"];
+    assert_eq!(paused["retries"], 1, "{json}");
+    assert!(
+        paused["error"].to_string().contains("cannot undo"),
+        "{json}"
+    );
+    page.executor.clone().shutdown().await.unwrap();
 }
 
 #[actix::test]

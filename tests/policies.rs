@@ -11,9 +11,9 @@ use std::sync::{Arc, Mutex};
 
 use common::{wait_for_state, Reopen};
 use proctor::{
-    async_trait, Context, Error, Executor, FailurePolicy, Flow, OnTimeout, ProcError, ProcEvent,
-    ProcId, ProcState, Procedure, ProcedureStore, Registry, StateContext, StateMachine,
-    StateMachineProcedure,
+    async_trait, Context, Error, Executor, ExecutorBuilder, FailurePolicy, Flow, OnTimeout,
+    ProcError, ProcEvent, ProcId, ProcState, Procedure, ProcedureStore, Registry, StateContext,
+    StateMachine, StateMachineProcedure,
 };
 use serde::{Deserialize, Serialize};
 
@@ -360,6 +360,15 @@ impl StateMachineProcedure<World> for Machine {
 }
 
 async fn start(store: Box<dyn ProcedureStore>, world: Arc<World>) -> Executor<World> {
+    start_with(store, world, |builder| builder).await
+}
+
+/// As [`start`], with the builder's options `options` sets.
+async fn start_with(
+    store: Box<dyn ProcedureStore>,
+    world: Arc<World>,
+    options: impl FnOnce(ExecutorBuilder<World>) -> ExecutorBuilder<World>,
+) -> Executor<World> {
     let mut registry = Registry::<World>::default();
     registry
         .register::<Flaky>("flaky")
@@ -368,13 +377,11 @@ async fn start(store: Box<dyn ProcedureStore>, world: Arc<World>) -> Executor<Wo
         .register::<Timed>("timed")
         .register::<Parent>("parent")
         .register_state_machine::<Machine>("machine");
-    Executor::builder()
+    let builder = Executor::builder()
         .registry(registry)
         .store(store)
-        .env(world)
-        .start()
-        .await
-        .expect("executor starts")
+        .env(world);
+    options(builder).start().await.expect("executor starts")
 }
 
 fn world(step_failures: u32, rollback_failures: u32) -> Arc<World> {
@@ -651,6 +658,69 @@ async fn a_rollback_that_fails_twice_then_succeeds_undoes_each_step_once() {
                 ],
                 "{name}, panics: {panics}"
             );
+            executor.shutdown().await.unwrap();
+        }
+    }
+}
+
+/// A rollback that fails on every call (a panic, or an error) under the default policy
+/// is retried up to the executor's limit, then paused for an operator with its error
+/// in the procedure's info: never taken as done. Continued once it can succeed, it
+/// undoes every step.
+#[actix::test]
+async fn a_rollback_that_fails_every_time_is_rollback_paused_past_the_limit() {
+    for name in common::STORES {
+        for panics in [true, false] {
+            let w = world(0, u32::MAX);
+            let store = Reopen::new(name).open();
+            let executor = start_with(store, w.clone(), |b| b.rollback_retries(3)).await;
+            let mut events = executor.subscribe().await.unwrap();
+            let id = executor
+                .submit(StateMachine::new(Machine { panics }))
+                .await
+                .unwrap();
+            let (state, why) = loop {
+                match events.next().await.expect("an event") {
+                    ProcEvent::Paused {
+                        id: p, state, why, ..
+                    } if p == id => break (state, why),
+                    ProcEvent::Finished { result, .. } => {
+                        panic!("{name}: finished {result:?}, never paused")
+                    }
+                    _ => {}
+                }
+            };
+            assert_eq!(state, ProcState::RollbackPaused, "{name}");
+            let error = if panics {
+                ProcError::Panicked {
+                    hook: "rollback".into(),
+                    message: "cannot undo Assign".into(),
+                }
+            } else {
+                ProcError::failed("cannot undo Assign")
+            };
+            // What an operator reads: its state, and why it paused.
+            let info = executor.state(id).await.unwrap();
+            assert_eq!(info.state, ProcState::RollbackPaused, "{name}");
+            assert_eq!(info.steering.paused.as_deref(), Some(&why), "{name}");
+            assert_eq!(why.error, Some(error), "{name}");
+            assert_eq!(why.policy, Some(FailurePolicy::Rollback), "{name}");
+            assert_eq!(why.retries, 3, "{name}");
+            // The first call and three retries, all of the step that failed.
+            let failed = if panics { "panicked" } else { "failed" };
+            let undo = format!("rollback Assign {failed}");
+            let mut expected = vec!["exec Prepare", "exec Write", "exec Assign"];
+            expected.extend([undo.as_str(); 4]);
+            assert_eq!(w.calls(), expected, "{name}, panics: {panics}");
+
+            w.rollback_failures.store(0, Ordering::SeqCst);
+            executor.resume(id).await.unwrap();
+            let failure = executor.wait(id).await.unwrap().unwrap_err();
+            assert_eq!(failure.error, ProcError::failed("assign failed"), "{name}");
+            let state = executor.state(id).await.unwrap().state;
+            assert_eq!(state, ProcState::RolledBack, "{name}");
+            expected.extend(["rollback Assign", "rollback Write", "rollback Prepare"]);
+            assert_eq!(w.calls(), expected, "{name}, panics: {panics}");
             executor.shutdown().await.unwrap();
         }
     }

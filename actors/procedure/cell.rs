@@ -663,12 +663,18 @@ impl ProcedureCell {
         }
         // A rollback runs under the procedure's lock, like a step.
         if !self.lock_held {
+            // Its lock not available yet: the rollback waits for it, retried with
+            // backoff as long as it takes, whatever the policy. Its hook panicking is
+            // a failure of the procedure's like any other.
+            let limit = Some(self.shared.rollback_retries);
             let busy = match guard("acquire_lock", || proc.acquire_lock(&pctx)) {
                 Ok(LockState::Acquired) => None,
-                Ok(LockState::Yield) => Some(ProcError::failed("lock not available for rollback")),
-                Err(panic) => Some(panic),
+                Ok(LockState::Yield) => {
+                    Some((ProcError::failed("lock not available for rollback"), None))
+                }
+                Err(panic) => Some((panic, limit)),
             };
-            if let Some(error) = busy {
+            if let Some((error, limit)) = busy {
                 self.proc = Some(proc);
                 if self.has_locks {
                     // The engine's locks were granted for this try: given back like
@@ -678,13 +684,13 @@ impl ProcedureCell {
                         what: Release::RollbackStep,
                     });
                 }
-                // The engine's own trouble: retried for ever, whatever the policy.
                 out.push_back(Report::RolledBack(RolledBack {
                     id,
                     result: Err(RollbackFailure {
                         error,
                         policy: FailurePolicy::Rollback,
                         data: self.data.clone(),
+                        limit,
                     }),
                 }));
                 return;
@@ -746,6 +752,7 @@ impl ProcedureCell {
             policy: guard("failure_policy", || proc.failure_policy(&error)).unwrap_or_default(),
             error,
             data: self.data.clone(),
+            limit: Some(self.shared.rollback_retries),
         });
         self.proc = Some(proc);
         if self.has_locks && !self.cut_off() {
