@@ -20,16 +20,24 @@ use std::sync::{mpsc, Mutex};
 use std::thread::JoinHandle;
 
 use proctor::{
-    async_trait, ChildType, Context, Executor, Flow, MemoryStore, ProcError, Procedure, Registry,
-    StateContext, StateMachine, StateMachineProcedure,
+    async_trait, ChildType, Context, Executor, Flow, MemoryStore, ProcError, ProcId, Procedure,
+    Registry, StateContext, StateMachine, StateMachineProcedure,
 };
 use serde::{Deserialize, Serialize};
 
-/// What the procedures act on: table name → the regions assigned so far; and where
-/// they say what they do.
+/// What the procedures act on: table name → the table; and where they say what they
+/// do.
 struct Cluster {
-    tables: Mutex<BTreeMap<String, Vec<String>>>,
+    tables: Mutex<BTreeMap<String, Table>>,
     out: Output,
+}
+
+/// A table: the procedure that created it, written in the same change that creates
+/// it (so that a rollback drops only a table its procedure created), and the regions
+/// assigned so far.
+struct Table {
+    owner: ProcId,
+    regions: Vec<String>,
 }
 
 /// The program's output: lines handed to the thread that writes them.
@@ -111,13 +119,25 @@ impl StateMachineProcedure<Cluster> for CreateTable {
                 Ok(Flow::MoreToDo)
             }
             CreateTableState::WriteMeta => {
-                // Idempotent: re-running after a crash finds the entry and keeps it.
-                cluster
-                    .tables
-                    .lock()
-                    .unwrap()
-                    .entry(self.table.clone())
-                    .or_default();
+                let me = ctx.id();
+                {
+                    let mut tables = cluster.tables.lock().unwrap();
+                    match tables.get(&self.table) {
+                        // Idempotent: re-running after a crash finds its own table.
+                        Some(table) if table.owner == me => {}
+                        // Created by someone else since `Prepare` looked.
+                        Some(_) => {
+                            return Err(ProcError::failed(format!("table {} exists", self.table)))
+                        }
+                        None => {
+                            let table = Table {
+                                owner: me,
+                                regions: Vec::new(),
+                            };
+                            tables.insert(self.table.clone(), table);
+                        }
+                    }
+                }
                 ctx.set_next_state(CreateTableState::AssignRegions);
                 Ok(Flow::MoreToDo)
             }
@@ -143,7 +163,12 @@ impl StateMachineProcedure<Cluster> for CreateTable {
             .out
             .say(format!("[procedure {}] rollback {state:?}", ctx.id()));
         if state == CreateTableState::WriteMeta {
-            ctx.env().tables.lock().unwrap().remove(&self.table);
+            // Only a table this procedure created: the step may have found someone
+            // else's (`ctx.undoing()` says how far the step got, not whose it is).
+            let mut tables = ctx.env().tables.lock().unwrap();
+            if tables.get(&self.table).is_some_and(|t| t.owner == ctx.id()) {
+                tables.remove(&self.table);
+            }
         }
         Ok(())
     }
@@ -167,17 +192,19 @@ impl Procedure<Cluster> for AssignRegion {
             self.region
         ));
         let mut tables = cluster.tables.lock().unwrap();
-        let regions = tables.entry(self.table.clone()).or_default();
-        if !regions.contains(&self.region) {
-            regions.push(self.region.clone());
+        let Some(table) = tables.get_mut(&self.table) else {
+            return Err(ProcError::failed(format!("table {} is gone", self.table)));
+        };
+        if !table.regions.contains(&self.region) {
+            table.regions.push(self.region.clone());
         }
         Ok(Flow::Done)
     }
 
     async fn rollback(&mut self, ctx: &mut Context<Cluster>) -> Result<(), ProcError> {
         let cluster = ctx.env();
-        if let Some(regions) = cluster.tables.lock().unwrap().get_mut(&self.table) {
-            regions.retain(|r| r != &self.region);
+        if let Some(table) = cluster.tables.lock().unwrap().get_mut(&self.table) {
+            table.regions.retain(|r| r != &self.region);
         }
         Ok(())
     }
@@ -197,7 +224,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
 /// Creates the table, writing what happens to `out` (the package's test gives it an
 /// output that closes early).
-pub(crate) async fn run(out: impl Write + Send + 'static) -> Result<(), Box<dyn std::error::Error>> {
+pub(crate) async fn run(
+    out: impl Write + Send + 'static,
+) -> Result<(), Box<dyn std::error::Error>> {
     let (out, writer) = output(out);
     // Every type that can be persisted is registered under a name that never changes.
     let mut registry = Registry::<Cluster>::default();
