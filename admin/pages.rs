@@ -70,7 +70,7 @@ pub(super) const JS: &str = r#"
       row.dataset.id = p.id;
       row.innerHTML = '<td><a></a></td><td></td><td></td><td>RUNNABLE</td><td colspan="7">new</td>';
       row.querySelector('a').textContent = p.id;
-      row.querySelector('a').href = 'procedures/' + p.id;
+      row.querySelector('a').href = document.body.dataset.base + 'procedures/' + p.id;
       row.children[1].textContent = p.type;
       row.children[2].textContent = p.id;
       if (p.state) mark(row, p.state);
