@@ -1,6 +1,7 @@
 //! Failure policies and operator commands: retries (counted across a restart), pause
 //! and continue, an operator's rollback of a paused and of a running procedure, a
-//! rollback that pauses, and the point of no return. Each scenario runs on both stores;
+//! rollback that pauses, a rollback that fails (a panic or an error) retried on the
+//! same step and paused past the executor's limit, and the point of no return. Each scenario runs on both stores;
 //! every command in every state, with its refusal, is a table in the core's tests
 //! (`operator_commands_in_each_state_are_done_or_refused_saying_why`).
 
