@@ -370,6 +370,9 @@ pub(crate) struct Shared {
     pub(crate) mandate: Arc<Mandate>,
     /// How often a procedure's actor may be started again by supervision.
     pub(crate) restart_limit: RestartLimit,
+    /// How many times a failed rollback step is retried under the default failure
+    /// policy before its procedure is ROLLBACK_PAUSED.
+    pub(crate) rollback_retries: u32,
     /// Someone subscribed to procedure events (root stacks then report submits).
     pub(crate) subscribed: AtomicBool,
     /// Each procedure type's metric handles.
@@ -454,6 +457,7 @@ impl Shared {
         broken: Cancel,
         mandate: Arc<Mandate>,
         restart_limit: RestartLimit,
+        rollback_retries: u32,
         fencing_token: Option<i64>,
         remote: Option<(crate::remote::Sink, Addr<super::remote::RemoteDispatcher>)>,
     ) -> Self {
@@ -478,6 +482,7 @@ impl Shared {
             broken_error: std::sync::OnceLock::new(),
             mandate,
             restart_limit,
+            rollback_retries,
             subscribed: AtomicBool::new(false),
             metrics: super::metrics::TypeMetrics::default(),
             proc_gauges: super::metrics::ProcGauges::new(),

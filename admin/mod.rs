@@ -19,8 +19,13 @@
 //!
 //! Actions (`POST /procedures/{id}/abort`, `pause`, `continue`, `rollback`, `bypass`)
 //! need the bearer token the embedding service set ([`AdminConfig::token`](crate::admin::AdminConfig::token); without
-//! one the page is read-only) and the page's CSRF token (`x-csrf-token`). A request
-//! without a token is answered 401, a wrong token 403; the engine's refusal comes back
+//! one the page is read-only), in `Authorization: Bearer <token>`. A request from a
+//! browser (one with an `Origin`, a `Sec-Fetch-Site` or cookies) needs the page's CSRF
+//! token too (`x-csrf-token`, which the page's script sends): what a browser attaches
+//! by itself must not let another page act. A client that is no browser (a script,
+//! `curl`, another service) needs the bearer token alone: no page of another origin
+//! can make a browser send it. A request without a token is answered 401, a wrong
+//! token 403, a browser's without the CSRF token 403; the engine's refusal comes back
 //! as it says it (409). Every action is logged at INFO with who asked and what.
 //!
 //! What every request is checked for, first (so that a page elsewhere on the web, one
@@ -62,7 +67,7 @@ use std::hash::{BuildHasher, Hasher};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::{ConnectInfo, Path, Query, Request, State};
+use axum::extract::{ConnectInfo, OriginalUri, Path, Query, Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::{get, post};
@@ -196,6 +201,12 @@ type Shared<E> = State<Arc<Admin<E>>>;
 /// The admin routes over `executor`, to nest under a service's own router (or to
 /// [`serve`](AdminConfig::serve) alone).
 ///
+/// Nest it with `nest_service`: then the prefix, with or without its slash (`/admin`,
+/// `/admin/`), leads to the procedures page, and everything the pages link to (pages,
+/// stylesheet, script, live feed, actions) is relative, so it stays under the prefix.
+/// (axum's `Router::nest` routes nothing at `/admin/`; `/admin` still leads to the
+/// procedures page.)
+///
 /// Nested, the router cannot know the address the service's server listens on: it
 /// answers only the hosts the config names ([`AdminConfig::allow_host`]) — every
 /// `host:port` and name the operators' browsers reach the service by — and refuses
@@ -206,7 +217,7 @@ type Shared<E> = State<Arc<Admin<E>>>;
 /// # fn f(executor: proctor::Executor) {
 /// use proctor::admin::{router, AdminConfig};
 /// let admin = router(executor, AdminConfig::default().allow_host("10.0.0.5:8080"));
-/// let app: axum::Router = axum::Router::new().nest("/admin", admin);
+/// let app: axum::Router = axum::Router::new().nest_service("/admin", admin);
 /// # }
 /// ```
 pub fn router<E: Send + Sync + 'static>(executor: Executor<E>, config: AdminConfig) -> Router {
@@ -227,7 +238,7 @@ fn build<E: Send + Sync + 'static>(executor: Executor<E>, config: AdminConfig) -
         live_every: config.live_every,
     });
     Router::new()
-        .route("/", get(|| async { Redirect::to("procedures") }))
+        .route("/", get(to_procedures))
         .route("/procedures", get(procedures::<E>))
         .route("/procedures/{id}", get(tree::<E>))
         .route("/procedures/{id}/{action}", post(action::<E>))
@@ -244,6 +255,17 @@ fn build<E: Send + Sync + 'static>(executor: Executor<E>, config: AdminConfig) -
         )
         .with_state(admin)
         .layer(axum::middleware::from_fn_with_state(guard, guard::check))
+}
+
+/// The admin root leads to the procedures page, by a relative redirect so that it
+/// works wherever the router is nested: from `/admin/` (or `/` alone) to
+/// `procedures`, from `/admin` to `admin/procedures`.
+async fn to_procedures(OriginalUri(uri): OriginalUri) -> Redirect {
+    let path = uri.path();
+    match path.rsplit_once('/') {
+        Some((_, last)) if !last.is_empty() => Redirect::to(&format!("{last}/procedures")),
+        _ => Redirect::to("procedures"),
+    }
 }
 
 fn asset(content_type: &'static str, body: &'static str) -> Response {
@@ -636,7 +658,8 @@ struct ActionForm {
     recursive: Option<bool>,
 }
 
-/// An operator's action on a procedure: bearer token, CSRF token, then the engine.
+/// An operator's action on a procedure: bearer token, CSRF token (from a browser),
+/// then the engine.
 async fn action<E: Send + Sync + 'static>(
     State(admin): Shared<E>,
     Path((id, action)): Path<(String, String)>,
@@ -674,7 +697,7 @@ async fn action<E: Send + Sync + 'static>(
         Some(_) => {}
     }
     let csrf = headers.get("x-csrf-token").and_then(|h| h.to_str().ok());
-    if !csrf.is_some_and(|c| same(c, &admin.csrf)) {
+    if from_a_browser(headers) && !csrf.is_some_and(|c| same(c, &admin.csrf)) {
         return Err(Refusal(
             StatusCode::FORBIDDEN,
             "missing or stale CSRF token (x-csrf-token): reload the page".into(),
@@ -709,6 +732,19 @@ async fn action<E: Send + Sync + 'static>(
     };
     done.map(|body| Json(body).into_response())
         .map_err(|e| engine_error(&e))
+}
+
+/// Whether a request shows it comes from a browser: it names its `Origin` (browsers
+/// send one with every POST), its `Sec-Fetch-Site`, or carries cookies. Such a request
+/// needs the page's CSRF token besides the bearer token: what a browser attaches by
+/// itself (cookies, and a bearer token a proxy in front adds from them) must not let
+/// another page act through the operator's browser. A client that is no browser (a
+/// script, `curl`, another service) authenticates with the bearer token alone, which
+/// no page of another origin can make a browser send.
+fn from_a_browser(headers: &HeaderMap) -> bool {
+    headers.contains_key(header::ORIGIN)
+        || headers.contains_key("sec-fetch-site")
+        || headers.contains_key(header::COOKIE)
 }
 
 /// Compares tokens without stopping at the first difference.

@@ -70,7 +70,7 @@ pub(super) const JS: &str = r#"
       row.dataset.id = p.id;
       row.innerHTML = '<td><a></a></td><td></td><td></td><td>RUNNABLE</td><td colspan="7">new</td>';
       row.querySelector('a').textContent = p.id;
-      row.querySelector('a').href = 'procedures/' + p.id;
+      row.querySelector('a').href = document.body.dataset.base + 'procedures/' + p.id;
       row.children[1].textContent = p.type;
       row.children[2].textContent = p.id;
       if (p.state) mark(row, p.state);
@@ -168,7 +168,21 @@ fn age(submitted_ms: u64) -> String {
 
 fn waits(p: &ProcInfo) -> String {
     if matches!(p.state, ProcState::Paused | ProcState::RollbackPaused) {
-        return "an operator".into();
+        // Why, as `proctor procs` says it: the error that paused it, its policy and the
+        // retries it spent.
+        return match &p.steering.paused {
+            Some(paused) => match (&paused.error, &paused.policy) {
+                (None, _) => "an operator (paused by an operator)".into(),
+                (Some(error), Some(policy)) => format!(
+                    "an operator: {error} (policy {policy:?}, {} retries)",
+                    paused.retries
+                ),
+                (Some(error), None) => {
+                    format!("an operator: {error} (past its point of no return)")
+                }
+            },
+            None => "an operator".into(),
+        };
     }
     match &p.waiting_on {
         None => String::new(),

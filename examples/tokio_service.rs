@@ -15,8 +15,9 @@
 //! 3. a request whose step fails through `?` on a std error (a region count that does
 //!    not parse): the tree rolls back and the caller gets the error's message and type;
 //!    and a second create of an existing table, which fails and rolls back without
-//!    touching the table that exists: a rollback undoes only what its step did
-//!    (`ctx.undoing()` says whether that step completed or failed);
+//!    touching the table that exists: a table carries the procedure that created it,
+//!    and a rollback drops only its own (`ctx.undoing()` says how far its step got,
+//!    not whose the table is);
 //! 4. `Compaction`, whose one long step races its work against `ctx.cancelled()`: an
 //!    abort sent while the step runs is answered at once, and the tree rolls back;
 //! 5. a graceful `shutdown`: running steps end, records become durable, the WAL
@@ -30,8 +31,7 @@ use std::time::{Duration, Instant};
 
 use proctor::{
     async_trait, ChildType, Context, Executor, Failure, Flow, Lock, ProcError, ProcEvent, ProcId,
-    ProcState, Procedure, Registry, StateContext, StateMachine, StateMachineProcedure, Undo,
-    WalStore,
+    ProcState, Procedure, Registry, StateContext, StateMachine, StateMachineProcedure, WalStore,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
@@ -40,10 +40,18 @@ use tokio::sync::Notify;
 /// through `ctx.env()` (the procedures implement `Procedure<Cluster>`).
 #[derive(Default)]
 struct Cluster {
-    /// Table name → its regions.
-    tables: Mutex<BTreeMap<String, Vec<String>>>,
+    /// Table name → the table.
+    tables: Mutex<BTreeMap<String, Table>>,
     /// Told when a compaction has begun its long step (so `main` aborts it mid-step).
     compaction_running: Notify,
+}
+
+/// A table: the procedure that created it (written in the same change that creates
+/// it, so its rollback can tell its own table from someone else's), and its regions.
+#[derive(Clone, Debug)]
+struct Table {
+    owner: ProcId,
+    regions: Vec<String>,
 }
 
 /// The typed result of `CreateTable`, handed to the caller by `wait_value`.
@@ -107,14 +115,25 @@ impl StateMachineProcedure<Cluster> for CreateTable {
             }
             CreateTableState::CreateMeta => {
                 // The table's lock, held since Prepare, keeps other creates of it out;
-                // should one get in anyway, the step fails before changing anything
-                // (and its rollback is told so).
+                // should one get in anyway (one not through the engine), the step fails.
+                // The table is created with its owner, this procedure, in one change.
                 {
+                    let me = ctx.id();
                     let mut tables = cluster.tables.lock().unwrap();
-                    if tables.contains_key(&self.table) {
-                        return Err(ProcError::failed(format!("table {} exists", self.table)));
+                    match tables.get(&self.table) {
+                        // Ours: this step ran before a crash.
+                        Some(table) if table.owner == me => {}
+                        Some(_) => {
+                            return Err(ProcError::failed(format!("table {} exists", self.table)))
+                        }
+                        None => {
+                            let table = Table {
+                                owner: me,
+                                regions: Vec::new(),
+                            };
+                            tables.insert(self.table.clone(), table);
+                        }
                     }
-                    tables.insert(self.table.clone(), Vec::new());
                 }
                 ctx.set_next_state(CreateTableState::AssignRegions);
                 Ok(Flow::MoreToDo)
@@ -129,7 +148,7 @@ impl StateMachineProcedure<Cluster> for CreateTable {
                 Ok(Flow::children(children))
             }
             CreateTableState::Enable => {
-                let mut regions = cluster.tables.lock().unwrap()[&self.table].clone();
+                let mut regions = cluster.tables.lock().unwrap()[&self.table].regions.clone();
                 regions.sort(); // the children ran concurrently
                                 // The last step's value is persisted with the finished root.
                 ctx.set_result(&TableInfo {
@@ -158,17 +177,17 @@ impl StateMachineProcedure<Cluster> for CreateTable {
         // The state that failed is rolled back too: undo only what its run did.
         let undo = ctx.undoing();
         println!("  [create_table {}] rollback {state:?} ({undo})", ctx.id());
-        match (state, undo) {
-            // It failed before creating anything: the table there is someone else's.
-            (CreateTableState::CreateMeta, Undo::Failed) => {}
-            // It created the table, or may have before a crash (Prepare found none,
-            // and the lock kept others out since): drop it.
-            (CreateTableState::CreateMeta, _) => {
-                ctx.env().tables.lock().unwrap().remove(&self.table);
+        if state == CreateTableState::CreateMeta {
+            // Completed, failed or interrupted: drop the table if this procedure
+            // created it, and only then: failed, the step found someone else's;
+            // interrupted by a crash, it may have created it, found someone else's, or
+            // not got so far.
+            let mut tables = ctx.env().tables.lock().unwrap();
+            if tables.get(&self.table).is_some_and(|t| t.owner == ctx.id()) {
+                tables.remove(&self.table);
             }
-            // Prepare only checked; the regions are undone by their own procedures.
-            _ => {}
         }
+        // Prepare only checked; the regions are undone by their own procedures.
         Ok(())
     }
 }
@@ -186,17 +205,19 @@ impl Procedure<Cluster> for AssignRegion {
         println!("  [assign_region {}] {}", ctx.id(), self.region);
         let cluster = ctx.env();
         let mut tables = cluster.tables.lock().unwrap();
-        let regions = tables.entry(self.table.clone()).or_default();
-        if !regions.contains(&self.region) {
-            regions.push(self.region.clone());
+        let Some(table) = tables.get_mut(&self.table) else {
+            return Err(ProcError::failed(format!("table {} is gone", self.table)));
+        };
+        if !table.regions.contains(&self.region) {
+            table.regions.push(self.region.clone());
         }
         Ok(Flow::Done)
     }
 
     async fn rollback(&mut self, ctx: &mut Context<Cluster>) -> Result<(), ProcError> {
         let cluster = ctx.env();
-        if let Some(regions) = cluster.tables.lock().unwrap().get_mut(&self.table) {
-            regions.retain(|r| r != &self.region);
+        if let Some(table) = cluster.tables.lock().unwrap().get_mut(&self.table) {
+            table.regions.retain(|r| r != &self.region);
         }
         Ok(())
     }
@@ -371,7 +392,13 @@ pub async fn run(dir: &Path) -> Result<Report, Box<dyn Error>> {
     executor.shutdown().await?;
     println!("engine shut down");
     let events = event_log.await?;
-    let tables = cluster.tables.lock().unwrap().clone();
+    let tables = cluster
+        .tables
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(name, table)| (name.clone(), table.regions.clone()))
+        .collect();
 
     Ok(Report {
         table,

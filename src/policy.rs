@@ -4,10 +4,16 @@
 
 use crate::procedure::FailurePolicy;
 
-/// Rollback retries back off from this delay...
-const ROLLBACK_RETRY_BASE_MS: u64 = 10;
-/// ...doubling up to this one, and then retry at this pace for ever.
+/// Under the default policy, a failed rollback's first retry backs off from this
+/// delay...
+const ROLLBACK_RETRY_BASE_MS: u64 = 20;
+/// ...doubling up to this one, then at this pace until its limit.
 const ROLLBACK_RETRY_MAX_MS: u64 = 10_000;
+/// How many times the default policy retries a failed rollback step before its
+/// procedure is ROLLBACK_PAUSED for an operator (`ExecutorBuilder::rollback_retries`):
+/// the backoffs' ceilings add up to about two minutes, one minute on average with
+/// their jitter.
+pub(crate) const DEFAULT_ROLLBACK_RETRIES: u32 = 20;
 
 /// What a failure comes to under a [`FailurePolicy`] (see [`decide`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -27,14 +33,16 @@ pub enum Decision {
 const POLICY_RETRY_MAX_MS: u64 = 600_000;
 
 /// What a failure comes to: `retries` already spent on this step, whether the tree has
-/// passed a point of no return, and whether it is a rollback step that failed; `seed`
-/// (the procedure's id) spreads retries.
+/// passed a point of no return, whether it is a rollback step that failed, and for a
+/// rollback step under the default policy how many retries it gets (`limit`; `None`:
+/// as many as it takes); `seed` (the procedure's id) spreads retries.
 ///
 /// A step: a retry policy retries while retries remain; then, or for a plain policy, a
 /// tree past its point of no return pauses, and otherwise the policy decides. A
-/// rollback step is never abandoned: the default policy retries it for ever, a retry
-/// policy retries `times` and then, like [`FailurePolicy::Pause`], pauses it
-/// (ROLLBACK_PAUSED).
+/// rollback step is never abandoned, nor counted as done: the default policy retries
+/// it with backoff (from 20 ms, doubling up to 10 s) `limit` times, a retry policy
+/// `times`, and then, like [`FailurePolicy::Pause`], it is paused (ROLLBACK_PAUSED)
+/// for an operator, who continues it (it is tried again) once its cause is dealt with.
 ///
 /// A retry waits with "full jitter" (as the AWS Architecture Blog's "Exponential
 /// Backoff and Jitter" describes it): a time drawn evenly from zero to the backoff,
@@ -47,6 +55,7 @@ pub fn decide(
     retries: u32,
     irreversible: bool,
     rollback: bool,
+    limit: Option<u32>,
     seed: u64,
 ) -> Decision {
     let backoff = |base_ms: u64, max_ms: u64| Decision::Retry {
@@ -63,7 +72,7 @@ pub fn decide(
         {
             backoff(backoff_ms, POLICY_RETRY_MAX_MS)
         }
-        FailurePolicy::Rollback if rollback => {
+        FailurePolicy::Rollback if rollback && limit.is_none_or(|limit| retries < limit) => {
             backoff(ROLLBACK_RETRY_BASE_MS, ROLLBACK_RETRY_MAX_MS)
         }
         _ if rollback || irreversible => Decision::Pause,
@@ -129,7 +138,8 @@ mod tests {
         let retry = |ceiling_ms| Decision::Retry {
             delay_ms: ceiling_ms,
         };
-        // (policy, retries spent, irreversible, rollback step, decision)
+        // (policy, retries spent, irreversible, rollback step, decision); a rollback's
+        // limit under the default policy is 5 retries (see the next test).
         let cases = [
             (Rollback, 0, false, false, Decision::Rollback),
             (Pause, 0, false, false, Decision::Pause),
@@ -142,9 +152,10 @@ mod tests {
             (Rollback, 0, true, false, Decision::Pause),
             (retry_rb, 0, true, false, retry(100)),
             (retry_rb, 2, true, false, Decision::Pause),
-            // A rollback is never abandoned: retried for ever, or paused.
-            (Rollback, 1, false, true, retry(20)),
-            (Rollback, 30, false, true, retry(ROLLBACK_RETRY_MAX_MS)),
+            // A rollback is never abandoned: retried, then paused.
+            (Rollback, 0, false, true, retry(20)),
+            (Rollback, 4, false, true, retry(320)),
+            (Rollback, 5, false, true, Decision::Pause),
             (Pause, 0, false, true, Decision::Pause),
             (retry_rb, 1, false, true, retry(200)),
             (retry_rb, 2, false, true, Decision::Pause),
@@ -162,7 +173,7 @@ mod tests {
             ),
         ];
         for (policy, retries, irreversible, rollback, expected) in cases {
-            let decided = decide(policy, retries, irreversible, rollback, 42);
+            let decided = decide(policy, retries, irreversible, rollback, Some(5), 42);
             let expected = match expected {
                 Decision::Retry { delay_ms } => Decision::Retry {
                     delay_ms: full_jitter(delay_ms, 42, retries),
@@ -174,5 +185,57 @@ mod tests {
                 "{policy:?} retries={retries} irreversible={irreversible} rollback={rollback}"
             );
         }
+    }
+
+    #[test]
+    fn a_rollback_under_the_default_policy_pauses_past_its_limit() {
+        let rollback = FailurePolicy::Rollback;
+        // (retries spent, limit, decision); backoffs from 20 ms, doubling, up to 10 s.
+        let cases = [
+            (0, Some(0), None),
+            (0, Some(1), Some(20)),
+            (1, Some(1), None),
+            (2, Some(3), Some(80)),
+            (3, Some(3), None),
+            (9, Some(20), Some(ROLLBACK_RETRY_MAX_MS)),
+            (19, Some(20), Some(ROLLBACK_RETRY_MAX_MS)),
+            (20, Some(20), None),
+            (21, Some(20), None),
+            // No limit: retried for ever (the engine's own trouble, not the procedure's).
+            (0, None, Some(20)),
+            (1_000, None, Some(ROLLBACK_RETRY_MAX_MS)),
+            (u32::MAX, None, Some(ROLLBACK_RETRY_MAX_MS)),
+        ];
+        for (retries, limit, ceiling) in cases {
+            let expected = match ceiling {
+                Some(ceiling) => Decision::Retry {
+                    delay_ms: full_jitter(ceiling, 42, retries),
+                },
+                None => Decision::Pause,
+            };
+            let decided = decide(rollback, retries, false, true, limit, 42);
+            assert_eq!(decided, expected, "retries={retries} limit={limit:?}");
+            // A step's failure knows no such limit: the tree rolls back.
+            let step = decide(rollback, retries, false, false, limit, 42);
+            assert_eq!(
+                step,
+                Decision::Rollback,
+                "retries={retries} limit={limit:?}"
+            );
+        }
+        // The default limit spends a minute or two before an operator is called: the
+        // backoffs' ceilings add up to about two minutes (full jitter waits half that
+        // on average).
+        let ceilings: u64 = (0..DEFAULT_ROLLBACK_RETRIES)
+            .map(
+                |retries| match decide(rollback, retries, false, true, None, 0) {
+                    Decision::Retry { .. } => {
+                        (ROLLBACK_RETRY_BASE_MS << retries.min(30)).min(ROLLBACK_RETRY_MAX_MS)
+                    }
+                    other => panic!("{other:?}"),
+                },
+            )
+            .sum();
+        assert!((60_000..=180_000).contains(&ceilings), "{ceilings} ms");
     }
 }

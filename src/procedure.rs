@@ -253,7 +253,9 @@ impl ProcError {
 #[non_exhaustive]
 pub enum FailurePolicy {
     /// Fail the procedure; its tree rolls back. For a failed rollback: retry it with
-    /// backoff for ever (rollback is never abandoned).
+    /// backoff, up to [`ExecutorBuilder::rollback_retries`](crate::ExecutorBuilder::rollback_retries)
+    /// times (20 by default), then stop in [`ProcState::RollbackPaused`] for an operator
+    /// (rollback is never abandoned, nor taken as done).
     #[default]
     Rollback,
     /// Stop in [`ProcState::Paused`] (a failed rollback: [`ProcState::RollbackPaused`])
@@ -442,31 +444,48 @@ pub enum LockState {
 }
 
 /// What the step a rollback undoes did, as far as the engine knows
-/// ([`Context::undoing`]). A rollback undoes only what its step did: a step that failed
-/// because what it was to create already existed created nothing, and its rollback
-/// must not delete what someone else made.
+/// ([`Context::undoing`]): how far it saw the step get, not what in the world is the
+/// step's. A rollback undoes only what its step did: a step that failed because what
+/// it was to create already existed created nothing, and its rollback must not delete
+/// what someone else made. No value tells that apart by itself (a failed step may have
+/// written half its work; an interrupted one may have created the object, or found
+/// someone else's): mark what a step creates with a token recorded before it acts —
+/// the procedure's id serves — and undo only what carries it (the guide's "Rollbacks
+/// undo only what their step did").
 ///
 /// ```
-/// use proctor::{async_trait, Context, Flow, ProcError, Procedure, Undo};
+/// use proctor::{async_trait, Context, Flow, ProcError, Procedure};
 /// use serde::{Deserialize, Serialize};
+/// use std::{collections::BTreeMap, sync::Mutex};
+///
+/// /// Directory → the procedure that created it, written with the directory.
+/// struct Dirs(Mutex<BTreeMap<String, u64>>);
 ///
 /// #[derive(Serialize, Deserialize)]
 /// struct CreateDir { path: String }
 ///
 /// #[async_trait]
-/// impl Procedure for CreateDir {
-///     async fn execute(&mut self, _ctx: &mut Context) -> Result<Flow, ProcError> {
-///         // Fails with nothing created if the directory exists.
+/// impl Procedure<Dirs> for CreateDir {
+///     async fn execute(&mut self, ctx: &mut Context<Dirs>) -> Result<Flow<Dirs>, ProcError> {
+///         let me = ctx.id().0;
+///         let mut dirs = ctx.env().0.lock().unwrap();
+///         match dirs.get(&self.path) {
+///             Some(&by) if by == me => {} // ours: this step ran before a crash
+///             Some(_) => return Err(ProcError::failed(format!("{} exists", self.path))),
+///             None => {
+///                 dirs.insert(self.path.clone(), me); // created with its owner, at once
+///             }
+///         }
 ///         Ok(Flow::Done)
 ///     }
-///     async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
-///         match ctx.undoing() {
-///             // It failed before creating anything (it checks first): nothing to undo.
-///             Undo::Failed => Ok(()),
-///             // It created the directory, or may have before a crash: remove it if
-///             // it is there (idempotent).
-///             _ => Ok(()),
+///     async fn rollback(&mut self, ctx: &mut Context<Dirs>) -> Result<(), ProcError> {
+///         // Whatever `ctx.undoing()` says: completed, the directory is ours; failed,
+///         // the step found someone else's; interrupted, either, or none at all.
+///         let mut dirs = ctx.env().0.lock().unwrap();
+///         if dirs.get(&self.path) == Some(&ctx.id().0) {
+///             dirs.remove(&self.path);
 ///         }
+///         Ok(())
 ///     }
 /// }
 /// ```
@@ -474,18 +493,30 @@ pub enum LockState {
 #[non_exhaustive]
 #[repr(u8)]
 pub enum Undo {
-    /// The step returned `Ok` and was recorded: it did all it does.
+    /// The step returned `Ok` (it ran to its end, whether or not the engine then took
+    /// what it returned) and was recorded: it did all it does.
     #[default]
     Completed = 0,
-    /// The step returned an error (or panicked): it did what it did before it failed,
-    /// and no more — often nothing, when it failed on a check before it changed
-    /// anything. The step whose failure rolls the tree back, or a failed attempt that
-    /// was to be retried (or was paused) when its tree failed.
+    /// The step returned an error or panicked, and the engine saw it end: its own
+    /// failure, or it stopped early because it was cancelled ([`Context::cancelled`]:
+    /// an abort, or its tree failing elsewhere, cancels the steps that run). It did
+    /// what it did before that, no more: nothing if it failed on a check before its
+    /// first change, part of its work if it failed, panicked or was cancelled between
+    /// (or in the middle of) its writes — and all of it if it returned `Ok` with a state
+    /// (or a child) that does not encode, which the engine fails. Skip its undo only if
+    /// no way of failing can come after the step's first change. The step whose
+    /// failure rolls the tree back, a step that failed as its tree was failing, or a
+    /// failed attempt that was to be retried (or was paused) when its tree failed.
     Failed = 1,
-    /// The step may have run, wholly, partly or not at all, and nothing recorded how
-    /// far: the process died (or its actor was stopped) in the middle of it — of this
-    /// attempt or of an earlier one that was never recorded. Undo whatever it could
-    /// have done, checking what is there.
+    /// Nothing recorded how far the step got: the process died (a crash, or
+    /// [`Executor::shutdown_now`](crate::Executor::shutdown_now)), a graceful shutdown
+    /// cancelled the step, or its actor was stopped, while it may have been running;
+    /// and its tree failed (after the restart, or at it: `proctor abort` on a stopped
+    /// engine rolls the tree back when it starts) before the step ran again, or as a
+    /// later attempt of it failed, which may have done less than the one cut off. The
+    /// step may have done all its work, part of it, none, or failed on its check,
+    /// finding what someone else made: undo only what is there and carries the step's
+    /// mark, checking first.
     Interrupted = 2,
 }
 
@@ -887,11 +918,13 @@ impl<E: ?Sized> Context<E> {
         self
     }
 
-    /// In [`Procedure::rollback`]: what the step this call undoes did — it completed,
-    /// it failed (the failure that rolls the tree back), or it was interrupted with
-    /// nothing recorded (see [`Undo`]). Undo only what it did: the rollback of a step
-    /// that failed on a check before changing anything has nothing to undo.
-    /// [`Undo::Completed`] outside a rollback.
+    /// In [`Procedure::rollback`]: how far the engine saw the step this call undoes get
+    /// — it completed, it failed (returned an error, panicked, or stopped early when
+    /// cancelled), or it was interrupted with nothing recorded (see [`Undo`]). Undo
+    /// only what it did: what carries the step's mark (the procedure's id), not
+    /// whatever has the name it was to create — a step that failed on its check found
+    /// someone else's, and an interrupted one may have. [`Undo::Completed`] outside a
+    /// rollback.
     pub fn undoing(&self) -> Undo {
         self.undo
     }
@@ -1226,8 +1259,13 @@ where
     /// that may have started but was never recorded. [`Context::undoing`] says which:
     /// a step that [completed](Undo::Completed), the one that [failed](Undo::Failed)
     /// (undo only what it did before failing), or one
-    /// [interrupted](Undo::Interrupted). An `Err` is retried with backoff until it
-    /// succeeds: rollback is never abandoned.
+    /// [interrupted](Undo::Interrupted). An `Err` (or a panic) is retried with backoff,
+    /// and past the limit ([`FailurePolicy::Rollback`]) the procedure waits in
+    /// [`ProcState::RollbackPaused`] for an operator: rollback is never abandoned, and a
+    /// step counts as undone only once a call returns `Ok`. After an `Err` the retry is
+    /// called on the procedure as the failed call left it (keep in its fields what the
+    /// retry must know); after a panic, on the procedure as recorded before that call
+    /// (whatever the call changed is discarded).
     async fn rollback(&mut self, ctx: &mut Context<E>) -> Result<(), ProcError>;
 
     /// An operator asks to abort. Return `true` to accept: the procedure then fails with

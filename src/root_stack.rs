@@ -131,6 +131,11 @@ pub struct RollbackFailure {
     pub policy: FailurePolicy,
     /// The encoded state as last recorded.
     pub data: Vec<u8>,
+    /// Under the default policy, how many times the rollback is retried before its
+    /// procedure is paused: the executor's limit for a failed call into the procedure;
+    /// `None` (as many as it takes) when the engine did not get to call it (its lock
+    /// was not available).
+    pub limit: Option<u32>,
 }
 
 /// Where a queued step goes in the ready queue.
@@ -799,7 +804,7 @@ impl RootStack {
             Decision::Rollback
         } else {
             let retries = self.nodes[&id].steering.retries;
-            decide(policy, retries, self.is_irreversible(), false, id.0)
+            decide(policy, retries, self.is_irreversible(), false, None, id.0)
         };
         match decision {
             Decision::Rollback => {
@@ -1062,21 +1067,22 @@ impl RootStack {
                 error,
                 policy,
                 data,
+                limit,
             }) => {
                 let of = self.rollback_of_top();
                 let node = self.node_mut(id);
-                // The default policy retries for ever and counts in memory; a declared
-                // policy's retries are recorded, so a restart does not reset them.
+                // The default policy counts its retries in memory (a restart gives the
+                // rollback its retries again); a declared policy's retries are recorded,
+                // so a restart does not reset them.
                 let counted = policy != FailurePolicy::Rollback;
                 let retries = if counted {
                     node.steering.retries
                 } else {
-                    // The first retry waits twice the base, as it always has.
-                    node.rollback_attempts().saturating_add(1)
+                    node.rollback_attempts()
                 };
-                match decide(policy, retries, false, true, id.0) {
+                match decide(policy, retries, false, true, limit, id.0) {
                     Decision::Retry { delay_ms } => {
-                        tracing::warn!(target: crate::targets::TREE, proc = %id, %error, delay_ms, "rollback failed; retrying");
+                        tracing::warn!(target: crate::targets::TREE, proc = %id, r#type = node.type_name, %error, retry = retries + 1, delay_ms, "rollback failed; retrying");
                         t.actions.push(Action::Count(Count::RollbackRetry(id)));
                         if counted {
                             node.steering.retries += 1;
@@ -1088,8 +1094,9 @@ impl RootStack {
                         t.actions.push(Action::RetryRollback { id, of, delay_ms });
                     }
                     Decision::Pause | Decision::Rollback => {
-                        tracing::warn!(target: crate::targets::TREE, proc = %id, %error, "rollback failed; rollback paused");
-                        let retries = std::mem::take(&mut node.steering.retries);
+                        tracing::warn!(target: crate::targets::TREE, proc = %id, r#type = node.type_name, %error, retries, "rollback failed; procedure ROLLBACK_PAUSED until an operator continues it");
+                        node.steering.retries = 0;
+                        node.reset_rollback_attempts();
                         let why = Paused {
                             error: Some(error),
                             policy: Some(policy),
@@ -1585,6 +1592,7 @@ mod tests {
                         error: ProcError::failed(e),
                         policy: FailurePolicy::Rollback,
                         data: vec![1],
+                        limit: Some(2),
                     }),
                     0,
                 ),
@@ -1770,6 +1778,7 @@ mod tests {
             error: ProcError::failed("stuck"),
             policy,
             data: vec![7],
+            limit: Some(2),
         })
     }
 
@@ -2212,9 +2221,26 @@ mod tests {
                 "I1 | spawn 1, run 1",
                 "U1:FAILED[0] | failed 1, rollback 1 failed",
                 // Full jitter under backoffs of 20 and 40 ms (see `policy::decide`).
-                " | rollback retried 1, retry 1 in 4",
-                " | rollback retried 1, retry 1 in 7",
+                " | rollback retried 1, retry 1 in 13",
+                " | rollback retried 1, retry 1 in 31",
                 "U1:ROLLEDBACK[] | stop 1, finished err 1:x",
+            ],
+        );
+        // Past its limit (2 retries here) it is paused for an operator, never taken as
+        // done.
+        check(
+            vec![
+                Step(1, err("x")),
+                RolledBack(1, Err("busy")),
+                RolledBack(1, Err("busy")),
+                RolledBack(1, Err("busy")),
+            ],
+            &[
+                "I1 | spawn 1, run 1",
+                "U1:FAILED[0] | failed 1, rollback 1 failed",
+                " | rollback retried 1, retry 1 in 13",
+                " | rollback retried 1, retry 1 in 31",
+                "U1:ROLLBACK_PAUSED[0] | paused 1",
             ],
         );
     }

@@ -105,16 +105,34 @@ where
     }
 }
 
-/// What a saga step's undo is told its step did (see [`Undo`]).
+/// What a saga step's undo is told its step did: how far the engine saw it get (its
+/// [`Undo`], with the step's value when it completed), not what in the world is the
+/// saga's. Neither `Failed` nor `Interrupted` says the step changed nothing: mark what
+/// a step creates with a token the saga has before the step runs (its procedure's id,
+/// [`Context::id`]) and undo only what carries it (the guide's "Straight-line
+/// procedures").
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Undoing<T> {
-    /// The step completed and returned this value.
+    /// The step's `run` returned this value (journaled with the step): it did all it
+    /// does.
     Completed(T),
-    /// The step failed (returned an error): it did what it did before failing, often
-    /// nothing.
+    /// The step's `run` returned an error or panicked, and the engine saw it end: its
+    /// own failure, or it stopped early because it was cancelled
+    /// ([`Context::cancelled`]: an abort, or the saga's tree failing elsewhere). It did
+    /// what it did before that: nothing if it failed on a check before its first
+    /// change, part of its work if it failed, panicked or was cancelled between (or in
+    /// the middle of) its writes, and all of it if its value does not encode
+    /// ([`Undo::Failed`]).
     Failed,
-    /// The step may have run, wholly, partly or not at all, and its value was not
-    /// recorded (a crash cut it off): check what is there.
+    /// Nothing recorded how far the step got: the process died, a graceful shutdown
+    /// cancelled the step, or its actor was stopped, while it may have been running,
+    /// and the tree failed before the step ran again, or as a later attempt of it
+    /// failed ([`Undo::Interrupted`]); or, for a
+    /// [`children`](SagaContext::children) step, not all its children succeeded (those
+    /// that did are the undo's to undo: the engine does not roll back a finished
+    /// procedure). It may have done all its work, part, none, or failed on its check,
+    /// finding what someone else made: undo only what is there and carries the saga's
+    /// mark.
     Interrupted,
 }
 

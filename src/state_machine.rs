@@ -392,20 +392,15 @@ where
             let state = self.current_state();
             return self.machine.rollback_state(ctx, state).await;
         }
-        let Some(state) = self.history.pop() else {
+        let Some(&state) = self.history.last() else {
             return Ok(());
         };
-        match self.machine.rollback_state(ctx, state).await {
-            Ok(()) => {
-                self.next = Some(state);
-                Ok(())
-            }
-            Err(e) => {
-                // Not undone: keep it so that the retry rolls back the same state.
-                self.history.push(state);
-                Err(e)
-            }
-        }
+        // Popped only once undone: a rollback that fails (or panics) keeps it, so that
+        // the retry rolls back the same state.
+        self.machine.rollback_state(ctx, state).await?;
+        self.history.pop();
+        self.next = Some(state);
+        Ok(())
     }
 
     fn abort(&mut self, _ctx: &Context<E>) -> bool {

@@ -1,8 +1,11 @@
 //! The admin page over HTTP: every page and its JSON, filters and paging, bad input
 //! answered 400 with a message, actions refused without a token (401), with a wrong
-//! one (403) or without the CSRF token (403), an abort through the endpoint rolling a
+//! one (403) or, from a browser, without the CSRF token (403), a client that is no
+//! browser acting with the bearer token alone, an abort through the endpoint rolling a
 //! tree back, a tree's execution stack and rollback order, a DAG's tasks and edges, the
-//! lock queues, the engine's store, group commit and failures, and the live feed.
+//! lock queues, the engine's store, group commit and failures, why a procedure waits
+//! for an operator, and the live feed. Nested under a prefix, the prefix leads to the
+//! procedures page and every link of the pages stays under it.
 //! Only a request naming the page's own address or a configured host name is
 //! answered (421 otherwise, as a DNS-rebinding page would be), an action from another
 //! origin is refused (403), and every answer carries the security headers.
@@ -51,7 +54,21 @@ impl Page {
     }
 
     async fn post(&self, path: &str, token: Option<&str>, csrf: Option<&str>) -> (u16, Value) {
+        self.post_with(path, token, csrf, &[]).await
+    }
+
+    /// As [`post`](Self::post), with these headers too.
+    async fn post_with(
+        &self,
+        path: &str,
+        token: Option<&str>,
+        csrf: Option<&str>,
+        headers: &[(&str, String)],
+    ) -> (u16, Value) {
         let mut request = self.http.post(format!("{}{path}", self.base));
+        for (name, value) in headers {
+            request = request.header(*name, value);
+        }
         if let Some(token) = token {
             request = request.bearer_auth(token);
         }
@@ -261,10 +278,14 @@ async fn actions_need_the_token_and_the_csrf_token_and_an_abort_rolls_the_tree_b
     let abort = format!("procedures/{}/abort", waiting.0);
     assert_eq!(page.post(&abort, None, Some(&csrf)).await.0, 401);
     assert_eq!(page.post(&abort, Some("guess"), Some(&csrf)).await.0, 403);
-    let (status, body) = page.post(&abort, Some(TOKEN), None).await;
+    // A browser's request (it names its origin) needs the page's CSRF token too.
+    let browser = [("origin", format!("http://{}", page.authority()))];
+    let (status, body) = page.post_with(&abort, Some(TOKEN), None, &browser).await;
     assert_eq!(status, 403);
     assert!(body["error"].as_str().unwrap().contains("CSRF"), "{body}");
-    let (status, body) = page.post(&abort, Some(TOKEN), Some("0000")).await;
+    let (status, body) = page
+        .post_with(&abort, Some(TOKEN), Some("0000"), &browser)
+        .await;
     assert_eq!(status, 403, "{body}");
     let (status, body) = page
         .post(
@@ -281,7 +302,9 @@ async fn actions_need_the_token_and_the_csrf_token_and_an_abort_rolls_the_tree_b
         ProcState::Waiting
     );
 
-    let (status, body) = page.post(&abort, Some(TOKEN), Some(&csrf)).await;
+    let (status, body) = page
+        .post_with(&abort, Some(TOKEN), Some(&csrf), &browser)
+        .await;
     assert_eq!(status, 200, "{body}");
     assert_eq!(body["accepted"], true);
     let failure = page.executor.wait(waiting).await.unwrap().unwrap_err();
@@ -297,6 +320,176 @@ async fn actions_need_the_token_and_the_csrf_token_and_an_abort_rolls_the_tree_b
     assert_eq!(status, 409, "{body}");
     assert!(!body["error"].as_str().unwrap().is_empty());
     page.executor.clone().shutdown().await.unwrap();
+}
+
+/// A client that is no browser (a script, `curl`, another service) authenticates with
+/// the bearer token alone: the page's CSRF token is in its HTML only, and what it
+/// guards against — a foreign page making the operator's browser act with what the
+/// browser attaches by itself — cannot send an `Authorization` header. A request that
+/// shows it comes from a browser (its `Origin`, its `Sec-Fetch-Site`, or cookies it
+/// carries, which a proxy in front may log operators in with) needs the CSRF token.
+#[actix::test]
+async fn a_client_with_the_bearer_token_needs_no_csrf_token_a_browser_does() {
+    let page = page(AdminConfig::default().token(TOKEN)).await;
+    let (_, root) = two_trees(&page.executor).await;
+    // The child, waiting for an event: a pause takes effect at once.
+    let waiting = common::waiting_children(&page.executor, root, 1).await[0];
+    let csrf = page.csrf().await;
+    let pause = format!("procedures/{}/pause", waiting.0);
+    let own = format!("http://{}", page.authority());
+    for browser in [
+        vec![("origin", own.clone())],
+        vec![("sec-fetch-site", "same-origin".to_string())],
+        vec![("cookie", "session=operator".to_string())],
+    ] {
+        let (status, body) = page.post_with(&pause, Some(TOKEN), None, &browser).await;
+        assert_eq!(status, 403, "{browser:?}: {body}");
+        assert!(body["error"].as_str().unwrap().contains("CSRF"), "{body}");
+        let (status, body) = page
+            .post_with(&pause, Some(TOKEN), Some("stale"), &browser)
+            .await;
+        assert_eq!(status, 403, "{browser:?}: {body}");
+    }
+    // Without the bearer token, no CSRF token helps.
+    assert_eq!(page.post(&pause, None, Some(&csrf)).await.0, 401);
+    assert_eq!(
+        page.executor.state(waiting).await.unwrap().state,
+        ProcState::Waiting
+    );
+    // The JSON client: the bearer token, nothing else.
+    let (status, body) = page.post(&pause, Some(TOKEN), None).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["paused"], true, "{body}");
+    let continued = format!("procedures/{}/continue", waiting.0);
+    let browser = [("origin", own)];
+    let (status, body) = page
+        .post_with(&continued, Some(TOKEN), Some(&csrf), &browser)
+        .await;
+    assert_eq!(status, 200, "{body}");
+    page.executor.clone().shutdown().await.unwrap();
+}
+
+/// Nested under a prefix in a service's own router (`nest_service`), the page lives
+/// there: the prefix, with or without its slash, leads to the procedures page, and
+/// every link, form, stylesheet and script of the pages resolves under the prefix.
+/// Nested with `nest`, the prefix without its slash does too (axum's `nest` routes
+/// nothing at the prefix with a slash). Alone, `/` leads to the procedures page.
+#[actix::test]
+async fn a_router_nested_under_a_prefix_serves_its_pages_and_links_there() {
+    let executor = executor().await;
+    let (_, waiting) = two_trees(&executor).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let own = listener.local_addr().unwrap().to_string();
+    let config = AdminConfig::default().allow_host(own.clone()).token(TOKEN);
+    let app = axum::Router::new()
+        .nest_service(
+            "/ops/admin",
+            proctor::admin::router(executor.clone(), config.clone()),
+        )
+        .nest("/flat", proctor::admin::router(executor.clone(), config));
+    actix::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    let http = reqwest::Client::new();
+    let get = |url: reqwest::Url| {
+        let request = http.get(url);
+        async move {
+            let answer = request.send().await.unwrap();
+            let (status, url) = (answer.status().as_u16(), answer.url().clone());
+            (status, url, answer.text().await.unwrap())
+        }
+    };
+    let root: reqwest::Url = format!("http://{own}/").parse().unwrap();
+    for prefix in ["ops/admin", "ops/admin/"] {
+        let (status, url, html) = get(root.join(prefix).unwrap()).await;
+        assert_eq!(status, 200, "{prefix}: {url}: {html}");
+        assert_eq!(url.path(), "/ops/admin/procedures", "{prefix}");
+        assert!(
+            html.contains("<title>proctor · Procedures</title>"),
+            "{html}"
+        );
+    }
+    let (status, url, _) = get(root.join("flat").unwrap()).await;
+    assert_eq!((status, url.path()), (200, "/flat/procedures"));
+    // The guard comes first: a foreign Host gets no redirect.
+    let answer = http
+        .get(root.join("ops/admin/").unwrap())
+        .header("host", "evil.example")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(answer.status(), 421);
+    // Every link of the procedures page and of a tree's page, resolved as a browser
+    // does, is answered; the live feed's and the actions' paths too.
+    let procedures = root.join("ops/admin/procedures").unwrap();
+    let tree = root
+        .join(&format!("ops/admin/procedures/{}", waiting.0))
+        .unwrap();
+    for page in [procedures.clone(), tree] {
+        let (status, _, html) = get(page.clone()).await;
+        assert_eq!(status, 200, "{page}");
+        let links = links(&html);
+        assert!(links.len() >= 6, "{page}: {links:?}");
+        for link in links {
+            let url = page.join(&link).unwrap();
+            assert!(
+                url.path().starts_with("/ops/admin/"),
+                "{page}: {link} is {url}"
+            );
+            let (status, _, body) = get(url.clone()).await;
+            assert_eq!(status, 200, "{page}: {link} is {url}: {body}");
+        }
+        let base = base_of(&html);
+        let events = page.join(&format!("{base}events")).unwrap();
+        assert_eq!(events.path(), "/ops/admin/events", "{page}");
+        let abort = page
+            .join(&format!("{base}procedures/{}/explode", waiting.0))
+            .unwrap();
+        let answer = http.post(abort).bearer_auth(TOKEN).send().await.unwrap();
+        assert_eq!(
+            answer.status(),
+            400,
+            "an unknown action, answered by its handler"
+        );
+    }
+    // The filter form posts to the page itself, a page of the list to itself too.
+    let (_, _, html) = get(procedures).await;
+    assert!(
+        html.contains(r#"<form class="filters" method="get">"#),
+        "{html}"
+    );
+    executor.shutdown().await.unwrap();
+
+    let page = page(AdminConfig::default()).await;
+    let (status, url, _) = get(page.base.parse().unwrap()).await;
+    assert_eq!((status, url.path()), (200, "/procedures"));
+    page.executor.clone().shutdown().await.unwrap();
+}
+
+/// The `href` and `src` values of `html`, but the page's own query links (`?...`).
+fn links(html: &str) -> Vec<String> {
+    let mut links = Vec::new();
+    for attribute in ["href=\"", "src=\""] {
+        let mut rest = html;
+        while let Some(at) = rest.find(attribute) {
+            rest = &rest[at + attribute.len()..];
+            let end = rest.find('"').unwrap();
+            if !rest[..end].starts_with('?') {
+                links.push(rest[..end].replace("&amp;", "&"));
+            }
+            rest = &rest[end..];
+        }
+    }
+    links
+}
+
+/// The page's way back to the admin root (its `data-base`), which its script's
+/// requests start from.
+fn base_of(html: &str) -> String {
+    let needle = "data-base=\"";
+    let at = html.find(needle).unwrap() + needle.len();
+    let end = html[at..].find('"').unwrap();
+    html[at..at + end].to_string()
 }
 
 /// The routes a foreign page would read: HTML, JSON, the live feed, the assets.
@@ -691,19 +884,71 @@ impl Procedure<Recorder> for Hold {
     }
 }
 
+/// Fails its one step; its rollback panics every time.
+#[derive(Serialize, Deserialize)]
+struct Unrollable;
+
+#[async_trait]
+impl Procedure<Recorder> for Unrollable {
+    async fn execute(&mut self, _ctx: &mut Context<Recorder>) -> Result<Flow<Recorder>, ProcError> {
+        Err(ProcError::failed("the step fails"))
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context<Recorder>) -> Result<(), ProcError> {
+        panic!("cannot undo");
+    }
+}
+
+/// A page of its own executor: the common procedures, `Hold` and `Unrollable`, a
+/// resource `pool` of two permits, and a failed rollback retried once.
 async fn own_page() -> (Page, Arc<Recorder>) {
     let mut registry: Registry<Recorder> = common::registry();
-    registry.register::<Hold>("hold");
+    registry
+        .register::<Hold>("hold")
+        .register::<Unrollable>("unrollable");
     let rec = Arc::new(Recorder::default());
     let executor = Executor::builder()
         .registry(registry)
         .store(proctor::MemoryStore::new())
         .env(rec.clone())
         .permits("pool", 2)
+        .rollback_retries(1)
         .start()
         .await
         .unwrap();
     (serve(executor, AdminConfig::default()).await, rec)
+}
+
+/// A rollback that keeps failing pauses its procedure, and its row says why: the
+/// error, its policy and the retries spent, as `proctor procs` says it.
+#[actix::test]
+async fn a_rollback_paused_procedure_shows_why_it_waits_for_an_operator() {
+    let (page, _rec) = own_page().await;
+    let mut events = page.executor.subscribe().await.unwrap();
+    let id = page.executor.submit(Unrollable).await.unwrap();
+    loop {
+        match events.next().await.expect("an event") {
+            proctor::ProcEvent::Paused { id: p, state, .. } if p == id => {
+                assert_eq!(state, ProcState::RollbackPaused);
+                break;
+            }
+            proctor::ProcEvent::Finished { result, .. } => panic!("finished: {result:?}"),
+            _ => {}
+        }
+    }
+    let (status, html) = page.get("procedures?state=ROLLBACK_PAUSED").await;
+    assert_eq!(status, 200);
+    assert!(html.contains(&format!("data-id=\"{}\"", id.0)), "{html}");
+    let why = "an operator: panicked in rollback: cannot undo (policy Rollback, 1 retries)";
+    assert!(html.contains(why), "{html}");
+    let (_, json) = page.json("procedures?state=ROLLBACK_PAUSED").await;
+    let paused = &json["procedures"][0]["steering"]["paused"];
+    assert_eq!(paused["retries"], 1, "{json}");
+    assert!(
+        paused["error"].to_string().contains("cannot undo"),
+        "{json}"
+    );
+    page.executor.clone().shutdown().await.unwrap();
 }
 
 #[actix::test]

@@ -1,6 +1,7 @@
 //! Failure policies and operator commands: retries (counted across a restart), pause
 //! and continue, an operator's rollback of a paused and of a running procedure, a
-//! rollback that pauses, and the point of no return. Each scenario runs on both stores;
+//! rollback that pauses, a rollback that fails (a panic or an error) retried on the
+//! same step and paused past the executor's limit, and the point of no return. Each scenario runs on both stores;
 //! every command in every state, with its refusal, is a table in the core's tests
 //! (`operator_commands_in_each_state_are_done_or_refused_saying_why`).
 
@@ -11,8 +12,9 @@ use std::sync::{Arc, Mutex};
 
 use common::{wait_for_state, Reopen};
 use proctor::{
-    async_trait, Context, Error, Executor, FailurePolicy, Flow, OnTimeout, ProcError, ProcEvent,
-    ProcId, ProcState, Procedure, ProcedureStore, Registry,
+    async_trait, Context, Error, Executor, ExecutorBuilder, FailurePolicy, Flow, OnTimeout,
+    ProcError, ProcEvent, ProcId, ProcState, Procedure, ProcedureStore, Registry, StateContext,
+    StateMachine, StateMachineProcedure,
 };
 use serde::{Deserialize, Serialize};
 
@@ -294,21 +296,93 @@ impl Procedure<World> for Timed {
     }
 }
 
+/// A state machine of three phases whose last fails its step; its rollback of a phase
+/// fails while the world has rollback failures, by a panic or an error as `panics`
+/// says. Each call is recorded.
+#[derive(Clone, Serialize, Deserialize)]
+struct Machine {
+    panics: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum Phase {
+    Prepare,
+    Write,
+    Assign,
+}
+
+#[async_trait]
+impl StateMachineProcedure<World> for Machine {
+    type State = Phase;
+
+    fn initial_state(&self) -> Phase {
+        Phase::Prepare
+    }
+
+    async fn execute_from_state(
+        &mut self,
+        ctx: &mut StateContext<'_, Phase, World>,
+        state: Phase,
+    ) -> Result<Flow<World>, ProcError> {
+        ctx.env().record(format!("exec {state:?}"));
+        match state {
+            Phase::Prepare => ctx.set_next_state(Phase::Write),
+            Phase::Write => ctx.set_next_state(Phase::Assign),
+            Phase::Assign => return Err(ProcError::failed("assign failed")),
+        }
+        Ok(Flow::MoreToDo)
+    }
+
+    async fn rollback_state(
+        &mut self,
+        ctx: &mut Context<World>,
+        state: Phase,
+    ) -> Result<(), ProcError> {
+        let world = ctx.env();
+        let fails = world
+            .rollback_failures
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        match (fails, self.panics) {
+            (false, _) => {
+                world.record(format!("rollback {state:?}"));
+                Ok(())
+            }
+            (true, true) => {
+                world.record(format!("rollback {state:?} panicked"));
+                panic!("cannot undo {state:?}");
+            }
+            (true, false) => {
+                world.record(format!("rollback {state:?} failed"));
+                Err(ProcError::failed(format!("cannot undo {state:?}")))
+            }
+        }
+    }
+}
+
 async fn start(store: Box<dyn ProcedureStore>, world: Arc<World>) -> Executor<World> {
+    start_with(store, world, |builder| builder).await
+}
+
+/// As [`start`], with the builder's options `options` sets.
+async fn start_with(
+    store: Box<dyn ProcedureStore>,
+    world: Arc<World>,
+    options: impl FnOnce(ExecutorBuilder<World>) -> ExecutorBuilder<World>,
+) -> Executor<World> {
     let mut registry = Registry::<World>::default();
     registry
         .register::<Flaky>("flaky")
         .register::<Waiter>("waiter")
         .register::<Gated>("gated")
         .register::<Timed>("timed")
-        .register::<Parent>("parent");
-    Executor::builder()
+        .register::<Parent>("parent")
+        .register_state_machine::<Machine>("machine");
+    let builder = Executor::builder()
         .registry(registry)
         .store(store)
-        .env(world)
-        .start()
-        .await
-        .expect("executor starts")
+        .env(world);
+    options(builder).start().await.expect("executor starts")
 }
 
 fn world(step_failures: u32, rollback_failures: u32) -> Arc<World> {
@@ -550,6 +624,106 @@ async fn a_rollback_that_gives_up_is_rollback_paused_until_continued() {
             "{name}"
         );
         executor.shutdown().await.unwrap();
+    }
+}
+
+/// A rollback that fails (a panic, or an error) and is retried undoes the same step
+/// again, from the state recorded before it: each phase is undone once it succeeds,
+/// in reverse, and none is passed over.
+#[actix::test]
+async fn a_rollback_that_fails_twice_then_succeeds_undoes_each_step_once() {
+    for name in common::STORES {
+        for panics in [true, false] {
+            let w = world(0, 2);
+            let executor = start(Reopen::new(name).open(), w.clone()).await;
+            let id = executor
+                .submit(StateMachine::new(Machine { panics }))
+                .await
+                .unwrap();
+            let failure = executor.wait(id).await.unwrap().unwrap_err();
+            assert_eq!(failure.error, ProcError::failed("assign failed"), "{name}");
+            let state = executor.state(id).await.unwrap().state;
+            assert_eq!(state, ProcState::RolledBack, "{name}");
+            let failed = if panics { "panicked" } else { "failed" };
+            assert_eq!(
+                w.calls(),
+                [
+                    "exec Prepare",
+                    "exec Write",
+                    "exec Assign",
+                    &format!("rollback Assign {failed}"),
+                    &format!("rollback Assign {failed}"),
+                    "rollback Assign",
+                    "rollback Write",
+                    "rollback Prepare",
+                ],
+                "{name}, panics: {panics}"
+            );
+            executor.shutdown().await.unwrap();
+        }
+    }
+}
+
+/// A rollback that fails on every call (a panic, or an error) under the default policy
+/// is retried up to the executor's limit, then paused for an operator with its error
+/// in the procedure's info: never taken as done. Continued once it can succeed, it
+/// undoes every step.
+#[actix::test]
+async fn a_rollback_that_fails_every_time_is_rollback_paused_past_the_limit() {
+    for name in common::STORES {
+        for panics in [true, false] {
+            let w = world(0, u32::MAX);
+            let store = Reopen::new(name).open();
+            let executor = start_with(store, w.clone(), |b| b.rollback_retries(3)).await;
+            let mut events = executor.subscribe().await.unwrap();
+            let id = executor
+                .submit(StateMachine::new(Machine { panics }))
+                .await
+                .unwrap();
+            let (state, why) = loop {
+                match events.next().await.expect("an event") {
+                    ProcEvent::Paused {
+                        id: p, state, why, ..
+                    } if p == id => break (state, why),
+                    ProcEvent::Finished { result, .. } => {
+                        panic!("{name}: finished {result:?}, never paused")
+                    }
+                    _ => {}
+                }
+            };
+            assert_eq!(state, ProcState::RollbackPaused, "{name}");
+            let error = if panics {
+                ProcError::Panicked {
+                    hook: "rollback".into(),
+                    message: "cannot undo Assign".into(),
+                }
+            } else {
+                ProcError::failed("cannot undo Assign")
+            };
+            // What an operator reads: its state, and why it paused.
+            let info = executor.state(id).await.unwrap();
+            assert_eq!(info.state, ProcState::RollbackPaused, "{name}");
+            assert_eq!(info.steering.paused.as_deref(), Some(&why), "{name}");
+            assert_eq!(why.error, Some(error), "{name}");
+            assert_eq!(why.policy, Some(FailurePolicy::Rollback), "{name}");
+            assert_eq!(why.retries, 3, "{name}");
+            // The first call and three retries, all of the step that failed.
+            let failed = if panics { "panicked" } else { "failed" };
+            let undo = format!("rollback Assign {failed}");
+            let mut expected = vec!["exec Prepare", "exec Write", "exec Assign"];
+            expected.extend([undo.as_str(); 4]);
+            assert_eq!(w.calls(), expected, "{name}, panics: {panics}");
+
+            w.rollback_failures.store(0, Ordering::SeqCst);
+            executor.resume(id).await.unwrap();
+            let failure = executor.wait(id).await.unwrap().unwrap_err();
+            assert_eq!(failure.error, ProcError::failed("assign failed"), "{name}");
+            let state = executor.state(id).await.unwrap().state;
+            assert_eq!(state, ProcState::RolledBack, "{name}");
+            expected.extend(["rollback Assign", "rollback Write", "rollback Prepare"]);
+            assert_eq!(w.calls(), expected, "{name}, panics: {panics}");
+            executor.shutdown().await.unwrap();
+        }
     }
 }
 

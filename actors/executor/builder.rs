@@ -59,6 +59,7 @@ pub struct ExecutorBuilder<E = ()> {
     monitor: Monitor,
     drain_timeout: Duration,
     restart_limit: RestartLimit,
+    rollback_retries: u32,
     /// The transport of remote operations, and how they are batched.
     remote: Option<(Arc<dyn AnyTransport>, RemoteOptions)>,
     /// The leader lease to hold, on the PostgreSQL store.
@@ -86,6 +87,7 @@ impl<E> std::fmt::Debug for ExecutorBuilder<E> {
             .field("monitor", &self.monitor)
             .field("drain_timeout", &self.drain_timeout)
             .field("restart_limit", &self.restart_limit)
+            .field("rollback_retries", &self.rollback_retries)
             .field("remote", &self.remote.as_ref().map(|(_, options)| options))
             .finish_non_exhaustive()
     }
@@ -132,6 +134,7 @@ impl<E> Default for ExecutorBuilder<E> {
             },
             drain_timeout: Duration::from_secs(30),
             restart_limit: RestartLimit::default(),
+            rollback_retries: crate::policy::DEFAULT_ROLLBACK_RETRIES,
         }
     }
 }
@@ -175,6 +178,34 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             max: max_restarts,
             within,
         };
+        self
+    }
+
+    /// How many times a failed rollback step (its `rollback` returned an error or
+    /// panicked) is retried before its procedure is
+    /// [`ROLLBACK_PAUSED`](crate::ProcState::RollbackPaused) for an operator (default
+    /// 20), under the default [`FailurePolicy::Rollback`](crate::FailurePolicy) (a
+    /// procedure's own retry policy says its own count). Retries back off from 20 ms,
+    /// doubling up to 10 s, with full jitter: the default spends about a minute (two at
+    /// most). Each
+    /// failure is logged at WARN under `proctor::tree` and counted in
+    /// `proctor_rollback_retries_total`; the pause is logged at WARN naming the
+    /// procedure, its type and the error, and counted in `proctor_procedures_paused`.
+    /// The paused procedure's [`ProcInfo::steering`](crate::ProcInfo) says why
+    /// (`paused`: the error, the policy, the retries spent), as do the admin page and
+    /// `proctor procs`; [`Executor::resume`] (or `proctor continue`) tries its rollback
+    /// again, with its retries anew. The retries are counted in memory: a restart
+    /// gives a failing rollback its retries again. A rollback waiting for its lock
+    /// ([`Procedure::acquire_lock`](crate::Procedure::acquire_lock) yielding) is not
+    /// failing, and waits as long as it takes.
+    ///
+    /// ```
+    /// let builder: proctor::ExecutorBuilder = proctor::Executor::builder().rollback_retries(5);
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn rollback_retries(mut self, retries: u32) -> Self {
+        self.rollback_retries = retries;
         self
     }
 
@@ -843,6 +874,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 peers.broken,
                 peers.mandate,
                 self.restart_limit,
+                self.rollback_retries,
                 peers.fencing_token,
                 peers.remote,
             ));

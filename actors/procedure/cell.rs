@@ -27,7 +27,7 @@ use crate::root_stack::{
     ChildrenSeen, NewChild, OnError, RollbackFailure, RollbackOf, StepOutcome, StepReport,
 };
 
-use crate::actors::guard::{guard, CatchUnwind};
+use crate::actors::guard::{decode_guarded, guard, CatchUnwind};
 use crate::actors::perturb;
 use crate::actors::protocol::{
     AbortAck, FailRequest, LockFailed, LocksHeld, Outbox, Release, ReleaseLocks, Report, Rollback,
@@ -663,12 +663,18 @@ impl ProcedureCell {
         }
         // A rollback runs under the procedure's lock, like a step.
         if !self.lock_held {
+            // Its lock not available yet: the rollback waits for it, retried with
+            // backoff as long as it takes, whatever the policy. Its hook panicking is
+            // a failure of the procedure's like any other.
+            let limit = Some(self.shared.rollback_retries);
             let busy = match guard("acquire_lock", || proc.acquire_lock(&pctx)) {
                 Ok(LockState::Acquired) => None,
-                Ok(LockState::Yield) => Some(ProcError::failed("lock not available for rollback")),
-                Err(panic) => Some(panic),
+                Ok(LockState::Yield) => {
+                    Some((ProcError::failed("lock not available for rollback"), None))
+                }
+                Err(panic) => Some((panic, limit)),
             };
-            if let Some(error) = busy {
+            if let Some((error, limit)) = busy {
                 self.proc = Some(proc);
                 if self.has_locks {
                     // The engine's locks were granted for this try: given back like
@@ -678,13 +684,13 @@ impl ProcedureCell {
                         what: Release::RollbackStep,
                     });
                 }
-                // The engine's own trouble: retried for ever, whatever the policy.
                 out.push_back(Report::RolledBack(RolledBack {
                     id,
                     result: Err(RollbackFailure {
                         error,
                         policy: FailurePolicy::Rollback,
                         data: self.data.clone(),
+                        limit,
                     }),
                 }));
                 return;
@@ -723,14 +729,31 @@ impl ProcedureCell {
         if !proc.holds_lock() && !self.cut_off() {
             self.release_lock(&mut *proc, &pctx);
         }
-        let result = result
-            .and_then(|r| r)
-            .and_then(|()| self.encode(&*proc))
-            .map_err(|error| RollbackFailure {
-                policy: guard("failure_policy", || proc.failure_policy(&error)).unwrap_or_default(),
-                error,
-                data: self.data.clone(),
-            });
+        // An `Err` the procedure returned leaves its object as the procedure chose (a
+        // state machine keeps the state it could not undo, a DAG which of its tasks
+        // it undid and which one failed). A panic leaves it anywhere (half a step
+        // undone, or forgotten), and a state that does not encode after a rollback
+        // that succeeded leaves it a step ahead of its record: either attempt is
+        // discarded, as a failed step's is, so that the retry (or an operator's
+        // continue) undoes the same step again from the state recorded before it,
+        // which is what the failure records.
+        let (result, discard) = match result {
+            Err(panic) => (Err(panic), true),
+            Ok(Err(error)) => (Err(error), false),
+            Ok(Ok(())) => match self.encode(&*proc) {
+                Ok(data) => (Ok(data), false),
+                Err(error) => (Err(error), true),
+            },
+        };
+        if discard && !self.cut_off() {
+            proc = self.reloaded(proc);
+        }
+        let result = result.map_err(|error| RollbackFailure {
+            policy: guard("failure_policy", || proc.failure_policy(&error)).unwrap_or_default(),
+            error,
+            data: self.data.clone(),
+            limit: Some(self.shared.rollback_retries),
+        });
         self.proc = Some(proc);
         if self.has_locks && !self.cut_off() {
             ctx.tell(ReleaseLocks {
@@ -745,6 +768,19 @@ impl ProcedureCell {
             result,
         }));
         drop(in_call);
+    }
+
+    /// The object decoded again from its recorded state (`data`); `proc` itself if that
+    /// fails, which is not expected: the state decoded (or was encoded) before.
+    fn reloaded(&self, proc: DynProc) -> DynProc {
+        // The user's `Deserialize` runs here: a panic in it is caught like any other.
+        match decode_guarded(&self.shared.registry, self.type_name, &self.data) {
+            Ok(reloaded) => reloaded,
+            Err(e) => {
+                tracing::error!(target: crate::targets::PROCEDURE, proc = %self.id, %e, "cannot reload the recorded state");
+                proc
+            }
+        }
     }
 
     /// The procedure is finished and its final record is durable: release its locks,

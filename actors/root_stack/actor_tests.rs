@@ -296,6 +296,7 @@ impl Harness {
             crate::cancel::Cancel::new(),
             crate::actors::shared::Mandate::new(None),
             crate::actors::shared::RestartLimit::default(),
+            crate::policy::DEFAULT_ROLLBACK_RETRIES,
             None,
             None,
         ));

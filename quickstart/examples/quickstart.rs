@@ -7,24 +7,69 @@
 //!
 //! It prints each state the procedure passes through and ends with SUCCESS. The
 //! "cluster" is a map in memory that stands in for the service that embeds proctor.
+//! The steps do not write to stdout themselves: they hand their lines to a thread
+//! that does, so a reader that goes away (`| head -3`) ends the output, not the
+//! procedure (a `println!` in a step would panic on the closed pipe, and fail it).
 //! With `RUST_LOG=info` the engine's log goes to stderr: a line per submitted root and
 //! per finished procedure (id, type, outcome, duration), and the `[procedure N]` lines'
 //! spans (`RUST_LOG=info,proctor=debug` shows more).
 
 use std::collections::BTreeMap;
-use std::io::IsTerminal;
-use std::sync::Mutex;
+use std::io::{IsTerminal, Write};
+use std::sync::{mpsc, Mutex};
+use std::thread::JoinHandle;
 
 use proctor::{
-    async_trait, ChildType, Context, Executor, Flow, MemoryStore, ProcError, Procedure, Registry,
-    StateContext, StateMachine, StateMachineProcedure,
+    async_trait, ChildType, Context, Executor, Flow, MemoryStore, ProcError, ProcId, Procedure,
+    Registry, StateContext, StateMachine, StateMachineProcedure,
 };
 use serde::{Deserialize, Serialize};
 
-/// What the procedures act on: table name → the regions assigned so far.
-#[derive(Default)]
+/// What the procedures act on: table name → the table; and where they say what they
+/// do.
 struct Cluster {
-    tables: Mutex<BTreeMap<String, Vec<String>>>,
+    tables: Mutex<BTreeMap<String, Table>>,
+    out: Output,
+}
+
+/// A table: the procedure that created it, written in the same change that creates
+/// it (so that a rollback drops only a table its procedure created), and the regions
+/// assigned so far.
+struct Table {
+    owner: ProcId,
+    regions: Vec<String>,
+}
+
+/// The program's output: lines handed to the thread that writes them.
+#[derive(Clone)]
+struct Output(mpsc::Sender<Option<String>>);
+
+impl Output {
+    /// Writes `line` (on the output's thread). Never fails: once the reader has gone,
+    /// lines are dropped.
+    fn say(&self, line: String) {
+        let _ = self.0.send(Some(line));
+    }
+
+    /// Ends the output: the thread writes what it was given, then returns.
+    fn end(self, writer: JoinHandle<()>) {
+        let _ = self.0.send(None);
+        let _ = writer.join();
+    }
+}
+
+/// Starts the thread that writes the lines to `out`, a line at a time; it stops
+/// writing at the first error (the reader went away).
+fn output(mut out: impl Write + Send + 'static) -> (Output, JoinHandle<()>) {
+    let (lines, to_write) = mpsc::channel::<Option<String>>();
+    let writer = std::thread::spawn(move || {
+        while let Ok(Some(line)) = to_write.recv() {
+            if writeln!(out, "{line}").and_then(|()| out.flush()).is_err() {
+                break;
+            }
+        }
+    });
+    (Output(lines), writer)
 }
 
 /// The states of creating a table, in order.
@@ -61,8 +106,10 @@ impl StateMachineProcedure<Cluster> for CreateTable {
         ctx: &mut StateContext<'_, CreateTableState, Cluster>,
         state: CreateTableState,
     ) -> Result<Flow<Cluster>, ProcError> {
-        println!("[procedure {}] {state:?}", ctx.id());
         let cluster = ctx.env();
+        cluster
+            .out
+            .say(format!("[procedure {}] {state:?}", ctx.id()));
         match state {
             CreateTableState::Prepare => {
                 if cluster.tables.lock().unwrap().contains_key(&self.table) {
@@ -72,13 +119,25 @@ impl StateMachineProcedure<Cluster> for CreateTable {
                 Ok(Flow::MoreToDo)
             }
             CreateTableState::WriteMeta => {
-                // Idempotent: re-running after a crash finds the entry and keeps it.
-                cluster
-                    .tables
-                    .lock()
-                    .unwrap()
-                    .entry(self.table.clone())
-                    .or_default();
+                let me = ctx.id();
+                {
+                    let mut tables = cluster.tables.lock().unwrap();
+                    match tables.get(&self.table) {
+                        // Idempotent: re-running after a crash finds its own table.
+                        Some(table) if table.owner == me => {}
+                        // Created by someone else since `Prepare` looked.
+                        Some(_) => {
+                            return Err(ProcError::failed(format!("table {} exists", self.table)))
+                        }
+                        None => {
+                            let table = Table {
+                                owner: me,
+                                regions: Vec::new(),
+                            };
+                            tables.insert(self.table.clone(), table);
+                        }
+                    }
+                }
                 ctx.set_next_state(CreateTableState::AssignRegions);
                 Ok(Flow::MoreToDo)
             }
@@ -100,9 +159,16 @@ impl StateMachineProcedure<Cluster> for CreateTable {
         ctx: &mut Context<Cluster>,
         state: CreateTableState,
     ) -> Result<(), ProcError> {
-        println!("[procedure {}] rollback {state:?}", ctx.id());
+        ctx.env()
+            .out
+            .say(format!("[procedure {}] rollback {state:?}", ctx.id()));
         if state == CreateTableState::WriteMeta {
-            ctx.env().tables.lock().unwrap().remove(&self.table);
+            // Only a table this procedure created: the step may have found someone
+            // else's (`ctx.undoing()` says how far the step got, not whose it is).
+            let mut tables = ctx.env().tables.lock().unwrap();
+            if tables.get(&self.table).is_some_and(|t| t.owner == ctx.id()) {
+                tables.remove(&self.table);
+            }
         }
         Ok(())
     }
@@ -118,25 +184,27 @@ struct AssignRegion {
 #[async_trait]
 impl Procedure<Cluster> for AssignRegion {
     async fn execute(&mut self, ctx: &mut Context<Cluster>) -> Result<Flow<Cluster>, ProcError> {
-        println!(
+        let cluster = ctx.env();
+        cluster.out.say(format!(
             "[procedure {} child of {}] assign region {}",
             ctx.id(),
             ctx.parent().map_or("-".to_string(), |p| p.to_string()),
             self.region
-        );
-        let cluster = ctx.env();
+        ));
         let mut tables = cluster.tables.lock().unwrap();
-        let regions = tables.entry(self.table.clone()).or_default();
-        if !regions.contains(&self.region) {
-            regions.push(self.region.clone());
+        let Some(table) = tables.get_mut(&self.table) else {
+            return Err(ProcError::failed(format!("table {} is gone", self.table)));
+        };
+        if !table.regions.contains(&self.region) {
+            table.regions.push(self.region.clone());
         }
         Ok(Flow::Done)
     }
 
     async fn rollback(&mut self, ctx: &mut Context<Cluster>) -> Result<(), ProcError> {
         let cluster = ctx.env();
-        if let Some(regions) = cluster.tables.lock().unwrap().get_mut(&self.table) {
-            regions.retain(|r| r != &self.region);
+        if let Some(table) = cluster.tables.lock().unwrap().get_mut(&self.table) {
+            table.regions.retain(|r| r != &self.region);
         }
         Ok(())
     }
@@ -151,6 +219,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
+    run(std::io::stdout()).await
+}
+
+/// Creates the table, writing what happens to `out` (the package's test gives it an
+/// output that closes early).
+pub(crate) async fn run(
+    out: impl Write + Send + 'static,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (out, writer) = output(out);
     // Every type that can be persisted is registered under a name that never changes.
     let mut registry = Registry::<Cluster>::default();
     registry
@@ -160,7 +237,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let executor = Executor::builder()
         .registry(registry)
         .store(MemoryStore::new())
-        .env(Cluster::default())
+        .env(Cluster {
+            tables: Mutex::default(),
+            out: out.clone(),
+        })
         .start()
         .await?;
 
@@ -170,15 +250,18 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             regions: 2,
         }))
         .await?;
-    println!("submitted create_table as procedure {id}");
+    out.say(format!("submitted create_table as procedure {id}"));
 
     let result = executor.wait(id).await?;
     let info = executor.state(id).await?;
-    match result {
+    executor.shutdown().await?;
+    let ended = match result {
         Ok(()) => {
-            println!("procedure {id} finished: {}", info.state);
+            out.say(format!("procedure {id} finished: {}", info.state));
             Ok(())
         }
         Err(failure) => Err(format!("procedure {id} ended {}: {failure}", info.state).into()),
-    }
+    };
+    out.end(writer);
+    ended
 }
