@@ -30,7 +30,9 @@ use super::protocol::{
     FromShard, LocksFromShard, Outgoing, Persist, ToLocks, ToPersistence, ToScheduler, TreeAddr,
     TreeEnded,
 };
-use super::root_stack::{Deliver, Passivate, RootStackActor, TreeMsg, TreeRunner};
+use super::root_stack::{
+    start_without_actor, Deliver, Passivate, RootStackActor, TreeMsg, TreeRunner,
+};
 use super::scheduler::SchedulerActor;
 use super::shared::ShardAddr;
 
@@ -346,7 +348,13 @@ impl Shard {
     /// Hands `msg` to the tree of `root` (a `Start` places the tree first).
     fn deliver(&mut self, root: ProcId, msg: TreeMsg, ctx: &mut Context<Self>) {
         let msg = match msg {
-            TreeMsg::Start(runner) => {
+            TreeMsg::Start(mut runner) => {
+                if runner.starts_idle() {
+                    if start_without_actor(&mut runner, &self.io) {
+                        self.trees.insert(root, Slot::Idle(runner));
+                    }
+                    return;
+                }
                 self.activate(root, runner, true, Vec::new(), ctx);
                 return;
             }

@@ -361,3 +361,85 @@ async fn after_a_restart_the_result_is_the_first_recorded_failure() {
         }
     }
 }
+
+/// The gate the `Gated` procedures' step waits at, opened by the test.
+#[derive(Default)]
+struct Gate {
+    open: std::sync::atomic::AtomicBool,
+    opened: tokio::sync::Notify,
+    entered: std::sync::atomic::AtomicU32,
+}
+
+/// One step that waits at the gate.
+#[derive(Serialize, Deserialize)]
+struct Gated;
+
+#[async_trait]
+impl proctor::Procedure<Gate> for Gated {
+    async fn execute(&mut self, ctx: &mut Context<Gate>) -> Result<Flow<Gate>, ProcError> {
+        let gate = ctx.env();
+        gate.entered
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        loop {
+            let opened = gate.opened.notified();
+            if gate.open.load(std::sync::atomic::Ordering::SeqCst) {
+                return Ok(Flow::Done);
+            }
+            tokio::select! {
+                () = opened => {}
+                () = ctx.cancelled() => return Err(ProcError::failed("cancelled")),
+            }
+        }
+    }
+
+    async fn rollback(&mut self, _ctx: &mut Context<Gate>) -> Result<(), ProcError> {
+        Ok(())
+    }
+}
+
+async fn start_gated(store: &common::Reopen, gate: &Arc<Gate>) -> Executor<Gate> {
+    let mut registry = Registry::<Gate>::default();
+    registry.register::<Gated>("gated");
+    Executor::builder()
+        .registry(registry)
+        .store(store.open())
+        .env(gate.clone())
+        .workers(1)
+        .arbiters(1)
+        .start()
+        .await
+        .unwrap()
+}
+
+/// A recovered tree that only has its steps to queue starts without a root-stack
+/// actor: its shard keeps it passivated until its step is dispatched, so a restart
+/// costs an actor only for the trees that run.
+#[actix::test]
+async fn recovered_trees_that_only_queue_steps_start_passivated_until_their_step_runs() {
+    const TREES: usize = 20;
+    let store = common::Reopen::new("memory");
+    let gate = Arc::new(Gate::default());
+    let executor = start_gated(&store, &gate).await;
+    let mut ids = Vec::new();
+    for _ in 0..TREES {
+        ids.push(executor.submit(Gated).await.unwrap());
+    }
+    executor.shutdown_now().await.unwrap();
+
+    let gate = Arc::new(Gate::default());
+    let executor = start_gated(&store, &gate).await;
+    // One worker: one step runs (at the closed gate), the others stay queued.
+    let stats = executor.scheduler_stats().await.unwrap();
+    assert!(
+        stats.trees_active <= 1 && stats.trees_passivated >= TREES - 1,
+        "{stats:?}"
+    );
+    assert_eq!(stats.procedures_active, stats.trees_active, "{stats:?}");
+    gate.open.store(true, std::sync::atomic::Ordering::SeqCst);
+    gate.opened.notify_waiters();
+    for id in ids {
+        assert!(executor.wait(id).await.unwrap().is_ok());
+    }
+    assert!(gate.entered.load(std::sync::atomic::Ordering::SeqCst) >= TREES as u32);
+    executor.shutdown().await.unwrap();
+}

@@ -170,7 +170,9 @@ fn capped(delay: Duration) -> Duration {
 /// record what leaves the shard otherwise ([`Leave`]), carried out in order, behind the
 /// outbox, when the handling returns (see `effects.rs`).
 pub(crate) struct TreeCtx<'a> {
-    actor: &'a mut Context<RootStackActor>,
+    /// `None` for a recovered tree started by its shard without an actor
+    /// ([`TreeRunner::starts_idle`]), which starts no procedure actor and no timer.
+    actor: Option<&'a mut Context<RootStackActor>>,
     io: &'a Rc<RefCell<ShardIo>>,
     /// Timers in flight: counted here, for passivation.
     in_flight: &'a mut u32,
@@ -187,16 +189,25 @@ impl TreeCtx<'_> {
         cell: Box<ProcedureCell>,
         generation: u32,
     ) -> Addr<ProcedureActor> {
-        let root_stack = self.actor.address();
+        let root_stack = self.actor().address();
         ProcedureActor::new(cell, generation, root_stack, self.io.clone()).start()
     }
 
     /// Fires `timer` after `delay` (dropped if the tree stops first).
     pub(crate) fn run_later(&mut self, delay: Duration, timer: Timer) {
         *self.in_flight += 1;
-        self.actor.run_later(capped(delay), move |actor, ctx| {
+        self.actor().run_later(capped(delay), move |actor, ctx| {
             actor.timer_fired(timer, ctx);
         });
+    }
+
+    fn actor(&mut self) -> &mut Context<RootStackActor> {
+        match self.actor.as_deref_mut() {
+            Some(actor) => actor,
+            None => {
+                unreachable!("a tree started without an actor needs one (TreeRunner::starts_idle)")
+            }
+        }
     }
 
     /// The tree's work is done: its actor stops once this call returns.
@@ -252,6 +263,40 @@ thread_local! {
     static LEAVES: RefCell<Vec<Leave>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Starts a recovered tree whose start needs no actor ([`TreeRunner::starts_idle`]) on
+/// its shard's thread, as its actor would; the shard then keeps it passivated. `false`
+/// if engine code panicked: the runner is cut off, and its drop tells the executor.
+pub(crate) fn start_without_actor(runner: &mut TreeRunner, io: &Rc<RefCell<ShardIo>>) -> bool {
+    let mut leaves = Vec::new();
+    let mut in_flight = 0;
+    let ran = catch_unwind(AssertUnwindSafe(|| {
+        let mut ctx = TreeCtx {
+            actor: None,
+            io,
+            in_flight: &mut in_flight,
+            leaves: &mut leaves,
+            stop: false,
+            result: None,
+        };
+        runner.started(&mut ctx);
+    }));
+    carry_out(
+        leaves,
+        &mut ShardSink {
+            io,
+            shared: runner.shared_ref(),
+        },
+    );
+    match ran {
+        Ok(()) => true,
+        Err(payload) => {
+            let message = panic_message(&*payload);
+            tracing::error!(target: crate::targets::TREE, root = %runner.root(), %message, "engine code panicked: the tree is cut off");
+            false
+        }
+    }
+}
+
 /// The root-stack actor (see the module docs).
 pub(crate) struct RootStackActor {
     root: ProcId,
@@ -299,7 +344,7 @@ impl RootStackActor {
         };
         let mut leaves = LEAVES.with_borrow_mut(std::mem::take);
         let mut tree_ctx = TreeCtx {
-            actor: ctx,
+            actor: Some(ctx),
             io: &self.io,
             in_flight: &mut self.in_flight,
             leaves: &mut leaves,

@@ -195,6 +195,30 @@ impl TreeRunner {
         runner
     }
 
+    /// Whether this recovered tree starts without an actor: its first transition writes
+    /// nothing and only places its procedures (none with a deadline to arm), queues
+    /// their steps and suspends them on their events, and nothing reruns — all of it
+    /// messages to the shard's peers. Its shard then starts it on its own thread and
+    /// keeps it passivated, as a tree that went quiet, until its first message (most
+    /// often its first step's): a restart's cost follows the log, not an actor per tree.
+    pub(crate) fn starts_idle(&self) -> bool {
+        if !self.recovered || self.rare.as_ref().is_some_and(|r| !r.rerun.is_empty()) {
+            return false;
+        }
+        let Some(t) = self.start.as_ref().and_then(|s| s.initial.as_ref()) else {
+            return false;
+        };
+        t.persist.is_empty()
+            && t.actions.iter().all(|action| match action {
+                Action::Spawn(id) => self.core.deadline_of(*id).is_none(),
+                Action::Enqueue { .. }
+                | Action::Resume(_)
+                | Action::SuspendOn { .. }
+                | Action::Count(_) => true,
+                _ => false,
+            })
+    }
+
     fn new(
         shared: Arc<Shared>,
         me: TreeAddr,
@@ -880,6 +904,11 @@ impl TreeRunner {
     /// The engine's shared state, borrowed.
     pub(crate) fn shared_ref(&self) -> &Shared {
         &self.shared
+    }
+
+    /// The tree's root.
+    pub(crate) fn root(&self) -> ProcId {
+        self.core.root()
     }
 
     /// Whether the tree has nothing in flight (nothing waiting to be durable, no step out,
