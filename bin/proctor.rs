@@ -58,7 +58,7 @@ Exit codes:
 #[command(
     name = "proctor",
     version,
-    about = "Inspect, verify and repair proctor WAL directories",
+    about = "Inspect, verify and repair proctor WAL directories, and read PostgreSQL stores",
     after_help = EXIT_CODES
 )]
 struct Cli {
@@ -352,10 +352,44 @@ fn describe_repair(repair: &Repair) -> String {
 fn no_wal(dir: &Path, scan: &WalDirScan) -> Option<Stop> {
     let empty = scan.segments.is_empty() && scan.repairs.is_empty() && scan.damage.is_none();
     empty.then(|| {
+        let hint = match wal_below(dir) {
+            Some(sub) => format!(
+                "; {} holds one (a service's data directory keeps its log in a \
+                 subdirectory): point the command there",
+                sub.display()
+            ),
+            None => String::new(),
+        };
         Stop::Error(format!(
-            "{} holds no WAL: no segment file (named like 00000000000000000001.wal)",
+            "{} holds no WAL: no segment file (named like 00000000000000000001.wal){hint}",
             dir.display()
         ))
+    })
+}
+
+/// A subdirectory of `dir` (the first, by name) that holds a segment file: where the
+/// log is when `dir` is a service's data directory.
+fn wal_below(dir: &Path) -> Option<std::path::PathBuf> {
+    let is_segment = |name: &std::ffi::OsStr| {
+        let name = name.to_string_lossy();
+        name.strip_suffix(".wal")
+            .is_some_and(|seq| seq.len() == 20 && seq.bytes().all(|b| b.is_ascii_digit()))
+    };
+    let mut subdirs: Vec<std::path::PathBuf> = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(Result::ok)
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.path())
+        .collect();
+    subdirs.sort();
+    subdirs.into_iter().find(|sub| {
+        std::fs::read_dir(sub)
+            .map(|entries| {
+                entries
+                    .filter_map(Result::ok)
+                    .any(|e| is_segment(&e.file_name()))
+            })
+            .unwrap_or(false)
     })
 }
 

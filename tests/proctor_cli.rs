@@ -336,6 +336,23 @@ fn a_directory_without_a_wal_is_an_error() {
     }
 }
 
+/// Pointed at a service's data directory rather than the log inside it, the command
+/// says where the log is.
+#[test]
+fn a_data_directory_with_its_log_below_names_where_the_log_is() {
+    let data = tempfile::tempdir().unwrap();
+    let wal = data.path().join("wal");
+    fs::create_dir(&wal).unwrap();
+    write_log(&wal);
+    let out = proctor(&["wal", "verify"], data.path());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(
+        err.contains("holds no WAL") && err.contains(&format!("{} holds one", wal.display())),
+        "{err}"
+    );
+}
+
 /// `procs` says in its summary line what state the log is in: sound, a torn tail the
 /// engine will truncate (exit 0: nothing acknowledged is lost), or corrupt (exit 1).
 #[test]
