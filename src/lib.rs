@@ -68,8 +68,8 @@ pub use crate::actors::{
     ExecutorBuilder, GetEngineStatus, GetLocks, GetSchedulerStats, GetState, GetTree, GetValue,
     List, ListPage, NonceRegistration, NonceReservation, Pause, ProcEvent, ProcInfo, ProcPage,
     RecentFailure, Recovery, ResetEvent, Role, Rollback, SchedulerStats, ShardLoad, Shutdown,
-    Submit, Subscribe, Subscription, TreeInfo, WaitFor, WaitValue, WaitingOn, WakeEvent,
-    WalOptions, WalStats, WalStore,
+    Submission, Submit, Subscribe, Subscription, TreeInfo, WaitFor, WaitValue, WaitingOn,
+    WakeEvent, WalOptions, WalStats, WalStore,
 };
 #[cfg(feature = "postgres")]
 pub use crate::actors::{Leadership, LeaseState, PgLease, PgOptions, PgStore};

@@ -39,6 +39,35 @@ async fn the_same_nonce_at_the_same_moment_runs_once() {
 }
 
 #[actix::test]
+async fn a_submission_with_a_nonce_is_the_same_submit() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, rec) = common::start(store, 4).await;
+        let nonce = Nonce::from_key("create-table t1");
+        // The builder and the method take the same nonce; `join!` takes the builders.
+        let (a, b) = tokio::join!(
+            executor
+                .submit(Scripted::new("p", vec![Step::More]))
+                .nonce(nonce),
+            executor.submit_with_nonce(Scripted::new("p", vec![Step::More]), nonce),
+        );
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a, b, "{name}");
+        assert_eq!(executor.wait(a).await.unwrap(), Ok(()));
+        let c = executor
+            .submit(Scripted::new("p", vec![Step::More]))
+            .nonce(nonce)
+            .await
+            .unwrap();
+        assert_eq!(c, a, "{name}");
+        assert_eq!(rec.count("p-exec"), 1, "{name}: {:?}", rec.calls());
+        // Without a nonce: another submission.
+        let other = executor.submit(Scripted::new("p", vec![])).await.unwrap();
+        assert_ne!(other, a, "{name}");
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+#[actix::test]
 async fn a_retry_after_a_restart_finds_the_procedure() {
     for name in common::STORES {
         let store = common::Reopen::new(name);

@@ -158,7 +158,22 @@ impl<E: Send + Sync + 'static> Executor<E> {
         self.front.leading().await
     }
 
-    /// Submits a root procedure; answers with its id once its insert is durable.
+    /// Submits a root procedure: `.await` it for the root's id, answered once its insert
+    /// is durable; [`Submission::nonce`] first makes the submit idempotent.
+    ///
+    /// ```no_run
+    /// # use proctor::{Context, Flow, Nonce, ProcError, Procedure};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct Noop;
+    /// # #[async_trait::async_trait] impl Procedure for Noop {
+    /// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+    /// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) } }
+    /// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+    /// let id = executor.submit(Noop).await?;
+    /// let key = Nonce::from_key("create-table t1"); // an Idempotency-Key, say
+    /// let again = executor.submit(Noop).nonce(key).await?;
+    /// assert_eq!(again, executor.submit(Noop).nonce(key).await?); // ran once
+    /// # let _ = id; Ok(()) }
+    /// ```
     ///
     /// # Errors
     ///
@@ -169,13 +184,11 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// type is not registered or its state does not serialize; [`Error::Invalid`] for a
     /// bad resource name in its locks or a panic in `locks`, `holds_lock` or
     /// `timeout_ms`.
-    pub async fn submit(&self, proc: impl Procedure<E>) -> Result<ProcId, Error> {
-        self.front
-            .actor()?
-            .send(Answered(Submit::new(proc)))
-            .await?
-            .get()
-            .await
+    pub fn submit(&self, proc: impl Procedure<E>) -> Submission<'_, E> {
+        Submission {
+            executor: self,
+            submit: Submit::new(proc),
+        }
     }
 
     /// Submits a boxed root procedure, as [`submit`](Self::submit) does: for code that
@@ -196,17 +209,16 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// # Errors
     ///
     /// As [`submit`](Self::submit).
-    pub async fn submit_boxed(&self, proc: Box<dyn Procedure<E>>) -> Result<ProcId, Error> {
-        self.front
-            .actor()?
-            .send(Answered(Submit::boxed(proc)))
-            .await?
-            .get()
-            .await
+    pub fn submit_boxed(&self, proc: Box<dyn Procedure<E>>) -> Submission<'_, E> {
+        Submission {
+            executor: self,
+            submit: Submit::boxed(proc),
+        }
     }
 
     /// Submits a root procedure at most once per `nonce`: a retry with the same nonce
     /// (concurrent, or after a restart) answers the first submit's id and runs nothing.
+    /// The same as `submit(proc).nonce(nonce)` ([`Submission::nonce`]).
     ///
     /// # Errors
     ///
@@ -697,5 +709,49 @@ impl futures_util::Stream for Subscription {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<ProcEvent>> {
         self.events.poll_recv(cx)
+    }
+}
+
+/// A submit on its way ([`Executor::submit`]): `.await` it for the root's id.
+#[must_use = "a submission does nothing until it is awaited"]
+pub struct Submission<'a, E: Send + Sync + 'static = ()> {
+    executor: &'a Executor<E>,
+    submit: Submit<E>,
+}
+
+impl<E: Send + Sync + 'static> std::fmt::Debug for Submission<'_, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Submission")
+            .field("submit", &self.submit)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E: Send + Sync + 'static> Submission<'_, E> {
+    /// Makes the submit idempotent: another submit with the same nonce — concurrent, or
+    /// after a restart — answers this one's id and runs nothing, for as long as the
+    /// procedure's result is kept. A retry that comes while the first submit is on its
+    /// way gets that submit's answer, error included; a failed submit frees the nonce.
+    pub fn nonce(mut self, nonce: Nonce) -> Self {
+        self.submit = self.submit.with_nonce(nonce);
+        self
+    }
+}
+
+impl<'a, E: Send + Sync + 'static> std::future::IntoFuture for Submission<'a, E> {
+    type Output = Result<ProcId, Error>;
+    type IntoFuture = futures_util::future::BoxFuture<'a, Result<ProcId, Error>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        let Submission { executor, submit } = self;
+        Box::pin(async move {
+            executor
+                .front
+                .actor()?
+                .send(Answered(submit))
+                .await?
+                .get()
+                .await
+        })
     }
 }
