@@ -18,8 +18,8 @@ use crate::actors::scheduler::{GetSchedulerStats, SchedulerStats};
 
 use super::actor::ExecutorActor;
 use super::api::{
-    Abort, AckResult, Answered, Bypass, Continue, GetState, List, Pause, ProcEvent, ProcInfo,
-    Rollback, Shutdown, Submit, SubscribeChannel, WaitFor, WaitValue,
+    Abort, AckResult, Answer, Answered, Bypass, Continue, GetState, List, Pause, ProcEvent,
+    ProcInfo, Rollback, Shutdown, Submit, SubscribeChannel, WaitFor, WaitValue,
 };
 use super::builder::ExecutorBuilder;
 use super::front::Front;
@@ -229,12 +229,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
         proc: impl Procedure<E>,
         nonce: Nonce,
     ) -> Result<ProcId, Error> {
-        self.front
-            .actor()?
-            .send(Answered(Submit::new(proc).with_nonce(nonce)))
-            .await?
-            .get()
-            .await
+        self.submit(proc).nonce(nonce).await
     }
 
     /// What this executor is to its store: [`Role::Alone`] without a leader lease,
@@ -391,12 +386,19 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// [`Error::Internal`] if the store fails or the engine breaks before the tree
     /// finishes; [`Error::Stopped`] if the executor stops first.
     pub async fn wait(&self, id: ProcId) -> Result<Result<(), Failure>, Error> {
-        self.front
-            .actor()?
-            .send(Answered(WaitFor(id)))
-            .await?
-            .get()
-            .await
+        self.answered(WaitFor(id)).await
+    }
+
+    /// Sends `msg` to the actor and awaits its answer on this task ([`Answered`]).
+    async fn answered<M, T>(&self, msg: M) -> Result<T, Error>
+    where
+        M: Send + 'static,
+        T: Send + 'static,
+        Answered<M>: Message<Result = Answer<T>>,
+        ExecutorActor<E>: Handler<Answered<M>>,
+        <ExecutorActor<E> as Actor>::Context: actix::dev::ToEnvelope<ExecutorActor<E>, Answered<M>>,
+    {
+        self.front.actor()?.send(Answered(msg)).await?.get().await
     }
 
     /// Waits like [`wait`](Self::wait) and returns the value a step of the root set
@@ -744,14 +746,6 @@ impl<'a, E: Send + Sync + 'static> std::future::IntoFuture for Submission<'a, E>
 
     fn into_future(self) -> Self::IntoFuture {
         let Submission { executor, submit } = self;
-        Box::pin(async move {
-            executor
-                .front
-                .actor()?
-                .send(Answered(submit))
-                .await?
-                .get()
-                .await
-        })
+        Box::pin(executor.answered(submit))
     }
 }

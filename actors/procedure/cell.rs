@@ -773,12 +773,19 @@ impl ProcedureCell {
     /// The object decoded again from its recorded state (`data`); `proc` itself if that
     /// fails, which is not expected: the state decoded (or was encoded) before.
     fn reloaded(&self, proc: DynProc) -> DynProc {
+        self.decode_recorded(&self.data).unwrap_or(proc)
+    }
+
+    /// The object decoded from `data`, a state it recorded; `None`, logged, if that
+    /// fails, which is not expected: the state decoded at least once, or was just
+    /// encoded.
+    fn decode_recorded(&self, data: &[u8]) -> Option<DynProc> {
         // The user's `Deserialize` runs here: a panic in it is caught like any other.
-        match decode_guarded(&self.shared.registry, self.type_name, &self.data) {
-            Ok(reloaded) => reloaded,
+        match decode_guarded(&self.shared.registry, self.type_name, data) {
+            Ok(proc) => Some(proc),
             Err(e) => {
                 tracing::error!(target: crate::targets::PROCEDURE, proc = %self.id, %e, "cannot reload the recorded state");
-                proc
+                None
             }
         }
     }
@@ -803,9 +810,6 @@ impl ProcedureCell {
         }
     }
 
-    /// The procedure's failed attempt is discarded (a failure policy retries or pauses
-    /// it): reload its object from `data`, the state now recorded. Before anything can
-    /// call it again.
     /// The procedure's latest state that encoded: its state as recorded, between calls.
     pub(crate) fn data(&self) -> &[u8] {
         &self.data

@@ -267,27 +267,8 @@ thread_local! {
 /// its shard's thread, as its actor would; the shard then keeps it passivated. `false`
 /// if engine code panicked: the runner is cut off, and its drop tells the executor.
 pub(crate) fn start_without_actor(runner: &mut TreeRunner, io: &Rc<RefCell<ShardIo>>) -> bool {
-    let mut leaves = Vec::new();
     let mut in_flight = 0;
-    let ran = catch_unwind(AssertUnwindSafe(|| {
-        let mut ctx = TreeCtx {
-            actor: None,
-            io,
-            in_flight: &mut in_flight,
-            leaves: &mut leaves,
-            stop: false,
-            result: None,
-        };
-        runner.started(&mut ctx);
-    }));
-    carry_out(
-        leaves,
-        &mut ShardSink {
-            io,
-            shared: runner.shared_ref(),
-        },
-    );
-    match ran {
+    match handle(runner, None, io, &mut in_flight, TreeRunner::started).ran {
         Ok(()) => true,
         Err(payload) => {
             let message = panic_message(&*payload);
@@ -295,6 +276,55 @@ pub(crate) fn start_without_actor(runner: &mut TreeRunner, io: &Rc<RefCell<Shard
             false
         }
     }
+}
+
+/// What one handling of a runner decided beyond its effects.
+struct Handled {
+    /// `Err`: engine code panicked, with this payload.
+    ran: std::thread::Result<()>,
+    stop: bool,
+    result: Option<TreeFinished>,
+}
+
+/// Calls `f` with `runner` and a context — its actor's, or none for a tree its shard
+/// starts ([`start_without_actor`]) — catching a panic in engine code, then carries out
+/// what leaves the shard, behind the outbox (whether or not the handling finished:
+/// what it decided before a panic happens, as it did when each effect was immediate).
+/// A result it published is for the actor to send as it stops; the outbox goes first.
+fn handle(
+    runner: &mut TreeRunner,
+    actor: Option<&mut Context<RootStackActor>>,
+    io: &Rc<RefCell<ShardIo>>,
+    in_flight: &mut u32,
+    f: impl FnOnce(&mut TreeRunner, &mut TreeCtx<'_>),
+) -> Handled {
+    let mut leaves = LEAVES.with_borrow_mut(std::mem::take);
+    let mut ctx = TreeCtx {
+        actor,
+        io,
+        in_flight,
+        leaves: &mut leaves,
+        stop: false,
+        result: None,
+    };
+    let ran = catch_unwind(AssertUnwindSafe(|| f(runner, &mut ctx)));
+    let (stop, result) = (ctx.stop, ctx.result);
+    let mut sink = ShardSink {
+        io,
+        shared: runner.shared_ref(),
+    };
+    carry_out(leaves.drain(..), &mut sink);
+    if result.is_some() {
+        // The result goes after everything the tree told (the locks its procedures
+        // released are free before anyone hears of it).
+        sink.send_outbox();
+    }
+    LEAVES.with_borrow_mut(|spare| {
+        if spare.capacity() < leaves.capacity() {
+            *spare = leaves;
+        }
+    });
+    Handled { ran, stop, result }
 }
 
 /// The root-stack actor (see the module docs).
@@ -342,34 +372,8 @@ impl RootStackActor {
         let Some(runner) = self.runner.as_mut() else {
             return;
         };
-        let mut leaves = LEAVES.with_borrow_mut(std::mem::take);
-        let mut tree_ctx = TreeCtx {
-            actor: Some(ctx),
-            io: &self.io,
-            in_flight: &mut self.in_flight,
-            leaves: &mut leaves,
-            stop: false,
-            result: None,
-        };
-        let ran = catch_unwind(AssertUnwindSafe(|| f(runner, &mut tree_ctx)));
-        let (stop, result) = (tree_ctx.stop, tree_ctx.result);
-        // Carried out whether or not the handling finished: what it decided before a
-        // panic in engine code happens, as it did when each effect was immediate.
-        let mut sink = ShardSink {
-            io: &self.io,
-            shared: runner.shared_ref(),
-        };
-        carry_out(leaves.drain(..), &mut sink);
-        if result.is_some() {
-            // The result goes after everything the tree told (the locks its
-            // procedures released are free before anyone hears of it).
-            sink.send_outbox();
-        }
-        LEAVES.with_borrow_mut(|spare| {
-            if spare.capacity() < leaves.capacity() {
-                *spare = leaves;
-            }
-        });
+        let Handled { ran, stop, result } =
+            handle(runner, Some(&mut *ctx), &self.io, &mut self.in_flight, f);
         match ran {
             Err(payload) => self.cut_off(&panic_message(&*payload), result, ctx),
             Ok(()) if stop => self.end(result, ctx),

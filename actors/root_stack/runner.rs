@@ -1,10 +1,10 @@
 //! The tree runner: one per procedure tree, held by its root-stack actor (and, while
 //! the tree is passivated, by its shard as a value), which hands it the tree's
-//! messages, its procedures' reports and its timers. It starts (`start.rs`), starts
-//! and supervises the actors of the tree's live procedures (`procs.rs`), keeps the
-//! cells of those that wait, and runs the pure [`RootStack`] bookkeeping: every event of the tree goes
-//! through it, its records are persisted, and only then are its actions performed, in
-//! the order the transitions were made.
+//! messages, its procedures' reports and its timers. It starts the tree (`start.rs`),
+//! starts and supervises the actors of the tree's live procedures (`procs.rs`), keeps
+//! the cells of those that wait, and runs the pure [`RootStack`] bookkeeping: every
+//! event of the tree goes through it, its records are persisted, and only then are its
+//! actions performed, in the order the transitions were made.
 //!
 //! The protocol rules it enforces (see `ARCHITECTURE.md`, "Protocol"):
 //! - it frees a step's worker (`StepFinished` to the scheduler) only after it has fed

@@ -4,7 +4,7 @@
 //! during a call waits in [`Pending`] and is settled when the call ends
 //! (`settle_pending`), so the user's object never sees two calls at once.
 
-use crate::actors::guard::{decode_guarded, guard};
+use crate::actors::guard::guard;
 use crate::actors::perturb;
 use crate::actors::protocol::{AbortAck, Deadline, FailRequest, Outbox, PauseNow, Report};
 use crate::actors::shared::now_ms;
@@ -225,6 +225,9 @@ impl ProcedureCell {
         self.pending().pause_next = true;
     }
 
+    /// The procedure's failed attempt is discarded (a failure policy retries or pauses
+    /// it): reload its object from `data`, the state now recorded. Before anything can
+    /// call it again.
     pub(crate) fn reset(&mut self, data: Vec<u8>, out: &mut Outbox) {
         // What its step returned was not taken: a `Done` the root stack refused (a
         // parent with children still running, a procedure at its most steps) failed
@@ -236,17 +239,10 @@ impl ProcedureCell {
         if self.cut_off() {
             return;
         }
-        // The user's `Deserialize` runs here: a panic in it is an error like any other.
-        match decode_guarded(&self.shared.registry, self.type_name, &data) {
-            Ok(proc) => {
-                self.proc = Some(proc);
-                self.data = data;
-            }
-            // Its recorded state decoded at least once (or it was just encoded), so
-            // this is not expected; keep the object as the failed attempt left it.
-            Err(e) => {
-                tracing::error!(target: crate::targets::PROCEDURE, proc = %self.id, %e, "cannot reload the recorded state")
-            }
+        // If it does not decode, the object stays as the failed attempt left it.
+        if let Some(proc) = self.decode_recorded(&data) {
+            self.proc = Some(proc);
+            self.data = data;
         }
         self.went_on(out);
     }
