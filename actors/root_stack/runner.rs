@@ -280,10 +280,7 @@ impl TreeRunner {
         }
         if self.pending.is_empty() {
             self.pending.release();
-            let cut_off: Vec<ProcId> = self.core.cut_off().collect();
-            for ack in self.rare.iter_mut().flat_map(|r| r.quiesce.drain(..)) {
-                ctx.leave(Leave::Quiesced(ack, Some(cut_off.clone())));
-            }
+            self.answer_quiesce(ctx);
         }
         // The initial transition is durable and performed: the tree has started.
         if self.performed > 0 {
@@ -295,6 +292,22 @@ impl TreeRunner {
                     ctx.leave(Leave::News(TreeNews::Submitted(self.core.root())));
                 }
             }
+        }
+    }
+
+    /// Answers a graceful shutdown's `Quiesce`s once the tree is settled: every record
+    /// durable, and every finished procedure's stop (its lock release and completion
+    /// cleanup, user code) done, so that a drained stop cuts off no cleanup.
+    fn answer_quiesce(&mut self, ctx: &mut TreeCtx<'_>) {
+        if !self.pending.is_empty() || self.leaving.is_some() {
+            return;
+        }
+        let Some(rare) = self.rare.as_mut().filter(|r| !r.quiesce.is_empty()) else {
+            return;
+        };
+        let cut_off: Vec<ProcId> = self.core.cut_off().collect();
+        for ack in rare.quiesce.drain(..) {
+            ctx.leave(Leave::Quiesced(ack, Some(cut_off.clone())));
         }
     }
 

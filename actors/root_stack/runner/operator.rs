@@ -44,10 +44,9 @@ impl TreeRunner {
     pub(super) fn on_quiesce(&mut self, msg: Quiesce, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() {
             ctx.leave(Leave::Quiesced(msg.0, None));
-        } else if self.pending.is_empty() {
-            ctx.leave(Leave::Quiesced(msg.0, Some(self.core.cut_off().collect())));
         } else {
             self.rare().quiesce.push(msg.0);
+            self.answer_quiesce(ctx);
         }
     }
 }

@@ -235,6 +235,7 @@ impl TreeRunner {
             FromProc::Stopped(id) => {
                 if self.leave(id).is_some() {
                     self.publish_result(ctx);
+                    self.answer_quiesce(ctx);
                 }
             }
             FromProc::Exited {
@@ -476,6 +477,7 @@ impl TreeRunner {
             tracing::error!(target: crate::targets::TREE, proc = %id, "a finished procedure's actor stopped before its cleanup ran");
             self.leave(id);
             self.publish_result(ctx);
+            self.answer_quiesce(ctx);
         }
     }
 
