@@ -803,16 +803,54 @@ fn failure_of(r: &ProcRecord) -> Option<String> {
 /// in field order (`to_vec`), binaries as arrays of bytes, extension types as
 /// `[type, bytes]`, integer map keys as strings. A state machine's state (the
 /// [`proctor::StateMachine`] wrapper: an array of the machine, its next state, its
-/// history as `[state, times]` runs and its cycles) gets those four names. `None` for
-/// no bytes (a bypassed procedure's record, or a failure recorded for a nonce).
+/// history as `[state, times]` runs and its cycles) gets those four names; a saga's
+/// journal (the [`proctor::Saga`] wrapper: `{"saga": .., "journal": [{"name": ..,
+/// "value": bytes}, ..]}`) shows each step's value decoded, as the step returned it.
+/// `None` for no bytes (a bypassed procedure's record, or a failure recorded for a
+/// nonce).
 fn decode_state(data: &[u8]) -> Option<Result<Value, String>> {
     if data.is_empty() {
         return None;
     }
+    Some(transcode(data).map(|v| decode_saga_journal(name_state_machine(v))))
+}
+
+/// MessagePack bytes as JSON, or why they do not decode.
+fn transcode(data: &[u8]) -> Result<Value, String> {
     let mut de = rmp_serde::Deserializer::from_read_ref(data);
-    let value = serde_transcode::transcode(&mut de, serde_json::value::Serializer)
-        .map_err(|e| format!("undecodable ({} bytes): {e}", data.len()));
-    Some(value.map(name_state_machine))
+    serde_transcode::transcode(&mut de, serde_json::value::Serializer)
+        .map_err(|e| format!("undecodable ({} bytes): {e}", data.len()))
+}
+
+/// `value` with a saga journal's step values decoded, if it has the saga wrapper's
+/// shape; a value that does not decode stays as its bytes.
+fn decode_saga_journal(mut value: Value) -> Value {
+    let Some(fields) = value.as_object_mut() else {
+        return value;
+    };
+    if fields.len() != 2 || !fields.contains_key("saga") {
+        return value;
+    }
+    let Some(Value::Array(journal)) = fields.get_mut("journal") else {
+        return value;
+    };
+    for entry in journal.iter_mut() {
+        let Some(entry) = entry.as_object_mut() else {
+            continue;
+        };
+        if !entry.get("name").is_some_and(Value::is_string) {
+            continue;
+        }
+        let bytes: Option<Vec<u8>> = entry.get("value").and_then(Value::as_array).and_then(|a| {
+            a.iter()
+                .map(|b| b.as_u64().and_then(|b| u8::try_from(b).ok()))
+                .collect()
+        });
+        if let Some(Ok(decoded)) = bytes.filter(|b| !b.is_empty()).map(|b| transcode(&b)) {
+            entry.insert("value".to_string(), decoded);
+        }
+    }
+    value
 }
 
 /// `value` with the state machine wrapper's fields named, if it has that wrapper's
@@ -1381,6 +1419,45 @@ mod tests {
             "{cut:?}"
         );
         assert_eq!(decode_state(&[]), None);
+    }
+
+    /// A saga's journal shows each step's value decoded; a value that does not decode
+    /// stays as its bytes, and a state of another shape is left alone.
+    #[test]
+    fn a_saga_journal_shows_its_step_values_decoded() {
+        #[derive(Serialize)]
+        struct Entry {
+            name: &'static str,
+            #[serde(with = "serde_bytes")]
+            value: Vec<u8>,
+        }
+        #[derive(Serialize)]
+        struct Wrapper {
+            saga: BTreeMap<String, u8>,
+            journal: Vec<Entry>,
+        }
+        let journal = vec![
+            Entry {
+                name: "reserve",
+                value: rmp_serde::to_vec_named(&BTreeMap::from([("slot", 7)])).unwrap(),
+            },
+            Entry {
+                name: "cut",
+                value: vec![0x92, 0x01],
+            },
+        ];
+        let data = rmp_serde::to_vec_named(&Wrapper {
+            saga: BTreeMap::from([("n".into(), 1)]),
+            journal,
+        })
+        .unwrap();
+        let expected = json!({
+            "saga": {"n": 1},
+            "journal": [{"name": "reserve", "value": {"slot": 7}}, {"name": "cut", "value": [146, 1]}],
+        });
+        assert_eq!(decode_state(&data), Some(Ok(expected)));
+        let other = rmp_serde::to_vec_named(&BTreeMap::from([("journal", vec![1u8])])).unwrap();
+        assert_eq!(decode_state(&other), Some(Ok(json!({"journal": [1]}))));
     }
 
     /// A state machine's stored wrapper shows its fields by name, the machine inside

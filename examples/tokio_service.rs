@@ -415,7 +415,19 @@ pub async fn run(dir: &Path) -> Result<Report, Box<dyn Error>> {
 }
 
 #[tokio::main]
-async fn main() -> Result<(), Box<dyn Error>> {
+async fn main() -> std::process::ExitCode {
+    // An error is shown by what it says (its `Display`): `main` returning a `Result`
+    // would print its `Debug` form (`Locked { file: .. }`).
+    match serve().await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("tokio_service: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn serve() -> Result<(), Box<dyn Error>> {
     let mut args = std::env::args().skip(1);
     let dir: Option<PathBuf> = match (args.next().as_deref(), args.next()) {
         (None, _) => None,

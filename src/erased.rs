@@ -83,6 +83,7 @@ pub(crate) trait ErasedProc: Send + 'static {
     fn rerun_after_recover(&self, event: &str) -> bool;
     fn completion_cleanup(&mut self, call: &Call);
     fn state_name(&self) -> Option<String>;
+    fn step_name(&self) -> Option<String>;
     fn is_yield_after_execution(&self) -> bool;
     fn timeout_ms(&self) -> Option<u64>;
     fn on_timeout(&mut self, call: &Call) -> OnTimeout;
@@ -202,6 +203,10 @@ impl<E: Send + Sync + 'static, H: Holder<E>> ErasedProc for Typed<E, H> {
 
     fn state_name(&self) -> Option<String> {
         self.proc.get().state_name()
+    }
+
+    fn step_name(&self) -> Option<String> {
+        self.proc.get().step_name()
     }
 
     fn is_yield_after_execution(&self) -> bool {

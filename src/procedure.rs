@@ -1392,6 +1392,15 @@ where
         None
     }
 
+    /// The name of what the next step runs, for its `step` span's `state` field (asked
+    /// before each step, only when that span is enabled). By default
+    /// [`state_name`](Self::state_name); [`StateMachine`](crate::StateMachine) gives the
+    /// state the step runs, where its `state_name` between steps also names the one
+    /// that ran last.
+    fn step_name(&self) -> Option<String> {
+        self.state_name()
+    }
+
     /// `true` to go behind the other queued procedures after each step instead of
     /// running the next step at once.
     fn is_yield_after_execution(&self) -> bool {

@@ -452,6 +452,10 @@ where
         })
     }
 
+    fn step_name(&self) -> Option<String> {
+        Some(format!("{:?}", self.current_state()))
+    }
+
     fn timeout_ms(&self) -> Option<u64> {
         self.machine.timeout_ms()
     }
@@ -640,7 +644,7 @@ mod tests {
     }
 
     #[test]
-    fn the_state_name_is_the_state_it_is_in_and_where_it_goes() {
+    fn the_state_name_is_where_it_is_and_goes_and_a_step_is_named_for_what_it_runs() {
         let mut sm = StateMachine::new(Machine::default());
         assert_eq!(
             sm.state_name().as_deref(),
@@ -650,6 +654,8 @@ mod tests {
         now(sm.execute(&mut ctx())).unwrap();
         // Between steps (waiting for children, say): in A, going to B.
         assert_eq!(sm.state_name().as_deref(), Some("A (next B)"));
+        // The next step runs B, and its span says so.
+        assert_eq!(sm.step_name().as_deref(), Some("B"));
     }
 
     #[test]

@@ -1253,3 +1253,67 @@ async fn procs_reads_a_postgresql_store_and_its_lease_beside_the_leader() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("holds no proctor store"), "{err}");
 }
+
+/// A saga's journal shows each step's value as the step returned it, not as the
+/// MessagePack bytes it is kept in.
+#[actix::test]
+async fn procs_shows_a_sagas_step_values_decoded() {
+    #[derive(serde::Deserialize, Serialize)]
+    struct AddNode;
+    #[derive(serde::Deserialize, Serialize)]
+    struct Slot {
+        node: String,
+        slot: u32,
+    }
+    #[proctor::async_trait]
+    impl proctor::SagaProcedure for AddNode {
+        type Output = u32;
+        async fn run(&self, ctx: &mut proctor::SagaContext<'_>) -> Result<u32, ProcError> {
+            let slot: Slot = ctx
+                .step(
+                    "reserve a slot",
+                    || async {
+                        Ok(Slot {
+                            node: "n1".into(),
+                            slot: 7,
+                        })
+                    },
+                    |_: proctor::Undoing<Slot>| async { Ok(()) },
+                )
+                .await?;
+            ctx.step(
+                "nothing",
+                || async { Ok(()) },
+                |_: proctor::Undoing<()>| async { Ok(()) },
+            )
+            .await?;
+            Ok(slot.slot)
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut registry = proctor::Registry::new();
+    registry.register_saga::<AddNode>("add_node");
+    let executor = proctor::Executor::builder()
+        .registry(registry)
+        .store(open_wal(dir.path()).unwrap())
+        .start()
+        .await
+        .unwrap();
+    let id = executor.submit(proctor::Saga::new(AddNode)).await.unwrap();
+    assert_eq!(executor.wait_value::<u32>(id).await.unwrap(), 7);
+    executor.shutdown().await.unwrap();
+
+    let out = proctor(&["procs", "--json"], dir.path());
+    let doc = json_doc(&out.stdout);
+    let journal = &doc["procedures"][0]["data"]["journal"];
+    assert_eq!(
+        journal[0],
+        serde_json::json!({"name": "reserve a slot", "value": {"node": "n1", "slot": 7}}),
+        "{doc}"
+    );
+    assert_eq!(
+        journal[1],
+        serde_json::json!({"name": "nothing", "value": null}),
+        "{doc}"
+    );
+}

@@ -594,7 +594,7 @@ impl ProcedureCell {
             state = tracing::field::Empty
         );
         if !span.is_disabled() {
-            if let Ok(Some(name)) = guard("state_name", || proc.state_name()) {
+            if let Ok(Some(name)) = guard("step_name", || proc.step_name()) {
                 span.record("state", name.as_str());
             }
         }

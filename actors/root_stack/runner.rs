@@ -88,6 +88,9 @@ struct Rare {
     quiesce: Vec<oneshot::Sender<Option<Vec<ProcId>>>>,
     /// When each procedure's actor was last started again (supervision's restarts).
     restarts: Restarts,
+    /// The tree's procedures below its root that have finished, successful and rolled
+    /// back, for the root's `procedure finished` line.
+    children_finished: [u32; 2],
 }
 
 /// The recent restarts of a tree's procedure actors, for the restart limit.
@@ -486,22 +489,41 @@ impl TreeRunner {
         self.arm_deadline(id, ctx);
     }
 
-    /// A procedure's final record is durable: one INFO line and its metrics. The
+    /// A procedure's final record is durable: its metrics and one line, at INFO for a
+    /// root (with how many procedures below it finished, which a tree of a thousand
+    /// children would otherwise log a line each for), at DEBUG for the others. The
     /// duration runs from its persisted submit time (so it spans restarts).
-    fn log_finished(&self, id: ProcId) {
+    fn log_finished(&mut self, id: ProcId) {
         let Some(e) = self.shared.table.get(&id) else {
             return;
         };
-        let (type_name, state) = (e.type_name, e.state);
+        let (type_name, state, parent, root) = (e.type_name, e.state, e.parent, e.root);
         let duration_ms = now_ms().saturating_sub(e.submitted_ms);
+        drop(e);
         self.shared.metrics.finished(type_name, state, duration_ms);
+        if id != self.core.root() {
+            let rolled_back = usize::from(state != ProcState::Success);
+            self.rare().children_finished[rolled_back] += 1;
+            tracing::debug!(target: crate::targets::TREE,
+                id = id.0,
+                parent = parent.map(|p| p.0),
+                root = root.0,
+                r#type = %type_name,
+                outcome = %state,
+                duration_ms,
+                "procedure finished"
+            );
+            return;
+        }
+        let [children, children_rolled_back] =
+            self.rare.as_ref().map_or([0, 0], |r| r.children_finished);
         tracing::info!(target: crate::targets::TREE,
             id = id.0,
-            parent = e.parent.map(|p| p.0),
-            root = e.root.0,
             r#type = %type_name,
             outcome = %state,
             duration_ms,
+            children = children + children_rolled_back,
+            children_rolled_back,
             "procedure finished"
         );
     }

@@ -211,7 +211,7 @@ impl Procedure<Cluster> for AssignRegion {
 }
 
 #[actix::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+async fn main() -> std::process::ExitCode {
     // The engine logs through `tracing`; this shows it on stderr as `RUST_LOG` says
     // (nothing but errors when it is unset), leaving stdout to the program.
     tracing_subscriber::fmt()
@@ -219,7 +219,15 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    run(std::io::stdout()).await
+    // An error is shown by what it says (its `Display`), as `main`'s `Result` would
+    // show its `Debug` form: `Locked { file: .. }` rather than what to do about it.
+    match run(std::io::stdout()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("quickstart: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
 }
 
 /// Creates the table, writing what happens to `out` (the package's test gives it an
