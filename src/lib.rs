@@ -84,7 +84,8 @@ pub use crate::procedure::{
 };
 pub use crate::ready_queue::Scheduling;
 pub use crate::record::{Failure, Nonce, Paused};
-pub use crate::recovery::CorruptProc;
+#[doc(inline)]
+pub use crate::ops::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
 pub use crate::remote::{BatchRules, OpId, RemoteError, RemoteResult, REMOTE_CALL};
 pub use crate::saga::{Saga, SagaContext, SagaProcedure, Undoing};
