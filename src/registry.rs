@@ -321,14 +321,27 @@ impl Types {
         self.decoders.get_key_value(name).map(|(k, _)| *k)
     }
 
-    /// The registered name of a live procedure and its encoded state.
+    /// The registered name of a live procedure and its encoded state. The encoder
+    /// writes into a buffer of the thread's, so the state costs one allocation of its
+    /// exact size rather than a growing `Vec`'s several (four for a 50-byte state).
     pub(crate) fn encode(
         &self,
         proc: &dyn ErasedProc,
     ) -> Result<(&'static str, Vec<u8>), RegistryError> {
-        let mut bytes = Vec::new();
-        let name = self.encode_into(proc, &mut bytes)?;
-        Ok((name, bytes))
+        /// A buffer grown past this is not kept for the thread's life.
+        const KEEP: usize = 1 << 20;
+        thread_local! {
+            static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+        }
+        SCRATCH.with_borrow_mut(|buf| {
+            buf.clear();
+            let name = self.encode_into(proc, buf);
+            let bytes = buf.to_vec();
+            if buf.capacity() > KEEP {
+                *buf = Vec::new();
+            }
+            Ok((name?, bytes))
+        })
     }
 
     /// [`Types::encode`], the state appended to `out` (a buffer the caller reuses).
