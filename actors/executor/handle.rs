@@ -177,7 +177,8 @@ impl<E: Send + Sync + 'static> Executor<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::Stopped`] once a shutdown has begun; [`Error::Store`] or
+    /// [`Error::NonceConflict`] for a nonce already used for another procedure or
+    /// other arguments; [`Error::Stopped`] once a shutdown has begun; [`Error::Store`] or
     /// [`Error::Internal`] once the store has failed or the engine broke (this insert's
     /// failure included); [`Error::Overloaded`] at
     /// [`ExecutorBuilder::max_unfinished`] unfinished roots; [`Error::Registry`] if its
@@ -217,13 +218,16 @@ impl<E: Send + Sync + 'static> Executor<E> {
     }
 
     /// Submits a root procedure at most once per `nonce`: a retry with the same nonce
-    /// (concurrent, or after a restart) answers the first submit's id and runs nothing.
-    /// The same as `submit(proc).nonce(nonce)` ([`Submission::nonce`]).
+    /// and the same procedure (concurrent, or after a restart) answers the first
+    /// submit's id and runs nothing. The same as `submit(proc).nonce(nonce)`
+    /// ([`Submission::nonce`]).
     ///
     /// # Errors
     ///
-    /// As [`submit`](Self::submit). A retry that comes while the first submit is on its
-    /// way gets that submit's answer, error included; a failed submit frees the nonce.
+    /// As [`submit`](Self::submit): [`Error::NonceConflict`] if the nonce was used for
+    /// another procedure or other arguments. A retry that comes while the first submit
+    /// is on its way gets that submit's answer, error included; a failed submit frees
+    /// the nonce.
     pub async fn submit_with_nonce(
         &self,
         proc: impl Procedure<E>,
@@ -248,7 +252,8 @@ impl<E: Send + Sync + 'static> Executor<E> {
 
     /// Reserves `nonce` before the procedure is built (HBase's `registerNonce`):
     /// [`NonceRegistration::Known`] with the procedure a request with this nonce
-    /// created (submitted, or a failure recorded for it), or
+    /// created (submitted, or a failure recorded for it; a registration carries no
+    /// procedure, so it is never a conflict), or
     /// [`NonceRegistration::Reserved`] — the caller holds the nonce, and every other
     /// request with it waits until the caller submits, records a failure or lets go
     /// (see [`NonceReservation`]). Waits itself while another request holds the nonce.
@@ -730,10 +735,36 @@ impl<E: Send + Sync + 'static> std::fmt::Debug for Submission<'_, E> {
 }
 
 impl<E: Send + Sync + 'static> Submission<'_, E> {
-    /// Makes the submit idempotent: another submit with the same nonce — concurrent, or
-    /// after a restart — answers this one's id and runs nothing, for as long as the
-    /// procedure's result is kept. A retry that comes while the first submit is on its
-    /// way gets that submit's answer, error included; a failed submit frees the nonce.
+    /// Makes the submit idempotent: another submit with the same nonce and the same
+    /// procedure — its registered type and its initial state, as encoded — concurrent
+    /// or after a restart, answers this one's id and runs nothing, for as long as the
+    /// nonce is remembered ([`ExecutorBuilder::nonce_retention`]). A submit with the
+    /// same nonce and another procedure or other arguments is refused with
+    /// [`Error::NonceConflict`]: a nonce names one submission, and a new request needs
+    /// a new one. A retry that comes while the first submit is on its way gets that
+    /// submit's answer (or the conflict with it), error included; a failed submit frees
+    /// the nonce.
+    ///
+    /// The state is compared as it encodes: a field whose encoding depends on more
+    /// than its value (a `HashMap`, whose order changes from process to process) can
+    /// make a retry look like other arguments; use a `BTreeMap`.
+    ///
+    /// ```no_run
+    /// # use proctor::{Context, Flow, ProcError, Procedure};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct CreateTable { name: String }
+    /// # #[async_trait::async_trait] impl Procedure for CreateTable {
+    /// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+    /// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) } }
+    /// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+    /// use proctor::{Error, Nonce};
+    /// let key = Nonce::from_key("req-7");
+    /// let users = || CreateTable { name: "users".into() };
+    /// let id = executor.submit(users()).nonce(key).await?;
+    /// assert_eq!(executor.submit(users()).nonce(key).await?, id); // a retry
+    /// let other = executor.submit(CreateTable { name: "orders".into() }).nonce(key).await;
+    /// assert!(matches!(other, Err(Error::NonceConflict { existing, .. }) if existing == id));
+    /// # Ok(()) }
+    /// ```
     pub fn nonce(mut self, nonce: Nonce) -> Self {
         self.submit = self.submit.with_nonce(nonce);
         self
