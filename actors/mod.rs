@@ -29,8 +29,8 @@ pub use executor::{
     Abort, AckResult, Bypass, Continue, EngineStatus, Executor, ExecutorActor, ExecutorBuilder,
     GetEngineStatus, GetLocks, GetState, GetTree, GetValue, List, ListPage, NonceRegistration,
     NonceReservation, Pause, ProcEvent, ProcInfo, ProcPage, RecentFailure, Recovery, Role,
-    Rollback, Shutdown, Submission, Submit, Subscribe, Subscription, TreeInfo, WaitFor, WaitValue,
-    WaitingOn,
+    Rollback, Shutdown, Submission, Submit, Submitted, Subscribe, Subscription, TreeInfo, WaitFor,
+    WaitValue, WaitingOn,
 };
 pub use locks::{ResetEvent, WakeEvent};
 #[cfg(feature = "postgres")]

@@ -76,6 +76,7 @@ fn record(id: u64, version: u8) -> ProcRecord {
         result: None,
         bypassed: false,
         steering: Default::default(),
+        nonce_fingerprint: None,
     }
 }
 

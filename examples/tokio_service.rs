@@ -11,7 +11,8 @@
 //! 1. starting the engine on a WAL directory and subscribing to its events (every root
 //!    submitted and finished is pushed to a task: no polling);
 //! 2. `CreateTable`, a state machine with one child per region, whose last step sets a
-//!    typed result that the caller gets back with `wait_value::<TableInfo>`;
+//!    result of the type it declares (`ProducesOutput`), which its caller gets back
+//!    typed: a `typed()` submit answers a `Submitted<TableInfo>`;
 //! 3. a request whose step fails through `?` on a std error (a region count that does
 //!    not parse): the tree rolls back and the caller gets the error's message and type;
 //!    and a second create of an existing table, which fails and rolls back without
@@ -31,7 +32,8 @@ use std::time::{Duration, Instant};
 
 use proctor::{
     async_trait, ChildType, Context, Executor, Failure, Flow, Lock, ProcError, ProcEvent, ProcId,
-    ProcState, Procedure, Registry, StateContext, StateMachine, StateMachineProcedure, WalStore,
+    ProcState, Procedure, ProducesOutput, Registry, StateContext, StateMachine,
+    StateMachineProcedure, WalStore,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
@@ -54,7 +56,7 @@ struct Table {
     regions: Vec<String>,
 }
 
-/// The typed result of `CreateTable`, handed to the caller by `wait_value`.
+/// The typed result of `CreateTable`, handed to its caller by `Submitted::wait`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct TableInfo {
     pub name: String,
@@ -75,6 +77,11 @@ enum CreateTableState {
 struct CreateTable {
     table: String,
     regions: String,
+}
+
+/// What its last step sets (`ctx.set_result`), and its caller gets.
+impl ProducesOutput for CreateTable {
+    type Output = TableInfo;
 }
 
 #[async_trait]
@@ -322,16 +329,17 @@ pub async fn run(dir: &Path) -> Result<Report, Box<dyn Error>> {
     });
 
     // 2. A procedure with a typed result.
-    let id = executor
+    let created = executor
         .submit(StateMachine::new(CreateTable {
             table: "users".into(),
             regions: "3".into(),
         }))
+        .typed()
         .await?;
+    let id = created.id();
     println!("submitted create_table {id}");
-    // The value, or why there is none: `WaitError` tells a rollback (with its
-    // `Failure`), no value set, an id no longer known and an engine error apart.
-    let table: TableInfo = executor.wait_value(id).await?;
+    // Its declared output, a `TableInfo`, or the tree's `Failure` if it rolled back.
+    let table = created.wait().await??;
     println!("create_table {id} returned {table:?}");
 
     // 3. A step that fails through `?`: the caller sees the std error's message.

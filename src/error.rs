@@ -1,6 +1,7 @@
 //! [`Error`]: what the executor's API answers when it cannot do what was asked.
 
 use crate::procedure::{ProcId, ProcState};
+use crate::record::Nonce;
 use crate::registry::RegistryError;
 use crate::store::StoreError;
 
@@ -106,6 +107,18 @@ pub enum Error {
         /// The lease's holder as this executor last saw it, if any.
         leader: Option<String>,
     },
+    /// A submit named a nonce already used for another submission: a procedure of
+    /// another type, or with other arguments (another initial state), than `existing`
+    /// was submitted with. Nothing was submitted. A retry of a request submits the same
+    /// procedure with the same arguments (and gets `existing`'s id); a new request
+    /// needs a new nonce.
+    #[error("nonce {}:{} was used for procedure {existing}, submitted with another procedure type or other arguments than this submit's: a retry submits the same procedure with the same arguments, a new request needs a new nonce", .nonce.group, .nonce.nonce)]
+    NonceConflict {
+        /// The nonce.
+        nonce: Nonce,
+        /// The root the nonce was first used for.
+        existing: ProcId,
+    },
 }
 
 /// `NotLeader`'s pointer to the leader.
@@ -157,6 +170,10 @@ impl Error {
                 leader: leader.clone(),
             },
             Error::Registry(e) => Error::Config(e.to_string()),
+            Error::NonceConflict { nonce, existing } => Error::NonceConflict {
+                nonce: *nonce,
+                existing: *existing,
+            },
         }
     }
 }

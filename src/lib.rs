@@ -18,6 +18,7 @@ mod events;
 mod fast_map;
 mod locks;
 mod mlfq;
+mod output;
 mod policy;
 mod procedure;
 mod ready_queue;
@@ -68,8 +69,8 @@ pub use crate::actors::{
     ExecutorBuilder, GetEngineStatus, GetLocks, GetSchedulerStats, GetState, GetTree, GetValue,
     List, ListPage, NonceRegistration, NonceReservation, Pause, ProcEvent, ProcInfo, ProcPage,
     RecentFailure, Recovery, ResetEvent, Role, Rollback, SchedulerStats, ShardLoad, Shutdown,
-    Submission, Submit, Subscribe, Subscription, TreeInfo, WaitFor, WaitValue, WaitingOn,
-    WakeEvent, WalOptions, WalStats, WalStore,
+    Submission, Submit, Submitted, Subscribe, Subscription, TreeInfo, WaitFor, WaitValue,
+    WaitingOn, WakeEvent, WalOptions, WalStats, WalStore,
 };
 #[cfg(feature = "postgres")]
 pub use crate::actors::{Leadership, LeaseState, PgLease, PgOptions, PgStore};
@@ -78,6 +79,7 @@ pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};
 pub use crate::error::{Error, WaitError};
 pub use crate::locks::{Lock, LockClaim, LockCycle, LockMode, LockReport, ResourceLocks, WaitEdge};
+pub use crate::output::ProducesOutput;
 pub use crate::procedure::{
     ChildType, Context, EncodeState, FailurePolicy, Flow, LockState, OnTimeout, ProcError, ProcId,
     ProcState, Procedure, Undo, UnknownState,

@@ -8,6 +8,7 @@
 
 use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::num::NonZeroU32;
 
 use serde::{Deserialize, Serialize};
 
@@ -28,9 +29,10 @@ pub struct Failure {
 }
 
 /// A client's key for one submission (HBase's `NonceKey`): a second submit with the
-/// same nonce, at the same moment or after a restart, gets the first one's id and runs
-/// nothing. `group` separates clients (say, one per client process), `nonce` their
-/// requests.
+/// same nonce and the same procedure, at the same moment or after a restart, gets the
+/// first one's id and runs nothing; one with another procedure or other arguments is
+/// refused ([`Error::NonceConflict`](crate::Error::NonceConflict)). `group` separates
+/// clients (say, one per client process), `nonce` their requests.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Nonce {
     /// The client's group.
@@ -135,6 +137,42 @@ pub struct ProcRecord {
     /// its point of no return. Defaulted, last.
     #[serde(default)]
     pub steering: Steering,
+    /// For a root submitted with a nonce: the fingerprint of what was submitted (its
+    /// registered type name and its initial state), so that a later submit with the
+    /// same nonce but another procedure or other arguments is refused
+    /// ([`Error::NonceConflict`](crate::Error::NonceConflict)). `None` for a record
+    /// without a nonce, a failure recorded for a reserved nonce, and records written
+    /// before it existed: a nonce without a fingerprint is never a conflict.
+    /// Defaulted, last.
+    #[serde(default)]
+    pub nonce_fingerprint: Option<NonZeroU32>,
+}
+
+/// A root's nonce as the engine carries it from its submit to the root's records: with
+/// the fingerprint of the submission ([`ProcRecord::nonce_fingerprint`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RootNonce {
+    /// The nonce.
+    pub nonce: Nonce,
+    /// What was submitted with it, if known (see [`fingerprint`]).
+    pub fingerprint: Option<NonZeroU32>,
+}
+
+/// The fingerprint of a submission: the CRC-32C (Castagnoli) of the length of its
+/// registered type name (8 bytes, little-endian), the name's UTF-8 bytes and its
+/// encoded initial state, a zero CRC taken as `u32::MAX` (so that it is never zero
+/// and an `Option` of it takes no more room than the `u32`). Persisted with the
+/// root's nonce, so the function is fixed: the same procedure with the same arguments
+/// gives the same fingerprint in every version, on every platform and in every
+/// process. Arguments that differ in a run of up to 32 bits always give another
+/// fingerprint (a property of the CRC); others share one with a probability of about
+/// 2^-32, and are then taken for the same submission, as every submission with a
+/// nonce was before fingerprints.
+pub(crate) fn fingerprint(type_name: &str, state: &[u8]) -> NonZeroU32 {
+    let len = (type_name.len() as u64).to_le_bytes();
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&len), type_name.as_bytes());
+    let crc = crc32c::crc32c_append(crc, state);
+    NonZeroU32::new(crc).unwrap_or(NonZeroU32::MAX)
 }
 
 /// What failure policies and operators did to a procedure (see
@@ -307,6 +345,29 @@ mod tests {
         }
     }
 
+    /// `fingerprint` is persisted and must never change: it is CRC-32C (its check
+    /// value) of the name's length, the name and the state, never zero, and one
+    /// fingerprint of our own stays what it was.
+    #[test]
+    fn a_submissions_fingerprint_is_the_same_in_every_version() {
+        assert_eq!(crc32c::crc32c(b"123456789"), 0xe306_9283);
+        let crc = |bytes: &[u8]| NonZeroU32::new(crc32c::crc32c(bytes)).unwrap();
+        assert_eq!(
+            fingerprint("", b"123456789"),
+            crc(&[&[0; 8][..], b"123456789"].concat())
+        );
+        assert_eq!(
+            fingerprint("create_table", &[0x81, 0xa1, 0x74, 0x01]).get(),
+            FIXED
+        );
+        // The name and the state are told apart: moving a byte from one to the other
+        // is another fingerprint.
+        assert_ne!(fingerprint("ab", b"c"), fingerprint("a", b"bc"));
+    }
+
+    /// `fingerprint("create_table", {t: 1})`, as the first version computed it.
+    const FIXED: u32 = 0x5fcc_7a27;
+
     fn record(stack: Vec<u32>) -> ProcRecord {
         ProcRecord {
             id: ProcId(2),
@@ -328,6 +389,7 @@ mod tests {
             result: None,
             bypassed: false,
             steering: Default::default(),
+            nonce_fingerprint: None,
         }
     }
 
@@ -402,7 +464,11 @@ mod tests {
     fn a_record_stays_small() {
         // Recovery moves every record several times, and the memory store keeps one per
         // procedure: the rare fields (a failure) are boxed. 400 bytes before.
-        assert!(std::mem::size_of::<ProcRecord>() <= 304);
+        assert!(
+            std::mem::size_of::<ProcRecord>() <= 304,
+            "{}",
+            std::mem::size_of::<ProcRecord>()
+        );
         assert!(std::mem::size_of::<StoreOp>() <= 312);
     }
 

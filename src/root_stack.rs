@@ -24,7 +24,9 @@ use crate::locks::{LockClaim, Request};
 use crate::policy::{decide, Decision};
 use crate::procedure::{FailurePolicy, Undo};
 use crate::procedure::{ProcError, ProcId, ProcState};
-use crate::record::{Failure, Nonce, Paused, ProcRecord, Steering, StoreOp, MAX_RECORDED_STEPS};
+use crate::record::{
+    Failure, Paused, ProcRecord, RootNonce, Steering, StoreOp, MAX_RECORDED_STEPS,
+};
 
 mod operator;
 mod recover;
@@ -89,8 +91,8 @@ pub struct NewChild {
     pub locks: Option<LockClaim>,
     /// When its timeout expires (ms since the Unix epoch), if it has one.
     pub deadline_ms: Option<u64>,
-    /// For a root: the nonce it was submitted with.
-    pub nonce: Option<Nonce>,
+    /// For a root: the nonce it was submitted with, and its submission's fingerprint.
+    pub nonce: Option<RootNonce>,
 }
 
 /// A step's report: which procedure, what came of it, and its state after the step.
@@ -365,7 +367,7 @@ struct Node {
 struct NodeExtra {
     failure_seq: Option<u64>,
     rollback_attempts: u32,
-    nonce: Option<Nonce>,
+    nonce: Option<RootNonce>,
     result: Option<Vec<u8>>,
     /// For a PAUSED or ROLLBACK_PAUSED procedure: its state as last recorded, written
     /// again when an operator continues or rolls it back.
@@ -1429,10 +1431,11 @@ impl RootStack {
             data,
             locks: node.locks.as_deref().cloned(),
             deadline_ms: node.deadline_ms,
-            nonce: node.extra.as_ref().and_then(|e| e.nonce),
+            nonce: node.extra.as_ref().and_then(|e| e.nonce).map(|n| n.nonce),
             result: node.extra.as_ref().and_then(|e| e.result.clone()),
             bypassed: node.bypassed,
             steering: node.steering.clone(),
+            nonce_fingerprint: node.extra.as_ref().and_then(|e| e.nonce?.fingerprint),
         }
     }
 }

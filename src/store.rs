@@ -561,6 +561,7 @@ mod tests {
             result: None,
             bypassed: false,
             steering: Default::default(),
+            nonce_fingerprint: None,
         }
     }
 

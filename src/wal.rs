@@ -2,7 +2,7 @@
 //! a torn tail from corruption. Pure: bytes (or a reader) in, values out. The file
 //! handling lives in `actors/wal_store/`; the `proctor` command reads logs through it.
 //!
-//! # Format (version 4; versions 2 and 3 are read too)
+//! # Format (version 6; versions 2 to 5 are read too)
 //!
 //! A WAL is a directory of segment files named `{seq:020}.wal` (exactly twenty decimal
 //! digits), `seq` counting up from 1 with no gaps: segments are only ever deleted oldest
@@ -36,6 +36,9 @@
 //! added the start frame; a start frame in a segment of an older version is corruption.
 //! Version 5 added the sixth field of a record's steering, `failed_step` (a step's
 //! undo as one byte: 0 completed, 1 failed, 2 interrupted); older records read as 0.
+//! Version 6 added a record's twentieth field, `nonce_fingerprint` (nil, or the
+//! fingerprint of a root's submission with a nonce); older records have nineteen and
+//! read as nil.
 //! A log may hold segments of several versions: a store appends only to a segment of
 //! its own version, so opening a log whose newest segment is older rolls to a new one
 //! first (and an older build refuses that segment by its header).
@@ -156,11 +159,12 @@ use crate::store::LastStop;
 /// The first eight bytes of every segment.
 pub const MAGIC: [u8; 8] = *b"PRCTRWAL";
 /// The format version this code writes. It reads this one down to [`OLDEST_READ`]:
-/// format 5 added a field to a record's steering (`failed_step`), which older records
+/// format 6 added a record's last field (`nonce_fingerprint`), which older records lack
+/// and read as `None`; format 5 added a field to a record's steering (`failed_step`), which older records
 /// lack and read as [`Undo::Completed`](crate::Undo::Completed); format 4 added the start frame ([`FrameKind::Start`]);
 /// format 3 added a field to a record's steering (`wakes_per_child`), which format 2
 /// records lack and read as `false`.
-pub const VERSION: u16 = 5;
+pub const VERSION: u16 = 6;
 /// The oldest format version this code reads.
 pub const OLDEST_READ: u16 = 2;
 /// The first format version with start frames: a log whose oldest segment is older
@@ -939,7 +943,9 @@ fn index_op_fast(bytes: &[u8], at: usize) -> Option<(OpKind, ProcId, ProcId, usi
 
 /// How many fields a record has in the form the writer uses (the positional array of
 /// [`ProcRecord`]'s fields).
-const RECORD_FIELDS: u64 = 19;
+const RECORD_FIELDS: u64 = 20;
+/// How many fields a record of formats 2 to 5 has: all but `nonce_fingerprint`.
+const RECORD_FIELDS_5: u64 = 19;
 
 /// A [`Steering`] with nothing in it, as serde writes it: retries 0, not paused, not
 /// irreversible, not dirty, not woken per child, no failed step.
@@ -978,7 +984,7 @@ pub fn encode_op(op: &StoreOp, out: &mut Vec<u8>) -> Result<(), rmp_serde::encod
     }
 }
 
-/// A record's 19 fields (see [`encode_op`]).
+/// A record's 20 fields (see [`encode_op`]).
 fn put_record(out: &mut Vec<u8>, r: &ProcRecord) -> Result<(), rmp_serde::encode::Error> {
     use rmp_serde::encode::write as serde;
     put_array_len(out, RECORD_FIELDS as usize)?;
@@ -1023,6 +1029,7 @@ fn put_record(out: &mut Vec<u8>, r: &ProcRecord) -> Result<(), rmp_serde::encode
     } else {
         serde(out, &r.steering)?;
     }
+    put_opt_uint(out, r.nonce_fingerprint.map(|f| u64::from(f.get())));
     Ok(())
 }
 
@@ -1159,7 +1166,8 @@ fn state_encodings() -> &'static [(Vec<u8>, ProcState)] {
 impl MsgReader<'_> {
     /// A record in the writer's form (see [`decode_op_fast`]).
     fn record(&mut self) -> Option<ProcRecord> {
-        if self.array_len()? != RECORD_FIELDS {
+        let fields = self.array_len()?;
+        if fields != RECORD_FIELDS && fields != RECORD_FIELDS_5 {
             return None;
         }
         Some(ProcRecord {
@@ -1182,6 +1190,11 @@ impl MsgReader<'_> {
             result: self.nil_or(Self::bin)?,
             bypassed: self.bool()?,
             steering: self.steering()?,
+            nonce_fingerprint: if fields == RECORD_FIELDS {
+                self.nil_or(Self::non_zero_u32)?
+            } else {
+                None
+            },
         })
     }
 
@@ -1254,6 +1267,11 @@ impl MsgReader<'_> {
         });
         let indexes = crate::record::expand_stack_runs(pairs).ok()?;
         (!unread).then_some(indexes)
+    }
+
+    /// A `u32` that is not zero.
+    fn non_zero_u32(&mut self) -> Option<std::num::NonZeroU32> {
+        std::num::NonZeroU32::new(u32::try_from(self.uint()?).ok()?)
     }
 
     /// One `(first, count)` run of [`stack_runs`](Self::stack_runs).
@@ -1954,6 +1972,7 @@ mod tests {
             result: None,
             bypassed: false,
             steering: Default::default(),
+            nonce_fingerprint: None,
         }
     }
 
@@ -2421,6 +2440,11 @@ mod tests {
                         group: id,
                         nonce: u64::from(retries),
                     });
+                    // Nil, small and large fingerprints.
+                    r.nonce_fingerprint = std::num::NonZeroU32::new(match when {
+                        Some(when) if fail => when as u32,
+                        _ => retries,
+                    });
                     r.locks = lock.then(|| crate::locks::LockClaim {
                         locks: vec![crate::Lock::exclusive("t/1"), crate::Lock::shared("t")],
                         for_life: fail,
@@ -2468,14 +2492,15 @@ mod tests {
     }
 
     proptest! {
-        /// A record of format 2 (a steering of four fields) or of formats 3 and 4 (five)
-        /// reads as it was, not woken per child and with no failed step, through both
-        /// decoders; so does a format 2 segment header.
+        /// A record of format 2 (a steering of four fields), of formats 3 and 4 (five)
+        /// or of format 5 (six, and no nonce fingerprint) reads as it was, not woken
+        /// per child, with no failed step and no fingerprint, through both decoders; so
+        /// does a format 2 segment header.
         #[test]
-        fn format_2_to_4_records_and_headers_still_read(
+        fn format_2_to_5_records_and_headers_still_read(
             op in arb_rich_op(),
             retries in 0u32..3,
-            dropped in 1usize..=2,
+            dropped in 0usize..=2,
         ) {
             let mut op = op;
             let (StoreOp::Insert(r) | StoreOp::Update(r)) = &mut op else {
@@ -2483,9 +2508,15 @@ mod tests {
             };
             r.steering = Steering::default();
             r.steering.retries = retries;
+            r.nonce_fingerprint = None;
             let mut bytes = rmp_serde::to_vec(&op).unwrap();
-            // The steering is the record's last field: [0x96, retries, nil, false,
-            // false, false, 0] becomes format 3's [0x95, retries, nil, false, false,
+            // Without format 6's last field (nil): a record of 19 fields, as formats
+            // 2 to 5 wrote it (the op's map and tag, then the record's array16).
+            prop_assert_eq!(bytes.pop(), Some(0xc0));
+            prop_assert_eq!(&bytes[8..11], &[0xdc, 0, 20]);
+            bytes[10] = 19;
+            // The steering is then the record's last field: format 5's [0x96, retries,
+            // nil, false, false, false, 0] becomes format 3's [0x95, retries, nil, false, false,
             // false] and format 2's [0x94, retries, nil, false, false].
             let at = bytes.len() - 7;
             prop_assert_eq!(bytes[at], 0x96);
@@ -2503,7 +2534,7 @@ mod tests {
             let crc = crc32c::crc32c(&h[0..36]);
             h[36..40].copy_from_slice(&crc.to_le_bytes());
             let e = parse_segment_header(&h).unwrap_err().to_string();
-            prop_assert!(e.contains("format version 6, this build reads 2 to 5"), "{}", e);
+            prop_assert!(e.contains("format version 7, this build reads 2 to 6"), "{}", e);
         }
 
         /// The direct decoder reads every op the writer writes, exactly as serde does;

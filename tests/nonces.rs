@@ -1,13 +1,29 @@
-//! Nonces through the executor, on both stores: two submits with the same nonce at the
+//! Nonces through the executor, on every store: two submits with the same nonce at the
 //! same moment get one id and run once; after a restart a retry finds the procedure,
-//! finished or not; another group's nonce is another submission; a nonce reserved
-//! before its procedure is built makes retries wait for its submit, its recorded
-//! failure, or its release.
+//! finished or not; another group's nonce is another submission; a nonce reused with
+//! another procedure or other arguments is a conflict, before and after a restart, and
+//! runs nothing; a nonce reserved before its procedure is built makes retries wait for
+//! its submit, its recorded failure, or its release.
 
 mod common;
 
-use common::{Scripted, Step};
-use proctor::{Error, Nonce, NonceRegistration, ProcError, ProcState};
+use common::{Adder, Recorder, Scripted, Step};
+use proctor::store::StoreOp;
+use proctor::{Error, Nonce, NonceRegistration, ProcError, ProcId, ProcState, StateMachine};
+
+/// The id a conflict names, or a panic saying what came instead.
+fn conflict(answer: Result<ProcId, Error>, nonce: Nonce, what: &str) -> ProcId {
+    match answer {
+        Err(Error::NonceConflict {
+            nonce: named,
+            existing,
+        }) => {
+            assert_eq!(named, nonce, "{what}");
+            existing
+        }
+        other => panic!("{what}: a conflict, not {other:?}"),
+    }
+}
 
 #[actix::test]
 async fn the_same_nonce_at_the_same_moment_runs_once() {
@@ -97,13 +113,176 @@ async fn a_retry_after_a_restart_finds_the_procedure() {
         assert_eq!(again, finished, "{name}");
         assert_eq!(executor.wait(again).await.unwrap(), Ok(()));
         let again = executor
-            .submit_with_nonce(Scripted::new("waits", vec![]), waiting)
+            .submit_with_nonce(
+                Scripted::new("waits", vec![Step::Suspend("never".into()), Step::More]),
+                waiting,
+            )
             .await
             .unwrap();
         assert_eq!(again, suspended, "{name}");
         assert_eq!(executor.wait(again).await.unwrap(), Ok(()));
         // Nothing ran twice: only the recovered procedure's remaining steps.
         assert_eq!(rec.count("done-exec"), 0, "{name}: {:?}", rec.calls());
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// A nonce names one submission: reused with other arguments or another procedure
+/// type it is refused with a conflict naming the procedure it was first used for, and
+/// nothing runs; the same procedure with the same arguments still gets the first id.
+/// Two different submits at the same moment: one runs, the other is the conflict.
+#[actix::test]
+async fn a_nonce_reused_with_other_arguments_is_a_conflict() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, rec) = common::start(store, 4).await;
+        let nonce = Nonce::from_key("create-table t1");
+        let first = executor
+            .submit(Scripted::new("p", vec![Step::More]))
+            .nonce(nonce)
+            .await
+            .unwrap();
+        let other_arguments = executor
+            .submit(Scripted::new("p", vec![Step::More, Step::More]))
+            .nonce(nonce)
+            .await;
+        assert_eq!(conflict(other_arguments, nonce, name), first, "{name}");
+        let other_type = executor
+            .submit(StateMachine::<Adder, Recorder>::new(Adder {
+                fail_in: None,
+            }))
+            .nonce(nonce)
+            .await;
+        assert_eq!(conflict(other_type, nonce, name), first, "{name}");
+        // The message says what happened and what to do.
+        let message = executor
+            .submit(Scripted::new("q", vec![]))
+            .nonce(nonce)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(
+            message.contains(&format!("procedure {first}"))
+                && message.contains("other arguments")
+                && message.contains("new nonce"),
+            "{name}: {message}"
+        );
+        // The retry of the first submission is still answered with its id, before
+        // and after it finished.
+        let retry = executor
+            .submit(Scripted::new("p", vec![Step::More]))
+            .nonce(nonce)
+            .await
+            .unwrap();
+        assert_eq!(retry, first, "{name}");
+        assert_eq!(executor.wait(first).await.unwrap(), Ok(()), "{name}");
+        let retry = executor
+            .submit_with_nonce(Scripted::new("p", vec![Step::More]), nonce)
+            .await
+            .unwrap();
+        assert_eq!(retry, first, "{name}");
+        assert_eq!(rec.count("p-exec"), 1, "{name}: {:?}", rec.calls());
+        assert_eq!(rec.count("q-exec"), 0, "{name}: {:?}", rec.calls());
+
+        // At the same moment: whichever comes first runs; the other is its conflict.
+        let nonce = Nonce::from_key("create-table t2");
+        let (a, b) = tokio::join!(
+            executor.submit(Scripted::new("a", vec![])).nonce(nonce),
+            executor.submit(Scripted::new("b", vec![])).nonce(nonce),
+        );
+        let (ran, refused) = match (a, b) {
+            (Ok(id), b) => (id, b),
+            (a, Ok(id)) => (id, a),
+            (a, b) => panic!("{name}: neither ran: {a:?}, {b:?}"),
+        };
+        assert_eq!(conflict(refused, nonce, name), ran, "{name}");
+        assert_eq!(executor.wait(ran).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(
+            rec.count("a-exec") + rec.count("b-exec"),
+            1,
+            "{name}: {:?}",
+            rec.calls()
+        );
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// The fingerprint of a nonce's submission is kept with the root's records: after a
+/// restart a retry with the same procedure and arguments gets the first id, and one
+/// with other arguments the conflict, for a finished root and an unfinished one.
+#[actix::test]
+async fn a_nonce_conflict_is_found_after_a_restart() {
+    for name in common::STORES {
+        let store = common::Reopen::new(name);
+        let (executor, _) = common::start(store.open(), 4).await;
+        let done = Nonce::from_key("done");
+        let waiting = Nonce::from_key("waiting");
+        let waits = || Scripted::new("waits", vec![Step::Suspend("never".into()), Step::More]);
+        let finished = executor
+            .submit_with_nonce(Scripted::new("done", vec![Step::More]), done)
+            .await
+            .unwrap();
+        assert_eq!(executor.wait(finished).await.unwrap(), Ok(()));
+        let suspended = executor.submit_with_nonce(waits(), waiting).await.unwrap();
+        common::wait_for_state(&executor, suspended, ProcState::Waiting).await;
+        executor.shutdown_now().await.unwrap();
+
+        let (executor, rec) = common::start(store.open(), 4).await;
+        let other = executor
+            .submit_with_nonce(Scripted::new("done", vec![]), done)
+            .await;
+        assert_eq!(conflict(other, done, name), finished, "{name}");
+        let other = executor
+            .submit_with_nonce(Scripted::new("waits", vec![Step::More]), waiting)
+            .await;
+        assert_eq!(conflict(other, waiting, name), suspended, "{name}");
+        let again = executor
+            .submit_with_nonce(Scripted::new("done", vec![Step::More]), done)
+            .await
+            .unwrap();
+        assert_eq!(again, finished, "{name}");
+        let again = executor.submit_with_nonce(waits(), waiting).await.unwrap();
+        assert_eq!(again, suspended, "{name}");
+        assert_eq!(rec.count("done-exec"), 0, "{name}: {:?}", rec.calls());
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// A root recorded before nonces kept a fingerprint (its record has none) is never a
+/// conflict: any submit with its nonce gets its id, as before.
+#[actix::test]
+async fn a_nonce_recorded_without_a_fingerprint_is_never_a_conflict() {
+    for name in common::STORES {
+        let store = common::Reopen::new(name);
+        let (executor, _) = common::start(store.open(), 4).await;
+        let nonce = Nonce::from_key("from an older version");
+        let first = executor
+            .submit_with_nonce(Scripted::new("p", vec![Step::More]), nonce)
+            .await
+            .unwrap();
+        assert_eq!(executor.wait(first).await.unwrap(), Ok(()));
+        executor.shutdown().await.unwrap();
+
+        // Its record as an older version wrote it: the nonce, no fingerprint.
+        {
+            let mut opened = store.open();
+            let snapshot = opened.load().unwrap();
+            let mut record = snapshot
+                .records
+                .into_iter()
+                .find(|r| r.id == first)
+                .expect("the root's record");
+            assert!(record.nonce_fingerprint.is_some(), "{name}");
+            record.nonce_fingerprint = None;
+            opened.append(&[StoreOp::Update(record)]).unwrap();
+        }
+
+        let (executor, rec) = common::start(store.open(), 4).await;
+        let again = executor
+            .submit_with_nonce(Scripted::new("other", vec![Step::More]), nonce)
+            .await
+            .unwrap();
+        assert_eq!(again, first, "{name}");
+        assert_eq!(rec.count("other-exec"), 0, "{name}: {:?}", rec.calls());
         executor.shutdown_now().await.unwrap();
     }
 }
@@ -214,6 +393,37 @@ async fn a_reserved_nonce_makes_retries_wait_for_its_submit() {
         let (retry, registration, submit) = tokio::join!(retry, registration, submit);
         let id = submit.unwrap();
         assert_eq!(retry.unwrap(), id, "{name}");
+        match registration.unwrap() {
+            NonceRegistration::Known(known) => assert_eq!(known, id, "{name}"),
+            NonceRegistration::Reserved(_) => panic!("{name}: reserved twice"),
+        }
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()));
+        assert_eq!(rec.count("p-exec"), 1, "{name}: {:?}", rec.calls());
+        executor.shutdown_now().await.unwrap();
+    }
+}
+
+/// A retry that waits on a reservation is compared with what the holder submits: the
+/// same procedure gets its id, another a conflict; a registration (no procedure) gets
+/// the id.
+#[actix::test]
+async fn a_retry_waiting_on_a_reservation_with_other_arguments_is_a_conflict() {
+    for (name, store, _dir) in common::stores() {
+        let (executor, rec) = common::start(store, 4).await;
+        let nonce = Nonce::from_key("create users");
+        let NonceRegistration::Reserved(reservation) =
+            executor.register_nonce(nonce).await.unwrap()
+        else {
+            panic!("{name}: a fresh nonce is reserved");
+        };
+        let same = executor.submit_with_nonce(Scripted::new("p", vec![Step::More]), nonce);
+        let other = executor.submit_with_nonce(Scripted::new("p", vec![]), nonce);
+        let registration = executor.register_nonce(nonce);
+        let submit = reservation.submit(Scripted::new("p", vec![Step::More]));
+        let (same, other, registration, submit) = tokio::join!(same, other, registration, submit);
+        let id = submit.unwrap();
+        assert_eq!(same.unwrap(), id, "{name}");
+        assert_eq!(conflict(other, nonce, name), id, "{name}");
         match registration.unwrap() {
             NonceRegistration::Known(known) => assert_eq!(known, id, "{name}"),
             NonceRegistration::Reserved(_) => panic!("{name}: reserved twice"),

@@ -32,6 +32,7 @@ fn record(id: u64, root: u64, data: u8) -> ProcRecord {
         result: None,
         bypassed: false,
         steering: Default::default(),
+        nonce_fingerprint: None,
     }
 }
 

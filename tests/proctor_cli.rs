@@ -93,6 +93,7 @@ fn record(id: u64, state: ProcState) -> ProcRecord {
         result: None,
         bypassed: false,
         steering: Default::default(),
+        nonce_fingerprint: None,
     }
 }
 

@@ -447,6 +447,7 @@ fn runnable_record(id: u64, type_name: &str, data: Vec<u8>) -> ProcRecord {
         result: None,
         bypassed: false,
         steering: Default::default(),
+        nonce_fingerprint: None,
     }
 }
 

@@ -231,6 +231,7 @@ async fn an_overdue_deadline_fires_at_once_after_a_restart() {
         result: None,
         bypassed: false,
         steering: Default::default(),
+        nonce_fingerprint: None,
     };
     let mut store = MemoryStore::new();
     store.append(&[StoreOp::Insert(record)]).unwrap();

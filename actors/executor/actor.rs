@@ -9,6 +9,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
 use std::marker::PhantomData;
+use std::num::NonZeroU32;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -18,7 +19,7 @@ use tokio::sync::oneshot;
 use crate::error::Error;
 use crate::fast_map::IdMap;
 use crate::procedure::{ProcId, ProcState};
-use crate::record::{Failure, Nonce, StoreOp};
+use crate::record::{fingerprint, Failure, Nonce, RootNonce, StoreOp};
 
 use crate::actors::locks::ResetEvent;
 use crate::actors::procedure::{declare, Undeclarable};
@@ -124,11 +125,16 @@ impl<E> std::fmt::Debug for ExecutorActor<E> {
     }
 }
 
-/// Where a nonce's submit is.
+/// Where a nonce's submit is. A `fingerprint` is that of the submission the nonce
+/// was used for (`None` for a failure recorded for it, or a root recorded without one):
+/// a submit with another fingerprint is a conflict.
 pub(super) enum NonceState {
     /// Its insert is on its way to the store: later submits (and registrations) wait
     /// for the answer.
-    Submitting(Vec<NonceWaiter>),
+    Submitting {
+        fingerprint: Option<NonZeroU32>,
+        waiting: Vec<NonceWaiter>,
+    },
     /// Reserved by the holder of the reservation `token`, who will submit, record a
     /// failure, or let go; later submits and registrations wait for which.
     Reserved {
@@ -136,17 +142,42 @@ pub(super) enum NonceState {
         waiting: Vec<NonceWaiter>,
     },
     /// The procedure exists (durably).
-    Known(ProcId),
+    Known {
+        id: ProcId,
+        fingerprint: Option<NonZeroU32>,
+    },
 }
 
-/// A submit or registration waiting on a nonce: told the answer, or `None` to try
-/// again (the nonce's reservation was let go).
-pub(super) type NonceWaiter = oneshot::Sender<Option<Result<ProcId, Error>>>;
+/// A submit or registration waiting on a nonce.
+pub(super) struct NonceWaiter {
+    /// Told the answer, or `None` to try again (the nonce's reservation was let go).
+    pub(super) answer: oneshot::Sender<Option<Result<ProcId, Error>>>,
+    /// The fingerprint of the submission it carries; `None` for a registration.
+    pub(super) fingerprint: Option<NonZeroU32>,
+}
+
+/// The answer to a request that names `nonce` with the fingerprint `asked` (`None`
+/// for a registration, which carries no procedure), once the nonce is known to be
+/// root `id`'s, submitted with the fingerprint `held`.
+pub(super) fn nonce_answer(
+    nonce: Nonce,
+    id: ProcId,
+    held: Option<NonZeroU32>,
+    asked: Option<NonZeroU32>,
+) -> Result<ProcId, Error> {
+    match (held, asked) {
+        (Some(held), Some(asked)) if held != asked => Err(Error::NonceConflict {
+            nonce,
+            existing: id,
+        }),
+        _ => Ok(id),
+    }
+}
 
 /// Where a nonce stands for a request that names it.
 pub(super) enum Turn {
-    /// Its procedure exists.
-    Known(ProcId),
+    /// Its procedure exists: its id, or the conflict with it.
+    Known(Result<ProcId, Error>),
     /// Another request holds it: wait for this answer.
     Wait(oneshot::Receiver<Option<Result<ProcId, Error>>>),
     /// This request may go on (the nonce is free, or it holds the reservation).
@@ -414,29 +445,66 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
     /// waiting on it hear the same, and a successful one makes the nonce known; a
     /// failed one frees it.
     pub(super) fn settle_nonce(&mut self, nonce: Nonce, result: Result<ProcId, Error>) {
-        if let Some(NonceState::Submitting(waiting)) = self.nonces.remove(&nonce) {
-            for tx in waiting {
-                let answer = result.as_ref().map(|id| *id).map_err(Error::duplicate);
-                let _ = tx.send(Some(answer));
+        let mut held = None;
+        if let Some(NonceState::Submitting {
+            fingerprint,
+            waiting,
+        }) = self.nonces.remove(&nonce)
+        {
+            held = fingerprint;
+            for waiter in waiting {
+                let answer = match &result {
+                    Ok(id) => nonce_answer(nonce, *id, held, waiter.fingerprint),
+                    Err(e) => Err(e.duplicate()),
+                };
+                let _ = waiter.answer.send(Some(answer));
             }
         }
         if let Ok(id) = result {
-            self.nonces.insert(nonce, NonceState::Known(id));
+            let known = NonceState::Known {
+                id,
+                fingerprint: held,
+            };
+            self.nonces.insert(nonce, known);
         }
     }
 
-    /// Where `nonce` stands for a request holding the reservation `token` (if any).
-    pub(super) fn nonce_turn(&mut self, nonce: Nonce, token: Option<u64>) -> Turn {
+    /// Whether a request holding the reservation `token` (if any) goes on with `nonce`
+    /// (it is free, or this request holds it), rather than being answered from the
+    /// procedure the nonce names or waiting for it.
+    pub(super) fn nonce_free(&self, nonce: Nonce, token: Option<u64>) -> bool {
+        match self.nonces.get(&nonce) {
+            None => true,
+            Some(NonceState::Reserved { token: held, .. }) => Some(*held) == token,
+            Some(_) => false,
+        }
+    }
+
+    /// Where `nonce` stands for a request holding the reservation `token` (if any) and
+    /// carrying a submission of the fingerprint `asked` (`None` for a registration).
+    pub(super) fn nonce_turn(
+        &mut self,
+        nonce: Nonce,
+        token: Option<u64>,
+        asked: Option<NonZeroU32>,
+    ) -> Turn {
         let waiting = match self.nonces.get_mut(&nonce) {
             None => return Turn::Go,
-            Some(NonceState::Known(id)) => return Turn::Known(*id),
+            Some(NonceState::Known { id, fingerprint }) => {
+                return Turn::Known(nonce_answer(nonce, *id, *fingerprint, asked))
+            }
             Some(NonceState::Reserved { token: held, .. }) if Some(*held) == token => {
                 return Turn::Go
             }
-            Some(NonceState::Reserved { waiting, .. } | NonceState::Submitting(waiting)) => waiting,
+            Some(NonceState::Reserved { waiting, .. } | NonceState::Submitting { waiting, .. }) => {
+                waiting
+            }
         };
-        let (tx, rx) = oneshot::channel();
-        waiting.push(tx);
+        let (answer, rx) = oneshot::channel();
+        waiting.push(NonceWaiter {
+            answer,
+            fingerprint: asked,
+        });
         Turn::Wait(rx)
     }
 
@@ -476,10 +544,25 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
             return Answer::Now(Err(refusal));
         }
         if let Some(nonce) = msg.nonce {
-            match self.nonce_turn(nonce, msg.reservation) {
-                Turn::Known(id) => {
+            // What this submit carries, to compare with what the nonce was used for:
+            // encoded here only when the nonce is not free (a free one's is taken
+            // from the root's encoding as it starts).
+            let asked = if self.nonce_free(nonce, msg.reservation) {
+                None
+            } else {
+                match self.shared.registry.encode(&*msg.proc) {
+                    Ok((type_name, state)) => Some(fingerprint(type_name, &state)),
+                    Err(e) => return Answer::Now(Err(Error::Registry(e))),
+                }
+            };
+            match self.nonce_turn(nonce, msg.reservation, asked) {
+                Turn::Known(Ok(id)) => {
                     tracing::debug!(target: crate::targets::EXECUTOR, proc = %id, group = nonce.group, nonce = nonce.nonce, "submit with a known nonce: answered with its procedure");
                     return Answer::Now(Ok(id));
+                }
+                Turn::Known(Err(conflict)) => {
+                    tracing::info!(target: crate::targets::EXECUTOR, group = nonce.group, nonce = nonce.nonce, error = %conflict, "submit refused: its nonce names another submission");
+                    return Answer::Now(Err(conflict));
                 }
                 Turn::Wait(answer) => {
                     tracing::debug!(target: crate::targets::EXECUTOR, group = nonce.group, nonce = nonce.nonce, "submit with a nonce being submitted: answered with its procedure once durable");
@@ -527,14 +610,19 @@ impl<E: Send + Sync + 'static> ExecutorActor<E> {
             Undeclarable::Registry(e) => Error::Registry(e),
             Undeclarable::Invalid(e) => Error::Invalid(e.to_string()),
         })?;
-        root.nonce = msg.nonce;
         if let Some(nonce) = msg.nonce {
+            let fingerprint = Some(fingerprint(root.type_name, &root.data));
+            root.nonce = Some(RootNonce { nonce, fingerprint });
             // The requests waiting on its reservation, if it had one, now wait on it.
             let waiting = match self.nonces.remove(&nonce) {
                 Some(NonceState::Reserved { waiting, .. }) => waiting,
                 _ => Vec::new(),
             };
-            self.nonces.insert(nonce, NonceState::Submitting(waiting));
+            let submitting = NonceState::Submitting {
+                fingerprint,
+                waiting,
+            };
+            self.nonces.insert(nonce, submitting);
         }
         let shared = self.shared.clone();
         let (ack, rx) = oneshot::channel();

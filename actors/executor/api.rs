@@ -134,9 +134,11 @@ impl<E: Send + Sync + 'static> Submit<E> {
         }
     }
 
-    /// Makes the submit idempotent: another submit with the same nonce — concurrent, or
-    /// after a restart — answers this one's id and runs nothing, for as long as the
-    /// procedure's result is kept.
+    /// Makes the submit idempotent: another submit with the same nonce and the same
+    /// procedure (type and initial state) — concurrent, or after a restart — answers
+    /// this one's id and runs nothing, for as long as the nonce is remembered; one with
+    /// another procedure or other arguments is refused with
+    /// [`Error::NonceConflict`] (see [`Submission::nonce`](crate::Submission::nonce)).
     #[must_use]
     pub fn with_nonce(mut self, nonce: Nonce) -> Self {
         self.nonce = Some(nonce);

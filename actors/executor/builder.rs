@@ -437,7 +437,9 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
 
     /// How long a root's nonce is remembered after the root finished (default 1 hour;
     /// never less than [`retention`](Self::retention)): until then a submit with the
-    /// same nonce, before or after a restart, answers the root's id and runs nothing,
+    /// same nonce and the same procedure, before or after a restart, answers the root's
+    /// id and runs nothing (one with another procedure or other arguments is
+    /// [`Error::NonceConflict`](crate::Error::NonceConflict)),
     /// even once the result itself was evicted (asking for it then answers
     /// [`Error::Gone`](crate::Error::Gone)). The root's records stay in the store as
     /// long, so a restart still knows the nonce; then they are deleted with it. This is

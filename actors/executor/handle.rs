@@ -4,12 +4,16 @@
 //! an executor that started its own actix system stops that system's thread, on
 //! shutdown or when its last handle goes.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use actix::prelude::*;
+use futures_util::future::BoxFuture;
+use serde::de::DeserializeOwned;
 use tokio::sync::oneshot;
 
 use crate::error::{Error, WaitError};
+use crate::output::ProducesOutput;
 use crate::procedure::{ProcId, Procedure};
 use crate::record::{Failure, Nonce};
 
@@ -159,7 +163,9 @@ impl<E: Send + Sync + 'static> Executor<E> {
     }
 
     /// Submits a root procedure: `.await` it for the root's id, answered once its insert
-    /// is durable; [`Submission::nonce`] first makes the submit idempotent.
+    /// is durable; [`Submission::nonce`] first makes the submit idempotent, and
+    /// [`Submission::typed`] answers a [`Submitted`] handle instead, which waits for
+    /// the procedure's declared output ([`ProducesOutput`](crate::ProducesOutput)).
     ///
     /// ```no_run
     /// # use proctor::{Context, Flow, Nonce, ProcError, Procedure};
@@ -177,17 +183,19 @@ impl<E: Send + Sync + 'static> Executor<E> {
     ///
     /// # Errors
     ///
-    /// [`Error::Stopped`] once a shutdown has begun; [`Error::Store`] or
+    /// [`Error::NonceConflict`] for a nonce already used for another procedure or
+    /// other arguments; [`Error::Stopped`] once a shutdown has begun; [`Error::Store`] or
     /// [`Error::Internal`] once the store has failed or the engine broke (this insert's
     /// failure included); [`Error::Overloaded`] at
     /// [`ExecutorBuilder::max_unfinished`] unfinished roots; [`Error::Registry`] if its
     /// type is not registered or its state does not serialize; [`Error::Invalid`] for a
     /// bad resource name in its locks or a panic in `locks`, `holds_lock` or
     /// `timeout_ms`.
-    pub fn submit(&self, proc: impl Procedure<E>) -> Submission<'_, E> {
+    pub fn submit<P: Procedure<E>>(&self, proc: P) -> Submission<'_, E, P> {
         Submission {
             executor: self,
             submit: Submit::new(proc),
+            proc: PhantomData,
         }
     }
 
@@ -213,17 +221,21 @@ impl<E: Send + Sync + 'static> Executor<E> {
         Submission {
             executor: self,
             submit: Submit::boxed(proc),
+            proc: PhantomData,
         }
     }
 
     /// Submits a root procedure at most once per `nonce`: a retry with the same nonce
-    /// (concurrent, or after a restart) answers the first submit's id and runs nothing.
-    /// The same as `submit(proc).nonce(nonce)` ([`Submission::nonce`]).
+    /// and the same procedure (concurrent, or after a restart) answers the first
+    /// submit's id and runs nothing. The same as `submit(proc).nonce(nonce)`
+    /// ([`Submission::nonce`]).
     ///
     /// # Errors
     ///
-    /// As [`submit`](Self::submit). A retry that comes while the first submit is on its
-    /// way gets that submit's answer, error included; a failed submit frees the nonce.
+    /// As [`submit`](Self::submit): [`Error::NonceConflict`] if the nonce was used for
+    /// another procedure or other arguments. A retry that comes while the first submit
+    /// is on its way gets that submit's answer, error included; a failed submit frees
+    /// the nonce.
     pub async fn submit_with_nonce(
         &self,
         proc: impl Procedure<E>,
@@ -248,7 +260,8 @@ impl<E: Send + Sync + 'static> Executor<E> {
 
     /// Reserves `nonce` before the procedure is built (HBase's `registerNonce`):
     /// [`NonceRegistration::Known`] with the procedure a request with this nonce
-    /// created (submitted, or a failure recorded for it), or
+    /// created (submitted, or a failure recorded for it; a registration carries no
+    /// procedure, so it is never a conflict), or
     /// [`NonceRegistration::Reserved`] — the caller holds the nonce, and every other
     /// request with it waits until the caller submits, records a failure or lets go
     /// (see [`NonceReservation`]). Waits itself while another request holds the nonce.
@@ -714,14 +727,17 @@ impl futures_util::Stream for Subscription {
     }
 }
 
-/// A submit on its way ([`Executor::submit`]): `.await` it for the root's id.
+/// A submit on its way ([`Executor::submit`]): `.await` it for the root's id, or
+/// [`typed`](Self::typed) for a [`Submitted`] handle. `P` is the procedure's type
+/// (a boxed procedure's, for [`Executor::submit_boxed`]).
 #[must_use = "a submission does nothing until it is awaited"]
-pub struct Submission<'a, E: Send + Sync + 'static = ()> {
+pub struct Submission<'a, E: Send + Sync + 'static = (), P = Box<dyn Procedure<E>>> {
     executor: &'a Executor<E>,
     submit: Submit<E>,
+    proc: PhantomData<fn() -> P>,
 }
 
-impl<E: Send + Sync + 'static> std::fmt::Debug for Submission<'_, E> {
+impl<E: Send + Sync + 'static, P> std::fmt::Debug for Submission<'_, E, P> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Submission")
             .field("submit", &self.submit)
@@ -729,23 +745,196 @@ impl<E: Send + Sync + 'static> std::fmt::Debug for Submission<'_, E> {
     }
 }
 
-impl<E: Send + Sync + 'static> Submission<'_, E> {
-    /// Makes the submit idempotent: another submit with the same nonce — concurrent, or
-    /// after a restart — answers this one's id and runs nothing, for as long as the
-    /// procedure's result is kept. A retry that comes while the first submit is on its
-    /// way gets that submit's answer, error included; a failed submit frees the nonce.
+impl<'a, E: Send + Sync + 'static, P: ProducesOutput> Submission<'a, E, P> {
+    /// Submits as `.await` does, and answers a [`Submitted`] handle on the root: its
+    /// id, and [`Submitted::wait`] for the procedure's output, of the type it declares
+    /// ([`ProducesOutput`]). With a nonce, call [`nonce`](Self::nonce) first.
+    ///
+    /// ```
+    /// use proctor::{async_trait, Executor, MemoryStore, Nonce, ProcError, Registry, Saga,
+    ///               SagaContext, SagaProcedure, Undoing};
+    /// use serde::{Deserialize, Serialize};
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct CreateTable { name: String }
+    ///
+    /// #[async_trait]
+    /// impl SagaProcedure for CreateTable {
+    ///     type Output = u32; // the regions it created
+    ///     async fn run(&self, ctx: &mut SagaContext<'_>) -> Result<u32, ProcError> {
+    ///         ctx.step("regions", || async { Ok(3) }, |_: Undoing<u32>| async { Ok(()) })
+    ///             .await
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let mut registry = Registry::new();
+    /// registry.register_saga::<CreateTable>("create_table");
+    /// let executor = Executor::builder()
+    ///     .registry(registry)
+    ///     .store(MemoryStore::new())
+    ///     .start()
+    ///     .await?;
+    /// let created = executor
+    ///     .submit(Saga::new(CreateTable { name: "users".into() }))
+    ///     .nonce(Nonce::from_key("create users"))
+    ///     .typed()
+    ///     .await?;
+    /// println!("creating users as procedure {}", created.id());
+    /// let regions = created.wait().await??; // a u32: the saga's output
+    /// assert_eq!(regions, 3);
+    /// executor.shutdown().await?;
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`Executor::submit`].
+    pub fn typed(self) -> BoxFuture<'a, Result<Submitted<P::Output, E>, Error>> {
+        let Submission {
+            executor, submit, ..
+        } = self;
+        Box::pin(async move {
+            let id = executor.answered(submit).await?;
+            Ok(Submitted {
+                id,
+                executor: executor.clone(),
+                output: PhantomData,
+            })
+        })
+    }
+}
+
+impl<E: Send + Sync + 'static, P> Submission<'_, E, P> {
+    /// Makes the submit idempotent: another submit with the same nonce and the same
+    /// procedure — its registered type and its initial state, as encoded — concurrent
+    /// or after a restart, answers this one's id and runs nothing, for as long as the
+    /// nonce is remembered ([`ExecutorBuilder::nonce_retention`]). A submit with the
+    /// same nonce and another procedure or other arguments is refused with
+    /// [`Error::NonceConflict`]: a nonce names one submission, and a new request needs
+    /// a new one. A retry that comes while the first submit is on its way gets that
+    /// submit's answer (or the conflict with it), error included; a failed submit frees
+    /// the nonce.
+    ///
+    /// The state is compared as it encodes: a field whose encoding depends on more
+    /// than its value (a `HashMap`, whose order changes from process to process) can
+    /// make a retry look like other arguments; use a `BTreeMap`.
+    ///
+    /// ```no_run
+    /// # use proctor::{Context, Flow, ProcError, Procedure};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct CreateTable { name: String }
+    /// # #[async_trait::async_trait] impl Procedure for CreateTable {
+    /// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+    /// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) } }
+    /// # async fn f(executor: proctor::Executor) -> Result<(), proctor::Error> {
+    /// use proctor::{Error, Nonce};
+    /// let key = Nonce::from_key("req-7");
+    /// let users = || CreateTable { name: "users".into() };
+    /// let id = executor.submit(users()).nonce(key).await?;
+    /// assert_eq!(executor.submit(users()).nonce(key).await?, id); // a retry
+    /// let other = executor.submit(CreateTable { name: "orders".into() }).nonce(key).await;
+    /// assert!(matches!(other, Err(Error::NonceConflict { existing, .. }) if existing == id));
+    /// # Ok(()) }
+    /// ```
     pub fn nonce(mut self, nonce: Nonce) -> Self {
         self.submit = self.submit.with_nonce(nonce);
         self
     }
 }
 
-impl<'a, E: Send + Sync + 'static> std::future::IntoFuture for Submission<'a, E> {
+impl<'a, E: Send + Sync + 'static, P> std::future::IntoFuture for Submission<'a, E, P> {
     type Output = Result<ProcId, Error>;
-    type IntoFuture = futures_util::future::BoxFuture<'a, Result<ProcId, Error>>;
+    type IntoFuture = BoxFuture<'a, Result<ProcId, Error>>;
 
     fn into_future(self) -> Self::IntoFuture {
-        let Submission { executor, submit } = self;
+        let Submission {
+            executor, submit, ..
+        } = self;
         Box::pin(executor.answered(submit))
+    }
+}
+
+/// A submitted root whose output type is known ([`Submission::typed`]): its id, and
+/// [`wait`](Self::wait) for its output as a `T`, the type its procedure declares
+/// ([`ProducesOutput`]). Cheap to clone; it holds a handle on the executor.
+pub struct Submitted<T, E: Send + Sync + 'static = ()> {
+    id: ProcId,
+    executor: Executor<E>,
+    output: PhantomData<fn() -> T>,
+}
+
+impl<T, E: Send + Sync + 'static> Clone for Submitted<T, E> {
+    fn clone(&self) -> Self {
+        Submitted {
+            id: self.id,
+            executor: self.executor.clone(),
+            output: PhantomData,
+        }
+    }
+}
+
+impl<T, E: Send + Sync + 'static> std::fmt::Debug for Submitted<T, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Submitted")
+            .field("id", &self.id)
+            .field("output", &std::any::type_name::<T>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T, E> Submitted<T, E>
+where
+    T: DeserializeOwned + Send + 'static,
+    E: Send + Sync + 'static,
+{
+    /// The root's id (for [`Executor::state`], [`Executor::abort`], ...).
+    pub fn id(&self) -> ProcId {
+        self.id
+    }
+
+    /// Waits until the root has finished, as [`Executor::wait`] does: `Ok(value)`, its
+    /// output, for SUCCESS; the tree's original [`Failure`] for ROLLEDBACK. An output
+    /// of `()` or `Option<_>` the procedure did not set is `()` or `None`.
+    ///
+    /// ```no_run
+    /// # async fn f(created: proctor::Submitted<u32>) -> Result<(), Box<dyn std::error::Error>> {
+    /// match created.wait().await? {
+    ///     Ok(regions) => println!("created with {regions} regions"),
+    ///     Err(failure) => println!("rolled back: {failure}"),
+    /// }
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ValueType`] if the value does not decode as `T` (its reason names `T`,
+    /// the declared output), or the procedure set none and `T` is not `()` or an
+    /// `Option`; [`Error::Gone`] if the result was evicted first (see
+    /// [`ExecutorBuilder::retention`]); otherwise as [`Executor::wait`].
+    pub async fn wait(&self) -> Result<Result<T, Failure>, Error> {
+        let declared = || std::any::type_name::<T>();
+        match self.executor.wait_value::<T>(self.id).await {
+            Ok(value) => Ok(Ok(value)),
+            Err(WaitError::Failed(failure)) => Ok(Err(failure)),
+            // Unset: what MessagePack's nil decodes as (`()`, `None`), if anything.
+            Err(WaitError::NoValue(id)) => match rmp_serde::from_slice::<T>(&[0xc0]) {
+                Ok(value) => Ok(Ok(value)),
+                Err(_) => Err(Error::ValueType {
+                    id,
+                    reason: format!(
+                        "it set none (Context::set_result), and its declared output `{}` \
+                         is not `()` or an `Option`",
+                        declared()
+                    ),
+                }),
+            },
+            Err(WaitError::Gone(id)) => Err(Error::Gone(id)),
+            Err(WaitError::Engine(Error::ValueType { id, reason })) => Err(Error::ValueType {
+                id,
+                reason: format!("its declared output is `{}`: {reason}", declared()),
+            }),
+            Err(WaitError::Engine(e)) => Err(e),
+        }
     }
 }

@@ -39,7 +39,7 @@ pub use api::{
 };
 pub(crate) use api::{TreeFinished, TreeNews};
 pub use builder::ExecutorBuilder;
-pub use handle::{Executor, Submission, Subscription};
+pub use handle::{Executor, Submission, Submitted, Subscription};
 pub use leader::Role;
 pub use nonces::{NonceRegistration, NonceReservation};
 pub use recovered::Recovery;

@@ -70,8 +70,10 @@ impl<E: Send + Sync + 'static> Handler<RegisterNonce> for ExecutorActor<E> {
             return Box::pin(std::future::ready(Err(refusal)));
         }
         let nonce = msg.0;
-        match self.nonce_turn(nonce, None) {
-            Turn::Known(id) => Box::pin(std::future::ready(Ok(Registered::Known(id)))),
+        // A registration carries no procedure: the nonce's procedure is its answer,
+        // whatever it was submitted with.
+        match self.nonce_turn(nonce, None, None) {
+            Turn::Known(id) => Box::pin(std::future::ready(id.map(Registered::Known))),
             Turn::Wait(answer) => {
                 let executor = ctx.address();
                 Box::pin(async move {
@@ -108,8 +110,8 @@ impl<E: Send + Sync + 'static> Handler<ReleaseNonce> for ExecutorActor<E> {
         }
         if let Some(NonceState::Reserved { waiting, .. }) = self.nonces.remove(&msg.nonce) {
             tracing::debug!(target: crate::targets::EXECUTOR, group = msg.nonce.group, nonce = msg.nonce.nonce, waiting = waiting.len(), "nonce reservation let go");
-            for tx in waiting {
-                let _ = tx.send(None);
+            for waiter in waiting {
+                let _ = waiter.answer.send(None);
             }
         }
     }
@@ -149,8 +151,13 @@ impl<E: Send + Sync + 'static> Handler<FailNonce> for ExecutorActor<E> {
                 )));
             }
         };
-        // Later requests wait for the record, as for a submit's insert.
-        self.nonces.insert(nonce, NonceState::Submitting(waiting));
+        // Later requests wait for the record, as for a submit's insert. A failure has
+        // no fingerprint: every submit with the nonce is answered with it.
+        let submitting = NonceState::Submitting {
+            fingerprint: None,
+            waiting,
+        };
+        self.nonces.insert(nonce, submitting);
         let id = self.shared.next_id();
         let now = now_ms();
         let failure = Failure {
@@ -180,6 +187,7 @@ impl<E: Send + Sync + 'static> Handler<FailNonce> for ExecutorActor<E> {
             result: None,
             bypassed: false,
             steering: Steering::default(),
+            nonce_fingerprint: None,
         };
         let entry = finished_entry(&self.shared, record.clone());
         let (ack, durable) = oneshot::channel();
@@ -329,7 +337,8 @@ impl<E: Send + Sync + 'static> NonceReservation<E> {
     }
 
     /// Submits `proc` with the nonce, as [`Executor::submit_with_nonce`]; the requests
-    /// waiting on the reservation get its id.
+    /// waiting on the reservation get its id (a submit among them that carries another
+    /// procedure or other arguments gets [`Error::NonceConflict`]).
     ///
     /// # Errors
     ///
@@ -345,7 +354,8 @@ impl<E: Send + Sync + 'static> NonceReservation<E> {
     /// (HBase's `setFailureResultForNonce`): a new root of the registered type
     /// `type_name` that finished ROLLEDBACK with that failure, durably, and kept (with
     /// its nonce) as any result is. Its id is the answer to every request with the
-    /// nonce from now on; [`Executor::wait`] on it gives the failure.
+    /// nonce from now on, whatever procedure a submit with it carries (the failure has
+    /// no procedure to compare with); [`Executor::wait`] on it gives the failure.
     ///
     /// # Errors
     ///

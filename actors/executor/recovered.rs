@@ -129,14 +129,21 @@ impl Recovered {
         finished_at
     }
 
-    /// Every root record keeps its nonce, finished or not.
+    /// Every root record keeps its nonce, finished or not, with its submission's
+    /// fingerprint.
     pub(super) fn nonces(&self) -> HashMap<Nonce, NonceState> {
         let plan = &self.plan;
         plan.finished
             .iter()
             .chain(self.trees.iter().flat_map(|(t, _)| plan.records_of(t)))
             .filter(|r| r.parent.is_none())
-            .filter_map(|r| Some((r.nonce?, NonceState::Known(r.id))))
+            .filter_map(|r| {
+                let known = NonceState::Known {
+                    id: r.id,
+                    fingerprint: r.nonce_fingerprint,
+                };
+                Some((r.nonce?, known))
+            })
             .collect()
     }
 }

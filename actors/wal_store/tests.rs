@@ -36,6 +36,7 @@ fn record(id: u64, version: u64) -> ProcRecord {
         result: None,
         bypassed: false,
         steering: Default::default(),
+        nonce_fingerprint: None,
     }
 }
 

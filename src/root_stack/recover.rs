@@ -3,7 +3,7 @@
 
 use super::{Node, NodeExtra, NodeMap, Phase, Place, RootStack, StackEntry, Transition};
 use crate::procedure::{ProcId, ProcState};
-use crate::record::{ProcRecord, MAX_RECORDED_STEPS};
+use crate::record::{ProcRecord, RootNonce, MAX_RECORDED_STEPS};
 use crate::root_stack::Action;
 
 impl RootStack {
@@ -67,7 +67,10 @@ impl RootStack {
                     extra: NodeExtra {
                         failure_seq: r.failure_seq,
                         rollback_attempts: 0,
-                        nonce: r.nonce,
+                        nonce: r.nonce.map(|nonce| RootNonce {
+                            nonce,
+                            fingerprint: r.nonce_fingerprint,
+                        }),
                         result: r.result.clone(),
                         paused_data: matches!(
                             r.state,

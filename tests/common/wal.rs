@@ -31,6 +31,7 @@ pub fn record(id: u64, root: u64, version: u8, data_len: usize) -> ProcRecord {
         result: None,
         bypassed: false,
         steering: Default::default(),
+        nonce_fingerprint: None,
     }
 }
 
