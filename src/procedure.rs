@@ -1515,7 +1515,9 @@ where
     E: Send + Sync + 'static,
 {
     /// Runs one step. An `Err` fails the procedure and rolls back its tree; a panic is
-    /// caught and treated the same way.
+    /// caught and treated the same way. Unless the error is
+    /// [retryable](ProcError::retryable) (the step runs again first) or the
+    /// [`failure_policy`](Procedure::failure_policy) says otherwise.
     async fn execute(&mut self, ctx: &mut Context<E>) -> Result<Flow<E>, ProcError>;
 
     /// Undoes one executed step. Called once per executed step, newest first — the step
