@@ -1101,6 +1101,7 @@ fn procs(out: &mut Out, source: &Source, filter: &Filter, form: Form) -> Outcome
                         proc: f.proc.0,
                         type_name: &f.type_name,
                         error: f.error.to_string(),
+                        code: f.code(),
                     }),
                     bypassed: r.bypassed,
                     steering: &r.steering,
@@ -1278,6 +1279,9 @@ struct FailureJson<'a> {
     #[serde(rename = "type")]
     type_name: &'a str,
     error: String,
+    /// The error's code ([`proctor::ProcError::with_code`]), when it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    code: Option<&'a str>,
 }
 
 #[derive(Serialize)]

@@ -115,7 +115,9 @@ where
     E: Send + Sync + 'static,
 {
     /// Does the task. Runs as the one step of a child procedure of the DAG, with that
-    /// child's context; an `Err` fails the DAG's tree.
+    /// child's context; an `Err` fails the DAG's tree (a
+    /// [retryable](ProcError::retryable) one after its retries, under the retry policy
+    /// the task set with [`Context::set_retry_policy`]).
     async fn execute(&self, ctx: &mut Context<E>) -> Result<(), ProcError>;
 
     /// Undoes the task. Runs in a rollback step of the DAG, with the DAG's context, whose

@@ -19,6 +19,7 @@ use std::pin::Pin;
 use crate::locks::Lock;
 use crate::procedure::{
     type_id_of, Context, FailurePolicy, Flow, LockState, OnTimeout, ProcError, Procedure,
+    RetryPolicy,
 };
 
 /// The environment as the engine holds it.
@@ -66,6 +67,8 @@ pub(crate) struct StepResult {
     pub(crate) value: Option<Vec<u8>>,
     /// It marked itself the point of no return ([`Context::set_irreversible`]).
     pub(crate) irreversible: bool,
+    /// How its retryable errors are retried ([`Context::set_retry_policy`]).
+    pub(crate) retry: Option<RetryPolicy>,
 }
 
 /// [`Procedure`], object-safe over every environment type. Each method is the
@@ -155,6 +158,7 @@ impl<E: Send + Sync + 'static, H: Holder<E>> ErasedProc for Typed<E, H> {
                 next: flow.map(Next::from),
                 value: ctx.take_result(),
                 irreversible: ctx.take_irreversible(),
+                retry: ctx.take_retry_policy(),
             }
         })
     }

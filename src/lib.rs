@@ -81,8 +81,8 @@ pub use crate::error::{Error, WaitError};
 pub use crate::locks::{Lock, LockClaim, LockCycle, LockMode, LockReport, ResourceLocks, WaitEdge};
 pub use crate::output::ProducesOutput;
 pub use crate::procedure::{
-    ChildType, Context, EncodeState, FailurePolicy, Flow, LockState, OnTimeout, ProcError, ProcId,
-    ProcState, Procedure, Undo, UnknownState,
+    ChildType, Context, EncodeState, ErrorKind, FailurePolicy, Flow, LockState, OnTimeout,
+    ProcError, ProcId, ProcState, Procedure, RetryPolicy, Undo, UnknownState,
 };
 pub use crate::ready_queue::Scheduling;
 pub use crate::record::{Failure, Nonce, Paused};

@@ -1,8 +1,10 @@
 //! What a failure comes to under a [`FailurePolicy`]: retry after a backoff, pause for
 //! an operator, or roll the tree back. A pure rule the root stack asks for each failed
-//! step and each failed rollback step; table-driven tests below.
+//! step and each failed rollback step; before it, for a failed step, the policy the
+//! failure is decided by ([`for_step`]: the procedure's, as the error's [`ErrorKind`]
+//! and the step's [`RetryPolicy`] make it). Table-driven tests below.
 
-use crate::procedure::FailurePolicy;
+use crate::procedure::{ErrorKind, FailurePolicy, RetryPolicy};
 
 /// Under the default policy, a failed rollback's first retry backs off from this
 /// delay...
@@ -32,6 +34,47 @@ pub enum Decision {
 /// The longest a policy's retry waits.
 const POLICY_RETRY_MAX_MS: u64 = 600_000;
 
+/// The policy a failed step is decided by, and the longest its retry waits: the
+/// procedure's `policy` for the error, as the error's `kind` and the retry policy the
+/// step set (`step`) make it.
+///
+/// An error that does not say its kind is the procedure's policy's alone (`step` is
+/// for retryable errors only). A terminal one is never retried: a retrying policy
+/// keeps only its end (roll back, or pause). A retryable one is retried before the
+/// policy's end: under `step` when the step set one, else under the procedure's own
+/// retries when its policy retries, else under [`RetryPolicy::default`].
+pub(crate) fn for_step(
+    policy: FailurePolicy,
+    kind: Option<ErrorKind>,
+    step: Option<RetryPolicy>,
+) -> (FailurePolicy, u64) {
+    let pauses = matches!(
+        policy,
+        FailurePolicy::Pause | FailurePolicy::RetryThenPause { .. }
+    );
+    let retrying = |retry: RetryPolicy| {
+        let (times, backoff_ms) = (retry.retries, retry.backoff_ms);
+        let policy = if pauses {
+            FailurePolicy::RetryThenPause { times, backoff_ms }
+        } else {
+            FailurePolicy::RetryThenRollback { times, backoff_ms }
+        };
+        (policy, retry.max_delay_ms)
+    };
+    let retries = matches!(
+        policy,
+        FailurePolicy::RetryThenRollback { .. } | FailurePolicy::RetryThenPause { .. }
+    );
+    match (kind, step) {
+        (None, _) => (policy, POLICY_RETRY_MAX_MS),
+        (Some(ErrorKind::Terminal), _) if pauses => (FailurePolicy::Pause, POLICY_RETRY_MAX_MS),
+        (Some(ErrorKind::Terminal), _) => (FailurePolicy::Rollback, POLICY_RETRY_MAX_MS),
+        (Some(ErrorKind::Retryable), Some(step)) => retrying(step),
+        (Some(ErrorKind::Retryable), None) if retries => (policy, POLICY_RETRY_MAX_MS),
+        (Some(ErrorKind::Retryable), None) => retrying(RetryPolicy::default()),
+    }
+}
+
 /// What a failure comes to: `retries` already spent on this step, whether the tree has
 /// passed a point of no return, whether it is a rollback step that failed, and for a
 /// rollback step under the default policy how many retries it gets (`limit`; `None`:
@@ -58,6 +101,28 @@ pub fn decide(
     limit: Option<u32>,
     seed: u64,
 ) -> Decision {
+    decide_within(
+        policy,
+        POLICY_RETRY_MAX_MS,
+        retries,
+        irreversible,
+        rollback,
+        limit,
+        seed,
+    )
+}
+
+/// As [`decide`], a policy's retries waiting at most `max_delay_ms` (the default
+/// policy's rollback retries keep their own cap).
+pub fn decide_within(
+    policy: FailurePolicy,
+    max_delay_ms: u64,
+    retries: u32,
+    irreversible: bool,
+    rollback: bool,
+    limit: Option<u32>,
+    seed: u64,
+) -> Decision {
     let backoff = |base_ms: u64, max_ms: u64| Decision::Retry {
         delay_ms: full_jitter(
             base_ms.saturating_mul(1 << retries.min(30)).min(max_ms),
@@ -70,7 +135,7 @@ pub fn decide(
         | FailurePolicy::RetryThenPause { times, backoff_ms }
             if retries < times =>
         {
-            backoff(backoff_ms, POLICY_RETRY_MAX_MS)
+            backoff(backoff_ms, max_delay_ms)
         }
         FailurePolicy::Rollback if rollback && limit.is_none_or(|limit| retries < limit) => {
             backoff(ROLLBACK_RETRY_BASE_MS, ROLLBACK_RETRY_MAX_MS)
@@ -185,6 +250,147 @@ mod tests {
                 "{policy:?} retries={retries} irreversible={irreversible} rollback={rollback}"
             );
         }
+    }
+
+    #[test]
+    fn an_errors_kind_and_its_steps_retry_policy_make_the_policy_it_is_decided_by() {
+        use ErrorKind::{Retryable, Terminal};
+        use FailurePolicy::*;
+        let retry_rb = RetryThenRollback {
+            times: 2,
+            backoff_ms: 100,
+        };
+        let retry_pause = RetryThenPause {
+            times: 2,
+            backoff_ms: 100,
+        };
+        let step = RetryPolicy::new(3).backoff_ms(10).max_delay_ms(50);
+        let default = RetryPolicy::default();
+        let (d_times, d_backoff, d_max) =
+            (default.retries, default.backoff_ms, default.max_delay_ms);
+        let cap = POLICY_RETRY_MAX_MS;
+        // (the procedure's policy, the error's kind, the step's retry policy) → (the
+        // policy decided by, its longest backoff).
+        let cases = [
+            // Not marked: the procedure's policy alone, the step's retry policy unused.
+            (Rollback, None, None, (Rollback, cap)),
+            (Rollback, None, Some(step), (Rollback, cap)),
+            (Pause, None, Some(step), (Pause, cap)),
+            (retry_rb, None, None, (retry_rb, cap)),
+            (retry_pause, None, Some(step), (retry_pause, cap)),
+            // Terminal: never retried, the policy's end.
+            (Rollback, Some(Terminal), Some(step), (Rollback, cap)),
+            (Pause, Some(Terminal), None, (Pause, cap)),
+            (retry_rb, Some(Terminal), None, (Rollback, cap)),
+            (retry_pause, Some(Terminal), Some(step), (Pause, cap)),
+            // Retryable: retried, then the policy's end; the step's retry policy
+            // first, then the procedure's retries, then the default.
+            (
+                Rollback,
+                Some(Retryable),
+                Some(step),
+                (
+                    RetryThenRollback {
+                        times: 3,
+                        backoff_ms: 10,
+                    },
+                    50,
+                ),
+            ),
+            (
+                Pause,
+                Some(Retryable),
+                Some(step),
+                (
+                    RetryThenPause {
+                        times: 3,
+                        backoff_ms: 10,
+                    },
+                    50,
+                ),
+            ),
+            (
+                retry_pause,
+                Some(Retryable),
+                Some(step),
+                (
+                    RetryThenPause {
+                        times: 3,
+                        backoff_ms: 10,
+                    },
+                    50,
+                ),
+            ),
+            (retry_rb, Some(Retryable), None, (retry_rb, cap)),
+            (retry_pause, Some(Retryable), None, (retry_pause, cap)),
+            (
+                Rollback,
+                Some(Retryable),
+                None,
+                (
+                    RetryThenRollback {
+                        times: d_times,
+                        backoff_ms: d_backoff,
+                    },
+                    d_max,
+                ),
+            ),
+            (
+                Pause,
+                Some(Retryable),
+                None,
+                (
+                    RetryThenPause {
+                        times: d_times,
+                        backoff_ms: d_backoff,
+                    },
+                    d_max,
+                ),
+            ),
+        ];
+        for (policy, kind, retry, expected) in cases {
+            assert_eq!(
+                for_step(policy, kind, retry),
+                expected,
+                "{policy:?} {kind:?} {retry:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_retry_waits_at_most_its_policys_longest_backoff() {
+        let policy = FailurePolicy::RetryThenRollback {
+            times: 40,
+            backoff_ms: 10,
+        };
+        // (retries spent, longest backoff, the backoff the jitter draws under)
+        let cases = [
+            (0, 50, 10),
+            (2, 50, 40),
+            (3, 50, 50),
+            (39, 50, 50),
+            (3, 1_000, 80),
+            (0, 0, 0),
+        ];
+        for (retries, max_delay_ms, ceiling) in cases {
+            for seed in 0..50 {
+                let decided =
+                    decide_within(policy, max_delay_ms, retries, false, false, None, seed);
+                let expected = Decision::Retry {
+                    delay_ms: full_jitter(ceiling, seed, retries),
+                };
+                assert_eq!(decided, expected, "retries={retries} max={max_delay_ms}");
+            }
+        }
+        // Past its retries, as any policy.
+        assert_eq!(
+            decide_within(policy, 50, 40, false, false, None, 1),
+            Decision::Rollback
+        );
+        assert_eq!(
+            decide_within(policy, 50, 40, true, false, None, 1),
+            Decision::Pause
+        );
     }
 
     #[test]

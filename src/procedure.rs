@@ -138,6 +138,15 @@ impl std::error::Error for UnknownState {}
 /// that, `ProcError` itself does not implement `std::error::Error`; it is `Display`,
 /// and [`Failure`](crate::Failure), which carries it to the caller, is an error.)
 ///
+/// An error can say more than what went wrong ([`ProcError::Marked`]): whether trying
+/// the step again may help ([`ProcError::retryable`], [`ProcError::terminal`]; a
+/// retryable error is retried under the step's [`RetryPolicy`] before it fails the
+/// procedure), and a code the service matches on ([`ProcError::with_code`],
+/// [`ProcError::coded`]), kept in the recorded [`Failure`](crate::Failure). An error
+/// that says neither (a plain `?`, [`ProcError::failed`]) is left to the procedure's
+/// [`failure_policy`](Procedure::failure_policy), which by default rolls the tree back
+/// at once.
+///
 /// ```
 /// use proctor::ProcError;
 /// fn read_config() -> Result<String, ProcError> {
@@ -182,6 +191,49 @@ pub enum ProcError {
         /// The messages of its sources, nearest first (`Error::source`, repeatedly).
         sources: Vec<String>,
     },
+    /// An error with marks: whether it is worth trying again, and its code. Made by
+    /// [`ProcError::retryable`], [`ProcError::terminal`], [`ProcError::with_code`] and
+    /// [`ProcError::coded`] (marks on a marked error replace its marks, never nest);
+    /// read with [`ProcError::kind`], [`ProcError::code`] and [`ProcError::cause`],
+    /// the error itself. It displays as the error itself.
+    #[non_exhaustive]
+    Marked {
+        /// The error itself.
+        error: Box<ProcError>,
+        /// Whether trying again may help; `None` when it does not say.
+        #[serde(default)]
+        kind: Option<ErrorKind>,
+        /// Its code, for a service to match on.
+        #[serde(default)]
+        code: Option<String>,
+    },
+}
+
+/// Whether a step's error is worth trying again ([`ProcError::kind`]). An error that
+/// says neither is left to the procedure's
+/// [`failure_policy`](Procedure::failure_policy) (by default: roll back at once).
+///
+/// | the procedure's policy | error not marked | [`Retryable`](ErrorKind::Retryable) | [`Terminal`](ErrorKind::Terminal) |
+/// | --- | --- | --- | --- |
+/// | [`Rollback`](FailurePolicy::Rollback) (default) | roll back | retry, then roll back | roll back |
+/// | [`Pause`](FailurePolicy::Pause) | pause | retry, then pause | pause |
+/// | [`RetryThenRollback`](FailurePolicy::RetryThenRollback) | retry, then roll back | retry, then roll back | roll back |
+/// | [`RetryThenPause`](FailurePolicy::RetryThenPause) | retry, then pause | retry, then pause | pause |
+///
+/// A retryable error is retried under the [`RetryPolicy`] its step set
+/// ([`Context::set_retry_policy`]), else under the procedure's retrying policy, else
+/// under [`RetryPolicy::default`]. Past a point of no return
+/// ([`Context::set_irreversible`]) "roll back" is "pause", as for any failure.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// Trying the step again may succeed: a timeout, a refused connection, a server
+    /// that is busy or has no leader yet. The step is retried (from the state recorded
+    /// before it) under its retry policy before its failure counts.
+    Retryable,
+    /// Trying again will not help: a request the service refuses, something that
+    /// already exists. Never retried, not even under a failure policy that retries.
+    Terminal,
 }
 
 impl fmt::Display for ProcError {
@@ -201,6 +253,7 @@ impl fmt::Display for ProcError {
                 }
                 Ok(())
             }
+            ProcError::Marked { error, .. } => error.fmt(f),
         }
     }
 }
@@ -230,6 +283,183 @@ impl ProcError {
     /// ```
     pub fn failed(message: impl fmt::Display) -> Self {
         ProcError::Failed(message.to_string())
+    }
+
+    /// `error` marked [retryable](ErrorKind::Retryable): trying the step again may
+    /// succeed, so it is retried under the step's [`RetryPolicy`] before it fails the
+    /// procedure. Takes any `std::error::Error` (or a `ProcError`), for `map_err`:
+    ///
+    /// ```
+    /// use proctor::{ErrorKind, ProcError};
+    /// fn connect() -> Result<(), std::io::Error> {
+    ///     Err(std::io::ErrorKind::ConnectionRefused.into())
+    /// }
+    /// fn step() -> Result<(), ProcError> {
+    ///     connect().map_err(ProcError::retryable)?;
+    ///     Ok(())
+    /// }
+    /// let error = step().unwrap_err();
+    /// assert_eq!(error.kind(), Some(ErrorKind::Retryable));
+    /// assert!(matches!(error.cause(), ProcError::Error { type_name, .. } if type_name.contains("io")));
+    /// ```
+    pub fn retryable(error: impl Into<ProcError>) -> Self {
+        error.into().marked(Some(ErrorKind::Retryable), None)
+    }
+
+    /// `error` marked [terminal](ErrorKind::Terminal): trying again will not help, so
+    /// it is never retried, not even under a [`FailurePolicy`] that retries.
+    ///
+    /// ```
+    /// use proctor::{ErrorKind, ProcError};
+    /// let error = ProcError::terminal(ProcError::failed("no such table"));
+    /// assert_eq!(error.kind(), Some(ErrorKind::Terminal));
+    /// assert_eq!(error.to_string(), "no such table");
+    /// ```
+    pub fn terminal(error: impl Into<ProcError>) -> Self {
+        error.into().marked(Some(ErrorKind::Terminal), None)
+    }
+
+    /// A failure reported by user code, with a code a service matches on without
+    /// reading the message: `"already_exists"` for an HTTP 409, say. The code is kept
+    /// in the recorded [`Failure`](crate::Failure) ([`Failure::code`](crate::Failure::code)),
+    /// through restarts. It says nothing of retrying: mark it
+    /// [`terminal`](ProcError::terminal) under a policy that retries.
+    ///
+    /// ```
+    /// use proctor::ProcError;
+    /// let error = ProcError::with_code("already_exists", "table t1 exists");
+    /// assert_eq!(error.code(), Some("already_exists"));
+    /// assert_eq!(error.to_string(), "table t1 exists");
+    /// ```
+    pub fn with_code(code: impl Into<String>, message: impl fmt::Display) -> Self {
+        ProcError::failed(message).coded(code)
+    }
+
+    /// This error with a code (see [`ProcError::with_code`]), replacing any it had.
+    ///
+    /// ```
+    /// use proctor::{ErrorKind, ProcError};
+    /// let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+    /// let error = ProcError::retryable(refused).coded("unavailable");
+    /// assert_eq!((error.kind(), error.code()), (Some(ErrorKind::Retryable), Some("unavailable")));
+    /// ```
+    #[must_use]
+    pub fn coded(self, code: impl Into<String>) -> Self {
+        self.marked(None, Some(code.into()))
+    }
+
+    /// Whether trying again may help, if the error says ([`ProcError::retryable`],
+    /// [`ProcError::terminal`]); `None` for an error that does not (a plain `?`,
+    /// [`ProcError::failed`], the engine's own errors), which the procedure's
+    /// [`failure_policy`](Procedure::failure_policy) decides alone.
+    pub fn kind(&self) -> Option<ErrorKind> {
+        match self {
+            ProcError::Marked { error, kind, .. } => kind.or_else(|| error.kind()),
+            _ => None,
+        }
+    }
+
+    /// `true` for an error marked [retryable](ErrorKind::Retryable).
+    pub fn is_retryable(&self) -> bool {
+        self.kind() == Some(ErrorKind::Retryable)
+    }
+
+    /// The error's code, if it has one ([`ProcError::with_code`], [`ProcError::coded`]).
+    pub fn code(&self) -> Option<&str> {
+        match self {
+            ProcError::Marked { error, code, .. } => code.as_deref().or_else(|| error.code()),
+            _ => None,
+        }
+    }
+
+    /// The error itself, without its marks: what went wrong, to match on.
+    pub fn cause(&self) -> &ProcError {
+        match self {
+            ProcError::Marked { error, .. } => error.cause(),
+            other => other,
+        }
+    }
+
+    /// This error with `kind` and `code` set where given, the others kept.
+    fn marked(self, kind: Option<ErrorKind>, code: Option<String>) -> Self {
+        match self {
+            ProcError::Marked {
+                error,
+                kind: had_kind,
+                code: had_code,
+            } => ProcError::Marked {
+                error,
+                kind: kind.or(had_kind),
+                code: code.or(had_code),
+            },
+            error => ProcError::Marked {
+                error: Box::new(error),
+                kind,
+                code,
+            },
+        }
+    }
+}
+
+/// How a step's [retryable](ErrorKind::Retryable) errors are retried: how many times,
+/// and how long each retry waits. Set for a step with [`Context::set_retry_policy`];
+/// without one, a retryable error is retried under the procedure's retrying
+/// [`FailurePolicy`], or else under [`RetryPolicy::default`]: 5 retries, from 200 ms,
+/// doubling up to 30 s.
+///
+/// The *n*-th retry (from 0) waits a time drawn evenly between zero and
+/// `min(backoff_ms × 2ⁿ, max_delay_ms)` ("full jitter", so that procedures that failed
+/// together do not retry together). Retries are counted in the procedure's record, so a
+/// restart does not reset them; a retried step runs again from the state recorded
+/// before it. Once the retries are spent, the error fails the procedure as the
+/// procedure's policy says: its tree rolls back (or it pauses, under
+/// [`FailurePolicy::Pause`], or past a point of no return).
+///
+/// ```
+/// use proctor::RetryPolicy;
+/// let policy = RetryPolicy::new(10).backoff_ms(50).max_delay_ms(2_000);
+/// assert_eq!((policy.retries, policy.backoff_ms, policy.max_delay_ms), (10, 50, 2_000));
+/// assert_eq!(RetryPolicy::default(), RetryPolicy::new(5).backoff_ms(200).max_delay_ms(30_000));
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct RetryPolicy {
+    /// How many times the step is retried (after its first attempt).
+    pub retries: u32,
+    /// The first retry's backoff, in milliseconds; it doubles with each retry.
+    pub backoff_ms: u64,
+    /// The longest backoff, in milliseconds.
+    pub max_delay_ms: u64,
+}
+
+impl RetryPolicy {
+    /// `retries` retries, with the default backoff (from 200 ms, doubling up to 30 s).
+    pub const fn new(retries: u32) -> Self {
+        RetryPolicy {
+            retries,
+            backoff_ms: 200,
+            max_delay_ms: 30_000,
+        }
+    }
+
+    /// The first retry's backoff, in milliseconds.
+    #[must_use]
+    pub const fn backoff_ms(mut self, backoff_ms: u64) -> Self {
+        self.backoff_ms = backoff_ms;
+        self
+    }
+
+    /// The longest backoff, in milliseconds.
+    #[must_use]
+    pub const fn max_delay_ms(mut self, max_delay_ms: u64) -> Self {
+        self.max_delay_ms = max_delay_ms;
+        self
+    }
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        RetryPolicy::new(5)
     }
 }
 
@@ -577,6 +807,8 @@ pub struct Context<E: ?Sized = ()> {
     remote: Option<crate::remote::Sink>,
     /// Operations this step dispatched, for [`Context::await_remote`].
     dispatched: Vec<crate::remote::RemoteCall>,
+    /// How this step's retryable errors are retried ([`Context::set_retry_policy`]).
+    retry: Option<RetryPolicy>,
 }
 
 impl<E: ?Sized> Clone for Context<E> {
@@ -598,6 +830,7 @@ impl<E: ?Sized> Clone for Context<E> {
             fencing_token: self.fencing_token,
             remote: self.remote.clone(),
             dispatched: self.dispatched.clone(),
+            retry: self.retry,
         }
     }
 }
@@ -644,6 +877,7 @@ impl<E: ?Sized> Context<E> {
             fencing_token: None,
             remote: None,
             dispatched: Vec::new(),
+            retry: None,
         }
     }
 
@@ -981,6 +1215,35 @@ impl<E: ?Sized> Context<E> {
         self.irreversible = true;
     }
 
+    /// In [`Procedure::execute`]: how this step's [retryable](ProcError::retryable)
+    /// errors are retried, in place of the procedure's retrying [`FailurePolicy`] or
+    /// [`RetryPolicy::default`]. For this step only (a retry of it sets it again, as
+    /// it runs the same code). Errors not marked retryable are not retried by it.
+    ///
+    /// ```
+    /// # use proctor::{Context, Flow, ProcError, RetryPolicy};
+    /// # async fn open_region(_: &str) -> Result<(), std::io::Error> { Ok(()) }
+    /// async fn step(ctx: &mut Context) -> Result<Flow, ProcError> {
+    ///     // Up to 10 retries, from 50 ms, backing off to at most 2 s.
+    ///     ctx.set_retry_policy(RetryPolicy::new(10).backoff_ms(50).max_delay_ms(2_000));
+    ///     open_region("r-17").await.map_err(ProcError::retryable)?;
+    ///     Ok(Flow::Done)
+    /// }
+    /// ```
+    pub fn set_retry_policy(&mut self, policy: RetryPolicy) {
+        self.retry = Some(policy);
+    }
+
+    /// The retry policy this step set ([`Context::set_retry_policy`]), if it did.
+    pub fn retry_policy(&self) -> Option<RetryPolicy> {
+        self.retry
+    }
+
+    /// The retry policy the step set, taken out.
+    pub(crate) fn take_retry_policy(&mut self) -> Option<RetryPolicy> {
+        self.retry.take()
+    }
+
     /// Whether the step marked itself irreversible, taken out.
     pub(crate) fn take_irreversible(&mut self) -> bool {
         std::mem::take(&mut self.irreversible)
@@ -1092,6 +1355,7 @@ impl Context<dyn Any + Send + Sync> {
             fencing_token: self.fencing_token,
             remote: self.remote.clone(),
             dispatched: Vec::new(),
+            retry: None,
         }
     }
 }
@@ -1251,7 +1515,9 @@ where
     E: Send + Sync + 'static,
 {
     /// Runs one step. An `Err` fails the procedure and rolls back its tree; a panic is
-    /// caught and treated the same way.
+    /// caught and treated the same way. Unless the error is
+    /// [retryable](ProcError::retryable) (the step runs again first) or the
+    /// [`failure_policy`](Procedure::failure_policy) says otherwise.
     async fn execute(&mut self, ctx: &mut Context<E>) -> Result<Flow<E>, ProcError>;
 
     /// Undoes one executed step. Called once per executed step, newest first — the step
@@ -1354,14 +1620,16 @@ where
     /// What a failed step (an `Err` or a panic from [`execute`](Procedure::execute)) or
     /// a failed [`rollback`](Procedure::rollback) leads to: roll back (the default),
     /// pause for an operator, or retry first (see [`FailurePolicy`]). Asked on the
-    /// procedure as the failed call left it.
+    /// procedure as the failed call left it. A step's error marked
+    /// [retryable](ProcError::retryable) is retried before the policy's end, and one
+    /// marked [terminal](ProcError::terminal) is not retried (see [`ErrorKind`]).
     ///
     /// ```
     /// # use proctor::{FailurePolicy, ProcError};
     /// # struct MoveRegion;
     /// # impl MoveRegion {
     /// fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
-    ///     match error {
+    ///     match error.cause() {
     ///         // A region server that does not answer may come back: try again, and
     ///         // let an operator look if it does not.
     ///         ProcError::Error { type_name, .. } if type_name.contains("io") => {
@@ -1527,6 +1795,70 @@ mod tests {
         ];
         for (err, text) in cases {
             assert_eq!(err.to_string(), text);
+        }
+    }
+
+    #[test]
+    fn marks_on_an_error_replace_its_marks_and_never_hide_it() {
+        use ErrorKind::{Retryable, Terminal};
+        let io = || ProcError::from(std::io::Error::other("refused"));
+        // (error, its kind, its code, its cause, its text)
+        let cases = [
+            (io(), None, None, io(), "refused"),
+            (
+                ProcError::retryable(io()),
+                Some(Retryable),
+                None,
+                io(),
+                "refused",
+            ),
+            (
+                ProcError::terminal(io()),
+                Some(Terminal),
+                None,
+                io(),
+                "refused",
+            ),
+            (
+                ProcError::with_code("exists", "t1 exists"),
+                None,
+                Some("exists"),
+                ProcError::failed("t1 exists"),
+                "t1 exists",
+            ),
+            // A later mark replaces one of the same sort and keeps the others.
+            (
+                ProcError::terminal(ProcError::retryable(io()).coded("a")),
+                Some(Terminal),
+                Some("a"),
+                io(),
+                "refused",
+            ),
+            (
+                ProcError::retryable(io()).coded("a").coded("b"),
+                Some(Retryable),
+                Some("b"),
+                io(),
+                "refused",
+            ),
+            (
+                ProcError::Aborted.coded("stop"),
+                None,
+                Some("stop"),
+                ProcError::Aborted,
+                "aborted by operator",
+            ),
+        ];
+        for (error, kind, code, cause, text) in cases {
+            assert_eq!(error.kind(), kind, "{error:?}");
+            assert_eq!(error.is_retryable(), kind == Some(Retryable), "{error:?}");
+            assert_eq!(error.code(), code, "{error:?}");
+            assert_eq!(error.cause(), &cause, "{error:?}");
+            assert_eq!(error.to_string(), text, "{error:?}");
+            // One layer of marks at most.
+            if let ProcError::Marked { error: inner, .. } = &error {
+                assert!(!matches!(**inner, ProcError::Marked { .. }), "{error:?}");
+            }
         }
     }
 }

@@ -28,6 +28,31 @@ pub struct Failure {
     pub error: ProcError,
 }
 
+impl Failure {
+    /// The error's code, if the step gave it one
+    /// ([`ProcError::with_code`](crate::ProcError::with_code)): what a service maps to
+    /// its answer without reading the message. Recorded with the failure, so the same
+    /// after a restart.
+    ///
+    /// ```
+    /// use proctor::{Failure, ProcError, ProcId};
+    /// let failure = Failure {
+    ///     proc: ProcId(7),
+    ///     type_name: "create_table".into(),
+    ///     error: ProcError::with_code("already_exists", "table t1 exists"),
+    /// };
+    /// let status = match failure.code() {
+    ///     Some("already_exists") => 409,
+    ///     Some(_) => 400,
+    ///     None => 500,
+    /// };
+    /// assert_eq!(status, 409);
+    /// ```
+    pub fn code(&self) -> Option<&str> {
+        self.error.code()
+    }
+}
+
 /// A client's key for one submission (HBase's `NonceKey`): a second submit with the
 /// same nonce and the same procedure, at the same moment or after a restart, gets the
 /// first one's id and runs nothing; one with another procedure or other arguments is
@@ -470,6 +495,43 @@ mod tests {
             std::mem::size_of::<ProcRecord>()
         );
         assert!(std::mem::size_of::<StoreOp>() <= 312);
+    }
+
+    #[test]
+    fn a_failures_marks_round_trip_and_unmarked_failures_keep_their_bytes() {
+        // A failure as every version has written it: [7, "t", {"Failed": "x"}].
+        let old = [
+            0x93, 0x07, 0xa1, b't', 0x81, 0xa6, b'F', b'a', b'i', b'l', b'e', b'd', 0xa1, b'x',
+        ];
+        let plain = Failure {
+            proc: ProcId(7),
+            type_name: "t".into(),
+            error: ProcError::failed("x"),
+        };
+        assert_eq!(rmp_serde::from_slice::<Failure>(&old).unwrap(), plain);
+        // Unmarked, it is written as before, so an older build reads it.
+        assert_eq!(rmp_serde::to_vec(&plain).unwrap(), old);
+        for error in [
+            ProcError::with_code("already_exists", "table t1 exists"),
+            ProcError::retryable(ProcError::Aborted),
+            ProcError::terminal(ProcError::failed("no")).coded("bad_request"),
+        ] {
+            let failure = Failure {
+                error: error.clone(),
+                ..plain.clone()
+            };
+            for bytes in [
+                rmp_serde::to_vec(&failure).unwrap(),
+                rmp_serde::to_vec_named(&failure).unwrap(),
+            ] {
+                let back: Failure = rmp_serde::from_slice(&bytes).unwrap();
+                assert_eq!(back, failure);
+                assert_eq!(
+                    (back.code(), back.error.kind()),
+                    (error.code(), error.kind())
+                );
+            }
+        }
     }
 
     #[test]

@@ -21,8 +21,8 @@ use std::fmt;
 
 use crate::fast_map::SortedMap;
 use crate::locks::{LockClaim, Request};
-use crate::policy::{decide, Decision};
-use crate::procedure::{FailurePolicy, Undo};
+use crate::policy::{decide, decide_within, for_step, Decision};
+use crate::procedure::{FailurePolicy, RetryPolicy, Undo};
 use crate::procedure::{ProcError, ProcId, ProcState};
 use crate::record::{
     Failure, Paused, ProcRecord, RootNonce, Steering, StoreOp, MAX_RECORDED_STEPS,
@@ -112,15 +112,19 @@ pub struct StepReport {
     pub on_error: Option<OnError>,
 }
 
-/// What a failed step's report adds: the procedure's [`FailurePolicy`] for the error, and
-/// its state as recorded before the step (which a retry or a pause records again, since
-/// the failed attempt is discarded).
+/// What a failed step's report adds: the procedure's [`FailurePolicy`] for the error, the
+/// retry policy the step set, and its state as recorded before the step (which a retry
+/// or a pause records again, since the failed attempt is discarded).
 #[derive(Debug)]
 pub struct OnError {
     /// What the procedure's `failure_policy` answered.
     pub policy: FailurePolicy,
     /// The encoded state from before the step.
     pub before: Vec<u8>,
+    /// How the step's retryable errors are retried, if it said
+    /// ([`Context::set_retry_policy`](crate::Context::set_retry_policy)); boxed, as
+    /// few steps say and every report carries the field.
+    pub retry: Option<Box<RetryPolicy>>,
 }
 
 /// A failed rollback step: its error, the procedure's policy for it, and its state as
@@ -798,15 +802,31 @@ impl RootStack {
             on_error,
             ran_to_end,
         } = failed;
-        let (policy, before) = match on_error {
-            Some(OnError { policy, before }) => (policy, Some(before)),
-            None => (FailurePolicy::Rollback, None),
+        let (policy, retry, before) = match on_error {
+            Some(OnError {
+                policy,
+                before,
+                retry,
+            }) => (policy, retry.map(|r| *r), Some(before)),
+            None => (FailurePolicy::Rollback, None, None),
         };
+        // The error's kind and the step's retry policy make the procedure's policy the
+        // one the failure is decided by.
+        let (policy, max_delay_ms) = for_step(policy, error.kind(), retry);
         let decision = if self.is_failed() {
             Decision::Rollback
         } else {
             let retries = self.nodes[&id].steering.retries;
-            decide(policy, retries, self.is_irreversible(), false, None, id.0)
+            let irreversible = self.is_irreversible();
+            decide_within(
+                policy,
+                max_delay_ms,
+                retries,
+                irreversible,
+                false,
+                None,
+                id.0,
+            )
         };
         match decision {
             Decision::Rollback => {
@@ -1239,7 +1259,7 @@ impl RootStack {
     }
 
     fn fail(&mut self, t: &mut Transition, id: ProcId, error: ProcError) {
-        let aborted = matches!(error, ProcError::Aborted);
+        let aborted = matches!(error.cause(), ProcError::Aborted);
         t.actions.push(Action::Count(Count::Failed { id, aborted }));
         let failure = Failure {
             proc: id,
@@ -1761,6 +1781,7 @@ mod tests {
             on_error: Some(OnError {
                 policy,
                 before: vec![9],
+                retry: None,
             }),
         }
     }
@@ -1813,6 +1834,130 @@ mod tests {
             t.to_string(),
             "U1:ROLLEDBACK[] | stop 1, finished err 1:boom"
         );
+    }
+
+    #[test]
+    fn a_failed_steps_error_kind_says_whether_it_is_retried_first() {
+        use crate::procedure::ErrorKind;
+        let failed = |error: ProcError, policy, retry: Option<RetryPolicy>| StepReport {
+            id: ProcId(1),
+            outcome: StepOutcome::Failed(error),
+            data: vec![1],
+            result: None,
+            irreversible: false,
+            on_error: Some(OnError {
+                policy,
+                before: vec![9],
+                retry: retry.map(Box::new),
+            }),
+        };
+        let mark = |kind| {
+            let boom = ProcError::failed("boom");
+            match kind {
+                Some(ErrorKind::Retryable) => ProcError::retryable(boom),
+                Some(ErrorKind::Terminal) => ProcError::terminal(boom),
+                _ => boom,
+            }
+        };
+        let step = RetryPolicy::new(2).backoff_ms(1_000).max_delay_ms(10);
+        let retry_rb = FailurePolicy::RetryThenRollback {
+            times: 1,
+            backoff_ms: 1,
+        };
+        // (policy, kind, the step's retry policy, irreversible: state after each failure
+        // until it stops retrying)
+        let cases = [
+            (
+                FailurePolicy::Rollback,
+                None,
+                Some(step),
+                false,
+                vec![ProcState::Failed],
+            ),
+            (
+                FailurePolicy::Rollback,
+                Some(ErrorKind::Retryable),
+                Some(step),
+                false,
+                vec![
+                    ProcState::WaitingTimeout,
+                    ProcState::WaitingTimeout,
+                    ProcState::Failed,
+                ],
+            ),
+            (
+                FailurePolicy::Rollback,
+                Some(ErrorKind::Retryable),
+                Some(step),
+                true,
+                vec![
+                    ProcState::WaitingTimeout,
+                    ProcState::WaitingTimeout,
+                    ProcState::Paused,
+                ],
+            ),
+            (
+                FailurePolicy::Pause,
+                Some(ErrorKind::Retryable),
+                None,
+                false,
+                [vec![ProcState::WaitingTimeout; 5], vec![ProcState::Paused]].concat(),
+            ),
+            (
+                retry_rb,
+                None,
+                None,
+                false,
+                vec![ProcState::WaitingTimeout, ProcState::Failed],
+            ),
+            (
+                retry_rb,
+                Some(ErrorKind::Terminal),
+                None,
+                false,
+                vec![ProcState::Failed],
+            ),
+        ];
+        for (policy, kind, retry, irreversible, states) in cases {
+            let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+            if irreversible {
+                let more = StepOutcome::MoreToDo { yield_after: false };
+                rs.on_step(done(1, more, true), 1);
+            }
+            let now = 100;
+            for (attempt, expected) in states.iter().enumerate() {
+                let case = format!("{policy:?} {kind:?} {retry:?} attempt {attempt}");
+                let t = rs.on_step(failed(mark(kind), policy, retry), now);
+                assert_eq!(rs.state_of(ProcId(1)), Some(*expected), "{case}: {t}");
+                if *expected == ProcState::WaitingTimeout {
+                    // Within the step's longest backoff when it set one.
+                    let at = t.actions.iter().find_map(|a| match a {
+                        Action::WakeAt { at_ms, .. } => Some(*at_ms),
+                        _ => None,
+                    });
+                    let most = now + retry.map_or(30_000, |r| r.max_delay_ms);
+                    assert!(at.is_some_and(|at| at <= most), "{case}: {t}");
+                    rs.on_wake(ProcId(1));
+                }
+                if *expected == ProcState::Paused {
+                    // What paused it: the retrying policy it was decided by (past
+                    // the point of no return, one that would have rolled back).
+                    let StoreOp::Update(r) = &t.persist[0] else {
+                        panic!("{case}: {t}")
+                    };
+                    let paused = r.steering.paused.as_deref().expect("paused");
+                    assert_eq!(paused.retries, states.len() as u32 - 1, "{case}");
+                    let retried = |times| match paused.policy {
+                        Some(FailurePolicy::RetryThenPause { times: t, .. }) => t == times,
+                        Some(FailurePolicy::RetryThenRollback { times: t, .. }) => {
+                            irreversible && t == times
+                        }
+                        _ => false,
+                    };
+                    assert!(retried(paused.retries), "{case}: {paused:?}");
+                }
+            }
+        }
     }
 
     #[test]

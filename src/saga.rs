@@ -30,6 +30,15 @@
 //! the clock, randomness, or what a service answers now). Put anything like that inside
 //! a step. A step whose name differs from the journal's at its position fails the saga
 //! with an error naming both.
+//!
+//! # Failures
+//!
+//! A step's error fails the saga as any procedure's step's error fails it: a
+//! [retryable](ProcError::retryable) one is retried first (the engine step runs again:
+//! `run` replays the journal and runs the failed step again), under the retry policy
+//! set with [`SagaContext::set_retry_policy`] before the step; then the saga's
+//! [`failure_policy`](SagaProcedure::failure_policy) decides (by default, roll back:
+//! the undos run, the failed step's first).
 
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -41,7 +50,9 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::Lock;
-use crate::procedure::{ChildType, Context, Flow, ProcError, Procedure, Undo};
+use crate::procedure::{
+    ChildType, Context, FailurePolicy, Flow, ProcError, Procedure, RetryPolicy, Undo,
+};
 
 /// A procedure written as one async function of steps, each with its undo (see the
 /// module docs, and the guide's "Straight-line procedures"). Wrap it in [`Saga`] to
@@ -93,6 +104,49 @@ where
     /// See [`Procedure::holds_lock`].
     fn holds_lock(&self) -> bool {
         false
+    }
+
+    /// What a failed step (an `Err` from `run`: a step's own error, or one of `run`'s;
+    /// or a panic) or a failed undo leads to: roll back (the default), pause for an
+    /// operator, or retry first. See [`Procedure::failure_policy`]; a step's error
+    /// marked [retryable](ProcError::retryable) is retried before the policy's end,
+    /// and one marked [terminal](ProcError::terminal) is never retried
+    /// ([`ErrorKind`](crate::ErrorKind)). Asked on the saga's fields; a step's error
+    /// tells which step failed by its [code](ProcError::with_code), say.
+    ///
+    /// Paused ([`FailurePolicy::Pause`]), the saga waits for an operator: a continue
+    /// runs the failed step again, a rollback undoes it and the steps before it.
+    ///
+    /// ```
+    /// use proctor::{async_trait, FailurePolicy, ProcError, SagaContext, SagaProcedure, Undoing};
+    /// use serde::{Deserialize, Serialize};
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct MoveRegion { region: u32 }
+    ///
+    /// #[async_trait]
+    /// impl SagaProcedure for MoveRegion {
+    ///     type Output = ();
+    ///     async fn run(&self, ctx: &mut SagaContext<'_>) -> Result<(), ProcError> {
+    ///         ctx.step("close", || async { Ok(()) }, |_: Undoing<()>| async { Ok(()) }).await?;
+    ///         ctx.step(
+    ///             "open",
+    ///             || async { Err(ProcError::with_code("no_server", "no server takes it")) },
+    ///             |_: Undoing<()>| async { Ok(()) },
+    ///         )
+    ///         .await
+    ///     }
+    ///     fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
+    ///         match error.code() {
+    ///             // Closed, and nowhere to open it: an operator finds it a server.
+    ///             Some("no_server") => FailurePolicy::Pause,
+    ///             _ => FailurePolicy::Rollback,
+    ///         }
+    ///     }
+    /// }
+    /// ```
+    fn failure_policy(&self, _error: &ProcError) -> FailurePolicy {
+        FailurePolicy::Rollback
     }
 
     /// The procedure types [`SagaContext::children`] may start: see
@@ -197,6 +251,8 @@ pub struct SagaContext<'c, E = ()> {
     journal: &'c [Entry],
     at: usize,
     pass: Pass<E>,
+    /// The retry policy set last ([`SagaContext::set_retry_policy`]).
+    retry: Option<RetryPolicy>,
 }
 
 impl<E> std::fmt::Debug for SagaContext<'_, E> {
@@ -217,6 +273,34 @@ impl<E> std::ops::Deref for SagaContext<'_, E> {
 }
 
 impl<E: Send + Sync + 'static> SagaContext<'_, E> {
+    /// How the [retryable](ProcError::retryable) errors of the steps that follow are
+    /// retried (until it is set again): see [`Context::set_retry_policy`]. Set it
+    /// before the step, outside it; like everything outside the steps, the same way in
+    /// every pass (the determinism rule).
+    ///
+    /// ```
+    /// use proctor::{async_trait, ProcError, RetryPolicy, SagaContext, SagaProcedure, Undoing};
+    /// # async fn open_region(_: u32) -> Result<(), std::io::Error> { Ok(()) }
+    /// # #[derive(serde::Serialize, serde::Deserialize)] struct OpenRegion { region: u32 }
+    /// # #[async_trait]
+    /// # impl SagaProcedure for OpenRegion {
+    /// #     type Output = ();
+    /// async fn run(&self, ctx: &mut SagaContext<'_>) -> Result<(), ProcError> {
+    ///     let region = self.region;
+    ///     ctx.set_retry_policy(RetryPolicy::new(10).backoff_ms(50).max_delay_ms(2_000));
+    ///     ctx.step(
+    ///         "open",
+    ///         || async move { open_region(region).await.map_err(ProcError::retryable) },
+    ///         |_: Undoing<()>| async { Ok(()) },
+    ///     )
+    ///     .await
+    /// }
+    /// # }
+    /// ```
+    pub fn set_retry_policy(&mut self, policy: RetryPolicy) {
+        self.retry = Some(policy);
+    }
+
     /// One step of the saga: `run` does it and returns its value, which is journaled
     /// (durably, before the next step begins); `undo` undoes it when the saga rolls
     /// back, told what the step did ([`Undoing`]: its value if it completed). A step
@@ -588,15 +672,21 @@ where
 {
     async fn execute(&mut self, ctx: &mut Context<E>) -> Result<Flow<E>, ProcError> {
         let new = Arc::new(Mutex::new(None));
-        let ended = {
+        let (ended, retry) = {
             let mut sctx = SagaContext {
                 ctx: &*ctx,
                 journal: &self.journal,
                 at: 0,
                 pass: Pass::Execute { new: new.clone() },
+                retry: None,
             };
-            drive(self.saga.run(&mut sctx), || lock(&new).is_some()).await
+            let ended = drive(self.saga.run(&mut sctx), || lock(&new).is_some()).await;
+            (ended, sctx.retry)
         };
+        // For the step that ended the pass, should it fail.
+        if let Some(retry) = retry {
+            ctx.set_retry_policy(retry);
+        }
         match ended {
             Some(Ok(output)) => {
                 ctx.set_result(&output)?;
@@ -644,6 +734,7 @@ where
                 pass: Pass::Collect {
                     undos: undos.clone(),
                 },
+                retry: None,
             };
             // Ends where the target's undo is collected (the pass stops past the
             // journal), or earlier if `run` ends before another step.
@@ -678,6 +769,10 @@ where
 
     fn holds_lock(&self) -> bool {
         self.saga.holds_lock()
+    }
+
+    fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
+        self.saga.failure_policy(error)
     }
 
     fn child_types() -> Vec<ChildType> {

@@ -2433,7 +2433,16 @@ mod tests {
                         Box::new(Failure {
                             proc: ProcId(id),
                             type_name: "t".repeat(retries as usize % 50 + 1),
-                            error: ProcError::Failed("é".repeat(retries as usize % 20)),
+                            error: {
+                                // Plain, or marked: retryable, terminal, with a code.
+                                let e = ProcError::Failed("é".repeat(retries as usize % 20));
+                                match retries % 4 {
+                                    0 => e,
+                                    1 => ProcError::retryable(e),
+                                    2 => ProcError::terminal(e).coded("already_exists"),
+                                    _ => e.coded("é"),
+                                }
+                            },
                         })
                     });
                     r.nonce = fail.then_some(crate::Nonce {
@@ -2558,7 +2567,7 @@ mod tests {
                 r.steering.failed_step = failed;
                 r.steering.paused = paused.then(|| {
                     Box::new(crate::record::Paused {
-                        error: Some(ProcError::Aborted),
+                        error: Some(ProcError::retryable(ProcError::Aborted).coded("c")),
                         policy: None,
                         retries: r.steering.retries,
                     })

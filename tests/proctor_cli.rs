@@ -471,7 +471,10 @@ fn write_trees(dir: &Path) {
         },
         ProcRecord {
             stack_indexes: vec![],
-            failure: Some(Box::new(failure(21, "disk full"))),
+            failure: Some(Box::new(Failure {
+                error: ProcError::with_code("no_space", "disk full"),
+                ..failure(21, "")
+            })),
             failure_seq: Some(0),
             ..node(20, None, 20, ProcState::RolledBack, 0)
         },
@@ -672,6 +675,13 @@ fn procs_speaks_json() {
         serde_json::json!({"proc": 31, "type": "assign_region", "error": "boom"})
     );
     assert_eq!(doc["procedures"][0]["waiting_for"], "rollback");
+    // A failure's code, when it has one.
+    let out = proctor(&["procs", "--json", "--state", "rolledback"], dir.path());
+    let doc = json_doc(&out.stdout);
+    assert_eq!(
+        doc["procedures"][0]["failure"],
+        serde_json::json!({"proc": 21, "type": "assign_region", "error": "disk full", "code": "no_space"})
+    );
 }
 
 /// A DAG's record shows its progress task by task, in the table and in JSON, whatever

@@ -2,19 +2,22 @@
 //! value replayed; on failure or abort the undos run newest first, told what their
 //! steps did; an undo that fails is retried; a crash at any write leaves the world as
 //! the result says; children started from a saga give it their values, and a failing
-//! one rolls it back. On both stores.
+//! one rolls it back. A step's retryable error is retried under the retry policy set
+//! before it, then the saga's failure policy decides: roll back, pause for an operator,
+//! or retry first (a terminal error never). On every store.
 
 mod common;
 
 use std::collections::BTreeSet;
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{Arc, Mutex};
 
 use common::stores;
 use proctor::testing::{restart_at_every_write, CrashRun};
 use proctor::{
-    async_trait, ChildType, Context, Executor, ExecutorBuilder, Flow, ProcError, ProcState,
-    Procedure, ProcedureStore, Registry, Saga, SagaContext, SagaProcedure, Undo, Undoing,
-    WaitError,
+    async_trait, ChildType, Context, ErrorKind, Executor, ExecutorBuilder, FailurePolicy, Flow,
+    ProcError, ProcState, Procedure, ProcedureStore, Registry, RetryPolicy, Saga, SagaContext,
+    SagaProcedure, Undo, Undoing, WaitError,
 };
 use serde::{Deserialize, Serialize};
 
@@ -29,6 +32,8 @@ struct Cluster {
     in_step: tokio::sync::Notify,
     /// Steps told to wait do so only while this is set.
     hold: std::sync::atomic::AtomicBool,
+    /// How many more connections the region server refuses.
+    refusals: std::sync::atomic::AtomicU32,
 }
 
 impl Cluster {
@@ -163,9 +168,99 @@ impl SagaProcedure<Cluster> for CreateTable {
     }
 }
 
+/// How a step returns the region server's error.
+#[derive(Clone, Copy, Debug, Serialize, Deserialize)]
+enum Mark {
+    Plain,
+    Retryable,
+    Terminal,
+}
+
+/// Reserve, connect to the region server (refused while the cluster says so, its error
+/// returned as `mark` says, under the retry policy `retry`), enable; under the failure
+/// policy `policy`. Each step and undo is recorded.
+#[derive(Clone, Serialize, Deserialize)]
+struct Connect {
+    mark: Mark,
+    retry: Option<RetryPolicy>,
+    policy: FailurePolicy,
+}
+
+impl Connect {
+    fn new(mark: Mark) -> Self {
+        Connect {
+            mark,
+            retry: None,
+            policy: FailurePolicy::Rollback,
+        }
+    }
+}
+
+#[async_trait]
+impl SagaProcedure<Cluster> for Connect {
+    type Output = ();
+
+    async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<(), ProcError> {
+        let env = ctx.env_arc().clone();
+        let undo = |step: &'static str| {
+            let env = env.clone();
+            move |undoing: Undoing<()>| async move {
+                let told = match undoing {
+                    Undoing::Completed(()) => "completed",
+                    Undoing::Failed => "failed",
+                    Undoing::Interrupted => "interrupted",
+                };
+                env.call(format!("undo {step} ({told})"));
+                Ok(())
+            }
+        };
+        let done = |step: &'static str| {
+            let env = env.clone();
+            move || async move {
+                env.call(format!("do {step}"));
+                Ok(())
+            }
+        };
+        ctx.step("reserve", done("reserve"), undo("reserve"))
+            .await?;
+        if let Some(retry) = self.retry {
+            ctx.set_retry_policy(retry);
+        }
+        let mark = self.mark;
+        ctx.step(
+            "connect",
+            || async {
+                env.call("do connect".into());
+                let refused = env
+                    .refusals
+                    .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                    .is_ok();
+                if refused {
+                    let e = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
+                    return Err(match mark {
+                        Mark::Plain => ProcError::from(e),
+                        Mark::Retryable => ProcError::retryable(e),
+                        Mark::Terminal => ProcError::terminal(e),
+                    });
+                }
+                Ok(())
+            },
+            undo("connect"),
+        )
+        .await?;
+        ctx.step("enable", done("enable"), undo("enable")).await
+    }
+
+    fn failure_policy(&self, _error: &ProcError) -> FailurePolicy {
+        self.policy
+    }
+}
+
 fn builder(cluster: &Arc<Cluster>) -> ExecutorBuilder<Cluster> {
     let mut registry = Registry::<Cluster>::default();
-    registry.register_saga::<CreateTable>("create_table");
+    registry
+        .register_saga::<CreateTable>("create_table")
+        .register_saga::<Connect>("connect");
     Executor::builder().registry(registry).env(cluster.clone())
 }
 
@@ -555,5 +650,141 @@ async fn a_saga_with_children_survives_a_crash_at_any_write() {
         .await
         .expect("runs");
         assert!(runs.len() >= 8, "{fail_region:?}: {} runs", runs.len());
+    }
+}
+
+/// A cluster whose region server refuses `refusals` connections.
+fn refusing(refusals: u32) -> Arc<Cluster> {
+    let cluster = Cluster::default();
+    cluster.refusals.store(refusals, SeqCst);
+    Arc::new(cluster)
+}
+
+/// Fast retries, for the tests.
+fn retries(n: u32) -> RetryPolicy {
+    RetryPolicy::new(n).backoff_ms(1).max_delay_ms(5)
+}
+
+#[actix::test]
+async fn a_retryable_saga_step_is_retried_and_the_saga_goes_on() {
+    for name in common::STORES {
+        // Refused twice, three retries set before the step: the journaled step does not
+        // run again, the failed one does until it connects.
+        let cluster = refusing(2);
+        let executor = start(common::Reopen::new(name).open(), &cluster).await;
+        let mut connect = Connect::new(Mark::Retryable);
+        connect.retry = Some(retries(3));
+        let id = executor.submit(Saga::new(connect)).await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
+        let expected = [
+            "do reserve",
+            "do connect",
+            "do connect",
+            "do connect",
+            "do enable",
+        ];
+        assert_eq!(cluster.calls(), expected, "{name}");
+        executor.shutdown().await.unwrap();
+
+        // No retry policy set: the default one (from 200 ms).
+        let cluster = refusing(1);
+        let executor = start(common::Reopen::new(name).open(), &cluster).await;
+        let id = executor
+            .submit(Saga::new(Connect::new(Mark::Retryable)))
+            .await
+            .unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
+        let expected = ["do reserve", "do connect", "do connect", "do enable"];
+        assert_eq!(cluster.calls(), expected, "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_retryable_saga_step_past_its_retries_is_undone_then_the_steps_before_it() {
+    for name in common::STORES {
+        let cluster = refusing(u32::MAX);
+        let executor = start(common::Reopen::new(name).open(), &cluster).await;
+        let mut connect = Connect::new(Mark::Retryable);
+        connect.retry = Some(retries(2));
+        let id = executor.submit(Saga::new(connect)).await.unwrap();
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error.kind(), Some(ErrorKind::Retryable), "{name}");
+        let expected = [
+            "do reserve",
+            "do connect",
+            "do connect",
+            "do connect",
+            "undo connect (failed)",
+            "undo reserve (completed)",
+        ];
+        assert_eq!(cluster.calls(), expected, "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_saga_declares_its_failure_policy() {
+    let retry = FailurePolicy::RetryThenRollback {
+        times: 2,
+        backoff_ms: 1,
+    };
+    for name in common::STORES {
+        // Retry first, as the saga says: an error not marked is retried too.
+        let cluster = refusing(1);
+        let executor = start(common::Reopen::new(name).open(), &cluster).await;
+        let mut connect = Connect::new(Mark::Plain);
+        connect.policy = retry;
+        let id = executor.submit(Saga::new(connect)).await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
+        let expected = ["do reserve", "do connect", "do connect", "do enable"];
+        assert_eq!(cluster.calls(), expected, "{name}");
+        executor.shutdown().await.unwrap();
+
+        // ... but never a terminal one: undone at once.
+        let cluster = refusing(1);
+        let executor = start(common::Reopen::new(name).open(), &cluster).await;
+        let mut connect = Connect::new(Mark::Terminal);
+        connect.policy = retry;
+        let id = executor.submit(Saga::new(connect)).await.unwrap();
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error.kind(), Some(ErrorKind::Terminal), "{name}");
+        let expected = [
+            "do reserve",
+            "do connect",
+            "undo connect (failed)",
+            "undo reserve (completed)",
+        ];
+        assert_eq!(cluster.calls(), expected, "{name}");
+        executor.shutdown().await.unwrap();
+
+        // Pause: an operator's continue runs the failed step again, and the saga goes
+        // on; an operator's rollback undoes it, then the steps before it.
+        for continued in [true, false] {
+            let cluster = refusing(1);
+            let executor = start(common::Reopen::new(name).open(), &cluster).await;
+            let mut connect = Connect::new(Mark::Plain);
+            connect.policy = FailurePolicy::Pause;
+            let id = executor.submit(Saga::new(connect)).await.unwrap();
+            common::wait_for_state(&executor, id, ProcState::Paused).await;
+            assert_eq!(cluster.calls(), ["do reserve", "do connect"], "{name}");
+            let (result, expected) = if continued {
+                executor.resume(id).await.unwrap();
+                let after = ["do reserve", "do connect", "do connect", "do enable"];
+                (executor.wait(id).await.unwrap().is_ok(), after.to_vec())
+            } else {
+                executor.rollback(id).await.unwrap();
+                let after = [
+                    "do reserve",
+                    "do connect",
+                    "undo connect (failed)",
+                    "undo reserve (completed)",
+                ];
+                (executor.wait(id).await.unwrap().is_ok(), after.to_vec())
+            };
+            assert_eq!(result, continued, "{name}");
+            assert_eq!(cluster.calls(), expected, "{name} continued={continued}");
+            executor.shutdown().await.unwrap();
+        }
     }
 }

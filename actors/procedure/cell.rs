@@ -346,13 +346,14 @@ impl ProcedureCell {
         out: &mut Outbox,
     ) {
         let mut children = Vec::new();
-        let (mut next, value, irreversible) = match result {
+        let (mut next, value, irreversible, retry) = match result {
             Ok(StepResult {
                 next,
                 value,
                 irreversible,
-            }) => (next, value, irreversible),
-            Err(panic) => (Err(panic), None, false),
+                retry,
+            }) => (next, value, irreversible, retry),
+            Err(panic) => (Err(panic), None, false, None),
         };
         if next.is_err() && ctx.cancel_reason() == Some(CancelReason::Shutdown) {
             // Stopped by the shutdown, not failed: as a yield, nothing is recorded, and
@@ -398,7 +399,12 @@ impl ProcedureCell {
                 // Even under `Rollback`: past a point of no return a sibling may have
                 // recorded meanwhile, a failure pauses instead.
                 self.deciding = !self.status.failed();
-                on_error = Some(OnError { policy, before });
+                let retry = retry.map(Box::new);
+                on_error = Some(OnError {
+                    policy,
+                    before,
+                    retry,
+                });
                 after
             }
             _ => match self.encode(&*proc) {
@@ -409,6 +415,7 @@ impl ProcedureCell {
                     on_error = Some(OnError {
                         policy: FailurePolicy::Rollback,
                         before: self.data.clone(),
+                        retry: None,
                     });
                     self.data.clone()
                 }

@@ -243,11 +243,23 @@ fn run(seed: u64) {
                             backoff_ms: 1,
                         },
                     };
+                    // Not marked, retryable (under the step's retry policy or
+                    // the procedure's), or terminal.
+                    let (error, retry) = match rng.below(4) {
+                        0 => (ProcError::retryable(ProcError::failed("x")), None),
+                        1 => (
+                            ProcError::retryable(ProcError::failed("x")),
+                            Some(Box::new(RetryPolicy::new(1).backoff_ms(1))),
+                        ),
+                        2 => (ProcError::terminal(ProcError::failed("x")), None),
+                        _ => (ProcError::failed("x"), None),
+                    };
                     (
-                        StepOutcome::Failed(ProcError::failed("x")),
+                        StepOutcome::Failed(error),
                         Some(OnError {
                             policy,
                             before: vec![],
+                            retry,
                         }),
                     )
                 };
