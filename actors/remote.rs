@@ -5,14 +5,20 @@
 //!
 //! It receives `Dispatch` (from a remote operation's procedure, through its context),
 //! [`Report`] and [`RemoveTarget`] (from the executor's handle), `CancelOp` (a rolled
-//! back operation), `Sent` (its own send tasks) and ticks of its own. An outcome goes
+//! back operation without an undo), `SettleOp` and `DispatchUndo` (the rollback of one
+//! with an undo), the ends of its own send tasks, and ticks of its own. An outcome goes
 //! into the map the procedures take from, then the operation's event is woken at the
 //! lock actor: the procedure that takes the outcome finds it there. The rules it keeps:
 //! an operation is known once (a second `Dispatch` of the same id is a no-op, so a
 //! step re-run after a crash sends nothing twice within a run); it gets one outcome
 //! (a report for an operation that has one, or that it does not know, is counted and
 //! ignored); a failed send is retried with backoff until the operation's deadline,
-//! with the failed operations first in the next request.
+//! with the failed operations first in the next request. Once a rollback settles an
+//! operation (`SettleOp`), the operation is handed to the transport no more (dropped
+//! if queued, its failed sends not retried) and its outcome goes to the rollback's
+//! answer, not into the map: no event is woken for it. An undo (`DispatchUndo`) is an
+//! operation of its own, under [`OpId::undo`], whose outcome goes to its rollback's
+//! answer; its failed sends are retried until its deadline.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;

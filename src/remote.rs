@@ -23,6 +23,18 @@
 //! sending. An outcome is recorded once, so the parent sees each operation's outcome
 //! exactly once.
 //!
+//! An operation can be given its undo at dispatch ([`Dispatched::undo`]), recorded
+//! with it. Should the tree roll back while the child waits, the child's rollback
+//! settles the operation with the dispatcher ([`Fate`]): one still queued and never
+//! handed to the transport is dropped, and nothing is undone; otherwise the dispatcher
+//! sends it no more and hands its outcome (a report, a failure, its deadline) to the
+//! rollback rather than to the child's event, and if it succeeded or may have been
+//! applied the rollback sends the undo under [`OpId::undo`] and waits for the undo's
+//! report. A rollback after a restart finds the operation unknown to the dispatcher,
+//! and undoes it if it may have been sent; the undo goes under the same id again, so
+//! a node that has it answers with its first outcome. Without an undo the rollback
+//! only forgets the operation, which stays applied where it reached its node.
+//!
 //! This module is the pure part: the batching rules ([`Batcher`], driven by a clock
 //! the caller gives), the outcome types, and the child procedure. The dispatcher actor
 //! and the transport are in the actix layer.
