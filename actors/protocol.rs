@@ -33,6 +33,9 @@
 //! - Subscriptions: `TreeNews` (`executor/api.rs`).
 //! - Operators' questions: `Describe` (`root_stack/`), `GetLockReport` (`locks.rs`),
 //!   `GetStoreStatus` (`persistence.rs`).
+//! - Remote operations: `Dispatch`, `CancelOp`, `SettleOp`, `DispatchUndo`, `Report`,
+//!   `RemoveTarget` (`remote.rs`; the dispatcher answers `SettleOp` and
+//!   `DispatchUndo` on a oneshot channel), `WakeEvent` and `ResetEvent` (`locks.rs`).
 //! - The public messages a caller sends: `Submit`, `Abort`, `GetState`, `WaitFor`,
 //!   `List` (`executor/api.rs`), `WakeEvent` (`locks.rs`), beside the API they mirror.
 

@@ -5,14 +5,20 @@
 //!
 //! It receives `Dispatch` (from a remote operation's procedure, through its context),
 //! [`Report`] and [`RemoveTarget`] (from the executor's handle), `CancelOp` (a rolled
-//! back operation), `Sent` (its own send tasks) and ticks of its own. An outcome goes
+//! back operation without an undo), `SettleOp` and `DispatchUndo` (the rollback of one
+//! with an undo), the ends of its own send tasks, and ticks of its own. An outcome goes
 //! into the map the procedures take from, then the operation's event is woken at the
 //! lock actor: the procedure that takes the outcome finds it there. The rules it keeps:
 //! an operation is known once (a second `Dispatch` of the same id is a no-op, so a
 //! step re-run after a crash sends nothing twice within a run); it gets one outcome
 //! (a report for an operation that has one, or that it does not know, is counted and
 //! ignored); a failed send is retried with backoff until the operation's deadline,
-//! with the failed operations first in the next request.
+//! with the failed operations first in the next request. Once a rollback settles an
+//! operation (`SettleOp`), the operation is handed to the transport no more (dropped
+//! if queued, its failed sends not retried) and its outcome goes to the rollback's
+//! answer, not into the map: no event is woken for it. An undo (`DispatchUndo`) is an
+//! operation of its own, under [`OpId::undo`], whose outcome goes to its rollback's
+//! answer; its failed sends are retried until its deadline.
 
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
@@ -27,7 +33,9 @@ use serde::Serialize;
 use crate::actors::locks::{LockActor, ResetEvent, WakeEvent};
 use crate::actors::perturb;
 use crate::actors::shared::Mandate;
-use crate::remote::{event_of, Batch, BatchRules, Batcher, OpId, RemoteError, RemoteSink};
+use crate::remote::{
+    event_of, Answer, Batch, BatchRules, Batcher, Fate, Handing, OpId, RemoteError, RemoteSink,
+};
 
 /// A send that failed: the transport's words.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -241,6 +249,12 @@ struct Pending {
     failed_sends: u32,
     last_error: Option<String>,
     stage: Stage,
+    /// A target may have it from before a restart (see [`Handing::maybe_sent`]).
+    maybe_sent: bool,
+    /// Its rolling-back procedure waits for its outcome here (`SettleOp`), or it is an
+    /// undo whose rollback waits (`DispatchUndo`): the outcome goes here, not into
+    /// the map, and wakes no event; its sends are not retried.
+    watcher: Option<tokio::sync::oneshot::Sender<Fate>>,
 }
 
 /// The dispatcher actor (see the module docs).
@@ -390,7 +404,10 @@ impl RemoteDispatcher {
                         .saturating_mul(1 << p.failed_sends.min(16).saturating_sub(1))
                         .min(self.options.retry_max);
                     let at = now + u64::try_from(backoff.as_millis()).unwrap_or(u64::MAX);
-                    if at >= p.deadline_ms {
+                    // An op whose rollback waits is sent no more: the call failed after
+                    // it may have reached the target. (An undo is retried.)
+                    let watched = p.watcher.is_some() && id.undoes().is_none();
+                    if at >= p.deadline_ms || watched {
                         let reason = e.0.clone();
                         let target = p.target.clone();
                         self.complete(id, Err(RemoteError::CallFailed { target, reason }));
@@ -406,7 +423,8 @@ impl RemoteDispatcher {
         self.gauges(target);
     }
 
-    /// Gives `op` its outcome and wakes its procedure; it is forgotten here.
+    /// Gives `op` its outcome and wakes its procedure, or hands it to the rollback that
+    /// waits for it; it is forgotten here.
     fn complete(&mut self, op: OpId, outcome: Result<Vec<u8>, RemoteError>) {
         let Some(p) = self.pending.remove(&op) else {
             return;
@@ -414,7 +432,23 @@ impl RemoteDispatcher {
         if p.stage == Stage::Queued {
             self.batcher.cancel(&p.target, op);
         }
-        self.settle(op, &p.target, outcome);
+        match p.watcher {
+            Some(watcher) => {
+                if let Err(e) = &outcome {
+                    ::metrics::counter!(super::metrics::REMOTE_FAILURES, "target" => p.target.clone())
+                        .increment(1);
+                    tracing::debug!(target: crate::targets::REMOTE, %op, error = %e, "remote operation failed during its rollback");
+                }
+                if let Err(Fate::Outcome(outcome)) = watcher.send(Fate::Outcome(outcome)) {
+                    // The rollback that waited is gone (its tree stopped, or the
+                    // shutdown ended it): its next try takes the outcome from the map.
+                    // No event: nothing suspends on it any more.
+                    lock(&self.outcomes).insert(op, outcome);
+                }
+                self.gauges(&p.target);
+            }
+            None => self.settle(op, &p.target, outcome),
+        }
     }
 
     /// Puts `op`'s outcome where its procedure takes it, then wakes the procedure.
@@ -521,7 +555,7 @@ pub(crate) struct Dispatch {
     op: OpId,
     target: String,
     payload: Vec<u8>,
-    resend: bool,
+    how: Handing,
 }
 
 impl Message for Dispatch {
@@ -538,7 +572,7 @@ impl Handler<Dispatch> for RemoteDispatcher {
         {
             return;
         }
-        let payload = if msg.resend {
+        let payload = if msg.how.resend {
             match self.transport.rebuild(&msg.target, &msg.payload) {
                 Some(payload) => payload,
                 None => {
@@ -563,21 +597,38 @@ impl Handler<Dispatch> for RemoteDispatcher {
             }
             msg.payload
         };
+        self.enqueue(msg.op, msg.target, payload, msg.how.maybe_sent, None, ctx);
+    }
+}
+
+impl RemoteDispatcher {
+    /// Queues `op` for `target`, to be sent within its deadline.
+    fn enqueue(
+        &mut self,
+        op: OpId,
+        target: String,
+        payload: Vec<u8>,
+        maybe_sent: bool,
+        watcher: Option<tokio::sync::oneshot::Sender<Fate>>,
+        ctx: &mut Context<Self>,
+    ) {
         let now = self.now_ms();
         let deadline = u64::try_from(self.options.deadline.as_millis()).unwrap_or(u64::MAX);
+        let batches = self.batcher.push(&target, op, payload.clone(), now);
         self.pending.insert(
-            msg.op,
+            op,
             Pending {
-                target: msg.target.clone(),
-                payload: payload.clone(),
+                target: target.clone(),
+                payload,
                 deadline_ms: now.saturating_add(deadline),
                 failed_sends: 0,
                 last_error: None,
                 stage: Stage::Queued,
+                maybe_sent,
+                watcher,
             },
         );
-        let batches = self.batcher.push(&msg.target, msg.op, payload, now);
-        self.gauges(&msg.target);
+        self.gauges(&target);
         self.send_all(batches, ctx);
     }
 }
@@ -683,6 +734,99 @@ impl Handler<CancelOp> for RemoteDispatcher {
     }
 }
 
+/// A remote operation's procedure rolls back to undo it (see [`RemoteSink::settle`]):
+/// the dispatcher hands it to the transport no more, and answers with its fate once it
+/// has one.
+struct SettleOp {
+    op: OpId,
+    answer: tokio::sync::oneshot::Sender<Fate>,
+}
+
+impl Message for SettleOp {
+    type Result = ();
+}
+
+impl Handler<SettleOp> for RemoteDispatcher {
+    type Result = ();
+
+    fn handle(&mut self, msg: SettleOp, _ctx: &mut Context<Self>) {
+        let SettleOp { op, answer } = msg;
+        // Its event is woken no more (its outcome goes to the answer); an earlier wake
+        // of this dispatcher's is ahead of this reset at the lock actor.
+        self.locks.do_send(ResetEvent(event_of(op)));
+        if let Some(outcome) = lock(&self.outcomes).remove(&op) {
+            let _ = answer.send(Fate::Outcome(outcome));
+            return;
+        }
+        let Some(p) = self.pending.get_mut(&op) else {
+            let _ = answer.send(Fate::Unknown);
+            return;
+        };
+        match p.stage {
+            // In a request, or awaiting its report: its outcome is the answer.
+            Stage::Sending | Stage::Sent => p.watcher = Some(answer),
+            Stage::Queued | Stage::Retrying => {
+                let fate = if p.maybe_sent || p.failed_sends > 0 {
+                    Fate::Stopped
+                } else {
+                    Fate::Unsent
+                };
+                let target = p.target.clone();
+                if p.stage == Stage::Queued {
+                    self.batcher.cancel(&target, op);
+                }
+                self.pending.remove(&op);
+                self.gauges(&target);
+                let _ = answer.send(fate);
+            }
+        }
+    }
+}
+
+/// A rollback sends an operation's undo (see [`RemoteSink::undo`]), and waits for its
+/// outcome.
+struct DispatchUndo {
+    undo: OpId,
+    target: String,
+    payload: Vec<u8>,
+    answer: tokio::sync::oneshot::Sender<Fate>,
+}
+
+impl Message for DispatchUndo {
+    type Result = ();
+}
+
+impl Handler<DispatchUndo> for RemoteDispatcher {
+    type Result = ();
+
+    fn handle(&mut self, msg: DispatchUndo, ctx: &mut Context<Self>) {
+        let DispatchUndo {
+            undo,
+            target,
+            payload,
+            answer,
+        } = msg;
+        if !self.mandate.holds() {
+            return;
+        }
+        if let Some(p) = self.pending.get_mut(&undo) {
+            // In hand already, for a rollback that is gone: this one waits instead.
+            p.watcher = Some(answer);
+            return;
+        }
+        if let Some(outcome) = lock(&self.outcomes).remove(&undo) {
+            // Came after the rollback that waited for it was gone.
+            let _ = answer.send(Fate::Outcome(outcome));
+            return;
+        }
+        if let Err(reason) = self.transport.check(&payload) {
+            let _ = answer.send(Fate::Outcome(Err(RemoteError::BadOp { target, reason })));
+            return;
+        }
+        self.enqueue(undo, target, payload, true, Some(answer), ctx);
+    }
+}
+
 /// What a remote operation's procedure reaches the dispatcher through.
 struct DispatcherSink {
     addr: Addr<RemoteDispatcher>,
@@ -691,13 +835,13 @@ struct DispatcherSink {
 }
 
 impl RemoteSink for DispatcherSink {
-    fn dispatch(&self, op: OpId, target: &str, payload: &[u8], resend: bool) {
+    fn dispatch(&self, op: OpId, target: &str, payload: &[u8], how: Handing) {
         perturb::point("remote::sink::dispatch");
         self.addr.do_send(Dispatch {
             op,
             target: target.to_string(),
             payload: payload.to_vec(),
-            resend,
+            how,
         });
     }
 
@@ -712,5 +856,24 @@ impl RemoteSink for DispatcherSink {
     fn cancel(&self, op: OpId) {
         self.addr.do_send(CancelOp(op));
         self.locks.do_send(ResetEvent(event_of(op)));
+    }
+
+    fn settle(&self, op: OpId) -> Answer<Fate> {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        perturb::point("remote::sink::settle");
+        self.addr.do_send(SettleOp { op, answer });
+        Box::pin(async move { answered.await.ok() })
+    }
+
+    fn undo(&self, undo: OpId, target: &str, payload: &[u8]) -> Answer<Fate> {
+        let (answer, answered) = tokio::sync::oneshot::channel();
+        perturb::point("remote::sink::undo");
+        self.addr.do_send(DispatchUndo {
+            undo,
+            target: target.to_string(),
+            payload: payload.to_vec(),
+            answer,
+        });
+        Box::pin(async move { answered.await.ok() })
     }
 }

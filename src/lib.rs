@@ -89,7 +89,7 @@ pub use crate::record::{Failure, Nonce, Paused};
 #[doc(inline)]
 pub use crate::ops::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
-pub use crate::remote::{BatchRules, OpId, RemoteError, RemoteResult, REMOTE_CALL};
+pub use crate::remote::{BatchRules, Dispatched, OpId, RemoteError, RemoteResult, REMOTE_CALL};
 pub use crate::saga::{Saga, SagaContext, SagaProcedure, Undoing};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};
 pub use crate::store::{MemoryStore, ProcedureStore, StoreError, StoreStatus};

@@ -986,7 +986,21 @@ impl<E: ?Sized> Context<E> {
     /// ([`ExecutorBuilder::remote`](crate::ExecutorBuilder::remote)). Operations
     /// dispatched in a step that does not return `await_remote` are dropped.
     ///
+    /// The answer can give the operation its undo, sent should the tree roll back
+    /// while the operation may have been applied ([`Dispatched::undo`]):
+    ///
+    /// ```
+    /// # use proctor::{Context, Flow, ProcError};
+    /// # #[derive(serde::Serialize)] enum RegionOp { Open(u32), Close(u32) }
+    /// # fn step(ctx: &mut Context) -> Result<Flow, ProcError> {
+    /// ctx.dispatch("rs-1", &RegionOp::Open(7))?.undo(&RegionOp::Close(7))?;
+    /// ctx.dispatch("rs-2", &RegionOp::Open(8))?; // left applied on a rollback
+    /// Ok(ctx.await_remote())
+    /// # }
+    /// ```
+    ///
     /// [`OpId`]: crate::OpId
+    /// [`Dispatched::undo`]: crate::Dispatched::undo
     ///
     /// # Errors
     /// [`ProcError::Persist`] if `op` does not serialize.
@@ -994,15 +1008,13 @@ impl<E: ?Sized> Context<E> {
         &mut self,
         target: impl Into<String>,
         op: &T,
-    ) -> Result<(), ProcError> {
+    ) -> Result<crate::remote::Dispatched<'_>, ProcError> {
         let op = rmp_serde::to_vec_named(op)
             .map_err(|e| ProcError::Persist(format!("remote operation: {e}")))?;
-        self.dispatched.push(crate::remote::RemoteCall {
-            target: target.into(),
-            op,
-            sent: false,
-        });
-        Ok(())
+        let at = self.dispatched.len();
+        self.dispatched
+            .push(crate::remote::RemoteCall::new(target.into(), op));
+        Ok(crate::remote::Dispatched::new(&mut self.dispatched[at]))
     }
 
     /// The outcomes of the remote operations this procedure waited for (see

@@ -23,6 +23,18 @@
 //! sending. An outcome is recorded once, so the parent sees each operation's outcome
 //! exactly once.
 //!
+//! An operation can be given its undo at dispatch ([`Dispatched::undo`]), recorded
+//! with it. Should the tree roll back while the child waits, the child's rollback
+//! settles the operation with the dispatcher ([`Fate`]): one still queued and never
+//! handed to the transport is dropped, and nothing is undone; otherwise the dispatcher
+//! sends it no more and hands its outcome (a report, a failure, its deadline) to the
+//! rollback rather than to the child's event, and if it succeeded or may have been
+//! applied the rollback sends the undo under [`OpId::undo`] and waits for the undo's
+//! report. A rollback after a restart finds the operation unknown to the dispatcher,
+//! and undoes it if it may have been sent; the undo goes under the same id again, so
+//! a node that has it answers with its first outcome. Without an undo the rollback
+//! only forgets the operation, which stays applied where it reached its node.
+//!
 //! This module is the pure part: the batching rules ([`Batcher`], driven by a clock
 //! the caller gives), the outcome types, and the child procedure. The dispatcher actor
 //! and the transport are in the actix layer.
@@ -31,7 +43,10 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -39,13 +54,52 @@ use serde::{Deserialize, Serialize};
 use crate::procedure::{Context, Flow, ProcError, ProcId, Procedure};
 
 /// The id of a remote operation: unique and stable across restarts (it is the id of
-/// the child procedure that carries it), so a node deduplicates by it.
+/// the child procedure that carries it), so a node deduplicates by it. The undo of an
+/// operation ([`Dispatched::undo`]) goes under an id of its own, [`OpId::undo`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct OpId(pub u64);
 
+/// The bit an undo's id sets: procedure ids never have it (ids start at 1, and the
+/// stores refuse one above `2^63 - 1` as damage), so no operation's id is an undo's.
+const UNDO_BIT: u64 = 1 << 63;
+
+impl OpId {
+    /// The id the undo of this operation is sent under ([`Dispatched::undo`]): this
+    /// id with its top bit set. Derived, not allocated, so it is the same in every
+    /// engine that rolls the operation back (a node deduplicates the undo by it as
+    /// it does the operation), and it is no operation's id: procedure ids stay below
+    /// `2^63`.
+    ///
+    /// ```
+    /// use proctor::OpId;
+    /// let open = OpId(42);
+    /// assert_ne!(open.undo(), open);
+    /// assert_eq!(open.undo().undoes(), Some(open));
+    /// assert_eq!(open.undoes(), None);
+    /// assert_eq!(open.undo().to_string(), "op-42/undo");
+    /// ```
+    #[must_use]
+    pub const fn undo(self) -> OpId {
+        OpId(self.0 | UNDO_BIT)
+    }
+
+    /// The operation this id is the undo of, if it is an undo's id ([`OpId::undo`]).
+    #[must_use]
+    pub const fn undoes(self) -> Option<OpId> {
+        if self.0 & UNDO_BIT == 0 {
+            None
+        } else {
+            Some(OpId(self.0 & !UNDO_BIT))
+        }
+    }
+}
+
 impl fmt::Display for OpId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "op-{}", self.0)
+        match self.undoes() {
+            Some(op) => write!(f, "op-{}/undo", op.0),
+            None => write!(f, "op-{}", self.0),
+        }
     }
 }
 
@@ -176,16 +230,81 @@ pub(crate) fn event_of(op: OpId) -> String {
     format!("proctor.remote/{}", op.0)
 }
 
+/// How a `RemoteCall` hands its operation over.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Handing {
+    /// The op was sent before a restart (recorded as handed over): the transport may
+    /// decide it no longer needs sending.
+    pub resend: bool,
+    /// A target may have it already (it was handed over before a restart, or this
+    /// child's step may have run before one): should its rollback find it still
+    /// queued, it is not taken as never sent.
+    pub maybe_sent: bool,
+}
+
+/// What became of an operation whose child rolls back, as the dispatcher answers
+/// [`RemoteSink::settle`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Fate {
+    /// Dropped from its target's queue before it was ever handed to the transport:
+    /// never applied.
+    Unsent,
+    /// Dropped while its sends were being retried (or while queued again after a
+    /// restart): one of them may have reached the target.
+    Stopped,
+    /// The dispatcher does not know it: it was handed over before a restart, or not
+    /// at all.
+    Unknown,
+    /// Its outcome: a report, a failure, or its deadline.
+    Outcome(Result<Vec<u8>, RemoteError>),
+}
+
+impl Fate {
+    /// Whether the operation must be undone: it succeeded, or may have been applied
+    /// (`may_have_been_sent`, for an operation the dispatcher does not know).
+    pub(crate) fn needs_undo(&self, may_have_been_sent: bool) -> bool {
+        match self {
+            Fate::Unsent => false,
+            Fate::Stopped => true,
+            Fate::Unknown => may_have_been_sent,
+            Fate::Outcome(Ok(_)) => true,
+            Fate::Outcome(Err(e)) => match e {
+                // It failed on the target, its target is declared gone (what it
+                // applied went with it), or it was never sent.
+                RemoteError::Operation { .. }
+                | RemoteError::TargetGone { .. }
+                | RemoteError::BadOp { .. } => false,
+                // No report in time, a call that failed after it may have reached
+                // the target, a resend the transport declined: unknown.
+                RemoteError::CallFailed { .. }
+                | RemoteError::Timeout { .. }
+                | RemoteError::NotSent { .. } => true,
+            },
+        }
+    }
+}
+
+/// An answer of the dispatcher's, to await; `None` if it stopped before answering.
+pub(crate) type Answer<T> = Pin<Box<dyn Future<Output = Option<T>> + Send>>;
+
 /// What a `RemoteCall` child asks of the engine's dispatcher (implemented in the actix
 /// layer).
 pub(crate) trait RemoteSink: Send + Sync {
-    /// Hands `op` to the dispatcher, unless it already has it; `resend`: the op was
-    /// sent before a restart (the transport may decide it no longer needs sending).
-    fn dispatch(&self, op: OpId, target: &str, payload: &[u8], resend: bool);
+    /// Hands `op` to the dispatcher, unless it already has it.
+    fn dispatch(&self, op: OpId, target: &str, payload: &[u8], how: Handing);
     /// Takes `op`'s outcome, if it has come; the op is then forgotten.
     fn take(&self, op: OpId) -> Option<Result<Vec<u8>, RemoteError>>;
-    /// The op's procedure is rolled back: forget the op and any outcome.
+    /// The op's procedure is rolled back, and the op has no undo: forget the op and any
+    /// outcome.
     fn cancel(&self, op: OpId);
+    /// The op's procedure is rolled back to undo it: the dispatcher hands the op to the
+    /// transport no more (a queued one is dropped, a failed send not retried) and
+    /// answers with its fate, once it has one: its outcome goes to this answer, not to
+    /// the op's procedure.
+    fn settle(&self, op: OpId) -> Answer<Fate>;
+    /// Sends `undo`, an op's undo under [`OpId::undo`], to `target`, and answers with
+    /// its outcome (a second call for an undo in hand waits for the same outcome).
+    fn undo(&self, undo: OpId, target: &str, payload: &[u8]) -> Answer<Fate>;
 }
 
 /// The dispatcher a call's context reaches.
@@ -193,6 +312,8 @@ pub(crate) type Sink = Arc<dyn RemoteSink>;
 
 /// The child procedure that carries one remote operation (registered as
 /// [`REMOTE_CALL`]): dispatches it, waits for its outcome, records it as its value.
+/// Its rollback undoes the operation if it was given an undo (see
+/// [`Dispatched::undo`]); without one it only forgets the operation.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub(crate) struct RemoteCall {
     pub(crate) target: String,
@@ -202,6 +323,89 @@ pub(crate) struct RemoteCall {
     /// without an outcome is then a run after a restart.
     #[serde(default)]
     pub(crate) sent: bool,
+    /// The operation that undoes `op`, recorded with it (with the step that
+    /// dispatched it), sent under [`OpId::undo`] by a rollback that finds `op`
+    /// applied, or possibly applied.
+    #[serde(default, with = "serde_bytes")]
+    pub(crate) undo: Option<Vec<u8>>,
+    /// A rollback call of it succeeded (it undid the operation, or found nothing to
+    /// undo): a later one, of another of its steps, sends nothing.
+    #[serde(default)]
+    pub(crate) undone: bool,
+    /// Decoded from its record (after a restart, or its actor's restart): its first
+    /// send in this engine may not be its first.
+    #[serde(skip)]
+    pub(crate) recovered: bool,
+}
+
+impl RemoteCall {
+    /// `op` for `target`, with no undo yet.
+    pub(crate) fn new(target: String, op: Vec<u8>) -> Self {
+        RemoteCall {
+            target,
+            op,
+            sent: false,
+            undo: None,
+            undone: false,
+            recovered: false,
+        }
+    }
+}
+
+/// A remote operation a step has just dispatched ([`Context::dispatch`]): give it the
+/// operation that undoes it with [`Dispatched::undo`], or drop it (no undo).
+///
+/// [`Context::dispatch`]: crate::Context::dispatch
+#[derive(Debug)]
+pub struct Dispatched<'a> {
+    call: &'a mut RemoteCall,
+}
+
+impl<'a> Dispatched<'a> {
+    pub(crate) fn new(call: &'a mut RemoteCall) -> Self {
+        Dispatched { call }
+    }
+
+    /// Gives the operation its undo: the operation, of the transport's type, that a
+    /// rollback sends to the same target to take it back. It is recorded with the
+    /// operation (with the step that dispatched it).
+    ///
+    /// Should the tree roll back before the operation's child has recorded the
+    /// outcome, the child's rollback settles the operation first: one still queued,
+    /// never handed to the transport, is dropped and nothing is undone; otherwise the
+    /// rollback waits for its outcome (a report, a failure, its deadline), and if it
+    /// succeeded, or may have (no report within the deadline, the call failed after
+    /// it may have reached the target, the engine restarted meanwhile), sends the
+    /// undo under [`OpId::undo`] and waits for the undo's report. An operation that
+    /// failed on its target ([`RemoteError::Operation`]), or whose target was removed
+    /// ([`RemoteError::TargetGone`]), is not undone. A failed undo fails the rollback,
+    /// which the engine retries with backoff (then ROLLBACK_PAUSED, under the default
+    /// failure policy). A target deduplicates the undo by its id, as it does the
+    /// operation, and must take an undo of an operation it never applied as done.
+    ///
+    /// An operation without an undo is left as it is: one that reached its target
+    /// stays applied whatever its tree does. The same goes, with or without an undo,
+    /// for an operation whose child recorded its outcome before the tree failed: the
+    /// engine does not roll back children that succeeded, so the parent's rollback
+    /// undoes what its steps read.
+    ///
+    /// ```
+    /// # use proctor::{Context, Flow, ProcError};
+    /// # #[derive(serde::Serialize)] enum RegionOp { Open(u32), Close(u32) }
+    /// # fn step(ctx: &mut Context) -> Result<Flow, ProcError> {
+    /// ctx.dispatch("rs-1", &RegionOp::Open(7))?.undo(&RegionOp::Close(7))?;
+    /// Ok(ctx.await_remote())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ProcError::Persist`] if `undo` does not serialize.
+    pub fn undo<T: Serialize>(self, undo: &T) -> Result<(), ProcError> {
+        let undo = rmp_serde::to_vec_named(undo)
+            .map_err(|e| ProcError::Persist(format!("undo of a remote operation: {e}")))?;
+        self.call.undo = Some(undo);
+        Ok(())
+    }
 }
 
 /// The registered name of the remote operations' child procedures.
@@ -225,20 +429,91 @@ impl<E: Send + Sync + 'static> Procedure<E> for RemoteCall {
             })?;
             return Ok(Flow::Done);
         }
-        sink.dispatch(op, &self.target, &self.op, self.sent);
+        let how = Handing {
+            resend: self.sent,
+            maybe_sent: self.sent || self.recovered,
+        };
+        sink.dispatch(op, &self.target, &self.op, how);
         self.sent = true;
         Ok(Flow::Suspend(event_of(op)))
     }
 
+    /// Without an undo, forgets the operation: one that reached its target stays
+    /// applied. With one, settles the operation and undoes it if it was, or may have
+    /// been, applied (see [`Dispatched::undo`]).
     async fn rollback(&mut self, ctx: &mut Context<E>) -> Result<(), ProcError> {
-        if let Some(sink) = ctx.remote_sink() {
-            sink.cancel(OpId::from(ctx.id()));
+        let op = OpId::from(ctx.id());
+        let Some(sink) = ctx.remote_sink() else {
+            return Ok(());
+        };
+        let Some(undo) = self.undo.clone() else {
+            sink.cancel(op);
+            return Ok(());
+        };
+        if self.undone {
+            return Ok(());
         }
+        // A step cut off by a crash may have handed the op over unrecorded.
+        let may_have_been_sent =
+            self.sent || self.recovered || ctx.undoing() == crate::procedure::Undo::Interrupted;
+        let fate = answered(ctx, sink.settle(op), &format!("the outcome of {op}")).await?;
+        if fate.needs_undo(may_have_been_sent) {
+            let undo_id = op.undo();
+            let waiting = format!("the outcome of {undo_id}");
+            match answered(ctx, sink.undo(undo_id, &self.target, &undo), &waiting).await? {
+                Fate::Outcome(Ok(_) | Err(RemoteError::TargetGone { .. })) => {}
+                Fate::Outcome(Err(e)) => {
+                    return Err(ProcError::failed(format!("{undo_id}: {e}")));
+                }
+                other => {
+                    return Err(ProcError::failed(format!(
+                        "{undo_id}: the dispatcher answered {other:?}"
+                    )));
+                }
+            }
+        }
+        self.undone = true;
         Ok(())
+    }
+
+    fn before_recover(&mut self, _ctx: &Context<E>) {
+        self.recovered = true;
+    }
+
+    fn after_recover(&mut self, _ctx: &Context<E>) {
+        self.recovered = true;
     }
 
     fn state_name(&self) -> Option<String> {
         Some(format!("remote to {}", self.target))
+    }
+}
+
+/// The dispatcher's answer, unless the engine's shutdown signal (a graceful stop's
+/// drain deadline) comes first: the rollback then fails, to be tried again after the
+/// restart.
+async fn answered<E: ?Sized, T>(
+    ctx: &Context<E>,
+    answer: Answer<T>,
+    waiting_for: &str,
+) -> Result<T, ProcError> {
+    let mut answer = answer;
+    let mut cancelled = std::pin::pin!(ctx.cancelled());
+    let answer = std::future::poll_fn(|cx| {
+        if let Poll::Ready(answer) = answer.as_mut().poll(cx) {
+            return Poll::Ready(Some(answer));
+        }
+        cancelled.as_mut().poll(cx).map(|()| None)
+    })
+    .await;
+    match answer {
+        Some(Some(answer)) => Ok(answer),
+        Some(None) => Err(ProcError::failed(format!(
+            "the remote dispatcher stopped before {waiting_for} came"
+        ))),
+        None => Err(ProcError::failed(format!(
+            "stopped by the engine's shutdown while waiting for {waiting_for}"
+        ))),
     }
 }
 
@@ -585,6 +860,242 @@ mod tests {
         assert!(sent.iter().all(|batch| batch.ops.len() <= 32));
         assert_eq!(sent.iter().map(|b| b.ops.len()).sum::<usize>(), 100);
         assert_eq!(sent.len(), 6, "two requests per target: 32 and the rest");
+    }
+
+    #[test]
+    fn an_undos_id_is_no_operations_and_leads_back_to_its_operation() {
+        for id in [1u64, 42, crate::wal::MAX_ID] {
+            let op = OpId(id);
+            assert_eq!(op.undoes(), None);
+            assert_ne!(op.undo(), op);
+            assert_eq!(op.undo().undoes(), Some(op));
+            assert_eq!(op.undo().undo(), op.undo());
+        }
+        assert_eq!(OpId(7).undo().to_string(), "op-7/undo");
+    }
+
+    #[test]
+    fn an_operation_is_undone_when_it_succeeded_or_may_have_been_applied() {
+        let target = || "rs-1".to_string();
+        let reason = || "no".to_string();
+        // (what became of it, whether it may have been sent, whether it is undone)
+        let cases = [
+            (Fate::Unsent, true, false),
+            (Fate::Stopped, false, true),
+            (Fate::Unknown, true, true),
+            (Fate::Unknown, false, false),
+            (Fate::Outcome(Ok(vec![0xc0])), false, true),
+            (
+                Fate::Outcome(Err(RemoteError::Operation {
+                    target: target(),
+                    reason: reason(),
+                })),
+                true,
+                false,
+            ),
+            (
+                Fate::Outcome(Err(RemoteError::TargetGone { target: target() })),
+                true,
+                false,
+            ),
+            (
+                Fate::Outcome(Err(RemoteError::BadOp {
+                    target: target(),
+                    reason: reason(),
+                })),
+                true,
+                false,
+            ),
+            (
+                Fate::Outcome(Err(RemoteError::CallFailed {
+                    target: target(),
+                    reason: reason(),
+                })),
+                false,
+                true,
+            ),
+            (
+                Fate::Outcome(Err(RemoteError::Timeout {
+                    target: target(),
+                    deadline_ms: 5,
+                })),
+                false,
+                true,
+            ),
+            (
+                Fate::Outcome(Err(RemoteError::NotSent { target: target() })),
+                false,
+                true,
+            ),
+        ];
+        for (fate, may_have_been_sent, undone) in cases {
+            assert_eq!(
+                fate.needs_undo(may_have_been_sent),
+                undone,
+                "{fate:?}, may have been sent: {may_have_been_sent}"
+            );
+        }
+    }
+
+    /// A dispatcher that answers at once: what the op came to, and what its undo does.
+    struct Answering {
+        fate: Fate,
+        undo: Fate,
+        calls: std::sync::Mutex<Vec<String>>,
+    }
+
+    impl RemoteSink for Answering {
+        fn dispatch(&self, op: OpId, _: &str, _: &[u8], _: Handing) {
+            self.calls.lock().unwrap().push(format!("dispatch {op}"));
+        }
+        fn take(&self, _: OpId) -> Option<Result<Vec<u8>, RemoteError>> {
+            None
+        }
+        fn cancel(&self, op: OpId) {
+            self.calls.lock().unwrap().push(format!("cancel {op}"));
+        }
+        fn settle(&self, op: OpId) -> Answer<Fate> {
+            self.calls.lock().unwrap().push(format!("settle {op}"));
+            let fate = self.fate.clone();
+            Box::pin(async move { Some(fate) })
+        }
+        fn undo(&self, undo: OpId, target: &str, _: &[u8]) -> Answer<Fate> {
+            self.calls
+                .lock()
+                .unwrap()
+                .push(format!("undo {undo} on {target}"));
+            let fate = self.undo.clone();
+            Box::pin(async move { Some(fate) })
+        }
+    }
+
+    /// Rolls `call` back (child 9) as `undo` says, against a dispatcher answering
+    /// `fate` for the op and `undone` for its undo: what it asked, and how it ended.
+    fn roll_back(
+        call: &mut RemoteCall,
+        undo: crate::procedure::Undo,
+        fate: Fate,
+        undone: Fate,
+    ) -> (Vec<String>, Result<(), ProcError>) {
+        let sink = Arc::new(Answering {
+            fate,
+            undo: undone,
+            calls: std::sync::Mutex::default(),
+        });
+        let mut ctx = Context::new(ProcId(9), Some(ProcId(1)), ProcId(1), 0, Arc::new(()))
+            .with_remote(Some(sink.clone()))
+            .undoing_step(undo);
+        let result = std::pin::pin!(Procedure::<()>::rollback(call, &mut ctx))
+            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+        let Poll::Ready(result) = result else {
+            panic!("the answers were ready")
+        };
+        let calls = sink.calls.lock().unwrap().clone();
+        (calls, result)
+    }
+
+    #[test]
+    fn a_rollback_undoes_its_operation_once_when_it_was_or_may_have_been_applied() {
+        use crate::procedure::Undo;
+        let sent = || RemoteCall {
+            sent: true,
+            undo: Some(vec![0xc0]),
+            ..RemoteCall::new("rs-1".into(), vec![0xc0])
+        };
+        let ok = || Fate::Outcome(Ok(vec![0xc0]));
+        let settle = "settle op-9";
+        let undo = "undo op-9/undo on rs-1";
+
+        // Without an undo: forgotten, as before.
+        let mut call = RemoteCall::new("rs-1".into(), vec![0xc0]);
+        let (calls, result) = roll_back(&mut call, Undo::Completed, ok(), ok());
+        assert_eq!((calls, result), (vec!["cancel op-9".to_string()], Ok(())));
+
+        // Applied: undone, once; a second rollback call sends nothing.
+        let mut call = sent();
+        let (calls, result) = roll_back(&mut call, Undo::Completed, ok(), ok());
+        assert_eq!(calls, [settle, undo]);
+        assert_eq!(result, Ok(()));
+        assert!(call.undone);
+        let (calls, result) = roll_back(&mut call, Undo::Completed, ok(), ok());
+        assert!(calls.is_empty(), "{calls:?}");
+        assert_eq!(result, Ok(()));
+
+        // Never sent, or failed on its target: nothing to undo.
+        let mut call = sent();
+        let (calls, _) = roll_back(&mut call, Undo::Completed, Fate::Unsent, ok());
+        assert_eq!(calls, [settle]);
+        let failed = Fate::Outcome(Err(RemoteError::Operation {
+            target: "rs-1".into(),
+            reason: "full".into(),
+        }));
+        let (calls, _) = roll_back(&mut sent(), Undo::Completed, failed, ok());
+        assert_eq!(calls, [settle]);
+
+        // Unknown to the dispatcher (a restart): undone if it may have been sent —
+        // recorded as sent, decoded from its record, or its step was cut off.
+        let (calls, _) = roll_back(&mut sent(), Undo::Completed, Fate::Unknown, ok());
+        assert_eq!(calls, [settle, undo]);
+        let unsent = || RemoteCall {
+            sent: false,
+            ..sent()
+        };
+        let (calls, _) = roll_back(&mut unsent(), Undo::Failed, Fate::Unknown, ok());
+        assert_eq!(calls, [settle]);
+        let (calls, _) = roll_back(&mut unsent(), Undo::Interrupted, Fate::Unknown, ok());
+        assert_eq!(calls, [settle, undo]);
+        let mut recovered = unsent();
+        Procedure::<()>::after_recover(
+            &mut recovered,
+            &Context::new(ProcId(9), None, ProcId(9), 0, Arc::new(())),
+        );
+        let (calls, _) = roll_back(&mut recovered, Undo::Failed, Fate::Unknown, ok());
+        assert_eq!(calls, [settle, undo]);
+
+        // A failed undo fails the rollback, to be tried again; a removed target's is
+        // done.
+        let mut call = sent();
+        let no = Fate::Outcome(Err(RemoteError::Timeout {
+            target: "rs-1".into(),
+            deadline_ms: 5,
+        }));
+        let (_, result) = roll_back(&mut call, Undo::Completed, ok(), no);
+        let error = result.unwrap_err().to_string();
+        assert!(error.contains("op-9/undo: no report from rs-1"), "{error}");
+        assert!(!call.undone);
+        let gone = Fate::Outcome(Err(RemoteError::TargetGone {
+            target: "rs-1".into(),
+        }));
+        let (_, result) = roll_back(&mut call, Undo::Completed, Fate::Unknown, gone);
+        assert_eq!(result, Ok(()));
+        assert!(call.undone);
+    }
+
+    #[test]
+    fn a_remote_call_recorded_before_undos_decodes_without_one() {
+        #[derive(Serialize)]
+        struct Before {
+            target: String,
+            #[serde(with = "serde_bytes")]
+            op: Vec<u8>,
+            sent: bool,
+        }
+        let before = Before {
+            target: "rs-1".into(),
+            op: vec![1, 2],
+            sent: true,
+        };
+        let bytes = rmp_serde::to_vec_named(&before).unwrap();
+        let call: RemoteCall = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!((call.sent, call.undo, call.undone), (true, None, false));
+        let with_undo = RemoteCall {
+            undo: Some(vec![3]),
+            ..RemoteCall::new("rs-1".into(), vec![1, 2])
+        };
+        let bytes = rmp_serde::to_vec_named(&with_undo).unwrap();
+        let call: RemoteCall = rmp_serde::from_slice(&bytes).unwrap();
+        assert_eq!(call.undo, Some(vec![3]));
+        assert!(!call.recovered, "in memory only");
     }
 
     #[test]

@@ -5,7 +5,8 @@
 //! Each seed submits a few roots; each dispatches one to four operations to random
 //! nodes of four, waits for them, reads their outcomes, and — as the seed says — goes
 //! on, dispatches once more, or fails when an operation failed (its tree rolls back).
-//! The fake nodes answer some operations in the request's answer (a value, or a
+//! Some roots give each operation its undo (`ctx.dispatch(..)?.undo(..)`), which a
+//! rollback sends while the operation may be applied. The fake nodes answer some operations in the request's answer (a value, or a
 //! failure on the node), hold the others for a reporter that reports them later in any
 //! order, some twice, beside reports for operations nobody dispatched; some sends fail
 //! and are retried; one node may die mid-run (its sends fail) and a watchdog removes
@@ -24,7 +25,11 @@
 //! - a node receives an operation's id only with that operation's payload (ids are
 //!   stable across re-sends), and applies it once;
 //! - one engine takes at most one report per operation (`Executor::report` answers
-//!   `true` once).
+//!   `true` once);
+//! - an undo carries the undo its operation was dispatched with, and comes only for an
+//!   operation of a root that did not succeed; in a run without a crash, none comes
+//!   for an operation that failed on its node, each comes once, and none before a
+//!   receipt of its operation (an operation is not sent again once its undo was).
 //!
 //! `PROCTOR_SEEDS` (default 16), `PROCTOR_SEED`, `PROCTOR_SEED_BASE` and
 //! `PROCTOR_PERTURB_SECS` work as for `tests/perturbation.rs`.
@@ -83,6 +88,12 @@ struct World {
     seen: Mutex<Vec<(ProcId, u8, Seen)>>,
     /// Reports the engine took, per engine incarnation and op.
     taken: Mutex<HashMap<(u32, OpId), u32>>,
+    /// Every receipt of an op id by a node, in order (re-sends included).
+    order: Mutex<Vec<OpId>>,
+    /// Ops that failed on their node (it reported a failure, at once or later).
+    failed_on_node: Mutex<HashSet<OpId>>,
+    /// How each root ended (`true`: SUCCESS), on the last engine that ran it.
+    ended: Mutex<HashMap<ProcId, bool>>,
     incarnation: AtomicU32,
     violations: Mutex<Vec<String>>,
 }
@@ -126,9 +137,21 @@ impl Transport for Nodes {
         let mut reports = Vec::new();
         for (id, op) in ops {
             world.receipts.fetch_add(1, Ordering::SeqCst);
+            world.order.lock().unwrap().push(id);
             let known = world.received.lock().unwrap().insert(id, op.clone());
             if known.as_ref().is_some_and(|k| *k != op) {
                 world.violation(format!("{id} received as {known:?}, then as {op:?}"));
+            }
+            if let Some(of) = id.undoes() {
+                // An undo carries its operation's undo, whenever it comes.
+                let of_op = world.received.lock().unwrap().get(&of).cloned();
+                let fits = match &of_op {
+                    Some(of_op) => op.tag == format!("undo/{}", of_op.tag),
+                    None => op.tag.starts_with("undo/"),
+                };
+                if !fits {
+                    world.violation(format!("{id} carries {op:?}, the undo of {of_op:?}"));
+                }
             }
             // The node applies an op once, whatever it is sent again.
             world
@@ -137,7 +160,12 @@ impl Transport for Nodes {
                 .unwrap()
                 .entry(id)
                 .or_insert_with(|| (target.to_string(), op.clone()));
-            let fails = world.roll(10);
+            // An undo does not fail on its node (one that did would fail its
+            // rollback, retried until it is paused for an operator).
+            let fails = world.roll(10) && id.undoes().is_none();
+            if fails {
+                world.failed_on_node.lock().unwrap().insert(id);
+            }
             if world.roll(40) {
                 world
                     .held
@@ -155,13 +183,15 @@ impl Transport for Nodes {
 }
 
 /// A root: dispatches `ops` (target, tag), reads the outcomes; then, as planned,
-/// dispatches `again` once more, and fails if an outcome failed and `strict`.
+/// dispatches `again` once more, and fails if an outcome failed and `strict`. With
+/// `undo`, each operation is dispatched with its undo (tag `undo/TAG`).
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Fan {
     ops: Vec<(String, String)>,
     again: Option<(String, String)>,
     strict: bool,
     phase: u8,
+    undo: bool,
 }
 
 #[async_trait]
@@ -203,7 +233,11 @@ impl Procedure<World> for Fan {
             _ => return Ok(Flow::Done),
         };
         for (target, tag) in &batch {
-            ctx.dispatch(target.clone(), &Op { tag: tag.clone() })?;
+            let dispatched = ctx.dispatch(target.clone(), &Op { tag: tag.clone() })?;
+            if self.undo {
+                let tag = format!("undo/{tag}");
+                dispatched.undo(&Op { tag })?;
+            }
         }
         world
             .dispatched
@@ -230,6 +264,8 @@ struct Plan {
 
 fn gen_plan(seed: u64) -> Plan {
     let mut rng = fastrand::Rng::with_seed(seed);
+    // Drawn apart, so that a seed plans the rest as it did before undos.
+    let mut undos = fastrand::Rng::with_seed(seed.rotate_left(17));
     let roots = (0..rng.usize(2..7))
         .map(|r| {
             let ops = (0..rng.usize(1..5))
@@ -247,6 +283,7 @@ fn gen_plan(seed: u64) -> Plan {
                     .then(|| (NODES[rng.usize(..3)].to_string(), format!("r{r}-again"))),
                 strict: rng.u32(0..3) == 0,
                 phase: 0,
+                undo: undos.bool(),
             }
         })
         .collect();
@@ -262,7 +299,7 @@ fn gen_plan(seed: u64) -> Plan {
             (rng.usize(1..16), point)
         }),
         dies_at: rng.bool().then(|| rng.u32(0..40)),
-        abort: rng.u32(0..4) == 0,
+        abort: rng.u32(0..4) == 0 || undos.u32(0..3) == 0,
     }
 }
 
@@ -397,7 +434,9 @@ async fn run_seed(seed: u64) -> Arc<World> {
     let mut crashed = roots.len() < plan.roots.len();
     for &root in &roots {
         match executor.wait(root).await {
-            Ok(_) => {}
+            Ok(result) => {
+                world.ended.lock().unwrap().insert(root, result.is_ok());
+            }
             Err(Error::Store(_)) => crashed = true,
             Err(e) => panic!("seed {seed}: wait for {root}: {e}"),
         }
@@ -414,7 +453,10 @@ async fn run_seed(seed: u64) -> Arc<World> {
         all.extend(executor.recovery().recovered_roots.iter().copied());
         for root in all {
             match executor.wait(root).await {
-                Ok(_) | Err(Error::UnknownProcedure(_) | Error::Gone(_)) => {}
+                Ok(result) => {
+                    world.ended.lock().unwrap().insert(root, result.is_ok());
+                }
+                Err(Error::UnknownProcedure(_) | Error::Gone(_)) => {}
                 Err(e) => panic!("seed {seed}: wait for {root} after the restart: {e}"),
             }
         }
@@ -498,13 +540,53 @@ fn check(seed: u64, world: &World) {
             fail(format!("engine {incarnation} took {n} reports of {id}"));
         }
     }
+    check_undos(seed, world, &dispatched);
+}
+
+/// The undos the nodes received: each for an operation of a root that did not succeed;
+/// and, in a run without a crash, none for an operation that failed on its node, each
+/// received once, and none before a receipt of its operation.
+fn check_undos(seed: u64, world: &World, dispatched: &Dispatched) {
+    let fail = |what: String| -> ! { panic!("seed {seed}: {what}") };
+    let root_of: HashMap<&str, ProcId> = dispatched
+        .iter()
+        .flat_map(|((root, _), batch)| batch.iter().map(move |(_, tag)| (tag.as_str(), *root)))
+        .collect();
+    let received = world.received.lock().unwrap().clone();
+    let ended = world.ended.lock().unwrap().clone();
+    let failed_on_node = world.failed_on_node.lock().unwrap().clone();
+    let order = world.order.lock().unwrap().clone();
+    let crashed = world.restarts.load(Ordering::SeqCst) > 0;
+    let mut undone = HashSet::new();
+    for (at, id) in order.iter().enumerate() {
+        let Some(op) = id.undoes() else { continue };
+        let tag = received[id].tag.trim_start_matches("undo/");
+        let Some(root) = root_of.get(tag) else {
+            fail(format!("{id} undoes {tag}, which no root dispatched"));
+        };
+        if ended.get(root) == Some(&true) {
+            fail(format!("{id} undid {tag} of {root}, which succeeded"));
+        }
+        if crashed {
+            continue;
+        }
+        if failed_on_node.contains(&op) {
+            fail(format!("{id} undid {op}, which failed on its node"));
+        }
+        if !undone.insert(*id) {
+            fail(format!("{id} reached its node twice without a crash"));
+        }
+        if order[at..].contains(&op) {
+            fail(format!("{op} reached its node after its undo {id}"));
+        }
+    }
 }
 
 #[actix::test]
 async fn remote_operations_keep_every_promise_under_perturbation() {
     let mut seeds = common::seeds::Seeds::from_env(16);
     let (mut runs, mut outcomes, mut failed, mut gone) = (0, 0, 0, 0);
-    let (mut restarts, mut resent, mut taken) = (0, 0, 0);
+    let (mut restarts, mut resent, mut taken, mut undos) = (0, 0, 0, 0);
     for seed in seeds.by_ref() {
         // A guard against a hang (which is itself the failure), not a sequencer: shorter
         // than the operations' deadline.
@@ -528,12 +610,19 @@ async fn remote_operations_keep_every_promise_under_perturbation() {
         resent +=
             world.receipts.load(Ordering::SeqCst) as usize - world.received.lock().unwrap().len();
         taken += world.taken.lock().unwrap().len();
+        undos += world
+            .received
+            .lock()
+            .unwrap()
+            .keys()
+            .filter(|id| id.undoes().is_some())
+            .count();
         runs += 1;
     }
     eprintln!(
         "{runs} seeds checked in {:?}: {outcomes} outcomes read ({failed} failed, {gone} \
          of a removed node), {taken} reports taken from the reporter, {resent} ops sent \
-         again, {restarts} restarts after a crash",
+         again, {undos} ops undone on their nodes, {restarts} restarts after a crash",
         seeds.elapsed()
     );
 }

@@ -4,6 +4,8 @@
 //! type, and a crash at every write.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicBool;
+use std::sync::atomic::Ordering::SeqCst;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -509,4 +511,452 @@ async fn an_operation_of_another_type_than_the_transports_fails_at_once_unsent()
     );
     assert!(nodes.requests_to("a").is_empty(), "nothing was sent");
     executor.shutdown().await.unwrap();
+}
+
+// Undoing operations on a rollback: region nodes that open and close regions.
+
+/// What a region node is asked to do: open a region, or close it (an open's undo).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum RegionOp {
+    Open(u32),
+    Close(u32),
+}
+
+/// Region nodes that finish each operation once (deduplicating by op id, and answering
+/// a repeat with the first outcome), at once in the request's answer or, while held,
+/// when the test says (`finish_held`).
+#[derive(Default)]
+struct Cluster {
+    /// Every op a node received, repeats included: (target, id, op).
+    received: Mutex<Vec<(String, OpId, RegionOp)>>,
+    /// Ops received and not finished yet.
+    working: Mutex<Vec<(String, OpId, RegionOp)>>,
+    /// The first outcome of each finished op.
+    finished: Mutex<HashMap<OpId, Result<(), String>>>,
+    /// What the nodes did, in order: `open 1 on a (op-7)`, `close 1 on a (op-7/undo)`,
+    /// `failed open 4 on c (op-9)`.
+    done: Mutex<Vec<String>>,
+    /// Regions whose opening fails on the node.
+    failing: Mutex<HashSet<u32>>,
+    /// Finish opens only when the test says.
+    hold_opens: AtomicBool,
+    /// Finish closes only when the test says.
+    hold_closes: AtomicBool,
+    /// Finish opens at once and never report them, repeats included.
+    silent_opens: bool,
+    changed: tokio::sync::Notify,
+}
+
+impl Cluster {
+    fn holding(opens: bool, closes: bool) -> Arc<Cluster> {
+        let cluster = Cluster::default();
+        cluster.hold_opens.store(opens, SeqCst);
+        cluster.hold_closes.store(closes, SeqCst);
+        Arc::new(cluster)
+    }
+
+    fn holds(&self, op: &RegionOp) -> bool {
+        match op {
+            RegionOp::Open(_) => self.hold_opens.load(SeqCst),
+            RegionOp::Close(_) => self.hold_closes.load(SeqCst),
+        }
+    }
+
+    fn finish(&self, target: &str, id: OpId, op: &RegionOp) -> Report {
+        let outcome = match op {
+            RegionOp::Open(r) if self.failing.lock().unwrap().contains(r) => {
+                Err(format!("region {r} is damaged"))
+            }
+            _ => Ok(()),
+        };
+        let line = match (op, &outcome) {
+            (RegionOp::Open(r), Ok(())) => format!("open {r} on {target} ({id})"),
+            (RegionOp::Close(r), _) => format!("close {r} on {target} ({id})"),
+            (RegionOp::Open(r), Err(_)) => format!("failed open {r} on {target} ({id})"),
+        };
+        self.done.lock().unwrap().push(line);
+        self.finished.lock().unwrap().insert(id, outcome.clone());
+        Self::report(id, &outcome)
+    }
+
+    fn report(id: OpId, outcome: &Result<(), String>) -> Report {
+        match outcome {
+            Ok(()) => Report::ok(id, &()).unwrap(),
+            Err(e) => Report::failed(id, e.clone()),
+        }
+    }
+
+    /// Finishes every op held, oldest first: their reports.
+    fn finish_held(&self) -> Vec<Report> {
+        let working = std::mem::take(&mut *self.working.lock().unwrap());
+        working
+            .iter()
+            .map(|(target, id, op)| self.finish(target, *id, op))
+            .collect()
+    }
+
+    fn received(&self) -> Vec<(String, OpId, RegionOp)> {
+        self.received.lock().unwrap().clone()
+    }
+
+    fn done(&self) -> Vec<String> {
+        self.done.lock().unwrap().clone()
+    }
+
+    /// How many times the nodes did `line`'s work.
+    fn times(&self, line: &str) -> usize {
+        self.done().iter().filter(|l| *l == line).count()
+    }
+
+    /// The id each region's open was sent under.
+    fn open_ids(&self) -> HashMap<u32, OpId> {
+        self.received()
+            .into_iter()
+            .filter_map(|(_, id, op)| match op {
+                RegionOp::Open(r) => Some((r, id)),
+                RegionOp::Close(_) => None,
+            })
+            .collect()
+    }
+
+    /// Waits until `done` holds (checked whenever a node is sent something), at most
+    /// 10 s.
+    async fn until(&self, done: impl Fn(&Cluster) -> bool) {
+        let wait = async {
+            loop {
+                let changed = self.changed.notified();
+                if done(self) {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        if tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .is_err()
+        {
+            panic!("the nodes never got there: {:?}", self.received());
+        }
+    }
+}
+
+struct RegionNodes(Arc<Cluster>);
+
+#[async_trait]
+impl Transport for RegionNodes {
+    type Op = RegionOp;
+
+    async fn send(
+        &self,
+        target: &str,
+        ops: Vec<(OpId, RegionOp)>,
+    ) -> Result<Vec<Report>, TransportError> {
+        let cluster = &self.0;
+        let mut reports = Vec::new();
+        for (id, op) in ops {
+            cluster
+                .received
+                .lock()
+                .unwrap()
+                .push((target.to_string(), id, op.clone()));
+            let first = cluster.finished.lock().unwrap().get(&id).cloned();
+            let working = cluster.working.lock().unwrap().iter().any(|w| w.1 == id);
+            let silent = cluster.silent_opens && matches!(op, RegionOp::Open(_));
+            if silent {
+                if first.is_none() {
+                    cluster.finish(target, id, &op);
+                }
+            } else if let Some(first) = first {
+                // A repeat of a finished op: its first outcome again.
+                reports.push(Cluster::report(id, &first));
+            } else if working {
+                // A repeat of an op at work: reported once finished.
+            } else if cluster.holds(&op) {
+                cluster
+                    .working
+                    .lock()
+                    .unwrap()
+                    .push((target.to_string(), id, op));
+            } else {
+                reports.push(cluster.finish(target, id, &op));
+            }
+        }
+        cluster.changed.notify_waiters();
+        Ok(reports)
+    }
+}
+
+/// Opens each region on its node, each open undone by closing the region.
+#[derive(Serialize, Deserialize)]
+struct Assign {
+    regions: Vec<(String, u32)>,
+    dispatched: bool,
+    timeout_ms: Option<u64>,
+}
+
+impl Assign {
+    fn new(regions: &[(&str, u32)]) -> Self {
+        Assign {
+            regions: regions
+                .iter()
+                .map(|(t, r)| ((*t).to_string(), *r))
+                .collect(),
+            dispatched: false,
+            timeout_ms: None,
+        }
+    }
+}
+
+#[async_trait]
+impl Procedure<Log> for Assign {
+    fn timeout_ms(&self) -> Option<u64> {
+        self.timeout_ms
+    }
+
+    async fn execute(&mut self, ctx: &mut Context<Log>) -> Result<Flow<Log>, ProcError> {
+        if self.dispatched {
+            return Ok(Flow::Done);
+        }
+        for (target, region) in &self.regions {
+            ctx.dispatch(target.clone(), &RegionOp::Open(*region))?
+                .undo(&RegionOp::Close(*region))?;
+        }
+        self.dispatched = true;
+        Ok(ctx.await_remote())
+    }
+
+    async fn rollback(&mut self, ctx: &mut Context<Log>) -> Result<(), ProcError> {
+        ctx.env()
+            .push(format!("assign rollback {:?}", ctx.undoing()));
+        Ok(())
+    }
+}
+
+fn region_builder(
+    cluster: &Arc<Cluster>,
+    log: &Arc<Log>,
+    options: RemoteOptions,
+) -> ExecutorBuilder<Log> {
+    let mut registry = Registry::<Log>::default();
+    registry.register::<Assign>("assign");
+    Executor::builder()
+        .registry(registry)
+        .env(log.clone())
+        .remote(RegionNodes(cluster.clone()), options)
+}
+
+/// Waits until every remote operation of `root`'s tree has been handed to the
+/// dispatcher (their procedures wait for their outcomes).
+async fn until_dispatched(executor: &Executor<Log>, root: proctor::ProcId, n: usize) {
+    loop {
+        let waiting = executor
+            .list(
+                proctor::List::new()
+                    .root(root)
+                    .type_name(proctor::REMOTE_CALL)
+                    .state(proctor::ProcState::Waiting),
+            )
+            .await
+            .unwrap();
+        if waiting.len() == n {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[actix::test]
+async fn an_abort_while_operations_are_in_flight_undoes_each_applied_one_once() {
+    // Regions 1 and 2 on a, 3 on b, and 4 on c, where opening it fails. The nodes
+    // take the opens and finish them only after the abort has rolled the tree back
+    // as far as the operations.
+    let cluster = Cluster::holding(true, false);
+    cluster.failing.lock().unwrap().insert(4);
+    let log = Arc::new(Log::default());
+    let options = RemoteOptions::default().max_age(Duration::from_millis(5));
+    let executor = region_builder(&cluster, &log, options)
+        .store(proctor::MemoryStore::new())
+        .start()
+        .await
+        .unwrap();
+    let root = executor
+        .submit(Assign::new(&[("a", 1), ("a", 2), ("b", 3), ("c", 4)]))
+        .await
+        .unwrap();
+    cluster.until(|c| c.received().len() == 4).await;
+    assert!(executor.abort(root).await.unwrap(), "the abort is accepted");
+    // The nodes finish their opens late: each report reaches the engine, whose
+    // rollback waits for it.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(cluster.done().is_empty(), "{:?}", cluster.done());
+    for report in cluster.finish_held() {
+        assert!(
+            executor.report(report).await.unwrap(),
+            "a late report is taken"
+        );
+    }
+    let failure = executor.wait(root).await.unwrap().unwrap_err();
+    assert_eq!(failure.error, ProcError::Aborted, "{failure}");
+    let ids = cluster.open_ids();
+    let closes: Vec<String> = [("a", 1), ("a", 2), ("b", 3)]
+        .iter()
+        .map(|(t, r)| format!("close {r} on {t} ({})", ids[r].undo()))
+        .collect();
+    for close in &closes {
+        assert_eq!(cluster.times(close), 1, "{close}: {:?}", cluster.done());
+    }
+    // Region 4 failed on c: nothing to undo there.
+    assert_eq!(
+        cluster.times(&format!("failed open 4 on c ({})", ids[&4])),
+        1,
+        "{:?}",
+        cluster.done()
+    );
+    assert_eq!(cluster.done().len(), 7, "{:?}", cluster.done());
+    assert!(
+        !cluster
+            .received()
+            .iter()
+            .any(|(_, _, op)| *op == RegionOp::Close(4)),
+        "{:?}",
+        cluster.received()
+    );
+    // Each undo went once, after its open's outcome, and no open went again.
+    assert_eq!(cluster.received().len(), 7, "{:?}", cluster.received());
+    assert_eq!(log.lines(), ["assign rollback Completed"]);
+    executor.shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn an_operation_still_queued_at_the_abort_is_dropped_unsent_and_not_undone() {
+    // Its request would go only once it has waited 10 s for others.
+    let cluster = Arc::new(Cluster::default());
+    let log = Arc::new(Log::default());
+    let options = RemoteOptions::default().max_age(Duration::from_secs(10));
+    let executor = region_builder(&cluster, &log, options)
+        .store(proctor::MemoryStore::new())
+        .start()
+        .await
+        .unwrap();
+    let root = executor.submit(Assign::new(&[("a", 1)])).await.unwrap();
+    until_dispatched(&executor, root, 1).await;
+    assert!(executor.abort(root).await.unwrap());
+    let ended = tokio::time::timeout(Duration::from_secs(5), executor.wait(root))
+        .await
+        .expect("rolled back without waiting for the request");
+    assert_eq!(ended.unwrap().unwrap_err().error, ProcError::Aborted);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(cluster.received().is_empty(), "{:?}", cluster.received());
+    executor.shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn a_restart_during_the_rollback_sends_the_undo_again_under_its_id_and_it_is_applied_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cluster = Cluster::holding(true, true);
+    let log = Arc::new(Log::default());
+    let options = RemoteOptions::default().max_age(Duration::from_millis(5));
+    let start = || async {
+        region_builder(&cluster, &log, options)
+            .store(proctor::WalStore::open(dir.path()).unwrap())
+            .start()
+            .await
+            .unwrap()
+    };
+    let executor = start().await;
+    let root = executor
+        .submit(Assign::new(&[("a", 1), ("b", 2)]))
+        .await
+        .unwrap();
+    cluster.until(|c| c.received().len() == 2).await;
+    assert!(executor.abort(root).await.unwrap());
+    for report in cluster.finish_held() {
+        assert!(executor.report(report).await.unwrap());
+    }
+    // The rollback sends the first undo; the node takes it and the engine stops
+    // before it hears back.
+    cluster.until(|c| c.received().len() == 3).await;
+    executor.shutdown_now().await.unwrap();
+    let (_, first_undo, _) = cluster.received()[2].clone();
+    assert!(first_undo.undoes().is_some(), "{:?}", cluster.received());
+    // The node finishes it meanwhile; its report finds no engine.
+    let _ = cluster.finish_held();
+    cluster.hold_closes.store(false, SeqCst);
+
+    let executor = start().await;
+    let failure = executor.wait(root).await.unwrap().unwrap_err();
+    assert_eq!(failure.error, ProcError::Aborted, "{failure}");
+    let ids = cluster.open_ids();
+    for (target, region) in [("a", 1), ("b", 2)] {
+        let open = ids[&region];
+        assert_eq!(
+            cluster.times(&format!("open {region} on {target} ({open})")),
+            1
+        );
+        assert_eq!(
+            cluster.times(&format!("close {region} on {target} ({})", open.undo())),
+            1,
+            "{:?}",
+            cluster.done()
+        );
+    }
+    let received = cluster.received();
+    let sends = |id: OpId| received.iter().filter(|(_, i, _)| *i == id).count();
+    assert_eq!(sends(first_undo), 2, "sent again, same id: {received:?}");
+    assert!(
+        ids.values().all(|open| sends(*open) == 1),
+        "no open sent again: {received:?}"
+    );
+    executor.shutdown().await.unwrap();
+}
+
+#[actix::test]
+async fn a_crash_at_every_write_of_a_tree_that_times_out_undoes_each_applied_operation_once() {
+    // The nodes open the regions and never report: the tree times out while they are
+    // in flight, and its rollback waits for each operation's deadline, then closes
+    // the region (the outcome is unknown). Whatever write the crash hits, each region
+    // a node opened is closed once.
+    let cluster = Arc::new(Cluster {
+        silent_opens: true,
+        ..Cluster::default()
+    });
+    let log = Arc::new(Log::default());
+    let options = RemoteOptions::default()
+        .max_age(Duration::from_millis(1))
+        .deadline(Duration::from_millis(150));
+    let mut undone = 0;
+    let runs = proctor::testing::restart_at_every_write(
+        || region_builder(&cluster, &log, options),
+        || Assign {
+            timeout_ms: Some(40),
+            ..Assign::new(&[("a", 1), ("b", 2)])
+        },
+        |run| {
+            let done = std::mem::take(&mut *cluster.done.lock().unwrap());
+            cluster.received.lock().unwrap().clear();
+            cluster.finished.lock().unwrap().clear();
+            log.0.lock().unwrap().clear();
+            let Some(result) = &run.result else { return };
+            let failure = result.as_ref().unwrap_err();
+            assert!(
+                failure.to_string().contains("timed out"),
+                "{run:?}: {failure}"
+            );
+            for (target, region) in [("a", 1), ("b", 2)] {
+                let opened = format!("open {region} on {target}");
+                let closed = format!("close {region} on {target}");
+                let opens = done.iter().filter(|l| l.starts_with(&opened)).count();
+                let closes = done.iter().filter(|l| l.starts_with(&closed)).count();
+                assert!(opens <= 1 && closes <= 1, "{run:?}: {done:?}");
+                if opens == 1 {
+                    assert_eq!(closes, 1, "{run:?}: opened, never closed: {done:?}");
+                    undone += 1;
+                }
+            }
+        },
+    )
+    .await
+    .unwrap();
+    assert!(runs.len() >= 10, "{}", runs.len());
+    assert!(undone > 0, "some run opened regions and closed them");
 }
