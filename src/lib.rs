@@ -79,6 +79,8 @@ pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};
 pub use crate::error::{Error, WaitError};
 pub use crate::locks::{Lock, LockClaim, LockCycle, LockMode, LockReport, ResourceLocks, WaitEdge};
+#[doc(inline)]
+pub use crate::ops::recovery::CorruptProc;
 pub use crate::output::ProducesOutput;
 pub use crate::procedure::{
     ChildType, Context, EncodeState, ErrorKind, FailurePolicy, Flow, LockState, OnTimeout,
@@ -86,8 +88,6 @@ pub use crate::procedure::{
 };
 pub use crate::ready_queue::Scheduling;
 pub use crate::record::{Failure, Nonce, Paused};
-#[doc(inline)]
-pub use crate::ops::recovery::CorruptProc;
 pub use crate::registry::{Registry, RegistryError};
 pub use crate::remote::{BatchRules, Dispatched, OpId, RemoteError, RemoteResult, REMOTE_CALL};
 pub use crate::saga::{Saga, SagaContext, SagaProcedure, Undoing};
