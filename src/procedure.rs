@@ -850,45 +850,6 @@ impl<E: ?Sized> fmt::Debug for Context<E> {
 }
 
 impl<E: ?Sized> Context<E> {
-    /// A context for a procedure; the engine makes one per call. Tests of a procedure's
-    /// steps make their own:
-    ///
-    /// ```
-    /// use proctor::{Context, ProcId};
-    /// use std::sync::Arc;
-    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, Arc::new(()));
-    /// assert_eq!(ctx.root(), ProcId(1));
-    /// ```
-    pub fn new(id: ProcId, parent: Option<ProcId>, root: ProcId, now_ms: u64, env: Arc<E>) -> Self {
-        Context {
-            id,
-            parent,
-            root,
-            now_ms,
-            env,
-            undo: Undo::Completed,
-            unrecorded: false,
-            result: None,
-            cancel: None,
-            shutdown: None,
-            irreversible: false,
-            children: None,
-            child_values: None,
-            fencing_token: None,
-            remote: None,
-            dispatched: Vec::new(),
-            retry: None,
-        }
-    }
-
-    /// Gives the call the executor's fencing token (see [`Context::fencing_token`]).
-    /// For tests of a step's own handling.
-    #[must_use]
-    pub fn with_fencing_token(mut self, token: Option<i64>) -> Self {
-        self.fencing_token = token;
-        self
-    }
-
     /// The epoch of the leader lease this executor runs under
     /// ([`ExecutorBuilder::leadership`](crate::ExecutorBuilder)), `None` without one:
     /// a fencing token for the resources a step changes. The engine's own writes are
@@ -908,14 +869,6 @@ impl<E: ?Sized> Context<E> {
         self.fencing_token
     }
 
-    /// Gives the call the procedure's children as they were when it was dispatched
-    /// (see [`Context::children`]). For tests of a parent's steps.
-    #[must_use]
-    pub fn with_children(mut self, children: Vec<(ProcId, ProcState)>) -> Self {
-        self.children = Some(children.into_boxed_slice());
-        self
-    }
-
     /// The procedure's children, in the order it started them, each with its state
     /// when this call was dispatched: [`ProcState::Success`] for one whose success is
     /// durable, an unfinished state for one still running (or whose success is not
@@ -933,15 +886,6 @@ impl<E: ?Sized> Context<E> {
     /// ```
     pub fn children(&self) -> &[(ProcId, ProcState)] {
         self.children.as_deref().unwrap_or(&[])
-    }
-
-    /// Gives the call the values its children that succeeded set (see
-    /// [`Context::child_results`]), each as MessagePack (as
-    /// `rmp_serde::to_vec_named` writes it). For tests of a parent's steps.
-    #[must_use]
-    pub fn with_child_values(mut self, values: Vec<(ProcId, Vec<u8>)>) -> Self {
-        self.child_values = (!values.is_empty()).then(|| values.into_boxed_slice());
-        self
     }
 
     /// The values this procedure's children set with [`Context::set_result`], decoded
@@ -1068,22 +1012,6 @@ impl<E: ?Sized> Context<E> {
             .transpose()
     }
 
-    /// Gives the call a cancellation signal (the engine gives each step one; see
-    /// [`Context::cancelled`]).
-    #[must_use]
-    pub fn with_cancel(mut self, cancel: Cancel) -> Self {
-        self.cancel = Some(cancel);
-        self
-    }
-
-    /// Gives the call the engine's shutdown signal (the engine gives every call one;
-    /// see [`Context::cancel_reason`]). For tests of a step's own handling.
-    #[must_use]
-    pub fn with_shutdown(mut self, shutdown: Cancel) -> Self {
-        self.shutdown = Some(shutdown);
-        self
-    }
-
     /// `true` once the engine asks the call to stop early;
     /// [`cancel_reason`](Self::cancel_reason) says why. Stopping is up to the step: return an error
     /// (typically [`ProcError::Aborted`]) or `Ok` as usual.
@@ -1149,21 +1077,6 @@ impl<E: ?Sized> Context<E> {
         )
     }
 
-    /// Tells a rollback call what the step it undoes did (see [`Context::undoing`]).
-    /// The engine sets it; tests of a procedure's rollback set it themselves.
-    ///
-    /// ```
-    /// use proctor::{Context, ProcId, Undo};
-    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, std::sync::Arc::new(()))
-    ///     .undoing_step(Undo::Failed);
-    /// assert_eq!(ctx.undoing(), Undo::Failed);
-    /// ```
-    #[must_use]
-    pub fn undoing_step(mut self, undo: Undo) -> Self {
-        self.undo = undo;
-        self
-    }
-
     /// In [`Procedure::rollback`]: how far the engine saw the step this call undoes get
     /// — it completed, it failed (returned an error, panicked, or stopped early when
     /// cancelled), or it was interrupted with nothing recorded (see [`Undo`]). Undo
@@ -1173,14 +1086,6 @@ impl<E: ?Sized> Context<E> {
     /// rollback.
     pub fn undoing(&self) -> Undo {
         self.undo
-    }
-
-    /// Marks a rollback call as undoing the unrecorded step (see
-    /// [`Context::is_unrecorded_step`]).
-    #[must_use]
-    pub fn for_unrecorded_step(mut self) -> Self {
-        self.unrecorded = true;
-        self
     }
 
     /// In [`Procedure::rollback`]: `true` when this call undoes a step that was never
@@ -1306,6 +1211,105 @@ impl<E: ?Sized> Context<E> {
     /// it to a task of its own.
     pub fn env_arc(&self) -> &Arc<E> {
         &self.env
+    }
+}
+
+/// Building a context by hand, for tests of a procedure's steps (the engine makes
+/// one per call): the procedure's place, and what the engine gives a call.
+impl<E: ?Sized> Context<E> {
+    /// A context for a procedure; the engine makes one per call. Tests of a procedure's
+    /// steps make their own:
+    ///
+    /// ```
+    /// use proctor::{Context, ProcId};
+    /// use std::sync::Arc;
+    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, Arc::new(()));
+    /// assert_eq!(ctx.root(), ProcId(1));
+    /// ```
+    pub fn new(id: ProcId, parent: Option<ProcId>, root: ProcId, now_ms: u64, env: Arc<E>) -> Self {
+        Context {
+            id,
+            parent,
+            root,
+            now_ms,
+            env,
+            undo: Undo::Completed,
+            unrecorded: false,
+            result: None,
+            cancel: None,
+            shutdown: None,
+            irreversible: false,
+            children: None,
+            child_values: None,
+            fencing_token: None,
+            remote: None,
+            dispatched: Vec::new(),
+            retry: None,
+        }
+    }
+
+    /// Gives the call the executor's fencing token (see [`Context::fencing_token`]).
+    /// For tests of a step's own handling.
+    #[must_use]
+    pub fn with_fencing_token(mut self, token: Option<i64>) -> Self {
+        self.fencing_token = token;
+        self
+    }
+
+    /// Gives the call the procedure's children as they were when it was dispatched
+    /// (see [`Context::children`]). For tests of a parent's steps.
+    #[must_use]
+    pub fn with_children(mut self, children: Vec<(ProcId, ProcState)>) -> Self {
+        self.children = Some(children.into_boxed_slice());
+        self
+    }
+
+    /// Gives the call the values its children that succeeded set (see
+    /// [`Context::child_results`]), each as MessagePack (as
+    /// `rmp_serde::to_vec_named` writes it). For tests of a parent's steps.
+    #[must_use]
+    pub fn with_child_values(mut self, values: Vec<(ProcId, Vec<u8>)>) -> Self {
+        self.child_values = (!values.is_empty()).then(|| values.into_boxed_slice());
+        self
+    }
+
+    /// Gives the call a cancellation signal (the engine gives each step one; see
+    /// [`Context::cancelled`]).
+    #[must_use]
+    pub fn with_cancel(mut self, cancel: Cancel) -> Self {
+        self.cancel = Some(cancel);
+        self
+    }
+
+    /// Gives the call the engine's shutdown signal (the engine gives every call one;
+    /// see [`Context::cancel_reason`]). For tests of a step's own handling.
+    #[must_use]
+    pub fn with_shutdown(mut self, shutdown: Cancel) -> Self {
+        self.shutdown = Some(shutdown);
+        self
+    }
+
+    /// Tells a rollback call what the step it undoes did (see [`Context::undoing`]).
+    /// The engine sets it; tests of a procedure's rollback set it themselves.
+    ///
+    /// ```
+    /// use proctor::{Context, ProcId, Undo};
+    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, std::sync::Arc::new(()))
+    ///     .undoing_step(Undo::Failed);
+    /// assert_eq!(ctx.undoing(), Undo::Failed);
+    /// ```
+    #[must_use]
+    pub fn undoing_step(mut self, undo: Undo) -> Self {
+        self.undo = undo;
+        self
+    }
+
+    /// Marks a rollback call as undoing the unrecorded step (see
+    /// [`Context::is_unrecorded_step`]).
+    #[must_use]
+    pub fn for_unrecorded_step(mut self) -> Self {
+        self.unrecorded = true;
+        self
     }
 }
 
