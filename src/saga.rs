@@ -359,6 +359,46 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
         }
     }
 
+    /// A version marker for a change of the saga's code while sagas are in flight (as
+    /// Temporal's `GetVersion`): `old` for a saga that had already passed this point of
+    /// its code when the change was deployed, `new` for every other, so the code can
+    /// keep the old sequence of steps for the sagas that are in it:
+    ///
+    /// ```
+    /// # use proctor::{ProcError, SagaContext, Undoing};
+    /// # async fn run(ctx: &mut SagaContext<'_>) -> Result<(), ProcError> {
+    /// ctx.step("reserve", || async { Ok(()) }, |_: Undoing<()>| async { Ok(()) }).await?;
+    /// // Added later, between two steps that sagas in flight have journaled.
+    /// if ctx.version("audit", 1, 2).await? >= 2 {
+    ///     ctx.step("audit", || async { Ok(()) }, |_: Undoing<()>| async { Ok(()) }).await?;
+    /// }
+    /// ctx.step("announce", || async { Ok(()) }, |_: Undoing<()>| async { Ok(()) }).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// A saga that reaches the marker for the first time journals `new` under the step
+    /// name `version CHANGE` (one step of the engine, undone by nothing) and sees it
+    /// ever after; one whose journal has another step at this position (it passed
+    /// here under the old code) gets `old` and journals nothing. Remove a marker, and
+    /// the old branch, only once no saga that passed it is in flight.
+    ///
+    /// # Errors
+    /// As [`step`](Self::step) for the journaled marker.
+    pub async fn version(&mut self, change: &str, old: u32, new: u32) -> Result<u32, ProcError> {
+        let name = format!("version {change}");
+        if let Some(entry) = self.journal.get(self.at) {
+            if entry.name != name || entry.children.is_some() {
+                return Ok(old);
+            }
+        }
+        self.step(
+            &name,
+            move || async move { Ok(new) },
+            |_: Undoing<u32>| async { Ok(()) },
+        )
+        .await
+    }
+
     /// A step that starts the procedures `start` returns as children of this one and,
     /// once every one of them has succeeded, returns the value each set
     /// ([`Context::set_result`]), decoded as `T`, in the order they were started (a

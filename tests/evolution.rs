@@ -510,6 +510,135 @@ async fn a_field_added_without_a_default_leaves_its_records_for_an_operator() {
     executor.shutdown().await.unwrap();
 }
 
+/// A step inserted between two steps that sagas in flight have journaled: without a
+/// marker the saga in the log fails (its journal has another name there); behind
+/// `SagaContext::version` it keeps its old sequence, and a saga submitted after the
+/// deploy takes the new one.
+#[actix::test]
+async fn a_step_inserted_behind_a_version_marker_leaves_sagas_in_flight_on_their_way() {
+    /// The saga with "audit" inserted after "reserve", behind the marker if `marked`.
+    async fn provision(
+        ctx: &mut proctor::SagaContext<'_, Env>,
+        node: &str,
+        marked: bool,
+    ) -> Result<u32, proctor::ProcError> {
+        let slot: u32 = ctx
+            .step(
+                "reserve",
+                || async { Ok(7u32) },
+                |_: proctor::Undoing<u32>| async { Ok(()) },
+            )
+            .await?;
+        if !marked || ctx.version("audit", 1, 2).await? >= 2 {
+            let env = ctx.env().clone();
+            let node = node.to_string();
+            ctx.step(
+                "audit",
+                move || async move {
+                    env.say(format!("audit {node}"));
+                    Ok(())
+                },
+                |_: proctor::Undoing<()>| async { Ok(()) },
+            )
+            .await?;
+        }
+        let woken: Vec<u32> = ctx
+            .children(
+                "wait",
+                || vec![v2::Waiter { woken: false }],
+                |_: proctor::Undoing<Vec<u32>>| async { Ok(()) },
+            )
+            .await?;
+        Ok(slot + woken.iter().sum::<u32>())
+    }
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Inserted {
+        node: String,
+    }
+    #[proctor::async_trait]
+    impl proctor::SagaProcedure<Env> for Inserted {
+        type Output = u32;
+        async fn run(
+            &self,
+            ctx: &mut proctor::SagaContext<'_, Env>,
+        ) -> Result<u32, proctor::ProcError> {
+            provision(ctx, &self.node, false).await
+        }
+    }
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Marked {
+        node: String,
+    }
+    #[proctor::async_trait]
+    impl proctor::SagaProcedure<Env> for Marked {
+        type Output = u32;
+        async fn run(
+            &self,
+            ctx: &mut proctor::SagaContext<'_, Env>,
+        ) -> Result<u32, proctor::ProcError> {
+            provision(ctx, &self.node, true).await
+        }
+    }
+    async fn start(dir: &Path, marked: bool) -> (Executor<Env>, Env) {
+        let mut registry = Registry::<Env>::default();
+        registry
+            .register_state_machine::<v2::Grow>("grow")
+            .register::<v2::Waiter>("waiter")
+            .register::<v2::Count>("count");
+        if marked {
+            registry.register_saga::<Marked>("provision");
+        } else {
+            registry.register_saga::<Inserted>("provision");
+        }
+        let log = Env::default();
+        let executor = Executor::builder()
+            .registry(registry)
+            .store(WalStore::open(dir).unwrap())
+            .env(log.clone())
+            .start()
+            .await
+            .unwrap();
+        (executor, log)
+    }
+    // The fixture's saga is procedure 2, journaled "reserve" then "wait".
+    let in_flight = proctor::ProcId(2);
+
+    // Without the marker it fails: the journal has "wait" where the code asks "audit".
+    let dir = tempfile::tempdir().unwrap();
+    copy_dir(&fixture("0.1.0"), dir.path());
+    let (executor, _) = start(dir.path(), false).await;
+    executor.wake_event("go").await.unwrap();
+    let failure = executor
+        .wait(in_flight)
+        .await
+        .unwrap()
+        .expect_err("changed under it");
+    assert!(failure.to_string().contains("\"audit\""), "{failure}");
+    executor.shutdown().await.unwrap();
+
+    // Behind the marker the saga in flight keeps its way, and a new one takes the new.
+    let dir = tempfile::tempdir().unwrap();
+    copy_dir(&fixture("0.1.0"), dir.path());
+    let (executor, log) = start(dir.path(), true).await;
+    let fresh = executor
+        .submit(proctor::Saga::new(Marked { node: "n2".into() }))
+        .await
+        .unwrap();
+    let waiting = |id| wait_for(&executor, id, ProcState::Waiting);
+    waiting(fresh).await;
+    executor.wake_event("go").await.unwrap();
+    assert_eq!(executor.wait_value::<u32>(in_flight).await.unwrap(), 7 + 5);
+    assert_eq!(executor.wait_value::<u32>(fresh).await.unwrap(), 7 + 5);
+    executor.shutdown().await.unwrap();
+    // Only the new saga ran the inserted step.
+    let audits: Vec<String> = log
+        .lines()
+        .into_iter()
+        .filter(|l| l.starts_with("audit"))
+        .collect();
+    assert_eq!(audits, ["audit n2"]);
+}
+
 async fn wait_for(executor: &Executor<Env>, id: proctor::ProcId, state: ProcState) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while executor.state(id).await.map(|i| i.state).ok() != Some(state) {
