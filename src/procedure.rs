@@ -896,11 +896,13 @@ impl<E: ?Sized> Context<E> {
     ///
     /// ```
     /// use proctor::{Context, ProcId};
-    /// let region = |id: u64, name: &str| (ProcId(id), rmp_serde::to_vec_named(name).unwrap());
+    /// # fn main() -> Result<(), proctor::ProcError> {
     /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, std::sync::Arc::new(()))
-    ///     .with_child_values(vec![region(2, "r-0"), region(3, "r-1")]);
-    /// let regions: Vec<(ProcId, String)> = ctx.child_results().unwrap();
+    ///     .with_child_value(ProcId(2), &"r-0")?
+    ///     .with_child_value(ProcId(3), &"r-1")?;
+    /// let regions: Vec<(ProcId, String)> = ctx.child_results()?;
     /// assert_eq!(regions[1], (ProcId(3), "r-1".to_string()));
+    /// # Ok(()) }
     /// ```
     ///
     /// # Errors
@@ -1271,6 +1273,25 @@ impl<E: ?Sized> Context<E> {
     pub fn with_child_values(mut self, values: Vec<(ProcId, Vec<u8>)>) -> Self {
         self.child_values = (!values.is_empty()).then(|| values.into_boxed_slice());
         self
+    }
+
+    /// Adds the value one child set, as its [`Context::set_result`] would have stored
+    /// it, after those given so far (see [`Context::child_results`]). For tests of a
+    /// parent's steps.
+    ///
+    /// # Errors
+    /// [`ProcError::Persist`] if `value` does not serialize, as `set_result` would say.
+    pub fn with_child_value<T: Serialize>(
+        mut self,
+        child: ProcId,
+        value: &T,
+    ) -> Result<Self, ProcError> {
+        let bytes = rmp_serde::to_vec_named(value)
+            .map_err(|e| ProcError::Persist(format!("child {child}'s value: {e}")))?;
+        let mut values = self.child_values.take().map(Vec::from).unwrap_or_default();
+        values.push((child, bytes));
+        self.child_values = Some(values.into_boxed_slice());
+        Ok(self)
     }
 
     /// Gives the call a cancellation signal (the engine gives each step one; see
