@@ -321,27 +321,14 @@ impl Types {
         self.decoders.get_key_value(name).map(|(k, _)| *k)
     }
 
-    /// The registered name of a live procedure and its encoded state. The encoder
-    /// writes into a buffer of the thread's, so the state costs one allocation of its
-    /// exact size rather than a growing `Vec`'s several (four for a 50-byte state).
+    /// The registered name of a live procedure and its encoded state, encoded in the
+    /// thread's buffer ([`with_scratch`]) and copied out at its size: one allocation
+    /// rather than a growing `Vec`'s several (four for a 50-byte state).
     pub(crate) fn encode(
         &self,
         proc: &dyn ErasedProc,
     ) -> Result<(&'static str, Vec<u8>), RegistryError> {
-        /// A buffer grown past this is not kept for the thread's life.
-        const KEEP: usize = 1 << 20;
-        thread_local! {
-            static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-        }
-        SCRATCH.with_borrow_mut(|buf| {
-            buf.clear();
-            let name = self.encode_into(proc, buf);
-            let bytes = buf.to_vec();
-            if buf.capacity() > KEEP {
-                *buf = Vec::new();
-            }
-            Ok((name?, bytes))
-        })
+        with_scratch(|buf| Ok((self.encode_into(proc, buf)?, buf.to_vec())))
     }
 
     /// [`Types::encode`], the state appended to `out` (a buffer the caller reuses).
@@ -364,6 +351,25 @@ impl Types {
     pub(crate) fn decode(&self, name: &str, bytes: &[u8]) -> Result<DynProc, RegistryError> {
         decode_with(&self.decoders, name, bytes)
     }
+}
+
+/// Runs `f` with the thread's encoding buffer, empty: states are encoded there and
+/// copied out at their size, so an encoding costs one allocation of the exact size
+/// rather than a growing `Vec`'s several. A buffer grown past 1 MiB (one huge state)
+/// is not kept for the thread's life.
+pub(crate) fn with_scratch<R>(f: impl FnOnce(&mut Vec<u8>) -> R) -> R {
+    const KEEP: usize = 1 << 20;
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    SCRATCH.with_borrow_mut(|buf| {
+        buf.clear();
+        let result = f(buf);
+        if buf.capacity() > KEEP {
+            *buf = Vec::new();
+        }
+        result
+    })
 }
 
 /// Decodes `bytes` with the decoder registered under `name`.

@@ -1839,17 +1839,13 @@ mod tests {
     #[test]
     fn a_failed_steps_error_kind_says_whether_it_is_retried_first() {
         use crate::procedure::ErrorKind;
-        let failed = |error: ProcError, policy, retry: Option<RetryPolicy>| StepReport {
-            id: ProcId(1),
-            outcome: StepOutcome::Failed(error),
-            data: vec![1],
-            result: None,
-            irreversible: false,
-            on_error: Some(OnError {
-                policy,
-                before: vec![9],
-                retry: retry.map(Box::new),
-            }),
+        let failed = |error: ProcError, policy, retry: Option<RetryPolicy>| {
+            let mut report = failed_with(1, policy);
+            report.outcome = StepOutcome::Failed(error);
+            if let Some(on_error) = report.on_error.as_mut() {
+                on_error.retry = retry.map(Box::new);
+            }
+            report
         };
         let mark = |kind| {
             let boom = ProcError::failed("boom");

@@ -14,7 +14,6 @@
 //! calls at once. Once its tree is halted (the store failed) it calls no user code at
 //! all, exactly as if the process had died.
 
-use std::cell::RefCell;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -38,9 +37,6 @@ use crate::actors::shared::{now_ms, Shared, TreeStatus};
 use super::ProcCtx;
 
 mod between;
-
-/// The largest encoding buffer a thread keeps between steps.
-const SCRATCH_KEEP: usize = 1 << 20;
 
 /// Who a procedure is.
 pub(crate) struct ProcSpec {
@@ -303,18 +299,13 @@ impl ProcedureCell {
     }
 
     /// Encodes the object's state; on failure keeps the last good bytes and says why.
-    /// The encoder writes into a buffer of the thread's, so a step's encoding costs one
-    /// allocation of the exact size rather than a growing `Vec`'s several.
+    /// The encoder writes into the thread's buffer (`registry::with_scratch`), so a
+    /// step's encoding costs one allocation of the exact size.
     fn encode(&mut self, proc: &dyn ErasedProc) -> Result<Vec<u8>, ProcError> {
-        thread_local! {
-            static SCRATCH: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
-        }
-        SCRATCH.with_borrow_mut(|buf| {
-            buf.clear();
+        crate::registry::with_scratch(|buf| {
             // Its type is registered under `type_name` (it was encoded before, at its
             // insert): no lookup of the name again.
-            let encoded = proc.encode_state_into(buf);
-            let result = match encoded {
+            match proc.encode_state_into(buf) {
                 Ok(()) => {
                     self.data.clear();
                     self.data.extend_from_slice(buf);
@@ -327,12 +318,7 @@ impl ProcedureCell {
                     }
                     .to_string(),
                 )),
-            };
-            // One huge state must not pin its buffer for the thread's life.
-            if buf.capacity() > SCRATCH_KEEP {
-                *buf = Vec::new();
             }
-            result
         })
     }
 
