@@ -98,6 +98,8 @@ pub(crate) struct Term {
     until_us: AtomicU64,
 }
 
+// Only `holds` is called without the PostgreSQL store (the lease makes the terms).
+#[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 impl Term {
     /// A term that holds until `until`.
     pub(crate) fn until(until: std::time::Instant) -> Term {
