@@ -17,7 +17,8 @@
 //! - `/events` — the live feed as Server-Sent Events: once a tick, what the engine
 //!   published since (counts, the newest roots, the watched rows that changed).
 //!
-//! Actions (`POST /procedures/{id}/abort`, `pause`, `continue`, `rollback`, `bypass`)
+//! Actions (`POST /procedures/{id}/abort`, `pause`, `continue`, `rollback`, `bypass`,
+//! `force-bypass` — [`Executor::force_bypass`], for a procedure stuck in a step)
 //! need the bearer token the embedding service set ([`AdminConfig::token`](crate::admin::AdminConfig::token); without
 //! one the page is read-only), in `Authorization: Bearer <token>`. A request from a
 //! browser (one with an `Origin`, a `Sec-Fetch-Site` or cookies) needs the page's CSRF
@@ -724,9 +725,14 @@ async fn action<E: Send + Sync + 'static>(
             .bypass(id, form.recursive.unwrap_or(false))
             .await
             .map(|()| json!({ "bypassed": true })),
+        "force-bypass" => executor
+            .force_bypass(id, form.recursive.unwrap_or(false))
+            .await
+            .map(|()| json!({ "bypassed": true })),
         other => {
             return Err(bad_request(format!(
-                "unknown action {other:?}: abort, pause, continue, rollback or bypass"
+                "unknown action {other:?}: abort, pause, continue, rollback, bypass or \
+                 force-bypass"
             )))
         }
     };

@@ -215,6 +215,14 @@ fn actions(p: &ProcInfo) -> String {
         r#"<button class="act" data-id="{}" data-action="bypass" data-recursive="yes">bypass</button>"#,
         p.id.0
     );
+    // Queued or in a step: only a forced bypass takes it (its step is dropped).
+    if p.state == ProcState::Runnable {
+        let _ = write!(
+            out,
+            r#" <button class="act" data-id="{}" data-action="force-bypass" data-recursive="yes">force bypass</button>"#,
+            p.id.0
+        );
+    }
     out
 }
 

@@ -15,6 +15,8 @@
 //! proctor wal dump DIR [--json]     # one line per record
 //! proctor procs DIR [--state S,..] [--type NAME] [--tree ID] [--json | --json-document]
 //! proctor bypass DIR ID [--recursive]   # mark a stuck procedure finished (HBCK2)
+//! proctor bypass URL ID [--force]       # the same on a running engine, through its
+//!                                       # admin page (token: PROCTOR_ADMIN_TOKEN)
 //! proctor abort DIR ID                  # fail it; its tree rolls back at next start
 //! proctor pause DIR ID                  # it stays paused at next start
 //! proctor continue DIR ID               # a paused procedure goes on
@@ -114,17 +116,27 @@ enum Command {
         json_document: bool,
     },
     /// Mark a stuck procedure finished (SUCCESS) without running further or rolling
-    /// back, on a stopped engine's directory; its parent goes on as if it had succeeded
-    /// when the engine starts again.
+    /// back: on a stopped engine's directory (its parent goes on as if it had succeeded
+    /// when the engine starts again), or on a running engine through its admin page
+    /// (an `http://` URL: the page's actions need its token, from PROCTOR_ADMIN_TOKEN).
     #[command(after_help = EXIT_CODES)]
     Bypass {
-        /// The WAL directory (of a stopped engine: its lock is taken).
+        /// The WAL directory (of a stopped engine: its lock is taken), or a running
+        /// engine's admin page (`http://HOST:PORT/BASE`): then the bypass is the
+        /// engine's, answered once it is durable.
+        #[arg(value_name = "DIR|URL")]
         dir: PathBuf,
         /// The procedure.
         id: u64,
         /// Also bypass its unfinished descendants (required if it has any).
         #[arg(long)]
         recursive: bool,
+        /// On a running engine (a URL): take a procedure queued or stuck in a step
+        /// too, dropping its step (HBCK2's `bypass -o`). What the step did stays done.
+        /// (A stopped engine's bypass takes such a procedure without it: nothing runs
+        /// then.)
+        #[arg(long)]
+        force: bool,
     },
     /// Abort an unfinished procedure on a stopped engine's directory: it is recorded as
     /// failed ("aborted by operator") without asking it, and when the engine starts
@@ -285,7 +297,20 @@ fn main() -> ExitCode {
             };
             procs(&mut out, &source, &filter, form)
         }),
-        Command::Bypass { dir, id, recursive } => bypass(&mut out, &dir, ProcId(id), recursive),
+        Command::Bypass {
+            dir,
+            id,
+            recursive,
+            force,
+        } => match dir.to_str().filter(|d| d.starts_with("http://")) {
+            Some(url) => online_bypass(&mut out, url, ProcId(id), recursive, force),
+            None if force => Err(Stop::Error(
+                "--force is for a running engine (an http:// URL of its admin page): a \
+                 stopped engine's bypass takes a RUNNABLE procedure without it"
+                    .into(),
+            )),
+            None => bypass(&mut out, &dir, ProcId(id), recursive),
+        },
         Command::Abort { dir, id } => abort(&mut out, &dir, ProcId(id)),
         Command::Pause { dir, id } => steer(&mut out, &dir, ProcId(id), Steer::Pause),
         Command::Continue { dir, id } => steer(&mut out, &dir, ProcId(id), Steer::Continue),
@@ -1331,6 +1356,82 @@ fn bypass(out: &mut Out, dir: &Path, id: ProcId, recursive: bool) -> Outcome {
             Ok(Exit::Failed)
         }
     }
+}
+
+/// Asks a running engine to bypass `id`, through its admin page's action
+/// (`POST {url}/procedures/{id}/bypass` or `force-bypass`, with the bearer token from
+/// `PROCTOR_ADMIN_TOKEN`).
+fn online_bypass(out: &mut Out, url: &str, id: ProcId, recursive: bool, force: bool) -> Outcome {
+    let token = std::env::var("PROCTOR_ADMIN_TOKEN").map_err(|_| {
+        Stop::Error("the admin page's actions need its token: set PROCTOR_ADMIN_TOKEN".into())
+    })?;
+    let action = if force { "force-bypass" } else { "bypass" };
+    let query = if recursive { "?recursive=true" } else { "" };
+    let path = format!("procedures/{}/{action}{query}", id.0);
+    let (status, body) = admin_post(url, &path, &token)?;
+    let said = serde_json::from_str::<Value>(&body)
+        .ok()
+        .and_then(|v| v.get("error").and_then(Value::as_str).map(str::to_string))
+        .unwrap_or(body);
+    match status {
+        200 => {
+            writeln!(out, "bypassed procedure {id} on the running engine")?;
+            Ok(Exit::Done)
+        }
+        409 => {
+            writeln!(out, "bypass of procedure {id} refused: {said}")?;
+            Ok(Exit::Failed)
+        }
+        _ => Err(Stop::Error(format!("{url}: HTTP {status}: {said}"))),
+    }
+}
+
+/// POSTs to `base` + `path` over plain HTTP/1.1 (an engine's admin page serves no
+/// TLS) with `token` as the bearer token: the status and the body.
+fn admin_post(base: &str, path: &str, token: &str) -> Result<(u16, String), Stop> {
+    use std::io::Read;
+    use std::net::TcpStream;
+    let bad = |why: &str| Stop::Error(format!("{base}: {why}"));
+    let rest = base
+        .strip_prefix("http://")
+        .ok_or_else(|| bad("not an http:// URL (the admin page serves plain HTTP)"))?;
+    let (host, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+    if host.is_empty() {
+        return Err(bad("no host"));
+    }
+    let prefix = prefix.trim_end_matches('/');
+    let target = if prefix.is_empty() {
+        format!("/{path}")
+    } else {
+        format!("/{prefix}/{path}")
+    };
+    let addr = if host.contains(':') {
+        host.to_string()
+    } else {
+        format!("{host}:80")
+    };
+    let io = |e: io::Error| bad(&e.to_string());
+    let mut stream = TcpStream::connect(&addr).map_err(io)?;
+    stream
+        .set_read_timeout(Some(std::time::Duration::from_secs(60)))
+        .map_err(io)?;
+    write!(
+        stream,
+        "POST {target} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {token}\r\n\
+         Accept: application/json\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+    )
+    .map_err(io)?;
+    let mut answer = Vec::new();
+    stream.read_to_end(&mut answer).map_err(io)?;
+    let answer = String::from_utf8_lossy(&answer);
+    let (head, body) = answer.split_once("\r\n\r\n").unwrap_or((&answer, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| bad("no HTTP status in the answer"))?;
+    // The page answers with a length, not chunks (small JSON bodies).
+    Ok((status, body.trim().to_string()))
 }
 
 /// Writes an abort through the store; the engine rolls the tree back when it starts.

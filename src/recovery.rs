@@ -173,7 +173,13 @@ pub fn bypass(
             .map(|r| r.data.clone())
             .unwrap_or_default()
     };
-    let t = stack.on_bypass(id, recursive, true, &data_of, now_ms)?;
+    let t = stack.on_bypass(
+        id,
+        recursive,
+        crate::root_stack::BypassReach::Stopped,
+        &data_of,
+        now_ms,
+    )?;
     Ok(t.persist)
 }
 

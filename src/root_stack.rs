@@ -29,6 +29,7 @@ use crate::record::{
 };
 
 mod operator;
+pub use operator::BypassReach;
 mod recover;
 #[cfg(test)]
 mod simulation;
@@ -496,6 +497,11 @@ impl RootStack {
     /// The state of a procedure of the tree, as the tree's bookkeeping has it.
     pub fn state_of(&self, id: ProcId) -> Option<ProcState> {
         self.nodes.get(&id).map(|n| n.state)
+    }
+
+    /// Whether an operator bypassed `id`.
+    pub fn is_bypassed(&self, id: ProcId) -> bool {
+        self.nodes.get(&id).is_some_and(|n| n.bypassed)
     }
 
     /// A procedure of the tree: its parent and when it was submitted (ms since the Unix
@@ -2296,7 +2302,7 @@ mod tests {
             );
             let (mut rs, id) = setup();
             let got = outcome(
-                rs.on_bypass(ProcId(id), false, false, &|_| vec![7], 10)
+                rs.on_bypass(ProcId(id), false, BypassReach::Waiting, &|_| vec![7], 10)
                     .err(),
             );
             assert!(
@@ -2330,6 +2336,81 @@ mod tests {
                 (_, Err(why)) => assert!(why.contains("is not paused"), "{case}: {why}"),
                 (state, Ok(t)) => panic!("{case}: rolled back from {state:?}: {t}"),
             }
+        }
+    }
+
+    /// A forced bypass (HBCK2's `bypass -o`) takes a procedure queued or in a step:
+    /// its step stops counting as the tree's, a lock request it may wait on is
+    /// withdrawn, and it ends as any bypassed procedure does. A tree rolling back is
+    /// still refused, and so is an unforced bypass of the same procedure.
+    #[test]
+    fn a_forced_bypass_takes_a_procedure_in_a_step() {
+        fn children() -> RootStack {
+            let mut rs = RootStack::submit(new(1, vec![], None), 0).0;
+            rs.on_step(done(1, kids(&[2, 3]), false), 1);
+            rs
+        }
+        let locked = || {
+            let claim =
+                LockClaim::declare(vec![crate::locks::Lock::exclusive("t1")], false).unwrap();
+            RootStack::submit(new(1, vec![], claim), 0).0
+        };
+        let failed = || {
+            let mut rs = children();
+            rs.on_step(failed_with(2, FailurePolicy::Rollback), 2);
+            rs
+        };
+        type Setup = fn() -> RootStack;
+        // (case, setup, target, running after, the transition or the refusal)
+        let cases: [(&str, Setup, u64, u32, &str); 5] = [
+            (
+                "a root in its first step",
+                || RootStack::submit(new(1, vec![], None), 0).0,
+                1,
+                0,
+                "U1:SUCCESS[] | stop 1, finished ok",
+            ),
+            (
+                "a root queued behind its locks",
+                locked,
+                1,
+                0,
+                "U1:SUCCESS[] | withdraw 1, stop 1, finished ok",
+            ),
+            (
+                "a child in a step, its sibling too",
+                children,
+                2,
+                1,
+                "U2:SUCCESS[] | stop 2",
+            ),
+            (
+                "a tree rolling back",
+                failed,
+                3,
+                1,
+                "tree 1 is rolling back",
+            ),
+            (
+                "the parent of children in steps, not recursive",
+                children,
+                1,
+                2,
+                "has unfinished children 2, 3",
+            ),
+        ];
+        for (case, setup, target, running, want) in cases {
+            let refused =
+                setup().on_bypass(ProcId(target), false, BypassReach::Waiting, &|_| vec![], 5);
+            assert!(refused.is_err(), "{case}: an unforced bypass is refused");
+            let mut rs = setup();
+            let got = match rs.on_bypass(ProcId(target), false, BypassReach::Forced, &|_| vec![], 5)
+            {
+                Ok(t) => t.to_string(),
+                Err(why) => why,
+            };
+            assert!(got.contains(want), "{case}: {got}");
+            assert_eq!(rs.running, running, "{case}: steps counted as running");
         }
     }
 

@@ -1158,3 +1158,77 @@ impl proctor::Task<Recorder> for Waits {
         Ok(())
     }
 }
+
+/// A procedure stuck in a step is force-bypassed through the page (`force-bypass`, the
+/// page offering it for a RUNNABLE procedure) and through the `proctor` command beside
+/// the running engine (`bypass URL ID --force`); a plain bypass is refused saying
+/// the bypass must be forced, by the page (409) and by the command (exit 1).
+#[actix::test]
+async fn a_procedure_stuck_in_a_step_is_force_bypassed_through_the_page_and_the_command() {
+    let rec = Arc::new(Recorder::default());
+    let executor = Executor::builder()
+        .registry(common::registry())
+        .store(proctor::MemoryStore::new())
+        .workers(2)
+        .env(rec.clone())
+        .start()
+        .await
+        .unwrap();
+    let page = serve(executor, AdminConfig::default().token(TOKEN)).await;
+    let one = common::start_gated(&page.executor, &rec, "one").await;
+    let two = common::start_gated(&page.executor, &rec, "two").await;
+    let (_, html) = page.get("procedures").await;
+    assert!(
+        html.contains(&format!(
+            r#"data-id="{}" data-action="force-bypass""#,
+            one.0
+        )),
+        "{html}"
+    );
+    let (status, body) = page
+        .post(&format!("procedures/{}/bypass", one.0), Some(TOKEN), None)
+        .await;
+    assert_eq!(status, 409, "{body}");
+    assert!(
+        body["error"].as_str().unwrap().contains("force the bypass"),
+        "{body}"
+    );
+    let (status, body) = page
+        .post(
+            &format!("procedures/{}/force-bypass", one.0),
+            Some(TOKEN),
+            None,
+        )
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(page.executor.wait(one).await.unwrap(), Ok(()));
+
+    let base = page.base.clone();
+    let cli = move |force: bool| {
+        let base = base.clone();
+        tokio::task::spawn_blocking(move || {
+            let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_proctor"));
+            command.args(["bypass", &base, &two.0.to_string()]);
+            if force {
+                command.arg("--force");
+            }
+            command.env("PROCTOR_ADMIN_TOKEN", TOKEN).output().unwrap()
+        })
+    };
+    let refused = cli(false).await.unwrap();
+    let said = String::from_utf8_lossy(&refused.stdout).into_owned();
+    assert_eq!(refused.status.code(), Some(1), "{said}");
+    assert!(said.contains("force the bypass"), "{said}");
+    let done = cli(true).await.unwrap();
+    let said = String::from_utf8_lossy(&done.stdout).into_owned();
+    assert_eq!(
+        done.status.code(),
+        Some(0),
+        "{said} {}",
+        String::from_utf8_lossy(&done.stderr)
+    );
+    assert!(said.contains("bypassed procedure"), "{said}");
+    assert_eq!(page.executor.wait(two).await.unwrap(), Ok(()));
+    assert_eq!(rec.count("one-exec") + rec.count("two-exec"), 2);
+    page.executor.clone().shutdown().await.unwrap();
+}

@@ -705,6 +705,7 @@ impl<E: Send + Sync + 'static> Handler<Bypass> for ExecutorActor<E> {
             let request = BypassRequest {
                 id,
                 recursive: msg.recursive,
+                force: msg.force,
                 ack,
             };
             tree?.do_send(request);

@@ -165,6 +165,9 @@ pub struct Bypass {
     pub id: ProcId,
     /// Also bypass its unfinished descendants (required if it has any).
     pub recursive: bool,
+    /// Take a procedure queued or in a step too, dropping its step (HBCK2's
+    /// `bypass -o`); see [`Executor::force_bypass`].
+    pub force: bool,
 }
 
 impl Message for Bypass {

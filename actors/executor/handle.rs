@@ -315,8 +315,8 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// as if it had succeeded (bypassing a root ends its tree). With `recursive`, its
     /// unfinished descendants are bypassed too; without, a procedure with unfinished
     /// children is refused. Only a procedure that waits (for children, an event, a
-    /// deadline, or an operator: PAUSED) can be bypassed, not one queued or in a step,
-    /// and not in a tree that is rolling back (ROLLBACK_PAUSED included): each refusal
+    /// deadline, or an operator: PAUSED) can be bypassed, not one queued or in a step
+    /// ([`force_bypass`](Self::force_bypass) takes those), and not in a tree that is rolling back (ROLLBACK_PAUSED included): each refusal
     /// is [`Error::BypassRefused`] with the reason.
     /// Answers once the bypass is durable.
     ///
@@ -327,7 +327,43 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// above; [`Error::Store`] or [`Error::Internal`] once the store has failed or the
     /// engine broke; [`Error::Stopped`] after shutdown.
     pub async fn bypass(&self, id: ProcId, recursive: bool) -> Result<(), Error> {
-        self.front.actor()?.send(Bypass { id, recursive }).await?
+        let bypass = Bypass {
+            id,
+            recursive,
+            force: false,
+        };
+        self.front.actor()?.send(bypass).await?
+    }
+
+    /// Bypasses a procedure stuck in a step (HBCK2's `bypass -o`): as
+    /// [`bypass`](Self::bypass), and a procedure queued or in a step is taken too.
+    /// Its step is dropped: a call in progress is dropped at its next `.await` (code
+    /// between two awaits, or one blocking its thread, runs on until then), without a
+    /// rollback, a report or its `completion_cleanup`; a queued one never runs; a wait
+    /// for its locks is withdrawn, and the locks it holds are released. What the
+    /// dropped step did stays done: bypass it only once its work has been finished, or
+    /// made harmless, by hand.
+    ///
+    /// ```no_run
+    /// # async fn stuck(executor: proctor::Executor, id: proctor::ProcId) -> Result<(), proctor::Error> {
+    /// // A region assignment hangs on a node that will never answer; the operator
+    /// // has opened the region by hand.
+    /// executor.force_bypass(id, false).await?;
+    /// assert_eq!(executor.wait(id).await?, Ok(()));
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`bypass`](Self::bypass), but for the refusal of a procedure queued or in a
+    /// step.
+    pub async fn force_bypass(&self, id: ProcId, recursive: bool) -> Result<(), Error> {
+        let bypass = Bypass {
+            id,
+            recursive,
+            force: true,
+        };
+        self.front.actor()?.send(bypass).await?
     }
 
     /// Pauses a procedure (PolarDB-X's `PAUSE DDL`) at its next step boundary: the

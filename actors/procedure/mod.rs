@@ -304,7 +304,11 @@ impl ProcedureActor {
         (*cell).stop(state);
         self.told = true;
         self.send_reports();
-        self.root_stack.do_send(FromProc::Stopped(self.id));
+        // A step still in progress (a forced bypass finished the procedure under it)
+        // goes with this actor: its futures are dropped as it stops.
+        let cut = self.in_step.take().is_some();
+        self.root_stack
+            .do_send(FromProc::Stopped { id: self.id, cut });
         ctx.stop();
     }
 

@@ -118,8 +118,10 @@ pub(crate) enum FromProc {
     Report(Report),
     /// Its answer to `Passivate`: the cell, or `None` if a call runs (it stays active).
     Passivated(ProcId, Option<Box<ProcedureCell>>),
-    /// It ran its `Stop` (lock released, cleanup run) and stopped.
-    Stopped(ProcId),
+    /// It ran its `Stop` (lock released, cleanup run) and stopped; `cut` if a step it
+    /// had taken was still running (an operator's forced bypass): the call was dropped
+    /// with the actor, and the step's worker is the root stack's to free.
+    Stopped { id: ProcId, cut: bool },
     /// The actor of this activation (its generation) stopped without being told, for
     /// the reason given, in the step it names if it had taken one and not reported
     /// it: it is started again, within the restart limit.
@@ -555,6 +557,8 @@ pub(crate) struct AbortRequest {
 pub(crate) struct BypassRequest {
     pub(crate) id: ProcId,
     pub(crate) recursive: bool,
+    /// Forced: a procedure queued or in a step is taken too.
+    pub(crate) force: bool,
     pub(crate) ack: AbortAck,
 }
 

@@ -604,7 +604,8 @@ impl TreeRunner {
     /// Publishes the tree's result once it is known and every finished procedure has
     /// released its lock and run its cleanup; then the runner's work is done.
     fn publish_result(&mut self, ctx: &mut TreeCtx<'_>) {
-        if self.halted.is_some() || self.leaving.is_some() {
+        // A step a forced bypass dropped may still come back through the tree.
+        if self.halted.is_some() || self.leaving.is_some() || self.dispatched > 0 {
             return;
         }
         let Some(result) = self.result.take().map(|r| *r) else {
@@ -664,6 +665,18 @@ impl TreeRunner {
 
     /// A halted tree stops once every dispatched step has reported (and freed its
     /// worker). Its procedures' actors stop, and their cells go with them.
+    /// A step of `id` that a forced bypass took from the tree ended without a report to
+    /// record (it came back queued, or its call was dropped, or it reported after the
+    /// procedure finished): its worker is freed, and a finished tree that waited only
+    /// for it publishes its result.
+    pub(super) fn step_dropped(&mut self, id: ProcId, ctx: &mut TreeCtx<'_>) {
+        self.dispatched = self.dispatched.saturating_sub(1);
+        ctx.tell(StepFinished(id));
+        if self.dispatched == 0 {
+            self.publish_result(ctx);
+        }
+    }
+
     fn stop_when_quiet(&mut self, ctx: &mut TreeCtx<'_>) {
         if self.halted.is_some() && self.dispatched == 0 {
             self.halt_procedures();
@@ -754,11 +767,12 @@ impl TreeRunner {
             Ok(()) => {}
             Err(msg) => {
                 if let ProcMsg::Cell(ToCell::RunStep(_)) = msg {
-                    // No step of a stopped procedure is queued; were one, its worker
-                    // must not leak.
-                    tracing::warn!(target: crate::targets::TREE, proc = %id, "a step dispatched to a stopped procedure");
-                    self.dispatched = self.dispatched.saturating_sub(1);
-                    ctx.tell(StepFinished(id));
+                    // Only a forced bypass finishes a procedure with a step queued:
+                    // the step is dropped, and its worker freed.
+                    if !self.core.is_bypassed(id) {
+                        tracing::warn!(target: crate::targets::TREE, proc = %id, "a step dispatched to a stopped procedure");
+                    }
+                    self.step_dropped(id, ctx);
                 }
             }
         }

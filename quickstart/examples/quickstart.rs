@@ -14,6 +14,10 @@
 //! per finished procedure (id, type, outcome, duration), and the `[procedure N]` lines'
 //! spans (`RUST_LOG=info,proctor=debug` shows more).
 
+// This package compiles proctor's sources as a library of its own (its `Cargo.toml`
+// says why); in a service that depends on `proctor-engine`, the library is `proctor`.
+extern crate proctor_quickstart as proctor;
+
 use std::collections::BTreeMap;
 use std::io::{IsTerminal, Write};
 use std::sync::{mpsc, Mutex};

@@ -1,6 +1,8 @@
 //! The quickstart writing to an output whose reader goes away after three lines, as
 //! `| head -3` does: the procedure still ends SUCCESS, and the run says so.
 
+extern crate proctor_quickstart as proctor;
+
 #[allow(dead_code)]
 #[path = "../examples/quickstart.rs"]
 mod quickstart;

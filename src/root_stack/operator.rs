@@ -217,15 +217,12 @@ impl RootStack {
 
     /// An operator bypasses `id` (HBCK2's `bypass`): it is marked SUCCESS without
     /// running further or rolling back, and so, with `recursive`, is every unfinished
-    /// procedure below it. Only procedures that wait (for children, an event, a
-    /// deadline, or an operator: PAUSED) can be bypassed: one queued or in a step
-    /// cannot be stopped under it, and a tree that is rolling back (a ROLLBACK_PAUSED
-    /// procedure's too) is refused. The parent of a bypassed procedure
-    /// goes on as if it had succeeded; bypassing the root ends the tree. Refusals say
-    /// why.
+    /// procedure below it. Which procedures it may take is `reach`'s ([`BypassReach`]):
+    /// by default only procedures that wait (for children, an event, a deadline, or an
+    /// operator: PAUSED). A tree that is rolling back (a ROLLBACK_PAUSED procedure's
+    /// too) is refused. The parent of a bypassed procedure goes on as if it had
+    /// succeeded; bypassing the root ends the tree. Refusals say why.
     ///
-    /// `stopped` is for an engine that is not running (an operator's offline bypass):
-    /// nothing is queued or in a step then, so a RUNNABLE procedure can be bypassed too.
     /// `data_of` gives a procedure's state as recorded (the core keeps only a paused
     /// one's): each bypassed procedure's final record keeps it, so what it was can be
     /// read (and decoded) until its result is evicted.
@@ -233,7 +230,7 @@ impl RootStack {
         &mut self,
         id: ProcId,
         recursive: bool,
-        stopped: bool,
+        reach: BypassReach,
         data_of: &dyn Fn(ProcId) -> Vec<u8>,
         now_ms: u64,
     ) -> Result<Transition, String> {
@@ -269,10 +266,15 @@ impl RootStack {
             let idle = matches!(
                 state,
                 ProcState::Waiting | ProcState::WaitingTimeout | ProcState::Paused
-            ) || (stopped && state == ProcState::Runnable);
+            ) || (reach != BypassReach::Waiting && state == ProcState::Runnable);
             if !idle {
+                let hint = if state == ProcState::Runnable {
+                    " (force the bypass to drop its step)"
+                } else {
+                    ""
+                };
                 return Err(format!(
-                    "procedure {target} is {state}: only a waiting or paused procedure can be bypassed"
+                    "procedure {target} is {state}: only a waiting or paused procedure can be bypassed{hint}"
                 ));
             }
         }
@@ -285,6 +287,15 @@ impl RootStack {
             } else {
                 data_of(target)
             };
+            if reach == BypassReach::Forced && self.nodes[&target].state == ProcState::Runnable {
+                // Its step, queued or in progress, is no longer the tree's: the runner
+                // frees its worker when it comes back or its call is dropped. One
+                // waiting for its locks stops waiting.
+                self.running -= 1;
+                if self.lock_request(target, false).is_some() {
+                    t.actions.push(Action::Withdraw(target));
+                }
+            }
             let node = self.node_mut(target);
             node.state = ProcState::Success;
             node.bypassed = true;
@@ -298,7 +309,7 @@ impl RootStack {
                 root_data = data;
             }
         }
-        tracing::warn!(target: crate::targets::TREE, root = %self.root, proc = %id, recursive, "procedure bypassed");
+        tracing::warn!(target: crate::targets::TREE, root = %self.root, proc = %id, recursive, ?reach, "procedure bypassed");
         if id == self.root {
             self.persist_update(&mut t, id, root_data, now_ms);
             self.finish(&mut t, now_ms);
@@ -307,4 +318,21 @@ impl RootStack {
         }
         Ok(t)
     }
+}
+
+/// Which procedures an operator's bypass ([`RootStack::on_bypass`]) may take, besides
+/// those that wait (for children, an event, a deadline) or are PAUSED.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BypassReach {
+    /// A running engine's bypass: no other. A procedure queued or in a step is
+    /// refused: it cannot be stopped under it.
+    Waiting,
+    /// A stopped engine's (an operator's offline bypass, from the records): RUNNABLE
+    /// ones too, as nothing is queued or in a step then.
+    Stopped,
+    /// A running engine's forced bypass (HBCK2's `bypass -o`), for a procedure stuck
+    /// in a step: RUNNABLE ones too. A queued step is dropped when the scheduler gets
+    /// to it, a lock request withdrawn, and a call in progress dropped at its next
+    /// `.await` (code between two awaits, or blocking its thread, runs on until then).
+    Forced,
 }

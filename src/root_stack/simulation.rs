@@ -332,14 +332,28 @@ fn run(seed: u64) {
                             sim.pause_req.insert(id);
                         }
                     }
-                } else if !running && id != 1 {
-                    if let Ok(t) = sim
-                        .rs
-                        .on_bypass(ProcId(id), false, false, &|_| Vec::new(), 1)
+                } else if id != 1 {
+                    // Forced (HBCK2's `bypass -o`), a procedure queued or in a step may
+                    // go too: the runner drops its step.
+                    let reach = if rng.below(3) == 0 {
+                        BypassReach::Forced
+                    } else {
+                        BypassReach::Waiting
+                    };
+                    let refused = running && reach == BypassReach::Waiting;
+                    if let Some(t) = (!refused)
+                        .then(|| {
+                            sim.rs
+                                .on_bypass(ProcId(id), false, reach, &|_| Vec::new(), 1)
+                        })
+                        .and_then(Result::ok)
                     {
                         sim.timers.remove(&id);
                         sim.paused.remove(&id);
-                        sim.apply(format!("bypass {id}"), t);
+                        sim.pause_req.remove(&id);
+                        sim.queue.retain(|&q| q != id);
+                        sim.running.retain(|r| r.0 != id);
+                        sim.apply(format!("bypass {id} {reach:?}"), t);
                     }
                 }
             }
@@ -399,6 +413,13 @@ fn run(seed: u64) {
             }
             _ => {}
         }
+        // The core counts as running exactly the steps queued or in progress.
+        assert_eq!(
+            sim.rs.running as usize,
+            sim.queue.len() + sim.running.len(),
+            "seed {seed}: steps counted as running\n{}",
+            sim.log.join("\n")
+        );
         let idle = sim.queue.is_empty()
             && sim.running.is_empty()
             && sim.timers.is_empty()

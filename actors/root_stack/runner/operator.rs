@@ -3,6 +3,8 @@
 
 use super::*;
 
+use crate::root_stack::BypassReach;
+
 impl TreeRunner {
     pub(super) fn on_bypass(&mut self, msg: BypassRequest, ctx: &mut TreeCtx<'_>) {
         if let Some(e) = &self.halted {
@@ -10,6 +12,11 @@ impl TreeRunner {
             return;
         }
         let (id, recursive) = (msg.id, msg.recursive);
+        let reach = if msg.force {
+            BypassReach::Forced
+        } else {
+            BypassReach::Waiting
+        };
         // Each bypassed procedure's final record keeps its state as recorded (a copy
         // of the tree's: an operator's command is rare).
         let recorded: Vec<(ProcId, Vec<u8>)> = self
@@ -26,7 +33,7 @@ impl TreeRunner {
         };
         match self.core(
             "bypass",
-            |core| core.on_bypass(id, recursive, false, &data_of, now_ms()),
+            |core| core.on_bypass(id, recursive, reach, &data_of, now_ms()),
             ctx,
         ) {
             Some(Ok(t)) => self.apply(t, Some((msg.ack, Ok(true))), ctx),

@@ -225,6 +225,15 @@ impl TreeRunner {
         match msg {
             FromProc::Report(report) => {
                 let id = report_id(&report);
+                if self.core.state_of(id).is_none_or(|s| s.is_finished()) {
+                    // A forced bypass finished it under a call that reported before
+                    // it was stopped: nothing to record, but a step's worker to free.
+                    if let Report::StepDone(_) = report {
+                        self.step_dropped(id, ctx);
+                    }
+                    self.stop_when_quiet(ctx);
+                    return;
+                }
                 if let Some(live) = self.procs.get_mut(&id).and_then(|s| s.live.as_mut()) {
                     live.reported(&report);
                 }
@@ -232,7 +241,10 @@ impl TreeRunner {
                 self.passivate_if_waiting(id);
             }
             FromProc::Passivated(id, cell) => self.on_passivated(id, cell, ctx),
-            FromProc::Stopped(id) => {
+            FromProc::Stopped { id, cut } => {
+                if cut {
+                    self.step_dropped(id, ctx);
+                }
                 if self.leave(id).is_some() {
                     self.publish_result(ctx);
                     self.answer_quiesce(ctx);
