@@ -26,9 +26,9 @@ mod wal_store;
 
 pub use crash_test::{restart_at_every_write, CrashRun};
 pub use executor::{
-    Abort, AckResult, Bypass, Continue, EngineStatus, Executor, ExecutorActor, ExecutorBuilder,
+    Abort, AckResult, Bypass, EngineStatus, Executor, ExecutorActor, ExecutorBuilder,
     GetEngineStatus, GetLocks, GetState, GetTree, GetValue, List, ListPage, NonceRegistration,
-    NonceReservation, Pause, ProcEvent, ProcInfo, ProcPage, RecentFailure, Recovery, Role,
+    NonceReservation, Pause, ProcEvent, ProcInfo, ProcPage, RecentFailure, Recovery, Resume, Role,
     Rollback, Shutdown, Submission, Submit, Submitted, Subscribe, Subscription, TreeInfo, WaitFor,
     WaitValue, WaitingOn,
 };

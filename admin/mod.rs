@@ -17,7 +17,7 @@
 //! - `/events` — the live feed as Server-Sent Events: once a tick, what the engine
 //!   published since (counts, the newest roots, the watched rows that changed).
 //!
-//! Actions (`POST /procedures/{id}/abort`, `pause`, `continue`, `rollback`, `bypass`,
+//! Actions (`POST /procedures/{id}/abort`, `pause`, `resume` (or `continue`), `rollback`, `bypass`,
 //! `force-bypass` — [`Executor::force_bypass`], for a procedure stuck in a step)
 //! need the bearer token the embedding service set ([`AdminConfig::token`](crate::admin::AdminConfig::token); without
 //! one the page is read-only), in `Authorization: Bearer <token>`. A request from a
@@ -713,7 +713,7 @@ async fn action<E: Send + Sync + 'static>(
             .await
             .map(|accepted| json!({ "accepted": accepted })),
         "pause" => executor.pause(id).await.map(|()| json!({ "paused": true })),
-        "continue" => executor
+        "resume" | "continue" => executor
             .resume(id)
             .await
             .map(|()| json!({ "continued": true })),
@@ -731,8 +731,8 @@ async fn action<E: Send + Sync + 'static>(
             .map(|()| json!({ "bypassed": true })),
         other => {
             return Err(bad_request(format!(
-                "unknown action {other:?}: abort, pause, continue, rollback, bypass or \
-                 force-bypass"
+                "unknown action {other:?}: abort, pause, resume (or continue), rollback, \
+                 bypass or force-bypass"
             )))
         }
     };

@@ -203,7 +203,7 @@ fn actions(p: &ProcInfo) -> String {
         return String::new();
     }
     let mut out = String::new();
-    for action in ["abort", "pause", "continue", "rollback"] {
+    for action in ["abort", "pause", "resume", "rollback"] {
         let _ = write!(
             out,
             r#"<button class="act" data-id="{}" data-action="{action}">{action}</button> "#,

@@ -19,7 +19,7 @@
 //!                                       # admin page (token: PROCTOR_ADMIN_TOKEN)
 //! proctor abort DIR ID                  # fail it; its tree rolls back at next start
 //! proctor pause DIR ID                  # it stays paused at next start
-//! proctor continue DIR ID               # a paused procedure goes on
+//! proctor resume DIR ID                 # a paused procedure goes on (alias: continue)
 //! proctor rollback DIR ID               # a paused procedure's tree rolls back
 //! ```
 //!
@@ -160,11 +160,12 @@ enum Command {
         /// The procedure.
         id: u64,
     },
-    /// Continue a paused procedure on a stopped engine's directory: a PAUSED one runs
-    /// the step that paused it again when the engine starts, a ROLLBACK_PAUSED one
-    /// retries its rollback. Refused in any other state.
-    #[command(after_help = EXIT_CODES)]
-    Continue {
+    /// Resume (continue) a paused procedure on a stopped engine's directory: a PAUSED
+    /// one runs the step that paused it again when the engine starts, a ROLLBACK_PAUSED
+    /// one retries its rollback. Refused in any other state. (`continue` is the same
+    /// command.)
+    #[command(after_help = EXIT_CODES, visible_alias = "continue")]
+    Resume {
         /// The WAL directory (of a stopped engine: its lock is taken).
         dir: PathBuf,
         /// The procedure.
@@ -313,7 +314,7 @@ fn main() -> ExitCode {
         },
         Command::Abort { dir, id } => abort(&mut out, &dir, ProcId(id)),
         Command::Pause { dir, id } => steer(&mut out, &dir, ProcId(id), Steer::Pause),
-        Command::Continue { dir, id } => steer(&mut out, &dir, ProcId(id), Steer::Continue),
+        Command::Resume { dir, id } => steer(&mut out, &dir, ProcId(id), Steer::Continue),
         Command::Rollback { dir, id } => steer(&mut out, &dir, ProcId(id), Steer::Rollback),
     };
     let result = result.and_then(|exit| out.flush().map(|()| exit).map_err(Stop::Output));

@@ -13,9 +13,9 @@
 use std::io::IsTerminal;
 use std::sync::Arc;
 
+use proctor::messages::Abort;
 use proctor::{
-    async_trait, Abort, Context, Executor, Flow, ProcError, ProcState, Procedure, Registry,
-    WalStore,
+    async_trait, Context, Executor, Flow, ProcError, ProcState, Procedure, Registry, WalStore,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;

@@ -25,10 +25,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
+use proctor::messages::{Abort, GetValue, Shutdown, Submit, Subscribe};
 use proctor::{
-    async_trait, Abort, Context as StepContext, Executor, ExecutorActor, Failure, Flow, GetValue,
-    List, ProcError, ProcEvent, ProcId, ProcInfo, Procedure, Registry, Shutdown, Submit, Subscribe,
-    WalStore,
+    async_trait, Context as StepContext, Executor, ExecutorActor, Failure, Flow, List, ProcError,
+    ProcEvent, ProcId, ProcInfo, Procedure, Registry, WalStore,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{oneshot, Notify};

@@ -13,7 +13,7 @@
 //! succeeded ([`Context::children`]), picks the ready tasks — longest remaining chain
 //! first, then in the order they were added — takes as many as
 //! [`DagBuilder::parallelism`] leaves room for beside the tasks still running, marks
-//! them started and returns them as [`Flow::Spawn`]: a *wave*, possibly empty. The
+//! them started and returns them as [`Flow::WaitAny`]: a *wave*, possibly empty. The
 //! engine makes that state durable before it starts the children, runs them on its
 //! worker pool, and wakes the DAG each time one of its children succeeds, so a task
 //! starts as soon as its predecessors are done, whatever else runs beside it. The
@@ -544,7 +544,7 @@ impl<T: fmt::Debug> DagBuilder<T> {
 /// Each step starts a wave: the ready tasks (every predecessor done), longest
 /// remaining chain first, up to [`DagBuilder::parallelism`] tasks running at once, each
 /// as a child procedure ([`DagTask`]). The engine wakes the DAG as each task succeeds
-/// ([`Flow::Spawn`]), and its next step marks the finished tasks done and starts those
+/// ([`Flow::WaitAny`]), and its next step marks the finished tasks done and starts those
 /// they made ready, while the others run on.
 ///
 /// When the DAG's tree fails, running tasks end their step, then the DAG rolls back
@@ -933,7 +933,7 @@ where
             )));
         }
         // Woken as each task finishes, to start what it made ready.
-        Ok(Flow::Spawn(
+        Ok(Flow::WaitAny(
             wave.into_iter()
                 .map(|t| {
                     Box::new(DagTask {
@@ -1303,7 +1303,7 @@ mod tests {
         let mut ctx = ctx(log).with_children(children);
         match now(Procedure::<Log>::execute(dag, &mut ctx)).unwrap() {
             Flow::Done => None,
-            Flow::Spawn(children) => Some(
+            Flow::WaitAny(children) => Some(
                 children
                     .iter()
                     .map(|c| {

@@ -52,7 +52,7 @@ impl<E: Send + Sync + 'static> From<Flow<E>> for Next {
             Flow::Children(children) => {
                 Next::Children(children.into_iter().map(erase_boxed).collect())
             }
-            Flow::Spawn(children) => Next::Spawn(children.into_iter().map(erase_boxed).collect()),
+            Flow::WaitAny(children) => Next::Spawn(children.into_iter().map(erase_boxed).collect()),
             Flow::Yield => Next::Yield,
             Flow::Suspend(event) => Next::Suspend(event),
             Flow::SleepUntil(at_ms) => Next::SleepUntil(at_ms),

@@ -67,17 +67,35 @@ pub mod testing {
 /// each one measures.
 pub use crate::actors::metrics;
 
+/// The messages the executor's actor ([`ExecutorActor`]) takes, for code that holds its
+/// address (`Executor::addr`), as an actix service sends to its own actors: each is
+/// what one of [`Executor`]'s methods sends, answered with what that method returns.
+///
+/// ```
+/// use proctor::messages::{Pause, Resume};
+/// # async fn steer(executor: proctor::Executor, id: proctor::ProcId) -> Result<(), proctor::Error> {
+/// let addr = executor.addr()?;
+/// addr.send(Pause(id)).await??; // `executor.pause(id)`
+/// addr.send(Resume(id)).await??; // `executor.resume(id)`
+/// # Ok(()) }
+/// ```
+pub mod messages {
+    pub use crate::actors::{
+        Abort, AckResult, Bypass, GetEngineStatus, GetLocks, GetSchedulerStats, GetState, GetTree,
+        GetValue, Pause, RemoveTarget, ResetEvent, Resume, Rollback, Shutdown, Submit, Subscribe,
+        WaitFor, WakeEvent,
+    };
+}
+
 pub use crate::actors::{
-    Abort, AckResult, Bypass, CommitStats, Continue, EngineStatus, Executor, ExecutorActor,
-    ExecutorBuilder, GetEngineStatus, GetLocks, GetSchedulerStats, GetState, GetTree, GetValue,
-    List, ListPage, NonceRegistration, NonceReservation, Pause, ProcEvent, ProcInfo, ProcPage,
-    RecentFailure, Recovery, ResetEvent, Role, Rollback, SchedulerStats, ShardLoad, Shutdown,
-    Submission, Submit, Submitted, Subscribe, Subscription, TreeInfo, WaitFor, WaitValue,
-    WaitingOn, WakeEvent, WalOptions, WalStats, WalStore,
+    CommitStats, EngineStatus, Executor, ExecutorActor, ExecutorBuilder, List, ListPage,
+    NonceRegistration, NonceReservation, ProcEvent, ProcInfo, ProcPage, RecentFailure, Recovery,
+    Role, SchedulerStats, ShardLoad, Submission, Submitted, Subscription, TreeInfo, WaitValue,
+    WaitingOn, WalOptions, WalStats, WalStore,
 };
 #[cfg(feature = "postgres")]
 pub use crate::actors::{Leadership, LeaseState, PgLease, PgOptions, PgStore};
-pub use crate::actors::{RemoteOptions, RemoveTarget, Report, Transport, TransportError};
+pub use crate::actors::{RemoteOptions, Report, Transport, TransportError};
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};
 pub use crate::error::{Error, WaitError};

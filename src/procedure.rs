@@ -537,7 +537,7 @@ pub enum Flow<E = ()> {
     /// finish, as a [`Dag`](crate::Dag) does its tasks.
     ///
     /// Until its children have all finished, the procedure's steps may return only
-    /// `Spawn` or [`Flow::Children`] (which waits for all of them); any other flow fails
+    /// `WaitAny` or [`Flow::Children`] (which waits for all of them); any other flow fails
     /// the step. A wake writes nothing, so a step may also run again after a restart
     /// without a new child having finished: look at [`Context::children`] rather
     /// than count wakes.
@@ -575,7 +575,7 @@ pub enum Flow<E = ()> {
     ///         let room = 2usize.saturating_sub(running).min((self.nodes - self.started) as usize);
     ///         let next = (self.started..).take(room).map(|node| Restart { node });
     ///         self.started += room as u32;
-    ///         Ok(Flow::spawn(next))
+    ///         Ok(Flow::wait_any(next))
     ///     }
     ///     async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> {
     ///         Ok(())
@@ -588,21 +588,21 @@ pub enum Flow<E = ()> {
     /// let ctx = |children| Context::new(ProcId(1), None, ProcId(1), 0, Default::default())
     ///     .with_children(children);
     /// let spawned = |flow: Flow| match flow {
-    ///     Flow::Spawn(next) => next.len(),
+    ///     Flow::WaitAny(next) => next.len(),
     ///     other => panic!("{other:?}"),
     /// };
     /// assert_eq!(spawned(rt.block_on(roll.execute(&mut ctx(vec![]))).unwrap()), 2);
     /// let one_done = vec![(ProcId(2), ProcState::Success), (ProcId(3), ProcState::Runnable)];
     /// assert_eq!(spawned(rt.block_on(roll.execute(&mut ctx(one_done))).unwrap()), 1);
     /// ```
-    Spawn(Vec<Box<dyn Procedure<E>>>),
+    WaitAny(Vec<Box<dyn Procedure<E>>>),
     /// Run again later, behind everything already queued (under the default
     /// [`Scheduling::Fair`](crate::Scheduling::Fair): behind every new or yielding
     /// procedure queued on its tree's level). Nothing is persisted and the step is not
     /// recorded for rollback, so a yielding step must not change state.
     Yield,
     /// Persist, then WAIT until the named event is woken
-    /// (see [`WakeEvent`](crate::WakeEvent)); then run the next step. If the event is
+    /// (see [`WakeEvent`](crate::messages::WakeEvent)); then run the next step. If the event is
     /// already woken the procedure continues at once.
     Suspend(String),
     /// Persist, then sleep (WAITING_TIMEOUT) until this absolute time in milliseconds
@@ -635,9 +635,18 @@ impl<E: Send + Sync + 'static> Flow<E> {
         Flow::Children(boxed(children))
     }
 
-    /// [`Flow::Spawn`] of procedures of one type, boxed here (see [`Flow::children`]).
+    /// [`Flow::WaitAny`] of procedures of one type, boxed here (see [`Flow::children`]).
+    pub fn wait_any<P: Procedure<E>>(children: impl IntoIterator<Item = P>) -> Self {
+        Flow::WaitAny(boxed(children))
+    }
+
+    /// The former name of [`Flow::wait_any`].
+    #[deprecated(
+        since = "0.1.0",
+        note = "renamed `Flow::wait_any` (the variant is `Flow::WaitAny`)"
+    )]
     pub fn spawn<P: Procedure<E>>(children: impl IntoIterator<Item = P>) -> Self {
-        Flow::Spawn(boxed(children))
+        Self::wait_any(children)
     }
 }
 
@@ -656,7 +665,7 @@ impl<E> fmt::Debug for Flow<E> {
             Flow::Done => f.write_str("Done"),
             Flow::MoreToDo => f.write_str("MoreToDo"),
             Flow::Children(c) => write!(f, "Children({})", c.len()),
-            Flow::Spawn(c) => write!(f, "Spawn({})", c.len()),
+            Flow::WaitAny(c) => write!(f, "WaitAny({})", c.len()),
             Flow::Yield => f.write_str("Yield"),
             Flow::Suspend(e) => write!(f, "Suspend({e:?})"),
             Flow::SleepUntil(t) => write!(f, "SleepUntil({t})"),
@@ -873,7 +882,7 @@ impl<E: ?Sized> Context<E> {
     /// when this call was dispatched: [`ProcState::Success`] for one whose success is
     /// durable, an unfinished state for one still running (or whose success is not
     /// recorded yet). Empty for a procedure that started
-    /// none, and in a rollback. A step that follows a [`Flow::Spawn`] looks here for
+    /// none, and in a rollback. A step that follows a [`Flow::WaitAny`] looks here for
     /// which children it was woken for.
     ///
     /// ```
@@ -892,7 +901,7 @@ impl<E: ?Sized> Context<E> {
     /// as `T`: one for each child whose success was durable when this step was
     /// dispatched and that set one, in the order the children were started. A
     /// parent's step after [`Flow::Children`] sees every child's; after
-    /// [`Flow::Spawn`], those that have succeeded so far. Empty in a rollback.
+    /// [`Flow::WaitAny`], those that have succeeded so far. Empty in a rollback.
     ///
     /// ```
     /// use proctor::{Context, ProcId};

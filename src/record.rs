@@ -222,7 +222,7 @@ pub struct Steering {
     #[serde(default)]
     pub dirty: bool,
     /// Its last step that started or awaited children was a
-    /// [`Flow::Spawn`](crate::Flow::Spawn): each child that succeeds wakes it, not only
+    /// [`Flow::WaitAny`](crate::Flow::WaitAny): each child that succeeds wakes it, not only
     /// the last. (Absent from records written before format 3.)
     #[serde(default)]
     pub wakes_per_child: bool,

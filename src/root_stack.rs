@@ -48,7 +48,7 @@ pub enum StepOutcome {
     /// still running from earlier steps).
     Children(Vec<NewChild>),
     /// Start these children (possibly none) and wait until any child succeeds, or at
-    /// once if none is running ([`Flow::Spawn`](crate::Flow::Spawn)).
+    /// once if none is running ([`Flow::WaitAny`](crate::Flow::WaitAny)).
     Spawn(Vec<NewChild>),
     /// Not a step: requeue behind the others; nothing is persisted.
     Yield,
@@ -751,7 +751,7 @@ impl RootStack {
                 // anything but them, before they do.
                 let error = ProcError::failed(format!(
                     "procedure {id} returned {} with {pending} children unfinished: until \
-                     they finish, a step may only return Flow::Spawn or Flow::Children",
+                     they finish, a step may only return Flow::WaitAny or Flow::Children",
                     outcome_name(&report.outcome)
                 ));
                 report.outcome = StepOutcome::Failed(error);
@@ -1529,7 +1529,7 @@ fn outcome_name(outcome: &StepOutcome) -> &'static str {
     match outcome {
         StepOutcome::Done | StepOutcome::Children(_) => "Flow::Done",
         StepOutcome::MoreToDo { .. } => "Flow::MoreToDo",
-        StepOutcome::Spawn(_) => "Flow::Spawn",
+        StepOutcome::Spawn(_) => "Flow::WaitAny",
         StepOutcome::Suspend(_) => "Flow::Suspend",
         StepOutcome::SleepUntil(_) => "Flow::SleepUntil",
         StepOutcome::Yield => "Flow::Yield",

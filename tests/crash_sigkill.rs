@@ -120,7 +120,7 @@ fn crash_child() {
             let executor = executor.clone();
             let evicted = evicted.clone();
             actix::spawn(async move {
-                let submit = proctor::Submit::boxed(proc);
+                let submit = proctor::messages::Submit::boxed(proc);
                 if let Ok(Ok(id)) = executor.addr().unwrap().send(submit).await {
                     let succeeded = matches!(executor.wait(id).await, Ok(Ok(())));
                     tell_eviction(&executor, &evicted, succeeded.then_some(id)).await;

@@ -8,10 +8,8 @@ mod common;
 use std::sync::Arc;
 
 use common::{registry, Recorder, Reopen, Scripted, Step};
-use proctor::{
-    Error, Executor, List, ProcEvent, ProcId, ProcState, Shutdown, StateMachine, Subscribe,
-    WaitingOn,
-};
+use proctor::messages::{Shutdown, Subscribe};
+use proctor::{Error, Executor, List, ProcEvent, ProcId, ProcState, StateMachine, WaitingOn};
 
 async fn start_on(store: Box<dyn proctor::ProcedureStore>) -> (Executor<Recorder>, Arc<Recorder>) {
     let rec = Arc::new(Recorder::default());
@@ -320,7 +318,7 @@ async fn an_actor_subscribes_with_its_recipient() {
     let id = executor
         .addr()
         .unwrap()
-        .send(proctor::Submit::new(Scripted::new("a", vec![])))
+        .send(proctor::messages::Submit::new(Scripted::new("a", vec![])))
         .await
         .unwrap()
         .unwrap();

@@ -314,7 +314,7 @@ struct Traced {
     /// `None`: every time.
     #[serde(default)]
     fail_times: Option<u32>,
-    /// Starts its children with `Flow::Spawn`: woken as each succeeds, it records a
+    /// Starts its children with `Flow::WaitAny`: woken as each succeeds, it records a
     /// step that changes nothing (`waits` counts them) until all have.
     #[serde(default)]
     spawn: bool,
@@ -436,7 +436,7 @@ impl Procedure<World> for Traced {
             } else {
                 self.leave(&world, ctx);
             }
-            return Ok(Flow::Spawn(Vec::new()));
+            return Ok(Flow::WaitAny(Vec::new()));
         }
         self.at += 1;
         let fails = self.fail_at == Some(self.at) && {
@@ -467,7 +467,7 @@ impl Procedure<World> for Traced {
                 .map(|c| Box::new(c.clone()) as Box<dyn Procedure<World>>)
                 .collect();
             if self.spawn {
-                Ok(Flow::Spawn(children))
+                Ok(Flow::WaitAny(children))
             } else {
                 Ok(Flow::Children(children))
             }
@@ -1109,7 +1109,7 @@ async fn run_seed(seed: u64) -> (Vec<Ev>, bool) {
                 tokio::task::yield_now().await;
             }
             if let Ok(addr) = executor.addr() {
-                let _ = addr.send(proctor::Shutdown::graceful()).await;
+                let _ = addr.send(proctor::messages::Shutdown::graceful()).await;
             }
         })
     });

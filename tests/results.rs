@@ -9,9 +9,10 @@ mod common;
 
 use std::time::Duration;
 
+use proctor::messages::GetValue;
 use proctor::{
-    async_trait, Context, Error, Executor, ExecutorBuilder, Flow, GetValue, Nonce, ProcError,
-    ProcId, Procedure, ProcedureStore, Registry, WaitError, WaitValue,
+    async_trait, Context, Error, Executor, ExecutorBuilder, Flow, Nonce, ProcError, ProcId,
+    Procedure, ProcedureStore, Registry, WaitError, WaitValue,
 };
 use serde::{Deserialize, Serialize};
 
@@ -212,7 +213,7 @@ async fn results_are_evicted_after_their_retention_and_the_log_forgets_them() {
             executor
                 .addr()
                 .unwrap()
-                .send(proctor::GetValue::<Created>::new(running))
+                .send(proctor::messages::GetValue::<Created>::new(running))
                 .await
                 .unwrap(),
             Err(Error::NotFinished(_))

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{registry, Recorder, Reopen, Scripted, Step};
-use proctor::{Error, Executor, Shutdown};
+use proctor::messages::Shutdown;
+use proctor::{Error, Executor};
 
 async fn start_on(
     store: Box<dyn proctor::ProcedureStore>,

@@ -1,4 +1,4 @@
-//! `Flow::Spawn`: a parent woken as each child succeeds, through the actors (the
+//! `Flow::WaitAny`: a parent woken as each child succeeds, through the actors (the
 //! core's rules are table-tested in `src/root_stack.rs`; the DAG, its main user, in
 //! `tests/dag.rs`).
 
@@ -50,14 +50,14 @@ impl Procedure<World> for Parent {
         Ok(match self.at {
             1 => {
                 ctx.set_irreversible();
-                Flow::Spawn(vec![
+                Flow::WaitAny(vec![
                     Box::new(Kid { gated: false }),
                     Box::new(Kid { gated: true }),
                 ])
             }
             2 => Flow::Done,
             _ if ctx.children().iter().all(|(_, s)| *s == ProcState::Success) => Flow::Done,
-            _ => Flow::Spawn(Vec::new()),
+            _ => Flow::WaitAny(Vec::new()),
         })
     }
 

@@ -30,7 +30,7 @@ use crate::actors::root_stack::TreeRunner;
 use crate::actors::shared::{now_ms, Shared, Waiting};
 
 use super::api::{
-    Abort, Answer, Answered, Bypass, Continue, Pause, ProcEvent, ProcInfo, RecentFailure, Rollback,
+    Abort, Answer, Answered, Bypass, Pause, ProcEvent, ProcInfo, RecentFailure, Resume, Rollback,
     Submit, Subscribe, SubscribeChannel, TreeFinished, TreeNews, WaitingOn,
 };
 use super::builder::Retention;
@@ -759,10 +759,10 @@ impl<E: Send + Sync + 'static> Handler<Pause> for ExecutorActor<E> {
     }
 }
 
-impl<E: Send + Sync + 'static> Handler<Continue> for ExecutorActor<E> {
+impl<E: Send + Sync + 'static> Handler<Resume> for ExecutorActor<E> {
     type Result = ResponseFuture<Result<(), Error>>;
 
-    fn handle(&mut self, msg: Continue, _ctx: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: Resume, _ctx: &mut Context<Self>) -> Self::Result {
         self.command(msg.0, Command::Continue)
     }
 }

@@ -1,5 +1,5 @@
 //! The public messages the executor actor takes ([`Submit`], [`Abort`], [`Bypass`],
-//! [`Pause`], [`Continue`], [`Rollback`], [`GetState`], [`WaitFor`], [`WaitValue`], [`GetValue`],
+//! [`Pause`], [`Resume`], [`Rollback`], [`GetState`], [`WaitFor`], [`WaitValue`], [`GetValue`],
 //! [`AckResult`], [`List`], [`Shutdown`], [`Subscribe`]) and what it answers or sends
 //! with them ([`ProcInfo`], [`WaitingOn`], [`ProcEvent`]), for code that talks to
 //! actors; [`Executor`]'s methods send the same messages. Each message's `Result` is
@@ -182,11 +182,11 @@ impl Message for Pause {
     type Result = Result<(), Error>;
 }
 
-/// Continue a PAUSED or ROLLBACK_PAUSED procedure; see [`Executor::resume`].
+/// Resume a PAUSED or ROLLBACK_PAUSED procedure; see [`Executor::resume`].
 #[derive(Clone, Copy, Debug)]
-pub struct Continue(pub ProcId);
+pub struct Resume(pub ProcId);
 
-impl Message for Continue {
+impl Message for Resume {
     type Result = Result<(), Error>;
 }
 

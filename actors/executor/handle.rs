@@ -22,8 +22,8 @@ use crate::actors::scheduler::{GetSchedulerStats, SchedulerStats};
 
 use super::actor::ExecutorActor;
 use super::api::{
-    Abort, AckResult, Answer, Answered, Bypass, Continue, GetState, List, Pause, ProcEvent,
-    ProcInfo, Rollback, Shutdown, Submit, SubscribeChannel, WaitFor, WaitValue,
+    Abort, AckResult, Answer, Answered, Bypass, GetState, List, Pause, ProcEvent, ProcInfo, Resume,
+    Rollback, Shutdown, Submit, SubscribeChannel, WaitFor, WaitValue,
 };
 use super::builder::ExecutorBuilder;
 use super::front::Front;
@@ -394,7 +394,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// after shutdown; the store's error once it has failed.
     #[doc(alias = "continue")]
     pub async fn resume(&self, id: ProcId) -> Result<(), Error> {
-        self.front.actor()?.send(Continue(id)).await?
+        self.front.actor()?.send(Resume(id)).await?
     }
 
     /// Rolls a procedure's tree back on an operator's word (`ROLLBACK DDL`). A PAUSED
@@ -519,7 +519,10 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// [`Error::Finished`] once the tree has finished; [`Error::UnknownProcedure`],
     /// [`Error::Gone`] as [`state`](Self::state); [`Error::Stopped`] after shutdown.
     pub async fn tree(&self, id: ProcId) -> Result<crate::TreeInfo, Error> {
-        self.front.actor()?.send(crate::GetTree(id)).await?
+        self.front
+            .actor()?
+            .send(crate::messages::GetTree(id))
+            .await?
     }
 
     /// The engine's locks: each resource held, waited for or counted, with its holders
@@ -538,7 +541,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     ///
     /// [`Error::Stopped`] after shutdown.
     pub async fn locks(&self) -> Result<crate::LockReport, Error> {
-        self.front.actor()?.send(crate::GetLocks).await?
+        self.front.actor()?.send(crate::messages::GetLocks).await?
     }
 
     /// The engine for operators: what its store says of itself (for the WAL: its
@@ -556,7 +559,10 @@ impl<E: Send + Sync + 'static> Executor<E> {
     ///
     /// [`Error::Stopped`] after shutdown or once the store's writer has stopped.
     pub async fn engine_status(&self) -> Result<crate::EngineStatus, Error> {
-        self.front.actor()?.send(crate::GetEngineStatus).await?
+        self.front
+            .actor()?
+            .send(crate::messages::GetEngineStatus)
+            .await?
     }
 
     /// The procedures that pass `which` (see [`List`]), in id order: by default every
@@ -650,7 +656,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     pub async fn remove_target(&self, target: impl Into<String>) -> Result<usize, Error> {
         self.front
             .actor()?
-            .send(crate::RemoveTarget(target.into()))
+            .send(crate::messages::RemoveTarget(target.into()))
             .await?
     }
 

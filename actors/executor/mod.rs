@@ -33,8 +33,8 @@ mod shutdown;
 
 pub use actor::ExecutorActor;
 pub use api::{
-    Abort, AckResult, Bypass, Continue, EngineStatus, GetEngineStatus, GetLocks, GetState, GetTree,
-    GetValue, List, ListPage, Pause, ProcEvent, ProcInfo, ProcPage, RecentFailure, Rollback,
+    Abort, AckResult, Bypass, EngineStatus, GetEngineStatus, GetLocks, GetState, GetTree, GetValue,
+    List, ListPage, Pause, ProcEvent, ProcInfo, ProcPage, RecentFailure, Resume, Rollback,
     Shutdown, Submit, Subscribe, TreeInfo, WaitFor, WaitValue, WaitingOn,
 };
 pub(crate) use api::{TreeFinished, TreeNews};

@@ -1,5 +1,5 @@
 //! Random event sequences against the core (a model-based test): steps that end in
-//! every outcome (`Spawn`, `Children`, done, more, yield, failures under each policy),
+//! every outcome (`WaitAny`, `Children`, done, more, yield, failures under each policy),
 //! timer wakes, operator pauses, continues and bypasses, timeouts past the point of no
 //! return, and crashes recovered from the records so far. After every transition it
 //! checks that nothing is queued twice or in a failed tree, that a per-child parent
