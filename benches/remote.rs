@@ -117,7 +117,7 @@ async fn run(
     age_ms: u64,
 ) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
     let targets = Arc::new(Targets::default());
-    let mut registry = Registry::<Env>::default();
+    let mut registry = Registry::new();
     registry.register::<OneOp>("one_op");
     let executor = Executor::builder()
         .registry(registry)

@@ -102,7 +102,7 @@ const WAVE: u64 = 1000;
 async fn run(args: &Args) -> Result<serde_json::Value, Box<dyn std::error::Error>> {
     let n = args.procs.max(1);
     let counts = Arc::new(Counts::default());
-    let mut registry = Registry::<Counts>::default();
+    let mut registry = Registry::new();
     registry.register::<Sleeper>("sleeper");
     let wal_dir = tempfile::tempdir()?;
     let builder = Executor::builder().registry(registry).env(counts.clone());

@@ -64,7 +64,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let mut registry = Registry::<Progress>::default();
+    let mut registry = Registry::new();
     registry.register::<DrainServer>("drain_server");
     let progress = Arc::new(Progress(Notify::new()));
     let dir = tempfile::tempdir()?;

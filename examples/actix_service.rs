@@ -120,7 +120,7 @@ impl Procedure<CompactionStarted> for Compaction {
 
 /// Every type that can be persisted, under a name that never changes.
 fn registry() -> Registry<CompactionStarted> {
-    let mut registry = Registry::<CompactionStarted>::default();
+    let mut registry = Registry::new();
     registry
         .register::<CreateTable>("create_table")
         .register::<Compaction>("compaction");

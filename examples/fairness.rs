@@ -181,7 +181,7 @@ async fn phase(args: &Args, setup: Setup) -> Result<Phase, Box<dyn std::error::E
         warmup,
         short_is_system,
     } = setup;
-    let mut registry = Registry::<Env>::default();
+    let mut registry = Registry::new();
     if short_is_system {
         registry.register_system::<Short>("short");
     } else {

@@ -139,7 +139,7 @@ impl Procedure<Ledger> for Batch {
 
 /// The two procedure types, registered.
 pub fn registry() -> Registry<Ledger> {
-    let mut registry = Registry::<Ledger>::default();
+    let mut registry = Registry::new();
     registry
         .register::<Transfer>("transfer")
         .register::<Batch>("batch");

@@ -80,7 +80,7 @@ struct Seen {
 /// The whole flow, on a WAL in `dir`.
 async fn run(dir: &std::path::Path) -> Result<Seen, Box<dyn std::error::Error>> {
     let progress = Arc::new(Progress::default());
-    let mut registry = Registry::<Progress>::default();
+    let mut registry = Registry::new();
     registry
         .register::<Dag<Upgrade>>("rolling_upgrade")
         .register::<DagTask<Upgrade>>("upgrade_task");

@@ -281,7 +281,7 @@ pub struct Report {
 
 /// Every type that can be persisted, under a name that never changes (the WAL keeps it).
 fn registry() -> Registry<Cluster> {
-    let mut registry = Registry::<Cluster>::default();
+    let mut registry = Registry::new();
     registry
         .register_state_machine::<CreateTable>("create_table")
         .register::<AssignRegion>("assign_region")

@@ -118,9 +118,29 @@ impl<E> std::fmt::Debug for Registry<E> {
     }
 }
 
-impl Registry {
-    /// An empty registry, for procedures without an environment. For an environment
-    /// of type `E`, use `Registry::<E>::default()`.
+impl<E> Registry<E> {
+    /// An empty registry. Its environment type is what its procedures take (the
+    /// registry given to an executor whose [`env`](crate::ExecutorBuilder::env) is an
+    /// `Arc<Cluster>` registers `Procedure<Cluster>`s): the compiler infers it from the
+    /// `register` calls or the builder.
+    ///
+    /// ```
+    /// # use proctor::{async_trait, Context, Flow, ProcError, Procedure, Registry};
+    /// struct Cluster;
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct CreateTable;
+    /// #[async_trait]
+    /// impl Procedure<Cluster> for CreateTable {
+    ///     async fn execute(&mut self, _: &mut Context<Cluster>) -> Result<Flow<Cluster>, ProcError> {
+    ///         Ok(Flow::Done)
+    ///     }
+    ///     async fn rollback(&mut self, _: &mut Context<Cluster>) -> Result<(), ProcError> {
+    ///         Ok(())
+    ///     }
+    /// }
+    /// let mut registry = Registry::new(); // a Registry<Cluster>
+    /// registry.register::<CreateTable>("create_table");
+    /// ```
     pub fn new() -> Self {
         Self::default()
     }
@@ -195,7 +215,7 @@ impl<E: Send + Sync + 'static> Registry<E> {
     /// #       -> Result<(), ProcError> { Ok(()) }
     /// # }
     /// struct Cluster;
-    /// let mut registry = Registry::<Cluster>::default();
+    /// let mut registry = Registry::new();
     /// registry.register_state_machine::<CreateTable>("create_table");
     /// ```
     ///

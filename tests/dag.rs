@@ -177,7 +177,7 @@ impl Task<Env> for Job {
 }
 
 async fn start(store: Box<dyn ProcedureStore>, env: Arc<Env>, workers: usize) -> Executor<Env> {
-    let mut registry = Registry::<Env>::default();
+    let mut registry = Registry::new();
     registry
         .register::<Dag<Job>>("dag")
         .register::<DagTask<Job>>("dag_task");
@@ -697,7 +697,7 @@ async fn a_task_starts_once_its_predecessors_are_done_while_a_slower_one_runs() 
 
 #[actix::test]
 async fn an_executor_whose_registry_lacks_a_dags_task_type_refuses_to_start() {
-    let mut registry = Registry::<Env>::default();
+    let mut registry = Registry::new();
     registry.register::<Dag<Job>>("dag");
     let refused = Executor::builder()
         .registry(registry)

@@ -231,7 +231,7 @@ async fn start_world(
     store: Box<dyn proctor::ProcedureStore>,
     world: Arc<World>,
 ) -> Executor<World> {
-    let mut registry = Registry::<World>::default();
+    let mut registry = Registry::new();
     registry
         .register::<OpenRegion>("open-region")
         .register::<CreateTable>("create-table");

@@ -67,7 +67,7 @@ impl Procedure<Calls> for Waiter {
 }
 
 async fn start(store: Box<dyn ProcedureStore>) -> (Executor<Calls>, Arc<Calls>) {
-    let mut registry = Registry::<Calls>::default();
+    let mut registry = Registry::new();
     registry.register::<Waiter>("waiter");
     let calls = Arc::new(Calls::default());
     let executor = Executor::builder()
@@ -287,7 +287,7 @@ async fn an_offline_abort_of_a_suspended_procedure_rolls_it_back_at_the_next_sta
 #[actix::test]
 async fn woken_waiters_of_one_arbiter_run_oldest_first() {
     for (name, store, _dir) in common::stores() {
-        let mut registry = Registry::<Calls>::default();
+        let mut registry = Registry::new();
         registry.register::<Waiter>("waiter");
         let calls = Arc::new(Calls::default());
         let executor = Executor::builder()

@@ -350,7 +350,7 @@ async fn write_the_fixture() {
     let dir = fixture(env!("CARGO_PKG_VERSION"));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    let mut registry = Registry::<Env>::default();
+    let mut registry = Registry::new();
     registry
         .register_state_machine::<v1::Grow>("grow")
         .register_saga::<v1::Provision>("provision")
@@ -390,7 +390,7 @@ async fn write_the_fixture() {
 async fn a_log_written_by_0_1_0_is_resumed_by_changed_code() {
     let dir = tempfile::tempdir().unwrap();
     copy_dir(&fixture("0.1.0"), dir.path());
-    let mut registry = Registry::<Env>::default();
+    let mut registry = Registry::new();
     registry
         .register_state_machine::<v2::Grow>("grow")
         .register_saga::<v2::Provision>("provision")
@@ -476,7 +476,7 @@ async fn a_field_added_without_a_default_leaves_its_records_for_an_operator() {
     let dir = tempfile::tempdir().unwrap();
     copy_dir(&fixture("0.1.0"), dir.path());
     let start = |count_type: bool| {
-        let mut registry = Registry::<Env>::default();
+        let mut registry = Registry::new();
         registry
             .register_state_machine::<v2::Grow>("grow")
             .register_saga::<v2::Provision>("provision")
@@ -580,7 +580,7 @@ async fn a_step_inserted_behind_a_version_marker_leaves_sagas_in_flight_on_their
         }
     }
     async fn start(dir: &Path, marked: bool) -> (Executor<Env>, Env) {
-        let mut registry = Registry::<Env>::default();
+        let mut registry = Registry::new();
         registry
             .register_state_machine::<v2::Grow>("grow")
             .register::<v2::Waiter>("waiter")

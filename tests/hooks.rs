@@ -155,7 +155,7 @@ impl Procedure<Log> for Hooked {
 }
 
 async fn start() -> (Executor<Log>, Arc<Log>) {
-    let mut registry = Registry::<Log>::default();
+    let mut registry = Registry::new();
     registry.register::<Hooked>("hooked");
     let log = Arc::new(Log::default());
     let executor = Executor::builder()
@@ -268,7 +268,7 @@ async fn an_expired_timeout_fails_and_rolls_back() {
 
 #[actix::test]
 async fn a_missing_environment_is_refused_at_start() {
-    let mut registry = Registry::<Log>::default();
+    let mut registry = Registry::new();
     registry.register::<Hooked>("hooked");
     let err = Executor::builder()
         .registry(registry)
@@ -288,7 +288,7 @@ async fn an_environment_given_by_value_or_shared_is_the_same_type() {
     // `env` takes an `E` or an `Arc<E>`: the slip of giving one and asking for the
     // other cannot happen any more.
     for shared in [false, true] {
-        let mut registry = Registry::<Log>::default();
+        let mut registry = Registry::new();
         registry.register::<Hooked>("hooked");
         let log = Arc::new(Log::default());
         let builder = Executor::builder()
@@ -336,7 +336,7 @@ async fn completion_cleanup_runs_once_finished() {
 
 /// An executor of `Hooked` procedures on `store` (again, after a stop), with `log`.
 async fn start_on(store: &common::Reopen, log: &Arc<Log>) -> Executor<Log> {
-    let mut registry = Registry::<Log>::default();
+    let mut registry = Registry::new();
     registry.register::<Hooked>("hooked");
     Executor::builder()
         .registry(registry)

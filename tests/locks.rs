@@ -283,7 +283,7 @@ impl Procedure<World> for Locker {
 }
 
 fn registry() -> Registry<World> {
-    let mut r = Registry::<World>::default();
+    let mut r = Registry::new();
     r.register::<Locker>("locker");
     r
 }

@@ -904,7 +904,7 @@ fn gen_plan(seed: u64) -> Plan {
 }
 
 fn registry() -> Registry<World> {
-    let mut r = Registry::<World>::default();
+    let mut r = Registry::new();
     r.register::<Traced>("traced");
     r.register_system::<Urgent>("urgent");
     r

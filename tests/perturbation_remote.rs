@@ -314,7 +314,7 @@ fn options() -> RemoteOptions {
 }
 
 async fn start(store: impl ProcedureStore, world: &Arc<World>) -> Executor<World> {
-    let mut registry = Registry::<World>::default();
+    let mut registry = Registry::new();
     registry.register::<Fan>("fan");
     world.incarnation.fetch_add(1, Ordering::SeqCst);
     Executor::builder()

@@ -370,7 +370,7 @@ async fn start_with(
     world: Arc<World>,
     options: impl FnOnce(ExecutorBuilder<World>) -> ExecutorBuilder<World>,
 ) -> Executor<World> {
-    let mut registry = Registry::<World>::default();
+    let mut registry = Registry::new();
     registry
         .register::<Flaky>("flaky")
         .register::<Waiter>("waiter")

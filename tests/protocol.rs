@@ -194,7 +194,7 @@ async fn start_locks(
     store: Box<dyn ProcedureStore>,
     workers: usize,
 ) -> (Executor<Locks>, Arc<Locks>) {
-    let mut registry = Registry::<Locks>::default();
+    let mut registry = Registry::new();
     registry.register::<Locker>("locker");
     let locks = Arc::new(Locks::default());
     let executor = Executor::builder()
@@ -296,7 +296,7 @@ async fn a_store_failure_runs_no_cleanup_on_unfinished_procedures() {
         // The restarted engine runs it again from its last durable state, and finishes
         // it once: one release, one cleanup.
         locks.holders.lock().unwrap().clear();
-        let mut registry = Registry::<Locks>::default();
+        let mut registry = Registry::new();
         registry.register::<Locker>("locker");
         let executor = Executor::builder()
             .registry(registry)

@@ -95,7 +95,7 @@ impl StateMachineProcedure<Effects> for Adder {
 }
 
 fn registry() -> Registry<Effects> {
-    let mut r = Registry::<Effects>::default();
+    let mut r = Registry::new();
     r.register::<StateMachine<Adder, Effects>>("idempotent_adder");
     r
 }
@@ -398,7 +398,7 @@ impl proctor::Procedure<Gate> for Gated {
 }
 
 async fn start_gated(store: &common::Reopen, gate: &Arc<Gate>) -> Executor<Gate> {
-    let mut registry = Registry::<Gate>::default();
+    let mut registry = Registry::new();
     registry.register::<Gated>("gated");
     Executor::builder()
         .registry(registry)

@@ -203,7 +203,7 @@ impl Procedure<Log> for Open {
 }
 
 fn builder(nodes: &Arc<Nodes>, log: &Arc<Log>, options: RemoteOptions) -> ExecutorBuilder<Log> {
-    let mut registry = Registry::<Log>::default();
+    let mut registry = Registry::new();
     registry.register::<Open>("open");
     Executor::builder()
         .registry(registry)
@@ -483,7 +483,7 @@ impl Procedure<Log> for Misdispatch {
 async fn an_operation_of_another_type_than_the_transports_fails_at_once_unsent() {
     let nodes = Arc::new(Nodes::default());
     let log = Arc::new(Log::default());
-    let mut registry = Registry::<Log>::default();
+    let mut registry = Registry::new();
     registry.register::<Misdispatch>("misdispatch");
     // The default deadline (60 s): an operation that cannot be sent must not wait
     // for it.
@@ -737,7 +737,7 @@ fn region_builder(
     log: &Arc<Log>,
     options: RemoteOptions,
 ) -> ExecutorBuilder<Log> {
-    let mut registry = Registry::<Log>::default();
+    let mut registry = Registry::new();
     registry.register::<Assign>("assign");
     Executor::builder()
         .registry(registry)

@@ -268,7 +268,7 @@ fn create(name: &str, regions_fail: bool) -> StateMachine<CreateTable, Catalog> 
 }
 
 fn catalog_engine(catalog: &Arc<Catalog>) -> ExecutorBuilder<Catalog> {
-    let mut registry = Registry::<Catalog>::default();
+    let mut registry = Registry::new();
     registry.register_state_machine::<CreateTable>("create_table");
     Executor::builder().registry(registry).env(catalog.clone())
 }

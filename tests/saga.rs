@@ -257,7 +257,7 @@ impl SagaProcedure<Cluster> for Connect {
 }
 
 fn builder(cluster: &Arc<Cluster>) -> ExecutorBuilder<Cluster> {
-    let mut registry = Registry::<Cluster>::default();
+    let mut registry = Registry::new();
     registry
         .register_saga::<CreateTable>("create_table")
         .register_saga::<Connect>("connect");
@@ -555,7 +555,7 @@ impl SagaProcedure<Cluster> for CreateWithChildren {
 }
 
 fn builder_with_children(cluster: &Arc<Cluster>) -> ExecutorBuilder<Cluster> {
-    let mut registry = Registry::<Cluster>::default();
+    let mut registry = Registry::new();
     registry
         .register_saga::<CreateWithChildren>("create_with_children")
         .register::<Assign>("assign");

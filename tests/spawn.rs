@@ -81,7 +81,7 @@ impl Procedure<World> for Kid {
 }
 
 async fn start(store: Box<dyn ProcedureStore>, world: Arc<World>) -> Executor<World> {
-    let mut registry = Registry::<World>::default();
+    let mut registry = Registry::new();
     registry.register::<Parent>("parent").register::<Kid>("kid");
     Executor::builder()
         .registry(registry)

@@ -116,7 +116,7 @@ impl Procedure<Calls> for Timer {
 }
 
 fn registry() -> Registry<Calls> {
-    let mut registry = Registry::<Calls>::default();
+    let mut registry = Registry::new();
     registry.register::<Timer>("timer");
     registry
 }

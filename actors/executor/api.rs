@@ -94,7 +94,7 @@ pub struct ProcInfo {
 /// # #[async_trait] impl Procedure for Noop {
 /// #   async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
 /// #   async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) } }
-/// let submit = proctor::Submit::new(Noop).with_nonce(proctor::Nonce { group: 7, nonce: 42 });
+/// let submit = proctor::messages::Submit::new(Noop).with_nonce(proctor::Nonce { group: 7, nonce: 42 });
 /// # let _ = submit;
 /// ```
 pub struct Submit<E = ()> {
@@ -334,7 +334,7 @@ impl Message for WaitFor {
 /// ```no_run
 /// # async fn f(addr: actix::Addr<proctor::ExecutorActor>, id: proctor::ProcId)
 /// #     -> Result<(), Box<dyn std::error::Error>> {
-/// use proctor::GetValue;
+/// use proctor::messages::GetValue;
 /// let regions: Option<u32> = addr.send(GetValue::new(id)).await??;
 /// # Ok(()) }
 /// ```
@@ -532,7 +532,7 @@ impl Message for ListPage {
 ///
 /// ```no_run
 /// # async fn f(addr: actix::Addr<proctor::ExecutorActor>) -> Result<(), actix::MailboxError> {
-/// addr.send(proctor::Shutdown::graceful()).await?;
+/// addr.send(proctor::messages::Shutdown::graceful()).await?;
 /// # Ok(()) }
 /// ```
 #[derive(Clone, Copy, Debug)]
@@ -635,7 +635,7 @@ impl Message for ProcEvent {
 /// #     fn handle(&mut self, _: proctor::ProcEvent, _: &mut Context<Self>) {}
 /// # }
 /// # async fn f(executor: Addr<proctor::ExecutorActor>, me: Addr<Manager>) -> Result<(), proctor::Error> {
-/// executor.send(proctor::Subscribe(me.recipient())).await??;
+/// executor.send(proctor::messages::Subscribe(me.recipient())).await??;
 /// # Ok(()) }
 /// ```
 pub struct Subscribe(pub Recipient<ProcEvent>);

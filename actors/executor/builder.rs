@@ -37,8 +37,10 @@ use crate::actors::remote::{AnyTransport, RemoteDispatcher, RemoteOptions, Trans
 /// Configuration of an executor, with defaults that suit a control plane.
 ///
 /// ```
-/// use proctor::{Executor, MemoryStore, Registry};
-/// let builder = Executor::builder()
+/// use proctor::{Executor, ExecutorBuilder, MemoryStore, Registry};
+/// // Procedures without an environment (`Registry::new()` infers it from what it
+/// // registers, and here nothing is).
+/// let builder: ExecutorBuilder = Executor::builder()
 ///     .registry(Registry::new())
 ///     .store(MemoryStore::new())
 ///     .workers(32);
@@ -379,7 +381,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     /// struct Cluster { name: String }
     /// let cluster = Arc::new(Cluster { name: "c1".into() });
     /// let builder = Executor::builder()
-    ///     .registry(Registry::<Cluster>::default())
+    ///     .registry(Registry::<Cluster>::new())
     ///     .env(cluster.clone());
     /// # let _ = builder;
     /// ```

@@ -127,7 +127,7 @@ impl<E: Send + Sync + 'static> Executor<E> {
     /// // The environment first, then the registry: the registry's type fixes `E`.
     /// let builder = Executor::builder()
     ///     .env(Cluster)
-    ///     .registry(Registry::<Cluster>::default())
+    ///     .registry(Registry::new())
     ///     .store(MemoryStore::new());
     /// # let _ = builder;
     /// ```

@@ -226,7 +226,7 @@ impl Harness {
     /// Starts `root`'s tree; `auto`: every `Persist` is answered as it comes.
     fn start(root: P, auto: bool) -> Harness {
         let log = Arc::new(Log::default());
-        let mut registry = Registry::<Log>::default();
+        let mut registry = Registry::new();
         registry.register::<P>("p");
         let views = Arc::new(SchedulerViews::default());
         let locks = LockActor::new(Vec::new(), views.clone()).start();

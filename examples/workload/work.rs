@@ -296,7 +296,7 @@ impl Work {
 
 /// The registry the workload's executors use.
 pub fn registry() -> Registry<Env> {
-    let mut registry = Registry::<Env>::default();
+    let mut registry = Registry::new();
     registry.register::<StateMachine<Work, Env>>("workload");
     crate::dag::register(&mut registry);
     registry

@@ -241,7 +241,7 @@ pub(crate) async fn run(
 ) -> Result<(), Box<dyn std::error::Error>> {
     let (out, writer) = output(out);
     // Every type that can be persisted is registered under a name that never changes.
-    let mut registry = Registry::<Cluster>::default();
+    let mut registry = Registry::new();
     registry
         .register_state_machine::<CreateTable>("create_table")
         .register::<AssignRegion>("assign_region");
