@@ -27,8 +27,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use serde::de::DeserializeOwned;
-use serde::Serialize;
 
 use crate::actors::locks::{LockActor, ResetEvent, WakeEvent};
 use crate::actors::perturb;
@@ -36,65 +34,7 @@ use crate::actors::shared::Mandate;
 use crate::remote::{
     event_of, Answer, Batch, BatchRules, Batcher, Fate, Handing, OpId, RemoteError, RemoteSink,
 };
-
-/// A send that failed: the transport's words.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-#[error("{0}")]
-pub struct TransportError(pub String);
-
-/// How remote operations reach their targets: a request of one or more operations to
-/// one target. Implement it over the service's RPC (HTTP, gRPC, a socket).
-///
-/// `send` answers once the target has the request (HBase's dispatch RPC), with the
-/// reports of the operations the target finished within it (a request-response RPC
-/// answers them all); the target reports the others later, through
-/// [`Executor::report`](crate::Executor::report). An `Err` is a failed call: the
-/// dispatcher retries the operations (first in the next request) with backoff until
-/// their deadline. Targets must deduplicate by [`OpId`]: after a restart, and after a
-/// failed call that the target did receive, an operation comes again with the same id,
-/// and its report should repeat the first.
-///
-/// ```
-/// use proctor::{async_trait, OpId, Report, Transport, TransportError};
-/// use serde::{Deserialize, Serialize};
-///
-/// #[derive(Serialize, Deserialize)]
-/// enum RegionOp { Open(u32), Close(u32) }
-///
-/// struct Rpc;
-///
-/// #[async_trait]
-/// impl Transport for Rpc {
-///     type Op = RegionOp;
-///     async fn send(&self, target: &str, ops: Vec<(OpId, RegionOp)>) -> Result<Vec<Report>, TransportError> {
-///         // One request to `target` carrying every op, each with its id; this target
-///         // reports later, through `Executor::report`.
-///         let _ = (target, ops);
-///         Ok(Vec::new())
-///     }
-/// }
-/// ```
-#[async_trait::async_trait]
-pub trait Transport: Send + Sync + 'static {
-    /// What one operation carries (as the step dispatched it).
-    type Op: Serialize + DeserializeOwned + Send + 'static;
-
-    /// Sends `ops` to `target` in one request; answers the reports it came back with
-    /// (none if the target reports later).
-    async fn send(
-        &self,
-        target: &str,
-        ops: Vec<(OpId, Self::Op)>,
-    ) -> Result<Vec<Report>, TransportError>;
-
-    /// After a restart, an operation sent before it is about to be sent again: the op
-    /// to send (by default the same), or `None` if it no longer needs sending (HBase's
-    /// `remoteCallBuild` returning nothing); its procedure then gets
-    /// [`RemoteError::NotSent`].
-    fn rebuild(&self, _target: &str, op: Self::Op) -> Option<Self::Op> {
-        Some(op)
-    }
-}
+pub use crate::remote::{Report, Transport, TransportError};
 
 type SendFuture = Pin<Box<dyn Future<Output = Result<Vec<Report>, TransportError>> + Send>>;
 
@@ -630,39 +570,6 @@ impl RemoteDispatcher {
         );
         self.gauges(&target);
         self.send_all(batches, ctx);
-    }
-}
-
-/// A target's report of one operation: its value, or why it failed on the target
-/// (HBase's `remoteOperationCompleted` / `remoteOperationFailed`). A report for an
-/// operation the dispatcher does not know (never dispatched, already reported, rolled
-/// back) is counted and ignored: targets may report twice.
-#[derive(Debug)]
-pub struct Report {
-    pub(crate) op: OpId,
-    pub(crate) outcome: Result<Vec<u8>, String>,
-}
-
-impl Report {
-    /// `op` succeeded with `value`.
-    ///
-    /// # Errors
-    /// A value that does not serialize.
-    pub fn ok<T: Serialize>(op: OpId, value: &T) -> Result<Report, crate::Error> {
-        let bytes = rmp_serde::to_vec_named(value)
-            .map_err(|e| crate::Error::Invalid(format!("the value reported for {op}: {e}")))?;
-        Ok(Report {
-            op,
-            outcome: Ok(bytes),
-        })
-    }
-
-    /// `op` failed on its target.
-    pub fn failed(op: OpId, reason: impl Into<String>) -> Report {
-        Report {
-            op,
-            outcome: Err(reason.into()),
-        }
     }
 }
 

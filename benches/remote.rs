@@ -102,7 +102,7 @@ impl Procedure<Env> for OneOp {
             return Ok(Flow::Done);
         }
         let target = format!("t{}", self.n % ctx.env().count);
-        ctx.dispatch(target, &1u32)?;
+        ctx.dispatch::<Fake>(target, &1u32)?;
         self.sent = true;
         Ok(ctx.await_remote())
     }

@@ -200,7 +200,7 @@ impl Procedure for CreateTable {
         if self.waiting.is_empty() {
             // The first step: every region to its node.
             for (region, node) in &self.assignment {
-                ctx.dispatch(node.clone(), &RegionOp::Open(*region))?
+                ctx.dispatch::<Tcp>(node.clone(), &RegionOp::Open(*region))?
                     .undo(&RegionOp::Close(*region))?;
                 self.waiting.push(*region);
             }
@@ -242,7 +242,7 @@ impl Procedure for CreateTable {
             return Ok(Flow::Done);
         }
         for region in &moved {
-            ctx.dispatch(self.assignment[region].clone(), &RegionOp::Open(*region))?
+            ctx.dispatch::<Tcp>(self.assignment[region].clone(), &RegionOp::Open(*region))?
                 .undo(&RegionOp::Close(*region))?;
         }
         self.waiting = moved;

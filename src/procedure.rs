@@ -933,7 +933,10 @@ impl<E: ?Sized> Context<E> {
             .map(|(id, bytes)| (*id, &bytes[..]))
     }
 
-    /// Queues a remote operation `op` for `target`, for this step to wait on: return
+    /// Queues a remote operation `op` for `target` through the transport `T` (the one
+    /// given to [`ExecutorBuilder::remote`](crate::ExecutorBuilder::remote): `op` is of
+    /// its [`Transport::Op`](crate::Transport::Op) type, checked by the compiler), for
+    /// this step to wait on: return
     /// [`Context::await_remote`] at the end of the step. The operation is recorded with
     /// the step (a child procedure of its own, whose id is the operation's [`OpId`])
     /// before it is handed to the engine's dispatcher, which batches it with others for
@@ -945,13 +948,32 @@ impl<E: ?Sized> Context<E> {
     /// while the operation may have been applied ([`Dispatched::undo`]):
     ///
     /// ```
-    /// # use proctor::{Context, Flow, ProcError};
-    /// # #[derive(serde::Serialize)] enum RegionOp { Open(u32), Close(u32) }
+    /// # use proctor::{async_trait, Context, Flow, OpId, ProcError, Report, Transport, TransportError};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] enum RegionOp { Open(u32), Close(u32) }
+    /// # struct Rpc;
+    /// # #[async_trait] impl Transport for Rpc { type Op = RegionOp;
+    /// #     async fn send(&self, _: &str, _: Vec<(OpId, RegionOp)>) -> Result<Vec<Report>, TransportError> { Ok(vec![]) } }
     /// # fn step(ctx: &mut Context) -> Result<Flow, ProcError> {
-    /// ctx.dispatch("rs-1", &RegionOp::Open(7))?.undo(&RegionOp::Close(7))?;
-    /// ctx.dispatch("rs-2", &RegionOp::Open(8))?; // left applied on a rollback
+    /// // `Rpc` is the executor's transport (`Transport::Op = RegionOp`): naming it ties
+    /// // the operation's type to it at compile time.
+    /// ctx.dispatch::<Rpc>("rs-1", &RegionOp::Open(7))?.undo(&RegionOp::Close(7))?;
+    /// ctx.dispatch::<Rpc>("rs-2", &RegionOp::Open(8))?; // left applied on a rollback
     /// Ok(ctx.await_remote())
     /// # }
+    /// ```
+    ///
+    /// A value of another type than the transport's operations does not compile (it
+    /// used to be sent, fail to decode at the transport, and fail the operation):
+    ///
+    /// ```compile_fail
+    /// # use proctor::{async_trait, Context, Flow, OpId, ProcError, Report, Transport, TransportError};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] enum RegionOp { Open(u32), Close(u32) }
+    /// # struct Rpc;
+    /// # #[async_trait] impl Transport for Rpc { type Op = RegionOp;
+    /// #     async fn send(&self, _: &str, _: Vec<(OpId, RegionOp)>) -> Result<Vec<Report>, TransportError> { Ok(vec![]) } }
+    /// # fn step(ctx: &mut Context) -> Result<Flow, ProcError> {
+    /// ctx.dispatch::<Rpc>("rs-1", &"open region 7")?; // expected `RegionOp`
+    /// # Ok(ctx.await_remote()) }
     /// ```
     ///
     /// [`OpId`]: crate::OpId
@@ -959,11 +981,11 @@ impl<E: ?Sized> Context<E> {
     ///
     /// # Errors
     /// [`ProcError::Persist`] if `op` does not serialize.
-    pub fn dispatch<T: Serialize>(
+    pub fn dispatch<T: crate::remote::Transport>(
         &mut self,
         target: impl Into<String>,
-        op: &T,
-    ) -> Result<crate::remote::Dispatched<'_>, ProcError> {
+        op: &T::Op,
+    ) -> Result<crate::remote::Dispatched<'_, T>, ProcError> {
         let op = rmp_serde::to_vec_named(op)
             .map_err(|e| ProcError::Persist(format!("remote operation: {e}")))?;
         let at = self.dispatched.len();
@@ -1350,11 +1372,14 @@ impl<E: Send + Sync + 'static> Context<E> {
     /// an empty [`Flow::Children`]).
     ///
     /// ```
-    /// # use proctor::{Context, Flow, ProcError};
-    /// # #[derive(serde::Serialize)] struct OpenRegion { region: u32 }
+    /// # use proctor::{async_trait, Context, Flow, OpId, ProcError, Report, Transport, TransportError};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] enum RegionOp { Open(u32), Close(u32) }
+    /// # struct Rpc;
+    /// # #[async_trait] impl Transport for Rpc { type Op = RegionOp;
+    /// #     async fn send(&self, _: &str, _: Vec<(OpId, RegionOp)>) -> Result<Vec<Report>, TransportError> { Ok(vec![]) } }
     /// # fn step(ctx: &mut Context) -> Result<Flow, ProcError> {
-    /// ctx.dispatch("rs-1", &OpenRegion { region: 1 })?;
-    /// ctx.dispatch("rs-2", &OpenRegion { region: 2 })?;
+    /// ctx.dispatch::<Rpc>("rs-1", &RegionOp::Open(1))?;
+    /// ctx.dispatch::<Rpc>("rs-2", &RegionOp::Open(2))?;
     /// Ok(ctx.await_remote())
     /// # }
     /// ```

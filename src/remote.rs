@@ -356,14 +356,25 @@ impl RemoteCall {
 /// operation that undoes it with [`Dispatched::undo`], or drop it (no undo).
 ///
 /// [`Context::dispatch`]: crate::Context::dispatch
-#[derive(Debug)]
-pub struct Dispatched<'a> {
+pub struct Dispatched<'a, T: Transport> {
     call: &'a mut RemoteCall,
+    transport: std::marker::PhantomData<fn() -> T>,
 }
 
-impl<'a> Dispatched<'a> {
+impl<T: Transport> fmt::Debug for Dispatched<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Dispatched")
+            .field("call", &self.call)
+            .finish()
+    }
+}
+
+impl<'a, T: Transport> Dispatched<'a, T> {
     pub(crate) fn new(call: &'a mut RemoteCall) -> Self {
-        Dispatched { call }
+        Dispatched {
+            call,
+            transport: std::marker::PhantomData,
+        }
     }
 
     /// Gives the operation its undo: the operation, of the transport's type, that a
@@ -390,17 +401,20 @@ impl<'a> Dispatched<'a> {
     /// undoes what its steps read.
     ///
     /// ```
-    /// # use proctor::{Context, Flow, ProcError};
-    /// # #[derive(serde::Serialize)] enum RegionOp { Open(u32), Close(u32) }
+    /// # use proctor::{async_trait, Context, Flow, OpId, ProcError, Report, Transport, TransportError};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] enum RegionOp { Open(u32), Close(u32) }
+    /// # struct Rpc;
+    /// # #[async_trait] impl Transport for Rpc { type Op = RegionOp;
+    /// #     async fn send(&self, _: &str, _: Vec<(OpId, RegionOp)>) -> Result<Vec<Report>, TransportError> { Ok(vec![]) } }
     /// # fn step(ctx: &mut Context) -> Result<Flow, ProcError> {
-    /// ctx.dispatch("rs-1", &RegionOp::Open(7))?.undo(&RegionOp::Close(7))?;
+    /// ctx.dispatch::<Rpc>("rs-1", &RegionOp::Open(7))?.undo(&RegionOp::Close(7))?;
     /// Ok(ctx.await_remote())
     /// # }
     /// ```
     ///
     /// # Errors
     /// [`ProcError::Persist`] if `undo` does not serialize.
-    pub fn undo<T: Serialize>(self, undo: &T) -> Result<(), ProcError> {
+    pub fn undo(self, undo: &T::Op) -> Result<(), ProcError> {
         let undo = rmp_serde::to_vec_named(undo)
             .map_err(|e| ProcError::Persist(format!("undo of a remote operation: {e}")))?;
         self.call.undo = Some(undo);
@@ -1122,5 +1136,97 @@ mod tests {
         };
         let error = failed.value::<u32>().unwrap_err().to_string();
         assert!(error.contains("op-9: rs-1 was removed"), "{error}");
+    }
+}
+
+/// A send that failed: the transport's words.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct TransportError(pub String);
+
+/// How remote operations reach their targets: a request of one or more operations to
+/// one target. Implement it over the service's RPC (HTTP, gRPC, a socket).
+///
+/// `send` answers once the target has the request (HBase's dispatch RPC), with the
+/// reports of the operations the target finished within it (a request-response RPC
+/// answers them all); the target reports the others later, through
+/// [`Executor::report`](crate::Executor::report). An `Err` is a failed call: the
+/// dispatcher retries the operations (first in the next request) with backoff until
+/// their deadline. Targets must deduplicate by [`OpId`]: after a restart, and after a
+/// failed call that the target did receive, an operation comes again with the same id,
+/// and its report should repeat the first.
+///
+/// ```
+/// use proctor::{async_trait, OpId, Report, Transport, TransportError};
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize)]
+/// enum RegionOp { Open(u32), Close(u32) }
+///
+/// struct Rpc;
+///
+/// #[async_trait]
+/// impl Transport for Rpc {
+///     type Op = RegionOp;
+///     async fn send(&self, target: &str, ops: Vec<(OpId, RegionOp)>) -> Result<Vec<Report>, TransportError> {
+///         // One request to `target` carrying every op, each with its id; this target
+///         // reports later, through `Executor::report`.
+///         let _ = (target, ops);
+///         Ok(Vec::new())
+///     }
+/// }
+/// ```
+#[async_trait::async_trait]
+pub trait Transport: Send + Sync + 'static {
+    /// What one operation carries (as the step dispatched it).
+    type Op: Serialize + DeserializeOwned + Send + 'static;
+
+    /// Sends `ops` to `target` in one request; answers the reports it came back with
+    /// (none if the target reports later).
+    async fn send(
+        &self,
+        target: &str,
+        ops: Vec<(OpId, Self::Op)>,
+    ) -> Result<Vec<Report>, TransportError>;
+
+    /// After a restart, an operation sent before it is about to be sent again: the op
+    /// to send (by default the same), or `None` if it no longer needs sending (HBase's
+    /// `remoteCallBuild` returning nothing); its procedure then gets
+    /// [`RemoteError::NotSent`].
+    fn rebuild(&self, _target: &str, op: Self::Op) -> Option<Self::Op> {
+        Some(op)
+    }
+}
+
+/// A target's report of one operation: its value, or why it failed on the target
+/// (HBase's `remoteOperationCompleted` / `remoteOperationFailed`). A report for an
+/// operation the dispatcher does not know (never dispatched, already reported, rolled
+/// back) is counted and ignored: targets may report twice.
+#[derive(Debug)]
+pub struct Report {
+    pub(crate) op: OpId,
+    pub(crate) outcome: Result<Vec<u8>, String>,
+}
+
+impl Report {
+    /// `op` succeeded with `value`.
+    ///
+    /// # Errors
+    /// A value that does not serialize.
+    pub fn ok<T: Serialize>(op: OpId, value: &T) -> Result<Report, crate::Error> {
+        let bytes = rmp_serde::to_vec_named(value)
+            .map_err(|e| crate::Error::Invalid(format!("the value reported for {op}: {e}")))?;
+        Ok(Report {
+            op,
+            outcome: Ok(bytes),
+        })
+    }
+
+    /// `op` failed on its target.
+    pub fn failed(op: OpId, reason: impl Into<String>) -> Report {
+        Report {
+            op,
+            outcome: Err(reason.into()),
+        }
     }
 }

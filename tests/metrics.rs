@@ -273,8 +273,8 @@ impl proctor::Procedure for Open {
             return Ok(proctor::Flow::Done);
         }
         self.0 = true;
-        ctx.dispatch("dn-a", &0u32)?;
-        ctx.dispatch("dn-a", &1u32)?;
+        ctx.dispatch::<Flaky>("dn-a", &0u32)?;
+        ctx.dispatch::<Flaky>("dn-a", &1u32)?;
         Ok(ctx.await_remote())
     }
 

@@ -233,7 +233,7 @@ impl Procedure<World> for Fan {
             _ => return Ok(Flow::Done),
         };
         for (target, tag) in &batch {
-            let dispatched = ctx.dispatch(target.clone(), &Op { tag: tag.clone() })?;
+            let dispatched = ctx.dispatch::<Nodes>(target.clone(), &Op { tag: tag.clone() })?;
             if self.undo {
                 let tag = format!("undo/{tag}");
                 dispatched.undo(&Op { tag })?;

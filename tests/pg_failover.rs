@@ -28,6 +28,9 @@ mod dag;
 #[path = "../examples/workload/ledger.rs"]
 #[allow(dead_code)]
 mod ledger;
+#[path = "../examples/workload/nodes.rs"]
+#[allow(dead_code)]
+mod nodes;
 #[path = "../examples/workload/work.rs"]
 #[allow(dead_code)]
 mod work;

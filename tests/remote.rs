@@ -157,7 +157,7 @@ impl Procedure<Log> for Open {
     async fn execute(&mut self, ctx: &mut Context<Log>) -> Result<Flow<Log>, ProcError> {
         if self.phase == 0 {
             for (target, region) in &self.regions {
-                ctx.dispatch(target.clone(), &OpenRegion { region: *region })?;
+                ctx.dispatch::<Fake>(target.clone(), &OpenRegion { region: *region })?;
             }
             self.phase = 1;
             return Ok(ctx.await_remote());
@@ -189,7 +189,7 @@ impl Procedure<Log> for Open {
             return Ok(Flow::Done);
         }
         for (target, region) in &moved {
-            ctx.dispatch(target.clone(), &OpenRegion { region: *region })?;
+            ctx.dispatch::<Fake>(target.clone(), &OpenRegion { region: *region })?;
         }
         self.regions = moved;
         self.phase += 1;
@@ -453,8 +453,21 @@ async fn after_a_restart_an_operation_the_transport_no_longer_needs_is_not_sent_
     assert!(not_sent > 0, "a crash fell after the send");
 }
 
-/// Dispatches a value that is not the transport's operation type, then fails with
-/// what came back.
+/// Dispatches through a transport other than the executor's (`Elsewhere`, whose
+/// operations are strings, not the executor's transport's type), then fails with what
+/// came back.
+/// A transport no executor of these tests is given.
+struct Elsewhere;
+
+#[async_trait]
+impl Transport for Elsewhere {
+    type Op = String;
+
+    async fn send(&self, _: &str, _: Vec<(OpId, String)>) -> Result<Vec<Report>, TransportError> {
+        Ok(Vec::new())
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 struct Misdispatch {
     dispatched: bool,
@@ -465,7 +478,7 @@ impl Procedure<Log> for Misdispatch {
     async fn execute(&mut self, ctx: &mut Context<Log>) -> Result<Flow<Log>, ProcError> {
         if !self.dispatched {
             self.dispatched = true;
-            ctx.dispatch("a", &"open region 7")?;
+            ctx.dispatch::<Elsewhere>("a", &"open region 7".to_string())?;
             return Ok(ctx.await_remote());
         }
         match &ctx.remote_results()[0].outcome {
@@ -718,7 +731,7 @@ impl Procedure<Log> for Assign {
             return Ok(Flow::Done);
         }
         for (target, region) in &self.regions {
-            ctx.dispatch(target.clone(), &RegionOp::Open(*region))?
+            ctx.dispatch::<RegionNodes>(target.clone(), &RegionOp::Open(*region))?
                 .undo(&RegionOp::Close(*region))?;
         }
         self.dispatched = true;

@@ -175,7 +175,7 @@ impl Work {
         }
         let root = ctx.root().0;
         let target = format!("node-{}", (root + u64::from(step)) % u64::from(self.remote));
-        ctx.dispatch(target, &RemoteOp { root, step })?;
+        ctx.dispatch::<crate::nodes::ToNodes>(target, &RemoteOp { root, step })?;
         self.awaiting = true;
         Ok(Some(ctx.await_remote()))
     }
