@@ -260,7 +260,8 @@ fn builder(cluster: &Arc<Cluster>) -> ExecutorBuilder<Cluster> {
     let mut registry = Registry::<Cluster>::default();
     registry
         .register_saga::<CreateTable>("create_table")
-        .register_saga::<Connect>("connect");
+        .register_saga::<Connect>("connect")
+        .register_saga::<Slow>("slow");
     Executor::builder().registry(registry).env(cluster.clone())
 }
 
@@ -786,5 +787,249 @@ async fn a_saga_declares_its_failure_policy() {
             assert_eq!(cluster.calls(), expected, "{name} continued={continued}");
             executor.shutdown().await.unwrap();
         }
+    }
+}
+
+/// A node's slot, reserved under the saga's mark (its procedure's id), the way a step's
+/// undo is written: the saga's field and the environment used by both `run` and
+/// `undo`.
+#[derive(Serialize, Deserialize)]
+struct ReserveCloning {
+    node: String,
+}
+
+#[async_trait]
+impl SagaProcedure<Cluster> for ReserveCloning {
+    type Output = ();
+
+    async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<(), ProcError> {
+        // An undo that must be 'static: its own copies of everything it touches.
+        let env = ctx.env_arc().clone();
+        let (e, n, ue, un) = (
+            env.clone(),
+            self.node.clone(),
+            env.clone(),
+            self.node.clone(),
+        );
+        ctx.step(
+            "reserve",
+            move || async move {
+                e.call(format!("do reserve {n}"));
+                e.tables.lock().unwrap().insert(n);
+                Ok(())
+            },
+            move |undoing: Undoing<()>| async move {
+                ue.call(format!("undo reserve {un} ({undoing:?})"));
+                ue.tables.lock().unwrap().remove(&un);
+                Ok(())
+            },
+        )
+        .await?;
+        Err(ProcError::failed("no region server"))
+    }
+}
+
+/// The same saga without a copy: `ctx.env()` does not borrow the saga's context, and
+/// the undo runs while `run` does, so it borrows what `run` borrows.
+#[derive(Serialize, Deserialize)]
+struct ReserveBorrowing {
+    node: String,
+}
+
+#[async_trait]
+impl SagaProcedure<Cluster> for ReserveBorrowing {
+    type Output = ();
+
+    async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<(), ProcError> {
+        let env = ctx.env();
+        ctx.step(
+            "reserve",
+            || async {
+                env.call(format!("do reserve {}", self.node));
+                env.tables.lock().unwrap().insert(self.node.clone());
+                Ok(())
+            },
+            |undoing| async move {
+                env.call(format!("undo reserve {} ({undoing:?})", self.node));
+                env.tables.lock().unwrap().remove(&self.node);
+                Ok(())
+            },
+        )
+        .await?;
+        Err(ProcError::failed("no region server"))
+    }
+}
+
+#[actix::test]
+async fn an_undo_borrows_the_saga_and_the_environment_as_its_step_does() {
+    let cluster = Arc::new(Cluster::default());
+    let mut registry = Registry::<Cluster>::default();
+    registry
+        .register_saga::<ReserveCloning>("reserve_cloning")
+        .register_saga::<ReserveBorrowing>("reserve_borrowing");
+    let executor = Executor::builder()
+        .registry(registry)
+        .env(cluster.clone())
+        .store(proctor::MemoryStore::new())
+        .start()
+        .await
+        .unwrap();
+    let cloning = executor
+        .submit(Saga::new(ReserveCloning { node: "n1".into() }))
+        .await
+        .unwrap();
+    let borrowing = executor
+        .submit(Saga::new(ReserveBorrowing { node: "n2".into() }))
+        .await
+        .unwrap();
+    for id in [cloning, borrowing] {
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::failed("no region server"));
+    }
+    // The same calls either way, and the slots are free again.
+    let mut calls = cluster.calls();
+    calls.sort();
+    assert_eq!(
+        calls,
+        [
+            "do reserve n1",
+            "do reserve n2",
+            "undo reserve n1 (Completed(()))",
+            "undo reserve n2 (Completed(()))",
+        ]
+    );
+    assert_eq!(cluster.state(), (vec![], vec![]));
+    executor.shutdown().await.unwrap();
+}
+
+/// Reserves, then runs a step that sleeps `ms` without watching for cancellation
+/// (`uncancellable` if told), then enables. Each step and undo is recorded.
+#[derive(Serialize, Deserialize)]
+struct Slow {
+    ms: u64,
+    uncancellable: bool,
+}
+
+#[async_trait]
+impl SagaProcedure<Cluster> for Slow {
+    type Output = ();
+
+    async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<(), ProcError> {
+        let env = ctx.env();
+        let undo = |step: &'static str| {
+            move |undoing: Undoing<()>| async move {
+                env.call(format!("undo {step} ({undoing:?})"));
+                Ok(())
+            }
+        };
+        ctx.step(
+            "reserve",
+            || async {
+                env.call("do reserve".into());
+                Ok(())
+            },
+            undo("reserve"),
+        )
+        .await?;
+        let slow = ctx.step(
+            "slow",
+            || async {
+                env.call("do slow".into());
+                env.in_step.notify_one();
+                tokio::time::sleep(std::time::Duration::from_millis(self.ms)).await;
+                env.call("done slow".into());
+                Ok(())
+            },
+            undo("slow"),
+        );
+        if self.uncancellable {
+            slow.uncancellable().await?;
+        } else {
+            slow.await?;
+        }
+        ctx.step(
+            "enable",
+            || async {
+                env.call("do enable".into());
+                Ok(())
+            },
+            undo("enable"),
+        )
+        .await
+    }
+}
+
+#[actix::test]
+async fn an_abort_drops_a_saga_step_that_does_not_watch_for_it_and_its_undo_is_told_failed() {
+    for (name, store, _dir) in stores() {
+        let cluster = Arc::new(Cluster::default());
+        let executor = start(store, &cluster).await;
+        let slow = Slow {
+            ms: 5_000,
+            uncancellable: false,
+        };
+        let id = executor.submit(Saga::new(slow)).await.unwrap();
+        cluster.in_step.notified().await;
+        let asked = std::time::Instant::now();
+        assert!(executor.abort(id).await.unwrap(), "{name}");
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        let took = asked.elapsed();
+        assert_eq!(failure.error, ProcError::Aborted, "{name}");
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::RolledBack,
+            "{name}"
+        );
+        // Not the step's 5 s: it was dropped at the abort.
+        assert!(took < std::time::Duration::from_secs(3), "{name}: {took:?}");
+        assert_eq!(
+            cluster.calls(),
+            [
+                "do reserve",
+                "do slow",
+                "undo slow (Failed)",
+                "undo reserve (Completed(()))",
+            ],
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn an_uncancellable_saga_step_runs_to_its_end_before_the_rollback() {
+    for (name, store, _dir) in stores() {
+        let cluster = Arc::new(Cluster::default());
+        let executor = start(store, &cluster).await;
+        let slow = Slow {
+            ms: 1_000,
+            uncancellable: true,
+        };
+        let id = executor.submit(Saga::new(slow)).await.unwrap();
+        cluster.in_step.notified().await;
+        let asked = std::time::Instant::now();
+        assert!(executor.abort(id).await.unwrap(), "{name}");
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        let took = asked.elapsed();
+        assert_eq!(failure.error, ProcError::Aborted, "{name}");
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::RolledBack,
+            "{name}"
+        );
+        // The step slept its whole second (less the moment before the abort).
+        assert!(took >= std::time::Duration::from_millis(900), "{name}: {took:?}");
+        assert_eq!(
+            cluster.calls(),
+            [
+                "do reserve",
+                "do slow",
+                "done slow",
+                "undo slow (Completed(()))",
+                "undo reserve (Completed(()))",
+            ],
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
     }
 }
