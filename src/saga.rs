@@ -31,6 +31,23 @@
 //! a step. A step whose name differs from the journal's at its position fails the saga
 //! with an error naming both.
 //!
+//! # Borrowing, and undos
+//!
+//! A step's `run` and `undo` are closures that borrow what `run` has: the saga's fields
+//! (`&self`), the environment ([`SagaContext::env`], taken once before the steps), the
+//! values of the steps before. The rollback of a step replays `run` from the top as
+//! every pass does and, at that step, calls its `undo` and awaits it there, so neither
+//! closure outlives `run`'s pass.
+//!
+//! # Cancellation
+//!
+//! A step's `run` is cancellable by default: when the engine cancels the step (an
+//! abort, the saga's tree failing elsewhere, a graceful shutdown's drain deadline;
+//! [`Context::cancelled`]), the engine drops its future where it waits and the step
+//! fails with [`ProcError::Aborted`], so an abort rolls the saga back at once without
+//! waiting for the step's end; its undo is told [`Undoing::Failed`]. A step that must
+//! not be cut between two writes opts out with [`SagaStep::uncancellable`].
+//!
 //! # Failures
 //!
 //! A step's error fails the saga as any procedure's step's error fails it: a
@@ -174,13 +191,20 @@ pub enum Undoing<T> {
     /// The step's `run` returned this value (journaled with the step): it did all it
     /// does.
     Completed(T),
-    /// The step's `run` returned an error or panicked, and the engine saw it end: its
-    /// own failure, or it stopped early because it was cancelled
-    /// ([`Context::cancelled`]: an abort, or the saga's tree failing elsewhere). It did
-    /// what it did before that: nothing if it failed on a check before its first
-    /// change, part of its work if it failed, panicked or was cancelled between (or in
-    /// the middle of) its writes, and all of it if its value does not encode
-    /// ([`Undo::Failed`]).
+    /// The step's `run` returned an error or panicked, or was dropped when the engine
+    /// cancelled it ([`Context::cancelled`]: an abort, or the saga's tree failing
+    /// elsewhere): the engine saw it end. It did what it did before that: nothing if it failed on a
+    /// check before its first change, part of its work if it failed or panicked
+    /// between (or in the middle of) its writes, and all of it if its value does not
+    /// encode ([`Undo::Failed`]).
+    ///
+    /// A cancelled step (one not [uncancellable](SagaStep::uncancellable)) was
+    /// dropped where it waited, at one of its `.await`s: everything its code did up to
+    /// that await is done, nothing after it ran; what it awaited there may or may not
+    /// have taken effect (a request sent whose answer it was waiting for, a write
+    /// flushed or not). So it may have done none of its writes, some of them (the ones
+    /// before the await it was dropped at), or, as far as the world knows, that one
+    /// too. A step the engine cancelled before it started did nothing.
     Failed,
     /// Nothing recorded how far the step got: the process died, a graceful shutdown
     /// cancelled the step, or its actor was stopped, while it may have been running,
@@ -294,11 +318,10 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
     /// # impl SagaProcedure for OpenRegion {
     /// #     type Output = ();
     /// async fn run(&self, ctx: &mut SagaContext<'_>) -> Result<(), ProcError> {
-    ///     let region = self.region;
     ///     ctx.set_retry_policy(RetryPolicy::new(10).backoff_ms(50).max_delay_ms(2_000));
     ///     ctx.step(
     ///         "open",
-    ///         || async move { open_region(region).await.map_err(ProcError::retryable) },
+    ///         || async { open_region(self.region).await.map_err(ProcError::retryable) },
     ///         |_: Undoing<()>| async { Ok(()) },
     ///     )
     ///     .await
@@ -549,7 +572,8 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
     /// HBase, a finished procedure is not rolled back): that is `undo`'s, told
     /// [`Undoing::Completed`] with every child's value when all of them had succeeded,
     /// or [`Undoing::Interrupted`] when some may have (check what is there; the ones
-    /// the engine rolled back may be among them). Declare the children's types in
+    /// the engine rolled back may be among them). Like a step's, `start` and `undo`
+    /// borrow what `run` has. Declare the children's types in
     /// [`SagaProcedure::child_types`].
     ///
     /// ```
@@ -577,13 +601,13 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
     /// impl SagaProcedure for CreateTable {
     ///     type Output = Vec<String>;
     ///     async fn run(&self, ctx: &mut SagaContext<'_>) -> Result<Vec<String>, ProcError> {
-    ///         let n = self.regions;
     ///         let servers: Vec<String> = ctx
     ///             .children(
     ///                 "assign regions",
-    ///                 || (0..n).map(|region| AssignRegion { region }),
+    ///                 || (0..self.regions).map(|region| AssignRegion { region }),
     ///                 move |undoing: Undoing<Vec<String>>| async move {
-    ///                     let _ = (n, undoing); // unassign the regions that are assigned
+    ///                     // Unassign those of the regions that are assigned.
+    ///                     let _ = (self.regions, undoing);
     ///                     Ok(())
     ///                 },
     ///             )

@@ -4,7 +4,9 @@
 //! the result says; children started from a saga give it their values, and a failing
 //! one rolls it back. A step's retryable error is retried under the retry policy set
 //! before it, then the saga's failure policy decides: roll back, pause for an operator,
-//! or retry first (a terminal error never). On every store.
+//! or retry first (a terminal error never). A step's undo borrows what its `run`
+//! borrows; an abort drops a step that does not watch for it (undone as failed), unless
+//! the step is uncancellable. On every store.
 
 mod common;
 
@@ -77,32 +79,24 @@ impl SagaProcedure<Cluster> for CreateTable {
     type Output = Vec<String>;
 
     async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<Vec<String>, ProcError> {
-        let env = ctx.env_arc().clone();
-        let (fail_at, wait_at) = (self.fail_at.clone(), self.wait_at.clone());
-        // A step's work: it records itself, waits (for an abort) if told to, fails if
-        // told to (before changing anything).
-        let gate = |step: &str, cancelled: proctor::Cancelled| {
-            let (env, fail, wait, step) = (
-                env.clone(),
-                fail_at.as_deref() == Some(step),
-                wait_at.as_deref() == Some(step),
-                step.to_string(),
-            );
+        let env = ctx.env();
+        // A step's work: it records itself, waits (until the engine drops it) if told
+        // to, fails if told to (before changing anything).
+        let gate = |step: &str| {
+            env.call(format!("do {step}"));
+            let wait = self.wait_at.as_deref() == Some(step) && env.hold.load(SeqCst);
+            let fail = (self.fail_at.as_deref() == Some(step))
+                .then(|| ProcError::failed(format!("{step} broke")));
             async move {
-                env.call(format!("do {step}"));
-                if wait && env.hold.load(std::sync::atomic::Ordering::SeqCst) {
+                if wait {
                     env.in_step.notify_one();
-                    cancelled.await;
-                    return Err(ProcError::Aborted);
+                    std::future::pending::<()>().await;
                 }
-                if fail {
-                    return Err(ProcError::failed(format!("{step} broke")));
-                }
-                Ok(())
+                fail.map_or(Ok(()), Err)
             }
         };
-        let undo_of = |step: String| {
-            let env = env.clone();
+        let undo_of = |step: &str| {
+            let step = step.to_string();
             move |undoing: Undoing<String>| async move {
                 let told = match &undoing {
                     Undoing::Completed(v) => format!("completed {v}"),
@@ -126,41 +120,37 @@ impl SagaProcedure<Cluster> for CreateTable {
             }
         };
 
-        let table = self.name.clone();
-        let cancelled = ctx.cancelled();
         let made = ctx
             .step(
                 "table",
                 || async {
-                    gate("table", cancelled).await?;
-                    env.tables.lock().unwrap().insert(table.clone());
-                    Ok(table.clone())
+                    gate("table").await?;
+                    env.tables.lock().unwrap().insert(self.name.clone());
+                    Ok(self.name.clone())
                 },
-                undo_of(table.clone()),
+                undo_of(&self.name),
             )
             .await?;
         let mut regions = Vec::new();
         for r in 0..self.regions {
             let step = format!("region {r}");
             let region = format!("{made}-r{r}");
-            let cancelled = ctx.cancelled();
             let done = ctx
                 .step(
                     &step,
                     || async {
-                        gate(&step, cancelled).await?;
+                        gate(&step).await?;
                         env.regions.lock().unwrap().insert(region.clone());
                         Ok(region.clone())
                     },
-                    undo_of(region.clone()),
+                    undo_of(&region),
                 )
                 .await?;
             regions.push(done);
         }
-        let cancelled = ctx.cancelled();
         ctx.step(
             "enable",
-            || gate("enable", cancelled),
+            || gate("enable"),
             |_: Undoing<()>| async { Ok(()) },
         )
         .await?;
@@ -201,9 +191,8 @@ impl SagaProcedure<Cluster> for Connect {
     type Output = ();
 
     async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<(), ProcError> {
-        let env = ctx.env_arc().clone();
+        let env = ctx.env();
         let undo = |step: &'static str| {
-            let env = env.clone();
             move |undoing: Undoing<()>| async move {
                 let told = match undoing {
                     Undoing::Completed(()) => "completed",
@@ -215,7 +204,6 @@ impl SagaProcedure<Cluster> for Connect {
             }
         };
         let done = |step: &'static str| {
-            let env = env.clone();
             move || async move {
                 env.call(format!("do {step}"));
                 Ok(())
@@ -226,7 +214,6 @@ impl SagaProcedure<Cluster> for Connect {
         if let Some(retry) = self.retry {
             ctx.set_retry_policy(retry);
         }
-        let mark = self.mark;
         ctx.step(
             "connect",
             || async {
@@ -237,7 +224,7 @@ impl SagaProcedure<Cluster> for Connect {
                     .is_ok();
                 if refused {
                     let e = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
-                    return Err(match mark {
+                    return Err(match self.mark {
                         Mark::Plain => ProcError::from(e),
                         Mark::Retryable => ProcError::retryable(e),
                         Mark::Terminal => ProcError::terminal(e),
@@ -482,43 +469,44 @@ struct CreateWithChildren {
     fail_region: Option<u32>,
 }
 
+impl CreateWithChildren {
+    fn region_names(&self) -> impl Iterator<Item = String> + '_ {
+        (0..self.regions).map(|r| format!("{}-r{r}", self.name))
+    }
+}
+
 #[async_trait]
 impl SagaProcedure<Cluster> for CreateWithChildren {
     type Output = Vec<String>;
 
     async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<Vec<String>, ProcError> {
-        let env = ctx.env_arc().clone();
-        let table = self.name.clone();
+        let env = ctx.env();
         ctx.step(
             "table",
             || async {
                 env.call("do table".into());
-                env.tables.lock().unwrap().insert(table.clone());
+                env.tables.lock().unwrap().insert(self.name.clone());
                 Ok(())
             },
-            {
-                let (env, table) = (env.clone(), table.clone());
-                move |undoing: Undoing<()>| async move {
-                    env.call(format!("undo table ({undoing:?})"));
-                    if undoing != Undoing::Failed {
-                        env.tables.lock().unwrap().remove(&table);
-                    }
-                    Ok(())
+            move |undoing: Undoing<()>| async move {
+                env.call(format!("undo table ({undoing:?})"));
+                if undoing != Undoing::Failed {
+                    env.tables.lock().unwrap().remove(&self.name);
                 }
+                Ok(())
             },
         )
         .await?;
-        let (regions, fail) = (self.regions, self.fail_region);
-        let names: Vec<String> = (0..regions).map(|r| format!("{table}-r{r}")).collect();
-        let (undo_env, undo_names) = (env.clone(), names.clone());
         let servers: Vec<String> = ctx
             .children(
                 "assign",
                 || {
-                    names.iter().enumerate().map(move |(r, region)| Assign {
-                        region: region.clone(),
-                        fail: fail == u32::try_from(r).ok(),
-                    })
+                    self.region_names()
+                        .enumerate()
+                        .map(move |(r, region)| Assign {
+                            region,
+                            fail: self.fail_region == u32::try_from(r).ok(),
+                        })
                 },
                 // The regions of the children that had succeeded (the engine rolls back
                 // the others): all of them, or, not knowing which, whichever are there.
@@ -528,20 +516,19 @@ impl SagaProcedure<Cluster> for CreateWithChildren {
                         Undoing::Failed => "failed",
                         Undoing::Interrupted => "interrupted",
                     };
-                    undo_env.call(format!("undo assign ({how})"));
-                    let mut assigned = undo_env.regions.lock().unwrap();
-                    for region in &undo_names {
-                        assigned.remove(region);
+                    env.call(format!("undo assign ({how})"));
+                    let mut assigned = env.regions.lock().unwrap();
+                    for region in self.region_names() {
+                        assigned.remove(&region);
                     }
                     Ok(())
                 },
             )
             .await?;
-        let seen = servers.clone();
         ctx.step(
             "enable",
-            || async move {
-                env.call(format!("enable with {}", seen.join(", ")));
+            || async {
+                env.call(format!("enable with {}", servers.join(", ")));
                 Ok(())
             },
             |_: Undoing<()>| async { Ok(()) },
@@ -1018,7 +1005,10 @@ async fn an_uncancellable_saga_step_runs_to_its_end_before_the_rollback() {
             "{name}"
         );
         // The step slept its whole second (less the moment before the abort).
-        assert!(took >= std::time::Duration::from_millis(900), "{name}: {took:?}");
+        assert!(
+            took >= std::time::Duration::from_millis(900),
+            "{name}: {took:?}"
+        );
         assert_eq!(
             cluster.calls(),
             [
