@@ -1023,3 +1023,50 @@ async fn an_uncancellable_saga_step_runs_to_its_end_before_the_rollback() {
         executor.shutdown().await.unwrap();
     }
 }
+
+#[actix::test]
+async fn a_shutdown_past_its_drain_deadline_drops_a_saga_step_and_it_runs_again_after_the_restart()
+{
+    for name in common::STORES {
+        let store = common::Reopen::new(name);
+        let cluster = Arc::new(Cluster::default());
+        let executor = builder(&cluster)
+            .drain_timeout(std::time::Duration::from_millis(100))
+            .store(store.open())
+            .start()
+            .await
+            .unwrap();
+        let slow = Slow {
+            ms: 5_000,
+            uncancellable: false,
+        };
+        let id = executor.submit(Saga::new(slow)).await.unwrap();
+        cluster.in_step.notified().await;
+        let asked = std::time::Instant::now();
+        executor.shutdown().await.unwrap();
+        let took = asked.elapsed();
+        // The deadline's 100 ms, not the second more a step that runs on is given.
+        assert!(took < std::time::Duration::from_secs(1), "{name}: {took:?}");
+
+        // Nothing was recorded for the step, nor undone: it runs again, and its undo
+        // is told it was interrupted (the attempt cut off may have done more than the
+        // one aborted).
+        let executor = start(store.open(), &cluster).await;
+        cluster.in_step.notified().await;
+        assert!(executor.abort(id).await.unwrap(), "{name}");
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::Aborted, "{name}");
+        assert_eq!(
+            cluster.calls(),
+            [
+                "do reserve",
+                "do slow",
+                "do slow",
+                "undo slow (Interrupted)",
+                "undo reserve (Completed(()))",
+            ],
+            "{name} (shut down in {took:?})"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
