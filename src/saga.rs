@@ -193,10 +193,10 @@ pub enum Undoing<T> {
     Completed(T),
     /// The step's `run` returned an error or panicked, or was dropped when the engine
     /// cancelled it ([`Context::cancelled`]: an abort, or the saga's tree failing
-    /// elsewhere): the engine saw it end. It did what it did before that: nothing if it failed on a
-    /// check before its first change, part of its work if it failed or panicked
-    /// between (or in the middle of) its writes, and all of it if its value does not
-    /// encode ([`Undo::Failed`]).
+    /// elsewhere): the engine saw it end. It did what it did before that: nothing if
+    /// it failed on a check before its first change, part of its work if it failed or
+    /// panicked between (or in the middle of) its writes, and all of it if its value
+    /// does not encode ([`Undo::Failed`]).
     ///
     /// A cancelled step (one not [uncancellable](SagaStep::uncancellable)) was
     /// dropped where it waited, at one of its `.await`s: everything its code did up to
@@ -842,16 +842,16 @@ impl<E, T, R, U> SagaStep<'_, '_, E, T, R, U> {
     /// The step runs to its end whatever the engine cancels: for a step that must not
     /// be cut between two of its writes. An abort (or the saga's tree failing
     /// elsewhere) waits for it; it may still stop early by watching
-    /// [`Context::cancelled`] itself, at the points where it can. If it returns `Ok`,
-    /// it is journaled and then undone as completed; a graceful shutdown waits for it
-    /// one second past its drain deadline, as for any step, and then cuts it off (it
-    /// runs again after the restart).
+    /// [`Context::cancelled`] itself, at the points where it can. Aborted meanwhile, a
+    /// step that returns `Ok` is journaled, then undone as completed. A graceful
+    /// shutdown waits for it one second past its drain deadline, as for any step, and
+    /// then cuts it off (it runs again after the restart).
     ///
     /// ```
     /// # use proctor::{ProcError, SagaContext, Undoing};
     /// # async fn write_twice() -> Result<(), ProcError> { Ok(()) }
     /// # async fn run(ctx: &mut SagaContext<'_>) -> Result<(), ProcError> {
-    /// ctx.step("move", || write_twice(), |_: Undoing<()>| async { Ok(()) })
+    /// ctx.step("move", write_twice, |_: Undoing<()>| async { Ok(()) })
     ///     .uncancellable()
     ///     .await?;
     /// # Ok(()) }
