@@ -111,7 +111,7 @@ pub use crate::ready_queue::Scheduling;
 pub use crate::record::{Failure, Nonce, Paused};
 pub use crate::registry::{Registry, RegistryError};
 pub use crate::remote::{BatchRules, Dispatched, OpId, RemoteError, RemoteResult, REMOTE_CALL};
-pub use crate::saga::{Saga, SagaContext, SagaProcedure, Undoing};
+pub use crate::saga::{Saga, SagaContext, SagaProcedure, SagaStep, Undoing};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};
 pub use crate::store::{MemoryStore, ProcedureStore, StoreError, StoreStatus};
 

@@ -1047,7 +1047,10 @@ impl<E: ?Sized> Context<E> {
 
     /// `true` once the engine asks the call to stop early;
     /// [`cancel_reason`](Self::cancel_reason) says why. Stopping is up to the step: return an error
-    /// (typically [`ProcError::Aborted`]) or `Ok` as usual.
+    /// (typically [`ProcError::Aborted`]) or `Ok` as usual. (A saga step's `run` is
+    /// dropped at the cancellation instead, unless it is
+    /// [uncancellable](crate::SagaStep::uncancellable): see
+    /// [`SagaContext::step`](crate::SagaContext::step).)
     ///
     /// - [`CancelReason::Abort`]: the procedure was aborted while the step ran. An
     ///   error fails the procedure and its tree rolls back, this step included; `Ok`

@@ -31,6 +31,23 @@
 //! a step. A step whose name differs from the journal's at its position fails the saga
 //! with an error naming both.
 //!
+//! # Borrowing, and undos
+//!
+//! A step's `run` and `undo` are closures that borrow what `run` has: the saga's fields
+//! (`&self`), the environment ([`SagaContext::env`], taken once before the steps), the
+//! values of the steps before. The rollback of a step replays `run` from the top as
+//! every pass does and, at that step, calls its `undo` and awaits it there, so neither
+//! closure outlives `run`'s pass.
+//!
+//! # Cancellation
+//!
+//! A step's `run` is cancellable by default: when the engine cancels the step (an
+//! abort, the saga's tree failing elsewhere, a graceful shutdown's drain deadline;
+//! [`Context::cancelled`]), the engine drops its future where it waits and the step
+//! fails with [`ProcError::Aborted`], so an abort rolls the saga back at once without
+//! waiting for the step's end; its undo is told [`Undoing::Failed`]. A step that must
+//! not be cut between two writes opts out with [`SagaStep::uncancellable`].
+//!
 //! # Failures
 //!
 //! A step's error fails the saga as any procedure's step's error fails it: a
@@ -40,7 +57,10 @@
 //! [`failure_policy`](SagaProcedure::failure_policy) decides (by default, roll back:
 //! the undos run, the failed step's first).
 
-use std::future::Future;
+use std::convert::Infallible;
+use std::future::{Future, IntoFuture};
+use std::marker::PhantomData;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::Poll;
 
@@ -49,6 +69,7 @@ use futures_util::future::BoxFuture;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::cancel::Cancelled;
 use crate::locks::Lock;
 use crate::procedure::{
     ChildType, Context, FailurePolicy, Flow, ProcError, Procedure, RetryPolicy, Undo,
@@ -170,13 +191,20 @@ pub enum Undoing<T> {
     /// The step's `run` returned this value (journaled with the step): it did all it
     /// does.
     Completed(T),
-    /// The step's `run` returned an error or panicked, and the engine saw it end: its
-    /// own failure, or it stopped early because it was cancelled
-    /// ([`Context::cancelled`]: an abort, or the saga's tree failing elsewhere). It did
-    /// what it did before that: nothing if it failed on a check before its first
-    /// change, part of its work if it failed, panicked or was cancelled between (or in
-    /// the middle of) its writes, and all of it if its value does not encode
-    /// ([`Undo::Failed`]).
+    /// The step's `run` returned an error or panicked, or was dropped when the engine
+    /// cancelled it ([`Context::cancelled`]: an abort, or the saga's tree failing
+    /// elsewhere): the engine saw it end. It did what it did before that: nothing if
+    /// it failed on a check before its first change, part of its work if it failed or
+    /// panicked between (or in the middle of) its writes, and all of it if its value
+    /// does not encode ([`Undo::Failed`]).
+    ///
+    /// A cancelled step (one not [uncancellable](SagaStep::uncancellable)) was
+    /// dropped where it waited, at one of its `.await`s: everything its code did up to
+    /// that await is done, nothing after it ran; what it awaited there may or may not
+    /// have taken effect (a request sent whose answer it was waiting for, a write
+    /// flushed or not). So it may have done none of its writes, some of them (the ones
+    /// before the await it was dropped at), or, as far as the world knows, that one
+    /// too. A step the engine cancelled before it started did nothing.
     Failed,
     /// Nothing recorded how far the step got: the process died, a graceful shutdown
     /// cancelled the step, or its actor was stopped, while it may have been running,
@@ -228,9 +256,6 @@ struct NewStep<E> {
     filled: Option<(usize, Vec<u8>)>,
 }
 
-type BoxedUndo =
-    Box<dyn FnOnce(Undoing<Vec<u8>>) -> BoxFuture<'static, Result<(), ProcError>> + Send>;
-
 /// What one pass of `run` is for.
 enum Pass<E> {
     /// A step of the engine: run the first step past the journal (or fill the
@@ -239,9 +264,16 @@ enum Pass<E> {
         /// That step, once it has a value.
         new: Arc<Mutex<Option<NewStep<E>>>>,
     },
-    /// A rollback: collect every step's undo up to the first past the journal, then
-    /// stop there.
-    Collect { undos: Arc<Mutex<Vec<BoxedUndo>>> },
+    /// A rollback: replay the journal up to the step at `target` (the newest journaled
+    /// one, or the one after the journal), run its undo there, told `undoing`, then
+    /// stop.
+    Rollback {
+        target: usize,
+        /// Taken by the step at `target`.
+        undoing: Option<Undoing<Vec<u8>>>,
+        /// What the undo returned, once it has.
+        done: Arc<Mutex<Option<Result<(), ProcError>>>>,
+    },
 }
 
 /// What a saga's `run` gets: the procedure's [`Context`] (through `Deref`: its id, the
@@ -272,7 +304,7 @@ impl<E> std::ops::Deref for SagaContext<'_, E> {
     }
 }
 
-impl<E: Send + Sync + 'static> SagaContext<'_, E> {
+impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
     /// How the [retryable](ProcError::retryable) errors of the steps that follow are
     /// retried (until it is set again): see [`Context::set_retry_policy`]. Set it
     /// before the step, outside it; like everything outside the steps, the same way in
@@ -286,11 +318,10 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
     /// # impl SagaProcedure for OpenRegion {
     /// #     type Output = ();
     /// async fn run(&self, ctx: &mut SagaContext<'_>) -> Result<(), ProcError> {
-    ///     let region = self.region;
     ///     ctx.set_retry_policy(RetryPolicy::new(10).backoff_ms(50).max_delay_ms(2_000));
     ///     ctx.step(
     ///         "open",
-    ///         || async move { open_region(region).await.map_err(ProcError::retryable) },
+    ///         || async { open_region(self.region).await.map_err(ProcError::retryable) },
     ///         |_: Undoing<()>| async { Ok(()) },
     ///     )
     ///     .await
@@ -301,47 +332,146 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
         self.retry = Some(policy);
     }
 
+    /// The environment the service gave the executor, as [`Context::env`] gives it,
+    /// but borrowed for as long as the saga's context lives rather than for this call:
+    /// taken once before the steps, it does not hold the `SagaContext`, so every step's
+    /// `run` and `undo` can use it (see [`step`](Self::step)).
+    pub fn env(&self) -> &'c E {
+        self.ctx.env()
+    }
+
+    /// The environment's `Arc`, as [`Context::env_arc`] gives it, borrowed as
+    /// [`env`](Self::env) is: clone it for what must own the environment.
+    pub fn env_arc(&self) -> &'c Arc<E> {
+        self.ctx.env_arc()
+    }
+
     /// One step of the saga: `run` does it and returns its value, which is journaled
     /// (durably, before the next step begins); `undo` undoes it when the saga rolls
     /// back, told what the step did ([`Undoing`]: its value if it completed). A step
     /// already journaled (before a restart, or in an earlier step of the engine)
     /// returns its journaled value without running again. An `Err` from `run` fails the
     /// saga (its tree rolls back, this step's undo first, told it failed); an `Err`
-    /// from `undo` is retried with backoff, as any rollback.
+    /// from `undo` is retried with backoff, as any rollback. Await the answer
+    /// ([`SagaStep`], through `IntoFuture`) for the step's value.
     ///
-    /// `undo` is `'static`: give it what it needs by value (`move`), the environment
-    /// through [`Context::env_arc`].
+    /// `run` and `undo` borrow what they need: the saga's fields (`self`), the
+    /// environment (taken first with [`SagaContext::env`]), the values of the steps
+    /// before. The rollback replays `run` up to the step it undoes, as every pass
+    /// does, and calls `undo` there, so `undo` lives no longer than `run`'s pass:
+    ///
+    /// ```
+    /// use proctor::{async_trait, ProcError, SagaContext, SagaProcedure};
+    /// use serde::{Deserialize, Serialize};
+    /// use std::{collections::BTreeSet, sync::Mutex};
+    ///
+    /// struct Nodes { reserved: Mutex<BTreeSet<String>> }
+    ///
+    /// #[derive(Serialize, Deserialize)]
+    /// struct AddNode { node: String }
+    ///
+    /// #[async_trait]
+    /// impl SagaProcedure<Nodes> for AddNode {
+    ///     type Output = ();
+    ///     async fn run(&self, ctx: &mut SagaContext<'_, Nodes>) -> Result<(), ProcError> {
+    ///         let nodes = ctx.env();
+    ///         ctx.step(
+    ///             "reserve",
+    ///             || async {
+    ///                 nodes.reserved.lock().unwrap().insert(self.node.clone());
+    ///                 Ok(())
+    ///             },
+    ///             // `move`: the undo takes its `Undoing` into its future; what it
+    ///             // captures (`nodes`, `self`) are references.
+    ///             move |_undoing| async move {
+    ///                 nodes.reserved.lock().unwrap().remove(&self.node);
+    ///                 Ok(())
+    ///             },
+    ///         )
+    ///         .await
+    ///     }
+    /// }
+    /// ```
+    ///
+    /// # Cancellation
+    ///
+    /// `run` is cancellable: when the engine cancels the step ([`Context::cancelled`]:
+    /// an abort, the saga's tree failing elsewhere, or a graceful shutdown's drain
+    /// deadline), its future is dropped at the await point where it waits, and the step
+    /// fails with [`ProcError::Aborted`] (a step the engine cancels before it starts
+    /// does not start). Aborted, the saga rolls back at once, this step's undo first,
+    /// told [`Undoing::Failed`]; at a shutdown, nothing is recorded and the step runs
+    /// again after the restart. A step that must not be cut between two of its writes
+    /// says so with [`SagaStep::uncancellable`]: it runs to its end, and may watch
+    /// [`Context::cancelled`] itself to stop where it can.
     ///
     /// # Errors
-    /// The step's own error; [`ProcError::Failed`] if the journal's step at this
-    /// position has another name (the saga is not deterministic), or its value does not
-    /// decode as `T`; [`ProcError::Persist`] if the value does not encode.
-    pub async fn step<T, R, RF, U, UF>(
+    /// The step's own error; [`ProcError::Aborted`] if it was cancelled;
+    /// [`ProcError::Failed`] if the journal's step at this position has another name
+    /// (the saga is not deterministic), or its value does not decode as `T`;
+    /// [`ProcError::Persist`] if the value does not encode.
+    pub fn step<'s, T, R, RF, U, UF>(
+        &'s mut self,
+        name: &'s str,
+        run: R,
+        undo: U,
+    ) -> SagaStep<'s, 'c, E, T, R, U>
+    where
+        T: Serialize + DeserializeOwned + Send,
+        R: FnOnce() -> RF + Send,
+        RF: Future<Output = Result<T, ProcError>> + Send,
+        U: FnOnce(Undoing<T>) -> UF + Send,
+        UF: Future<Output = Result<(), ProcError>> + Send,
+    {
+        SagaStep {
+            ctx: self,
+            name,
+            run,
+            undo,
+            cancellable: true,
+            value: PhantomData,
+        }
+    }
+
+    /// The step [`step`](Self::step) answers, when awaited.
+    async fn run_step<T, R, RF, U, UF>(
         &mut self,
         name: &str,
         run: R,
         undo: U,
+        cancellable: bool,
     ) -> Result<T, ProcError>
     where
-        T: Serialize + DeserializeOwned + Send + 'static,
+        T: Serialize + DeserializeOwned + Send,
         R: FnOnce() -> RF + Send,
         RF: Future<Output = Result<T, ProcError>> + Send,
-        U: FnOnce(Undoing<T>) -> UF + Send + 'static,
-        UF: Future<Output = Result<(), ProcError>> + Send + 'static,
+        U: FnOnce(Undoing<T>) -> UF + Send,
+        UF: Future<Output = Result<(), ProcError>> + Send,
     {
         let at = self.at;
         self.at += 1;
-        if let Pass::Collect { undos } = &self.pass {
-            lock(undos).push(typed_undo(|bytes| decode::<T>(bytes), undo));
+        if self.undoes(at) {
+            match self.undo_here(decode::<T>, undo).await {}
         }
         if let Some(entry) = self.journaled(at, name, false)? {
             return decode(&entry.value);
         }
         match &self.pass {
-            // Past the journal: the step this rollback undoes (or none) is reached.
-            Pass::Collect { .. } => std::future::pending().await,
+            // Past the journal, and not the step this rollback undoes: no rollback
+            // reaches here (its step is the newest journaled one, or this one).
+            Pass::Rollback { .. } => std::future::pending().await,
             Pass::Execute { new } => {
-                let value = run().await?;
+                let value = if !cancellable {
+                    run().await?
+                } else if self.ctx.is_cancelled() {
+                    return Err(ProcError::Aborted);
+                } else {
+                    match until_cancelled(run(), self.ctx.cancelled()).await {
+                        Some(value) => value?,
+                        // Dropped where it waited.
+                        None => return Err(ProcError::Aborted),
+                    }
+                };
                 let value = rmp_serde::to_vec_named(&value)
                     .map_err(|e| ProcError::Persist(format!("saga step {name:?}: {e}")))?;
                 *lock(new) = Some(NewStep {
@@ -357,6 +487,37 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
                 std::future::pending().await
             }
         }
+    }
+
+    /// Whether the step at `at` is the one this pass undoes.
+    fn undoes(&self, at: usize) -> bool {
+        matches!(self.pass, Pass::Rollback { target, .. } if target == at)
+    }
+
+    /// Runs the undo of the step this rollback undoes (the one at its target), told
+    /// what the step did, its value (as journaled) decoded by `decode`; keeps what it
+    /// returns for the rollback, and ends the pass.
+    async fn undo_here<T, D, U, UF>(&mut self, decode: D, undo: U) -> Infallible
+    where
+        D: FnOnce(&[u8]) -> Result<T, ProcError>,
+        U: FnOnce(Undoing<T>) -> UF,
+        UF: Future<Output = Result<(), ProcError>>,
+    {
+        let Pass::Rollback { undoing, done, .. } = &mut self.pass else {
+            unreachable!("only a rollback undoes");
+        };
+        let (undoing, done) = (undoing.take(), done.clone());
+        let undoing = match undoing.unwrap_or(Undoing::Interrupted) {
+            Undoing::Completed(bytes) => decode(&bytes).map(Undoing::Completed),
+            Undoing::Failed => Ok(Undoing::Failed),
+            Undoing::Interrupted => Ok(Undoing::Interrupted),
+        };
+        let undone = match undoing {
+            Ok(undoing) => undo(undoing).await,
+            Err(e) => Err(e),
+        };
+        *lock(&done) = Some(undone);
+        std::future::pending().await
     }
 
     /// A version marker for a change of the saga's code while sagas are in flight (as
@@ -411,7 +572,8 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
     /// HBase, a finished procedure is not rolled back): that is `undo`'s, told
     /// [`Undoing::Completed`] with every child's value when all of them had succeeded,
     /// or [`Undoing::Interrupted`] when some may have (check what is there; the ones
-    /// the engine rolled back may be among them). Declare the children's types in
+    /// the engine rolled back may be among them). Like a step's, `start` and `undo`
+    /// borrow what `run` has. Declare the children's types in
     /// [`SagaProcedure::child_types`].
     ///
     /// ```
@@ -439,13 +601,13 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
     /// impl SagaProcedure for CreateTable {
     ///     type Output = Vec<String>;
     ///     async fn run(&self, ctx: &mut SagaContext<'_>) -> Result<Vec<String>, ProcError> {
-    ///         let n = self.regions;
     ///         let servers: Vec<String> = ctx
     ///             .children(
     ///                 "assign regions",
-    ///                 || (0..n).map(|region| AssignRegion { region }),
+    ///                 || (0..self.regions).map(|region| AssignRegion { region }),
     ///                 move |undoing: Undoing<Vec<String>>| async move {
-    ///                     let _ = (n, undoing); // unassign the regions that are assigned
+    ///                     // Unassign those of the regions that are assigned.
+    ///                     let _ = (self.regions, undoing);
     ///                     Ok(())
     ///                 },
     ///             )
@@ -468,19 +630,18 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
         undo: U,
     ) -> Result<Vec<T>, ProcError>
     where
-        T: DeserializeOwned + Send + 'static,
+        T: DeserializeOwned + Send,
         S: FnOnce() -> I + Send,
         I: IntoIterator<Item = P>,
         P: Procedure<E>,
-        U: FnOnce(Undoing<Vec<T>>) -> UF + Send + 'static,
-        UF: Future<Output = Result<(), ProcError>> + Send + 'static,
+        U: FnOnce(Undoing<Vec<T>>) -> UF + Send,
+        UF: Future<Output = Result<(), ProcError>> + Send,
     {
         let at = self.at;
         self.at += 1;
-        if let Pass::Collect { undos } = &self.pass {
-            let step = name.to_string();
-            let values = move |bytes: &[u8]| decode_children::<T>(&step, bytes);
-            lock(undos).push(typed_undo(values, undo));
+        if self.undoes(at) {
+            let values = |bytes: &[u8]| decode_children::<T>(name, bytes);
+            match self.undo_here(values, undo).await {}
         }
         if let Some(entry) = self.journaled(at, name, true)? {
             let step = entry.children.unwrap_or(ChildrenStep {
@@ -492,11 +653,11 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
                 return decode_children(name, &entry.value);
             }
             return match &self.pass {
-                // Unfilled, so the newest entry: the step after it is the one that
-                // fills it, which did nothing of the user's; its undo is none.
-                Pass::Collect { undos } => {
-                    let none: BoxedUndo = Box::new(|_| Box::pin(async { Ok(()) }));
-                    lock(undos).push(none);
+                // Unfilled, so the newest entry, and not the step this rollback
+                // undoes: that is the step after it, the one that fills it, which did
+                // nothing of the user's; its undo is none.
+                Pass::Rollback { done, .. } => {
+                    *lock(done) = Some(Ok(()));
                     std::future::pending().await
                 }
                 Pass::Execute { new } => {
@@ -513,7 +674,8 @@ impl<E: Send + Sync + 'static> SagaContext<'_, E> {
             };
         }
         let Pass::Execute { new } = &self.pass else {
-            // Past the journal: the step this rollback undoes (or none) is reached.
+            // Past the journal, and not the step this rollback undoes: no rollback
+            // reaches here.
             return std::future::pending().await;
         };
         let children: Vec<Box<dyn Procedure<E>>> = start()
@@ -619,26 +781,6 @@ fn decode_children<T: DeserializeOwned>(name: &str, bytes: &[u8]) -> Result<Vec<
         .collect()
 }
 
-/// A step's undo as the rollback calls it: told what the step did, its value (as
-/// journaled) decoded by `decode`.
-fn typed_undo<T, D, U, UF>(decode: D, undo: U) -> BoxedUndo
-where
-    D: FnOnce(&[u8]) -> Result<T, ProcError> + Send + 'static,
-    U: FnOnce(Undoing<T>) -> UF + Send + 'static,
-    UF: Future<Output = Result<(), ProcError>> + Send + 'static,
-{
-    Box::new(move |undoing: Undoing<Vec<u8>>| {
-        Box::pin(async move {
-            let undoing = match undoing {
-                Undoing::Completed(bytes) => Undoing::Completed(decode(&bytes)?),
-                Undoing::Failed => Undoing::Failed,
-                Undoing::Interrupted => Undoing::Interrupted,
-            };
-            undo(undoing).await
-        }) as BoxFuture<'static, Result<(), ProcError>>
-    })
-}
-
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
@@ -661,6 +803,83 @@ async fn drive<F: Future>(fut: F, stop: impl Fn() -> bool) -> Option<F::Output> 
         Poll::Pending => Poll::Pending,
     })
     .await
+}
+
+/// Polls `fut` until it ends (`Some`) or, pending, `cancelled` completes (`None`: `fut`
+/// is dropped where it waits).
+async fn until_cancelled<F: Future>(fut: F, mut cancelled: Cancelled) -> Option<F::Output> {
+    let mut fut = std::pin::pin!(fut);
+    std::future::poll_fn(|cx| match fut.as_mut().poll(cx) {
+        Poll::Ready(output) => Poll::Ready(Some(output)),
+        Poll::Pending if Pin::new(&mut cancelled).poll(cx).is_ready() => Poll::Ready(None),
+        Poll::Pending => Poll::Pending,
+    })
+    .await
+}
+
+/// A saga step, as [`SagaContext::step`] answers it: await it for the step's value
+/// (through `IntoFuture`), after its options.
+#[must_use = "a saga step does nothing unless awaited"]
+pub struct SagaStep<'s, 'c, E, T, R, U> {
+    ctx: &'s mut SagaContext<'c, E>,
+    name: &'s str,
+    run: R,
+    undo: U,
+    cancellable: bool,
+    value: PhantomData<fn() -> T>,
+}
+
+impl<E, T, R, U> std::fmt::Debug for SagaStep<'_, '_, E, T, R, U> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SagaStep")
+            .field("name", &self.name)
+            .field("cancellable", &self.cancellable)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<E, T, R, U> SagaStep<'_, '_, E, T, R, U> {
+    /// The step runs to its end whatever the engine cancels: for a step that must not
+    /// be cut between two of its writes. An abort (or the saga's tree failing
+    /// elsewhere) waits for it; it may still stop early by watching
+    /// [`Context::cancelled`] itself, at the points where it can. Aborted meanwhile, a
+    /// step that returns `Ok` is journaled, then undone as completed. A graceful
+    /// shutdown waits for it one second past its drain deadline, as for any step, and
+    /// then cuts it off (it runs again after the restart).
+    ///
+    /// ```
+    /// # use proctor::{ProcError, SagaContext, Undoing};
+    /// # async fn write_twice() -> Result<(), ProcError> { Ok(()) }
+    /// # async fn run(ctx: &mut SagaContext<'_>) -> Result<(), ProcError> {
+    /// ctx.step("move", write_twice, |_: Undoing<()>| async { Ok(()) })
+    ///     .uncancellable()
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn uncancellable(mut self) -> Self {
+        self.cancellable = false;
+        self
+    }
+}
+
+impl<'s, 'c, E, T, R, RF, U, UF> IntoFuture for SagaStep<'s, 'c, E, T, R, U>
+where
+    E: Send + Sync + 'static,
+    T: Serialize + DeserializeOwned + Send + 's,
+    R: FnOnce() -> RF + Send + 's,
+    RF: Future<Output = Result<T, ProcError>> + Send + 's,
+    U: FnOnce(Undoing<T>) -> UF + Send + 's,
+    UF: Future<Output = Result<(), ProcError>> + Send + 's,
+{
+    type Output = Result<T, ProcError>;
+    type IntoFuture = BoxFuture<'s, Result<T, ProcError>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        Box::pin(
+            self.ctx
+                .run_step(self.name, self.run, self.undo, self.cancellable),
+        )
+    }
 }
 
 /// A [`SagaProcedure`] as a [`Procedure`]: the saga and its journal. Register it with
@@ -765,29 +984,6 @@ where
             },
             _ => self.journal.len(),
         };
-        let undos = Arc::new(Mutex::new(Vec::new()));
-        {
-            let mut sctx = SagaContext {
-                ctx: &*ctx,
-                journal: &self.journal,
-                at: 0,
-                pass: Pass::Collect {
-                    undos: undos.clone(),
-                },
-                retry: None,
-            };
-            // Ends where the target's undo is collected (the pass stops past the
-            // journal), or earlier if `run` ends before another step.
-            drive(self.saga.run(&mut sctx), || lock(&undos).len() > target).await;
-        }
-        let undo_fn = {
-            let mut undos = lock(&undos);
-            if undos.len() <= target {
-                // `run` failed (or ended) before another step: nothing of it to undo.
-                return Ok(());
-            }
-            undos.swap_remove(target)
-        };
         let undoing = match undo {
             // A children step whose children did not all succeed (or whose values were
             // not copied yet): some of them may have.
@@ -796,7 +992,28 @@ where
             Undo::Failed => Undoing::Failed,
             _ => Undoing::Interrupted,
         };
-        undo_fn(undoing).await?;
+        let done = Arc::new(Mutex::new(None));
+        {
+            let mut sctx = SagaContext {
+                ctx: &*ctx,
+                journal: &self.journal,
+                at: 0,
+                pass: Pass::Rollback {
+                    target,
+                    undoing: Some(undoing),
+                    done: done.clone(),
+                },
+                retry: None,
+            };
+            // Ends once the target's undo has returned (its step stops the pass there),
+            // or earlier if `run` ends before another step.
+            drive(self.saga.run(&mut sctx), || lock(&done).is_some()).await;
+        }
+        let Some(undone) = lock(&done).take() else {
+            // `run` failed (or ended) before another step: nothing of it to undo.
+            return Ok(());
+        };
+        undone?;
         if undo == Undo::Completed {
             self.journal.pop();
         }

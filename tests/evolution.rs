@@ -128,11 +128,11 @@ mod v1 {
         type Output = u32;
 
         async fn run(&self, ctx: &mut SagaContext<'_, Env>) -> Result<u32, ProcError> {
-            let env = ctx.env().clone();
+            let env = ctx.env();
             let slot: u32 = ctx
                 .step(
                     "reserve",
-                    move || async move {
+                    || async {
                         env.say("v1 reserve");
                         Ok(7u32)
                     },
@@ -256,11 +256,11 @@ mod v2 {
         type Output = u32;
 
         async fn run(&self, ctx: &mut SagaContext<'_, Env>) -> Result<u32, ProcError> {
-            let env = ctx.env().clone();
+            let env = ctx.env();
             let slot: u32 = ctx
                 .step(
                     "reserve",
-                    move || async move {
+                    || async {
                         env.say("v2 reserve");
                         Ok(7u32)
                     },
@@ -275,12 +275,10 @@ mod v2 {
                 )
                 .await?;
             // New: a step after the ones the old code journaled.
-            let env = ctx.env().clone();
-            let node = self.node.clone();
             ctx.step(
                 "announce",
-                move || async move {
-                    env.say(format!("v2 announce {node}"));
+                || async {
+                    env.say(format!("v2 announce {}", self.node));
                     Ok(())
                 },
                 |_: Undoing<()>| async { Ok(()) },
@@ -530,11 +528,10 @@ async fn a_step_inserted_behind_a_version_marker_leaves_sagas_in_flight_on_their
             )
             .await?;
         if !marked || ctx.version("audit", 1, 2).await? >= 2 {
-            let env = ctx.env().clone();
-            let node = node.to_string();
+            let env = ctx.env();
             ctx.step(
                 "audit",
-                move || async move {
+                || async {
                     env.say(format!("audit {node}"));
                     Ok(())
                 },

@@ -4,7 +4,9 @@
 //! the result says; children started from a saga give it their values, and a failing
 //! one rolls it back. A step's retryable error is retried under the retry policy set
 //! before it, then the saga's failure policy decides: roll back, pause for an operator,
-//! or retry first (a terminal error never). On every store.
+//! or retry first (a terminal error never). A step's undo borrows what its `run`
+//! borrows; an abort drops a step that does not watch for it (undone as failed), unless
+//! the step is uncancellable. On every store.
 
 mod common;
 
@@ -77,32 +79,24 @@ impl SagaProcedure<Cluster> for CreateTable {
     type Output = Vec<String>;
 
     async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<Vec<String>, ProcError> {
-        let env = ctx.env_arc().clone();
-        let (fail_at, wait_at) = (self.fail_at.clone(), self.wait_at.clone());
-        // A step's work: it records itself, waits (for an abort) if told to, fails if
-        // told to (before changing anything).
-        let gate = |step: &str, cancelled: proctor::Cancelled| {
-            let (env, fail, wait, step) = (
-                env.clone(),
-                fail_at.as_deref() == Some(step),
-                wait_at.as_deref() == Some(step),
-                step.to_string(),
-            );
+        let env = ctx.env();
+        // A step's work: it records itself, waits (until the engine drops it) if told
+        // to, fails if told to (before changing anything).
+        let gate = |step: &str| {
+            env.call(format!("do {step}"));
+            let wait = self.wait_at.as_deref() == Some(step) && env.hold.load(SeqCst);
+            let fail = (self.fail_at.as_deref() == Some(step))
+                .then(|| ProcError::failed(format!("{step} broke")));
             async move {
-                env.call(format!("do {step}"));
-                if wait && env.hold.load(std::sync::atomic::Ordering::SeqCst) {
+                if wait {
                     env.in_step.notify_one();
-                    cancelled.await;
-                    return Err(ProcError::Aborted);
+                    std::future::pending::<()>().await;
                 }
-                if fail {
-                    return Err(ProcError::failed(format!("{step} broke")));
-                }
-                Ok(())
+                fail.map_or(Ok(()), Err)
             }
         };
-        let undo_of = |step: String| {
-            let env = env.clone();
+        let undo_of = |step: &str| {
+            let step = step.to_string();
             move |undoing: Undoing<String>| async move {
                 let told = match &undoing {
                     Undoing::Completed(v) => format!("completed {v}"),
@@ -126,41 +120,37 @@ impl SagaProcedure<Cluster> for CreateTable {
             }
         };
 
-        let table = self.name.clone();
-        let cancelled = ctx.cancelled();
         let made = ctx
             .step(
                 "table",
                 || async {
-                    gate("table", cancelled).await?;
-                    env.tables.lock().unwrap().insert(table.clone());
-                    Ok(table.clone())
+                    gate("table").await?;
+                    env.tables.lock().unwrap().insert(self.name.clone());
+                    Ok(self.name.clone())
                 },
-                undo_of(table.clone()),
+                undo_of(&self.name),
             )
             .await?;
         let mut regions = Vec::new();
         for r in 0..self.regions {
             let step = format!("region {r}");
             let region = format!("{made}-r{r}");
-            let cancelled = ctx.cancelled();
             let done = ctx
                 .step(
                     &step,
                     || async {
-                        gate(&step, cancelled).await?;
+                        gate(&step).await?;
                         env.regions.lock().unwrap().insert(region.clone());
                         Ok(region.clone())
                     },
-                    undo_of(region.clone()),
+                    undo_of(&region),
                 )
                 .await?;
             regions.push(done);
         }
-        let cancelled = ctx.cancelled();
         ctx.step(
             "enable",
-            || gate("enable", cancelled),
+            || gate("enable"),
             |_: Undoing<()>| async { Ok(()) },
         )
         .await?;
@@ -201,9 +191,8 @@ impl SagaProcedure<Cluster> for Connect {
     type Output = ();
 
     async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<(), ProcError> {
-        let env = ctx.env_arc().clone();
+        let env = ctx.env();
         let undo = |step: &'static str| {
-            let env = env.clone();
             move |undoing: Undoing<()>| async move {
                 let told = match undoing {
                     Undoing::Completed(()) => "completed",
@@ -215,7 +204,6 @@ impl SagaProcedure<Cluster> for Connect {
             }
         };
         let done = |step: &'static str| {
-            let env = env.clone();
             move || async move {
                 env.call(format!("do {step}"));
                 Ok(())
@@ -226,7 +214,6 @@ impl SagaProcedure<Cluster> for Connect {
         if let Some(retry) = self.retry {
             ctx.set_retry_policy(retry);
         }
-        let mark = self.mark;
         ctx.step(
             "connect",
             || async {
@@ -237,7 +224,7 @@ impl SagaProcedure<Cluster> for Connect {
                     .is_ok();
                 if refused {
                     let e = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
-                    return Err(match mark {
+                    return Err(match self.mark {
                         Mark::Plain => ProcError::from(e),
                         Mark::Retryable => ProcError::retryable(e),
                         Mark::Terminal => ProcError::terminal(e),
@@ -260,7 +247,8 @@ fn builder(cluster: &Arc<Cluster>) -> ExecutorBuilder<Cluster> {
     let mut registry = Registry::new();
     registry
         .register_saga::<CreateTable>("create_table")
-        .register_saga::<Connect>("connect");
+        .register_saga::<Connect>("connect")
+        .register_saga::<Slow>("slow");
     Executor::builder().registry(registry).env(cluster.clone())
 }
 
@@ -481,43 +469,44 @@ struct CreateWithChildren {
     fail_region: Option<u32>,
 }
 
+impl CreateWithChildren {
+    fn region_names(&self) -> impl Iterator<Item = String> + '_ {
+        (0..self.regions).map(|r| format!("{}-r{r}", self.name))
+    }
+}
+
 #[async_trait]
 impl SagaProcedure<Cluster> for CreateWithChildren {
     type Output = Vec<String>;
 
     async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<Vec<String>, ProcError> {
-        let env = ctx.env_arc().clone();
-        let table = self.name.clone();
+        let env = ctx.env();
         ctx.step(
             "table",
             || async {
                 env.call("do table".into());
-                env.tables.lock().unwrap().insert(table.clone());
+                env.tables.lock().unwrap().insert(self.name.clone());
                 Ok(())
             },
-            {
-                let (env, table) = (env.clone(), table.clone());
-                move |undoing: Undoing<()>| async move {
-                    env.call(format!("undo table ({undoing:?})"));
-                    if undoing != Undoing::Failed {
-                        env.tables.lock().unwrap().remove(&table);
-                    }
-                    Ok(())
+            move |undoing: Undoing<()>| async move {
+                env.call(format!("undo table ({undoing:?})"));
+                if undoing != Undoing::Failed {
+                    env.tables.lock().unwrap().remove(&self.name);
                 }
+                Ok(())
             },
         )
         .await?;
-        let (regions, fail) = (self.regions, self.fail_region);
-        let names: Vec<String> = (0..regions).map(|r| format!("{table}-r{r}")).collect();
-        let (undo_env, undo_names) = (env.clone(), names.clone());
         let servers: Vec<String> = ctx
             .children(
                 "assign",
                 || {
-                    names.iter().enumerate().map(move |(r, region)| Assign {
-                        region: region.clone(),
-                        fail: fail == u32::try_from(r).ok(),
-                    })
+                    self.region_names()
+                        .enumerate()
+                        .map(move |(r, region)| Assign {
+                            region,
+                            fail: self.fail_region == u32::try_from(r).ok(),
+                        })
                 },
                 // The regions of the children that had succeeded (the engine rolls back
                 // the others): all of them, or, not knowing which, whichever are there.
@@ -527,20 +516,19 @@ impl SagaProcedure<Cluster> for CreateWithChildren {
                         Undoing::Failed => "failed",
                         Undoing::Interrupted => "interrupted",
                     };
-                    undo_env.call(format!("undo assign ({how})"));
-                    let mut assigned = undo_env.regions.lock().unwrap();
-                    for region in &undo_names {
-                        assigned.remove(region);
+                    env.call(format!("undo assign ({how})"));
+                    let mut assigned = env.regions.lock().unwrap();
+                    for region in self.region_names() {
+                        assigned.remove(&region);
                     }
                     Ok(())
                 },
             )
             .await?;
-        let seen = servers.clone();
         ctx.step(
             "enable",
-            || async move {
-                env.call(format!("enable with {}", seen.join(", ")));
+            || async {
+                env.call(format!("enable with {}", servers.join(", ")));
                 Ok(())
             },
             |_: Undoing<()>| async { Ok(()) },
@@ -786,5 +774,299 @@ async fn a_saga_declares_its_failure_policy() {
             assert_eq!(cluster.calls(), expected, "{name} continued={continued}");
             executor.shutdown().await.unwrap();
         }
+    }
+}
+
+/// A node's slot, reserved under the saga's mark (its procedure's id), the way a step's
+/// undo is written: the saga's field and the environment used by both `run` and
+/// `undo`.
+#[derive(Serialize, Deserialize)]
+struct ReserveCloning {
+    node: String,
+}
+
+#[async_trait]
+impl SagaProcedure<Cluster> for ReserveCloning {
+    type Output = ();
+
+    async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<(), ProcError> {
+        // An undo that must be 'static: its own copies of everything it touches.
+        let env = ctx.env_arc().clone();
+        let (e, n, ue, un) = (
+            env.clone(),
+            self.node.clone(),
+            env.clone(),
+            self.node.clone(),
+        );
+        ctx.step(
+            "reserve",
+            move || async move {
+                e.call(format!("do reserve {n}"));
+                e.tables.lock().unwrap().insert(n);
+                Ok(())
+            },
+            move |undoing: Undoing<()>| async move {
+                ue.call(format!("undo reserve {un} ({undoing:?})"));
+                ue.tables.lock().unwrap().remove(&un);
+                Ok(())
+            },
+        )
+        .await?;
+        Err(ProcError::failed("no region server"))
+    }
+}
+
+/// The same saga without a copy: `ctx.env()` does not borrow the saga's context, and
+/// the undo runs while `run` does, so it borrows what `run` borrows.
+#[derive(Serialize, Deserialize)]
+struct ReserveBorrowing {
+    node: String,
+}
+
+#[async_trait]
+impl SagaProcedure<Cluster> for ReserveBorrowing {
+    type Output = ();
+
+    async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<(), ProcError> {
+        let env = ctx.env();
+        ctx.step(
+            "reserve",
+            || async {
+                env.call(format!("do reserve {}", self.node));
+                env.tables.lock().unwrap().insert(self.node.clone());
+                Ok(())
+            },
+            |undoing| async move {
+                env.call(format!("undo reserve {} ({undoing:?})", self.node));
+                env.tables.lock().unwrap().remove(&self.node);
+                Ok(())
+            },
+        )
+        .await?;
+        Err(ProcError::failed("no region server"))
+    }
+}
+
+#[actix::test]
+async fn an_undo_borrows_the_saga_and_the_environment_as_its_step_does() {
+    let cluster = Arc::new(Cluster::default());
+    let mut registry = Registry::<Cluster>::default();
+    registry
+        .register_saga::<ReserveCloning>("reserve_cloning")
+        .register_saga::<ReserveBorrowing>("reserve_borrowing");
+    let executor = Executor::builder()
+        .registry(registry)
+        .env(cluster.clone())
+        .store(proctor::MemoryStore::new())
+        .start()
+        .await
+        .unwrap();
+    let cloning = executor
+        .submit(Saga::new(ReserveCloning { node: "n1".into() }))
+        .await
+        .unwrap();
+    let borrowing = executor
+        .submit(Saga::new(ReserveBorrowing { node: "n2".into() }))
+        .await
+        .unwrap();
+    for id in [cloning, borrowing] {
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::failed("no region server"));
+    }
+    // The same calls either way, and the slots are free again.
+    let mut calls = cluster.calls();
+    calls.sort();
+    assert_eq!(
+        calls,
+        [
+            "do reserve n1",
+            "do reserve n2",
+            "undo reserve n1 (Completed(()))",
+            "undo reserve n2 (Completed(()))",
+        ]
+    );
+    assert_eq!(cluster.state(), (vec![], vec![]));
+    executor.shutdown().await.unwrap();
+}
+
+/// Reserves, then runs a step that sleeps `ms` without watching for cancellation
+/// (`uncancellable` if told), then enables. Each step and undo is recorded.
+#[derive(Serialize, Deserialize)]
+struct Slow {
+    ms: u64,
+    uncancellable: bool,
+}
+
+#[async_trait]
+impl SagaProcedure<Cluster> for Slow {
+    type Output = ();
+
+    async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<(), ProcError> {
+        let env = ctx.env();
+        let undo = |step: &'static str| {
+            move |undoing: Undoing<()>| async move {
+                env.call(format!("undo {step} ({undoing:?})"));
+                Ok(())
+            }
+        };
+        ctx.step(
+            "reserve",
+            || async {
+                env.call("do reserve".into());
+                Ok(())
+            },
+            undo("reserve"),
+        )
+        .await?;
+        let slow = ctx.step(
+            "slow",
+            || async {
+                env.call("do slow".into());
+                env.in_step.notify_one();
+                tokio::time::sleep(std::time::Duration::from_millis(self.ms)).await;
+                env.call("done slow".into());
+                Ok(())
+            },
+            undo("slow"),
+        );
+        if self.uncancellable {
+            slow.uncancellable().await?;
+        } else {
+            slow.await?;
+        }
+        ctx.step(
+            "enable",
+            || async {
+                env.call("do enable".into());
+                Ok(())
+            },
+            undo("enable"),
+        )
+        .await
+    }
+}
+
+#[actix::test]
+async fn an_abort_drops_a_saga_step_that_does_not_watch_for_it_and_its_undo_is_told_failed() {
+    for (name, store, _dir) in stores() {
+        let cluster = Arc::new(Cluster::default());
+        let executor = start(store, &cluster).await;
+        let slow = Slow {
+            ms: 5_000,
+            uncancellable: false,
+        };
+        let id = executor.submit(Saga::new(slow)).await.unwrap();
+        cluster.in_step.notified().await;
+        let asked = std::time::Instant::now();
+        assert!(executor.abort(id).await.unwrap(), "{name}");
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        let took = asked.elapsed();
+        assert_eq!(failure.error, ProcError::Aborted, "{name}");
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::RolledBack,
+            "{name}"
+        );
+        // Not the step's 5 s: it was dropped at the abort.
+        assert!(took < std::time::Duration::from_secs(3), "{name}: {took:?}");
+        assert_eq!(
+            cluster.calls(),
+            [
+                "do reserve",
+                "do slow",
+                "undo slow (Failed)",
+                "undo reserve (Completed(()))",
+            ],
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn an_uncancellable_saga_step_runs_to_its_end_before_the_rollback() {
+    for (name, store, _dir) in stores() {
+        let cluster = Arc::new(Cluster::default());
+        let executor = start(store, &cluster).await;
+        let slow = Slow {
+            ms: 1_000,
+            uncancellable: true,
+        };
+        let id = executor.submit(Saga::new(slow)).await.unwrap();
+        cluster.in_step.notified().await;
+        let asked = std::time::Instant::now();
+        assert!(executor.abort(id).await.unwrap(), "{name}");
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        let took = asked.elapsed();
+        assert_eq!(failure.error, ProcError::Aborted, "{name}");
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::RolledBack,
+            "{name}"
+        );
+        // The step slept its whole second (less the moment before the abort).
+        assert!(
+            took >= std::time::Duration::from_millis(900),
+            "{name}: {took:?}"
+        );
+        assert_eq!(
+            cluster.calls(),
+            [
+                "do reserve",
+                "do slow",
+                "done slow",
+                "undo slow (Completed(()))",
+                "undo reserve (Completed(()))",
+            ],
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+#[actix::test]
+async fn a_shutdown_past_its_drain_deadline_drops_a_saga_step_and_it_runs_again_after_the_restart()
+{
+    for name in common::STORES {
+        let store = common::Reopen::new(name);
+        let cluster = Arc::new(Cluster::default());
+        let executor = builder(&cluster)
+            .drain_timeout(std::time::Duration::from_millis(100))
+            .store(store.open())
+            .start()
+            .await
+            .unwrap();
+        let slow = Slow {
+            ms: 5_000,
+            uncancellable: false,
+        };
+        let id = executor.submit(Saga::new(slow)).await.unwrap();
+        cluster.in_step.notified().await;
+        let asked = std::time::Instant::now();
+        executor.shutdown().await.unwrap();
+        let took = asked.elapsed();
+        // The deadline's 100 ms, not the second more a step that runs on is given.
+        assert!(took < std::time::Duration::from_secs(1), "{name}: {took:?}");
+
+        // Nothing was recorded for the step, nor undone: it runs again, and its undo
+        // is told it was interrupted (the attempt cut off may have done more than the
+        // one aborted).
+        let executor = start(store.open(), &cluster).await;
+        cluster.in_step.notified().await;
+        assert!(executor.abort(id).await.unwrap(), "{name}");
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error, ProcError::Aborted, "{name}");
+        assert_eq!(
+            cluster.calls(),
+            [
+                "do reserve",
+                "do slow",
+                "do slow",
+                "undo slow (Interrupted)",
+                "undo reserve (Completed(()))",
+            ],
+            "{name} (shut down in {took:?})"
+        );
+        executor.shutdown().await.unwrap();
     }
 }

@@ -26,15 +26,17 @@ impl SagaProcedure for CreateTable {
     type Output = Vec<String>;
 
     async fn run(&self, ctx: &mut SagaContext<'_>) -> Result<Vec<String>, ProcError> {
-        let (name, regions, fail) = (self.name.clone(), self.regions, self.fail);
         let created = ctx
             .step(
                 "regions",
-                || async move { Ok((0..regions).map(|r| format!("{name}-r{r}")).collect()) },
+                || async {
+                    let name = &self.name;
+                    Ok((0..self.regions).map(|r| format!("{name}-r{r}")).collect())
+                },
                 |_: Undoing<Vec<String>>| async { Ok(()) },
             )
             .await?;
-        if fail {
+        if self.fail {
             return Err(ProcError::failed("no server takes the regions"));
         }
         Ok(created)
