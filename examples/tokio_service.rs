@@ -31,12 +31,15 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use proctor::{
-    async_trait, ChildType, Context, Executor, Failure, Flow, Lock, ProcError, ProcEvent, ProcId,
-    ProcState, Procedure, ProducesOutput, Registry, StateContext, StateMachine,
-    StateMachineProcedure, WalStore,
+    async_trait, ChildType, Failure, Lock, ProcError, ProcEvent, ProcId, ProcState, Procedure,
+    ProducesOutput, StateMachine, StateMachineProcedure, WalStore,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
+
+// `Context`, `Flow`, `StateContext<'_, S>`, `Registry` and `Executor` below are
+// proctor's for the environment `Cluster`.
+proctor::environment!(Cluster);
 
 /// What the service manages: the executor's environment, which every step borrows
 /// through `ctx.env()` (the procedures implement `Procedure<Cluster>`).
@@ -99,9 +102,9 @@ impl StateMachineProcedure<Cluster> for CreateTable {
 
     async fn execute_from_state(
         &mut self,
-        ctx: &mut StateContext<'_, CreateTableState, Cluster>,
+        ctx: &mut StateContext<'_, CreateTableState>,
         state: CreateTableState,
-    ) -> Result<Flow<Cluster>, ProcError> {
+    ) -> Result<Flow, ProcError> {
         println!("  [create_table {}] {state:?}", ctx.id());
         let cluster = ctx.env();
         match state {
@@ -178,7 +181,7 @@ impl StateMachineProcedure<Cluster> for CreateTable {
 
     async fn rollback_state(
         &mut self,
-        ctx: &mut Context<Cluster>,
+        ctx: &mut Context,
         state: CreateTableState,
     ) -> Result<(), ProcError> {
         // The state that failed is rolled back too: undo only what its run did.
@@ -208,7 +211,7 @@ struct AssignRegion {
 
 #[async_trait]
 impl Procedure<Cluster> for AssignRegion {
-    async fn execute(&mut self, ctx: &mut Context<Cluster>) -> Result<Flow<Cluster>, ProcError> {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
         println!("  [assign_region {}] {}", ctx.id(), self.region);
         let cluster = ctx.env();
         let mut tables = cluster.tables.lock().unwrap();
@@ -221,7 +224,7 @@ impl Procedure<Cluster> for AssignRegion {
         Ok(Flow::Done)
     }
 
-    async fn rollback(&mut self, ctx: &mut Context<Cluster>) -> Result<(), ProcError> {
+    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
         let cluster = ctx.env();
         if let Some(table) = cluster.tables.lock().unwrap().get_mut(&self.table) {
             table.regions.retain(|r| r != &self.region);
@@ -238,7 +241,7 @@ struct Compaction {
 
 #[async_trait]
 impl Procedure<Cluster> for Compaction {
-    async fn execute(&mut self, ctx: &mut Context<Cluster>) -> Result<Flow<Cluster>, ProcError> {
+    async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
         println!("  [compaction {}] compacting {}", ctx.id(), self.table);
         ctx.env().compaction_running.notify_one();
         // The work (an hour of it) races the cancellation signal an abort raises.
@@ -251,7 +254,7 @@ impl Procedure<Cluster> for Compaction {
         }
     }
 
-    async fn rollback(&mut self, ctx: &mut Context<Cluster>) -> Result<(), ProcError> {
+    async fn rollback(&mut self, ctx: &mut Context) -> Result<(), ProcError> {
         // The cancelled step is rolled back too: it may have written partial output.
         println!(
             "  [compaction {}] rollback: discard partial output of {}",
@@ -280,7 +283,7 @@ pub struct Report {
 }
 
 /// Every type that can be persisted, under a name that never changes (the WAL keeps it).
-fn registry() -> Registry<Cluster> {
+fn registry() -> Registry {
     let mut registry = Registry::new();
     registry
         .register_state_machine::<CreateTable>("create_table")

@@ -115,6 +115,71 @@ pub use crate::saga::{Saga, SagaContext, SagaProcedure, SagaStep, Undoing};
 pub use crate::state_machine::{StateContext, StateMachine, StateMachineProcedure};
 pub use crate::store::{MemoryStore, ProcedureStore, StoreError, StoreStatus};
 
+/// Names the environment once: `proctor::environment!(Cluster);` in a module declares
+/// `Context`, `Flow`, `StateContext<'_, S>`, `SagaContext<'_>`, `Registry` and
+/// `Executor` there as proctor's types for the environment `Cluster`, so the module's
+/// signatures read `ctx: &mut Context` and `Result<Flow, ProcError>` instead of
+/// `Context<Cluster>` and `Flow<Cluster>` (the `impl Procedure<Cluster>` line still
+/// names it). `environment!(pub Cluster)` makes the aliases public.
+///
+/// ```
+/// use proctor::{async_trait, ProcError, Procedure};
+/// use std::sync::Arc;
+///
+/// pub struct Cluster { pub name: String }
+/// proctor::environment!(Cluster);
+///
+/// #[derive(serde::Serialize, serde::Deserialize)]
+/// struct CreateTable { table: String }
+///
+/// #[async_trait]
+/// impl Procedure<Cluster> for CreateTable {
+///     async fn execute(&mut self, ctx: &mut Context) -> Result<Flow, ProcError> {
+///         assert_eq!(ctx.env().name, "c1");
+///         Ok(Flow::Done)
+///     }
+///     async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> {
+///         Ok(())
+///     }
+/// }
+///
+/// # #[actix::main] async fn main() -> Result<(), proctor::Error> {
+/// let mut registry = Registry::new();
+/// registry.register::<CreateTable>("create_table");
+/// let executor: Executor = Executor::builder()
+///     .registry(registry)
+///     .env(Arc::new(Cluster { name: "c1".into() }))
+///     .store(proctor::MemoryStore::new())
+///     .start()
+///     .await?;
+/// let id = executor.submit(CreateTable { table: "users".into() }).await?;
+/// assert_eq!(executor.wait(id).await?, Ok(()));
+/// # executor.shutdown().await }
+/// ```
+#[macro_export]
+macro_rules! environment {
+    ($vis:vis $env:ty) => {
+        /// A step's context in this environment ([`proctor::Context`]).
+        #[allow(dead_code)]
+        $vis type Context = $crate::Context<$env>;
+        /// What a step returns in this environment ([`proctor::Flow`]).
+        #[allow(dead_code)]
+        $vis type Flow = $crate::Flow<$env>;
+        /// A state machine's step context in this environment.
+        #[allow(dead_code)]
+        $vis type StateContext<'c, S> = $crate::StateContext<'c, S, $env>;
+        /// A saga's context in this environment.
+        #[allow(dead_code)]
+        $vis type SagaContext<'c> = $crate::SagaContext<'c, $env>;
+        /// The registry of this environment's procedures.
+        #[allow(dead_code)]
+        $vis type Registry = $crate::Registry<$env>;
+        /// An executor of this environment's procedures.
+        #[allow(dead_code)]
+        $vis type Executor = $crate::Executor<$env>;
+    };
+}
+
 /// The README's examples compile and run as doc tests too.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
