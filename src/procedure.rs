@@ -1562,6 +1562,26 @@ impl<T: Serialize> EncodeState for T {
 /// }
 /// ```
 ///
+/// ([`environment!`](crate::environment) names `Cluster` once for a module, so its
+/// signatures read `Context` and `Flow`.)
+///
+/// The `impl` needs `#[async_trait]` (re-exported as `proctor::async_trait`), as the
+/// trait has it: without it the compiler says that the "lifetime parameters or bounds
+/// on method `execute` do not match the trait declaration" (E0195), which means this.
+///
+/// ```compile_fail,E0195
+/// # use proctor::{Context, Flow, ProcError, Procedure};
+/// # #[derive(serde::Serialize, serde::Deserialize)] struct Forgot;
+/// impl Procedure for Forgot { // no #[async_trait]
+///     async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> {
+///         Ok(Flow::Done)
+///     }
+///     async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> {
+///         Ok(())
+///     }
+/// }
+/// ```
+///
 /// A procedure for one environment does not go into an executor of another: this does
 /// not compile.
 ///
