@@ -170,6 +170,16 @@ where
         FailurePolicy::Rollback
     }
 
+    /// A time limit for the saga, in milliseconds from submission, whatever it is
+    /// doing (a step, its children, a [`sleep`](SagaContext::sleep), a
+    /// [`wait_for_event`](SagaContext::wait_for_event)): past it the saga fails with
+    /// [`ProcError::TimedOut`] and rolls back (its step in progress is cancelled, so
+    /// dropped unless [`uncancellable`](SagaStep::uncancellable)). As
+    /// [`Procedure::timeout_ms`]: asked once, at submission; the deadline is persisted.
+    fn timeout_ms(&self) -> Option<u64> {
+        None
+    }
+
     /// The procedure types [`SagaContext::children`] may start: see
     /// [`Procedure::child_types`].
     fn child_types() -> Vec<ChildType>
@@ -254,6 +264,17 @@ struct NewStep<E> {
     children: Option<Vec<Box<dyn Procedure<E>>>>,
     /// `Some((at, values))`: the children entry at `at` is filled with `values`.
     filled: Option<(usize, Vec<u8>)>,
+    /// What the procedure does once the entry is recorded, for a step of the engine's
+    /// own (a sleep, a wait for an event); `None`: the next step runs at once.
+    then: Option<Then>,
+}
+
+/// What a saga waits for after a step of the engine's own.
+enum Then {
+    /// Until this time (ms since the Unix epoch).
+    Sleep(u64),
+    /// Until this event is woken.
+    Event(String),
 }
 
 /// What one pass of `run` is for.
@@ -482,6 +503,7 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
                     },
                     children: None,
                     filled: None,
+                    then: None,
                 });
                 // The engine records it; the next step of the engine goes on from here.
                 std::future::pending().await
@@ -558,6 +580,89 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
             |_: Undoing<u32>| async { Ok(()) },
         )
         .await
+    }
+
+    /// Waits `ms` milliseconds, durably: a step of the engine's own (journaled as
+    /// `sleep NAME` with the time it ends), during which the saga holds no worker and
+    /// its tree passivates; after a restart it waits only what is left. The saga goes
+    /// on at the next `run` pass past it. It has nothing to undo. Like a step, it
+    /// must come at the same point of `run` every time.
+    ///
+    /// ```
+    /// # use proctor::{ProcError, SagaContext, Undoing};
+    /// # async fn run(ctx: &mut SagaContext<'_>) -> Result<(), ProcError> {
+    /// ctx.step("drain", || async { Ok(()) }, |_: Undoing<()>| async { Ok(()) }).await?;
+    /// ctx.sleep("let clients reconnect", 30_000).await?;
+    /// ctx.step("close", || async { Ok(()) }, |_: Undoing<()>| async { Ok(()) }).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ProcError::Failed`] if the journal has another step at this position.
+    pub async fn sleep(&mut self, name: &str, ms: u64) -> Result<(), ProcError> {
+        let until = self.ctx.now_ms().saturating_add(ms);
+        self.wait(&format!("sleep {name}"), Then::Sleep(until))
+            .await
+    }
+
+    /// Waits until `event` is woken ([`Executor::wake`](crate::Executor::wake), or the
+    /// [`WakeEvent`](crate::messages::WakeEvent) message), durably: a step of the
+    /// engine's own (journaled as `event NAME`), the saga suspended on the event as a
+    /// procedure returning [`Flow::Suspend`] is. Whether an event was woken is not
+    /// persisted (events live in the service's memory): after a restart the saga waits
+    /// for it again, so the service wakes it again (a wake before the wait is kept, as
+    /// for any procedure). It has nothing to undo.
+    ///
+    /// ```
+    /// # use proctor::{ProcError, SagaContext, Undoing};
+    /// # async fn run(ctx: &mut SagaContext<'_>) -> Result<(), ProcError> {
+    /// ctx.step("request approval", || async { Ok(()) }, |_: Undoing<()>| async { Ok(()) }).await?;
+    /// ctx.wait_for_event("approval", "approved/table-7").await?;
+    /// ctx.step("apply", || async { Ok(()) }, |_: Undoing<()>| async { Ok(()) }).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// [`ProcError::Failed`] if the journal has another step at this position.
+    pub async fn wait_for_event(&mut self, name: &str, event: &str) -> Result<(), ProcError> {
+        self.wait(&format!("event {name}"), Then::Event(event.to_string()))
+            .await
+    }
+
+    /// A step of the engine's own, journaled as `name` (with nothing of the user's),
+    /// after which the procedure waits as `then` says.
+    async fn wait(&mut self, name: &str, then: Then) -> Result<(), ProcError> {
+        let at = self.at;
+        self.at += 1;
+        if self.undoes(at) {
+            // Nothing to undo.
+            match self
+                .undo_here(|_| Ok(()), |_: Undoing<()>| async { Ok(()) })
+                .await {}
+        }
+        if self.journaled(at, name, false)?.is_some() {
+            return Ok(());
+        }
+        let Pass::Execute { new } = &self.pass else {
+            // Past the journal, and not the step this rollback undoes.
+            return std::future::pending().await;
+        };
+        let value = match &then {
+            Then::Sleep(until) => rmp_serde::to_vec_named(until),
+            Then::Event(event) => rmp_serde::to_vec_named(event),
+        }
+        .map_err(|e| ProcError::Persist(format!("saga step {name:?}: {e}")))?;
+        *lock(new) = Some(NewStep {
+            entry: Entry {
+                name: name.to_string(),
+                value,
+                children: None,
+            },
+            children: None,
+            filled: None,
+            then: Some(then),
+        });
+        std::future::pending().await
     }
 
     /// A step that starts the procedures `start` returns as children of this one and,
@@ -668,6 +773,7 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
                         entry: entry.clone(),
                         children: None,
                         filled: Some((at, values)),
+                        then: None,
                     });
                     std::future::pending().await
                 }
@@ -704,6 +810,7 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
             entry,
             children: (!empty).then_some(children),
             filled: None,
+            then: None,
         });
         std::future::pending().await
     }
@@ -965,9 +1072,11 @@ where
                     return Ok(Flow::MoreToDo);
                 }
                 self.journal.push(step.entry);
-                Ok(match step.children {
-                    Some(children) => Flow::Children(children),
-                    None => Flow::MoreToDo,
+                Ok(match (step.children, step.then) {
+                    (Some(children), _) => Flow::Children(children),
+                    (None, Some(Then::Sleep(at_ms))) => Flow::SleepUntil(at_ms),
+                    (None, Some(Then::Event(event))) => Flow::Suspend(event),
+                    (None, None) => Flow::MoreToDo,
                 })
             }
         }
@@ -1030,6 +1139,16 @@ where
 
     fn failure_policy(&self, error: &ProcError) -> FailurePolicy {
         self.saga.failure_policy(error)
+    }
+
+    fn timeout_ms(&self) -> Option<u64> {
+        self.saga.timeout_ms()
+    }
+
+    /// A saga waiting in [`SagaContext::wait_for_event`] when the engine stopped waits
+    /// for the event again: its `run` cannot re-check what it waited for.
+    fn rerun_after_recover(&self, _event: &str) -> bool {
+        false
     }
 
     fn child_types() -> Vec<ChildType> {

@@ -1070,3 +1070,179 @@ async fn a_shutdown_past_its_drain_deadline_drops_a_saga_step_and_it_runs_again_
         executor.shutdown().await.unwrap();
     }
 }
+
+/// Reserves a slot, then waits — `sleep_ms` durably, or for the event `event` — then
+/// announces; the waits are steps of the engine's own, with nothing to undo.
+#[derive(Serialize, Deserialize)]
+struct Waits {
+    sleep_ms: Option<u64>,
+    event: Option<String>,
+    timeout_ms: Option<u64>,
+}
+
+#[async_trait]
+impl SagaProcedure<Cluster> for Waits {
+    type Output = ();
+
+    async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<(), ProcError> {
+        let cluster = ctx.env();
+        ctx.step(
+            "reserve",
+            || async move {
+                cluster.call("do reserve".into());
+                Ok(())
+            },
+            move |undoing: Undoing<()>| async move {
+                cluster.call(format!("undo reserve ({undoing:?})"));
+                Ok(())
+            },
+        )
+        .await?;
+        if let Some(ms) = self.sleep_ms {
+            ctx.sleep("cool down", ms).await?;
+        }
+        if let Some(event) = &self.event {
+            ctx.wait_for_event("approval", event).await?;
+        }
+        ctx.step(
+            "announce",
+            || async move {
+                cluster.call("do announce".into());
+                Ok(())
+            },
+            |_: Undoing<()>| async { Ok(()) },
+        )
+        .await
+    }
+
+    fn timeout_ms(&self) -> Option<u64> {
+        self.timeout_ms
+    }
+}
+
+fn waits_builder(cluster: &Arc<Cluster>) -> ExecutorBuilder<Cluster> {
+    let mut registry = Registry::new();
+    registry.register_saga::<Waits>("waits");
+    Executor::builder().registry(registry).env(cluster.clone())
+}
+
+/// A saga sleeps between two steps holding no worker (WAITING_TIMEOUT), durably: an
+/// engine stopped during the sleep finishes it after a restart, each step run once.
+#[actix::test]
+async fn a_saga_sleeps_between_two_steps_and_after_a_restart_goes_on() {
+    for name in common::STORES {
+        let store = common::Reopen::new(name);
+        let cluster = Arc::new(Cluster::default());
+        let executor = waits_builder(&cluster)
+            .store(store.open())
+            .start()
+            .await
+            .unwrap();
+        let started = std::time::Instant::now();
+        let waits = Waits {
+            sleep_ms: Some(300),
+            event: None,
+            timeout_ms: None,
+        };
+        let id = executor.submit(Saga::new(waits)).await.unwrap();
+        common::wait_for_state(&executor, id, ProcState::WaitingTimeout).await;
+        assert_eq!(cluster.calls(), ["do reserve"], "{name}");
+        executor.shutdown().await.unwrap();
+
+        let executor = waits_builder(&cluster)
+            .store(store.open())
+            .start()
+            .await
+            .unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
+        assert!(
+            started.elapsed() >= std::time::Duration::from_millis(300),
+            "{name}"
+        );
+        assert_eq!(cluster.calls(), ["do reserve", "do announce"], "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// A saga waits for an event (WAITING, no worker held) and goes on when it is woken;
+/// stopped while waiting, it waits for the event again after a restart (whether it
+/// was woken is not persisted), not running past it.
+#[actix::test]
+async fn a_saga_waits_for_an_event_and_again_after_a_restart() {
+    for name in common::STORES {
+        let store = common::Reopen::new(name);
+        let cluster = Arc::new(Cluster::default());
+        let executor = waits_builder(&cluster)
+            .store(store.open())
+            .start()
+            .await
+            .unwrap();
+        let waits = Waits {
+            sleep_ms: None,
+            event: Some("approved/t1".into()),
+            timeout_ms: None,
+        };
+        let id = executor.submit(Saga::new(waits)).await.unwrap();
+        common::wait_for_state(&executor, id, ProcState::Waiting).await;
+        executor.shutdown().await.unwrap();
+
+        let executor = waits_builder(&cluster)
+            .store(store.open())
+            .start()
+            .await
+            .unwrap();
+        // Another saga runs to its end meanwhile: a recovered saga that ran on past
+        // its wait (queued at the start) would have announced by then.
+        let other = Waits {
+            sleep_ms: None,
+            event: None,
+            timeout_ms: None,
+        };
+        let other = executor.submit(Saga::new(other)).await.unwrap();
+        assert_eq!(executor.wait(other).await.unwrap(), Ok(()), "{name}");
+        let announced = || {
+            cluster
+                .calls()
+                .iter()
+                .filter(|c| *c == "do announce")
+                .count()
+        };
+        assert_eq!(announced(), 1, "{name}: the first still waits");
+        assert_eq!(
+            executor.state(id).await.unwrap().state,
+            ProcState::Waiting,
+            "{name}"
+        );
+        executor.wake_event("approved/t1").await.unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
+        assert_eq!(announced(), 2, "{name}");
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// A saga's time limit (`SagaProcedure::timeout_ms`) covers its waits: one waiting for
+/// an event that never comes fails timed out and undoes what it did.
+#[actix::test]
+async fn a_saga_past_its_time_limit_fails_and_rolls_back() {
+    for (name, store, _dir) in stores() {
+        let cluster = Arc::new(Cluster::default());
+        let executor = waits_builder(&cluster).store(store).start().await.unwrap();
+        let waits = Waits {
+            sleep_ms: None,
+            event: Some("never".into()),
+            timeout_ms: Some(200),
+        };
+        let id = executor.submit(Saga::new(waits)).await.unwrap();
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert!(
+            matches!(failure.error, ProcError::TimedOut { .. }),
+            "{name}: {failure}"
+        );
+        assert_eq!(
+            cluster.calls(),
+            ["do reserve", "undo reserve (Completed(()))"],
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
