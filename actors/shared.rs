@@ -375,6 +375,9 @@ pub(crate) struct Shared {
     /// How many times a failed rollback step is retried under the default failure
     /// policy before its procedure is ROLLBACK_PAUSED.
     pub(crate) rollback_retries: u32,
+    /// How a retryable step error is retried when neither its step nor its
+    /// procedure's failure policy says (`ExecutorBuilder::retry_policy`).
+    pub(crate) retry_policy: Option<crate::procedure::RetryPolicy>,
     /// Someone subscribed to procedure events (root stacks then report submits).
     pub(crate) subscribed: AtomicBool,
     /// Each procedure type's metric handles.
@@ -460,6 +463,7 @@ impl Shared {
         mandate: Arc<Mandate>,
         restart_limit: RestartLimit,
         rollback_retries: u32,
+        retry_policy: Option<crate::procedure::RetryPolicy>,
         fencing_token: Option<i64>,
         remote: Option<(crate::remote::Sink, Addr<super::remote::RemoteDispatcher>)>,
     ) -> Self {
@@ -485,6 +489,7 @@ impl Shared {
             mandate,
             restart_limit,
             rollback_retries,
+            retry_policy,
             subscribed: AtomicBool::new(false),
             metrics: super::metrics::TypeMetrics::default(),
             proc_gauges: super::metrics::ProcGauges::new(),

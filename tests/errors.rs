@@ -459,3 +459,45 @@ async fn a_failure_with_a_code_reaches_the_waiter_who_matches_on_it() {
         executor.shutdown().await.unwrap();
     }
 }
+
+/// The executor's default retry policy (`ExecutorBuilder::retry_policy`) retries a
+/// retryable error of a step that set none: refused 7 times, the step connects on its
+/// 8th attempt under a default of 10 fast retries (the built-in default, 5 retries,
+/// would have rolled it back). A step's own policy still comes first: with 3 retries
+/// of its own, the same step rolls back.
+#[actix::test]
+async fn the_executors_retry_policy_is_the_default_for_steps_that_set_none() {
+    for name in common::STORES {
+        let start = |world: Arc<World>| {
+            let mut registry = Registry::new();
+            registry.register::<OpenRegion>("open-region");
+            Executor::builder()
+                .registry(registry)
+                .store(common::Reopen::new(name).open())
+                .env(world)
+                .retry_policy(retries(10))
+                .start()
+        };
+        let world = World::refusing(7);
+        let executor = start(world.clone()).await.unwrap();
+        let id = executor
+            .submit(OpenRegion::new(Mark::Retryable))
+            .await
+            .unwrap();
+        assert_eq!(executor.wait(id).await.unwrap(), Ok(()), "{name}");
+        let attempts = world.calls().iter().filter(|c| *c == "exec 2").count();
+        assert_eq!(attempts, 8, "{name}: {:?}", world.calls());
+        executor.shutdown().await.unwrap();
+
+        let world = World::refusing(7);
+        let executor = start(world.clone()).await.unwrap();
+        let id = executor
+            .submit(OpenRegion::new(Mark::Retryable).retrying(retries(3)))
+            .await
+            .unwrap();
+        assert!(executor.wait(id).await.unwrap().is_err(), "{name}");
+        let attempts = world.calls().iter().filter(|c| *c == "exec 2").count();
+        assert_eq!(attempts, 4, "{name}: the step's own 3 retries");
+        executor.shutdown().await.unwrap();
+    }
+}

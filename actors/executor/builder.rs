@@ -62,6 +62,7 @@ pub struct ExecutorBuilder<E = ()> {
     drain_timeout: Duration,
     restart_limit: RestartLimit,
     rollback_retries: u32,
+    retry_policy: Option<crate::RetryPolicy>,
     /// The transport of remote operations, and how they are batched.
     remote: Option<(Arc<dyn AnyTransport>, RemoteOptions)>,
     /// The leader lease to hold, on the PostgreSQL store.
@@ -90,6 +91,7 @@ impl<E> std::fmt::Debug for ExecutorBuilder<E> {
             .field("drain_timeout", &self.drain_timeout)
             .field("restart_limit", &self.restart_limit)
             .field("rollback_retries", &self.rollback_retries)
+            .field("retry_policy", &self.retry_policy)
             .field("remote", &self.remote.as_ref().map(|(_, options)| options))
             .finish_non_exhaustive()
     }
@@ -137,6 +139,7 @@ impl<E> Default for ExecutorBuilder<E> {
             drain_timeout: Duration::from_secs(30),
             restart_limit: RestartLimit::default(),
             rollback_retries: crate::policy::DEFAULT_ROLLBACK_RETRIES,
+            retry_policy: None,
         }
     }
 }
@@ -208,6 +211,26 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     #[must_use]
     pub fn rollback_retries(mut self, retries: u32) -> Self {
         self.rollback_retries = retries;
+        self
+    }
+
+    /// How a step's [retryable](crate::ErrorKind::Retryable) error is retried when
+    /// neither the step ([`Context::set_retry_policy`](crate::Context::set_retry_policy))
+    /// nor its procedure's failure policy (a retrying
+    /// [`FailurePolicy`](crate::FailurePolicy)) says: the service's default, instead of
+    /// [`RetryPolicy::default`](crate::RetryPolicy) (5 retries, from 200 ms, doubling
+    /// up to 30 s). Terminal errors and errors of no kind are not retried by it.
+    ///
+    /// ```
+    /// use proctor::{Executor, ExecutorBuilder, RetryPolicy};
+    /// // A flaky network: up to 20 retries, from 100 ms, none longer than 5 s apart.
+    /// let builder: ExecutorBuilder =
+    ///     Executor::builder().retry_policy(RetryPolicy::new(20).backoff_ms(100).max_delay_ms(5_000));
+    /// # let _ = builder;
+    /// ```
+    #[must_use]
+    pub fn retry_policy(mut self, policy: crate::RetryPolicy) -> Self {
+        self.retry_policy = Some(policy);
         self
     }
 
@@ -879,6 +902,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 peers.mandate,
                 self.restart_limit,
                 self.rollback_retries,
+                self.retry_policy,
                 peers.fencing_token,
                 peers.remote,
             ));

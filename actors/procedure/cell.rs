@@ -385,7 +385,15 @@ impl ProcedureCell {
                 // Even under `Rollback`: past a point of no return a sibling may have
                 // recorded meanwhile, a failure pauses instead.
                 self.deciding = !self.status.failed();
-                let retry = retry.map(Box::new);
+                // The executor's default, for a step that set none under a policy that
+                // does not retry (`policy::for_step` decides for retryable errors).
+                let retries = matches!(
+                    policy,
+                    FailurePolicy::RetryThenRollback { .. } | FailurePolicy::RetryThenPause { .. }
+                );
+                let retry = retry
+                    .or_else(|| self.shared.retry_policy.filter(|_| !retries))
+                    .map(Box::new);
                 on_error = Some(OnError {
                     policy,
                     before,

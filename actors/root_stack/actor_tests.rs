@@ -299,6 +299,7 @@ impl Harness {
             crate::policy::DEFAULT_ROLLBACK_RETRIES,
             None,
             None,
+            None,
         ));
         let proc = erase::<Log, P>(root);
         let root = declare(&shared, &*proc, now_ms()).unwrap_or_else(|_| panic!("declared"));
