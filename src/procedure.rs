@@ -307,7 +307,9 @@ impl ProcError {
     }
 
     /// `error` marked [terminal](ErrorKind::Terminal): trying again will not help, so
-    /// it is never retried, not even under a [`FailurePolicy`] that retries.
+    /// it is never retried, not even under a [`FailurePolicy`] that retries. Returned
+    /// by a rollback, it calls the operator at once: the procedure is ROLLBACK_PAUSED
+    /// without the rollback's retries (a rollback is never given up on its own).
     ///
     /// ```
     /// use proctor::{ErrorKind, ProcError};

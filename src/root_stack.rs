@@ -1108,7 +1108,14 @@ impl RootStack {
                 } else {
                     node.rollback_attempts()
                 };
-                match decide(policy, retries, false, true, limit, id.0) {
+                // A rollback error marked terminal will not go away by retrying: the
+                // operator is called at once.
+                let decision = if error.kind() == Some(crate::procedure::ErrorKind::Terminal) {
+                    Decision::Pause
+                } else {
+                    decide(policy, retries, false, true, limit, id.0)
+                };
+                match decision {
                     Decision::Retry { delay_ms } => {
                         tracing::warn!(target: crate::targets::TREE, proc = %id, r#type = node.type_name, %error, retry = retries + 1, delay_ms, "rollback failed; retrying");
                         t.actions.push(Action::Count(Count::RollbackRetry(id)));
@@ -1810,6 +1817,46 @@ mod tests {
             data: vec![7],
             limit: Some(2),
         })
+    }
+
+    /// A failed rollback step is retried under its policy (the default's limit here is
+    /// 2), unless its error is marked terminal: then its procedure is ROLLBACK_PAUSED
+    /// at once, whatever the policy.
+    #[test]
+    fn a_rollback_error_marked_terminal_pauses_at_once() {
+        let cases = [
+            ("unmarked", ProcError::failed("stuck"), "retry 1"),
+            (
+                "retryable",
+                ProcError::retryable(ProcError::failed("stuck")),
+                "retry 1",
+            ),
+            (
+                "terminal",
+                ProcError::terminal(ProcError::failed("gone")),
+                "paused 1",
+            ),
+        ];
+        for policy in [
+            FailurePolicy::Rollback,
+            FailurePolicy::RetryThenRollback {
+                times: 3,
+                backoff_ms: 1,
+            },
+        ] {
+            for (case, error, want) in cases.clone() {
+                let (mut rs, _) = RootStack::submit(new(1, vec![], None), 0);
+                rs.on_step(failed_with(1, FailurePolicy::Rollback), 1);
+                let failed = Err(RollbackFailure {
+                    error,
+                    policy,
+                    data: vec![7],
+                    limit: Some(2),
+                });
+                let t = rs.on_rolled_back(ProcId(1), failed, 2).to_string();
+                assert!(t.contains(want), "{policy:?}, {case}: {t}");
+            }
+        }
     }
 
     #[test]
