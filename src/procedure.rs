@@ -686,7 +686,10 @@ pub enum LockState {
 
 /// What the step a rollback undoes did, as far as the engine knows
 /// ([`Context::undoing`]): how far it saw the step get, not what in the world is the
-/// step's. A rollback undoes only what its step did: a step that failed because what
+/// step's. (A saga step's undo is told the same, as an
+/// [`Undoing`](crate::Undoing) that carries the step's value when it completed: one
+/// answer, two shapes, as a procedure's step keeps its value in its state and a saga
+/// step returns it.) A rollback undoes only what its step did: a step that failed because what
 /// it was to create already existed created nothing, and its rollback must not delete
 /// what someone else made. No value tells that apart by itself (a failed step may have
 /// written half its work; an interrupted one may have created the object, or found
