@@ -605,7 +605,7 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
             .await
     }
 
-    /// Waits until `event` is woken ([`Executor::wake`](crate::Executor::wake), or the
+    /// Waits until `event` is woken ([`Executor::wake_event`](crate::Executor::wake_event), or the
     /// [`WakeEvent`](crate::messages::WakeEvent) message), durably: a step of the
     /// engine's own (journaled as `event NAME`), the saga suspended on the event as a
     /// procedure returning [`Flow::Suspend`] is. Whether an event was woken is not
