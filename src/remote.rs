@@ -210,9 +210,22 @@ pub(crate) struct Reported {
     proctor_remote: u8,
     target: String,
     outcome: Result<serde_bytes::ByteBuf, RemoteError>,
+    /// The operation's id (its child's), for a saga's remote step, whose journal has
+    /// no other record of it; 0 in values recorded before it was kept.
+    #[serde(default)]
+    op: u64,
 }
 
 impl Reported {
+    /// The outcome it holds, of the operation it names.
+    pub(crate) fn result(self) -> RemoteResult {
+        RemoteResult {
+            op: OpId(self.op),
+            target: self.target,
+            outcome: self.outcome.map(serde_bytes::ByteBuf::into_vec),
+        }
+    }
+
     /// The outcome of `op`, from a child's value; `None` if the value is not one.
     pub(crate) fn decode(op: OpId, bytes: &[u8]) -> Option<RemoteResult> {
         let reported: Reported = rmp_serde::from_slice(bytes).ok()?;
@@ -350,6 +363,12 @@ impl RemoteCall {
             recovered: false,
         }
     }
+
+    /// With `undo` as the operation that undoes it (see [`Dispatched::undo`]).
+    pub(crate) fn with_undo(mut self, undo: Option<Vec<u8>>) -> Self {
+        self.undo = undo;
+        self
+    }
 }
 
 /// A remote operation a step has just dispatched ([`Context::dispatch`]): give it the
@@ -440,6 +459,7 @@ impl<E: Send + Sync + 'static> Procedure<E> for RemoteCall {
                 proctor_remote: 1,
                 target: self.target.clone(),
                 outcome: outcome.map(serde_bytes::ByteBuf::from),
+                op: op.0,
             })?;
             return Ok(Flow::Done);
         }
@@ -506,7 +526,7 @@ impl<E: Send + Sync + 'static> Procedure<E> for RemoteCall {
 /// The dispatcher's answer, unless the engine's shutdown signal (a graceful stop's
 /// drain deadline) comes first: the rollback then fails, to be tried again after the
 /// restart.
-async fn answered<E: ?Sized, T>(
+pub(crate) async fn answered<E: ?Sized, T>(
     ctx: &Context<E>,
     answer: Answer<T>,
     waiting_for: &str,
@@ -1120,6 +1140,7 @@ mod tests {
             outcome: Ok(serde_bytes::ByteBuf::from(
                 rmp_serde::to_vec(&7u32).unwrap(),
             )),
+            op: 9,
         };
         let bytes = rmp_serde::to_vec_named(&reported).unwrap();
         let result = Reported::decode(OpId(9), &bytes).unwrap();

@@ -74,6 +74,7 @@ use crate::locks::Lock;
 use crate::procedure::{
     ChildType, Context, FailurePolicy, Flow, ProcError, Procedure, RetryPolicy, Undo,
 };
+use crate::remote::{answered, Fate, RemoteCall, RemoteError, RemoteResult, Reported};
 
 /// A procedure written as one async function of steps, each with its undo (see the
 /// module docs, and the guide's "Straight-line procedures"). Wrap it in [`Saga`] to
@@ -663,6 +664,96 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
             then: Some(then),
         });
         std::future::pending().await
+    }
+
+    /// A remote operation as a step: `op` goes to `target` through the executor's
+    /// transport `T` (as [`Context::dispatch`] sends it, batched, deduplicated by its
+    /// id, retried until its deadline), and the step returns its outcome once there is
+    /// one — the target's report, or why there is none ([`RemoteResult`]: take the
+    /// value with [`RemoteResult::value`], whose `?` fails the saga on a failed
+    /// operation). Journaled as any step: after a restart the operation is not sent
+    /// again once its outcome is recorded.
+    ///
+    /// `undo` is the operation that takes `op` back, sent to the same target under
+    /// [`OpId::undo`](crate::OpId::undo) when the saga rolls back: if the operation
+    /// was in flight when the saga failed, once its outcome is known (as
+    /// [`Dispatched::undo`](crate::Dispatched::undo) does), and if the step had
+    /// returned, when the rollback reaches it, unless the target reported a failure of
+    /// the operation (or was removed). With `None` the operation stays applied. (One
+    /// whose outcome was recorded in the moment between the operation's end and the
+    /// step's return, as the saga failed elsewhere, is left as it is: the engine does
+    /// not roll back a finished child.)
+    ///
+    /// ```
+    /// # use proctor::{async_trait, OpId, ProcError, Report, SagaContext, Transport, TransportError, Undoing};
+    /// # #[derive(serde::Serialize, serde::Deserialize)] enum RegionOp { Open(u32), Close(u32) }
+    /// # struct Rpc;
+    /// # #[async_trait] impl Transport for Rpc { type Op = RegionOp;
+    /// #     async fn send(&self, _: &str, _: Vec<(OpId, RegionOp)>) -> Result<Vec<Report>, TransportError> { Ok(vec![]) } }
+    /// # async fn run(ctx: &mut SagaContext<'_>) -> Result<(), ProcError> {
+    /// let opened = ctx
+    ///     .remote::<Rpc>("open", "rs-1", &RegionOp::Open(7), Some(&RegionOp::Close(7)))
+    ///     .await?;
+    /// let _: bool = opened.value()?; // a failed open fails the saga (nothing to close)
+    /// ctx.step("announce", || async { Ok(()) }, |_: Undoing<()>| async { Ok(()) }).await?;
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`children`](Self::children); [`ProcError::Persist`] if `op` or `undo` does
+    /// not serialize.
+    pub async fn remote<T: crate::remote::Transport>(
+        &mut self,
+        name: &str,
+        target: &str,
+        op: &T::Op,
+        undo: Option<&T::Op>,
+    ) -> Result<RemoteResult, ProcError> {
+        let encode = |op: &T::Op| {
+            rmp_serde::to_vec_named(op)
+                .map_err(|e| ProcError::Persist(format!("saga step {name:?}: {e}")))
+        };
+        let payload = encode(op)?;
+        let undo = undo.map(encode).transpose()?;
+        let ctx: &'c Context<E> = self.ctx;
+        let call = RemoteCall::new(target.to_string(), payload).with_undo(undo.clone());
+        let mut reported = self
+            .children(
+                name,
+                move || [call],
+                move |undoing: Undoing<Vec<Reported>>| async move {
+                    // In flight when the saga failed: the operation's own rollback
+                    // settled and undid it. Returned: undone here, unless it failed on
+                    // its target.
+                    let (Some(undo), Undoing::Completed(mut reported)) = (undo, undoing) else {
+                        return Ok(());
+                    };
+                    let Some(result) = reported.pop().map(Reported::result) else {
+                        return Ok(());
+                    };
+                    if !Fate::Outcome(result.outcome).needs_undo(true) {
+                        return Ok(());
+                    }
+                    let Some(sink) = ctx.remote_sink() else {
+                        return Ok(());
+                    };
+                    let undo_id = result.op.undo();
+                    let waiting = format!("the outcome of {undo_id}");
+                    let answer = sink.undo(undo_id, &result.target, &undo);
+                    match answered(ctx, answer, &waiting).await? {
+                        Fate::Outcome(Ok(_) | Err(RemoteError::TargetGone { .. })) => Ok(()),
+                        Fate::Outcome(Err(e)) => Err(ProcError::failed(format!("{undo_id}: {e}"))),
+                        other => Err(ProcError::failed(format!(
+                            "{undo_id}: the dispatcher answered {other:?}"
+                        ))),
+                    }
+                },
+            )
+            .await?;
+        reported
+            .pop()
+            .map(Reported::result)
+            .ok_or_else(|| ProcError::failed(format!("saga step {name:?}: no outcome")))
     }
 
     /// A step that starts the procedures `start` returns as children of this one and,

@@ -18,8 +18,8 @@ use common::stores;
 use proctor::testing::{restart_at_every_write, CrashRun};
 use proctor::{
     async_trait, ChildType, Context, ErrorKind, Executor, ExecutorBuilder, FailurePolicy, Flow,
-    ProcError, ProcState, Procedure, ProcedureStore, Registry, RetryPolicy, Saga, SagaContext,
-    SagaProcedure, Undo, Undoing, WaitError,
+    OpId, ProcError, ProcState, Procedure, ProcedureStore, Registry, Report, RetryPolicy, Saga,
+    SagaContext, SagaProcedure, Transport, TransportError, Undo, Undoing, WaitError,
 };
 use serde::{Deserialize, Serialize};
 
@@ -1241,6 +1241,137 @@ async fn a_saga_past_its_time_limit_fails_and_rolls_back() {
         assert_eq!(
             cluster.calls(),
             ["do reserve", "undo reserve (Completed(()))"],
+            "{name}"
+        );
+        executor.shutdown().await.unwrap();
+    }
+}
+
+/// Region operations on the fake nodes below.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+enum RegionOp {
+    Open(u32),
+    Close(u32),
+}
+
+/// Nodes that apply each operation once (by its id) and report it in their answer.
+#[derive(Clone, Default)]
+struct Nodes(Arc<Mutex<(BTreeSet<u64>, Vec<String>)>>);
+
+impl Nodes {
+    fn applied(&self) -> Vec<String> {
+        self.0.lock().unwrap().1.clone()
+    }
+}
+
+#[async_trait]
+impl Transport for Nodes {
+    type Op = RegionOp;
+
+    async fn send(
+        &self,
+        target: &str,
+        ops: Vec<(OpId, RegionOp)>,
+    ) -> Result<Vec<Report>, TransportError> {
+        let mut nodes = self.0.lock().unwrap();
+        let mut reports = Vec::new();
+        for (id, op) in ops {
+            if nodes.0.insert(id.0) {
+                nodes.1.push(format!("{target} {op:?}"));
+            }
+            reports.push(Report::ok(id, &true).map_err(|e| TransportError(e.to_string()))?);
+        }
+        Ok(reports)
+    }
+}
+
+/// Opens two regions on two nodes, each with its undo, then enables the table (which
+/// fails when `fail` is set).
+#[derive(Serialize, Deserialize)]
+struct OpenRegions {
+    fail: bool,
+}
+
+#[async_trait]
+impl SagaProcedure<Cluster> for OpenRegions {
+    type Output = Vec<bool>;
+
+    async fn run(&self, ctx: &mut SagaContext<'_, Cluster>) -> Result<Vec<bool>, ProcError> {
+        let mut opened = Vec::new();
+        for (node, region) in [("rs-1", 1), ("rs-2", 2)] {
+            let close = RegionOp::Close(region);
+            let result = ctx
+                .remote::<Nodes>(
+                    &format!("open {region}"),
+                    node,
+                    &RegionOp::Open(region),
+                    Some(&close),
+                )
+                .await?;
+            opened.push(result.value::<bool>()?);
+        }
+        let fail = self.fail;
+        ctx.step(
+            "enable",
+            || async move {
+                if fail {
+                    Err(ProcError::failed("enable refused"))
+                } else {
+                    Ok(())
+                }
+            },
+            |_: Undoing<()>| async { Ok(()) },
+        )
+        .await?;
+        Ok(opened)
+    }
+}
+
+fn remote_builder(cluster: &Arc<Cluster>, nodes: &Nodes) -> ExecutorBuilder<Cluster> {
+    let mut registry = Registry::new();
+    registry.register_saga::<OpenRegions>("open_regions");
+    Executor::builder()
+        .registry(registry)
+        .env(cluster.clone())
+        .remote(nodes.clone(), proctor::RemoteOptions::default())
+}
+
+/// A saga's remote steps: each operation reaches its node once and the step returns
+/// the node's report; when a later step fails, the rollback sends each returned
+/// operation's undo, newest first.
+#[actix::test]
+async fn a_saga_sends_remote_operations_and_undoes_them_when_it_rolls_back() {
+    for (name, store, _dir) in stores() {
+        let cluster = Arc::new(Cluster::default());
+        let nodes = Nodes::default();
+        let executor = remote_builder(&cluster, &nodes)
+            .store(store)
+            .start()
+            .await
+            .unwrap();
+        let id = executor
+            .submit(Saga::new(OpenRegions { fail: false }))
+            .await
+            .unwrap();
+        let opened: Vec<bool> = executor.wait_value(id).await.unwrap();
+        assert_eq!(opened, [true, true], "{name}");
+        assert_eq!(nodes.applied(), ["rs-1 Open(1)", "rs-2 Open(2)"], "{name}");
+
+        let nodes_before = nodes.applied().len();
+        let id = executor
+            .submit(Saga::new(OpenRegions { fail: true }))
+            .await
+            .unwrap();
+        let failure = executor.wait(id).await.unwrap().unwrap_err();
+        assert_eq!(failure.error.to_string(), "enable refused", "{name}");
+        assert_eq!(
+            nodes.applied()[nodes_before..],
+            [
+                "rs-1 Open(1)",
+                "rs-2 Open(2)",
+                "rs-2 Close(2)",
+                "rs-1 Close(1)"
+            ],
             "{name}"
         );
         executor.shutdown().await.unwrap();
