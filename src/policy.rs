@@ -61,10 +61,7 @@ pub(crate) fn for_step(
         };
         (policy, retry.max_delay_ms)
     };
-    let retries = matches!(
-        policy,
-        FailurePolicy::RetryThenRollback { .. } | FailurePolicy::RetryThenPause { .. }
-    );
+    let retries = policy.retries();
     match (kind, step) {
         (None, _) => (policy, POLICY_RETRY_MAX_MS),
         (Some(ErrorKind::Terminal), _) if pauses => (FailurePolicy::Pause, POLICY_RETRY_MAX_MS),

@@ -509,6 +509,16 @@ pub enum FailurePolicy {
     },
 }
 
+impl FailurePolicy {
+    /// Whether it retries a failed step itself (`RetryThen…`).
+    pub(crate) fn retries(self) -> bool {
+        matches!(
+            self,
+            FailurePolicy::RetryThenRollback { .. } | FailurePolicy::RetryThenPause { .. }
+        )
+    }
+}
+
 /// What a procedure does when its deadline passes (see [`Procedure::on_timeout`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

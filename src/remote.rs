@@ -492,19 +492,7 @@ impl<E: Send + Sync + 'static> Procedure<E> for RemoteCall {
             self.sent || self.recovered || ctx.undoing() == crate::procedure::Undo::Interrupted;
         let fate = answered(ctx, sink.settle(op), &format!("the outcome of {op}")).await?;
         if fate.needs_undo(may_have_been_sent) {
-            let undo_id = op.undo();
-            let waiting = format!("the outcome of {undo_id}");
-            match answered(ctx, sink.undo(undo_id, &self.target, &undo), &waiting).await? {
-                Fate::Outcome(Ok(_) | Err(RemoteError::TargetGone { .. })) => {}
-                Fate::Outcome(Err(e)) => {
-                    return Err(ProcError::failed(format!("{undo_id}: {e}")));
-                }
-                other => {
-                    return Err(ProcError::failed(format!(
-                        "{undo_id}: the dispatcher answered {other:?}"
-                    )));
-                }
-            }
+            send_undo(ctx, &sink, op, &self.target, &undo).await?;
         }
         self.undone = true;
         Ok(())
@@ -526,7 +514,28 @@ impl<E: Send + Sync + 'static> Procedure<E> for RemoteCall {
 /// The dispatcher's answer, unless the engine's shutdown signal (a graceful stop's
 /// drain deadline) comes first: the rollback then fails, to be tried again after the
 /// restart.
-pub(crate) async fn answered<E: ?Sized, T>(
+/// Sends `undo`, the operation that takes `op` back, to `target` under
+/// [`OpId::undo`], and waits for its outcome: done once the target reports it (or the
+/// target is gone, and what it applied with it), a failure otherwise.
+pub(crate) async fn send_undo<E: ?Sized>(
+    ctx: &Context<E>,
+    sink: &Sink,
+    op: OpId,
+    target: &str,
+    undo: &[u8],
+) -> Result<(), ProcError> {
+    let undo_id = op.undo();
+    let waiting = format!("the outcome of {undo_id}");
+    match answered(ctx, sink.undo(undo_id, target, undo), &waiting).await? {
+        Fate::Outcome(Ok(_) | Err(RemoteError::TargetGone { .. })) => Ok(()),
+        Fate::Outcome(Err(e)) => Err(ProcError::failed(format!("{undo_id}: {e}"))),
+        other => Err(ProcError::failed(format!(
+            "{undo_id}: the dispatcher answered {other:?}"
+        ))),
+    }
+}
+
+async fn answered<E: ?Sized, T>(
     ctx: &Context<E>,
     answer: Answer<T>,
     waiting_for: &str,

@@ -74,7 +74,7 @@ use crate::locks::Lock;
 use crate::procedure::{
     ChildType, Context, FailurePolicy, Flow, ProcError, Procedure, RetryPolicy, Undo,
 };
-use crate::remote::{answered, Fate, RemoteCall, RemoteError, RemoteResult, Reported};
+use crate::remote::{send_undo, Fate, RemoteCall, RemoteResult, Reported};
 
 /// A procedure written as one async function of steps, each with its undo (see the
 /// module docs, and the guide's "Straight-line procedures"). Wrap it in [`Saga`] to
@@ -268,6 +268,22 @@ struct NewStep<E> {
     /// What the procedure does once the entry is recorded, for a step of the engine's
     /// own (a sleep, a wait for an event); `None`: the next step runs at once.
     then: Option<Then>,
+}
+
+impl<E> NewStep<E> {
+    /// A step that journals `name` with `value` and starts no children.
+    fn plain(name: &str, value: Vec<u8>, then: Option<Then>) -> Self {
+        NewStep {
+            entry: Entry {
+                name: name.to_string(),
+                value,
+                children: None,
+            },
+            children: None,
+            filled: None,
+            then,
+        }
+    }
 }
 
 /// What a saga waits for after a step of the engine's own.
@@ -496,16 +512,7 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
                 };
                 let value = rmp_serde::to_vec_named(&value)
                     .map_err(|e| ProcError::Persist(format!("saga step {name:?}: {e}")))?;
-                *lock(new) = Some(NewStep {
-                    entry: Entry {
-                        name: name.to_string(),
-                        value,
-                        children: None,
-                    },
-                    children: None,
-                    filled: None,
-                    then: None,
-                });
+                *lock(new) = Some(NewStep::plain(name, value, None));
                 // The engine records it; the next step of the engine goes on from here.
                 std::future::pending().await
             }
@@ -653,16 +660,7 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
             Then::Event(event) => rmp_serde::to_vec_named(event),
         }
         .map_err(|e| ProcError::Persist(format!("saga step {name:?}: {e}")))?;
-        *lock(new) = Some(NewStep {
-            entry: Entry {
-                name: name.to_string(),
-                value,
-                children: None,
-            },
-            children: None,
-            filled: None,
-            then: Some(then),
-        });
+        *lock(new) = Some(NewStep::plain(name, value, Some(then)));
         std::future::pending().await
     }
 
@@ -737,16 +735,7 @@ impl<'c, E: Send + Sync + 'static> SagaContext<'c, E> {
                     let Some(sink) = ctx.remote_sink() else {
                         return Ok(());
                     };
-                    let undo_id = result.op.undo();
-                    let waiting = format!("the outcome of {undo_id}");
-                    let answer = sink.undo(undo_id, &result.target, &undo);
-                    match answered(ctx, answer, &waiting).await? {
-                        Fate::Outcome(Ok(_) | Err(RemoteError::TargetGone { .. })) => Ok(()),
-                        Fate::Outcome(Err(e)) => Err(ProcError::failed(format!("{undo_id}: {e}"))),
-                        other => Err(ProcError::failed(format!(
-                            "{undo_id}: the dispatcher answered {other:?}"
-                        ))),
-                    }
+                    send_undo(ctx, &sink, result.op, &result.target, &undo).await
                 },
             )
             .await?;

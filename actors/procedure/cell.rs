@@ -387,12 +387,8 @@ impl ProcedureCell {
                 self.deciding = !self.status.failed();
                 // The executor's default, for a step that set none under a policy that
                 // does not retry (`policy::for_step` decides for retryable errors).
-                let retries = matches!(
-                    policy,
-                    FailurePolicy::RetryThenRollback { .. } | FailurePolicy::RetryThenPause { .. }
-                );
                 let retry = retry
-                    .or_else(|| self.shared.retry_policy.filter(|_| !retries))
+                    .or_else(|| self.shared.retry_policy.filter(|_| !policy.retries()))
                     .map(Box::new);
                 on_error = Some(OnError {
                     policy,

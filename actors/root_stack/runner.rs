@@ -665,10 +665,10 @@ impl TreeRunner {
 
     /// A halted tree stops once every dispatched step has reported (and freed its
     /// worker). Its procedures' actors stop, and their cells go with them.
-    /// A step of `id` that a forced bypass took from the tree ended without a report to
-    /// record (it came back queued, or its call was dropped, or it reported after the
-    /// procedure finished): its worker is freed, and a finished tree that waited only
-    /// for it publishes its result.
+    /// A step of `id` ended without a report to record (a forced bypass took it from
+    /// the tree: it came back queued, its call was dropped, or it reported after the
+    /// procedure finished; or its actor died in a halted or deposed tree): its worker
+    /// is freed, and a finished tree that waited only for it publishes its result.
     pub(super) fn step_dropped(&mut self, id: ProcId, ctx: &mut TreeCtx<'_>) {
         self.dispatched = self.dispatched.saturating_sub(1);
         ctx.tell(StepFinished(id));

@@ -505,8 +505,7 @@ impl TreeRunner {
             // scheduler's worker is freed and the tree can stop.
             self.procs.remove(&id);
             if let Busy::Step(_) = busy {
-                self.dispatched = self.dispatched.saturating_sub(1);
-                ctx.tell(StepFinished(id));
+                self.step_dropped(id, ctx);
             }
             return;
         }
