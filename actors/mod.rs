@@ -22,6 +22,8 @@ mod root_stack;
 mod scheduler;
 mod shard;
 mod shared;
+#[cfg(feature = "simulation")]
+pub mod simulation;
 mod wal_store;
 
 pub use crash_test::{restart_at_every_write, CrashRun};

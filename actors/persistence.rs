@@ -107,9 +107,101 @@ struct InFlight {
 /// The largest batch buffers kept for reuse, in ops and acks.
 const KEEP_CAPACITY: usize = 1 << 14;
 
+/// The store's side of the group commit: what the writer thread runs, a batch at a
+/// time, in the order the actor handed them over.
+struct Writer {
+    store: Box<dyn ProcedureStore>,
+    metrics: metrics::WalMetrics,
+    commits: CommitStats,
+    /// The store refuses every append after a failed one, and then a drained mark
+    /// would be a lie: it is written only after successes.
+    failed: bool,
+}
+
+impl Writer {
+    fn new(store: Box<dyn ProcedureStore>) -> Writer {
+        Writer {
+            store,
+            metrics: metrics::WalMetrics::new(),
+            commits: CommitStats::default(),
+            failed: false,
+        }
+    }
+
+    fn write(&mut self, write: Write) {
+        let batch = match write {
+            Write::Batch(batch) => batch,
+            Write::Drained(cut_off) => {
+                if !self.failed {
+                    if let Err(e) = self.store.mark_drained(&cut_off) {
+                        tracing::warn!(target: crate::targets::STORE, %e, "cannot mark the store drained; the next start assumes steps were cut off");
+                    }
+                }
+                return;
+            }
+            Write::Status(answer) => {
+                let _ = answer.send((self.store.status(), self.commits.clone()));
+                return;
+            }
+        };
+        perturb::point("persistence::writer::append");
+        let started = Instant::now();
+        let mut ops = batch.ops;
+        let records = ops.len();
+        let result = self.store.append_owned(&mut ops);
+        self.failed |= result.is_err();
+        let took = started.elapsed();
+        self.metrics.append(took, records);
+        self.commits.add(records, took);
+        // The scheduler may be gone at shutdown; nothing is waiting then.
+        let _ = batch.done.send((result, ops));
+    }
+}
+
+#[cfg(feature = "simulation")]
+impl Writer {
+    /// The writer as a task of the simulation's one thread: each write waits for the
+    /// simulated disk's latency first. Under the `DurableBeforeWrite` mutation a batch
+    /// is answered as durable before that wait, and a crash during it loses the batch.
+    fn simulate(mut self, mut rx: tokio::sync::mpsc::UnboundedReceiver<Write>) {
+        use crate::mutation::{on, Mutation};
+        tokio::task::spawn_local(async move {
+            while let Some(mut write) = rx.recv().await {
+                if let (Write::Batch(batch), true) = (&mut write, on(Mutation::DurableBeforeWrite))
+                {
+                    let (early, _) = oneshot::channel();
+                    let done = std::mem::replace(&mut batch.done, early);
+                    let _ = done.send((Ok(()), Vec::new()));
+                }
+                tokio::time::sleep(super::simulation::disk_latency()).await;
+                self.write(write);
+            }
+        });
+    }
+}
+
+/// Where the actor hands its writes: the writer thread, or under a simulation the
+/// simulated disk's task on the actors' own thread.
+enum WriterTx {
+    Thread(mpsc::Sender<Write>),
+    #[cfg(feature = "simulation")]
+    Simulated(tokio::sync::mpsc::UnboundedSender<Write>),
+}
+
+impl WriterTx {
+    /// Hands `write` over; `false` if the writer has stopped.
+    fn send(&self, write: Write) -> bool {
+        match self {
+            WriterTx::Thread(tx) => tx.send(write).is_ok(),
+            #[cfg(feature = "simulation")]
+            WriterTx::Simulated(tx) => tx.send(write).is_ok(),
+        }
+    }
+}
+
 /// The group commit: what is pending, the batch in flight, and the writer thread.
 struct Persistence {
-    writer: Option<mpsc::Sender<Write>>,
+    writer: Option<WriterTx>,
     thread: Option<thread::JoinHandle<()>>,
     pending_ops: Vec<StoreOp>,
     pending_acks: Vec<DurableAck>,
@@ -122,56 +214,38 @@ struct Persistence {
 }
 
 impl Persistence {
-    /// Moves the store onto its writer thread.
-    fn new(mut store: Box<dyn ProcedureStore>) -> std::io::Result<Self> {
+    /// Moves the store onto its writer thread (under a simulation, onto a task of the
+    /// current thread that writes each batch after the simulated disk's latency).
+    fn new(store: Box<dyn ProcedureStore>) -> std::io::Result<Self> {
+        #[cfg(feature = "simulation")]
+        if super::simulation::active() {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            Writer::new(store).simulate(rx);
+            return Ok(Persistence::with_writer(WriterTx::Simulated(tx), None));
+        }
         let (tx, rx) = mpsc::channel::<Write>();
         let thread = thread::Builder::new()
             .name("proctor-store-writer".into())
             .spawn(move || {
-                let metrics = metrics::WalMetrics::new();
-                let mut commits = CommitStats::default();
-                // The store refuses every append after a failed one, and then a
-                // drained mark would be a lie: it is written only after successes.
-                let mut failed = false;
+                let mut writer = Writer::new(store);
                 while let Ok(write) = rx.recv() {
-                    let batch = match write {
-                        Write::Batch(batch) => batch,
-                        Write::Drained(cut_off) => {
-                            if !failed {
-                                if let Err(e) = store.mark_drained(&cut_off) {
-                                    tracing::warn!(target: crate::targets::STORE, %e, "cannot mark the store drained; the next start assumes steps were cut off");
-                                }
-                            }
-                            continue;
-                        }
-                        Write::Status(answer) => {
-                            let _ = answer.send((store.status(), commits.clone()));
-                            continue;
-                        }
-                    };
-                    perturb::point("persistence::writer::append");
-                    let started = Instant::now();
-                    let mut ops = batch.ops;
-                    let records = ops.len();
-                    let result = store.append_owned(&mut ops);
-                    failed |= result.is_err();
-                    let took = started.elapsed();
-                    metrics.append(took, records);
-                    commits.add(records, took);
-                    // The scheduler may be gone at shutdown; nothing is waiting then.
-                    let _ = batch.done.send((result, ops));
+                    writer.write(write);
                 }
             })?;
-        Ok(Persistence {
-            writer: Some(tx),
-            thread: Some(thread),
+        Ok(Persistence::with_writer(WriterTx::Thread(tx), Some(thread)))
+    }
+
+    fn with_writer(writer: WriterTx, thread: Option<thread::JoinHandle<()>>) -> Persistence {
+        Persistence {
+            writer: Some(writer),
+            thread,
             pending_ops: Vec::new(),
             pending_acks: Vec::new(),
             spare_ops: Vec::new(),
             spare_acks: Vec::new(),
             in_flight: false,
             failed: None,
-        })
+        }
     }
 
     /// Queues `ops` for the next batch, answered on `ack` once durable (at once, with
@@ -201,7 +275,7 @@ impl Persistence {
         let sent = self
             .writer
             .as_ref()
-            .is_some_and(|w| w.send(Write::Batch(Batch { ops, done })).is_ok());
+            .is_some_and(|w| w.send(Write::Batch(Batch { ops, done })));
         if !sent {
             self.fail(
                 "the store writer thread has stopped".to_string(),
@@ -281,7 +355,7 @@ impl Persistence {
     /// over, unless an append failed.
     fn stop(&mut self, drained: Option<Vec<ProcId>>, mail: &mut Mail) {
         if let (Some(cut_off), None, Some(writer)) = (drained, &self.failed, &self.writer) {
-            let _ = writer.send(Write::Drained(cut_off));
+            writer.send(Write::Drained(cut_off));
         }
         self.close_writer();
         self.failed = Some("the executor has shut down".to_string());
@@ -401,7 +475,7 @@ impl Handler<GetStoreStatus> for PersistenceActor {
             .persistence
             .writer
             .as_ref()
-            .is_some_and(|w| w.send(Write::Status(tx)).is_ok());
+            .is_some_and(|w| w.send(Write::Status(tx)));
         Box::pin(async move {
             if !sent {
                 return Err(Error::Stopped);

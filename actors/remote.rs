@@ -20,6 +20,7 @@
 //! operation of its own, under [`OpId::undo`], whose outcome goes to its rollback's
 //! answer; its failed sends are retried until its deadline.
 
+use crate::fast_map::NameHasher;
 use std::collections::{BTreeMap, HashMap};
 use std::future::Future;
 use std::pin::Pin;
@@ -159,11 +160,11 @@ impl RemoteOptions {
 }
 
 /// The outcomes that came, until their procedures take them.
-type Outcomes = Mutex<HashMap<OpId, Result<Vec<u8>, RemoteError>>>;
+type Outcomes = Mutex<HashMap<OpId, Result<Vec<u8>, RemoteError>, NameHasher>>;
 
 fn lock(
     outcomes: &Outcomes,
-) -> std::sync::MutexGuard<'_, HashMap<OpId, Result<Vec<u8>, RemoteError>>> {
+) -> std::sync::MutexGuard<'_, HashMap<OpId, Result<Vec<u8>, RemoteError>, NameHasher>> {
     outcomes
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -202,7 +203,7 @@ pub struct RemoteDispatcher {
     transport: Arc<dyn AnyTransport>,
     options: RemoteOptions,
     batcher: Batcher<Vec<u8>>,
-    pending: HashMap<OpId, Pending>,
+    pending: HashMap<OpId, Pending, NameHasher>,
     /// Failed operations by when they go again.
     retries: BTreeMap<u64, Vec<OpId>>,
     outcomes: Arc<Outcomes>,
@@ -224,11 +225,11 @@ impl RemoteDispatcher {
             transport,
             options,
             batcher: Batcher::new(options.rules),
-            pending: HashMap::new(),
+            pending: HashMap::default(),
             retries: BTreeMap::new(),
             outcomes: Arc::default(),
             locks,
-            epoch: Instant::now(),
+            epoch: super::shared::mono_now(),
         }
     }
 
@@ -251,7 +252,12 @@ impl RemoteDispatcher {
     }
 
     fn now_ms(&self) -> u64 {
-        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+        u64::try_from(
+            super::shared::mono_now()
+                .saturating_duration_since(self.epoch)
+                .as_millis(),
+        )
+        .unwrap_or(u64::MAX)
     }
 
     /// Sends each batch as a request of its own. A deposed engine sends nothing, and a
@@ -424,7 +430,7 @@ impl RemoteDispatcher {
         let now = self.now_ms();
         let later = self.retries.split_off(&(now + 1));
         let due = std::mem::replace(&mut self.retries, later);
-        let mut again: HashMap<String, Vec<(OpId, Vec<u8>)>> = HashMap::new();
+        let mut again: HashMap<String, Vec<(OpId, Vec<u8>)>, NameHasher> = HashMap::default();
         for id in due.into_values().flatten() {
             if let Some(p) = self
                 .pending

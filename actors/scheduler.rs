@@ -322,7 +322,7 @@ impl SchedulerActor {
                 tracing::trace!(target: crate::targets::SCHEDULER, proc = %id, "dispatch");
                 perturb::point("scheduler::dispatch::run_step");
                 let running = Running {
-                    started: Instant::now(),
+                    started: super::shared::mono_now(),
                     what,
                     root,
                     lane,
@@ -349,7 +349,7 @@ impl SchedulerActor {
     /// retires a worker as [`Workers::check`] says.
     fn monitor(&mut self) {
         let now = now_ms();
-        let mono = Instant::now();
+        let mono = super::shared::mono_now();
         // Stuck steps on shared workers: the extra workers are shared ones.
         let (mut stuck, mut stuck_system) = (0, 0);
         for (id, run) in &self.running {
@@ -412,7 +412,12 @@ impl SchedulerActor {
     fn step_finished(&mut self, id: ProcId) {
         match self.end_oldest(id) {
             Some(run) => {
-                let elapsed = u64::try_from(run.started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+                let elapsed = u64::try_from(
+                    super::shared::mono_now()
+                        .saturating_duration_since(run.started)
+                        .as_nanos(),
+                )
+                .unwrap_or(u64::MAX);
                 if let Some(level) = self.ready.charge(&run.root, elapsed) {
                     let level = u8::try_from(level).unwrap_or(u8::MAX);
                     self.view.levels.insert(run.root, level);

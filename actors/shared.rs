@@ -25,9 +25,21 @@ use super::shard::{Shard, TreeHandle};
 /// The engine's clock, in ms since the Unix epoch. The one place the actors read time;
 /// the core gets it as a parameter.
 pub(crate) fn now_ms() -> u64 {
+    #[cfg(feature = "simulation")]
+    if let Some(ms) = super::simulation::now_ms() {
+        return ms;
+    }
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The monotonic clock the actors time their own waits and windows by (restart
+/// limits, stuck workers, remote deadlines): tokio's, which is the simulated one under
+/// a simulation and `std`'s anywhere else.
+#[inline]
+pub(crate) fn mono_now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
 }
 
 /// Whether this engine may call user code: from its start until it breaks or steps

@@ -9,6 +9,7 @@
 //!
 //! Pure and generic over what a waiter is; the scheduler actor owns one table.
 
+use crate::fast_map::NameHasher;
 use std::collections::{HashMap, VecDeque};
 
 #[derive(Debug)]
@@ -20,13 +21,13 @@ struct Event<W> {
 /// The table of events. See the module docs.
 #[derive(Debug)]
 pub struct EventTable<W> {
-    events: HashMap<String, Event<W>>,
+    events: HashMap<String, Event<W>, NameHasher>,
 }
 
 impl<W> Default for EventTable<W> {
     fn default() -> Self {
         EventTable {
-            events: HashMap::new(),
+            events: HashMap::default(),
         }
     }
 }

@@ -5,8 +5,21 @@
 
 use std::collections::{HashMap, HashSet};
 
-/// The hasher of [`IdMap`] and [`IdSet`]: foldhash, seeded per process.
+/// The hasher of [`IdMap`] and [`IdSet`]: foldhash, seeded per process (with a fixed
+/// seed under the `simulation` feature, so that a seed's run iterates its maps in the
+/// same order every time).
+#[cfg(not(feature = "simulation"))]
 pub(crate) type IdHasher = foldhash::fast::RandomState;
+#[cfg(feature = "simulation")]
+pub(crate) type IdHasher = foldhash::fast::FixedState;
+
+/// The hasher of maps keyed by names users give (lock resources, events, remote
+/// targets): the standard one, randomly keyed; a fixed one under the `simulation`
+/// feature, as for [`IdHasher`].
+#[cfg(not(feature = "simulation"))]
+pub(crate) type NameHasher = std::hash::RandomState;
+#[cfg(feature = "simulation")]
+pub(crate) type NameHasher = foldhash::quality::FixedState;
 
 /// A `HashMap` keyed by an engine identifier.
 pub(crate) type IdMap<K, V> = HashMap<K, V, IdHasher>;

@@ -21,6 +21,8 @@ mod events;
 mod fast_map;
 mod locks;
 mod mlfq;
+#[cfg(feature = "simulation")]
+mod mutation;
 mod output;
 mod policy;
 mod procedure;
@@ -47,6 +49,8 @@ pub mod admin;
 /// feature): [`perturb::set_seed`] makes rare interleavings common.
 #[cfg(feature = "perturb")]
 pub use crate::actors::perturb;
+#[cfg(feature = "simulation")]
+pub use crate::actors::simulation;
 
 pub use async_trait::async_trait;
 

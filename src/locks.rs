@@ -98,7 +98,7 @@ use std::ops::ControlFlow;
 
 use serde::{Deserialize, Serialize};
 
-use crate::fast_map::{IdMap, IdSet};
+use crate::fast_map::{IdMap, IdSet, NameHasher};
 use crate::procedure::ProcId;
 
 /// How a resource is locked.
@@ -448,8 +448,8 @@ const ORDINARY: u64 = 1 << 63;
 /// The lock table. See the module docs.
 #[derive(Debug)]
 pub struct LockTable {
-    nodes: HashMap<String, ResNode>,
-    permits: HashMap<String, u32>,
+    nodes: HashMap<String, ResNode, NameHasher>,
+    permits: HashMap<String, u32, NameHasher>,
     holders: IdMap<ProcId, Request>,
     waiters: BTreeMap<u64, Waiter>,
     waiting_seq: IdMap<ProcId, u64>,
@@ -481,8 +481,8 @@ pub struct LockTable {
 impl Default for LockTable {
     fn default() -> Self {
         LockTable {
-            nodes: HashMap::new(),
-            permits: HashMap::new(),
+            nodes: HashMap::default(),
+            permits: HashMap::default(),
             holders: IdMap::default(),
             waiters: BTreeMap::new(),
             waiting_seq: IdMap::default(),
@@ -1172,6 +1172,10 @@ impl LockTable {
     }
 
     fn grantable(&self, req: &Request, seq: u64, priority: bool) -> bool {
+        #[cfg(feature = "simulation")]
+        if crate::mutation::on(crate::mutation::Mutation::LocksNotExclusive) {
+            return true;
+        }
         if self
             .each_blocking_holder(req, &mut |_, _| ControlFlow::Break(()))
             .is_break()

@@ -41,6 +41,7 @@
 //!
 //! [`Context::remote_results`]: crate::Context::remote_results
 
+use crate::fast_map::NameHasher;
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
@@ -605,7 +606,7 @@ struct Queue<T> {
 #[derive(Debug)]
 pub(crate) struct Batcher<T> {
     rules: BatchRules,
-    targets: HashMap<String, Queue<T>>,
+    targets: HashMap<String, Queue<T>, NameHasher>,
 }
 
 impl<T> Batcher<T> {
@@ -617,7 +618,7 @@ impl<T> Batcher<T> {
                 max_in_flight: rules.max_in_flight.max(1),
                 ..rules
             },
-            targets: HashMap::new(),
+            targets: HashMap::default(),
         }
     }
 

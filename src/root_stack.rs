@@ -1380,7 +1380,29 @@ impl RootStack {
             });
         }
         self.phase = Phase::RollingBack;
+        #[cfg(feature = "simulation")]
+        if crate::mutation::on(crate::mutation::Mutation::RollbackOutOfOrder) {
+            self.reverse_stack();
+        }
         self.next_rollback(t, now_ms);
+    }
+
+    /// The `RollbackOutOfOrder` mutation: the stack turned over, oldest step on top,
+    /// with every node's `stack_indexes` following its entries.
+    #[cfg(feature = "simulation")]
+    fn reverse_stack(&mut self) {
+        self.stack.reverse();
+        let entries: Vec<(usize, ProcId)> = (self.stack.iter().enumerate())
+            .filter(|(_, e)| e.recorded)
+            .map(|(at, e)| (at, e.id))
+            .collect();
+        for &(_, id) in &entries {
+            self.node_mut(id).stack_indexes.clear();
+        }
+        for (at, id) in entries {
+            let at = u32::try_from(at).unwrap_or(u32::MAX);
+            self.node_mut(id).stack_indexes.push(at);
+        }
     }
 
     fn next_rollback(&mut self, t: &mut Transition, now_ms: u64) {

@@ -831,23 +831,34 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         peers: &Peers,
     ) -> (Vec<Arbiter>, Vec<ArbiterHandle>, Vec<ShardAddr>) {
         let system = Arc::new(registry.system());
-        let arbiters: Vec<Arbiter> = (0..self.shards()).map(|_| Arbiter::new()).collect();
-        let handles = arbiters.iter().map(Arbiter::handle).collect();
-        let shards = arbiters
+        // A simulation runs every shard on its one thread, the current arbiter's.
+        #[cfg(feature = "simulation")]
+        let simulated = crate::actors::simulation::active();
+        #[cfg(not(feature = "simulation"))]
+        let simulated = false;
+        let arbiters: Vec<Arbiter> = if simulated {
+            Vec::new()
+        } else {
+            (0..self.shards()).map(|_| Arbiter::new()).collect()
+        };
+        let handles: Vec<ArbiterHandle> = if simulated {
+            (0..self.shards()).map(|_| Arbiter::current()).collect()
+        } else {
+            arbiters.iter().map(Arbiter::handle).collect()
+        };
+        let shards = handles
             .iter()
             .enumerate()
             .map(|(index, arbiter)| {
                 let setup = self.scheduler_setup(&system, peers, index);
-                let scheduler = SchedulerActor::start_in_arbiter(&arbiter.handle(), move |_| {
-                    SchedulerActor::new(setup)
-                });
+                let scheduler =
+                    SchedulerActor::start_in_arbiter(arbiter, move |_| SchedulerActor::new(setup));
                 let shard_peers = ShardPeers {
                     scheduler: scheduler.clone().recipient(),
                     locks: peers.locks.clone().recipient(),
                     persistence: peers.persistence.clone().recipient(),
                 };
-                let shard =
-                    Shard::start_in_arbiter(&arbiter.handle(), move |_| Shard::new(shard_peers));
+                let shard = Shard::start_in_arbiter(arbiter, move |_| Shard::new(shard_peers));
                 (shard, scheduler)
             })
             .collect();

@@ -536,6 +536,10 @@ impl<F: WalFs> WalStore<F> {
     /// Writes `buf` to the current segment and syncs it (if configured).
     fn write_current(&mut self) -> io::Result<()> {
         self.current.write_all(&self.buf)?;
+        #[cfg(feature = "simulation")]
+        if crate::mutation::on(crate::mutation::Mutation::WalNoSync) {
+            return Ok(());
+        }
         if self.options.sync {
             self.fs.sync(&mut self.current)?;
         }

@@ -510,7 +510,10 @@ impl TreeRunner {
             return;
         }
         let limit = self.shared.restart_limit;
-        let restarts = self.rare().restarts.note(id, Instant::now(), limit.within);
+        let restarts =
+            self.rare()
+                .restarts
+                .note(id, crate::actors::shared::mono_now(), limit.within);
         crate::actors::metrics::procedure_restarted(self.core.type_name_of(id).unwrap_or("?"));
         let over = restarts > limit.max;
         if over {
