@@ -115,7 +115,7 @@ pub(crate) struct Term {
 impl Term {
     /// A term that holds until `until`.
     pub(crate) fn until(until: std::time::Instant) -> Term {
-        let base = std::time::Instant::now().min(until);
+        let base = mono_now().min(until);
         let us = Self::micros(base, until);
         Term {
             base,
@@ -151,7 +151,8 @@ impl Term {
             if until == 0 {
                 return false;
             }
-            let now = u64::try_from(self.base.elapsed().as_micros()).unwrap_or(u64::MAX);
+            let now = u64::try_from(mono_now().saturating_duration_since(self.base).as_micros())
+                .unwrap_or(u64::MAX);
             if now < until {
                 return true;
             }
@@ -169,7 +170,8 @@ impl Term {
     /// How long it holds from now (zero once over).
     pub(crate) fn left(&self) -> std::time::Duration {
         let until = self.until_us.load(Ordering::Acquire);
-        std::time::Duration::from_micros(until).saturating_sub(self.base.elapsed())
+        std::time::Duration::from_micros(until)
+            .saturating_sub(mono_now().saturating_duration_since(self.base))
     }
 }
 
@@ -208,6 +210,10 @@ impl TreeStatus {
     /// The engine lost its mandate: call no user code at all, as after a crash (and
     /// unlike `halted`, report nothing: the lease's new holder runs the tree).
     pub(crate) fn deposed(&self) -> bool {
+        #[cfg(feature = "simulation")]
+        if crate::mutation::on(crate::mutation::Mutation::CallsAfterLeaseLoss) {
+            return false;
+        }
         !self.1.holds()
     }
 

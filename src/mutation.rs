@@ -27,15 +27,23 @@ pub enum Mutation {
     LocksNotExclusive,
     /// The WAL store never syncs (as if `WalOptions::sync` were off without saying so).
     WalNoSync,
+    /// A leader that lost its lease goes on with the calls into user code it has
+    /// begun and with its rollbacks (only new steps stop).
+    CallsAfterLeaseLoss,
+    /// A leader gives up its lease at the first renewal that fails (one dropped
+    /// connection deposes it).
+    LeaseLostOnOneError,
 }
 
 impl Mutation {
     /// Every mutation, in the order `--mutate list` prints them.
-    pub const ALL: [Mutation; 4] = [
+    pub const ALL: [Mutation; 6] = [
         Mutation::DurableBeforeWrite,
         Mutation::RollbackOutOfOrder,
         Mutation::LocksNotExclusive,
         Mutation::WalNoSync,
+        Mutation::CallsAfterLeaseLoss,
+        Mutation::LeaseLostOnOneError,
     ];
 
     /// Its name on the command line.
@@ -46,6 +54,8 @@ impl Mutation {
             Mutation::RollbackOutOfOrder => "rollback-out-of-order",
             Mutation::LocksNotExclusive => "locks-not-exclusive",
             Mutation::WalNoSync => "wal-no-sync",
+            Mutation::CallsAfterLeaseLoss => "calls-after-lease-loss",
+            Mutation::LeaseLostOnOneError => "lease-lost-on-one-error",
         }
     }
 

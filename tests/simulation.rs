@@ -73,9 +73,10 @@ fn a_fixed_set_of_seeds_passes_the_checker() {
     assert!(calls > seeds() * 100, "{calls} calls into user code");
 }
 
-/// Each mutation is found within this many seeds (each is found within the first
-/// few; the bound leaves room for changes to the workload).
-const FOUND_WITHIN: u64 = 40;
+/// Each mutation is found within this many seeds: today the first seed that finds
+/// it is 0 or 1 for all but `lease-lost-on-one-error` (a cluster seed whose
+/// database drops a renewal's connection), first found at seed 37.
+const FOUND_WITHIN: u64 = 60;
 
 #[test]
 fn each_reintroduced_bug_is_found() {

@@ -16,7 +16,6 @@
 //! every call into user code, so a process stopped past its lease acts on nothing when
 //! it is continued, even before the lease's thread has woken to notice.
 
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
@@ -25,7 +24,7 @@ use postgres::{Client, NoTls};
 use tokio::sync::{oneshot, watch};
 
 use super::{describe, PgOptions};
-use crate::actors::shared::Term;
+use crate::actors::shared::{mono_now, Term};
 use crate::store::StoreError;
 
 /// The leader lease as the database has it.
@@ -63,6 +62,9 @@ pub struct PgLease {
     options: PgOptions,
     holder: String,
     period: Duration,
+    /// Under a simulation: the simulated database the lease is in.
+    #[cfg(feature = "simulation")]
+    simulated: Option<crate::actors::simulation::SimDb>,
 }
 
 impl PgLease {
@@ -74,6 +76,21 @@ impl PgLease {
             options: PgOptions::default(),
             holder: holder.into(),
             period: Duration::from_secs(30),
+            #[cfg(feature = "simulation")]
+            simulated: None,
+        }
+    }
+
+    /// The lease in a simulated database, for `holder`.
+    #[cfg(feature = "simulation")]
+    pub(crate) fn simulated(
+        db: crate::actors::simulation::SimDb,
+        holder: impl Into<String>,
+        period: Duration,
+    ) -> Self {
+        PgLease {
+            simulated: Some(db),
+            ..PgLease::new("simulated", holder).period(period)
         }
     }
 
@@ -131,30 +148,70 @@ impl PgLease {
     ) -> Result<Leadership, StoreError> {
         let (taken_tx, taken_rx) = oneshot::channel::<Result<(i64, Arc<Term>), StoreError>>();
         let (lost_tx, lost_rx) = watch::channel(None);
-        let (stop_tx, stop_rx) = mpsc::channel::<()>();
+        let stop = Arc::new(StopSignal::default());
+        #[cfg(feature = "simulation")]
+        if let Some(db) = self.simulated.clone() {
+            let mut statements = db.lease_statements(&self.holder, stop.clone());
+            let lease = self.clone();
+            tokio::task::spawn_local(async move {
+                lease.run(&mut statements, taken_tx, &lost_tx, &seen).await;
+            });
+            return Self::taken(taken_rx, lost_rx, stop, None, self.holder).await;
+        }
         let lease = self.clone();
+        let signal = stop.clone();
         let thread = thread::Builder::new()
             .name("proctor-lease".to_string())
-            .spawn(move || lease.run(taken_tx, &lost_tx, &stop_rx, &seen))
+            .spawn(move || {
+                let mut statements = PgStatements {
+                    lease: lease.clone(),
+                    client: None,
+                    stop: signal,
+                };
+                // The statements block this thread (the synchronous client runs a
+                // runtime of its own inside each), so the loop's future never waits
+                // on anything else: polled here, outside any runtime.
+                block_on(lease.run(&mut statements, taken_tx, &lost_tx, &seen));
+            })
             .map_err(|e| StoreError::Io {
                 context: "starting the lease's thread".to_string(),
                 source: e,
             })?;
-        match taken_rx.await {
+        Self::taken(taken_rx, lost_rx, stop, Some(thread), self.holder).await
+    }
+
+    /// The start's answer, as a [`Leadership`] once taken.
+    async fn taken(
+        taken_rx: oneshot::Receiver<Result<(i64, Arc<Term>), StoreError>>,
+        lost_rx: watch::Receiver<Option<Loss>>,
+        stop: Arc<StopSignal>,
+        thread: Option<thread::JoinHandle<()>>,
+        holder: String,
+    ) -> Result<Leadership, StoreError> {
+        // A standby stopped while it waits (this future dropped) stops its loop.
+        let stop_on_drop = StopOnDrop(Some(stop));
+        let answer = taken_rx.await;
+        let stop = stop_on_drop.disarm();
+        let end = |thread: Option<thread::JoinHandle<()>>| {
+            if let Some(thread) = thread {
+                let _ = thread.join();
+            }
+        };
+        match answer {
             Ok(Ok((epoch, term))) => Ok(Leadership {
                 epoch,
                 term,
-                holder: self.holder,
+                holder,
                 lost: lost_rx,
-                stop: Some(stop_tx),
-                thread: Some(thread),
+                stop: Some(stop),
+                thread,
             }),
             Ok(Err(e)) => {
-                let _ = thread.join();
+                end(thread);
                 Err(e)
             }
             Err(_) => {
-                let _ = thread.join();
+                end(thread);
                 Err(StoreError::Failed("the lease's thread stopped".to_string()))
             }
         }
@@ -191,49 +248,28 @@ impl PgLease {
         config.connect(NoTls).map_err(|e| failed(describe(&e)))
     }
 
-    /// Runs `call` on `client`, connecting first if it has none (a failure dropped it).
-    fn on<T>(
+    /// The lease's loop: wait and take, then renew until stopped or lost. The same
+    /// code runs on the lease's thread against PostgreSQL and, under a simulation, as
+    /// a task against the simulated database.
+    async fn run<S: LeaseStatements>(
         &self,
-        client: &mut Option<Client>,
-        call: impl FnOnce(&mut Client) -> Result<T, StoreError>,
-    ) -> Result<T, StoreError> {
-        let connected = match client.take() {
-            Some(connected) => connected,
-            None => self.connect()?,
-        };
-        call(client.insert(connected))
-    }
-
-    /// The lease's thread: wait and take, then renew until stopped or lost.
-    fn run(
-        &self,
+        db: &mut S,
         taken: oneshot::Sender<Result<(i64, Arc<Term>), StoreError>>,
         lost: &watch::Sender<Option<Loss>>,
-        stop: &mpsc::Receiver<()>,
         seen: &dyn Fn(Option<String>),
     ) {
         let tick = self.period / 3;
         // The lease's row is the store's: made with its tables if a standby comes first.
-        let connected = self.connect().and_then(|mut client| {
-            super::create_schema(&mut client, self.schema()).map_err(|f| f.error)?;
-            Ok(client)
-        });
-        let mut client = match connected {
-            Ok(client) => Some(client),
-            Err(e) => {
-                let _ = taken.send(Err(e));
-                return;
-            }
-        };
+        if let Err(e) = db.prepare().await {
+            let _ = taken.send(Err(e));
+            return;
+        }
         let mut waiting_logged = None;
         // The lease runs from when the statement that took it was sent, at the latest.
         let deadline = self.period * 2 / 3;
         let (epoch, mut renewed_at) = loop {
-            let started = Instant::now();
-            let attempt = self.on(&mut client, |c| {
-                try_take(c, self.schema(), &self.holder, self.period)
-            });
-            match attempt {
+            let started = mono_now();
+            match db.try_take(&self.holder, self.period).await {
                 Ok(Taken::Yes(epoch)) => break (epoch, started),
                 Ok(Taken::No(state)) => {
                     if waiting_logged.as_ref() != Some(&state.holder) {
@@ -244,12 +280,11 @@ impl PgLease {
                 }
                 Err(e) => {
                     tracing::warn!(target: crate::targets::STORE, error = %e, "standby: cannot read the leader lease; trying again");
-                    client = None;
+                    db.reset();
                 }
             }
             // A standby that nobody waits for any more stops.
-            if taken.is_closed() || stop.recv_timeout(tick) != Err(mpsc::RecvTimeoutError::Timeout)
-            {
+            if taken.is_closed() || db.wait(tick).await {
                 return;
             }
         };
@@ -257,9 +292,7 @@ impl PgLease {
         let term = Arc::new(Term::until(renewed_at + deadline));
         if taken.send(Ok((epoch, term.clone()))).is_err() {
             // Nobody waits for it any more (the standby was stopped): let it go.
-            if let Some(c) = client.as_mut() {
-                let _ = release(c, self.schema(), &self.holder, epoch);
-            }
+            let _ = db.release(&self.holder, epoch).await;
             return;
         }
         // Renew until stopped; give up (lost) when another epoch is found, or when the
@@ -275,15 +308,10 @@ impl PgLease {
         let mut retry: Option<Duration> = None;
         loop {
             let wait = retry.unwrap_or(tick);
-            match stop.recv_timeout(wait.min(term.left())) {
-                Err(mpsc::RecvTimeoutError::Timeout) => {}
+            if db.wait(wait.min(term.left())).await {
                 // Stopped (the leadership dropped): let the lease go for a standby.
-                _ => {
-                    if let Some(c) = client.as_mut() {
-                        let _ = release(c, self.schema(), &self.holder, epoch);
-                    }
-                    return;
-                }
+                let _ = db.release(&self.holder, epoch).await;
+                return;
             }
             // Woken past the deadline (the process was stopped, or starved): lost
             // without asking the database, which takes a round trip the holder must
@@ -295,11 +323,8 @@ impl PgLease {
                 });
                 return;
             }
-            let started = Instant::now();
-            let attempt = self.on(&mut client, |c| {
-                renew(c, self.schema(), &self.holder, epoch, self.period)
-            });
-            match attempt {
+            let started = mono_now();
+            match db.renew(&self.holder, epoch, self.period).await {
                 Ok(true) => {
                     // The lease runs from when the renewal was sent, at the latest. A
                     // term that ran out is over, even if this renewal then took: the
@@ -316,13 +341,11 @@ impl PgLease {
                         tracing::info!(target: crate::targets::STORE, "renewed the leader lease after a failure");
                     }
                     ::metrics::histogram!(crate::actors::metrics::LEASE_RENEW)
-                        .record(started.elapsed());
+                        .record(mono_now().saturating_duration_since(started));
                 }
                 Ok(false) => {
-                    let taker = client
-                        .as_mut()
-                        .and_then(|c| read(c, self.schema()).ok())
-                        .and_then(|state| Some((state.holder?, state.epoch)));
+                    let taker =
+                        (db.read().await.ok()).and_then(|state| Some((state.holder?, state.epoch)));
                     let by = match &taker {
                         Some((holder, now)) => format!("{holder} took it (epoch {now})"),
                         None => "another engine took it".to_string(),
@@ -334,6 +357,14 @@ impl PgLease {
                     return;
                 }
                 Err(e) => {
+                    #[cfg(feature = "simulation")]
+                    if crate::mutation::on(crate::mutation::Mutation::LeaseLostOnOneError) {
+                        lose(Loss {
+                            reason: format!("cannot renew the leader lease: {e}"),
+                            taker: None,
+                        });
+                        return;
+                    }
                     // At once on a new connection the first time (the usual cause is a
                     // dropped connection), then backing off within the period.
                     let next = match retry {
@@ -342,7 +373,7 @@ impl PgLease {
                     };
                     tracing::warn!(target: crate::targets::STORE, error = %e, retry_in_ms = next.as_millis() as u64, "cannot renew the leader lease; trying again");
                     retry = Some(next);
-                    client = None;
+                    db.reset();
                 }
             }
             if !term.holds() {
@@ -356,6 +387,185 @@ impl PgLease {
     }
 }
 
+/// The statements the lease's loop makes, and its waits: against PostgreSQL on the
+/// lease's thread ([`PgStatements`]), or a simulated database's.
+pub(crate) trait LeaseStatements {
+    /// Connects and makes the store's tables (the lease's row among them) if missing.
+    async fn prepare(&mut self) -> Result<(), StoreError>;
+    /// Takes the lease if it is free or expired.
+    async fn try_take(&mut self, holder: &str, period: Duration) -> Result<Taken, StoreError>;
+    /// Extends the lease held at `epoch`: `false` if it is another's now.
+    async fn renew(
+        &mut self,
+        holder: &str,
+        epoch: i64,
+        period: Duration,
+    ) -> Result<bool, StoreError>;
+    /// Reads the lease.
+    async fn read(&mut self) -> Result<LeaseState, StoreError>;
+    /// Lets the lease go at once, if it is still held at `epoch`.
+    async fn release(&mut self, holder: &str, epoch: i64) -> Result<(), StoreError>;
+    /// A statement failed: the next one starts on a new connection.
+    fn reset(&mut self);
+    /// Waits `wait`; `true` if the leadership was dropped (or the standby stopped)
+    /// meanwhile.
+    async fn wait(&mut self, wait: Duration) -> bool;
+}
+
+/// How the holder of a [`Leadership`] stops its lease's loop.
+#[derive(Debug, Default)]
+pub(crate) struct StopSignal {
+    stopped: std::sync::Mutex<bool>,
+    thread: std::sync::Condvar,
+    task: tokio::sync::Notify,
+}
+
+impl StopSignal {
+    fn stop(&self) {
+        *self
+            .stopped
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        self.thread.notify_all();
+        self.task.notify_one();
+    }
+
+    #[cfg(feature = "simulation")]
+    fn is_stopped(&self) -> bool {
+        *self
+            .stopped
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Blocks the lease's thread for `wait`, or until stopped: `true` if stopped.
+    fn block(&self, wait: Duration) -> bool {
+        let stopped = self
+            .stopped
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let (stopped, _) = self
+            .thread
+            .wait_timeout_while(stopped, wait, |s| !*s)
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        *stopped
+    }
+
+    /// Waits on a runtime for `wait`, or until stopped: `true` if stopped.
+    #[cfg(feature = "simulation")]
+    pub(crate) async fn sleep(&self, wait: Duration) -> bool {
+        if self.is_stopped() {
+            return true;
+        }
+        tokio::select! {
+            biased;
+            () = self.task.notified() => true,
+            () = tokio::time::sleep(wait) => self.is_stopped(),
+        }
+    }
+}
+
+/// Runs `future` to its end on this thread, outside any runtime (the lease's thread).
+fn block_on<F: std::future::Future>(future: F) -> F::Output {
+    struct Unpark(thread::Thread);
+    impl std::task::Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+    let waker = std::task::Waker::from(Arc::new(Unpark(thread::current())));
+    let mut cx = std::task::Context::from_waker(&waker);
+    let mut future = std::pin::pin!(future);
+    loop {
+        if let std::task::Poll::Ready(out) = future.as_mut().poll(&mut cx) {
+            return out;
+        }
+        thread::park();
+    }
+}
+
+/// Stops the lease's loop when dropped armed.
+struct StopOnDrop(Option<Arc<StopSignal>>);
+
+impl StopOnDrop {
+    fn disarm(mut self) -> Arc<StopSignal> {
+        self.0.take().unwrap_or_default()
+    }
+}
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        if let Some(stop) = self.0.take() {
+            stop.stop();
+        }
+    }
+}
+
+/// The lease's statements on PostgreSQL, from its thread, connecting again after a
+/// failure.
+struct PgStatements {
+    lease: PgLease,
+    client: Option<Client>,
+    stop: Arc<StopSignal>,
+}
+
+impl PgStatements {
+    /// Runs `call` on the connection, connecting first if there is none (a failure
+    /// dropped it).
+    fn on<T>(
+        &mut self,
+        call: impl FnOnce(&mut Client, &str) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let connected = match self.client.take() {
+            Some(connected) => connected,
+            None => self.lease.connect()?,
+        };
+        call(self.client.insert(connected), self.lease.schema())
+    }
+}
+
+impl LeaseStatements for PgStatements {
+    async fn prepare(&mut self) -> Result<(), StoreError> {
+        self.on(|c, schema| super::create_schema(c, schema).map_err(|f| f.error))
+    }
+
+    async fn try_take(&mut self, holder: &str, period: Duration) -> Result<Taken, StoreError> {
+        self.on(|c, schema| try_take(c, schema, holder, period))
+    }
+
+    async fn renew(
+        &mut self,
+        holder: &str,
+        epoch: i64,
+        period: Duration,
+    ) -> Result<bool, StoreError> {
+        self.on(|c, schema| renew(c, schema, holder, epoch, period))
+    }
+
+    async fn read(&mut self) -> Result<LeaseState, StoreError> {
+        // After a renewal the lease lost: on the connection that has it, if any.
+        match self.client.as_mut() {
+            Some(c) => read(c, self.lease.schema()),
+            None => Err(StoreError::Failed("no connection".to_string())),
+        }
+    }
+
+    async fn release(&mut self, holder: &str, epoch: i64) -> Result<(), StoreError> {
+        match self.client.as_mut() {
+            Some(c) => release(c, self.lease.schema(), holder, epoch),
+            None => Ok(()),
+        }
+    }
+
+    fn reset(&mut self) {
+        self.client = None;
+    }
+
+    async fn wait(&mut self, wait: Duration) -> bool {
+        self.stop.block(wait)
+    }
+}
+
 /// Leadership through a taken lease: its epoch (fence the store with it), and whether
 /// it was lost. Dropping it stops the renewals and releases the lease.
 #[derive(Debug)]
@@ -364,7 +574,7 @@ pub struct Leadership {
     term: Arc<Term>,
     holder: String,
     lost: watch::Receiver<Option<Loss>>,
-    stop: Option<mpsc::Sender<()>>,
+    stop: Option<Arc<StopSignal>>,
     thread: Option<thread::JoinHandle<()>>,
 }
 
@@ -405,7 +615,7 @@ impl Leadership {
 impl Drop for Leadership {
     fn drop(&mut self) {
         if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
+            stop.stop();
         }
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
@@ -423,7 +633,7 @@ const RETRY_FIRST: Duration = Duration::from_millis(25);
 fn not_renewed(renewed_at: Instant) -> String {
     format!(
         "the leader lease was not renewed for {} ms (two thirds of its period)",
-        renewed_at.elapsed().as_millis()
+        mono_now().saturating_duration_since(renewed_at).as_millis()
     )
 }
 
@@ -450,8 +660,11 @@ pub(crate) async fn lost_reason(mut lost: watch::Receiver<Option<Loss>>) -> Loss
     }
 }
 
-enum Taken {
+/// What an attempt to take the lease found.
+pub(crate) enum Taken {
+    /// Taken, at this epoch.
     Yes(i64),
+    /// Held by another.
     No(LeaseState),
 }
 

@@ -39,6 +39,8 @@ use postgres::{Client, NoTls, Transaction};
 mod lease;
 pub(crate) use lease::{lost_reason, Loss};
 pub use lease::{Leadership, LeaseState, PgLease};
+#[cfg(feature = "simulation")]
+pub(crate) use lease::{LeaseStatements, StopSignal, Taken};
 
 use crate::fast_map::IdMap;
 use crate::procedure::ProcId;

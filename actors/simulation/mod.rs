@@ -41,6 +41,8 @@
 //! a multi-shard engine, signals) and a real PostgreSQL. The real-thread perturbation
 //! tests, the kill loops of real processes and the PostgreSQL tests cover those.
 
+mod cluster;
+mod db;
 mod disk;
 mod world;
 
@@ -58,6 +60,7 @@ use crate::procedure::ProcId;
 use crate::record::Nonce;
 use crate::Executor;
 
+pub(crate) use db::SimDb;
 use disk::SimDisk;
 use world::{RootPlan, World};
 
@@ -108,6 +111,13 @@ impl Rng {
 /// others, so that one fault does not hide the paths another reaches.
 #[derive(Clone, Debug)]
 pub(crate) struct Swarm {
+    /// Two executors over a simulated PostgreSQL, taking the leader lease from each
+    /// other, rather than one over the WAL.
+    pub(crate) cluster: bool,
+    /// (Cluster) processes cut off from the database for a while.
+    partitions: bool,
+    /// (Cluster) connections that drop, commits whose outcome is unknown.
+    db_drops: bool,
     crashes: u32,
     disk_errors: bool,
     pub(crate) step_failures: bool,
@@ -120,6 +130,9 @@ pub(crate) struct Swarm {
 impl Swarm {
     fn pick(rng: &mut Rng) -> Swarm {
         Swarm {
+            cluster: rng.below(3) == 0,
+            partitions: rng.below(3) != 0,
+            db_drops: rng.below(3) != 0,
             crashes: [0, 1, 2, 4][rng.below(4) as usize],
             disk_errors: rng.below(4) == 0,
             step_failures: rng.below(4) != 0,
@@ -132,11 +145,19 @@ impl Swarm {
 
     fn describe(&self) -> String {
         let mut on = Vec::new();
+        if self.cluster {
+            on.push("cluster".to_string());
+            for (flag, name) in [(self.partitions, "partitions"), (self.db_drops, "db-drops")] {
+                if flag {
+                    on.push(name.to_string());
+                }
+            }
+        }
         if self.crashes > 0 {
             on.push(format!("crashes={}", self.crashes));
         }
         for (flag, name) in [
-            (self.disk_errors, "disk-errors"),
+            (self.disk_errors && !self.cluster, "disk-errors"),
             (self.step_failures, "step-failures"),
             (self.aborts, "aborts"),
             (self.slow_disk, "slow-disk"),
@@ -190,6 +211,15 @@ pub(crate) fn disk_latency() -> Duration {
         r.borrow_mut().as_mut().map_or(Duration::ZERO, |r| {
             let most = if r.slow_disk { 5_000 } else { 300 };
             Duration::from_micros(10 + r.rng.below(most))
+        })
+    })
+}
+
+/// A network round trip to the simulated database.
+pub(crate) fn net_latency() -> Duration {
+    RUNNING.with(|r| {
+        r.borrow_mut().as_mut().map_or(Duration::ZERO, |r| {
+            Duration::from_micros(50 + r.rng.below(450))
         })
     })
 }
@@ -323,6 +353,14 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
     let plans = world::plan(&mut rng, options.roots, &swarm);
     let world = Arc::new(World::new(&plans, options.trace));
     let disk = SimDisk::new(seed, if swarm.disk_errors { 300 } else { 0 });
+    let db = if swarm.db_drops {
+        SimDb::new(seed, 2_000, 100_000)
+    } else {
+        SimDb::new(seed, 0, 0)
+    };
+    if swarm.cluster {
+        world.lease_in(db.clone());
+    }
     crate::mutation::set(options.mutation);
     world.log(format_args!(
         "seed {seed} swarm {} mutation {:?}",
@@ -338,9 +376,11 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
             plans: &plans,
             world: &world,
             disk: &disk,
+            db: &db,
             acked: &acked,
             swarm: &swarm,
             first: restarts == 0,
+            number: restarts,
             crash_after,
         };
         let (end, now) = incarnation.run(clock_us, seed ^ u64::from(restarts));
@@ -353,8 +393,10 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
                 }
                 restarts += 1;
                 world.crashed();
-                disk.power_cut(&mut rng);
-                world.log(format_args!("{end:?}; power cut; restart {restarts}"));
+                if !swarm.cluster {
+                    disk.power_cut(&mut rng);
+                }
+                world.log(format_args!("{end:?}; restart {restarts}"));
             }
         }
         if restarts > swarm.crashes + 12 {
@@ -372,7 +414,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         trace_hash: world.hash(),
         violations: world.violations(),
         crashes,
-        faults: disk.faults(),
+        faults: disk.faults() + db.faults(),
         roots: acked_roots,
         calls: world.calls(),
         wal_bytes: disk.bytes(),
@@ -388,9 +430,12 @@ struct Incarnation<'a> {
     plans: &'a [RootPlan],
     world: &'a Arc<World>,
     disk: &'a SimDisk,
+    db: &'a SimDb,
     acked: &'a Rc<RefCell<BTreeMap<u32, ProcId>>>,
     swarm: &'a Swarm,
     first: bool,
+    /// How many incarnations came before.
+    number: u32,
     crash_after: Option<Duration>,
 }
 
@@ -430,6 +475,9 @@ impl Incarnation<'_> {
     }
 
     async fn drive(&self) -> End {
+        if self.swarm.cluster {
+            return cluster::drive(self).await;
+        }
         let world = self.world;
         let options = WalOptions {
             segment_bytes: 16 << 10,
@@ -438,6 +486,12 @@ impl Incarnation<'_> {
         };
         let store = match WalStore::open_on(self.disk.clone(), "/sim/wal", options) {
             Ok(store) => store,
+            // The disk failed a call (an injected fault): the start fails, with the
+            // error, and the process is started again.
+            Err(e @ crate::store::StoreError::Io { .. }) => {
+                world.log(format_args!("the WAL does not open: {e}"));
+                return End::Broken;
+            }
             Err(e) => {
                 world.violation(format!("the WAL does not open: {e}"));
                 return End::Fatal;
@@ -454,6 +508,10 @@ impl Incarnation<'_> {
             .await;
         let executor = match executor {
             Ok(executor) => Rc::new(executor),
+            Err(e @ crate::Error::Store(_)) if self.disk.faults() > 0 => {
+                world.log(format_args!("the engine does not start: {e}"));
+                return End::Broken;
+            }
             Err(e) => {
                 world.violation(format!("the engine does not start: {e}"));
                 return End::Fatal;

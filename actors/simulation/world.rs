@@ -74,7 +74,9 @@ pub(super) fn plan(rng: &mut Rng, roots: usize, faults: &super::Swarm) -> Vec<Ro
             let proc = gen_proc(rng, &mut next, 0, faults, &mut fails);
             let abort_after_ms = (faults.aborts && rng.below(8) == 0).then(|| rng.below(40));
             RootPlan {
-                at_ms: rng.below(50),
+                // A cluster's roots come over a longer time, so that leases change
+                // hands while they run.
+                at_ms: rng.below(if faults.cluster { 1_500 } else { 50 }),
                 must_succeed: !fails && abort_after_ms.is_none(),
                 abort_after_ms,
                 proc,
@@ -118,13 +120,15 @@ fn gen_proc(
         children_at,
         children,
         lock: (depth == 0 && rng.below(3) == 0).then(|| rng.below(3) as u8),
-        work_us: rng.below(3_000) as u32,
+        work_us: rng.below(if faults.cluster { 15_000 } else { 3_000 }) as u32,
     }
 }
 
 /// What every procedure of one seed shares: the history and its checker.
 pub(super) struct World {
     inner: Mutex<History>,
+    /// In a cluster run, the database whose lease a call's fencing token must hold.
+    lease: std::sync::OnceLock<super::SimDb>,
 }
 
 #[derive(Default)]
@@ -147,6 +151,8 @@ struct History {
     hash: u64,
     /// The trace itself, when asked for.
     trace: Option<Vec<String>>,
+    /// The newest fencing token a call into user code was made under.
+    newest_token: Option<i64>,
 }
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
@@ -164,6 +170,25 @@ impl World {
         }
         World {
             inner: Mutex::new(history),
+            lease: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Judges every call's fencing token against `db`'s lease.
+    pub(super) fn lease_in(&self, db: super::SimDb) {
+        let _ = self.lease.set(db);
+    }
+
+    /// A call under `token` runs user code now: the lease it was taken under must
+    /// still hold (a leader that lost its lease calls no user code).
+    fn leading(&self, key: u32, token: Option<i64>, what: &str) {
+        let (Some(db), Some(token)) = (self.lease.get(), token) else {
+            return;
+        };
+        if !db.lease_holds(token) {
+            self.violation(format!(
+                "{key} ran user code ({what}) under epoch {token}, whose lease no longer holds"
+            ));
         }
     }
 
@@ -317,9 +342,10 @@ impl History {
     /// Step `step` of `key` starts: a step before the highest one it ran (which the
     /// engine moved past, so it was durable) must not run again, nor anything in a
     /// tree whose result was seen.
-    fn execute(&mut self, key: u32, id: ProcId, step: u8) {
+    fn execute(&mut self, key: u32, id: ProcId, step: u8, token: Option<i64>) {
         self.calls += 1;
-        self.log(format_args!("exec {key} {id} #{step}"));
+        self.log(format_args!("exec {key} {id} #{step} {token:?}"));
+        self.fenced(key, token);
         let root = self.root_of(key);
         if self.results.contains_key(&root) {
             self.violate(format!(
@@ -341,9 +367,10 @@ impl History {
     /// The rollback of `key`'s step `step`: its own later steps, the later steps of
     /// its ancestors (taken after their children ended), and, for the step that
     /// started children, every effect of its descendants, must all be undone already.
-    fn undo(&mut self, key: u32, id: ProcId, step: u8) {
+    fn undo(&mut self, key: u32, id: ProcId, step: u8, token: Option<i64>) {
         self.calls += 1;
-        self.log(format_args!("undo {key} {id} #{step}"));
+        self.log(format_args!("undo {key} {id} #{step} {token:?}"));
+        self.fenced(key, token);
         if step == 0 {
             self.violate(format!("{key} was rolled back past its first step"));
             return;
@@ -374,6 +401,19 @@ impl History {
             ));
         }
         self.ledger.remove(&(key, step));
+    }
+
+    /// A call under the fencing token `token`: none may begin under an older token
+    /// once one has begun under a newer (a deposed leader calls no user code after
+    /// its successor's first call).
+    fn fenced(&mut self, key: u32, token: Option<i64>) {
+        let Some(token) = token else { return };
+        match self.newest_token {
+            Some(newest) if token < newest => self.violate(format!(
+                "{key} was called under epoch {token} after a call under epoch {newest}"
+            )),
+            _ => self.newest_token = Some(token),
+        }
     }
 
     /// Whether every step of `key` has its effect: it succeeded, and is not rolled
@@ -428,7 +468,8 @@ impl Drop for Inside<'_> {
 }
 
 impl SimProc {
-    async fn work(&self, world: &World) {
+    async fn work(&self, world: &World, token: Option<i64>) {
+        world.leading(self.key, token, "a call begins");
         if let Some(lock) = self.lock {
             world.history().enter(lock, self.key);
         }
@@ -438,6 +479,7 @@ impl SimProc {
             key: self.key,
         };
         tokio::time::sleep(Duration::from_micros(u64::from(self.work_us))).await;
+        world.leading(self.key, token, "a call goes on after an await");
     }
 }
 
@@ -447,8 +489,10 @@ impl Procedure<World> for SimProc {
         let world = ctx.env();
         self.at += 1;
         let step = self.at;
-        world.history().execute(self.key, ctx.id(), step);
-        self.work(world).await;
+        world
+            .history()
+            .execute(self.key, ctx.id(), step, ctx.fencing_token());
+        self.work(world, ctx.fencing_token()).await;
         if world.history().fails(self.key, step, self.fail_at) {
             return Err(ProcError::failed(format!("{}#{step} failed", self.key)));
         }
@@ -469,12 +513,12 @@ impl Procedure<World> for SimProc {
     async fn rollback(&mut self, ctx: &mut Context<World>) -> Result<(), ProcError> {
         let world = ctx.env();
         if ctx.is_unrecorded_step() {
-            world.history().undo(self.key, ctx.id(), self.at + 1);
+            (world.history()).undo(self.key, ctx.id(), self.at + 1, ctx.fencing_token());
         } else {
-            world.history().undo(self.key, ctx.id(), self.at);
+            (world.history()).undo(self.key, ctx.id(), self.at, ctx.fencing_token());
             self.at = self.at.saturating_sub(1);
         }
-        self.work(world).await;
+        self.work(world, ctx.fencing_token()).await;
         Ok(())
     }
 
