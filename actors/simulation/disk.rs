@@ -1,6 +1,6 @@
 //! The simulated disk under the WAL store ([`WalFs`]): it keeps what was synced (file
 //! contents by `sync`, directory entries by `sync_dir`), fails a write or a sync with
-//! `EIO` or `ENOSPC` when the seed says so, and at a power cut keeps a random part of
+//! `EIO` or `ENOSPC` and writes short when the seed says so, and at a power cut keeps a random part of
 //! each file's unsynced tail, sector by sector (kept, or zeros: space allocated, data
 //! never written).
 
@@ -148,8 +148,14 @@ impl Write for SimAppender {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let mut p = self.disk.platter();
         p.fault("write")?;
-        p.file(&self.path)?.data.extend_from_slice(buf);
-        Ok(buf.len())
+        // A short write now and then (the caller writes the rest).
+        let len = if p.error_ppm > 0 && buf.len() > 1 && p.rng.below(64) == 0 {
+            buf.len() / 2
+        } else {
+            buf.len()
+        };
+        p.file(&self.path)?.data.extend_from_slice(&buf[..len]);
+        Ok(len)
     }
 
     fn flush(&mut self) -> io::Result<()> {
