@@ -75,7 +75,7 @@ fn a_fixed_set_of_seeds_passes_the_checker() {
 
 /// Each mutation is found within this many seeds: today the first seed that finds
 /// it is 0 or 1 for all but `lease-lost-on-one-error` (a cluster seed whose
-/// database drops a renewal's connection), first found at seed 37.
+/// database drops a renewal's connection), first found at seed 17.
 const FOUND_WITHIN: u64 = 60;
 
 #[test]

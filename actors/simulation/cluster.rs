@@ -55,6 +55,7 @@ impl Cluster {
             .workers(inc.swarm.workers)
             .arbiters(inc.swarm.arbiters)
             .retention(Duration::from_secs(86_400))
+            .remote(world::SimNet(inc.world.clone()), super::remote_options())
             .leadership(PgLease::simulated(inc.db.clone(), &name, PERIOD))
             .start_standby()?;
         inc.world.log(format_args!("start {name}"));

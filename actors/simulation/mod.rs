@@ -14,9 +14,12 @@
 //! every run.
 //!
 //! The seed picks the faults (swarm testing, as FoundationDB does: each seed turns on
-//! its own mix of crashes, disk errors, failing steps, operator aborts and a slow
-//! disk), the engine's shape (workers, shards) and a workload of trees with children,
-//! retried and failing steps and exclusive engine locks. The driver submits the roots
+//! its own mix of crashes, disk errors, failing steps, operator aborts, a slow
+//! disk, a lossy network, a cluster over a simulated PostgreSQL with partitions and
+//! dropped connections), the engine's shape (workers, shards) and a workload of trees
+//! with children, retried and failing steps, exclusive engine locks and remote
+//! operations with undos, sent by the real dispatcher through a simulated network to
+//! simulated nodes. The driver submits the roots
 //! (each under a nonce, resubmitted after a crash until acknowledged), waits for their
 //! results, aborts some, and at the seed's crash times drops the whole system at once
 //! — every actor, task and call in flight — cuts the disk's power, and starts a new
@@ -30,16 +33,24 @@
 //!   before any of theirs;
 //! - no two procedures are inside one exclusive lock at once;
 //! - a root's result never changes, nothing of its tree runs after it, a tree that
-//!   succeeded left every effect of its procedures and one that rolled back none, and
-//!   a root with no failure and no abort succeeds;
-//! - every acknowledged root ends.
+//!   succeeded left every effect of its procedures, one that rolled back none of its
+//!   root's and, of each child, all (it succeeded first) or none, and a root with no
+//!   failure and no abort succeeds;
+//! - every acknowledged root ends;
+//! - no undo reaches a node while its operation is on its way there, and a tree that
+//!   succeeded has every remote effect (one that rolled back may leave applied an
+//!   operation whose child recorded its outcome first: counted, as documented);
+//! - in a cluster, no call into user code under a fencing token whose lease term may
+//!   have ended, none under an older token after a newer one's first, and no lease
+//!   given up while the database was reachable.
 //!
 //! A [`Mutation`] turns on one deliberately reintroduced bug; the crate's tests show
 //! the checker finds each within a fixed number of seeds.
 //!
 //! What it does not control: the real operating system (real `fsync`, real threads of
 //! a multi-shard engine, signals) and a real PostgreSQL. The real-thread perturbation
-//! tests, the kill loops of real processes and the PostgreSQL tests cover those.
+//! tests, the kill loops of real processes and the PostgreSQL tests cover those
+//! (`ARCHITECTURE.md`, "Deterministic simulation").
 
 mod cluster;
 mod db;
@@ -122,6 +133,10 @@ pub(crate) struct Swarm {
     disk_errors: bool,
     pub(crate) step_failures: bool,
     pub(crate) aborts: bool,
+    /// Steps that send remote operations to simulated nodes.
+    pub(crate) remote: bool,
+    /// The network loses requests and answers.
+    net_faults: bool,
     slow_disk: bool,
     workers: usize,
     arbiters: usize,
@@ -137,6 +152,8 @@ impl Swarm {
             disk_errors: rng.below(4) == 0,
             step_failures: rng.below(4) != 0,
             aborts: rng.below(3) != 0,
+            remote: rng.below(2) == 0,
+            net_faults: rng.below(2) == 0,
             slow_disk: rng.below(3) == 0,
             workers: 1 + rng.below(8) as usize,
             arbiters: 1 + rng.below(3) as usize,
@@ -159,6 +176,8 @@ impl Swarm {
         for (flag, name) in [
             (self.disk_errors && !self.cluster, "disk-errors"),
             (self.step_failures, "step-failures"),
+            (self.remote, "remote"),
+            (self.remote && self.net_faults, "net-faults"),
             (self.aborts, "aborts"),
             (self.slow_disk, "slow-disk"),
         ] {
@@ -263,6 +282,10 @@ pub struct Outcome {
     pub roots: usize,
     /// Calls into user code (steps and rollbacks).
     pub calls: u64,
+    /// Remote effects that trees which rolled back left applied: operations whose
+    /// child recorded the outcome before the tree failed, which the engine does not
+    /// undo (see [`Dispatched::undo`](crate::Dispatched::undo)).
+    pub remote_left_applied: u32,
     /// Bytes in the WAL's files at the end.
     pub wal_bytes: u64,
     /// Simulated time the run took, in ms.
@@ -282,7 +305,7 @@ impl Outcome {
         let mut out = String::new();
         let _ = write!(
             out,
-            "{{\"seed\":{},\"trace_hash\":\"{:016x}\",\"violations\":{},\"crashes\":{},\"faults\":{},\"roots\":{},\"calls\":{},\"wal_bytes\":{},\"simulated_ms\":{},\"swarm\":{},\"mutation\":{}",
+            "{{\"seed\":{},\"trace_hash\":\"{:016x}\",\"violations\":{},\"crashes\":{},\"faults\":{},\"roots\":{},\"calls\":{},\"remote_left_applied\":{},\"wal_bytes\":{},\"simulated_ms\":{},\"swarm\":{},\"mutation\":{}",
             self.seed,
             self.trace_hash,
             self.violations.len(),
@@ -290,6 +313,7 @@ impl Outcome {
             self.faults,
             self.roots,
             self.calls,
+            self.remote_left_applied,
             self.wal_bytes,
             self.simulated_ms,
             json_string(&self.swarm),
@@ -351,7 +375,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
     let mut rng = Rng::new(seed);
     let swarm = Swarm::pick(&mut rng);
     let plans = world::plan(&mut rng, options.roots, &swarm);
-    let world = Arc::new(World::new(&plans, options.trace));
+    let world = Arc::new(World::new(&plans, options.trace, seed, swarm.net_faults));
     let disk = SimDisk::new(seed, if swarm.disk_errors { 300 } else { 0 });
     let db = if swarm.db_drops {
         SimDb::new(seed, 2_000, 100_000)
@@ -418,6 +442,7 @@ pub fn run(seed: u64, options: &Options) -> Outcome {
         roots: acked_roots,
         calls: world.calls(),
         wal_bytes: disk.bytes(),
+        remote_left_applied: world.left_applied(),
         simulated_ms: clock_us / 1_000,
         swarm: swarm.describe(),
         mutation: options.mutation,
@@ -504,6 +529,7 @@ impl Incarnation<'_> {
             .workers(self.swarm.workers)
             .arbiters(self.swarm.arbiters)
             .retention(Duration::from_secs(86_400))
+            .remote(world::SimNet(world.clone()), remote_options())
             .start()
             .await;
         let executor = match executor {
@@ -618,6 +644,16 @@ impl Incarnation<'_> {
     fn plan_of(&self, key: u32) -> Option<&RootPlan> {
         self.plans.iter().find(|p| p.proc.key == key)
     }
+}
+
+/// The dispatcher's settings: small batches, quick retries, a deadline far beyond a
+/// run (an operation the engine loses track of stalls the run rather than failing).
+fn remote_options() -> crate::RemoteOptions {
+    crate::RemoteOptions::default()
+        .max_ops(3)
+        .max_age(Duration::from_millis(2))
+        .retry_backoff(Duration::from_millis(1), Duration::from_millis(20))
+        .deadline(Duration::from_secs(300))
 }
 
 fn clone_plan(p: &RootPlan) -> RootPlan {

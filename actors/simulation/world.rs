@@ -12,7 +12,8 @@ use serde::{Deserialize, Serialize};
 
 use super::Rng;
 use crate::{
-    async_trait, Context, FailurePolicy, Flow, Lock, ProcError, ProcId, Procedure, Registry,
+    async_trait, Context, FailurePolicy, Flow, Lock, OpId, ProcError, ProcId, Procedure, Registry,
+    Report, Transport, TransportError,
 };
 
 /// The procedure type every simulated procedure is.
@@ -35,6 +36,10 @@ pub(super) struct SimProc {
     children: Vec<SimProc>,
     /// An exclusive engine lock (roots only).
     lock: Option<u8>,
+    /// The step that sends a remote operation (with its undo) to a node; the next
+    /// step reads its outcome and fails if it failed.
+    #[serde(default)]
+    remote: Option<u8>,
     /// How long each call works, in simulated µs.
     work_us: u32,
 }
@@ -52,6 +57,7 @@ struct Planned {
     parent: Option<u32>,
     steps: u8,
     children_at: Option<u8>,
+    remote: Option<u8>,
 }
 
 /// One root's plan, for the driver.
@@ -105,6 +111,9 @@ fn gen_proc(
     });
     let children_at = (depth < 2 && steps >= 2 && rng.below(3) == 0)
         .then(|| 1 + rng.below(u64::from(steps) - 1) as u8);
+    let remote = (faults.remote && steps >= 2 && rng.below(3) == 0)
+        .then(|| 1 + rng.below(u64::from(steps) - 1) as u8)
+        .filter(|&at| Some(at) != children_at);
     let children = match children_at {
         Some(_) => (0..1 + rng.below(3))
             .map(|_| gen_proc(rng, next, depth + 1, faults, fails))
@@ -120,6 +129,7 @@ fn gen_proc(
         children_at,
         children,
         lock: (depth == 0 && rng.below(3) == 0).then(|| rng.below(3) as u8),
+        remote,
         work_us: rng.below(if faults.cluster { 15_000 } else { 3_000 }) as u32,
     }
 }
@@ -153,15 +163,31 @@ struct History {
     trace: Option<Vec<String>>,
     /// The newest fencing token a call into user code was made under.
     newest_token: Option<i64>,
+    /// The nodes' side of remote operations: each operation applied (once, whatever
+    /// it is sent again), the operations undone (an operation that comes after its
+    /// undo is refused), and the effects applied and not undone.
+    applied: BTreeMap<OpId, (u32, u8)>,
+    undone: BTreeSet<OpId>,
+    remote_effects: BTreeSet<(u32, u8)>,
+    /// Operations in requests on their way (sent, not yet at their node).
+    in_flight: BTreeMap<OpId, u32>,
+    /// Remote effects a rolled-back tree left applied.
+    left_applied: u32,
+    /// The network's own generator.
+    net: Rng,
+    /// Whether the network drops requests and answers.
+    net_faults: bool,
 }
 
 const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
 const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
 
 impl World {
-    pub(super) fn new(plans: &[RootPlan], trace: bool) -> World {
+    pub(super) fn new(plans: &[RootPlan], trace: bool, seed: u64, net_faults: bool) -> World {
         let mut history = History {
             hash: FNV_OFFSET,
+            net: Rng::new(seed ^ 0x0e7),
+            net_faults,
             trace: trace.then(Vec::new),
             ..History::default()
         };
@@ -242,6 +268,25 @@ impl World {
             .filter(|(_, p)| p.root == root)
             .map(|(&k, p)| (k, p.steps))
             .collect();
+        let remote: Vec<(u32, u8)> = (h.planned.iter())
+            .filter(|(_, p)| p.root == root)
+            .filter_map(|(&k, p)| Some((k, p.remote?)))
+            .collect();
+        for effect @ (key, step) in remote {
+            let there = h.remote_effects.contains(&effect);
+            if ok && !there {
+                h.violate(format!(
+                    "root {root} succeeded without the remote effect of {key}#{step}"
+                ));
+            } else if !ok && there {
+                // As documented (`Dispatched::undo`): an operation whose child
+                // recorded its outcome before the tree failed is not undone by the
+                // engine. Counted, not judged: the workload's procedures cannot
+                // undo it in their own rollback.
+                h.left_applied += 1;
+                h.log(format_args!("remote effect of {key}#{step} left applied"));
+            }
+        }
         for (key, steps) in tree {
             let there = (1..=steps)
                 .filter(|&s| h.ledger.contains(&(key, s)))
@@ -261,6 +306,11 @@ impl World {
     /// What the checker found.
     pub(super) fn violations(&self) -> Vec<String> {
         self.history().violations.clone()
+    }
+
+    /// Remote effects rolled-back trees left applied.
+    pub(super) fn left_applied(&self) -> u32 {
+        self.history().left_applied
     }
 
     pub(super) fn calls(&self) -> u64 {
@@ -297,6 +347,7 @@ impl History {
                 parent,
                 steps: proc.steps,
                 children_at: proc.children_at,
+                remote: proc.remote,
             },
         );
         for child in &proc.children {
@@ -496,6 +547,23 @@ impl Procedure<World> for SimProc {
         if world.history().fails(self.key, step, self.fail_at) {
             return Err(ProcError::failed(format!("{}#{step} failed", self.key)));
         }
+        if self.remote == Some(step) {
+            let op = NetOp {
+                key: self.key,
+                step,
+            };
+            ctx.dispatch::<SimNet>(format!("n{}", self.key % 3), &op)?
+                .undo(&op)?;
+            return Ok(ctx.await_remote());
+        }
+        if self.remote.is_some_and(|at| at + 1 == step) {
+            if let Some(failed) = ctx.remote_results().iter().find(|r| r.outcome.is_err()) {
+                return Err(ProcError::failed(format!(
+                    "{}#{step}: remote operation {} failed",
+                    self.key, failed.op
+                )));
+            }
+        }
         Ok(if self.children_at == Some(step) {
             Flow::Children(
                 self.children
@@ -547,6 +615,95 @@ pub(super) fn check_all_ended(world: &World, acked: &BTreeMap<u32, ProcId>) {
             world.violation(format!(
                 "root {root} ({id}) was acknowledged and never ended"
             ));
+        }
+    }
+}
+
+/// A remote operation of the simulated workload: the effect of `key`'s step `step` on
+/// a node (its undo carries the same).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+pub(super) struct NetOp {
+    key: u32,
+    step: u8,
+}
+
+/// The simulated network and nodes: each request takes a random latency (so
+/// requests overtake each other), and in seeds with network faults a request is lost
+/// on its way (10 %) or its answer is (10 %, after the node applied it). A node
+/// applies an operation once, however often it comes, refuses one that comes after
+/// its undo, and answers every operation in the response.
+pub(super) struct SimNet(pub(super) std::sync::Arc<World>);
+
+#[async_trait]
+impl Transport for SimNet {
+    type Op = NetOp;
+
+    async fn send(
+        &self,
+        target: &str,
+        ops: Vec<(OpId, NetOp)>,
+    ) -> Result<Vec<Report>, TransportError> {
+        let latency = {
+            let mut h = self.0.history();
+            for (id, _) in &ops {
+                *h.in_flight.entry(*id).or_default() += 1;
+            }
+            h.net.below(3_000)
+        };
+        // Dropped with the request (a crash, a deposed engine): no longer on its way.
+        let _on_its_way = OnItsWay(&self.0, ops.iter().map(|(id, _)| *id).collect());
+        tokio::time::sleep(Duration::from_micros(100 + latency)).await;
+        let mut h = self.0.history();
+        if h.net_faults && h.net.below(10) == 0 {
+            h.log(format_args!("net: request to {target} lost"));
+            return Err(TransportError(format!("{target}: request lost")));
+        }
+        let mut reports = Vec::with_capacity(ops.len());
+        for (id, op) in ops {
+            h.log(format_args!("net: {target} gets {id} {op:?}"));
+            let ok = |id| Report::ok(id, &()).map_err(|e| TransportError(e.to_string()));
+            if let Some(of) = id.undoes() {
+                // An undo goes out only once its operation's course has ended.
+                if h.in_flight.get(&of).is_some_and(|&n| n > 0) {
+                    h.violate(format!(
+                        "the undo of {of} reached {target} while {of} was on its way there"
+                    ));
+                }
+                if let Some(effect) = h.applied.get(&of).copied() {
+                    if !h.undone.contains(&of) {
+                        h.remote_effects.remove(&effect);
+                    }
+                }
+                h.undone.insert(of);
+                reports.push(ok(id)?);
+            } else if h.undone.contains(&id) {
+                reports.push(Report::failed(id, "undone before it arrived"));
+            } else {
+                if let std::collections::btree_map::Entry::Vacant(first) = h.applied.entry(id) {
+                    first.insert((op.key, op.step));
+                    h.remote_effects.insert((op.key, op.step));
+                }
+                reports.push(ok(id)?);
+            }
+        }
+        if h.net_faults && h.net.below(10) == 0 {
+            h.log(format_args!("net: answer from {target} lost"));
+            return Err(TransportError(format!("{target}: answer lost")));
+        }
+        Ok(reports)
+    }
+}
+
+/// Operations of one request, counted on their way until it ends.
+struct OnItsWay<'a>(&'a World, Vec<OpId>);
+
+impl Drop for OnItsWay<'_> {
+    fn drop(&mut self) {
+        let mut h = self.0.history();
+        for id in &self.1 {
+            if let Some(n) = h.in_flight.get_mut(id) {
+                *n = n.saturating_sub(1);
+            }
         }
     }
 }
