@@ -12,7 +12,7 @@ use std::rc::Rc;
 use std::time::Duration;
 
 use super::world::{self, RootPlan, World};
-use super::{now_us, Drive, End, Incarnation, Rng, STALL_AFTER};
+use super::{now_us, Drive, End, Incarnation, Rng};
 use crate::actors::pg_store::PgLease;
 use crate::procedure::ProcId;
 use crate::record::Nonce;
@@ -135,37 +135,8 @@ pub(super) async fn drive(inc: &Incarnation<'_>) -> End {
             state.wake.notify_one();
         });
     }
-    let supervising = supervise(inc, &cluster);
-    let crash = async {
-        match inc.crash_after {
-            Some(after) => tokio::time::sleep(after).await,
-            None => std::future::pending().await,
-        }
-    };
-    let done = async {
-        loop {
-            if !submitting.get() && state.open.get() == 0 {
-                return End::Finished;
-            }
-            state.wake.notified().await;
-        }
-    };
-    let end = tokio::select! {
-        biased;
-        () = crash => End::Crashed,
-        end = done => end,
-        end = supervising => end,
-        () = tokio::time::sleep(STALL_AFTER) => {
-            world.violation(format!(
-                "stalled: {} roots without a result after {} s of simulated time",
-                state.open.get(),
-                STALL_AFTER.as_secs()
-            ));
-            End::Fatal
-        }
-    };
-    world.log(format_args!("end {end:?}"));
-    end
+    inc.until_end(&state, &submitting, supervise(inc, &cluster))
+        .await
 }
 
 /// The supervisor: cuts processes off the database when the seed says so, replaces a

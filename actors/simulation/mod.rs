@@ -607,6 +607,19 @@ impl Incarnation<'_> {
                 state.wake.notify_one();
             });
         }
+        self.until_end(&state, &submitting, std::future::pending())
+            .await
+    }
+
+    /// Waits for the incarnation's end: the seed's crash time, every root's result
+    /// (or the engine breaking), `beside` (the cluster's supervisor giving up), or a
+    /// stall.
+    async fn until_end(
+        &self,
+        state: &Drive,
+        submitting: &Cell<bool>,
+        beside: impl std::future::Future<Output = End>,
+    ) -> End {
         let crash = async {
             match self.crash_after {
                 Some(after) => tokio::time::sleep(after).await,
@@ -628,8 +641,9 @@ impl Incarnation<'_> {
             biased;
             () = crash => End::Crashed,
             end = done => end,
+            end = beside => end,
             () = tokio::time::sleep(STALL_AFTER) => {
-                world.violation(format!(
+                self.world.violation(format!(
                     "stalled: {} roots without a result after {} s of simulated time",
                     state.open.get(),
                     STALL_AFTER.as_secs()
@@ -637,7 +651,7 @@ impl Incarnation<'_> {
                 End::Fatal
             }
         };
-        world.log(format_args!("end {end:?}"));
+        self.world.log(format_args!("end {end:?}"));
         end
     }
 
