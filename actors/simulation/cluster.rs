@@ -11,11 +11,10 @@ use std::collections::BTreeSet;
 use std::rc::Rc;
 use std::time::Duration;
 
-use super::world::{self, RootPlan, World};
+use super::world::{RootPlan, World};
 use super::{now_us, Drive, End, Incarnation, Rng};
 use crate::actors::pg_store::PgLease;
 use crate::procedure::ProcId;
-use crate::record::Nonce;
 use crate::{Error, Executor, Role};
 
 /// The leader lease's period (the shortest the lease allows).
@@ -48,14 +47,9 @@ impl Cluster {
         let n = self.started.get() + 1;
         self.started.set(n);
         let name = format!("p{}.{n}", inc.number);
-        let executor = Executor::builder()
-            .registry(world::registry())
+        let executor = inc
+            .builder()
             .store(inc.db.store(&name))
-            .env(inc.world.clone())
-            .workers(inc.swarm.workers)
-            .arbiters(inc.swarm.arbiters)
-            .retention(Duration::from_secs(86_400))
-            .remote(world::SimNet(inc.world.clone()), super::remote_options())
             .leadership(PgLease::simulated(inc.db.clone(), &name, PERIOD))
             .start_standby()?;
         inc.world.log(format_args!("start {name}"));
@@ -90,23 +84,11 @@ pub(super) async fn drive(inc: &Incarnation<'_>) -> End {
             return End::Fatal;
         }
     }
-    let state = Rc::new(Drive {
-        open: Cell::new(0),
-        broken: Cell::new(false),
-        wake: tokio::sync::Notify::new(),
-    });
-    let known: Vec<(u32, ProcId)> = inc.acked.borrow().iter().map(|(&k, &i)| (k, i)).collect();
-    for (key, id) in known {
-        if !world.finished(key) {
-            let must = inc.plan_of(key).is_some_and(|p| p.must_succeed);
-            watch(&state, &cluster, world, key, id, must);
-        }
+    let state = Rc::new(Drive::default());
+    for (key, id, must) in inc.unfinished() {
+        watch(&state, &cluster, world, key, id, must);
     }
-    let mut todo: Vec<RootPlan> = (inc.plans.iter())
-        .filter(|p| !inc.acked.borrow().contains_key(&p.proc.key))
-        .map(super::clone_plan)
-        .collect();
-    todo.sort_by_key(|p| (p.at_ms, p.proc.key));
+    let todo = inc.to_submit();
     let submitting = Rc::new(Cell::new(true));
     {
         let (state, cluster, submitting) = (state.clone(), cluster.clone(), submitting.clone());
@@ -224,13 +206,13 @@ fn period_us() -> u64 {
 
 /// Submits `plan`'s root to whichever process takes it, under its nonce.
 async fn submit(cluster: &Cluster, world: &World, plan: &RootPlan) -> ProcId {
-    let nonce = Nonce {
-        group: 0x5157,
-        nonce: u64::from(plan.proc.key),
-    };
     loop {
         for (name, executor) in cluster.executors() {
-            match executor.submit(plan.proc.clone()).nonce(nonce).await {
+            match executor
+                .submit(plan.proc.clone())
+                .nonce(super::nonce(plan.proc.key))
+                .await
+            {
                 Ok(id) => return id,
                 Err(e) if elsewhere(&e) => {}
                 Err(e) => {

@@ -522,16 +522,7 @@ impl Incarnation<'_> {
                 return End::Fatal;
             }
         };
-        let executor = Executor::builder()
-            .registry(world::registry())
-            .store(store)
-            .env(world.clone())
-            .workers(self.swarm.workers)
-            .arbiters(self.swarm.arbiters)
-            .retention(Duration::from_secs(86_400))
-            .remote(world::SimNet(world.clone()), remote_options())
-            .start()
-            .await;
+        let executor = self.builder().store(store).start().await;
         let executor = match executor {
             Ok(executor) => Rc::new(executor),
             Err(e @ crate::Error::Store(_)) if self.disk.faults() > 0 => {
@@ -543,24 +534,11 @@ impl Incarnation<'_> {
                 return End::Fatal;
             }
         };
-        let state = Rc::new(Drive {
-            open: Cell::new(0),
-            broken: Cell::new(false),
-            wake: tokio::sync::Notify::new(),
-        });
-        // The roots acknowledged before: their results.
-        let known: Vec<(u32, ProcId)> = self.acked.borrow().iter().map(|(&k, &i)| (k, i)).collect();
-        for (key, id) in known {
-            if !world.finished(key) {
-                let must = self.plan_of(key).is_some_and(|p| p.must_succeed);
-                state.watch(&executor, world, key, id, must);
-            }
+        let state = Rc::new(Drive::default());
+        for (key, id, must) in self.unfinished() {
+            state.watch(&executor, world, key, id, must);
         }
-        // The rest, at their times (at once after a restart), each under its nonce.
-        let mut todo: Vec<&RootPlan> = (self.plans.iter())
-            .filter(|p| !self.acked.borrow().contains_key(&p.proc.key))
-            .collect();
-        todo.sort_by_key(|p| (p.at_ms, p.proc.key));
+        let todo = self.to_submit();
         let submitting = Rc::new(Cell::new(true));
         {
             let (executor, state, submitting) =
@@ -568,20 +546,14 @@ impl Incarnation<'_> {
             let world = world.clone();
             let acked = self.acked.clone();
             let first = self.first;
-            let todo: Vec<(u64, RootPlan)> =
-                todo.into_iter().map(|p| (p.at_ms, clone_plan(p))).collect();
             let start = tokio::time::Instant::now();
             tokio::task::spawn_local(async move {
-                for (at_ms, plan) in todo {
+                for plan in todo {
                     if first {
-                        tokio::time::sleep_until(start + Duration::from_millis(at_ms)).await;
+                        tokio::time::sleep_until(start + Duration::from_millis(plan.at_ms)).await;
                     }
                     let key = plan.proc.key;
-                    let nonce = Nonce {
-                        group: 0x5157,
-                        nonce: u64::from(key),
-                    };
-                    match executor.submit(plan.proc.clone()).nonce(nonce).await {
+                    match executor.submit(plan.proc.clone()).nonce(nonce(key)).await {
                         Ok(id) => {
                             world.log(format_args!("submitted {key} {id}"));
                             acked.borrow_mut().insert(key, id);
@@ -655,8 +627,40 @@ impl Incarnation<'_> {
         end
     }
 
-    fn plan_of(&self, key: u32) -> Option<&RootPlan> {
-        self.plans.iter().find(|p| p.proc.key == key)
+    /// A builder with the seed's registry, environment, shape, retention and
+    /// transport; the driver adds the store (and a cluster's process, its lease).
+    fn builder(&self) -> crate::ExecutorBuilder<World> {
+        Executor::builder()
+            .registry(world::registry())
+            .env(self.world.clone())
+            .workers(self.swarm.workers)
+            .arbiters(self.swarm.arbiters)
+            .retention(Duration::from_secs(86_400))
+            .remote(world::SimNet(self.world.clone()), remote_options())
+    }
+
+    /// The roots acknowledged before whose result was not seen: their keys, ids and
+    /// whether they must succeed.
+    fn unfinished(&self) -> Vec<(u32, ProcId, bool)> {
+        (self.acked.borrow().iter())
+            .filter(|(&key, _)| !self.world.finished(key))
+            .map(|(&key, &id)| {
+                let plan = self.plans.iter().find(|p| p.proc.key == key);
+                (key, id, plan.is_some_and(|p| p.must_succeed))
+            })
+            .collect()
+    }
+
+    /// The roots not acknowledged yet, in the order of their submission times (at
+    /// once after a restart).
+    fn to_submit(&self) -> Vec<RootPlan> {
+        let acked = self.acked.borrow();
+        let mut todo: Vec<RootPlan> = (self.plans.iter())
+            .filter(|p| !acked.contains_key(&p.proc.key))
+            .cloned()
+            .collect();
+        todo.sort_by_key(|p| (p.at_ms, p.proc.key));
+        todo
     }
 }
 
@@ -670,16 +674,16 @@ fn remote_options() -> crate::RemoteOptions {
         .deadline(Duration::from_secs(300))
 }
 
-fn clone_plan(p: &RootPlan) -> RootPlan {
-    RootPlan {
-        proc: p.proc.clone(),
-        at_ms: p.at_ms,
-        abort_after_ms: p.abort_after_ms,
-        must_succeed: p.must_succeed,
+/// The nonce a root is submitted (and resubmitted) under.
+fn nonce(key: u32) -> Nonce {
+    Nonce {
+        group: 0x5157,
+        nonce: u64::from(key),
     }
 }
 
 /// The driver's state within one incarnation.
+#[derive(Default)]
 struct Drive {
     /// Roots watched without a result yet.
     open: Cell<usize>,

@@ -61,6 +61,7 @@ struct Planned {
 }
 
 /// One root's plan, for the driver.
+#[derive(Clone)]
 pub(super) struct RootPlan {
     pub(super) proc: SimProc,
     /// When it is submitted, in simulated ms after the start.
