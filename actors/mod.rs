@@ -3,6 +3,8 @@
 //! Each handler decodes a message, asks the pure core in `src/` what to do, and performs
 //! the effects. See `ARCHITECTURE.md` for who sends what to whom.
 
+#[cfg(feature = "postgres")]
+pub(crate) mod cluster;
 mod crash_test;
 mod executor;
 mod guard;
@@ -26,6 +28,8 @@ mod shared;
 pub mod simulation;
 mod wal_store;
 
+#[cfg(feature = "postgres")]
+pub use cluster::{Cluster, ClusterBuilder, ClusterState, MemberState, MoveRecord, PartitionState};
 pub use crash_test::{restart_at_every_write, CrashRun};
 pub use executor::{
     Abort, AckResult, Bypass, EngineStatus, Executor, ExecutorActor, ExecutorBuilder,

@@ -375,7 +375,11 @@ pub(crate) struct Shared {
     /// Live trees per shard (by the shard's index): a new tree goes to the shard with
     /// the fewest.
     live_trees: Box<[AtomicUsize]>,
+    /// How many ids of the engine's stripe were handed out (the next is this plus one).
     next_id: AtomicU64,
+    /// The ids this engine hands out: every id, or, for a partition of a cluster, the
+    /// partition's stripe.
+    stripe: crate::cluster::IdStripe,
     /// A graceful shutdown in progress, and the calls into user code it waits for.
     pub(crate) drain: Drain,
     /// Raised when a graceful shutdown's drain deadline passes: every call's context
@@ -405,6 +409,8 @@ pub(crate) struct Shared {
     /// The leader lease's epoch the executor runs under, given to every call
     /// (`Context::fencing_token`).
     pub(crate) fencing_token: Option<i64>,
+    /// The cluster partition the executor runs (`Context::partition`).
+    pub(crate) partition: Option<u32>,
     /// The remote dispatcher, and what a call's context reaches it through.
     pub(crate) remote: Option<(crate::remote::Sink, Addr<super::remote::RemoteDispatcher>)>,
 }
@@ -475,14 +481,14 @@ impl Shared {
         news: Recipient<TreeNews>,
         arbiters: Vec<ArbiterHandle>,
         shards: Vec<ShardAddr>,
-        max_id: u64,
+        (max_id, stripe): (u64, crate::cluster::IdStripe),
         table_capacity: usize,
         broken: Cancel,
         mandate: Arc<Mandate>,
         restart_limit: RestartLimit,
         rollback_retries: u32,
         retry_policy: Option<crate::procedure::RetryPolicy>,
-        fencing_token: Option<i64>,
+        (fencing_token, partition): (Option<i64>, Option<u32>),
         remote: Option<(crate::remote::Sink, Addr<super::remote::RemoteDispatcher>)>,
     ) -> Self {
         Shared {
@@ -499,7 +505,8 @@ impl Shared {
             arbiters,
             live_trees: shards.iter().map(|_| AtomicUsize::new(0)).collect(),
             shards: shards.into_iter().map(Arc::new).collect(),
-            next_id: AtomicU64::new(max_id + 1),
+            next_id: AtomicU64::new(stripe.ordinal(max_id) + 1),
+            stripe,
             drain: Drain::default(),
             shutdown: Cancel::new(),
             broken,
@@ -512,6 +519,7 @@ impl Shared {
             metrics: super::metrics::TypeMetrics::default(),
             proc_gauges: super::metrics::ProcGauges::new(),
             fencing_token,
+            partition,
             remote,
         }
     }
@@ -523,13 +531,14 @@ impl Shared {
 
     /// A new procedure id, above every id the store has seen.
     pub(crate) fn next_id(&self) -> ProcId {
-        ProcId(self.next_id.fetch_add(1, Ordering::Relaxed))
+        self.stripe.id(self.next_id.fetch_add(1, Ordering::Relaxed))
     }
 
     /// Whether `id` was ever handed out by this store (by this engine or before a
     /// restart): an id that was, but is in no table, is gone, not unknown.
     pub(crate) fn issued(&self, id: ProcId) -> bool {
-        id.0 < self.next_id.load(Ordering::Relaxed)
+        id.0 % self.stripe.count == self.stripe.offset
+            && self.stripe.ordinal(id.0) < self.next_id.load(Ordering::Relaxed)
     }
 
     /// The address of a new tree of `root`, on the shard with the fewest live trees

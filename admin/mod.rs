@@ -534,6 +534,11 @@ async fn engine<E: Send + Sync + 'static>(
         }
         Ok(Role::Standby { leader }) => json!({ "role": "standby", "leader": leader }),
         Ok(Role::SteppedDown { reason }) => json!({ "role": "stepped_down", "reason": reason }),
+        Ok(Role::Owner {
+            holder,
+            partition,
+            epoch,
+        }) => json!({ "role": "owner", "holder": holder, "partition": partition, "epoch": epoch }),
         Err(e) => json!({ "role": "unknown", "error": e.to_string() }),
     };
     let recovery = admin.executor.recovery();

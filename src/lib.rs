@@ -13,6 +13,7 @@
 #![doc = include_str!("guide.md")]
 
 mod cancel;
+mod cluster;
 mod crash_store;
 mod dag;
 mod erased;
@@ -91,14 +92,21 @@ pub mod messages {
     };
 }
 
+#[cfg(feature = "postgres")]
+pub use crate::actors::{
+    Cluster, ClusterBuilder, ClusterState, Leadership, LeaseState, MemberState, MoveRecord,
+    PartitionState, PgLease, PgOptions, PgStore,
+};
 pub use crate::actors::{
     CommitStats, EngineStatus, Executor, ExecutorActor, ExecutorBuilder, List, ListPage,
     NonceRegistration, NonceReservation, ProcEvent, ProcInfo, ProcPage, RecentFailure, Recovery,
     Role, SchedulerStats, ShardLoad, Submission, Submitted, Subscription, TreeInfo, WaitValue,
     WaitingOn, WalOptions, WalStats, WalStore,
 };
-#[cfg(feature = "postgres")]
-pub use crate::actors::{Leadership, LeaseState, PgLease, PgOptions, PgStore};
+/// The pure rules of a cluster: a key's partition, an id's partition.
+pub mod partitions {
+    pub use crate::cluster::{partition_of_id, partition_of_key};
+}
 pub use crate::actors::{RemoteOptions, Report, Transport, TransportError};
 pub use crate::cancel::{Cancel, CancelReason, Cancelled};
 pub use crate::dag::{Dag, DagBuilder, DagError, DagTask, Task, TaskId, TaskStatus};

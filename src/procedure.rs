@@ -827,6 +827,8 @@ pub struct Context<E: ?Sized = ()> {
     child_values: Option<ChildValues>,
     /// The leader lease's epoch, when the executor leads through one.
     fencing_token: Option<i64>,
+    /// The cluster partition the executor runs, when it runs one.
+    partition: Option<u32>,
     /// The engine's remote dispatcher, when it has one.
     remote: Option<crate::remote::Sink>,
     /// Operations this step dispatched, for [`Context::await_remote`].
@@ -852,6 +854,7 @@ impl<E: ?Sized> Clone for Context<E> {
             children: self.children.clone(),
             child_values: self.child_values.clone(),
             fencing_token: self.fencing_token,
+            partition: self.partition,
             remote: self.remote.clone(),
             dispatched: self.dispatched.clone(),
             retry: self.retry,
@@ -891,6 +894,23 @@ impl<E: ?Sized> Context<E> {
     /// ```
     pub fn fencing_token(&self) -> Option<i64> {
         self.fencing_token
+    }
+
+    /// The partition of a [cluster](crate::Cluster) this procedure's tree belongs to,
+    /// `None` outside a cluster. There the [fencing token](Self::fencing_token) is the
+    /// partition's epoch, which grows with each change of the partition's owner: tokens
+    /// of one partition are ordered, tokens of two partitions are not, so a resource
+    /// that checks tokens keeps the highest it has seen per partition.
+    ///
+    /// ```
+    /// use proctor::{Context, ProcId};
+    /// let ctx = Context::new(ProcId(1), None, ProcId(1), 0, std::sync::Arc::new(()))
+    ///     .with_partition(Some(3))
+    ///     .with_fencing_token(Some(12));
+    /// assert_eq!((ctx.partition(), ctx.fencing_token()), (Some(3), Some(12)));
+    /// ```
+    pub fn partition(&self) -> Option<u32> {
+        self.partition
     }
 
     /// The procedure's children, in the order it started them, each with its state
@@ -1293,10 +1313,19 @@ impl<E: ?Sized> Context<E> {
             children: None,
             child_values: None,
             fencing_token: None,
+            partition: None,
             remote: None,
             dispatched: Vec::new(),
             retry: None,
         }
+    }
+
+    /// Gives the call the cluster partition it runs in (see [`Context::partition`]).
+    /// For tests of a step's own handling.
+    #[must_use]
+    pub fn with_partition(mut self, partition: Option<u32>) -> Self {
+        self.partition = partition;
+        self
     }
 
     /// Gives the call the executor's fencing token (see [`Context::fencing_token`]).
@@ -1442,6 +1471,7 @@ impl Context<dyn Any + Send + Sync> {
             children: self.children.clone(),
             child_values: self.child_values.clone(),
             fencing_token: self.fencing_token,
+            partition: self.partition,
             remote: self.remote.clone(),
             dispatched: Vec::new(),
             retry: None,
@@ -1649,6 +1679,38 @@ where
     /// environment). The default accepts.
     fn abort(&mut self, _ctx: &Context<E>) -> bool {
         true
+    }
+
+    /// The key that places this root in a partition of a [cluster](crate::Cluster):
+    /// every root with the same key runs in the same partition, so on the same executor
+    /// and under one lock table. The default is the resource of its first
+    /// [lock](Procedure::locks), so roots that lock the same resource meet; one
+    /// without locks has none, and runs where it is submitted (or where its nonce
+    /// places it). Locks are honoured only within a partition: roots that lock
+    /// resources of one hierarchy (`ns` and `ns/t1`), or several resources that other
+    /// roots lock apart, need a key that puts them together (the table's name for every
+    /// procedure on that table). Asked once, when the root is submitted to a cluster;
+    /// an executor outside a cluster never asks.
+    ///
+    /// ```
+    /// # use proctor::{async_trait, Context, Flow, Lock, ProcError, Procedure};
+    /// #[derive(serde::Serialize, serde::Deserialize)]
+    /// struct SplitRegion { table: String, region: u32 }
+    /// #[async_trait]
+    /// impl Procedure for SplitRegion {
+    ///     # async fn execute(&mut self, _: &mut Context) -> Result<Flow, ProcError> { Ok(Flow::Done) }
+    ///     # async fn rollback(&mut self, _: &mut Context) -> Result<(), ProcError> { Ok(()) }
+    ///     fn locks(&self) -> Vec<Lock> {
+    ///         vec![Lock::exclusive(format!("table/{}/region/{}", self.table, self.region))]
+    ///     }
+    ///     // With every procedure on the table, whichever region it locks.
+    ///     fn affinity(&self) -> Option<String> {
+    ///         Some(format!("table/{}", self.table))
+    ///     }
+    /// }
+    /// ```
+    fn affinity(&self) -> Option<String> {
+        self.locks().into_iter().next().map(|lock| lock.resource)
     }
 
     /// The resources this procedure needs, and how (see [`Lock`]). Asked once, when the

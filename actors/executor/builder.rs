@@ -71,6 +71,9 @@ pub struct ExecutorBuilder<E = ()> {
     /// A standby's wait: told of the holders it sees, and ended by a stop.
     #[cfg(feature = "postgres")]
     standby: Option<Arc<dyn StandbyWait>>,
+    /// The cluster partition this engine runs, and the ownership it runs it under.
+    #[cfg(feature = "postgres")]
+    pub(crate) grant: Option<crate::actors::cluster::Grant>,
 }
 
 impl<E> std::fmt::Debug for ExecutorBuilder<E> {
@@ -121,6 +124,8 @@ impl<E> Default for ExecutorBuilder<E> {
             lease: None,
             #[cfg(feature = "postgres")]
             standby: None,
+            #[cfg(feature = "postgres")]
+            grant: None,
             registry: Registry::default(),
             env: None,
             permits: Vec::new(),
@@ -327,6 +332,12 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
     pub fn store(mut self, store: impl ProcedureStore) -> Self {
         self.store = Some(Box::new(store));
         self
+    }
+
+    /// The registry, for a cluster member that encodes and decodes forwarded roots.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn into_registry(self) -> Registry<E> {
+        self.registry
     }
 
     /// Sends remote operations ([`Context::dispatch`](crate::Context::dispatch))
@@ -645,15 +656,25 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         })?;
         // A standby waits here for the lease; the store is read only once it leads.
         #[cfg(feature = "postgres")]
-        let leadership = match self.lease.take() {
-            Some(lease) => {
+        let grant = self.grant.take();
+        #[cfg(feature = "postgres")]
+        let (leadership, partition, stripe) = match (self.lease.take(), grant) {
+            // A partition's owner: its writes are fenced with the partition's epoch.
+            (_, Some(grant)) => {
+                store.fence(Some(grant.leadership.epoch()))?;
+                let stripe = crate::cluster::IdStripe::of(grant.partition, grant.partitions);
+                (Some(grant.leadership), Some(grant.partition), stripe)
+            }
+            (Some(lease), None) => {
                 let leadership = self.acquire(lease).await?;
                 store.fence(Some(leadership.epoch()))?;
                 ::metrics::gauge!(crate::actors::metrics::IS_LEADER).set(1.0);
-                Some(leadership)
+                (Some(leadership), None, crate::cluster::IdStripe::WHOLE)
             }
-            None => None,
+            (None, None) => (None, None, crate::cluster::IdStripe::WHOLE),
         };
+        #[cfg(not(feature = "postgres"))]
+        let (partition, stripe) = (None, crate::cluster::IdStripe::WHOLE);
         // The registry's types go to the recovery, and on to the actors: the other
         // options are still read below.
         let mut registry = std::mem::take(&mut self.registry);
@@ -705,15 +726,16 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
             broken: crate::cancel::Cancel::new(),
             mandate,
             fencing_token,
+            partition,
             remote,
         };
-        let addr = self.create_actor(recovered, env, peers, owned);
+        let addr = self.create_actor(recovered, env, peers, owned, stripe);
         #[cfg_attr(not(feature = "postgres"), allow(unused_mut))]
         let mut leading = None;
         #[cfg(feature = "postgres")]
         if let Some(leadership) = leadership {
             leading = Some((leadership.holder().to_string(), leadership.epoch()));
-            super::leader::lead(&addr, leadership);
+            super::leader::lead(&addr, leadership, partition);
         }
         tracing::info!(target: crate::targets::EXECUTOR,
             version = env!("CARGO_PKG_VERSION"),
@@ -874,6 +896,7 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
         env: Arc<AnyEnv>,
         peers: Peers,
         owned: bool,
+        stripe: crate::cluster::IdStripe,
     ) -> Addr<ExecutorActor<E>> {
         let max_unfinished = self.max_unfinished;
         let retention = self.retention;
@@ -907,14 +930,14 @@ impl<E: Send + Sync + 'static> ExecutorBuilder<E> {
                 ctx.address().recipient(),
                 handles,
                 shards,
-                max_id,
+                (max_id, stripe),
                 table_capacity,
                 peers.broken,
                 peers.mandate,
                 self.restart_limit,
                 self.rollback_retries,
                 self.retry_policy,
-                peers.fencing_token,
+                (peers.fencing_token, peers.partition),
                 peers.remote,
             ));
             keep_results(&shared, finished);
@@ -991,6 +1014,8 @@ struct Peers {
     mandate: Arc<Mandate>,
     /// The leader lease's epoch, for every call's context.
     fencing_token: Option<i64>,
+    /// The cluster partition, for every call's context.
+    partition: Option<u32>,
     /// The remote dispatcher, and what procedures reach it through.
     remote: Option<(crate::remote::Sink, Addr<RemoteDispatcher>)>,
 }

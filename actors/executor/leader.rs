@@ -31,6 +31,16 @@ pub enum Role {
         /// The lease's holder as it last saw it, if any.
         leader: Option<String>,
     },
+    /// It owns one partition of a [cluster](crate::Cluster): it runs that partition's
+    /// procedures, its writes fenced with the partition's epoch.
+    Owner {
+        /// The cluster member it runs in.
+        holder: String,
+        /// The partition.
+        partition: u32,
+        /// The partition's epoch: its owner's fencing token.
+        epoch: i64,
+    },
     /// It lost the lease and stepped down: it runs and acknowledges nothing more.
     SteppedDown {
         /// Why.
@@ -67,12 +77,16 @@ impl<E: Send + Sync + 'static> Handler<LeaseLost> for ExecutorActor<E> {
     type Result = ();
 
     fn handle(&mut self, msg: LeaseLost, _ctx: &mut Context<Self>) {
-        if !matches!(self.role, Role::Leader { .. }) {
+        if !matches!(self.role, Role::Leader { .. } | Role::Owner { .. }) {
             return;
         }
         let crate::actors::pg_store::Loss { reason, taker } = msg.0;
-        tracing::error!(target: crate::targets::EXECUTOR, reason = %reason, "lost the leader lease: stepping down");
-        ::metrics::gauge!(crate::actors::metrics::IS_LEADER).set(0.0);
+        if let Role::Owner { partition, .. } = self.role {
+            tracing::warn!(target: crate::targets::EXECUTOR, partition, reason = %reason, "lost the partition: stepping down");
+        } else {
+            tracing::error!(target: crate::targets::EXECUTOR, reason = %reason, "lost the leader lease: stepping down");
+            ::metrics::gauge!(crate::actors::metrics::IS_LEADER).set(0.0);
+        }
         self.role = Role::SteppedDown {
             reason: reason.clone(),
         };
@@ -94,10 +108,11 @@ impl<E: Send + Sync + 'static> Handler<LeaseLost> for ExecutorActor<E> {
 pub(super) fn lead<E: Send + Sync + 'static>(
     addr: &Addr<ExecutorActor<E>>,
     leadership: crate::actors::Leadership,
+    partition: Option<u32>,
 ) {
     let lost = leadership.signal();
     let term = leadership.term();
-    addr.do_send(Lead(Some(leadership)));
+    addr.do_send(Lead(Some(leadership), partition));
     let addr = addr.clone();
     actix::spawn(async move {
         // The lease's thread tells of a loss; a term that ran out by this process's
@@ -125,7 +140,7 @@ pub(super) fn lead<E: Send + Sync + 'static>(
 
 /// The lease this executor holds.
 #[cfg(feature = "postgres")]
-struct Lead(Option<crate::actors::Leadership>);
+struct Lead(Option<crate::actors::Leadership>, Option<u32>);
 
 #[cfg(feature = "postgres")]
 impl Message for Lead {
@@ -138,11 +153,22 @@ impl<E: Send + Sync + 'static> Handler<Lead> for ExecutorActor<E> {
 
     fn handle(&mut self, mut msg: Lead, _ctx: &mut Context<Self>) {
         if let Some(leadership) = msg.0.take() {
-            self.role = Role::Leader {
-                holder: leadership.holder().to_string(),
-                epoch: leadership.epoch(),
+            let holder = leadership.holder().to_string();
+            let epoch = leadership.epoch();
+            self.role = match msg.1 {
+                Some(partition) => {
+                    tracing::info!(target: crate::targets::EXECUTOR, %holder, partition, epoch, "owning a partition");
+                    Role::Owner {
+                        holder,
+                        partition,
+                        epoch,
+                    }
+                }
+                None => {
+                    tracing::info!(target: crate::targets::EXECUTOR, %holder, epoch, "leading");
+                    Role::Leader { holder, epoch }
+                }
             };
-            tracing::info!(target: crate::targets::EXECUTOR, holder = leadership.holder(), epoch = leadership.epoch(), "leading");
             self.leadership = Some(leadership);
         }
     }

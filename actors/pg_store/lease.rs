@@ -62,6 +62,8 @@ pub struct PgLease {
     options: PgOptions,
     holder: String,
     period: Duration,
+    /// Which lease: the leader's, or a cluster member's own.
+    row: LeaseRow,
     /// Under a simulation: the simulated database the lease is in.
     #[cfg(feature = "simulation")]
     simulated: Option<crate::actors::simulation::SimDb>,
@@ -76,8 +78,27 @@ impl PgLease {
             options: PgOptions::default(),
             holder: holder.into(),
             period: Duration::from_secs(30),
+            row: LeaseRow::Leader,
             #[cfg(feature = "simulation")]
             simulated: None,
+        }
+    }
+
+    /// The membership of the executor named `holder` in the cluster whose store is at
+    /// `url`: a lease of its own (a row of `proctor_members`), renewed as the leader
+    /// lease is; a member that loses it calls no user code for any partition.
+    pub(crate) fn member(url: impl Into<String>, holder: impl Into<String>) -> Self {
+        PgLease {
+            row: LeaseRow::Member,
+            ..PgLease::new(url, holder)
+        }
+    }
+
+    /// What the lease is, for messages.
+    fn what(&self) -> &'static str {
+        match self.row {
+            LeaseRow::Leader => "the leader lease",
+            LeaseRow::Member => "the cluster membership",
         }
     }
 
@@ -227,7 +248,7 @@ impl PgLease {
     /// period rather than after the system's TCP timeouts.
     fn connect(&self) -> Result<Client, StoreError> {
         let failed = |reason: String| StoreError::Database {
-            context: "connecting to PostgreSQL for the leader lease".to_string(),
+            context: format!("connecting to PostgreSQL for {}", self.what()),
             reason,
         };
         let mut config: postgres::Config = self
@@ -273,13 +294,13 @@ impl PgLease {
                 Ok(Taken::Yes(epoch)) => break (epoch, started),
                 Ok(Taken::No(state)) => {
                     if waiting_logged.as_ref() != Some(&state.holder) {
-                        tracing::info!(target: crate::targets::STORE, holder = ?state.holder, epoch = state.epoch, "standby: the leader lease is held; waiting");
+                        tracing::info!(target: crate::targets::STORE, holder = ?state.holder, epoch = state.epoch, "standby: the lease is held; waiting");
                         seen(state.holder.clone());
                         waiting_logged = Some(state.holder);
                     }
                 }
                 Err(e) => {
-                    tracing::warn!(target: crate::targets::STORE, error = %e, "standby: cannot read the leader lease; trying again");
+                    tracing::warn!(target: crate::targets::STORE, error = %e, "standby: cannot read the lease; trying again");
                     db.reset();
                 }
             }
@@ -288,7 +309,7 @@ impl PgLease {
                 return;
             }
         };
-        tracing::info!(target: crate::targets::STORE, holder = %self.holder, epoch, period_ms = self.period.as_millis() as u64, "took the leader lease");
+        tracing::info!(target: crate::targets::STORE, holder = %self.holder, epoch, period_ms = self.period.as_millis() as u64, lease = self.what(), "took the lease");
         let term = Arc::new(Term::until(renewed_at + deadline));
         if taken.send(Ok((epoch, term.clone()))).is_err() {
             // Nobody waits for it any more (the standby was stopped): let it go.
@@ -338,7 +359,7 @@ impl PgLease {
                     }
                     renewed_at = started;
                     if retry.take().is_some() {
-                        tracing::info!(target: crate::targets::STORE, "renewed the leader lease after a failure");
+                        tracing::info!(target: crate::targets::STORE, lease = self.what(), "renewed the lease after a failure");
                     }
                     ::metrics::histogram!(crate::actors::metrics::LEASE_RENEW)
                         .record(mono_now().saturating_duration_since(started));
@@ -351,7 +372,7 @@ impl PgLease {
                         None => "another engine took it".to_string(),
                     };
                     lose(Loss {
-                        reason: format!("the leader lease is no longer at epoch {epoch}: {by}"),
+                        reason: format!("{} is no longer at epoch {epoch}: {by}", self.what()),
                         taker: taker.map(|(holder, _)| holder),
                     });
                     return;
@@ -360,7 +381,7 @@ impl PgLease {
                     #[cfg(feature = "simulation")]
                     if crate::mutation::on(crate::mutation::Mutation::LeaseLostOnOneError) {
                         lose(Loss {
-                            reason: format!("cannot renew the leader lease: {e}"),
+                            reason: format!("cannot renew {}: {e}", self.what()),
                             taker: None,
                         });
                         return;
@@ -371,7 +392,7 @@ impl PgLease {
                         None => Duration::ZERO,
                         Some(d) => (d * 2).clamp(RETRY_FIRST, (self.period / 10).max(RETRY_FIRST)),
                     };
-                    tracing::warn!(target: crate::targets::STORE, error = %e, retry_in_ms = next.as_millis() as u64, "cannot renew the leader lease; trying again");
+                    tracing::warn!(target: crate::targets::STORE, error = %e, retry_in_ms = next.as_millis() as u64, lease = self.what(), "cannot renew the lease; trying again");
                     retry = Some(next);
                     db.reset();
                 }
@@ -530,7 +551,8 @@ impl LeaseStatements for PgStatements {
     }
 
     async fn try_take(&mut self, holder: &str, period: Duration) -> Result<Taken, StoreError> {
-        self.on(|c, schema| try_take(c, schema, holder, period))
+        let row = self.lease.row;
+        self.on(|c, schema| try_take(c, schema, row, holder, period))
     }
 
     async fn renew(
@@ -539,20 +561,21 @@ impl LeaseStatements for PgStatements {
         epoch: i64,
         period: Duration,
     ) -> Result<bool, StoreError> {
-        self.on(|c, schema| renew(c, schema, holder, epoch, period))
+        let row = self.lease.row;
+        self.on(|c, schema| renew(c, schema, row, holder, epoch, period))
     }
 
     async fn read(&mut self) -> Result<LeaseState, StoreError> {
         // After a renewal the lease lost: on the connection that has it, if any.
         match self.client.as_mut() {
-            Some(c) => read(c, self.lease.schema()),
+            Some(c) => read_row(c, self.lease.schema(), self.lease.row, &self.lease.holder),
             None => Err(StoreError::Failed("no connection".to_string())),
         }
     }
 
     async fn release(&mut self, holder: &str, epoch: i64) -> Result<(), StoreError> {
         match self.client.as_mut() {
-            Some(c) => release(c, self.lease.schema(), holder, epoch),
+            Some(c) => release(c, self.lease.schema(), self.lease.row, holder, epoch),
             None => Ok(()),
         }
     }
@@ -579,6 +602,25 @@ pub struct Leadership {
 }
 
 impl Leadership {
+    /// A partition's ownership held under a cluster membership: fenced with the
+    /// partition's `epoch`, holding while the membership's `term` does, and lost when
+    /// `lost` tells (the member lost the partition or its membership).
+    pub(crate) fn owned(
+        epoch: i64,
+        term: Arc<Term>,
+        holder: String,
+        lost: watch::Receiver<Option<Loss>>,
+    ) -> Leadership {
+        Leadership {
+            epoch,
+            term,
+            holder,
+            lost,
+            stop: None,
+            thread: None,
+        }
+    }
+
     /// The lease's epoch, which this engine's writes are fenced with.
     pub fn epoch(&self) -> i64 {
         self.epoch
@@ -675,6 +717,55 @@ fn db_error(context: &str, e: &postgres::Error) -> StoreError {
     }
 }
 
+/// Which row a lease is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum LeaseRow {
+    /// `proctor_lease`: the one leader (a cluster's coordinator).
+    Leader,
+    /// `proctor_members`: the holder's own row, its membership of a cluster.
+    Member,
+}
+
+/// Reads the lease of `row` (for a member, `holder`'s).
+fn read_row(
+    client: &mut Client,
+    schema: &str,
+    row: LeaseRow,
+    holder: &str,
+) -> Result<LeaseState, StoreError> {
+    if row == LeaseRow::Leader {
+        return read(client, schema);
+    }
+    let found = client
+        .query_opt(
+            &format!(
+                "SELECT name, epoch,
+                        CASE WHEN expires_at > now()
+                             THEN (EXTRACT(EPOCH FROM expires_at - now()) * 1000)::bigint
+                        END
+                 FROM {schema}.proctor_members WHERE name = $1"
+            ),
+            &[&holder],
+        )
+        .map_err(|e| db_error("reading the cluster membership", &e))?;
+    Ok(match found {
+        Some(row) => {
+            let remaining: Option<i64> = row.get(2);
+            LeaseState {
+                holder: row.get(0),
+                epoch: row.get(1),
+                remaining: remaining
+                    .map(|ms| Duration::from_millis(u64::try_from(ms).unwrap_or(0))),
+            }
+        }
+        None => LeaseState {
+            holder: None,
+            epoch: 0,
+            remaining: None,
+        },
+    })
+}
+
 pub(super) fn read(client: &mut Client, schema: &str) -> Result<LeaseState, StoreError> {
     let context = "reading the leader lease";
     let row = client
@@ -701,11 +792,33 @@ pub(super) fn read(client: &mut Client, schema: &str) -> Result<LeaseState, Stor
 fn try_take(
     client: &mut Client,
     schema: &str,
+    row: LeaseRow,
     holder: &str,
     period: Duration,
 ) -> Result<Taken, StoreError> {
-    let context = "taking the leader lease";
     let period_ms = i64::try_from(period.as_millis()).unwrap_or(i64::MAX);
+    if row == LeaseRow::Member {
+        // A member's row is made at its first join; a name whose membership is live
+        // (the same executor still running elsewhere) is not taken over.
+        let taken = client
+            .query_opt(
+                &format!(
+                    "INSERT INTO {schema}.proctor_members AS m (name, epoch, expires_at, joined_at)
+                     VALUES ($1, 1, now() + $2::float8 * interval '1 millisecond', now())
+                     ON CONFLICT (name) DO UPDATE
+                     SET epoch = m.epoch + 1, expires_at = EXCLUDED.expires_at, joined_at = now()
+                     WHERE m.expires_at IS NULL OR m.expires_at <= now()
+                     RETURNING epoch"
+                ),
+                &[&holder, &(period_ms as f64)],
+            )
+            .map_err(|e| db_error("joining the cluster", &e))?;
+        return match taken {
+            Some(found) => Ok(Taken::Yes(found.get(0))),
+            None => read_row(client, schema, row, holder).map(Taken::No),
+        };
+    }
+    let context = "taking the leader lease";
     let taken = client
         .query_opt(
             &format!(
@@ -728,35 +841,53 @@ fn try_take(
 fn renew(
     client: &mut Client,
     schema: &str,
+    row: LeaseRow,
     holder: &str,
     epoch: i64,
     period: Duration,
 ) -> Result<bool, StoreError> {
-    let context = "renewing the leader lease";
+    let context = "renewing the lease";
     let period_ms = i64::try_from(period.as_millis()).unwrap_or(i64::MAX);
+    let sql = match row {
+        LeaseRow::Leader => format!(
+            "UPDATE {schema}.proctor_lease
+             SET expires_at = now() + $3::float8 * interval '1 millisecond'
+             WHERE id = 1 AND holder = $1 AND epoch = $2"
+        ),
+        // A membership that expired is over even if nobody took its name since: the
+        // coordinator may have moved its partitions.
+        LeaseRow::Member => format!(
+            "UPDATE {schema}.proctor_members
+             SET expires_at = now() + $3::float8 * interval '1 millisecond'
+             WHERE name = $1 AND epoch = $2 AND expires_at > now()"
+        ),
+    };
     let renewed = client
-        .execute(
-            &format!(
-                "UPDATE {schema}.proctor_lease
-                 SET expires_at = now() + $3::float8 * interval '1 millisecond'
-                 WHERE id = 1 AND holder = $1 AND epoch = $2"
-            ),
-            &[&holder, &epoch, &(period_ms as f64)],
-        )
+        .execute(&sql, &[&holder, &epoch, &(period_ms as f64)])
         .map_err(|e| db_error(context, &e))?;
     Ok(renewed == 1)
 }
 
 /// Lets the lease go at once (it expires now), if it is still held at `epoch`.
-fn release(client: &mut Client, schema: &str, holder: &str, epoch: i64) -> Result<(), StoreError> {
+fn release(
+    client: &mut Client,
+    schema: &str,
+    row: LeaseRow,
+    holder: &str,
+    epoch: i64,
+) -> Result<(), StoreError> {
+    let sql = match row {
+        LeaseRow::Leader => format!(
+            "UPDATE {schema}.proctor_lease SET expires_at = now()
+             WHERE id = 1 AND holder = $1 AND epoch = $2"
+        ),
+        LeaseRow::Member => format!(
+            "UPDATE {schema}.proctor_members SET expires_at = now()
+             WHERE name = $1 AND epoch = $2"
+        ),
+    };
     client
-        .execute(
-            &format!(
-                "UPDATE {schema}.proctor_lease SET expires_at = now()
-                 WHERE id = 1 AND holder = $1 AND epoch = $2"
-            ),
-            &[&holder, &epoch],
-        )
+        .execute(&sql, &[&holder, &epoch])
         .map(|_| ())
-        .map_err(|e| db_error("releasing the leader lease", &e))
+        .map_err(|e| db_error("releasing the lease", &e))
 }

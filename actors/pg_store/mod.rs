@@ -36,6 +36,7 @@ use std::time::{Duration, Instant};
 use postgres::error::SqlState;
 use postgres::{Client, NoTls, Transaction};
 
+pub(crate) mod cluster;
 mod lease;
 pub(crate) use lease::{lost_reason, Loss};
 pub use lease::{Leadership, LeaseState, PgLease};
@@ -98,6 +99,8 @@ impl PgOptions {
 /// ```
 pub struct PgStore {
     requests: Option<mpsc::Sender<Request>>,
+    /// The cluster partition it is the store of, if any.
+    part: Option<u32>,
     thread: Option<thread::JoinHandle<()>>,
     schema: String,
 }
@@ -124,7 +127,7 @@ enum Request {
 impl PgStore {
     /// The version of the store's tables this build creates and reads: a store made by
     /// a newer one is refused ([`StoreError::Schema`]).
-    pub const SCHEMA_VERSION: i32 = 1;
+    pub const SCHEMA_VERSION: i32 = 2;
 
     /// Connects to the database at `url` (a `postgresql://` URL or a key-value string,
     /// as libpq takes them) and makes sure the store's tables exist, in the `proctor`
@@ -144,6 +147,24 @@ impl PgStore {
     /// As [`connect`](Self::connect); [`StoreError::Database`] for a schema name that is
     /// not a plain identifier.
     pub fn connect_with(url: &str, options: PgOptions) -> Result<PgStore, StoreError> {
+        Self::open(url, options, Scope::Whole)
+    }
+
+    /// The store of one partition of a cluster: it loads and writes that partition's
+    /// procedures only, fenced with the partition's epoch.
+    pub(crate) fn partition(
+        url: &str,
+        options: PgOptions,
+        part: u32,
+    ) -> Result<PgStore, StoreError> {
+        let part_i32 = i32::try_from(part).map_err(|_| StoreError::Database {
+            context: "opening a partition's store".to_string(),
+            reason: format!("partition {part} is out of range"),
+        })?;
+        Self::open(url, options, Scope::Part(part_i32))
+    }
+
+    fn open(url: &str, options: PgOptions, scope: Scope) -> Result<PgStore, StoreError> {
         check_identifier(&options.schema)?;
         let (ready_tx, ready_rx) = mpsc::channel();
         let (requests, inbox) = mpsc::channel();
@@ -152,7 +173,7 @@ impl PgStore {
         let thread = thread::Builder::new()
             .name("proctor-pg".to_string())
             .spawn(move || {
-                let mut conn = match Conn::open(url, options) {
+                let mut conn = match Conn::open(url, options, scope) {
                     Ok(conn) => {
                         let _ = ready_tx.send(Ok(()));
                         conn
@@ -171,6 +192,10 @@ impl PgStore {
         match ready_rx.recv() {
             Ok(Ok(())) => Ok(PgStore {
                 requests: Some(requests),
+                part: match scope {
+                    Scope::Whole => None,
+                    Scope::Part(p) => u32::try_from(p).ok(),
+                },
                 thread: Some(thread),
                 schema,
             }),
@@ -228,7 +253,7 @@ impl PgStore {
             };
             check_version(version)?;
             // Beside a leader too: inspection writes nothing.
-            let snapshot = load(&mut client, schema, false)?;
+            let snapshot = load(&mut client, schema, Scope::Whole, false)?;
             let lease = lease::read(&mut client, schema).map_err(not_retried)?;
             Ok((snapshot, lease))
         };
@@ -300,9 +325,13 @@ impl ProcedureStore for PgStore {
     }
 
     fn status(&self) -> crate::store::StoreStatus {
+        let mut facts = vec![("schema", self.schema.clone())];
+        if let Some(part) = self.part {
+            facts.push(("partition", part.to_string()));
+        }
         crate::store::StoreStatus {
             kind: "postgres",
-            facts: vec![("schema", self.schema.clone())],
+            facts,
         }
     }
 }
@@ -328,10 +357,29 @@ fn check_identifier(name: &str) -> Result<(), StoreError> {
     }
 }
 
+/// What a store holds: the whole schema (one engine, or a leader and standbys), or one
+/// partition of a cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Scope {
+    Whole,
+    Part(i32),
+}
+
+impl Scope {
+    /// The partition, as the statements take it (`NULL` for the whole store's rows).
+    fn part(self) -> Option<i32> {
+        match self {
+            Scope::Whole => None,
+            Scope::Part(p) => Some(p),
+        }
+    }
+}
+
 /// The store's connection, on its thread.
 struct Conn {
     url: String,
     options: PgOptions,
+    scope: Scope,
     /// The connection and its prepared write statement.
     client: Option<(Client, postgres::Statement)>,
     /// The lease epoch writes are fenced with.
@@ -347,10 +395,11 @@ struct Failure {
 }
 
 impl Conn {
-    fn open(url: String, options: PgOptions) -> Result<Conn, StoreError> {
+    fn open(url: String, options: PgOptions, scope: Scope) -> Result<Conn, StoreError> {
         let mut conn = Conn {
             url,
             options,
+            scope,
             client: None,
             fence: None,
             failed: None,
@@ -379,7 +428,7 @@ impl Conn {
             .batch_execute("SET application_name = 'proctor'")
             .map_err(|e| failure("configuring the PostgreSQL session", &e))?;
         let write = client
-            .prepare(&write_sql(&self.options.schema))
+            .prepare(&write_sql(&self.options.schema, self.scope))
             .map_err(|e| failure("preparing the store's write", &e))?;
         Ok((client, write))
     }
@@ -403,15 +452,17 @@ impl Conn {
                 Request::Load(tx) => {
                     // An engine without the lease does not start beside a leader.
                     let refuse_beside_leader = self.fence.is_none();
+                    let scope = self.scope;
                     let _ = tx.send(self.with_retry("loading the store", |s, c, _| {
-                        load(c, s, refuse_beside_leader)
+                        load(c, s, scope, refuse_beside_leader)
                     }));
                 }
                 Request::Mark(cut_off, tx) => {
                     let fence = self.fence;
+                    let scope = self.scope;
                     let result = self.refusal().and_then(|()| {
                         self.with_retry("marking the store's stop", |s, c, _| {
-                            mark(c, s, fence, cut_off.as_deref())
+                            mark(c, s, scope, fence, cut_off.as_deref())
                         })
                     });
                     let _ = tx.send(result);
@@ -428,8 +479,9 @@ impl Conn {
         }
         let batch = Batch::fold(ops)?;
         let fence = self.fence;
+        let scope = self.scope;
         let result = self.with_retry("appending to the store", |s, c, write| {
-            write_batch(c, s, fence, &batch, write)
+            write_batch(c, s, scope, fence, &batch, write)
         });
         if let Err(e) = &result {
             self.failed = Some(e.to_string());
@@ -555,7 +607,9 @@ fn create_schema(client: &mut Client, schema: &str) -> Result<(), Failure> {
              expires_at timestamptz
          );
          INSERT INTO {schema}.proctor_meta VALUES (1, 0, false, '{{}}') ON CONFLICT DO NOTHING;
-         INSERT INTO {schema}.proctor_lease VALUES (1, NULL, 0, NULL) ON CONFLICT DO NOTHING;"
+         INSERT INTO {schema}.proctor_lease VALUES (1, NULL, 0, NULL) ON CONFLICT DO NOTHING;
+         {cluster}",
+        cluster = cluster::schema_sql(schema),
     );
     tx.batch_execute(&sql).map_err(|e| failure(context, &e))?;
     let found: Option<i32> = tx
@@ -573,7 +627,16 @@ fn create_schema(client: &mut Client, schema: &str) -> Result<(), Failure> {
             )
             .map_err(|e| failure(context, &e))?;
         }
-        Some(version) => check_version(version)?,
+        Some(version) => {
+            check_version(version)?;
+            if version < PgStore::SCHEMA_VERSION {
+                tx.execute(
+                    &format!("UPDATE {schema}.proctor_schema SET version = $1 WHERE id = 1"),
+                    &[&PgStore::SCHEMA_VERSION],
+                )
+                .map_err(|e| failure(context, &e))?;
+            }
+        }
     }
     tx.commit().map_err(|e| failure(context, &e))
 }
@@ -665,8 +728,31 @@ fn as_i64(n: u64) -> Result<i64, StoreError> {
 }
 
 /// Checks, in `tx`, that the lease still carries `epoch`, holding its row until the
-/// transaction ends (the stop mark's fence; a batch's is in its statement).
-fn check_fence(tx: &mut Transaction<'_>, schema: &str, epoch: Option<i64>) -> Result<(), Failure> {
+/// transaction ends (the stop mark's fence; a batch's is in its statement). A
+/// partition's store checks the partition's epoch.
+fn check_fence(
+    tx: &mut Transaction<'_>,
+    schema: &str,
+    scope: Scope,
+    epoch: Option<i64>,
+) -> Result<(), Failure> {
+    if let Scope::Part(part) = scope {
+        let context = "checking the partition's epoch";
+        let row = tx
+            .query_one(
+                &format!("SELECT epoch FROM {schema}.proctor_partitions WHERE part = $1 FOR SHARE"),
+                &[&part],
+            )
+            .map_err(|e| failure(context, &e))?;
+        let current: i64 = row.get(0);
+        return match epoch {
+            Some(granted) if current == granted => Ok(()),
+            granted => Err(not_retried(StoreError::Fenced {
+                granted: granted.unwrap_or(0),
+                current,
+            })),
+        };
+    }
     let context = "checking the leader lease";
     let row = tx
         .query_one(
@@ -694,7 +780,10 @@ fn check_fence(tx: &mut Transaction<'_>, schema: &str, epoch: Option<i64>) -> Re
 /// locked row's newest version), leaving `fence` empty: then nothing is written and no
 /// row returns. An unfenced store (`$9` null: an engine without the lease) writes only
 /// while no engine holds a live lease, so it never writes beside a leader.
-fn write_sql(schema: &str) -> String {
+fn write_sql(schema: &str, scope: Scope) -> String {
+    if scope != Scope::Whole {
+        return cluster::write_sql(schema);
+    }
     format!(
         "WITH fence AS (
              SELECT epoch FROM {schema}.proctor_lease
@@ -729,39 +818,61 @@ fn write_sql(schema: &str) -> String {
 fn write_batch(
     client: &mut Client,
     schema: &str,
+    scope: Scope,
     fence: Option<i64>,
     batch: &Batch,
     statement: &postgres::Statement,
 ) -> Result<(), Failure> {
     let context = "writing a batch";
+    let part = scope.part();
+    let mut params: Vec<&(dyn postgres::types::ToSql + Sync)> = vec![
+        &batch.ids,
+        &batch.roots,
+        &batch.parents,
+        &batch.types,
+        &batch.states,
+        &batch.updated,
+        &batch.records,
+        &batch.deleted,
+        &fence,
+        &batch.max_id,
+    ];
+    if scope != Scope::Whole {
+        params.push(&part);
+    }
     // Any append ends a drained stop's mark, as the WAL's does.
     let written = client
-        .execute(
-            statement,
-            &[
-                &batch.ids,
-                &batch.roots,
-                &batch.parents,
-                &batch.types,
-                &batch.states,
-                &batch.updated,
-                &batch.records,
-                &batch.deleted,
-                &fence,
-                &batch.max_id,
-            ],
-        )
+        .execute(statement, &params)
         .map_err(|e| failure(context, &e))?;
     if written == 1 {
         return Ok(());
     }
     // Fenced: nothing was written.
-    Err(fenced(client, schema, fence, context))
+    Err(fenced(client, schema, scope, fence, context))
 }
 
 /// Why a write found no lease row to hold: a newer epoch than this store's, or, for an
 /// unfenced store, a live leader.
-fn fenced(client: &mut Client, schema: &str, fence: Option<i64>, context: &str) -> Failure {
+fn fenced(
+    client: &mut Client,
+    schema: &str,
+    scope: Scope,
+    fence: Option<i64>,
+    context: &str,
+) -> Failure {
+    if let Scope::Part(part) = scope {
+        let row = client.query_one(
+            &format!("SELECT epoch FROM {schema}.proctor_partitions WHERE part = $1"),
+            &[&part],
+        );
+        return match row {
+            Ok(row) => not_retried(StoreError::Fenced {
+                granted: fence.unwrap_or(0),
+                current: row.get(0),
+            }),
+            Err(e) => failure(context, &e),
+        };
+    }
     let row = client.query_one(
         &format!("SELECT holder, epoch FROM {schema}.proctor_lease WHERE id = 1"),
         &[],
@@ -793,22 +904,31 @@ fn led_by(holder: Option<String>, epoch: i64) -> StoreError {
 fn mark(
     client: &mut Client,
     schema: &str,
+    scope: Scope,
     fence: Option<i64>,
     cut_off: Option<&[ProcId]>,
 ) -> Result<(), Failure> {
     let context = "marking the store's stop";
     let mut tx = client.transaction().map_err(|e| failure(context, &e))?;
-    check_fence(&mut tx, schema, fence)?;
+    check_fence(&mut tx, schema, scope, fence)?;
     let ids: Vec<i64> = cut_off
         .unwrap_or_default()
         .iter()
         .map(|id| as_i64(id.0))
         .collect::<Result<_, _>>()
         .map_err(not_retried)?;
-    tx.execute(
-        &format!("UPDATE {schema}.proctor_meta SET drained = $1, cut_off = $2 WHERE id = 1"),
-        &[&cut_off.is_some(), &ids],
-    )
+    match scope {
+        Scope::Whole => tx.execute(
+            &format!("UPDATE {schema}.proctor_meta SET drained = $1, cut_off = $2 WHERE id = 1"),
+            &[&cut_off.is_some(), &ids],
+        ),
+        Scope::Part(part) => tx.execute(
+            &format!(
+                "UPDATE {schema}.proctor_partitions SET drained = $1, cut_off = $2 WHERE part = $3"
+            ),
+            &[&cut_off.is_some(), &ids, &part],
+        ),
+    }
     .map_err(|e| failure(context, &e))?;
     tx.commit().map_err(|e| failure(context, &e))
 }
@@ -818,6 +938,7 @@ fn mark(
 fn load(
     client: &mut Client,
     schema: &str,
+    scope: Scope,
     refuse_beside_leader: bool,
 ) -> Result<StoreSnapshot, Failure> {
     let context = "loading the store";
@@ -842,21 +963,55 @@ fn load(
             return Err(not_retried(led_by(row.get(0), row.get(1))));
         }
     }
-    let meta = tx
-        .query_one(
+    if scope == Scope::Whole {
+        let partitions: i64 = tx
+            .query_one(
+                &format!("SELECT count(*) FROM {schema}.proctor_partitions"),
+                &[],
+            )
+            .map_err(|e| failure(context, &e))?
+            .get(0);
+        if partitions > 0 {
+            return Err(not_retried(StoreError::Database {
+                context: context.to_string(),
+                reason: format!(
+                    "schema {schema:?} holds a cluster of {partitions} partitions: join it with \
+                     Cluster::builder, or give this engine a schema of its own"
+                ),
+            }));
+        }
+    }
+    let part = scope.part();
+    let meta = match scope {
+        Scope::Whole => tx.query_one(
             &format!("SELECT max_id, drained, cut_off FROM {schema}.proctor_meta WHERE id = 1"),
             &[],
-        )
-        .map_err(|e| failure(context, &e))?;
+        ),
+        Scope::Part(_) => tx.query_one(
+            &format!(
+                "SELECT max_id, drained, cut_off FROM {schema}.proctor_partitions WHERE part = $1"
+            ),
+            &[&part],
+        ),
+    }
+    .map_err(|e| failure(context, &e))?;
     let max_id: i64 = meta.get(0);
     let drained: bool = meta.get(1);
     let cut_off: Vec<i64> = meta.get(2);
-    let rows = tx
-        .query(
-            &format!("SELECT id, record FROM {schema}.proctor_procs ORDER BY id"),
+    // The whole store's rows have no partition.
+    let rows = match scope {
+        Scope::Whole => tx.query(
+            &format!(
+                "SELECT id, record FROM {schema}.proctor_procs WHERE part IS NULL ORDER BY id"
+            ),
             &[],
-        )
-        .map_err(|e| failure(context, &e))?;
+        ),
+        Scope::Part(_) => tx.query(
+            &format!("SELECT id, record FROM {schema}.proctor_procs WHERE part = $1 ORDER BY id"),
+            &[&part],
+        ),
+    }
+    .map_err(|e| failure(context, &e))?;
     let mut records = Vec::with_capacity(rows.len());
     for row in rows {
         let id: i64 = row.get(0);

@@ -264,6 +264,7 @@ impl ProcedureCell {
         )
         .with_shutdown(self.shared.shutdown.clone())
         .with_fencing_token(self.shared.fencing_token)
+        .with_partition(self.shared.partition)
         .with_remote(self.shared.remote.as_ref().map(|(sink, _)| sink.clone()))
     }
 

@@ -291,14 +291,14 @@ impl Harness {
             executor.recipient(),
             Vec::new(),
             vec![(shard, scheduler)],
-            0,
+            (0, crate::cluster::IdStripe::WHOLE),
             16,
             crate::cancel::Cancel::new(),
             crate::actors::shared::Mandate::new(None),
             crate::actors::shared::RestartLimit::default(),
             crate::policy::DEFAULT_ROLLBACK_RETRIES,
             None,
-            None,
+            (None, None),
             None,
         ));
         let proc = erase::<Log, P>(root);
