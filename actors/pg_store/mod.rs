@@ -192,10 +192,7 @@ impl PgStore {
         match ready_rx.recv() {
             Ok(Ok(())) => Ok(PgStore {
                 requests: Some(requests),
-                part: match scope {
-                    Scope::Whole => None,
-                    Scope::Part(p) => u32::try_from(p).ok(),
-                },
+                part: scope.part().and_then(|p| u32::try_from(p).ok()),
                 thread: Some(thread),
                 schema,
             }),
@@ -253,7 +250,7 @@ impl PgStore {
             };
             check_version(version)?;
             // Beside a leader too: inspection writes nothing.
-            let snapshot = load(&mut client, schema, Scope::Whole, false)?;
+            let snapshot = load(&mut client, schema, Scope::Everything, false)?;
             let lease = lease::read(&mut client, schema).map_err(not_retried)?;
             Ok((snapshot, lease))
         };
@@ -264,6 +261,24 @@ impl PgStore {
                 ))
             },
         )
+    }
+
+    /// Reads the cluster in a store (an operator's view): its partitions with their
+    /// owners and epochs, its members, its coordinator and its newest moves; `None` if
+    /// the store holds no cluster. Blocking, as [`inspect`](Self::inspect).
+    ///
+    /// # Errors
+    /// [`StoreError::Database`] if the database cannot be reached.
+    pub fn inspect_cluster(
+        url: &str,
+        options: &PgOptions,
+    ) -> Result<Option<crate::actors::ClusterState>, StoreError> {
+        let mut db = cluster::ClusterDb::new(url, options)?;
+        std::thread::scope(|s| s.spawn(move || db.state()).join()).unwrap_or_else(|_| {
+            Err(StoreError::Failed(
+                "the inspection's thread panicked".into(),
+            ))
+        })
     }
 
     /// The PostgreSQL schema its tables are in.
@@ -363,13 +378,15 @@ fn check_identifier(name: &str) -> Result<(), StoreError> {
 enum Scope {
     Whole,
     Part(i32),
+    /// Every row, of a store or a cluster: an operator's inspection.
+    Everything,
 }
 
 impl Scope {
     /// The partition, as the statements take it (`NULL` for the whole store's rows).
     fn part(self) -> Option<i32> {
         match self {
-            Scope::Whole => None,
+            Scope::Whole | Scope::Everything => None,
             Scope::Part(p) => Some(p),
         }
     }
@@ -918,7 +935,7 @@ fn mark(
         .collect::<Result<_, _>>()
         .map_err(not_retried)?;
     match scope {
-        Scope::Whole => tx.execute(
+        Scope::Whole | Scope::Everything => tx.execute(
             &format!("UPDATE {schema}.proctor_meta SET drained = $1, cut_off = $2 WHERE id = 1"),
             &[&cut_off.is_some(), &ids],
         ),
@@ -983,7 +1000,7 @@ fn load(
     }
     let part = scope.part();
     let meta = match scope {
-        Scope::Whole => tx.query_one(
+        Scope::Whole | Scope::Everything => tx.query_one(
             &format!("SELECT max_id, drained, cut_off FROM {schema}.proctor_meta WHERE id = 1"),
             &[],
         ),
@@ -1004,6 +1021,10 @@ fn load(
             &format!(
                 "SELECT id, record FROM {schema}.proctor_procs WHERE part IS NULL ORDER BY id"
             ),
+            &[],
+        ),
+        Scope::Everything => tx.query(
+            &format!("SELECT id, record FROM {schema}.proctor_procs ORDER BY id"),
             &[],
         ),
         Scope::Part(_) => tx.query(
