@@ -57,7 +57,8 @@ impl Task<Env> for Step {
         env.add_effect(
             (root, self.index, 0),
             u32::from(self.of),
-            ctx.fencing_token(),
+            crate::work::fence(ctx),
+            None,
         )?;
         if self.fail && env.fire(root, self.index) {
             return Err(ProcError::failed(format!(
@@ -70,7 +71,7 @@ impl Task<Env> for Step {
 
     async fn rollback(&self, ctx: &mut Context<Env>) -> Result<(), ProcError> {
         ctx.env()
-            .remove_effect((ctx.root().0, self.index, 0), ctx.fencing_token())
+            .remove_effect((ctx.root().0, self.index, 0), crate::work::fence(ctx), None)
     }
 
     fn irreversible(&self) -> bool {

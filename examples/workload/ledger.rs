@@ -3,8 +3,10 @@
 //! engine.
 //!
 //! Format: one line per call, `+ ROOT PATH STEP TOTAL` or `- ROOT PATH STEP`, appended
-//! with one `write` each, before the step returns, and ending in ` @TOKEN` when the
-//! step ran under a leader lease (its [`fencing token`](proctor::Context::fencing_token)). `TOTAL` is the number of effects
+//! with one `write` each, before the step returns, then ` @TOKEN` when the step ran
+//! under a leader lease (its [`fencing token`](proctor::Context::fencing_token)), or
+//! ` @TOKEN/PART` when it ran in partition `PART` of a cluster (tokens are ordered per
+//! partition), then ` ^K` when the tree holds resource `res/K`. `TOTAL` is the number of effects
 //! the root's whole tree leaves when it succeeds, so a root whose result the engine
 //! has evicted (`--retention-ms`) can still be checked: its effects in force are none
 //! or all of them. (A line without it, from before it was written, checks nothing.) A write reaches the kernel before the
@@ -27,7 +29,14 @@
 //! lock on the ledger file, with the highest token kept in `<ledger>.fence`. A ledger
 //! opened with [`Ledger::open_unfenced`] stands for the resources that do not check
 //! tokens (most do not): it records each change's token but refuses none, so a late
-//! effect of a deposed leader lands, and [`Ledger::fence_violations`] counts it.
+//! effect of a deposed leader lands, and [`Ledger::fence_violations`] counts it. In a
+//! cluster the fence file keeps the highest token per partition (8 bytes each, the
+//! whole store's first).
+//!
+//! Locks: the lines of a tree that holds `res/K` (from its first step to its last step
+//! or rollback) must not interleave with another such tree's: the file's order is the
+//! order of the calls across every process, so [`Ledger::lock_conflicts`] finds two
+//! processes' trees inside one resource at once.
 
 use std::collections::{HashMap, HashSet};
 use std::fs::{File, OpenOptions};
@@ -48,8 +57,12 @@ pub struct Ledger {
     files: Mutex<(File, File)>,
 }
 
-/// One line: added or removed, the effect, the total an added effect names, the token.
-type Line = (bool, Effect, Option<u64>, Option<i64>);
+/// The token a change was made under, and the partition it is ordered within.
+pub type Fence = Option<(i64, Option<u32>)>;
+
+/// One line: added or removed, the effect, the total an added effect names, the
+/// token, the resource its tree holds.
+type Line = (bool, Effect, Option<u64>, Fence, Option<u32>);
 
 impl Ledger {
     pub fn open(path: &Path) -> std::io::Result<Ledger> {
@@ -82,28 +95,46 @@ impl Ledger {
 
     /// Records `effect`, of a tree that leaves `total` effects when it succeeds, made
     /// under fencing token `token` if any.
-    pub fn add(&self, effect: Effect, total: u32, token: Option<i64>) -> std::io::Result<()> {
+    pub fn add(
+        &self,
+        effect: Effect,
+        total: u32,
+        token: Fence,
+        lock: Option<u32>,
+    ) -> std::io::Result<()> {
         let (root, path, step) = effect;
-        self.write(format!("+ {root} {path} {step} {total}"), token)
+        self.write(format!("+ {root} {path} {step} {total}"), token, lock)
     }
 
-    pub fn remove(&self, (root, path, step): Effect, token: Option<i64>) -> std::io::Result<()> {
-        self.write(format!("- {root} {path} {step}"), token)
+    pub fn remove(
+        &self,
+        (root, path, step): Effect,
+        token: Fence,
+        lock: Option<u32>,
+    ) -> std::io::Result<()> {
+        self.write(format!("- {root} {path} {step}"), token, lock)
     }
 
-    fn write(&self, mut line: String, token: Option<i64>) -> std::io::Result<()> {
+    fn write(&self, mut line: String, token: Fence, lock: Option<u32>) -> std::io::Result<()> {
         let files = self.files.lock().unwrap_or_else(|e| e.into_inner());
         let (file, fence) = &*files;
-        let Some(token) = token else {
+        let lock = lock.map(|k| format!(" ^{k}")).unwrap_or_default();
+        let Some((token, partition)) = token else {
+            line.push_str(&lock);
             line.push('\n');
             return (&*file).write_all(line.as_bytes());
         };
-        line.push_str(&format!(" @{token}\n"));
+        match partition {
+            Some(p) => line.push_str(&format!(" @{token}/{p}{lock}\n")),
+            None => line.push_str(&format!(" @{token}{lock}\n")),
+        }
+        // The partition's highest token, or the whole store's.
+        let at = partition.map_or(0, |p| (u64::from(p) + 1) * 8);
         // Other processes append to the same ledger: check and append under its lock.
         file.lock()?;
         let appended = (|| {
             let mut highest = [0u8; 8];
-            let read = fence.read_at(&mut highest, 0)?;
+            let read = fence.read_at(&mut highest, at)?;
             let highest = if read == 8 {
                 i64::from_le_bytes(highest)
             } else {
@@ -115,7 +146,7 @@ impl Ledger {
                 )));
             }
             if token > highest {
-                fence.write_all_at(&token.to_le_bytes(), 0)?;
+                fence.write_all_at(&token.to_le_bytes(), at)?;
             }
             (&*file).write_all(line.as_bytes())
         })();
@@ -123,10 +154,28 @@ impl Ledger {
         appended
     }
 
+    /// Records that root `root` was acknowledged to its submitter (`a ROOT`).
+    pub fn acknowledged(&self, root: u64) -> std::io::Result<()> {
+        self.write(format!("a {root}"), None, None)
+    }
+
+    /// Every root acknowledged to a submitter.
+    pub fn acknowledgements(&self) -> std::io::Result<Vec<u64>> {
+        let mut acked = Vec::new();
+        let reader = BufReader::new(File::open(&self.path)?);
+        for (n, line) in reader.lines().enumerate() {
+            let line = line?;
+            if let Some(root) = line.strip_prefix("a ") {
+                acked.push(root.parse().map_err(|_| self.bad_line(n, &line))?);
+            }
+        }
+        Ok(acked)
+    }
+
     /// Records that a remote target applied operation `op`, which step `step` of
     /// `root` sent.
     pub fn applied(&self, op: u64, root: u64, step: u16) -> std::io::Result<()> {
-        self.write(format!("= {op} {root} {step}"), None)
+        self.write(format!("= {op} {root} {step}"), None, None)
     }
 
     /// How many times each operation was applied by the remote targets.
@@ -167,19 +216,58 @@ impl Ledger {
     /// Changes that came after a change with a higher token: a deposed leader acting
     /// after its successor. None while the ledger checks tokens as it takes them.
     pub fn fence_violations(&self) -> std::io::Result<Vec<String>> {
-        let mut highest = i64::MIN;
+        let mut highest: HashMap<Option<u32>, i64> = HashMap::new();
         let mut violations = Vec::new();
-        for (n, (_, effect, _, token)) in self.lines()?.into_iter().enumerate() {
-            let Some(token) = token else { continue };
-            if token < highest {
+        for (n, (_, effect, _, fence, _)) in self.lines()?.into_iter().enumerate() {
+            let Some((token, partition)) = fence else {
+                continue;
+            };
+            let highest = highest.entry(partition).or_insert(i64::MIN);
+            if token < *highest {
+                let within = partition
+                    .map(|p| format!(" in partition {p}"))
+                    .unwrap_or_default();
                 violations.push(format!(
-                    "ledger change {}: effect {effect:?} made under token {token} after token {highest}",
+                    "ledger change {}: effect {effect:?} made under token {token}{within} after token {highest}",
                     n + 1
                 ));
             }
-            highest = highest.max(token);
+            *highest = (*highest).max(token);
         }
         Ok(violations)
+    }
+
+    /// Trees inside one resource at once: for each resource, the span of each tree's
+    /// lines (from its first to its last) must not overlap another tree's.
+    pub fn lock_conflicts(&self) -> std::io::Result<Vec<String>> {
+        // (resource, root) -> (first line, last line)
+        let mut spans: HashMap<(u32, u64), (usize, usize)> = HashMap::new();
+        for (n, (_, (root, _, _), _, _, lock)) in self.lines()?.into_iter().enumerate() {
+            let Some(k) = lock else { continue };
+            spans
+                .entry((k, root))
+                .and_modify(|span| span.1 = n)
+                .or_insert((n, n));
+        }
+        let mut by_resource: HashMap<u32, Vec<(usize, usize, u64)>> = HashMap::new();
+        for ((k, root), (first, last)) in spans {
+            by_resource.entry(k).or_default().push((first, last, root));
+        }
+        let mut conflicts = Vec::new();
+        for (k, mut spans) in by_resource {
+            spans.sort_unstable();
+            for pair in spans.windows(2) {
+                let ((_, last, a), (first, _, b)) = (pair[0], pair[1]);
+                if first <= last {
+                    conflicts.push(format!(
+                        "trees {a} and {b} were inside res/{k} at once (ledger lines {} and {})",
+                        first + 1,
+                        last + 1
+                    ));
+                }
+            }
+        }
+        Ok(conflicts)
     }
 
     /// The effects in force, counted per root.
@@ -204,14 +292,14 @@ impl Ledger {
         Ok(self
             .lines()?
             .into_iter()
-            .map(|(add, effect, _, _)| (add, effect))
+            .map(|(add, effect, _, _, _)| (add, effect))
             .collect())
     }
 
     /// The effects each root's tree leaves when it succeeds, as its lines say.
     pub fn totals(&self) -> std::io::Result<HashMap<u64, usize>> {
         let mut totals = HashMap::new();
-        for (_, (root, _, _), total, _) in self.lines()? {
+        for (_, (root, _, _), total, _, _) in self.lines()? {
             if let Some(total) = total.filter(|&t| t > 0) {
                 totals.insert(root, total as usize);
             }
@@ -225,8 +313,9 @@ impl Ledger {
         let reader = BufReader::new(File::open(&self.path)?);
         for (n, line) in reader.lines().enumerate() {
             let line = line?;
-            // A remote target's application (see `applied`), not an effect.
-            if line.starts_with("= ") {
+            // A remote target's application (see `applied`) or an acknowledgement, not
+            // an effect.
+            if line.starts_with("= ") || line.starts_with("a ") {
                 continue;
             }
             let bad = || self.bad_line(n, &line);
@@ -246,10 +335,19 @@ impl Ledger {
             };
             let mut total = None;
             let mut token = None;
+            let mut lock = None;
             for part in parts {
+                if let Some(k) = part.strip_prefix('^') {
+                    lock = Some(k.parse::<u32>().map_err(|_| bad())?);
+                    continue;
+                }
                 match part.strip_prefix('@') {
                     Some(t) if token.is_none() => {
-                        token = Some(t.parse::<i64>().map_err(|_| bad())?);
+                        let (t, partition) = match t.split_once('/') {
+                            Some((t, p)) => (t, Some(p.parse::<u32>().map_err(|_| bad())?)),
+                            None => (t, None),
+                        };
+                        token = Some((t.parse::<i64>().map_err(|_| bad())?, partition));
                     }
                     None if add && total.is_none() && token.is_none() => {
                         total = Some(part.parse::<u64>().map_err(|_| bad())?);
@@ -257,7 +355,7 @@ impl Ledger {
                     _ => return Err(bad()),
                 }
             }
-            history.push((add, effect, total, token));
+            history.push((add, effect, total, token, lock));
         }
         Ok(history)
     }

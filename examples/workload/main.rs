@@ -15,6 +15,7 @@
 
 mod dag;
 mod file_store;
+mod join;
 mod ledger;
 mod nodes;
 mod rss;
@@ -104,7 +105,18 @@ struct Args {
     /// run what the leader left to completion (as --resume does; submits nothing).
     #[arg(long)]
     standby: bool,
-    /// With `--store postgres`: the leader lease's period, in ms.
+    /// With `--store postgres`: join the cluster of executors in the schema (made with
+    /// `--partitions` partitions by its first member) as a member named `--holder`,
+    /// submit `--procs` roots through it, wait for them and leave; with `--verify`,
+    /// first wait until every root of the cluster has finished, then check them all
+    /// and the shared `--ledger` (see `join.rs`).
+    #[arg(long)]
+    join: bool,
+    /// With `--join`: the cluster's partitions, if this member creates it.
+    #[arg(long, default_value_t = 16)]
+    partitions: u32,
+    /// With `--store postgres`: the leader lease's period, in ms (with `--join`: the
+    /// membership's).
     #[arg(long, default_value_t = 3000)]
     lease_ms: u64,
     /// With `--store postgres`: this engine's name in the lease (default
@@ -299,6 +311,19 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
     if args.standby && args.store != StoreKind::Postgres {
         return Err("--standby needs --store postgres (the leader lease lives there)".into());
     }
+    if args.join
+        && (args.store != StoreKind::Postgres
+            || args.standby
+            || args.resume
+            || args.dag.is_some()
+            || args.remote > 0)
+    {
+        return Err(
+            "--join needs --store postgres, and takes neither --standby, --resume, --dag nor \
+             --remote"
+                .into(),
+        );
+    }
     // A standby submits nothing: it runs what the leader left.
     let resume = args.resume || args.standby;
     if args.resume && args.store == StoreKind::Memory {
@@ -330,6 +355,9 @@ async fn run(args: Args) -> Result<ExitCode, Box<dyn std::error::Error>> {
         None => None,
     };
     let env = Arc::new(Env::new(ledger));
+    if args.join {
+        return join::run(&args, env).await;
+    }
     // The remote nodes serve any run: a resumed one carries on the operations its
     // recovered procedures sent.
     let nodes = Nodes::new(

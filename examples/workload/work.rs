@@ -75,13 +75,14 @@ impl Env {
         &self,
         effect: ledger::Effect,
         total: u32,
-        token: Option<i64>,
+        token: ledger::Fence,
+        lock: Option<u32>,
     ) -> Result<(), ProcError> {
         let Some(ledger) = &self.ledger else {
             return Ok(());
         };
         ledger
-            .add(effect, total, token)
+            .add(effect, total, token, lock)
             .map_err(|e| ProcError::failed(format!("ledger: {e}")))
     }
 
@@ -89,13 +90,14 @@ impl Env {
     pub fn remove_effect(
         &self,
         effect: ledger::Effect,
-        token: Option<i64>,
+        token: ledger::Fence,
+        lock: Option<u32>,
     ) -> Result<(), ProcError> {
         let Some(ledger) = &self.ledger else {
             return Ok(());
         };
         ledger
-            .remove(effect, token)
+            .remove(effect, token, lock)
             .map_err(|e| ProcError::failed(format!("ledger: {e}")))
     }
 }
@@ -219,19 +221,19 @@ impl StateMachineProcedure<Env> for Work {
         }
         let env = ctx.env();
         let root = ctx.root().0;
-        let token = ctx.fencing_token();
+        let token = fence(ctx);
         env.enter(self.lock, root);
         if step >= self.steps {
             return Ok(());
         }
-        env.remove_effect((root, self.path, step), token)?;
+        env.remove_effect((root, self.path, step), token, self.lock)?;
         if self.path == 0 && step == 0 {
             // The root's first step started the children: undo what they did. A child
             // that succeeded is not rolled back itself (its parent's rollback undoes
             // what the parent caused).
             for path in 1..=self.children {
                 for child_step in 0..self.steps {
-                    env.remove_effect((root, path, child_step), token)?;
+                    env.remove_effect((root, path, child_step), token, self.lock)?;
                 }
             }
             // The root's last rollback: the tree leaves its resource.
@@ -262,8 +264,13 @@ impl Work {
             // Only reached by a one-step root with children: the step after them.
             return Ok(Flow::Done);
         }
-        let token = ctx.fencing_token();
-        env.add_effect((ctx.root().0, self.path, step), self.tree_effects, token)?;
+        let token = fence(ctx);
+        env.add_effect(
+            (ctx.root().0, self.path, step),
+            self.tree_effects,
+            token,
+            self.lock,
+        )?;
         if self.fail == Some((self.path, step)) {
             return Err(ProcError::failed(format!(
                 "injected failure at path {} step {step}",
@@ -292,6 +299,76 @@ impl Work {
             Ok(Flow::Done)
         }
     }
+}
+
+/// The token a call runs under, with its partition in a cluster (the ledger orders
+/// tokens per partition).
+pub fn fence<E: ?Sized>(ctx: &Context<E>) -> ledger::Fence {
+    ctx.fencing_token().map(|t| (t, ctx.partition()))
+}
+
+/// Each root in `records` (a cluster's store, read after every root finished):
+/// finished as its plan says (a planned failure rolls it back, no failure succeeds),
+/// and its state decodes.
+pub fn check_cluster_states(records: &[proctor::store::ProcRecord]) -> (Vec<String>, u64) {
+    let mut violations = Vec::new();
+    for record in records.iter().filter(|r| r.parent.is_none()) {
+        let id = record.id;
+        let planned = match rmp_serde::from_slice::<StateMachine<Work, Env>>(&record.data) {
+            Ok(machine) => machine.machine().fail.is_none(),
+            Err(e) => {
+                violations.push(format!("root {id}: its state does not decode: {e}"));
+                continue;
+            }
+        };
+        match (record.state, planned) {
+            (ProcState::Success, false) => {
+                violations.push(format!("root {id} succeeded though it was planned to fail"));
+            }
+            (ProcState::RolledBack, true) => {
+                violations.push(format!("root {id} rolled back though nothing failed"));
+            }
+            (ProcState::Success | ProcState::RolledBack, _) => {}
+            (other, _) => violations.push(format!("root {id} is not finished ({other})")),
+        }
+    }
+    (violations, 0)
+}
+
+/// The checks of a cluster's run across every process, on its store's `records` and
+/// the shared `ledger`: [`check_cluster_states`]; every root acknowledged to a
+/// submitter is in the store; the ledger's tokens in order per partition; no two trees
+/// inside one resource at once; each root's effects all (SUCCESS) or none
+/// (ROLLEDBACK). Returns the violations and how many are lock conflicts.
+pub fn check_cluster(
+    records: &[proctor::store::ProcRecord],
+    ledger: &Ledger,
+) -> std::io::Result<(Vec<String>, u64)> {
+    let (mut violations, _) = check_cluster_states(records);
+    let mut known: HashMap<ProcId, ProcState> = HashMap::new();
+    let mut effects_of: HashMap<ProcId, usize> = HashMap::new();
+    for record in records.iter().filter(|r| r.parent.is_none()) {
+        known.insert(record.id, record.state);
+        if let Ok(machine) = rmp_serde::from_slice::<StateMachine<Work, Env>>(&record.data) {
+            effects_of.insert(record.id, machine.machine().effects());
+        }
+    }
+    for acked in ledger.acknowledgements()? {
+        if !known.contains_key(&ProcId(acked)) {
+            violations.push(format!(
+                "root {acked} was acknowledged but is not in the store"
+            ));
+        }
+    }
+    violations.extend(ledger.fence_violations()?);
+    let conflicts = ledger.lock_conflicts()?;
+    let lock_conflicts = conflicts.len() as u64;
+    violations.extend(conflicts);
+    let effects = ledger.effects_per_root()?;
+    violations.extend(ledger_violations(&known, &effects, |id| {
+        effects_of.get(&id).copied().unwrap_or(0)
+    }));
+    Ok((violations, lock_conflicts))
 }
 
 /// The registry the workload's executors use.
