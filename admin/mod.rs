@@ -11,9 +11,12 @@
 //!   each DAG's tasks and edges;
 //! - `/locks` — each resource with its holders, its queue in the order it is served
 //!   and its permits, and the wait-for cycles the engine handled ([`Executor::locks`]);
-//! - `/engine` — workers and queues per shard, the executor's role (leadership), the
-//!   store's figures, the group commit's batch sizes and the latest failures
-//!   ([`Executor::engine_status`]);
+//! - `/engine` — workers and queues per shard, the executor's role (alone, leader,
+//!   standby, a cluster partition's owner, stepped down), the store's figures, the
+//!   group commit's batch sizes and the latest failures ([`Executor::engine_status`]);
+//!   with [`AdminConfig::cluster`](crate::admin::AdminConfig::cluster) (the `postgres`
+//!   feature), the cluster too: its coordinator, members, partitions with their owners
+//!   and epochs, and newest moves, read from its store at each request;
 //! - `/events` — the live feed as Server-Sent Events: once a tick, what the engine
 //!   published since (counts, the newest roots, the watched rows that changed).
 //!
@@ -78,25 +81,47 @@ use serde_json::{json, Value};
 
 use crate::{Executor, List, ProcId, ProcInfo, ProcState, Role, WaitingOn};
 
-/// How the admin page runs: where it listens stand-alone, the token actions need, and
-/// the host names it answers for besides its own address.
+/// How the admin page runs: where it listens stand-alone, the token actions need, the
+/// host names it answers for besides its own address, and the cluster it shows.
 #[derive(Clone, Debug)]
 pub struct AdminConfig {
     addr: SocketAddr,
     token: Option<String>,
     live_every: std::time::Duration,
     hosts: Vec<String>,
+    #[cfg(feature = "postgres")]
+    cluster: Option<ClusterSource>,
 }
 
 impl Default for AdminConfig {
-    /// Loopback port 9092, read-only.
+    /// Loopback port 9092, read-only, no cluster.
     fn default() -> Self {
         AdminConfig {
             addr: SocketAddr::from(([127, 0, 0, 1], 9092)),
             token: None,
             live_every: std::time::Duration::from_millis(500),
             hosts: Vec::new(),
+            #[cfg(feature = "postgres")]
+            cluster: None,
         }
+    }
+}
+
+/// Where the page reads a cluster from ([`AdminConfig::cluster`]).
+#[cfg(feature = "postgres")]
+#[derive(Clone)]
+struct ClusterSource {
+    url: String,
+    options: crate::PgOptions,
+}
+
+#[cfg(feature = "postgres")]
+impl std::fmt::Debug for ClusterSource {
+    /// Without the URL, which may carry a password.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterSource")
+            .field("options", &self.options)
+            .finish_non_exhaustive()
     }
 }
 
@@ -152,6 +177,40 @@ impl AdminConfig {
         self
     }
 
+    /// Shows the [cluster](crate::Cluster) whose store is at `url` (a `postgresql://`
+    /// URL or libpq key-values, in the schema `options` names) on the engine page and
+    /// in its JSON, as `cluster`: the coordinator, each member (its epoch, live or
+    /// expired, the time its membership has left), each partition (its owner, epoch,
+    /// pending hand-off and moves) and the newest moves — `null` if the schema holds
+    /// no cluster, `{"error": ...}` if the store cannot be read (the rest of the page
+    /// is still answered). The page served is usually one of the member's engines
+    /// ([`Cluster::engine`](crate::Cluster::engine)); the cluster is read from the
+    /// store's tables ([`PgStore::inspect_cluster`](crate::PgStore::inspect_cluster)),
+    /// on a connection of its own, on a blocking thread, at each request of `/engine`.
+    /// Read-only: the page changes nothing in the cluster, and its actions still act on
+    /// the one engine it serves. The `postgres` feature.
+    ///
+    /// ```no_run
+    /// # async fn f(cluster: proctor::Cluster) -> std::io::Result<()> {
+    /// use proctor::admin::AdminConfig;
+    /// use proctor::PgOptions;
+    /// let engine = cluster.engine(cluster.owned()[0]).expect("it owns the partition");
+    /// AdminConfig::default()
+    ///     .cluster("postgresql://ops@db.internal/app", PgOptions::default().schema("orders"))
+    ///     .serve(engine)
+    ///     .await?;
+    /// # Ok(()) }
+    /// ```
+    #[cfg(feature = "postgres")]
+    #[must_use]
+    pub fn cluster(mut self, url: impl Into<String>, options: crate::PgOptions) -> Self {
+        self.cluster = Some(ClusterSource {
+            url: url.into(),
+            options,
+        });
+        self
+    }
+
     /// Serves [`router`] on the configured address until the process ends.
     ///
     /// # Errors
@@ -195,6 +254,9 @@ struct Admin<E: Send + Sync + 'static> {
     /// The pages' CSRF token, made when the router is.
     csrf: String,
     live_every: std::time::Duration,
+    /// The cluster the engine page shows, if any.
+    #[cfg(feature = "postgres")]
+    cluster: Option<ClusterSource>,
 }
 
 type Shared<E> = State<Arc<Admin<E>>>;
@@ -237,6 +299,8 @@ fn build<E: Send + Sync + 'static>(executor: Executor<E>, config: AdminConfig) -
         token: config.token,
         csrf: random_token(),
         live_every: config.live_every,
+        #[cfg(feature = "postgres")]
+        cluster: config.cluster,
     });
     Router::new()
         .route("/", get(to_procedures))
@@ -568,7 +632,7 @@ async fn engine<E: Send + Sync + 'static>(
             })
         })
         .collect();
-    let body = json!({
+    let mut body = json!({
         "shards": stats.shards,
         "workers": stats.workers,
         "running": stats.running,
@@ -597,10 +661,40 @@ async fn engine<E: Send + Sync + 'static>(
         },
         "recent_failures": failures,
     });
+    if let Some(cluster) = cluster_of(&admin).await {
+        body["cluster"] = cluster;
+    }
     if wants_json(&headers) {
         return Ok(Json(body).into_response());
     }
     Ok(pages::html(&admin.csrf, "", "Engine", &pages::engine(&body)).into_response())
+}
+
+/// The cluster as the engine page shows it, if the config names one: its state (see
+/// [`pages::cluster_json`]), `null` if the schema holds no cluster, or
+/// `{"error": ...}`. Read on a blocking thread: the store's client blocks.
+#[cfg(feature = "postgres")]
+async fn cluster_of<E: Send + Sync + 'static>(admin: &Admin<E>) -> Option<Value> {
+    let source = admin.cluster.clone()?;
+    let read = tokio::task::spawn_blocking(move || {
+        crate::PgStore::inspect_cluster(&source.url, &source.options)
+    })
+    .await;
+    Some(match read {
+        Ok(Ok(Some(state))) => pages::cluster_json(&state),
+        Ok(Ok(None)) => Value::Null,
+        Ok(Err(e)) => {
+            tracing::warn!(target: crate::targets::ADMIN, error = %e, "the admin page could not read the cluster");
+            json!({ "error": format!("reading the cluster: {e}") })
+        }
+        Err(e) => json!({ "error": format!("reading the cluster: {e}") }),
+    })
+}
+
+/// Without the PostgreSQL store there is no cluster to show.
+#[cfg(not(feature = "postgres"))]
+async fn cluster_of<E: Send + Sync + 'static>(_: &Admin<E>) -> Option<Value> {
+    None
 }
 
 #[derive(Deserialize, Default)]

@@ -28,7 +28,7 @@ tr.updated { background: #eef6ff; }
 form.filters { display: flex; gap: 8px; margin-bottom: 10px; align-items: end; }
 button.act { font-size: 12px; }
 .tree ul { list-style: none; padding-left: 20px; border-left: 1px dotted #aab; }
-.tree .current { font-weight: bold; }
+.tree .current, tr.current { font-weight: bold; }
 .error { color: #b02a2a; }
 #msg { margin: 8px 0; }
 "#;
@@ -647,7 +647,10 @@ fn facts(out: &mut String, id: &str, map: &serde_json::Map<String, Value>) {
 pub(super) fn engine(body: &Value) -> String {
     let mut out = String::from("<h3>Workers and queues</h3>");
     let empty = serde_json::Map::new();
-    facts(&mut out, "workers", body.as_object().unwrap_or(&empty));
+    // The cluster has a section of its own (and is `null` in a schema without one).
+    let mut top = body.as_object().cloned().unwrap_or_default();
+    top.remove("cluster");
+    facts(&mut out, "workers", &top);
     out.push_str(r#"<table id="shards"><thead><tr><th>shard</th><th>workers (system ones included)</th><th>busy</th><th>queued</th></tr></thead><tbody>"#);
     for (i, s) in body["per_shard"]
         .as_array()
@@ -662,12 +665,20 @@ pub(super) fn engine(body: &Value) -> String {
         );
     }
     out.push_str("</tbody></table>");
-    out.push_str("<h3>Leadership</h3>");
+    out.push_str("<h3>Role</h3>");
+    let _ = write!(
+        out,
+        r#"<p id="role">{}</p>"#,
+        esc(&role_sentence(&body["leadership"]))
+    );
     facts(
         &mut out,
         "leadership",
         body["leadership"].as_object().unwrap_or(&empty),
     );
+    if let Some(cluster) = body.get("cluster") {
+        cluster_section(&mut out, cluster, &body["leadership"]);
+    }
     let _ = write!(
         out,
         "<h3>Store ({})</h3>",
@@ -707,4 +718,180 @@ pub(super) fn engine(body: &Value) -> String {
         out.push_str("</tbody></table>");
     }
     out
+}
+
+/// What the executor is to its store, in a sentence (from the engine JSON's
+/// `leadership`).
+fn role_sentence(role: &Value) -> String {
+    let text = |key: &str| role[key].as_str().unwrap_or("?").to_string();
+    match role["role"].as_str() {
+        Some("alone") => "Alone on its store: no lease, no cluster.".to_string(),
+        Some("leader") => format!(
+            "Leads as {}: it holds the leader lease, epoch {}, which fences its writes.",
+            text("holder"),
+            role["epoch"]
+        ),
+        Some("standby") => format!(
+            "Standby: it runs nothing until it takes the lease ({}).",
+            role["leader"]
+                .as_str()
+                .map_or("no leader seen".to_string(), |l| format!(
+                    "the leader is {l}"
+                ))
+        ),
+        Some("owner") => format!(
+            "Owns partition {} of its cluster, in member {}: it runs that partition's \
+             procedures, its writes fenced with the partition's epoch, {}.",
+            role["partition"],
+            text("holder"),
+            role["epoch"]
+        ),
+        Some("stepped_down") => format!(
+            "Stepped down: {}. It runs and acknowledges nothing more.",
+            text("reason")
+        ),
+        _ => format!("Unknown: {}", text("error")),
+    }
+}
+
+/// The engine JSON's `cluster` ([`AdminConfig::cluster`](super::AdminConfig::cluster)):
+/// the shape `proctor procs --pg` gives a cluster in its summary.
+#[cfg(feature = "postgres")]
+pub(super) fn cluster_json(state: &crate::ClusterState) -> Value {
+    let members: Vec<Value> = state
+        .members
+        .iter()
+        .map(|m| {
+            json!({
+                "name": m.name,
+                "epoch": m.epoch,
+                "live": m.remaining.is_some(),
+                "remaining_ms": m.remaining.map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX)),
+            })
+        })
+        .collect();
+    let partitions: Vec<Value> = state
+        .partitions
+        .iter()
+        .map(|p| {
+            json!({
+                "partition": p.partition,
+                "owner": p.owner,
+                "epoch": p.epoch,
+                "wanted": p.wanted,
+                "moves": p.moves,
+            })
+        })
+        .collect();
+    let moves: Vec<Value> = state
+        .recent_moves
+        .iter()
+        .map(|m| {
+            json!({
+                "at_ms": m.at_ms,
+                "partition": m.partition,
+                "from": m.from,
+                "to": m.to,
+                "epoch": m.epoch,
+                "reason": m.reason,
+            })
+        })
+        .collect();
+    json!({
+        "coordinator": state.coordinator,
+        "moves": state.moves,
+        "members": members,
+        "partitions": partitions,
+        "recent_moves": moves,
+    })
+}
+
+/// The cluster's section of the engine page, from the engine JSON's `cluster`; the
+/// partition this engine owns, if it owns one, is marked.
+fn cluster_section(out: &mut String, cluster: &Value, role: &Value) {
+    out.push_str("<h3>Cluster</h3>");
+    if cluster.is_null() {
+        out.push_str(r#"<p id="cluster">the store holds no cluster</p>"#);
+        return;
+    }
+    if let Some(error) = cluster["error"].as_str() {
+        let _ = write!(out, r#"<p id="cluster" class="error">{}</p>"#, esc(error));
+        return;
+    }
+    let list = |key: &str| cluster[key].as_array().map_or(&[][..], Vec::as_slice);
+    let name = |v: &Value| v.as_str().map_or_else(|| "-".to_string(), esc);
+    let (members, partitions, moves) = (list("members"), list("partitions"), list("recent_moves"));
+    let live: Vec<&str> = members
+        .iter()
+        .filter(|m| m["live"] == true)
+        .filter_map(|m| m["name"].as_str())
+        .collect();
+    let _ = write!(
+        out,
+        r#"<p id="cluster">{} partitions · {} members ({} live) · coordinator {} · {} moves between members</p>"#,
+        partitions.len(),
+        members.len(),
+        live.len(),
+        cluster["coordinator"]
+            .as_str()
+            .map_or_else(|| "none (no live leader lease)".to_string(), esc),
+        cluster["moves"]
+    );
+    out.push_str(r#"<table id="members"><thead><tr><th>member</th><th>epoch</th><th>membership</th></tr></thead><tbody>"#);
+    for m in members {
+        let membership = match m["remaining_ms"].as_u64() {
+            Some(ms) => format!("live, {ms} ms left"),
+            None => "expired".to_string(),
+        };
+        let _ = write!(
+            out,
+            "<tr><td>{}</td><td>{}</td><td>{membership}</td></tr>",
+            name(&m["name"]),
+            m["epoch"]
+        );
+    }
+    out.push_str("</tbody></table>");
+    let own = (role["role"] == "owner")
+        .then(|| role["partition"].as_u64())
+        .flatten();
+    out.push_str(r#"<table id="partitions"><thead><tr><th>partition</th><th>owner</th><th>epoch</th><th>hand-off to</th><th>moves</th></tr></thead><tbody>"#);
+    for p in partitions {
+        let owner = match p["owner"].as_str() {
+            Some(o) if live.contains(&o) => esc(o),
+            Some(o) => format!("{} (expired)", esc(o)),
+            None => "-".to_string(),
+        };
+        let this = own.is_some() && p["partition"].as_u64() == own;
+        let _ = write!(
+            out,
+            r#"<tr data-partition="{0}"{1}><td>{0}{2}</td><td>{owner}</td><td>{3}</td><td>{4}</td><td>{5}</td></tr>"#,
+            p["partition"],
+            if this { r#" class="current""# } else { "" },
+            if this { " (this engine)" } else { "" },
+            p["epoch"],
+            name(&p["wanted"]),
+            p["moves"]
+        );
+    }
+    out.push_str("</tbody></table>");
+    out.push_str("<h3>Newest moves</h3>");
+    if moves.is_empty() {
+        out.push_str("<p>none</p>");
+        return;
+    }
+    out.push_str(r#"<table id="moves"><thead><tr><th>when</th><th>partition</th><th>from</th><th>to</th><th>epoch</th><th>reason</th></tr></thead><tbody>"#);
+    for m in moves {
+        let at = m["at_ms"].as_u64().unwrap_or(0);
+        let _ = write!(
+            out,
+            "<tr><td>{} ago</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td><td>{}</td></tr>",
+            age(at),
+            m["partition"],
+            name(&m["from"]),
+            name(&m["to"]),
+            m["epoch"],
+            name(&m["reason"])
+        );
+    }
+    out.push_str("</tbody></table>");
 }

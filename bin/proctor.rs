@@ -14,6 +14,8 @@
 //! proctor wal verify DIR [--json]   # checks the log as the engine would open it
 //! proctor wal dump DIR [--json]     # one line per record
 //! proctor procs DIR [--state S,..] [--type NAME] [--tree ID] [--json | --json-document]
+//! proctor procs --pg URL [--pg-schema S] [..]  # a PostgreSQL store: its procedures,
+//!                                       # its lease and, of a cluster, the partitions
 //! proctor bypass DIR ID [--recursive]   # mark a stuck procedure finished (HBCK2)
 //! proctor bypass URL ID [--force]       # the same on a running engine, through its
 //!                                       # admin page (token: PROCTOR_ADMIN_TOKEN)
@@ -85,7 +87,10 @@ enum Command {
         #[arg(required_unless_present = "pg")]
         dir: Option<PathBuf>,
         /// Read a PostgreSQL store instead (a `postgresql://` URL or libpq key-values):
-        /// its procedures and its leader lease, beside a running leader or not.
+        /// its procedures and its leader lease, beside a running leader or not. A
+        /// cluster's store shows each procedure's partition, and after the summary the
+        /// cluster: its coordinator, members, partitions (owner, epoch, pending
+        /// hand-off, moves) and newest moves (in JSON, the summary's "cluster").
         #[arg(long, value_name = "URL", conflicts_with = "dir")]
         pg: Option<String>,
         /// The schema of the PostgreSQL store's tables.
@@ -1001,11 +1006,21 @@ enum Source {
     Pg { url: String, schema: String },
 }
 
+/// What a PostgreSQL store holds besides its procedures.
+struct PgFacts {
+    lease: LeaseJson,
+    /// `None` for a store of one engine (or of its leader and standbys).
+    cluster: Option<proctor::ClusterState>,
+}
+
 /// A PostgreSQL store's procedures (as a WAL's load gives them, with no scan to
-/// report) and its lease, described.
-fn load_pg(url: &str, schema: &str) -> Result<(Loaded, LeaseJson), Stop> {
+/// report), its lease, described, and its cluster if it is a cluster's. (Two reads:
+/// beside running members, a procedure and the partitions are each as they were when
+/// read.)
+fn load_pg(url: &str, schema: &str) -> Result<(Loaded, PgFacts), Stop> {
     let options = proctor::PgOptions::default().schema(schema);
     let (snapshot, lease) = proctor::PgStore::inspect(url, &options)?;
+    let cluster = proctor::PgStore::inspect_cluster(url, &options)?;
     let latest = snapshot.records.into_iter().map(|r| (r.id, r)).collect();
     let lease = LeaseJson {
         holder: lease.holder,
@@ -1019,7 +1034,7 @@ fn load_pg(url: &str, schema: &str) -> Result<(Loaded, LeaseJson), Stop> {
             latest,
             scan: WalDirScan::default(),
         },
-        lease,
+        PgFacts { lease, cluster },
     ))
 }
 
@@ -1046,14 +1061,228 @@ impl std::fmt::Display for LeaseJson {
     }
 }
 
+/// A cluster, as `procs` shows it (the shape of the admin page's `cluster` too).
+#[derive(Serialize)]
+struct ClusterJson {
+    /// The leader lease's holder, if its lease is live.
+    coordinator: Option<String>,
+    /// Changes of owner from one member to another (`dead`, `hand-off`, `left`), in
+    /// all.
+    moves: i64,
+    /// Every member that ever joined, by name.
+    members: Vec<MemberJson>,
+    /// Every partition, by number.
+    partitions: Vec<PartitionJson>,
+    /// The newest changes of owner, newest first (at most 50).
+    recent_moves: Vec<MoveJson>,
+}
+
+#[derive(Serialize)]
+struct MemberJson {
+    name: String,
+    /// Its membership's epoch (bumped at each join).
+    epoch: i64,
+    live: bool,
+    /// How long its membership has to run (the database's clock); null once expired.
+    remaining_ms: Option<u64>,
+}
+
+#[derive(Serialize)]
+struct PartitionJson {
+    partition: u32,
+    owner: Option<String>,
+    /// Its fencing token, bumped by each change of owner and each engine start.
+    epoch: i64,
+    /// A hand-off the coordinator asked the owner for: to this member.
+    wanted: Option<String>,
+    moves: i64,
+    /// The procedures of the store in it (finished roots kept included).
+    procedures: usize,
+}
+
+#[derive(Serialize)]
+struct MoveJson {
+    /// ms since the Unix epoch, by the database's clock.
+    at_ms: i64,
+    partition: u32,
+    from: Option<String>,
+    to: Option<String>,
+    epoch: i64,
+    /// `assigned`, `dead`, `hand-off` or `left`.
+    reason: String,
+}
+
+impl ClusterJson {
+    fn new(state: &proctor::ClusterState, latest: &BTreeMap<ProcId, ProcRecord>) -> Self {
+        let count = partition_count(state);
+        let mut procedures: BTreeMap<u32, usize> = BTreeMap::new();
+        for id in latest.keys() {
+            *procedures
+                .entry(proctor::partitions::partition_of_id(*id, count))
+                .or_default() += 1;
+        }
+        let ms = |d: std::time::Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        ClusterJson {
+            coordinator: state.coordinator.clone(),
+            moves: state.moves,
+            members: state
+                .members
+                .iter()
+                .map(|m| MemberJson {
+                    name: m.name.clone(),
+                    epoch: m.epoch,
+                    live: m.remaining.is_some(),
+                    remaining_ms: m.remaining.map(ms),
+                })
+                .collect(),
+            partitions: state
+                .partitions
+                .iter()
+                .map(|p| PartitionJson {
+                    partition: p.partition,
+                    owner: p.owner.clone(),
+                    epoch: p.epoch,
+                    wanted: p.wanted.clone(),
+                    moves: p.moves,
+                    procedures: procedures.get(&p.partition).copied().unwrap_or(0),
+                })
+                .collect(),
+            recent_moves: state
+                .recent_moves
+                .iter()
+                .map(|m| MoveJson {
+                    at_ms: m.at_ms,
+                    partition: m.partition,
+                    from: m.from.clone(),
+                    to: m.to.clone(),
+                    epoch: m.epoch,
+                    reason: m.reason.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// The text form, after the procedures' summary: a line for the cluster, then its
+    /// members, its partitions and its newest moves (at most [`MOVES_SHOWN`]; JSON has
+    /// every one read).
+    fn write(&self, out: &mut Out, now: u64) -> io::Result<()> {
+        writeln!(out)?;
+        writeln!(
+            out,
+            "cluster: {} partitions, {} members ({} live); coordinator {}; {} moves between members",
+            self.partitions.len(),
+            self.members.len(),
+            self.members.iter().filter(|m| m.live).count(),
+            self.coordinator
+                .as_deref()
+                .unwrap_or("none (no live leader lease)"),
+            self.moves,
+        )?;
+        let mut members = Table::new(vec!["MEMBER", "EPOCH", "MEMBERSHIP"]);
+        for m in &self.members {
+            members.push(vec![
+                m.name.clone(),
+                m.epoch.to_string(),
+                match m.remaining_ms {
+                    Some(ms) => format!("live, {ms} ms left"),
+                    None => "expired".to_string(),
+                },
+            ]);
+        }
+        members.write(out)?;
+        writeln!(out)?;
+        let mut partitions = Table::new(vec![
+            "PARTITION",
+            "OWNER",
+            "EPOCH",
+            "HAND-OFF TO",
+            "MOVES",
+            "PROCEDURES",
+        ]);
+        let live = |name: &str| self.members.iter().any(|m| m.live && m.name == name);
+        for p in &self.partitions {
+            partitions.push(vec![
+                p.partition.to_string(),
+                match &p.owner {
+                    Some(owner) if live(owner) => owner.clone(),
+                    Some(owner) => format!("{owner} (expired)"),
+                    None => "-".to_string(),
+                },
+                p.epoch.to_string(),
+                p.wanted.clone().unwrap_or_else(|| "-".to_string()),
+                p.moves.to_string(),
+                p.procedures.to_string(),
+            ]);
+        }
+        partitions.write(out)?;
+        if self.recent_moves.is_empty() {
+            return Ok(());
+        }
+        writeln!(out)?;
+        let shown = self.recent_moves.len().min(MOVES_SHOWN);
+        writeln!(
+            out,
+            "newest moves ({shown} of the {} read; --json lists them all):",
+            self.recent_moves.len()
+        )?;
+        let mut moves = Table::new(vec!["AT", "PARTITION", "FROM", "TO", "EPOCH", "REASON"]);
+        for m in &self.recent_moves[..shown] {
+            let at = u64::try_from(m.at_ms).unwrap_or(0);
+            moves.push(vec![
+                format!("{} ({})", utc(m.at_ms), relative(at, now)),
+                m.partition.to_string(),
+                m.from.clone().unwrap_or_else(|| "-".to_string()),
+                m.to.clone().unwrap_or_else(|| "-".to_string()),
+                m.epoch.to_string(),
+                m.reason.clone(),
+            ]);
+        }
+        moves.write(out)
+    }
+}
+
+/// How many of a cluster's newest moves the text form shows.
+const MOVES_SHOWN: usize = 10;
+
+/// The number of a cluster's partitions (numbered from 0).
+fn partition_count(state: &proctor::ClusterState) -> u32 {
+    u32::try_from(state.partitions.len()).unwrap_or(u32::MAX)
+}
+
+/// `at_ms` (ms since the Unix epoch) as UTC: `2026-11-28 21:37:56.123Z`.
+fn utc(at_ms: i64) -> String {
+    let (secs, ms) = (at_ms.div_euclid(1000), at_ms.rem_euclid(1000));
+    let (days, in_day) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // The proleptic Gregorian date of a day number (Howard Hinnant's civil_from_days).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}.{ms:03}Z",
+        in_day / 3600,
+        in_day % 3600 / 60,
+        in_day % 60
+    )
+}
+
 fn procs(out: &mut Out, source: &Source, filter: &Filter, form: Form) -> Outcome {
-    let (Loaded { latest, scan }, lease) = match source {
-        Source::Wal(dir) => (load(dir)?, None),
+    let (Loaded { latest, scan }, lease, cluster) = match source {
+        Source::Wal(dir) => (load(dir)?, None, None),
         Source::Pg { url, schema } => {
-            let (loaded, lease) = load_pg(url, schema)?;
-            (loaded, Some(lease))
+            let (loaded, facts) = load_pg(url, schema)?;
+            (loaded, Some(facts.lease), facts.cluster)
         }
     };
+    // In a cluster's store, each procedure's partition (its id names it).
+    let partitions = cluster.as_ref().map(partition_count);
+    let partition_of = |id: ProcId| partitions.map(|n| proctor::partitions::partition_of_id(id, n));
+    let cluster = cluster.map(|state| ClusterJson::new(&state, &latest));
     let now = now_ms();
     // Any stored name will do here: the command checks histories, not types.
     let names = |name: &str| Some(&*Box::leak(name.to_string().into_boxed_str()));
@@ -1088,8 +1317,13 @@ fn procs(out: &mut Out, source: &Source, filter: &Filter, form: Form) -> Outcome
             describe(damage)
         ),
         (None, Some(repair)) => describe_repair(repair),
-        (None, None) => match (&lease, source) {
-            (Some(lease), Source::Pg { schema, .. }) => {
+        (None, None) => match (&lease, source, &cluster) {
+            (Some(lease), Source::Pg { schema, .. }, Some(cluster)) => format!(
+                "PostgreSQL schema {schema}, a cluster of {} partitions; coordinator's \
+                 lease {lease}",
+                cluster.partitions.len()
+            ),
+            (Some(lease), Source::Pg { schema, .. }, None) => {
                 format!("PostgreSQL schema {schema}; leader lease {lease}")
             }
             _ => "sound".to_string(),
@@ -1111,6 +1345,7 @@ fn procs(out: &mut Out, source: &Source, filter: &Filter, form: Form) -> Outcome
                     id: r.id.0,
                     parent: r.parent.map(|p| p.0),
                     root: r.root.0,
+                    partition: partition_of(r.id),
                     type_name: &r.type_name,
                     state: r.state.to_string(),
                     steps: (!r.state.is_finished()).then_some(r.stack_indexes.len()),
@@ -1150,6 +1385,7 @@ fn procs(out: &mut Out, source: &Source, filter: &Filter, form: Form) -> Outcome
             repairs: scan.repairs.iter().map(describe_repair).collect(),
             damage: scan.damage.as_ref().map(describe),
             lease,
+            cluster,
         };
         if form == Form::JsonLines {
             for procedure in &procedures {
@@ -1167,10 +1403,11 @@ fn procs(out: &mut Out, source: &Source, filter: &Filter, form: Form) -> Outcome
         return Ok(exit);
     }
 
-    let mut table = Table::new(vec![
-        "ID",
-        "PARENT",
-        "ROOT",
+    let mut header = vec!["ID", "PARENT", "ROOT"];
+    if partitions.is_some() {
+        header.push("PART");
+    }
+    header.extend([
         "TYPE",
         "STATE",
         "STEPS",
@@ -1180,6 +1417,7 @@ fn procs(out: &mut Out, source: &Source, filter: &Filter, form: Form) -> Outcome
         "FAILURE",
         "DATA",
     ]);
+    let mut table = Table::new(header);
     for &(id, depth) in &shown {
         let r = &latest[&id];
         let children = unfinished_children.get(&id).copied().unwrap_or(0);
@@ -1201,10 +1439,13 @@ fn procs(out: &mut Out, source: &Source, filter: &Filter, form: Form) -> Outcome
                 Some(Err(reason)) => reason,
             },
         };
-        table.push(vec![
+        let mut cells = vec![
             format!("{}{}", "  ".repeat(depth), r.id),
             r.parent.map_or("-".to_string(), |p| p.to_string()),
             r.root.to_string(),
+        ];
+        cells.extend(partition_of(r.id).map(|p| p.to_string()));
+        cells.extend([
             r.type_name.to_string(),
             state,
             // A finished procedure's final record keeps no steps (its stack is undone
@@ -1230,6 +1471,7 @@ fn procs(out: &mut Out, source: &Source, filter: &Filter, form: Form) -> Outcome
             },
             data,
         ]);
+        table.push(cells);
     }
     table.write(out)?;
     let counts: Vec<String> = by_state.iter().map(|(s, n)| format!("{n} {s}")).collect();
@@ -1249,6 +1491,9 @@ fn procs(out: &mut Out, source: &Source, filter: &Filter, form: Form) -> Outcome
             counts.join(", ")
         },
     )?;
+    if let Some(cluster) = &cluster {
+        cluster.write(out, now)?;
+    }
     Ok(exit)
 }
 
@@ -1265,6 +1510,9 @@ struct ProcJson<'a> {
     id: u64,
     parent: Option<u64>,
     root: u64,
+    /// Its partition, in a cluster's store (its id modulo the number of partitions).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    partition: Option<u32>,
     #[serde(rename = "type")]
     type_name: &'a str,
     state: String,
@@ -1321,9 +1569,12 @@ struct SummaryJson {
     log: String,
     repairs: Vec<String>,
     damage: Option<String>,
-    /// A PostgreSQL store's leader lease.
+    /// A PostgreSQL store's leader lease (in a cluster, its coordinator's).
     #[serde(skip_serializing_if = "Option::is_none")]
     lease: Option<LeaseJson>,
+    /// A cluster's store: its partitions, members, coordinator and newest moves.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    cluster: Option<ClusterJson>,
 }
 
 /// Opens a stopped engine's log for writing, as the engine would: its lock taken, a
@@ -1482,6 +1733,17 @@ fn steer(out: &mut Out, dir: &Path, id: ProcId, command: Steer) -> Outcome {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A move's time as UTC, leap days and the epoch's edges included.
+    #[test]
+    fn times_show_as_utc() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00.000Z");
+        assert_eq!(utc(-1), "1969-12-31 23:59:59.999Z");
+        assert_eq!(utc(951_782_400_000), "2000-02-29 00:00:00.000Z");
+        assert_eq!(utc(1_700_000_000_123), "2023-11-14 22:13:20.123Z");
+        assert_eq!(utc(4_107_542_399_000), "2100-02-28 23:59:59.000Z");
+        assert_eq!(utc(4_107_542_400_000), "2100-03-01 00:00:00.000Z");
+    }
 
     /// MessagePack as `rmp_serde` and other writers produce it, read into JSON.
     #[test]

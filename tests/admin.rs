@@ -9,6 +9,10 @@
 //! Only a request naming the page's own address or a configured host name is
 //! answered (421 otherwise, as a DNS-rebinding page would be), an action from another
 //! origin is refused (403), and every answer carries the security headers.
+//! Configured with a cluster's store, the engine page and its JSON show the cluster
+//! (members, partitions with their owners and epochs, moves) beside the engine's role
+//! as a partition's owner; a schema without a cluster shows none, a store that cannot
+//! be read an error, and the rest of the page is still answered.
 
 mod common;
 
@@ -246,6 +250,10 @@ async fn pages_and_their_json_filter_and_page() {
     assert_eq!(status, 200);
     assert_eq!(engine["leadership"]["role"], "alone");
     assert!(engine["workers"].as_u64().unwrap() > 0);
+    assert!(
+        engine.get("cluster").is_none(),
+        "no cluster configured: {engine}"
+    );
     let (status, locks) = page.json("locks").await;
     assert_eq!(status, 200);
     assert!(locks["resources"].as_array().unwrap().is_empty());
@@ -1231,4 +1239,159 @@ async fn a_procedure_stuck_in_a_step_is_force_bypassed_through_the_page_and_the_
     assert_eq!(page.executor.wait(two).await.unwrap(), Ok(()));
     assert_eq!(rec.count("one-exec") + rec.count("two-exec"), 2);
     page.executor.clone().shutdown().await.unwrap();
+}
+
+/// A page over one engine of a cluster member, configured with the cluster's store:
+/// `/engine` (JSON and page) shows the engine's role as its partition's owner and the
+/// cluster — both members, every partition with the owner and epoch its engine runs
+/// under, the coordinator, the moves that assigned the partitions. The Host check
+/// still holds for it.
+#[actix::test]
+async fn the_engine_page_shows_the_cluster_and_the_partition_it_owns() {
+    let schema = common::pg::fresh_schema();
+    let url = common::pg::server().url();
+    let options = || proctor::PgOptions::default().schema(&schema);
+    let recorder = Arc::new(Recorder::default());
+    let member = |name: &'static str| {
+        let recorder = recorder.clone();
+        proctor::Cluster::builder(url.clone(), name)
+            .options(options())
+            .partitions(8)
+            .period(Duration::from_millis(900))
+            .engines(move || {
+                Executor::builder()
+                    .registry(common::registry())
+                    .env(recorder.clone())
+                    .workers(2)
+            })
+            .start()
+    };
+    let a = member("a").await.expect("a joins");
+    let b = member("b").await.expect("b joins");
+    let started = std::time::Instant::now();
+    while a.owned().len() != 4 || b.owned().len() != 4 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the partitions never spread: a {:?}, b {:?}",
+            a.owned(),
+            b.owned()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mine = a.owned()[0];
+    let page = serve(
+        a.engine(mine).expect("a runs its partition"),
+        AdminConfig::default().cluster(url.clone(), options()),
+    )
+    .await;
+
+    let (status, engine) = page.json("engine").await;
+    assert_eq!(status, 200, "{engine}");
+    let role = &engine["leadership"];
+    assert_eq!(role["role"], "owner", "{engine}");
+    assert_eq!(role["holder"], "a");
+    assert_eq!(role["partition"], mine);
+    let cluster = &engine["cluster"];
+    let members: Vec<&str> = cluster["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(members, ["a", "b"], "{cluster}");
+    assert!(
+        cluster["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["live"] == true && m["remaining_ms"].as_u64().is_some()),
+        "{cluster}"
+    );
+    let partitions = cluster["partitions"].as_array().unwrap();
+    assert_eq!(partitions.len(), 8, "{cluster}");
+    for p in partitions {
+        let partition = p["partition"].as_u64().unwrap() as u32;
+        let (owner, member) = if a.owned().contains(&partition) {
+            ("a", &a)
+        } else {
+            ("b", &b)
+        };
+        assert_eq!(p["owner"], owner, "{cluster}");
+        let engine = member
+            .engine(partition)
+            .expect("an engine per owned partition");
+        match engine.role().await.unwrap() {
+            proctor::Role::Owner { epoch, .. } => assert_eq!(p["epoch"], epoch, "{cluster}"),
+            other => panic!("partition {partition}'s engine is {other:?}"),
+        }
+    }
+    assert_eq!(role["epoch"], partitions[mine as usize]["epoch"]);
+    assert!(
+        ["a", "b"].contains(&cluster["coordinator"].as_str().unwrap()),
+        "{cluster}"
+    );
+    let moves = cluster["recent_moves"].as_array().unwrap();
+    assert!(
+        moves.iter().filter(|m| m["reason"] == "assigned").count() >= 8,
+        "{cluster}"
+    );
+
+    let (status, html) = page.get("engine").await;
+    assert_eq!(status, 200);
+    for part in [
+        format!("Owns partition {mine} of its cluster, in member a"),
+        "8 partitions · 2 members (2 live)".to_string(),
+        "id=\"members\"".to_string(),
+        format!("<tr data-partition=\"{mine}\" class=\"current\"><td>{mine} (this engine)</td><td>a</td>"),
+        "id=\"moves\"".to_string(),
+        "assigned".to_string(),
+    ] {
+        assert!(html.contains(&part), "{part} in {html}");
+    }
+    assert!(html.contains("<td>b</td>"), "{html}");
+    // The Host check holds for the cluster's view too.
+    let foreign = page
+        .get_with_host("engine", "attacker.example", "application/json")
+        .await;
+    assert_eq!(foreign.status().as_u16(), 421);
+
+    // A schema without a cluster shows none; a store that cannot be reached, an
+    // error; the engine's own facts are answered either way.
+    let none = serve(
+        a.engine(mine).unwrap(),
+        AdminConfig::default().cluster(
+            url.clone(),
+            proctor::PgOptions::default().schema("no_cluster_here"),
+        ),
+    )
+    .await;
+    let (status, engine) = none.json("engine").await;
+    assert_eq!(status, 200, "{engine}");
+    assert!(engine["cluster"].is_null(), "{engine}");
+    assert!(none
+        .get("engine")
+        .await
+        .1
+        .contains("the store holds no cluster"));
+    let unreachable = serve(
+        a.engine(mine).unwrap(),
+        AdminConfig::default().cluster(
+            "host=127.0.0.1 port=1 user=nobody connect_timeout=2",
+            options(),
+        ),
+    )
+    .await;
+    let (status, engine) = unreachable.json("engine").await;
+    assert_eq!(status, 200, "{engine}");
+    let error = engine["cluster"]["error"].as_str().unwrap();
+    assert!(error.starts_with("reading the cluster"), "{error}");
+    assert!(engine["workers"].as_u64().unwrap() > 0, "{engine}");
+    let (_, html) = unreachable.get("engine").await;
+    assert!(
+        html.contains("<p id=\"cluster\" class=\"error\">reading the cluster"),
+        "{html}"
+    );
+
+    a.leave().await.expect("a leaves");
+    b.leave().await.expect("b leaves");
 }

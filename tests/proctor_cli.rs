@@ -4,7 +4,8 @@
 //! the pipe early ends the command quietly; a directory without a WAL is an error;
 //! `procs` filters, draws a tree, says what a waiting procedure waits for, decodes the
 //! procedure's own state and speaks JSON; `abort` on a stopped engine's log makes the
-//! tree roll back at the next start.
+//! tree roll back at the next start. `procs --pg` reads a PostgreSQL store beside its
+//! leader, and a cluster's beside its members (partitions, owners, epochs, moves).
 
 mod common;
 
@@ -1327,4 +1328,184 @@ async fn procs_shows_a_sagas_step_values_decoded() {
         serde_json::json!({"name": "nothing", "value": null}),
         "{doc}"
     );
+}
+
+/// `procs --pg` on a cluster's store, beside its two running members: each procedure
+/// with its partition, and after the summary the cluster — both members, every
+/// partition with the owner and the epoch its engine runs under, the coordinator and
+/// the moves that assigned the partitions.
+#[actix::test]
+async fn procs_shows_a_clusters_members_partitions_and_moves() {
+    use std::time::{Duration, Instant};
+    let schema = common::pg::fresh_schema();
+    let url = common::pg::server().url();
+    let rec = std::sync::Arc::new(common::Recorder::default());
+    let member = |name: &'static str| {
+        let rec = rec.clone();
+        proctor::Cluster::builder(url.clone(), name)
+            .options(proctor::PgOptions::default().schema(&schema))
+            .partitions(8)
+            .period(Duration::from_millis(900))
+            .engines(move || {
+                proctor::Executor::builder()
+                    .registry(common::registry())
+                    .env(rec.clone())
+                    .workers(2)
+            })
+            .start()
+    };
+    let a = member("a").await.expect("a joins");
+    let b = member("b").await.expect("b joins");
+    let started = Instant::now();
+    while a.owned().len() != 4 || b.owned().len() != 4 {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the partitions never spread: a {:?}, b {:?}",
+            a.owned(),
+            b.owned()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut ids = Vec::new();
+    for i in 0..4 {
+        let via = if i % 2 == 0 { &a } else { &b };
+        let waits = Scripted::new("waits", vec![Step::Suspend("never".into()), Step::More]);
+        ids.push(via.submit(waits).await.expect("submitted"));
+    }
+    // The epoch each partition's engine runs under, as its role says.
+    let mut epochs = std::collections::BTreeMap::new();
+    for (name, member) in [("a", &a), ("b", &b)] {
+        for partition in member.owned() {
+            let engine = member
+                .engine(partition)
+                .expect("an engine per owned partition");
+            match engine.role().await.expect("role") {
+                proctor::Role::Owner {
+                    holder,
+                    partition: p,
+                    epoch,
+                } => {
+                    assert_eq!((holder.as_str(), p), (name, partition));
+                    epochs.insert(partition, (name, epoch));
+                }
+                other => panic!("partition {partition}'s engine is {other:?}"),
+            }
+        }
+    }
+    assert_eq!(epochs.len(), 8);
+
+    let run = |extra: Option<&str>| {
+        let mut args: Vec<String> = ["procs", "--pg", &url, "--pg-schema", &schema]
+            .map(String::from)
+            .to_vec();
+        args.extend(extra.map(String::from));
+        tokio::task::spawn_blocking(move || {
+            output(Command::new(env!("CARGO_BIN_EXE_proctor")).args(&args))
+        })
+    };
+    let out = run(None).await.unwrap();
+    let table = text(&out);
+    assert!(
+        out.status.success(),
+        "{table}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        table.lines().next().unwrap().contains("ROOT  PART  TYPE"),
+        "{table}"
+    );
+    for id in &ids {
+        let cells: Vec<String> = row(&table, id.0)
+            .split_whitespace()
+            .map(String::from)
+            .collect();
+        assert_eq!(cells[3], (id.0 % 8).to_string(), "{table}");
+    }
+    assert!(
+        table.contains("a cluster of 8 partitions; coordinator's lease held by"),
+        "{table}"
+    );
+    assert!(
+        table.contains("cluster: 8 partitions, 2 members (2 live)"),
+        "{table}"
+    );
+    for name in ["a", "b"] {
+        let line = table
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(name))
+            .unwrap_or_else(|| panic!("no member {name}:\n{table}"));
+        assert!(line.contains("live,") && line.contains("ms left"), "{line}");
+    }
+    let header = table
+        .lines()
+        .position(|l| l.starts_with("PARTITION"))
+        .unwrap_or_else(|| panic!("no partitions:\n{table}"));
+    for (partition, (owner, epoch)) in &epochs {
+        let line = table.lines().nth(header + 1 + *partition as usize).unwrap();
+        let cells: Vec<&str> = line.split_whitespace().collect();
+        let expected = [partition.to_string(), owner.to_string(), epoch.to_string()];
+        assert_eq!(
+            cells[..3],
+            expected.each_ref().map(String::as_str),
+            "{table}"
+        );
+    }
+    assert!(table.contains("newest moves"), "{table}");
+    assert!(table.contains("assigned"), "{table}");
+
+    let out = run(Some("--json")).await.unwrap();
+    let lines: Vec<serde_json::Value> = text(&out)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), ids.len() + 1, "{lines:?}");
+    for line in &lines[..ids.len()] {
+        assert_eq!(
+            line["partition"],
+            line["id"].as_u64().unwrap() % 8,
+            "{line}"
+        );
+    }
+    let cluster = &lines[ids.len()]["summary"]["cluster"];
+    let members: Vec<&str> = cluster["members"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(members, ["a", "b"], "{cluster}");
+    assert!(
+        cluster["members"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["live"] == true && m["remaining_ms"].as_u64().is_some()),
+        "{cluster}"
+    );
+    let partitions = cluster["partitions"].as_array().unwrap();
+    assert_eq!(partitions.len(), 8, "{cluster}");
+    for p in partitions {
+        let (owner, epoch) = epochs[&(p["partition"].as_u64().unwrap() as u32)];
+        assert_eq!(
+            (p["owner"].as_str(), p["epoch"].as_i64()),
+            (Some(owner), Some(epoch))
+        );
+    }
+    let counted: u64 = partitions
+        .iter()
+        .map(|p| p["procedures"].as_u64().unwrap())
+        .sum();
+    assert_eq!(counted, ids.len() as u64, "{cluster}");
+    assert!(
+        ["a", "b"].contains(&cluster["coordinator"].as_str().unwrap()),
+        "{cluster}"
+    );
+    let moves = cluster["recent_moves"].as_array().unwrap();
+    assert!(
+        moves.iter().filter(|m| m["reason"] == "assigned").count() >= 8,
+        "{cluster}"
+    );
+
+    a.leave().await.expect("a leaves");
+    b.leave().await.expect("b leaves");
 }

@@ -685,8 +685,22 @@ impl ClusterDb {
         Ok(RootRow::Found(Box::new(record)))
     }
 
-    /// The operator's view of the cluster; `None` if the store holds no cluster.
+    /// The operator's view of the cluster; `None` if the store holds no cluster (no
+    /// partitions, or no partitions table: a store an older proctor made, or no store).
     pub(crate) fn state(&mut self) -> Result<Option<ClusterState>, StoreError> {
+        let table = self.with(
+            |c, schema| {
+                c.query_one(
+                    "SELECT to_regclass($1)::text",
+                    &[&format!("{schema}.proctor_partitions")],
+                )
+                .map(|row| row.get::<_, Option<String>>(0))
+            },
+            "reading the cluster's partitions",
+        )?;
+        if table.is_none() {
+            return Ok(None);
+        }
         let partitions = self.partitions()?;
         if partitions.is_empty() {
             return Ok(None);
