@@ -92,11 +92,13 @@ impl<E: Send + Sync + 'static> ClusterBuilder<E> {
         self
     }
 
-    /// How many partitions the cluster has (16 by default, at most 4096): read only by
+    /// How many partitions the cluster has (8 by default, at most 4096): read only by
     /// the member that creates the cluster's tables; later members take the store's.
-    /// Each partition a member owns is an engine of its own (its actors, its threads
-    /// and its connection to the database), so a member owns about `partitions /
-    /// members` of them.
+    /// It bounds how many members share the work. Each partition a member owns is an
+    /// engine of its own (its actors, its threads, its connection to the database and
+    /// its group commit), so a member owns about `partitions / members` of them, and
+    /// the fewer it owns the larger its batches: on two cores a member of 16
+    /// partitions spends about 1.7 times the CPU per step of one of 8 (`BENCHMARKS.md`).
     #[must_use]
     pub fn partitions(mut self, partitions: u32) -> Self {
         self.partitions = partitions.clamp(1, 4096);
@@ -361,7 +363,7 @@ impl Cluster<()> {
             url: url.into(),
             name: name.into(),
             options: PgOptions::default(),
-            partitions: 16,
+            partitions: 8,
             period: Duration::from_secs(30),
             engines: None,
         }
@@ -424,7 +426,11 @@ impl<E: Send + Sync + 'static> Cluster<E> {
     ///
     /// # Errors
     /// As [`Executor::submit`]; [`Error::Registry`] if a root to forward does not
-    /// encode; [`Error::Store`] if the store cannot be reached.
+    /// encode; [`Error::Store`] if the store cannot be reached. A root submitted
+    /// without a nonce to a partition this member loses meanwhile is answered
+    /// [`Error::NotLeader`], as by a leader that stepped down (it may or may not have
+    /// been inserted); with a nonce, such a submit is forwarded to the partition's
+    /// next owner and runs once.
     pub async fn submit<P: Procedure<E>>(&self, proc: P) -> Result<ProcId, Error> {
         self.submit_routed(Box::new(proc), None).await
     }

@@ -444,30 +444,35 @@ impl<E: Send + Sync + 'static> NodeActor<E> {
         let requests = self.requests.clone();
         let routes = self.setup.routes.clone();
         actix::spawn(async move {
-            let mut answers: Vec<(Nonce, Option<Result<crate::procedure::ProcId, String>>)> =
-                Vec::with_capacity(rows.len());
-            for row in rows {
-                let Some(engine) = routes.engine(row.partition) else {
-                    answers.push((row.nonce, None));
-                    continue;
-                };
-                let proc = match registry.decode(&row.type_name, &row.state) {
-                    Ok(proc) => proc,
-                    Err(e) => {
-                        answers.push((row.nonce, Some(Err(e.to_string()))));
-                        continue;
-                    }
-                };
-                let answer = match engine.submit_boxed(proc).nonce(row.nonce).await {
-                    Ok(id) => Some(Ok(id)),
-                    // Its engine is going, or full: the next owner (or a later poll) takes it.
-                    Err(Error::NotLeader { .. } | Error::Stopped | Error::Overloaded { .. }) => {
-                        None
-                    }
-                    Err(e) => Some(Err(e.to_string())),
-                };
-                answers.push((row.nonce, answer));
-            }
+            // Each submit waits for its insert's commit: all of them at once, so they
+            // share group commits.
+            let submits = rows.into_iter().map(|row| {
+                let engine = routes.engine(row.partition);
+                let proc = registry.decode(&row.type_name, &row.state);
+                async move {
+                    let answer = match (engine, proc) {
+                        // Not this member's any more: left for the next owner.
+                        (None, _) => None,
+                        (Some(_), Err(e)) => Some(Err(e.to_string())),
+                        (Some(engine), Ok(proc)) => {
+                            match engine.submit_boxed(proc).nonce(row.nonce).await {
+                                Ok(id) => Some(Ok(id)),
+                                // Its engine is going, or full: the next owner (or a
+                                // later poll) takes it.
+                                Err(
+                                    Error::NotLeader { .. }
+                                    | Error::Stopped
+                                    | Error::Overloaded { .. },
+                                ) => None,
+                                Err(e) => Some(Err(e.to_string())),
+                            }
+                        }
+                    };
+                    (row.nonce, answer)
+                }
+            });
+            let answers: Vec<(Nonce, Option<Result<crate::procedure::ProcId, String>>)> =
+                futures_util::future::join_all(submits).await;
             let _ = requests.send(Request::Answer(answers));
         });
     }

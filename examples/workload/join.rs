@@ -11,7 +11,8 @@
 //! ledger's effects all or none per root, its tokens in order per partition, and no
 //! two trees inside one resource at once. Its JSON line adds `member`, `partitions`,
 //! `partitions_moved` (changes of owner between members in the cluster's history),
-//! `lock_conflicts` and `violations`.
+//! `ledger_refusals` (late changes the ledger refused), `lock_conflicts` and
+//! `violations`.
 
 use std::cell::RefCell;
 use std::process::ExitCode;
@@ -126,7 +127,13 @@ pub async fn run(args: &Args, env: Arc<Env>) -> Result<ExitCode, Box<dyn std::er
     }
     let state = cluster.state().await?;
     cluster.leave().await?;
-    let mut lock_conflicts = env.lock_conflicts.load(Ordering::Relaxed);
+    // In-process detection counts a tree that moved to another member as still
+    // inside its resource here: the ledger's spans, across processes, replace it.
+    let mut lock_conflicts = if env.ledger.is_some() {
+        0
+    } else {
+        env.lock_conflicts.load(Ordering::Relaxed)
+    };
     if args.verify {
         let (violations, conflicts) = verify(&url, &options, &env).await?;
         tally.violations.extend(violations);
@@ -157,6 +164,11 @@ pub async fn run(args: &Args, env: Arc<Env>) -> Result<ExitCode, Box<dyn std::er
         "p99_ms": round3(ms(0.99)),
         "peak_rss_mb": round3(rss::peak_rss_mb()),
         "partitions_moved": state.moves,
+        // Changes the ledger refused as late (a member's after its partition moved).
+        "ledger_refusals": match &env.ledger {
+            Some(ledger) => ledger.refusals()?,
+            None => 0,
+        },
         "lock_conflicts": lock_conflicts,
         "violations": tally.violations.len(),
     });

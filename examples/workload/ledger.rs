@@ -27,7 +27,8 @@
 //! stopped past its lease and continued) cannot act after its successor did. The
 //! check and the append are one step across processes: both happen under an exclusive
 //! lock on the ledger file, with the highest token kept in `<ledger>.fence`. A ledger
-//! opened with [`Ledger::open_unfenced`] stands for the resources that do not check
+//! A change it refuses is kept as `! LINE` ([`Ledger::refusals`] counts them).
+//! A ledger opened with [`Ledger::open_unfenced`] stands for the resources that do not check
 //! tokens (most do not): it records each change's token but refuses none, so a late
 //! effect of a deposed leader lands, and [`Ledger::fence_violations`] counts it. In a
 //! cluster the fence file keeps the highest token per partition (8 bytes each, the
@@ -141,6 +142,8 @@ impl Ledger {
                 i64::MIN
             };
             if token < highest && self.fenced {
+                // Kept as a refusal (`! LINE`): how many late changes were tried.
+                (&*file).write_all(format!("! {line}").as_bytes())?;
                 return Err(std::io::Error::other(format!(
                     "fenced: token {token} is older than {highest}, which the ledger has taken"
                 )));
@@ -157,6 +160,16 @@ impl Ledger {
     /// Records that root `root` was acknowledged to its submitter (`a ROOT`).
     pub fn acknowledged(&self, root: u64) -> std::io::Result<()> {
         self.write(format!("a {root}"), None, None)
+    }
+
+    /// How many changes the ledger refused as late (a token older than one taken).
+    pub fn refusals(&self) -> std::io::Result<usize> {
+        let reader = BufReader::new(File::open(&self.path)?);
+        let mut refused = 0;
+        for line in reader.lines() {
+            refused += usize::from(line?.starts_with("! "));
+        }
+        Ok(refused)
     }
 
     /// Every root acknowledged to a submitter.
@@ -313,9 +326,9 @@ impl Ledger {
         let reader = BufReader::new(File::open(&self.path)?);
         for (n, line) in reader.lines().enumerate() {
             let line = line?;
-            // A remote target's application (see `applied`) or an acknowledgement, not
-            // an effect.
-            if line.starts_with("= ") || line.starts_with("a ") {
+            // A remote target's application (see `applied`), an acknowledgement or a
+            // refused change, not an effect.
+            if line.starts_with("= ") || line.starts_with("a ") || line.starts_with("! ") {
                 continue;
             }
             let bad = || self.bad_line(n, &line);

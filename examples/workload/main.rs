@@ -113,7 +113,7 @@ struct Args {
     #[arg(long)]
     join: bool,
     /// With `--join`: the cluster's partitions, if this member creates it.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 8)]
     partitions: u32,
     /// With `--store postgres`: the leader lease's period, in ms (with `--join`: the
     /// membership's).
