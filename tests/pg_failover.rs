@@ -316,11 +316,14 @@ async fn steps_down_and_exits(child: &mut Child) {
 
 /// Waits until `ledger` holds a change made under fencing token `token`.
 async fn first_change_under(ledger: &Path, token: i64) {
-    let mark = format!(" @{token}");
+    let mark = format!("@{token}");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let text = std::fs::read_to_string(ledger).unwrap_or_default();
-        if text.lines().any(|line| line.ends_with(&mark)) {
+        if text
+            .lines()
+            .any(|line| line.split(' ').any(|part| part == mark))
+        {
             return;
         }
         assert!(Instant::now() < deadline, "no change under token {token}");

@@ -426,11 +426,9 @@ impl<E: Send + Sync + 'static> Cluster<E> {
     ///
     /// # Errors
     /// As [`Executor::submit`]; [`Error::Registry`] if a root to forward does not
-    /// encode; [`Error::Store`] if the store cannot be reached. A root submitted
-    /// without a nonce to a partition this member loses meanwhile is answered
-    /// [`Error::NotLeader`], as by a leader that stepped down (it may or may not have
-    /// been inserted); with a nonce, such a submit is forwarded to the partition's
-    /// next owner and runs once.
+    /// encode; [`Error::Store`] if the store cannot be reached. Never
+    /// [`Error::NotLeader`]: a submit that meets its partition leaving this member is
+    /// forwarded to the partition's next owner, under a nonce that makes it run once.
     pub async fn submit<P: Procedure<E>>(&self, proc: P) -> Result<ProcId, Error> {
         self.submit_routed(Box::new(proc), None).await
     }
@@ -476,17 +474,15 @@ impl<E: Send + Sync + 'static> Cluster<E> {
             Some(p) => self.inner.routes.engine(p).map(|e| (p, e)),
             None => self.inner.routes.any_local(),
         };
-        if let Some((_, engine)) = local {
-            let Some(nonce) = nonce else {
-                return engine.submit_boxed(proc).await;
-            };
-            // The partition may go meanwhile: then the engine refuses, and the root is
-            // forwarded like any other (its nonce keeps it from running twice).
+        if let Some((p, engine)) = local {
+            // Every root goes in under a nonce (the caller's, or one of the member's
+            // own), so a submit that meets its partition leaving is forwarded to the
+            // partition's next owner, where the nonce finds it if it went in.
+            let nonce = nonce.unwrap_or_else(|| self.inner.nonces.next());
             let (name, bytes) = self.inner.registry.encode(&*proc)?;
             return match engine.submit_boxed(proc).nonce(nonce).await {
                 Err(Error::NotLeader { .. } | Error::Stopped) => {
-                    self.forward(name, bytes, partition.unwrap_or(0), Some(nonce))
-                        .await
+                    self.forward(name, bytes, p, Some(nonce)).await
                 }
                 other => other,
             };

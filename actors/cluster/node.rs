@@ -197,7 +197,7 @@ impl<E: Send + Sync + 'static> NodeActor<E> {
             return;
         }
         tracing::error!(target: crate::targets::EXECUTOR, member = %self.setup.name, reason = %loss.reason, "lost the cluster membership: stopping every partition's engine");
-        self.member = None;
+        self.end_membership();
         let partitions: Vec<u32> = self.slots.keys().copied().collect();
         for partition in partitions {
             self.lose(partition, &loss.reason, ctx);
@@ -232,6 +232,14 @@ impl<E: Send + Sync + 'static> NodeActor<E> {
             }
         };
         self.coordinator = Some(ctx.spawn(actix::fut::wrap_future(coordinate)));
+    }
+
+    /// Drops the membership: its thread is stopped and joined (and the membership let
+    /// go) on a blocking thread, not this one, which the member's engines share.
+    fn end_membership(&mut self) {
+        if let Some(member) = self.member.take() {
+            tokio::task::spawn_blocking(move || drop(member));
+        }
     }
 
     fn member_epoch(&self) -> Option<i64> {
@@ -533,7 +541,7 @@ impl<E: Send + Sync + 'static> Handler<Leave> for NodeActor<E> {
         Box::pin(Self::until_stopped(self).map(
             |(), act: &mut Self, ctx: &mut Context<Self>| {
                 tracing::info!(target: crate::targets::EXECUTOR, member = %act.setup.name, "left the cluster");
-                act.member = None;
+                act.end_membership();
                 act.shared.stop();
                 ctx.stop();
             },
