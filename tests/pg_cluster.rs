@@ -209,3 +209,23 @@ async fn a_member_that_leaves_gives_its_roots_to_the_others() {
     }
     b.leave().await.expect("left");
 }
+
+/// A member started from a plain tokio runtime runs in an actix system of its own,
+/// which leaving ends.
+#[tokio::test]
+async fn a_member_starts_outside_actix_and_leaving_ends_its_system() {
+    let schema = common::pg::fresh_schema();
+    let calls = Arc::new(Calls::default());
+    let a = member(&schema, "a", &calls).await;
+    tokio::time::timeout(Duration::from_secs(10), a.wait_owning())
+        .await
+        .expect("owns within 10 s")
+        .expect("owns");
+    let id = a.submit(root(None, 0)).await.expect("submitted");
+    a.wait(id).await.expect("waited").expect("succeeded");
+    a.leave().await.expect("left");
+    assert!(matches!(
+        a.submit(root(None, 0)).await,
+        Err(proctor::Error::Stopped)
+    ));
+}

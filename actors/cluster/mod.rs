@@ -126,16 +126,42 @@ impl<E: Send + Sync + 'static> ClusterBuilder<E> {
     }
 
     /// Makes the cluster's tables if missing (with [`partitions`](Self::partitions)
-    /// partitions), joins it and starts the member's actor in the current actix system
-    /// (call it from inside one: under `#[actix::main]`, in an actor). The member takes
-    /// partitions as the coordinator assigns them; [`Cluster::wait_owning`] waits for
-    /// the first.
+    /// partitions), joins it and starts the member. The member takes partitions as the
+    /// coordinator assigns them; [`Cluster::wait_owning`] waits for the first.
+    ///
+    /// Works from any async context, as [`ExecutorBuilder::start`] does: inside an
+    /// actix system the member and its engines join it; anywhere else (a plain tokio
+    /// runtime) they run in an actix system of their own on a thread the member owns,
+    /// which [`Cluster::leave`] ends.
     ///
     /// # Errors
-    /// [`Error::Config`] without [`engines`](Self::engines) or outside an actix system;
-    /// [`Error::Store`] if the database cannot be reached or the schema holds a single
-    /// engine's store.
+    /// [`Error::Config`] without [`engines`](Self::engines), or when its thread cannot
+    /// start; [`Error::Store`] if the database cannot be reached or the schema holds a
+    /// single engine's store.
     pub async fn start(self) -> Result<Cluster<E>, Error> {
+        if actix::Arbiter::try_current().is_some() {
+            return self.start_here(false).await;
+        }
+        let (started, answer) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("proctor-member".into())
+            .spawn(move || {
+                let system = actix::System::new();
+                let result = system.block_on(self.start_here(true));
+                let ok = result.is_ok();
+                if started.send(result).is_ok() && ok {
+                    let _ = system.run();
+                }
+            })
+            .map_err(|e| Error::Config(format!("cannot start the member's system thread: {e}")))?;
+        answer.await.map_err(|_| {
+            Error::Internal("the member's system thread ended while starting".into())
+        })?
+    }
+
+    /// Starts the member in the current actix system; `owned`: the system is the
+    /// member's own, stopped when it leaves.
+    async fn start_here(self, owned: bool) -> Result<Cluster<E>, Error> {
         let engines = self.engines.clone().ok_or_else(|| {
             Error::Config(
                 "a cluster member needs its engines: give the builder .engines(|| \
@@ -143,11 +169,6 @@ impl<E: Send + Sync + 'static> ClusterBuilder<E> {
                     .into(),
             )
         })?;
-        if actix::Arbiter::try_current().is_none() {
-            return Err(Error::Config(
-                "start a cluster member from inside an actix system (#[actix::main])".into(),
-            ));
-        }
         let registry = Arc::new(engines().into_registry());
         let (url, options, wanted) = (self.url.clone(), self.options.clone(), self.partitions);
         let (db, partitions) = tokio::task::spawn_blocking(move || {
@@ -170,7 +191,7 @@ impl<E: Send + Sync + 'static> ClusterBuilder<E> {
             registry: registry.clone(),
             routes: routes.clone(),
         };
-        let (addr, requests) = node::NodeActor::start_with(setup, db, shared.clone())?;
+        let (addr, requests) = node::NodeActor::start_with(setup, db, shared.clone(), owned)?;
         Ok(Cluster {
             inner: Arc::new(Inner {
                 name: self.name,

@@ -76,6 +76,8 @@ pub struct NodeActor<E: Send + Sync + 'static> {
     leaving: bool,
     coordinator: Option<SpawnHandle>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// The actix system is the member's own: stopped when the member stops.
+    owned_system: bool,
 }
 
 impl<E: Send + Sync + 'static> std::fmt::Debug for NodeActor<E> {
@@ -103,6 +105,9 @@ impl<E: Send + Sync + 'static> Actor for NodeActor<E> {
             // system's thread, which the DB thread's last send may wait on).
             drop(thread);
         }
+        if self.owned_system {
+            System::current().stop();
+        }
     }
 }
 
@@ -112,6 +117,7 @@ impl<E: Send + Sync + 'static> NodeActor<E> {
         setup: Setup<E>,
         db: ClusterDb,
         shared: Arc<Shared>,
+        owned_system: bool,
     ) -> Result<(Addr<Self>, mpsc::Sender<Request>), Error> {
         let (requests, inbox) = mpsc::channel();
         let tick = (setup.period / 6).clamp(Duration::from_millis(50), Duration::from_secs(1));
@@ -140,6 +146,7 @@ impl<E: Send + Sync + 'static> NodeActor<E> {
                 leaving: false,
                 coordinator: None,
                 thread,
+                owned_system,
             }
         });
         if let Some(e) = spawn_error {

@@ -12,7 +12,8 @@
 //!   own a root's partition writes the root here; the owner submits it and writes back
 //!   its id.
 //! - `proctor_procs.part`: the partition of each procedure's row (`NULL` in a store of
-//!   one engine).
+//!   one engine); a partition's batch statement is the whole store's (`write_sql`
+//!   there), fenced with the partition's row.
 //!
 //! Every statement that changes ownership is checked by the database against the
 //! database's clock: a partition leaves a member only when that member's membership
@@ -67,39 +68,6 @@ pub(super) fn schema_sql(schema: &str) -> String {
              error text,
              PRIMARY KEY (nonce_group, nonce)
          );"
-    )
-}
-
-/// A partition's batch: as the whole store's (see `write_sql` there), fenced with the
-/// partition's epoch (`$9`) instead of the lease's, its rows marked with the partition
-/// (`$11`), and its bookkeeping in the partition's row.
-pub(super) fn write_sql(schema: &str) -> String {
-    format!(
-        "WITH fence AS (
-             SELECT epoch FROM {schema}.proctor_partitions
-             WHERE part = $11 AND epoch = $9
-             FOR SHARE
-         ),
-         up AS (
-             INSERT INTO {schema}.proctor_procs
-                 (id, root, parent, type_name, state, updated_ms, record, part)
-             SELECT u.*, $11 FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[], $4::text[],
-                                  $5::text[], $6::bigint[], $7::bytea[]) AS u
-             WHERE EXISTS (SELECT 1 FROM fence)
-             ON CONFLICT (id) DO UPDATE SET
-                 root = EXCLUDED.root, parent = EXCLUDED.parent,
-                 type_name = EXCLUDED.type_name, state = EXCLUDED.state,
-                 updated_ms = EXCLUDED.updated_ms, record = EXCLUDED.record
-             RETURNING 1
-         ),
-         del AS (
-             DELETE FROM {schema}.proctor_procs
-             WHERE id = ANY($8::bigint[]) AND EXISTS (SELECT 1 FROM fence)
-             RETURNING 1
-         )
-         UPDATE {schema}.proctor_partitions
-         SET max_id = GREATEST(max_id, $10), drained = false, cut_off = '{{}}'
-         WHERE part = $11 AND EXISTS (SELECT 1 FROM fence)"
     )
 }
 

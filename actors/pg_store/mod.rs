@@ -798,22 +798,48 @@ fn check_fence(
 /// row returns. An unfenced store (`$9` null: an engine without the lease) writes only
 /// while no engine holds a live lease, so it never writes beside a leader.
 fn write_sql(schema: &str, scope: Scope) -> String {
-    if scope != Scope::Whole {
-        return cluster::write_sql(schema);
-    }
+    // A partition's batch (see `cluster.rs`): fenced with the partition's epoch, its
+    // rows marked with the partition (`$11`), its bookkeeping in the partition's row.
+    let (fence, part_column, part_value, bookkeeping) = match scope {
+        Scope::Part(_) => (
+            format!(
+                "SELECT epoch FROM {schema}.proctor_partitions
+                 WHERE part = $11 AND epoch = $9"
+            ),
+            ", part",
+            ", $11",
+            format!(
+                "{schema}.proctor_partitions
+                 SET max_id = GREATEST(max_id, $10), drained = false, cut_off = '{{}}'
+                 WHERE part = $11"
+            ),
+        ),
+        Scope::Whole | Scope::Everything => (
+            format!(
+                "SELECT epoch FROM {schema}.proctor_lease
+                 WHERE id = 1 AND CASE WHEN $9::bigint IS NULL
+                                       THEN expires_at IS NULL OR expires_at <= now()
+                                       ELSE epoch = $9 END"
+            ),
+            "",
+            "",
+            format!(
+                "{schema}.proctor_meta
+                 SET max_id = GREATEST(max_id, $10), drained = false, cut_off = '{{}}'
+                 WHERE id = 1"
+            ),
+        ),
+    };
     format!(
         "WITH fence AS (
-             SELECT epoch FROM {schema}.proctor_lease
-             WHERE id = 1 AND CASE WHEN $9::bigint IS NULL
-                                   THEN expires_at IS NULL OR expires_at <= now()
-                                   ELSE epoch = $9 END
+             {fence}
              FOR SHARE
          ),
          up AS (
              INSERT INTO {schema}.proctor_procs
-                 (id, root, parent, type_name, state, updated_ms, record)
-             SELECT * FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[], $4::text[],
-                                  $5::text[], $6::bigint[], $7::bytea[])
+                 (id, root, parent, type_name, state, updated_ms, record{part_column})
+             SELECT u.*{part_value} FROM UNNEST($1::bigint[], $2::bigint[], $3::bigint[],
+                                  $4::text[], $5::text[], $6::bigint[], $7::bytea[]) AS u
              WHERE EXISTS (SELECT 1 FROM fence)
              ON CONFLICT (id) DO UPDATE SET
                  root = EXCLUDED.root, parent = EXCLUDED.parent,
@@ -826,9 +852,8 @@ fn write_sql(schema: &str, scope: Scope) -> String {
              WHERE id = ANY($8::bigint[]) AND EXISTS (SELECT 1 FROM fence)
              RETURNING 1
          )
-         UPDATE {schema}.proctor_meta
-         SET max_id = GREATEST(max_id, $10), drained = false, cut_off = '{{}}'
-         WHERE id = 1 AND EXISTS (SELECT 1 FROM fence)"
+         UPDATE {bookkeeping}
+             AND EXISTS (SELECT 1 FROM fence)"
     )
 }
 
