@@ -123,6 +123,11 @@ where
         Vec::new()
     }
 
+    /// See [`Procedure::affinity`]: by default the resource of its first lock.
+    fn affinity(&self) -> Option<String> {
+        self.locks().into_iter().next().map(|lock| lock.resource)
+    }
+
     /// See [`Procedure::holds_lock`].
     fn holds_lock(&self) -> bool {
         false
@@ -1211,6 +1216,10 @@ where
 
     fn locks(&self) -> Vec<Lock> {
         self.saga.locks()
+    }
+
+    fn affinity(&self) -> Option<String> {
+        self.saga.affinity()
     }
 
     fn holds_lock(&self) -> bool {

@@ -96,6 +96,11 @@ where
         Vec::new()
     }
 
+    /// See [`Procedure::affinity`]: by default the resource of its first lock.
+    fn affinity(&self) -> Option<String> {
+        self.locks().into_iter().next().map(|lock| lock.resource)
+    }
+
     /// See [`Procedure::acquire_lock`].
     fn acquire_lock(&mut self, _ctx: &Context<E>) -> LockState {
         LockState::Acquired
@@ -409,6 +414,10 @@ where
 
     fn locks(&self) -> Vec<Lock> {
         self.machine.locks()
+    }
+
+    fn affinity(&self) -> Option<String> {
+        self.machine.affinity()
     }
 
     fn acquire_lock(&mut self, ctx: &Context<E>) -> LockState {
@@ -752,6 +761,50 @@ mod tests {
                 rmp_serde::to_vec(&Runs(history)).unwrap(),
                 rmp_serde::to_vec(&pairs).unwrap()
             );
+        }
+    }
+
+    /// A machine's key reaches its wrapper: declared, or its first lock's resource.
+    #[test]
+    fn the_wrapper_gives_the_machines_affinity() {
+        #[derive(Serialize, Deserialize)]
+        struct Keyed(Option<String>);
+        #[async_trait]
+        impl StateMachineProcedure for Keyed {
+            type State = S;
+            fn initial_state(&self) -> S {
+                S::A
+            }
+            async fn execute_from_state(
+                &mut self,
+                _ctx: &mut StateContext<'_, S>,
+                _state: S,
+            ) -> Result<Flow, ProcError> {
+                Ok(Flow::Done)
+            }
+            async fn rollback_state(
+                &mut self,
+                _ctx: &mut Context,
+                _state: S,
+            ) -> Result<(), ProcError> {
+                Ok(())
+            }
+            fn locks(&self) -> Vec<Lock> {
+                vec![Lock::exclusive("table/t1/region/3")]
+            }
+            fn affinity(&self) -> Option<String> {
+                self.0
+                    .clone()
+                    .or_else(|| self.locks().into_iter().next().map(|lock| lock.resource))
+            }
+        }
+        let cases = [
+            (Some("table/t1"), Some("table/t1")),
+            (None, Some("table/t1/region/3")),
+        ];
+        for (key, expected) in cases {
+            let proc: &dyn Procedure = &StateMachine::new(Keyed(key.map(str::to_string)));
+            assert_eq!(proc.affinity().as_deref(), expected, "{key:?}");
         }
     }
 }
