@@ -623,7 +623,10 @@ impl<E: Send + Sync + 'static> Cluster<E> {
 
     /// Leaves the cluster: stops the engine of each partition it runs (a graceful
     /// shutdown), gives the partitions back for the coordinator to assign at once,
-    /// and ends the membership and the coordination.
+    /// and ends the membership and the coordination (and the member's own actix
+    /// system, if it started one). Dropping the last handle does not leave: the member
+    /// runs on until its process ends, and its partitions move only once its
+    /// membership expires.
     ///
     /// # Errors
     /// [`Error::Stopped`] if it had already left.
