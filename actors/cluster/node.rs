@@ -350,8 +350,7 @@ impl<E: Send + Sync + 'static> NodeActor<E> {
                 Ok(engine) => {
                     let current = matches!(act.slots.get(&p), Some(Slot::Starting { epoch: e }) if *e == epoch);
                     if current && act.member.is_some() && !act.leaving {
-                        act.setup.routes.set(p, Some(engine.clone()));
-                        act.shared.set_local(act.setup.routes.local());
+                        act.route(p, Some(engine.clone()));
                         act.slots.insert(
                             p,
                             Slot::Running {
@@ -387,6 +386,13 @@ impl<E: Send + Sync + 'static> NodeActor<E> {
         ));
     }
 
+    /// Submits to partition `p` go to `engine` (or, with none, are forwarded); the
+    /// member's thread takes forwarded roots for the partitions with an engine.
+    fn route(&mut self, p: u32, engine: Option<Executor<E>>) {
+        self.setup.routes.set(p, engine);
+        self.shared.set_local(self.setup.routes.local());
+    }
+
     /// Partition `p` is gone: its engine steps down and stops.
     fn lose(&mut self, p: u32, reason: &str, ctx: &mut Context<Self>) {
         let Some(Slot::Running { engine, lost, .. }) = self.slots.remove(&p) else {
@@ -397,8 +403,7 @@ impl<E: Send + Sync + 'static> NodeActor<E> {
             reason: reason.to_string(),
             taker: None,
         }));
-        self.setup.routes.set(p, None);
-        self.shared.set_local(self.setup.routes.local());
+        self.route(p, None);
         self.slots.insert(p, Slot::Stopping);
         ctx.spawn(
             actix::fut::wrap_future(async move {
@@ -423,8 +428,7 @@ impl<E: Send + Sync + 'static> NodeActor<E> {
             return None;
         };
         tracing::info!(target: crate::targets::EXECUTOR, member = %self.setup.name, partition = p, epoch, leaving, "handing a partition off");
-        self.setup.routes.set(p, None);
-        self.shared.set_local(self.setup.routes.local());
+        self.route(p, None);
         self.slots.insert(p, Slot::Stopping);
         let requests = self.requests.clone();
         let member = self.setup.name.clone();
